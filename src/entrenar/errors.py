@@ -1,0 +1,36 @@
+"""One error hierarchy for everything a user can get wrong.
+
+Every error carries a message that names what was wrong and where (file, line,
+key, tensor). The CLI prints ``str(error)`` and exits non-zero; a traceback is
+shown only with ``--debug``.
+"""
+
+from __future__ import annotations
+
+
+class EntrenarError(Exception):
+    """Base of all errors that are the user's input, not a bug."""
+
+
+class ConfigError(EntrenarError):
+    """A recipe or override is missing, malformed, or names an unknown key."""
+
+
+class DataError(EntrenarError):
+    """A data file is missing, empty, or has a malformed record."""
+
+
+class ModelError(EntrenarError):
+    """A model folder/file cannot be loaded: unknown family, missing or mismatched tensors."""
+
+
+class AdapterError(EntrenarError):
+    """A LoRA adapter is malformed or does not fit the model."""
+
+
+class CheckpointError(EntrenarError):
+    """A training checkpoint is missing, incomplete, or does not match the run."""
+
+
+class QuantError(EntrenarError):
+    """A quantization setting or quantized file is invalid."""
