@@ -1,0 +1,81 @@
+"""entrenar: fine-tune transformer language models.
+
+    model, tokenizer = entrenar.load("path/to/hf-folder-or-model.gguf")
+    logits = model(input_ids)          # [batch, seq, vocab]
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from entrenar.errors import EntrenarError
+
+if TYPE_CHECKING:
+    import torch
+
+    from entrenar.models.transformer import Transformer
+    from entrenar.tokenizer import Tokenizer
+
+__version__ = "0.1.0"
+__all__ = ["load", "EntrenarError", "__version__"]
+
+_DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16"}
+
+
+def resolve_dtype(dtype: "str | torch.dtype | None", device: "str | torch.device") -> "torch.dtype":
+    """None/'auto' means bf16 on a CUDA device that supports it, else fp32."""
+    import torch
+
+    from entrenar.errors import ConfigError
+
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype in (None, "auto"):
+        on_cuda = torch.device(device).type == "cuda"
+        return torch.bfloat16 if on_cuda and torch.cuda.is_bf16_supported() else torch.float32
+    if dtype not in _DTYPES:
+        raise ConfigError(f"unknown dtype '{dtype}' (allowed: auto, float32, bfloat16, float16)")
+    return getattr(torch, _DTYPES[dtype])
+
+
+def resolve_device(device: "str | torch.device | None") -> "torch.device":
+    import torch
+
+    if device in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def load(
+    path: str | Path,
+    adapter: str | Path | None = None,
+    dtype: "str | torch.dtype | None" = None,
+    device: "str | torch.device | None" = None,
+) -> "tuple[Transformer, Tokenizer]":
+    """Load a model and its tokenizer from a Hugging Face folder or a GGUF file.
+
+    `adapter` is a PEFT-format LoRA adapter folder applied on top. The model is
+    returned in eval mode; call `.train()` to fine-tune it.
+    """
+    from entrenar.errors import ModelError
+    from entrenar.models.hf import load_hf
+    from entrenar.tokenizer import Tokenizer
+
+    path = Path(path)
+    device = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, device)
+    if path.suffix == ".gguf":
+        from entrenar.models.gguf import load_gguf
+
+        model, tokenizer = load_gguf(path, dtype=torch_dtype, device=device)
+    elif path.is_dir():
+        model = load_hf(path, dtype=torch_dtype, device=device)
+        tokenizer = Tokenizer.from_folder(path)
+    else:
+        raise ModelError(f"{path}: not a model folder or .gguf file")
+    if adapter is not None:
+        from entrenar.lora import load_adapter
+
+        load_adapter(model, adapter)
+    return model.eval(), tokenizer

@@ -1,0 +1,176 @@
+"""Hugging Face checkpoint folders: config.json + safetensors (sharded or not)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from entrenar.errors import ModelError
+from entrenar.models.config import ModelConfig, rope_inv_freq
+from entrenar.models.transformer import Transformer
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+
+
+def read_config(folder: str | Path) -> ModelConfig:
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        raise ModelError(f"{folder}: not a Hugging Face model folder (no config.json)")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ModelError(f"{path} line {e.lineno}: invalid JSON: {e.msg}") from None
+    return ModelConfig.from_hf(data, source=str(path))
+
+
+def weight_files(folder: str | Path) -> list[Path]:
+    """The safetensors files of a folder, from its index when sharded."""
+    folder = Path(folder)
+    index = folder / INDEX_NAME
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise ModelError(f"{index}: malformed index ({e})") from None
+        files = [folder / name for name in dict.fromkeys(weight_map.values())]
+    elif (folder / SINGLE_NAME).is_file():
+        files = [folder / SINGLE_NAME]
+    else:
+        files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ModelError(f"{folder}: no safetensors weights found (pytorch_model.bin is not loaded: it is a pickle)")
+    for f in files:
+        if not f.is_file():
+            raise ModelError(f"{folder}: weight file {f.name} named in {INDEX_NAME} is missing")
+    return files
+
+
+def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, str, torch.Tensor]]:
+    """Yield (file name, tensor name, tensor) one tensor at a time, so memory stays at one tensor."""
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as reader:
+                for name in reader.keys():
+                    yield f.name, name, reader.get_tensor(name)
+        except ModelError:
+            raise
+        except Exception as e:  # safetensors raises its own error types for corrupt headers
+            raise ModelError(f"{f}: cannot read safetensors file ({e})") from None
+
+
+def load_state_into(model: torch.nn.Module, tensors: Iterator[tuple[str, str, torch.Tensor]], source: str) -> None:
+    """Copy named tensors into a model's parameters, checking names and shapes.
+
+    Every parameter must be given exactly once (a tied lm_head may be absent);
+    extra tensors are an error, since they mean the checkpoint is not this model.
+    """
+    params = dict(model.named_parameters(remove_duplicate=False))
+    tied = {n for n, p in params.items() if any(p is q for m, q in params.items() if m != n)}
+    seen: set[str] = set()
+    for file_name, name, tensor in tensors:
+        if name not in params:
+            if name.endswith("rotary_emb.inv_freq"):
+                continue  # older checkpoints store RoPE buffers; we compute them
+            raise ModelError(f"{source}/{file_name}: tensor '{name}' does not belong to a {model.config.model_type} model of this shape")
+        target = params[name]
+        if tuple(tensor.shape) != tuple(target.shape):
+            raise ModelError(
+                f"{source}/{file_name}: tensor '{name}' has shape {tuple(tensor.shape)}, the model expects {tuple(target.shape)}"
+            )
+        with torch.no_grad():
+            target.copy_(tensor)
+        seen.add(name)
+    missing = [n for n in params if n not in seen and not (n in tied and any(t in seen for t in tied))]
+    if missing:
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        raise ModelError(f"{source}: missing tensors {', '.join(missing[:5])}{more}")
+
+
+def empty_model(config: ModelConfig, dtype: torch.dtype, device: str | torch.device) -> Transformer:
+    """A model with allocated but uninitialised weights (no wasted random init for big models)."""
+    with torch.device("meta"):
+        model = Transformer(config)
+    model = model.to_empty(device=device).to(dtype)
+    if config.tie_word_embeddings:  # leaving the meta device makes new Parameters, so re-tie
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.inv_freq = rope_inv_freq(config).to(device)  # kept in fp32 whatever the weights' dtype
+    return model
+
+
+def load_hf(folder: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> Transformer:
+    """Load a Hugging Face checkpoint folder into a native model."""
+    folder = Path(folder)
+    if not folder.exists():
+        raise ModelError(f"{folder}: no such model folder")
+    config = read_config(folder)
+    model = empty_model(config, dtype, device)
+    load_state_into(model, iter_safetensors(weight_files(folder)), str(folder))
+    return model
+
+
+def _shards(state: dict[str, torch.Tensor], max_shard_bytes: int) -> list[dict[str, torch.Tensor]]:
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, tensor in state.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor
+        size += nbytes
+    return shards
+
+
+def save_hf(
+    model: Transformer,
+    folder: str | Path,
+    max_shard_bytes: int = 5 * 2**30,
+    extra_files: dict[str, str] | None = None,
+) -> Path:
+    """Write a folder that transformers' from_pretrained loads back.
+
+    The folder is written beside the target and renamed into place, so an
+    interrupted save never leaves a half-written model where a good one was.
+    """
+    folder = Path(folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    state = {n: t.detach().contiguous().cpu() for n, t in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+    try:
+        (tmp / "config.json").write_text(json.dumps(model.config.to_hf(), indent=2) + "\n")
+        shards = _shards(state, max_shard_bytes)
+        if len(shards) == 1:
+            save_file(shards[0], str(tmp / SINGLE_NAME), metadata={"format": "pt"})
+        else:
+            weight_map = {}
+            for i, shard in enumerate(shards, 1):
+                name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+                save_file(shard, str(tmp / name), metadata={"format": "pt"})
+                weight_map.update(dict.fromkeys(shard, name))
+            total = sum(t.numel() * t.element_size() for t in state.values())
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+        for name, text in (extra_files or {}).items():
+            (tmp / name).write_text(text)
+        old = None
+        if folder.exists():
+            old = folder.with_name(f".{folder.name}.old-{os.getpid()}")
+            os.replace(folder, old)
+        os.replace(tmp, folder)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return folder

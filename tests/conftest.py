@@ -1,0 +1,58 @@
+"""Shared fixtures: tiny random Hugging Face models, built here (no hub access)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
+
+# family name -> (config class name, model class name, extra config kwargs)
+FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "llama3-scaled-tied-bias": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        dict(
+            tie_word_embeddings=True,
+            attention_bias=True,
+            mlp_bias=True,
+            max_position_embeddings=512,
+            rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                          "original_max_position_embeddings": 64},
+            rope_theta=500000.0,
+        ),
+    ),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=16)),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32)),
+}
+
+
+def make_hf_model(family: str, seed: int = 0, **overrides):
+    """A tiny random transformers model of the given family, in fp32 eval mode."""
+    import transformers
+
+    config_cls, model_cls, extra = FAMILIES[family]
+    torch.manual_seed(seed)
+    config = getattr(transformers, config_cls)(**{**TINY, **extra, **overrides})
+    model = getattr(transformers, model_cls)(config).eval()
+    # Norm weights start at 1 and biases at 0; randomise them so parity tests can see a mix-up.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith(".bias"):
+                p.add_(torch.randn_like(p) * 0.1)
+    return model
+
+
+@pytest.fixture
+def hf_folder(tmp_path):
+    """Save a tiny transformers model of a family to a folder; returns (folder, hf_model)."""
+
+    def build(family: str = "llama", **overrides):
+        model = make_hf_model(family, **overrides)
+        folder = tmp_path / family
+        model.save_pretrained(folder)
+        return folder, model
+
+    return build

@@ -1,0 +1,95 @@
+"""Hugging Face folders: load (single and sharded), save back for transformers, errors that name the tensor."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from entrenar.errors import ModelError
+from entrenar.models.config import ModelConfig
+from entrenar.models.hf import load_hf, save_hf
+
+
+@pytest.mark.parametrize("family", ["llama3-scaled-tied-bias", "qwen2", "qwen3", "mistral"])
+def test_saved_folder_loads_in_transformers_with_same_logits(hf_folder, tmp_path, family):
+    import transformers
+
+    folder, _ = hf_folder(family)
+    model = load_hf(folder)
+    out = save_hf(model, tmp_path / "saved")
+    back = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    ids = torch.randint(0, 128, (1, 24))
+    with torch.no_grad():
+        torch.testing.assert_close(back(ids).logits, model(ids), atol=1e-5, rtol=0)
+    assert ModelConfig.from_hf(json.loads((out / "config.json").read_text())) == model.config
+
+
+def test_sharded_save_and_load_round_trip(hf_folder, tmp_path):
+    import transformers
+
+    folder, _ = hf_folder("llama")
+    model = load_hf(folder)
+    out = save_hf(model, tmp_path / "sharded", max_shard_bytes=40_000)
+    shards = sorted(out.glob("model-*.safetensors"))
+    assert len(shards) > 2 and (out / "model.safetensors.index.json").is_file()
+    again = load_hf(out)
+    for (n, a), (_, b) in zip(model.state_dict().items(), again.state_dict().items()):
+        assert torch.equal(a, b), n
+    ids = torch.randint(0, 128, (1, 8))
+    ref = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(ref(ids).logits, again(ids), atol=1e-5, rtol=0)
+
+
+def test_save_over_existing_folder_replaces_it_whole(hf_folder, tmp_path):
+    folder, _ = hf_folder("llama")
+    model = load_hf(folder)
+    target = tmp_path / "out"
+    save_hf(model, target, max_shard_bytes=40_000)
+    save_hf(model, target)  # now unsharded: no stale shards or index may remain
+    assert sorted(p.name for p in target.iterdir()) == ["config.json", "model.safetensors"]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]
+
+
+def _rewrite(folder, fn):
+    path = folder / "model.safetensors"
+    state = load_file(str(path))
+    fn(state)
+    save_file(state, str(path), metadata={"format": "pt"})
+
+
+def test_shape_mismatch_names_the_tensor(hf_folder):
+    folder, _ = hf_folder("llama")
+    _rewrite(folder, lambda s: s.__setitem__("model.layers.1.mlp.up_proj.weight", torch.zeros(3, 3)))
+    with pytest.raises(ModelError, match=r"model\.layers\.1\.mlp\.up_proj\.weight.*\(3, 3\).*\(128, 64\)"):
+        load_hf(folder)
+
+
+def test_missing_and_unexpected_tensors_are_named(hf_folder):
+    folder, _ = hf_folder("llama")
+    _rewrite(folder, lambda s: s.pop("model.layers.0.self_attn.k_proj.weight"))
+    with pytest.raises(ModelError, match=r"missing tensors model\.layers\.0\.self_attn\.k_proj\.weight"):
+        load_hf(folder)
+    _rewrite(folder, lambda s: s.__setitem__("model.layers.0.self_attn.k_proj.weight", torch.zeros(32, 64)) or s.__setitem__("vision.patch", torch.zeros(1)))
+    with pytest.raises(ModelError, match=r"'vision\.patch' does not belong"):
+        load_hf(folder)
+
+
+def test_unknown_family_and_corrupt_files(hf_folder, tmp_path):
+    folder, _ = hf_folder("llama")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "model_type": "gpt_neox", "architectures": ["GPTNeoXForCausalLM"]}))
+    with pytest.raises(ModelError, match=r"unknown model family 'gpt_neox'.*supported: llama, mistral, qwen2, qwen3"):
+        load_hf(folder)
+    (folder / "config.json").write_text("{\n  \"model_type\": \"llama\",\n  oops\n}")
+    with pytest.raises(ModelError, match=r"config\.json line 3: invalid JSON"):
+        load_hf(folder)
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not a header}")
+    with pytest.raises(ModelError, match=r"model\.safetensors: cannot read safetensors"):
+        load_hf(folder)
+    with pytest.raises(ModelError, match="no such model folder"):
+        load_hf(tmp_path / "nowhere")
