@@ -43,9 +43,29 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
     return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
 
+class KVCache:
+    """Keys and values of past positions, one entry per layer (generation only)."""
+
+    def __init__(self, num_layers: int) -> None:
+        self.keys: list[torch.Tensor | None] = [None] * num_layers
+        self.values: list[torch.Tensor | None] = [None] * num_layers
+
+    @property
+    def length(self) -> int:
+        return 0 if self.keys[0] is None else self.keys[0].shape[2]
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.keys[layer] is not None:
+            k = torch.cat([self.keys[layer], k], dim=2)
+            v = torch.cat([self.values[layer], v], dim=2)
+        self.keys[layer], self.values[layer] = k, v
+        return k, v
+
+
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
+        self.layer_idx = layer_idx
         h, d = config.hidden_size, config.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, d
         self.q_proj = nn.Linear(h, config.num_heads * d, bias=config.qkv_bias)
@@ -57,7 +77,9 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(d, config.rms_norm_eps)
         self.qk_norm = config.qk_norm
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None, cache: KVCache | None = None
+    ) -> torch.Tensor:
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
@@ -66,6 +88,8 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         q, k = apply_rope(q, k, cos.to(q.dtype), sin.to(q.dtype))
+        if cache is not None:
+            k, v = cache.update(self.layer_idx, k, v)
         groups = self.num_heads // self.num_kv_heads
         extra = {}
         if groups > 1:
@@ -92,15 +116,17 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config)
+        self.self_attn = Attention(config, layer_idx)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None, cache: KVCache | None = None
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -110,7 +136,7 @@ class Decoder(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(Block(config) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(Block(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
@@ -150,15 +176,18 @@ class Transformer(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
-    def attention_mask(self, t: int, document_ids: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
-        """Boolean mask [B or 1, 1, T, T], or None for the plain causal case (fast SDPA path)."""
+    def attention_mask(
+        self, t: int, document_ids: torch.Tensor | None, device: torch.device, past: int = 0
+    ) -> torch.Tensor | None:
+        """Boolean mask [B or 1, 1, T, past+T], or None for the plain causal case (fast SDPA path)."""
         window = self.config.sliding_window
-        if document_ids is None and (window is None or t <= window):
+        if past == 0 and document_ids is None and (window is None or t <= window):
             return None
-        pos = torch.arange(t, device=device)
-        allowed = pos[None, :] <= pos[:, None]
+        q_pos = torch.arange(past, past + t, device=device)[:, None]
+        k_pos = torch.arange(past + t, device=device)[None, :]
+        allowed = k_pos <= q_pos
         if window is not None:
-            allowed = allowed & (pos[:, None] - pos[None, :] < window)
+            allowed = allowed & (q_pos - k_pos < window)
         allowed = allowed[None]
         if document_ids is not None:
             allowed = allowed & (document_ids[:, :, None] == document_ids[:, None, :])
@@ -169,19 +198,26 @@ class Transformer(nn.Module):
         input_ids: torch.Tensor,
         position_ids: torch.Tensor | None = None,
         document_ids: torch.Tensor | None = None,
+        cache: KVCache | None = None,
     ) -> torch.Tensor:
-        """Final normed hidden states [B, T, hidden] (what the output head reads)."""
+        """Final normed hidden states [B, T, hidden] (what the output head reads).
+
+        `cache` (generation only) holds past keys/values and is extended in place.
+        """
         b, t = input_ids.shape
+        past = cache.length if cache is not None else 0
+        if cache is not None and document_ids is not None:
+            raise ValueError("document_ids (packed training batches) cannot be combined with a KV cache")
         if position_ids is None:
-            position_ids = torch.arange(t, device=input_ids.device).expand(b, t)
+            position_ids = torch.arange(past, past + t, device=input_ids.device).expand(b, t)
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rope(position_ids, x.dtype)
-        mask = self.attention_mask(t, document_ids, input_ids.device)
+        mask = self.attention_mask(t, document_ids, input_ids.device, past)
         for i, layer in enumerate(self.model.layers):
             if i in self.checkpointed_layers and torch.is_grad_enabled():
                 x = checkpoint(layer, x, cos, sin, mask, use_reentrant=False)
             else:
-                x = layer(x, cos, sin, mask)
+                x = layer(x, cos, sin, mask, cache)
         return self.model.norm(x)
 
     def forward(
@@ -189,5 +225,6 @@ class Transformer(nn.Module):
         input_ids: torch.Tensor,
         position_ids: torch.Tensor | None = None,
         document_ids: torch.Tensor | None = None,
+        cache: KVCache | None = None,
     ) -> torch.Tensor:
-        return self.lm_head(self.hidden_states(input_ids, position_ids, document_ids))
+        return self.lm_head(self.hidden_states(input_ids, position_ids, document_ids, cache))
