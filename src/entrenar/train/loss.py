@@ -1,0 +1,139 @@
+"""Token-summed cross-entropy for causal language models.
+
+Labels arrive unshifted (aligned with ``input_ids``); position ``t`` predicts
+label ``t + 1``. ``IGNORE_INDEX`` (-100) marks tokens without loss (prompt,
+padding, the first token of a packed document).
+
+Losses are *sums* with their token count, never per-batch means. The training
+loop divides each micro-batch's ``loss_sum`` by the number of target tokens of
+the whole optimizer step (``count_target_tokens`` summed over its micro-batches,
+known before any forward pass), so gradient accumulation gives every target
+token the same weight, exactly as one large batch would.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+IGNORE_INDEX = -100
+
+
+def _check_shapes(what: str, scores: torch.Tensor, labels: torch.Tensor) -> None:
+    if labels.ndim != 2 or scores.ndim != 3 or scores.shape[:2] != labels.shape:
+        raise ValueError(f"{what} must be [B, T, *] with labels [B, T]; got {tuple(scores.shape)} and {tuple(labels.shape)}")
+
+
+def count_target_tokens(labels: torch.Tensor) -> int:
+    """Number of tokens that carry loss in ``labels`` [B, T], after the causal shift."""
+    if labels.ndim != 2:
+        raise ValueError(f"labels must be [B, T], got shape {tuple(labels.shape)}")
+    return int((labels[:, 1:] != IGNORE_INDEX).sum())
+
+
+def token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed next-token cross-entropy of ``logits`` [B, T, V] against ``labels`` [B, T].
+
+    Returns ``(loss_sum, n_tokens)``: a float32 scalar (the logits are upcast
+    so the sum is taken in fp32 whatever the model dtype) and the number of
+    target tokens as a 0-dim int64 tensor on the same device (no host sync).
+    """
+    _check_shapes("logits", logits, labels)
+    targets = labels[:, 1:].reshape(-1)
+    scores = logits[:, :-1].reshape(-1, logits.shape[-1]).float()
+    loss_sum = F.cross_entropy(scores, targets, ignore_index=IGNORE_INDEX, reduction="sum")
+    return loss_sum, (targets != IGNORE_INDEX).sum()
+
+
+def _chunk_loss_and_grads(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    chunk_size: int,
+    need_hidden: bool,
+    need_weight: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Loss sum over ``hidden`` [N, H] and, if asked, its gradients, one chunk of logits at a time.
+
+    d(loss_sum)/d(logits) = softmax(logits) - onehot(target) on target rows and
+    0 on ignored ones, so each chunk's gradients are known as soon as its
+    logits are; the chunk's logits are then freed.
+    """
+    n = hidden.shape[0]
+    loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    grad_hidden = torch.empty_like(hidden) if need_hidden else None
+    # fp32 accumulator across chunks: the weight is usually bf16 and the sum runs over all tokens.
+    grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
+    for start in range(0, n, chunk_size):
+        h = hidden[start : start + chunk_size]
+        t = targets[start : start + chunk_size]
+        valid = t != IGNORE_INDEX
+        safe_t = torch.where(valid, t, 0).unsqueeze(1)
+        logits = (h @ weight.T).float()
+        lse = torch.logsumexp(logits, dim=-1)
+        loss_sum += ((lse - logits.gather(1, safe_t).squeeze(1)) * valid).sum()
+        if not (need_hidden or need_weight):
+            continue
+        grad_logits = logits.sub_(lse.unsqueeze(1)).exp_()  # softmax, reusing the logits' memory
+        grad_logits.scatter_add_(1, safe_t, torch.full_like(safe_t, -1, dtype=grad_logits.dtype))
+        grad_logits.mul_(valid.unsqueeze(1))
+        grad_logits = grad_logits.to(hidden.dtype)
+        if grad_hidden is not None:
+            grad_hidden[start : start + chunk_size] = grad_logits @ weight
+        if grad_weight is not None:
+            grad_weight += (grad_logits.T @ h).float()
+    return loss_sum, grad_hidden, grad_weight
+
+
+class _ChunkedLinearCrossEntropy(torch.autograd.Function):
+    """loss_sum = CE(hidden @ weight.T, targets), gradients computed during forward chunk by chunk.
+
+    Only the gradients ([N, H] and [V, H]) are kept for backward, never [N, V]
+    logits, so peak memory is one chunk of logits in both passes.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_size: int):
+        need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        loss_sum, grad_hidden, grad_weight = _chunk_loss_and_grads(
+            hidden, weight, targets, chunk_size, need_hidden, need_weight
+        )
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        ctx.weight_dtype = weight.dtype
+        return loss_sum
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        if grad_hidden is not None:
+            grad_hidden = grad_hidden * grad_output.to(grad_hidden.dtype)
+        if grad_weight is not None:
+            grad_weight = (grad_weight * grad_output).to(ctx.weight_dtype)
+        return grad_hidden, grad_weight, None, None
+
+
+def chunked_cross_entropy(
+    hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.Tensor, chunk_size: int = 4096
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``token_cross_entropy(hidden @ lm_head_weight.T, labels)`` without full logits.
+
+    ``hidden`` [B, T, H] are the final normed hidden states, ``lm_head_weight``
+    is [V, H]. Logits are formed ``chunk_size`` tokens at a time, in forward and
+    in backward, so memory holds at most [chunk_size, V] logits (in fp32) plus
+    the gradients. Same return contract as :func:`token_cross_entropy`. This is
+    the PyTorch reference for the fused kernel.
+    """
+    _check_shapes("hidden", hidden, labels)
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    if lm_head_weight.ndim != 2 or lm_head_weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(
+            f"lm_head_weight must be [V, {hidden.shape[-1]}] to match hidden, got {tuple(lm_head_weight.shape)}"
+        )
+    targets = labels[:, 1:].reshape(-1)
+    flat = hidden[:, :-1].reshape(-1, hidden.shape[-1])
+    n_tokens = (targets != IGNORE_INDEX).sum()
+    if torch.is_grad_enabled() and (flat.requires_grad or lm_head_weight.requires_grad):
+        return _ChunkedLinearCrossEntropy.apply(flat, lm_head_weight, targets, chunk_size), n_tokens
+    loss_sum, _, _ = _chunk_loss_and_grads(flat, lm_head_weight, targets, chunk_size, False, False)
+    return loss_sum, n_tokens
