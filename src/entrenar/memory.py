@@ -1,0 +1,123 @@
+"""Training-memory estimates for full fine-tuning, LoRA and QLoRA.
+
+An estimate is the sum of what stays resident (weights, gradients, optimizer
+state) and what one step holds at its peak (saved activations and the logits
+with their loss gradient). It assumes memory-efficient attention (no T x T
+scores kept), AdamW (two state tensors per trainable parameter) and no
+allocator slack; tests check each part against measured tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from entrenar.models.config import ModelConfig
+
+GiB = 2**30
+LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+NF4_BYTES_PER_PARAM = 0.5 + 1 / 64 + 4 / (64 * 256)  # codes + 8-bit absmax per 64 + fp32 scale per 256 blocks
+
+
+@dataclass
+class MemoryEstimate:
+    method: str
+    total_params: int
+    trainable_params: int
+    weights: float
+    gradients: float
+    optimizer: float
+    activations: float
+    logits: float
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.gradients + self.optimizer + self.activations + self.logits
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "total": self.total}
+
+
+def linear_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
+    """(in_features, out_features) of each projection of one layer."""
+    h, i, d = config.hidden_size, config.intermediate_size, config.head_dim
+    q, kv = config.num_heads * d, config.num_kv_heads * d
+    return {
+        "q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+        "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h),
+    }
+
+
+def lora_params(config: ModelConfig, r: int, targets: list[str] | str) -> int:
+    """Adapter parameters: r * (in + out) for every targeted projection of every layer."""
+    names = LINEAR_NAMES if targets == "all-linear" else [t for t in targets if t in LINEAR_NAMES]
+    shapes = linear_shapes(config)
+    return config.num_layers * sum(r * (shapes[n][0] + shapes[n][1]) for n in names)
+
+
+def activation_bytes_per_token_layer(config: ModelConfig, dtype_bytes: int) -> float:
+    """Bytes autograd saves for one token in one block (eager PyTorch, SDPA attention).
+
+    Counted per saved tensor: the two norms keep their input and fp32 rms stats,
+    the attention keeps the normed input, q, k, v (after RoPE), output and
+    log-sum-exp, the MLP keeps gate, up, silu(gate) and their product.
+    """
+    h, i, d = config.hidden_size, config.intermediate_size, config.head_dim
+    q, kv = config.num_heads * d, config.num_kv_heads * d
+    norms = 2 * (h * dtype_bytes + h * 4 + 4)  # input, fp32 upcast, rms
+    attention = (h + q + 2 * kv + q) * dtype_bytes + config.num_heads * 4
+    if config.qk_norm:
+        attention += (q + kv) * (dtype_bytes + 4)
+    mlp = (h + 4 * i) * dtype_bytes
+    return norms + attention + mlp
+
+
+def estimate_training_memory(
+    config: ModelConfig,
+    method: str = "lora",
+    batch_size: int = 1,
+    seq_len: int = 2048,
+    dtype_bytes: int = 2,
+    lora_r: int = 16,
+    lora_targets: list[str] | str = "all-linear",
+    activation_checkpointing: bool = False,
+) -> MemoryEstimate:
+    """Estimate peak training memory in bytes. `method` is full, lora or qlora."""
+    if method not in ("full", "lora", "qlora"):
+        raise ValueError(f"method must be full, lora or qlora, got {method!r}")
+    total = config.num_parameters
+    shapes = linear_shapes(config)
+    linear = config.num_layers * sum(a * b for a, b in shapes.values())
+    if method == "full":
+        trainable = total
+        weights = total * dtype_bytes
+        gradients = trainable * dtype_bytes
+        optimizer = 2 * trainable * dtype_bytes
+    else:
+        trainable = lora_params(config, lora_r, lora_targets)
+        base = (total - linear) * dtype_bytes + linear * (NF4_BYTES_PER_PARAM if method == "qlora" else dtype_bytes)
+        weights = base + trainable * 4  # adapters stay fp32
+        gradients = trainable * 4
+        optimizer = 2 * trainable * 4
+    tokens = batch_size * seq_len
+    per_layer = activation_bytes_per_token_layer(config, dtype_bytes)
+    if method != "full":
+        # Adapter inputs are the projections' inputs, already saved; add the r-wide middles.
+        per_layer += 7 * lora_r * 4
+    if activation_checkpointing:
+        activations = tokens * (config.num_layers * config.hidden_size * dtype_bytes + per_layer)
+    else:
+        activations = tokens * config.num_layers * per_layer
+    activations += tokens * config.hidden_size * (dtype_bytes + 4)  # final norm
+    # Logits in the model dtype, upcast to fp32 for the loss, and their gradient.
+    logits = tokens * config.vocab_size * (dtype_bytes + 4 + 4)
+    return MemoryEstimate(method, total, trainable, weights, gradients, optimizer, activations, logits)
+
+
+def format_estimates(estimates: list[MemoryEstimate]) -> str:
+    rows = [f"{'method':<8}{'trainable':>14}{'weights':>10}{'grads':>9}{'optim':>9}{'activ.':>9}{'logits':>9}{'total':>9}  (GiB)"]
+    for e in estimates:
+        rows.append(
+            f"{e.method:<8}{e.trainable_params:>14,}{e.weights / GiB:>10.2f}{e.gradients / GiB:>9.2f}"
+            f"{e.optimizer / GiB:>9.2f}{e.activations / GiB:>9.2f}{e.logits / GiB:>9.2f}{e.total / GiB:>9.2f}"
+        )
+    return "\n".join(rows)

@@ -1,0 +1,69 @@
+"""Memory estimates against measured tensors: parameter bytes and the activations autograd saves."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from entrenar.memory import estimate_training_memory, lora_params
+from entrenar.models.config import ModelConfig
+from entrenar.models.transformer import Transformer
+
+CONFIG = ModelConfig(vocab_size=256, hidden_size=128, intermediate_size=352, num_layers=3, num_heads=4,
+                     num_kv_heads=2, qk_norm=True, model_type="qwen3")
+
+
+def measured_saved_bytes(model: Transformer, ids: torch.Tensor) -> int:
+    """Bytes of distinct non-parameter storages that autograd keeps for backward."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in params:
+            saved[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model.hidden_states(ids)
+    return sum(saved.values())
+
+
+def test_parameter_count_and_weight_bytes_match_the_model():
+    model = Transformer(CONFIG)
+    n = sum(p.numel() for p in model.parameters())
+    assert CONFIG.num_parameters == n
+    est = estimate_training_memory(CONFIG, "full", dtype_bytes=4)
+    assert est.weights == sum(p.numel() * p.element_size() for p in model.parameters())
+    tied = CONFIG.replace(tie_word_embeddings=True, model_type="llama", qk_norm=False)
+    assert tied.num_parameters == sum(p.numel() for p in Transformer(tied).parameters())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_activation_estimate_within_10_percent_of_saved_tensors(dtype, checkpointing):
+    model = Transformer(CONFIG).to(dtype)
+    model.reset_parameters()
+    model.set_activation_checkpointing(checkpointing)
+    ids = torch.randint(0, 256, (2, 64))
+    measured = measured_saved_bytes(model, ids)
+    if checkpointing:
+        # What checkpointing keeps between forward and backward; one layer's worth is recomputed at a time.
+        layer = Transformer(CONFIG.replace(num_layers=1)).to(dtype)
+        measured += measured_saved_bytes(layer, ids) - 2 * 64 * 128 * (dtype.itemsize + 4)
+    est = estimate_training_memory(CONFIG, "full", 2, 64, dtype_bytes=dtype.itemsize,
+                                   activation_checkpointing=checkpointing)
+    assert abs(est.activations - measured) / measured < 0.10, (est.activations, measured)
+
+
+def test_lora_and_qlora_shrink_what_they_should():
+    big = ModelConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
+                      num_kv_heads=8, model_type="llama")
+    full = estimate_training_memory(big, "full", 2, 2048)
+    lora = estimate_training_memory(big, "lora", 2, 2048, lora_r=16)
+    qlora = estimate_training_memory(big, "qlora", 2, 2048, lora_r=16)
+    # Llama-3.1-8B with r=16 on all linear layers has 41,943,040 adapter parameters (PEFT prints this).
+    assert lora.trainable_params == lora_params(big, 16, "all-linear") == 41_943_040
+    assert full.optimizer == 2 * full.total_params * 2
+    assert qlora.weights < 0.4 * lora.weights
+    assert qlora.activations == lora.activations
