@@ -1,0 +1,661 @@
+"""The run recipe: a YAML file <-> typed dataclasses, plus ``--set`` overrides.
+
+A recipe has seven sections (model, data, lora, optimizer, schedule, training,
+output). Each is a frozen dataclass whose fields carry a default and a rule;
+the rules run whenever a section is built, so a ``Recipe`` in hand is valid.
+Errors name the file, the line, the dotted key and what is allowed, because a
+typo found after an hour of training costs that hour.
+
+``recipes/lora-llama.yaml`` documents every key with a comment.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib.resources
+import math
+import os
+import re
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Callable, ClassVar, Iterable
+
+import yaml
+
+from entrenar.errors import ConfigError
+
+__all__ = [
+    "ModelSection",
+    "DataSection",
+    "LoraSection",
+    "OptimizerSection",
+    "ScheduleSection",
+    "TrainingSection",
+    "OutputSection",
+    "Recipe",
+    "load_recipe",
+    "save_recipe",
+    "recipe_changes",
+]
+
+QUICKSTART = "recipes/quickstart.yaml"  # package data of `entrenar`
+
+
+# --------------------------------------------------------------------------
+# Message helpers
+
+
+def _unknown(at: str, dotted: str, key: Any, allowed: list[str]) -> ConfigError:
+    close = _closest(key, allowed)
+    hint = f"; did you mean '{close}'?" if close else ""
+    return ConfigError(f"{at}: unknown key '{dotted}' (allowed: {', '.join(allowed)}{hint})")
+
+
+def _closest(value: Any, options: list[str]) -> str | None:
+    """The option a typo most likely meant, if any is close."""
+    if not isinstance(value, str):
+        return None
+    close = difflib.get_close_matches(value, options, n=1)
+    return close[0] if close else None
+
+
+def _show(value: Any) -> str:
+    """A value as the user would write it in YAML: 'eight', true, null, [1, 2]."""
+    if isinstance(value, str):
+        return repr(value)
+    if isinstance(value, tuple):
+        value = list(value)
+    if value is None or isinstance(value, (bool, list, dict)):
+        text = yaml.safe_dump(value, default_flow_style=True, width=1_000_000).strip()
+        text = text.removesuffix("...").strip()
+        return text if len(text) <= 80 else text[:77] + "..."
+    return str(value)
+
+
+def _plain_text(option: Any) -> str:
+    return option if isinstance(option, str) else _show(option)
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, tuple):
+        return list(value)
+    if isinstance(value, dict):
+        return dict(value)
+    return value
+
+
+def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in d.items():
+        if isinstance(value, dict) and not prefix:  # sections only; lr_scale stays whole
+            flat.update(_flatten(value, f"{key}."))
+        else:
+            flat[prefix + key] = value
+    return flat
+
+
+# --------------------------------------------------------------------------
+# Rules: each takes a raw value and returns it normalized, or raises _Reject.
+
+
+class _Reject(Exception):
+    """A value broke a rule; ``expected`` says what the rule allows."""
+
+    def __init__(self, expected: str, hint: str = "") -> None:
+        super().__init__(expected)
+        self.expected = expected
+        self.hint = hint
+
+
+Rule = Callable[[Any], Any]
+
+# PyYAML follows YAML 1.1, where a float needs a dot: `1e-4` loads as a string.
+_NUMBER = re.compile(r"[-+]?(\d+(\.\d*)?|\.\d+)([eE][-+]?\d+)?")
+
+
+def _as_number(value: Any) -> float | None:
+    """``value`` as a finite float, accepting ints and numeric strings but not bools."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)):
+        number = float(value)
+    elif isinstance(value, str) and _NUMBER.fullmatch(value.strip()):
+        number = float(value)
+    else:
+        return None
+    return number if math.isfinite(number) else None
+
+
+def _integer(low: int, high: int | None = None, *, nullable: bool = False) -> Rule:
+    if high is not None:
+        expected = f"an integer in [{low}, {high}]"
+    else:
+        expected = "an integer > 0" if low == 1 else f"an integer >= {low}"
+    if nullable:
+        expected += " or null"
+
+    def rule(value: Any) -> int | None:
+        if value is None and nullable:
+            return None
+        if isinstance(value, int) and not isinstance(value, bool):
+            if value >= low and (high is None or value <= high):
+                return value
+        raise _Reject(expected)
+
+    return rule
+
+
+def _number(
+    low: float | None = None,
+    high: float | None = None,
+    *,
+    low_open: bool = False,
+    high_open: bool = False,
+) -> Rule:
+    if low is not None and high is not None:
+        expected = f"a number in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
+    elif low is not None:
+        expected = f"a number {'>' if low_open else '>='} {low:g}"
+    else:
+        expected = "a number"
+
+    def rule(value: Any) -> float:
+        number = _as_number(value)
+        if number is None:
+            raise _Reject(expected)
+        if low is not None and (number <= low if low_open else number < low):
+            raise _Reject(expected)
+        if high is not None and (number >= high if high_open else number > high):
+            raise _Reject(expected)
+        return number
+
+    return rule
+
+
+def _choice(*options: str | bool | None) -> Rule:
+    expected = "one of: " + ", ".join(_plain_text(o) for o in options)
+
+    def rule(value: Any) -> str | bool | None:
+        for option in options:
+            if type(value) is type(option) and value == option:  # True must not match 1
+                return option
+        close = _closest(value, [o for o in options if isinstance(o, str)])
+        raise _Reject(expected, f" (did you mean '{close}'?)" if close else "")
+
+    return rule
+
+
+def _boolean(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    raise _Reject("true or false")
+
+
+def _text(*, nullable: bool = False) -> Rule:
+    expected = "a non-empty string" + (" or null" if nullable else "")
+
+    def rule(value: Any) -> str | None:
+        if value is None and nullable:
+            return None
+        if isinstance(value, str) and value.strip():
+            return value
+        raise _Reject(expected)
+
+    return rule
+
+
+_DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
+
+
+def _device(value: Any) -> str:
+    if isinstance(value, str) and _DEVICE.fullmatch(value):
+        return value
+    raise _Reject("one of: auto, cpu, cuda, cuda:N")
+
+
+def _modules(value: Any) -> str | tuple[str, ...]:
+    expected = "'all-linear' or a non-empty list of module names"
+    if value == "all-linear":
+        return value
+    if isinstance(value, str):
+        raise _Reject(expected, f" (write [{value}] for a single module)")
+    if isinstance(value, (list, tuple)) and value and all(isinstance(v, str) and v for v in value):
+        return tuple(value)
+    raise _Reject(expected)
+
+
+def _betas(value: Any) -> tuple[float, float]:
+    expected = "a list of two numbers in [0, 1)"
+    if isinstance(value, (list, tuple)) and len(value) == 2:
+        pair = [_as_number(v) for v in value]
+        if all(b is not None and 0.0 <= b < 1.0 for b in pair):
+            return (pair[0], pair[1])
+    raise _Reject(expected)
+
+
+def _lr_scales(value: Any) -> dict[str, float]:
+    expected = "a mapping of module-name regex to a number > 0"
+    if not isinstance(value, dict):
+        raise _Reject(expected)
+    scales = {}
+    for pattern, scale in value.items():
+        if not isinstance(pattern, str) or not pattern:
+            raise _Reject(expected)
+        try:
+            re.compile(pattern)
+        except re.error as e:
+            raise _Reject(expected, f" ('{pattern}' is not a valid regex: {e})") from None
+        number = _as_number(scale)
+        if number is None or number <= 0:
+            raise _Reject(expected, f" (scale of '{pattern}' is {_show(scale)})")
+        scales[pattern] = number
+    return scales
+
+
+def _key(default: Any, rule: Rule) -> Any:
+    """A dataclass field with a default and the rule its values must pass."""
+    if isinstance(default, dict):
+        return field(default_factory=lambda: dict(default), metadata={"rule": rule})
+    return field(default=default, metadata={"rule": rule})
+
+
+# --------------------------------------------------------------------------
+# Sections
+
+
+class _BadValue(ConfigError):
+    """A ConfigError about one dotted key; loaders prefix it with where the key was written."""
+
+    def __init__(self, key: str, message: str) -> None:
+        super().__init__(message)
+        self.key = key
+
+
+@dataclass(frozen=True)
+class _Section:
+    """Checks and normalizes every field when built, so an instance is always valid."""
+
+    section: ClassVar[str]
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            key = f"{self.section}.{f.name}"
+            try:
+                object.__setattr__(self, f.name, f.metadata["rule"](value))
+            except _Reject as r:
+                raise _BadValue(key, f"'{key}' must be {r.expected}, got {_show(value)}{r.hint}") from None
+
+
+@dataclass(frozen=True)
+class ModelSection(_Section):
+    """Which weights to load, in which dtype, on which device."""
+
+    section: ClassVar[str] = "model"
+    path: str | None = _key(None, _text(nullable=True))
+    dtype: str = _key("auto", _choice("auto", "float32", "bfloat16", "float16"))
+    device: str = _key("auto", _device)
+
+
+@dataclass(frozen=True)
+class DataSection(_Section):
+    """Where the examples come from and how they become token sequences."""
+
+    section: ClassVar[str] = "data"
+    train: str | None = _key(None, _text(nullable=True))
+    validation: str | None = _key(None, _text(nullable=True))
+    validation_split: float = _key(0.0, _number(0.0, 0.5, high_open=True))
+    format: str = _key("auto", _choice("auto", "jsonl", "json", "csv", "parquet", "text"))
+    text_field: str = _key("text", _text())
+    prompt_field: str = _key("prompt", _text())
+    completion_field: str = _key("completion", _text())
+    messages_field: str = _key("messages", _text())
+    train_on: str = _key("all", _choice("all", "completion"))
+    seq_len: int = _key(512, _integer(1))
+    packing: bool = _key(True, _boolean)
+    add_eos: bool = _key(True, _boolean)
+    on_error: str = _key("raise", _choice("raise", "skip"))
+    shuffle: bool = _key(True, _boolean)
+
+
+@dataclass(frozen=True)
+class LoraSection(_Section):
+    """Low-rank adapters; the recipe's ``lora: null`` means full fine-tuning instead."""
+
+    section: ClassVar[str] = "lora"
+    r: int = _key(8, _integer(1))
+    alpha: float = _key(16.0, _number(0.0, low_open=True))
+    dropout: float = _key(0.0, _number(0.0, 1.0, high_open=True))
+    target_modules: str | tuple[str, ...] = _key(("q_proj", "k_proj", "v_proj", "o_proj"), _modules)
+    use_rslora: bool = _key(False, _boolean)
+    quantize_base: str | None = _key(None, _choice(None, "nf4"))
+
+
+@dataclass(frozen=True)
+class OptimizerSection(_Section):
+    """The optimizer and its per-group learning-rate scales."""
+
+    section: ClassVar[str] = "optimizer"
+    name: str = _key("adamw", _choice("adamw", "sgd"))
+    lr: float = _key(2e-4, _number(0.0, low_open=True))
+    weight_decay: float = _key(0.0, _number(0.0))
+    betas: tuple[float, float] = _key((0.9, 0.999), _betas)
+    eps: float = _key(1e-8, _number(0.0, low_open=True))
+    momentum: float = _key(0.9, _number(0.0, 1.0, high_open=True))
+    fused: str | bool = _key("auto", _choice("auto", True, False))
+    lr_scale: dict[str, float] = _key({}, _lr_scales)
+
+
+@dataclass(frozen=True)
+class ScheduleSection(_Section):
+    """The learning-rate schedule: linear warmup, then the named shape."""
+
+    section: ClassVar[str] = "schedule"
+    name: str = _key("cosine", _choice("cosine", "linear", "constant"))
+    warmup_steps: int = _key(0, _integer(0))
+    min_lr_ratio: float = _key(0.1, _number(0.0, 1.0))
+
+
+@dataclass(frozen=True)
+class TrainingSection(_Section):
+    """Step counts, batch shape, precision, and how often to log, evaluate and save."""
+
+    section: ClassVar[str] = "training"
+    max_steps: int = _key(1000, _integer(1))
+    batch_size: int = _key(4, _integer(1))
+    grad_accum: int = _key(1, _integer(1))
+    max_grad_norm: float = _key(1.0, _number(0.0))
+    precision: str = _key("fp32", _choice("fp32", "bf16", "fp16"))
+    activation_checkpointing: bool = _key(False, _boolean)
+    compile: bool = _key(False, _boolean)
+    seed: int = _key(0, _integer(0, 2**32 - 1))  # numpy's seed range
+    eval_every: int = _key(0, _integer(0))
+    eval_batches: int | None = _key(None, _integer(1, nullable=True))
+    log_every: int = _key(10, _integer(1))
+    save_every: int = _key(0, _integer(0))
+    keep_last: int = _key(3, _integer(1))
+
+
+@dataclass(frozen=True)
+class OutputSection(_Section):
+    """Where the run writes checkpoints, metrics and its resolved recipe."""
+
+    section: ClassVar[str] = "output"
+    name: str = _key("run", _text())
+    dir: str | None = _key(None, _text(nullable=True))  # None: runs/<name>
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.dir is None:
+            object.__setattr__(self, "dir", f"runs/{self.name}")
+
+
+_SECTIONS: dict[str, type[_Section]] = {
+    cls.section: cls
+    for cls in (
+        ModelSection,
+        DataSection,
+        LoraSection,
+        OptimizerSection,
+        ScheduleSection,
+        TrainingSection,
+        OutputSection,
+    )
+}
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A whole run. ``lora=None`` means full fine-tuning."""
+
+    model: ModelSection = field(default_factory=ModelSection)
+    data: DataSection = field(default_factory=DataSection)
+    lora: LoraSection | None = None
+    optimizer: OptimizerSection = field(default_factory=OptimizerSection)
+    schedule: ScheduleSection = field(default_factory=ScheduleSection)
+    training: TrainingSection = field(default_factory=TrainingSection)
+    output: OutputSection = field(default_factory=OutputSection)
+
+    def __post_init__(self) -> None:
+        # The few checks that span sections. model.path null is the bundled quickstart.
+        if self.model.path is not None and self.data.train is None:
+            raise _BadValue(
+                "data.train",
+                "'data.train' is required (a data file or folder) when model.path is set",
+            )
+        if self.data.validation is not None and self.data.validation_split > 0:
+            raise _BadValue(
+                "data.validation_split",
+                f"'data.validation_split' must be 0 when 'data.validation' names a file, "
+                f"got {self.data.validation_split:g}",
+            )
+        if self.training.precision == "fp16" and self.model.device == "cpu":
+            raise _BadValue(
+                "training.precision",
+                "'training.precision' fp16 needs a CUDA device but model.device is 'cpu' "
+                "(use bf16 or fp32 on CPU)",
+            )
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dicts, lists and scalars (YAML/JSON-ready), every key present."""
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            section = getattr(self, f.name)
+            out[f.name] = None if section is None else {
+                g.name: _plain(getattr(section, g.name)) for g in fields(section)
+            }
+        return out
+
+    def to_yaml(self) -> str:
+        """The full recipe as YAML, in section order."""
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    @classmethod
+    def from_dict(cls, d: Any, source: str = "<dict>") -> Recipe:
+        """Validate a dict shaped like a recipe file (missing keys take defaults).
+
+        ``source`` names the origin in error messages.
+        """
+        return _build(d, _Where(source), default_name="run")
+
+
+def load_recipe(path: str | Path | None, overrides: Iterable[str] = ()) -> Recipe:
+    """Read a recipe file (``None``: the bundled quickstart) and apply ``--set`` overrides.
+
+    Each override is ``dotted.key=value``; the value is parsed as YAML and checked
+    like a value in the file. ``output.name`` defaults to the file's stem.
+    """
+    if isinstance(overrides, str):
+        raise TypeError("overrides must be a list of 'key=value' strings, not one string")
+    if path is None:
+        text = importlib.resources.files("entrenar").joinpath(QUICKSTART).read_text(encoding="utf-8")
+        source, stem = f"entrenar/{QUICKSTART}", "quickstart"
+    else:
+        path = Path(path)
+        source, stem = str(path), path.stem
+        if not path.exists():
+            raise ConfigError(f"recipe file not found: {path}")
+        if not path.is_file():
+            raise ConfigError(f"recipe path is not a file: {path}")
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"cannot read recipe {path}: {e}") from None
+    raw, where = _parse(text, source)
+    for item in overrides:
+        _apply_override(raw, item, where)
+    return _build(raw, where, default_name=stem)
+
+
+def save_recipe(recipe: Recipe, path: str | Path) -> None:
+    """Write the resolved recipe as YAML (atomically), so a resume can compare against it."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    header = "# Resolved recipe: every default and --set override applied. Written by entrenar.\n"
+    tmp.write_text(header + recipe.to_yaml(), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def recipe_changes(old: Recipe, new: Recipe) -> list[str]:
+    """Dotted keys whose values differ, as ``"key: old -> new"`` lines (empty if equal)."""
+    a, b = _flatten(old.to_dict()), _flatten(new.to_dict())
+    keys = dict.fromkeys([*a, *b])  # ordered union
+    return [f"{k}: {_show(a.get(k))} -> {_show(b.get(k))}" for k in keys if a.get(k) != b.get(k)]
+
+
+# --------------------------------------------------------------------------
+# Parsing, locating and building
+
+
+class _Where:
+    """Maps a dotted key to where its value was written: a file line or a ``--set``."""
+
+    def __init__(self, source: str, lines: dict[str, int] | None = None) -> None:
+        self.source = source
+        self._marks = {key: f"{source} line {line}" for key, line in (lines or {}).items()}
+
+    def set_by(self, key: str, label: str) -> None:
+        """``key`` (and all below it) now comes from an override labelled ``label``."""
+        for old in [k for k in self._marks if k == key or k.startswith(key + ".")]:
+            del self._marks[old]
+        self._marks[key] = label
+
+    def __call__(self, key: str) -> str:
+        parts = key.split(".")
+        for n in range(len(parts), 0, -1):  # a missing key is reported at its section
+            mark = self._marks.get(".".join(parts[:n]))
+            if mark is not None:
+                return mark
+        return self.source
+
+
+def _parse(text: str, source: str) -> tuple[dict[str, Any], _Where]:
+    """YAML text -> (top-level dict, line of every key)."""
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        raw = loader.construct_document(node) if node is not None else None
+    except yaml.MarkedYAMLError as e:
+        raise ConfigError(f"{source}{_yaml_problem(e)}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{source}: malformed YAML: {e}") from None
+    finally:
+        loader.dispose()
+    if raw is None:
+        raise ConfigError(f"{source}: the recipe is empty (expected sections: {', '.join(_SECTIONS)})")
+    if not isinstance(raw, dict):
+        raise ConfigError(
+            f"{source} line {node.start_mark.line + 1}: the top level must be a mapping of sections "
+            f"({', '.join(_SECTIONS)}), got {_show(raw)}"
+        )
+    lines: dict[str, int] = {}
+    _key_lines(node, source, "", lines, depth=3)  # section.key.lr_scale-pattern at most
+    return raw, _Where(source, lines)
+
+
+def _yaml_problem(e: yaml.MarkedYAMLError) -> str:
+    """' line L, column C: malformed YAML: ...' from PyYAML's 0-based marks and its texts."""
+
+    def at(mark: yaml.Mark) -> str:
+        return f"line {mark.line + 1}, column {mark.column + 1}"
+
+    text = e.problem or "cannot parse"
+    if e.context:
+        started = ""
+        if e.context_mark and e.problem_mark and e.context_mark.line != e.problem_mark.line:
+            started = f" (started at {at(e.context_mark)})"
+        text = f"{e.context}{started}: {text}"
+    return f" {at(e.problem_mark)}: malformed YAML: {text}" if e.problem_mark else f": malformed YAML: {text}"
+
+
+def _key_lines(node: yaml.Node, source: str, prefix: str, lines: dict[str, int], depth: int) -> None:
+    """Record the 1-based line of every mapping key; reject duplicate keys (YAML keeps the last)."""
+    if depth == 0 or not isinstance(node, yaml.MappingNode):
+        return
+    seen: dict[str, int] = {}
+    for key_node, value_node in node.value:
+        if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
+            continue
+        key, line = prefix + key_node.value, key_node.start_mark.line + 1
+        if key in seen:
+            raise ConfigError(f"{source} line {line}: duplicate key '{key}' (first at line {seen[key]})")
+        seen[key] = lines[key] = line
+        _key_lines(value_node, source, key + ".", lines, depth - 1)
+
+
+def _apply_override(raw: dict[str, Any], item: str, where: _Where) -> None:
+    """Apply one ``dotted.key=value`` to the raw recipe dict; the value replaces what was there."""
+    label = f"--set {item}"
+    key, sep, text = item.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise ConfigError(f"{label}: expected KEY=VALUE, e.g. optimizer.lr=1e-4")
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        problem = getattr(e, "problem", None) or str(e)
+        raise ConfigError(f"{label}: the value is not valid YAML: {problem}") from None
+    parts = key.split(".")
+    if parts[0] not in _SECTIONS:
+        raise _unknown(label, parts[0], parts[0], list(_SECTIONS))
+    if len(parts) == 1:
+        raw[key] = value
+    else:
+        allowed = [f.name for f in fields(_SECTIONS[parts[0]])]
+        if parts[1] not in allowed:
+            raise _unknown(label, ".".join(parts[:2]), parts[1], allowed)
+        if len(parts) > 2:
+            raise ConfigError(
+                f"{label}: unknown key '{key}' ('{'.'.join(parts[:2])}' is set as a whole, "
+                f"e.g. --set '{'.'.join(parts[:2])}={{...}}')"
+            )
+        if raw.get(parts[0]) is None:  # absent, or `lora: null` that this override turns on
+            raw[parts[0]] = {}
+        if isinstance(raw[parts[0]], dict):  # otherwise the file's own error is reported
+            raw[parts[0]][parts[1]] = value
+    where.set_by(key, label)
+
+
+def _build(raw: Any, where: _Where, default_name: str) -> Recipe:
+    """Raw recipe dict -> Recipe; every error names where its key was written."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where.source}: a recipe must be a mapping of sections, got {_show(raw)}")
+    for name in raw:
+        if name not in _SECTIONS:
+            raise _unknown(where(str(name)), str(name), name, list(_SECTIONS))
+    sections: dict[str, Any] = {}
+    for name, cls in _SECTIONS.items():
+        value = raw.get(name)
+        if name == "lora" and value is None:
+            sections[name] = None
+            continue
+        if name == "output" and value is None:
+            value = {}
+        if name == "output" and isinstance(value, dict) and value.get("name") is None:
+            value = {**value, "name": default_name}
+        sections[name] = _build_section(cls, value, where)
+    try:
+        return Recipe(**sections)
+    except _BadValue as e:
+        raise ConfigError(f"{where(e.key)}: {e}") from None
+
+
+def _build_section(cls: type[_Section], value: Any, where: _Where) -> _Section:
+    """One raw section (a dict, or None for all defaults) -> its dataclass."""
+    name = cls.section
+    allowed = [f.name for f in fields(cls)]
+    if value is None:  # an empty section header: all defaults
+        value = {}
+    if not isinstance(value, dict):
+        raise ConfigError(
+            f"{where(name)}: '{name}' must be a mapping of keys ({', '.join(allowed)}), got {_show(value)}"
+        )
+    for key in value:
+        if key not in allowed:
+            dotted = f"{name}.{key}"
+            raise _unknown(where(dotted), dotted, key, allowed)
+    try:
+        return cls(**value)
+    except _BadValue as e:
+        raise ConfigError(f"{where(e.key)}: {e}") from None
