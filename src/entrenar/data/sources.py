@@ -1,0 +1,298 @@
+"""Read training records from files: JSONL, JSON, CSV, Parquet, plain text, or folders of them.
+
+A record is a dict of fields plus where it came from (file and line or row),
+so every later error can name the place to fix. Formats:
+
+- ``.jsonl``/``.ndjson``: one JSON object per line (blank lines ignored).
+- ``.json``: a list of objects, or ``{"data": [...]}``. A ``.json`` file that
+  holds one object per line is read as JSONL, since many datasets are named so.
+- ``.csv``: a header row, then one record per row (all values are strings).
+- ``.parquet``: one record per row (needs ``pyarrow``: ``pip install entrenar[parquet]``).
+- ``.txt``/``.md``: the whole file is one ``{"text": ...}`` record.
+- a folder: every file of a known format below it, in sorted path order.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from entrenar.errors import ConfigError, DataError
+
+FORMATS = ("auto", "jsonl", "json", "csv", "parquet", "text")
+_EXTENSIONS = {
+    ".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".csv": "csv",
+    ".parquet": "parquet", ".txt": "text", ".md": "text",
+}
+_MAX_REPORTED = 10
+
+
+@dataclass(frozen=True)
+class Record:
+    """One record: its fields, the file it came from and where in it (``"line 17"``, ``"row 3"``, or ``""``)."""
+
+    fields: dict[str, Any]
+    file: str
+    location: str = ""
+
+    @property
+    def where(self) -> str:
+        return f"{self.file} {self.location}" if self.location else self.file
+
+
+@dataclass
+class ReadStats:
+    """What reading found: files read, records kept, records skipped and why (first few)."""
+
+    files: list[str] = field(default_factory=list)
+    records: int = 0
+    skipped: int = 0
+    skip_reasons: list[str] = field(default_factory=list)
+
+    def skip(self, reason: str) -> None:
+        self.skipped += 1
+        if len(self.skip_reasons) < _MAX_REPORTED:
+            self.skip_reasons.append(reason)
+
+
+class _BadRecord(Exception):
+    """A malformed record; the reader decides whether to raise or skip it."""
+
+
+def read_records(
+    paths: str | Path | Sequence[str | Path],
+    format: str = "auto",
+    on_error: str = "raise",
+) -> tuple[list[Record], ReadStats]:
+    """Read every record of ``paths`` (files or folders).
+
+    ``format="auto"`` picks the reader from each file's extension. With
+    ``on_error="skip"`` malformed records are skipped and counted in the
+    returned stats; with ``"raise"`` the first one raises ``DataError``.
+    Missing files, unreadable files and an empty result raise ``DataError``.
+    """
+    if format not in FORMATS:
+        raise ConfigError(f"data format {format!r} is not one of {', '.join(FORMATS)}")
+    if on_error not in ("raise", "skip"):
+        raise ConfigError(f"on_error {on_error!r} must be 'raise' or 'skip'")
+    if isinstance(paths, (str, Path)):
+        paths = [paths]
+    if not paths:
+        raise DataError("no data files given")
+
+    stats = ReadStats()
+    records: list[Record] = []
+    for file, file_format in _expand(paths, format):
+        stats.files.append(str(file))
+        for item in _read_file(file, file_format):
+            if isinstance(item, _BadRecord):
+                if on_error == "raise":
+                    raise DataError(str(item))
+                stats.skip(str(item))
+            else:
+                records.append(item)
+    stats.records = len(records)
+    if not records:
+        names = ", ".join(stats.files)
+        reason = f" ({stats.skipped} malformed records skipped; first: {stats.skip_reasons[0]})" if stats.skipped else ""
+        raise DataError(f"no records in {names}{reason}")
+    return records, stats
+
+
+def _expand(paths: Sequence[str | Path], format: str) -> list[tuple[Path, str]]:
+    """Files to read with their formats; folders are walked in sorted order."""
+    files: list[tuple[Path, str]] = []
+    for path in map(Path, paths):
+        if path.is_dir():
+            found = [
+                (f, _format_of(f, format)) for f in sorted(path.rglob("*"))
+                if f.is_file() and not any(p.startswith(".") for p in f.relative_to(path).parts)
+                and f.suffix.lower() in _EXTENSIONS
+                and (format == "auto" or _EXTENSIONS[f.suffix.lower()] == format
+                     or (format == "jsonl" and f.suffix.lower() == ".json"))
+            ]
+            if not found:
+                kinds = ", ".join(sorted(_EXTENSIONS)) if format == "auto" else f"{format} files"
+                raise DataError(f"{path}: folder holds no data files ({kinds})")
+            files.extend(found)
+        elif path.is_file():
+            files.append((path, _format_of(path, format)))
+        else:
+            raise DataError(f"{path}: no such file or folder")
+    return files
+
+
+def _format_of(path: Path, format: str) -> str:
+    if format != "auto":
+        return format
+    try:
+        return _EXTENSIONS[path.suffix.lower()]
+    except KeyError:
+        raise DataError(
+            f"{path}: cannot tell the format from extension {path.suffix!r}; "
+            f"name it one of {', '.join(sorted(_EXTENSIONS))} or set the format"
+        ) from None
+
+
+def _read_file(path: Path, format: str) -> Iterator[Record | _BadRecord]:
+    readers = {"jsonl": _read_jsonl, "json": _read_json, "csv": _read_csv, "parquet": _read_parquet, "text": _read_text}
+    return readers[format](path)
+
+
+def _object_or_bad(value: Any, where: str) -> dict[str, Any] | _BadRecord:
+    if isinstance(value, dict):
+        return value
+    return _BadRecord(f"{where}: expected a JSON object, got {type(value).__name__}")
+
+
+def _read_jsonl(path: Path) -> Iterator[Record | _BadRecord]:
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, start=1):
+            where = f"{path} line {number}"
+            try:
+                line = raw.decode("utf-8-sig" if number == 1 else "utf-8")
+            except UnicodeDecodeError as e:
+                yield _BadRecord(f"{where}: not UTF-8 text: {e}")
+                continue
+            if not line.strip():
+                continue
+            try:
+                value = json.loads(line)
+            except json.JSONDecodeError as e:
+                yield _BadRecord(f"{where}: invalid JSON: {e.msg} (column {e.colno})")
+                continue
+            obj = _object_or_bad(value, where)
+            yield obj if isinstance(obj, _BadRecord) else Record(obj, str(path), f"line {number}")
+
+
+def _read_text_file(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path}: not UTF-8 text: {e}") from e
+
+
+def _line_of(text: str, index: int) -> int:
+    return text.count("\n", 0, index) + 1
+
+
+def _read_json(path: Path) -> Iterator[Record | _BadRecord]:
+    text = _read_text_file(path)
+    try:
+        document = json.loads(text)
+    except json.JSONDecodeError as e:
+        if e.msg == "Extra data":  # several top-level values: the file is really JSON Lines
+            yield from _read_jsonl(path)
+            return
+        raise DataError(f"{path} line {e.lineno}: invalid JSON: {e.msg} (column {e.colno})") from e
+    if isinstance(document, dict) and isinstance(document.get("data"), list):
+        items = document["data"]
+    elif isinstance(document, list):
+        items = document
+    else:
+        raise DataError(f"{path}: expected a list of objects or {{\"data\": [...]}}, got {type(document).__name__}"
+                        + (f" with keys {sorted(document)[:5]}" if isinstance(document, dict) else ""))
+    lines = _item_lines(text, len(items))
+    for index, value in enumerate(items):
+        location = f"item {index} (line {lines[index]})" if lines else f"item {index}"
+        obj = _object_or_bad(value, f"{path} {location}")
+        yield obj if isinstance(obj, _BadRecord) else Record(obj, str(path), location)
+
+
+def _item_lines(text: str, count: int) -> list[int] | None:
+    """Line where each item of the file's record list starts, found by scanning the JSON text.
+
+    ``json`` gives no positions for parsed values, so the list (top level, or
+    the value of ``"data"``) is walked with ``raw_decode``. Returns None if the
+    layout is not the expected one (the caller then names items by index only).
+    """
+    decoder = json.JSONDecoder()
+
+    def skip_ws(i: int) -> int:
+        while i < len(text) and text[i] in " \t\r\n":
+            i += 1
+        return i
+
+    def scan_list(i: int) -> list[int]:
+        lines: list[int] = []
+        i = skip_ws(i + 1)  # past "["
+        while text[i] != "]":
+            lines.append(_line_of(text, i))
+            _, i = decoder.raw_decode(text, i)
+            i = skip_ws(i)
+            if text[i] == ",":
+                i = skip_ws(i + 1)
+        return lines
+
+    try:
+        i = skip_ws(0)
+        if text[i] == "[":
+            lines = scan_list(i)
+        else:  # {"...": ..., "data": [...], ...}
+            lines = []
+            i = skip_ws(i + 1)
+            while text[i] != "}":
+                key, i = decoder.raw_decode(text, i)
+                i = skip_ws(skip_ws(i) + 1)  # past ":"
+                if key == "data" and text[i] == "[":
+                    lines = scan_list(i)
+                _, i = decoder.raw_decode(text, i)
+                i = skip_ws(i)
+                if text[i] == ",":
+                    i = skip_ws(i + 1)
+    except (IndexError, ValueError):
+        return None
+    return lines if len(lines) == count else None
+
+
+def _read_csv(path: Path) -> Iterator[Record | _BadRecord]:
+    try:
+        with open(path, encoding="utf-8-sig", newline="") as f:
+            reader = csv.reader(f)
+            header = next(reader, None)
+            if header is None:
+                return
+            if len(set(header)) != len(header) or any(not name for name in header):
+                raise DataError(f"{path} line 1: header must name every column once, got {header}")
+            end_line = reader.line_num
+            for row in reader:
+                start_line, end_line = end_line + 1, reader.line_num
+                location = f"line {start_line}"
+                if not row:
+                    continue
+                if len(row) != len(header):
+                    yield _BadRecord(f"{path} {location}: row has {len(row)} fields, header has {len(header)}")
+                    continue
+                yield Record(dict(zip(header, row)), str(path), location)
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path}: not UTF-8 text: {e}") from e
+    except csv.Error as e:
+        raise DataError(f"{path}: malformed CSV: {e}") from e
+
+
+def _read_parquet(path: Path) -> Iterator[Record | _BadRecord]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise DataError(f"{path}: reading Parquet needs pyarrow: pip install entrenar[parquet]") from None
+    try:
+        file = pq.ParquetFile(path)
+    except Exception as e:  # pyarrow raises ArrowInvalid and friends
+        raise DataError(f"{path}: cannot be read as Parquet: {e}") from e
+    row = 0
+    for batch in file.iter_batches():
+        for fields in batch.to_pylist():
+            yield Record(fields, str(path), f"row {row}")
+            row += 1
+
+
+def _read_text(path: Path) -> Iterator[Record | _BadRecord]:
+    text = _read_text_file(path)
+    if not text.strip():
+        yield _BadRecord(f"{path}: empty document")
+    else:
+        yield Record({"text": text}, str(path))
