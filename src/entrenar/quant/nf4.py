@@ -1,0 +1,340 @@
+"""NF4 weight quantization (QLoRA), bit-compatible with bitsandbytes.
+
+A weight is cut into blocks of ``blocksize`` consecutive elements (row-major).
+Each block is scaled by its absolute maximum into [-1, 1] and every element is
+replaced by the index of the nearest of the 16 NF4 values (quantiles of a
+normal distribution, QLoRA appendix E). Two 4-bit indices share a byte, the
+first element in the high nibble.
+
+With double quantization (bitsandbytes' ``compress_statistics=True``) the fp32
+absmax scales are themselves compressed: their mean is subtracted and the
+centred values are quantized to 8 bits with the signed dynamic map, in blocks
+of 256 with one fp32 scale per block. That costs about 8.1 instead of 32 bits
+per 64 weights.
+
+This file is the specification: bitsandbytes' CPU path gives the same bytes
+(``tests/quant/test_nf4.py``), and a fused GPU kernel must match it.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+from entrenar.errors import QuantError
+from entrenar.surgery import Patterns, find_linears, replace_module
+
+# QLoRA's NF4 table (bitsandbytes ``get_4bit_type("nf4")``), sorted ascending.
+NF4_CODE = torch.tensor(
+    [
+        -1.0,
+        -0.6961928009986877,
+        -0.5250730514526367,
+        -0.39491748809814453,
+        -0.28444138169288635,
+        -0.18477343022823334,
+        -0.09105003625154495,
+        0.0,
+        0.07958029955625534,
+        0.16093020141124725,
+        0.24611230194568634,
+        0.33791524171829224,
+        0.44070982933044434,
+        0.5626170039176941,
+        0.7229568362236023,
+        1.0,
+    ],
+    dtype=torch.float32,
+)
+# Values above bound[i-1] and up to bound[i] take code i (ties go to the lower code).
+_NF4_BOUNDS = (NF4_CODE[:-1] + NF4_CODE[1:]) / 2
+
+BLOCKSIZES = (32, 64, 128, 256, 512, 1024, 2048, 4096)
+ABSMAX_BLOCKSIZE = 256
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_LUT_SIZE = 65536  # grid points of bitsandbytes' CPU 8-bit quantizer
+
+
+@functools.cache
+def dynamic_map() -> Tensor:
+    """The signed 8-bit dynamic quantization map (Dettmers 2015; bitsandbytes ``create_dynamic_map()``).
+
+    With 7 exponent levels, level ``i`` holds ``2**i`` evenly spaced magnitudes in
+    ``10**(i-6) * [0.1, 1]`` (midpoints of a linspace), mirrored for negatives;
+    0 and 1 complete the 256 values.
+    """
+    values: list[float] = []
+    for i in range(7):
+        edges = torch.linspace(0.1, 1, 2**i + 1, dtype=torch.float32)
+        mids = (edges[:-1] + edges[1:]) / 2.0
+        decade = 10 ** (i - 6)
+        values += (decade * mids).tolist() + (-decade * mids).tolist()
+    values += [0.0, 1.0]
+    return torch.tensor(sorted(values), dtype=torch.float32)
+
+
+@dataclass
+class NF4Tensor:
+    """A quantized weight: packed NF4 codes plus the per-block absmax scales.
+
+    ``absmax`` is uint8 when double-quantized (then ``absmax_scale`` holds one fp32
+    scale per 256 absmax values and ``absmax_offset`` the subtracted mean), fp32 otherwise.
+    """
+
+    codes: Tensor  # uint8 [ceil(numel / 2)]
+    absmax: Tensor  # uint8 or float32 [ceil(numel / blocksize)]
+    absmax_scale: Tensor | None  # float32 [ceil(n_blocks / 256)]
+    absmax_offset: Tensor | None  # float32 []
+    shape: torch.Size
+    dtype: torch.dtype
+    blocksize: int = 64
+
+    @property
+    def double_quant(self) -> bool:
+        return self.absmax_scale is not None
+
+    @property
+    def numel(self) -> int:
+        return self.shape.numel()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the quantized representation."""
+        tensors = (self.codes, self.absmax, self.absmax_scale, self.absmax_offset)
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def _check_weight(w: Tensor, name: str) -> None:
+    if not isinstance(w, Tensor):
+        raise QuantError(f"{name}: expected a tensor, got {type(w).__name__}")
+    if w.dtype not in SUPPORTED_DTYPES:
+        raise QuantError(f"{name}: NF4 quantizes float32/bfloat16/float16 weights, got {w.dtype}")
+    if w.numel() == 0:
+        raise QuantError(f"{name}: cannot quantize an empty tensor of shape {tuple(w.shape)}")
+    bad = (~torch.isfinite(w)).sum().item()
+    if bad:
+        raise QuantError(f"{name}: weight of shape {tuple(w.shape)} has {bad} NaN/inf value(s); cannot quantize")
+
+
+def _blocks(flat: Tensor, blocksize: int) -> Tensor:
+    """``flat`` zero-padded to whole blocks, as [n_blocks, blocksize]. Zeros never raise an absmax."""
+    pad = -flat.numel() % blocksize
+    return F.pad(flat, (0, pad)).view(-1, blocksize)
+
+
+def _quantize_4bit_codes(flat: Tensor, blocksize: int) -> tuple[Tensor, Tensor]:
+    """NF4 codes (uint8, one per element) and fp32 absmax per block of an fp32 vector."""
+    n = flat.numel()
+    blocks = _blocks(flat, blocksize)
+    absmax = blocks.abs().amax(dim=1)
+    # bitsandbytes multiplies full blocks by the reciprocal but divides the
+    # partial last block; the two can differ in the last bit, so do the same.
+    scaled = blocks * (1.0 / absmax.clamp(min=1e-38)).unsqueeze(1)
+    rem = n % blocksize
+    if rem:
+        scaled[-1] = blocks[-1] / absmax[-1].clamp(min=1e-38)
+    scaled = scaled.clamp(-1, 1).reshape(-1)[:n]
+    codes = torch.bucketize(scaled, _NF4_BOUNDS.to(flat.device)).to(torch.uint8)
+    return codes, absmax
+
+
+def _pack(codes: Tensor) -> Tensor:
+    """Two 4-bit codes per byte, first in the high nibble; an odd tail is padded with the code of 0.0."""
+    if codes.numel() % 2:
+        zero_code = torch.bucketize(torch.zeros(1), _NF4_BOUNDS).to(torch.uint8).to(codes.device)
+        codes = torch.cat([codes, zero_code])
+    return (codes[0::2] << 4) | codes[1::2]
+
+
+def _unpack(packed: Tensor, n: int) -> Tensor:
+    return torch.stack([packed >> 4, packed & 0x0F], dim=1).reshape(-1)[:n]
+
+
+@functools.cache
+def _dynamic_lut() -> Tensor:
+    """Code index for each of 65536 evenly spaced points of [-1, 1] (bitsandbytes' CPU lookup table).
+
+    Point ``i`` is ``-1 + 2i/65535`` and takes the code whose midpoint interval
+    holds it (ties to the lower code).
+    """
+    code = dynamic_map()
+    mids = 0.5 * (code[:-1] + code[1:])
+    points = -1.0 + (2.0 * torch.arange(_LUT_SIZE, dtype=torch.float32)) / (_LUT_SIZE - 1)
+    return torch.searchsorted(mids, points, side="left").to(torch.uint8)
+
+
+def quantize_blockwise_8bit(x: Tensor, blocksize: int = ABSMAX_BLOCKSIZE) -> tuple[Tensor, Tensor]:
+    """8-bit blockwise quantization with the dynamic map: (uint8 codes, fp32 absmax per block).
+
+    Follows bitsandbytes' CPU kernel rather than an exact nearest-code search:
+    each value times the reciprocal of its block's absmax is rounded to one of
+    65536 grid points of [-1, 1], and the grid point's nearest code is taken.
+    This differs from the exact nearest code only within half a grid step
+    (1.5e-5) of a midpoint between codes; an all-zero block gets code 0.
+    """
+    n = x.numel()
+    blocks = _blocks(x.float().reshape(-1), blocksize)
+    absmax = blocks.abs().amax(dim=1)
+    normed = (blocks * (1.0 / absmax).unsqueeze(1)).clamp(-1.0, 1.0)
+    # Same float32 operation sequence as the C kernel: ((v + 1) * 0.5) * 65535 + 0.5, truncated.
+    grid = ((normed + 1.0) * 0.5 * (_LUT_SIZE - 1) + 0.5).to(torch.int64)
+    codes = _dynamic_lut().to(x.device)[grid.clamp(0, _LUT_SIZE - 1)]
+    codes = torch.where((absmax == 0).unsqueeze(1), 0, codes)
+    return codes.reshape(-1)[:n].to(torch.uint8), absmax
+
+
+def dequantize_blockwise_8bit(codes: Tensor, absmax: Tensor, blocksize: int = ABSMAX_BLOCKSIZE) -> Tensor:
+    """Inverse of :func:`quantize_blockwise_8bit`, in fp32."""
+    values = dynamic_map().to(codes.device)[codes.long()]
+    n = values.numel()
+    return (_blocks(values, blocksize) * absmax.unsqueeze(1)).reshape(-1)[:n]
+
+
+def quantize_nf4(w: Tensor, blocksize: int = 64, double_quant: bool = True, name: str = "weight") -> NF4Tensor:
+    """Quantize ``w`` to NF4 in blocks of ``blocksize`` (bitsandbytes' ``quantize_4bit(..., quant_type="nf4")``).
+
+    A last block shorter than ``blocksize`` is scaled by its own absmax, as in
+    bitsandbytes. ``name`` labels the tensor in error messages.
+    """
+    if blocksize not in BLOCKSIZES:
+        raise QuantError(f"{name}: NF4 blocksize must be one of {BLOCKSIZES}, got {blocksize}")
+    _check_weight(w, name)
+    codes, absmax = _quantize_4bit_codes(w.detach().reshape(-1).float(), blocksize)
+    scale = offset = None
+    if double_quant:
+        offset = absmax.mean()
+        absmax, scale = quantize_blockwise_8bit(absmax - offset)
+    return NF4Tensor(_pack(codes), absmax, scale, offset, w.shape, w.dtype, blocksize)
+
+
+def nf4_absmax(q: NF4Tensor) -> Tensor:
+    """The fp32 absmax of every block (decompressed when double-quantized)."""
+    if not q.double_quant:
+        return q.absmax
+    return dequantize_blockwise_8bit(q.absmax, q.absmax_scale) + q.absmax_offset
+
+
+def dequantize_nf4(q: NF4Tensor, dtype: torch.dtype | None = None) -> Tensor:
+    """The weight ``q`` stands for, in ``dtype`` (default: the dtype it was quantized from).
+
+    Values are formed in fp32 (code times block absmax) and rounded once to ``dtype``.
+    """
+    n = q.numel
+    values = NF4_CODE.to(q.codes.device)[_unpack(q.codes, n).long()]
+    values = (_blocks(values, q.blocksize) * nf4_absmax(q).unsqueeze(1)).reshape(-1)[:n]
+    return values.to(dtype or q.dtype).view(q.shape)
+
+
+class _NF4LinearFn(torch.autograd.Function):
+    """``x @ W.T + b`` with W dequantized on the fly, in forward and again in backward.
+
+    Nothing weight-sized is saved for backward: the frozen weight gets no
+    gradient, and grad_input needs W, which is rebuilt from the packed codes.
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, bias: Tensor | None, q: NF4Tensor) -> Tensor:
+        ctx.q = q
+        ctx.has_bias = bias is not None
+        return F.linear(x, dequantize_nf4(q, x.dtype), bias)
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        grad_x = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            grad_x = grad_out @ dequantize_nf4(ctx.q, grad_out.dtype)
+        if ctx.has_bias and ctx.needs_input_grad[1]:
+            grad_bias = grad_out.reshape(-1, grad_out.shape[-1]).sum(0)
+        return grad_x, grad_bias, None
+
+
+class NF4Linear(nn.Module):
+    """A frozen linear layer whose weight is stored in NF4.
+
+    State dict keys (all plain tensors, safetensors-friendly): ``weight_codes``,
+    ``weight_absmax`` and, when double-quantized, ``weight_absmax_scale`` and
+    ``weight_absmax_offset``; plus ``bias`` if any. ``weight`` returns the
+    dequantized weight (what LoRA merges into).
+    """
+
+    linear_like = True
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        dtype: torch.dtype = torch.float32,
+        blocksize: int = 64,
+        double_quant: bool = True,
+        device: torch.device | str | None = None,
+    ):
+        super().__init__()
+        if blocksize not in BLOCKSIZES:
+            raise QuantError(f"NF4 blocksize must be one of {BLOCKSIZES}, got {blocksize}")
+        if dtype not in SUPPORTED_DTYPES:
+            raise QuantError(f"NF4Linear dtype must be float32/bfloat16/float16, got {dtype}")
+        self.in_features, self.out_features = in_features, out_features
+        self.dtype, self.blocksize = dtype, blocksize
+        numel = in_features * out_features
+        n_blocks = -(-numel // blocksize)
+        self.register_buffer("weight_codes", torch.zeros(-(-numel // 2), dtype=torch.uint8, device=device))
+        if double_quant:
+            self.register_buffer("weight_absmax", torch.zeros(n_blocks, dtype=torch.uint8, device=device))
+            n_scales = -(-n_blocks // ABSMAX_BLOCKSIZE)
+            self.register_buffer("weight_absmax_scale", torch.zeros(n_scales, dtype=torch.float32, device=device))
+            self.register_buffer("weight_absmax_offset", torch.zeros((), dtype=torch.float32, device=device))
+        else:
+            self.register_buffer("weight_absmax", torch.zeros(n_blocks, dtype=torch.float32, device=device))
+            self.weight_absmax_scale = self.weight_absmax_offset = None
+        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device), requires_grad=False) if bias else None
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, blocksize: int = 64, double_quant: bool = True, name: str = "weight") -> NF4Linear:
+        """Quantize ``linear``'s weight; the bias is kept as it is (frozen)."""
+        w = linear.weight
+        q = quantize_nf4(w, blocksize, double_quant, name=name)
+        layer = cls(linear.in_features, linear.out_features, linear.bias is not None, w.dtype, blocksize, double_quant, device="meta")
+        layer.weight_codes, layer.weight_absmax = q.codes, q.absmax
+        if double_quant:
+            layer.weight_absmax_scale, layer.weight_absmax_offset = q.absmax_scale, q.absmax_offset
+        if linear.bias is not None:
+            layer.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+        return layer
+
+    @property
+    def quantized(self) -> NF4Tensor:
+        shape = torch.Size((self.out_features, self.in_features))
+        return NF4Tensor(
+            self.weight_codes, self.weight_absmax, self.weight_absmax_scale, self.weight_absmax_offset, shape, self.dtype, self.blocksize
+        )
+
+    @property
+    def weight(self) -> Tensor:
+        """The dequantized weight [out_features, in_features], rebuilt on every access."""
+        return dequantize_nf4(self.quantized)
+
+    def forward(self, x: Tensor) -> Tensor:
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        return _NF4LinearFn.apply(x, bias, self.quantized)
+
+    def extra_repr(self) -> str:
+        dq = "double_quant" if self.weight_absmax_scale is not None else "fp32 absmax"
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, blocksize={self.blocksize}, {dq}"
+
+
+def quantize_model_nf4(
+    model: nn.Module, patterns: Patterns = "all-linear", blocksize: int = 64, double_quant: bool = True
+) -> list[str]:
+    """Replace the selected ``nn.Linear`` layers of ``model`` by :class:`NF4Linear`; returns their names."""
+    names = find_linears(model, patterns)
+    for name in names:
+        linear = model.get_submodule(name)
+        if not isinstance(linear, nn.Linear):
+            raise QuantError(f"{name}: NF4 replaces nn.Linear layers, found {type(linear).__name__}")
+        replace_module(model, name, NF4Linear.from_linear(linear, blocksize, double_quant, name=f"{name}.weight"))
+    return names
