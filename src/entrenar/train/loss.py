@@ -21,7 +21,9 @@ IGNORE_INDEX = -100
 
 def _check_shapes(what: str, scores: torch.Tensor, labels: torch.Tensor) -> None:
     if labels.ndim != 2 or scores.ndim != 3 or scores.shape[:2] != labels.shape:
-        raise ValueError(f"{what} must be [B, T, *] with labels [B, T]; got {tuple(scores.shape)} and {tuple(labels.shape)}")
+        raise ValueError(
+            f"{what} must be [B, T, *] with labels [B, T]; got {tuple(scores.shape)} and {tuple(labels.shape)}"
+        )
 
 
 def count_target_tokens(labels: torch.Tensor) -> int:

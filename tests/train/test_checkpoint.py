@@ -1,0 +1,290 @@
+"""Checkpoints: exact resume, atomic save under crashes, pruning, and errors that name the file."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from entrenar.errors import CheckpointError
+from entrenar.train import checkpoint as ckpt_mod
+from entrenar.train.checkpoint import (
+    best_checkpoint,
+    latest_checkpoint,
+    load_checkpoint,
+    mark_best,
+    save_checkpoint,
+)
+from entrenar.train.optim import build_optimizer, build_param_groups
+
+
+def _model(seed: int = 0, hidden: int = 16) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, hidden), nn.LayerNorm(hidden), nn.GELU(), nn.Linear(hidden, 4))
+
+
+def _optimizer(model: nn.Module, name: str) -> torch.optim.Optimizer:
+    groups = build_param_groups(model, weight_decay=0.1, lr_scale={r"^3\.": 2.0})
+    return build_optimizer(groups, name, lr=1e-2, momentum=0.9)
+
+
+def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: int) -> None:
+    """A few steps on data drawn from the global RNG, so a restored RNG draws the same data."""
+    for _ in range(steps):
+        x = torch.randn(5, 8)
+        loss = model(x).pow(2).mean() + 0.01 * np.random.rand() + 0.0 * random.random()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+def _save(run: Path, step: int, model: nn.Module, opt: torch.optim.Optimizer, **kw) -> Path:
+    state = {"lr": 1e-2, "data": {"epoch": 0, "position": step * 5}, "best_eval_loss": float("inf")}
+    return save_checkpoint(run, step, model.state_dict(), opt, state, **kw)
+
+
+@pytest.mark.parametrize("name", ["adamw", "sgd"])
+def test_resume_continues_bit_exactly(tmp_path: Path, name: str) -> None:
+    torch.manual_seed(123)
+    np.random.seed(123)
+    random.seed(123)
+    model = _model()
+    opt = _optimizer(model, name)
+    _train(model, opt, 3)
+    path = _save(tmp_path, 3, model, opt)
+    saved_opt_state = opt.state_dict()  # holds the live tensors: copy them before training on
+    saved_opt_state["state"] = {
+        pid: {k: v.clone() for k, v in st.items()} for pid, st in saved_opt_state["state"].items()
+    }
+    _train(model, opt, 2)  # the uninterrupted run
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+
+    torch.manual_seed(999)  # a new process: different weights, different RNG
+    np.random.seed(999)
+    random.seed(999)
+    model2 = _model(seed=7)
+    opt2 = _optimizer(model2, name)
+    model_state, trainer_state = load_checkpoint(tmp_path, opt2, expected_model_state=model2.state_dict())
+    model2.load_state_dict(model_state)
+    assert trainer_state == {
+        "lr": 1e-2,
+        "data": {"epoch": 0, "position": 15},
+        "best_eval_loss": float("inf"),
+        "step": 3,
+    }
+
+    restored = opt2.state_dict()
+    assert restored["param_groups"] == saved_opt_state["param_groups"]  # betas stay a tuple, names and lr_scale kept
+    for pid, state in saved_opt_state["state"].items():
+        for key, value in state.items():
+            assert torch.equal(restored["state"][pid][key], value), (pid, key)
+    _train(model2, opt2, 2)
+    for k, v in model2.state_dict().items():
+        assert torch.equal(v, expected[k]), k
+    assert path == tmp_path / "checkpoints" / "step-3"
+
+
+def test_rng_streams_continue_after_load(tmp_path: Path) -> None:
+    model = _model()
+    opt = _optimizer(model, "adamw")
+    _ = torch.rand(3), np.random.rand(), random.random(), random.gauss(0, 1)  # leaves a cached gaussian
+    _save(tmp_path, 1, model, opt)
+    uninterrupted = (torch.rand(4), np.random.rand(3), random.random(), random.gauss(0, 1))
+    torch.manual_seed(5)
+    np.random.seed(5)
+    random.seed(5)
+    load_checkpoint(tmp_path, opt)
+    resumed = (torch.rand(4), np.random.rand(3), random.random(), random.gauss(0, 1))
+    assert torch.equal(resumed[0], uninterrupted[0])
+    assert np.array_equal(resumed[1], uninterrupted[1])
+    assert resumed[2:] == uninterrupted[2:]
+
+
+def test_nothing_is_pickled(tmp_path: Path) -> None:
+    model = _model()
+    opt = _optimizer(model, "adamw")
+    _train(model, opt, 1)
+    path = _save(tmp_path, 1, model, opt)
+    assert sorted(p.name for p in path.iterdir()) == sorted(ckpt_mod.REQUIRED_FILES)
+    saved = json.loads((path / "optimizer.json").read_text())
+    assert saved["param_groups"][0]["betas"] == {"__tuple__": [0.9, 0.999]}
+    assert saved["state"]["__int_keys__"]["0"]["exp_avg"] == {"__tensor__": "state.0.exp_avg"}
+
+
+def test_crash_mid_save_keeps_previous_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    model = _model()
+    opt = _optimizer(model, "adamw")
+    _train(model, opt, 1)
+    _save(tmp_path, 1, model, opt)
+    step1_weights = {k: v.clone() for k, v in model.state_dict().items()}
+    _train(model, opt, 1)
+
+    real_save = ckpt_mod.save_file
+    calls = []
+
+    def save_then_crash(*args, **kwargs):
+        calls.append(args[1])
+        if len(calls) > 1:
+            raise OSError("disk full")
+        return real_save(*args, **kwargs)
+
+    monkeypatch.setattr(ckpt_mod, "save_file", save_then_crash)
+    with pytest.raises(OSError, match="disk full"):
+        _save(tmp_path, 2, model, opt)
+    assert Path(calls[0]).name == "model.safetensors"  # the crash came after one file was written
+    monkeypatch.undo()
+
+    ckpts = tmp_path / "checkpoints"
+    assert not (ckpts / "step-2").exists()
+    assert (ckpts / "latest").read_text().strip() == "step-1"
+    assert latest_checkpoint(tmp_path) == ckpts / "step-1"
+    model_state, trainer_state = load_checkpoint(tmp_path, _optimizer(_model(), "adamw"))
+    assert trainer_state["step"] == 1
+    assert all(torch.equal(model_state[k], step1_weights[k]) for k in step1_weights)
+
+    # A hard kill leaves the temporary folder behind: it is ignored, then cleaned by the next save.
+    (ckpts / ".tmp-step-2").mkdir()
+    (ckpts / ".tmp-step-2" / "model.safetensors").write_bytes(b"partial")
+    assert latest_checkpoint(tmp_path) == ckpts / "step-1"
+    _save(tmp_path, 2, model, opt)
+    assert latest_checkpoint(tmp_path) == ckpts / "step-2"
+    assert not (ckpts / ".tmp-step-2").exists()
+
+
+def test_incomplete_checkpoint_is_skipped_and_refused(tmp_path: Path) -> None:
+    model = _model()
+    opt = _optimizer(model, "sgd")
+    _save(tmp_path, 1, model, opt)
+    broken = _save(tmp_path, 2, model, opt)
+    (broken / "optimizer.json").unlink()
+    assert latest_checkpoint(tmp_path) == tmp_path / "checkpoints" / "step-1"
+    (tmp_path / "checkpoints" / "latest").unlink()  # no pointer: fall back to the highest complete step
+    assert latest_checkpoint(tmp_path) == tmp_path / "checkpoints" / "step-1"
+    with pytest.raises(CheckpointError, match=r"step-2: incomplete checkpoint, missing optimizer.json"):
+        load_checkpoint(broken, opt)
+    assert latest_checkpoint(tmp_path / "elsewhere") is None
+    with pytest.raises(CheckpointError, match="no complete checkpoint"):
+        load_checkpoint(_empty_run(tmp_path), opt)
+
+
+def _empty_run(tmp_path: Path) -> Path:
+    run = tmp_path / "empty-run"
+    (run / "checkpoints").mkdir(parents=True)
+    return run
+
+
+def test_keep_last_spares_the_best(tmp_path: Path) -> None:
+    model = _model()
+    opt = _optimizer(model, "sgd")
+    for step in range(1, 6):
+        _save(tmp_path, step, model, opt, keep_last=2)
+        if step == 2:
+            mark_best(tmp_path, 2)
+    names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if p.is_dir())
+    assert names == ["step-2", "step-4", "step-5"]
+    assert best_checkpoint(tmp_path) == tmp_path / "checkpoints" / "step-2"
+    with pytest.raises(CheckpointError, match="step-3: cannot mark as best"):
+        mark_best(tmp_path, 3)
+    with pytest.raises(CheckpointError, match="keep_last"):
+        _save(tmp_path, 6, model, opt, keep_last=0)
+
+
+def test_saving_a_step_again_replaces_it(tmp_path: Path) -> None:
+    model = _model()
+    opt = _optimizer(model, "sgd")
+    _save(tmp_path, 1, model, opt)
+    with torch.no_grad():
+        model[0].weight.add_(1.0)
+    _save(tmp_path, 1, model, opt)
+    model_state, _ = load_checkpoint(tmp_path)
+    assert torch.equal(model_state["0.weight"], model[0].weight)
+
+
+def test_tied_tensors_are_saved(tmp_path: Path) -> None:
+    model = _model()
+    state = dict(model.state_dict())
+    state["tied.weight"] = state["0.weight"]  # shares storage, as tied embeddings do
+    save_checkpoint(tmp_path, 1, state, _optimizer(model, "sgd"), {})
+    loaded, trainer = load_checkpoint(tmp_path)
+    assert torch.equal(loaded["tied.weight"], model[0].weight) and trainer == {"step": 1}
+
+
+def test_model_mismatch_names_file_and_tensor(tmp_path: Path) -> None:
+    model = _model()
+    _save(tmp_path, 1, model, _optimizer(model, "adamw"))
+    other = _model(hidden=12)
+    with pytest.raises(
+        CheckpointError, match=r"model.safetensors: tensor '0.weight' has shape \(16, 8\), the model has \(12, 8\)"
+    ):
+        load_checkpoint(tmp_path, expected_model_state=other.state_dict())
+    renamed = {"x." + k: v for k, v in model.state_dict().items()}
+    with pytest.raises(CheckpointError, match=r"model.safetensors: tensor 'x.0.weight' of the model is missing"):
+        load_checkpoint(tmp_path, expected_model_state=renamed)
+    fewer = {k: v for k, v in model.state_dict().items() if k != "3.bias"}
+    with pytest.raises(CheckpointError, match=r"tensor '3.bias' is not in the model"):
+        load_checkpoint(tmp_path, expected_model_state=fewer)
+
+
+def test_optimizer_mismatch_names_the_parameter(tmp_path: Path) -> None:
+    model = _model()
+    opt = _optimizer(model, "adamw")
+    _train(model, opt, 1)
+    _save(tmp_path, 1, model, opt)
+    other = _model(hidden=12)
+    other_opt = _optimizer(other, "adamw")
+    before = torch.get_rng_state()
+    with pytest.raises(
+        CheckpointError,
+        match=r"optimizer.safetensors: tensor 'state.0.exp_avg' \(parameter '0.weight'\) has shape \(16, 8\)",
+    ):
+        load_checkpoint(tmp_path, other_opt)
+    assert torch.equal(torch.get_rng_state(), before)  # a refused checkpoint changes nothing
+    assert not other_opt.state
+
+    frozen = _model()
+    frozen[1].requires_grad_(False)  # the LayerNorm leaves the no-decay group
+    with pytest.raises(CheckpointError, match="optimizer.json: group 1 has 3 parameters saved, the optimizer has 1"):
+        load_checkpoint(tmp_path, _optimizer(frozen, "adamw"))
+
+
+def test_corrupt_files_are_named(tmp_path: Path) -> None:
+    model = _model()
+    path = _save(tmp_path, 1, model, _optimizer(model, "adamw"))
+    data = (path / "model.safetensors").read_bytes()
+    (path / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match=r"step-1/model.safetensors: corrupt safetensors file"):
+        load_checkpoint(path)
+    (path / "model.safetensors").write_bytes(data)
+    (path / "trainer.json").write_text('{\n  "step": 1,\n  oops\n}')
+    with pytest.raises(CheckpointError, match=r"step-1/trainer.json: corrupt JSON at line 3"):
+        load_checkpoint(path)
+    (path / "trainer.json").write_text('{"format_version": 99, "step": 1}')
+    with pytest.raises(CheckpointError, match="unsupported format_version 99"):
+        load_checkpoint(path)
+    with pytest.raises(CheckpointError, match="no run folder or checkpoint"):
+        load_checkpoint(tmp_path / "missing")
+
+
+def test_trainer_state_must_be_json(tmp_path: Path) -> None:
+    model = _model()
+    with pytest.raises(TypeError, match="JSON-serialisable"):
+        save_checkpoint(tmp_path, 1, model.state_dict(), _optimizer(model, "sgd"), {"when": object()})
+    with pytest.raises(ValueError, match="'step'"):
+        save_checkpoint(tmp_path, 1, model.state_dict(), _optimizer(model, "sgd"), {"step": 2})
+    assert not (tmp_path / "checkpoints").exists() or not any((tmp_path / "checkpoints").iterdir())
+
+
+def test_fused_choice_is_not_taken_from_the_checkpoint(tmp_path: Path) -> None:
+    model = _model()
+    fused = build_optimizer(build_param_groups(model, 0.1), "adamw", lr=1e-3, fused=True)
+    _train(model, fused, 1)
+    save_checkpoint(tmp_path, 1, model.state_dict(), fused, {})
+    plain = build_optimizer(build_param_groups(model, 0.1), "adamw", lr=1e-3, fused=False)
+    load_checkpoint(tmp_path, plain)
+    assert all(not g["fused"] for g in plain.param_groups)
+    assert all(torch.equal(plain.state[p]["exp_avg"], fused.state[p]["exp_avg"]) for p in model.parameters())
