@@ -1,0 +1,264 @@
+"""Run metrics: one JSON line per optimizer step in ``<run>/metrics.jsonl``, a closing summary, a loss plot.
+
+Train lines: ``{"step", "loss", "grad_norm", "lr", "tokens", "total_tokens",
+"tokens_per_s", "elapsed_s"}`` plus ``"peak_mem_gb"`` on CUDA. Eval lines:
+``{"step", "eval_loss", "eval_ppl"}``. Non-finite numbers are written as
+``null`` so the file stays strict JSON. Step numbers are whatever the loop
+counts, and must be the same count its checkpoints use, since resuming at
+step N drops every line after N.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from entrenar.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
+
+METRICS_FILE = "metrics.jsonl"
+
+
+def _number(value: Any) -> float | None:
+    value = float(value)  # also 0-dim tensors
+    return value if math.isfinite(value) else None
+
+
+def _parse_lines(path: Path, data: bytes) -> list[tuple[bytes, dict]]:
+    """Complete lines of a metrics file with their parsed records.
+
+    A last line without its newline is a write cut short by a crash and is
+    dropped; any other line that is not a JSON object with a "step" is an error.
+    """
+    lines = data.split(b"\n")[:-1]  # the piece after the last newline is empty or cut short
+    parsed = []
+    for number, line in enumerate(lines, start=1):
+        try:
+            record = json.loads(line)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{path}:{number}: not a JSON line ({e})") from None
+        if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+            raise CheckpointError(f"{path}:{number}: a metrics line must be a JSON object with an integer 'step'")
+        parsed.append((line, record))
+    return parsed
+
+
+def read_metrics(path: str | os.PathLike) -> list[dict]:
+    """All complete records of a ``metrics.jsonl`` file, in order."""
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: metrics file is missing") from None
+    return [record for _, record in _parse_lines(path, data)]
+
+
+class MetricsLogger:
+    """Append-only JSONL log of a run, one flushed line per call.
+
+    ``resume_step=None`` starts a new run and replaces any existing file;
+    ``resume_step=N`` keeps the lines with ``step <= N`` (rewritten atomically,
+    byte for byte) and carries on from them: elapsed time, total tokens and the
+    best eval loss continue where step N left them. ``clock`` is injectable for
+    tests.
+    """
+
+    def __init__(
+        self,
+        run_dir: str | os.PathLike,
+        resume_step: int | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.path = Path(run_dir) / METRICS_FILE
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._clock = clock
+        self.total_tokens = 0
+        self.last_step: int | None = None
+        self.last_loss: float | None = None
+        self.best_eval: tuple[int, float] | None = None  # (step, eval_loss)
+        self._elapsed_before = 0.0
+        kept: list[bytes] = []
+        if resume_step is not None and self.path.exists():
+            for line, record in _parse_lines(self.path, self.path.read_bytes()):
+                if record["step"] <= resume_step:
+                    kept.append(line)
+                    self._absorb(record)
+        self._rewrite(kept)
+        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (held open until close())
+        self._start = self._last = clock()
+
+    def _rewrite(self, lines: list[bytes]) -> None:
+        # Through a temporary file and a rename: a crash here leaves the old file whole.
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        with open(tmp, "wb") as f:
+            f.writelines(line + b"\n" for line in lines)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)
+
+    def _absorb(self, record: dict) -> None:
+        if "loss" in record:
+            self.last_step, self.last_loss = record["step"], record["loss"]
+            self.total_tokens = record.get("total_tokens", self.total_tokens)
+            self._elapsed_before = record.get("elapsed_s", self._elapsed_before)
+        if record.get("eval_loss") is not None and (self.best_eval is None or record["eval_loss"] < self.best_eval[1]):
+            self.best_eval = (record["step"], record["eval_loss"])
+
+    @property
+    def elapsed_s(self) -> float:
+        """Training wall time, including the time before a resume."""
+        return self._elapsed_before + (self._clock() - self._start)
+
+    def _write(self, record: dict) -> None:
+        self._file.write(json.dumps(record, allow_nan=False) + "\n")
+        self._file.flush()
+
+    def log_step(
+        self,
+        step: int,
+        loss: float | torch.Tensor,
+        grad_norm: float | torch.Tensor | None,
+        lr: float,
+        tokens: int,
+        step_time_s: float | None = None,
+    ) -> dict:
+        """Log one optimizer step; ``tokens`` are those processed in it.
+
+        Throughput is ``tokens / step_time_s``, or over the wall time since the
+        previous call (or since construction) when ``step_time_s`` is None.
+        Returns the record written.
+        """
+        now = self._clock()
+        seconds = step_time_s if step_time_s is not None else now - self._last
+        self._last = now
+        self.total_tokens += int(tokens)
+        record: dict[str, Any] = {
+            "step": int(step),
+            "loss": _number(loss),
+            "grad_norm": None if grad_norm is None else _number(grad_norm),
+            "lr": float(lr),
+            "tokens": int(tokens),
+            "total_tokens": self.total_tokens,
+            "tokens_per_s": round(tokens / seconds, 1) if seconds > 0 else None,
+            "elapsed_s": round(self.elapsed_s, 3),
+        }
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            record["peak_mem_gb"] = round(torch.cuda.max_memory_allocated() / 1e9, 3)
+        self._write(record)
+        self.last_step, self.last_loss = record["step"], record["loss"]
+        return record
+
+    def log_eval(self, step: int, eval_loss: float | torch.Tensor) -> bool:
+        """Log an evaluation; returns True when it is the best (lowest) eval loss so far."""
+        loss = _number(eval_loss)
+        try:
+            ppl = _number(math.exp(loss)) if loss is not None else None
+        except OverflowError:
+            ppl = None
+        self._write({"step": int(step), "eval_loss": loss, "eval_ppl": ppl})
+        if loss is None or (self.best_eval is not None and loss >= self.best_eval[1]):
+            return False
+        self.best_eval = (int(step), loss)
+        return True
+
+    def summary(self, checkpoint: str | os.PathLike | None = None) -> str:
+        """The closing summary of this run so far (see :func:`summary`)."""
+        return summary(
+            steps=self.last_step or 0,
+            elapsed_s=self.elapsed_s,
+            final_loss=self.last_loss,
+            tokens=self.total_tokens,
+            checkpoint=checkpoint,
+            best_eval=self.best_eval,
+        )
+
+    def close(self) -> None:
+        self._file.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def format_duration(seconds: float) -> str:
+    """``12.3s``, ``4m 05s`` or ``1h 02m 03s``."""
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    whole = round(seconds)
+    hours, rest = divmod(whole, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours}h {minutes:02d}m {secs:02d}s" if hours else f"{minutes}m {secs:02d}s"
+
+
+def summary(
+    *,
+    steps: int,
+    elapsed_s: float,
+    final_loss: float | None = None,
+    tokens: int | None = None,
+    checkpoint: str | os.PathLike | None = None,
+    best_eval: tuple[int, float] | None = None,
+) -> str:
+    """Format the end-of-training summary, one aligned ``key  value`` row per fact."""
+    rows = [("steps", f"{steps:,}"), ("time", format_duration(elapsed_s))]
+    if final_loss is not None:
+        rows.append(("final loss", f"{final_loss:.4f}"))
+    if tokens:
+        rate = f"{tokens / elapsed_s:,.0f} tokens/s" if elapsed_s > 0 else "n/a"
+        rows.append(("throughput", f"{rate} ({tokens:,} tokens)"))
+    if best_eval is not None:
+        step, loss = best_eval
+        ppl = math.exp(loss) if loss < 700 else math.inf
+        rows.append(("best eval", f"loss {loss:.4f} (ppl {ppl:.2f}) at step {step:,}"))
+    if checkpoint is not None:
+        rows.append(("checkpoint", str(checkpoint)))
+    width = max(len(key) for key, _ in rows)
+    return "\n".join(f"{key:<{width}}  {value}" for key, value in rows)
+
+
+def plot_loss_curve(metrics_path: str | os.PathLike, out_png: str | os.PathLike) -> Path | None:
+    """Draw train (line) and eval (dots) loss against step into ``out_png``.
+
+    Needs matplotlib (``pip install 'entrenar[plot]'``); without it, warns and
+    returns None. Uses the Agg canvas directly, so no global backend is changed.
+    """
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        warnings.warn("matplotlib is not installed (pip install 'entrenar[plot]'): loss curve skipped", stacklevel=2)
+        return None
+    records = read_metrics(metrics_path)
+    train = [(r["step"], r["loss"]) for r in records if r.get("loss") is not None]
+    evals = [(r["step"], r["eval_loss"]) for r in records if r.get("eval_loss") is not None]
+    if not train and not evals:
+        raise CheckpointError(f"{metrics_path}: no loss values to plot")
+
+    fig = Figure(figsize=(7, 4), dpi=100)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    if train:
+        ax.plot(*zip(*train), linewidth=1, label="train loss")
+    if evals:
+        ax.plot(*zip(*evals), "o-", markersize=4, label="eval loss")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("loss (nats/token)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    out = Path(out_png)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out)
+    return out
