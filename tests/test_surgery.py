@@ -16,8 +16,12 @@ peft = pytest.importorskip("peft")
 def tiny_llama() -> nn.Module:
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
-        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=128, vocab_size=128,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=128,
     )
     return transformers.LlamaForCausalLM(config)
 

@@ -96,7 +96,9 @@ def find_linears(model: nn.Module, patterns: Patterns, *, strict: bool = True) -
         heads = _output_head_names(model, linears)
         found = [name for name in linear_names if name not in heads]
         if not found:
-            raise AdapterError(f"target_modules 'all-linear' found no linear layer besides the output head in {type(model).__name__}")
+            raise AdapterError(
+                f"target_modules 'all-linear' found no linear layer besides the output head in {type(model).__name__}"
+            )
         return found
 
     all_names = [name for name, _ in model.named_modules() if name]
@@ -106,7 +108,9 @@ def find_linears(model: nn.Module, patterns: Patterns, *, strict: bool = True) -
     else:
         patterns = list(patterns)
         if not patterns or not all(isinstance(p, str) and p for p in patterns):
-            raise AdapterError(f"target_modules must be 'all-linear', a regex string or a non-empty list of names, got {patterns!r}")
+            raise AdapterError(
+                f"target_modules must be 'all-linear', a regex string or a non-empty list of names, got {patterns!r}"
+            )
         hits = [name for name in all_names if any(_matches(name, p) for p in patterns)]
 
     not_linear = [name for name in hits if name not in linears and not _inside_linear(name, linears)]
