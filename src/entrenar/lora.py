@@ -1,0 +1,547 @@
+"""LoRA adapters, injected into any ``nn.Module`` from outside, in PEFT's on-disk format.
+
+A LoRA layer adds a trainable low-rank update to a frozen linear layer:
+``y = base(x) + B(A(dropout(x))) * scaling`` with ``scaling = alpha / r``
+(or ``alpha / sqrt(r)`` with rsLoRA). ``B`` starts at zero, so a freshly
+wrapped model computes exactly what it did before.
+
+Adapter dtype: adapters take the base weight's dtype, upcast to float32 when
+that is float16/bfloat16 or not floating point at all (quantized bases). This
+is PEFT's default (``autocast_adapter_dtype=True``) and what QLoRA wants:
+small fp32 adapters on a low-precision base. The adapter path runs in the
+adapter dtype and its sum with the base output is cast back to the base
+output's dtype.
+
+On disk an adapter is a folder with ``adapter_config.json`` and
+``adapter_model.safetensors`` whose keys are
+``base_model.model.<module name>.lora_A.weight`` / ``.lora_B.weight``, so
+``peft.PeftModel.from_pretrained`` reads what :func:`save_adapter` writes and
+:func:`load_adapter` reads what PEFT's ``save_pretrained`` writes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from entrenar.errors import AdapterError
+from entrenar.surgery import ALL_LINEAR, find_linears, replace_module
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+PEFT_PREFIX = "base_model.model."
+
+# PEFT config fields whose non-default values change what an adapter means (LoRA variants
+# such as DoRA, per-module ranks, extra trained modules). entrenar implements plain LoRA,
+# so an adapter that sets any of them is refused, not misread.
+_UNSUPPORTED_PEFT_FIELDS = (
+    "use_dora",
+    "use_bdlora",
+    "velora_config",
+    "monteclora_config",
+    "arrow_config",
+    "kasa_config",
+    "fan_in_fan_out",
+    "lora_bias",
+    "modules_to_save",
+    "layers_to_transform",
+    "rank_pattern",
+    "alpha_pattern",
+    "exclude_modules",
+    "target_parameters",
+    "trainable_token_indices",
+    "layer_replication",
+    "use_qalora",
+    "alora_invocation_tokens",
+)
+_VARIANT_INITS = ("mica",)  # init_lora_weights values that select a variant with its own forward
+
+
+def _check_hparams(r: Any, alpha: Any, dropout: Any, where: str) -> None:
+    if isinstance(r, bool) or not isinstance(r, int) or r <= 0:
+        raise AdapterError(f"{where}: r must be a positive integer, got {r!r}")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not alpha > 0 or not math.isfinite(alpha):
+        raise AdapterError(f"{where}: alpha must be a positive number, got {alpha!r}")
+    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
+        raise AdapterError(f"{where}: dropout must be in [0, 1), got {dropout!r}")
+
+
+def lora_scaling(r: int, alpha: float, use_rslora: bool) -> float:
+    """``alpha / r``, or ``alpha / sqrt(r)`` for rank-stabilized LoRA (Kalajdzievski, 2023)."""
+    return alpha / math.sqrt(r) if use_rslora else alpha / r
+
+
+@dataclass
+class LoraConfig:
+    """What to adapt and how. ``target_modules`` follows PEFT (see :mod:`entrenar.surgery`)."""
+
+    r: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: list[str] | str = ALL_LINEAR
+    use_rslora: bool = False
+    bias: str = "none"
+
+    def __post_init__(self) -> None:
+        _check_hparams(self.r, self.alpha, self.dropout, "LoraConfig")
+        if isinstance(self.target_modules, (list, tuple)):
+            if not self.target_modules or not all(isinstance(t, str) and t for t in self.target_modules):
+                raise AdapterError(
+                    f"LoraConfig: target_modules must be a non-empty list of names, got {self.target_modules!r}"
+                )
+            self.target_modules = list(self.target_modules)
+        elif not isinstance(self.target_modules, str) or not self.target_modules:
+            raise AdapterError(
+                f"LoraConfig: target_modules must be 'all-linear', a regex or a list of names, got {self.target_modules!r}"
+            )
+        elif self.target_modules.lower() == ALL_LINEAR:
+            self.target_modules = ALL_LINEAR
+        if not isinstance(self.use_rslora, bool):
+            raise AdapterError(f"LoraConfig: use_rslora must be true or false, got {self.use_rslora!r}")
+        if self.bias != "none":
+            raise AdapterError(f"LoraConfig: bias must be 'none' (training biases is not supported), got {self.bias!r}")
+
+    @property
+    def scaling(self) -> float:
+        return lora_scaling(self.r, self.alpha, self.use_rslora)
+
+    def to_peft(self, target_modules: list[str] | str, base_model_name_or_path: str | None) -> dict[str, Any]:
+        """The ``adapter_config.json`` content PEFT expects (every field PEFT reads for plain LoRA)."""
+        alpha = int(self.alpha) if float(self.alpha).is_integer() else self.alpha
+        return {
+            "peft_type": "LORA",
+            "task_type": "CAUSAL_LM",
+            "base_model_name_or_path": base_model_name_or_path,
+            "revision": None,
+            "inference_mode": True,
+            "r": self.r,
+            "lora_alpha": alpha,
+            "lora_dropout": self.dropout,
+            "target_modules": target_modules,
+            "use_rslora": self.use_rslora,
+            "bias": self.bias,
+            "fan_in_fan_out": False,
+            "init_lora_weights": True,
+            "use_dora": False,
+            "lora_bias": False,
+            "modules_to_save": None,
+            "exclude_modules": None,
+            "layers_to_transform": None,
+            "layers_pattern": None,
+            "rank_pattern": {},
+            "alpha_pattern": {},
+        }
+
+    @classmethod
+    def from_peft(cls, raw: dict[str, Any], source: str) -> LoraConfig:
+        """Read a PEFT ``adapter_config.json`` dict; ``source`` names the file in errors."""
+        if raw.get("peft_type") != "LORA":
+            raise AdapterError(f"{source}: peft_type is {raw.get('peft_type')!r}; only 'LORA' adapters are supported")
+        for key in ("r", "lora_alpha", "target_modules"):
+            if raw.get(key) is None:
+                raise AdapterError(f"{source}: missing {key!r}")
+        for key in _UNSUPPORTED_PEFT_FIELDS:
+            if raw.get(key) not in (None, False, {}, []):
+                raise AdapterError(
+                    f"{source}: {key}={raw[key]!r} is not supported (entrenar loads plain LoRA adapters)"
+                )
+        if raw.get("init_lora_weights") in _VARIANT_INITS:
+            raise AdapterError(
+                f"{source}: init_lora_weights={raw['init_lora_weights']!r} is a LoRA variant entrenar does not support"
+            )
+        try:
+            return cls(
+                r=raw["r"],
+                alpha=raw["lora_alpha"],
+                dropout=raw.get("lora_dropout", 0.0),
+                target_modules=raw["target_modules"],
+                use_rslora=raw.get("use_rslora", False),
+                bias=raw.get("bias", "none"),
+            )
+        except AdapterError as err:
+            raise AdapterError(f"{source}: {err}") from None
+
+
+def adapter_dtype(base_dtype: torch.dtype) -> torch.dtype:
+    """The dtype adapters get on a base of ``base_dtype`` (see the module docstring)."""
+    if base_dtype.is_floating_point and base_dtype not in (torch.float16, torch.bfloat16):
+        return base_dtype
+    return torch.float32
+
+
+class LoraLinear(nn.Module):
+    """A frozen linear-like ``base_layer`` plus a trainable low-rank update.
+
+    The base may be any module with ``in_features``, ``out_features`` and a
+    ``weight`` (an ``nn.Linear``, an NF4 or a fake-quant linear): only
+    ``base_layer(x)`` is called in forward and ``base_layer.weight`` is
+    touched only to merge.
+    """
+
+    linear_like = True  # a target for entrenar.surgery, which will not look inside it
+
+    def __init__(
+        self, base_layer: nn.Module, r: int, alpha: float, dropout: float = 0.0, use_rslora: bool = False
+    ) -> None:
+        super().__init__()
+        _check_hparams(r, alpha, dropout, "LoraLinear")
+        in_features = getattr(base_layer, "in_features", None)
+        out_features = getattr(base_layer, "out_features", None)
+        weight = getattr(base_layer, "weight", None)
+        if (
+            not isinstance(in_features, int)
+            or not isinstance(out_features, int)
+            or not isinstance(weight, torch.Tensor)
+        ):
+            raise AdapterError(
+                f"LoRA needs a linear layer with in_features, out_features and weight; got {type(base_layer).__name__}"
+            )
+        self.base_layer = base_layer
+        self.in_features, self.out_features = in_features, out_features
+        self.r, self.alpha, self.use_rslora = r, alpha, use_rslora
+        self.scaling = lora_scaling(r, alpha, use_rslora)
+        self.merged = False
+        dtype = adapter_dtype(weight.dtype)
+        self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        self.lora_A = nn.Linear(in_features, r, bias=False, device=weight.device, dtype=dtype)
+        self.lora_B = nn.Linear(r, out_features, bias=False, device=weight.device, dtype=dtype)
+        self.reset_lora_parameters()
+        base_layer.requires_grad_(False)
+        self.train(base_layer.training)
+
+    def reset_lora_parameters(self) -> None:
+        """A as ``nn.Linear``'s default (Kaiming uniform, a=sqrt(5)), B zero: the update starts at zero."""
+        nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))
+        nn.init.zeros_(self.lora_B.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        result = self.base_layer(x)
+        if self.merged:
+            return result
+        h = self.lora_dropout(x.to(self.lora_A.weight.dtype))
+        return (result + self.lora_B(self.lora_A(h)) * self.scaling).to(result.dtype)
+
+    def delta_weight(self) -> torch.Tensor:
+        """``B @ A * scaling`` in float32: what merging adds to the base weight."""
+        return (self.lora_B.weight.float() @ self.lora_A.weight.float()) * self.scaling
+
+    def _base_weight(self) -> torch.Tensor:
+        weight = self.base_layer.weight
+        if not weight.is_floating_point():
+            raise AdapterError(
+                f"cannot merge LoRA into a {type(self.base_layer).__name__} with {weight.dtype} weights; dequantize the base first"
+            )
+        return weight
+
+    @torch.no_grad()
+    def merge(self) -> None:
+        """Fold the update into the base weight; forward then skips the adapter."""
+        if not self.merged:
+            self._base_weight().add_(self.delta_weight().to(self.base_layer.weight.device))
+            self.merged = True
+
+    @torch.no_grad()
+    def unmerge(self) -> None:
+        """Take a merged update back out of the base weight."""
+        if self.merged:
+            self._base_weight().sub_(self.delta_weight().to(self.base_layer.weight.device))
+            self.merged = False
+
+    def extra_repr(self) -> str:
+        return f"r={self.r}, alpha={self.alpha}, scaling={self.scaling:.4g}, merged={self.merged}"
+
+
+def lora_layers(model: nn.Module) -> Iterator[tuple[str, LoraLinear]]:
+    """``(name, layer)`` for every LoRA layer of ``model``."""
+    for name, module in model.named_modules():
+        if isinstance(module, LoraLinear):
+            yield name, module
+
+
+def _require_lora(model: nn.Module) -> list[tuple[str, LoraLinear]]:
+    layers = list(lora_layers(model))
+    if not layers:
+        raise AdapterError(f"{type(model).__name__} has no LoRA layers; call apply_lora or load_adapter first")
+    return layers
+
+
+def _refuse_second_adapter(model: nn.Module) -> None:
+    existing = next(lora_layers(model), None)
+    if existing is not None:
+        raise AdapterError(
+            f"{type(model).__name__} already has LoRA layers ({existing[0]}, ...); entrenar holds one adapter per model"
+        )
+
+
+def _wrap(model: nn.Module, names: Sequence[str], cfg: LoraConfig) -> None:
+    _refuse_second_adapter(model)
+    layers = {}
+    for name in names:  # build every wrapper before swapping any, so a bad layer leaves the model whole
+        try:
+            layers[name] = LoraLinear(model.get_submodule(name), cfg.r, cfg.alpha, cfg.dropout, cfg.use_rslora)
+        except AdapterError as err:
+            raise AdapterError(f"{name}: {err}") from None
+    model.requires_grad_(False)  # the new adapters are not in the model yet and stay trainable
+    for name, layer in layers.items():
+        replace_module(model, name, layer)
+
+
+def apply_lora(model: nn.Module, cfg: LoraConfig) -> list[str]:
+    """Wrap the layers ``cfg.target_modules`` selects and freeze everything else; return their names."""
+    _refuse_second_adapter(model)
+    names = find_linears(model, cfg.target_modules)
+    _wrap(model, names, cfg)
+    return names
+
+
+def lora_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The adapter parameters (A and B of every LoRA layer), for the optimizer."""
+    return [p for _, layer in _require_lora(model) for p in (layer.lora_A.weight, layer.lora_B.weight)]
+
+
+def merge_lora(model: nn.Module) -> list[str]:
+    """Merge every LoRA layer into its base weight; return the names merged now."""
+    merged = []
+    for name, layer in _require_lora(model):
+        if not layer.merged:
+            try:
+                layer.merge()
+            except AdapterError as err:
+                raise AdapterError(f"{name}: {err}") from None
+            merged.append(name)
+    return merged
+
+
+def unmerge_lora(model: nn.Module) -> list[str]:
+    """Undo :func:`merge_lora`; return the names unmerged now."""
+    unmerged = []
+    for name, layer in _require_lora(model):
+        if layer.merged:
+            layer.unmerge()
+            unmerged.append(name)
+    return unmerged
+
+
+def unload_lora(model: nn.Module, merge: bool = True) -> list[str]:
+    """Put the base layers back in place of the LoRA layers (merged into them unless ``merge=False``).
+
+    The model then has its original module and state-dict names again, ready to
+    be saved or exported as a plain model.
+    """
+    layers = _require_lora(model)
+    if merge:
+        merge_lora(model)
+    for name, layer in layers:
+        if layer.merged and not merge:
+            layer.unmerge()
+        replace_module(model, name, layer.base_layer)
+    return [name for name, _ in layers]
+
+
+def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The adapter tensors under the model's own names (``<module>.lora_A.weight``), detached."""
+    state = {}
+    for name, layer in _require_lora(model):
+        state[f"{name}.lora_A.weight"] = layer.lora_A.weight.detach()
+        state[f"{name}.lora_B.weight"] = layer.lora_B.weight.detach()
+    return state
+
+
+def _expected_shapes(model: nn.Module, names: Sequence[str], r: int) -> dict[str, tuple[int, ...]]:
+    shapes = {}
+    for name in names:
+        layer = model.get_submodule(name)
+        in_features, out_features = getattr(layer, "in_features", None), getattr(layer, "out_features", None)
+        if not isinstance(in_features, int) or not isinstance(out_features, int):
+            raise AdapterError(f"{name}: a {type(layer).__name__} without in_features/out_features cannot take LoRA")
+        shapes[f"{name}.lora_A.weight"] = (r, in_features)
+        shapes[f"{name}.lora_B.weight"] = (out_features, r)
+    return shapes
+
+
+def _check_tensors(state: dict[str, torch.Tensor], shapes: dict[str, tuple[int, ...]], source: str) -> None:
+    missing = [key for key in shapes if key not in state]
+    if missing:
+        raise AdapterError(
+            f"{source}: missing tensor {missing[0]!r}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+        )
+    unexpected = [key for key in state if key not in shapes]
+    if unexpected:
+        raise AdapterError(
+            f"{source}: tensor {unexpected[0]!r} belongs to no LoRA layer of the model "
+            f"(its target_modules select e.g. {next(iter(shapes)).rsplit('.', 2)[0]!r})"
+        )
+    for key, shape in shapes.items():
+        if tuple(state[key].shape) != shape:
+            raise AdapterError(
+                f"{source}: tensor {key!r} has shape {list(state[key].shape)}, the model needs {list(shape)}"
+            )
+
+
+def load_lora_state_dict(model: nn.Module, state: dict[str, torch.Tensor], source: str = "state dict") -> None:
+    """Copy adapter tensors named as :func:`lora_state_dict` names them; every key must fit exactly."""
+    layers = _require_lora(model)
+    if any(layer.merged for _, layer in layers):
+        raise AdapterError(f"{source}: cannot load adapter weights into merged LoRA layers; unmerge first")
+    shapes = {}
+    for name, layer in layers:
+        shapes[f"{name}.lora_A.weight"] = tuple(layer.lora_A.weight.shape)
+        shapes[f"{name}.lora_B.weight"] = tuple(layer.lora_B.weight.shape)
+    _check_tensors(state, shapes, source)
+    with torch.no_grad():
+        for name, layer in layers:
+            layer.lora_A.weight.copy_(state[f"{name}.lora_A.weight"])
+            layer.lora_B.weight.copy_(state[f"{name}.lora_B.weight"])
+
+
+def _saved_target_modules(model: nn.Module, cfg: LoraConfig, wrapped: list[str]) -> list[str] | str:
+    """``target_modules`` as written to disk; "all-linear" becomes the full names, as PEFT writes it."""
+    selected = find_linears(model, cfg.target_modules)
+    if sorted(selected) != sorted(wrapped):
+        extra = sorted(set(selected) ^ set(wrapped))
+        raise AdapterError(
+            f"LoraConfig.target_modules {cfg.target_modules!r} does not describe the model's LoRA layers "
+            f"(they differ at {extra[0]!r}); pass the config the adapter was made with"
+        )
+    return sorted(wrapped) if cfg.target_modules == ALL_LINEAR else cfg.target_modules
+
+
+def _write_atomic(path: Path, write: Any) -> Path:
+    """Have ``write(tmp_path)`` write a sibling temp file, fsync it, and return its path (not yet renamed)."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        write(tmp)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+    except BaseException:
+        os.unlink(tmp)
+        raise
+    return Path(tmp)
+
+
+def save_adapter(
+    model: nn.Module, folder: str | os.PathLike, cfg: LoraConfig, base_model_name_or_path: str | None = None
+) -> Path:
+    """Write the model's adapter to ``folder`` in PEFT's format; return the folder.
+
+    Both files are written to temp files first. The old config is removed
+    before the new files are renamed into place, so a crash leaves either the
+    old adapter, the new one, or a folder with no config (which no loader
+    takes for an adapter), never a config paired with the wrong weights.
+    Other files in ``folder`` are left alone.
+    """
+    layers = _require_lora(model)
+    for name, layer in layers:
+        if (layer.r, layer.alpha, layer.use_rslora) != (cfg.r, cfg.alpha, cfg.use_rslora):
+            raise AdapterError(
+                f"{name} has r={layer.r}, alpha={layer.alpha}, use_rslora={layer.use_rslora} but the LoraConfig to save says "
+                f"r={cfg.r}, alpha={cfg.alpha}, use_rslora={cfg.use_rslora}"
+            )
+    target_modules = _saved_target_modules(model, cfg, [name for name, _ in layers])
+    config_text = json.dumps(cfg.to_peft(target_modules, base_model_name_or_path), indent=2, sort_keys=True) + "\n"
+    tensors = {PEFT_PREFIX + key: t.contiguous() for key, t in lora_state_dict(model).items()}
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    config_path, weights_path = folder / ADAPTER_CONFIG, folder / ADAPTER_WEIGHTS
+    tmp_weights = _write_atomic(weights_path, lambda p: save_file(tensors, p, metadata={"format": "pt"}))
+    try:
+        tmp_config = _write_atomic(config_path, lambda p: Path(p).write_text(config_text))
+    except BaseException:
+        tmp_weights.unlink()
+        raise
+    config_path.unlink(missing_ok=True)
+    os.replace(tmp_weights, weights_path)
+    os.replace(tmp_config, config_path)
+    dir_fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+    return folder
+
+
+def read_adapter_config(folder: str | os.PathLike) -> LoraConfig:
+    """The :class:`LoraConfig` of the adapter in ``folder`` (PEFT's ``adapter_config.json``)."""
+    path = Path(folder) / ADAPTER_CONFIG
+    if not path.is_file():
+        raise AdapterError(f"{folder}: no {ADAPTER_CONFIG}; not an adapter folder (or an interrupted save)")
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise AdapterError(f"{path}:{err.lineno}:{err.colno}: invalid JSON: {err.msg}") from None
+    if not isinstance(raw, dict):
+        raise AdapterError(f"{path}: expected a JSON object, got {type(raw).__name__}")
+    return LoraConfig.from_peft(raw, str(path))
+
+
+def load_adapter(model: nn.Module, folder: str | os.PathLike) -> LoraConfig:
+    """Apply the adapter in ``folder`` (made by :func:`save_adapter` or PEFT) to ``model``; return its config.
+
+    Everything is checked before the model is touched: a tensor that is
+    missing, has the wrong shape, or belongs to no targeted layer raises
+    :class:`AdapterError` naming the tensor and the folder, and leaves the
+    model as it was.
+    """
+    _refuse_second_adapter(model)
+    cfg = read_adapter_config(folder)
+    weights_path = Path(folder) / ADAPTER_WEIGHTS
+    if not weights_path.is_file():
+        hint = ""
+        if (Path(folder) / "adapter_model.bin").is_file():
+            hint = " (adapter_model.bin is a pickle, which entrenar does not load; re-save it with safetensors)"
+        raise AdapterError(f"{folder}: no {ADAPTER_WEIGHTS}{hint}")
+    try:
+        raw = load_file(weights_path)
+    except (SafetensorError, OSError) as err:
+        raise AdapterError(f"{weights_path}: cannot read safetensors file: {err}") from None
+
+    state = {}
+    for key, tensor in raw.items():
+        if not key.startswith(PEFT_PREFIX):
+            raise AdapterError(
+                f"{weights_path}: tensor {key!r} does not start with {PEFT_PREFIX!r}; not a PEFT LoRA adapter"
+            )
+        state[key[len(PEFT_PREFIX) :]] = tensor
+
+    try:
+        names = find_linears(model, cfg.target_modules, strict=False)
+    except AdapterError as err:
+        raise AdapterError(f"{folder}: {err}") from None
+    _check_tensors(state, _expected_shapes(model, names, cfg.r), str(weights_path))
+    _wrap(model, names, cfg)
+    load_lora_state_dict(model, state, str(weights_path))
+    return cfg
+
+
+__all__ = [
+    "ADAPTER_CONFIG",
+    "ADAPTER_WEIGHTS",
+    "LoraConfig",
+    "LoraLinear",
+    "adapter_dtype",
+    "apply_lora",
+    "load_adapter",
+    "load_lora_state_dict",
+    "lora_layers",
+    "lora_parameters",
+    "lora_scaling",
+    "lora_state_dict",
+    "merge_lora",
+    "read_adapter_config",
+    "save_adapter",
+    "unload_lora",
+    "unmerge_lora",
+]
