@@ -96,6 +96,8 @@ def render_chat(
             add_generation_prompt=add_generation_prompt,
             **dict(special_tokens or {}),
         )
+    except jinja2.exceptions.SecurityError as e:
+        raise ModelError(f"chat template tried something the sandbox forbids: {e}") from e
     except jinja2.TemplateError as e:
         raise DataError(f"{where}: the chat template rejected it: {e}") from e
 

@@ -1,0 +1,24 @@
+"""Data: read records, tokenize with masks, and batch them (packed or padded) for training."""
+
+from entrenar.data.batching import BatchStream, collate, eval_batches, num_target_tokens, split_validation
+from entrenar.data.sources import Record, ReadStats, read_records
+from entrenar.data.templates import assistant_spans, render_chat
+from entrenar.data.tokenize import IGNORE_INDEX, Example, TokenizeStats, tokenize_record, tokenize_records
+
+__all__ = [
+    "IGNORE_INDEX",
+    "BatchStream",
+    "Example",
+    "ReadStats",
+    "Record",
+    "TokenizeStats",
+    "assistant_spans",
+    "collate",
+    "eval_batches",
+    "num_target_tokens",
+    "read_records",
+    "render_chat",
+    "split_validation",
+    "tokenize_record",
+    "tokenize_records",
+]

@@ -1,0 +1,214 @@
+"""Batches of examples as tensors: packed or padded, in a deterministic, resumable stream.
+
+Every batch is a dict of LongTensors ``[B, T]``:
+
+- ``input_ids``: tokens (``pad_id`` on padding),
+- ``labels``: aligned with ``input_ids``, -100 where no loss is taken. The loss
+  at position t predicts ``labels[t+1]`` from tokens up to t, so each
+  example's first label is set to -100: in a packed row that is the label that
+  would be predicted from the end of the previous example, and the loss never
+  crosses from one example into the next,
+- ``position_ids``: 0, 1, 2, ... restarting at 0 for each example,
+- ``document_ids``: 0, 1, 2, ... one per example within a row, -1 on padding;
+  the model attends only within equal ids.
+
+Packing fills each row greedily with whole examples in stream order; an example
+that does not fit in what is left of a row starts the next one (examples are
+never split, so none loses its beginning). Padding puts one example per row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+import torch
+
+from entrenar.data.tokenize import IGNORE_INDEX, Example
+from entrenar.errors import CheckpointError, ConfigError, DataError
+
+PAD_DOCUMENT = -1
+Batch = dict[str, torch.Tensor]
+
+
+def num_target_tokens(batch: Batch) -> int:
+    """Tokens that carry loss: labels other than -100 after the shift (the first column is never a target)."""
+    return int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
+
+
+def collate(rows: Sequence[Sequence[Example]], seq_len: int, pad_id: int = 0) -> Batch:
+    """Lay out rows of examples (each row's total length <= ``seq_len``) as a ``[len(rows), seq_len]`` batch."""
+    shape = (len(rows), seq_len)
+    batch = {
+        "input_ids": torch.full(shape, pad_id, dtype=torch.long),
+        "labels": torch.full(shape, IGNORE_INDEX, dtype=torch.long),
+        "position_ids": torch.zeros(shape, dtype=torch.long),
+        "document_ids": torch.full(shape, PAD_DOCUMENT, dtype=torch.long),
+    }
+    for r, row in enumerate(rows):
+        start = 0
+        for doc, example in enumerate(row):
+            n = len(example)
+            end = start + n
+            if end > seq_len:
+                raise DataError(f"{example.origin}: {n} tokens do not fit in seq_len={seq_len} (truncate first)")
+            batch["input_ids"][r, start:end] = torch.tensor(example.input_ids, dtype=torch.long)
+            batch["labels"][r, start:end] = torch.tensor(example.labels, dtype=torch.long)
+            batch["labels"][r, start] = IGNORE_INDEX  # never predicted from the previous example
+            batch["position_ids"][r, start:end] = torch.arange(n)
+            batch["document_ids"][r, start:end] = doc
+            start = end
+    return batch
+
+
+class BatchStream:
+    """An endless, deterministic stream of batches over ``examples``, epoch after epoch.
+
+    Each epoch visits every example once, in an order drawn from a generator
+    seeded by ``(seed, epoch)`` when ``shuffle`` is set. The stream is a pure
+    function of ``(seed, epoch, position)``, where ``position`` is the index in
+    the epoch's order of the next example not yet emitted; ``state_dict()``
+    returns these and ``load_state_dict()`` restores them, so a resumed stream
+    continues with exactly the batch an uninterrupted one would give.
+
+    A batch may span an epoch boundary (its rows continue into the next epoch's
+    order), so every batch has ``batch_size`` rows. With ``packing=False`` each
+    row is one example padded to ``seq_len``, or to the batch's longest example
+    with ``pad_to="longest"``.
+    """
+
+    def __init__(
+        self,
+        examples: Sequence[Example],
+        batch_size: int,
+        seq_len: int,
+        *,
+        packing: bool = True,
+        shuffle: bool = True,
+        seed: int = 0,
+        pad_id: int = 0,
+        pad_to: str = "seq_len",
+    ) -> None:
+        if not examples:
+            raise DataError("no examples to batch")
+        if batch_size < 1 or seq_len < 2:
+            raise ConfigError(f"batch_size must be >= 1 and seq_len >= 2, got {batch_size} and {seq_len}")
+        if pad_to not in ("seq_len", "longest"):
+            raise ConfigError(f"pad_to {pad_to!r} must be 'seq_len' or 'longest'")
+        for example in examples:
+            if not 0 < len(example) <= seq_len:
+                raise DataError(f"{example.origin}: {len(example)} tokens; examples must have 1..seq_len={seq_len}")
+        self.examples = examples
+        self.batch_size = batch_size
+        self.seq_len = seq_len
+        self.packing = packing
+        self.shuffle = shuffle
+        self.seed = seed
+        self.pad_id = pad_id
+        self.pad_to = pad_to
+        self.epoch = 0
+        self.position = 0
+        self._order = self._epoch_order(0)
+
+    def _epoch_order(self, epoch: int) -> np.ndarray:
+        if not self.shuffle:
+            return np.arange(len(self.examples))
+        # A seed sequence of (seed, epoch), not seed + epoch: runs with neighbouring seeds must not share epochs.
+        return np.random.default_rng([self.seed, epoch]).permutation(len(self.examples))
+
+    def _peek(self) -> Example:
+        return self.examples[int(self._order[self.position])]
+
+    def _advance(self) -> None:
+        self.position += 1
+        if self.position == len(self.examples):
+            self.epoch, self.position = self.epoch + 1, 0
+            self._order = self._epoch_order(self.epoch)
+
+    def _next_row(self) -> list[Example]:
+        row = [self._peek()]
+        self._advance()
+        if self.packing:
+            used = len(row[0])
+            while used + len(self._peek()) <= self.seq_len:
+                row.append(self._peek())
+                used += len(row[-1])
+                self._advance()
+        return row
+
+    def __iter__(self) -> Iterator[Batch]:
+        return self
+
+    def __next__(self) -> Batch:
+        rows = [self._next_row() for _ in range(self.batch_size)]
+        width = self.seq_len
+        if not self.packing and self.pad_to == "longest":
+            width = max(len(row[0]) for row in rows)
+        return collate(rows, width, self.pad_id)
+
+    def state_dict(self) -> dict[str, int]:
+        """Where the stream is, as JSON-able ints (with the dataset size and seed, checked on load)."""
+        return {"epoch": self.epoch, "position": self.position, "num_examples": len(self.examples), "seed": self.seed}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Continue from ``state``; refuses a state taken over different data or another seed."""
+        try:
+            epoch, position = int(state["epoch"]), int(state["position"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise CheckpointError(f"data stream state {state!r} lacks integer 'epoch' and 'position'") from e
+        for key, mine in (("num_examples", len(self.examples)), ("seed", self.seed)):
+            if key in state and state[key] != mine:
+                raise CheckpointError(
+                    f"data stream state has {key}={state[key]} but this run has {key}={mine}; "
+                    "resuming would not give the same batches"
+                )
+        if epoch < 0 or not 0 <= position < len(self.examples):
+            raise CheckpointError(f"data stream state epoch={epoch} position={position} is out of range "
+                                  f"for {len(self.examples)} examples")
+        self.epoch, self.position = epoch, position
+        self._order = self._epoch_order(epoch)
+
+
+def split_validation(examples: Sequence[Example], fraction: float, seed: int = 0) -> tuple[list[Example], list[Example]]:
+    """Split off a random ``fraction`` of examples (at least one when > 0) for validation: ``(train, validation)``."""
+    if not 0.0 <= fraction < 1.0:
+        raise ConfigError(f"validation fraction must be in [0, 1), got {fraction}")
+    if fraction == 0.0:
+        return list(examples), []
+    n_val = max(1, round(fraction * len(examples)))
+    if n_val >= len(examples):
+        raise DataError(f"cannot hold out {fraction:.0%} of {len(examples)} examples for validation "
+                        "and keep any for training")
+    order = np.random.default_rng(seed).permutation(len(examples))
+    held_out = set(order[:n_val].tolist())
+    train = [e for i, e in enumerate(examples) if i not in held_out]
+    validation = [examples[i] for i in sorted(held_out)]
+    return train, validation
+
+
+def eval_batches(
+    examples: Sequence[Example],
+    batch_size: int,
+    seq_len: int,
+    *,
+    packing: bool = True,
+    pad_id: int = 0,
+) -> Iterator[Batch]:
+    """One pass over ``examples`` in order (for validation), rows filled as ``BatchStream`` fills them;
+    the last batch may have fewer rows."""
+    rows: list[list[Example]] = []
+    row: list[Example] = []
+    used = 0
+    for example in examples:
+        if row and (not packing or used + len(example) > seq_len):
+            rows.append(row)
+            row, used = [], 0
+            if len(rows) == batch_size:
+                yield collate(rows, seq_len, pad_id)
+                rows = []
+        row.append(example)
+        used += len(example)
+    if row:
+        rows.append(row)
+    if rows:
+        yield collate(rows, seq_len, pad_id)
