@@ -29,7 +29,9 @@ TEXTS = [
 # ChatML in the SmolLM2/Qwen style, written over several lines so that
 # trim_blocks/lstrip_blocks decide the output's whitespace.
 CHATML = """{% for message in messages %}
-    {% if loop.first and message['role'] != 'system' %}{{ '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}{% endif %}
+    {% if loop.first and message['role'] != 'system' %}
+        {{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' -}}
+    {% endif %}
     {% if message['role'] not in ['system', 'user', 'assistant'] %}
         {{ raise_exception('unknown role ' + message['role']) }}
     {% endif %}

@@ -48,7 +48,7 @@ class Tokenizer:
     ) -> None:
         self.backend = backend
         self._tokens: dict[str, str | None] = {}
-        for name, token in zip(_SPECIAL_NAMES, (bos_token, eos_token, unk_token, pad_token)):
+        for name, token in zip(_SPECIAL_NAMES, (bos_token, eos_token, unk_token, pad_token), strict=True):
             self._tokens[name] = self._token_string(name, token)
         self._extra_eos_ids = [int(i) for i in extra_eos_ids]
         for i in self._extra_eos_ids:
@@ -173,7 +173,9 @@ class Tokenizer:
         """Token ids of ``text``; ``add_special_tokens`` runs the post-processor (adds BOS where the model does)."""
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def encode_with_offsets(self, text: str, add_special_tokens: bool = False) -> tuple[list[int], list[tuple[int, int]]]:
+    def encode_with_offsets(
+        self, text: str, add_special_tokens: bool = False
+    ) -> tuple[list[int], list[tuple[int, int]]]:
         """Token ids with the ``(start, end)`` character span of ``text`` each one came from."""
         encoding = self.backend.encode(text, add_special_tokens=add_special_tokens)
         return encoding.ids, encoding.offsets

@@ -11,7 +11,8 @@ from entrenar.errors import DataError, ModelError
 
 CHAT = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
         {"role": "user", "content": "bye"}, {"role": "assistant", "content": "ciao  "}]
-PLAIN = "{% for m in messages %}<{{ m.role }}>{{ m.content }}</s>\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+PLAIN = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}</s>\n{% endfor %}"
+         "{% if add_generation_prompt %}<assistant>{% endif %}")
 
 
 def test_assistant_spans_cover_content_and_end_of_turn():

@@ -5,12 +5,11 @@ from __future__ import annotations
 import re
 
 import pytest
+from tiny_chat_tokenizer import CHATML, chat_backend, chat_tokenizer
 
 from entrenar.data.sources import read_records
 from entrenar.data.tokenize import IGNORE_INDEX, Example, tokenize_record, tokenize_records
 from entrenar.errors import DataError
-
-from tiny_chat_tokenizer import CHATML, chat_backend, chat_tokenizer
 
 CHAT = [
     {"role": "system", "content": "Answer the question."},
@@ -34,7 +33,7 @@ def backend():
 def trained_text(example: Example, tokenizer) -> list[str]:
     """The text of each maximal run of tokens that carry loss."""
     runs, run = [], []
-    for token, label in zip(example.input_ids, example.labels):
+    for token, label in zip(example.input_ids, example.labels, strict=True):
         if label != IGNORE_INDEX:
             assert label == token  # labels are the tokens themselves, unshifted
             run.append(token)

@@ -1,7 +1,7 @@
 """Data: read records, tokenize with masks, and batch them (packed or padded) for training."""
 
 from entrenar.data.batching import BatchStream, collate, eval_batches, num_target_tokens, split_validation
-from entrenar.data.sources import Record, ReadStats, read_records
+from entrenar.data.sources import ReadStats, Record, read_records
 from entrenar.data.templates import assistant_spans, render_chat
 from entrenar.data.tokenize import IGNORE_INDEX, Example, TokenizeStats, tokenize_record, tokenize_records
 

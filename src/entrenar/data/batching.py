@@ -169,7 +169,9 @@ class BatchStream:
         self._order = self._epoch_order(epoch)
 
 
-def split_validation(examples: Sequence[Example], fraction: float, seed: int = 0) -> tuple[list[Example], list[Example]]:
+def split_validation(
+    examples: Sequence[Example], fraction: float, seed: int = 0
+) -> tuple[list[Example], list[Example]]:
     """Split off a random ``fraction`` of examples (at least one when > 0) for validation: ``(train, validation)``."""
     if not 0.0 <= fraction < 1.0:
         raise ConfigError(f"validation fraction must be in [0, 1), got {fraction}")

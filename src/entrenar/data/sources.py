@@ -98,8 +98,9 @@ def read_records(
     stats.records = len(records)
     if not records:
         names = ", ".join(stats.files)
-        reason = f" ({stats.skipped} malformed records skipped; first: {stats.skip_reasons[0]})" if stats.skipped else ""
-        raise DataError(f"no records in {names}{reason}")
+        if stats.skipped:
+            names += f" ({stats.skipped} malformed records skipped; first: {stats.skip_reasons[0]})"
+        raise DataError(f"no records in {names}")
     return records, stats
 
 
@@ -112,8 +113,7 @@ def _expand(paths: Sequence[str | Path], format: str) -> list[tuple[Path, str]]:
                 (f, _format_of(f, format)) for f in sorted(path.rglob("*"))
                 if f.is_file() and not any(p.startswith(".") for p in f.relative_to(path).parts)
                 and f.suffix.lower() in _EXTENSIONS
-                and (format == "auto" or _EXTENSIONS[f.suffix.lower()] == format
-                     or (format == "jsonl" and f.suffix.lower() == ".json"))
+                and format in ("auto", _EXTENSIONS[f.suffix.lower()])
             ]
             if not found:
                 kinds = ", ".join(sorted(_EXTENSIONS)) if format == "auto" else f"{format} files"
@@ -267,7 +267,7 @@ def _read_csv(path: Path) -> Iterator[Record | _BadRecord]:
                 if len(row) != len(header):
                     yield _BadRecord(f"{path} {location}: row has {len(row)} fields, header has {len(header)}")
                     continue
-                yield Record(dict(zip(header, row)), str(path), location)
+                yield Record(dict(zip(header, row, strict=True)), str(path), location)
     except UnicodeDecodeError as e:
         raise DataError(f"{path}: not UTF-8 text: {e}") from e
     except csv.Error as e:
