@@ -253,22 +253,45 @@ def test_missing_files(base, saved):
     assert_load_fails(base, saved, r"no adapter_config.json")
 
 
-def test_native_transformer_round_trips_with_peft(tmp_path):
-    """entrenar's own model has HF's module names, so its adapters load onto the HF model and back."""
-    native = pytest.importorskip("entrenar.models.transformer")
+def save_tiny_model_folder(model: nn.Module, folder: Path) -> None:
+    """An HF model folder entrenar.load accepts: weights, config and a minimal word-level tokenizer."""
+    tokenizers = pytest.importorskip("tokenizers")
+    model.save_pretrained(folder)
+    vocab = {f"w{i}": i for i in range(model.config.vocab_size)}
+    tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="w0")).save(str(folder / "tokenizer.json"))
+
+
+def test_native_model_adapter_loads_in_peft(tmp_path):
+    """entrenar's own model has HF's module names, so its adapters load onto the HF model."""
     hf_io = pytest.importorskip("entrenar.models.hf")
     hf_model = tiny_llama()
     hf_model.save_pretrained(tmp_path / "base")
-    ours = hf_io.load_hf(tmp_path / "base", dtype=torch.float32, device="cpu")
-    assert isinstance(ours, native.Transformer)
+    ours = hf_io.load_hf(tmp_path / "base", dtype=torch.float32, device="cpu").eval()
 
     cfg = LoraConfig(r=4, alpha=8, target_modules="all-linear", use_rslora=True)
-    assert apply_lora(ours, cfg) == [
-        n for n, m in hf_model.named_modules() if isinstance(m, nn.Linear) and n != "lm_head"
-    ]
+    hf_linears = [n for n, m in hf_model.named_modules() if isinstance(m, nn.Linear) and n != "lm_head"]
+    assert apply_lora(ours, cfg) == hf_linears
     randomize_b(layer.lora_B.weight for _, layer in lora_layers(ours))
     save_adapter(ours, tmp_path / "adapter", cfg)
 
     theirs = peft.PeftModel.from_pretrained(hf_model, tmp_path / "adapter").eval()
+    expected = logits(theirs)
+    assert not torch.allclose(expected, logits(tiny_llama()), atol=1e-3)
     with torch.no_grad():
-        torch.testing.assert_close(ours(IDS), theirs(input_ids=IDS).logits, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(ours(IDS), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_peft_adapter_through_entrenar_load(base, tmp_path):
+    """entrenar.load(folder, adapter=...) on the native model gives PEFT's logits."""
+    entrenar = pytest.importorskip("entrenar")
+    pytest.importorskip("entrenar.models.hf")
+    save_tiny_model_folder(base, tmp_path / "base")
+    peft_config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "up_proj"], task_type="CAUSAL_LM")
+    theirs = peft.get_peft_model(copy.deepcopy(base), peft_config).eval()
+    randomize_b(p for n, p in theirs.named_parameters() if "lora_B" in n)
+    theirs.save_pretrained(tmp_path / "adapter")
+
+    ours, _ = entrenar.load(tmp_path / "base", adapter=tmp_path / "adapter", dtype="float32", device="cpu")
+    assert len(list(lora_layers(ours))) == 4
+    with torch.no_grad():
+        torch.testing.assert_close(ours(IDS), logits(theirs), rtol=1e-4, atol=1e-4)
