@@ -9,7 +9,7 @@ from tiny_chat_tokenizer import CHATML, chat_backend, chat_tokenizer
 
 from entrenar.data.sources import read_records
 from entrenar.data.tokenize import IGNORE_INDEX, Example, tokenize_record, tokenize_records
-from entrenar.errors import DataError
+from entrenar.errors import ConfigError, DataError
 
 CHAT = [
     {"role": "system", "content": "Answer the question."},
@@ -151,3 +151,8 @@ def test_skip_mode_counts_bad_records(tokenizer):
     assert "missing field 'completion'" in stats.skip_reasons[0]
     with pytest.raises(DataError, match="no training examples left after tokenization \\(2 skipped"):
         tokenize_records(records[1:], tokenizer, seq_len=32, on_error="skip")
+
+
+def test_unknown_column_names_are_refused(tokenizer):
+    with pytest.raises(ConfigError, match=r"columns \['promt'\] are not among"):
+        tokenize_record({"text": "x"}, tokenizer, columns={"promt": "instruction"})

@@ -51,7 +51,8 @@ def collate(rows: Sequence[Sequence[Example]], seq_len: int, pad_id: int = 0) ->
             n = len(example)
             end = start + n
             if end > seq_len:
-                raise DataError(f"{example.origin}: {n} tokens do not fit in seq_len={seq_len} (truncate first)")
+                where = example.origin or f"row {r} example {doc}"
+                raise DataError(f"{where}: {n} tokens do not fit in seq_len={seq_len} (truncate first)")
             batch["input_ids"][r, start:end] = torch.tensor(example.input_ids, dtype=torch.long)
             batch["labels"][r, start:end] = torch.tensor(example.labels, dtype=torch.long)
             batch["labels"][r, start] = IGNORE_INDEX  # never predicted from the previous example
@@ -95,9 +96,10 @@ class BatchStream:
             raise ConfigError(f"batch_size must be >= 1 and seq_len >= 2, got {batch_size} and {seq_len}")
         if pad_to not in ("seq_len", "longest"):
             raise ConfigError(f"pad_to {pad_to!r} must be 'seq_len' or 'longest'")
-        for example in examples:
+        for index, example in enumerate(examples):
             if not 0 < len(example) <= seq_len:
-                raise DataError(f"{example.origin}: {len(example)} tokens; examples must have 1..seq_len={seq_len}")
+                where = example.origin or f"example {index}"
+                raise DataError(f"{where}: {len(example)} tokens; examples must have 1..seq_len={seq_len}")
         self.examples = examples
         self.batch_size = batch_size
         self.seq_len = seq_len

@@ -59,8 +59,11 @@ class ReadStats:
             self.skip_reasons.append(reason)
 
 
-class _BadRecord(Exception):
-    """A malformed record; the reader decides whether to raise or skip it."""
+@dataclass(frozen=True)
+class _BadRecord:
+    """A malformed record, yielded by the file readers; ``read_records`` raises or skips it."""
+
+    message: str
 
 
 def read_records(
@@ -88,13 +91,16 @@ def read_records(
     records: list[Record] = []
     for file, file_format in _expand(paths, format):
         stats.files.append(str(file))
-        for item in _read_file(file, file_format):
-            if isinstance(item, _BadRecord):
-                if on_error == "raise":
-                    raise DataError(str(item))
-                stats.skip(str(item))
-            else:
-                records.append(item)
+        try:
+            for item in _read_file(file, file_format):
+                if isinstance(item, _BadRecord):
+                    if on_error == "raise":
+                        raise DataError(item.message)
+                    stats.skip(item.message)
+                else:
+                    records.append(item)
+        except OSError as e:
+            raise DataError(f"{file}: cannot be read: {e.strerror or e}") from e
     stats.records = len(records)
     if not records:
         names = ", ".join(stats.files)
@@ -176,10 +182,6 @@ def _read_text_file(path: Path) -> str:
         raise DataError(f"{path}: not UTF-8 text: {e}") from e
 
 
-def _line_of(text: str, index: int) -> int:
-    return text.count("\n", 0, index) + 1
-
-
 def _read_json(path: Path) -> Iterator[Record | _BadRecord]:
     text = _read_text_file(path)
     try:
@@ -211,6 +213,13 @@ def _item_lines(text: str, count: int) -> list[int] | None:
     layout is not the expected one (the caller then names items by index only).
     """
     decoder = json.JSONDecoder()
+    reached, line = 0, 1  # lines are counted onward from the last item, not from the start each time
+
+    def line_at(i: int) -> int:
+        nonlocal reached, line
+        line += text.count("\n", reached, i)
+        reached = i
+        return line
 
     def skip_ws(i: int) -> int:
         while i < len(text) and text[i] in " \t\r\n":
@@ -221,7 +230,7 @@ def _item_lines(text: str, count: int) -> list[int] | None:
         lines: list[int] = []
         i = skip_ws(i + 1)  # past "["
         while text[i] != "]":
-            lines.append(_line_of(text, i))
+            lines.append(line_at(i))
             _, i = decoder.raw_decode(text, i)
             i = skip_ws(i)
             if text[i] == ",":

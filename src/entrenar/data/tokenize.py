@@ -89,6 +89,9 @@ def tokenize_record(
     else:
         fields, where = dict(record), "record"
     names = {name: name for name in ("text", "prompt", "completion", "messages")}
+    unknown = sorted(set(columns or {}) - set(names))
+    if unknown:
+        raise ConfigError(f"columns {unknown} are not among {sorted(names)} (map these names to your fields)")
     names.update(columns or {})
 
     if kind == "auto":
@@ -132,7 +135,9 @@ def tokenize_records(
         raise ConfigError(f"on_error {on_error!r} must be 'raise' or 'skip'")
     stats = TokenizeStats()
     examples: list[Example] = []
-    for record in records:
+    for index, record in enumerate(records):
+        if not isinstance(record, Record):
+            record = Record(dict(record), "records", f"item {index}")
         try:
             example = tokenize_record(record, tokenizer, kind=kind, train_on=train_on, add_eos=add_eos, columns=columns)
         except DataError as e:
