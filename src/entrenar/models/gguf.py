@@ -134,8 +134,7 @@ class GGUFModel:
     hf_config: dict[str, Any]
     chat_template: str | None
     metadata: dict[str, Any] = field(repr=False)
-    _reader: GGUFReader = field(repr=False)
-    # HF name -> the reader's tensor, in file order (layer by layer).
+    # HF name -> the reader's tensor (a view of the memory-mapped file), in file order.
     _tensors: dict[str, ReaderTensor] = field(repr=False)
 
     def tensor_names(self) -> list[str]:
@@ -205,8 +204,15 @@ def read_gguf(path: str | Path) -> GGUFModel:
         raise ModelError(f"{path}: not a readable GGUF file ({e})") from None
 
     metadata = _read_metadata(reader)
+    if metadata.get("general.type", "model") != "model":
+        raise ModelError(
+            f"{path}: general.type is '{metadata['general.type']}', not 'model' (adapter GGUFs are not base models)"
+        )
     if metadata.get("split.count", 1) > 1:
-        raise ModelError(f"{path}: split GGUF files (split.count={metadata['split.count']}) are not supported; merge them with llama-gguf-split --merge")
+        raise ModelError(
+            f"{path}: split GGUF files (split.count={metadata['split.count']}) are not supported; "
+            "merge them with llama-gguf-split --merge"
+        )
     by_gguf_name = {t.name: t for t in reader.tensors}
     hf_config = build_hf_config(metadata, by_gguf_name, path)
     tensors = _map_tensors(by_gguf_name, hf_config, metadata["general.architecture"], path)
@@ -215,7 +221,6 @@ def read_gguf(path: str | Path) -> GGUFModel:
         hf_config=hf_config,
         chat_template=metadata.get("tokenizer.chat_template"),
         metadata=metadata,
-        _reader=reader,
         _tensors=tensors,
     )
 
@@ -286,7 +291,9 @@ def build_hf_config(metadata: dict[str, Any], tensors: dict[str, ReaderTensor], 
     if arch is None:
         raise ModelError(f"{path}: metadata key 'general.architecture' is missing")
     if arch not in SUPPORTED_ARCHITECTURES:
-        raise ModelError(f"{path}: GGUF architecture '{arch}' is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+        raise ModelError(
+            f"{path}: GGUF architecture '{arch}' is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+        )
 
     def get(key: str, default: Any = ...) -> Any:
         full = f"{arch}.{key}"
@@ -297,7 +304,9 @@ def build_hf_config(metadata: dict[str, Any], tensors: dict[str, ReaderTensor], 
         return default
 
     if get("expert_count", 0):
-        raise ModelError(f"{path}: mixture-of-experts models ({arch}.expert_count={get('expert_count')}) are not supported")
+        raise ModelError(
+            f"{path}: mixture-of-experts models ({arch}.expert_count={get('expert_count')}) are not supported"
+        )
     if "token_embd.weight" not in tensors:
         raise ModelError(f"{path}: tensor 'token_embd.weight' is missing")
 
@@ -310,7 +319,10 @@ def build_hf_config(metadata: dict[str, Any], tensors: dict[str, ReaderTensor], 
     if get("attention.value_length", head_dim) != head_dim:
         raise ModelError(f"{path}: {arch}.attention.value_length differs from key_length; not a Llama-family model")
     if get("rope.dimension_count", head_dim) != head_dim:
-        raise ModelError(f"{path}: partial rotary embeddings ({arch}.rope.dimension_count={get('rope.dimension_count')}, head_dim={head_dim}) are not supported")
+        raise ModelError(
+            f"{path}: partial rotary embeddings are not supported "
+            f"({arch}.rope.dimension_count={get('rope.dimension_count')}, head_dim={head_dim})"
+        )
     embed_rows = int(tensors["token_embd.weight"].shape[-1])  # GGML dims are reversed: [hidden, vocab]
     vocab = get("vocab_size", embed_rows)
     if vocab != embed_rows:
@@ -359,6 +371,8 @@ def _rope_scaling(
     """transformers' rope_scaling dict, from ``{arch}.rope.scaling.*`` keys or a ``rope_freqs.weight`` tensor."""
     kind = metadata.get(f"{arch}.rope.scaling.type", "none")
     factor = metadata.get(f"{arch}.rope.scaling.factor")
+    if kind in ("linear", "yarn") and factor is None:
+        raise ModelError(f"{path}: {arch}.rope.scaling.type is '{kind}' but '{arch}.rope.scaling.factor' is missing")
     if kind == "linear":
         return {"rope_type": "linear", "factor": factor}
     if kind == "yarn":
@@ -416,7 +430,10 @@ def llama3_rope_scaling_from_divisors(
                 "high_freq_factor": high,
                 "original_max_position_embeddings": int(context),
             }
-    raise ModelError(f"{path}: {_ROPE_FREQS} does not match Llama 3 rope scaling (low_freq_factor=1, high_freq_factor=4); cannot reproduce its positions")
+    raise ModelError(
+        f"{path}: {_ROPE_FREQS} does not match Llama 3 rope scaling (low_freq_factor=1, high_freq_factor=4); "
+        "cannot reproduce its positions"
+    )
 
 
 def _map_tensors(
@@ -433,7 +450,9 @@ def _map_tensors(
             raise ModelError(f"{path}: unexpected tensor '{gguf_name}' for a {arch} model of this configuration")
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
         if shape != expected[hf_name]:
-            raise ModelError(f"{path}: tensor '{gguf_name}' has shape {shape}, expected {expected[hf_name]} from the metadata")
+            raise ModelError(
+                f"{path}: tensor '{gguf_name}' has shape {shape}, expected {expected[hf_name]} from the metadata"
+            )
         mapped[hf_name] = t
     for hf_name in expected:
         if hf_name not in mapped and not (hf_name == "lm_head.weight" and config["tie_word_embeddings"]):
@@ -466,7 +485,9 @@ def _expected_shapes(config: dict[str, Any], arch: str) -> dict[str, tuple[int, 
             "mlp.down_proj.weight": (h, i),
         }
         if qkv_bias:
-            layer.update({"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,)})
+            layer.update(
+                {"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,)}
+            )
         if o_bias:
             layer["self_attn.o_proj.bias"] = (h,)
         if config["mlp_bias"]:
@@ -482,7 +503,6 @@ def _expected_shapes(config: dict[str, Any], arch: str) -> dict[str, tuple[int, 
 # llama.cpp token types (gguf.TokenType).
 _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
 
-_GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
@@ -493,10 +513,20 @@ _QWEN2_SPLIT = (
 )
 # tokenizer.ggml.pre -> family of pre-tokenizer (as llama.cpp's llama-vocab.cpp groups them).
 _PRE_TOKENIZERS = {
-    "default": "gpt2", "gpt-2": "gpt2", "phi-2": "gpt2",
-    "smollm": "starcoder", "starcoder": "starcoder", "refact": "starcoder",
-    "llama-bpe": "llama3", "llama3": "llama3", "llama-v3": "llama3", "smaug-bpe": "llama3", "dbrx": "llama3",
-    "qwen2": "qwen2", "deepseek-r1-qwen": "qwen2", "megrez": "qwen2",
+    "default": "gpt2",
+    "gpt-2": "gpt2",
+    "phi-2": "gpt2",
+    "smollm": "starcoder",
+    "starcoder": "starcoder",
+    "refact": "starcoder",
+    "llama-bpe": "llama3",
+    "llama3": "llama3",
+    "llama-v3": "llama3",
+    "smaug-bpe": "llama3",
+    "dbrx": "llama3",
+    "qwen2": "qwen2",
+    "deepseek-r1-qwen": "qwen2",
+    "megrez": "qwen2",
 }
 
 
@@ -512,7 +542,9 @@ def build_tokenizer(metadata: dict[str, Any], path: Path | str = "<gguf>") -> to
     kind = metadata.get("tokenizer.ggml.model")
     tokens = metadata.get("tokenizer.ggml.tokens")
     if kind is None or tokens is None:
-        raise ModelError(f"{path}: no tokenizer in the file (metadata keys 'tokenizer.ggml.model'/'tokenizer.ggml.tokens' missing)")
+        raise ModelError(
+            f"{path}: no tokenizer in the file (metadata keys 'tokenizer.ggml.model'/'tokenizer.ggml.tokens' missing)"
+        )
     types = metadata.get("tokenizer.ggml.token_type") or [_NORMAL] * len(tokens)
     if len(types) != len(tokens):
         raise ModelError(f"{path}: tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens")
@@ -527,18 +559,22 @@ def build_tokenizer(metadata: dict[str, Any], path: Path | str = "<gguf>") -> to
     return backend
 
 
-def _byte_level_bpe(metadata: dict[str, Any], tokens: list[str], types: list[int], path: Path | str) -> tokenizers.Tokenizer:
+def _byte_level_bpe(
+    metadata: dict[str, Any], tokens: list[str], types: list[int], path: Path | str
+) -> tokenizers.Tokenizer:
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
     pre = metadata.get("tokenizer.ggml.pre", "default")
     family = _PRE_TOKENIZERS.get(pre)
     if family is None:
-        raise ModelError(f"{path}: tokenizer.ggml.pre '{pre}' is not supported (supported: {', '.join(sorted(_PRE_TOKENIZERS))})")
+        raise ModelError(
+            f"{path}: tokenizer.ggml.pre '{pre}' is not supported (supported: {', '.join(sorted(_PRE_TOKENIZERS))})"
+        )
     merges = metadata.get("tokenizer.ggml.merges")
     if merges is None:
         raise ModelError(f"{path}: byte-level BPE tokenizer without 'tokenizer.ggml.merges'")
     # [PADn] placeholders the converter writes for ids past the tokenizer's vocabulary are not tokens.
-    vocab = {t: i for i, (t, kind) in enumerate(zip(tokens, types)) if kind != _UNUSED}
+    vocab = {t: i for i, (t, kind) in enumerate(zip(tokens, types, strict=True)) if kind != _UNUSED}
     pairs = []
     for n, merge in enumerate(merges):
         left, sep, right = merge.partition(" ")
@@ -552,18 +588,25 @@ def _byte_level_bpe(metadata: dict[str, Any], tokens: list[str], types: list[int
         backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     elif family == "starcoder":
         backend.pre_tokenizer = pre_tokenizers.Sequence(
-            [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
+            [
+                pre_tokenizers.Digits(individual_digits=True),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+            ]
         )
     else:
         split = _LLAMA3_SPLIT if family == "llama3" else _QWEN2_SPLIT
-        backend.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), behavior="isolated"), byte_level])
+        backend.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Split(Regex(split), behavior="isolated"), byte_level]
+        )
     if family == "qwen2":
         backend.normalizer = normalizers.NFC()
     backend.decoder = decoders.ByteLevel()
     return backend
 
 
-def _sentencepiece_bpe(metadata: dict[str, Any], tokens: list[str], types: list[int], path: Path | str) -> tokenizers.Tokenizer:
+def _sentencepiece_bpe(
+    metadata: dict[str, Any], tokens: list[str], types: list[int], path: Path | str
+) -> tokenizers.Tokenizer:
     from tokenizers import Tokenizer, decoders, models, normalizers
 
     scores = metadata.get("tokenizer.ggml.scores")
@@ -592,7 +635,7 @@ def _sentencepiece_bpe(metadata: dict[str, Any], tokens: list[str], types: list[
 def _merges_from_scores(tokens: list[str], scores: list[float], types: list[int]) -> list[tuple[str, str]]:
     """BPE merges implied by a SentencePiece vocabulary: every split of a normal token into
     two tokens, best-scoring result first (SentencePiece merges the pair whose union scores highest)."""
-    ids = {t: i for i, (t, kind) in enumerate(zip(tokens, types)) if kind in (_NORMAL, _USER_DEFINED)}
+    ids = {t: i for i, (t, kind) in enumerate(zip(tokens, types, strict=True)) if kind in (_NORMAL, _USER_DEFINED)}
     found = []
     for token, i in ids.items():
         for cut in range(1, len(token)):
@@ -606,14 +649,22 @@ def _merges_from_scores(tokens: list[str], scores: list[float], types: list[int]
 def _add_special_tokens(backend: tokenizers.Tokenizer, tokens: list[str], types: list[int]) -> None:
     from tokenizers import AddedToken
 
-    special = [AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types) if k in (_CONTROL, _UNKNOWN)]
-    user = [AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types) if k == _USER_DEFINED]
+    special = [
+        AddedToken(t, special=True, normalized=False)
+        for t, k in zip(tokens, types, strict=True)
+        if k in (_CONTROL, _UNKNOWN)
+    ]
+    user = [
+        AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types, strict=True) if k == _USER_DEFINED
+    ]
     # Every one is already in the model's vocabulary, so these keep their GGUF ids.
     backend.add_special_tokens(special)
     backend.add_tokens(user)
 
 
-def _set_post_processor(backend: tokenizers.Tokenizer, metadata: dict[str, Any], kind: str, tokens: list[str], path: Path | str) -> None:
+def _set_post_processor(
+    backend: tokenizers.Tokenizer, metadata: dict[str, Any], kind: str, tokens: list[str], path: Path | str
+) -> None:
     """BOS/EOS insertion as the file's add_bos_token/add_eos_token flags say.
 
     Without a flag, llama.cpp adds BOS for SentencePiece vocabularies; for
@@ -623,10 +674,13 @@ def _set_post_processor(backend: tokenizers.Tokenizer, metadata: dict[str, Any],
     add_bos = metadata.get("tokenizer.ggml.add_bos_token", kind == "llama")
     add_eos = metadata.get("tokenizer.ggml.add_eos_token", False)
     specials = []
-    for flag, key in ((add_bos, "tokenizer.ggml.bos_token_id"), (add_eos, "tokenizer.ggml.eos_token_id")):
+    for flag, what, key in (
+        (add_bos, "BOS", "tokenizer.ggml.bos_token_id"),
+        (add_eos, "EOS", "tokenizer.ggml.eos_token_id"),
+    ):
         if flag:
             if key not in metadata:
-                raise ModelError(f"{path}: the tokenizer adds {key.split('.')[-1][:3].upper()} but '{key}' is missing")
+                raise ModelError(f"{path}: the tokenizer adds {what} but '{key}' is missing")
             specials.append((tokens[metadata[key]], metadata[key]))
     if not specials:
         return
@@ -638,4 +692,8 @@ def _set_post_processor(backend: tokenizers.Tokenizer, metadata: dict[str, Any],
 
     single = " ".join(segment("A", 0))
     pair = " ".join(segment("A", 0) + segment("B", 1))
-    backend.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=specials)
+    backend.post_processor = processors.TemplateProcessing(
+        single=single,
+        pair=pair,
+        special_tokens=list(dict.fromkeys(specials)),  # BOS may equal EOS
+    )
