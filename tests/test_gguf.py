@@ -33,6 +33,7 @@ import entrenar
 from entrenar.errors import ModelError
 from entrenar.models.config import ModelConfig
 from entrenar.models.gguf import llama3_rope_scaling_from_divisors, load_gguf, read_gguf, unpermute_rope_rows
+from entrenar.tokenizer import Tokenizer
 
 SPECIAL_IDS = {"bos": 1, "eos": 2, "pad": 2}  # <|im_start|>, <|im_end|>, as SmolLM2's file says
 CHAT_TEMPLATE = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -271,6 +272,12 @@ def test_byte_level_tokenizer_equals_the_original(tmp_path, pre):
     assert len(tok.encode(USER_TOKEN)) == 1
     assert (tok.bos_id, tok.eos_ids, tok.pad_id) == (1, [2], 2)
     assert tok.chat_template == CHAT_TEMPLATE
+
+    # Saved as a Hugging Face folder (what an export writes), it reads back the same.
+    tok.save(tmp_path / "folder")
+    again = Tokenizer.from_folder(tmp_path / "folder")
+    assert [again.encode(t) for t in SAMPLE_TEXTS] == [tok.encode(t) for t in SAMPLE_TEXTS]
+    assert (again.bos_id, again.eos_ids, again.chat_template) == (1, [2], CHAT_TEMPLATE)
 
 
 def test_add_bos_flag_puts_bos_first(write_family):
