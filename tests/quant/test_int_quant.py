@@ -150,6 +150,8 @@ def test_quant_linear_forward_state_dict_and_weight(tmp_path):
     assert torch.equal(layer(x), F.linear(x, layer.weight, linear.bias))
     assert (layer(x) - linear(x)).norm() / linear(x).norm() < 0.2
 
+    assert torch.equal(layer.to_linear()(x), layer(x))
+
     save_file(layer.state_dict(), tmp_path / "q.safetensors")
     assert set(load_file(tmp_path / "q.safetensors")) == {"weight_codes", "weight_scale", "weight_zero", "bias"}
     fresh = QuantLinear.from_linear(nn.Linear(128, 32), bits=4, group_size=32, symmetric=False)

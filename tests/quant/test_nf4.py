@@ -133,6 +133,17 @@ def test_nf4_linear_forward_and_backward_use_the_dequantized_weight():
     assert rel < 0.15
 
 
+def test_to_linear_gives_an_editable_layer_that_computes_the_same():
+    _, layer = _nf4_layer()
+    linear = layer.to_linear()
+    assert isinstance(linear, nn.Linear) and linear.weight.dtype == torch.float32
+    x = torch.randn(4, 96)
+    assert torch.equal(linear(x), layer(x))
+    with torch.no_grad():
+        linear.weight.zero_()  # its own storage: the NF4 layer is untouched
+    assert layer.weight.abs().max() > 0
+
+
 def test_nf4_linear_saves_no_weight_sized_tensor_for_backward():
     linear, layer = _nf4_layer()
     saved: list[torch.Tensor] = []
@@ -147,6 +158,25 @@ def test_nf4_linear_saves_no_weight_sized_tensor_for_backward():
     assert not [t for t in saved if t.numel() >= linear.weight.numel()], [tuple(t.shape) for t in saved]
     y.backward()
     assert x.grad is not None
+
+
+def test_qlora_adapter_on_an_nf4_base_gets_the_gradients_of_the_dequantized_model():
+    from entrenar.lora import LoraLinear
+
+    linear, layer = _nf4_layer()
+    lora = LoraLinear(layer, r=4, alpha=8)
+    nn.init.normal_(lora.lora_B.weight)
+    reference = LoraLinear(layer.to_linear(), r=4, alpha=8)
+    reference.load_state_dict(lora.state_dict(), strict=False)
+
+    x = torch.randn(6, 96)
+    x_ref = x.clone().requires_grad_()
+    x.requires_grad_()
+    lora(x).square().sum().backward()
+    reference(x_ref).square().sum().backward()
+    torch.testing.assert_close(lora.lora_A.weight.grad, reference.lora_A.weight.grad)
+    torch.testing.assert_close(x.grad, x_ref.grad)
+    assert [n for n, p in lora.named_parameters() if p.requires_grad] == ["lora_A.weight", "lora_B.weight"]
 
 
 def test_bias_gradient_when_bias_is_unfrozen():

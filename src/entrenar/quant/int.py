@@ -242,11 +242,16 @@ def weight_error(w: Tensor, w_hat: Tensor, name: str = "weight") -> LayerError:
 # ---------------------------------------------------------------- module
 
 
+def activation_scale(x: Tensor, bits: int) -> Tensor:
+    """Per-tensor symmetric scale from this batch's absmax (never zero)."""
+    return (x.detach().abs().amax().float() / qrange(bits, True)[1]).clamp(min=torch.finfo(torch.float32).tiny)
+
+
 def quantize_activation(x: Tensor, bits: int, scale: Tensor | None) -> Tensor:
-    """Symmetric per-tensor fake quantization of activations; ``scale=None`` takes it from this batch's absmax."""
+    """Symmetric per-tensor fake quantization of activations; ``scale=None`` takes it from the batch."""
     qmin, qmax = qrange(bits, True)
     if scale is None:
-        scale = (x.detach().abs().amax() / qmax).clamp(min=torch.finfo(torch.float32).tiny)
+        scale = activation_scale(x, bits)
     return torch.round(x / scale).clamp(qmin, qmax) * scale
 
 
@@ -291,7 +296,17 @@ class QuantLinear(nn.Module):
 
     @property
     def weight(self) -> Tensor:
+        """The dequantized weight, rebuilt on every access (writing into it changes nothing)."""
         return dequantize_int(self.quantized)
+
+    def to_linear(self, dtype: torch.dtype | None = None) -> nn.Linear:
+        """An ``nn.Linear`` holding the dequantized weight (and the bias); activation quantization is dropped."""
+        dtype = dtype or self.dtype
+        linear = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device="meta", dtype=dtype)
+        linear.weight = nn.Parameter(dequantize_int(self.quantized, dtype))
+        if self.bias is not None:
+            linear.bias = nn.Parameter(self.bias.detach().to(dtype).clone())
+        return linear
 
     def forward(self, x: Tensor) -> Tensor:
         if self.act_bits is not None:

@@ -315,8 +315,21 @@ class NF4Linear(nn.Module):
 
     @property
     def weight(self) -> Tensor:
-        """The dequantized weight [out_features, in_features], rebuilt on every access."""
+        """The dequantized weight [out_features, in_features], rebuilt on every access.
+
+        A fresh tensor: writing into it changes nothing. To change the weight
+        (e.g. merge LoRA), take :meth:`to_linear`, edit it and quantize again.
+        """
         return dequantize_nf4(self.quantized)
+
+    def to_linear(self, dtype: torch.dtype | None = None) -> nn.Linear:
+        """An ``nn.Linear`` holding the dequantized weight (and the bias), in ``dtype`` (default: the original)."""
+        dtype = dtype or self.dtype
+        linear = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device="meta", dtype=dtype)
+        linear.weight = nn.Parameter(dequantize_nf4(self.quantized, dtype))
+        if self.bias is not None:
+            linear.bias = nn.Parameter(self.bias.detach().to(dtype).clone())
+        return linear
 
     def forward(self, x: Tensor) -> Tensor:
         bias = None if self.bias is None else self.bias.to(x.dtype)

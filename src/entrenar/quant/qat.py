@@ -1,0 +1,251 @@
+"""Quantization-aware training: fake-quantized weights (and activations) with a choice of backward rule.
+
+Forward rounds to a symmetric ``b``-bit grid and back, ``w_q = clamp(round(w / s), -Qn, Qp) * s``
+with ``Qn = 2**(b-1)`` and ``Qp = 2**(b-1) - 1``, so training sees the quantization error.
+Rounding has no useful derivative; the backward rule decides what the weight gets instead
+(``v = w / s``, ``g`` the gradient of ``w_q``):
+
+* ``ste``: straight-through, ``g`` as it is (Bengio et al. 2013).
+* ``clipped_ste``: ``g`` where ``-Qn <= v <= Qp``, zero where the grid clips.
+* ``lsq``: learned step size (Esser et al. 2020). ``s`` is a parameter, initialised to
+  ``2 * mean(|w|) / sqrt(Qp)``; the weight gets the clipped STE gradient and the step
+  ``dw_q/ds = round(v) - v`` inside the grid, ``-Qn`` / ``Qp`` below / above it,
+  summed and multiplied by ``1 / sqrt(N * Qp)`` (N: elements sharing the step).
+* ``ewgs``: element-wise gradient scaling (Lee et al. 2021), ``g * (1 + delta * sign(g) * (v_n - q_n))``
+  inside the grid, where ``v_n - q_n = (v - round(v)) / (Qn + Qp)`` is the rounding error
+  on the paper's [0, 1]-normalised scale. The paper sets ``delta`` per layer from a
+  Hessian-trace estimate; here it is a fixed hyperparameter.
+
+Except with LSQ, the scale follows the weight: min-max (or a percentile) of each
+tensor / channel / group, recomputed every step and treated as a constant.
+
+:func:`prepare_qat` swaps ``nn.Linear`` layers for :class:`FakeQuantLinear` and
+:func:`convert_qat` swaps those for :class:`entrenar.quant.int.QuantLinear`
+holding the integer codes, which computes exactly what the fake-quantized
+model computed. LoRA-QAT: ``prepare_qat`` then ``entrenar.lora.apply_lora``
+wraps the fake-quant layers (frozen) with full-precision adapters; merging adds
+the update to the master weight, which is re-quantized on the next forward.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+from entrenar.errors import QuantError
+from entrenar.quant.int import (
+    QuantLinear,
+    activation_scale,
+    calibrate,
+    check_bits,
+    check_finite,
+    group_view,
+    qrange,
+    quantize_with_scale,
+)
+from entrenar.surgery import Patterns, find_linears, replace_module
+
+Backward = Literal["ste", "clipped_ste", "lsq", "ewgs"]
+Granularity = Literal["tensor", "channel", "group"]
+BACKWARDS = ("ste", "clipped_ste", "lsq", "ewgs")
+GRANULARITIES = ("tensor", "channel", "group")
+MIN_STEP = 1e-8  # keeps a learned step positive; far below any useful step
+
+
+@dataclass
+class QATConfig:
+    """What to fake-quantize and how. ``group_size`` applies to ``granularity="group"``;
+    ``percentile`` (None: min-max) to the scale of the non-LSQ rules; ``act_bits`` turns
+    on per-tensor activation quantization (learned step with LSQ, batch absmax otherwise)."""
+
+    bits: int = 4
+    granularity: Granularity = "channel"
+    group_size: int = 128
+    backward: Backward = "ste"
+    ewgs_delta: float = 1e-3
+    percentile: float | None = None
+    act_bits: int | None = None
+    target_modules: Patterns = "all-linear"
+
+    def __post_init__(self) -> None:
+        check_bits(self.bits, "qat.bits")
+        if self.act_bits is not None:
+            check_bits(self.act_bits, "qat.act_bits")
+        if self.granularity not in GRANULARITIES:
+            raise QuantError(f"qat.granularity must be one of {GRANULARITIES}, got {self.granularity!r}")
+        if self.backward not in BACKWARDS:
+            raise QuantError(f"qat.backward must be one of {BACKWARDS}, got {self.backward!r}")
+        if self.granularity == "group" and (isinstance(self.group_size, bool) or not isinstance(self.group_size, int) or self.group_size <= 0):
+            raise QuantError(f"qat.group_size must be a positive integer, got {self.group_size!r}")
+        if not (isinstance(self.ewgs_delta, (int, float)) and math.isfinite(self.ewgs_delta) and self.ewgs_delta >= 0):
+            raise QuantError(f"qat.ewgs_delta must be a finite number >= 0, got {self.ewgs_delta!r}")
+        if self.percentile is not None:
+            if self.backward == "lsq":
+                raise QuantError("qat.percentile sets the scale of ste/clipped_ste/ewgs; lsq learns its step instead")
+            if not 0 < self.percentile <= 100:
+                raise QuantError(f"qat.percentile must be in (0, 100], got {self.percentile}")
+
+
+class _FakeQuant(torch.autograd.Function):
+    """``clamp(round(x / s), qmin, qmax) * s`` with the selected backward rule."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, scale: Tensor, qmin: int, qmax: int, rule: str, delta: float, grad_scale: float) -> Tensor:
+        ctx.save_for_backward(x, scale)
+        ctx.qmin, ctx.qmax, ctx.rule, ctx.delta, ctx.grad_scale = qmin, qmax, rule, delta, grad_scale
+        return torch.round(x / scale).clamp(qmin, qmax) * scale
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        x, scale = ctx.saved_tensors
+        qmin, qmax, rule = ctx.qmin, ctx.qmax, ctx.rule
+        v = x / scale
+        inside = (v >= qmin) & (v <= qmax)
+        if rule == "ste":
+            grad_x = g
+        elif rule == "ewgs":
+            err = (v - torch.round(v)) / (qmax - qmin)
+            grad_x = torch.where(inside, g * (1 + ctx.delta * torch.sign(g) * err), 0.0)
+        else:  # clipped_ste, lsq
+            grad_x = torch.where(inside, g, 0.0)
+        grad_scale = None
+        if ctx.needs_input_grad[1]:
+            dq_ds = torch.where(v <= qmin, float(qmin), torch.where(v >= qmax, float(qmax), torch.round(v) - v))
+            grad_scale = _sum_to(g * dq_ds, scale.shape) * ctx.grad_scale
+        return grad_x, grad_scale, None, None, None, None, None
+
+
+def _sum_to(t: Tensor, shape: torch.Size) -> Tensor:
+    """Sum ``t`` over the dimensions that ``shape`` broadcasts (size 1 or missing)."""
+    lead = t.dim() - len(shape)
+    dims = list(range(lead)) + [lead + i for i, n in enumerate(shape) if n == 1 and t.shape[lead + i] != 1]
+    return t.sum(dims, keepdim=True).reshape(shape) if dims else t
+
+
+def fake_quant(
+    x: Tensor, scale: Tensor, bits: int, backward: Backward = "ste", delta: float = 1e-3, grad_scale: float = 1.0
+) -> Tensor:
+    """Fake-quantize ``x`` to a symmetric ``bits``-bit grid with ``scale`` broadcastable to ``x``.
+
+    ``scale`` gets a gradient (LSQ's, times ``grad_scale``) when it requires one.
+    """
+    if backward not in BACKWARDS:
+        raise QuantError(f"backward must be one of {BACKWARDS}, got {backward!r}")
+    qmin, qmax = qrange(bits, True)
+    return _FakeQuant.apply(x, scale, qmin, qmax, backward, delta, grad_scale)
+
+
+class FakeQuantLinear(nn.Module):
+    """A linear layer that trains its full-precision weight through fake quantization.
+
+    ``weight`` and ``bias`` are the wrapped ``nn.Linear``'s own parameters (so an
+    optimizer built before :func:`prepare_qat` still updates them). With LSQ,
+    ``weight_step`` [rows, groups] (and ``act_step``) are learned too.
+    """
+
+    linear_like = True
+
+    def __init__(self, linear: nn.Linear, cfg: QATConfig, name: str = "weight"):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.cfg = cfg
+        self.weight = linear.weight
+        self.bias = linear.bias
+        check_finite(self.weight.detach(), name)
+        if cfg.granularity == "group" and self.in_features % cfg.group_size:
+            raise QuantError(f"{name}: qat.group_size {cfg.group_size} does not divide in_features {self.in_features}")
+        if cfg.granularity == "tensor":
+            self.scale_shape = (1, 1)
+        elif cfg.granularity == "channel":
+            self.scale_shape = (self.out_features, 1)
+        else:
+            self.scale_shape = (self.out_features, self.in_features // cfg.group_size)
+        qmax = qrange(cfg.bits, True)[1]
+        if cfg.backward == "lsq":
+            groups = group_view(self.weight.detach().float(), *self.scale_shape)
+            step = 2 * groups.abs().mean(-1) / math.sqrt(qmax)
+            self.weight_step = nn.Parameter(step.clamp(min=MIN_STEP).to(self.weight.dtype))
+            elements_per_step = self.weight.numel() // step.numel()
+            self.weight_grad_scale = 1.0 / math.sqrt(elements_per_step * qmax)
+        if cfg.act_bits is not None and cfg.backward == "lsq":
+            self.act_step = nn.Parameter(torch.ones((), dtype=self.weight.dtype, device=self.weight.device))
+            self.register_buffer("act_step_initialized", torch.zeros((), dtype=torch.bool, device=self.weight.device))
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, cfg: QATConfig, name: str = "weight") -> FakeQuantLinear:
+        return cls(linear, cfg, name)
+
+    def weight_scale(self) -> Tensor:
+        """The scale [rows, groups] the weight is quantized with now."""
+        if self.cfg.backward == "lsq":
+            return self.weight_step.clamp(min=MIN_STEP)
+        groups = group_view(self.weight.detach(), *self.scale_shape)
+        calibration = "minmax" if self.cfg.percentile is None else "percentile"
+        scale, _ = calibrate(groups, self.cfg.bits, True, calibration, self.cfg.percentile or 100.0)
+        return scale.to(self.weight.dtype)
+
+    def fake_weight(self) -> Tensor:
+        groups = group_view(self.weight, *self.scale_shape)
+        grad_scale = getattr(self, "weight_grad_scale", 1.0)
+        w_q = fake_quant(groups, self.weight_scale().unsqueeze(-1), self.cfg.bits, self.cfg.backward, self.cfg.ewgs_delta, grad_scale)
+        return w_q.reshape(self.weight.shape)
+
+    def activation_scale(self, x: Tensor) -> Tensor:
+        if self.cfg.backward != "lsq":
+            return activation_scale(x, self.cfg.act_bits)
+        if not self.act_step_initialized:
+            with torch.no_grad():  # LSQ's init from the first batch the layer sees
+                self.act_step.fill_(2 * x.abs().mean().item() / math.sqrt(qrange(self.cfg.act_bits, True)[1]))
+                self.act_step_initialized.fill_(True)
+        return self.act_step.clamp(min=MIN_STEP)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.cfg.act_bits is not None:
+            scale = self.activation_scale(x)
+            grad_scale = 1.0 / math.sqrt(x.shape[-1] * qrange(self.cfg.act_bits, True)[1])  # N: features per token
+            x = fake_quant(x, scale, self.cfg.act_bits, self.cfg.backward, self.cfg.ewgs_delta, grad_scale)
+        return F.linear(x, self.fake_weight(), self.bias)
+
+    @torch.no_grad()
+    def to_quant_linear(self) -> QuantLinear:
+        """The integer layer that computes what this layer computes now."""
+        q = quantize_with_scale(self.weight, self.weight_scale(), None, self.cfg.bits)
+        act_scale = None
+        if self.cfg.act_bits is not None and self.cfg.backward == "lsq":
+            act_scale = self.act_step.clamp(min=MIN_STEP)
+        return QuantLinear(q, self.bias, act_bits=self.cfg.act_bits, act_scale=act_scale)
+
+    def extra_repr(self) -> str:
+        c = self.cfg
+        group = f", group_size={c.group_size}" if c.granularity == "group" else ""
+        act = f", act_bits={c.act_bits}" if c.act_bits else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, bits={c.bits}, {c.granularity}{group}, backward={c.backward}{act}"
+
+
+def prepare_qat(model: nn.Module, cfg: QATConfig) -> list[str]:
+    """Replace the ``nn.Linear`` layers ``cfg.target_modules`` selects by :class:`FakeQuantLinear`; return their names."""
+    names = find_linears(model, cfg.target_modules)
+    layers = {}
+    for name in names:  # build all before swapping any, so an error leaves the model as it was
+        linear = model.get_submodule(name)
+        if not isinstance(linear, nn.Linear):
+            raise QuantError(f"{name}: QAT wraps nn.Linear layers, found {type(linear).__name__}")
+        layers[name] = FakeQuantLinear.from_linear(linear, cfg, name=f"{name}.weight")
+    for name, layer in layers.items():
+        replace_module(model, name, layer)
+    return names
+
+
+def convert_qat(model: nn.Module) -> list[str]:
+    """Replace every :class:`FakeQuantLinear` (also inside LoRA wrappers) by its :class:`QuantLinear`."""
+    names = [name for name, module in model.named_modules() if isinstance(module, FakeQuantLinear)]
+    if not names:
+        raise QuantError(f"{type(model).__name__} has no fake-quantized layers; call prepare_qat first")
+    for name in names:
+        replace_module(model, name, model.get_submodule(name).to_quant_linear())
+    return names
