@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -121,11 +123,11 @@ def test_all_zero_group_quantizes_to_zero():
 @pytest.mark.parametrize(
     "kwargs,message",
     [
-        (dict(bits=1), r"layers\.2\.mlp\.up_proj\.weight: integer quantization supports 2 to 8 bits, got 1"),
-        (dict(bits=16), r"supports 2 to 8 bits, got 16"),
-        (dict(bits=4, group_size=48), r"group_size 48 does not divide in_features 256"),
-        (dict(calibration="mse"), r"calibration must be 'minmax' or 'percentile'"),
-        (dict(calibration="percentile", percentile=0), r"percentile must be in \(0, 100\]"),
+        ({"bits": 1}, r"layers\.2\.mlp\.up_proj\.weight: integer quantization supports 2 to 8 bits, got 1"),
+        ({"bits": 16}, r"supports 2 to 8 bits, got 16"),
+        ({"bits": 4, "group_size": 48}, r"group_size 48 does not divide in_features 256"),
+        ({"calibration": "mse"}, r"calibration must be 'minmax' or 'percentile'"),
+        ({"calibration": "percentile", "percentile": 0}, r"percentile must be in \(0, 100\]"),
     ],
 )
 def test_bad_settings_are_errors_naming_the_tensor(kwargs, message):
@@ -151,6 +153,10 @@ def test_quant_linear_forward_state_dict_and_weight(tmp_path):
     assert (layer(x) - linear(x)).norm() / linear(x).norm() < 0.2
 
     assert torch.equal(layer.to_linear()(x), layer(x))
+
+    half = copy.deepcopy(layer).to(torch.bfloat16)
+    assert half.weight_scale.dtype == torch.float32 and half.bias.dtype == torch.bfloat16
+    assert torch.equal(half.weight, layer.weight)
 
     save_file(layer.state_dict(), tmp_path / "q.safetensors")
     assert set(load_file(tmp_path / "q.safetensors")) == {"weight_codes", "weight_scale", "weight_zero", "bias"}
@@ -237,7 +243,9 @@ def test_gguf_reconstruction_error_is_half_a_step_plus_the_fp16_scale_rounding()
 
 
 def test_gguf_errors_name_the_tensor():
-    with pytest.raises(QuantError, match=r"blk\.0\.attn_q\.weight: Q8_0 needs a last dimension divisible by 32, got shape \(4, 40\)"):
+    with pytest.raises(
+        QuantError, match=r"blk\.0\.attn_q\.weight: Q8_0 needs a last dimension divisible by 32, got shape \(4, 40\)"
+    ):
         quantize_q8_0(torch.randn(4, 40), name="blk.0.attn_q.weight")
     w = torch.randn(2, 32)
     w[1, 3] = float("nan")

@@ -144,6 +144,19 @@ def test_to_linear_gives_an_editable_layer_that_computes_the_same():
     assert layer.weight.abs().max() > 0
 
 
+@pytest.mark.parametrize("double_quant", [True, False], ids=["dq", "fp32-absmax"])
+def test_casting_the_module_keeps_the_scales_in_fp32(double_quant):
+    linear = nn.Linear(64, 32)
+    layer = NF4Linear.from_linear(linear, double_quant=double_quant)
+    weight = layer.weight
+    layer.to(torch.bfloat16)
+    assert layer.bias.dtype == torch.bfloat16
+    assert all(t.dtype in (torch.uint8, torch.float32) for k, t in layer.state_dict().items() if k != "bias")
+    assert torch.equal(layer.weight, weight)
+    x = torch.randn(2, 64, dtype=torch.bfloat16)
+    assert torch.equal(layer(x), F.linear(x, weight.to(torch.bfloat16), layer.bias))
+
+
 def test_nf4_linear_saves_no_weight_sized_tensor_for_backward():
     linear, layer = _nf4_layer()
     saved: list[torch.Tensor] = []
@@ -163,7 +176,7 @@ def test_nf4_linear_saves_no_weight_sized_tensor_for_backward():
 def test_qlora_adapter_on_an_nf4_base_gets_the_gradients_of_the_dequantized_model():
     from entrenar.lora import LoraLinear
 
-    linear, layer = _nf4_layer()
+    _, layer = _nf4_layer()
     lora = LoraLinear(layer, r=4, alpha=8)
     nn.init.normal_(lora.lora_B.weight)
     reference = LoraLinear(layer.to_linear(), r=4, alpha=8)
@@ -180,7 +193,7 @@ def test_qlora_adapter_on_an_nf4_base_gets_the_gradients_of_the_dequantized_mode
 
 
 def test_bias_gradient_when_bias_is_unfrozen():
-    linear, layer = _nf4_layer()
+    _, layer = _nf4_layer()
     layer.bias.requires_grad_(True)
     x = torch.randn(2, 3, 96)
     grad_out = torch.randn(2, 3, 40)
@@ -193,7 +206,9 @@ def test_state_dict_round_trips_through_safetensors(tmp_path, double_quant):
     torch.manual_seed(0)
     linear = nn.Linear(64, 48).to(torch.bfloat16)
     layer = NF4Linear.from_linear(linear, double_quant=double_quant)
-    expected_keys = {"weight_codes", "weight_absmax", "bias"} | ({"weight_absmax_scale", "weight_absmax_offset"} if double_quant else set())
+    expected_keys = {"weight_codes", "weight_absmax", "bias"} | (
+        {"weight_absmax_scale", "weight_absmax_offset"} if double_quant else set()
+    )
     assert set(layer.state_dict()) == expected_keys
 
     save_file(layer.state_dict(), tmp_path / "layer.safetensors")
@@ -211,7 +226,13 @@ class _TinyLM(nn.Module):
         super().__init__()
         self.embed = nn.Embedding(vocab, hidden)
         self.layers = nn.ModuleList(
-            nn.ModuleDict({"q_proj": nn.Linear(hidden, hidden, bias=False), "up_proj": nn.Linear(hidden, inter), "down_proj": nn.Linear(inter, hidden)})
+            nn.ModuleDict(
+                {
+                    "q_proj": nn.Linear(hidden, hidden, bias=False),
+                    "up_proj": nn.Linear(hidden, inter),
+                    "down_proj": nn.Linear(inter, hidden),
+                }
+            )
             for _ in range(2)
         )
         self.lm_head = nn.Linear(hidden, vocab, bias=False)
@@ -241,7 +262,12 @@ def test_quantize_model_replaces_linears_and_stores_half_a_byte_per_weight():
         assert not [k for k, t in model.state_dict().items() if t.shape == shapes[name] and t.is_floating_point()]
 
     params = sum(shapes[n].numel() for n in names)
-    resident = sum(t.numel() * t.element_size() for n in names for k, t in model.get_submodule(n).state_dict().items() if k != "bias")
+    resident = sum(
+        t.numel() * t.element_size()
+        for n in names
+        for k, t in model.get_submodule(n).state_dict().items()
+        if k != "bias"
+    )
     # 4 bits per weight, plus one 8-bit absmax per 64 weights, one fp32 per 256 absmax and one fp32 offset per layer.
     scales = sum(-(-shapes[n].numel() // 64) + 4 * -(-shapes[n].numel() // (64 * 256)) + 4 for n in names)
     assert abs(resident - (params * 0.5 + scales)) <= 0.05 * (params * 0.5 + scales), (resident, params, scales)

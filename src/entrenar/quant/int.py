@@ -163,7 +163,9 @@ def _unpack_codes(codes: Tensor, bits: int, symmetric: bool) -> Tensor:
 
 def _check_weight(w: Tensor, name: str) -> None:
     if not isinstance(w, Tensor) or w.dim() != 2:
-        raise QuantError(f"{name}: expected a 2-D weight [out_features, in_features], got {getattr(w, 'shape', type(w).__name__)}")
+        raise QuantError(
+            f"{name}: expected a 2-D weight [out_features, in_features], got {getattr(w, 'shape', type(w).__name__)}"
+        )
     check_finite(w, name)
 
 
@@ -260,7 +262,8 @@ class QuantLinear(nn.Module):
 
     Buffers: ``weight_codes``, ``weight_scale`` and, asymmetric, ``weight_zero``;
     with activation quantization ``act_scale`` (absent when the scale is taken
-    per batch). ``weight`` returns the dequantized weight.
+    per batch). ``weight`` returns the dequantized weight. The fp32 scales stay
+    fp32 when the module is cast to another dtype.
     """
 
     linear_like = True
@@ -283,6 +286,14 @@ class QuantLinear(nn.Module):
             check_bits(act_bits, "activation")
         self.act_bits = act_bits
         self.register_buffer("act_scale", None if act_scale is None else act_scale.detach().float().reshape(()))
+
+    def _apply(self, fn, recurse=True):
+        scales = {k: self._buffers.get(k) for k in ("weight_scale", "act_scale")}
+        super()._apply(fn, recurse)
+        for k, old in scales.items():
+            if old is not None:
+                self._buffers[k] = old.to(self._buffers[k].device)  # follow device moves, never dtype casts
+        return self
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, name: str = "weight", **kwargs) -> QuantLinear:
@@ -319,7 +330,8 @@ class QuantLinear(nn.Module):
         kind = "symmetric" if q.symmetric else "asymmetric"
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-            f"bits={self.bits}, group_size={q.group_size}, {kind}" + (f", act_bits={self.act_bits}" if self.act_bits else "")
+            f"bits={self.bits}, group_size={q.group_size}, {kind}"
+            + (f", act_bits={self.act_bits}" if self.act_bits else "")
         )
 
 
@@ -406,7 +418,9 @@ def quantize_q4_0(w: Tensor, name: str = "weight") -> np.ndarray:
 
 def _gguf_rows(data: np.ndarray, block_bytes: int, kind: str) -> Tensor:
     if data.dtype != np.uint8 or data.ndim == 0 or data.shape[-1] % block_bytes:
-        raise QuantError(f"{kind} data must be uint8 with rows of whole {block_bytes}-byte blocks, got {data.dtype} {data.shape}")
+        raise QuantError(
+            f"{kind} data must be uint8 with rows of whole {block_bytes}-byte blocks, got {data.dtype} {data.shape}"
+        )
     t = torch.from_numpy(np.ascontiguousarray(data))
     return t.reshape(*t.shape[:-1], -1, block_bytes)
 

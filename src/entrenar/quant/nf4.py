@@ -258,7 +258,8 @@ class NF4Linear(nn.Module):
     State dict keys (all plain tensors, safetensors-friendly): ``weight_codes``,
     ``weight_absmax`` and, when double-quantized, ``weight_absmax_scale`` and
     ``weight_absmax_offset``; plus ``bias`` if any. ``weight`` returns the
-    dequantized weight (what LoRA merges into).
+    dequantized weight. Casting the module (``.to(torch.bfloat16)``) casts the
+    bias but leaves the fp32 scales as they are: they are part of the format.
     """
 
     linear_like = True
@@ -290,15 +291,28 @@ class NF4Linear(nn.Module):
             self.register_buffer("weight_absmax_offset", torch.zeros((), dtype=torch.float32, device=device))
         else:
             self.register_buffer("weight_absmax", torch.zeros(n_blocks, dtype=torch.float32, device=device))
-            self.weight_absmax_scale = self.weight_absmax_offset = None
-        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device), requires_grad=False) if bias else None
+            self.register_buffer("weight_absmax_scale", None)
+            self.register_buffer("weight_absmax_offset", None)
+        self.bias = (
+            nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device), requires_grad=False) if bias else None
+        )
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, blocksize: int = 64, double_quant: bool = True, name: str = "weight") -> NF4Linear:
+    def from_linear(
+        cls, linear: nn.Linear, blocksize: int = 64, double_quant: bool = True, name: str = "weight"
+    ) -> NF4Linear:
         """Quantize ``linear``'s weight; the bias is kept as it is (frozen)."""
         w = linear.weight
         q = quantize_nf4(w, blocksize, double_quant, name=name)
-        layer = cls(linear.in_features, linear.out_features, linear.bias is not None, w.dtype, blocksize, double_quant, device="meta")
+        layer = cls(
+            linear.in_features,
+            linear.out_features,
+            linear.bias is not None,
+            w.dtype,
+            blocksize,
+            double_quant,
+            device="meta",
+        )
         layer.weight_codes, layer.weight_absmax = q.codes, q.absmax
         if double_quant:
             layer.weight_absmax_scale, layer.weight_absmax_offset = q.absmax_scale, q.absmax_offset
@@ -306,11 +320,25 @@ class NF4Linear(nn.Module):
             layer.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
         return layer
 
+    def _apply(self, fn, recurse=True):
+        scales = {k: self._buffers.get(k) for k in ("weight_absmax", "weight_absmax_scale", "weight_absmax_offset")}
+        super()._apply(fn, recurse)
+        for k, old in scales.items():
+            if old is not None and old.is_floating_point():
+                self._buffers[k] = old.to(self._buffers[k].device)  # follow device moves, never dtype casts
+        return self
+
     @property
     def quantized(self) -> NF4Tensor:
         shape = torch.Size((self.out_features, self.in_features))
         return NF4Tensor(
-            self.weight_codes, self.weight_absmax, self.weight_absmax_scale, self.weight_absmax_offset, shape, self.dtype, self.blocksize
+            self.weight_codes,
+            self.weight_absmax,
+            self.weight_absmax_scale,
+            self.weight_absmax_offset,
+            shape,
+            self.dtype,
+            self.blocksize,
         )
 
     @property

@@ -80,7 +80,9 @@ class QATConfig:
             raise QuantError(f"qat.granularity must be one of {GRANULARITIES}, got {self.granularity!r}")
         if self.backward not in BACKWARDS:
             raise QuantError(f"qat.backward must be one of {BACKWARDS}, got {self.backward!r}")
-        if self.granularity == "group" and (isinstance(self.group_size, bool) or not isinstance(self.group_size, int) or self.group_size <= 0):
+        if self.granularity == "group" and (
+            isinstance(self.group_size, bool) or not isinstance(self.group_size, int) or self.group_size <= 0
+        ):
             raise QuantError(f"qat.group_size must be a positive integer, got {self.group_size!r}")
         if not (isinstance(self.ewgs_delta, (int, float)) and math.isfinite(self.ewgs_delta) and self.ewgs_delta >= 0):
             raise QuantError(f"qat.ewgs_delta must be a finite number >= 0, got {self.ewgs_delta!r}")
@@ -95,7 +97,9 @@ class _FakeQuant(torch.autograd.Function):
     """``clamp(round(x / s), qmin, qmax) * s`` with the selected backward rule."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, scale: Tensor, qmin: int, qmax: int, rule: str, delta: float, grad_scale: float) -> Tensor:
+    def forward(
+        ctx, x: Tensor, scale: Tensor, qmin: int, qmax: int, rule: str, delta: float, grad_scale: float
+    ) -> Tensor:
         ctx.save_for_backward(x, scale)
         ctx.qmin, ctx.qmax, ctx.rule, ctx.delta, ctx.grad_scale = qmin, qmax, rule, delta, grad_scale
         return torch.round(x / scale).clamp(qmin, qmax) * scale
@@ -192,7 +196,9 @@ class FakeQuantLinear(nn.Module):
     def fake_weight(self) -> Tensor:
         groups = group_view(self.weight, *self.scale_shape)
         grad_scale = getattr(self, "weight_grad_scale", 1.0)
-        w_q = fake_quant(groups, self.weight_scale().unsqueeze(-1), self.cfg.bits, self.cfg.backward, self.cfg.ewgs_delta, grad_scale)
+        w_q = fake_quant(
+            groups, self.weight_scale().unsqueeze(-1), self.cfg.bits, self.cfg.backward, self.cfg.ewgs_delta, grad_scale
+        )
         return w_q.reshape(self.weight.shape)
 
     def activation_scale(self, x: Tensor) -> Tensor:
