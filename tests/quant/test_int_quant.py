@@ -1,4 +1,4 @@
-"""Post-training int8/int4 against torch's affine fake quantization and the min-max formulas; GGUF blocks against gguf."""
+"""Post-training int8/int4 against torch's affine fake quantization and min-max formulas; GGUF blocks against gguf."""
 
 from __future__ import annotations
 
@@ -187,6 +187,7 @@ def test_quantize_model_names_the_layer_whose_group_size_does_not_fit():
     model = nn.Sequential(nn.Linear(64, 96), nn.Linear(96, 8))
     with pytest.raises(QuantError, match=r"^1\.weight: group_size 64 does not divide in_features 96"):
         quantize_model_int(model, bits=4, group_size=64)
+    assert isinstance(model[0], nn.Linear)  # nothing was swapped
 
 
 # ---------------------------------------------------------------- GGUF

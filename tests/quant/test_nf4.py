@@ -282,3 +282,4 @@ def test_quantize_model_names_the_layer_with_a_bad_weight():
         model.layers[1]["up_proj"].weight[0, 0] = float("nan")
     with pytest.raises(QuantError, match=r"layers\.1\.up_proj\.weight"):
         quantize_model_nf4(model)
+    assert not any(isinstance(m, NF4Linear) for m in model.modules())  # nothing was swapped

@@ -247,3 +247,12 @@ def test_prepare_names_the_layer_that_does_not_fit():
     assert isinstance(model[0], nn.Linear)  # nothing was swapped
     with pytest.raises(QuantError, match="no fake-quantized layers"):
         convert_qat(model)
+
+
+def test_prepare_after_lora_says_which_order_works():
+    model = _mlp()
+    apply_lora(model, LoraConfig(r=2, alpha=4, target_modules="all-linear"))
+    with pytest.raises(
+        QuantError, match=r"^0: QAT wraps nn\.Linear layers, found LoraLinear .*prepare_qat, then apply_lora"
+    ):
+        prepare_qat(model, QATConfig())

@@ -12,8 +12,8 @@ share one fp32 scale (and, asymmetric, one integer zero point):
 the range of each group (min-max) or from a percentile of it (clipping rare
 outliers trades their error for finer steps everywhere else).
 
-The fake quantization used in training (``entrenar.quant.qat``) calls the
-same :func:`fake_quantize`, so a converted :class:`QuantLinear` reproduces the
+Training's fake quantization (``entrenar.quant.qat``) rounds with the same
+:func:`round_to_grid`, so a converted :class:`QuantLinear` reproduces the
 trained model's outputs exactly.
 """
 
@@ -60,15 +60,12 @@ def group_view(w: Tensor, n_rows: int, n_groups: int) -> Tensor:
     return w.reshape(n_rows, n_groups, -1)
 
 
-def fake_quantize(w: Tensor, scale: Tensor, zero: Tensor | None, qmin: int, qmax: int) -> Tensor:
-    """``(clamp(round(w / scale) + zero, qmin, qmax) - zero) * scale`` per group; the one definition of rounding."""
-    g = group_view(w, *scale.shape)
-    s = scale.unsqueeze(-1)
-    q = torch.round(g / s)
-    if zero is None:
-        return (q.clamp(qmin, qmax) * s).reshape(w.shape)
-    z = zero.unsqueeze(-1).to(g.dtype)
-    return ((q + z).clamp(qmin, qmax) - z).mul(s).reshape(w.shape)
+def round_to_grid(x: Tensor, scale: Tensor, qmin: int, qmax: int, zero: Tensor | None = None) -> Tensor:
+    """``clamp(round(x / scale) + zero, qmin, qmax)`` as floats: the one definition of rounding to codes."""
+    q = torch.round(x / scale)
+    if zero is not None:
+        q = q + zero.to(q.dtype)
+    return q.clamp(qmin, qmax)
 
 
 def _quantile(x: Tensor, q: float) -> Tensor:
@@ -137,10 +134,6 @@ class IntQuantTensor:
         return self.shape[1] // self.scale.shape[1]
 
     @property
-    def packed(self) -> bool:
-        return self.bits <= 4
-
-    @property
     def nbytes(self) -> int:
         tensors = (self.codes, self.scale, self.zero)
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
@@ -204,10 +197,8 @@ def quantize_with_scale(w: Tensor, scale: Tensor, zero: Tensor | None, bits: int
     symmetric = zero is None
     qmin, qmax = qrange(bits, symmetric)
     g = group_view(w.detach(), *scale.shape)
-    q = torch.round(g / scale.unsqueeze(-1))
-    if zero is not None:
-        q = q + zero.unsqueeze(-1).to(q.dtype)
-    q = q.clamp(qmin, qmax).reshape(w.shape)
+    q = round_to_grid(g, scale.unsqueeze(-1), qmin, qmax, None if zero is None else zero.unsqueeze(-1))
+    q = q.reshape(w.shape)
     return IntQuantTensor(_pack_codes(q, bits, symmetric), scale.detach().float(), zero, bits, w.shape, w.dtype)
 
 
@@ -251,10 +242,9 @@ def activation_scale(x: Tensor, bits: int) -> Tensor:
 
 def quantize_activation(x: Tensor, bits: int, scale: Tensor | None) -> Tensor:
     """Symmetric per-tensor fake quantization of activations; ``scale=None`` takes it from the batch."""
-    qmin, qmax = qrange(bits, True)
     if scale is None:
         scale = activation_scale(x, bits)
-    return torch.round(x / scale).clamp(qmin, qmax) * scale
+    return round_to_grid(x, scale, *qrange(bits, True)) * scale
 
 
 class QuantLinear(nn.Module):
@@ -345,16 +335,22 @@ def quantize_model_int(
     percentile: float = 99.9,
 ) -> list[LayerError]:
     """Replace the selected ``nn.Linear`` layers by :class:`QuantLinear`; returns each layer's weight error."""
-    report = []
-    for name in find_linears(model, patterns):
+    layers, report = {}, []
+    for name in find_linears(model, patterns):  # build all before swapping any, so an error leaves the model whole
         linear = model.get_submodule(name)
         if not isinstance(linear, nn.Linear):
             raise QuantError(f"{name}: integer quantization replaces nn.Linear layers, found {type(linear).__name__}")
-        layer = QuantLinear.from_linear(
-            linear, name=f"{name}.weight", bits=bits, group_size=group_size, symmetric=symmetric,
-            calibration=calibration, percentile=percentile,
-        )  # fmt: skip
-        report.append(weight_error(linear.weight, layer.weight, name))
+        layers[name] = QuantLinear.from_linear(
+            linear,
+            name=f"{name}.weight",
+            bits=bits,
+            group_size=group_size,
+            symmetric=symmetric,
+            calibration=calibration,
+            percentile=percentile,
+        )
+        report.append(weight_error(linear.weight, layers[name].weight, name))
+    for name, layer in layers.items():
         replace_module(model, name, layer)
     return report
 

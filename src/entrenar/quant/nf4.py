@@ -365,7 +365,10 @@ class NF4Linear(nn.Module):
 
     def extra_repr(self) -> str:
         dq = "double_quant" if self.weight_absmax_scale is not None else "fp32 absmax"
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, blocksize={self.blocksize}, {dq}"
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+            f"blocksize={self.blocksize}, {dq}"
+        )
 
 
 def quantize_model_nf4(
@@ -373,9 +376,12 @@ def quantize_model_nf4(
 ) -> list[str]:
     """Replace the selected ``nn.Linear`` layers of ``model`` by :class:`NF4Linear`; returns their names."""
     names = find_linears(model, patterns)
-    for name in names:
+    layers = {}
+    for name in names:  # build all before swapping any, so an error leaves the model whole
         linear = model.get_submodule(name)
         if not isinstance(linear, nn.Linear):
             raise QuantError(f"{name}: NF4 replaces nn.Linear layers, found {type(linear).__name__}")
-        replace_module(model, name, NF4Linear.from_linear(linear, blocksize, double_quant, name=f"{name}.weight"))
+        layers[name] = NF4Linear.from_linear(linear, blocksize, double_quant, name=f"{name}.weight")
+    for name, layer in layers.items():
+        replace_module(model, name, layer)
     return names

@@ -47,6 +47,7 @@ from entrenar.quant.int import (
     group_view,
     qrange,
     quantize_with_scale,
+    round_to_grid,
 )
 from entrenar.surgery import Patterns, find_linears, replace_module
 
@@ -102,7 +103,7 @@ class _FakeQuant(torch.autograd.Function):
     ) -> Tensor:
         ctx.save_for_backward(x, scale)
         ctx.qmin, ctx.qmax, ctx.rule, ctx.delta, ctx.grad_scale = qmin, qmax, rule, delta, grad_scale
-        return torch.round(x / scale).clamp(qmin, qmax) * scale
+        return round_to_grid(x, scale, qmin, qmax) * scale
 
     @staticmethod
     def backward(ctx, g: Tensor):
@@ -170,6 +171,7 @@ class FakeQuantLinear(nn.Module):
         else:
             self.scale_shape = (self.out_features, self.in_features // cfg.group_size)
         qmax = qrange(cfg.bits, True)[1]
+        self.weight_grad_scale = 1.0
         if cfg.backward == "lsq":
             groups = group_view(self.weight.detach().float(), *self.scale_shape)
             step = 2 * groups.abs().mean(-1) / math.sqrt(qmax)
@@ -195,9 +197,9 @@ class FakeQuantLinear(nn.Module):
 
     def fake_weight(self) -> Tensor:
         groups = group_view(self.weight, *self.scale_shape)
-        grad_scale = getattr(self, "weight_grad_scale", 1.0)
+        c = self.cfg
         w_q = fake_quant(
-            groups, self.weight_scale().unsqueeze(-1), self.cfg.bits, self.cfg.backward, self.cfg.ewgs_delta, grad_scale
+            groups, self.weight_scale().unsqueeze(-1), c.bits, c.backward, c.ewgs_delta, self.weight_grad_scale
         )
         return w_q.reshape(self.weight.shape)
 
@@ -230,17 +232,23 @@ class FakeQuantLinear(nn.Module):
         c = self.cfg
         group = f", group_size={c.group_size}" if c.granularity == "group" else ""
         act = f", act_bits={c.act_bits}" if c.act_bits else ""
-        return f"in_features={self.in_features}, out_features={self.out_features}, bits={c.bits}, {c.granularity}{group}, backward={c.backward}{act}"
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bits={c.bits}, "
+            f"{c.granularity}{group}, backward={c.backward}{act}"
+        )
 
 
 def prepare_qat(model: nn.Module, cfg: QATConfig) -> list[str]:
-    """Replace the ``nn.Linear`` layers ``cfg.target_modules`` selects by :class:`FakeQuantLinear`; return their names."""
+    """Replace the ``nn.Linear`` layers ``cfg.target_modules`` selects by :class:`FakeQuantLinear`; return names."""
     names = find_linears(model, cfg.target_modules)
     layers = {}
     for name in names:  # build all before swapping any, so an error leaves the model as it was
         linear = model.get_submodule(name)
         if not isinstance(linear, nn.Linear):
-            raise QuantError(f"{name}: QAT wraps nn.Linear layers, found {type(linear).__name__}")
+            found = type(linear).__name__
+            raise QuantError(
+                f"{name}: QAT wraps nn.Linear layers, found {found} (LoRA-QAT: prepare_qat, then apply_lora)"
+            )
         layers[name] = FakeQuantLinear.from_linear(linear, cfg, name=f"{name}.weight")
     for name, layer in layers.items():
         replace_module(model, name, layer)
