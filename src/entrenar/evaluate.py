@@ -1,0 +1,80 @@
+"""Held-out loss and perplexity: the number a fine-tune is judged by."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from entrenar.data import eval_batches, read_records, tokenize_records
+from entrenar.data.batching import Batch
+from entrenar.tokenizer import Tokenizer
+from entrenar.train.loss import token_cross_entropy
+
+
+@dataclass
+class EvalResult:
+    loss: float
+    perplexity: float
+    tokens: int
+    examples: int | None = None
+
+
+def autocast_for(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
+    """The autocast context of a precision setting (fp32: none)."""
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+@torch.no_grad()
+def eval_loss(
+    model: torch.nn.Module,
+    batches: Iterable[Batch],
+    precision: str = "fp32",
+    max_batches: int | None = None,
+) -> EvalResult:
+    """Mean cross-entropy per target token over `batches` (summed, then divided once)."""
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    tokens = 0
+    try:
+        for i, batch in enumerate(batches):
+            if max_batches is not None and i >= max_batches:
+                break
+            batch = {k: v.to(device) for k, v in batch.items()}
+            with autocast_for(device, precision):
+                logits = model(batch["input_ids"], batch["position_ids"], batch["document_ids"])
+            loss_sum, n = token_cross_entropy(logits, batch["labels"])
+            total += loss_sum.double()
+            tokens += int(n)
+    finally:
+        model.train(was_training)
+    loss = float(total) / max(tokens, 1)
+    return EvalResult(loss=loss, perplexity=math.exp(min(loss, 700.0)), tokens=tokens)
+
+
+def evaluate_file(
+    model: torch.nn.Module,
+    tokenizer: Tokenizer,
+    path: str | Path,
+    seq_len: int = 512,
+    batch_size: int = 4,
+    train_on: str = "all",
+    fmt: str = "auto",
+    precision: str = "fp32",
+) -> EvalResult:
+    """Loss and perplexity of `model` on a data file, masked as training would mask it."""
+    records, _ = read_records(path, format=fmt)
+    examples, _ = tokenize_records(records, tokenizer, seq_len, train_on=train_on)
+    batches = eval_batches(examples, batch_size, seq_len, packing=True, pad_id=tokenizer.pad_id)
+    result = eval_loss(model, batches, precision=precision)
+    result.examples = len(examples)
+    return result

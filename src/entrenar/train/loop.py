@@ -1,0 +1,325 @@
+"""The training loop, top to bottom: recipe in, trained adapter or model out.
+
+    result = train(load_recipe("recipes/lora-llama.yaml"))
+
+Each step: schedule the learning rate, run `grad_accum` micro-batches whose
+token-summed losses are divided by the target tokens of the whole step,
+clip the global gradient norm, step the optimizer, log one metrics line, and
+now and then evaluate and checkpoint. A checkpoint holds the trainable
+weights, optimizer, RNG and data-stream position, so `resume` continues with
+exactly the losses an uninterrupted run would have.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+import entrenar
+from entrenar import quickstart
+from entrenar.config import Recipe, load_recipe, recipe_changes, save_recipe
+from entrenar.data import BatchStream, eval_batches, num_target_tokens, read_records, split_validation, tokenize_records
+from entrenar.errors import CheckpointError, ConfigError, DataError
+from entrenar.evaluate import EvalResult, autocast_for, eval_loss
+from entrenar.lora import LoraConfig, apply_lora, load_lora_state_dict, lora_state_dict, save_adapter
+from entrenar.memory import GiB, estimate_training_memory
+from entrenar.models.hf import save_hf
+from entrenar.train.checkpoint import latest_checkpoint, load_checkpoint, mark_best, save_checkpoint
+from entrenar.train.loss import token_cross_entropy
+from entrenar.train.metrics import MetricsLogger, plot_loss_curve
+from entrenar.train.optim import build_optimizer, build_param_groups, lr_at, set_lr
+
+RECIPE_FILE = "recipe.yaml"
+# Keys a resumed run may change: how long it runs and how often it reports.
+RESUMABLE_CHANGES = ("training.max_steps", "training.eval_every", "training.log_every", "training.save_every",
+                     "training.keep_last", "training.eval_batches")
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    steps: int
+    summary: str
+    final_loss: float | None = None
+    eval_before: EvalResult | None = None
+    eval_after: EvalResult | None = None
+    checkpoint: Path | None = None
+    output: Path | None = None
+    dry_run: bool = False
+
+
+def train(
+    recipe: Recipe,
+    resume: str | Path | bool | None = None,
+    dry_run: bool = False,
+    progress: bool = True,
+) -> TrainResult:
+    """Run (or resume, or dry-run) the training described by `recipe`."""
+    run_dir, resume_from = _run_folder(recipe, resume, dry_run)
+    is_quickstart = recipe.model.path is None
+    if is_quickstart:
+        recipe = quickstart.prepare(recipe, run_dir)
+    if resume_from is not None:
+        recipe = _recipe_for_resume(recipe, run_dir)
+    t = recipe.training
+    _seed_everything(t.seed)
+
+    # Model, adapters, precision.
+    device = entrenar.resolve_device(recipe.model.device)
+    if t.precision == "fp16" and device.type != "cuda":
+        raise ConfigError("training.precision: fp16 needs a CUDA device (use bf16 or fp32 on the CPU)")
+    weights_dtype = recipe.model.dtype
+    if weights_dtype == "auto" and recipe.lora is None:
+        weights_dtype = "float32"  # full fine-tuning keeps fp32 master weights; compute follows training.precision
+    model, tokenizer = entrenar.load(recipe.model.path, dtype=weights_dtype, device=device)
+    model.train()
+    if recipe.lora is not None:
+        lora = recipe.lora
+        if lora.quantize_base == "nf4":
+            from entrenar.quant.nf4 import quantize_model_nf4
+
+            quantize_model_nf4(model)
+        lora_config = LoraConfig(r=lora.r, alpha=lora.alpha, dropout=lora.dropout,
+                                 target_modules=_targets(lora.target_modules), use_rslora=lora.use_rslora)
+        apply_lora(model, lora_config)
+    if t.activation_checkpointing:
+        model.set_activation_checkpointing(True)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+
+    # Data: records -> masked examples -> a resumable stream of packed batches.
+    d = recipe.data
+    examples, stats = _examples(d.train, recipe, tokenizer)
+    if d.validation:
+        validation, _ = _examples(d.validation, recipe, tokenizer)
+    else:
+        examples, validation = split_validation(examples, d.validation_split, seed=t.seed)
+    stream = BatchStream(examples, t.batch_size, d.seq_len, packing=d.packing, shuffle=d.shuffle, seed=t.seed,
+                         pad_id=tokenizer.pad_id or 0)
+
+    groups = build_param_groups(model, recipe.optimizer.weight_decay, recipe.optimizer.lr_scale)
+    o = recipe.optimizer
+    optimizer = build_optimizer(groups, o.name, o.lr, o.betas, o.eps, o.momentum, o.fused, device)
+    scaler = torch.amp.GradScaler(device.type, enabled=t.precision == "fp16")
+    forward = torch.compile(model) if t.compile else model
+
+    if dry_run:
+        report = _dry_run_report(recipe, model, trainable, examples, validation, stats)
+        return TrainResult(run_dir=run_dir, steps=0, summary=report, dry_run=True)
+
+    # Resume: weights, optimizer, RNG, data position and metrics continue where the checkpoint left them.
+    start_step = 0
+    if resume_from is not None:
+        model_state, trainer_state = load_checkpoint(resume_from, optimizer, expected_model_state=_trainable_state(model, recipe))
+        _load_trainable_state(model, recipe, model_state, str(resume_from))
+        stream.load_state_dict(trainer_state["data"])
+        if scaler.is_enabled():
+            scaler.load_state_dict(trainer_state["grad_scaler"])
+        start_step = int(trainer_state["step"])
+    else:
+        save_recipe(recipe, run_dir / RECIPE_FILE)
+    metrics = MetricsLogger(run_dir, resume_step=start_step if resume_from is not None else None)
+
+    def evaluate() -> EvalResult | None:
+        if not validation:
+            return None
+        batches = eval_batches(validation, t.batch_size, d.seq_len, packing=d.packing, pad_id=tokenizer.pad_id or 0)
+        return eval_loss(forward, batches, precision=t.precision, max_batches=t.eval_batches)
+
+    def checkpoint(step: int) -> Path:
+        trainer_state = {"data": stream.state_dict(), "recipe": recipe.to_dict()}
+        if scaler.is_enabled():
+            trainer_state["grad_scaler"] = scaler.state_dict()
+        return save_checkpoint(run_dir, step, _trainable_state(model, recipe), optimizer, trainer_state, t.keep_last)
+
+    eval_before = None
+    if start_step == 0:
+        eval_before = evaluate()
+        if eval_before is not None:
+            metrics.log_eval(0, eval_before.loss)
+    accuracy_before = quickstart.accuracy(model, tokenizer, d.validation) if is_quickstart and start_step == 0 else None
+
+    bar = tqdm(total=t.max_steps, initial=start_step, disable=not progress, unit="step", dynamic_ncols=True)
+    last_checkpoint: Path | None = None
+    loss_value, eval_after = None, None
+    for step in range(start_step, t.max_steps):
+        started = time.perf_counter()
+        lr = lr_at(step, o.lr, recipe.schedule.warmup_steps, t.max_steps, recipe.schedule.name,
+                   recipe.schedule.min_lr_ratio)
+        set_lr(optimizer, lr)
+
+        micro_batches = [next(stream) for _ in range(t.grad_accum)]
+        step_targets = max(sum(num_target_tokens(b) for b in micro_batches), 1)
+        step_loss = torch.zeros((), device=device)
+        tokens = 0
+        for batch in micro_batches:
+            batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+            with autocast_for(device, t.precision):
+                logits = forward(batch["input_ids"], batch["position_ids"], batch["document_ids"])
+            loss_sum, _ = token_cross_entropy(logits, batch["labels"])
+            loss = loss_sum / step_targets  # normalised over the whole step, not per micro-batch
+            scaler.scale(loss).backward()
+            step_loss += loss.detach()
+            tokens += int((batch["document_ids"] >= 0).sum())
+
+        scaler.unscale_(optimizer)
+        max_norm = t.max_grad_norm if t.max_grad_norm > 0 else math.inf
+        grad_norm = torch.nn.utils.clip_grad_norm_(trainable, max_norm)  # returns the pre-clip norm
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+
+        done = step + 1
+        loss_value = float(step_loss)
+        if not math.isfinite(loss_value):
+            raise DataError(f"step {done}: the loss is {loss_value}; lower optimizer.lr or check the data "
+                            f"(last good checkpoint: {latest_checkpoint(run_dir)})")
+        metrics.log_step(done, loss_value, grad_norm, lr, tokens, step_time_s=time.perf_counter() - started)
+        bar.update(1)
+        if done % t.log_every == 0 or done == t.max_steps:
+            bar.set_postfix(loss=f"{loss_value:.4f}", lr=f"{lr:.2e}")
+
+        is_last = done == t.max_steps
+        if (t.eval_every and done % t.eval_every == 0) or is_last:
+            result = eval_after = evaluate()
+            if result is not None and metrics.log_eval(done, result.loss):
+                last_checkpoint = checkpoint(done)
+                mark_best(run_dir, done)
+        if (t.save_every and done % t.save_every == 0) or is_last:
+            if last_checkpoint is None or last_checkpoint.name != f"step-{done}":
+                last_checkpoint = checkpoint(done)
+    bar.close()
+
+    if eval_after is None:
+        eval_after = evaluate()
+    output = _save_result(model, tokenizer, recipe, run_dir)
+    plot_loss_curve(metrics.path, run_dir / "loss_curve.png")
+    summary = metrics.summary(checkpoint=last_checkpoint or latest_checkpoint(run_dir))
+    metrics.close()
+    lines = [summary, f"{'output':<14}{output}"]
+    if eval_before is not None and eval_after is not None:
+        lines.append(f"{'held-out loss':<14}{eval_before.loss:.4f} -> {eval_after.loss:.4f} "
+                     f"(perplexity {eval_before.perplexity:.2f} -> {eval_after.perplexity:.2f})")
+    if is_quickstart:
+        after = quickstart.accuracy(model, tokenizer, d.validation)
+        before = f"{accuracy_before:.1%} -> " if accuracy_before is not None else ""
+        lines.append(f"{'held-out acc.':<14}{before}{after:.1%} of unseen sums answered exactly")
+    return TrainResult(run_dir=run_dir, steps=t.max_steps, summary="\n".join(lines), final_loss=loss_value,
+                       eval_before=eval_before, eval_after=eval_after, checkpoint=latest_checkpoint(run_dir),
+                       output=output)
+
+
+# -- the pieces the loop reads as one line each ------------------------------------------------
+
+
+def _run_folder(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool) -> tuple[Path, Path | None]:
+    """The run folder, and the checkpoint to resume from. Refuses to train over an earlier run's checkpoints."""
+    run_dir = Path(resume) if isinstance(resume, (str, Path)) else Path(recipe.output.dir)
+    if resume:
+        ckpt = latest_checkpoint(run_dir)
+        if ckpt is None:
+            raise CheckpointError(f"{run_dir}: no checkpoint to resume from")
+        return run_dir, ckpt
+    if not dry_run and latest_checkpoint(run_dir) is not None:
+        raise CheckpointError(f"{run_dir} already holds a run with checkpoints; pass --resume to continue it, "
+                              "or set output.dir to a new folder")
+    return run_dir, None
+
+
+def _recipe_for_resume(recipe: Recipe, run_dir: Path) -> Recipe:
+    """The saved recipe of the run, with only the changes a resume may make."""
+    saved_path = run_dir / RECIPE_FILE
+    if not saved_path.is_file():
+        raise CheckpointError(f"{run_dir}: {RECIPE_FILE} is missing; cannot check that the resumed run is the same")
+    saved = load_recipe(saved_path)
+    changes = [c for c in recipe_changes(saved, recipe) if not c.startswith(RESUMABLE_CHANGES + ("output.",))]
+    if changes:
+        raise CheckpointError(f"{run_dir}: the recipe differs from the run being resumed: " + "; ".join(changes)
+                              + f" (a resume may change only {', '.join(RESUMABLE_CHANGES)})")
+    allowed = {key.split(".")[1]: getattr(recipe.training, key.split(".")[1]) for key in RESUMABLE_CHANGES}
+    return dataclasses.replace(saved, training=dataclasses.replace(saved.training, **allowed))
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def _targets(target_modules: str | tuple[str, ...]) -> str | list[str]:
+    return target_modules if isinstance(target_modules, str) else list(target_modules)
+
+
+def _examples(path: str, recipe: Recipe, tokenizer) -> tuple[list, object]:
+    d = recipe.data
+    records, _ = read_records(path, format=d.format, on_error=d.on_error)
+    columns = {"text": d.text_field, "prompt": d.prompt_field, "completion": d.completion_field,
+               "messages": d.messages_field}
+    return tokenize_records(records, tokenizer, d.seq_len, train_on=d.train_on, add_eos=d.add_eos,
+                            columns=columns, on_error=d.on_error)
+
+
+def _trainable_state(model: torch.nn.Module, recipe: Recipe) -> dict[str, torch.Tensor]:
+    """What a checkpoint keeps: the adapters in a LoRA run, every weight otherwise."""
+    if recipe.lora is not None:
+        return lora_state_dict(model)
+    return {n: p for n, p in model.named_parameters()}
+
+
+def _load_trainable_state(model: torch.nn.Module, recipe: Recipe, state: dict[str, torch.Tensor], source: str) -> None:
+    if recipe.lora is not None:
+        load_lora_state_dict(model, state, source=source)
+        return
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, tensor in state.items():
+            params[name].copy_(tensor)
+
+
+def _save_result(model, tokenizer, recipe: Recipe, run_dir: Path) -> Path:
+    """The adapter (PEFT format) of a LoRA run, or the whole model folder of a full fine-tune."""
+    if recipe.lora is not None:
+        out = run_dir / "adapter"
+        lora = recipe.lora
+        config = LoraConfig(r=lora.r, alpha=lora.alpha, dropout=lora.dropout,
+                            target_modules=_targets(lora.target_modules), use_rslora=lora.use_rslora)
+        save_adapter(model, out, config, base_model_name_or_path=str(recipe.model.path))
+        return out
+    out = run_dir / "model"
+    save_hf(model, out)
+    tokenizer.save(out)
+    return out
+
+
+def _dry_run_report(recipe: Recipe, model, trainable, examples, validation, stats) -> str:
+    total = sum(p.numel() for p in model.parameters())
+    n_trainable = sum(p.numel() for p in trainable)
+    t, d = recipe.training, recipe.data
+    method = "full" if recipe.lora is None else ("qlora" if recipe.lora.quantize_base else "lora")
+    dtype_bytes = next(model.parameters()).element_size() if method == "full" else 2
+    lora = recipe.lora
+    estimate = estimate_training_memory(
+        model.config, method, t.batch_size, d.seq_len, dtype_bytes=dtype_bytes,
+        lora_r=lora.r if lora else 16, lora_targets=_targets(lora.target_modules) if lora else "all-linear",
+        activation_checkpointing=t.activation_checkpointing,
+    )
+    tokens = sum(len(e) for e in examples)
+    return "\n".join([
+        f"dry run: recipe valid, model and data built, nothing trained ({recipe.output.dir})",
+        f"{'model':<22}{recipe.model.path} ({model.config.model_type}, {model.config.num_layers} layers)",
+        f"{'parameters':<22}{total:,} total, {n_trainable:,} trainable ({n_trainable / total:.2%})",
+        f"{'method':<22}{method}",
+        f"{'train examples':<22}{len(examples):,} ({tokens:,} tokens; {stats.truncated_examples} truncated)",
+        f"{'validation examples':<22}{len(validation):,}",
+        f"{'step':<22}{t.batch_size} x {d.seq_len} tokens x {t.grad_accum} accumulation, {t.max_steps} steps",
+        f"{'memory estimate':<22}{estimate.total / GiB:.2f} GiB (weights {estimate.weights / GiB:.2f}, "
+        f"grads {estimate.gradients / GiB:.2f}, optimizer {estimate.optimizer / GiB:.2f}, "
+        f"activations {estimate.activations / GiB:.2f}, logits {estimate.logits / GiB:.2f})",
+    ])

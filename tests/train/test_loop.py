@@ -1,0 +1,129 @@
+"""The training loop end to end on a tiny model: exact resume, accumulation, dry run, refusals."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from entrenar import quickstart
+from entrenar.config import load_recipe
+from entrenar.errors import AdapterError, CheckpointError, DataError
+from entrenar.models.config import ModelConfig
+from entrenar.models.hf import save_hf
+from entrenar.models.transformer import Transformer
+from entrenar.train import loop
+from entrenar.train.loop import train
+from entrenar.train.metrics import read_metrics
+
+
+@pytest.fixture
+def workspace(tmp_path):
+    """A tiny model folder with a character tokenizer, and prompt/completion data."""
+    tokenizer = quickstart.build_tokenizer()
+    torch.manual_seed(0)
+    config = ModelConfig(vocab_size=tokenizer.vocab_size, hidden_size=32, intermediate_size=64, num_layers=2,
+                         num_heads=4, num_kv_heads=2, model_type="llama")
+    model = Transformer(config)
+    model.reset_parameters()
+    save_hf(model, tmp_path / "model")
+    tokenizer.save(tmp_path / "model")
+    with open(tmp_path / "train.jsonl", "w") as f:
+        for a in range(40):
+            f.write(json.dumps({"prompt": f"{a}+{a % 7}=", "completion": str(a + a % 7)}) + "\n")
+    return tmp_path
+
+
+def recipe_for(ws, *overrides):
+    text = f"""
+model: {{path: {ws / 'model'}, device: cpu}}
+data: {{train: {ws / 'train.jsonl'}, seq_len: 32, validation_split: 0.2, train_on: completion}}
+lora: {{r: 4, alpha: 8, dropout: 0.1, target_modules: all-linear}}
+optimizer: {{lr: 1.0e-2}}
+schedule: {{warmup_steps: 2}}
+training: {{max_steps: 8, batch_size: 2, eval_every: 4, save_every: 3, keep_last: 2, log_every: 1}}
+output: {{dir: {ws / 'run'}}}
+"""
+    path = ws / "recipe.yaml"
+    path.write_text(text)
+    return load_recipe(path, list(overrides))
+
+
+def losses(run_dir):
+    return [r["loss"] for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r]
+
+
+@pytest.mark.parametrize("method", ["lora", "full"])
+def test_interrupted_run_resumes_with_identical_losses(workspace, monkeypatch, method):
+    overrides = ["lora=null"] if method == "full" else []
+    straight = train(recipe_for(workspace, *overrides, f"output.dir={workspace / 'straight'}"), progress=False)
+    expected = losses(straight.run_dir)
+    assert len(expected) == 8 and len(set(expected)) == 8
+
+    # Crash right after step 7 is logged; the last checkpoint is step 6 (save_every 3).
+    real_log_step = loop.MetricsLogger.log_step
+
+    def crash_at_7(self, step, *args, **kwargs):
+        record = real_log_step(self, step, *args, **kwargs)
+        if step == 7:
+            raise KeyboardInterrupt
+        return record
+
+    monkeypatch.setattr(loop.MetricsLogger, "log_step", crash_at_7)
+    recipe = recipe_for(workspace, *overrides)
+    with pytest.raises(KeyboardInterrupt):
+        train(recipe, progress=False)
+    monkeypatch.setattr(loop.MetricsLogger, "log_step", real_log_step)
+    assert len(losses(workspace / "run")) == 7
+
+    resumed = train(recipe, resume=True, progress=False)
+    assert losses(resumed.run_dir) == expected  # bit for bit
+    assert resumed.output.name == ("adapter" if method == "lora" else "model")
+
+
+def test_accumulation_normalises_by_the_tokens_of_the_whole_step(workspace):
+    one = train(recipe_for(workspace, "training.batch_size=4", "lora.dropout=0", "output.dir=" + str(workspace / "a")),
+                progress=False)
+    two = train(recipe_for(workspace, "training.batch_size=2", "training.grad_accum=2", "lora.dropout=0",
+                           "output.dir=" + str(workspace / "b")), progress=False)
+    torch.testing.assert_close(torch.tensor(losses(two.run_dir)), torch.tensor(losses(one.run_dir)),
+                               atol=1e-5, rtol=0)
+
+
+def test_run_leaves_metrics_checkpoints_adapter_and_improves(workspace):
+    result = train(recipe_for(workspace, "training.max_steps=12"), progress=False)
+    run = result.run_dir
+    records = read_metrics(run / "metrics.jsonl")
+    steps = [r for r in records if "loss" in r]
+    assert [r["step"] for r in steps] == list(range(1, 13))
+    assert {"step", "loss", "grad_norm", "lr", "tokens", "tokens_per_s", "elapsed_s"} <= set(steps[0])
+    assert steps[0]["lr"] == pytest.approx(1e-2 / 3)  # warmup: (step+1)/(warmup+1)
+    assert [r["step"] for r in records if "eval_loss" in r] == [0, 4, 8, 12]
+    assert result.eval_after.loss < result.eval_before.loss
+    assert len(list((run / "checkpoints").glob("step-*"))) <= 3  # keep_last 2, plus the best
+    assert (run / "adapter" / "adapter_config.json").is_file()
+    assert (run / "loss_curve.png").stat().st_size > 1000
+    assert "held-out loss" in result.summary
+
+
+def test_dry_run_builds_everything_and_writes_nothing(workspace):
+    result = train(recipe_for(workspace), dry_run=True, progress=False)
+    assert result.dry_run and "trainable" in result.summary and "memory estimate" in result.summary
+    assert not (workspace / "run").exists()
+
+
+def test_refusals_name_the_problem(workspace):
+    train(recipe_for(workspace, "training.max_steps=3"), progress=False)
+    with pytest.raises(CheckpointError, match="already holds a run with checkpoints; pass --resume"):
+        train(recipe_for(workspace, "training.max_steps=3"), progress=False)
+    with pytest.raises(CheckpointError, match=r"optimizer\.lr: 0\.01 -> 0\.5"):
+        train(recipe_for(workspace, "optimizer.lr=0.5"), resume=True, progress=False)
+    with pytest.raises(AdapterError, match="q_prj"):
+        train(recipe_for(workspace, "lora.target_modules=[q_prj]", f"output.dir={workspace / 'x'}"), progress=False)
+    (workspace / "empty.jsonl").write_text("")
+    with pytest.raises(DataError, match="empty.jsonl"):
+        train(recipe_for(workspace, f"data.train={workspace / 'empty.jsonl'}", f"output.dir={workspace / 'y'}"),
+              progress=False)
+    with pytest.raises(CheckpointError, match="no checkpoint to resume"):
+        train(recipe_for(workspace, f"output.dir={workspace / 'z'}"), resume=True, progress=False)
