@@ -259,3 +259,19 @@ def test_state_dict_round_trip_and_shape_errors(base):
     del bad[key]
     with pytest.raises(AdapterError, match=rf"ckpt/step-10: missing tensor '{key}'"):
         load_lora_state_dict(target, bad, "ckpt/step-10")
+
+
+def test_merge_into_an_nf4_base_dequantizes_and_keeps_the_output():
+    """Merging into a quantized base must not drop the adapter (its weight is computed on the fly)."""
+    from entrenar.quant.nf4 import NF4Linear
+
+    torch.manual_seed(0)
+    layer = LoraLinear(NF4Linear.from_linear(nn.Linear(64, 32)), r=4, alpha=8)
+    nn.init.normal_(layer.lora_B.weight)
+    x = torch.randn(3, 64)
+    before = layer(x)
+    layer.merge()
+    assert isinstance(layer.base_layer, nn.Linear)
+    torch.testing.assert_close(layer(x), before, atol=1e-4, rtol=1e-4)
+    layer.unmerge()
+    torch.testing.assert_close(layer(x), before, atol=1e-4, rtol=1e-4)

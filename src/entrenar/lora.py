@@ -237,10 +237,18 @@ class LoraLinear(nn.Module):
         return (self.lora_B.weight.float() @ self.lora_A.weight.float()) * self.scaling
 
     def _base_weight(self) -> torch.Tensor:
+        if not isinstance(self.base_layer.weight, nn.Parameter) and hasattr(self.base_layer, "to_linear"):
+            # A quantized base (NF4, int) computes `weight` on the fly, so adding to it would be lost:
+            # merging dequantizes the base into a plain frozen Linear first, as a merged export needs.
+            self.base_layer = self.base_layer.to_linear().requires_grad_(False)
         weight = self.base_layer.weight
         if not weight.is_floating_point():
             raise AdapterError(
                 f"cannot merge LoRA into a {type(self.base_layer).__name__} with {weight.dtype} weights; dequantize the base first"
+            )
+        if not isinstance(weight, nn.Parameter):
+            raise AdapterError(
+                f"cannot merge LoRA into a {type(self.base_layer).__name__}: its weight is computed, not stored"
             )
         return weight
 
