@@ -1,0 +1,1 @@
+"""The ``entrenar`` command line: one module per command, each a thin layer over the library."""

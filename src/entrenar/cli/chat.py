@@ -1,0 +1,54 @@
+"""``entrenar chat``: talk to a model line by line; each turn renders the whole conversation."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from entrenar.cli.generate import chat_ids, require_chat_template
+from entrenar.cli.options import add_model_args, add_sampling_args, load_model
+from entrenar.cli.stream import stream_generate
+
+HELP = "type a message; /reset clears the conversation, /exit (or end of input) quits"
+
+
+def add_parser(commands: argparse._SubParsersAction, parents: list[argparse.ArgumentParser]) -> None:
+    parser = commands.add_parser(
+        "chat", parents=parents, help="chat with a model interactively",
+        description=f"Chat with a model through its chat template: {HELP}.",
+    )
+    add_model_args(parser)
+    parser.add_argument("--system", metavar="TEXT", help="system message that opens the conversation")
+    add_sampling_args(parser, max_new_tokens=256)
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    model, tokenizer = load_model(args)
+    opening = [{"role": "system", "content": args.system}] if args.system else []
+    require_chat_template(tokenizer, args.model)  # fail now, not after the first message
+    interactive = sys.stdin.isatty()
+    if interactive:
+        print(HELP, file=sys.stderr)
+    messages = list(opening)
+    while True:
+        if interactive:
+            print("> ", end="", file=sys.stderr, flush=True)
+        line = sys.stdin.readline()
+        if not line:  # end of input
+            break
+        text = line.rstrip("\n")
+        if text.strip() == "/exit":
+            break
+        if text.strip() == "/reset":
+            messages = list(opening)
+            if interactive:
+                print("(conversation cleared)", file=sys.stderr)
+            continue
+        if not text.strip():
+            continue
+        messages.append({"role": "user", "content": text})
+        reply = stream_generate(model, tokenizer, chat_ids(tokenizer, messages, args.model), args, sys.stdout)
+        print()
+        messages.append({"role": "assistant", "content": reply})
+    return 0

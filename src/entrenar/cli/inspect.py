@@ -1,0 +1,138 @@
+"""``entrenar inspect``: a model's architecture, parameter counts and training-memory estimates.
+
+Reads only the config (config.json, or a GGUF file's metadata), never the weights,
+so it answers for a 70B model in a blink.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from entrenar.cli.options import positive_int
+
+if TYPE_CHECKING:
+    from entrenar.models.config import ModelConfig
+
+DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2}
+ARCHITECTURE_FIELDS = (
+    "model_type", "num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
+    "vocab_size", "max_position_embeddings", "rope_theta", "rope_scaling", "tie_word_embeddings",
+    "qkv_bias", "o_bias", "mlp_bias", "qk_norm", "sliding_window",
+)
+METHODS = ("full", "lora", "qlora")
+
+
+def add_parser(commands: argparse._SubParsersAction, parents: list[argparse.ArgumentParser]) -> None:
+    parser = commands.add_parser(
+        "inspect", parents=parents, help="architecture, parameters and training memory of a model",
+        description="Show a model's architecture, parameter counts and estimated training memory "
+                    "for full fine-tuning, LoRA and QLoRA. Reads the config only, not the weights.",
+    )
+    parser.add_argument("model", metavar="MODEL", help="Hugging Face model folder or .gguf file")
+    parser.add_argument("--batch-size", type=positive_int, default=1, metavar="B",
+                        help="sequences per step (default 1)")
+    parser.add_argument("--seq-len", type=positive_int, default=2048, metavar="T",
+                        help="tokens per sequence (default 2048)")
+    parser.add_argument("--lora-r", type=positive_int, default=16, metavar="R", help="LoRA rank (default 16)")
+    parser.add_argument("--lora-targets", default="all-linear", metavar="all-linear|q_proj,v_proj,...",
+                        help="projections LoRA adapts (default all-linear)")
+    parser.add_argument("--dtype", choices=tuple(DTYPE_BYTES), default="bf16", help="training dtype (default bf16)")
+    parser.add_argument("--checkpointing", action="store_true", help="with activation checkpointing")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    parser.set_defaults(run=run)
+
+
+def read_model_config(path: str | Path) -> ModelConfig:
+    """The ModelConfig of a Hugging Face folder or a GGUF file, without reading any weights."""
+    from entrenar.errors import ModelError
+    from entrenar.models.config import ModelConfig
+    from entrenar.models.hf import read_config
+
+    path = Path(path)
+    if path.suffix == ".gguf":
+        from entrenar.models.gguf import read_gguf  # maps tensor names and shapes; reads no tensor data
+
+        return ModelConfig.from_hf(read_gguf(path).hf_config, source=str(path))
+    if not path.exists():
+        raise ModelError(f"{path}: no such model folder or .gguf file")
+    if not path.is_dir():
+        raise ModelError(f"{path}: not a model folder or .gguf file")
+    return read_config(path)
+
+
+def parse_targets(text: str) -> str | list[str]:
+    """'all-linear' or a comma-separated list of projection names, each checked."""
+    from entrenar.errors import ConfigError
+    from entrenar.memory import LINEAR_NAMES
+
+    if text == "all-linear":
+        return text
+    names = list(dict.fromkeys(name.strip() for name in text.split(",") if name.strip()))
+    unknown = [name for name in names if name not in LINEAR_NAMES]
+    if not names or unknown:
+        raise ConfigError(f"--lora-targets: unknown projection {', '.join(map(repr, unknown)) or repr(text)} "
+                          f"(allowed: all-linear or a comma-separated list of {', '.join(LINEAR_NAMES)})")
+    return names
+
+
+def run(args: argparse.Namespace) -> int:
+    from entrenar.memory import estimate_training_memory, format_estimates
+
+    config = read_model_config(args.model)
+    targets = parse_targets(args.lora_targets)
+    settings = {
+        "batch_size": args.batch_size, "seq_len": args.seq_len, "dtype_bytes": DTYPE_BYTES[args.dtype],
+        "lora_r": args.lora_r, "lora_targets": targets, "activation_checkpointing": args.checkpointing,
+    }
+    estimates = [estimate_training_memory(config, method, **settings) for method in METHODS]
+    architecture = {name: getattr(config, name) for name in ARCHITECTURE_FIELDS}
+    total, trainable = estimates[0].total_params, estimates[1].trainable_params
+
+    if args.json:
+        report: dict[str, Any] = {
+            "model": str(args.model),
+            "architecture": architecture,
+            "parameters": {"total": total, "lora_trainable": trainable},
+            "memory": {**settings, "dtype": args.dtype, "estimates": {e.method: e.as_dict() for e in estimates}},
+        }
+        print(json.dumps(report, indent=2))
+        return 0
+
+    targets_text = targets if isinstance(targets, str) else ",".join(targets)
+    print(f"{args.model}")
+    print(describe(architecture))
+    print(f"  parameters    {total:,} total; LoRA r={args.lora_r} on {targets_text} trains "
+          f"{trainable:,} ({100 * trainable / total:.2f}%)")
+    print()
+    print(f"training memory for batch {args.batch_size} x {args.seq_len} tokens, {args.dtype}, "
+          f"activation checkpointing {'on' if args.checkpointing else 'off'}:")
+    print(format_estimates(estimates))
+    return 0
+
+
+def describe(a: dict[str, Any]) -> str:
+    """The architecture as aligned text lines."""
+    scaling = dict(a["rope_scaling"] or {})
+    scaling_text = "none"
+    if scaling:
+        kind = scaling.pop("rope_type", "?")
+        scaling_text = f"{kind} ({', '.join(f'{k}={v}' for k, v in scaling.items())})"
+    flags = [name for name in ("qkv_bias", "o_bias", "mlp_bias", "qk_norm") if a[name]]
+    if a["sliding_window"]:
+        flags.append(f"sliding_window={a['sliding_window']}")
+    rows = {
+        "family": a["model_type"],
+        "layers": a["num_layers"],
+        "hidden": a["hidden_size"],
+        "heads": f"{a['num_heads']} (kv heads {a['num_kv_heads']}, head_dim {a['head_dim']})",
+        "intermediate": a["intermediate_size"],
+        "vocab": f"{a['vocab_size']:,}",
+        "context": f"{a['max_position_embeddings']:,}",
+        "rope": f"theta {a['rope_theta']:g}, scaling {scaling_text}",
+        "tied embed.": "yes" if a["tie_word_embeddings"] else "no",
+        "variant": ", ".join(flags) or "plain",
+    }
+    return "\n".join(f"  {name:<14}{value}" for name, value in rows.items())

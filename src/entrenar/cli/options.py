@@ -1,0 +1,59 @@
+"""Arguments several commands share: which model to load and how to sample from it."""
+
+from __future__ import annotations
+
+import argparse
+import re
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from entrenar.models.transformer import Transformer
+    from entrenar.tokenizer import Tokenizer
+
+DTYPES = ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
+
+
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+    """MODEL, --adapter, --device, --dtype: the arguments of ``entrenar.load``."""
+    parser.add_argument("model", metavar="MODEL", help="Hugging Face model folder or .gguf file")
+    parser.add_argument("--adapter", metavar="DIR", help="LoRA adapter folder (PEFT format) to apply")
+    parser.add_argument("--device", type=device, default="auto", help="auto (CUDA when available), cpu, cuda, cuda:N")
+    parser.add_argument("--dtype", default="auto", choices=DTYPES, help="weight dtype (auto: bf16 on CUDA, else fp32)")
+
+
+def add_sampling_args(parser: argparse.ArgumentParser, max_new_tokens: int) -> None:
+    """The arguments of ``entrenar.generate.generate``."""
+    parser.add_argument("--max-new-tokens", type=int, default=max_new_tokens, metavar="N",
+                        help=f"most tokens to generate (default {max_new_tokens})")
+    parser.add_argument("--temperature", type=float, default=0.0, metavar="T",
+                        help="0 is greedy (default); higher samples more freely")
+    parser.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling mass (default 1.0)")
+    parser.add_argument("--seed", type=int, default=None, metavar="S", help="random seed for sampling")
+
+
+def load_model(args: argparse.Namespace) -> tuple[Transformer, Tokenizer]:
+    """(model, tokenizer) as the model arguments say."""
+    from entrenar import load
+
+    return load(args.model, adapter=args.adapter, dtype=args.dtype, device=args.device)
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: an integer > 0 (argparse turns the ValueError into a usage error)."""
+    value = int(text)
+    if value <= 0:
+        raise ValueError(text)
+    return value
+
+
+positive_int.__name__ = "positive integer"  # argparse names the type in its message
+
+
+def device(text: str) -> str:
+    """An argparse type: the device names a recipe's model.device accepts."""
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", text):
+        raise ValueError(text)
+    return text
+
+
+device.__name__ = "device (auto, cpu, cuda, cuda:N)"

@@ -1,0 +1,88 @@
+"""``entrenar eval`` and ``entrenar export`` pass their arguments to the library and print its result.
+
+The library sides (entrenar.evaluate, entrenar.export) are stood in for here; their own tests check the numbers.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from cli_helpers import build_chat_model, fake_module, run_cli
+
+from entrenar.errors import AdapterError, DataError
+from entrenar.models.transformer import Transformer
+from entrenar.tokenizer import Tokenizer
+
+
+@pytest.fixture
+def chat_model(hf_folder) -> Path:
+    return build_chat_model(hf_folder)
+
+
+def test_eval_loads_the_model_and_prints_loss_and_perplexity(capsys, monkeypatch, chat_model, tmp_path):
+    seen = {}
+
+    def evaluate_file(model, tokenizer, path, seq_len, batch_size, train_on, fmt="auto"):
+        seen.update(model=model, tokenizer=tokenizer, args=(path, seq_len, batch_size, train_on))
+        return SimpleNamespace(loss=2.5, perplexity=math.exp(2.5), tokens=1234, examples=7)
+
+    fake_module(monkeypatch, "entrenar.evaluate", evaluate_file=evaluate_file)
+    data = tmp_path / "valid.jsonl"
+    code, out, err = run_cli(capsys, "eval", chat_model, "--data", data, "--seq-len", 64, "--batch-size", 2,
+                             "--train-on", "completion", "--device", "cpu")
+    assert (code, err) == (0, "")
+    assert out == "loss 2.5000  perplexity 12.182  (1,234 tokens, 7 examples)\n"
+    assert seen["args"] == (str(data), 64, 2, "completion")
+    assert isinstance(seen["model"], Transformer) and not seen["model"].training
+    assert isinstance(seen["tokenizer"], Tokenizer)
+
+
+def test_eval_data_error_is_one_line(capsys, monkeypatch, chat_model):
+    def evaluate_file(model, tokenizer, path, *args, **kwargs):
+        raise DataError(f"{path} line 3: invalid JSON")
+
+    fake_module(monkeypatch, "entrenar.evaluate", evaluate_file=evaluate_file)
+    code, out, err = run_cli(capsys, "eval", chat_model, "--data", "bad.jsonl")
+    assert (code, out, err) == (2, "", "error: bad.jsonl line 3: invalid JSON\n")
+
+
+def test_eval_needs_data(capsys):
+    code, _, err = run_cli(capsys, "eval", "some-model")
+    assert code == 2 and "--data" in err
+
+
+@pytest.fixture
+def exports(monkeypatch):
+    calls: list[tuple] = []
+
+    def export(model_path, adapter, output, merge, gguf):
+        calls.append((model_path, adapter, output, merge, gguf))
+        if adapter == "broken":
+            raise AdapterError("broken: no adapter_config.json; not an adapter folder")
+        paths = [Path(output)] if merge else []
+        return paths + ([Path(output) / "model-f16.gguf"] if gguf else [])
+
+    fake_module(monkeypatch, "entrenar.export", export=export)
+    return calls
+
+
+def test_export_passes_its_options_and_lists_what_it_wrote(capsys, exports):
+    code, out, _ = run_cli(capsys, "export", "base", "--adapter", "ad", "--output", "out", "--merge", "--gguf", "f16")
+    assert code == 0
+    assert exports == [("base", "ad", "out", True, "f16")]
+    assert out == f"wrote out\nwrote {Path('out') / 'model-f16.gguf'}\n"
+    assert run_cli(capsys, "export", "base", "--adapter", "ad", "--output", "o")[0] == 0
+    assert exports[-1] == ("base", "ad", "o", False, None)
+
+
+def test_export_errors_and_usage(capsys, exports):
+    code, out, err = run_cli(capsys, "export", "base", "--adapter", "broken", "--output", "o")
+    assert (code, out, err) == (2, "", "error: broken: no adapter_config.json; not an adapter folder\n")
+    code, _, err = run_cli(capsys, "export", "base", "--adapter", "ad", "--output", "o", "--gguf", "q4_k")
+    assert code == 2 and "invalid choice: 'q4_k'" in err
+    code, _, err = run_cli(capsys, "export", "base", "--output", "o")
+    assert code == 2 and "--adapter" in err
+    assert len(exports) == 1

@@ -1,0 +1,109 @@
+"""``entrenar inspect``: architecture and parameter counts against transformers and PEFT, memory against
+``entrenar.memory``, the same answer for a folder and its GGUF file, and errors that name the file."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from cli_helpers import run_cli
+
+from entrenar.memory import estimate_training_memory, format_estimates
+from entrenar.models.hf import read_config
+
+
+def inspect_json(capsys, *argv) -> dict:
+    code, out, _ = run_cli(capsys, "inspect", *argv, "--json")
+    assert code == 0
+    return json.loads(out)
+
+
+def test_architecture_and_parameters_match_transformers_and_peft(capsys, hf_folder):
+    from peft import LoraConfig, get_peft_model
+
+    folder, hf_model = hf_folder("qwen3")
+    report = inspect_json(capsys, folder, "--lora-r", 4, "--lora-targets", "q_proj,v_proj")
+    c = hf_model.config
+    arch = report["architecture"]
+    assert (arch["model_type"], arch["num_layers"], arch["hidden_size"], arch["intermediate_size"]) == (
+        "qwen3", c.num_hidden_layers, c.hidden_size, c.intermediate_size)
+    assert (arch["num_heads"], arch["num_kv_heads"], arch["head_dim"], arch["vocab_size"]) == (
+        c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.vocab_size)
+    assert arch["qk_norm"] is True and arch["tie_word_embeddings"] == c.tie_word_embeddings
+    assert report["parameters"]["total"] == sum(p.numel() for p in hf_model.parameters())
+    peft_model = get_peft_model(hf_model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    assert report["parameters"]["lora_trainable"] == sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
+
+
+def test_rope_scaling_tied_embeddings_and_biases_are_reported(capsys, hf_folder):
+    folder, _ = hf_folder("llama3-scaled-tied-bias")
+    arch = inspect_json(capsys, folder)["architecture"]
+    assert arch["rope_theta"] == 500000.0 and arch["tie_word_embeddings"] is True
+    assert arch["rope_scaling"]["rope_type"] == "llama3" and arch["rope_scaling"]["factor"] == 8.0
+    code, out, _ = run_cli(capsys, "inspect", folder)
+    assert code == 0
+    assert "theta 500000, scaling llama3 (factor=8.0, " in out
+    assert "tied embed.   yes" in out and "qkv_bias, o_bias, mlp_bias" in out
+
+
+def test_memory_equals_estimate_training_memory(capsys, hf_folder):
+    folder, _ = hf_folder("llama")
+    argv = [folder, "--batch-size", 2, "--seq-len", 64, "--lora-r", 8, "--lora-targets", "q_proj,v_proj",
+            "--dtype", "fp32", "--checkpointing"]
+    config = read_config(folder)
+    expected = [estimate_training_memory(config, method, batch_size=2, seq_len=64, dtype_bytes=4, lora_r=8,
+                                         lora_targets=["q_proj", "v_proj"], activation_checkpointing=True)
+                for method in ("full", "lora", "qlora")]
+    report = inspect_json(capsys, *argv)
+    assert report["memory"]["estimates"] == {e.method: e.as_dict() for e in expected}
+    code, out, _ = run_cli(capsys, "inspect", *argv)
+    assert code == 0
+    assert out.endswith(format_estimates(expected) + "\n")
+
+
+def test_defaults_are_the_library_defaults(capsys, hf_folder):
+    folder, _ = hf_folder("mistral")
+    report = inspect_json(capsys, folder)
+    assert report["memory"]["estimates"]["qlora"] == estimate_training_memory(read_config(folder), "qlora").as_dict()
+
+
+def test_a_gguf_file_reads_as_its_folder(capsys, hf_folder, tmp_path):
+    from gguf_fixtures import write_gguf
+
+    folder, hf_model = hf_folder("qwen2")
+    path = write_gguf(tmp_path / "tiny.gguf", hf_model)
+    from_folder, from_gguf = inspect_json(capsys, folder), inspect_json(capsys, path)
+    assert from_gguf["model"] == str(path)
+    for key in ("architecture", "parameters", "memory"):
+        assert from_gguf[key] == from_folder[key]
+
+
+def test_missing_model_names_the_path(capsys, tmp_path):
+    assert run_cli(capsys, "inspect", tmp_path / "nowhere")[::2] == (
+        2, f"error: {tmp_path / 'nowhere'}: no such model folder or .gguf file\n")
+    assert run_cli(capsys, "inspect", tmp_path / "nowhere.gguf")[::2] == (
+        2, f"error: {tmp_path / 'nowhere.gguf'}: no such GGUF file\n")
+
+
+def test_bad_config_json_names_the_file_and_line(capsys, tmp_path):
+    (tmp_path / "config.json").write_text('{\n  "model_type": "llama",\n  "hidden_size": 64,,\n}\n')
+    code, _, err = run_cli(capsys, "inspect", tmp_path)
+    assert code == 2
+    assert err.startswith(f"error: {tmp_path / 'config.json'} line 3: invalid JSON") and err.count("\n") == 1
+
+
+def test_unknown_family_names_the_file_and_family(capsys, hf_folder):
+    folder, _ = hf_folder("llama")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "model_type": "gpt2"}))
+    code, _, err = run_cli(capsys, "inspect", folder)
+    assert code == 2
+    assert err.startswith(f"error: {folder / 'config.json'}: unknown model family 'gpt2'")
+
+
+@pytest.mark.parametrize("targets", ["q_proj,lm_head", "q,v", ","])
+def test_unknown_lora_target_is_refused(capsys, hf_folder, targets):
+    folder, _ = hf_folder("llama")
+    code, _, err = run_cli(capsys, "inspect", folder, "--lora-targets", targets)
+    assert code == 2
+    assert err.startswith("error: --lora-targets: unknown projection") and "q_proj, k_proj" in err
