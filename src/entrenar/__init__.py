@@ -52,11 +52,14 @@ def load(
     adapter: str | Path | None = None,
     dtype: "str | torch.dtype | None" = None,
     device: "str | torch.device | None" = None,
+    quantize: str | None = None,
 ) -> "tuple[Transformer, Tokenizer]":
     """Load a model and its tokenizer from a Hugging Face folder or a GGUF file.
 
-    `adapter` is a PEFT-format LoRA adapter folder applied on top. The model is
-    returned in eval mode; call `.train()` to fine-tune it.
+    `adapter` is a PEFT-format LoRA adapter folder applied on top. `quantize="nf4"`
+    loads every linear layer but the output head straight into NF4 (QLoRA's
+    frozen base), one tensor at a time. The model is returned in eval mode;
+    call `.train()` to fine-tune it.
     """
     from entrenar.errors import ModelError
     from entrenar.models.hf import load_hf
@@ -68,9 +71,9 @@ def load(
     if path.suffix == ".gguf":
         from entrenar.models.gguf import load_gguf
 
-        model, tokenizer = load_gguf(path, dtype=torch_dtype, device=device)
+        model, tokenizer = load_gguf(path, dtype=torch_dtype, device=device, quantize=quantize)
     elif path.is_dir():
-        model = load_hf(path, dtype=torch_dtype, device=device)
+        model = load_hf(path, dtype=torch_dtype, device=device, quantize=quantize)
         tokenizer = Tokenizer.from_folder(path)
     else:
         raise ModelError(f"{path}: not a model folder or .gguf file")

@@ -54,9 +54,9 @@ def losses(run_dir):
     return [r["loss"] for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r]
 
 
-@pytest.mark.parametrize("method", ["lora", "full"])
+@pytest.mark.parametrize("method", ["lora", "qlora", "full"])
 def test_interrupted_run_resumes_with_identical_losses(workspace, monkeypatch, method):
-    overrides = ["lora=null"] if method == "full" else []
+    overrides = {"full": ["lora=null"], "qlora": ["lora.quantize_base=nf4"], "lora": []}[method]
     straight = train(recipe_for(workspace, *overrides, f"output.dir={workspace / 'straight'}"), progress=False)
     expected = losses(straight.run_dir)
     assert len(expected) == 8 and len(set(expected)) == 8
@@ -79,7 +79,7 @@ def test_interrupted_run_resumes_with_identical_losses(workspace, monkeypatch, m
 
     resumed = train(recipe, resume=True, progress=False)
     assert losses(resumed.run_dir) == expected  # bit for bit
-    assert resumed.output.name == ("adapter" if method == "lora" else "model")
+    assert resumed.output.name == ("model" if method == "full" else "adapter")
 
 
 def test_accumulation_normalises_by_the_tokens_of_the_whole_step(workspace):

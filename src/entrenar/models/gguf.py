@@ -226,7 +226,7 @@ def read_gguf(path: str | Path) -> GGUFModel:
 
 
 def load_gguf(
-    path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+    path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", quantize: str | None = None
 ) -> tuple[Transformer, Tokenizer]:
     """A native ``Transformer`` and its ``Tokenizer`` from a GGUF file, loaded tensor by tensor."""
     from entrenar.models.config import ModelConfig
@@ -234,7 +234,7 @@ def load_gguf(
 
     gguf_model = read_gguf(path)
     config = ModelConfig.from_hf(gguf_model.hf_config, source=str(gguf_model.path))
-    model = empty_model(config, dtype, device)
+    model = empty_model(config, dtype, device, quantize)
     name = gguf_model.path.name
     load_state_into(model, ((name, n, t) for n, t in gguf_model.tensors(dtype)), str(gguf_model.path.parent))
     return model, gguf_model.tokenizer

@@ -72,11 +72,19 @@ def load_state_into(model: torch.nn.Module, tensors: Iterator[tuple[str, str, to
 
     Every parameter must be given exactly once (a tied lm_head may be absent);
     extra tensors are an error, since they mean the checkpoint is not this model.
+    A module with `load_full_weight` (an NF4 layer) takes its full-precision
+    weight as it streams past and quantizes it, so the whole model never exists
+    in 16-bit.
     """
     params = dict(model.named_parameters(remove_duplicate=False))
+    sinks = {f"{n}.weight": m for n, m in model.named_modules() if hasattr(m, "load_full_weight")}
     tied = {n for n, p in params.items() if any(p is q for m, q in params.items() if m != n)}
     seen: set[str] = set()
     for file_name, name, tensor in tensors:
+        if name in sinks:
+            sinks[name].load_full_weight(tensor, name=f"{source}/{file_name}: {name}")
+            seen.add(name)
+            continue
         if name not in params:
             if name.endswith("rotary_emb.inv_freq"):
                 continue  # older checkpoints store RoPE buffers; we compute them
@@ -89,16 +97,33 @@ def load_state_into(model: torch.nn.Module, tensors: Iterator[tuple[str, str, to
         with torch.no_grad():
             target.copy_(tensor)
         seen.add(name)
-    missing = [n for n in params if n not in seen and not (n in tied and any(t in seen for t in tied))]
+    expected = [*params, *sinks]
+    missing = [n for n in expected if n not in seen and not (n in tied and any(t in seen for t in tied))]
     if missing:
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
         raise ModelError(f"{source}: missing tensors {', '.join(missing[:5])}{more}")
 
 
-def empty_model(config: ModelConfig, dtype: torch.dtype, device: str | torch.device) -> Transformer:
-    """A model with allocated but uninitialised weights (no wasted random init for big models)."""
+def empty_model(
+    config: ModelConfig, dtype: torch.dtype, device: str | torch.device, quantize: str | None = None
+) -> Transformer:
+    """A model with allocated but uninitialised weights (no wasted random init for big models).
+
+    `quantize="nf4"` makes every linear layer but the output head an empty NF4
+    layer, filled as weights stream in (QLoRA's frozen base).
+    """
     with torch.device("meta"):
         model = Transformer(config)
+    if quantize == "nf4":
+        from entrenar.quant.nf4 import NF4Linear
+        from entrenar.surgery import find_linears, replace_module
+
+        for name in find_linears(model, "all-linear"):
+            linear = model.get_submodule(name)
+            replace_module(model, name, NF4Linear(linear.in_features, linear.out_features, linear.bias is not None,
+                                                  dtype=dtype, device=device))
+    elif quantize is not None:
+        raise ModelError(f"unknown base quantization '{quantize}' (supported: nf4)")
     model = model.to_empty(device=device).to(dtype)
     if config.tie_word_embeddings:  # leaving the meta device makes new Parameters, so re-tie
         model.lm_head.weight = model.model.embed_tokens.weight
@@ -106,13 +131,18 @@ def empty_model(config: ModelConfig, dtype: torch.dtype, device: str | torch.dev
     return model
 
 
-def load_hf(folder: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> Transformer:
-    """Load a Hugging Face checkpoint folder into a native model."""
+def load_hf(
+    folder: str | Path,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    quantize: str | None = None,
+) -> Transformer:
+    """Load a Hugging Face checkpoint folder into a native model (optionally with an NF4 base)."""
     folder = Path(folder)
     if not folder.exists():
         raise ModelError(f"{folder}: no such model folder")
     config = read_config(folder)
-    model = empty_model(config, dtype, device)
+    model = empty_model(config, dtype, device, quantize)
     load_state_into(model, iter_safetensors(weight_files(folder)), str(folder))
     return model
 

@@ -328,6 +328,18 @@ class NF4Linear(nn.Module):
                 self._buffers[k] = old.to(self._buffers[k].device)  # follow device moves, never dtype casts
         return self
 
+    @torch.no_grad()
+    def load_full_weight(self, w: Tensor, name: str = "weight") -> None:
+        """Quantize a full-precision weight into this layer's buffers (streamed loading: one tensor at a time)."""
+        if tuple(w.shape) != (self.out_features, self.in_features):
+            raise QuantError(f"{name}: shape {tuple(w.shape)} does not fit NF4Linear({self.in_features} -> {self.out_features})")
+        q = quantize_nf4(w.to(self.weight_codes.device, self.dtype), self.blocksize, self.weight_absmax_scale is not None, name=name)
+        self.weight_codes.copy_(q.codes)
+        self.weight_absmax.copy_(q.absmax)
+        if q.double_quant:
+            self.weight_absmax_scale.copy_(q.absmax_scale)
+            self.weight_absmax_offset.copy_(q.absmax_offset)
+
     @property
     def quantized(self) -> NF4Tensor:
         shape = torch.Size((self.out_features, self.in_features))

@@ -79,14 +79,11 @@ def train(
     weights_dtype = recipe.model.dtype
     if weights_dtype == "auto" and recipe.lora is None:
         weights_dtype = "float32"  # full fine-tuning keeps fp32 master weights; compute follows training.precision
-    model, tokenizer = entrenar.load(recipe.model.path, dtype=weights_dtype, device=device)
+    quantize = recipe.lora.quantize_base if recipe.lora is not None else None
+    model, tokenizer = entrenar.load(recipe.model.path, dtype=weights_dtype, device=device, quantize=quantize)
     model.train()
     if recipe.lora is not None:
         lora = recipe.lora
-        if lora.quantize_base == "nf4":
-            from entrenar.quant.nf4 import quantize_model_nf4
-
-            quantize_model_nf4(model)
         lora_config = LoraConfig(r=lora.r, alpha=lora.alpha, dropout=lora.dropout,
                                  target_modules=_targets(lora.target_modules), use_rslora=lora.use_rslora)
         apply_lora(model, lora_config)
