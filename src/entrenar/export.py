@@ -1,0 +1,308 @@
+"""Export a fine-tuned adapter: as a PEFT adapter, merged into a Hugging Face folder, or as GGUF.
+
+    export(base, adapter, "out")                          # the adapter, validated and re-saved (PEFT format)
+    export(base, adapter, "out", merge=True)              # base + adapter merged: a Hugging Face model folder
+    export(base, adapter, "out", merge=True, gguf="q8_0") # ... plus out/model-q8_0.gguf for llama.cpp
+    export(base, adapter, "m.gguf", merge=True, gguf="f16")  # only the GGUF file
+
+``base`` is a Hugging Face folder or a ``.gguf`` file; a quantized GGUF base is
+dequantized on load, so the adapter is merged into floating-point weights.
+
+GGUF needs a merged model (llama.cpp runs plain weights), so ``gguf`` without
+``merge=True`` is refused rather than merged behind the user's back: without
+``merge`` the output is an adapter folder, and a GGUF written beside it would
+be a different kind of artefact than the one asked for.
+
+Weights are kept in the base's stored dtype unless ``dtype`` says otherwise:
+a Hugging Face folder's safetensors dtype; for a GGUF base, F32 and BF16 files
+keep their type and F16 or quantized ones become float16. The LoRA update is
+computed in float32 and added with one rounding to that dtype.
+
+Every output is written beside its target and renamed into place, so an
+interrupted export leaves the previous output (or nothing), never half of one.
+An export never writes over its inputs: an output that is, or contains, the
+base model or the adapter is refused, as is an existing folder that is not a
+model or adapter folder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from entrenar.errors import AdapterError, ConfigError, ModelError
+
+if TYPE_CHECKING:
+    from entrenar.models.transformer import Transformer
+    from entrenar.tokenizer import Tokenizer
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+_SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
+def export(
+    model_path: str | Path,
+    adapter: str | Path,
+    output: str | Path,
+    merge: bool = False,
+    gguf: str | None = None,
+    dtype: str | torch.dtype | None = None,
+) -> list[Path]:
+    """Export ``adapter`` (a PEFT LoRA folder) trained on ``model_path``; return the paths written.
+
+    See the module docstring for what each combination writes. ``gguf`` is one
+    of :data:`entrenar.models.gguf_write.GGUF_TYPES`; with an ``output`` ending
+    in ``.gguf`` only that file is written, otherwise it goes to
+    ``<output>/model-<gguf>.gguf`` beside the Hugging Face files.
+    """
+    from entrenar.lora import ADAPTER_CONFIG
+    from entrenar.models.gguf_write import check_gguf_type
+
+    model_path, adapter, output = Path(model_path), Path(adapter), Path(output)
+    qtype = check_gguf_type(gguf) if gguf is not None else None
+    gguf_only = output.suffix == ".gguf"
+    if (qtype or gguf_only) and not merge:
+        raise ConfigError(
+            f"{output}: GGUF export needs a merged model; pass merge=True (--merge) to merge {adapter} into the base"
+        )
+    if gguf_only and qtype is None:
+        raise ConfigError(
+            f"{output}: the output is a .gguf file but no GGUF type was given (gguf=/--gguf: f16, q8_0, ...)"
+        )
+    if not model_path.exists():
+        raise ModelError(f"{model_path}: no such model folder or GGUF file")
+    if not (adapter / ADAPTER_CONFIG).is_file():
+        what = f"is not an adapter folder (no {ADAPTER_CONFIG})" if adapter.exists() else "no such adapter folder"
+        raise AdapterError(f"{adapter}: {what}")
+    _check_output(output, {"base model": model_path, "adapter": adapter}, is_file=gguf_only)
+
+    if not merge:
+        return [export_adapter(model_path, adapter, output)]
+
+    model, tokenizer = load_merged(model_path, adapter, dtype)
+    if gguf_only:
+        from entrenar.models.gguf_write import write_gguf
+
+        return [write_gguf(model, tokenizer, output, qtype, name=output.stem)]
+    return save_merged(model, tokenizer, output, qtype, base=model_path)
+
+
+# -- adapter only ---------------------------------------------------------------
+
+
+def export_adapter(model_path: Path, adapter: Path, output: Path) -> Path:
+    """Load ``adapter`` against the base's shapes and re-save it in PEFT's format at ``output``.
+
+    The base is built on the meta device, so checking an adapter against a
+    large model reads its config, not its weights. The adapter keeps its
+    stored dtype; its config is rewritten in full (``target_modules``
+    expanded from "all-linear", every field PEFT reads).
+    """
+    from safetensors.torch import load_file
+
+    from entrenar import lora
+
+    skeleton = _meta_model(model_path)
+    cfg = lora.load_adapter(skeleton, adapter)  # checks every tensor's name and shape against the base
+    weights = adapter / lora.ADAPTER_WEIGHTS
+    state = {key.removeprefix(lora.PEFT_PREFIX): t for key, t in load_file(weights).items()}
+    for name, layer in lora.lora_layers(skeleton):  # materialise only the adapter, in the dtype it was saved in
+        for part in ("lora_A", "lora_B"):
+            getattr(layer, part).to_empty(device="cpu").to(state[f"{name}.{part}.weight"].dtype)
+    lora.load_lora_state_dict(skeleton, state, str(weights))
+
+    base_name = _read_json(adapter / lora.ADAPTER_CONFIG).get("base_model_name_or_path") or str(model_path)
+    with _staged(output) as target:
+        lora.save_adapter(skeleton, target, cfg, base_model_name_or_path=base_name)
+    return output
+
+
+def _meta_model(model_path: Path) -> Transformer:
+    """The base's architecture with no storage (meta device): enough to check an adapter's shapes."""
+    from entrenar.models.config import ModelConfig
+    from entrenar.models.transformer import Transformer
+
+    if model_path.suffix == ".gguf":
+        from entrenar.models.gguf import read_gguf
+
+        config = ModelConfig.from_hf(read_gguf(model_path).hf_config, source=str(model_path))
+    else:
+        from entrenar.models.hf import read_config
+
+        config = read_config(model_path)
+    with torch.device("meta"):
+        return Transformer(config)
+
+
+# -- merged ---------------------------------------------------------------------
+
+
+def load_merged(
+    model_path: Path, adapter: Path, dtype: str | torch.dtype | None = None
+) -> tuple[Transformer, Tokenizer]:
+    """The base with ``adapter`` merged in and the LoRA layers removed (a plain model), and its tokenizer."""
+    import entrenar
+    from entrenar.lora import unload_lora
+
+    if model_path.suffix != ".gguf":
+        _refuse_quantized_checkpoint(model_path)
+    torch_dtype = _stored_dtype(model_path) if dtype is None else entrenar.resolve_dtype(dtype, "cpu")
+    model, tokenizer = entrenar.load(model_path, adapter=adapter, dtype=torch_dtype, device="cpu")
+    unload_lora(model, merge=True)
+    return model, tokenizer
+
+
+def save_merged(
+    model: Transformer, tokenizer: Tokenizer, output: Path, qtype: str | None = None, base: Path | None = None
+) -> list[Path]:
+    """Write a Hugging Face folder (weights, config, tokenizer, generation config) and optionally a GGUF in it.
+
+    ``model.config`` gets the dtype the weights are saved in (``dtype`` in
+    config.json), which transformers 5 loads them as.
+    """
+    from entrenar.models.gguf_write import write_gguf
+    from entrenar.models.hf import save_hf
+
+    dtype = next(model.parameters()).dtype
+    extra = {k: v for k, v in model.config.extra.items() if k != "torch_dtype"}
+    model.config = model.config.replace(extra={**extra, "dtype": _DTYPE_NAMES.get(dtype, str(dtype))})
+    generation = _generation_config(tokenizer, base)
+    written = [output]
+    with _staged(output) as target:
+        save_hf(model, target)
+        tokenizer.save(target)
+        (target / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+        if qtype is not None:
+            name = f"model-{qtype}.gguf"
+            write_gguf(model, tokenizer, target / name, qtype, name=output.name)
+            written.append(output / name)
+    return written
+
+
+def _generation_config(tokenizer: Tokenizer, base: Path | None) -> dict[str, Any]:
+    """The base's generation_config.json (sampling defaults) with the tokenizer's special ids.
+
+    Several end-of-sequence ids (Llama 3 Instruct stops on three) are written
+    as a list, which is how transformers and entrenar's tokenizer read them.
+    """
+    config: dict[str, Any] = {}
+    if base is not None and base.is_dir():
+        config = _read_json(base / "generation_config.json")
+    eos = tokenizer.eos_ids
+    if tokenizer.bos_id is not None:
+        config["bos_token_id"] = tokenizer.bos_id
+    if eos:
+        config["eos_token_id"] = eos[0] if len(eos) == 1 else eos
+    if "pad_token" in tokenizer.special_tokens:
+        config["pad_token_id"] = tokenizer.pad_id
+    config.pop("transformers_version", None)
+    return config
+
+
+def _refuse_quantized_checkpoint(folder: Path) -> None:
+    """A checkpoint saved quantized (bitsandbytes, GPTQ, AWQ...) has no float weights to merge into."""
+    config = _read_json(folder / "config.json")
+    quant = config.get("quantization_config")
+    if quant:
+        method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else quant
+        raise ModelError(
+            f"{folder / 'config.json'}: the checkpoint is quantized (quantization_config.quant_method={method!r}); "
+            "the adapter cannot be merged into quantized weights. Export from the unquantized base model "
+            "(or a GGUF of it, which is dequantized on load)"
+        )
+
+
+def _stored_dtype(model_path: Path) -> torch.dtype:
+    """The floating dtype the base's weights are stored in (see the module docstring)."""
+    if model_path.suffix == ".gguf":
+        from entrenar.models.gguf import read_gguf
+
+        kinds = {
+            kind
+            for name, kind in read_gguf(model_path).quant_types().items()
+            if not name.endswith(("norm.weight", "bias"))
+        }
+        if kinds == {"F32"}:
+            return torch.float32
+        return torch.bfloat16 if kinds == {"BF16"} else torch.float16
+    from safetensors import safe_open
+
+    from entrenar.models.hf import weight_files
+
+    with safe_open(str(weight_files(model_path)[0]), framework="pt") as f:
+        for name in f.keys():
+            kind = f.get_slice(name).get_dtype()
+            if kind in _SAFETENSORS_DTYPES:
+                return _SAFETENSORS_DTYPES[kind]
+    return torch.float32
+
+
+# -- paths ------------------------------------------------------------------------
+
+
+def _check_output(output: Path, inputs: dict[str, Path], is_file: bool) -> None:
+    """Refuse outputs that would overwrite or delete an input, or replace a folder that is not ours to replace."""
+    out = output.resolve()
+    for what, path in inputs.items():
+        src = path.resolve()
+        if out == src:
+            raise ConfigError(
+                f"{output}: the output is the {what}; choose another path (export never overwrites its input)"
+            )
+        if out in src.parents:
+            raise ConfigError(f"{output}: the output contains the {what} {path}; replacing it would delete the input")
+    if not output.exists():
+        return
+    if is_file:
+        if not output.is_file():
+            raise ConfigError(f"{output}: exists and is not a file")
+        return
+    if not output.is_dir():
+        raise ConfigError(f"{output}: exists and is not a folder")
+    if any(output.iterdir()) and not any((output / n).is_file() for n in ("config.json", "adapter_config.json")):
+        raise ConfigError(
+            f"{output}: exists and is not a model or adapter folder; refusing to replace it (choose a new path)"
+        )
+
+
+@contextmanager
+def _staged(output: Path) -> Iterator[Path]:
+    """A path in a fresh folder beside ``output``; when the block succeeds it replaces ``output`` by rename."""
+    output.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.", suffix=".tmp", dir=output.parent))
+    try:
+        target, old = staging / "new", staging / "old"
+        yield target
+        if output.exists():
+            os.replace(output, old)
+        try:
+            os.replace(target, output)
+        except BaseException:
+            if old.exists():
+                os.replace(old, output)
+            raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ModelError(f"{path} line {e.lineno}: invalid JSON: {e.msg}") from None
+    if not isinstance(data, dict):
+        raise ModelError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+__all__ = ["export", "export_adapter", "load_merged", "save_merged"]
