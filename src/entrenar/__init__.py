@@ -14,11 +14,12 @@ from entrenar.errors import EntrenarError
 if TYPE_CHECKING:
     import torch
 
+    from entrenar.models.config import ModelConfig
     from entrenar.models.transformer import Transformer
     from entrenar.tokenizer import Tokenizer
 
 __version__ = "0.1.0"
-__all__ = ["load", "EntrenarError", "__version__"]
+__all__ = ["load", "read_model_config", "EntrenarError", "__version__"]
 
 _DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16"}
 
@@ -42,9 +43,38 @@ def resolve_dtype(dtype: "str | torch.dtype | None", device: "str | torch.device
 def resolve_device(device: "str | torch.device | None") -> "torch.device":
     import torch
 
+    from entrenar.errors import ConfigError
+
     if device in (None, "auto"):
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ConfigError(f"unknown device '{device}' (use auto, cpu, cuda or cuda:N): {e}") from None
+    if resolved.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"device '{device}' was asked for, but CUDA is not available on this machine")
+        if resolved.index is not None and resolved.index >= torch.cuda.device_count():
+            raise ConfigError(f"device '{device}': this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return resolved
+
+
+def read_model_config(path: str | Path) -> "ModelConfig":
+    """The ModelConfig of a Hugging Face folder or a GGUF file, without reading any weights."""
+    from entrenar.errors import ModelError
+    from entrenar.models.config import ModelConfig
+    from entrenar.models.hf import read_config
+
+    path = Path(path)
+    if path.suffix == ".gguf":
+        from entrenar.models.gguf import read_gguf  # maps tensor names and shapes; reads no tensor data
+
+        return ModelConfig.from_hf(read_gguf(path).hf_config, source=str(path))
+    if not path.exists():
+        raise ModelError(f"{path}: no such model folder or .gguf file")
+    if not path.is_dir():
+        raise ModelError(f"{path}: not a model folder or .gguf file")
+    return read_config(path)
 
 
 def load(
@@ -75,6 +105,8 @@ def load(
     elif path.is_dir():
         model = load_hf(path, dtype=torch_dtype, device=device, quantize=quantize)
         tokenizer = Tokenizer.from_folder(path)
+    elif not path.exists():
+        raise ModelError(f"{path}: no such model folder or .gguf file")
     else:
         raise ModelError(f"{path}: not a model folder or .gguf file")
     if adapter is not None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from entrenar.errors import ConfigError
 from entrenar.models.config import ModelConfig
 
 GiB = 2**30
@@ -49,7 +50,10 @@ def linear_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
 
 def lora_params(config: ModelConfig, r: int, targets: list[str] | str) -> int:
     """Adapter parameters: r * (in + out) for every targeted projection of every layer."""
-    names = LINEAR_NAMES if targets == "all-linear" else [t for t in targets if t in LINEAR_NAMES]
+    names = LINEAR_NAMES if targets == "all-linear" else list(targets)
+    unknown = [n for n in names if n not in LINEAR_NAMES]
+    if unknown:
+        raise ConfigError(f"LoRA targets {unknown} are not projections of this model (known: {', '.join(LINEAR_NAMES)})")
     shapes = linear_shapes(config)
     return config.num_layers * sum(r * (shapes[n][0] + shapes[n][1]) for n in names)
 

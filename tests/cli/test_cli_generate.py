@@ -91,7 +91,7 @@ def test_adapter_is_applied(capsys, chat_model, tmp_path):
 
 def test_missing_model_folder_names_it(capsys, tmp_path):
     code, out, err = run_cli(capsys, "generate", tmp_path / "nope", "--prompt", "hi")
-    assert (code, out, err) == (2, "", f"error: {tmp_path / 'nope'}: not a model folder or .gguf file\n")
+    assert (code, out, err) == (2, "", f"error: {tmp_path / 'nope'}: no such model folder or .gguf file\n")
 
 
 @pytest.mark.parametrize("text", ["héllo wörld ✓ 日本 🙂", "plain ascii only"])

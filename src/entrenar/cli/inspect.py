@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from entrenar.cli.options import positive_int
@@ -45,24 +44,6 @@ def add_parser(commands: argparse._SubParsersAction, parents: list[argparse.Argu
     parser.set_defaults(run=run)
 
 
-def read_model_config(path: str | Path) -> ModelConfig:
-    """The ModelConfig of a Hugging Face folder or a GGUF file, without reading any weights."""
-    from entrenar.errors import ModelError
-    from entrenar.models.config import ModelConfig
-    from entrenar.models.hf import read_config
-
-    path = Path(path)
-    if path.suffix == ".gguf":
-        from entrenar.models.gguf import read_gguf  # maps tensor names and shapes; reads no tensor data
-
-        return ModelConfig.from_hf(read_gguf(path).hf_config, source=str(path))
-    if not path.exists():
-        raise ModelError(f"{path}: no such model folder or .gguf file")
-    if not path.is_dir():
-        raise ModelError(f"{path}: not a model folder or .gguf file")
-    return read_config(path)
-
-
 def parse_targets(text: str) -> str | list[str]:
     """'all-linear' or a comma-separated list of projection names, each checked."""
     from entrenar.errors import ConfigError
@@ -79,6 +60,7 @@ def parse_targets(text: str) -> str | list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from entrenar import read_model_config
     from entrenar.memory import estimate_training_memory, format_estimates
 
     config = read_model_config(args.model)
