@@ -1,0 +1,94 @@
+"""Fused GPU kernels, applied to a model from outside.
+
+Each fused op lives in its own file beside its plain PyTorch specification:
+
+* :mod:`.rmsnorm` - RMSNorm forward and backward (Triton);
+* :mod:`.rope` - RoPE on q and k together (Triton);
+* :mod:`.swiglu` - ``silu(gate) * up`` forward and backward (Triton);
+* :mod:`.fused_linear_ce` - output projection + cross-entropy in chunks, no full logits (Triton + cuBLAS);
+* :mod:`.lora_linear` - LoRA and its frozen base as one node with a hand-written backward (PyTorch).
+
+:func:`apply_kernels` swaps the fused versions into a model by changing the
+class of its modules to a subclass that overrides only ``forward``, so
+parameters, buffers, module names, state dicts and ``isinstance`` checks stay
+as they were, and :func:`remove_kernels` undoes it. Every fused forward falls
+back to the specification wherever its kernel cannot run (CPU tensors, no
+Triton, unusual shapes), so a model with kernels applied works everywhere.
+
+The loss is not a module: a training step calls
+:func:`fused_linear_cross_entropy` on ``model.hidden_states(...)`` and
+``model.lm_head.weight`` instead of :func:`entrenar.train.loss.chunked_cross_entropy`.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from entrenar.errors import ConfigError
+from entrenar.kernels._common import triton_available
+from entrenar.kernels.fused_linear_ce import fused_linear_cross_entropy
+from entrenar.kernels.lora_linear import FusedLoraLinear, lora_linear
+from entrenar.kernels.rmsnorm import FusedRMSNorm, rms_norm
+from entrenar.kernels.rope import FusedRopeAttention, apply_rope
+from entrenar.kernels.swiglu import FusedMLP, swiglu
+from entrenar.lora import LoraLinear
+from entrenar.models.transformer import MLP, Attention, RMSNorm
+
+KERNELS = ("rms_norm", "rope", "swiglu", "lora")
+
+# kernel name -> (plain class, fused subclass)
+_SWAPS: dict[str, tuple[type[nn.Module], type[nn.Module]]] = {
+    "rms_norm": (RMSNorm, FusedRMSNorm),
+    "rope": (Attention, FusedRopeAttention),
+    "swiglu": (MLP, FusedMLP),
+    "lora": (LoraLinear, FusedLoraLinear),
+}
+
+
+def apply_kernels(model: nn.Module, kernels: tuple[str, ...] | list[str] = KERNELS) -> list[str]:
+    """Swap the fused forward of each named kernel into ``model``; return the names of the modules changed.
+
+    Only modules whose class is exactly the plain one are changed, so
+    subclasses with forwards of their own are left alone and applying twice
+    changes nothing.
+    """
+    unknown = [k for k in kernels if k not in _SWAPS]
+    if unknown:
+        raise ConfigError(f"apply_kernels: unknown kernels {unknown}; known: {', '.join(KERNELS)}")
+    by_class = {_SWAPS[k][0]: _SWAPS[k][1] for k in kernels}
+    changed = []
+    for name, module in model.named_modules():
+        fused = by_class.get(type(module))
+        if fused is not None:
+            module.__class__ = fused
+            changed.append(name)
+    return changed
+
+
+def remove_kernels(model: nn.Module) -> list[str]:
+    """Put the plain forwards back; return the names of the modules changed."""
+    plain_of = {fused: plain for plain, fused in _SWAPS.values()}
+    changed = []
+    for name, module in model.named_modules():
+        plain = plain_of.get(type(module))
+        if plain is not None:
+            module.__class__ = plain
+            changed.append(name)
+    return changed
+
+
+__all__ = [
+    "KERNELS",
+    "FusedLoraLinear",
+    "FusedMLP",
+    "FusedRMSNorm",
+    "FusedRopeAttention",
+    "apply_kernels",
+    "apply_rope",
+    "fused_linear_cross_entropy",
+    "lora_linear",
+    "remove_kernels",
+    "rms_norm",
+    "swiglu",
+    "triton_available",
+]

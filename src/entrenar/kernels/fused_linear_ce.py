@@ -1,0 +1,145 @@
+"""Output projection fused with token-summed cross-entropy: full-vocabulary logits are never held.
+
+Tokens are taken ``chunk_size`` at a time. For each chunk the logits are one
+bf16 matrix product; one Triton program per row then computes the row's
+log-sum-exp in a streaming pass and overwrites the logits with
+``d loss / d logits = softmax - onehot(target)`` (zero on ignored rows) in a
+second pass, and two more matrix products turn that into the chunk's
+gradients of the hidden states and the weight. All of this happens in
+forward; backward only scales the stored gradients by the incoming scalar.
+
+The specification is :func:`entrenar.train.loss.chunked_cross_entropy`
+(itself checked against :func:`entrenar.train.loss.token_cross_entropy`):
+same contract, same rounding points (bf16 logits, fp32 softmax, bf16
+gradient of the logits, fp32 accumulation of the weight gradient).
+"""
+
+from __future__ import annotations
+
+import functools
+from types import SimpleNamespace
+
+import torch
+import torch.nn.functional as F
+
+from entrenar.kernels._common import use_triton
+from entrenar.train.loss import IGNORE_INDEX, chunked_cross_entropy
+
+_BLOCK_V = 4096
+
+
+@functools.cache
+def _kernels() -> SimpleNamespace:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def cross_entropy_rows(LOGITS, TARGETS, LOSS, stride_row, n_vocab, ignore_index,
+                           BLOCK_V: tl.constexpr, WRITE_GRAD: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        ptr = LOGITS + row * stride_row
+        target = tl.load(TARGETS + row)
+        valid = target != ignore_index
+        # Pass 1: streaming max and sum of exponentials (online softmax).
+        m = float("-inf")
+        s = 0.0
+        for start in range(0, n_vocab, BLOCK_V):
+            cols = start + tl.arange(0, BLOCK_V)
+            x = tl.load(ptr + cols, mask=cols < n_vocab, other=float("-inf")).to(tl.float32)
+            m_new = tl.maximum(m, tl.max(x, 0))
+            s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), 0)
+            m = m_new
+        lse = m + tl.log(s)
+        safe_target = tl.where(valid, target, 0)
+        target_logit = tl.load(ptr + safe_target).to(tl.float32)
+        tl.store(LOSS + row, tl.where(valid, lse - target_logit, 0.0))
+        if WRITE_GRAD:
+            # Pass 2: softmax - onehot(target), written over the logits.
+            scale = tl.where(valid, 1.0, 0.0)
+            for start in range(0, n_vocab, BLOCK_V):
+                cols = start + tl.arange(0, BLOCK_V)
+                mask = cols < n_vocab
+                x = tl.load(ptr + cols, mask=mask, other=0.0).to(tl.float32)
+                g = tl.exp(x - lse) - tl.where(cols == safe_target, 1.0, 0.0)
+                tl.store(ptr + cols, (g * scale).to(LOGITS.dtype.element_ty), mask=mask)
+
+    return SimpleNamespace(cross_entropy_rows=cross_entropy_rows)
+
+
+def _loss_and_grads(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_size: int, need_hidden: bool,
+    need_weight: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    n, vocab = hidden.shape[0], weight.shape[0]
+    write_grad = need_hidden or need_weight
+    loss_rows = torch.empty(n, dtype=torch.float32, device=hidden.device)
+    grad_hidden = torch.empty_like(hidden) if need_hidden else None
+    grad_weight = None
+    kernel = _kernels().cross_entropy_rows
+    for start in range(0, n, chunk_size):
+        h = hidden[start : start + chunk_size]
+        logits = h @ weight.T  # [chunk, V] in the model dtype; becomes d loss / d logits in place
+        kernel[(h.shape[0],)](
+            logits, targets[start : start + chunk_size], loss_rows[start : start + chunk_size], logits.stride(0),
+            vocab, IGNORE_INDEX, BLOCK_V=_BLOCK_V, WRITE_GRAD=write_grad, num_warps=16,
+        )
+        if grad_hidden is not None:
+            torch.mm(logits, weight, out=grad_hidden[start : start + chunk_size])
+        if need_weight:
+            # fp32 accumulation across chunks, as the specification does.
+            chunk_grad = logits.T @ h
+            grad_weight = chunk_grad.float() if grad_weight is None else grad_weight.add_(chunk_grad)
+    return loss_rows.sum(), grad_hidden, grad_weight
+
+
+class _FusedLinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_size: int):
+        loss_sum, grad_hidden, grad_weight = _loss_and_grads(
+            hidden, weight, targets, chunk_size, ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        )
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        ctx.weight_dtype = weight.dtype
+        return loss_sum
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        if grad_hidden is not None:
+            grad_hidden = grad_hidden * grad_output.to(grad_hidden.dtype)
+        if grad_weight is not None:
+            grad_weight = (grad_weight * grad_output).to(ctx.weight_dtype)
+        return grad_hidden, grad_weight, None, None
+
+
+@torch.compiler.disable  # a Python loop over chunks with in-place kernels: runs eagerly inside a compiled step
+def _fused(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int):
+    # Shift by giving the last position of each row the ignored target: no copy of the hidden states.
+    targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX).reshape(-1)
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    n_tokens = (targets != IGNORE_INDEX).sum()
+    if torch.is_grad_enabled() and (flat.requires_grad or weight.requires_grad):
+        return _FusedLinearCrossEntropy.apply(flat, weight, targets, chunk_size), n_tokens
+    loss_sum, _, _ = _loss_and_grads(flat, weight, targets, chunk_size, False, False)
+    return loss_sum, n_tokens
+
+
+def fused_linear_cross_entropy(
+    hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.Tensor, chunk_size: int = 4096
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``token_cross_entropy(hidden @ lm_head_weight.T, labels)`` as ``(loss_sum, n_tokens)``, fused.
+
+    ``hidden`` [B, T, H], ``lm_head_weight`` [V, H], ``labels`` [B, T] unshifted
+    with -100 for no loss. Memory holds one [chunk_size, V] block of logits
+    in the model dtype. Where Triton cannot run (CPU, mixed dtypes) this is
+    :func:`entrenar.train.loss.chunked_cross_entropy`, which also checks the arguments.
+    """
+    ok = (
+        use_triton(hidden, lm_head_weight)
+        and hidden.ndim == 3 and labels.shape == hidden.shape[:2] and lm_head_weight.ndim == 2
+        and lm_head_weight.shape[1] == hidden.shape[-1] and hidden.dtype == lm_head_weight.dtype
+        and isinstance(chunk_size, int) and not isinstance(chunk_size, bool) and chunk_size > 0
+    )
+    if not ok:
+        return chunked_cross_entropy(hidden, lm_head_weight, labels, chunk_size)
+    return _fused(hidden, lm_head_weight, labels, chunk_size)

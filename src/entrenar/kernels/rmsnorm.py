@@ -1,0 +1,162 @@
+"""RMSNorm in one pass forward and one pass backward (Triton), with its PyTorch specification.
+
+The plain path (:class:`entrenar.models.transformer.RMSNorm`) upcasts to fp32,
+keeps an fp32 copy of the input for backward and launches several kernels.
+The fused kernel reads each row once, saves only the input (in its own dtype)
+and one fp32 ``1/rms`` per row, and rounds exactly where the plain path does:
+``weight * (x * rstd).to(x.dtype)``.
+"""
+
+from __future__ import annotations
+
+import functools
+from types import SimpleNamespace
+
+import torch
+
+from entrenar.kernels._common import cdiv, next_power_of_2, use_triton
+from entrenar.models.transformer import RMSNorm
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The specification: exactly what ``RMSNorm.forward`` computes."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+@functools.cache
+def _kernels() -> SimpleNamespace:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def forward(X, W, Y, RSTD, stride_x, stride_y, n_rows, n_cols, eps,
+                BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+        rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+        cols = tl.arange(0, BLOCK_D)
+        rmask, cmask = rows < n_rows, cols < n_cols
+        mask = rmask[:, None] & cmask[None, :]
+        x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x, 1) / n_cols + eps)
+        normed = (x * rstd[:, None]).to(X.dtype.element_ty).to(tl.float32)  # the plain path's rounding
+        w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)
+        tl.store(Y + rows[:, None] * stride_y + cols[None, :], (w[None, :] * normed).to(Y.dtype.element_ty), mask=mask)
+        tl.store(RSTD + rows, rstd, mask=rmask)
+
+    @triton.jit
+    def backward(DY, X, W, RSTD, DX, DW_PART, stride_dy, stride_x, stride_dx, n_rows, n_cols,
+                 ROWS_PER_PROGRAM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+        # Each program owns a contiguous run of rows and writes one partial sum of dW;
+        # the partials are added up outside (no atomics, so results are deterministic).
+        pid = tl.program_id(0)
+        cols = tl.arange(0, BLOCK_D)
+        cmask = cols < n_cols
+        w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)
+        dw = tl.zeros([BLOCK_D], dtype=tl.float32)
+        first = pid * ROWS_PER_PROGRAM
+        for offset in range(0, ROWS_PER_PROGRAM, BLOCK_R):
+            rows = (first + offset + tl.arange(0, BLOCK_R)).to(tl.int64)
+            rmask = rows < n_rows
+            mask = rmask[:, None] & cmask[None, :]
+            x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            rstd = tl.load(RSTD + rows, mask=rmask, other=0.0)
+            normed = x * rstd[:, None]
+            dw += tl.sum(dy * normed.to(X.dtype.element_ty).to(tl.float32), 0)
+            g = dy * w[None, :]
+            # d/dx of x*rstd: rstd * (g - normed * mean(g * normed))
+            dot = tl.sum(g * normed, 1) / n_cols
+            dx = rstd[:, None] * (g - normed * dot[:, None])
+            tl.store(DX + rows[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+        tl.store(DW_PART + pid * n_cols + cols, dw, mask=cmask)
+
+    return SimpleNamespace(forward=forward, backward=backward)
+
+
+def _blocks(n_cols: int) -> tuple[int, int, int]:
+    """(rows per block, padded row length, warps): about 4096 elements per block, whole rows."""
+    block_d = next_power_of_2(n_cols)
+    block_r = max(1, min(16, 4096 // block_d))
+    warps = min(16, max(4, block_d * block_r // 512))  # about 16 elements per thread
+    return block_r, block_d, warps
+
+
+def _num_programs(device: torch.device) -> int:
+    if device.type == "cuda":
+        return 4 * torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+@torch.library.custom_op("entrenar::rms_norm", mutates_args=())
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    n_cols = x.shape[-1]
+    x2 = x.reshape(-1, n_cols)
+    y = torch.empty(x2.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    rstd = torch.empty(x2.shape[0], dtype=torch.float32, device=x.device)
+    block_r, block_d, warps = _blocks(n_cols)
+    grid = (cdiv(x2.shape[0], block_r),)
+    _kernels().forward[grid](
+        x2, weight, y, rstd, x2.stride(0), y.stride(0), x2.shape[0], n_cols, eps,
+        BLOCK_R=block_r, BLOCK_D=block_d, num_warps=warps,
+    )
+    return y.view(*x.shape[:-1], n_cols), rstd
+
+
+@_rms_norm.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    y = x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype))
+    return y, x.new_empty(x.numel() // x.shape[-1], dtype=torch.float32)
+
+
+@torch.library.custom_op("entrenar::rms_norm_backward", mutates_args=())
+def _rms_norm_backward(
+    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    n_cols = x.shape[-1]
+    x2, dy2 = x.reshape(-1, n_cols), dy.reshape(-1, n_cols)
+    n_rows = x2.shape[0]
+    dx = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    block_r, block_d, warps = _blocks(n_cols)
+    # A power of two (a compile-time constant of the kernel), so few distinct values get compiled.
+    rows_per_program = max(block_r, next_power_of_2(cdiv(n_rows, _num_programs(x.device))))
+    programs = cdiv(n_rows, rows_per_program)
+    dw_part = torch.empty((programs, n_cols), dtype=torch.float32, device=x.device)
+    _kernels().backward[(programs,)](
+        dy2, x2, weight, rstd, dx, dw_part, dy2.stride(0), x2.stride(0), dx.stride(0), n_rows, n_cols,
+        ROWS_PER_PROGRAM=rows_per_program, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=warps,
+    )
+    return dx.view(x.shape), dw_part.sum(0).to(weight.dtype)
+
+
+@_rms_norm_backward.register_fake
+def _(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return x.new_empty(x.shape), weight.new_empty(weight.shape)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    x, weight, _ = inputs
+    ctx.save_for_backward(x, weight, output[1])
+
+
+def _backward(ctx, dy: torch.Tensor, _drstd: torch.Tensor):
+    x, weight, rstd = ctx.saved_tensors
+    dx, dw = _rms_norm_backward(dy, x, weight, rstd)
+    return dx, dw, None
+
+
+_rms_norm.register_autograd(_backward, setup_context=_setup_context)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``rms_norm_reference`` through the fused kernel where Triton can run, else the reference itself."""
+    if not use_triton(x, weight) or weight.shape != x.shape[-1:]:
+        return rms_norm_reference(x, weight, eps)
+    return _rms_norm(x, weight, float(eps))[0]
+
+
+class FusedRMSNorm(RMSNorm):
+    """An :class:`RMSNorm` whose forward runs the fused kernel; same parameters, same state dict."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)

@@ -1,0 +1,53 @@
+"""Shared helpers for the kernel tests: where kernels can run, and how close is close enough.
+
+A fused kernel passes if it is about as close to a float64 evaluation of the
+specification as the plain PyTorch path is on the same low-precision inputs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from entrenar.kernels._common import interpreting, triton_available
+
+
+def kernel_device() -> str | None:
+    """"cuda" with a GPU; "cpu" under Triton's interpreter (TRITON_INTERPRET=1); else None."""
+    if torch.cuda.is_available() and triton_available():
+        return "cuda"
+    if interpreting() and triton_available():
+        return "cpu"
+    return None
+
+
+DEVICE = kernel_device()
+needs_kernels = pytest.mark.skipif(DEVICE is None, reason="Triton kernels need CUDA (or TRITON_INTERPRET=1)")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+# The interpreter rounds fp32 -> bf16 by truncation, the GPU to nearest: allow it more.
+_FACTOR = 3.0 if DEVICE == "cpu" else 2.0
+_FLOOR = {torch.float32: 1e-6, torch.bfloat16: 1e-3, torch.float16: 1e-4}
+
+
+def rel_err(a: torch.Tensor, exact: torch.Tensor) -> float:
+    exact = exact.double()
+    return ((a.double() - exact).norm() / exact.norm().clamp_min(1e-30)).item()
+
+
+def assert_as_close(fast: torch.Tensor, plain: torch.Tensor, exact: torch.Tensor, what: str) -> None:
+    """``fast`` is within a small factor of the plain path's error against the float64 result."""
+    assert fast.shape == exact.shape, f"{what}: shape {tuple(fast.shape)} != {tuple(exact.shape)}"
+    assert fast.dtype == plain.dtype, f"{what}: dtype {fast.dtype} != {plain.dtype}"
+    assert torch.isfinite(fast).all(), f"{what}: non-finite values"
+    e_fast, e_plain = rel_err(fast, exact), rel_err(plain, exact)
+    bound = _FACTOR * e_plain + _FLOOR[plain.dtype]
+    assert e_fast <= bound, f"{what}: relative error {e_fast:.3g} > {bound:.3g} (plain path: {e_plain:.3g})"
+
+
+def grads(outputs, inputs, grad_outputs) -> tuple[torch.Tensor, ...]:
+    return torch.autograd.grad(outputs, inputs, grad_outputs)
+
+
+def leaf(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A detached copy (optionally cast) that requires grad."""
+    return t.detach().to(dtype or t.dtype).requires_grad_(True)

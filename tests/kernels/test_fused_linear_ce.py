@@ -1,0 +1,67 @@
+"""Fused output projection + cross-entropy against ``token_cross_entropy`` on full logits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_checks import DEVICE, assert_as_close, grads, leaf, needs_kernels
+
+from entrenar.kernels.fused_linear_ce import fused_linear_cross_entropy
+from entrenar.train.loss import IGNORE_INDEX, chunked_cross_entropy, token_cross_entropy
+
+
+def _problem(device, b=2, t=37, h=64, v=5003):
+    """Hidden states, an output weight and labels with ignored tokens (one row entirely ignored)."""
+    hidden = torch.randn(b, t, h, device=device)
+    weight = torch.randn(v, h, device=device) * 0.5
+    labels = torch.randint(0, v, (b, t), device=device)
+    labels[0, 5:9] = IGNORE_INDEX
+    labels[1, -3:] = IGNORE_INDEX
+    return hidden, weight, labels
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("train_weight", [True, False], ids=["full", "frozen-head"])
+def test_loss_and_gradients_match_full_logits(dtype, train_weight):
+    torch.manual_seed(3)
+    hidden0, weight0, labels = _problem(DEVICE)
+    scale = 0.37  # the loop divides the sum by the step's token count: backward must carry the factor
+
+    def run(fn, dtype):
+        h, w = leaf(hidden0, dtype), weight0.detach().to(dtype).requires_grad_(train_weight)
+        loss, n = fn(h, w)
+        inputs = (h, w) if train_weight else (h,)
+        return loss, n, grads(loss * scale, inputs, None)
+
+    fused = run(lambda h, w: fused_linear_cross_entropy(h, w, labels, chunk_size=16), dtype)
+    plain = run(lambda h, w: token_cross_entropy(h @ w.T, labels), dtype)
+    exact = run(lambda h, w: token_cross_entropy(h @ w.T, labels), torch.float64)
+    assert int(fused[1]) == int(plain[1]) == int((labels[:, 1:] != IGNORE_INDEX).sum())
+    assert_as_close(fused[0], plain[0], exact[0], "loss sum")
+    for name, a, p, e in zip(("d hidden", "d weight"), fused[2], plain[2], exact[2]):
+        assert_as_close(a, p, e, name)
+
+
+@needs_kernels
+def test_without_grad_only_the_loss_is_computed():
+    torch.manual_seed(4)
+    hidden, weight, labels = _problem(DEVICE, v=300)
+    with torch.no_grad():
+        loss, n = fused_linear_cross_entropy(hidden, weight, labels, chunk_size=7)
+    ref, ref_n = token_cross_entropy(hidden.double() @ weight.double().T, labels)
+    assert int(n) == int(ref_n)
+    torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-4)
+
+
+def test_cpu_fallback_is_the_chunked_specification(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    torch.manual_seed(5)
+    hidden, weight, labels = _problem("cpu", v=97)
+    h1, h2 = leaf(hidden), leaf(hidden)
+    loss, n = fused_linear_cross_entropy(h1, weight, labels, chunk_size=10)
+    ref, ref_n = chunked_cross_entropy(h2, weight, labels, chunk_size=10)
+    assert torch.equal(loss, ref) and torch.equal(n, ref_n)
+    torch.testing.assert_close(grads(loss, h1, None)[0], grads(ref, h2, None)[0], rtol=0, atol=0)
+    with pytest.raises(ValueError, match="chunk_size"):
+        fused_linear_cross_entropy(hidden, weight, labels, chunk_size=0)
