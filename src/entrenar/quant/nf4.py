@@ -221,6 +221,20 @@ def nf4_absmax(q: NF4Tensor) -> Tensor:
 def dequantize_nf4(q: NF4Tensor, dtype: torch.dtype | None = None) -> Tensor:
     """The weight ``q`` stands for, in ``dtype`` (default: the dtype it was quantized from).
 
+    On CUDA with Triton installed a fused kernel (:mod:`entrenar.kernels.nf4`)
+    computes the same bits as :func:`dequantize_nf4_reference`, which runs everywhere else.
+    """
+    if q.codes.is_cuda:
+        from entrenar.kernels import nf4 as nf4_kernel
+
+        if nf4_kernel.can_dequantize(q):
+            return nf4_kernel.dequantize_nf4_triton(q, dtype)
+    return dequantize_nf4_reference(q, dtype)
+
+
+def dequantize_nf4_reference(q: NF4Tensor, dtype: torch.dtype | None = None) -> Tensor:
+    """The specification of :func:`dequantize_nf4`, in plain PyTorch.
+
     Values are formed in fp32 (code times block absmax) and rounded once to ``dtype``.
     """
     n = q.numel
