@@ -127,3 +127,11 @@ def test_refusals_name_the_problem(workspace):
               progress=False)
     with pytest.raises(CheckpointError, match="no checkpoint to resume"):
         train(recipe_for(workspace, f"output.dir={workspace / 'z'}"), resume=True, progress=False)
+
+
+def test_a_warmup_longer_than_the_run_is_refused_before_anything_is_built(workspace):
+    from entrenar.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"schedule\.warmup_steps \(20\) is longer than the run \(training\.max_steps=8\)"):
+        train(recipe_for(workspace, "schedule.warmup_steps=20"), progress=False)
+    assert not (workspace / "run").exists()

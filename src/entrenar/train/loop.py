@@ -70,6 +70,9 @@ def train(
     if resume_from is not None:
         recipe = _recipe_for_resume(recipe, run_dir)
     t = recipe.training
+    if recipe.schedule.warmup_steps > t.max_steps:
+        raise ConfigError(f"schedule.warmup_steps ({recipe.schedule.warmup_steps}) is longer than the run "
+                          f"(training.max_steps={t.max_steps})")
     _seed_everything(t.seed)
 
     # Model, adapters, precision.
@@ -128,7 +131,8 @@ def train(
         if not validation:
             return None
         batches = eval_batches(validation, t.batch_size, d.seq_len, packing=d.packing, pad_id=tokenizer.pad_id or 0)
-        return eval_loss(forward, batches, precision=t.precision, max_batches=t.eval_batches)
+        # Eager: the last batch is smaller and would make a compiled model recompile.
+        return eval_loss(model, batches, precision=t.precision, max_batches=t.eval_batches)
 
     def checkpoint(step: int) -> Path:
         trainer_state = {"data": stream.state_dict(), "recipe": recipe.to_dict()}
