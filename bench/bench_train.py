@@ -12,6 +12,7 @@ Rows (``--rows``):
   plain-compiled   the same, each decoder block under torch.compile
   kernels-eager    entrenar with apply_kernels and the fused linear cross-entropy, eager
   kernels-compiled the same, each decoder block under torch.compile
+  kernels-bf16-*   kernels with the LoRA adapter products in bf16 (apply_kernels(lora_compute_dtype=bf16))
 
 Every row: bf16 weights, fused AdamW on the trainable parameters (LoRA:
 r=16, alpha=32, all linear layers but the output head, fp32 adapters as
@@ -84,7 +85,7 @@ class Case:
     method: str  # "lora" or "full"
     batch: int
     seq: int
-    checkpointing: bool = False
+    checkpointing: bool | int = False  # all layers, none, or this many layers spread evenly
     steps: int = 15
     warmup: int = 3
     lr: float = 1e-4
@@ -96,8 +97,11 @@ CASES: dict[str, Case] = {
     "full-1b": Case("llama-1b", "full", 4, 2048, steps=15, warmup=3, lr=1e-5),
     "lora-8b": Case("llama-8b", "lora", 2, 2048, checkpointing=True, steps=12, warmup=3, lr=1e-3),
     "lora-qwen3": Case("qwen3-1.7b", "lora", 4, 2048, steps=15, warmup=3, lr=1e-3),
+    # selective activation checkpointing: 6 of the 16 layers recompute in backward (entrenar rows only)
+    "lora-1b-sac": Case("llama-1b", "lora", 4, 2048, checkpointing=6, steps=15, warmup=3, lr=1e-3),
 }
-ROWS = ("hf", "plain-eager", "plain-compiled", "kernels-eager", "kernels-compiled")
+ROWS = ("hf", "plain-eager", "plain-compiled", "kernels-eager", "kernels-compiled", "kernels-bf16-eager",
+        "kernels-bf16-compiled")
 
 
 def model_config(shape: str, seq: int) -> ModelConfig:
@@ -165,8 +169,15 @@ def build_hf(cfg: ModelConfig, method: str, checkpointing: bool, device: str, dt
     return model.train()
 
 
-def build_entrenar(cfg: ModelConfig, method: str, checkpointing: bool, device: str, dtype: torch.dtype,
-                   kernels: bool, compiled: bool) -> Transformer:
+def checkpointed_layers(n_layers: int, checkpointing: bool | int) -> list[int]:
+    """Which layers recompute in backward: all, none, or ``checkpointing`` of them spread evenly."""
+    if checkpointing is True or checkpointing is False:
+        return list(range(n_layers)) if checkpointing else []
+    return sorted({round(i * n_layers / checkpointing) for i in range(checkpointing)})
+
+
+def build_entrenar(cfg: ModelConfig, method: str, checkpointing: bool | int, device: str, dtype: torch.dtype,
+                   kernels: bool, compiled: bool, lora_compute_dtype: torch.dtype | None = None) -> Transformer:
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # build in bf16 directly: no fp32 copy of an 8B model on the way
     try:
@@ -176,12 +187,11 @@ def build_entrenar(cfg: ModelConfig, method: str, checkpointing: bool, device: s
         torch.set_default_dtype(default)
     if method == "lora":
         apply_lora(model, LoraConfig(r=LORA_R, alpha=LORA_ALPHA, dropout=0.0))
-    if checkpointing:
-        model.set_activation_checkpointing(True)
+    model.set_activation_checkpointing(checkpointed_layers(cfg.num_layers, checkpointing))
     if kernels:
         from entrenar.kernels import apply_kernels
 
-        apply_kernels(model)
+        apply_kernels(model, lora_compute_dtype=lora_compute_dtype)
     init_weights(model)
     if compiled:
         for block in model.model.layers:
@@ -247,7 +257,8 @@ def _free() -> None:
     torch._dynamo.reset()
 
 
-def run_row(case_name: str, case: Case, row: str, device: str, dtype: torch.dtype) -> RowResult:
+def run_row(case_name: str, case: Case, row: str, device: str, dtype: torch.dtype,
+            profile_to: str | None = None) -> RowResult:
     result = RowResult(case_name, row)
     cfg = model_config(case.shape, case.seq)
     _free()
@@ -255,11 +266,14 @@ def run_row(case_name: str, case: Case, row: str, device: str, dtype: torch.dtyp
         torch.cuda.reset_peak_memory_stats()
     torch.manual_seed(0)
     if row == "hf":
+        if case.checkpointing not in (True, False):
+            raise ValueError("transformers checkpoints all layers or none; this case is for entrenar rows")
         model = build_hf(cfg, case.method, case.checkpointing, device, dtype)
         step_loss = hf_step_loss
     else:
         kernels, compiled = row.startswith("kernels"), row.endswith("compiled")
-        model = build_entrenar(cfg, case.method, case.checkpointing, device, dtype, kernels, compiled)
+        compute = dtype if "-bf16-" in row else None
+        model = build_entrenar(cfg, case.method, case.checkpointing, device, dtype, kernels, compiled, compute)
         if kernels:
             from entrenar.kernels import fused_linear_cross_entropy as loss_fn
         else:
@@ -299,9 +313,28 @@ def run_row(case_name: str, case: Case, row: str, device: str, dtype: torch.dtyp
     if device == "cuda":
         result.peak_allocated_gib = torch.cuda.max_memory_allocated() / 2**30
         result.peak_reserved_gib = torch.cuda.max_memory_reserved() / 2**30
+    if profile_to:
+        try:
+            profile_steps(model, opt, step_loss, batches, profile_to)
+        except Exception as err:  # the timing stands; say why the profile is missing
+            result.error = f"profile failed: {type(err).__name__}: {err}"
     del model, opt, params, batches, loss
     _free()
     return result
+
+
+def profile_steps(model, opt, step_loss, batches, path: str, steps: int = 3) -> None:
+    """GPU time per kernel over a few more steps, as torch.profiler's table (after the timed steps)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for ids in batches[:steps]:
+            step_loss(model, ids).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="self_device_time_total", row_limit=45, max_name_column_width=90)
+    Path(path).write_text(f"{steps} steps\n{table}\n")
 
 
 # ---------------------------------------------------------------- report
@@ -319,7 +352,7 @@ def compare(results: list[RowResult]) -> list[dict]:
             if r.peak_allocated_gib and hf.peak_allocated_gib:
                 d["memory_vs_hf"] = r.peak_allocated_gib / hf.peak_allocated_gib
         if r.status == "ok" and r.row.startswith("kernels-"):
-            ref_name = "plain-" + r.row.removeprefix("kernels-")  # the plain row of the same mode
+            ref_name = "plain-" + r.row.rsplit("-", 1)[1]  # the plain row of the same mode
             if ref_name in same:
                 d[f"speed_vs_{ref_name}"] = r.tokens_per_s / same[ref_name].tokens_per_s
         if r.status == "ok" and plain is not None and r is not plain:
@@ -330,11 +363,11 @@ def compare(results: list[RowResult]) -> list[dict]:
 
 
 def print_table(results: list[RowResult], comparisons: list[dict]) -> None:
-    head = f"{'case':<11}{'row':<17}{'tok/s':>9}{'ms':>8}{'MFU':>7}{'GiB':>7}{'xHF':>6}{'memxHF':>7}{'xplain':>7}{'dloss':>8}"
+    head = f"{'case':<12}{'row':<22}{'tok/s':>9}{'ms':>8}{'MFU':>7}{'GiB':>7}{'xHF':>6}{'memxHF':>7}{'xplain':>7}{'dloss':>8}"
     print(head)
     for r, c in zip(results, comparisons):
         if r.status != "ok":
-            print(f"{r.case:<11}{r.row:<17}  {r.status}: {(r.error or '')[:80]}")
+            print(f"{r.case:<12}{r.row:<22}  {r.status}: {(r.error or '')[:80]}")
             continue
         plain_ratio = c.get("speed_vs_plain-compiled", c.get("speed_vs_plain-eager"))
         cells = [
@@ -343,7 +376,7 @@ def print_table(results: list[RowResult], comparisons: list[dict]) -> None:
             f"{c.get('memory_vs_hf', float('nan')):7.2f}", f"{plain_ratio or float('nan'):7.2f}",
             f"{c.get('max_abs_loss_diff_vs_plain_eager', float('nan')):8.4f}",
         ]
-        print(f"{r.case:<11}{r.row:<17}" + "".join(cells))
+        print(f"{r.case:<12}{r.row:<22}" + "".join(cells))
 
 
 def environment() -> dict:
@@ -364,6 +397,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--cases", default="lora-1b,full-1b,lora-8b,lora-qwen3", help=f"of {', '.join(CASES)}")
     parser.add_argument("--rows", default=",".join(ROWS), help=f"of {', '.join(ROWS)}")
     parser.add_argument("--skip", default="", help="case:row pairs to leave out, comma separated")
+    parser.add_argument("--plan", default="", help="case:row pairs to run, in order (instead of --cases x --rows)")
+    parser.add_argument("--profile", default="", help="case:row pairs to profile after timing (tables beside --out)")
     parser.add_argument("--out", default="bench_train.json")
     parser.add_argument("--budget-s", type=float, default=float("inf"),
                         help="start no new row after this many seconds (rows left are recorded as skipped)")
@@ -373,7 +408,11 @@ def main(argv: list[str] | None = None) -> None:
     torch.backends.cuda.matmul.allow_tf32 = False  # the same fp32 adapter products in every row
 
     skip = set(filter(None, args.skip.split(",")))
-    plan = [(c, r) for c in args.cases.split(",") for r in args.rows.split(",") if f"{c}:{r}" not in skip]
+    if args.plan:
+        plan = [tuple(item.split(":", 1)) for item in args.plan.split(",")]
+    else:
+        plan = [(c, r) for c in args.cases.split(",") for r in args.rows.split(",") if f"{c}:{r}" not in skip]
+    profiled = set(filter(None, args.profile.split(",")))
     for c, r in plan:
         if c not in CASES or r not in ROWS:
             sys.exit(f"unknown case or row {c}:{r}")
@@ -386,7 +425,10 @@ def main(argv: list[str] | None = None) -> None:
             continue
         t0 = time.perf_counter()
         try:
-            results.append(run_row(case_name, case, row, "cuda", torch.bfloat16))
+            profile_to = None
+            if f"{case_name}:{row}" in profiled:
+                profile_to = str(Path(args.out).with_name(f"profile_{case_name}_{row}.txt"))
+            results.append(run_row(case_name, case, row, "cuda", torch.bfloat16, profile_to))
         except Exception as err:  # a failed row is reported, and the others still run
             results.append(RowResult(case_name, row, status="failed", error=f"{type(err).__name__}: {err}"[:2000]))
         _free()

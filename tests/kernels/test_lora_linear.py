@@ -9,7 +9,7 @@ import copy
 
 import pytest
 import torch
-from kernel_checks import assert_as_close
+from kernel_checks import assert_as_close, rel_err
 from torch import nn
 
 from entrenar.kernels.lora_linear import FusedLoraLinear
@@ -58,6 +58,17 @@ def test_bf16_base_with_fp32_adapters_is_as_accurate_as_plain_lora():
                   _run(exact, x0, dy, torch.float64))
     for name, a, p, e in results:
         assert_as_close(a, p, e, name)
+
+
+def test_bf16_adapter_math_stays_within_bf16_error():
+    plain, fused = _pair(torch.bfloat16)
+    fused.lora_compute_dtype = torch.bfloat16
+    exact = copy.deepcopy(plain).double()
+    x0, dy = torch.randn(3, 7, 48), torch.randn(3, 7, 40)
+    got, want = _run(fused, x0, dy, torch.bfloat16), _run(exact, x0, dy, torch.float64)
+    for name, a, e in zip(NAMES, got, want):
+        assert a.dtype == (torch.bfloat16 if name in ("output", "d x") else torch.float32), name
+        assert rel_err(a, e) < 1e-2, f"{name}: relative error {rel_err(a, e):.3g}"
 
 
 def _saved_bytes(layer: nn.Module, x: torch.Tensor) -> int:

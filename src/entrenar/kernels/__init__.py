@@ -22,6 +22,7 @@ The loss is not a module: a training step calls
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from entrenar.errors import ConfigError
@@ -45,12 +46,16 @@ _SWAPS: dict[str, tuple[type[nn.Module], type[nn.Module]]] = {
 }
 
 
-def apply_kernels(model: nn.Module, kernels: tuple[str, ...] | list[str] = KERNELS) -> list[str]:
+def apply_kernels(
+    model: nn.Module, kernels: tuple[str, ...] | list[str] = KERNELS, lora_compute_dtype: torch.dtype | None = None
+) -> list[str]:
     """Swap the fused forward of each named kernel into ``model``; return the names of the modules changed.
 
     Only modules whose class is exactly the plain one are changed, so
     subclasses with forwards of their own are left alone and applying twice
-    changes nothing.
+    changes nothing. ``lora_compute_dtype=torch.bfloat16`` runs the adapter
+    products of a bf16 model in bf16 (see :func:`lora_linear`); the default
+    keeps the adapters' own dtype, as the plain path does.
     """
     unknown = [k for k in kernels if k not in _SWAPS]
     if unknown:
@@ -62,6 +67,8 @@ def apply_kernels(model: nn.Module, kernels: tuple[str, ...] | list[str] = KERNE
         if fused is not None:
             module.__class__ = fused
             changed.append(name)
+        if isinstance(module, FusedLoraLinear) and lora_compute_dtype is not None:
+            module.lora_compute_dtype = lora_compute_dtype
     return changed
 
 
@@ -72,6 +79,7 @@ def remove_kernels(model: nn.Module) -> list[str]:
     for name, module in model.named_modules():
         plain = plain_of.get(type(module))
         if plain is not None:
+            module.__dict__.pop("lora_compute_dtype", None)
             module.__class__ = plain
             changed.append(name)
     return changed

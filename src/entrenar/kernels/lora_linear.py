@@ -7,7 +7,7 @@ input ``x`` in its own dtype (usually the very tensor another layer saves
 anyway) and the small ``A x`` [tokens, r], and recomputes the fp32 cast of
 ``x`` when it forms the gradient of ``A``.
 
-Forward, in the plain path's precision::
+Forward, by default in the plain path's precision::
 
     y = (x W^T + b + s * (A x)^T B^T).to(dtype of x W^T)    with A x in the adapter dtype
 
@@ -30,37 +30,45 @@ from entrenar.lora import LoraLinear
 
 class _LoraLinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, lora_a, lora_b, scaling: float):
+    def forward(ctx, x, weight, bias, lora_a, lora_b, scaling: float, compute_dtype: torch.dtype):
         x2 = x.reshape(-1, x.shape[-1])
-        xa = x2.to(lora_a.dtype) @ lora_a.T  # [N, r]
+        a, b = lora_a.to(compute_dtype), lora_b.to(compute_dtype)
+        xa = x2.to(compute_dtype) @ a.T  # [N, r]
         base = F.linear(x2, weight, bias)
-        out = torch.addmm(base.to(lora_b.dtype), xa, lora_b.T, alpha=scaling).to(base.dtype)
+        if base.dtype == compute_dtype:  # adapter math in the base's dtype: add into the base output in place
+            out = base.addmm_(xa, b.T, alpha=scaling)
+        else:  # the plain path's: sum in the adapter dtype, then round once
+            out = torch.addmm(base.to(compute_dtype), xa, b.T, alpha=scaling).to(base.dtype)
         ctx.save_for_backward(x, xa, weight, lora_a, lora_b)
-        ctx.scaling = scaling
-        ctx.has_bias = bias is not None
+        ctx.scaling, ctx.compute_dtype, ctx.has_bias = scaling, compute_dtype, bias is not None
         return out.view(*x.shape[:-1], out.shape[-1])
 
     @staticmethod
     def backward(ctx, grad_out):
         x, xa, weight, lora_a, lora_b = ctx.saved_tensors
-        need_x, need_w, need_b, need_a, need_lb, _ = ctx.needs_input_grad
-        s = ctx.scaling
+        need_x, need_w, need_b, need_a, need_lb = ctx.needs_input_grad[:5]
+        s, cd = ctx.scaling, ctx.compute_dtype
         x2 = x.reshape(-1, x.shape[-1])
         g = grad_out.reshape(-1, grad_out.shape[-1])
-        g_adapter = g.to(lora_b.dtype)
-        grad_xa = (g_adapter @ lora_b) * s  # [N, r]
+        g_adapter = g.to(cd)
+        grad_xa = (g_adapter @ lora_b.to(cd)) * s  # [N, r]
         dx = dw = db = da = dlb = None
         if need_x:
-            dx = (g @ weight + (grad_xa @ lora_a).to(g.dtype)).view(x.shape)
+            dx = g @ weight
+            if dx.dtype == cd:
+                dx.addmm_(grad_xa, lora_a.to(cd))
+            else:
+                dx += (grad_xa @ lora_a).to(dx.dtype)
+            dx = dx.view(x.shape)
         if need_w:
             dw = (g.T @ x2).to(weight.dtype)
         if need_b and ctx.has_bias:
             db = g.sum(0).to(weight.dtype)
         if need_a:
-            da = grad_xa.T @ x2.to(lora_a.dtype)
+            da = (grad_xa.T @ x2.to(cd)).to(lora_a.dtype)
         if need_lb:
-            dlb = (g_adapter.T @ xa) * s
-        return dx, dw, db, da, dlb, None
+            dlb = ((g_adapter.T @ xa) * s).to(lora_b.dtype)
+        return dx, dw, db, da, dlb, None, None
 
 
 def lora_linear(
@@ -70,9 +78,17 @@ def lora_linear(
     lora_a: torch.Tensor,
     lora_b: torch.Tensor,
     scaling: float,
+    compute_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """``F.linear(x, weight, bias) + scaling * B(A(x))`` with the adapter path in the adapters' dtype."""
-    return _LoraLinearFunction.apply(x, weight, bias, lora_a, lora_b, float(scaling))
+    """``F.linear(x, weight, bias) + scaling * B(A(x))``.
+
+    The adapter products run in ``compute_dtype``: by default the adapters'
+    own dtype (fp32 on a bf16 base: the plain path's numerics). Passing the
+    base dtype (bf16) runs them on the tensor cores and adds into the base
+    output in place: faster, but the adapter path and the adapter gradients
+    are then rounded to bf16 (the weights and optimizer stay fp32).
+    """
+    return _LoraLinearFunction.apply(x, weight, bias, lora_a, lora_b, float(scaling), compute_dtype or lora_a.dtype)
 
 
 class FusedLoraLinear(LoraLinear):
@@ -80,12 +96,17 @@ class FusedLoraLinear(LoraLinear):
 
     Falls back to the plain forward where the fused one does not apply: a
     merged adapter, active dropout, or a base that is not a plain ``nn.Linear``
-    (NF4, fake-quant).
+    (NF4, fake-quant). ``lora_compute_dtype`` (see :func:`lora_linear`) is
+    ``None`` unless :func:`entrenar.kernels.apply_kernels` was asked for another.
     """
+
+    lora_compute_dtype: torch.dtype | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dropout_active = self.training and not isinstance(self.lora_dropout, nn.Identity)
         if self.merged or dropout_active or type(self.base_layer) is not nn.Linear:
             return super().forward(x)
         base = self.base_layer
-        return lora_linear(x, base.weight, base.bias, self.lora_A.weight, self.lora_B.weight, self.scaling)
+        return lora_linear(
+            x, base.weight, base.bias, self.lora_A.weight, self.lora_B.weight, self.scaling, self.lora_compute_dtype
+        )
