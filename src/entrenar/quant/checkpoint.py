@@ -1,0 +1,395 @@
+"""Quantized model folders: a Hugging Face layout whose linear layers hold integer or NF4 codes.
+
+    save_quantized(model, tokenizer, "out")   # after quantize_model_int / quantize_model_nf4 / convert_qat
+    model, tokenizer = entrenar.load("out")   # the same quantized modules, the same outputs
+
+A folder is ``config.json`` + safetensors + tokenizer files, like any model
+folder. ``config.json`` carries a ``quantization_config`` entry that says how
+to rebuild the layers, so the folder describes itself::
+
+    "quantization_config": {
+      "quant_method": "entrenar", "format_version": 1,
+      "method": "int", "bits": 4, "symmetric": true, "granularity": "group", "group_size": 32,
+      "activation_bits": null, "activation_scale": null,
+      "modules": ["model.layers.0.self_attn.q_proj", ...],
+      "source": "ptq", "calibration": "minmax"            # how it was made; not needed to load
+    }
+
+(NF4: ``"method": "nf4", "bits": 4, "blocksize": 64, "double_quant": true``.)
+A quantized layer ``L`` stores the buffers of its module under ``L.<buffer>``:
+integer layers ``L.weight_codes`` (int8, or uint8 when asymmetric; two codes
+per byte at 4 bits and fewer), ``L.weight_scale`` (fp32 [rows, groups]),
+``L.weight_zero`` (uint8, asymmetric only) and ``L.act_scale`` (fp32, static
+activation quantization only); NF4 layers ``L.weight_codes``,
+``L.weight_absmax`` and, double-quantized, ``L.weight_absmax_scale`` and
+``L.weight_absmax_offset`` (see :mod:`entrenar.quant.nf4`); ``L.bias`` if any.
+Everything else (embeddings, norms, the output head) is stored as usual.
+
+``quant_method: "entrenar"`` is deliberately not a transformers method, so
+transformers refuses the folder instead of misreading the codes as weights.
+Loading checks every tensor's name, shape, dtype and range against the
+config, so a truncated or edited file is a :class:`QuantError` naming the
+tensor and file, never a model that computes garbage.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor, nn
+
+from entrenar.errors import ModelError, QuantError
+from entrenar.quant.int import MAX_BITS, MIN_BITS, IntQuantTensor, QuantLinear, qrange
+from entrenar.quant.int import _unpack_codes as unpack_codes
+from entrenar.quant.nf4 import BLOCKSIZES, NF4Linear
+
+if TYPE_CHECKING:
+    from entrenar.models.transformer import Transformer
+    from entrenar.tokenizer import Tokenizer
+
+QUANT_METHOD = "entrenar"
+FORMAT_VERSION = 1
+GRANULARITIES = ("tensor", "channel", "group")
+# Keys that rebuild the layers; anything else in quantization_config is provenance.
+_LAYOUT_KEYS = ("method", "bits", "symmetric", "granularity", "group_size", "activation_bits", "activation_scale",
+                "blocksize", "double_quant")
+
+
+# ---------------------------------------------------------------- describing a quantized model
+
+
+def _describe(layer: nn.Module) -> dict[str, Any]:
+    """The layout of one quantized layer, in the words of ``quantization_config``."""
+    if isinstance(layer, NF4Linear):
+        return {"method": "nf4", "bits": 4, "blocksize": layer.blocksize,
+                "double_quant": layer.weight_absmax_scale is not None}
+    rows, groups = layer.weight_scale.shape
+    if rows == 1 and groups == 1:
+        granularity, group_size = "tensor", None
+    elif groups == 1:
+        granularity, group_size = "channel", None
+    else:
+        granularity, group_size = "group", layer.in_features // groups
+    static = layer.act_bits is not None and layer.act_scale is not None
+    return {
+        "method": "int",
+        "bits": layer.bits,
+        "symmetric": layer.weight_zero is None,
+        "granularity": granularity,
+        "group_size": group_size,
+        "activation_bits": layer.act_bits,
+        "activation_scale": None if layer.act_bits is None else ("static" if static else "dynamic"),
+    }
+
+
+def quantization_config(model: nn.Module, info: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The ``quantization_config`` entry that describes ``model``'s quantized layers.
+
+    Every quantized layer must share one layout (the entry describes them all);
+    ``info`` adds provenance such as ``{"source": "ptq", "calibration": "minmax"}``.
+    """
+    from entrenar.lora import LoraLinear
+
+    adapters = [n for n, m in model.named_modules() if isinstance(m, LoraLinear)]
+    if adapters:
+        raise QuantError(
+            f"{adapters[0]}: the model has LoRA layers; save the adapter on its own (or merge it and quantize again) "
+            "before saving a quantized model"
+        )
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, (QuantLinear, NF4Linear))}
+    if not layers:
+        raise QuantError(f"{type(model).__name__} has no quantized layers to save (quantize it first)")
+    config = getattr(model, "config", None)
+    if getattr(config, "tie_word_embeddings", False) and "lm_head" in layers:
+        raise QuantError("lm_head: the output head is tied to the embeddings and cannot be stored quantized")
+    first, layout = next(iter(layers)), _describe(next(iter(layers.values())))
+    for name, layer in layers.items():
+        other = _describe(layer)
+        if other != layout:
+            diff = next(k for k in _LAYOUT_KEYS if other.get(k) != layout.get(k))
+            raise QuantError(
+                f"{name}: {diff}={other.get(diff)!r} but {first} has {diff}={layout.get(diff)!r}; "
+                "a quantized folder holds one layout for all its layers"
+            )
+    clash = sorted(set(info or {}) & {"quant_method", "format_version", "modules", *_LAYOUT_KEYS})
+    if clash:
+        raise QuantError(f"info may not set {clash[0]!r}: it is derived from the layers")
+    return {"quant_method": QUANT_METHOD, "format_version": FORMAT_VERSION, **layout, "modules": list(layers),
+            **(info or {})}
+
+
+# ---------------------------------------------------------------- writing
+
+
+@contextmanager
+def _staged(output: Path) -> Iterator[Path]:
+    """A path in a fresh folder beside ``output``; when the block succeeds it replaces ``output`` by rename."""
+    output.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.", suffix=".tmp", dir=output.parent))
+    try:
+        target, old = staging / "new", staging / "old"
+        yield target
+        if output.exists():
+            os.replace(output, old)
+        try:
+            os.replace(target, output)
+        except BaseException:
+            if old.exists():
+                os.replace(old, output)
+            raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def save_quantized(
+    model: Transformer, tokenizer: Tokenizer | None, folder: str | Path, info: dict[str, Any] | None = None
+) -> Path:
+    """Write ``model`` (its quantized layers as codes and scales) and ``tokenizer`` to ``folder``.
+
+    The folder is built beside the target and renamed into place, so an
+    interrupted save leaves the previous folder (or none), never half of one.
+    """
+    from entrenar.models.hf import save_hf
+
+    folder = Path(folder)
+    entry = quantization_config(model, info)
+    with _staged(folder) as target:
+        save_hf(model, target)
+        config_path = target / "config.json"
+        config = json.loads(config_path.read_text())
+        config["quantization_config"] = entry
+        config_path.write_text(json.dumps(config, indent=2) + "\n")
+        if tokenizer is not None:
+            tokenizer.save(target)
+    return folder
+
+
+def save_qat_model(model: nn.Module, tokenizer: Tokenizer | None, folder: str | Path) -> Path:
+    """Write the integer model a QAT run trained, leaving ``model`` as it is.
+
+    Each fake-quantized layer is saved as the :class:`QuantLinear` that computes
+    what it computes now. In LoRA-QAT the adapters stay out: the folder is the
+    integer base, and ``entrenar.load(folder, adapter=...)`` with the run's
+    adapter reproduces the trained model exactly (merging the adapter into
+    integer weights would re-quantize, i.e. change, the model).
+    """
+    from entrenar.lora import LoraLinear
+    from entrenar.quant.qat import FakeQuantLinear, swapped
+    from entrenar.surgery import named_linears
+
+    replacements, cfg = {}, None
+    for name, layer in named_linears(model):
+        base = layer.base_layer if isinstance(layer, LoraLinear) else layer
+        if isinstance(base, FakeQuantLinear):
+            replacements[name], cfg = base.to_quant_linear(), base.cfg
+        elif base is not layer:
+            replacements[name] = base
+    if cfg is None:
+        raise QuantError(f"{type(model).__name__} has no fake-quantized layers; call prepare_qat first")
+    with swapped(model, replacements):
+        return save_quantized(model, tokenizer, folder, info={"source": "qat", "backward": cfg.backward})
+
+
+# ---------------------------------------------------------------- reading
+
+
+def read_quantization_config(folder: str | Path) -> dict[str, Any] | None:
+    """The folder's entrenar ``quantization_config`` (validated), or None when it has none."""
+    path = Path(folder) / "config.json"
+    try:
+        entry = json.loads(path.read_text()).get("quantization_config")
+    except (OSError, json.JSONDecodeError, AttributeError):
+        return None  # not a readable model config: loading it reports why
+    if not isinstance(entry, dict) or entry.get("quant_method") != QUANT_METHOD:
+        return None
+    _check_entry(entry, path)
+    return entry
+
+
+def is_quantized_folder(folder: str | Path) -> bool:
+    """True for a folder written by :func:`save_quantized`."""
+    return Path(folder).is_dir() and read_quantization_config(folder) is not None
+
+
+def _check_entry(entry: dict[str, Any], path: Path) -> None:
+    def bad(key: str, expected: str) -> QuantError:
+        return QuantError(f"{path}: quantization_config.{key} must be {expected}, got {entry.get(key)!r}")
+
+    def is_int(v: Any) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    if entry.get("format_version") != FORMAT_VERSION:
+        raise bad("format_version", f"{FORMAT_VERSION} (written by a different entrenar version?)")
+    modules = entry.get("modules")
+    if not isinstance(modules, list) or not modules or not all(isinstance(m, str) and m for m in modules):
+        raise bad("modules", "a non-empty list of module names")
+    method = entry.get("method")
+    if method == "nf4":
+        if entry.get("bits") != 4:
+            raise bad("bits", "4 for nf4")
+        if entry.get("blocksize") not in BLOCKSIZES:
+            raise bad("blocksize", f"one of {BLOCKSIZES}")
+        if not isinstance(entry.get("double_quant"), bool):
+            raise bad("double_quant", "true or false")
+        return
+    if method != "int":
+        raise bad("method", "'int' or 'nf4'")
+    if not (is_int(entry.get("bits")) and MIN_BITS <= entry["bits"] <= MAX_BITS):
+        raise bad("bits", f"an integer in [{MIN_BITS}, {MAX_BITS}]")
+    if not isinstance(entry.get("symmetric"), bool):
+        raise bad("symmetric", "true or false")
+    if entry.get("granularity") not in GRANULARITIES:
+        raise bad("granularity", f"one of {GRANULARITIES}")
+    if entry["granularity"] == "group" and not (is_int(entry.get("group_size")) and entry["group_size"] > 0):
+        raise bad("group_size", "a positive integer for granularity 'group'")
+    act_bits = entry.get("activation_bits")
+    if act_bits is not None:
+        if not (is_int(act_bits) and MIN_BITS <= act_bits <= MAX_BITS):
+            raise bad("activation_bits", f"null or an integer in [{MIN_BITS}, {MAX_BITS}]")
+        if entry.get("activation_scale") not in ("static", "dynamic"):
+            raise bad("activation_scale", "'static' or 'dynamic' when activation_bits is set")
+
+
+def _empty_layer(linear: nn.Linear, entry: dict[str, Any], dtype: torch.dtype, device: torch.device,
+                 where: str) -> nn.Module:
+    """An uninitialised quantized layer of ``linear``'s shape, laid out as ``entry`` says."""
+    out_f, in_f, has_bias = linear.out_features, linear.in_features, linear.bias is not None
+    if entry["method"] == "nf4":
+        return NF4Linear(in_f, out_f, has_bias, dtype, entry["blocksize"], entry["double_quant"], device)
+    bits, symmetric, granularity = entry["bits"], entry["symmetric"], entry["granularity"]
+    rows, groups = (1, 1) if granularity == "tensor" else (out_f, 1)
+    if granularity == "group":
+        if in_f % entry["group_size"]:
+            raise QuantError(f"{where}: group_size {entry['group_size']} does not divide in_features {in_f}")
+        groups = in_f // entry["group_size"]
+    if bits <= 4 and in_f % 2:
+        raise QuantError(f"{where}: {bits}-bit codes are packed two per byte and need an even in_features, got {in_f}")
+    codes_shape = (out_f, in_f // 2) if bits <= 4 else (out_f, in_f)
+    codes_dtype = torch.int8 if symmetric and bits > 4 else torch.uint8
+    q = IntQuantTensor(
+        codes=torch.empty(codes_shape, dtype=codes_dtype, device=device),
+        scale=torch.empty(rows, groups, dtype=torch.float32, device=device),
+        zero=None if symmetric else torch.empty(rows, groups, dtype=torch.uint8, device=device),
+        bits=bits,
+        shape=torch.Size((out_f, in_f)),
+        dtype=dtype,
+    )
+    bias = torch.empty(out_f, dtype=dtype, device=device) if has_bias else None
+    static = entry["activation_bits"] is not None and entry["activation_scale"] == "static"
+    act_scale = torch.empty((), dtype=torch.float32, device=device) if static else None
+    return QuantLinear(q, bias, act_bits=entry["activation_bits"], act_scale=act_scale)
+
+
+def _skeleton(folder: Path, entry: dict[str, Any], dtype: torch.dtype, device: torch.device) -> Transformer:
+    """The model with its quantized layers in place and nothing loaded yet."""
+    from entrenar.models.config import rope_inv_freq
+    from entrenar.models.hf import read_config
+    from entrenar.models.transformer import Transformer
+    from entrenar.surgery import replace_module
+
+    config = read_config(folder)
+    with torch.device("meta"):
+        model = Transformer(config)
+    where = f"{folder / 'config.json'}: quantization_config.modules"
+    layers = {}
+    for name in entry["modules"]:
+        try:
+            linear = model.get_submodule(name)
+        except AttributeError:
+            raise QuantError(f"{where}: {name!r} is not a module of this {config.model_type} model") from None
+        if not isinstance(linear, nn.Linear):
+            raise QuantError(f"{where}: {name!r} is a {type(linear).__name__}, not a linear layer")
+        if name == "lm_head" and config.tie_word_embeddings:
+            raise QuantError(f"{where}: 'lm_head' is tied to the embeddings and cannot be quantized")
+        layers[name] = _empty_layer(linear, entry, dtype, device, f"{where}: {name}")
+    for name, layer in layers.items():  # built on the device: a quantized layer's scales never go through meta
+        replace_module(model, name, layer)
+    model = model.to_empty(device=device).to(dtype)
+    if config.tie_word_embeddings:  # leaving the meta device makes new Parameters, so re-tie
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.inv_freq = rope_inv_freq(config).to(device)
+    return model
+
+
+def _check_values(name: str, layer: nn.Module, entry: dict[str, Any], origin: dict[str, str]) -> None:
+    """Refuse codes and scales no quantizer writes: non-finite or non-positive scales, codes off the grid."""
+
+    def fail(buffer: str, problem: str) -> QuantError:
+        key = f"{name}.{buffer}"
+        return QuantError(f"{origin.get(key, '?')}: tensor '{key}' {problem}")
+
+    if isinstance(layer, NF4Linear):
+        for buffer in ("weight_absmax", "weight_absmax_scale", "weight_absmax_offset"):
+            t = getattr(layer, buffer)
+            if t is not None and t.is_floating_point() and not torch.isfinite(t).all():
+                raise fail(buffer, "holds NaN/inf values")
+        return
+    for buffer in ("weight_scale", "act_scale"):
+        t = getattr(layer, buffer)
+        if t is not None and not (torch.isfinite(t).all() and (t > 0).all()):
+            raise fail(buffer, "holds a scale that is not a finite positive number")
+    qmin, qmax = qrange(layer.bits, layer.weight_zero is None)
+    if layer.weight_zero is not None and (layer.weight_zero > qmax).any():
+        raise fail("weight_zero", f"holds a zero point above {qmax}, the largest {layer.bits}-bit code")
+    if layer.bits not in (4, 8):  # 4- and 8-bit storage holds only valid codes
+        codes = unpack_codes(layer.weight_codes, layer.bits, layer.weight_zero is None)
+        if ((codes < qmin) | (codes > qmax)).any():
+            raise fail("weight_codes", f"holds codes outside [{qmin}, {qmax}], the {layer.bits}-bit grid")
+
+
+def load_quantized(
+    folder: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+) -> Transformer:
+    """Load a folder written by :func:`save_quantized` into the same quantized modules.
+
+    ``dtype`` is the compute dtype: unquantized weights and biases are cast to
+    it and quantized weights dequantize to it; codes and fp32 scales load as stored.
+    """
+    from entrenar.models.hf import iter_safetensors, weight_files
+
+    folder, device = Path(folder), torch.device(device)
+    entry = read_quantization_config(folder)
+    if entry is None:
+        raise QuantError(f"{folder}: not a quantized entrenar folder (config.json has no quantization_config "
+                         f"with quant_method {QUANT_METHOD!r})")
+    model = _skeleton(folder, entry, dtype, device)
+    quantized = {name: model.get_submodule(name) for name in entry["modules"]}
+    quantized_keys = {f"{name}.{k}" for name, layer in quantized.items() for k, _ in layer.state_dict().items()}
+    targets = model.state_dict(keep_vars=True)
+    files = weight_files(folder)
+    origin: dict[str, str] = {}
+    for file_name, key, tensor in iter_safetensors(files):
+        where = f"{folder / file_name}: tensor '{key}'"
+        error = QuantError if key in quantized_keys or key.rsplit(".", 1)[0] in quantized else ModelError
+        if key not in targets:
+            if key.endswith("rotary_emb.inv_freq"):
+                continue  # older checkpoints store RoPE buffers; the model computes them
+            raise error(f"{where} does not belong to this model "
+                        f"({entry['method']}, {entry['bits']} bits, {len(quantized)} quantized layers)")
+        target = targets[key]
+        if tuple(tensor.shape) != tuple(target.shape):
+            raise error(f"{where} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}")
+        exact = key in quantized_keys and not key.endswith(".bias")  # codes and scales load as stored
+        if (exact and tensor.dtype != target.dtype) or tensor.is_floating_point() != target.is_floating_point():
+            raise error(f"{where} has dtype {tensor.dtype}, expected {target.dtype}")
+        with torch.no_grad():
+            target.copy_(tensor)
+        origin[key] = str(folder / file_name)
+    tied = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
+    missing = [k for k in targets if k not in origin and k not in tied]
+    if missing:
+        names = ", ".join(f.name for f in files)
+        error = QuantError if missing[0] in quantized_keys else ModelError
+        more = f" ({len(missing)} missing in all)" if len(missing) > 1 else ""
+        raise error(f"{folder}: tensor '{missing[0]}' is missing from {names}{more}")
+    for name, layer in quantized.items():
+        _check_values(name, layer, entry, origin)
+    return model

@@ -1,0 +1,165 @@
+"""Post-training quantization of a whole model folder: what ``entrenar quantize`` runs.
+
+    result = quantize_pretrained("model", "model-int4", "int4", group_size=32, data="valid.jsonl")
+    for layer in result.layers: print(layer)          # how far each quantized weight moved
+    print(result.before.perplexity, result.after.perplexity)
+
+Every linear layer but the output head is quantized (the head stays in full
+precision, as in QLoRA, GPTQ and llama.cpp's defaults: it is one layer and
+the most sensitive one). The result is written by
+:func:`entrenar.quant.checkpoint.save_quantized`, so ``entrenar.load`` reads it back.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from entrenar.errors import ConfigError, QuantError
+from entrenar.quant.int import MAX_BITS, MIN_BITS, Calibration, LayerError, quantize_model_int, weight_error
+from entrenar.quant.nf4 import quantize_model_nf4
+from entrenar.surgery import ALL_LINEAR, find_linears
+
+if TYPE_CHECKING:
+    from entrenar.evaluate import EvalResult
+
+NF4_BLOCKSIZE = 64  # bitsandbytes' (and QLoRA's) default
+
+
+@dataclass
+class QuantizeResult:
+    """What :func:`quantize_pretrained` did: the folder, each layer's error, and perplexity around it."""
+
+    output: Path
+    method: str
+    layers: list[LayerError]
+    bytes_before: int  # bytes of the quantized layers' weights before and after
+    bytes_after: int
+    before: EvalResult | None = None
+    after: EvalResult | None = None
+    config: dict[str, Any] = field(default_factory=dict)
+
+
+def parse_method(method: str) -> tuple[str, int]:
+    """``"nf4"`` -> ("nf4", 4); ``"int<b>"`` -> ("int", b) for b in 2..8."""
+    if method == "nf4":
+        return "nf4", 4
+    m = re.fullmatch(r"int(\d+)", method)
+    if m is None:
+        raise QuantError(f"unknown quantization method {method!r} (supported: nf4, int8, int4, or int2 to int8)")
+    bits = int(m.group(1))
+    if not MIN_BITS <= bits <= MAX_BITS:
+        raise QuantError(f"{method}: unsupported bit width {bits}; integer quantization supports {MIN_BITS} to "
+                         f"{MAX_BITS} bits")
+    return "int", bits
+
+
+def quantize_model(
+    model: nn.Module,
+    method: str,
+    group_size: int | None = None,
+    symmetric: bool = True,
+    calibration: Calibration = "minmax",
+    percentile: float = 99.9,
+) -> tuple[list[LayerError], dict[str, Any]]:
+    """Quantize every linear layer of ``model`` but the output head, in place.
+
+    ``method`` is "nf4" or "int<bits>". ``group_size``: the NF4 block size
+    (default 64), or the integer group size (default None: one scale per output
+    channel). Returns each layer's error and the provenance to store beside the
+    layout (:func:`~entrenar.quant.checkpoint.save_quantized`'s ``info``).
+    Nothing is replaced unless every layer quantizes.
+    """
+    kind, bits = parse_method(method)
+    if kind == "nf4":
+        if not symmetric or calibration != "minmax":
+            raise QuantError("nf4 scales each block by its absolute maximum; asymmetric and percentile calibration "
+                             "apply to integer methods (int8, int4)")
+        names = find_linears(model, ALL_LINEAR)
+        originals = {name: model.get_submodule(name) for name in names}
+        quantize_model_nf4(model, ALL_LINEAR, blocksize=group_size or NF4_BLOCKSIZE)
+        errors = [weight_error(originals[n].weight, model.get_submodule(n).weight, n) for n in names]
+        return errors, {"source": "ptq"}
+    errors = quantize_model_int(model, ALL_LINEAR, bits=bits, group_size=group_size, symmetric=symmetric,
+                                calibration=calibration, percentile=percentile)
+    info: dict[str, Any] = {"source": "ptq", "calibration": calibration}
+    if calibration == "percentile":
+        info["percentile"] = percentile
+    return errors, info
+
+
+def _check_paths(model_path: Path, output: Path) -> None:
+    """Refuse an output that is, or contains, the input; or an existing folder that is not a model folder."""
+    src, out = model_path.resolve(), output.resolve()
+    if out == src:
+        raise ConfigError(f"{output}: the output is the input model; choose another folder (quantize never "
+                          "overwrites its input)")
+    if out in src.parents:
+        raise ConfigError(f"{output}: the output contains the input model {model_path}; replacing it would delete "
+                          "the input")
+    if output.exists() and (not output.is_dir() or (any(output.iterdir()) and not (output / "config.json").is_file())):
+        raise ConfigError(f"{output}: exists and is not a model folder; refusing to replace it (choose a new path)")
+
+
+def _weight_bytes(model: nn.Module, names: list[str]) -> int:
+    total = 0
+    for name in names:
+        layer = model.get_submodule(name)
+        if isinstance(layer, nn.Linear):
+            total += layer.weight.numel() * layer.weight.element_size()
+        else:
+            total += layer.quantized.nbytes
+    return total
+
+
+def quantize_pretrained(
+    model_path: str | Path,
+    output: str | Path,
+    method: str,
+    group_size: int | None = None,
+    symmetric: bool = True,
+    calibration: Calibration = "minmax",
+    percentile: float = 99.9,
+    data: str | Path | None = None,
+    dtype: str | torch.dtype | None = None,
+    device: str | torch.device | None = None,
+    seq_len: int = 512,
+    batch_size: int = 4,
+) -> QuantizeResult:
+    """Load ``model_path``, quantize it (:func:`quantize_model`) and write it to ``output``.
+
+    With ``data`` (a data file as ``entrenar eval`` takes it), the loss and
+    perplexity are measured before and after, on the same batches. The output is
+    written atomically and may not be, or contain, the input.
+    """
+    import entrenar
+    from entrenar.quant.checkpoint import is_quantized_folder, quantization_config, save_quantized
+
+    model_path, output = Path(model_path), Path(output)
+    parse_method(method)  # a bad method fails before the model is read
+    _check_paths(model_path, output)
+    if is_quantized_folder(model_path):
+        raise QuantError(f"{model_path}: the model is already quantized; quantize the full-precision model instead")
+    model, tokenizer = entrenar.load(model_path, dtype=dtype, device=device)
+
+    def evaluate() -> EvalResult | None:
+        if data is None:
+            return None
+        from entrenar.evaluate import evaluate_file
+
+        return evaluate_file(model, tokenizer, data, seq_len=seq_len, batch_size=batch_size)
+
+    before = evaluate()
+    names = find_linears(model, ALL_LINEAR)
+    bytes_before = _weight_bytes(model, names)
+    errors, info = quantize_model(model, method, group_size, symmetric, calibration, percentile)
+    after = evaluate()
+    save_quantized(model, tokenizer, output, info=info)
+    return QuantizeResult(output=output, method=method, layers=errors, bytes_before=bytes_before,
+                          bytes_after=_weight_bytes(model, names), before=before, after=after,
+                          config=quantization_config(model, info))
