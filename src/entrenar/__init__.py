@@ -88,11 +88,13 @@ def load(
 
     `adapter` is a PEFT-format LoRA adapter folder applied on top. `quantize="nf4"`
     loads every linear layer but the output head straight into NF4 (QLoRA's
-    frozen base), one tensor at a time. The model is returned in eval mode;
-    call `.train()` to fine-tune it.
+    frozen base), one tensor at a time. A folder saved quantized (`entrenar
+    quantize`, a QAT run) loads into the same quantized layers. The model is
+    returned in eval mode; call `.train()` to fine-tune it.
     """
-    from entrenar.errors import ModelError
+    from entrenar.errors import ModelError, QuantError
     from entrenar.models.hf import load_hf
+    from entrenar.quant.checkpoint import is_quantized_folder, load_quantized
     from entrenar.tokenizer import Tokenizer
 
     path = Path(path)
@@ -102,6 +104,11 @@ def load(
         from entrenar.models.gguf import load_gguf
 
         model, tokenizer = load_gguf(path, dtype=torch_dtype, device=device, quantize=quantize)
+    elif is_quantized_folder(path):  # written by `entrenar quantize` or a QAT run: codes and scales as saved
+        if quantize is not None:
+            raise QuantError(f"{path}: the model is already quantized; load it without quantize={quantize!r}")
+        model = load_quantized(path, dtype=torch_dtype, device=device)
+        tokenizer = Tokenizer.from_folder(path)
     elif path.is_dir():
         model = load_hf(path, dtype=torch_dtype, device=device, quantize=quantize)
         tokenizer = Tokenizer.from_folder(path)
