@@ -1,0 +1,85 @@
+"""``entrenar quantize``: post-training quantization of a model into a folder ``entrenar.load`` reads back."""
+
+from __future__ import annotations
+
+import argparse
+from typing import TYPE_CHECKING
+
+from entrenar.cli.options import DTYPES, device, positive_int
+
+if TYPE_CHECKING:
+    from entrenar.quant.ptq import QuantizeResult
+
+
+def add_parser(commands: argparse._SubParsersAction, parents: list[argparse.ArgumentParser]) -> None:
+    parser = commands.add_parser(
+        "quantize", parents=parents, help="quantize a model's linear layers (nf4, int8, int4)",
+        description="Quantize every linear layer but the output head and write a model folder that "
+                    "entrenar loads back. Prints each layer's error and, with --data, the perplexity change.",
+    )
+    parser.add_argument("model", metavar="MODEL", help="Hugging Face model folder or .gguf file")
+    parser.add_argument("--method", required=True, metavar="METHOD",
+                        help="nf4 (QLoRA's 4-bit NormalFloat), int8 or int4 (also int2 to int7)")
+    parser.add_argument("--output", required=True, metavar="DIR", help="folder to write (never the input)")
+    parser.add_argument("--group-size", type=positive_int, default=None, metavar="G",
+                        help="weights per scale: the NF4 block size (default 64) or the integer group size "
+                             "(default: one scale per output channel); e.g. 32, 64, 128")
+    parser.add_argument("--asymmetric", action="store_true",
+                        help="integer methods: a zero point per group (default: symmetric around 0)")
+    parser.add_argument("--calibration", choices=("minmax", "percentile"), default="minmax",
+                        help="integer methods: scale from each group's range, or from a percentile of it")
+    parser.add_argument("--percentile", type=float, default=99.9, metavar="P",
+                        help="with --calibration percentile: the percentile in (0, 100] (default 99.9)")
+    parser.add_argument("--data", metavar="FILE", help="measure perplexity on this data file before and after")
+    parser.add_argument("--seq-len", type=positive_int, default=512, metavar="T",
+                        help="with --data: tokens per sequence (default 512)")
+    parser.add_argument("--batch-size", type=positive_int, default=4, metavar="B",
+                        help="with --data: sequences per batch (default 4)")
+    parser.add_argument("--device", type=device, default="auto", help="auto (CUDA when available), cpu, cuda, cuda:N")
+    parser.add_argument("--dtype", default="auto", choices=DTYPES,
+                        help="dtype to load and compute in (auto: bf16 on CUDA, else fp32)")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from entrenar.quant.ptq import quantize_pretrained
+
+    result = quantize_pretrained(
+        args.model, args.output, args.method, group_size=args.group_size, symmetric=not args.asymmetric,
+        calibration=args.calibration, percentile=args.percentile, data=args.data, dtype=args.dtype,
+        device=args.device, seq_len=args.seq_len, batch_size=args.batch_size,
+    )
+    print(report(result))
+    return 0
+
+
+def report(result: QuantizeResult) -> str:
+    """The per-layer error table, the perplexity change and what was written."""
+    width = max(len("layer"), *(len(e.name) for e in result.layers))
+    lines = [f"{'layer':<{width}}  {'rel. Frobenius':>14}  {'max abs':>10}"]
+    lines += [f"{e.name:<{width}}  {e.rel_frobenius:>14.3e}  {e.max_abs:>10.3e}" for e in result.layers]
+    worst = max(result.layers, key=lambda e: e.rel_frobenius)
+    mean = sum(e.rel_frobenius for e in result.layers) / len(result.layers)
+    lines.append(f"{len(result.layers)} layers: mean relative error {mean:.3e}, worst {worst.rel_frobenius:.3e} "
+                 f"({worst.name})")
+    if result.before is not None and result.after is not None:
+        b, a = result.before, result.after
+        change = a.perplexity - b.perplexity
+        lines.append(f"perplexity {b.perplexity:.3f} -> {a.perplexity:.3f} ({change:+.3f}, "
+                     f"{change / b.perplexity:+.2%}); loss {b.loss:.4f} -> {a.loss:.4f} ({b.tokens:,} tokens)")
+    c = result.config
+    layout = (f"group size {c['blocksize']}" if c["method"] == "nf4" else
+              f"{c['granularity']}" + (f" {c['group_size']}" if c["group_size"] else "")
+              + (", symmetric" if c["symmetric"] else ", asymmetric"))
+    lines.append(f"wrote {result.output} ({result.method}, {layout}; quantized weights "
+                 f"{_size(result.bytes_before)} -> {_size(result.bytes_after)})")
+    return "\n".join(lines)
+
+
+def _size(n: float) -> str:
+    if n < 1024:
+        return f"{n:.0f} B"
+    for unit in ("KiB", "MiB", "GiB"):
+        n /= 1024
+        if n < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}"
