@@ -1,7 +1,7 @@
 """The run recipe: a YAML file <-> typed dataclasses, plus ``--set`` overrides.
 
-A recipe has seven sections (model, data, lora, optimizer, schedule, training,
-output). Each is a frozen dataclass whose fields carry a default and a rule;
+A recipe has eight sections (model, data, lora, qat, optimizer, schedule,
+training, output). Each is a frozen dataclass whose fields carry a default and a rule;
 the rules run whenever a section is built, so a ``Recipe`` in hand is valid.
 Errors name the file, the line, the dotted key and what is allowed, because a
 typo found after an hour of training costs that hour.
@@ -28,6 +28,7 @@ __all__ = [
     "ModelSection",
     "DataSection",
     "LoraSection",
+    "QatSection",
     "OptimizerSection",
     "ScheduleSection",
     "TrainingSection",
@@ -252,6 +253,17 @@ def _lr_scales(value: Any) -> dict[str, float]:
     return scales
 
 
+def _activation_bits(value: Any) -> bool | int:
+    """QAT activations: false (off), true (8 bits) or a bit width."""
+    if value is None or value is False:
+        return False
+    if value is True:
+        return 8
+    if isinstance(value, int) and 2 <= value <= 8:
+        return value
+    raise _Reject("true, false or a bit width in [2, 8]")
+
+
 def _key(default: Any, rule: Rule) -> Any:
     """A dataclass field with a default and the rule its values must pass."""
     if isinstance(default, dict):
@@ -332,6 +344,19 @@ class LoraSection(_Section):
 
 
 @dataclass(frozen=True)
+class QatSection(_Section):
+    """Quantization-aware training (fake-quantized linear layers); ``qat: null`` (the default) is off.
+    With ``lora`` set too it is LoRA-QAT: a frozen fake-quantized base under full-precision adapters."""
+
+    section: ClassVar[str] = "qat"
+    bits: int = _key(4, _integer(2, 8))
+    granularity: str = _key("channel", _choice("tensor", "channel", "group"))
+    group_size: int = _key(128, _integer(1))
+    backward: str = _key("ste", _choice("ste", "clipped_ste", "lsq", "ewgs"))
+    activations: bool | int = _key(False, _activation_bits)
+
+
+@dataclass(frozen=True)
 class OptimizerSection(_Section):
     """The optimizer and its per-group learning-rate scales."""
 
@@ -396,6 +421,7 @@ _SECTIONS: dict[str, type[_Section]] = {
         ModelSection,
         DataSection,
         LoraSection,
+        QatSection,
         OptimizerSection,
         ScheduleSection,
         TrainingSection,
@@ -406,11 +432,12 @@ _SECTIONS: dict[str, type[_Section]] = {
 
 @dataclass(frozen=True)
 class Recipe:
-    """A whole run. ``lora=None`` means full fine-tuning."""
+    """A whole run. ``lora=None`` means full fine-tuning; ``qat=None`` no quantization-aware training."""
 
     model: ModelSection = field(default_factory=ModelSection)
     data: DataSection = field(default_factory=DataSection)
     lora: LoraSection | None = None
+    qat: QatSection | None = None
     optimizer: OptimizerSection = field(default_factory=OptimizerSection)
     schedule: ScheduleSection = field(default_factory=ScheduleSection)
     training: TrainingSection = field(default_factory=TrainingSection)
@@ -428,6 +455,12 @@ class Recipe:
                 "data.validation_split",
                 f"'data.validation_split' must be 0 when 'data.validation' names a file, "
                 f"got {self.data.validation_split:g}",
+            )
+        if self.qat is not None and self.lora is not None and self.lora.quantize_base is not None:
+            raise _BadValue(
+                "lora.quantize_base",
+                f"'lora.quantize_base' must be null when 'qat' is set, got {_show(self.lora.quantize_base)} "
+                "(QAT fake-quantizes full-precision weights; LoRA-QAT is 'qat' with a plain 'lora' section)",
             )
         if self.training.precision == "fp16" and self.model.device == "cpu":
             raise _BadValue(
@@ -627,7 +660,7 @@ def _build(raw: Any, where: _Where, default_name: str) -> Recipe:
     sections: dict[str, Any] = {}
     for name, cls in _SECTIONS.items():
         value = raw.get(name)
-        if name == "lora" and value is None:
+        if name in ("lora", "qat") and value is None:
             sections[name] = None
             continue
         if name == "output" and value is None:
