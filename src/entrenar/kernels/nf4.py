@@ -93,27 +93,38 @@ def _tables(device: torch.device) -> tuple[Tensor, Tensor]:
     return NF4_CODE.to(device), dynamic_map().to(device)
 
 
-@torch.library.custom_op("entrenar::nf4_dequantize", mutates_args=())
-def _nf4_dequantize(
+def launch(
     codes: Tensor, absmax: Tensor, absmax_scale: Tensor | None, absmax_offset: Tensor | None, blocksize: int,
-    dtype: torch.dtype,
-) -> Tensor:
+    out: Tensor, bytes_per_program: int | None = None, num_warps: int | None = None,
+):
+    """Run the kernel into ``out`` (``2 * codes.numel()`` values); returns Triton's compiled-kernel handle.
+
+    ``bytes_per_program`` and ``num_warps`` override the tuned defaults (for benchmarks).
+    """
     n_bytes = codes.numel()
-    out = torch.empty(2 * n_bytes, dtype=dtype, device=codes.device)
     half = blocksize // 2
-    rows = max(1, _BYTES_PER_PROGRAM // half)
+    rows = max(1, (bytes_per_program or _BYTES_PER_PROGRAM) // half)
     n_blocks = cdiv(n_bytes, half)
     nf4, dmap = _tables(codes.device)
     double_quant = absmax_scale is not None
     # Unused pointers (no double quantization) get a harmless stand-in; the kernel never reads them.
     scale = absmax_scale if double_quant else absmax
     offset = absmax_offset if double_quant else absmax
-    round_by_bits = dtype == torch.bfloat16 and interpreting() and not codes.is_cuda
-    _kernel()[(cdiv(n_blocks, rows),)](
-        codes, absmax, dmap, scale, offset, nf4, out.view(_PAIR_DTYPE[dtype]), n_bytes, n_blocks,
-        HALF=half, ROWS=rows, SCALE_GROUP=ABSMAX_BLOCKSIZE, DOUBLE_QUANT=double_quant, OUT_KIND=_OUT_KIND[dtype],
-        ROUND_BY_BITS=round_by_bits, num_warps=_NUM_WARPS, enable_fp_fusion=False,
+    round_by_bits = out.dtype == torch.bfloat16 and interpreting() and not codes.is_cuda
+    return _kernel()[(cdiv(n_blocks, rows),)](
+        codes, absmax, dmap, scale, offset, nf4, out.view(_PAIR_DTYPE[out.dtype]), n_bytes, n_blocks,
+        HALF=half, ROWS=rows, SCALE_GROUP=ABSMAX_BLOCKSIZE, DOUBLE_QUANT=double_quant, OUT_KIND=_OUT_KIND[out.dtype],
+        ROUND_BY_BITS=round_by_bits, num_warps=num_warps or _NUM_WARPS, enable_fp_fusion=False,
     )
+
+
+@torch.library.custom_op("entrenar::nf4_dequantize", mutates_args=())
+def _nf4_dequantize(
+    codes: Tensor, absmax: Tensor, absmax_scale: Tensor | None, absmax_offset: Tensor | None, blocksize: int,
+    dtype: torch.dtype,
+) -> Tensor:
+    out = torch.empty(2 * codes.numel(), dtype=dtype, device=codes.device)
+    launch(codes, absmax, absmax_scale, absmax_offset, blocksize, out)
     return out
 
 

@@ -1,0 +1,395 @@
+"""QLoRA training steps on the Llama-3.1-8B shape: entrenar against transformers + PEFT + bitsandbytes.
+
+    PYTHONPATH=src python bench/bench_qlora.py --out bench_qlora.json
+
+Every row: Llama-3.1-8B's shape (hidden 4096, 32 layers, 32 heads, 8 kv
+heads, intermediate 14336, vocab 128256) with random weights, drawn per
+parameter name so every row starts from the same bf16 weights (an NF4 base is
+quantized from them, layer by layer, as ``entrenar.load(..., quantize="nf4")``
+does while streaming: the 16-bit model is never held whole). LoRA r=16,
+alpha=32, no dropout, on every linear layer but the output head (fp32
+adapters), activation checkpointing on every block, fused AdamW on the
+adapters, random token batches of 2 x 2048 with labels = inputs, one
+plain causal sequence per row (no packing).
+
+Rows (``--rows``):
+  entrenar-qlora          NF4 base (Triton dequantization), the step ``entrenar train`` takes: bf16 autocast,
+                          full logits, ``token_cross_entropy``
+  entrenar-lora           the same on a bf16 base
+  hf-qlora                transformers + PEFT + bitsandbytes: ``bnb.nn.Linear4bit`` (NF4, double quantization,
+                          bf16 compute) on the same weights, HF's gradient checkpointing, HF's loss
+  entrenar-qlora-chunked  NF4 base, ``chunked_cross_entropy`` (1024-token chunks): no full logits
+  entrenar-lora-chunked   the same on a bf16 base
+  entrenar-qlora-kernels  NF4 base with ``apply_kernels`` (RMSNorm, RoPE, SwiGLU) and the fused linear cross-entropy,
+                          no autocast (fp32 adapter products, as PEFT)
+  entrenar-lora-kernels   the same on a bf16 base (also the fused LoRA+base layer)
+  entrenar-qlora-torchdq  entrenar-qlora with the PyTorch reference dequantization instead of the kernel
+
+Reported per row: tokens/s from the median step time after warm-up (CUDA
+events around forward, backward and optimizer step), peak GPU memory
+(``torch.cuda.max_memory_allocated`` over the training steps, less what was
+allocated before the row began), the memory held after building (weights and
+adapters), the loss of each step, and for NF4 rows one profiled step's GPU
+time split into dequantization, matrix products, attention and the rest.
+``estimate_training_memory`` is printed beside the measured peak.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import gc
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+import zlib
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from entrenar.lora import LoraConfig, apply_lora
+from entrenar.memory import GiB, estimate_training_memory
+from entrenar.models.config import ModelConfig
+from entrenar.models.hf import empty_model
+from entrenar.quant.nf4 import NF4Linear
+from entrenar.train.loss import chunked_cross_entropy, token_cross_entropy
+
+BATCH, SEQ, LORA_R, LORA_ALPHA, LR = 2, 2048, 16, 32, 1e-4
+CHUNK = 1024  # tokens per logits chunk in the chunked / fused losses
+DEVICE = "cuda"  # the builders and steps also run on "cpu" with a tiny CONFIG, to check this script without a GPU
+CONFIG = ModelConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
+                     num_kv_heads=8, rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=8192,
+                     model_type="llama")
+
+
+@dataclass(frozen=True)
+class Row:
+    base: str  # "nf4" or "bf16" (entrenar), "hf" (transformers + PEFT + bitsandbytes)
+    loss: str = "logits"  # "logits" (as entrenar train), "chunked", "fused", "hf"
+    kernels: bool = False
+    autocast: bool = True  # bf16 autocast, as entrenar train runs (the fp32 adapters' products then run in bf16)
+    torch_dequant: bool = False
+    steps: int = 10
+    warmup: int = 3
+
+
+ROWS: dict[str, Row] = {
+    "entrenar-qlora": Row("nf4"),
+    "entrenar-lora": Row("bf16"),
+    "hf-qlora": Row("hf", loss="hf"),
+    "entrenar-qlora-chunked": Row("nf4", loss="chunked"),
+    "entrenar-lora-chunked": Row("bf16", loss="chunked"),
+    # Without autocast, as bench_train.py runs the kernels (the fused LoRA layer's backward mixes dtypes under it).
+    "entrenar-qlora-kernels": Row("nf4", loss="fused", kernels=True, autocast=False),
+    "entrenar-lora-kernels": Row("bf16", loss="fused", kernels=True, autocast=False),
+    "entrenar-qlora-torchdq": Row("nf4", torch_dequant=True, steps=5, warmup=2),
+}
+
+
+@dataclass
+class Result:
+    row: str
+    status: str = "ok"
+    error: str | None = None
+    tokens_per_s: float | None = None
+    step_ms_median: float | None = None
+    step_ms_all: list[float] = field(default_factory=list)
+    peak_gib: float | None = None  # max allocated during training, less the row's starting allocation
+    resident_gib: float | None = None  # allocated after building (weights + adapters)
+    build_peak_gib: float | None = None
+    build_s: float | None = None
+    losses: list[float] = field(default_factory=list)
+    trainable_params: int | None = None
+    profile: dict | None = None
+
+
+# ---------------------------------------------------------------- weights
+
+
+def _generator(name: str) -> torch.Generator:
+    return torch.Generator(device=DEVICE).manual_seed(zlib.crc32(name.encode()))
+
+
+def random_weight(name: str, shape: tuple[int, ...], std: float = 0.02) -> torch.Tensor:
+    """The bf16 weight named ``name``: the same tensor in every row and either stack."""
+    return torch.empty(shape, dtype=torch.bfloat16, device=DEVICE).normal_(0.0, std, generator=_generator(name))
+
+
+@torch.no_grad()
+def init_parameters(model: nn.Module) -> None:
+    """Norms 1, every other (16-bit) parameter from :func:`random_weight`."""
+    for name, p in model.named_parameters():
+        name = name.removeprefix("base_model.model.")
+        if name.endswith("norm.weight"):
+            p.fill_(1.0)
+        else:
+            p.copy_(random_weight(name, tuple(p.shape)))
+
+
+def build_entrenar(row: Row) -> nn.Module:
+    model = empty_model(CONFIG, torch.bfloat16, DEVICE, quantize="nf4" if row.base == "nf4" else None)
+    init_parameters(model)
+    for name, layer in model.named_modules():
+        if isinstance(layer, NF4Linear):  # quantized one layer at a time, as weights stream in
+            layer.load_full_weight(random_weight(f"{name}.weight", (layer.out_features, layer.in_features)))
+    apply_lora(model, LoraConfig(r=LORA_R, alpha=LORA_ALPHA, dropout=0.0))
+    model.set_activation_checkpointing(True)
+    if row.kernels:
+        from entrenar.kernels import apply_kernels
+
+        apply_kernels(model)
+    return model.train()
+
+
+def build_hf() -> nn.Module:
+    """transformers' Llama with every linear layer but the head as bitsandbytes NF4, then PEFT LoRA."""
+    import bitsandbytes as bnb
+    import peft
+    import transformers
+
+    hf_config = dict(CONFIG.to_hf())
+    hf_config = transformers.AutoConfig.for_model(hf_config.pop("model_type"), **hf_config)
+    hf_config.use_cache = False
+    with torch.device(DEVICE):
+        model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.bfloat16,
+                                                              attn_implementation="sdpa")
+    init_parameters(model)
+    for name, linear in list(model.named_modules()):
+        if not isinstance(linear, nn.Linear) or name == "lm_head":
+            continue
+        q = bnb.nn.Linear4bit(linear.in_features, linear.out_features, bias=False, compute_dtype=torch.bfloat16,
+                              compress_statistics=True, quant_type="nf4", device="meta")
+        q.weight = bnb.nn.Params4bit(linear.weight.data, requires_grad=False, blocksize=64, compress_statistics=True,
+                                     quant_type="nf4", module=q).to(DEVICE)  # quantizes
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, q)
+        del linear
+    model.is_loaded_in_4bit = True  # what from_pretrained(quantization_config=...) sets; PEFT reads it
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model = peft.get_peft_model(model, peft.LoraConfig(r=LORA_R, lora_alpha=LORA_ALPHA, lora_dropout=0.0,
+                                                       target_modules="all-linear", task_type="CAUSAL_LM"))
+    return model.train()
+
+
+# ---------------------------------------------------------------- one step
+
+
+def step_fn(row: Row) -> Callable[[nn.Module, torch.Tensor], torch.Tensor]:
+    if row.loss == "hf":
+        return lambda model, ids: model(input_ids=ids, labels=ids).loss
+    if row.loss == "logits":  # what entrenar.train.loop does for each micro-batch
+        def step(model, ids):
+            with torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=row.autocast):
+                logits = model(ids)
+            loss_sum, n = token_cross_entropy(logits, ids)
+            return loss_sum / n
+        return step
+    if row.loss == "chunked":
+        loss_fn = chunked_cross_entropy
+    else:
+        from entrenar.kernels import fused_linear_cross_entropy as loss_fn
+
+    def step(model, ids):
+        with torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=row.autocast):
+            hidden = model.hidden_states(ids)
+        loss_sum, n = loss_fn(hidden, model.lm_head.weight, ids, CHUNK)
+        return loss_sum / n
+    return step
+
+
+@contextlib.contextmanager
+def reference_dequantization(on: bool) -> Iterator[None]:
+    """While ``on``, CUDA NF4 weights are dequantized by the PyTorch specification instead of the kernel."""
+    from entrenar.kernels import nf4 as nf4_kernel
+
+    kernel_check = nf4_kernel.can_dequantize
+    if on:
+        nf4_kernel.can_dequantize = lambda q: False
+    try:
+        yield
+    finally:
+        nf4_kernel.can_dequantize = kernel_check
+
+
+def _free() -> None:
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+KERNEL_KINDS = (("dequantize", ("dequant",)), ("matmul", ("gemm", "xmma", "cutlass", "nvjet", "sm90_", "cublas")),
+                ("attention", ("flash", "fmha", "attention", "sdpa")))
+
+
+def profile_step(model: nn.Module, ids: torch.Tensor, step: Callable, opt: torch.optim.Optimizer) -> dict:
+    """GPU time of one training step, by kernel kind (names matched loosely), and the 12 largest kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step(model, ids).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+    kernels: dict[str, float] = {}
+    for e in prof.key_averages():
+        us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0.0)
+        if us and e.key and not e.key.startswith(("aten::", "ProfilerStep", "cuda")):
+            kernels[e.key] = kernels.get(e.key, 0.0) + us
+    by_kind = dict.fromkeys([k for k, _ in KERNEL_KINDS] + ["other"], 0.0)
+    for name, us in kernels.items():
+        low = name.lower()
+        kind = next((k for k, marks in KERNEL_KINDS if any(m in low for m in marks)), "other")
+        by_kind[kind] += us / 1e3
+    top = sorted(kernels.items(), key=lambda kv: -kv[1])[:12]
+    return {"ms_by_kind": by_kind, "ms_total": sum(by_kind.values()),
+            "top_kernels_ms": [(name[:120], us / 1e3) for name, us in top]}
+
+
+def run_row(name: str, row: Row, batches: list[torch.Tensor], profile: bool) -> Result:
+    result = Result(name)
+    _free()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    t0 = time.perf_counter()
+    model = build_hf() if row.base == "hf" else build_entrenar(row)
+    torch.cuda.synchronize()
+    result.build_s = time.perf_counter() - t0
+    result.build_peak_gib = (torch.cuda.max_memory_allocated() - before) / GiB
+    params = [p for p in model.parameters() if p.requires_grad]
+    result.trainable_params = sum(p.numel() for p in params)
+    opt = torch.optim.AdamW(params, lr=LR, weight_decay=0.0, fused=True)
+    step = step_fn(row)
+    _free()
+    result.resident_gib = (torch.cuda.memory_allocated() - before) / GiB
+    torch.cuda.reset_peak_memory_stats()
+
+    times = []
+    for i in range(row.steps):
+        ids = batches[i % len(batches)]
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        loss = step(model, ids)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+        result.losses.append(round(loss.item(), 5))
+    result.peak_gib = (torch.cuda.max_memory_allocated() - before) / GiB
+    result.step_ms_all = [round(t, 2) for t in times]
+    result.step_ms_median = statistics.median(times[row.warmup:])
+    result.tokens_per_s = BATCH * SEQ / (result.step_ms_median / 1e3)
+    if profile:
+        try:
+            result.profile = profile_step(model, batches[0], step, opt)
+        except Exception as err:  # the profiler is a nicety; the timings stand without it
+            result.profile = {"error": f"{type(err).__name__}: {err}"[:300]}
+    del model, opt, params, loss
+    return result
+
+
+# ---------------------------------------------------------------- report
+
+
+def estimates() -> dict:
+    return {m: estimate_training_memory(CONFIG, m, BATCH, SEQ, lora_r=LORA_R, activation_checkpointing=True).as_dict()
+            for m in ("qlora", "lora")}
+
+
+def print_report(results: list[Result], est: dict) -> None:
+    ok = {r.row: r for r in results if r.status == "ok"}
+    hf = ok.get("hf-qlora")
+    print(f"\n{'row':<24}{'tok/s':>8}{'ms/step':>9}{'peak GiB':>9}{'held GiB':>9}{'x hf':>6}{'/ lora':>7}"
+          f"{'loss 0':>8}{'loss N':>8}")
+    for r in results:
+        if r.status != "ok":
+            print(f"{r.row:<24}  {r.status}: {(r.error or '')[:150]}")
+            continue
+        same_loss = ok.get(r.row.replace("qlora", "lora").replace("-torchdq", "")) if "qlora" in r.row else None
+        cells = [f"{r.tokens_per_s:8.0f}", f"{r.step_ms_median:9.1f}", f"{r.peak_gib:9.2f}", f"{r.resident_gib:9.2f}",
+                 f"{r.tokens_per_s / hf.tokens_per_s:6.2f}" if hf else f"{'-':>6}",
+                 f"{r.tokens_per_s / same_loss.tokens_per_s:7.2f}" if same_loss and r.row != "hf-qlora"
+                 else f"{'-':>7}", f"{r.losses[0]:8.4f}", f"{r.losses[-1]:8.4f}"]
+        print(f"{r.row:<24}" + "".join(cells))
+    print("\n('/ lora': tokens/s over the entrenar 16-bit LoRA row with the same loss and kernels)")
+    for method, row in (("qlora", "entrenar-qlora"), ("lora", "entrenar-lora")):
+        e = est[method]
+        line = (f"estimate_training_memory(config, {method!r}, {BATCH}, {SEQ}, lora_r={LORA_R}, "
+                f"activation_checkpointing=True): {e['total'] / GiB:.2f} GiB (weights {e['weights'] / GiB:.2f}, "
+                f"grads {e['gradients'] / GiB:.2f}, optimizer {e['optimizer'] / GiB:.2f}, "
+                f"activations {e['activations'] / GiB:.2f}, logits {e['logits'] / GiB:.2f})")
+        print(line)
+        if row in ok:
+            r = ok[row]
+            print(f"  {row}: measured peak {r.peak_gib:.2f} GiB, "
+                  f"measured/predicted = {r.peak_gib * GiB / e['total']:.3f}; "
+                  f"held after build {r.resident_gib:.2f} GiB vs weights term {e['weights'] / GiB:.2f}")
+    for r in results:
+        if r.profile and "ms_by_kind" in r.profile:
+            kinds = ", ".join(f"{k} {v:.1f}" for k, v in r.profile["ms_by_kind"].items())
+            print(f"profile {r.row}: {r.profile['ms_total']:.1f} ms of kernels ({kinds})")
+
+
+def environment() -> dict:
+    env = {"date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "python": platform.python_version(), "torch": torch.__version__, "argv": sys.argv,
+           "gpu": torch.cuda.get_device_name()}
+    for name in ("transformers", "peft", "triton", "bitsandbytes"):
+        try:
+            env[name] = __import__(name).__version__
+        except Exception:  # missing, or bitsandbytes without a binary for this CUDA
+            env[name] = None
+    return env
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", default=",".join(ROWS), help=f"of {', '.join(ROWS)}")
+    parser.add_argument("--out", default="bench_qlora.json")
+    parser.add_argument("--budget-s", type=float, default=math.inf, help="start no new row after this many seconds")
+    parser.add_argument("--no-profile", action="store_true")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("bench_qlora.py needs a CUDA GPU")
+    names = args.rows.split(",")
+    unknown = [n for n in names if n not in ROWS]
+    if unknown:
+        sys.exit(f"unknown rows {unknown}; known: {', '.join(ROWS)}")
+    g = torch.Generator().manual_seed(1234)
+    batches = [torch.randint(0, CONFIG.vocab_size, (BATCH, SEQ), generator=g).cuda() for _ in range(4)]
+    est = estimates()
+    began = time.perf_counter()
+    results: list[Result] = []
+    for name in names:
+        if time.perf_counter() - began > args.budget_s:
+            results.append(Result(name, status="skipped", error="time budget"))
+            continue
+        t0 = time.perf_counter()
+        try:
+            row = ROWS[name]
+            with reference_dequantization(row.torch_dequant):
+                results.append(run_row(name, row, batches, profile=not args.no_profile and row.base != "bf16"))
+        except Exception as err:  # a failed row is reported and the others still run
+            results.append(Result(name, status="failed", error=f"{type(err).__name__}: {err}"[:2000]))
+        _free()
+        r = results[-1]
+        print(f"[{time.perf_counter() - began:6.1f}s] {name}: {r.status} "
+              f"{'' if r.tokens_per_s is None else f'{r.tokens_per_s:.0f} tok/s, peak {r.peak_gib:.2f} GiB'} "
+              f"({time.perf_counter() - t0:.1f}s) {r.error or ''}", flush=True)
+        Path(args.out).write_text(json.dumps({"environment": environment(), "config": asdict(CONFIG),
+                                              "batch": BATCH, "seq": SEQ, "lora_r": LORA_R, "estimates": est,
+                                              "rows": [asdict(x) for x in results]}, indent=1))
+    print_report(results, est)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main()
