@@ -25,13 +25,21 @@ holding the integer codes, which computes exactly what the fake-quantized
 model computed. LoRA-QAT: ``prepare_qat`` then ``entrenar.lora.apply_lora``
 wraps the fake-quant layers (frozen) with full-precision adapters; merging adds
 the update to the master weight, which is re-quantized on the next forward.
+
+From a recipe's ``qat`` section the training loop calls :func:`apply_qat_recipe`
+before LoRA, checkpoints :func:`qat_state_dict` beside the weights (LSQ steps
+are learned; the activation step is set once, from the first batch), and at the
+end writes the integer model with :func:`entrenar.quant.checkpoint.save_qat_model`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 from torch import Tensor, nn
@@ -50,6 +58,9 @@ from entrenar.quant.int import (
     round_to_grid,
 )
 from entrenar.surgery import Patterns, find_linears, replace_module
+
+if TYPE_CHECKING:
+    from entrenar.config import QatSection
 
 Backward = Literal["ste", "clipped_ste", "lsq", "ewgs"]
 Granularity = Literal["tensor", "channel", "group"]
@@ -263,3 +274,88 @@ def convert_qat(model: nn.Module) -> list[str]:
     for name in names:
         replace_module(model, name, model.get_submodule(name).to_quant_linear())
     return names
+
+
+# ---------------------------------------------------------------- recipes and the training loop
+
+
+def qat_config(section: QatSection) -> QATConfig:
+    """The :class:`QATConfig` a recipe's ``qat`` section describes (``activations``: False or a bit width)."""
+    acts = section.activations
+    return QATConfig(
+        bits=section.bits,
+        granularity=section.granularity,
+        group_size=section.group_size,
+        backward=section.backward,
+        act_bits=None if acts is False else acts,
+    )
+
+
+def apply_qat_recipe(model: nn.Module, section: QatSection) -> list[str]:
+    """Fake-quantize every linear layer but the output head, as a recipe's ``qat`` section says.
+
+    Call it before ``apply_lora``: LoRA then wraps the fake-quantized layers (LoRA-QAT).
+    """
+    return prepare_qat(model, qat_config(section))
+
+
+def _quantizer_state(module: FakeQuantLinear) -> dict[str, Tensor]:
+    """A fake-quant layer's own state besides its weight and bias: LSQ steps and the activation-init flag."""
+    own = {**dict(module.named_parameters(recurse=False)), **dict(module.named_buffers(recurse=False))}
+    return {k: v for k, v in own.items() if k not in ("weight", "bias")}
+
+
+def qat_state_dict(model: nn.Module) -> dict[str, Tensor]:
+    """Every fake-quant layer's quantizer state under the model's names (empty without QAT), detached.
+
+    Training checkpoints need it beside the weights: LSQ's steps are learned, and the
+    activation step is set from the first batch a layer sees, which a resumed run must not redo.
+    """
+    state = {}
+    for name, module in model.named_modules():
+        if isinstance(module, FakeQuantLinear):
+            state.update({f"{name}.{k}": v.detach() for k, v in _quantizer_state(module).items()})
+    return state
+
+
+@torch.no_grad()
+def load_qat_state_dict(model: nn.Module, state: dict[str, Tensor], source: str = "state dict") -> dict[str, Tensor]:
+    """Copy the entries :func:`qat_state_dict` names into the model; return the rest of ``state``."""
+    expected = qat_state_dict(model)
+    for key, target in expected.items():
+        if key not in state:
+            raise QuantError(f"{source}: quantizer tensor {key!r} is missing (a QAT run's checkpoint holds it)")
+        if state[key].shape != target.shape:
+            raise QuantError(
+                f"{source}: quantizer tensor {key!r} has shape {tuple(state[key].shape)}, "
+                f"the model has {tuple(target.shape)}"
+            )
+        target.copy_(state[key])
+    return {k: v for k, v in state.items() if k not in expected}
+
+
+@contextmanager
+def swapped(model: nn.Module, replacements: dict[str, nn.Module]) -> Iterator[nn.Module]:
+    """``model`` with the named submodules replaced for the duration of the block, then put back."""
+    originals = {}
+    try:
+        for name, module in replacements.items():
+            originals[name] = replace_module(model, name, module)
+        yield model
+    finally:
+        for name, module in originals.items():
+            replace_module(model, name, module)
+
+
+def _plain_linear(layer: FakeQuantLinear) -> nn.Linear:
+    """An ``nn.Linear`` sharing ``layer``'s master weight and bias (no copy)."""
+    linear = nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None, device="meta")
+    linear.weight, linear.bias = layer.weight, layer.bias
+    return linear
+
+
+def master_weights(model: nn.Module) -> contextlib.AbstractContextManager[nn.Module]:
+    """``model`` with plain linear layers holding the full-precision master weights in place of the
+    fake-quantized ones, for the duration of the block: what a full fine-tune saves as its ``model/``."""
+    layers = {n: _plain_linear(m) for n, m in model.named_modules() if isinstance(m, FakeQuantLinear)}
+    return swapped(model, layers)
