@@ -32,6 +32,8 @@ from entrenar.evaluate import EvalResult, autocast_for, eval_loss
 from entrenar.lora import LoraConfig, apply_lora, load_lora_state_dict, lora_state_dict, save_adapter
 from entrenar.memory import GiB, estimate_training_memory
 from entrenar.models.hf import save_hf
+from entrenar.quant.checkpoint import save_qat_model
+from entrenar.quant.qat import apply_qat_recipe, load_qat_state_dict, master_weights, qat_state_dict
 from entrenar.train.checkpoint import latest_checkpoint, load_checkpoint, mark_best, save_checkpoint
 from entrenar.train.loss import token_cross_entropy
 from entrenar.train.metrics import MetricsLogger, plot_loss_curve
@@ -53,6 +55,7 @@ class TrainResult:
     eval_after: EvalResult | None = None
     checkpoint: Path | None = None
     output: Path | None = None
+    quantized: Path | None = None  # QAT runs: the integer model, loadable with entrenar.load
     dry_run: bool = False
 
 
@@ -85,6 +88,8 @@ def train(
     quantize = recipe.lora.quantize_base if recipe.lora is not None else None
     model, tokenizer = entrenar.load(recipe.model.path, dtype=weights_dtype, device=device, quantize=quantize)
     model.train()
+    if recipe.qat is not None:
+        apply_qat_recipe(model, recipe.qat)  # before LoRA, which then wraps the fake-quantized layers (LoRA-QAT)
     if recipe.lora is not None:
         lora = recipe.lora
         lora_config = LoraConfig(r=lora.r, alpha=lora.alpha, dropout=lora.dropout,
@@ -201,10 +206,13 @@ def train(
     if eval_after is None:
         eval_after = evaluate()
     output = _save_result(model, tokenizer, recipe, run_dir)
+    quantized = save_qat_model(model, tokenizer, run_dir / "quantized") if recipe.qat is not None else None
     plot_loss_curve(metrics.path, run_dir / "loss_curve.png")
     summary = metrics.summary(checkpoint=last_checkpoint or latest_checkpoint(run_dir))
     metrics.close()
     lines = [summary, f"{'output':<14}{output}"]
+    if quantized is not None:
+        lines.append(f"{'quantized':<14}{quantized}")
     if eval_before is not None and eval_after is not None:
         lines.append(f"{'held-out loss':<14}{eval_before.loss:.4f} -> {eval_after.loss:.4f} "
                      f"(perplexity {eval_before.perplexity:.2f} -> {eval_after.perplexity:.2f})")
@@ -214,7 +222,7 @@ def train(
         lines.append(f"{'held-out acc.':<14}{before}{after:.1%} of unseen sums answered exactly")
     return TrainResult(run_dir=run_dir, steps=t.max_steps, summary="\n".join(lines), final_loss=loss_value,
                        eval_before=eval_before, eval_after=eval_after, checkpoint=latest_checkpoint(run_dir),
-                       output=output)
+                       output=output, quantized=quantized)
 
 
 # -- the pieces the loop reads as one line each ------------------------------------------------
@@ -268,13 +276,14 @@ def _examples(path: str, recipe: Recipe, tokenizer) -> tuple[list, object]:
 
 
 def _trainable_state(model: torch.nn.Module, recipe: Recipe) -> dict[str, torch.Tensor]:
-    """What a checkpoint keeps: the adapters in a LoRA run, every weight otherwise."""
+    """What a checkpoint keeps: the adapters in a LoRA run, every weight otherwise; and QAT's quantizer state."""
     if recipe.lora is not None:
-        return lora_state_dict(model)
-    return {n: p for n, p in model.named_parameters()}
+        return {**lora_state_dict(model), **qat_state_dict(model)}
+    return {**dict(model.named_parameters()), **qat_state_dict(model)}
 
 
 def _load_trainable_state(model: torch.nn.Module, recipe: Recipe, state: dict[str, torch.Tensor], source: str) -> None:
+    state = load_qat_state_dict(model, state, source)  # takes the quantizer state, leaves the rest
     if recipe.lora is not None:
         load_lora_state_dict(model, state, source=source)
         return
@@ -294,7 +303,8 @@ def _save_result(model, tokenizer, recipe: Recipe, run_dir: Path) -> Path:
         save_adapter(model, out, config, base_model_name_or_path=str(recipe.model.path))
         return out
     out = run_dir / "model"
-    save_hf(model, out)
+    with master_weights(model):  # QAT: the full-precision weights it trained, as a plain model folder
+        save_hf(model, out)
     tokenizer.save(out)
     return out
 
