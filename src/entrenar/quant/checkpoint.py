@@ -25,9 +25,9 @@ activation quantization only); NF4 layers ``L.weight_codes``,
 ``L.weight_absmax_offset`` (see :mod:`entrenar.quant.nf4`); ``L.bias`` if any.
 Everything else (embeddings, norms, the output head) is stored as usual.
 
-``quant_method: "entrenar"`` is deliberately not a transformers method, so
-transformers refuses the folder instead of misreading the codes as weights.
-Loading checks every tensor's name, shape, dtype and range against the
+``quant_method: "entrenar"`` is not a transformers method: transformers 5
+loads such a folder with the quantized layers freshly initialised (and says
+so in its load report), so read it with ``entrenar.load``. Loading checks every tensor's name, shape, dtype and range against the
 config, so a truncated or edited file is a :class:`QuantError` naming the
 tensor and file, never a model that computes garbage.
 """
