@@ -35,10 +35,8 @@ class _LoraLinearFunction(torch.autograd.Function):
         a, b = lora_a.to(compute_dtype), lora_b.to(compute_dtype)
         xa = x2.to(compute_dtype) @ a.T  # [N, r]
         base = F.linear(x2, weight, bias)
-        if base.dtype == compute_dtype:  # adapter math in the base's dtype: add into the base output in place
-            out = base.addmm_(xa, b.T, alpha=scaling)
-        else:  # the plain path's: sum in the adapter dtype, then round once
-            out = torch.addmm(base.to(compute_dtype), xa, b.T, alpha=scaling).to(base.dtype)
+        # Out of place on purpose: under torch.compile an in-place addmm_ becomes addmm plus a copy.
+        out = torch.addmm(base.to(compute_dtype), xa, b.T, alpha=scaling).to(base.dtype)
         ctx.save_for_backward(x, xa, weight, lora_a, lora_b)
         ctx.scaling, ctx.compute_dtype, ctx.has_bias = scaling, compute_dtype, bias is not None
         return out.view(*x.shape[:-1], out.shape[-1])
@@ -56,9 +54,9 @@ class _LoraLinearFunction(torch.autograd.Function):
         if need_x:
             dx = g @ weight
             if dx.dtype == cd:
-                dx.addmm_(grad_xa, lora_a.to(cd))
+                dx = torch.addmm(dx, grad_xa, lora_a.to(cd))
             else:
-                dx += (grad_xa @ lora_a).to(dx.dtype)
+                dx = dx + (grad_xa @ lora_a).to(dx.dtype)
             dx = dx.view(x.shape)
         if need_w:
             dw = (g.T @ x2).to(weight.dtype)
@@ -84,9 +82,9 @@ def lora_linear(
 
     The adapter products run in ``compute_dtype``: by default the adapters'
     own dtype (fp32 on a bf16 base: the plain path's numerics). Passing the
-    base dtype (bf16) runs them on the tensor cores and adds into the base
-    output in place: faster, but the adapter path and the adapter gradients
-    are then rounded to bf16 (the weights and optimizer stay fp32).
+    base dtype (bf16) runs them on the tensor cores with no fp32 copies of
+    activations: faster, but the adapter path and the adapter gradients are
+    then rounded to bf16 (the adapter weights and optimizer stay fp32).
     """
     return _LoraLinearFunction.apply(x, weight, bias, lora_a, lora_b, float(scaling), compute_dtype or lora_a.dtype)
 
