@@ -1,0 +1,106 @@
+"""``entrenar quantize`` end to end on a tiny model: the table, the perplexity change, a folder that loads back;
+bad settings are one-line errors naming the layer."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from cli_helpers import build_chat_model, run_cli
+
+import entrenar
+from entrenar.quant.int import QuantLinear
+from entrenar.quant.nf4 import NF4Linear
+
+LINEARS = [f"model.layers.{i}.{p}" for i in range(2) for p in (
+    "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+    "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")]
+ROW = re.compile(r"^(\S+)\s+(\d\.\d{3}e[-+]\d\d)\s+(\d\.\d{3}e[-+]\d\d)$")
+
+
+@pytest.fixture
+def model(hf_folder) -> Path:
+    return build_chat_model(hf_folder)
+
+
+@pytest.fixture
+def data(tmp_path) -> Path:
+    path = tmp_path / "valid.jsonl"
+    path.write_text("".join(json.dumps({"text": "The quick brown fox jumps over the lazy dog."}) + "\n"
+                            for _ in range(6)))
+    return path
+
+
+def test_quantize_prints_the_table_and_perplexity_and_writes_a_loadable_folder(capsys, model, data, tmp_path):
+    out_dir = tmp_path / "int4"
+    code, out, err = run_cli(capsys, "quantize", model, "--method", "int4", "--group-size", 32, "--asymmetric",
+                             "--data", data, "--seq-len", 64, "--device", "cpu", "--output", out_dir)
+    assert (code, err) == (0, "")
+    lines = out.splitlines()
+    assert lines[0].split() == ["layer", "rel.", "Frobenius", "max", "abs"]
+    rows = [ROW.match(line) for line in lines[1:15]]
+    assert [r.group(1) for r in rows] == LINEARS  # every linear layer, the output head left out
+
+    loaded, _ = entrenar.load(out_dir, device="cpu")
+    original, _ = entrenar.load(model, device="cpu")
+    for r in rows:  # the table shows the error of the weights that were written
+        w, w_q = original.get_submodule(r.group(1)).weight, loaded.get_submodule(r.group(1)).weight
+        assert float(r.group(2)) == pytest.approx(((w - w_q).norm() / w.norm()).item(), rel=1e-3)
+        assert float(r.group(3)) == pytest.approx((w - w_q).abs().max().item(), rel=1e-3)
+        assert isinstance(loaded.get_submodule(r.group(1)), QuantLinear)
+
+    assert lines[15].startswith("14 layers: mean relative error ")
+    ppl = re.fullmatch(r"perplexity (\S+) -> (\S+) \(([-+]\S+), ([-+]\S+)%\); loss (\S+) -> (\S+) \((\d+) tokens\)",
+                       lines[16])
+    before, after, change = float(ppl.group(1)), float(ppl.group(2)), float(ppl.group(3))
+    assert change == pytest.approx(after - before, abs=2e-3) and before != after
+    assert lines[17].startswith(f"wrote {out_dir} (int4, group 32, asymmetric; quantized weights ")
+    assert len(lines) == 18
+
+    ids = torch.tensor([[1, 5, 9, 2]])
+    assert not torch.equal(loaded(ids), original(ids))  # it is quantized, and only a little off
+    torch.testing.assert_close(loaded(ids), original(ids), atol=0.1, rtol=0)
+
+
+def test_nf4_without_data_has_no_perplexity_line(capsys, model, tmp_path):
+    code, out, err = run_cli(capsys, "quantize", model, "--method", "nf4", "--output", tmp_path / "nf4",
+                             "--device", "cpu")
+    assert (code, err) == (0, "")
+    assert "perplexity" not in out and out.splitlines()[-1].startswith(f"wrote {tmp_path / 'nf4'} (nf4, group size 64")
+    loaded, _ = entrenar.load(tmp_path / "nf4", device="cpu")
+    assert isinstance(loaded.get_submodule(LINEARS[0]), NF4Linear)
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--method", "int4", "--group-size", "48"],
+         "error: model.layers.0.self_attn.q_proj.weight: group_size 48 does not divide in_features 64\n"),
+        (["--method", "int9"],
+         "error: int9: unsupported bit width 9; integer quantization supports 2 to 8 bits\n"),
+        (["--method", "nf4", "--calibration", "percentile"],
+         "error: nf4 scales each block by its absolute maximum; asymmetric and percentile calibration apply to "
+         "integer methods (int8, int4)\n"),
+    ],
+)
+def test_bad_settings_are_one_line_errors(capsys, model, tmp_path, args, message):
+    code, out, err = run_cli(capsys, "quantize", model, *args, "--output", tmp_path / "q", "--device", "cpu")
+    assert (code, out, err) == (2, "", message)
+    assert not (tmp_path / "q").exists()
+
+
+def test_the_input_is_never_the_output(capsys, model):
+    files = {p.name: p.read_bytes() for p in model.iterdir()}
+    code, out, err = run_cli(capsys, "quantize", model, "--method", "int8", "--output", model)
+    assert code == 2 and "the output is the input model" in err
+    assert {p.name: p.read_bytes() for p in model.iterdir()} == files
+
+
+def test_method_and_output_are_required(capsys, model):
+    code, _, err = run_cli(capsys, "quantize", model, "--output", "x")
+    assert code == 2 and "--method" in err
+    code, _, err = run_cli(capsys, "quantize", model, "--method", "int8")
+    assert code == 2 and "--output" in err
