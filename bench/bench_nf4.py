@@ -40,7 +40,7 @@ from entrenar.quant.nf4 import NF4Tensor, dequantize_nf4_reference, quantize_nf4
 SHAPE = (14336, 4096)
 N_WEIGHTS = 3  # rotated between calls so codes come from DRAM, not L2 (3 x 29 MB > 60 MB L2)
 CALLS_PER_GRAPH = 30
-SWEEP = [(2048, 4), (4096, 4), (4096, 8), (8192, 8), (16384, 8), (16384, 16)]  # (bytes per program, warps)
+SWEEP = [(2048, 4), (4096, 4), (4096, 8), (8192, 4), (8192, 8), (16384, 8)]  # (bytes per program, warps)
 
 
 def median_ms(fn: Callable[[], object], reps: int = 20, warmup: int = 3) -> float:

@@ -18,19 +18,21 @@ Rows (``--rows``):
   entrenar-lora           the same on a bf16 base
   hf-qlora                transformers + PEFT + bitsandbytes: ``bnb.nn.Linear4bit`` (NF4, double quantization,
                           bf16 compute) on the same weights, HF's gradient checkpointing, HF's loss
-  entrenar-qlora-chunked  NF4 base, ``chunked_cross_entropy`` (1024-token chunks): no full logits
+  entrenar-qlora-fused    entrenar-qlora with each LoRA layer and its NF4 base as one node
+                          (``entrenar.kernels.nf4.FusedNF4LoraLinear``, adapter products in bf16, as under autocast)
+  entrenar-qlora-fast     that, plus ``apply_kernels`` RMSNorm, RoPE and SwiGLU and the fused linear
+                          cross-entropy (1024-token chunks), no autocast
+  entrenar-lora-fast      the same on a bf16 base (its LoRA layers: ``FusedLoraLinear``, adapter products in bf16)
+  entrenar-qlora-chunked  entrenar-qlora with ``chunked_cross_entropy`` (1024-token chunks): no full logits
   entrenar-lora-chunked   the same on a bf16 base
-  entrenar-qlora-kernels  NF4 base with ``apply_kernels`` (RMSNorm, RoPE, SwiGLU) and the fused linear cross-entropy,
-                          no autocast (fp32 adapter products, as PEFT)
-  entrenar-lora-kernels   the same on a bf16 base (also the fused LoRA+base layer)
   entrenar-qlora-torchdq  entrenar-qlora with the PyTorch reference dequantization instead of the kernel
 
 Reported per row: tokens/s from the median step time after warm-up (CUDA
 events around forward, backward and optimizer step), peak GPU memory
 (``torch.cuda.max_memory_allocated`` over the training steps, less what was
 allocated before the row began), the memory held after building (weights and
-adapters), the loss of each step, and for NF4 rows one profiled step's GPU
-time split into dequantization, matrix products, attention and the rest.
+adapters), the loss of each step, and one profiled step's GPU time split into
+dequantization, matrix products, attention and the rest.
 ``estimate_training_memory`` is printed beside the measured peak.
 """
 
@@ -55,7 +57,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from entrenar.lora import LoraConfig, apply_lora
+from entrenar.kernels.nf4 import FusedNF4LoraLinear
+from entrenar.lora import LoraConfig, LoraLinear, apply_lora
 from entrenar.memory import GiB, estimate_training_memory
 from entrenar.models.config import ModelConfig
 from entrenar.models.hf import empty_model
@@ -74,23 +77,28 @@ CONFIG = ModelConfig(vocab_size=128256, hidden_size=4096, intermediate_size=1433
 class Row:
     base: str  # "nf4" or "bf16" (entrenar), "hf" (transformers + PEFT + bitsandbytes)
     loss: str = "logits"  # "logits" (as entrenar train), "chunked", "fused", "hf"
-    kernels: bool = False
+    fused_lora: bool = False  # LoRA + base as one node, adapter products in bf16 (FusedNF4LoraLinear / FusedLoraLinear)
+    kernels: tuple[str, ...] = ()  # of entrenar.kernels.apply_kernels: rms_norm, rope, swiglu
     autocast: bool = True  # bf16 autocast, as entrenar train runs (the fp32 adapters' products then run in bf16)
     torch_dequant: bool = False
+    lora_row: str | None = None  # the 16-bit LoRA row this QLoRA row is compared with
     steps: int = 10
     warmup: int = 3
 
 
+FAST = ("rms_norm", "rope", "swiglu")
 ROWS: dict[str, Row] = {
-    "entrenar-qlora": Row("nf4"),
+    "entrenar-qlora": Row("nf4", lora_row="entrenar-lora"),
     "entrenar-lora": Row("bf16"),
     "hf-qlora": Row("hf", loss="hf"),
-    "entrenar-qlora-chunked": Row("nf4", loss="chunked"),
+    "entrenar-qlora-fused": Row("nf4", fused_lora=True, lora_row="entrenar-lora"),
+    # Without autocast, as bench_train.py runs the kernels; every dtype is explicit there.
+    "entrenar-qlora-fast": Row("nf4", loss="fused", fused_lora=True, kernels=FAST, autocast=False,
+                               lora_row="entrenar-lora-fast"),
+    "entrenar-lora-fast": Row("bf16", loss="fused", fused_lora=True, kernels=FAST, autocast=False),
+    "entrenar-qlora-chunked": Row("nf4", loss="chunked", lora_row="entrenar-lora-chunked"),
     "entrenar-lora-chunked": Row("bf16", loss="chunked"),
-    # Without autocast, as bench_train.py runs the kernels (the fused LoRA layer's backward mixes dtypes under it).
-    "entrenar-qlora-kernels": Row("nf4", loss="fused", kernels=True, autocast=False),
-    "entrenar-lora-kernels": Row("bf16", loss="fused", kernels=True, autocast=False),
-    "entrenar-qlora-torchdq": Row("nf4", torch_dequant=True, steps=5, warmup=2),
+    "entrenar-qlora-torchdq": Row("nf4", torch_dequant=True, steps=5, warmup=2, lora_row="entrenar-lora"),
 }
 
 
@@ -142,10 +150,17 @@ def build_entrenar(row: Row) -> nn.Module:
             layer.load_full_weight(random_weight(f"{name}.weight", (layer.out_features, layer.in_features)))
     apply_lora(model, LoraConfig(r=LORA_R, alpha=LORA_ALPHA, dropout=0.0))
     model.set_activation_checkpointing(True)
-    if row.kernels:
+    fused_16bit = row.fused_lora and row.base == "bf16"
+    if row.kernels or fused_16bit:
         from entrenar.kernels import apply_kernels
 
-        apply_kernels(model)
+        apply_kernels(model, [*row.kernels, *(["lora"] if fused_16bit else [])],
+                      lora_compute_dtype=torch.bfloat16 if fused_16bit else None)
+    if row.fused_lora and row.base == "nf4":
+        for module in model.modules():
+            if type(module) is LoraLinear and isinstance(module.base_layer, NF4Linear):
+                module.__class__ = FusedNF4LoraLinear
+                module.lora_compute_dtype = torch.bfloat16
     return model.train()
 
 
@@ -224,8 +239,9 @@ def _free() -> None:
     torch.cuda.empty_cache()
 
 
-KERNEL_KINDS = (("dequantize", ("dequant",)), ("matmul", ("gemm", "xmma", "cutlass", "nvjet", "sm90_", "cublas")),
-                ("attention", ("flash", "fmha", "attention", "sdpa")))
+# First match wins: attention kernels' names also hold "sm90" and "gemm"-like words.
+KERNEL_KINDS = (("dequantize", ("dequant",)), ("attention", ("flash", "fmha", "attention", "sdpa")),
+                ("matmul", ("gemm", "xmma", "cutlass", "nvjet", "sm90_", "cublas")))
 
 
 def profile_step(model: nn.Module, ids: torch.Tensor, step: Callable, opt: torch.optim.Optimizer) -> dict:
@@ -313,11 +329,11 @@ def print_report(results: list[Result], est: dict) -> None:
         if r.status != "ok":
             print(f"{r.row:<24}  {r.status}: {(r.error or '')[:150]}")
             continue
-        same_loss = ok.get(r.row.replace("qlora", "lora").replace("-torchdq", "")) if "qlora" in r.row else None
+        lora = ok.get(ROWS[r.row].lora_row or "")
         cells = [f"{r.tokens_per_s:8.0f}", f"{r.step_ms_median:9.1f}", f"{r.peak_gib:9.2f}", f"{r.resident_gib:9.2f}",
                  f"{r.tokens_per_s / hf.tokens_per_s:6.2f}" if hf else f"{'-':>6}",
-                 f"{r.tokens_per_s / same_loss.tokens_per_s:7.2f}" if same_loss and r.row != "hf-qlora"
-                 else f"{'-':>7}", f"{r.losses[0]:8.4f}", f"{r.losses[-1]:8.4f}"]
+                 f"{r.tokens_per_s / lora.tokens_per_s:7.2f}" if lora else f"{'-':>7}",
+                 f"{r.losses[0]:8.4f}", f"{r.losses[-1]:8.4f}"]
         print(f"{r.row:<24}" + "".join(cells))
     print("\n('/ lora': tokens/s over the entrenar 16-bit LoRA row with the same loss and kernels)")
     for method, row in (("qlora", "entrenar-qlora"), ("lora", "entrenar-lora")):
@@ -376,7 +392,7 @@ def main(argv: list[str] | None = None) -> None:
         try:
             row = ROWS[name]
             with reference_dequantization(row.torch_dequant):
-                results.append(run_row(name, row, batches, profile=not args.no_profile and row.base != "bf16"))
+                results.append(run_row(name, row, batches, profile=not args.no_profile))
         except Exception as err:  # a failed row is reported and the others still run
             results.append(Result(name, status="failed", error=f"{type(err).__name__}: {err}"[:2000]))
         _free()

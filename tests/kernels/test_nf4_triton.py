@@ -1,12 +1,14 @@
-"""The Triton NF4 dequantization kernel against its specification, bit for bit."""
+"""NF4 on the GPU: the Triton dequantization kernel bit for bit, the fused QLoRA layer against the plain one."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from kernel_checks import DEVICE, needs_cuda, needs_kernels
+from kernel_checks import DEVICE, needs_cuda, needs_kernels, rel_err
 
 from entrenar.kernels import nf4 as nf4_kernel
+from entrenar.kernels.nf4 import FusedNF4LoraLinear, nf4_lora_linear
+from entrenar.lora import LoraLinear
 from entrenar.quant.nf4 import NF4Linear, NF4Tensor, dequantize_nf4, dequantize_nf4_reference, quantize_nf4
 
 _BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
@@ -86,3 +88,87 @@ def test_cpu_tensors_take_the_reference_path(monkeypatch):
     monkeypatch.setattr(nf4_kernel, "dequantize_nf4_triton", refuse)
     q = quantize_nf4(_weight((16, 40), seed=3))
     assert_same_bits(dequantize_nf4(q, torch.bfloat16), dequantize_nf4_reference(q, torch.bfloat16), "CPU path")
+
+
+# ---------------------------------------------------------------- the fused QLoRA layer
+
+
+def _qlora_layer(bias: bool, dtype: torch.dtype, seed: int = 0) -> LoraLinear:
+    torch.manual_seed(seed)
+    base = NF4Linear.from_linear(torch.nn.Linear(96, 80, bias=bias).to(dtype))
+    layer = LoraLinear(base, r=4, alpha=8.0)
+    torch.nn.init.normal_(layer.lora_B.weight, std=0.1)  # B = 0 would hide every adapter gradient but dB
+    if bias:
+        base.bias.requires_grad_(True)
+    return layer
+
+
+def _grads(layer: LoraLinear, out: torch.Tensor, x: torch.Tensor, dy: torch.Tensor) -> list[torch.Tensor]:
+    inputs = [x, layer.lora_A.weight, layer.lora_B.weight]
+    if layer.base_layer.bias is not None:
+        inputs.append(layer.base_layer.bias)
+    return list(torch.autograd.grad(out, inputs, dy))
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_fused_qlora_layer_equals_the_plain_one_in_fp32(bias):
+    layer = _qlora_layer(bias, torch.float32)
+    x = torch.randn(2, 5, 96, requires_grad=True)
+    dy = torch.randn(2, 5, 80)
+    plain = layer(x)
+    fused = nf4_lora_linear(x, layer.base_layer.quantized, layer.base_layer.bias, layer.lora_A.weight,
+                            layer.lora_B.weight, layer.scaling)
+    torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-6)
+    for name, a, b in zip(("dx", "dA", "dB", "dbias"), _grads(layer, fused, x, dy), _grads(layer, plain, x, dy),
+                          strict=False):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_fused_qlora_layer_in_bf16_is_as_close_to_float64_as_the_plain_layer_under_autocast():
+    layer = _qlora_layer(False, torch.bfloat16, seed=1)
+    x0, dy0 = torch.randn(4, 96), torch.randn(4, 80)
+    q = layer.base_layer.quantized
+    w = dequantize_nf4_reference(q, torch.float64)
+    a64, b64 = layer.lora_A.weight.double(), layer.lora_B.weight.double()
+    exact = x0.double() @ w.T + layer.scaling * (x0.double() @ a64.T) @ b64.T
+    x = x0.to(torch.bfloat16).requires_grad_(True)
+    fused = nf4_lora_linear(x, q, None, layer.lora_A.weight, layer.lora_B.weight, layer.scaling, torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        plain = layer(x)
+    assert fused.dtype == plain.dtype == torch.bfloat16
+    assert rel_err(fused, exact) <= 1.5 * rel_err(plain, exact) + 1e-3
+    dx, da, db = torch.autograd.grad(fused, (x, layer.lora_A.weight, layer.lora_B.weight), dy0.to(torch.bfloat16))
+    assert (dx.dtype, da.dtype, db.dtype) == (torch.bfloat16, torch.float32, torch.float32)
+    dy = dy0.double()
+    assert rel_err(dx, dy @ w + layer.scaling * (dy @ b64) @ a64) < 1e-2
+    assert rel_err(da, layer.scaling * (dy @ b64).T @ x0.double()) < 1e-2
+    assert rel_err(db, layer.scaling * dy.T @ (x0.double() @ a64.T)) < 1e-2
+
+
+def test_fused_qlora_layer_saves_no_weight_sized_tensor_and_runs_under_autocast():
+    layer = _qlora_layer(False, torch.bfloat16)
+    saved: list[int] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.append(t.numel())
+        return t
+
+    x = torch.randn(3, 96, dtype=torch.bfloat16, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", dtype=torch.bfloat16):
+        y = nf4_lora_linear(x, layer.base_layer.quantized, None, layer.lora_A.weight, layer.lora_B.weight,
+                            layer.scaling)
+    assert max(saved) < 80 * 96, saved
+    y.sum().backward()
+    assert layer.lora_A.weight.grad is not None and layer.lora_A.weight.grad.dtype == torch.float32
+
+
+def test_fused_module_is_a_class_swap_with_the_same_state_and_output():
+    layer = _qlora_layer(True, torch.float32)
+    x = torch.randn(2, 96)
+    plain = layer(x)
+    state = {k: v.clone() for k, v in layer.state_dict().items()}
+    layer.__class__ = FusedNF4LoraLinear
+    torch.testing.assert_close(layer(x), plain, rtol=1e-5, atol=1e-6)
+    assert layer.state_dict().keys() == state.keys()
+    layer.merge()  # merged: the plain forward, on the dequantized-and-merged base
+    torch.testing.assert_close(layer(x), plain, rtol=1e-5, atol=1e-5)
