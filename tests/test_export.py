@@ -164,7 +164,7 @@ def test_merged_folder_loads_in_transformers_with_the_same_logits_and_ids(tmp_pa
     assert (generation.eos_token_id, generation.temperature, generation.top_p) == ([1, 3], 0.6, 0.9)
     assert json.loads((out / "tokenizer_config.json").read_text())["chat_template"] == CHATML
     assert json.loads((out / "config.json").read_text())["dtype"] == "float32"
-    model, tokenizer = entrenar.load(out)
+    model, tokenizer = entrenar.load(out, device="cpu")
     assert tokenizer.eos_ids == [1, 3] and tokenizer.chat_template == CHATML
 
 
@@ -192,7 +192,7 @@ def test_merged_gguf_runs_like_the_merged_model(base, adapter, tmp_path, qtype, 
     reader = gguf.GGUFReader(gguf_path)
     assert reader.fields["general.architecture"].contents() == "llama"
     assert reader.fields["tokenizer.chat_template"].contents() == CHATML
-    model, tokenizer = entrenar.load(gguf_path)
+    model, tokenizer = entrenar.load(gguf_path, device="cpu")
     with torch.no_grad():
         torch.testing.assert_close(model(ids()), transformers_logits(out), atol=atol, rtol=0)
     assert [tokenizer.encode(t) for t in TEXTS] == [chat_tokenizer().encode(t) for t in TEXTS]
@@ -210,7 +210,7 @@ def test_output_ending_in_gguf_writes_only_that_file(base, adapter, tmp_path):
 
 
 def test_gguf_base_is_dequantized_then_merged(base, adapter, tmp_path):
-    model, tokenizer = entrenar.load(base)
+    model, tokenizer = entrenar.load(base, device="cpu")
     for qtype, dtype in (("f32", "float32"), ("q8_0", "float16")):
         gguf_base = write_gguf(model, tokenizer, tmp_path / f"base-{qtype}.gguf", qtype)
         out = tmp_path / f"merged-{qtype}"

@@ -104,7 +104,7 @@ def test_f32_file_gives_back_the_exact_weights_config_and_logits(write_family, f
     assert {f: getattr(ours, f) for f in CONFIG_FIELDS} == {f: getattr(theirs, f) for f in CONFIG_FIELDS}
     assert g.hf_config["bos_token_id"] == 1 and g.hf_config["eos_token_id"] == 2
 
-    model, _ = entrenar.load(path)
+    model, _ = entrenar.load(path, device="cpu")
     ids = torch.randint(0, ref.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(model(ids), ref(ids).logits, atol=1e-5, rtol=0)

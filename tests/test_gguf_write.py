@@ -88,7 +88,7 @@ def test_f16_file_reads_back_as_written(native, tmp_path, family):
 
     ours = ModelConfig.from_hf(g.hf_config)
     assert {f: getattr(ours, f) for f in CONFIG_FIELDS} == {f: getattr(model.config, f) for f in CONFIG_FIELDS}
-    loaded, _ = entrenar.load(path)
+    loaded, _ = entrenar.load(path, device="cpu")
     torch.testing.assert_close(logits(loaded), logits(model), atol=1e-2, rtol=0)
 
 
@@ -187,7 +187,7 @@ def test_block_quantized_file(native, tmp_path, qtype, kind, ours, our_inverse):
         assert torch.equal(g.tensor(name), roundtrip[name]), name
 
     # The file runs as the model with its weights replaced by their quantized values.
-    loaded, _ = entrenar.load(path)
+    loaded, _ = entrenar.load(path, device="cpu")
     with torch.no_grad():
         for name, w in roundtrip.items():
             model.get_parameter(name).copy_(w)
@@ -196,7 +196,7 @@ def test_block_quantized_file(native, tmp_path, qtype, kind, ours, our_inverse):
 
 def test_q8_0_logits_stay_close_to_the_float_model(native, tmp_path):
     model, tok = native("qwen2")
-    loaded, _ = entrenar.load(write_gguf(model, tok, tmp_path / "m.gguf", "q8_0"))
+    loaded, _ = entrenar.load(write_gguf(model, tok, tmp_path / "m.gguf", "q8_0"), device="cpu")
     torch.testing.assert_close(logits(loaded), logits(model), atol=5e-2, rtol=0)
 
 
@@ -247,7 +247,9 @@ def test_transformers_loads_the_f16_file(native, tmp_path):
             torch.testing.assert_close(theirs(ids).logits, logits_of(model, ids), atol=1e-2, rtol=0)
         their_tok = AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
         for text in SAMPLE_TEXTS[:4]:
-            assert their_tok(text)["input_ids"] == tok.encode(text), text
+            # Whether transformers' GGUF tokenizer adds BOS changed between releases; compare the text's own ids.
+            theirs_ids = their_tok(text, add_special_tokens=False)["input_ids"]
+            assert theirs_ids == tok.encode(text, add_special_tokens=False), text
 
 
 def logits_of(model, ids):
