@@ -81,6 +81,10 @@ def test_nf4_without_data_has_no_perplexity_line(capsys, model, tmp_path):
          "error: model.layers.0.self_attn.q_proj.weight: group_size 48 does not divide in_features 64\n"),
         (["--method", "int9"],
          "error: int9: unsupported bit width 9; integer quantization supports 2 to 8 bits\n"),
+        (["--method", "int8", "--percentile", "99"],
+         "error: percentile 99.0 is used only with calibration 'percentile', not 'minmax'\n"),
+        (["--method", "int8", "--calibration", "percentile", "--percentile", "150"],
+         "error: percentile must be in (0, 100], got 150.0\n"),
         (["--method", "nf4", "--calibration", "percentile"],
          "error: nf4 scales each block by its absolute maximum; asymmetric and percentile calibration apply to "
          "integer methods (int8, int4)\n"),

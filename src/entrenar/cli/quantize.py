@@ -28,7 +28,7 @@ def add_parser(commands: argparse._SubParsersAction, parents: list[argparse.Argu
                         help="integer methods: a zero point per group (default: symmetric around 0)")
     parser.add_argument("--calibration", choices=("minmax", "percentile"), default="minmax",
                         help="integer methods: scale from each group's range, or from a percentile of it")
-    parser.add_argument("--percentile", type=float, default=99.9, metavar="P",
+    parser.add_argument("--percentile", type=float, default=None, metavar="P",
                         help="with --calibration percentile: the percentile in (0, 100] (default 99.9)")
     parser.add_argument("--data", metavar="FILE", help="measure perplexity on this data file before and after")
     parser.add_argument("--seq-len", type=positive_int, default=512, metavar="T",

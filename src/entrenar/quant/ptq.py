@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from entrenar.evaluate import EvalResult
 
 NF4_BLOCKSIZE = 64  # bitsandbytes' (and QLoRA's) default
+DEFAULT_PERCENTILE = 99.9
 
 
 @dataclass
@@ -59,27 +60,42 @@ def parse_method(method: str) -> tuple[str, int]:
     return "int", bits
 
 
+def check_options(
+    method: str, symmetric: bool, calibration: Calibration, percentile: float | None
+) -> tuple[str, int, float]:
+    """(kind, bits, percentile) of settings that go together; raises before any weight is read."""
+    kind, bits = parse_method(method)
+    if calibration not in ("minmax", "percentile"):
+        raise QuantError(f"calibration must be 'minmax' or 'percentile', got {calibration!r}")
+    if percentile is not None and calibration != "percentile":
+        raise QuantError(f"percentile {percentile} is used only with calibration 'percentile', not {calibration!r}")
+    if percentile is not None and not 0 < percentile <= 100:
+        raise QuantError(f"percentile must be in (0, 100], got {percentile}")
+    if kind == "nf4" and (not symmetric or calibration != "minmax"):
+        raise QuantError("nf4 scales each block by its absolute maximum; asymmetric and percentile calibration "
+                         "apply to integer methods (int8, int4)")
+    return kind, bits, DEFAULT_PERCENTILE if percentile is None else percentile
+
+
 def quantize_model(
     model: nn.Module,
     method: str,
     group_size: int | None = None,
     symmetric: bool = True,
     calibration: Calibration = "minmax",
-    percentile: float = 99.9,
+    percentile: float | None = None,
 ) -> tuple[list[LayerError], dict[str, Any]]:
     """Quantize every linear layer of ``model`` but the output head, in place.
 
     ``method`` is "nf4" or "int<bits>". ``group_size``: the NF4 block size
     (default 64), or the integer group size (default None: one scale per output
-    channel). Returns each layer's error and the provenance to store beside the
+    channel). ``percentile`` goes with ``calibration="percentile"`` (default
+    99.9). Returns each layer's error and the provenance to store beside the
     layout (:func:`~entrenar.quant.checkpoint.save_quantized`'s ``info``).
     Nothing is replaced unless every layer quantizes.
     """
-    kind, bits = parse_method(method)
+    kind, bits, percentile = check_options(method, symmetric, calibration, percentile)
     if kind == "nf4":
-        if not symmetric or calibration != "minmax":
-            raise QuantError("nf4 scales each block by its absolute maximum; asymmetric and percentile calibration "
-                             "apply to integer methods (int8, int4)")
         names = find_linears(model, ALL_LINEAR)
         originals = {name: model.get_submodule(name) for name in names}
         quantize_model_nf4(model, ALL_LINEAR, blocksize=group_size or NF4_BLOCKSIZE)
@@ -124,7 +140,7 @@ def quantize_pretrained(
     group_size: int | None = None,
     symmetric: bool = True,
     calibration: Calibration = "minmax",
-    percentile: float = 99.9,
+    percentile: float | None = None,
     data: str | Path | None = None,
     dtype: str | torch.dtype | None = None,
     device: str | torch.device | None = None,
@@ -141,7 +157,7 @@ def quantize_pretrained(
     from entrenar.quant.checkpoint import is_quantized_folder, quantization_config, save_quantized
 
     model_path, output = Path(model_path), Path(output)
-    parse_method(method)  # a bad method fails before the model is read
+    check_options(method, symmetric, calibration, percentile)  # bad settings fail before the model is read
     _check_paths(model_path, output)
     if is_quantized_folder(model_path):
         raise QuantError(f"{model_path}: the model is already quantized; quantize the full-precision model instead")
