@@ -54,14 +54,26 @@ def test_without_grad_only_the_loss_is_computed():
     torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-4)
 
 
-def test_cpu_fallback_is_the_chunked_specification(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
+@pytest.mark.parametrize("train_weight", [True, False], ids=["full", "frozen-head"])
+def test_cpu_path_matches_the_chunked_specification(monkeypatch, train_weight):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the PyTorch row pass, even where the interpreter is on
     torch.manual_seed(5)
     hidden, weight, labels = _problem("cpu", v=97)
-    h1, h2 = leaf(hidden), leaf(hidden)
-    loss, n = fused_linear_cross_entropy(h1, weight, labels, chunk_size=10)
-    ref, ref_n = chunked_cross_entropy(h2, weight, labels, chunk_size=10)
-    assert torch.equal(loss, ref) and torch.equal(n, ref_n)
-    torch.testing.assert_close(grads(loss, h1, None)[0], grads(ref, h2, None)[0], rtol=0, atol=0)
+    results = []
+    for fn in (fused_linear_cross_entropy, chunked_cross_entropy):
+        h, w = leaf(hidden), weight.detach().clone().requires_grad_(train_weight)
+        loss, n = fn(h, w, labels, chunk_size=10)
+        results.append((loss, n, grads(loss * 0.5, (h, w) if train_weight else (h,), None)))
+    (loss, n, g), (ref, ref_n, g_ref) = results
+    assert torch.equal(n, ref_n)
+    torch.testing.assert_close(loss, ref, rtol=1e-6, atol=1e-5)
+    for a, b in zip(g, g_ref):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_arguments_it_cannot_take_are_named_by_the_specification():
+    hidden, weight, labels = _problem("cpu", v=31)
     with pytest.raises(ValueError, match="chunk_size"):
         fused_linear_cross_entropy(hidden, weight, labels, chunk_size=0)
+    with pytest.raises(ValueError, match="lm_head_weight must be"):
+        fused_linear_cross_entropy(hidden, weight[:, :5], labels)

@@ -8,6 +8,7 @@ second pass, and two more matrix products turn that into the chunk's
 gradients of the hidden states and the weight. All of this happens in
 forward; backward only scales the stored gradients by the incoming scalar.
 
+Without Triton (CPU) the same loop runs with the row pass in PyTorch.
 The specification is :func:`entrenar.train.loss.chunked_cross_entropy`
 (itself checked against :func:`entrenar.train.loss.token_cross_entropy`):
 same contract, same rounding points (bf16 logits, fp32 softmax, bf16
@@ -66,37 +67,60 @@ def _kernels() -> SimpleNamespace:
     return SimpleNamespace(cross_entropy_rows=cross_entropy_rows)
 
 
+def _rows_triton(logits: torch.Tensor, targets: torch.Tensor, loss_rows: torch.Tensor, write_grad: bool) -> torch.Tensor:
+    """Per-row losses into ``loss_rows``; returns d loss / d logits, written over ``logits``."""
+    _kernels().cross_entropy_rows[(logits.shape[0],)](
+        logits, targets, loss_rows, logits.stride(0), logits.shape[1], IGNORE_INDEX,
+        BLOCK_V=_BLOCK_V, WRITE_GRAD=write_grad, num_warps=16,
+    )
+    return logits
+
+
+def _rows_torch(logits: torch.Tensor, targets: torch.Tensor, loss_rows: torch.Tensor, write_grad: bool) -> torch.Tensor:
+    """The same in PyTorch, for CPUs: one fused ``log_softmax`` pass where ``logsumexp`` takes several."""
+    valid = targets != IGNORE_INDEX
+    safe = torch.where(valid, targets, 0).unsqueeze(1)
+    log_probs = torch.log_softmax(logits.float(), dim=-1)
+    loss_rows.copy_(-log_probs.gather(1, safe).squeeze(1) * valid)
+    if not write_grad:
+        return logits
+    grad = log_probs.exp_()  # softmax, in the log-probabilities' memory
+    grad.scatter_add_(1, safe, torch.full_like(safe, -1, dtype=grad.dtype))
+    ignored = ~valid
+    if ignored.any():
+        grad[ignored] = 0.0
+    return grad.to(logits.dtype)
+
+
 def _loss_and_grads(
     hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_size: int, need_hidden: bool,
-    need_weight: bool,
+    need_weight: bool, rows=_rows_triton,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    n, vocab = hidden.shape[0], weight.shape[0]
-    write_grad = need_hidden or need_weight
+    n = hidden.shape[0]
     loss_rows = torch.empty(n, dtype=torch.float32, device=hidden.device)
     grad_hidden = torch.empty_like(hidden) if need_hidden else None
     grad_weight = None
-    kernel = _kernels().cross_entropy_rows
     for start in range(0, n, chunk_size):
         h = hidden[start : start + chunk_size]
-        logits = h @ weight.T  # [chunk, V] in the model dtype; becomes d loss / d logits in place
-        kernel[(h.shape[0],)](
-            logits, targets[start : start + chunk_size], loss_rows[start : start + chunk_size], logits.stride(0),
-            vocab, IGNORE_INDEX, BLOCK_V=_BLOCK_V, WRITE_GRAD=write_grad, num_warps=16,
+        logits = h @ weight.T  # [chunk, V] in the model dtype
+        grad_logits = rows(
+            logits, targets[start : start + chunk_size], loss_rows[start : start + chunk_size],
+            need_hidden or need_weight,
         )
         if grad_hidden is not None:
-            torch.mm(logits, weight, out=grad_hidden[start : start + chunk_size])
+            torch.mm(grad_logits, weight, out=grad_hidden[start : start + chunk_size])
         if need_weight:
             # fp32 accumulation across chunks, as the specification does.
-            chunk_grad = logits.T @ h
+            chunk_grad = grad_logits.T @ h
             grad_weight = chunk_grad.float() if grad_weight is None else grad_weight.add_(chunk_grad)
     return loss_rows.sum(), grad_hidden, grad_weight
 
 
 class _FusedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_size: int):
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_size: int, rows):
         loss_sum, grad_hidden, grad_weight = _loss_and_grads(
-            hidden, weight, targets, chunk_size, ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+            hidden, weight, targets, chunk_size, ctx.needs_input_grad[0], ctx.needs_input_grad[1], rows
         )
         ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.weight_dtype = weight.dtype
@@ -109,18 +133,18 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             grad_hidden = grad_hidden * grad_output.to(grad_hidden.dtype)
         if grad_weight is not None:
             grad_weight = (grad_weight * grad_output).to(ctx.weight_dtype)
-        return grad_hidden, grad_weight, None, None
+        return grad_hidden, grad_weight, None, None, None
 
 
 @torch.compiler.disable  # a Python loop over chunks with in-place kernels: runs eagerly inside a compiled step
-def _fused(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int):
+def _fused(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int, rows):
     # Shift by giving the last position of each row the ignored target: no copy of the hidden states.
     targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX).reshape(-1)
     flat = hidden.reshape(-1, hidden.shape[-1])
     n_tokens = (targets != IGNORE_INDEX).sum()
     if torch.is_grad_enabled() and (flat.requires_grad or weight.requires_grad):
-        return _FusedLinearCrossEntropy.apply(flat, weight, targets, chunk_size), n_tokens
-    loss_sum, _, _ = _loss_and_grads(flat, weight, targets, chunk_size, False, False)
+        return _FusedLinearCrossEntropy.apply(flat, weight, targets, chunk_size, rows), n_tokens
+    loss_sum, _, _ = _loss_and_grads(flat, weight, targets, chunk_size, False, False, rows)
     return loss_sum, n_tokens
 
 
@@ -131,15 +155,18 @@ def fused_linear_cross_entropy(
 
     ``hidden`` [B, T, H], ``lm_head_weight`` [V, H], ``labels`` [B, T] unshifted
     with -100 for no loss. Memory holds one [chunk_size, V] block of logits
-    in the model dtype. Where Triton cannot run (CPU, mixed dtypes) this is
-    :func:`entrenar.train.loss.chunked_cross_entropy`, which also checks the arguments.
+    in the model dtype. On the GPU each chunk's softmax runs in the Triton
+    kernel; elsewhere in one ``log_softmax`` pass. Arguments the fused path
+    does not take (mixed dtypes, wrong shapes) go to
+    :func:`entrenar.train.loss.chunked_cross_entropy`, which computes the same
+    or names the problem.
     """
     ok = (
-        use_triton(hidden, lm_head_weight)
-        and hidden.ndim == 3 and labels.shape == hidden.shape[:2] and lm_head_weight.ndim == 2
+        hidden.ndim == 3 and labels.shape == hidden.shape[:2] and lm_head_weight.ndim == 2
         and lm_head_weight.shape[1] == hidden.shape[-1] and hidden.dtype == lm_head_weight.dtype
         and isinstance(chunk_size, int) and not isinstance(chunk_size, bool) and chunk_size > 0
     )
     if not ok:
         return chunked_cross_entropy(hidden, lm_head_weight, labels, chunk_size)
-    return _fused(hidden, lm_head_weight, labels, chunk_size)
+    rows = _rows_triton if use_triton(hidden, lm_head_weight) else _rows_torch
+    return _fused(hidden, lm_head_weight, labels, chunk_size, rows)
