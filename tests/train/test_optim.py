@@ -200,3 +200,13 @@ def test_schedule_errors(kwargs: dict, match: str) -> None:
     args = {"step": 0, "base_lr": 1.0, "warmup_steps": 2, "max_steps": 10} | kwargs
     with pytest.raises(ConfigError, match=match):
         lr_at(**args)
+
+
+def test_qat_step_sizes_are_never_decayed():
+    from entrenar.quant.qat import QATConfig, prepare_qat
+
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
+    prepare_qat(model, QATConfig(bits=4, backward="lsq", target_modules=["0", "1"]))
+    groups = build_param_groups(model, weight_decay=0.1)
+    decayed = {n for g in groups if g["weight_decay"] > 0 for n in g["names"]}
+    assert decayed == {"0.weight", "1.weight"}

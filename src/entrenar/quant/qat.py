@@ -183,6 +183,7 @@ class FakeQuantLinear(nn.Module):
             self.scale_shape = (self.out_features, self.in_features // cfg.group_size)
         qmax = qrange(cfg.bits, True)[1]
         self.weight_grad_scale = 1.0
+        self.no_weight_decay = ("weight_step", "act_step")  # step sizes, not weights (read by build_param_groups)
         if cfg.backward == "lsq":
             groups = group_view(self.weight.detach().float(), *self.scale_shape)
             step = 2 * groups.abs().mean(-1) / math.sqrt(qmax)

@@ -98,6 +98,9 @@ def build_param_groups(
         matched.update(p for p, _ in hits)
         scale = hits[0][1] if hits else 1.0
         decay = not (name in no_decay or param.ndim <= 1 or name.endswith("bias"))
+        # A module may declare parameters that are not weights (e.g. QAT's learned step sizes): never decay those.
+        owner = model.get_submodule(module_name) if module_name else model
+        decay = decay and name.rpartition(".")[2] not in getattr(owner, "no_weight_decay", ())
         group = groups.setdefault(
             (decay, scale),
             {"params": [], "names": [], "weight_decay": weight_decay if decay else 0.0, "lr_scale": scale},
