@@ -168,6 +168,41 @@ def test_merge_and_unmerge_keep_outputs(base):
     torch.testing.assert_close(logits(model), before, rtol=1e-5, atol=1e-5)
 
 
+def tiny_tied_llama() -> nn.Module:
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=128, vocab_size=128, tie_word_embeddings=True,
+    )
+    model = transformers.LlamaForCausalLM(config).eval()
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    return model
+
+
+def test_lora_on_a_tied_output_head_is_refused():
+    model = tiny_tied_llama()
+    with pytest.raises(AdapterError) as err:
+        apply_lora(model, LoraConfig(r=4, alpha=8, target_modules=["lm_head", "q_proj"]))
+    assert str(err.value) == (
+        "lm_head.weight is tied to model.embed_tokens.weight; LoRA on it would change the embeddings when merged — "
+        "leave lm_head out of target_modules or untie the embeddings"
+    )
+    assert not list(lora_layers(model))  # refused before any layer was wrapped
+    assert all(p.requires_grad for p in model.parameters())
+
+
+def test_lora_on_other_layers_of_a_tied_model_merges_without_touching_the_embeddings():
+    model = tiny_tied_llama()
+    embeddings = model.model.embed_tokens.weight.clone()
+    apply_lora(model, LoraConfig(r=4, alpha=8, target_modules=["q_proj", "v_proj"]))
+    randomize_b(model)
+    before = logits(model)
+    merge_lora(model)
+    torch.testing.assert_close(logits(model), before, rtol=1e-5, atol=1e-5)
+    assert torch.equal(model.model.embed_tokens.weight, embeddings)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
 def test_unload_restores_plain_modules(base):
     model = copy.deepcopy(base)
     apply_lora(model, LoraConfig(r=4, alpha=8, target_modules=["q_proj", "down_proj"]))

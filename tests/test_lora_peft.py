@@ -295,3 +295,29 @@ def test_peft_adapter_through_entrenar_load(base, tmp_path):
     assert len(list(lora_layers(ours))) == 4
     with torch.no_grad():
         torch.testing.assert_close(ours(IDS), logits(theirs), rtol=1e-4, atol=1e-4)
+
+
+def test_peft_adapter_on_a_tied_head_works_unmerged_and_refuses_to_merge(tmp_path):
+    """PEFT only warns about LoRA on a tied lm_head; its adapter runs unmerged, but merging would change the embeddings."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=128, vocab_size=128, tie_word_embeddings=True,
+    )
+    base = transformers.LlamaForCausalLM(config).eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # PEFT's warning about the tied target
+        reference = peft.get_peft_model(
+            copy.deepcopy(base), peft.LoraConfig(r=4, lora_alpha=8, target_modules=["lm_head", "q_proj"])
+        ).eval()
+    randomize_b(p for n, p in reference.named_parameters() if "lora_B" in n)
+    reference.save_pretrained(tmp_path, save_embedding_layers=False)  # the adapter alone, not the base head
+
+    model = copy.deepcopy(base)
+    load_adapter(model, tmp_path)
+    torch.testing.assert_close(logits(model), logits(reference), rtol=1e-5, atol=1e-5)
+    embeddings = model.model.embed_tokens.weight.clone()
+    with pytest.raises(AdapterError, match=r"lm_head\.weight is tied to model\.embed_tokens\.weight.*use the adapter unmerged"):
+        lora.merge_lora(model)
+    assert not any(layer.merged for _, layer in lora_layers(model))  # nothing merged, not even q_proj
+    assert torch.equal(model.model.embed_tokens.weight, embeddings)

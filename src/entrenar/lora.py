@@ -292,6 +292,34 @@ def _refuse_second_adapter(model: nn.Module) -> None:
         )
 
 
+def _shared_weights(model: nn.Module, names: Sequence[str]) -> Iterator[tuple[str, str, nn.Module]]:
+    """``(name, other, owner)`` for each layer among ``names`` whose weight is also the model's parameter ``other``.
+
+    Tied embeddings are the usual case: ``lm_head.weight`` is the very
+    parameter ``model.embed_tokens.weight``. ``owner`` is the module holding ``other``.
+    """
+    holders: dict[int, list[str]] = {}
+    for param_name, param in model.named_parameters(remove_duplicate=False):
+        holders.setdefault(id(param), []).append(param_name)
+    for name in names:
+        layer = model.get_submodule(name)
+        weight = layer.base_layer.weight if isinstance(layer, LoraLinear) else getattr(layer, "weight", None)
+        others = [n for n in holders.get(id(weight), []) if not n.startswith(name + ".")]
+        if others:
+            yield name, others[0], model.get_submodule(others[0].rpartition(".")[0])
+
+
+def _refuse_shared_weights(model: nn.Module, names: Sequence[str], *, merging: bool) -> None:
+    """Merging into a shared weight would silently change the other module too: refuse it up front."""
+    for name, other, owner in _shared_weights(model, names):
+        embeddings = isinstance(owner, nn.Embedding)
+        fix = "use the adapter unmerged" if merging else f"leave {name.rsplit('.', 1)[-1]} out of target_modules"
+        raise AdapterError(
+            f"{name}.weight is tied to {other}; LoRA on it would change {'the embeddings' if embeddings else other} "
+            f"when merged — {fix} or untie {'the embeddings' if embeddings else 'them'}"
+        )
+
+
 def _wrap(model: nn.Module, names: Sequence[str], cfg: LoraConfig) -> None:
     _refuse_second_adapter(model)
     layers = {}
@@ -309,6 +337,7 @@ def apply_lora(model: nn.Module, cfg: LoraConfig) -> list[str]:
     """Wrap the layers ``cfg.target_modules`` selects and freeze everything else; return their names."""
     _refuse_second_adapter(model)
     names = find_linears(model, cfg.target_modules)
+    _refuse_shared_weights(model, names, merging=False)
     _wrap(model, names, cfg)
     return names
 
@@ -319,9 +348,16 @@ def lora_parameters(model: nn.Module) -> list[nn.Parameter]:
 
 
 def merge_lora(model: nn.Module) -> list[str]:
-    """Merge every LoRA layer into its base weight; return the names merged now."""
+    """Merge every LoRA layer into its base weight; return the names merged now.
+
+    An adapter on a weight the model shares elsewhere (one loaded from PEFT
+    onto ``lm_head`` of a model with tied embeddings) works unmerged but is
+    refused here, before any layer is merged.
+    """
+    layers = _require_lora(model)
+    _refuse_shared_weights(model, [name for name, layer in layers if not layer.merged], merging=True)
     merged = []
-    for name, layer in _require_lora(model):
+    for name, layer in layers:
         if not layer.merged:
             try:
                 layer.merge()
