@@ -77,6 +77,22 @@ def read_model_config(path: str | Path) -> "ModelConfig":
     return read_config(path)
 
 
+def _check_vocabulary(path: str | Path, model_vocab_size: int, tokenizer: "Tokenizer") -> None:
+    """Refuse a tokenizer with ids the model's embedding has no row for.
+
+    Without this, the first such id is an IndexError deep inside the embedding.
+    A tokenizer smaller than the embedding is fine: vocabularies are often
+    padded to a multiple of 64 or 128.
+    """
+    from entrenar.errors import ModelError
+
+    if tokenizer.vocab_size > model_vocab_size:
+        raise ModelError(
+            f"{path}: the tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size is "
+            f"{model_vocab_size}; ids from {model_vocab_size} up have no embedding (mismatched tokenizer and model files?)"
+        )
+
+
 def load(
     path: str | Path,
     adapter: str | Path | None = None,
@@ -104,14 +120,17 @@ def load(
         from entrenar.models.gguf import load_gguf
 
         model, tokenizer = load_gguf(path, dtype=torch_dtype, device=device, quantize=quantize)
+        _check_vocabulary(path, model.config.vocab_size, tokenizer)
     elif is_quantized_folder(path):  # written by `entrenar quantize` or a QAT run: codes and scales as saved
         if quantize is not None:
             raise QuantError(f"{path}: the model is already quantized; load it without quantize={quantize!r}")
+        tokenizer = Tokenizer.from_folder(path)
+        _check_vocabulary(path, read_model_config(path).vocab_size, tokenizer)  # before any weight is read
         model = load_quantized(path, dtype=torch_dtype, device=device)
-        tokenizer = Tokenizer.from_folder(path)
     elif path.is_dir():
-        model = load_hf(path, dtype=torch_dtype, device=device, quantize=quantize)
         tokenizer = Tokenizer.from_folder(path)
+        _check_vocabulary(path, read_model_config(path).vocab_size, tokenizer)
+        model = load_hf(path, dtype=torch_dtype, device=device, quantize=quantize)
     elif not path.exists():
         raise ModelError(f"{path}: no such model folder or .gguf file")
     else:
