@@ -64,6 +64,11 @@ def test_lora_and_qlora_shrink_what_they_should():
     qlora = estimate_training_memory(big, "qlora", 2, 2048, lora_r=16)
     # Llama-3.1-8B with r=16 on all linear layers has 41,943,040 adapter parameters (PEFT prints this).
     assert lora.trainable_params == lora_params(big, 16, "all-linear") == 41_943_040
-    assert full.optimizer == 2 * full.total_params * 2
+    # Full fine-tuning keeps fp32 master weights: 4 bytes of weight, 4 of gradient, 8 of AdamW state per parameter.
+    assert (full.weights, full.gradients, full.optimizer) == tuple(n * full.total_params for n in (4, 4, 8))
+    sgd = estimate_training_memory(big, "full", 2, 2048, optimizer="sgd")
+    assert sgd.optimizer == 4 * sgd.total_params
+    pure_bf16 = estimate_training_memory(big, "full", 2, 2048, param_bytes=2)
+    assert pure_bf16.weights == 2 * pure_bf16.total_params
     assert qlora.weights < 0.4 * lora.weights
     assert qlora.activations == lora.activations

@@ -323,7 +323,7 @@ class DataSection(_Section):
     completion_field: str = _key("completion", _text())
     messages_field: str = _key("messages", _text())
     train_on: str = _key("all", _choice("all", "completion"))
-    seq_len: int = _key(512, _integer(1))
+    seq_len: int = _key(512, _integer(2))  # one input and one target at least
     packing: bool = _key(True, _boolean)
     add_eos: bool = _key(True, _boolean)
     on_error: str = _key("raise", _choice("raise", "skip"))
@@ -399,6 +399,7 @@ class TrainingSection(_Section):
     log_every: int = _key(10, _integer(1))
     save_every: int = _key(0, _integer(0))
     keep_last: int = _key(3, _integer(1))
+    cpu_threads: int | None = _key(None, _integer(1, nullable=True))  # None: torch's default
 
 
 @dataclass(frozen=True)

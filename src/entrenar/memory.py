@@ -84,24 +84,38 @@ def estimate_training_memory(
     lora_r: int = 16,
     lora_targets: list[str] | str = "all-linear",
     activation_checkpointing: bool = False,
+    param_bytes: int | None = None,
+    optimizer: str = "adamw",
 ) -> MemoryEstimate:
-    """Estimate peak training memory in bytes. `method` is full, lora or qlora."""
+    """Estimate peak training memory in bytes. `method` is full, lora or qlora.
+
+    `dtype_bytes` is the compute (activation) precision. `param_bytes` is how
+    the weights are stored: full fine-tuning keeps fp32 master weights by
+    default (so weights, gradients and optimizer state are fp32), a LoRA base
+    defaults to the compute precision. AdamW keeps two state tensors per
+    trainable parameter, SGD with momentum one.
+    """
     if method not in ("full", "lora", "qlora"):
         raise ValueError(f"method must be full, lora or qlora, got {method!r}")
+    if optimizer not in ("adamw", "sgd"):
+        raise ValueError(f"optimizer must be adamw or sgd, got {optimizer!r}")
+    if param_bytes is None:
+        param_bytes = 4 if method == "full" else dtype_bytes
+    states = 2 if optimizer == "adamw" else 1
     total = config.num_parameters
     shapes = linear_shapes(config)
     linear = config.num_layers * sum(a * b for a, b in shapes.values())
     if method == "full":
         trainable = total
-        weights = total * dtype_bytes
-        gradients = trainable * dtype_bytes
-        optimizer = 2 * trainable * dtype_bytes
+        weights = total * param_bytes
+        gradients = trainable * param_bytes
+        optimizer_bytes = states * trainable * param_bytes
     else:
         trainable = lora_params(config, lora_r, lora_targets)
-        base = (total - linear) * dtype_bytes + linear * (NF4_BYTES_PER_PARAM if method == "qlora" else dtype_bytes)
+        base = (total - linear) * param_bytes + linear * (NF4_BYTES_PER_PARAM if method == "qlora" else param_bytes)
         weights = base + trainable * 4  # adapters stay fp32
         gradients = trainable * 4
-        optimizer = 2 * trainable * 4
+        optimizer_bytes = states * trainable * 4
     tokens = batch_size * seq_len
     per_layer = activation_bytes_per_token_layer(config, dtype_bytes)
     if method != "full":
@@ -114,7 +128,7 @@ def estimate_training_memory(
     activations += tokens * config.hidden_size * (dtype_bytes + 4)  # final norm
     # Logits in the model dtype, upcast to fp32 for the loss, and their gradient.
     logits = tokens * config.vocab_size * (dtype_bytes + 4 + 4)
-    return MemoryEstimate(method, total, trainable, weights, gradients, optimizer, activations, logits)
+    return MemoryEstimate(method, total, trainable, weights, gradients, optimizer_bytes, activations, logits)
 
 
 def format_estimates(estimates: list[MemoryEstimate]) -> str:

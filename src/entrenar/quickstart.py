@@ -19,9 +19,9 @@ from tokenizers import Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as Backend
 
 from entrenar.config import Recipe
+from entrenar.export import save_merged
 from entrenar.generate import generate
 from entrenar.models.config import ModelConfig
-from entrenar.models.hf import save_hf
 from entrenar.models.transformer import Transformer
 from entrenar.tokenizer import Tokenizer
 
@@ -61,24 +61,28 @@ def _write_jsonl(path: Path, pairs: list[tuple[int, int]]) -> None:
             f.write(json.dumps({"prompt": f"{a}+{b}=", "completion": str(a + b)}) + "\n")
 
 
-def prepare(recipe: Recipe, run_dir: Path) -> Recipe:
-    """Write the base model and data under `run_dir/quickstart/` (once) and point the recipe at them."""
+def resolve(recipe: Recipe, run_dir: Path) -> Recipe:
+    """Point the recipe at the quickstart's model and data under `run_dir/quickstart/` (nothing is written)."""
     root = run_dir / "quickstart"
-    model_dir, train_file, val_file = root / "base-model", root / "train.jsonl", root / "validation.jsonl"
-    if not (model_dir / "config.json").is_file():
-        root.mkdir(parents=True, exist_ok=True)
-        tokenizer = build_tokenizer()
-        torch.manual_seed(recipe.training.seed)
-        model = Transformer(model_config(tokenizer.vocab_size))
-        model.reset_parameters()
-        save_hf(model, model_dir)
-        tokenizer.save(model_dir)
-        train, held_out = sums(recipe.training.seed)
-        _write_jsonl(train_file, train)
-        _write_jsonl(val_file, held_out)
-    model = dataclasses.replace(recipe.model, path=str(model_dir))
-    data = dataclasses.replace(recipe.data, train=str(train_file), validation=str(val_file))
+    model = dataclasses.replace(recipe.model, path=str(root / "base-model"))
+    data = dataclasses.replace(recipe.data, train=str(root / "train.jsonl"), validation=str(root / "validation.jsonl"))
     return dataclasses.replace(recipe, model=model, data=data)
+
+
+def write_files(recipe: Recipe) -> None:
+    """Generate the base model and the data a resolved quickstart recipe points at, once."""
+    model_dir = Path(recipe.model.path)
+    if (model_dir / "config.json").is_file():
+        return
+    model_dir.parent.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer()
+    torch.manual_seed(recipe.training.seed)
+    model = Transformer(model_config(tokenizer.vocab_size))
+    model.reset_parameters()
+    train, held_out = sums(recipe.training.seed)
+    _write_jsonl(Path(recipe.data.train), train)
+    _write_jsonl(Path(recipe.data.validation), held_out)
+    save_merged(model, tokenizer, model_dir)  # last, and whole: its config.json marks the files complete
 
 
 def accuracy(model: Transformer, tokenizer: Tokenizer, validation_file: str | Path, limit: int = 200) -> float:

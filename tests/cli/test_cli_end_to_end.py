@@ -38,7 +38,8 @@ def test_quickstart_trains_resumes_and_its_model_is_usable(tmp_path):
     assert "Traceback" not in again.stderr
     assert [r["loss"] for r in read_metrics(run / "metrics.jsonl") if "loss" in r] == losses  # nothing damaged
 
-    longer = entrenar("train", "--resume", "--set", "training.max_steps=50", "--no-progress", cwd=tmp_path)
+    # A run folder alone is enough to resume: its saved recipe is used, not the bundled one.
+    longer = entrenar("train", "--resume", str(run), "--set", "training.max_steps=50", "--no-progress", cwd=tmp_path)
     assert longer.returncode == 0, longer.stderr
     assert len([r for r in read_metrics(run / "metrics.jsonl") if "loss" in r]) == 50
 

@@ -135,3 +135,55 @@ def test_a_warmup_longer_than_the_run_is_refused_before_anything_is_built(worksp
     with pytest.raises(ConfigError, match=r"schedule\.warmup_steps \(20\) is longer than the run \(training\.max_steps=8\)"):
         train(recipe_for(workspace, "schedule.warmup_steps=20"), progress=False)
     assert not (workspace / "run").exists()
+
+
+def test_best_output_is_usable_and_pruning_drops_the_stale_best(workspace):
+    import entrenar
+    from entrenar.train.checkpoint import best_checkpoint
+
+    result = train(recipe_for(workspace, "training.max_steps=12", "training.eval_every=2", "training.save_every=0",
+                              "training.keep_last=1"), progress=False)
+    run = result.run_dir
+    best = best_checkpoint(run)
+    evals = [r for r in read_metrics(run / "metrics.jsonl") if "eval_loss" in r and r["step"] > 0]
+    best_step = min(evals, key=lambda r: r["eval_loss"])["step"]
+    assert best.name == f"step-{best_step}"
+    # keep_last 1: the latest and the current best, nothing older (an earlier best must not linger).
+    assert {p.name for p in (run / "checkpoints").glob("step-*")} == {"step-12", best.name}
+    model, _ = entrenar.load(workspace / "model", adapter=run / "best" / "adapter", device="cpu")
+    assert model is not None
+
+
+def test_full_fine_tune_keeps_the_base_generation_config(workspace):
+    from entrenar.tokenizer import Tokenizer
+
+    (workspace / "model" / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 4], "top_p": 0.9}))
+    result = train(recipe_for(workspace, "lora=null", "training.max_steps=2"), progress=False)
+    saved = json.loads((result.output / "generation_config.json").read_text())
+    assert saved["eos_token_id"] == [2, 4] and saved["top_p"] == 0.9
+    assert Tokenizer.from_folder(result.output).eos_ids == [2, 4]
+
+
+def test_resume_refuses_a_damaged_trainer_state_and_a_shorter_run(workspace):
+    train(recipe_for(workspace, "training.max_steps=4"), progress=False)
+    with pytest.raises(CheckpointError, match=r"step-4 is at step 4, past training\.max_steps=3"):
+        train(recipe_for(workspace, "training.max_steps=3"), resume=True, progress=False)
+    state_file = workspace / "run" / "checkpoints" / "step-4" / "trainer.json"
+    state = json.loads(state_file.read_text())
+    del state["data"]
+    state_file.write_text(json.dumps(state))
+    with pytest.raises(CheckpointError, match=r"trainer\.json: 'data' \(the data stream position\) is missing"):
+        train(recipe_for(workspace, "training.max_steps=6"), resume=True, progress=False)
+
+
+def test_skipped_records_are_reported_and_an_empty_validation_set_is_named(workspace):
+    lines = (workspace / "train.jsonl").read_text().splitlines()
+    lines.insert(3, "{not json")
+    (workspace / "bad.jsonl").write_text("\n".join(lines) + "\n")
+    report = train(recipe_for(workspace, f"data.train={workspace / 'bad.jsonl'}", "data.on_error=skip"),
+                   dry_run=True, progress=False).summary
+    assert "1 malformed record(s) skipped (first: " in report and "bad.jsonl line 4" in report
+    (workspace / "long.jsonl").write_text(json.dumps({"prompt": "1" * 40, "completion": "2"}) + "\n")
+    with pytest.raises(DataError, match=r"data\.validation \(.*long\.jsonl\): no examples left"):
+        train(recipe_for(workspace, f"data.validation={workspace / 'long.jsonl'}", "data.validation_split=0"),
+              dry_run=True, progress=False)

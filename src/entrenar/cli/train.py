@@ -23,9 +23,18 @@ def add_parser(commands: argparse._SubParsersAction, parents: list[argparse.Argu
 
 
 def run(args: argparse.Namespace) -> int:
-    from entrenar.config import load_recipe
+    from pathlib import Path
 
-    recipe = load_recipe(args.recipe, args.overrides)  # before importing torch: a bad recipe fails at once
+    from entrenar.config import load_recipe
+    from entrenar.errors import CheckpointError
+
+    path = args.recipe
+    if path is None and isinstance(args.resume, str):
+        # Resuming a named run: its own saved recipe, not the bundled quickstart.
+        path = Path(args.resume) / "recipe.yaml"
+        if not path.is_file():
+            raise CheckpointError(f"{args.resume}: no recipe.yaml there; is it a run folder?")
+    recipe = load_recipe(path, args.overrides)  # before importing torch: a bad recipe fails at once
     from entrenar.train.loop import train
 
     result = train(recipe, resume=args.resume, dry_run=args.dry_run, progress=not args.no_progress)

@@ -361,6 +361,7 @@ def save_checkpoint(
     optimizer: torch.optim.Optimizer,
     trainer_state: Mapping[str, Any],
     keep_last: int | None = None,
+    best: bool = False,
 ) -> Path:
     """Write ``<run_dir>/checkpoints/step-<step>`` atomically and point ``latest`` at it.
 
@@ -369,7 +370,8 @@ def save_checkpoint(
     data-stream state, best metrics, recipe hash); it is stored beside ``step``.
     Then keeps the ``keep_last`` highest-numbered checkpoints (all if None) plus
     the one just written and the one marked best; leftovers of interrupted saves
-    are removed. Returns the checkpoint folder.
+    are removed. ``best=True`` marks this checkpoint best before pruning, so
+    the previous best is pruned like any other. Returns the checkpoint folder.
     """
     if keep_last is not None and keep_last < 1:
         raise CheckpointError(f"keep_last must be at least 1 (or None to keep all), got {keep_last}")
@@ -406,8 +408,10 @@ def save_checkpoint(
     _fsync_dir(ckpts)
     shutil.rmtree(old, ignore_errors=True)
     _write_pointer(ckpts / "latest", final.name)
-    best = _read_pointer(ckpts / "best")
-    _prune(ckpts, keep_last, protected={final.name} | ({best} if best else set()))
+    if best:
+        _write_pointer(ckpts / "best", final.name)
+    best_name = _read_pointer(ckpts / "best")
+    _prune(ckpts, keep_last, protected={final.name} | ({best_name} if best_name else set()))
     return final
 
 

@@ -27,14 +27,14 @@ import entrenar
 from entrenar import quickstart
 from entrenar.config import Recipe, load_recipe, recipe_changes, save_recipe
 from entrenar.data import BatchStream, eval_batches, num_target_tokens, read_records, split_validation, tokenize_records
-from entrenar.errors import CheckpointError, ConfigError, DataError
+from entrenar.errors import AdapterError, CheckpointError, ConfigError, DataError
 from entrenar.evaluate import EvalResult, autocast_for, eval_loss
-from entrenar.lora import LoraConfig, apply_lora, load_lora_state_dict, lora_state_dict, save_adapter
-from entrenar.memory import GiB, estimate_training_memory
-from entrenar.models.hf import save_hf
+from entrenar.export import save_merged
+from entrenar.lora import LoraConfig, apply_lora, load_lora_state_dict, lora_layers, lora_state_dict, save_adapter
+from entrenar.memory import LINEAR_NAMES, GiB, estimate_training_memory
 from entrenar.quant.checkpoint import save_qat_model
 from entrenar.quant.qat import apply_qat_recipe, load_qat_state_dict, master_weights, qat_state_dict
-from entrenar.train.checkpoint import latest_checkpoint, load_checkpoint, mark_best, save_checkpoint
+from entrenar.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from entrenar.train.loss import token_cross_entropy
 from entrenar.train.metrics import MetricsLogger, plot_loss_curve
 from entrenar.train.optim import build_optimizer, build_param_groups, lr_at, set_lr
@@ -69,13 +69,17 @@ def train(
     run_dir, resume_from = _run_folder(recipe, resume, dry_run)
     is_quickstart = recipe.model.path is None
     if is_quickstart:
-        recipe = quickstart.prepare(recipe, run_dir)
+        recipe = quickstart.resolve(recipe, run_dir)
     if resume_from is not None:
         recipe = _recipe_for_resume(recipe, run_dir)
     t = recipe.training
     if recipe.schedule.warmup_steps > t.max_steps:
         raise ConfigError(f"schedule.warmup_steps ({recipe.schedule.warmup_steps}) is longer than the run "
                           f"(training.max_steps={t.max_steps})")
+    if is_quickstart:
+        quickstart.write_files(recipe)  # only once the recipe is known to be sound
+    if t.cpu_threads is not None:
+        torch.set_num_threads(t.cpu_threads)
     _seed_everything(t.seed)
 
     # Model, adapters, precision.
@@ -90,20 +94,22 @@ def train(
     model.train()
     if recipe.qat is not None:
         apply_qat_recipe(model, recipe.qat)  # before LoRA, which then wraps the fake-quantized layers (LoRA-QAT)
-    if recipe.lora is not None:
-        lora = recipe.lora
-        lora_config = LoraConfig(r=lora.r, alpha=lora.alpha, dropout=lora.dropout,
-                                 target_modules=_targets(lora.target_modules), use_rslora=lora.use_rslora)
-        apply_lora(model, lora_config)
+    lora_config = _lora_config(recipe)
+    if lora_config is not None:
+        try:
+            apply_lora(model, lora_config)
+        except AdapterError as e:
+            raise AdapterError(f"lora.target_modules: {e}") from None
     if t.activation_checkpointing:
         model.set_activation_checkpointing(True)
     trainable = [p for p in model.parameters() if p.requires_grad]
 
     # Data: records -> masked examples -> a resumable stream of packed batches.
     d = recipe.data
-    examples, stats = _examples(d.train, recipe, tokenizer)
+    examples, notes = _examples(d.train, "train", recipe, tokenizer)
     if d.validation:
-        validation, _ = _examples(d.validation, recipe, tokenizer)
+        validation, validation_notes = _examples(d.validation, "validation", recipe, tokenizer)
+        notes += validation_notes
     else:
         examples, validation = split_validation(examples, d.validation_split, seed=t.seed)
     stream = BatchStream(examples, t.batch_size, d.seq_len, packing=d.packing, shuffle=d.shuffle, seed=t.seed,
@@ -116,20 +122,19 @@ def train(
     forward = torch.compile(model) if t.compile else model
 
     if dry_run:
-        report = _dry_run_report(recipe, model, trainable, examples, validation, stats)
+        report = _dry_run_report(recipe, model, trainable, examples, validation, notes)
         return TrainResult(run_dir=run_dir, steps=0, summary=report, dry_run=True)
 
     # Resume: weights, optimizer, RNG, data position and metrics continue where the checkpoint left them.
     start_step = 0
     if resume_from is not None:
         model_state, trainer_state = load_checkpoint(resume_from, optimizer, expected_model_state=_trainable_state(model, recipe))
+        start_step = _check_trainer_state(trainer_state, resume_from, t.max_steps, scaler.is_enabled())
         _load_trainable_state(model, recipe, model_state, str(resume_from))
         stream.load_state_dict(trainer_state["data"])
         if scaler.is_enabled():
             scaler.load_state_dict(trainer_state["grad_scaler"])
-        start_step = int(trainer_state["step"])
-    else:
-        save_recipe(recipe, run_dir / RECIPE_FILE)
+    save_recipe(recipe, run_dir / RECIPE_FILE)  # on resume: with the changes the resume made
     metrics = MetricsLogger(run_dir, resume_step=start_step if resume_from is not None else None)
 
     def evaluate() -> EvalResult | None:
@@ -139,11 +144,12 @@ def train(
         # Eager: the last batch is smaller and would make a compiled model recompile.
         return eval_loss(model, batches, precision=t.precision, max_batches=t.eval_batches)
 
-    def checkpoint(step: int) -> Path:
+    def checkpoint(step: int, best: bool = False) -> Path:
         trainer_state = {"data": stream.state_dict(), "recipe": recipe.to_dict()}
         if scaler.is_enabled():
             trainer_state["grad_scaler"] = scaler.state_dict()
-        return save_checkpoint(run_dir, step, _trainable_state(model, recipe), optimizer, trainer_state, t.keep_last)
+        return save_checkpoint(run_dir, step, _trainable_state(model, recipe), optimizer, trainer_state, t.keep_last,
+                               best=best)
 
     eval_before = None
     if start_step == 0:
@@ -164,7 +170,7 @@ def train(
         micro_batches = [next(stream) for _ in range(t.grad_accum)]
         step_targets = max(sum(num_target_tokens(b) for b in micro_batches), 1)
         step_loss = torch.zeros((), device=device)
-        tokens = 0
+        tokens = sum(int((b["document_ids"] >= 0).sum()) for b in micro_batches)  # counted on the CPU: no sync
         for batch in micro_batches:
             batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
             with autocast_for(device, t.precision):
@@ -173,7 +179,7 @@ def train(
             loss = loss_sum / step_targets  # normalised over the whole step, not per micro-batch
             scaler.scale(loss).backward()
             step_loss += loss.detach()
-            tokens += int((batch["document_ids"] >= 0).sum())
+
 
         scaler.unscale_(optimizer)
         max_norm = t.max_grad_norm if t.max_grad_norm > 0 else math.inf
@@ -196,8 +202,8 @@ def train(
         if (t.eval_every and done % t.eval_every == 0) or is_last:
             result = eval_after = evaluate()
             if result is not None and metrics.log_eval(done, result.loss):
-                last_checkpoint = checkpoint(done)
-                mark_best(run_dir, done)
+                last_checkpoint = checkpoint(done, best=True)
+                _save_result(model, tokenizer, recipe, run_dir / "best")  # usable as --adapter / MODEL as it is
         if (t.save_every and done % t.save_every == 0) or is_last:
             if last_checkpoint is None or last_checkpoint.name != f"step-{done}":
                 last_checkpoint = checkpoint(done)
@@ -210,7 +216,7 @@ def train(
     plot_loss_curve(metrics.path, run_dir / "loss_curve.png")
     summary = metrics.summary(checkpoint=last_checkpoint or latest_checkpoint(run_dir))
     metrics.close()
-    lines = [summary, f"{'output':<14}{output}"]
+    lines = [summary, f"{'output':<14}{output}", *[f"{'note':<14}{note}" for note in notes]]
     if quantized is not None:
         lines.append(f"{'quantized':<14}{quantized}")
     if eval_before is not None and eval_after is not None:
@@ -266,13 +272,54 @@ def _targets(target_modules: str | tuple[str, ...]) -> str | list[str]:
     return target_modules if isinstance(target_modules, str) else list(target_modules)
 
 
-def _examples(path: str, recipe: Recipe, tokenizer) -> tuple[list, object]:
+def _lora_config(recipe: Recipe) -> LoraConfig | None:
+    lora = recipe.lora
+    if lora is None:
+        return None
+    return LoraConfig(r=lora.r, alpha=lora.alpha, dropout=lora.dropout,
+                      target_modules=_targets(lora.target_modules), use_rslora=lora.use_rslora)
+
+
+def _examples(path: str, role: str, recipe: Recipe, tokenizer) -> tuple[list, list[str]]:
+    """Masked examples of one data file, and notes on what was skipped or cut (for the report)."""
     d = recipe.data
-    records, _ = read_records(path, format=d.format, on_error=d.on_error)
+    records, read_stats = read_records(path, format=d.format, on_error=d.on_error)
     columns = {"text": d.text_field, "prompt": d.prompt_field, "completion": d.completion_field,
                "messages": d.messages_field}
-    return tokenize_records(records, tokenizer, d.seq_len, train_on=d.train_on, add_eos=d.add_eos,
-                            columns=columns, on_error=d.on_error)
+    try:
+        examples, stats = tokenize_records(records, tokenizer, d.seq_len, train_on=d.train_on, add_eos=d.add_eos,
+                                           columns=columns, on_error=d.on_error)
+    except DataError as e:
+        if str(e).startswith("no training examples"):
+            raise DataError(f"data.{role} ({path}): {str(e).replace('no training examples', 'no examples', 1)}") from None
+        raise
+    notes = []
+    skipped = read_stats.skipped + stats.skipped
+    if skipped:
+        first = (read_stats.skip_reasons or stats.skip_reasons or ["?"])[0]
+        notes.append(f"data.{role}: {skipped} malformed record(s) skipped (first: {first})")
+    if stats.truncated_examples:
+        notes.append(f"data.{role}: {stats.truncated_examples} example(s) cut to seq_len={d.seq_len} "
+                     f"({stats.truncated_tokens:,} tokens dropped)")
+    if stats.dropped_no_targets:
+        notes.append(f"data.{role}: {stats.dropped_no_targets} example(s) left out: nothing to train on within seq_len")
+    return examples, notes
+
+
+def _check_trainer_state(state: dict, checkpoint: Path, max_steps: int, needs_scaler: bool) -> int:
+    """The step a checkpoint was taken at, after checking trainer.json holds what resuming needs."""
+    step, data = state.get("step"), state.get("data")
+    where = checkpoint / "trainer.json"
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise CheckpointError(f"{where}: 'step' must be a non-negative integer, got {step!r}")
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{where}: 'data' (the data stream position) is missing or not a mapping")
+    if needs_scaler and not isinstance(state.get("grad_scaler"), dict):
+        raise CheckpointError(f"{where}: 'grad_scaler' is missing; it is needed to resume fp16 training")
+    if step > max_steps:
+        raise CheckpointError(f"{checkpoint} is at step {step}, past training.max_steps={max_steps}; "
+                              f"resume with --set training.max_steps={step} or more")
+    return step
 
 
 def _trainable_state(model: torch.nn.Module, recipe: Recipe) -> dict[str, torch.Tensor]:
@@ -297,29 +344,28 @@ def _save_result(model, tokenizer, recipe: Recipe, run_dir: Path) -> Path:
     """The adapter (PEFT format) of a LoRA run, or the whole model folder of a full fine-tune."""
     if recipe.lora is not None:
         out = run_dir / "adapter"
-        lora = recipe.lora
-        config = LoraConfig(r=lora.r, alpha=lora.alpha, dropout=lora.dropout,
-                            target_modules=_targets(lora.target_modules), use_rslora=lora.use_rslora)
-        save_adapter(model, out, config, base_model_name_or_path=str(recipe.model.path))
+        save_adapter(model, out, _lora_config(recipe), base_model_name_or_path=str(recipe.model.path))
         return out
     out = run_dir / "model"
+    base = Path(recipe.model.path)
     with master_weights(model):  # QAT: the full-precision weights it trained, as a plain model folder
-        save_hf(model, out)
-    tokenizer.save(out)
+        save_merged(model, tokenizer, out, base=base if base.is_dir() else None)  # keeps generation_config.json
     return out
 
 
-def _dry_run_report(recipe: Recipe, model, trainable, examples, validation, stats) -> str:
+def _dry_run_report(recipe: Recipe, model, trainable, examples, validation, notes: list[str]) -> str:
     total = sum(p.numel() for p in model.parameters())
     n_trainable = sum(p.numel() for p in trainable)
     t, d = recipe.training, recipe.data
     method = "full" if recipe.lora is None else ("qlora" if recipe.lora.quantize_base else "lora")
-    dtype_bytes = next(model.parameters()).element_size() if method == "full" else 2
+    stored_bytes = next(p for n, p in model.named_parameters() if n.endswith("embed_tokens.weight")).element_size()
     lora = recipe.lora
+    wrapped = {name.rsplit(".", 1)[-1] for name, _ in lora_layers(model)} if lora else set()
     estimate = estimate_training_memory(
-        model.config, method, t.batch_size, d.seq_len, dtype_bytes=dtype_bytes,
-        lora_r=lora.r if lora else 16, lora_targets=_targets(lora.target_modules) if lora else "all-linear",
-        activation_checkpointing=t.activation_checkpointing,
+        model.config, method, t.batch_size, d.seq_len,
+        dtype_bytes=2 if t.precision != "fp32" else 4, param_bytes=stored_bytes,
+        lora_r=lora.r if lora else 16, lora_targets=sorted(wrapped & set(LINEAR_NAMES)) or "all-linear",
+        activation_checkpointing=t.activation_checkpointing, optimizer=recipe.optimizer.name,
     )
     tokens = sum(len(e) for e in examples)
     return "\n".join([
@@ -327,8 +373,9 @@ def _dry_run_report(recipe: Recipe, model, trainable, examples, validation, stat
         f"{'model':<22}{recipe.model.path} ({model.config.model_type}, {model.config.num_layers} layers)",
         f"{'parameters':<22}{total:,} total, {n_trainable:,} trainable ({n_trainable / total:.2%})",
         f"{'method':<22}{method}",
-        f"{'train examples':<22}{len(examples):,} ({tokens:,} tokens; {stats.truncated_examples} truncated)",
+        f"{'train examples':<22}{len(examples):,} ({tokens:,} tokens)",
         f"{'validation examples':<22}{len(validation):,}",
+        *[f"{'note':<22}{note}" for note in notes],
         f"{'step':<22}{t.batch_size} x {d.seq_len} tokens x {t.grad_accum} accumulation, {t.max_steps} steps",
         f"{'memory estimate':<22}{estimate.total / GiB:.2f} GiB (weights {estimate.weights / GiB:.2f}, "
         f"grads {estimate.gradients / GiB:.2f}, optimizer {estimate.optimizer / GiB:.2f}, "
