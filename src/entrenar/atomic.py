@@ -1,0 +1,128 @@
+"""Atomic writes: a reader, or a run restarted after a crash, sees the old content or the new, never part of either.
+
+A file is written to a temporary sibling, fsynced and renamed over its target
+(``os.replace`` is atomic within one file system). A folder is built in a
+temporary sibling and renamed into place once every file in it is on disk.
+After a rename the parent folder is fsynced, so the rename itself survives a
+power cut. Temporaries are named ``.<target name>.<random>.tmp``; they are
+removed when a write fails, and only a hard kill leaves one behind.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+TEMP_SUFFIX = ".tmp"
+
+
+def fsync_dir(folder: str | os.PathLike) -> None:
+    """Make renames and new entries in ``folder`` durable (a no-op where folders cannot be opened, e.g. Windows)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _fsync_file(path: str | os.PathLike) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def temp_file(path: str | os.PathLike, write: Callable[[Path], object]) -> Path:
+    """Have ``write(tmp)`` fill a temporary sibling of ``path``, fsync it, and return it, not yet renamed.
+
+    For writers that must put several files in place in a chosen order; most
+    callers want :func:`write_file`. The temporary is removed if ``write`` fails.
+    """
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=TEMP_SUFFIX, dir=path.parent)
+    os.close(fd)
+    try:
+        write(Path(tmp))
+        _fsync_file(tmp)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return Path(tmp)
+
+
+def write_file(path: str | os.PathLike, write: Callable[[Path], object]) -> Path:
+    """Replace ``path`` whole by what ``write(tmp)`` writes to a temporary sibling; return ``path``.
+
+    For writers that want a path of their own (``safetensors.save_file``, a GGUF writer).
+    """
+    path = Path(path)
+    tmp = temp_file(path, write)
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+    return path
+
+
+def write_bytes(path: str | os.PathLike, data: bytes) -> Path:
+    """Replace the file ``path`` by ``data`` atomically; return ``path``."""
+    return write_file(path, lambda tmp: tmp.write_bytes(data))
+
+
+def write_text(path: str | os.PathLike, text: str, encoding: str = "utf-8") -> Path:
+    """Replace the file ``path`` by ``text`` atomically; return ``path``."""
+    return write_bytes(path, text.encode(encoding))
+
+
+def _fsync_tree(folder: Path) -> None:
+    for root, _, files in os.walk(folder):
+        for name in files:
+            _fsync_file(os.path.join(root, name))
+        fsync_dir(root)
+
+
+@contextmanager
+def staged_folder(target: str | os.PathLike) -> Iterator[Path]:
+    """Yield an empty folder to fill; when the block succeeds, it replaces ``target``.
+
+    The new folder is built beside ``target`` and fsynced whole before it is
+    renamed into place, so an existing ``target`` is moved aside only once its
+    replacement is complete; if the block raises, ``target`` is left as it was
+    and the temporary folder is removed. Between moving the old folder aside
+    and renaming the new one in (two renames) ``target`` briefly does not
+    exist; a crash exactly there leaves no folder, never a partial one.
+    """
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=TEMP_SUFFIX, dir=target.parent))
+    new, old = staging / "new", staging / "old"
+    try:
+        new.mkdir()
+        yield new
+        _fsync_tree(new)
+        if target.exists() or target.is_symlink():
+            os.replace(target, old)
+        try:
+            os.replace(new, target)
+        except BaseException:
+            if old.exists() or old.is_symlink():
+                os.replace(old, target)
+            raise
+        fsync_dir(target.parent)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+__all__ = ["fsync_dir", "staged_folder", "temp_file", "write_bytes", "write_file", "write_text"]

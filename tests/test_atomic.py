@@ -1,0 +1,113 @@
+"""entrenar.atomic: files and folders are replaced whole or not at all, and no temporary is left behind."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from entrenar import atomic
+
+
+def listing(folder: Path) -> dict[str, bytes]:
+    """Every file under ``folder`` (hidden temporaries included) with its content."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_write_text_replaces_the_content_whole(tmp_path):
+    path = tmp_path / "pointer"
+    atomic.write_text(path, "a much longer first version\n")
+    assert atomic.write_text(path, "short\n") == path
+    assert path.read_text() == "short\n"  # not "short\n" over the tail of the old text
+    assert os.listdir(tmp_path) == ["pointer"]
+
+
+def test_write_bytes_round_trips(tmp_path):
+    data = bytes(range(256)) * 3
+    atomic.write_bytes(tmp_path / "blob", data)
+    assert (tmp_path / "blob").read_bytes() == data
+
+
+def test_failed_write_keeps_the_old_file_and_leaves_no_temp(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("old\n")
+
+    def half_then_crash(tmp: Path) -> None:
+        tmp.write_text("new but cut")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        atomic.write_file(path, half_then_crash)
+    assert listing(tmp_path) == {"metrics.jsonl": b"old\n"}
+
+
+def test_temp_file_is_written_beside_the_target_and_not_renamed(tmp_path):
+    tmp = atomic.temp_file(tmp_path / "adapter_config.json", lambda p: p.write_text("{}"))
+    assert tmp.parent == tmp_path and tmp.name.startswith(".adapter_config.json.") and tmp.name.endswith(".tmp")
+    assert tmp.read_text() == "{}" and not (tmp_path / "adapter_config.json").exists()
+
+
+def test_staged_folder_replaces_the_old_folder_whole(tmp_path):
+    target = tmp_path / "model"
+    target.mkdir()
+    (target / "stale.safetensors").write_bytes(b"old weights")
+    with atomic.staged_folder(target) as new:
+        assert new.is_dir() and not any(new.iterdir()) and new.parent.parent == tmp_path
+        assert (target / "stale.safetensors").exists()  # the old folder stays in place while the new one is built
+        (new / "config.json").write_text("{}")
+        (new / "sub").mkdir()
+        (new / "sub" / "w.bin").write_bytes(b"w")
+    assert listing(tmp_path) == {"model/config.json": b"{}", "model/sub/w.bin": b"w"}
+    assert os.listdir(tmp_path) == ["model"]
+
+
+def test_failure_inside_staged_folder_keeps_the_old_folder_and_leaves_no_temp(tmp_path):
+    target = tmp_path / "model"
+    target.mkdir()
+    (target / "config.json").write_text('{"old": true}')
+    before = listing(tmp_path)
+    with pytest.raises(RuntimeError, match="tensor is NaN"):
+        with atomic.staged_folder(target) as new:
+            (new / "config.json").write_text('{"new": true}')
+            raise RuntimeError("tensor is NaN")
+    assert listing(tmp_path) == before
+    assert os.listdir(tmp_path) == ["model"]
+
+
+def test_staged_folder_creates_a_missing_target_and_its_parents(tmp_path):
+    target = tmp_path / "runs" / "a" / "out"
+    with pytest.raises(KeyboardInterrupt):
+        with atomic.staged_folder(target):
+            raise KeyboardInterrupt
+    assert not target.exists() and os.listdir(target.parent) == []
+    with atomic.staged_folder(target) as new:
+        (new / "x").write_text("1")
+    assert listing(target) == {"x": b"1"}
+
+
+def test_every_new_file_is_on_disk_before_the_swap(tmp_path, monkeypatch):
+    """The rename must not reach the disk before the data it points at (a power cut would leave empty files)."""
+    if not os.path.exists("/proc/self/fd"):
+        pytest.skip("needs /proc to name the fsynced files")
+    target = tmp_path / "ckpt"
+    target.mkdir()
+    events: list[str] = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd: int) -> None:
+        events.append("fsync " + os.path.basename(os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    def replace(src, dst) -> None:
+        events.append(f"replace {Path(src).name} -> {Path(dst).name}")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    with atomic.staged_folder(target) as new:
+        (new / "model.safetensors").write_bytes(b"w")
+        (new / "trainer.json").write_text("{}")
+    swap = events.index("replace new -> ckpt")
+    assert {"fsync model.safetensors", "fsync trainer.json", "fsync new"} <= set(events[:swap])
+    assert events[swap - 1] == "replace ckpt -> old" and events[swap + 1] == f"fsync {tmp_path.name}"
