@@ -67,19 +67,17 @@ def test_failure_inside_staged_folder_keeps_the_old_folder_and_leaves_no_temp(tm
     target.mkdir()
     (target / "config.json").write_text('{"old": true}')
     before = listing(tmp_path)
-    with pytest.raises(RuntimeError, match="tensor is NaN"):
-        with atomic.staged_folder(target) as new:
-            (new / "config.json").write_text('{"new": true}')
-            raise RuntimeError("tensor is NaN")
+    with pytest.raises(RuntimeError, match="tensor is NaN"), atomic.staged_folder(target) as new:
+        (new / "config.json").write_text('{"new": true}')
+        raise RuntimeError("tensor is NaN")
     assert listing(tmp_path) == before
     assert os.listdir(tmp_path) == ["model"]
 
 
 def test_staged_folder_creates_a_missing_target_and_its_parents(tmp_path):
     target = tmp_path / "runs" / "a" / "out"
-    with pytest.raises(KeyboardInterrupt):
-        with atomic.staged_folder(target):
-            raise KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt), atomic.staged_folder(target):
+        raise KeyboardInterrupt
     assert not target.exists() and os.listdir(target.parent) == []
     with atomic.staged_folder(target) as new:
         (new / "x").write_text("1")
