@@ -147,13 +147,16 @@ def test_crash_mid_save_keeps_previous_checkpoint(tmp_path: Path, monkeypatch: p
     assert trainer_state["step"] == 1
     assert all(torch.equal(model_state[k], step1_weights[k]) for k in step1_weights)
 
-    # A hard kill leaves the temporary folder behind: it is ignored, then cleaned by the next save.
-    (ckpts / ".tmp-step-2").mkdir()
-    (ckpts / ".tmp-step-2" / "model.safetensors").write_bytes(b"partial")
+    assert sorted(p.name for p in ckpts.iterdir()) == ["latest", "step-1"]  # the failed save left no temporary
+
+    # A hard kill leaves the staging folder behind: it is ignored, then cleaned by the next save.
+    leftover = ckpts / ".step-2.k1ll3d.tmp" / "new"
+    leftover.mkdir(parents=True)
+    (leftover / "model.safetensors").write_bytes(b"partial")
     assert latest_checkpoint(tmp_path) == ckpts / "step-1"
     _save(tmp_path, 2, model, opt)
     assert latest_checkpoint(tmp_path) == ckpts / "step-2"
-    assert not (ckpts / ".tmp-step-2").exists()
+    assert sorted(p.name for p in ckpts.iterdir()) == ["latest", "step-1", "step-2"]
 
 
 def test_incomplete_checkpoint_is_skipped_and_refused(tmp_path: Path) -> None:

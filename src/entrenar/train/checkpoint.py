@@ -12,10 +12,11 @@ Layout under a run folder::
         latest                     text file naming the newest checkpoint folder ("step-N")
         best                       text file naming the checkpoint kept as best (see mark_best)
 
-A checkpoint is written into ``.tmp-step-N``, fsynced, and renamed to ``step-N``
-in one ``os.replace``; the pointers are replaced the same way. A crash at any
-moment leaves the previous checkpoint intact and ``latest`` naming it. Nothing
-is pickled.
+A checkpoint is built in a staging folder beside ``step-N``, fsynced, and renamed
+into place (:func:`entrenar.atomic.staged_folder`); the pointers are replaced
+the same way. A crash at any moment leaves the previous checkpoint intact and
+``latest`` naming it; a staging folder left by a hard kill is removed by the
+next save. Nothing is pickled.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, safe_open, save_file
 
+from entrenar import atomic
 from entrenar.errors import CheckpointError
 
 FORMAT_VERSION = 1
@@ -47,7 +49,8 @@ TRAINER_FILE = "trainer.json"
 REQUIRED_FILES = (MODEL_FILE, OPTIMIZER_TENSORS, OPTIMIZER_JSON, RNG_FILE, TRAINER_FILE)
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
-_LEFTOVER_DIR = re.compile(r"^\.(tmp|old)-step-\d+$")
+# A staging folder of atomic.staged_folder that a hard kill left behind.
+_LEFTOVER_DIR = re.compile(r"^\.step-\d+\..+" + re.escape(atomic.TEMP_SUFFIX) + "$")
 # Group keys that describe this process's optimizer implementation, not training state.
 _IMPLEMENTATION_KEYS = ("fused", "foreach", "capturable", "differentiable")
 
@@ -55,45 +58,9 @@ _IMPLEMENTATION_KEYS = ("fused", "foreach", "capturable", "differentiable")
 # ---------------------------------------------------------------- small file helpers
 
 
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:  # platforms that cannot open a directory (Windows)
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _write_text(path: Path, text: str) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _write_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
-    save_file(tensors, str(path), metadata=metadata)
-    _fsync_file(path)
-
-
 def _write_pointer(path: Path, target: str) -> None:
     """Atomically make the text file ``path`` name ``target``."""
-    tmp = path.with_name(path.name + ".tmp")
-    _write_text(tmp, target + "\n")
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    atomic.write_text(path, target + "\n")
 
 
 def _read_pointer(path: Path) -> str | None:
@@ -385,28 +352,15 @@ def save_checkpoint(
     optimizer_json = json.dumps(_encode(optimizer.state_dict(), "", optimizer_tensors))
 
     ckpts = _checkpoints_dir(run_dir)
-    ckpts.mkdir(parents=True, exist_ok=True)
-    final, tmp, old = (ckpts / f"{prefix}step-{step}" for prefix in ("", ".tmp-", ".old-"))
-    for leftover in (tmp, old):
-        shutil.rmtree(leftover, ignore_errors=True)
-    tmp.mkdir()
-    try:
-        _write_tensors(tmp / MODEL_FILE, _cpu_tensors(model_state), metadata={"format": "pt"})
-        _write_tensors(tmp / OPTIMIZER_TENSORS, _cpu_tensors(optimizer_tensors))
-        _write_text(tmp / OPTIMIZER_JSON, optimizer_json)
+    final = ckpts / f"step-{step}"
+    # Saving the same step again (after resuming from an earlier checkpoint) replaces it only once complete.
+    with atomic.staged_folder(final) as tmp:
+        save_file(_cpu_tensors(model_state), str(tmp / MODEL_FILE), metadata={"format": "pt"})
+        save_file(_cpu_tensors(optimizer_tensors), str(tmp / OPTIMIZER_TENSORS))
+        (tmp / OPTIMIZER_JSON).write_text(optimizer_json, encoding="utf-8")
         rng_tensors, rng_meta = _capture_rng()
-        _write_tensors(tmp / RNG_FILE, rng_tensors, metadata=rng_meta)
-        _write_text(tmp / TRAINER_FILE, trainer_json)  # last: its presence marks a finished write
-        _fsync_dir(tmp)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-    if final.exists():  # the same step again, after resuming from an earlier checkpoint
-        os.replace(final, old)
-    os.replace(tmp, final)
-    _fsync_dir(ckpts)
-    shutil.rmtree(old, ignore_errors=True)
+        save_file(rng_tensors, str(tmp / RNG_FILE), metadata=rng_meta)
+        (tmp / TRAINER_FILE).write_text(trainer_json, encoding="utf-8")  # last: its presence marks a finished write
     _write_pointer(ckpts / "latest", final.name)
     if best:
         _write_pointer(ckpts / "best", final.name)
