@@ -24,7 +24,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +34,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from entrenar import atomic
 from entrenar.errors import AdapterError
 from entrenar.surgery import ALL_LINEAR, find_linears, replace_module
 
@@ -461,20 +461,6 @@ def _saved_target_modules(model: nn.Module, cfg: LoraConfig, wrapped: list[str])
     return sorted(wrapped) if cfg.target_modules == ALL_LINEAR else cfg.target_modules
 
 
-def _write_atomic(path: Path, write: Any) -> Path:
-    """Have ``write(tmp_path)`` write a sibling temp file, fsync it, and return its path (not yet renamed)."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        write(tmp)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-    except BaseException:
-        os.unlink(tmp)
-        raise
-    return Path(tmp)
-
-
 def save_adapter(
     model: nn.Module, folder: str | os.PathLike, cfg: LoraConfig, base_model_name_or_path: str | None = None
 ) -> Path:
@@ -500,20 +486,16 @@ def save_adapter(
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     config_path, weights_path = folder / ADAPTER_CONFIG, folder / ADAPTER_WEIGHTS
-    tmp_weights = _write_atomic(weights_path, lambda p: save_file(tensors, p, metadata={"format": "pt"}))
+    tmp_weights = atomic.temp_file(weights_path, lambda p: save_file(tensors, p, metadata={"format": "pt"}))
     try:
-        tmp_config = _write_atomic(config_path, lambda p: Path(p).write_text(config_text))
+        tmp_config = atomic.temp_file(config_path, lambda p: p.write_text(config_text))
     except BaseException:
         tmp_weights.unlink()
         raise
     config_path.unlink(missing_ok=True)
     os.replace(tmp_weights, weights_path)
     os.replace(tmp_config, config_path)
-    dir_fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    atomic.fsync_dir(folder)
     return folder
 
 

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from entrenar import atomic
 from entrenar.errors import CheckpointError
 
 if TYPE_CHECKING:
@@ -93,18 +94,10 @@ class MetricsLogger:
                 if record["step"] <= resume_step:
                     kept.append(line)
                     self._absorb(record)
-        self._rewrite(kept)
+        atomic.write_bytes(self.path, b"".join(line + b"\n" for line in kept))  # a crash here leaves the old file whole
         self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (held open until close())
         self._start = self._last = clock()
 
-    def _rewrite(self, lines: list[bytes]) -> None:
-        # Through a temporary file and a rename: a crash here leaves the old file whole.
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        with open(tmp, "wb") as f:
-            f.writelines(line + b"\n" for line in lines)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)
 
     def _absorb(self, record: dict) -> None:
         if "loss" in record:
