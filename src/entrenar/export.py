@@ -28,16 +28,12 @@ model or adapter folder.
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from entrenar import atomic
 from entrenar.errors import AdapterError, ConfigError, ModelError
 
 if TYPE_CHECKING:
@@ -120,7 +116,7 @@ def export_adapter(model_path: Path, adapter: Path, output: Path) -> Path:
     lora.load_lora_state_dict(skeleton, state, str(weights))
 
     base_name = _read_json(adapter / lora.ADAPTER_CONFIG).get("base_model_name_or_path") or str(model_path)
-    with _staged(output) as target:
+    with atomic.staged_folder(output) as target:
         lora.save_adapter(skeleton, target, cfg, base_model_name_or_path=base_name)
     return output
 
@@ -176,7 +172,7 @@ def save_merged(
     model.config = model.config.replace(extra={**extra, "dtype": _DTYPE_NAMES.get(dtype, str(dtype))})
     generation = _generation_config(tokenizer, base)
     written = [output]
-    with _staged(output) as target:
+    with atomic.staged_folder(output) as target:
         save_hf(model, target)
         tokenizer.save(target)
         (target / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
@@ -271,26 +267,6 @@ def _check_output(output: Path, inputs: dict[str, Path], is_file: bool) -> None:
         raise ConfigError(
             f"{output}: exists and is not a model or adapter folder; refusing to replace it (choose a new path)"
         )
-
-
-@contextmanager
-def _staged(output: Path) -> Iterator[Path]:
-    """A path in a fresh folder beside ``output``; when the block succeeds it replaces ``output`` by rename."""
-    output.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.", suffix=".tmp", dir=output.parent))
-    try:
-        target, old = staging / "new", staging / "old"
-        yield target
-        if output.exists():
-            os.replace(output, old)
-        try:
-            os.replace(target, output)
-        except BaseException:
-            if old.exists():
-                os.replace(old, output)
-            raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
 
 
 def _read_json(path: Path) -> dict[str, Any]:

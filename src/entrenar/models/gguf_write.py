@@ -30,8 +30,6 @@ into place.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -41,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from entrenar import atomic
 from entrenar.errors import ModelError, QuantError
 from entrenar.models.config import rope_inv_freq
 from entrenar.models.gguf import build_tokenizer, gguf_tensor_name
@@ -405,10 +404,7 @@ def write_gguf(
     plan = _plan(model, qtype)
     meta = tokenizer_metadata(tokenizer, model.config.vocab_size)
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
+    def write(tmp: Path) -> None:
         writer = GGUFWriter(tmp, arch)
         _add_architecture(writer, model, arch, qtype, name)
         _add_tokenizer(writer, meta, tokenizer.chat_templates)
@@ -422,15 +418,11 @@ def write_gguf(
         try:
             for data in _tensors(model, plan, arch):
                 writer.write_tensor_data(data)
-            writer.flush()
-            os.fsync(writer.fout[0].fileno())
         finally:
             writer.close()
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return atomic.write_file(path, write)
 
 
 __all__ = ["GGUF_TYPES", "check_gguf_type", "permute_rope_rows", "tokenizer_metadata", "write_gguf"]

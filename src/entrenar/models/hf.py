@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,6 +10,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from entrenar import atomic
 from entrenar.errors import ModelError
 from entrenar.models.config import ModelConfig, rope_inv_freq
 from entrenar.models.transformer import Transformer
@@ -172,12 +170,10 @@ def save_hf(
     interrupted save never leaves a half-written model where a good one was.
     """
     folder = Path(folder)
-    folder.parent.mkdir(parents=True, exist_ok=True)
     state = {n: t.detach().contiguous().cpu() for n, t in model.state_dict().items()}
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
-    try:
+    with atomic.staged_folder(folder) as tmp:
         (tmp / "config.json").write_text(json.dumps(model.config.to_hf(), indent=2) + "\n")
         shards = _shards(state, max_shard_bytes)
         if len(shards) == 1:
@@ -193,14 +189,4 @@ def save_hf(
             (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
         for name, text in (extra_files or {}).items():
             (tmp / name).write_text(text)
-        old = None
-        if folder.exists():
-            old = folder.with_name(f".{folder.name}.old-{os.getpid()}")
-            os.replace(folder, old)
-        os.replace(tmp, folder)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return folder

@@ -35,17 +35,13 @@ tensor and file, never a model that computes garbage.
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
+from entrenar import atomic
 from entrenar.errors import ModelError, QuantError
 from entrenar.quant.int import MAX_BITS, MIN_BITS, IntQuantTensor, QuantLinear, qrange
 from entrenar.quant.int import _unpack_codes as unpack_codes
@@ -129,26 +125,6 @@ def quantization_config(model: nn.Module, info: dict[str, Any] | None = None) ->
 # ---------------------------------------------------------------- writing
 
 
-@contextmanager
-def _staged(output: Path) -> Iterator[Path]:
-    """A path in a fresh folder beside ``output``; when the block succeeds it replaces ``output`` by rename."""
-    output.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.", suffix=".tmp", dir=output.parent))
-    try:
-        target, old = staging / "new", staging / "old"
-        yield target
-        if output.exists():
-            os.replace(output, old)
-        try:
-            os.replace(target, output)
-        except BaseException:
-            if old.exists():
-                os.replace(old, output)
-            raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-
-
 def save_quantized(
     model: Transformer, tokenizer: Tokenizer | None, folder: str | Path, info: dict[str, Any] | None = None
 ) -> Path:
@@ -161,7 +137,7 @@ def save_quantized(
 
     folder = Path(folder)
     entry = quantization_config(model, info)
-    with _staged(folder) as target:
+    with atomic.staged_folder(folder) as target:
         save_hf(model, target)
         config_path = target / "config.json"
         config = json.loads(config_path.read_text())
