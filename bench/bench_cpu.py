@@ -55,7 +55,8 @@ def build(row: str, shape: str, seq: int, layers: int | None):
     if row == "hf":
         return build_hf(cfg, "lora", False, "cpu", torch.float32), hf_step_loss
     kernels = row.startswith("kernels")
-    model = build_entrenar(cfg, "lora", False, "cpu", torch.float32, kernels, "compiled" if "compiled" in row else "eager")
+    mode = "compiled" if row.endswith("compiled") else "eager"
+    model = build_entrenar(cfg, "lora", False, "cpu", torch.float32, kernels, mode)
     return model, entrenar_step_loss(fused_linear_cross_entropy if kernels else chunked_cross_entropy)
 
 
@@ -118,8 +119,9 @@ def main(argv: list[str] | None = None) -> None:
                               "load_average_during": load},
               "shape": args.shape, "layers": args.layers, "batch": args.batch, "seq": args.seq,
               "lora": {"r": LORA_R, "alpha": LORA_ALPHA}, "rows": {}}
-    print(f"{args.shape} LoRA r={LORA_R}, batch {args.batch} x seq {args.seq}, fp32, {torch.get_num_threads()} threads, "
-          f"steps {args.warmup + 1}..{args.steps}; load average {min(load):.1f}..{max(load):.1f}")
+    print(f"{args.shape} LoRA r={LORA_R}, batch {args.batch} x seq {args.seq}, fp32, "
+          f"{torch.get_num_threads()} threads, steps {args.warmup + 1}..{args.steps}; "
+          f"load average {min(load):.1f}..{max(load):.1f}")
     print(f"{'row':<17}{'median ms':>10}{'best ms':>9}{'cpu ms':>9}{'tok/s':>7}{'x hf':>6}{'best':>6}{'cpu':>6}"
           "  first losses")
     hf = None

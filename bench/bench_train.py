@@ -65,19 +65,23 @@ PEAK_BF16_FLOPS = 989.4e12
 LORA_R, LORA_ALPHA = 16, 32
 
 SHAPES: dict[str, dict] = {
-    # Llama-3.2-1B
-    "llama-1b": dict(hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8, intermediate_size=8192,
-                     vocab_size=128256, tie_word_embeddings=True, rope_theta=500000.0, model_type="llama"),
-    # Llama-3.1-8B
-    "llama-8b": dict(hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8, intermediate_size=14336,
-                     vocab_size=128256, tie_word_embeddings=False, rope_theta=500000.0, model_type="llama"),
-    # Qwen3-1.7B: q/k norms, head_dim 128
-    "qwen3-1.7b": dict(hidden_size=2048, num_layers=28, num_heads=16, num_kv_heads=8, head_dim=128,
-                       intermediate_size=6144, vocab_size=151936, tie_word_embeddings=True, rope_theta=1000000.0,
-                       model_type="qwen3", qk_norm=True),
-    # SmolLM2-135M (the CPU benchmark's shape)
-    "smollm2-135m": dict(hidden_size=576, num_layers=30, num_heads=9, num_kv_heads=3, intermediate_size=1536,
-                         vocab_size=49152, tie_word_embeddings=True, rope_theta=100000.0, model_type="llama"),
+    "llama-1b": {  # Llama-3.2-1B
+        "hidden_size": 2048, "num_layers": 16, "num_heads": 32, "num_kv_heads": 8, "intermediate_size": 8192,
+        "vocab_size": 128256, "tie_word_embeddings": True, "rope_theta": 500000.0, "model_type": "llama",
+    },
+    "llama-8b": {  # Llama-3.1-8B
+        "hidden_size": 4096, "num_layers": 32, "num_heads": 32, "num_kv_heads": 8, "intermediate_size": 14336,
+        "vocab_size": 128256, "tie_word_embeddings": False, "rope_theta": 500000.0, "model_type": "llama",
+    },
+    "qwen3-1.7b": {  # Qwen3-1.7B: q/k norms, head_dim 128
+        "hidden_size": 2048, "num_layers": 28, "num_heads": 16, "num_kv_heads": 8, "head_dim": 128,
+        "intermediate_size": 6144, "vocab_size": 151936, "tie_word_embeddings": True, "rope_theta": 1000000.0,
+        "model_type": "qwen3", "qk_norm": True,
+    },
+    "smollm2-135m": {  # SmolLM2-135M (the CPU benchmark's shape)
+        "hidden_size": 576, "num_layers": 30, "num_heads": 9, "num_kv_heads": 3, "intermediate_size": 1536,
+        "vocab_size": 49152, "tie_word_embeddings": True, "rope_theta": 100000.0, "model_type": "llama",
+    },
 }
 
 
@@ -320,7 +324,7 @@ def run_row(case_name: str, case: Case, row: str, device: str, dtype: torch.dtyp
     if profile_to:
         try:
             profile_steps(model, opt, step_loss, batches, profile_to)
-        except Exception as err:  # the timing stands; say why the profile is missing
+        except Exception as err:  # noqa: BLE001 - the timing stands; say why the profile is missing
             result.error = f"profile failed: {type(err).__name__}: {err}"
     del model, opt, params, batches, loss
     _free()
@@ -349,7 +353,7 @@ def compare(results: list[RowResult]) -> list[dict]:
     out = []
     for r in results:
         same = {x.row: x for x in results if x.case == r.case and x.status == "ok"}
-        d = dict(case=r.case, row=r.row, status=r.status)
+        d = {"case": r.case, "row": r.row, "status": r.status}
         hf, plain = same.get("hf"), same.get("plain-eager")
         if r.status == "ok" and hf is not None:
             d["speed_vs_hf"] = r.tokens_per_s / hf.tokens_per_s
@@ -367,7 +371,8 @@ def compare(results: list[RowResult]) -> list[dict]:
 
 
 def print_table(results: list[RowResult], comparisons: list[dict]) -> None:
-    head = f"{'case':<12}{'row':<22}{'tok/s':>9}{'ms':>8}{'MFU':>7}{'GiB':>7}{'xHF':>6}{'memxHF':>7}{'xplain':>7}{'dloss':>8}"
+    head = (f"{'case':<12}{'row':<22}{'tok/s':>9}{'ms':>8}{'MFU':>7}{'GiB':>7}{'xHF':>6}{'memxHF':>7}{'xplain':>7}"
+            f"{'dloss':>8}")
     print(head)
     for r, c in zip(results, comparisons):
         if r.status != "ok":
@@ -433,7 +438,7 @@ def main(argv: list[str] | None = None) -> None:
             if f"{case_name}:{row}" in profiled:
                 profile_to = str(Path(args.out).with_name(f"profile_{case_name}_{row}.txt"))
             results.append(run_row(case_name, case, row, "cuda", torch.bfloat16, profile_to))
-        except Exception as err:  # a failed row is reported, and the others still run
+        except Exception as err:  # noqa: BLE001 - a failed row is reported, and the others still run
             results.append(RowResult(case_name, row, status="failed", error=f"{type(err).__name__}: {err}"[:2000]))
         _free()
         r = results[-1]

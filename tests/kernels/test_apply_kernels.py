@@ -18,7 +18,8 @@ from entrenar.train.loss import chunked_cross_entropy
 
 def _lora_model(device="cpu", dtype=torch.float32, **shape) -> Transformer:
     torch.manual_seed(0)
-    dims = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2)
+    dims = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 96, "num_layers": 2, "num_heads": 4,
+            "num_kv_heads": 2}
     config = ModelConfig(**{**dims, **shape}, qk_norm=True, model_type="qwen3", tie_word_embeddings=True)
     model = Transformer(config)
     model.reset_parameters()
@@ -77,7 +78,7 @@ def test_cpu_training_step_matches_the_plain_model(monkeypatch):
 
 @needs_cuda
 def test_gpu_bf16_training_step_is_as_accurate_as_the_plain_model():
-    shape = dict(hidden_size=256, intermediate_size=704, vocab_size=1000)
+    shape = {"hidden_size": 256, "intermediate_size": 704, "vocab_size": 1000}
     plain = _lora_model("cuda", torch.bfloat16, **shape)
     exact = copy.deepcopy(plain).double()
     fused = copy.deepcopy(plain)

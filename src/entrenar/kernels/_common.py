@@ -13,7 +13,6 @@ import os
 
 import torch
 
-
 # Looked up once, without importing triton; a constant is also what torch.compile wants to see.
 _TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
 

@@ -67,7 +67,9 @@ def _kernels() -> SimpleNamespace:
     return SimpleNamespace(cross_entropy_rows=cross_entropy_rows)
 
 
-def _rows_triton(logits: torch.Tensor, targets: torch.Tensor, loss_rows: torch.Tensor, write_grad: bool) -> torch.Tensor:
+def _rows_triton(
+    logits: torch.Tensor, targets: torch.Tensor, loss_rows: torch.Tensor, write_grad: bool
+) -> torch.Tensor:
     """Per-row losses into ``loss_rows``; returns d loss / d logits, written over ``logits``."""
     _kernels().cross_entropy_rows[(logits.shape[0],)](
         logits, targets, loss_rows, logits.stride(0), logits.shape[1], IGNORE_INDEX,
@@ -76,7 +78,9 @@ def _rows_triton(logits: torch.Tensor, targets: torch.Tensor, loss_rows: torch.T
     return logits
 
 
-def _rows_torch(logits: torch.Tensor, targets: torch.Tensor, loss_rows: torch.Tensor, write_grad: bool) -> torch.Tensor:
+def _rows_torch(
+    logits: torch.Tensor, targets: torch.Tensor, loss_rows: torch.Tensor, write_grad: bool
+) -> torch.Tensor:
     """The same in PyTorch, for CPUs: one fused ``log_softmax`` pass where ``logsumexp`` takes several."""
     valid = targets != IGNORE_INDEX
     safe = torch.where(valid, targets, 0).unsqueeze(1)
