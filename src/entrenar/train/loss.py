@@ -6,8 +6,8 @@ padding, the first token of a packed document).
 
 Losses are *sums* with their token count, never per-batch means. The training
 loop divides each micro-batch's ``loss_sum`` by the number of target tokens of
-the whole optimizer step (``count_target_tokens`` summed over its micro-batches,
-known before any forward pass), so gradient accumulation gives every target
+the whole optimizer step (``entrenar.data.num_target_tokens`` summed over its
+micro-batches, known before any forward pass), so gradient accumulation gives every target
 token the same weight, exactly as one large batch would.
 """
 
@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-IGNORE_INDEX = -100
+from entrenar.data.tokenize import IGNORE_INDEX
 
 
 def _check_shapes(what: str, scores: torch.Tensor, labels: torch.Tensor) -> None:
@@ -24,13 +24,6 @@ def _check_shapes(what: str, scores: torch.Tensor, labels: torch.Tensor) -> None
         raise ValueError(
             f"{what} must be [B, T, *] with labels [B, T]; got {tuple(scores.shape)} and {tuple(labels.shape)}"
         )
-
-
-def count_target_tokens(labels: torch.Tensor) -> int:
-    """Number of tokens that carry loss in ``labels`` [B, T], after the causal shift."""
-    if labels.ndim != 2:
-        raise ValueError(f"labels must be [B, T], got shape {tuple(labels.shape)}")
-    return int((labels[:, 1:] != IGNORE_INDEX).sum())
 
 
 def token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
