@@ -187,3 +187,13 @@ def test_skipped_records_are_reported_and_an_empty_validation_set_is_named(works
     with pytest.raises(DataError, match=r"data\.validation \(.*long\.jsonl\): no examples left"):
         train(recipe_for(workspace, f"data.validation={workspace / 'long.jsonl'}", "data.validation_split=0"),
               dry_run=True, progress=False)
+
+
+def test_kernels_and_the_fused_loss_give_the_plain_losses(workspace):
+    """training.kernels swaps in fused forwards and the fused output-projection loss (PyTorch paths on a CPU)."""
+    plain = train(recipe_for(workspace, "training.kernels=false", "lora.dropout=0", f"output.dir={workspace / 'p'}"),
+                  progress=False)
+    fused = train(recipe_for(workspace, "training.kernels=true", "lora.dropout=0", f"output.dir={workspace / 'f'}"),
+                  progress=False)
+    torch.testing.assert_close(torch.tensor(losses(fused.run_dir)), torch.tensor(losses(plain.run_dir)),
+                               atol=1e-5, rtol=0)

@@ -20,8 +20,9 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
         ["training.precision=fp16", "model.dtype=float32"],
         ["training.precision=bf16", "lora=null", "training.compile=true"],
         ["training.precision=bf16", "lora.quantize_base=nf4", "training.activation_checkpointing=true"],
+        ["training.precision=bf16", "training.kernels=false", "training.compile=true"],
     ],
-    ids=["lora-bf16", "lora-fp16-scaled", "full-bf16-compiled", "qlora-checkpointed"],
+    ids=["lora-bf16", "lora-fp16-scaled", "full-bf16-compiled", "qlora-checkpointed", "plain-path-compiled"],
 )
 def test_training_on_cuda_learns_and_reports_memory(workspace, settings):  # noqa: F811
     result = train(recipe_for(workspace, "model.device=cuda", "training.max_steps=12", "optimizer.lr=5e-3",

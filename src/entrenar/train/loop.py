@@ -30,6 +30,8 @@ from entrenar.data import BatchStream, eval_batches, num_target_tokens, read_rec
 from entrenar.errors import AdapterError, CheckpointError, ConfigError, DataError
 from entrenar.evaluate import EvalResult, autocast_for, eval_loss
 from entrenar.export import save_merged
+from entrenar.kernels import apply_kernels, triton_available
+from entrenar.kernels.fused_linear_ce import fused_linear_cross_entropy
 from entrenar.lora import LoraConfig, apply_lora, load_lora_state_dict, lora_layers, lora_state_dict, save_adapter
 from entrenar.memory import LINEAR_NAMES, GiB, estimate_training_memory
 from entrenar.quant.checkpoint import save_qat_model
@@ -102,6 +104,11 @@ def train(
             raise AdapterError(f"lora.target_modules: {e}") from None
     if t.activation_checkpointing:
         model.set_activation_checkpointing(True)
+    use_kernels = t.kernels is True or (t.kernels == "auto" and device.type == "cuda" and triton_available())
+    if use_kernels:
+        apply_kernels(model)  # same parameters and names; fused forwards (PyTorch fallbacks off the GPU)
+    # Fusing the output projection into the loss never materialises full-vocabulary logits.
+    fused_loss = use_kernels and type(model.lm_head) is torch.nn.Linear
     trainable = [p for p in model.parameters() if p.requires_grad]
 
     # Data: records -> masked examples -> a resumable stream of packed batches.
@@ -119,7 +126,14 @@ def train(
     o = recipe.optimizer
     optimizer = build_optimizer(groups, o.name, o.lr, o.betas, o.eps, o.momentum, o.fused, device)
     scaler = torch.amp.GradScaler(device.type, enabled=t.precision == "fp16")
-    forward = torch.compile(model) if t.compile else model
+    def loss_sum_of(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Summed cross-entropy of one micro-batch's target tokens."""
+        inputs = (batch["input_ids"], batch["position_ids"], batch["document_ids"])
+        if fused_loss:
+            return fused_linear_cross_entropy(model.hidden_states(*inputs), model.lm_head.weight, batch["labels"])[0]
+        return token_cross_entropy(model(*inputs), batch["labels"])[0]
+
+    compute_loss = torch.compile(loss_sum_of) if t.compile else loss_sum_of
 
     if dry_run:
         report = _dry_run_report(recipe, model, trainable, examples, validation, notes)
@@ -174,8 +188,7 @@ def train(
         for batch in micro_batches:
             batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
             with autocast_for(device, t.precision):
-                logits = forward(batch["input_ids"], batch["position_ids"], batch["document_ids"])
-            loss_sum, _ = token_cross_entropy(logits, batch["labels"])
+                loss_sum = compute_loss(batch)
             loss = loss_sum / step_targets  # normalised over the whole step, not per micro-batch
             scaler.scale(loss).backward()
             step_loss += loss.detach()
