@@ -19,9 +19,10 @@ if TYPE_CHECKING:
     from entrenar.tokenizer import Tokenizer
 
 __version__ = "0.1.0"
-__all__ = ["load", "read_model_config", "EntrenarError", "__version__"]
+__all__ = ["DTYPES", "load", "read_model_config", "EntrenarError", "__version__"]
 
-_DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16"}
+# The weight dtypes a user may name (library and CLI), each to its torch dtype's name; "auto" is handled apart.
+DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16"}
 
 
 def resolve_dtype(dtype: "str | torch.dtype | None", device: "str | torch.device") -> "torch.dtype":
@@ -35,9 +36,9 @@ def resolve_dtype(dtype: "str | torch.dtype | None", device: "str | torch.device
     if dtype in (None, "auto"):
         on_cuda = torch.device(device).type == "cuda"
         return torch.bfloat16 if on_cuda and torch.cuda.is_bf16_supported() else torch.float32
-    if dtype not in _DTYPES:
-        raise ConfigError(f"unknown dtype '{dtype}' (allowed: auto, float32, bfloat16, float16)")
-    return getattr(torch, _DTYPES[dtype])
+    if dtype not in DTYPES:
+        raise ConfigError(f"unknown dtype '{dtype}' (allowed: auto, {', '.join(DTYPES)})")
+    return getattr(torch, DTYPES[dtype])
 
 
 def resolve_device(device: "str | torch.device | None") -> "torch.device":

@@ -8,14 +8,11 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+import entrenar
 from entrenar.cli.options import positive_int
 
-if TYPE_CHECKING:
-    from entrenar.models.config import ModelConfig
-
-DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2}
 ARCHITECTURE_FIELDS = (
     "model_type", "num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
     "vocab_size", "max_position_embeddings", "rope_theta", "rope_scaling", "tie_word_embeddings",
@@ -38,7 +35,7 @@ def add_parser(commands: argparse._SubParsersAction, parents: list[argparse.Argu
     parser.add_argument("--lora-r", type=positive_int, default=16, metavar="R", help="LoRA rank (default 16)")
     parser.add_argument("--lora-targets", default="all-linear", metavar="all-linear|q_proj,v_proj,...",
                         help="projections LoRA adapts (default all-linear)")
-    parser.add_argument("--dtype", choices=tuple(DTYPE_BYTES), default="bf16", help="training dtype (default bf16)")
+    parser.add_argument("--dtype", choices=tuple(entrenar.DTYPES), default="bf16", help="training dtype (default bf16)")
     parser.add_argument("--checkpointing", action="store_true", help="with activation checkpointing")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     parser.set_defaults(run=run)
@@ -60,13 +57,14 @@ def parse_targets(text: str) -> str | list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from entrenar import read_model_config
+    from entrenar import read_model_config, resolve_dtype
     from entrenar.memory import estimate_training_memory, format_estimates
 
     config = read_model_config(args.model)
+    dtype_bytes = resolve_dtype(args.dtype, "cpu").itemsize
     targets = parse_targets(args.lora_targets)
     settings = {
-        "batch_size": args.batch_size, "seq_len": args.seq_len, "dtype_bytes": DTYPE_BYTES[args.dtype],
+        "batch_size": args.batch_size, "seq_len": args.seq_len, "dtype_bytes": dtype_bytes,
         "lora_r": args.lora_r, "lora_targets": targets, "activation_checkpointing": args.checkpointing,
     }
     estimates = [estimate_training_memory(config, method, **settings) for method in METHODS]

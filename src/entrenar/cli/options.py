@@ -6,11 +6,13 @@ import argparse
 import re
 from typing import TYPE_CHECKING
 
+import entrenar
+
 if TYPE_CHECKING:
     from entrenar.models.transformer import Transformer
     from entrenar.tokenizer import Tokenizer
 
-DTYPES = ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
+DTYPES = ("auto", *entrenar.DTYPES)  # the names entrenar.load accepts
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
