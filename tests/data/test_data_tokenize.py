@@ -56,7 +56,7 @@ def test_text_record_trains_on_every_token_and_ends_with_eos(tokenizer):
 
 def test_prompt_completion_masks_the_prompt(tokenizer):
     record = {"prompt": "What is the capital of France?", "completion": " Paris."}
-    example = tokenize_record(record, tokenizer)
+    example = tokenize_record(record, tokenizer, train_on="completion")
     prompt = tokenizer.encode(record["prompt"])  # with BOS, as at inference
     completion = tokenizer.encode(record["completion"], add_special_tokens=False) + [tokenizer.eos_id]
     assert example.input_ids == prompt + completion
@@ -74,8 +74,19 @@ def test_columns_map_field_names(tokenizer):
     assert mapped == plain
 
 
+def test_a_plain_call_trains_on_everything_as_the_recipe_default_does(tokenizer):
+    from entrenar.config import Recipe
+
+    assert Recipe().data.train_on == "all"
+    for record in ({"prompt": "What is the capital of France?", "completion": " Paris."}, {"messages": CHAT}):
+        example = tokenize_record(record, tokenizer)
+        assert example.labels == example.input_ids
+        examples, _ = tokenize_records([record], tokenizer, seq_len=256)
+        assert [(e.input_ids, e.labels) for e in examples] == [(example.input_ids, example.labels)]
+
+
 def test_chat_trains_only_on_assistant_turns_through_end_of_turn(tokenizer):
-    example = tokenize_record({"messages": CHAT}, tokenizer)
+    example = tokenize_record({"messages": CHAT}, tokenizer, train_on="completion")
     assert tokenizer.decode(example.input_ids, skip_special_tokens=False) == tokenizer.apply_chat_template(CHAT)
     assert trained_text(example, tokenizer) == ["Paris.<|im_end|>", "It jumps over the lazy dog.<|im_end|>"]
 
@@ -91,7 +102,7 @@ def test_chat_mask_equals_transformers_assistant_mask(backend, tokenizer):
     for conversation in (CHAT, CHAT[1:3], [{"role": "assistant", "content": "The capital."}] + CHAT[1:]):
         out = reference.apply_chat_template(conversation, tokenize=True, return_dict=True,
                                             return_assistant_tokens_mask=True)
-        example = tokenize_record({"messages": conversation}, tokenizer)
+        example = tokenize_record({"messages": conversation}, tokenizer, train_on="completion")
         assert example.input_ids == out["input_ids"]
         assert [label != IGNORE_INDEX for label in example.labels] == [bool(m) for m in out["assistant_masks"]]
 
@@ -105,7 +116,7 @@ def test_chat_template_that_rewrites_earlier_turns_is_refused(backend):
                 "{% endfor %}")
     tok = Tokenizer(backend, eos_token="<|end_of_text|>", chat_template=template)
     with pytest.raises(DataError, match="cannot locate assistant message 2.*train_on='all'"):
-        tokenize_record({"messages": CHAT}, tok)
+        tokenize_record({"messages": CHAT}, tok, train_on="completion")
     assert tokenize_record({"messages": CHAT}, tok, train_on="all").labels  # still usable with train_on='all'
 
 
@@ -125,7 +136,7 @@ def test_bad_field_types_and_unknown_records_are_named(tokenizer):
     with pytest.raises(DataError, match="record has none of the fields 'text', 'prompt'\\+'completion' or 'messages'"):
         tokenize_record({"body": "x"}, tokenizer)
     with pytest.raises(DataError, match="no assistant message"):
-        tokenize_record({"messages": CHAT[:2]}, tokenizer)
+        tokenize_record({"messages": CHAT[:2]}, tokenizer, train_on="completion")
 
 
 def test_truncation_is_counted_and_untrainable_examples_dropped(tokenizer):
@@ -136,7 +147,7 @@ def test_truncation_is_counted_and_untrainable_examples_dropped(tokenizer):
     ]
     full = [len(tokenize_record(r, tokenizer)) for r in records]
     assert full[0] > 8 and full[1] <= 8 and len(tokenizer.encode(records[2]["prompt"])) >= 8
-    examples, stats = tokenize_records(records, tokenizer, seq_len=8)
+    examples, stats = tokenize_records(records, tokenizer, seq_len=8, train_on="completion")
     assert [len(e) for e in examples] == [8, full[1]]
     assert examples[0].input_ids == tokenize_record(records[0], tokenizer).input_ids[:8]
     assert stats.truncated_examples == 2 and stats.truncated_tokens == (full[0] - 8) + (full[2] - 8)

@@ -74,12 +74,15 @@ def tokenize_record(
     tokenizer: Tokenizer,
     *,
     kind: str = "auto",
-    train_on: str = "completion",
+    train_on: str = "all",
     add_eos: bool = True,
     columns: Mapping[str, str] | None = None,
 ) -> Example:
     """Tokenize one record (untruncated). ``columns`` maps ``text``/``prompt``/``completion``/``messages``
-    to the record's own field names, e.g. ``{"prompt": "instruction", "completion": "output"}``."""
+    to the record's own field names, e.g. ``{"prompt": "instruction", "completion": "output"}``.
+
+    ``train_on`` defaults to ``"all"``, as the recipe's ``data.train_on`` does;
+    ``"completion"`` masks prompts and non-assistant turns."""
     if kind not in KINDS:
         raise ConfigError(f"data kind {kind!r} is not one of {', '.join(KINDS)}")
     if train_on not in TRAIN_ON:
@@ -117,7 +120,7 @@ def tokenize_records(
     seq_len: int,
     *,
     kind: str = "auto",
-    train_on: str = "completion",
+    train_on: str = "all",
     add_eos: bool = True,
     columns: Mapping[str, str] | None = None,
     on_error: str = "raise",
