@@ -74,7 +74,8 @@ def evaluate_file(
     """Loss and perplexity of `model` on a data file, masked as training would mask it."""
     records, _ = read_records(path, format=fmt)
     examples, _ = tokenize_records(records, tokenizer, seq_len, train_on=train_on)
-    batches = eval_batches(examples, batch_size, seq_len, packing=True, pad_id=tokenizer.pad_id)
+    pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else 0  # neither pad nor EOS; pads carry no loss
+    batches = eval_batches(examples, batch_size, seq_len, packing=True, pad_id=pad_id)
     result = eval_loss(model, batches, precision=precision)
     result.examples = len(examples)
     return result
