@@ -298,7 +298,8 @@ def test_peft_adapter_through_entrenar_load(base, tmp_path):
 
 
 def test_peft_adapter_on_a_tied_head_works_unmerged_and_refuses_to_merge(tmp_path):
-    """PEFT only warns about LoRA on a tied lm_head; its adapter runs unmerged, but merging would change the embeddings."""
+    """PEFT only warns about LoRA on a tied lm_head: its adapter runs unmerged, but merging would change the
+    embeddings."""
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
         hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -317,7 +318,8 @@ def test_peft_adapter_on_a_tied_head_works_unmerged_and_refuses_to_merge(tmp_pat
     load_adapter(model, tmp_path)
     torch.testing.assert_close(logits(model), logits(reference), rtol=1e-5, atol=1e-5)
     embeddings = model.model.embed_tokens.weight.clone()
-    with pytest.raises(AdapterError, match=r"lm_head\.weight is tied to model\.embed_tokens\.weight.*use the adapter unmerged"):
+    tied = r"lm_head\.base_layer\.weight is tied to model\.embed_tokens\.weight.*use the adapter unmerged"
+    with pytest.raises(AdapterError, match=tied):
         lora.merge_lora(model)
     assert not any(layer.merged for _, layer in lora_layers(model))  # nothing merged, not even q_proj
     assert torch.equal(model.model.embed_tokens.weight, embeddings)

@@ -292,30 +292,32 @@ def _refuse_second_adapter(model: nn.Module) -> None:
         )
 
 
-def _shared_weights(model: nn.Module, names: Sequence[str]) -> Iterator[tuple[str, str, nn.Module]]:
-    """``(name, other, owner)`` for each layer among ``names`` whose weight is also the model's parameter ``other``.
+def _shared_weights(model: nn.Module, names: Sequence[str]) -> Iterator[tuple[str, str, str, nn.Module]]:
+    """``(layer, param, other, owner)`` for each layer among ``names`` whose parameter ``param`` is also
+    the model's parameter ``other``, outside the layer; ``owner`` is the module that holds ``other``.
 
     Tied embeddings are the usual case: ``lm_head.weight`` is the very
-    parameter ``model.embed_tokens.weight``. ``owner`` is the module holding ``other``.
+    parameter ``model.embed_tokens.weight``. Only registered parameters are
+    compared, so quantized layers are not dequantized to look at them.
     """
     holders: dict[int, list[str]] = {}
     for param_name, param in model.named_parameters(remove_duplicate=False):
         holders.setdefault(id(param), []).append(param_name)
     for name in names:
-        layer = model.get_submodule(name)
-        weight = layer.base_layer.weight if isinstance(layer, LoraLinear) else getattr(layer, "weight", None)
-        others = [n for n in holders.get(id(weight), []) if not n.startswith(name + ".")]
-        if others:
-            yield name, others[0], model.get_submodule(others[0].rpartition(".")[0])
+        for local_name, param in model.get_submodule(name).named_parameters():
+            others = [n for n in holders.get(id(param), []) if not n.startswith(name + ".")]
+            if others:
+                yield name, f"{name}.{local_name}", others[0], model.get_submodule(others[0].rpartition(".")[0])
+                break
 
 
 def _refuse_shared_weights(model: nn.Module, names: Sequence[str], *, merging: bool) -> None:
     """Merging into a shared weight would silently change the other module too: refuse it up front."""
-    for name, other, owner in _shared_weights(model, names):
+    for layer, param, other, owner in _shared_weights(model, names):
         embeddings = isinstance(owner, nn.Embedding)
-        fix = "use the adapter unmerged" if merging else f"leave {name.rsplit('.', 1)[-1]} out of target_modules"
+        fix = "use the adapter unmerged" if merging else f"leave {layer.rsplit('.', 1)[-1]} out of target_modules"
         raise AdapterError(
-            f"{name}.weight is tied to {other}; LoRA on it would change {'the embeddings' if embeddings else other} "
+            f"{param} is tied to {other}; LoRA on it would change {'the embeddings' if embeddings else other} "
             f"when merged — {fix} or untie {'the embeddings' if embeddings else 'them'}"
         )
 
