@@ -14,7 +14,6 @@ from __future__ import annotations
 import difflib
 import importlib.resources
 import math
-import os
 import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -524,12 +523,12 @@ def load_recipe(path: str | Path | None, overrides: Iterable[str] = ()) -> Recip
 
 def save_recipe(recipe: Recipe, path: str | Path) -> None:
     """Write the resolved recipe as YAML (atomically), so a resume can compare against it."""
+    from entrenar import atomic
+
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
     header = "# Resolved recipe: every default and --set override applied. Written by entrenar.\n"
-    tmp.write_text(header + recipe.to_yaml(), encoding="utf-8")
-    os.replace(tmp, path)
+    atomic.write_text(path, header + recipe.to_yaml())
 
 
 def recipe_changes(old: Recipe, new: Recipe) -> list[str]:
