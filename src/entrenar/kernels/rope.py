@@ -18,10 +18,9 @@ import functools
 from types import SimpleNamespace
 
 import torch
-import torch.nn.functional as F
 
 from entrenar.kernels._common import next_power_of_2, use_triton
-from entrenar.models.transformer import _SDPA_HAS_GQA, Attention, KVCache
+from entrenar.models.transformer import Attention
 from entrenar.models.transformer import apply_rope as apply_rope_reference
 
 
@@ -138,36 +137,6 @@ def apply_rope(
 
 
 class FusedRopeAttention(Attention):
-    """An :class:`Attention` that rotates q and k with the fused kernel; same projections, same state dict.
+    """An :class:`Attention` that rotates q and k with the fused kernel; same projections, same state dict."""
 
-    The body is ``Attention.forward`` with only the RoPE call changed; the
-    tests compare the two on every branch (q/k norms, GQA, masks, KV cache).
-    """
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        mask: torch.Tensor | None,
-        cache: KVCache | None = None,
-    ) -> torch.Tensor:
-        b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        q, k = apply_rope(q, k, cos.to(q.dtype), sin.to(q.dtype))
-        if cache is not None:
-            k, v = cache.update(self.layer_idx, k, v)
-        groups = self.num_heads // self.num_kv_heads
-        extra = {}
-        if groups > 1:
-            if _SDPA_HAS_GQA:
-                extra["enable_gqa"] = True
-            else:
-                k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, **extra)
-        return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
+    rotate = staticmethod(apply_rope)

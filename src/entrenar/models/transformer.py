@@ -63,6 +63,9 @@ class KVCache:
 
 
 class Attention(nn.Module):
+    # How q and k are rotated; a fused kernel replaces this alone (entrenar.kernels.rope).
+    rotate = staticmethod(apply_rope)
+
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         self.layer_idx = layer_idx
@@ -87,7 +90,7 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        q, k = apply_rope(q, k, cos.to(q.dtype), sin.to(q.dtype))
+        q, k = self.rotate(q, k, cos.to(q.dtype), sin.to(q.dtype))
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v)
         groups = self.num_heads // self.num_kv_heads
