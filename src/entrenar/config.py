@@ -392,7 +392,7 @@ class TrainingSection(_Section):
     precision: str = _key("fp32", _choice("fp32", "bf16", "fp16"))
     activation_checkpointing: bool = _key(False, _boolean)
     compile: bool = _key(False, _boolean)
-    kernels: str | bool = _key("auto", _choice("auto", True, False))  # auto: on CUDA with Triton, without autocast
+    kernels: str | bool = _key("auto", _choice("auto", True, False))  # auto: on CUDA when Triton imports
     seed: int = _key(0, _integer(0, 2**32 - 1))  # numpy's seed range
     eval_every: int = _key(0, _integer(0))
     eval_batches: int | None = _key(None, _integer(1, nullable=True))

@@ -8,6 +8,7 @@ debugging without a GPU).
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 
@@ -42,3 +43,18 @@ def next_power_of_2(n: int) -> int:
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def autocast_inputs(*tensors: torch.Tensor | None) -> tuple[tuple[torch.Tensor | None, ...], contextlib.AbstractContextManager]:
+    """Do at the door of a hand-written autograd path what autocast would do inside it.
+
+    Under autocast, floating inputs are cast to its dtype and the path runs
+    with autocast off, so its own products see one dtype (autocast does not
+    reach in-place ops or ``out=`` arguments). Elsewhere the inputs pass as they are.
+    """
+    device_type = next(t for t in tensors if t is not None).device.type
+    if not torch.is_autocast_enabled(device_type):
+        return tensors, contextlib.nullcontext()
+    dtype = torch.get_autocast_dtype(device_type)
+    cast = tuple(t.to(dtype) if t is not None and t.is_floating_point() else t for t in tensors)
+    return cast, torch.autocast(device_type, enabled=False)

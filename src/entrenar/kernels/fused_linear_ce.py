@@ -23,7 +23,7 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 
-from entrenar.kernels._common import use_triton
+from entrenar.kernels._common import autocast_inputs, use_triton
 from entrenar.train.loss import IGNORE_INDEX, chunked_cross_entropy
 
 _BLOCK_V = 4096
@@ -165,6 +165,14 @@ def fused_linear_cross_entropy(
     :func:`entrenar.train.loss.chunked_cross_entropy`, which computes the same
     or names the problem.
     """
+    (hidden, lm_head_weight), autocast_off = autocast_inputs(hidden, lm_head_weight)
+    with autocast_off:
+        return _fused_or_chunked(hidden, lm_head_weight, labels, chunk_size)
+
+
+def _fused_or_chunked(
+    hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.Tensor, chunk_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     ok = (
         hidden.ndim == 3 and labels.shape == hidden.shape[:2] and lm_head_weight.ndim == 2
         and lm_head_weight.shape[1] == hidden.shape[-1] and hidden.dtype == lm_head_weight.dtype

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from entrenar.kernels._common import autocast_inputs
 from entrenar.lora import LoraLinear
 
 
@@ -98,7 +99,9 @@ def lora_linear(
     activations: faster, but the adapter path and the adapter gradients are
     then rounded to bf16 (the adapter weights and optimizer stay fp32).
     """
-    return _LoraLinearFunction.apply(x, weight, bias, lora_a, lora_b, float(scaling), compute_dtype or lora_a.dtype)
+    (x, weight, bias, lora_a, lora_b), autocast_off = autocast_inputs(x, weight, bias, lora_a, lora_b)
+    with autocast_off:
+        return _LoraLinearFunction.apply(x, weight, bias, lora_a, lora_b, float(scaling), compute_dtype or lora_a.dtype)
 
 
 class FusedLoraLinear(LoraLinear):

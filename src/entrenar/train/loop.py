@@ -104,14 +104,7 @@ def train(
             raise AdapterError(f"lora.target_modules: {e}") from None
     if t.activation_checkpointing:
         model.set_activation_checkpointing(True)
-    autocast = t.precision != "fp32"
-    if t.kernels is True and autocast:
-        raise ConfigError(f"training.kernels: the fused kernels do not run under autocast (training.precision: "
-                          f"{t.precision}) yet; store the weights in bf16 (model.dtype: bfloat16) with precision fp32, "
-                          "or set kernels: false")
-    use_kernels = t.kernels is True or (
-        t.kernels == "auto" and device.type == "cuda" and not autocast and triton_available()
-    )
+    use_kernels = t.kernels is True or (t.kernels == "auto" and device.type == "cuda" and triton_available())
     if use_kernels:
         apply_kernels(model)  # same parameters and names; fused forwards (PyTorch fallbacks off the GPU)
     # Fusing the output projection into the loss never materialises full-vocabulary logits.
