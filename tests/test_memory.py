@@ -72,3 +72,11 @@ def test_lora_and_qlora_shrink_what_they_should():
     assert pure_bf16.weights == 2 * pure_bf16.total_params
     assert qlora.weights < 0.4 * lora.weights
     assert qlora.activations == lora.activations
+
+
+def test_the_fused_loss_holds_one_chunk_of_logits():
+    full = estimate_training_memory(CONFIG, "lora", 4, 2048)
+    fused = estimate_training_memory(CONFIG, "lora", 4, 2048, fused_loss_chunk=1024)
+    assert full.logits == 4 * 2048 * 256 * (2 + 4 + 4)
+    assert fused.logits == 1024 * 256 * (2 + 4)
+    assert fused.activations == full.activations

@@ -86,6 +86,7 @@ def estimate_training_memory(
     activation_checkpointing: bool = False,
     param_bytes: int | None = None,
     optimizer: str = "adamw",
+    fused_loss_chunk: int | None = None,
 ) -> MemoryEstimate:
     """Estimate peak training memory in bytes. `method` is full, lora or qlora.
 
@@ -93,7 +94,8 @@ def estimate_training_memory(
     the weights are stored: full fine-tuning keeps fp32 master weights by
     default (so weights, gradients and optimizer state are fp32), a LoRA base
     defaults to the compute precision. AdamW keeps two state tensors per
-    trainable parameter, SGD with momentum one.
+    trainable parameter, SGD with momentum one. `fused_loss_chunk` (tokens per
+    chunk) models the fused output-projection loss instead of full logits.
     """
     if method not in ("full", "lora", "qlora"):
         raise ValueError(f"method must be full, lora or qlora, got {method!r}")
@@ -126,8 +128,12 @@ def estimate_training_memory(
     else:
         activations = tokens * config.num_layers * per_layer
     activations += tokens * config.hidden_size * (dtype_bytes + 4)  # final norm
-    # Logits in the model dtype, upcast to fp32 for the loss, and their gradient.
-    logits = tokens * config.vocab_size * (dtype_bytes + 4 + 4)
+    if fused_loss_chunk:
+        # The fused output-projection loss holds one chunk of logits and its gradient, never all of them.
+        logits = min(tokens, fused_loss_chunk) * config.vocab_size * (dtype_bytes + 4)
+    else:
+        # Logits in the model dtype, upcast to fp32 for the loss, and their gradient.
+        logits = tokens * config.vocab_size * (dtype_bytes + 4 + 4)
     return MemoryEstimate(method, total, trainable, weights, gradients, optimizer_bytes, activations, logits)
 
 

@@ -42,6 +42,7 @@ from entrenar.train.metrics import MetricsLogger, plot_loss_curve
 from entrenar.train.optim import build_optimizer, build_param_groups, lr_at, set_lr
 
 RECIPE_FILE = "recipe.yaml"
+FUSED_LOSS_CHUNK = 4096  # tokens per chunk of the fused output-projection loss
 # Keys a resumed run may change: how long it runs and how often it reports.
 RESUMABLE_CHANGES = ("training.max_steps", "training.eval_every", "training.log_every", "training.save_every",
                      "training.keep_last", "training.eval_batches")
@@ -130,13 +131,14 @@ def train(
         """Summed cross-entropy of one micro-batch's target tokens."""
         inputs = (batch["input_ids"], batch["position_ids"], batch["document_ids"])
         if fused_loss:
-            return fused_linear_cross_entropy(model.hidden_states(*inputs), model.lm_head.weight, batch["labels"])[0]
+            hidden = model.hidden_states(*inputs)
+            return fused_linear_cross_entropy(hidden, model.lm_head.weight, batch["labels"], FUSED_LOSS_CHUNK)[0]
         return token_cross_entropy(model(*inputs), batch["labels"])[0]
 
     compute_loss = torch.compile(loss_sum_of) if t.compile else loss_sum_of
 
     if dry_run:
-        report = _dry_run_report(recipe, model, trainable, examples, validation, notes)
+        report = _dry_run_report(recipe, model, trainable, examples, validation, notes, fused_loss)
         return TrainResult(run_dir=run_dir, steps=0, summary=report, dry_run=True)
 
     # Resume: weights, optimizer, RNG, data position and metrics continue where the checkpoint left them.
@@ -366,7 +368,7 @@ def _save_result(model, tokenizer, recipe: Recipe, run_dir: Path) -> Path:
     return out
 
 
-def _dry_run_report(recipe: Recipe, model, trainable, examples, validation, notes: list[str]) -> str:
+def _dry_run_report(recipe: Recipe, model, trainable, examples, validation, notes: list[str], fused_loss: bool) -> str:
     total = sum(p.numel() for p in model.parameters())
     n_trainable = sum(p.numel() for p in trainable)
     t, d = recipe.training, recipe.data
@@ -379,6 +381,7 @@ def _dry_run_report(recipe: Recipe, model, trainable, examples, validation, note
         dtype_bytes=2 if t.precision != "fp32" else 4, param_bytes=stored_bytes,
         lora_r=lora.r if lora else 16, lora_targets=sorted(wrapped & set(LINEAR_NAMES)) or "all-linear",
         activation_checkpointing=t.activation_checkpointing, optimizer=recipe.optimizer.name,
+        fused_loss_chunk=FUSED_LOSS_CHUNK if fused_loss else None,
     )
     tokens = sum(len(e) for e in examples)
     return "\n".join([
