@@ -127,6 +127,7 @@ def train(
     o = recipe.optimizer
     optimizer = build_optimizer(groups, o.name, o.lr, o.betas, o.eps, o.momentum, o.fused, device)
     scaler = torch.amp.GradScaler(device.type, enabled=t.precision == "fp16")
+
     def loss_sum_of(batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Summed cross-entropy of one micro-batch's target tokens."""
         inputs = (batch["input_ids"], batch["position_ids"], batch["document_ids"])
