@@ -230,19 +230,19 @@ def train(
     output = _save_result(model, tokenizer, recipe, run_dir)
     quantized = save_qat_model(model, tokenizer, run_dir / "quantized") if recipe.qat is not None else None
     plot_loss_curve(metrics.path, run_dir / "loss_curve.png")
-    summary = metrics.summary(checkpoint=last_checkpoint or latest_checkpoint(run_dir))
-    metrics.close()
-    lines = [summary, f"{'output':<14}{output}", *[f"{'note':<14}{note}" for note in notes]]
+    rows = [("output", str(output)), *[("note", note) for note in notes]]
     if quantized is not None:
-        lines.append(f"{'quantized':<14}{quantized}")
+        rows.append(("quantized", str(quantized)))
     if eval_before is not None and eval_after is not None:
-        lines.append(f"{'held-out loss':<14}{eval_before.loss:.4f} -> {eval_after.loss:.4f} "
-                     f"(perplexity {eval_before.perplexity:.2f} -> {eval_after.perplexity:.2f})")
+        rows.append(("held-out loss", f"{eval_before.loss:.4f} -> {eval_after.loss:.4f} "
+                                      f"(perplexity {eval_before.perplexity:.2f} -> {eval_after.perplexity:.2f})"))
     if is_quickstart:
         after = quickstart.accuracy(model, tokenizer, d.validation)
         before = f"{accuracy_before:.1%} -> " if accuracy_before is not None else ""
-        lines.append(f"{'held-out acc.':<14}{before}{after:.1%} of unseen sums answered exactly")
-    return TrainResult(run_dir=run_dir, steps=t.max_steps, summary="\n".join(lines), final_loss=loss_value,
+        rows.append(("held-out acc.", f"{before}{after:.1%} of unseen sums answered exactly"))
+    summary = metrics.summary(checkpoint=last_checkpoint or latest_checkpoint(run_dir), extra=rows)
+    metrics.close()
+    return TrainResult(run_dir=run_dir, steps=t.max_steps, summary=summary, final_loss=loss_value,
                        eval_before=eval_before, eval_after=eval_after, checkpoint=latest_checkpoint(run_dir),
                        output=output, quantized=quantized)
 

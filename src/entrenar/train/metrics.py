@@ -15,7 +15,7 @@ import math
 import os
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -164,7 +164,7 @@ class MetricsLogger:
         self.best_eval = (int(step), loss)
         return True
 
-    def summary(self, checkpoint: str | os.PathLike | None = None) -> str:
+    def summary(self, checkpoint: str | os.PathLike | None = None, extra: Sequence[tuple[str, str]] = ()) -> str:
         """The closing summary of this run so far (see :func:`summary`)."""
         return summary(
             steps=self.last_step or 0,
@@ -173,6 +173,7 @@ class MetricsLogger:
             tokens=self.total_tokens,
             checkpoint=checkpoint,
             best_eval=self.best_eval,
+            extra=extra,
         )
 
     def close(self) -> None:
@@ -203,8 +204,9 @@ def summary(
     tokens: int | None = None,
     checkpoint: str | os.PathLike | None = None,
     best_eval: tuple[int, float] | None = None,
+    extra: Sequence[tuple[str, str]] = (),
 ) -> str:
-    """Format the end-of-training summary, one aligned ``key  value`` row per fact."""
+    """Format the end-of-training summary, one aligned ``key  value`` row per fact (``extra`` rows last)."""
     rows = [("steps", f"{steps:,}"), ("time", format_duration(elapsed_s))]
     if final_loss is not None:
         rows.append(("final loss", f"{final_loss:.4f}"))
@@ -217,6 +219,7 @@ def summary(
         rows.append(("best eval", f"loss {loss:.4f} (ppl {ppl:.2f}) at step {step:,}"))
     if checkpoint is not None:
         rows.append(("checkpoint", str(checkpoint)))
+    rows.extend(extra)
     width = max(len(key) for key, _ in rows)
     return "\n".join(f"{key:<{width}}  {value}" for key, value in rows)
 
