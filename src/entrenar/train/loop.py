@@ -152,7 +152,6 @@ def train(
         if scaler.is_enabled():
             scaler.load_state_dict(trainer_state["grad_scaler"])
     save_recipe(recipe, run_dir / RECIPE_FILE)  # on resume: with the changes the resume made
-    metrics = MetricsLogger(run_dir, resume_step=start_step if resume_from is not None else None)
 
     def evaluate() -> EvalResult | None:
         if not validation:
@@ -168,80 +167,81 @@ def train(
         return save_checkpoint(run_dir, step, _trainable_state(model, recipe), optimizer, trainer_state, t.keep_last,
                                best=best)
 
-    eval_before = None
-    if start_step == 0:
-        eval_before = evaluate()
-        if eval_before is not None:
-            metrics.log_eval(0, eval_before.loss)
-    accuracy_before = quickstart.accuracy(model, tokenizer, d.validation) if is_quickstart and start_step == 0 else None
+    metrics = MetricsLogger(run_dir, resume_step=start_step if resume_from is not None else None)
+    with metrics:  # the metrics file is closed however the run ends
+        eval_before = None
+        if start_step == 0:
+            eval_before = evaluate()
+            if eval_before is not None:
+                metrics.log_eval(0, eval_before.loss)
+        accuracy_before = quickstart.accuracy(model, tokenizer, d.validation) if is_quickstart and start_step == 0 else None
 
-    bar = tqdm(total=t.max_steps, initial=start_step, disable=not progress, unit="step", dynamic_ncols=True)
-    last_checkpoint: Path | None = None
-    loss_value, eval_after = None, None
-    for step in range(start_step, t.max_steps):
-        started = time.perf_counter()
-        lr = lr_at(step, o.lr, recipe.schedule.warmup_steps, t.max_steps, recipe.schedule.name,
-                   recipe.schedule.min_lr_ratio)
-        set_lr(optimizer, lr)
+        with tqdm(total=t.max_steps, initial=start_step, disable=not progress, unit="step",
+                  dynamic_ncols=True) as bar:
+            last_checkpoint: Path | None = None
+            loss_value, eval_after = None, None
+            for step in range(start_step, t.max_steps):
+                started = time.perf_counter()
+                lr = lr_at(step, o.lr, recipe.schedule.warmup_steps, t.max_steps, recipe.schedule.name,
+                           recipe.schedule.min_lr_ratio)
+                set_lr(optimizer, lr)
 
-        micro_batches = [next(stream) for _ in range(t.grad_accum)]
-        step_targets = max(sum(num_target_tokens(b) for b in micro_batches), 1)
-        step_loss = torch.zeros((), device=device)
-        tokens = sum(int((b["document_ids"] >= 0).sum()) for b in micro_batches)  # counted on the CPU: no sync
-        for batch in micro_batches:
-            batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-            with autocast_for(device, t.precision):
-                loss_sum = compute_loss(batch)
-            loss = loss_sum / step_targets  # normalised over the whole step, not per micro-batch
-            scaler.scale(loss).backward()
-            step_loss += loss.detach()
+                micro_batches = [next(stream) for _ in range(t.grad_accum)]
+                step_targets = max(sum(num_target_tokens(b) for b in micro_batches), 1)
+                step_loss = torch.zeros((), device=device)
+                tokens = sum(int((b["document_ids"] >= 0).sum()) for b in micro_batches)  # counted on the CPU: no sync
+                for batch in micro_batches:
+                    batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+                    with autocast_for(device, t.precision):
+                        loss_sum = compute_loss(batch)
+                    loss = loss_sum / step_targets  # normalised over the whole step, not per micro-batch
+                    scaler.scale(loss).backward()
+                    step_loss += loss.detach()
 
 
-        scaler.unscale_(optimizer)
-        max_norm = t.max_grad_norm if t.max_grad_norm > 0 else math.inf
-        grad_norm = torch.nn.utils.clip_grad_norm_(trainable, max_norm)  # returns the pre-clip norm
-        scaler.step(optimizer)
-        scaler.update()
-        optimizer.zero_grad(set_to_none=True)
+                scaler.unscale_(optimizer)
+                max_norm = t.max_grad_norm if t.max_grad_norm > 0 else math.inf
+                grad_norm = torch.nn.utils.clip_grad_norm_(trainable, max_norm)  # returns the pre-clip norm
+                scaler.step(optimizer)
+                scaler.update()
+                optimizer.zero_grad(set_to_none=True)
 
-        done = step + 1
-        loss_value = float(step_loss)
-        if not math.isfinite(loss_value):
-            raise DataError(f"step {done}: the loss is {loss_value}; lower optimizer.lr or check the data "
-                            f"(last good checkpoint: {latest_checkpoint(run_dir)})")
-        metrics.log_step(done, loss_value, grad_norm, lr, tokens, step_time_s=time.perf_counter() - started)
-        bar.update(1)
-        if done % t.log_every == 0 or done == t.max_steps:
-            bar.set_postfix(loss=f"{loss_value:.4f}", lr=f"{lr:.2e}")
+                done = step + 1
+                loss_value = float(step_loss)
+                if not math.isfinite(loss_value):
+                    raise DataError(f"step {done}: the loss is {loss_value}; lower optimizer.lr or check the data "
+                                    f"(last good checkpoint: {latest_checkpoint(run_dir)})")
+                metrics.log_step(done, loss_value, grad_norm, lr, tokens, step_time_s=time.perf_counter() - started)
+                bar.update(1)
+                if done % t.log_every == 0 or done == t.max_steps:
+                    bar.set_postfix(loss=f"{loss_value:.4f}", lr=f"{lr:.2e}")
 
-        is_last = done == t.max_steps
-        if (t.eval_every and done % t.eval_every == 0) or is_last:
-            result = eval_after = evaluate()
-            if result is not None and metrics.log_eval(done, result.loss):
-                last_checkpoint = checkpoint(done, best=True)
-                _save_result(model, tokenizer, recipe, run_dir / "best")  # usable as --adapter / MODEL as it is
-        if (t.save_every and done % t.save_every == 0) or is_last:
-            if last_checkpoint is None or last_checkpoint.name != f"step-{done}":
-                last_checkpoint = checkpoint(done)
-    bar.close()
+                is_last = done == t.max_steps
+                if (t.eval_every and done % t.eval_every == 0) or is_last:
+                    result = eval_after = evaluate()
+                    if result is not None and metrics.log_eval(done, result.loss):
+                        last_checkpoint = checkpoint(done, best=True)
+                        _save_result(model, tokenizer, recipe, run_dir / "best")  # usable as --adapter / MODEL as it is
+                if (t.save_every and done % t.save_every == 0) or is_last:
+                    if last_checkpoint is None or last_checkpoint.name != f"step-{done}":
+                        last_checkpoint = checkpoint(done)
 
-    if eval_after is None:
-        eval_after = evaluate()
-    output = _save_result(model, tokenizer, recipe, run_dir)
-    quantized = save_qat_model(model, tokenizer, run_dir / "quantized") if recipe.qat is not None else None
-    plot_loss_curve(metrics.path, run_dir / "loss_curve.png")
-    rows = [("output", str(output)), *[("note", note) for note in notes]]
-    if quantized is not None:
-        rows.append(("quantized", str(quantized)))
-    if eval_before is not None and eval_after is not None:
-        rows.append(("held-out loss", f"{eval_before.loss:.4f} -> {eval_after.loss:.4f} "
-                                      f"(perplexity {eval_before.perplexity:.2f} -> {eval_after.perplexity:.2f})"))
-    if is_quickstart:
-        after = quickstart.accuracy(model, tokenizer, d.validation)
-        before = f"{accuracy_before:.1%} -> " if accuracy_before is not None else ""
-        rows.append(("held-out acc.", f"{before}{after:.1%} of unseen sums answered exactly"))
-    summary = metrics.summary(checkpoint=last_checkpoint or latest_checkpoint(run_dir), extra=rows)
-    metrics.close()
+        if eval_after is None:
+            eval_after = evaluate()
+        output = _save_result(model, tokenizer, recipe, run_dir)
+        quantized = save_qat_model(model, tokenizer, run_dir / "quantized") if recipe.qat is not None else None
+        plot_loss_curve(metrics.path, run_dir / "loss_curve.png")
+        rows = [("output", str(output)), *[("note", note) for note in notes]]
+        if quantized is not None:
+            rows.append(("quantized", str(quantized)))
+        if eval_before is not None and eval_after is not None:
+            rows.append(("held-out loss", f"{eval_before.loss:.4f} -> {eval_after.loss:.4f} "
+                                          f"(perplexity {eval_before.perplexity:.2f} -> {eval_after.perplexity:.2f})"))
+        if is_quickstart:
+            after = quickstart.accuracy(model, tokenizer, d.validation)
+            before = f"{accuracy_before:.1%} -> " if accuracy_before is not None else ""
+            rows.append(("held-out acc.", f"{before}{after:.1%} of unseen sums answered exactly"))
+        summary = metrics.summary(checkpoint=last_checkpoint or latest_checkpoint(run_dir), extra=rows)
     return TrainResult(run_dir=run_dir, steps=t.max_steps, summary=summary, final_loss=loss_value,
                        eval_before=eval_before, eval_after=eval_after, checkpoint=latest_checkpoint(run_dir),
                        output=output, quantized=quantized)
