@@ -61,6 +61,12 @@ def _write_jsonl(path: Path, pairs: list[tuple[int, int]]) -> None:
             f.write(json.dumps({"prompt": f"{a}+{b}=", "completion": str(a + b)}) + "\n")
 
 
+def is_quickstart(recipe: Recipe, run_dir: Path) -> bool:
+    """The bundled quickstart: before its first run (no model path) or resumed from its own saved recipe."""
+    path = recipe.model.path
+    return path is None or Path(path).absolute() == (run_dir / "quickstart" / "base-model").absolute()
+
+
 def resolve(recipe: Recipe, run_dir: Path) -> Recipe:
     """Point the recipe at the quickstart's model and data under `run_dir/quickstart/` (nothing is written)."""
     root = run_dir / "quickstart"

@@ -200,3 +200,19 @@ def test_kernels_and_the_fused_loss_give_the_plain_losses(workspace, precision, 
                   progress=False)
     torch.testing.assert_close(torch.tensor(losses(fused.run_dir)), torch.tensor(losses(plain.run_dir)),
                                atol=tolerance, rtol=0)
+
+
+def test_the_quickstart_resumes_from_anywhere_by_its_run_folder(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    threads = torch.get_num_threads()
+    short = ["training.max_steps=4", "training.eval_every=0", "training.save_every=2", "schedule.warmup_steps=1"]
+    first = train(load_recipe(None, short), progress=False)
+    assert torch.get_num_threads() == threads  # training.cpu_threads does not leak into the caller
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    run = tmp_path / "runs" / "quickstart"
+    recipe = load_recipe(run / "recipe.yaml", ["training.max_steps=6", "training.cpu_threads=2"])
+    resumed = train(recipe, resume=run, progress=False)
+    assert resumed.run_dir == run and "held-out acc." in resumed.summary and "held-out acc." in first.summary
+    assert [r["step"] for r in read_metrics(run / "metrics.jsonl") if "loss" in r] == list(range(1, 7))

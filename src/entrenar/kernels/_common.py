@@ -52,9 +52,11 @@ def autocast_inputs(*tensors: torch.Tensor | None) -> tuple[tuple[torch.Tensor |
     with autocast off, so its own products see one dtype (autocast does not
     reach in-place ops or ``out=`` arguments). Elsewhere the inputs pass as they are.
     """
-    device_type = next(t for t in tensors if t is not None).device.type
-    if not torch.is_autocast_enabled(device_type):
+    first = next((t for t in tensors if t is not None), None)
+    if first is None or not torch.is_autocast_enabled(first.device.type):
         return tensors, contextlib.nullcontext()
-    dtype = torch.get_autocast_dtype(device_type)
-    cast = tuple(t.to(dtype) if t is not None and t.is_floating_point() else t for t in tensors)
-    return cast, torch.autocast(device_type, enabled=False)
+    dtype = torch.get_autocast_dtype(first.device.type)
+    # As autocast does: only float32/16 inputs are cast; float64 stays float64.
+    cast = tuple(t.to(dtype) if t is not None and t.dtype in (torch.float32, torch.float16, torch.bfloat16) else t
+                 for t in tensors)
+    return cast, torch.autocast(first.device.type, enabled=False)

@@ -45,7 +45,8 @@ RECIPE_FILE = "recipe.yaml"
 FUSED_LOSS_CHUNK = 4096  # tokens per chunk of the fused output-projection loss
 # Keys a resumed run may change: how long it runs and how often it reports.
 RESUMABLE_CHANGES = ("training.max_steps", "training.eval_every", "training.log_every", "training.save_every",
-                     "training.keep_last", "training.eval_batches")
+                     "training.keep_last", "training.eval_batches", "training.cpu_threads", "training.kernels",
+                     "training.compile")
 
 
 @dataclass
@@ -69,8 +70,16 @@ def train(
     progress: bool = True,
 ) -> TrainResult:
     """Run (or resume, or dry-run) the training described by `recipe`."""
+    threads = torch.get_num_threads()
+    try:
+        return _train(recipe, resume, dry_run, progress)
+    finally:
+        torch.set_num_threads(threads)  # training.cpu_threads applies to the run, not to the caller's process
+
+
+def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, progress: bool) -> TrainResult:
     run_dir, resume_from = _run_folder(recipe, resume, dry_run)
-    is_quickstart = recipe.model.path is None
+    is_quickstart = quickstart.is_quickstart(recipe, run_dir)
     if is_quickstart:
         recipe = quickstart.resolve(recipe, run_dir)
     if resume_from is not None:
@@ -220,8 +229,8 @@ def train(
                 if (t.eval_every and done % t.eval_every == 0) or is_last:
                     result = eval_after = evaluate()
                     if result is not None and metrics.log_eval(done, result.loss):
-                        last_checkpoint = checkpoint(done, best=True)
                         _save_result(model, tokenizer, recipe, run_dir / "best")  # usable as --adapter / MODEL as it is
+                        last_checkpoint = checkpoint(done, best=True)  # after run/best/: a crash never leaves it stale
                 if (t.save_every and done % t.save_every == 0) or is_last:
                     if last_checkpoint is None or last_checkpoint.name != f"step-{done}":
                         last_checkpoint = checkpoint(done)
@@ -252,7 +261,8 @@ def train(
 
 def _run_folder(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool) -> tuple[Path, Path | None]:
     """The run folder, and the checkpoint to resume from. Refuses to train over an earlier run's checkpoints."""
-    run_dir = Path(resume) if isinstance(resume, (str, Path)) else Path(recipe.output.dir)
+    # Absolute, so paths the run records (the quickstart's) hold from any working directory.
+    run_dir = (Path(resume) if isinstance(resume, (str, Path)) else Path(recipe.output.dir)).absolute()
     if resume:
         ckpt = latest_checkpoint(run_dir)
         if ckpt is None:
@@ -380,7 +390,7 @@ def _dry_run_report(recipe: Recipe, model, trainable, examples, validation, note
     estimate = estimate_training_memory(
         model.config, method, t.batch_size, d.seq_len,
         dtype_bytes=2 if t.precision != "fp32" else 4, param_bytes=stored_bytes,
-        lora_r=lora.r if lora else 16, lora_targets=sorted(wrapped & set(LINEAR_NAMES)) or "all-linear",
+        lora_r=lora.r if lora else 16, lora_targets=sorted(wrapped & set(LINEAR_NAMES)),
         activation_checkpointing=t.activation_checkpointing, optimizer=recipe.optimizer.name,
         fused_loss_chunk=FUSED_LOSS_CHUNK if fused_loss else None,
     )
