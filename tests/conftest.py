@@ -62,3 +62,37 @@ def hf_folder(tmp_path):
         return folder, model
 
     return build
+
+
+def tiny_llama():
+    """A plain tiny transformers Llama (default init), for tests of module surgery and adapters."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, intermediate_size=128, vocab_size=128)
+    return transformers.LlamaForCausalLM(config)
+
+
+@pytest.fixture
+def workspace(tmp_path):
+    """A tiny native model folder with a character tokenizer, and prompt/completion data, for training runs."""
+    import json
+
+    from entrenar import quickstart
+    from entrenar.models.config import ModelConfig
+    from entrenar.models.hf import save_hf
+    from entrenar.models.transformer import Transformer
+
+    tokenizer = quickstart.build_tokenizer()
+    torch.manual_seed(0)
+    config = ModelConfig(vocab_size=tokenizer.vocab_size, hidden_size=32, intermediate_size=64, num_layers=2,
+                         num_heads=4, num_kv_heads=2, model_type="llama")
+    model = Transformer(config)
+    model.reset_parameters()
+    save_hf(model, tmp_path / "model")
+    tokenizer.save(tmp_path / "model")
+    with open(tmp_path / "train.jsonl", "w") as f:
+        for a in range(40):
+            f.write(json.dumps({"prompt": f"{a}+{a % 7}=", "completion": str(a + a % 7)}) + "\n")
+    return tmp_path

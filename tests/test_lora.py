@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import conftest
+
 import copy
 import math
 
@@ -29,16 +31,7 @@ IDS = torch.tensor([[1, 5, 9, 17, 33, 65, 3, 7], [2, 4, 8, 16, 32, 64, 127, 0]])
 
 
 def tiny_llama() -> nn.Module:
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=128,
-        vocab_size=128,
-    )
-    return transformers.LlamaForCausalLM(config).eval()
+    return conftest.tiny_llama().eval()
 
 
 @pytest.fixture(scope="module")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import conftest
+
 import copy
 import json
 import warnings
@@ -35,16 +37,7 @@ CASES = {
 
 
 def tiny_llama() -> nn.Module:
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=128,
-        vocab_size=128,
-    )
-    return transformers.LlamaForCausalLM(config).eval()
+    return conftest.tiny_llama().eval()
 
 
 @pytest.fixture(scope="module")

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import conftest
+
 import pytest
-import torch
 from torch import nn
 
 from entrenar.errors import AdapterError, ModelError
@@ -14,16 +15,7 @@ peft = pytest.importorskip("peft")
 
 
 def tiny_llama() -> nn.Module:
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=128,
-        vocab_size=128,
-    )
-    return transformers.LlamaForCausalLM(config)
+    return conftest.tiny_llama()
 
 
 @pytest.fixture(scope="module")

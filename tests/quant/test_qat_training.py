@@ -12,32 +12,12 @@ import entrenar
 from entrenar import quickstart
 from entrenar.config import load_recipe
 from entrenar.errors import ConfigError, QuantError
-from entrenar.models.config import ModelConfig
-from entrenar.models.hf import save_hf
-from entrenar.models.transformer import Transformer
 from entrenar.quant.int import QuantLinear
 from entrenar.train import loop
 from entrenar.train.loop import train
 from entrenar.train.metrics import read_metrics
 
 STEPS = 6
-
-
-@pytest.fixture
-def workspace(tmp_path):
-    """A tiny model folder with a character tokenizer, and prompt/completion data."""
-    tokenizer = quickstart.build_tokenizer()
-    torch.manual_seed(0)
-    config = ModelConfig(vocab_size=tokenizer.vocab_size, hidden_size=32, intermediate_size=64, num_layers=2,
-                         num_heads=4, num_kv_heads=2, model_type="llama")
-    model = Transformer(config)
-    model.reset_parameters()
-    save_hf(model, tmp_path / "model")
-    tokenizer.save(tmp_path / "model")
-    with open(tmp_path / "train.jsonl", "w") as f:
-        for a in range(40):
-            f.write(json.dumps({"prompt": f"{a}+{a % 7}=", "completion": str(a + a % 7)}) + "\n")
-    return tmp_path
 
 
 def recipe_for(ws, *overrides):

@@ -8,7 +8,7 @@ import torch
 from entrenar.train.loop import train
 from entrenar.train.metrics import read_metrics
 
-from test_loop import recipe_for, workspace  # noqa: F401  (fixture)
+from test_loop import recipe_for
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -27,7 +27,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
     ids=["lora-bf16", "lora-fp16-scaled", "full-bf16-compiled", "qlora-checkpointed", "plain-path-compiled",
          "kernels-bf16-weights", "kernels-qlora-compiled"],
 )
-def test_training_on_cuda_learns_and_reports_memory(workspace, settings):  # noqa: F811
+def test_training_on_cuda_learns_and_reports_memory(workspace, settings):
     result = train(recipe_for(workspace, "model.device=cuda", "training.max_steps=12", "optimizer.lr=5e-3",
                               *settings), progress=False)
     steps = [r for r in read_metrics(result.run_dir / "metrics.jsonl") if "loss" in r]
@@ -36,7 +36,7 @@ def test_training_on_cuda_learns_and_reports_memory(workspace, settings):  # noq
     assert result.eval_after.loss < result.eval_before.loss
 
 
-def test_adamw_is_fused_on_cuda(workspace):  # noqa: F811
+def test_adamw_is_fused_on_cuda(workspace):
     from entrenar.train.optim import build_optimizer, build_param_groups
 
     model = torch.nn.Linear(4, 4, device="cuda")
