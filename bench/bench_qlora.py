@@ -19,13 +19,18 @@ Rows (``--rows``):
   hf-qlora                transformers + PEFT + bitsandbytes: ``bnb.nn.Linear4bit`` (NF4, double quantization,
                           bf16 compute) on the same weights, HF's gradient checkpointing, HF's loss
   entrenar-qlora-fused    entrenar-qlora with each LoRA layer and its NF4 base as one node
-                          (``entrenar.kernels.nf4.FusedNF4LoraLinear``, adapter products in bf16, as under autocast)
+                          (``entrenar.kernels.FusedLoraLinear`` on an NF4 base, adapter products in bf16)
   entrenar-qlora-fast     that, plus ``apply_kernels`` RMSNorm, RoPE and SwiGLU and the fused linear
                           cross-entropy (1024-token chunks), no autocast
   entrenar-lora-fast      the same on a bf16 base (its LoRA layers: ``FusedLoraLinear``, adapter products in bf16)
   entrenar-qlora-chunked  entrenar-qlora with ``chunked_cross_entropy`` (1024-token chunks): no full logits
   entrenar-lora-chunked   the same on a bf16 base
   entrenar-qlora-torchdq  entrenar-qlora with the PyTorch reference dequantization instead of the kernel
+  loop-qlora              the step ``entrenar train`` takes on CUDA now (``training.kernels: auto``): every
+                          kernel of ``apply_kernels`` (the LoRA layers as one node with their NF4 base) and the
+                          fused linear cross-entropy in 4096-token chunks, all under bf16 autocast
+  loop-lora               the same on a bf16 base
+  loop-*-compiled         those with the step under ``torch.compile`` (``training.compile: true``)
 
 Reported per row: tokens/s from the median step time after warm-up (CUDA
 events around forward, backward and optimizer step), peak GPU memory
@@ -57,8 +62,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from entrenar.kernels.nf4 import FusedNF4LoraLinear
-from entrenar.lora import LoraConfig, LoraLinear, apply_lora
+from entrenar.lora import LoraConfig, apply_lora
 from entrenar.memory import GiB, estimate_training_memory
 from entrenar.models.config import ModelConfig
 from entrenar.models.hf import empty_model
@@ -76,26 +80,34 @@ CONFIG = ModelConfig(vocab_size=128256, hidden_size=4096, intermediate_size=1433
 @dataclass(frozen=True)
 class Row:
     base: str  # "nf4" or "bf16" (entrenar), "hf" (transformers + PEFT + bitsandbytes)
-    loss: str = "logits"  # "logits" (as entrenar train), "chunked", "fused", "hf"
-    fused_lora: bool = False  # LoRA + base as one node, adapter products in bf16 (FusedNF4LoraLinear / FusedLoraLinear)
-    kernels: tuple[str, ...] = ()  # of entrenar.kernels.apply_kernels: rms_norm, rope, swiglu
+    loss: str = "logits"  # "logits" (full logits, token_cross_entropy), "chunked", "fused", "hf"
+    kernels: tuple[str, ...] = ()  # of entrenar.kernels.apply_kernels: rms_norm, rope, swiglu, lora
+    bf16_adapters: bool = False  # the fused LoRA layers' adapter products in bf16 (lora_compute_dtype)
     autocast: bool = True  # bf16 autocast, as entrenar train runs (the fp32 adapters' products then run in bf16)
+    loss_in_autocast: bool = False  # the chunked / fused loss inside autocast too, as the loop calls it
+    chunk: int = CHUNK
+    compile: bool = False  # the whole step's forward under torch.compile
     torch_dequant: bool = False
     lora_row: str | None = None  # the 16-bit LoRA row this QLoRA row is compared with
     steps: int = 10
     warmup: int = 3
 
 
-FAST = ("rms_norm", "rope", "swiglu")
+FAST = ("rms_norm", "rope", "swiglu", "lora")
+LOOP = dict(loss="fused", kernels=FAST, loss_in_autocast=True, chunk=4096)  # entrenar.train.loop on CUDA
 ROWS: dict[str, Row] = {
     "entrenar-qlora": Row("nf4", lora_row="entrenar-lora"),
     "entrenar-lora": Row("bf16"),
     "hf-qlora": Row("hf", loss="hf"),
-    "entrenar-qlora-fused": Row("nf4", fused_lora=True, lora_row="entrenar-lora"),
+    "entrenar-qlora-fused": Row("nf4", kernels=("lora",), bf16_adapters=True, lora_row="entrenar-lora"),
     # Without autocast, as bench_train.py runs the kernels; every dtype is explicit there.
-    "entrenar-qlora-fast": Row("nf4", loss="fused", fused_lora=True, kernels=FAST, autocast=False,
+    "entrenar-qlora-fast": Row("nf4", loss="fused", kernels=FAST, bf16_adapters=True, autocast=False,
                                lora_row="entrenar-lora-fast"),
-    "entrenar-lora-fast": Row("bf16", loss="fused", fused_lora=True, kernels=FAST, autocast=False),
+    "entrenar-lora-fast": Row("bf16", loss="fused", kernels=FAST, bf16_adapters=True, autocast=False),
+    "loop-qlora": Row("nf4", **LOOP, lora_row="loop-lora"),
+    "loop-lora": Row("bf16", **LOOP),
+    "loop-qlora-compiled": Row("nf4", **LOOP, compile=True, lora_row="loop-lora-compiled"),
+    "loop-lora-compiled": Row("bf16", **LOOP, compile=True),
     "entrenar-qlora-chunked": Row("nf4", loss="chunked", lora_row="entrenar-lora-chunked"),
     "entrenar-lora-chunked": Row("bf16", loss="chunked"),
     "entrenar-qlora-torchdq": Row("nf4", torch_dequant=True, steps=5, warmup=2, lora_row="entrenar-lora"),
@@ -150,17 +162,10 @@ def build_entrenar(row: Row) -> nn.Module:
             layer.load_full_weight(random_weight(f"{name}.weight", (layer.out_features, layer.in_features)))
     apply_lora(model, LoraConfig(r=LORA_R, alpha=LORA_ALPHA, dropout=0.0))
     model.set_activation_checkpointing(True)
-    fused_16bit = row.fused_lora and row.base == "bf16"
-    if row.kernels or fused_16bit:
+    if row.kernels:
         from entrenar.kernels import apply_kernels
 
-        apply_kernels(model, [*row.kernels, *(["lora"] if fused_16bit else [])],
-                      lora_compute_dtype=torch.bfloat16 if fused_16bit else None)
-    if row.fused_lora and row.base == "nf4":
-        for module in model.modules():
-            if type(module) is LoraLinear and isinstance(module.base_layer, NF4Linear):
-                module.__class__ = FusedNF4LoraLinear
-                module.lora_compute_dtype = torch.bfloat16
+        apply_kernels(model, row.kernels, lora_compute_dtype=torch.bfloat16 if row.bf16_adapters else None)
     return model.train()
 
 
@@ -212,10 +217,17 @@ def step_fn(row: Row) -> Callable[[nn.Module, torch.Tensor], torch.Tensor]:
     else:
         from entrenar.kernels import fused_linear_cross_entropy as loss_fn
 
-    def step(model, ids):
+    def loss_of(model, ids):
         with torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=row.autocast):
             hidden = model.hidden_states(ids)
-        loss_sum, n = loss_fn(hidden, model.lm_head.weight, ids, CHUNK)
+            if row.loss_in_autocast:
+                return loss_fn(hidden, model.lm_head.weight, ids, row.chunk)
+        return loss_fn(hidden, model.lm_head.weight, ids, row.chunk)
+
+    loss_of = torch.compile(loss_of) if row.compile else loss_of
+
+    def step(model, ids):
+        loss_sum, n = loss_of(model, ids)
         return loss_sum / n
     return step
 

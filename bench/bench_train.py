@@ -95,6 +95,9 @@ class Case:
     steps: int = 15
     warmup: int = 3
     lr: float = 1e-4
+    offload: bool = False  # checkpointed layers' inputs wait in CPU memory (entrenar rows only)
+    documents: bool = False  # rows packed with random-length documents (document-masked attention)
+    padding_free: bool = False  # documents cases: each batch as one row of its real tokens (varlen attention)
 
 
 CASES: dict[str, Case] = {
@@ -105,6 +108,16 @@ CASES: dict[str, Case] = {
     "lora-qwen3": Case("qwen3-1.7b", "lora", 4, 2048, steps=15, warmup=3, lr=1e-3),
     # selective activation checkpointing: 6 of the 16 layers recompute in backward (entrenar rows only)
     "lora-1b-sac": Case("llama-1b", "lora", 4, 2048, checkpointing=6, steps=15, warmup=3, lr=1e-3),
+    # long context: one 16k-token sequence, every layer checkpointed
+    "lora-1b-16k": Case("llama-1b", "lora", 1, 16384, checkpointing=True, steps=8, warmup=3, lr=1e-3),
+    # the 8B case with the checkpointed inputs offloaded to CPU memory (entrenar rows only)
+    "lora-8b-offload": Case("llama-8b", "lora", 2, 2048, checkpointing=True, steps=12, warmup=3, lr=1e-3,
+                            offload=True),
+    # packed documents of 64-1024 tokens (about 13% of each row left as padding): padded rows with a document
+    # mask against the same batches padding-free (entrenar rows only; tok/s counts real tokens)
+    "lora-1b-docs": Case("llama-1b", "lora", 4, 2048, steps=15, warmup=5, lr=1e-3, documents=True),
+    "lora-1b-docs-padfree": Case("llama-1b", "lora", 4, 2048, steps=15, warmup=5, lr=1e-3, documents=True,
+                                 padding_free=True),
 }
 ROWS = ("hf", "plain-eager", "plain-compiled", "plain-graph", "kernels-eager", "kernels-compiled", "kernels-graph",
         "kernels-bf16-eager", "kernels-bf16-compiled", "kernels-bf16-graph")
@@ -149,6 +162,31 @@ def make_batches(n: int, batch: int, seq: int, vocab: int, device: str, seed: in
     return [torch.randint(0, vocab, (batch, seq), generator=g).to(device) for _ in range(n)]
 
 
+def make_document_batches(n: int, batch: int, seq: int, vocab: int, device: str, padding_free: bool,
+                          seed: int = 1234) -> list[dict]:
+    """Rows packed by entrenar's BatchStream with random documents of 64-1024 tokens (labels = inputs)."""
+    from entrenar.data import BatchStream, Example, padding_free as flatten
+
+    g = torch.Generator().manual_seed(seed)
+    examples = []
+    for _ in range(n * batch * seq // 300):
+        length = int(torch.randint(min(64, seq), min(1024, seq) + 1, (1,), generator=g))
+        ids = torch.randint(0, vocab, (length,), generator=g).tolist()
+        examples.append(Example(input_ids=ids, labels=ids))
+    stream = BatchStream(examples, batch, seq, shuffle=False)
+    batches = [next(stream) for _ in range(n)]
+    if padding_free:
+        batches = [flatten(b) for b in batches]
+    return [{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in b.items()} for b in batches]
+
+
+def real_tokens(batch: torch.Tensor | dict) -> int:
+    """Tokens that are not padding (what tok/s counts)."""
+    if isinstance(batch, torch.Tensor) or "cu_seqlens" in batch:
+        return (batch if isinstance(batch, torch.Tensor) else batch["input_ids"]).numel()
+    return int((batch["document_ids"] >= 0).sum())
+
+
 # ---------------------------------------------------------------- the two stacks
 
 
@@ -175,15 +213,9 @@ def build_hf(cfg: ModelConfig, method: str, checkpointing: bool, device: str, dt
     return model.train()
 
 
-def checkpointed_layers(n_layers: int, checkpointing: bool | int) -> list[int]:
-    """Which layers recompute in backward: all, none, or ``checkpointing`` of them spread evenly."""
-    if checkpointing is True or checkpointing is False:
-        return list(range(n_layers)) if checkpointing else []
-    return sorted({round(i * n_layers / checkpointing) for i in range(checkpointing)})
-
-
 def build_entrenar(cfg: ModelConfig, method: str, checkpointing: bool | int, device: str, dtype: torch.dtype,
-                   kernels: bool, mode: str, lora_compute_dtype: torch.dtype | None = None) -> Transformer:
+                   kernels: bool, mode: str, lora_compute_dtype: torch.dtype | None = None,
+                   offload: bool = False) -> Transformer:
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # build in bf16 directly: no fp32 copy of an 8B model on the way
     try:
@@ -193,7 +225,7 @@ def build_entrenar(cfg: ModelConfig, method: str, checkpointing: bool | int, dev
         torch.set_default_dtype(default)
     if method == "lora":
         apply_lora(model, LoraConfig(r=LORA_R, alpha=LORA_ALPHA, dropout=0.0))
-    model.set_activation_checkpointing(checkpointed_layers(cfg.num_layers, checkpointing))
+    model.set_activation_checkpointing(checkpointing, offload=offload)
     if kernels:
         from entrenar.kernels import apply_kernels
 
@@ -211,9 +243,15 @@ def hf_step_loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     return model(input_ids=ids, labels=ids).loss
 
 
-def entrenar_step_loss(loss_fn: Callable) -> Callable[[Transformer, torch.Tensor], torch.Tensor]:
-    def step(model: Transformer, ids: torch.Tensor) -> torch.Tensor:
-        loss_sum, n_tokens = loss_fn(model.hidden_states(ids), model.lm_head.weight, ids)
+def entrenar_step_loss(loss_fn: Callable) -> Callable[[Transformer, torch.Tensor | dict], torch.Tensor]:
+    def step(model: Transformer, batch: torch.Tensor | dict) -> torch.Tensor:
+        if isinstance(batch, torch.Tensor):
+            hidden, labels = model.hidden_states(batch), batch
+        else:  # packed documents: padded with a document mask, or padding-free
+            hidden = model.hidden_states(batch["input_ids"], batch["position_ids"], batch.get("document_ids"),
+                                         cu_seqlens=batch.get("cu_seqlens"), max_seqlen=batch.get("max_seqlen"))
+            labels = batch["labels"]
+        loss_sum, n_tokens = loss_fn(hidden, model.lm_head.weight, labels)
         return loss_sum / n_tokens
 
     return step
@@ -274,14 +312,16 @@ def run_row(case_name: str, case: Case, row: str, device: str, dtype: torch.dtyp
         torch.cuda.reset_peak_memory_stats()
     torch.manual_seed(0)
     if row == "hf":
-        if case.checkpointing not in (True, False):
-            raise ValueError("transformers checkpoints all layers or none; this case is for entrenar rows")
+        if case.checkpointing not in (True, False) or case.offload or case.documents:
+            raise ValueError("this case is for entrenar rows (transformers checkpoints all layers or none, "
+                             "does not offload, and masks documents only with flash-attn installed)")
         model = build_hf(cfg, case.method, case.checkpointing, device, dtype)
         step_loss = hf_step_loss
     else:
         kernels, mode = row.startswith("kernels"), row.rsplit("-", 1)[1]
         compute = dtype if "-bf16-" in row else None
-        model = build_entrenar(cfg, case.method, case.checkpointing, device, dtype, kernels, mode, compute)
+        model = build_entrenar(cfg, case.method, case.checkpointing, device, dtype, kernels, mode, compute,
+                               offload=case.offload)
         if kernels:
             from entrenar.kernels import fused_linear_cross_entropy as loss_fn
         else:
@@ -290,7 +330,11 @@ def run_row(case_name: str, case: Case, row: str, device: str, dtype: torch.dtyp
     params = [p for p in model.parameters() if p.requires_grad]
     result.trainable_params = sum(p.numel() for p in params)
     opt = torch.optim.AdamW(params, lr=case.lr, weight_decay=0.0, fused=device == "cuda")
-    batches = make_batches(4, case.batch, case.seq, cfg.vocab_size, device)
+    if case.documents:
+        batches = make_document_batches(4, case.batch, case.seq, cfg.vocab_size, device, case.padding_free)
+    else:
+        batches = make_batches(4, case.batch, case.seq, cfg.vocab_size, device)
+    tokens_per_step = statistics.mean(real_tokens(b) for b in batches)
 
     times = []
     for step in range(case.steps):
@@ -315,7 +359,7 @@ def run_row(case_name: str, case: Case, row: str, device: str, dtype: torch.dtyp
     timed = times[case.warmup:]
     result.step_ms_all = [round(t, 3) for t in times]
     result.step_ms_median = statistics.median(timed)
-    result.tokens_per_s = case.batch * case.seq / (result.step_ms_median / 1e3)
+    result.tokens_per_s = tokens_per_step / (result.step_ms_median / 1e3)
     per_token, _ = flops_per_token(cfg, case.method, case.seq)
     result.mfu = per_token * result.tokens_per_s / PEAK_BF16_FLOPS
     if device == "cuda":

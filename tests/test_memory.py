@@ -40,7 +40,7 @@ def test_parameter_count_and_weight_bytes_match_the_model():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("checkpointing", [False, True])
+@pytest.mark.parametrize("checkpointing", [False, True, 1, 2])
 def test_activation_estimate_within_10_percent_of_saved_tensors(dtype, checkpointing):
     model = Transformer(CONFIG).to(dtype)
     model.reset_parameters()

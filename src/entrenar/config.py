@@ -263,6 +263,20 @@ def _activation_bits(value: Any) -> bool | int:
     raise _Reject("true, false or a bit width in [2, 8]")
 
 
+def _checkpoint_layers(value: Any) -> bool | int | tuple[int, ...]:
+    """Activation checkpointing: true (every layer), false, a number of layers (spread evenly), or layer indices."""
+    expected = "true, false, a number of layers, or a list of layer indices"
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value >= 0:
+        return value
+    if isinstance(value, (list, tuple)) and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value):
+        if len(set(value)) == len(value):
+            return tuple(value)
+        raise _Reject(expected, " (each index once)")
+    raise _Reject(expected)
+
+
 def _key(default: Any, rule: Rule) -> Any:
     """A dataclass field with a default and the rule its values must pass."""
     if isinstance(default, dict):
@@ -324,6 +338,7 @@ class DataSection(_Section):
     train_on: str = _key("all", _choice("all", "completion"))
     seq_len: int = _key(512, _integer(2))  # one input and one target at least
     packing: bool = _key(True, _boolean)
+    padding_free: bool = _key(False, _boolean)  # each batch as one row of its real tokens (no padding computed)
     add_eos: bool = _key(True, _boolean)
     on_error: str = _key("raise", _choice("raise", "skip"))
     shuffle: bool = _key(True, _boolean)
@@ -390,7 +405,8 @@ class TrainingSection(_Section):
     grad_accum: int = _key(1, _integer(1))
     max_grad_norm: float = _key(1.0, _number(0.0))
     precision: str = _key("fp32", _choice("fp32", "bf16", "fp16"))
-    activation_checkpointing: bool = _key(False, _boolean)
+    activation_checkpointing: bool | int | tuple[int, ...] = _key(False, _checkpoint_layers)
+    offload_activations: bool = _key(False, _boolean)  # checkpointed layers' inputs wait in CPU memory (CUDA)
     compile: bool = _key(False, _boolean)
     kernels: str | bool = _key("auto", _choice("auto", True, False))  # auto: on CUDA when Triton imports
     seed: int = _key(0, _integer(0, 2**32 - 1))  # numpy's seed range
@@ -462,6 +478,17 @@ class Recipe:
                 "lora.quantize_base",
                 f"'lora.quantize_base' must be null when 'qat' is set, got {_show(self.lora.quantize_base)} "
                 "(QAT fake-quantizes full-precision weights; LoRA-QAT is 'qat' with a plain 'lora' section)",
+            )
+        if self.training.offload_activations and self.training.activation_checkpointing in (False, 0, ()):
+            raise _BadValue(
+                "training.offload_activations",
+                "'training.offload_activations' offloads the inputs of checkpointed layers, but "
+                "'training.activation_checkpointing' checkpoints none (set it to true, a number of layers or a list)",
+            )
+        if self.training.offload_activations and self.model.device == "cpu":
+            raise _BadValue(
+                "training.offload_activations",
+                "'training.offload_activations' moves activations from GPU to CPU memory; model.device is 'cpu'",
             )
         if self.training.precision == "fp16" and self.model.device == "cpu":
             raise _BadValue(

@@ -83,10 +83,11 @@ def estimate_training_memory(
     dtype_bytes: int = 2,
     lora_r: int = 16,
     lora_targets: list[str] | str = "all-linear",
-    activation_checkpointing: bool = False,
+    activation_checkpointing: bool | int = False,
     param_bytes: int | None = None,
     optimizer: str = "adamw",
     fused_loss_chunk: int | None = None,
+    offload_activations: bool = False,
 ) -> MemoryEstimate:
     """Estimate peak training memory in bytes. `method` is full, lora or qlora.
 
@@ -96,6 +97,9 @@ def estimate_training_memory(
     defaults to the compute precision. AdamW keeps two state tensors per
     trainable parameter, SGD with momentum one. `fused_loss_chunk` (tokens per
     chunk) models the fused output-projection loss instead of full logits.
+    `activation_checkpointing` is True (every layer), False, or how many layers
+    recompute in backward; `offload_activations` keeps those layers' inputs in
+    CPU memory, so they hold nothing on the GPU.
     """
     if method not in ("full", "lora", "qlora"):
         raise ValueError(f"method must be full, lora or qlora, got {method!r}")
@@ -123,10 +127,13 @@ def estimate_training_memory(
     if method != "full":
         # Adapter inputs are the projections' inputs, already saved; add the r-wide middles.
         per_layer += 7 * lora_r * 4
-    if activation_checkpointing:
-        activations = tokens * (config.num_layers * config.hidden_size * dtype_bytes + per_layer)
-    else:
-        activations = tokens * config.num_layers * per_layer
+    n_layers = config.num_layers
+    recomputed = n_layers if activation_checkpointing is True else min(int(activation_checkpointing), n_layers)
+    # A recomputed layer keeps only its input (unless offloaded), and one of them at a time is rebuilt whole.
+    kept_input = 0 if offload_activations else config.hidden_size * dtype_bytes
+    activations = tokens * ((n_layers - recomputed) * per_layer + recomputed * kept_input)
+    if recomputed:
+        activations += tokens * per_layer
     activations += tokens * config.hidden_size * (dtype_bytes + 4)  # final norm
     if fused_loss_chunk:
         # The fused output-projection loss holds one chunk of logits and its gradient, never all of them.

@@ -7,7 +7,8 @@ import torch
 from kernel_checks import DEVICE, needs_cuda, needs_kernels, rel_err
 
 from entrenar.kernels import nf4 as nf4_kernel
-from entrenar.kernels.nf4 import FusedNF4LoraLinear, nf4_lora_linear
+from entrenar.kernels import FusedLoraLinear
+from entrenar.kernels.nf4 import nf4_lora_linear
 from entrenar.lora import LoraLinear
 from entrenar.quant.nf4 import NF4Linear, NF4Tensor, dequantize_nf4, dequantize_nf4_reference, quantize_nf4
 
@@ -167,7 +168,7 @@ def test_fused_module_is_a_class_swap_with_the_same_state_and_output():
     x = torch.randn(2, 96)
     plain = layer(x)
     state = {k: v.clone() for k, v in layer.state_dict().items()}
-    layer.__class__ = FusedNF4LoraLinear
+    layer.__class__ = FusedLoraLinear
     torch.testing.assert_close(layer(x), plain, rtol=1e-5, atol=1e-6)
     assert layer.state_dict().keys() == state.keys()
     layer.merge()  # merged: the plain forward, on the dequantized-and-merged base

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from entrenar.config import load_recipe
-from entrenar.errors import AdapterError, CheckpointError, DataError
+from entrenar.errors import AdapterError, CheckpointError, ConfigError, DataError
 from entrenar.train import loop
 from entrenar.train.loop import train
 from entrenar.train.metrics import read_metrics
@@ -195,3 +195,28 @@ def test_the_quickstart_resumes_from_anywhere_by_its_run_folder(tmp_path, monkey
     resumed = train(recipe, resume=run, progress=False)
     assert resumed.run_dir == run and "held-out acc." in resumed.summary and "held-out acc." in first.summary
     assert [r["step"] for r in read_metrics(run / "metrics.jsonl") if "loss" in r] == list(range(1, 7))
+
+
+@pytest.mark.parametrize("packing", [True, False])
+def test_padding_free_batches_give_the_padded_losses(workspace, packing):
+    """data.padding_free drops the padding and the document mask and changes nothing else: the losses are the
+    padded run's (dropout off: its masks are drawn per position, and the layouts have different positions)."""
+    common = ["lora.dropout=0", f"data.packing={str(packing).lower()}", "training.activation_checkpointing=1"]
+    padded = train(recipe_for(workspace, *common, f"output.dir={workspace / 'p'}"), progress=False)
+    flat = train(recipe_for(workspace, "data.padding_free=true", *common, f"output.dir={workspace / 'f'}"),
+                 progress=False)
+    torch.testing.assert_close(torch.tensor(losses(flat.run_dir)), torch.tensor(losses(padded.run_dir)),
+                               atol=1e-5, rtol=0)
+    tokens = [r["tokens"] for r in read_metrics(flat.run_dir / "metrics.jsonl") if "loss" in r]
+    assert tokens == [r["tokens"] for r in read_metrics(padded.run_dir / "metrics.jsonl") if "loss" in r]
+
+
+def test_checkpointing_and_offload_settings_are_checked(workspace):
+    with pytest.raises(ConfigError, match=r"training\.activation_checkpointing: cannot checkpoint 5 layers of a 2-layer"):
+        train(recipe_for(workspace, "training.activation_checkpointing=5"), dry_run=True, progress=False)
+    with pytest.raises(ConfigError, match=r"training\.activation_checkpointing: layer indices \[2\]"):
+        train(recipe_for(workspace, "training.activation_checkpointing=[0, 2]"), dry_run=True, progress=False)
+    with pytest.raises(ConfigError, match=r"training\.offload_activations.*checkpoints none"):
+        recipe_for(workspace, "training.offload_activations=true", "model.device=cuda")
+    with pytest.raises(ConfigError, match=r"training\.offload_activations.*model\.device is 'cpu'"):
+        recipe_for(workspace, "training.offload_activations=true", "training.activation_checkpointing=true")

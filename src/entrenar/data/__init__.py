@@ -1,6 +1,13 @@
 """Data: read records, tokenize with masks, and batch them (packed or padded) for training."""
 
-from entrenar.data.batching import BatchStream, collate, eval_batches, num_target_tokens, split_validation
+from entrenar.data.batching import (
+    BatchStream,
+    collate,
+    eval_batches,
+    num_target_tokens,
+    padding_free,
+    split_validation,
+)
 from entrenar.data.sources import ReadStats, Record, read_records
 from entrenar.data.templates import assistant_spans, render_chat
 from entrenar.data.tokenize import IGNORE_INDEX, Example, TokenizeStats, tokenize_record, tokenize_records
@@ -16,6 +23,7 @@ __all__ = [
     "collate",
     "eval_batches",
     "num_target_tokens",
+    "padding_free",
     "read_records",
     "render_chat",
     "split_validation",

@@ -15,6 +15,11 @@ Every batch is a dict of LongTensors ``[B, T]``:
 Packing fills each row greedily with whole examples in stream order; an example
 that does not fit in what is left of a row starts the next one (examples are
 never split, so none loses its beginning). Padding puts one example per row.
+
+:func:`padding_free` lays any such batch out as one row ``[1, N]`` of its real
+tokens only, documents end to end, with ``cu_seqlens`` marking where each
+starts (the model then attends within documents without a mask and computes no
+padding).
 """
 
 from __future__ import annotations
@@ -60,6 +65,30 @@ def collate(rows: Sequence[Sequence[Example]], seq_len: int, pad_id: int = 0) ->
             batch["document_ids"][r, start:end] = doc
             start = end
     return batch
+
+
+def padding_free(batch: Batch) -> dict[str, torch.Tensor | int]:
+    """The batch as one row ``[1, N]`` of its N real tokens, each document whole and in order.
+
+    Adds ``cu_seqlens`` (int32 ``[D + 1]``: document i spans ``cu_seqlens[i]:cu_seqlens[i + 1]``) and
+    ``max_seqlen`` (the longest document, a Python int: attention kernels size their grid by it, and reading it
+    from a GPU tensor would stall the step), and drops ``document_ids``. Labels keep their
+    -100 at each document's first token, so no loss crosses from one document into the next.
+    """
+    documents = batch["document_ids"]
+    keep = documents >= 0
+    # A document starts wherever its id differs from the token before it in the same row.
+    starts = keep.clone()
+    starts[:, 1:] &= documents[:, 1:] != documents[:, :-1]
+    cu_seqlens = torch.nonzero(starts[keep]).flatten()
+    cu_seqlens = torch.cat([cu_seqlens, cu_seqlens.new_tensor([int(keep.sum())])]).to(torch.int32)
+    return {
+        "input_ids": batch["input_ids"][keep][None],
+        "labels": batch["labels"][keep][None],
+        "position_ids": batch["position_ids"][keep][None],
+        "cu_seqlens": cu_seqlens,
+        "max_seqlen": int((cu_seqlens[1:] - cu_seqlens[:-1]).max()),
+    }
 
 
 class BatchStream:

@@ -26,7 +26,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from entrenar.kernels._common import autocast_inputs
+from entrenar.kernels.nf4 import nf4_lora_linear
 from entrenar.lora import LoraLinear
+from entrenar.quant.nf4 import NF4Linear
 
 
 def _add_product(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
@@ -107,19 +109,27 @@ def lora_linear(
 class FusedLoraLinear(LoraLinear):
     """A :class:`LoraLinear` whose forward is one autograd node; same parameters, same state dict.
 
-    Falls back to the plain forward where the fused one does not apply: a
-    merged adapter, active dropout, or a base that is not a plain ``nn.Linear``
-    (NF4, fake-quant). ``lora_compute_dtype`` (see :func:`lora_linear`) is
-    ``None`` unless :func:`entrenar.kernels.apply_kernels` was asked for another.
+    On a plain ``nn.Linear`` base that node is :func:`lora_linear`; on an NF4
+    base (QLoRA) it is :func:`entrenar.kernels.nf4.nf4_lora_linear`. Falls back
+    to the plain forward where neither applies: a merged adapter, active
+    dropout, or another base (fake-quant). ``lora_compute_dtype`` (see
+    :func:`lora_linear`) is ``None`` unless :func:`entrenar.kernels.apply_kernels`
+    was asked for another.
     """
 
     lora_compute_dtype: torch.dtype | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dropout_active = self.training and not isinstance(self.lora_dropout, nn.Identity)
-        if self.merged or dropout_active or type(self.base_layer) is not nn.Linear:
-            return super().forward(x)
         base = self.base_layer
-        return lora_linear(
-            x, base.weight, base.bias, self.lora_A.weight, self.lora_B.weight, self.scaling, self.lora_compute_dtype
-        )
+        if self.merged or dropout_active:
+            return super().forward(x)
+        if type(base) is nn.Linear:
+            return lora_linear(
+                x, base.weight, base.bias, self.lora_A.weight, self.lora_B.weight, self.scaling, self.lora_compute_dtype
+            )
+        if isinstance(base, NF4Linear):
+            bias = None if base.bias is None else base.bias.to(x.dtype)
+            return nf4_lora_linear(x, base.quantized, bias, self.lora_A.weight, self.lora_B.weight, self.scaling,
+                                   self.lora_compute_dtype)
+        return super().forward(x)

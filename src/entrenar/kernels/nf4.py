@@ -39,8 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from entrenar.kernels._common import cdiv, interpreting, use_triton
-from entrenar.lora import LoraLinear
+from entrenar.kernels._common import autocast_inputs, cdiv, interpreting, use_triton
 from entrenar.quant.nf4 import ABSMAX_BLOCKSIZE, NF4_CODE, NF4Linear, NF4Tensor, dequantize_nf4, dynamic_map
 
 _BYTES_PER_PROGRAM = 4096  # 8192 weights; with 4 warps, 32 code bytes per thread (fastest of a sweep on an H200)
@@ -217,26 +216,10 @@ def nf4_lora_linear(
     The adapter products, and the sum with the base output, run in
     ``compute_dtype`` (default: the adapters' dtype, fp32 as in the plain
     path); passing the base dtype (bf16) runs them on the tensor cores with no
-    fp32 copies of activations, as bf16 autocast does to the plain path.
+    fp32 copies of activations. Under autocast the inputs are cast at the door
+    as autocast would cast them inside the plain path (so the adapter products
+    run in its dtype).
     """
-    return _NF4LoraLinearFunction.apply(x, bias, lora_a, lora_b, q, float(scaling), compute_dtype or lora_a.dtype)
-
-
-class FusedNF4LoraLinear(LoraLinear):
-    """A :class:`LoraLinear` on an :class:`NF4Linear` whose forward is :func:`nf4_lora_linear`.
-
-    Same parameters, buffers and state dict as the plain layer (only the class
-    changes). Falls back to the plain forward for a merged adapter, active
-    dropout or a base that is not NF4. ``lora_compute_dtype`` as in :func:`nf4_lora_linear`.
-    """
-
-    lora_compute_dtype: torch.dtype | None = None
-
-    def forward(self, x: Tensor) -> Tensor:
-        dropout_active = self.training and not isinstance(self.lora_dropout, nn.Identity)
-        base = self.base_layer
-        if self.merged or dropout_active or not isinstance(base, NF4Linear):
-            return super().forward(x)
-        bias = None if base.bias is None else base.bias.to(x.dtype)
-        return nf4_lora_linear(x, base.quantized, bias, self.lora_A.weight, self.lora_B.weight, self.scaling,
-                               self.lora_compute_dtype)
+    (x, bias, lora_a, lora_b), autocast_off = autocast_inputs(x, bias, lora_a, lora_b)
+    with autocast_off:
+        return _NF4LoraLinearFunction.apply(x, bias, lora_a, lora_b, q, float(scaling), compute_dtype or lora_a.dtype)

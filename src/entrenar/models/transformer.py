@@ -7,12 +7,17 @@ of LoRA, quantization or distribution: those replace its modules from outside.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from entrenar.models.config import ModelConfig, rope_inv_freq
+from entrenar.models.offload import offload_saved_input
+from entrenar.models.padding_free import Documents, documents_attention
 
 _SDPA_HAS_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
 
@@ -79,9 +84,15 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(d, config.rms_norm_eps)
             self.k_norm = RMSNorm(d, config.rms_norm_eps)
         self.qk_norm = config.qk_norm
+        self.sliding_window = config.sliding_window
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None, cache: KVCache | None = None
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor | Documents | None,
+        cache: KVCache | None = None,
     ) -> torch.Tensor:
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim)
@@ -91,6 +102,8 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         q, k = self.rotate(q, k, cos.to(q.dtype), sin.to(q.dtype))
+        if isinstance(mask, Documents):  # a padding-free row
+            return self.o_proj(documents_attention(q, k, v, mask, self.sliding_window).reshape(b, t, -1))
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v)
         groups = self.num_heads // self.num_kv_heads
@@ -127,7 +140,12 @@ class Block(nn.Module):
         self.mlp = MLP(config)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None, cache: KVCache | None = None
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor | Documents | None,
+        cache: KVCache | None = None,
     ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
@@ -154,8 +172,10 @@ class Transformer(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
-        # Which layers recompute their activations in backward (activation checkpointing).
+        # Which layers recompute their activations in backward (activation checkpointing),
+        # and whether those layers' inputs wait for backward in CPU memory.
         self.checkpointed_layers: set[int] = set()
+        self.offload_checkpointed = False
 
     def reset_parameters(self) -> None:
         """Random initialisation as Llama's: normal(0, initializer_range) weights, zero biases, unit norms."""
@@ -169,10 +189,15 @@ class Transformer(nn.Module):
                 nn.init.ones_(module.weight)
         self.inv_freq = rope_inv_freq(self.config).to(self.inv_freq.device)
 
-    def set_activation_checkpointing(self, layers: bool | list[int]) -> None:
-        """Recompute activations in backward for all layers (True), none (False), or the given layer indices."""
-        n = self.config.num_layers
-        self.checkpointed_layers = set(range(n)) if layers is True else set(layers or [])
+    def set_activation_checkpointing(self, layers: bool | int | Sequence[int], offload: bool = False) -> None:
+        """Recompute activations in backward for all layers (True), none (False), ``layers`` of them
+        spread evenly over the depth (an int), or the listed layer indices.
+
+        ``offload`` keeps each recomputed layer's input in CPU memory until backward
+        (:mod:`entrenar.models.offload`), so a checkpointed layer holds nothing on the GPU.
+        """
+        self.checkpointed_layers = set(checkpointed_layer_indices(self.config.num_layers, layers))
+        self.offload_checkpointed = offload
 
     def rope(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = position_ids[..., None].float() * self.inv_freq.float()
@@ -202,23 +227,36 @@ class Transformer(nn.Module):
         position_ids: torch.Tensor | None = None,
         document_ids: torch.Tensor | None = None,
         cache: KVCache | None = None,
+        *,
+        cu_seqlens: torch.Tensor | None = None,
+        max_seqlen: int | None = None,
     ) -> torch.Tensor:
         """Final normed hidden states [B, T, hidden] (what the output head reads).
 
         `cache` (generation only) holds past keys/values and is extended in place.
+        `cu_seqlens` (int32 [D + 1]) makes `input_ids` a padding-free row [1, N] of D documents end to end
+        (see :mod:`entrenar.models.padding_free`); `max_seqlen` is the longest (computed when not given).
         """
         b, t = input_ids.shape
         past = cache.length if cache is not None else 0
-        if cache is not None and document_ids is not None:
-            raise ValueError("document_ids (packed training batches) cannot be combined with a KV cache")
+        if cache is not None and (document_ids is not None or cu_seqlens is not None):
+            raise ValueError("packed or padding-free training batches cannot be combined with a KV cache")
         if position_ids is None:
             position_ids = torch.arange(past, past + t, device=input_ids.device).expand(b, t)
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rope(position_ids, x.dtype)
-        mask = self.attention_mask(t, document_ids, input_ids.device, past)
+        if cu_seqlens is not None:
+            if b != 1:
+                raise ValueError(f"a padding-free batch is one row [1, N], got input_ids of shape {tuple(input_ids.shape)}")
+            if max_seqlen is None:
+                max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+            mask = Documents(cu_seqlens.to(device=input_ids.device, dtype=torch.int32), max_seqlen)
+        else:
+            mask = self.attention_mask(t, document_ids, input_ids.device, past)
         for i, layer in enumerate(self.model.layers):
             if i in self.checkpointed_layers and torch.is_grad_enabled():
-                x = checkpoint(layer, x, cos, sin, mask, use_reentrant=False)
+                with offload_saved_input(x) if self.offload_checkpointed else contextlib.nullcontext():
+                    x = checkpoint(layer, x, cos, sin, mask, use_reentrant=False)
             else:
                 x = layer(x, cos, sin, mask, cache)
         return self.model.norm(x)
@@ -229,5 +267,26 @@ class Transformer(nn.Module):
         position_ids: torch.Tensor | None = None,
         document_ids: torch.Tensor | None = None,
         cache: KVCache | None = None,
+        *,
+        cu_seqlens: torch.Tensor | None = None,
+        max_seqlen: int | None = None,
     ) -> torch.Tensor:
-        return self.lm_head(self.hidden_states(input_ids, position_ids, document_ids, cache))
+        hidden = self.hidden_states(input_ids, position_ids, document_ids, cache,
+                                    cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
+        return self.lm_head(hidden)
+
+
+def checkpointed_layer_indices(num_layers: int, layers: bool | int | Sequence[int]) -> list[int]:
+    """The layers to recompute: all (True), none (False), ``layers`` of them spread evenly (an int),
+    or the listed indices (each checked to exist)."""
+    if layers is True or layers is False:
+        return list(range(num_layers)) if layers else []
+    if isinstance(layers, int):
+        if not 0 <= layers <= num_layers:
+            raise ValueError(f"cannot checkpoint {layers} layers of a {num_layers}-layer model")
+        return sorted({i * num_layers // layers for i in range(layers)}) if layers else []
+    indices = list(layers)
+    bad = [i for i in indices if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < num_layers]
+    if bad:
+        raise ValueError(f"layer indices {bad} are not layers of a {num_layers}-layer model (0..{num_layers - 1})")
+    return sorted(set(indices))

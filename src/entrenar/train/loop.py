@@ -26,7 +26,15 @@ from tqdm.auto import tqdm
 import entrenar
 from entrenar import quickstart
 from entrenar.config import Recipe, load_recipe, recipe_changes, save_recipe
-from entrenar.data import BatchStream, eval_batches, num_target_tokens, read_records, split_validation, tokenize_records
+from entrenar.data import (
+    BatchStream,
+    eval_batches,
+    num_target_tokens,
+    padding_free,
+    read_records,
+    split_validation,
+    tokenize_records,
+)
 from entrenar.errors import AdapterError, CheckpointError, ConfigError, DataError
 from entrenar.evaluate import EvalResult, autocast_for, eval_loss
 from entrenar.export import save_merged
@@ -112,8 +120,13 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
             apply_lora(model, lora_config)
         except AdapterError as e:
             raise AdapterError(f"lora.target_modules: {e}") from None
-    if t.activation_checkpointing:
-        model.set_activation_checkpointing(True)
+    if t.offload_activations and device.type != "cuda":
+        raise ConfigError(f"training.offload_activations: offloading moves activations from GPU to CPU memory; "
+                          f"this run is on {device}")
+    try:
+        model.set_activation_checkpointing(t.activation_checkpointing, offload=t.offload_activations)
+    except ValueError as e:
+        raise ConfigError(f"training.activation_checkpointing: {e}") from None
     use_kernels = t.kernels is True or (t.kernels == "auto" and device.type == "cuda" and triton_available())
     if use_kernels:
         apply_kernels(model)  # same parameters and names; fused forwards (PyTorch fallbacks off the GPU)
@@ -139,11 +152,12 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
 
     def loss_sum_of(batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Summed cross-entropy of one micro-batch's target tokens."""
-        inputs = (batch["input_ids"], batch["position_ids"], batch["document_ids"])
+        inputs = (batch["input_ids"], batch["position_ids"], batch.get("document_ids"))
+        layout = {"cu_seqlens": batch.get("cu_seqlens"), "max_seqlen": batch.get("max_seqlen")}  # padding-free
         if fused_loss:
-            hidden = model.hidden_states(*inputs)
+            hidden = model.hidden_states(*inputs, **layout)
             return fused_linear_cross_entropy(hidden, model.lm_head.weight, batch["labels"], FUSED_LOSS_CHUNK)[0]
-        return token_cross_entropy(model(*inputs), batch["labels"])[0]
+        return token_cross_entropy(model(*inputs, **layout), batch["labels"])[0]
 
     compute_loss = torch.compile(loss_sum_of) if t.compile else loss_sum_of
 
@@ -200,7 +214,9 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
                 step_loss = torch.zeros((), device=device)
                 tokens = sum(int((b["document_ids"] >= 0).sum()) for b in micro_batches)  # counted on the CPU: no sync
                 for batch in micro_batches:
-                    batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+                    if d.padding_free:
+                        batch = padding_free(batch)
+                    batch = {k: _to(v, device) for k, v in batch.items()}
                     with autocast_for(device, t.precision):
                         loss_sum = compute_loss(batch)
                     loss = loss_sum / step_targets  # normalised over the whole step, not per micro-batch
@@ -286,6 +302,10 @@ def _recipe_for_resume(recipe: Recipe, run_dir: Path) -> Recipe:
                               + f" (a resume may change only {', '.join(RESUMABLE_CHANGES)})")
     allowed = {key.split(".")[1]: getattr(recipe.training, key.split(".")[1]) for key in RESUMABLE_CHANGES}
     return dataclasses.replace(saved, training=dataclasses.replace(saved.training, **allowed))
+
+
+def _to(value: torch.Tensor | int, device: torch.device) -> torch.Tensor | int:
+    return value.to(device, non_blocking=True) if isinstance(value, torch.Tensor) else value
 
 
 def _seed_everything(seed: int) -> None:
@@ -391,7 +411,8 @@ def _dry_run_report(recipe: Recipe, model, trainable, examples, validation, note
         model.config, method, t.batch_size, d.seq_len,
         dtype_bytes=2 if t.precision != "fp32" else 4, param_bytes=stored_bytes,
         lora_r=lora.r if lora else 16, lora_targets=sorted(wrapped & set(LINEAR_NAMES)),
-        activation_checkpointing=t.activation_checkpointing, optimizer=recipe.optimizer.name,
+        activation_checkpointing=len(model.checkpointed_layers), offload_activations=t.offload_activations,
+        optimizer=recipe.optimizer.name,
         fused_loss_chunk=FUSED_LOSS_CHUNK if fused_loss else None,
     )
     tokens = sum(len(e) for e in examples)

@@ -1,0 +1,103 @@
+"""Attention over a padding-free batch: every document of the batch end to end in one row, no padding.
+
+A padded batch ``[B, T]`` computes every position of every row, padding
+included, and packed rows need a dense ``[T, T]`` document mask that keeps
+SDPA off its fast kernels. A padding-free batch is one row ``[1, N]`` of just
+the real tokens, with ``cu_seqlens`` (int32, ``[D + 1]``) marking where each
+of its ``D`` documents starts: document ``i`` spans
+``cu_seqlens[i]:cu_seqlens[i + 1]`` and attends causally to itself only.
+
+On CUDA this runs FlashAttention's variable-length kernel
+(:func:`torch.nn.attention.varlen.varlen_attn`); elsewhere, or where that
+kernel cannot take the shapes, each document goes through SDPA on its own,
+which computes the same thing.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+try:
+    from torch.nn.attention.varlen import varlen_attn as _varlen_attn
+except ImportError:  # torch < 2.9
+    _varlen_attn = None
+
+_VARLEN_PARAMS = set(inspect.signature(_varlen_attn).parameters) if _varlen_attn is not None else set()
+
+
+@dataclass(frozen=True)
+class Documents:
+    """Where the documents of a padding-free row start and end (what the layers get instead of a mask)."""
+
+    cu_seqlens: torch.Tensor  # int32 [D + 1], on the model's device: 0, len0, len0 + len1, ..., N
+    max_len: int  # the longest document, a Python int (the kernel's launch grid depends on it)
+
+    def bounds(self) -> list[int]:
+        """``cu_seqlens`` as Python ints (a device sync on the GPU: only the per-document path needs it)."""
+        return self.cu_seqlens.tolist()
+
+
+def documents_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Documents, window: int | None = None
+) -> torch.Tensor:
+    """Causal attention within each document of one row: q ``[1, Hq, N, D]``, k/v ``[1, Hk, N, D]`` -> ``[1, N, Hq, D]``.
+
+    ``window`` (sliding-window models) limits each query to the ``window``
+    latest positions, itself included, as the padded path's mask does.
+    """
+    if q.shape[0] != 1:
+        raise ValueError(f"a padding-free batch is one row, got {q.shape[0]} rows")
+    q, k, v = q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1)  # [N, H, D]
+    if _varlen_fits(q, k, documents, window):
+        return _varlen(q, k, v, documents, window)[None]
+    return _per_document(q, k, v, documents, window)[None]
+
+
+def _varlen_fits(q: torch.Tensor, k: torch.Tensor, documents: Documents, window: int | None) -> bool:
+    if _varlen_attn is None or not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16):
+        return False
+    if q.shape[-1] % 8 or q.shape[-1] > 256:
+        return False
+    if window is not None and documents.max_len > window and "window_size" not in _VARLEN_PARAMS:
+        return False
+    return q.shape[1] == k.shape[1] or "enable_gqa" in _VARLEN_PARAMS or q.shape[1] % k.shape[1] == 0
+
+
+def _varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Documents, window: int | None) -> torch.Tensor:
+    extra = {}
+    if "window_size" in _VARLEN_PARAMS:
+        # (left, right): keys in [i - left, i]; the model's window counts the query itself.
+        extra["window_size"] = (window - 1 if window is not None else -1, 0)
+    else:
+        extra["is_causal"] = True
+    if q.shape[1] != k.shape[1]:
+        if "enable_gqa" in _VARLEN_PARAMS:
+            extra["enable_gqa"] = True
+        else:
+            groups = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    cu, n = documents.cu_seqlens, documents.max_len
+    return _varlen_attn(q.contiguous(), k.contiguous(), v.contiguous(), cu, cu, n, n, **extra)
+
+
+def _per_document(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Documents, window: int | None) -> torch.Tensor:
+    groups = q.shape[1] // k.shape[1]
+    bounds = documents.bounds()
+    pieces = []
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        qi, ki, vi = (x[start:end].transpose(0, 1) for x in (q, k, v))  # [H, n, D]
+        if groups > 1:
+            ki, vi = ki.repeat_interleave(groups, dim=0), vi.repeat_interleave(groups, dim=0)
+        n = end - start
+        if window is not None and n > window:
+            pos = torch.arange(n, device=q.device)
+            mask = (pos[None, :] <= pos[:, None]) & (pos[:, None] - pos[None, :] < window)
+            y = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask)
+        else:
+            y = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True)
+        pieces.append(y.transpose(0, 1))
+    return torch.cat(pieces)

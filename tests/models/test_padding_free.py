@@ -1,0 +1,121 @@
+"""Padding-free batches: one row of documents end to end gives what each document gives on its own."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from entrenar.models.hf import load_hf
+from entrenar.data import Example, collate, num_target_tokens, padding_free
+from entrenar.data.tokenize import IGNORE_INDEX
+from entrenar.lora import LoraConfig, apply_lora
+from entrenar.models.padding_free import Documents, documents_attention
+from entrenar.train.loss import token_cross_entropy
+
+LENGTHS = [[9, 23, 5], [30], [1, 17, 12]]  # rows of documents; rows padded to 48
+
+
+def _rows(vocab: int, seed: int = 0) -> list[list[Example]]:
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for lengths in LENGTHS:
+        row = []
+        for n in lengths:
+            ids = torch.randint(0, vocab, (n,), generator=g).tolist()
+            row.append(Example(input_ids=ids, labels=list(ids)))
+        rows.append(row)
+    return rows
+
+
+def test_padding_free_layout_keeps_every_real_token_and_marks_documents():
+    rows = _rows(vocab=50)
+    batch = collate(rows, seq_len=48)
+    flat = padding_free(batch)
+    lengths = [n for row in LENGTHS for n in row]
+    assert flat["input_ids"].shape == (1, sum(lengths))
+    assert flat["cu_seqlens"].tolist() == [0, *torch.tensor(lengths).cumsum(0).tolist()]
+    assert flat["cu_seqlens"].dtype == torch.int32 and flat["max_seqlen"] == 30
+    assert flat["input_ids"][0].tolist() == [t for row in rows for e in row for t in e.input_ids]
+    # Each document's first label stays masked (never predicted across documents); nothing else is lost.
+    starts = flat["cu_seqlens"][:-1].long()
+    assert (flat["labels"][0, starts] == IGNORE_INDEX).all()
+    assert flat["position_ids"][0, starts].tolist() == [0] * len(lengths)
+    assert num_target_tokens(flat) == num_target_tokens(batch) == sum(lengths) - len(lengths)
+    assert "document_ids" not in flat
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen3"])
+def test_padding_free_logits_equal_each_document_alone_in_transformers(hf_folder, family):
+    folder, hf = hf_folder(family)
+    model = load_hf(folder)
+    rows = _rows(hf.config.vocab_size)
+    flat = padding_free(collate(rows, seq_len=48))
+    with torch.no_grad():
+        logits = model(flat["input_ids"], flat["position_ids"], cu_seqlens=flat["cu_seqlens"],
+                       max_seqlen=flat["max_seqlen"])[0]
+        expected = torch.cat([hf(torch.tensor([e.input_ids])).logits[0] for row in rows for e in row])
+    # mistral's window is 16 and two documents are longer: the window applies within documents.
+    torch.testing.assert_close(logits, expected, atol=2e-5, rtol=1e-4)
+
+
+def test_padding_free_gives_the_padded_packed_batch_loss_and_adapter_gradients(hf_folder):
+    folder, hf = hf_folder("llama")
+    rows = _rows(hf.config.vocab_size, seed=1)
+    batch = collate(rows, seq_len=48)
+    flat = padding_free(batch)
+
+    def loss_and_grads(padding_free_batch: bool):
+        torch.manual_seed(0)
+        model = load_hf(folder)
+        apply_lora(model, LoraConfig(r=4, alpha=8, target_modules="all-linear"))
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                torch.nn.init.normal_(p, std=0.02)  # B = 0 would make every A gradient zero
+        model.set_activation_checkpointing(1)  # one layer of two recomputes, with its input "offloaded"
+        if padding_free_batch:
+            logits = model(flat["input_ids"], flat["position_ids"], cu_seqlens=flat["cu_seqlens"])
+            loss = token_cross_entropy(logits, flat["labels"])[0]
+        else:
+            logits = model(batch["input_ids"], batch["position_ids"], batch["document_ids"])
+            loss = token_cross_entropy(logits, batch["labels"])[0]
+        loss.backward()
+        return loss, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+    loss_padded, grads_padded = loss_and_grads(False)
+    loss_flat, grads_flat = loss_and_grads(True)
+    torch.testing.assert_close(loss_flat, loss_padded, atol=1e-4, rtol=1e-5)
+    assert grads_flat.keys() == grads_padded.keys() and len(grads_flat) == 2 * 7 * 2
+    for name in grads_flat:
+        torch.testing.assert_close(grads_flat[name], grads_padded[name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_a_padding_free_batch_is_one_row():
+    q = torch.randn(2, 4, 8, 16)
+    with pytest.raises(ValueError, match="one row"):
+        documents_attention(q, q, q, Documents(torch.tensor([0, 8], dtype=torch.int32), 8))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="FlashAttention's variable-length kernel needs CUDA")
+@pytest.mark.parametrize("window", [None, 64])
+def test_varlen_kernel_equals_per_document_sdpa_on_gpu(window):
+    from entrenar.models import padding_free as pf
+
+    torch.manual_seed(0)
+    lengths = [300, 17, 1, 512, 90]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    docs = Documents(cu, max(lengths))
+    n = sum(lengths)
+    q = torch.randn(1, 8, n, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(1, 2, n, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(1, 2, n, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    q3, k3 = q[0].transpose(0, 1), k[0].transpose(0, 1)
+    assert pf._varlen_fits(q3, k3, docs, window)
+    grad = torch.randn(1, n, 8, 64, device="cuda", dtype=torch.bfloat16)
+
+    def run(fn):
+        out = fn(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), docs, window)[None]
+        dq, dk, dv = torch.autograd.grad(out, (q, k, v), grad)
+        return out, dq, dk, dv
+
+    for got, want in zip(run(pf._varlen), run(pf._per_document)):
+        torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
