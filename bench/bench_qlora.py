@@ -30,7 +30,8 @@ Rows (``--rows``):
                           kernel of ``apply_kernels`` (the LoRA layers as one node with their NF4 base) and the
                           fused linear cross-entropy in 4096-token chunks, all under bf16 autocast
   loop-lora               the same on a bf16 base
-  loop-*-compiled         those with the step under ``torch.compile`` (``training.compile: true``)
+  loop-*-compiled         those with the whole step (forward and loss) under ``torch.compile``
+  loop-*-blocks           those with each decoder block under ``torch.compile`` (checkpointing stays eager)
 
 Reported per row: tokens/s from the median step time after warm-up (CUDA
 events around forward, backward and optimizer step), peak GPU memory
@@ -86,7 +87,7 @@ class Row:
     autocast: bool = True  # bf16 autocast, as entrenar train runs (the fp32 adapters' products then run in bf16)
     loss_in_autocast: bool = False  # the chunked / fused loss inside autocast too, as the loop calls it
     chunk: int = CHUNK
-    compile: bool = False  # the whole step's forward under torch.compile
+    compile: str = ""  # "step": the whole forward + loss under torch.compile; "blocks": each decoder block
     torch_dequant: bool = False
     lora_row: str | None = None  # the 16-bit LoRA row this QLoRA row is compared with
     steps: int = 10
@@ -106,8 +107,10 @@ ROWS: dict[str, Row] = {
     "entrenar-lora-fast": Row("bf16", loss="fused", kernels=FAST, bf16_adapters=True, autocast=False),
     "loop-qlora": Row("nf4", **LOOP, lora_row="loop-lora"),
     "loop-lora": Row("bf16", **LOOP),
-    "loop-qlora-compiled": Row("nf4", **LOOP, compile=True, lora_row="loop-lora-compiled"),
-    "loop-lora-compiled": Row("bf16", **LOOP, compile=True),
+    "loop-qlora-compiled": Row("nf4", **LOOP, compile="step", lora_row="loop-lora-compiled"),
+    "loop-lora-compiled": Row("bf16", **LOOP, compile="step"),
+    "loop-qlora-blocks": Row("nf4", **LOOP, compile="blocks", lora_row="loop-lora-blocks"),
+    "loop-lora-blocks": Row("bf16", **LOOP, compile="blocks"),
     "entrenar-qlora-chunked": Row("nf4", loss="chunked", lora_row="entrenar-lora-chunked"),
     "entrenar-lora-chunked": Row("bf16", loss="chunked"),
     "entrenar-qlora-torchdq": Row("nf4", torch_dequant=True, steps=5, warmup=2, lora_row="entrenar-lora"),
@@ -166,6 +169,9 @@ def build_entrenar(row: Row) -> nn.Module:
         from entrenar.kernels import apply_kernels
 
         apply_kernels(model, row.kernels, lora_compute_dtype=torch.bfloat16 if row.bf16_adapters else None)
+    if row.compile == "blocks":
+        for block in model.model.layers:
+            block.compile()
     return model.train()
 
 
@@ -224,7 +230,7 @@ def step_fn(row: Row) -> Callable[[nn.Module, torch.Tensor], torch.Tensor]:
                 return loss_fn(hidden, model.lm_head.weight, ids, row.chunk)
         return loss_fn(hidden, model.lm_head.weight, ids, row.chunk)
 
-    loss_of = torch.compile(loss_of) if row.compile else loss_of
+    loss_of = torch.compile(loss_of) if row.compile == "step" else loss_of
 
     def step(model, ids):
         loss_sum, n = loss_of(model, ids)

@@ -26,7 +26,7 @@ def _forward_backward(offload: bool, ids: torch.Tensor) -> tuple[int, dict[str, 
     torch.empty(1, device="cuda")  # lets the allocator take back blocks whose side-stream copies have finished
     held = torch.cuda.memory_allocated() - before - out.untyped_storage().nbytes()
     out.float().square().mean().backward()
-    return held, {n: p.grad.clone() for n, p in model.named_parameters()}
+    return held, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
 def test_offload_moves_checkpointed_inputs_to_the_cpu_and_keeps_gradients_exact():
@@ -37,5 +37,9 @@ def test_offload_moves_checkpointed_inputs_to_the_cpu_and_keeps_gradients_exact(
     # Checkpointing alone keeps every layer's input (plus the small RoPE tables); offloading keeps none of them.
     assert held_on_gpu >= CONFIG.num_layers * layer_input
     assert held_offloaded <= held_on_gpu - CONFIG.num_layers * layer_input, (held_on_gpu, held_offloaded)
+    assert len(grads) == len(grads_offloaded) > 6 * 9  # every block's weights
     for name, grad in grads.items():
-        torch.testing.assert_close(grads_offloaded[name], grad, atol=0, rtol=0, msg=name)
+        # The embedding's backward adds rows with atomics in no fixed order: equal within bf16 rounding only.
+        exact = not name.endswith("embed_tokens.weight")
+        torch.testing.assert_close(grads_offloaded[name], grad, atol=0 if exact else 1e-5, rtol=0 if exact else 1e-2,
+                                   msg=name)

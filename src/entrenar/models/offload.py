@@ -26,11 +26,13 @@ def offload_saved_input(tensor: torch.Tensor) -> torch.autograd.graph.saved_tens
 
     CPU tensors are kept as they are (there is nowhere cheaper to put them).
     """
-    return torch.autograd.graph.saved_tensors_hooks(lambda t: _pack(t, tensor), _unpack)
+    # Autograd keeps the pack hook as long as what it saved, so the hook must not hold the tensor itself.
+    target = (tensor.data_ptr(), tensor.shape)
+    return torch.autograd.graph.saved_tensors_hooks(lambda t: _pack(t, target), _unpack)
 
 
-def _pack(saved: torch.Tensor, target: torch.Tensor):
-    if not saved.is_cuda or saved.data_ptr() != target.data_ptr() or saved.shape != target.shape:
+def _pack(saved: torch.Tensor, target: tuple[int, torch.Size]):
+    if not saved.is_cuda or (saved.data_ptr(), saved.shape) != target:
         return saved
     device = saved.device
     stream = _side_streams.get(device)
