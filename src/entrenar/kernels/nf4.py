@@ -156,7 +156,11 @@ def dequantize_nf4_triton(q: NF4Tensor, dtype: torch.dtype | None = None) -> Ten
     odd number of elements (the pad nibble's value is written there).
     """
     dtype = dtype or q.dtype
-    flat = _nf4_dequantize(q.codes, q.absmax, q.absmax_scale, q.absmax_offset, q.blocksize, dtype)
+    if torch.compiler.is_compiling():  # the graph needs the op; eager skips its dispatch (QLoRA runs hundreds a step)
+        flat = _nf4_dequantize(q.codes, q.absmax, q.absmax_scale, q.absmax_offset, q.blocksize, dtype)
+    else:
+        flat = torch.empty(2 * q.codes.numel(), dtype=dtype, device=q.codes.device)
+        launch(q.codes, q.absmax, q.absmax_scale, q.absmax_offset, q.blocksize, flat)
     return flat[: q.numel].view(q.shape)
 
 
@@ -175,11 +179,11 @@ class _NF4LoraLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, bias, lora_a, lora_b, q: NF4Tensor, scaling: float, compute_dtype: torch.dtype):
-        with torch.autocast(x.device.type, enabled=False):  # dtypes are chosen here, not by autocast
-            x2 = x.reshape(-1, x.shape[-1])
-            xa = x2.to(compute_dtype) @ lora_a.to(compute_dtype).T
-            base = F.linear(x2, dequantize_nf4(q, x.dtype), bias)
-            out = torch.addmm(base.to(compute_dtype), xa, lora_b.to(compute_dtype).T, alpha=scaling).to(base.dtype)
+        # Runs with autocast off (nf4_lora_linear sees to it): the dtypes are chosen here.
+        x2 = x.reshape(-1, x.shape[-1])
+        xa = x2.to(compute_dtype) @ lora_a.to(compute_dtype).T
+        base = F.linear(x2, dequantize_nf4(q, x.dtype), bias)
+        out = torch.addmm(base.to(compute_dtype), xa, lora_b.to(compute_dtype).T, alpha=scaling).to(base.dtype)
         ctx.save_for_backward(x, xa, lora_a, lora_b)
         ctx.q, ctx.scaling, ctx.compute_dtype, ctx.has_bias = q, scaling, compute_dtype, bias is not None
         return out.view(*x.shape[:-1], out.shape[-1])
@@ -190,20 +194,20 @@ class _NF4LoraLinearFunction(torch.autograd.Function):
         need_x, need_bias, need_a, need_b = ctx.needs_input_grad[:4]
         s, cd = ctx.scaling, ctx.compute_dtype
         dx = dbias = da = db = None
-        with torch.autocast(x.device.type, enabled=False):
-            x2 = x.reshape(-1, x.shape[-1])
-            g = grad_out.reshape(-1, grad_out.shape[-1])
-            gc = g.to(cd)
-            u = (gc @ lora_b.to(cd)).mul_(s)  # [N, r]
-            if need_x:
-                dx = g @ dequantize_nf4(ctx.q, g.dtype)
-                dx = torch.addmm(dx.to(cd), u, lora_a.to(cd)).to(dx.dtype).view(x.shape)
-            if need_bias and ctx.has_bias:
-                dbias = g.sum(0)
-            if need_a:
-                da = (u.T @ x2.to(cd)).to(lora_a.dtype)
-            if need_b:
-                db = (gc.T @ xa).mul_(s).to(lora_b.dtype)
+        # Every operand's dtype is explicit, so autocast (off here in any normal loop) could change nothing.
+        x2 = x.reshape(-1, x.shape[-1])
+        g = grad_out.reshape(-1, grad_out.shape[-1])
+        gc = g.to(cd)
+        u = (gc @ lora_b.to(cd)).mul_(s)  # [N, r]
+        if need_x:
+            dx = g @ dequantize_nf4(ctx.q, g.dtype)
+            dx = torch.addmm(dx.to(cd), u, lora_a.to(cd)).to(dx.dtype).view(x.shape)
+        if need_bias and ctx.has_bias:
+            dbias = g.sum(0)
+        if need_a:
+            da = (u.T @ x2.to(cd)).to(lora_a.dtype)
+        if need_b:
+            db = (gc.T @ xa).mul_(s).to(lora_b.dtype)
         return dx, dbias, da, db, None, None, None
 
 
