@@ -74,9 +74,13 @@ def test_lora_and_qlora_shrink_what_they_should():
     assert qlora.activations == lora.activations
 
 
-def test_the_fused_loss_holds_one_chunk_of_logits():
+def test_the_fused_loss_holds_one_chunk_of_logits_which_a_rebuilt_layer_can_hide():
     full = estimate_training_memory(CONFIG, "lora", 4, 2048)
     fused = estimate_training_memory(CONFIG, "lora", 4, 2048, fused_loss_chunk=1024)
-    assert full.logits == 4 * 2048 * 256 * (2 + 4 + 4)
-    assert fused.logits == 1024 * 256 * (2 + 4)
+    tokens, h, v = 4 * 2048, CONFIG.hidden_size, CONFIG.vocab_size
+    assert full.logits == tokens * v * (2 + 4 + 4)
+    assert fused.logits == tokens * h * 2 + 1024 * v * 2  # hidden-state gradient + one bf16 chunk
     assert fused.activations == full.activations
+    # Under checkpointing the chunk (gone after forward) and the layer rebuilt in backward never coexist.
+    ckpt = estimate_training_memory(CONFIG, "lora", 4, 2048, fused_loss_chunk=1024, activation_checkpointing=True)
+    assert ckpt.logits == tokens * h * 2  # this layer (8192 tokens) outweighs a 1024 x 256 chunk

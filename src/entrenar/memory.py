@@ -16,6 +16,7 @@ from entrenar.models.config import ModelConfig
 
 GiB = 2**30
 LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+FUSED_LOSS_CHUNK = 4096  # tokens per chunk of the fused output-projection loss, as the training loop runs it
 NF4_BYTES_PER_PARAM = 0.5 + 1 / 64 + 4 / (64 * 256)  # codes + 8-bit absmax per 64 + fp32 scale per 256 blocks
 
 
@@ -96,7 +97,7 @@ def estimate_training_memory(
     default (so weights, gradients and optimizer state are fp32), a LoRA base
     defaults to the compute precision. AdamW keeps two state tensors per
     trainable parameter, SGD with momentum one. `fused_loss_chunk` (tokens per
-    chunk) models the fused output-projection loss instead of full logits.
+    chunk) models the fused output-projection loss (its GPU kernel) instead of full logits.
     `activation_checkpointing` is True (every layer), False, or how many layers
     recompute in backward; `offload_activations` keeps those layers' inputs in
     CPU memory, so they hold nothing on the GPU.
@@ -132,12 +133,15 @@ def estimate_training_memory(
     # A recomputed layer keeps only its input (unless offloaded), and one of them at a time is rebuilt whole.
     kept_input = 0 if offload_activations else config.hidden_size * dtype_bytes
     activations = tokens * ((n_layers - recomputed) * per_layer + recomputed * kept_input)
-    if recomputed:
-        activations += tokens * per_layer
+    rebuilt = tokens * per_layer if recomputed else 0
+    activations += rebuilt
     activations += tokens * config.hidden_size * (dtype_bytes + 4)  # final norm
     if fused_loss_chunk:
-        # The fused output-projection loss holds one chunk of logits and its gradient, never all of them.
-        logits = min(tokens, fused_loss_chunk) * config.vocab_size * (dtype_bytes + 4)
+        # The fused output-projection loss does all its work in forward: one chunk of logits (overwritten by
+        # their gradient) at a time, and the hidden states' gradient kept for backward. The chunk is gone
+        # before backward rebuilds a checkpointed layer, so only what it exceeds that layer by adds to the peak.
+        chunk = min(tokens, fused_loss_chunk) * config.vocab_size * dtype_bytes
+        logits = tokens * config.hidden_size * dtype_bytes + max(0, chunk - rebuilt)
     else:
         # Logits in the model dtype, upcast to fp32 for the loss, and their gradient.
         logits = tokens * config.vocab_size * (dtype_bytes + 4 + 4)

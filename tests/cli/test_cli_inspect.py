@@ -61,6 +61,17 @@ def test_memory_equals_estimate_training_memory(capsys, hf_folder):
     assert out.endswith(format_estimates(expected) + "\n")
 
 
+def test_offload_and_fused_loss_flags_reach_the_estimate(capsys, hf_folder):
+    folder, _ = hf_folder("llama")
+    expected = estimate_training_memory(read_config(folder), "qlora", activation_checkpointing=True,
+                                        offload_activations=True, fused_loss_chunk=4096)
+    report = inspect_json(capsys, folder, "--checkpointing", "--offload", "--fused-loss")
+    assert report["memory"]["estimates"]["qlora"] == expected.as_dict()
+    assert expected.total < estimate_training_memory(read_config(folder), "qlora", activation_checkpointing=True).total
+    code, _, err = run_cli(capsys, "inspect", folder, "--offload")
+    assert code == 2 and "--offload offloads checkpointed activations; add --checkpointing" in err
+
+
 def test_defaults_are_the_library_defaults(capsys, hf_folder):
     folder, _ = hf_folder("mistral")
     report = inspect_json(capsys, folder)

@@ -37,6 +37,11 @@ def add_parser(commands: argparse._SubParsersAction, parents: list[argparse.Argu
                         help="projections LoRA adapts (default all-linear)")
     parser.add_argument("--dtype", choices=tuple(entrenar.DTYPES), default="bf16", help="training dtype (default bf16)")
     parser.add_argument("--checkpointing", action="store_true", help="with activation checkpointing")
+    parser.add_argument("--offload", action="store_true",
+                        help="checkpointed activations offloaded to CPU memory (training.offload_activations)")
+    parser.add_argument("--fused-loss", action="store_true",
+                        help="the fused output-projection loss, as `entrenar train` runs on CUDA with the kernels on "
+                             "(default: full logits, as on the CPU)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     parser.set_defaults(run=run)
 
@@ -58,7 +63,8 @@ def parse_targets(text: str) -> str | list[str]:
 
 def run(args: argparse.Namespace) -> int:
     from entrenar import read_model_config, resolve_dtype
-    from entrenar.memory import estimate_training_memory, format_estimates
+    from entrenar.errors import ConfigError
+    from entrenar.memory import FUSED_LOSS_CHUNK, estimate_training_memory, format_estimates
 
     config = read_model_config(args.model)
     dtype_bytes = resolve_dtype(args.dtype, "cpu").itemsize
@@ -66,7 +72,10 @@ def run(args: argparse.Namespace) -> int:
     settings = {
         "batch_size": args.batch_size, "seq_len": args.seq_len, "dtype_bytes": dtype_bytes,
         "lora_r": args.lora_r, "lora_targets": targets, "activation_checkpointing": args.checkpointing,
+        "offload_activations": args.offload, "fused_loss_chunk": FUSED_LOSS_CHUNK if args.fused_loss else None,
     }
+    if args.offload and not args.checkpointing:
+        raise ConfigError("--offload offloads checkpointed activations; add --checkpointing")
     estimates = [estimate_training_memory(config, method, **settings) for method in METHODS]
     architecture = {name: getattr(config, name) for name in ARCHITECTURE_FIELDS}
     total, trainable = estimates[0].total_params, estimates[1].trainable_params
@@ -87,8 +96,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"  parameters    {total:,} total; LoRA r={args.lora_r} on {targets_text} trains "
           f"{trainable:,} ({100 * trainable / total:.2f}%)")
     print()
+    checkpointing = ("on, offloaded" if args.offload else "on") if args.checkpointing else "off"
     print(f"training memory for batch {args.batch_size} x {args.seq_len} tokens, {args.dtype}, "
-          f"activation checkpointing {'on' if args.checkpointing else 'off'}:")
+          f"activation checkpointing {checkpointing}, {'fused' if args.fused_loss else 'full-logits'} loss:")
     print(format_estimates(estimates))
     return 0
 
