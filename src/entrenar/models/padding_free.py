@@ -62,9 +62,8 @@ def _varlen_fits(q: torch.Tensor, k: torch.Tensor, documents: Documents, window:
         return False
     if q.shape[-1] % 8 or q.shape[-1] > 256:
         return False
-    if window is not None and documents.max_len > window and "window_size" not in _VARLEN_PARAMS:
-        return False
-    return q.shape[1] == k.shape[1] or "enable_gqa" in _VARLEN_PARAMS or q.shape[1] % k.shape[1] == 0
+    # Without window_size (older torch) the kernel is only causal: a window that cuts a document needs the fallback.
+    return window is None or documents.max_len <= window or "window_size" in _VARLEN_PARAMS
 
 
 def _varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Documents, window: int | None) -> torch.Tensor:
