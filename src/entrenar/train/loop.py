@@ -159,12 +159,11 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
         return token_cross_entropy(model(*inputs, **layout), batch["labels"])[0]
 
     if t.compile:
-        # Block by block, not the whole step: compiled around torch.utils.checkpoint, the step measured 10 GiB
-        # more at the Llama-8B shape (the recomputation was undone; docs/PERFORMANCE.md), while per block
-        # checkpointing and offload stay as they are, at the same speed.
+        # Block by block, not the whole step: compiled around torch.utils.checkpoint, the step held 10-22 GiB
+        # more at the Llama-8B shape (the recomputation was undone; docs/PERFORMANCE.md). Per block,
+        # checkpointing and offload keep their saving.
         for block in model.model.layers:
             block.compile()
-    compute_loss = loss_sum_of
 
     if dry_run:
         report = _dry_run_report(recipe, model, trainable, examples, validation, notes, fused_loss)
@@ -223,7 +222,7 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
                         batch = padding_free(batch)
                     batch = {k: _to(v, device) for k, v in batch.items()}
                     with autocast_for(device, t.precision):
-                        loss_sum = compute_loss(batch)
+                        loss_sum = loss_sum_of(batch)
                     loss = loss_sum / step_targets  # normalised over the whole step, not per micro-batch
                     scaler.scale(loss).backward()
                     step_loss += loss.detach()
