@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from entrenar.kernels._common import autocast_inputs, use_triton
-from entrenar.train.loss import IGNORE_INDEX, chunked_cross_entropy
+from entrenar.train.loss import IGNORE_INDEX, GradsInForward, chunked_cross_entropy
 
 _BLOCK_V = 4096
 
@@ -120,26 +120,6 @@ def _loss_and_grads(
     return loss_rows.sum(), grad_hidden, grad_weight
 
 
-class _FusedLinearCrossEntropy(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_size: int, rows):
-        loss_sum, grad_hidden, grad_weight = _loss_and_grads(
-            hidden, weight, targets, chunk_size, ctx.needs_input_grad[0], ctx.needs_input_grad[1], rows
-        )
-        ctx.save_for_backward(grad_hidden, grad_weight)
-        ctx.weight_dtype = weight.dtype
-        return loss_sum
-
-    @staticmethod
-    def backward(ctx, grad_output: torch.Tensor):
-        grad_hidden, grad_weight = ctx.saved_tensors
-        if grad_hidden is not None:
-            grad_hidden = grad_hidden * grad_output.to(grad_hidden.dtype)
-        if grad_weight is not None:
-            grad_weight = (grad_weight * grad_output).to(ctx.weight_dtype)
-        return grad_hidden, grad_weight, None, None, None
-
-
 @torch.compiler.disable  # a Python loop over chunks with in-place kernels: runs eagerly inside a compiled step
 def _fused(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int, rows):
     # Shift by giving the last position of each row the ignored target: no copy of the hidden states.
@@ -147,7 +127,8 @@ def _fused(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chu
     flat = hidden.reshape(-1, hidden.shape[-1])
     n_tokens = (targets != IGNORE_INDEX).sum()
     if torch.is_grad_enabled() and (flat.requires_grad or weight.requires_grad):
-        return _FusedLinearCrossEntropy.apply(flat, weight, targets, chunk_size, rows), n_tokens
+        loss_and_grads = functools.partial(_loss_and_grads, rows=rows)
+        return GradsInForward.apply(flat, weight, targets, chunk_size, loss_and_grads), n_tokens
     loss_sum, _, _ = _loss_and_grads(flat, weight, targets, chunk_size, False, False, rows)
     return loss_sum, n_tokens
 

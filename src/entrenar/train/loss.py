@@ -80,18 +80,20 @@ def _chunk_loss_and_grads(
     return loss_sum, grad_hidden, grad_weight
 
 
-class _ChunkedLinearCrossEntropy(torch.autograd.Function):
-    """loss_sum = CE(hidden @ weight.T, targets), gradients computed during forward chunk by chunk.
+class GradsInForward(torch.autograd.Function):
+    """loss_sum = CE(hidden @ weight.T, targets), its gradients computed during forward chunk by chunk.
 
-    Only the gradients ([N, H] and [V, H]) are kept for backward, never [N, V]
-    logits, so peak memory is one chunk of logits in both passes.
+    ``loss_and_grads(hidden, weight, targets, chunk_size, need_hidden, need_weight)`` returns
+    ``(loss_sum, grad_hidden, grad_weight)``; only those gradients ([N, H] and [V, H]) are kept for
+    backward, never [N, V] logits, and backward scales them by the incoming scalar. Shared by
+    :func:`chunked_cross_entropy` and the fused kernel (:mod:`entrenar.kernels.fused_linear_ce`).
     """
 
     @staticmethod
-    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_size: int):
-        need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        loss_sum, grad_hidden, grad_weight = _chunk_loss_and_grads(
-            hidden, weight, targets, chunk_size, need_hidden, need_weight
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_size: int,
+                loss_and_grads):
+        loss_sum, grad_hidden, grad_weight = loss_and_grads(
+            hidden, weight, targets, chunk_size, ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         )
         ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.weight_dtype = weight.dtype
@@ -104,7 +106,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             grad_hidden = grad_hidden * grad_output.to(grad_hidden.dtype)
         if grad_weight is not None:
             grad_weight = (grad_weight * grad_output).to(ctx.weight_dtype)
-        return grad_hidden, grad_weight, None, None
+        return grad_hidden, grad_weight, None, None, None
 
 
 def chunked_cross_entropy(
@@ -129,6 +131,6 @@ def chunked_cross_entropy(
     flat = hidden[:, :-1].reshape(-1, hidden.shape[-1])
     n_tokens = (targets != IGNORE_INDEX).sum()
     if torch.is_grad_enabled() and (flat.requires_grad or lm_head_weight.requires_grad):
-        return _ChunkedLinearCrossEntropy.apply(flat, lm_head_weight, targets, chunk_size), n_tokens
+        return GradsInForward.apply(flat, lm_head_weight, targets, chunk_size, _chunk_loss_and_grads), n_tokens
     loss_sum, _, _ = _chunk_loss_and_grads(flat, lm_head_weight, targets, chunk_size, False, False)
     return loss_sum, n_tokens
