@@ -74,6 +74,24 @@ def tiny_llama():
     return transformers.LlamaForCausalLM(config)
 
 
+def crash_after_step(monkeypatch, recipe, step: int) -> None:
+    """Run ``recipe`` and stop it as if killed right after ``step`` is logged (checkpoints as they were)."""
+    from entrenar.train import loop
+
+    real_log_step = loop.MetricsLogger.log_step
+
+    def crash(self, logged, *args, **kwargs):
+        record = real_log_step(self, logged, *args, **kwargs)
+        if logged == step:
+            raise KeyboardInterrupt
+        return record
+
+    with monkeypatch.context() as patch:
+        patch.setattr(loop.MetricsLogger, "log_step", crash)
+        with pytest.raises(KeyboardInterrupt):
+            loop.train(recipe, progress=False)
+
+
 @pytest.fixture
 def workspace(tmp_path):
     """A tiny native model folder with a character tokenizer, and prompt/completion data, for training runs."""

@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+from conftest import crash_after_step
 
 import entrenar
 from entrenar import quickstart
@@ -75,19 +76,8 @@ def test_qat_run_resumes_exactly_and_its_integer_model_computes_what_it_trained(
         assert isinstance(master.model.layers[0].mlp.down_proj, torch.nn.Linear)
 
     # Crash right after step 5 is logged; the last checkpoint is step 4. The resumed run matches bit for bit.
-    real_log_step = loop.MetricsLogger.log_step
-
-    def crash_at_5(self, step, *args, **kwargs):
-        record = real_log_step(self, step, *args, **kwargs)
-        if step == 5:
-            raise KeyboardInterrupt
-        return record
-
-    monkeypatch.setattr(loop.MetricsLogger, "log_step", crash_at_5)
     recipe = recipe_for(workspace, *overrides)
-    with pytest.raises(KeyboardInterrupt):
-        train(recipe, progress=False)
-    monkeypatch.setattr(loop.MetricsLogger, "log_step", real_log_step)
+    crash_after_step(monkeypatch, recipe, 5)
     resumed = train(recipe, resume=True, progress=False)
     assert losses(resumed.run_dir) == expected
     model, _ = entrenar.load(resumed.quantized, adapter=resumed.output if adapter else None, device="cpu")

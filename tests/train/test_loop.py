@@ -6,10 +6,10 @@ import json
 
 import pytest
 import torch
+from conftest import crash_after_step
 
 from entrenar.config import load_recipe
 from entrenar.errors import AdapterError, CheckpointError, ConfigError, DataError
-from entrenar.train import loop
 from entrenar.train.loop import train
 from entrenar.train.metrics import read_metrics
 
@@ -41,19 +41,8 @@ def test_interrupted_run_resumes_with_identical_losses(workspace, monkeypatch, m
     assert len(expected) == 8 and len(set(expected)) == 8
 
     # Crash right after step 7 is logged; the last checkpoint is step 6 (save_every 3).
-    real_log_step = loop.MetricsLogger.log_step
-
-    def crash_at_7(self, step, *args, **kwargs):
-        record = real_log_step(self, step, *args, **kwargs)
-        if step == 7:
-            raise KeyboardInterrupt
-        return record
-
-    monkeypatch.setattr(loop.MetricsLogger, "log_step", crash_at_7)
     recipe = recipe_for(workspace, *overrides)
-    with pytest.raises(KeyboardInterrupt):
-        train(recipe, progress=False)
-    monkeypatch.setattr(loop.MetricsLogger, "log_step", real_log_step)
+    crash_after_step(monkeypatch, recipe, 7)
     assert len(losses(workspace / "run")) == 7
 
     resumed = train(recipe, resume=True, progress=False)
