@@ -1,6 +1,7 @@
 """LoRA fused with its base projection (hand-written backward) against the plain ``LoraLinear``.
 
-This op is plain PyTorch, so it is checked on CPU too.
+This op is plain PyTorch, so it is checked on CPU too: alone and with several
+projections of one input as one node (``project_together``).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import torch
 from kernel_checks import assert_as_close, rel_err
 from torch import nn
 
-from entrenar.kernels.lora_linear import FusedLoraLinear
+from entrenar.kernels.lora_linear import FusedLoraLinear, project_together
 from entrenar.lora import LoraLinear
 
 
@@ -104,3 +105,87 @@ def test_merged_or_dropout_falls_back_to_the_plain_forward():
     plain.eval(), fused.eval()
     fused.merge(), plain.merge()
     torch.testing.assert_close(fused(x), plain(x), rtol=0, atol=0)
+
+
+def _group(dtype: torch.dtype, train_base: bool = False):
+    """Three LoRA layers reading one input (as q, k, v), of different widths and ranks, one with a bias."""
+    torch.manual_seed(8)
+    plain = []
+    for out_features, r, bias in ((40, 4, True), (24, 2, False), (24, 6, False)):
+        layer = LoraLinear(nn.Linear(48, out_features, bias=bias).to(dtype), r=r, alpha=8.0)
+        layer.base_layer.requires_grad_(train_base)
+        with torch.no_grad():
+            layer.lora_B.weight.normal_(0, 0.5)
+        plain.append(layer)
+    fused = copy.deepcopy(plain)
+    for layer in fused:
+        layer.__class__ = FusedLoraLinear
+    return plain, fused
+
+
+def _run_group(layers, x0: torch.Tensor, x_dtype: torch.dtype, together: bool):
+    torch.manual_seed(9)
+    x = x0.detach().to(x_dtype).requires_grad_(True)
+    ys = project_together(x, layers) if together else tuple(layer(x) for layer in layers)
+    dys = [torch.randn(y.shape).to(y.dtype) for y in ys]
+    params = [p for layer in layers for p in layer.parameters() if p.requires_grad]
+    return (*ys, *torch.autograd.grad(ys, [x, *params], dys))
+
+
+@pytest.mark.parametrize("train_base", [False, True], ids=["frozen-base", "trained-base"])
+def test_projections_together_match_plain_lora(train_base):
+    plain, fused = _group(torch.float32, train_base)
+    x0 = torch.randn(2, 5, 48)
+    got, want = _run_group(fused, x0, torch.float32, True), _run_group(plain, x0, torch.float32, False)
+    assert len(got) == len(want) == 3 + 1 + 6 + (4 if train_base else 0)  # outputs, dx, A and B, W and the bias
+    for i, (a, b) in enumerate(zip(got, want)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=f"result {i}")
+
+
+def test_projections_together_on_bf16_are_as_accurate_as_plain_lora():
+    plain, fused = _group(torch.bfloat16)
+    exact = [copy.deepcopy(layer).double() for layer in plain]
+    x0 = torch.randn(3, 7, 48)
+    results = zip(_run_group(fused, x0, torch.bfloat16, True), _run_group(plain, x0, torch.bfloat16, False),
+                  _run_group(exact, x0, torch.float64, False))
+    for i, (a, p, e) in enumerate(results):
+        assert_as_close(a, p, e, f"result {i}")
+
+
+def test_projections_together_with_bf16_adapter_math_stay_within_bf16_error():
+    plain, fused = _group(torch.bfloat16)
+    for layer in fused:
+        layer.lora_compute_dtype = torch.bfloat16
+    exact = [copy.deepcopy(layer).double() for layer in plain]
+    x0 = torch.randn(3, 7, 48)
+    for i, (a, e) in enumerate(zip(_run_group(fused, x0, torch.bfloat16, True),
+                                   _run_group(exact, x0, torch.float64, False))):
+        assert rel_err(a, e) < 1e-2, f"result {i}: relative error {rel_err(a, e):.3g}"
+
+
+def test_projections_together_keep_one_adapter_activation_for_all():
+    _, fused = _group(torch.bfloat16)
+    x = torch.randn(4, 16, 48, dtype=torch.bfloat16, requires_grad=True)
+    params = {p.data_ptr() for layer in fused for p in layer.parameters()}
+    saved = []
+
+    def pack(t):
+        if t.data_ptr() not in params and t.data_ptr() != x.data_ptr():
+            saved.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        project_together(x, fused)
+    assert saved == [(64, 12)]  # A x of the three adapters (ranks 4 + 2 + 6), nothing else
+
+
+def test_layers_that_cannot_share_a_node_run_one_by_one():
+    plain, fused = _group(torch.float32)
+    fused[1].lora_compute_dtype = torch.bfloat16  # another adapter precision than its neighbours
+    x = torch.randn(2, 48)
+    for a, b in zip(project_together(x, fused), (layer(x) for layer in fused)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    fused[1].lora_compute_dtype = None
+    fused[0].merge()
+    for a, b in zip(project_together(x, fused), (layer(x) for layer in plain)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

@@ -20,6 +20,7 @@ from types import SimpleNamespace
 import torch
 
 from entrenar.kernels._common import next_power_of_2, use_triton
+from entrenar.kernels.lora_linear import project_together
 from entrenar.models.transformer import Attention
 from entrenar.models.transformer import apply_rope as apply_rope_reference
 
@@ -137,6 +138,13 @@ def apply_rope(
 
 
 class FusedRopeAttention(Attention):
-    """An :class:`Attention` that rotates q and k with the fused kernel; same projections, same state dict."""
+    """An :class:`Attention` that rotates q and k with the fused kernel; same projections, same state dict.
+
+    When q, k and v are fused LoRA layers (``apply_kernels`` with ``"lora"``),
+    they also run as one node (:func:`entrenar.kernels.lora_linear.project_together`).
+    """
 
     rotate = staticmethod(apply_rope)
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return project_together(x, (self.q_proj, self.k_proj, self.v_proj))
