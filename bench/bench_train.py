@@ -13,6 +13,8 @@ Rows (``--rows``):
   kernels-eager    entrenar with apply_kernels and the fused linear cross-entropy, eager
   kernels-compiled the same, each decoder block under torch.compile
   kernels-bf16-*   kernels with the LoRA adapter products in bf16 (apply_kernels(lora_compute_dtype=bf16))
+  kernels-bf16-pernode-*  the same with one LoRA node per projection and the down projection's input saved
+                   (the kernels before q/k/v and gate/up shared a node: shows what sharing earns)
   *-graph          instead of per block, model.hidden_states under torch.compile(fullgraph=True): the whole
                    layer loop in one graph (the fused loss stays outside it)
 
@@ -47,6 +49,7 @@ import os
 import platform
 import statistics
 import sys
+import types
 import time
 import zlib
 from collections.abc import Callable
@@ -120,7 +123,8 @@ CASES: dict[str, Case] = {
                                  padding_free=True),
 }
 ROWS = ("hf", "plain-eager", "plain-compiled", "plain-graph", "kernels-eager", "kernels-compiled", "kernels-graph",
-        "kernels-bf16-eager", "kernels-bf16-compiled", "kernels-bf16-graph")
+        "kernels-bf16-eager", "kernels-bf16-compiled", "kernels-bf16-graph", "kernels-bf16-pernode-eager",
+        "kernels-bf16-pernode-compiled")
 
 
 def model_config(shape: str, seq: int) -> ModelConfig:
@@ -215,7 +219,7 @@ def build_hf(cfg: ModelConfig, method: str, checkpointing: bool, device: str, dt
 
 def build_entrenar(cfg: ModelConfig, method: str, checkpointing: bool | int, device: str, dtype: torch.dtype,
                    kernels: bool, mode: str, lora_compute_dtype: torch.dtype | None = None,
-                   offload: bool = False) -> Transformer:
+                   offload: bool = False, per_node: bool = False) -> Transformer:
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # build in bf16 directly: no fp32 copy of an 8B model on the way
     try:
@@ -230,6 +234,8 @@ def build_entrenar(cfg: ModelConfig, method: str, checkpointing: bool | int, dev
         from entrenar.kernels import apply_kernels
 
         apply_kernels(model, lora_compute_dtype=lora_compute_dtype)
+        if per_node:
+            one_node_per_projection(model)
     init_weights(model)
     if mode == "compiled":
         for block in model.model.layers:
@@ -237,6 +243,21 @@ def build_entrenar(cfg: ModelConfig, method: str, checkpointing: bool | int, dev
     elif mode == "graph":
         model.hidden_states = torch.compile(model.hidden_states, fullgraph=True)
     return model.train()
+
+
+def one_node_per_projection(model: Transformer) -> None:
+    """Undo what apply_kernels shares between projections: each LoRA layer its own node, silu(gate)*up saved."""
+    from entrenar.kernels import FusedMLP, FusedRopeAttention, swiglu
+    from entrenar.models.transformer import Attention
+
+    def mlp_forward(self, x):
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+
+    for module in model.modules():
+        if isinstance(module, FusedRopeAttention):
+            module.project = types.MethodType(Attention.project, module)
+        elif isinstance(module, FusedMLP):
+            module.forward = types.MethodType(mlp_forward, module)
 
 
 def hf_step_loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
@@ -321,7 +342,7 @@ def run_row(case_name: str, case: Case, row: str, device: str, dtype: torch.dtyp
         kernels, mode = row.startswith("kernels"), row.rsplit("-", 1)[1]
         compute = dtype if "-bf16-" in row else None
         model = build_entrenar(cfg, case.method, case.checkpointing, device, dtype, kernels, mode, compute,
-                               offload=case.offload)
+                               offload=case.offload, per_node="-pernode-" in row)
         if kernels:
             from entrenar.kernels import fused_linear_cross_entropy as loss_fn
         else:
