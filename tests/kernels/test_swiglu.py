@@ -133,6 +133,8 @@ def test_lora_mlp_keeps_gate_and_up_but_not_their_product(monkeypatch):
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         mlp(x)
     n = 4 * 16
-    # A x of gate and up together, gate and up themselves, A h of down: never h = silu(gate) * up.
-    assert sorted(saved, key=str) == sorted([((n, 8), torch.float32), ((4, 16, 136), torch.bfloat16),
-                                             ((4, 16, 136), torch.bfloat16), ((n, 4), torch.float32)], key=str)
+    # A x of gate and up together (and their A matrices stacked), gate and up themselves, A h of down:
+    # never h = silu(gate) * up.
+    assert sorted(saved, key=str) == sorted([((n, 8), torch.float32), ((8, 48), torch.float32),
+                                             ((4, 16, 136), torch.bfloat16), ((4, 16, 136), torch.bfloat16),
+                                             ((n, 4), torch.float32)], key=str)

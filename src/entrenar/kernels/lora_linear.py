@@ -21,11 +21,8 @@ Backward, with ``g_i`` the output gradients::
 
     dB_i = s_i g_i^T (A_i x)    u_i = s_i g_i B_i    dA_i = u_i^T x    dx = sum_i (g_i W_i + u_i A_i)
 
-The products are plain PyTorch (cuBLAS), so this runs on any device. They run
-inside two custom ops, opaque to ``torch.compile``, so that the sums are
-written in place under the compiler too (a functionalised ``addmm_`` is an
-out-of-place ``addmm``, which first copies its input matrix: about 5% of a
-LoRA-1B step on an H200, docs/PERFORMANCE.md).
+The products are plain PyTorch (cuBLAS), so this runs on any device and
+``torch.compile`` traces it.
 """
 
 from __future__ import annotations
@@ -43,8 +40,15 @@ from entrenar.quant.nf4 import NF4Linear
 
 
 def _add_product(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float, dtype: torch.dtype) -> torch.Tensor:
-    """``c + alpha * a @ b`` formed in ``dtype`` and returned in ``c``'s dtype; in place when they agree."""
-    if c.dtype == dtype:
+    """``c + alpha * a @ b`` formed in ``dtype`` and returned in ``c``'s dtype, overwriting ``c`` (a fresh
+    intermediate) where the dtypes agree, unless torch.compile is tracing.
+
+    ATen's out-of-place ``addmm`` first copies ``c`` into its result, one activation-sized copy per call
+    (about 5% of a LoRA-1B step on an H200, docs/PERFORMANCE.md); in place there is none. Under
+    torch.compile the in-place call is functionalised into that same copy anyway, so the graph gets the
+    plain out-of-place form.
+    """
+    if c.dtype == dtype and not torch.compiler.is_compiling():
         return c.addmm_(a, b, alpha=alpha)
     return torch.addmm(c.to(dtype), a, b, alpha=alpha).to(c.dtype)
 
@@ -55,102 +59,94 @@ def _columns(ranks: Sequence[int]) -> list[slice]:
     return [slice(start, start + r) for start, r in zip(starts, ranks)]
 
 
-@torch.library.custom_op("entrenar::lora_projections", mutates_args=())
+def adapters_in(lora_a: Sequence[torch.Tensor], lora_b: Sequence[torch.Tensor],
+                dtype: torch.dtype) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The adapters as the products use them: every ``A`` stacked into one [sum of ranks, in] matrix, in ``dtype``."""
+    a = torch.cat(list(lora_a)) if len(lora_a) > 1 else lora_a[0]
+    return a.to(dtype), [b.to(dtype) for b in lora_b]
+
+
 def lora_projections_forward(
     x: torch.Tensor,
-    weights: list[torch.Tensor],
-    biases: list[torch.Tensor | None],
-    lora_a: list[torch.Tensor],
-    lora_b: list[torch.Tensor],
-    scalings: list[float],
-    compute_dtype: torch.dtype,
-) -> list[torch.Tensor]:
-    """Forward of every projection of ``x`` [N, in]; returns their outputs and, last, ``A x`` [N, sum of ranks].
+    weights: Sequence[torch.Tensor],
+    biases: Sequence[torch.Tensor | None],
+    a: torch.Tensor,
+    lora_b: Sequence[torch.Tensor],
+    scalings: Sequence[float],
+) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Every projection of ``x`` [N, in] and ``A x`` [N, sum of ranks], from :func:`adapters_in`'s adapters.
 
-    This op and :func:`lora_projections_backward` are the bodies of the node; other
-    nodes that end in a LoRA projection (:func:`entrenar.kernels.swiglu.swiglu_lora_linear`) call them too.
+    This function and :func:`lora_projections_backward` are the bodies of the
+    node; other nodes that end in a LoRA projection
+    (:func:`entrenar.kernels.swiglu.swiglu_lora_linear`) call them too.
     """
-    a = torch.cat([t.to(compute_dtype) for t in lora_a])
-    xa = x.to(compute_dtype) @ a.T
-    outs = []
-    for w, bias, b, s, cols in zip(weights, biases, lora_b, scalings, _columns([t.shape[0] for t in lora_a])):
-        outs.append(_add_product(F.linear(x, w, bias), xa[:, cols], b.to(compute_dtype).T, s, compute_dtype))
-    return [*outs, xa]
+    xa = x.to(a.dtype) @ a.T
+    outs = [_add_product(F.linear(x, w, bias), xa[:, cols], b.T, s, a.dtype)
+            for w, bias, b, s, cols in zip(weights, biases, lora_b, scalings, _columns([b.shape[1] for b in lora_b]))]
+    return outs, xa
 
 
-@lora_projections_forward.register_fake
-def _(x, weights, biases, lora_a, lora_b, scalings, compute_dtype):
-    rank = sum(t.shape[0] for t in lora_a)
-    return [*(x.new_empty(x.shape[0], w.shape[0]) for w in weights), x.new_empty(x.shape[0], rank, dtype=compute_dtype)]
-
-
-@torch.library.custom_op("entrenar::lora_projections_backward", mutates_args=())
 def lora_projections_backward(
-    grads: list[torch.Tensor],
+    grads: Sequence[torch.Tensor],
     x: torch.Tensor,
     xa: torch.Tensor,
-    weights: list[torch.Tensor],
-    lora_a: list[torch.Tensor],
-    lora_b: list[torch.Tensor],
-    scalings: list[float],
-    compute_dtype: torch.dtype,
+    weights: Sequence[torch.Tensor],
+    a: torch.Tensor,
+    lora_b: Sequence[torch.Tensor],
+    scalings: Sequence[float],
     need_x: bool,
-) -> list[torch.Tensor]:
-    """Returns ``dx`` (empty unless ``need_x``), then ``dA_i`` for each projection, then ``dB_i``."""
-    cd = compute_dtype
-    columns = _columns([t.shape[0] for t in lora_a])
+) -> tuple[torch.Tensor | None, torch.Tensor, list[torch.Tensor]]:
+    """``dx`` (None unless ``need_x``), the gradient of the stacked ``A`` and each ``dB``, in ``a``'s dtype."""
+    cd = a.dtype
     us, d_b = [], []
-    for g, b, s, cols in zip(grads, lora_b, scalings, columns):
+    for g, b, s, cols in zip(grads, lora_b, scalings, _columns([b.shape[1] for b in lora_b])):
         gc = g.to(cd)
-        us.append((gc @ b.to(cd)).mul_(s))
-        d_b.append((gc.T @ xa[:, cols]).mul_(s).to(b.dtype))
-    u = torch.cat(us, dim=1)
-    d_a_all = u.T @ x.to(cd)
-    d_a = [d_a_all[cols].to(a.dtype, copy=True) for cols, a in zip(columns, lora_a)]  # outputs may not alias
-    dx = x.new_empty(0)
+        us.append((gc @ b).mul_(s))
+        d_b.append((gc.T @ xa[:, cols]).mul_(s))
+    u = torch.cat(us, dim=1) if len(us) > 1 else us[0]
+    d_a = u.T @ x.to(cd)
+    dx = None
     if need_x:
         dx = grads[0] @ weights[0]
         for g, w in zip(grads[1:], weights[1:]):
-            dx.addmm_(g, w)
-        dx = _add_product(dx, u, torch.cat([a.to(cd) for a in lora_a]), 1.0, cd)
-    return [dx, *d_a, *d_b]
-
-
-@lora_projections_backward.register_fake
-def _(grads, x, xa, weights, lora_a, lora_b, scalings, compute_dtype, need_x):
-    dx = grads[0].new_empty(x.shape[0], x.shape[1]) if need_x else x.new_empty(0)
-    return [dx, *(torch.empty_like(a) for a in lora_a), *(torch.empty_like(b) for b in lora_b)]
+            dx = _add_product(dx, g, w, 1.0, dx.dtype)
+        dx = _add_product(dx, u, a, 1.0, cd)
+    return dx, d_a, d_b
 
 
 class _LoraProjections(torch.autograd.Function):
-    """Autograd for :func:`lora_projections_forward`; arguments flattened: ``x, n, *weights, *biases, *A, *B, scalings, dtype``."""
+    """Autograd for :func:`lora_projections_forward`; arguments flattened: ``x, n, *weights, *biases, *A, *B,
+    scalings, dtype``."""
 
     @staticmethod
     def forward(ctx, x, n: int, *args):
         weights, biases, lora_a, lora_b = (list(args[i * n:(i + 1) * n]) for i in range(4))
         scalings, compute_dtype = args[4 * n:]
-        x2 = x.reshape(-1, x.shape[-1])
-        *outs, xa = lora_projections_forward(x2, weights, biases, lora_a, lora_b, list(scalings), compute_dtype)
-        ctx.save_for_backward(x, xa, *weights, *lora_a, *lora_b)
-        ctx.n, ctx.scalings, ctx.compute_dtype = n, list(scalings), compute_dtype
+        a, bs = adapters_in(lora_a, lora_b, compute_dtype)
+        outs, xa = lora_projections_forward(x.reshape(-1, x.shape[-1]), weights, biases, a, bs, scalings)
+        ctx.save_for_backward(x, xa, a, *weights, *bs)
+        ctx.n, ctx.scalings = n, scalings
         ctx.has_bias = [bias is not None for bias in biases]
+        ctx.lora_dtypes = [(t.dtype, t.shape[0]) for t in lora_a], [t.dtype for t in lora_b]
         return tuple(out.view(*x.shape[:-1], out.shape[-1]) for out in outs)
 
     @staticmethod
     def backward(ctx, *grad_outs):
         n = ctx.n
-        x, xa, *rest = ctx.saved_tensors
-        weights, lora_a, lora_b = rest[:n], rest[n:2 * n], rest[2 * n:]
+        x, xa, a, *rest = ctx.saved_tensors
+        weights, bs = rest[:n], rest[n:]
         need = ctx.needs_input_grad
         need_w, need_bias = need[2:2 + n], need[2 + n:2 + 2 * n]
         x2 = x.reshape(-1, x.shape[-1])
         grads = [g.reshape(-1, g.shape[-1]) for g in grad_outs]
-        dx, *d_ab = lora_projections_backward(grads, x2, xa, weights, lora_a, lora_b, ctx.scalings, ctx.compute_dtype,
-                                          need[0])
+        dx, d_a, d_b = lora_projections_backward(grads, x2, xa, weights, a, bs, ctx.scalings, need[0])
+        a_dtypes, b_dtypes = ctx.lora_dtypes
+        d_a = [part.to(dtype) for part, (dtype, _) in zip(d_a.split([r for _, r in a_dtypes]), a_dtypes)]
+        d_b = [grad.to(dtype) for grad, dtype in zip(d_b, b_dtypes)]
         d_w = [(g.T @ x2).to(w.dtype) if needed else None for g, w, needed in zip(grads, weights, need_w)]
         d_bias = [g.sum(0).to(w.dtype) if needed and has else None
                   for g, w, needed, has in zip(grads, weights, need_bias, ctx.has_bias)]
-        return (dx.view(x.shape) if need[0] else None), None, *d_w, *d_bias, *d_ab, None, None
+        return (None if dx is None else dx.view(x.shape)), None, *d_w, *d_bias, *d_a, *d_b, None, None
 
 
 def lora_projections(

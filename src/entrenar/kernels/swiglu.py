@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from entrenar.kernels._common import autocast_inputs, cdiv, use_triton
 from entrenar.kernels.lora_linear import (
+    adapters_in,
     fusable,
     lora_projections_backward,
     lora_projections_forward,
@@ -77,7 +78,9 @@ def _kernels() -> SimpleNamespace:
 
 
 @torch.library.custom_op("entrenar::swiglu", mutates_args=())
-def _swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+def _swiglu(gate: torch.Tensor, up: torch.Tensor, rebuild: bool = False) -> torch.Tensor:
+    # ``rebuild`` changes nothing computed: it marks the call that rebuilds the product in a backward, so that
+    # torch.compile does not merge it with the forward's call (and then keep the product alive in between).
     gate, up = gate.contiguous(), up.contiguous()
     y = torch.empty_like(gate)
     n = gate.numel()
@@ -86,7 +89,7 @@ def _swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 @_swiglu.register_fake
-def _(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+def _(gate: torch.Tensor, up: torch.Tensor, rebuild: bool = False) -> torch.Tensor:
     return torch.empty_like(gate, memory_format=torch.contiguous_format)
 
 
@@ -105,13 +108,13 @@ def _(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Ten
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    gate, up = inputs
+    gate, up, _ = inputs
     ctx.save_for_backward(gate.contiguous(), up.contiguous())
 
 
 def _backward(ctx, dy: torch.Tensor):
     gate, up = ctx.saved_tensors
-    return _swiglu_backward(dy, gate, up)
+    return *_swiglu_backward(dy, gate, up), None
 
 
 _swiglu.register_autograd(_backward, setup_context=_setup_context)
@@ -121,9 +124,12 @@ def _fits(gate: torch.Tensor, up: torch.Tensor) -> bool:
     return use_triton(gate, up) and gate.shape == up.shape and gate.dtype == up.dtype
 
 
-def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up``, fused where Triton can run; other inputs go through the reference."""
-    return _swiglu(gate, up) if _fits(gate, up) else swiglu_reference(gate, up)
+def swiglu(gate: torch.Tensor, up: torch.Tensor, rebuild: bool = False) -> torch.Tensor:
+    """``silu(gate) * up``, fused where Triton can run; other inputs go through the reference.
+
+    ``rebuild=True`` marks a backward's recomputation of a forward's product (see :func:`_swiglu`).
+    """
+    return _swiglu(gate, up, rebuild) if _fits(gate, up) else swiglu_reference(gate, up)
 
 
 def swiglu_backward(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -136,28 +142,29 @@ class _SwigluLoraLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, gate, up, weight, bias, lora_a, lora_b, scaling: float, compute_dtype: torch.dtype):
+        a, (b,) = adapters_in([lora_a], [lora_b], compute_dtype)
         h = swiglu(gate, up)
-        out, xa = lora_projections_forward(h.reshape(-1, h.shape[-1]), [weight], [bias], [lora_a], [lora_b],
-                                           [scaling], compute_dtype)
-        ctx.save_for_backward(gate, up, xa, weight, lora_a, lora_b)
-        ctx.scaling, ctx.compute_dtype, ctx.has_bias = scaling, compute_dtype, bias is not None
+        (out,), xa = lora_projections_forward(h.reshape(-1, h.shape[-1]), [weight], [bias], a, [b], [scaling])
+        ctx.save_for_backward(gate, up, xa, weight, a, b)
+        ctx.scaling, ctx.has_bias = scaling, bias is not None
+        ctx.lora_dtypes = lora_a.dtype, lora_b.dtype
         return out.view(*gate.shape[:-1], out.shape[-1])
 
     @staticmethod
     def backward(ctx, grad_out):
-        gate, up, xa, weight, lora_a, lora_b = ctx.saved_tensors
+        gate, up, xa, weight, a, b = ctx.saved_tensors
         need_gate, need_up, need_w, need_bias = ctx.needs_input_grad[:4]
-        h = swiglu(gate, up).reshape(-1, gate.shape[-1])
+        h = swiglu(gate, up, rebuild=True).reshape(-1, gate.shape[-1])
         g = grad_out.reshape(-1, grad_out.shape[-1])
         need_h = need_gate or need_up
-        dh, d_a, d_b = lora_projections_backward([g], h, xa, [weight], [lora_a], [lora_b], [ctx.scaling],
-                                                 ctx.compute_dtype, need_h)
+        dh, d_a, (d_b,) = lora_projections_backward([g], h, xa, [weight], a, [b], [ctx.scaling], need_h)
         d_gate = d_up = None
         if need_h:
             d_gate, d_up = swiglu_backward(dh.view(gate.shape), gate, up)
         d_w = (g.T @ h).to(weight.dtype) if need_w else None
         d_bias = g.sum(0).to(weight.dtype) if need_bias and ctx.has_bias else None
-        return d_gate, d_up, d_w, d_bias, d_a, d_b, None, None
+        a_dtype, b_dtype = ctx.lora_dtypes
+        return d_gate, d_up, d_w, d_bias, d_a.to(a_dtype), d_b.to(b_dtype), None, None
 
 
 def swiglu_lora_linear(
