@@ -409,6 +409,9 @@ class TrainingSection(_Section):
     offload_activations: bool = _key(False, _boolean)  # checkpointed layers' inputs wait in CPU memory (CUDA)
     compile: bool = _key(False, _boolean)
     kernels: str | bool = _key("auto", _choice("auto", True, False))  # auto: on CUDA when Triton imports
+    # LoRA adapter products in the fused layer: fp32 as PEFT runs them, or bf16 on the tensor cores (the adapter
+    # weights and the optimizer stay fp32)
+    adapter_math: str = _key("fp32", _choice("fp32", "bf16"))
     seed: int = _key(0, _integer(0, 2**32 - 1))  # numpy's seed range
     eval_every: int = _key(0, _integer(0))
     eval_batches: int | None = _key(None, _integer(1, nullable=True))

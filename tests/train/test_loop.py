@@ -170,6 +170,19 @@ def test_kernels_and_the_fused_loss_give_the_plain_losses(workspace, precision, 
                                atol=tolerance, rtol=0)
 
 
+def test_bf16_adapter_math_trains_within_bf16_noise_of_fp32_and_needs_the_kernels(workspace):
+    common = ["lora.dropout=0", "model.dtype=bfloat16", "training.kernels=true"]
+    fp32 = train(recipe_for(workspace, *common, f"output.dir={workspace / 'a'}"), progress=False)
+    bf16 = train(recipe_for(workspace, *common, "training.adapter_math=bf16", f"output.dir={workspace / 'b'}"),
+                 progress=False)
+    a, b = torch.tensor(losses(fp32.run_dir)), torch.tensor(losses(bf16.run_dir))
+    assert not torch.equal(a, b)  # the setting reached the adapter products
+    torch.testing.assert_close(b, a, atol=3e-2, rtol=0)
+    with pytest.raises(ConfigError, match=r"training\.adapter_math: bf16 .* has no kernels"):
+        train(recipe_for(workspace, "training.kernels=false", "training.adapter_math=bf16"), dry_run=True,
+              progress=False)
+
+
 def test_the_quickstart_resumes_from_anywhere_by_its_run_folder(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     threads = torch.get_num_threads()

@@ -127,8 +127,12 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
     except ValueError as e:
         raise ConfigError(f"training.activation_checkpointing: {e}") from None
     use_kernels = t.kernels is True or (t.kernels == "auto" and device.type == "cuda" and triton_available())
+    if t.adapter_math == "bf16" and not use_kernels:
+        raise ConfigError("training.adapter_math: bf16 adapter products run in the fused LoRA layer, and this run "
+                          "has no kernels (training.kernels: true, or auto on a CUDA device with Triton)")
     if use_kernels:
-        apply_kernels(model)  # same parameters and names; fused forwards (PyTorch fallbacks off the GPU)
+        # Same parameters and names; fused forwards (PyTorch fallbacks off the GPU).
+        apply_kernels(model, lora_compute_dtype=torch.bfloat16 if t.adapter_math == "bf16" else None)
     # Fusing the output projection into the loss never materialises full-vocabulary logits.
     fused_loss = use_kernels and type(model.lm_head) is torch.nn.Linear
     trainable = [p for p in model.parameters() if p.requires_grad]
