@@ -114,6 +114,21 @@ def lora_projections_backward(
     return dx, d_a, d_b
 
 
+def adapter_gradients(d_a: torch.Tensor, d_b: Sequence[torch.Tensor], lora_b: Sequence[torch.Tensor],
+                      dtypes: Sequence[torch.dtype]) -> list[torch.Tensor]:
+    """The stacked ``A`` gradient split per adapter, then every ``dA_i`` and ``dB_i`` in its adapter's dtype."""
+    d_as = d_a.split([b.shape[1] for b in lora_b]) if len(lora_b) > 1 else [d_a]
+    return [g.to(dtype) for g, dtype in zip([*d_as, *d_b], dtypes)]
+
+
+def base_gradients(grads: Sequence[torch.Tensor], x: torch.Tensor, weights: Sequence[torch.Tensor],
+                   need_w: Sequence[bool], need_bias: Sequence[bool]) -> list[torch.Tensor | None]:
+    """``dW_i = g_i^T x`` and ``db_i = sum of g_i`` where asked (a trained base; LoRA leaves it frozen)."""
+    d_w = [(g.T @ x).to(w.dtype) if needed else None for g, w, needed in zip(grads, weights, need_w)]
+    d_bias = [g.sum(0).to(w.dtype) if needed else None for g, w, needed in zip(grads, weights, need_bias)]
+    return [*d_w, *d_bias]
+
+
 class _LoraProjections(torch.autograd.Function):
     """Autograd for :func:`lora_projections_forward`; arguments flattened: ``x, n, *weights, *biases, *A, *B,
     scalings, dtype``."""
@@ -126,8 +141,7 @@ class _LoraProjections(torch.autograd.Function):
         outs, xa = lora_projections_forward(x.reshape(-1, x.shape[-1]), weights, biases, a, bs, scalings)
         ctx.save_for_backward(x, xa, a, *weights, *bs)
         ctx.n, ctx.scalings = n, scalings
-        ctx.has_bias = [bias is not None for bias in biases]
-        ctx.lora_dtypes = [(t.dtype, t.shape[0]) for t in lora_a], [t.dtype for t in lora_b]
+        ctx.adapter_dtypes = [t.dtype for t in (*lora_a, *lora_b)]
         return tuple(out.view(*x.shape[:-1], out.shape[-1]) for out in outs)
 
     @staticmethod
@@ -140,13 +154,9 @@ class _LoraProjections(torch.autograd.Function):
         x2 = x.reshape(-1, x.shape[-1])
         grads = [g.reshape(-1, g.shape[-1]) for g in grad_outs]
         dx, d_a, d_b = lora_projections_backward(grads, x2, xa, weights, a, bs, ctx.scalings, need[0])
-        a_dtypes, b_dtypes = ctx.lora_dtypes
-        d_a = [part.to(dtype) for part, (dtype, _) in zip(d_a.split([r for _, r in a_dtypes]), a_dtypes)]
-        d_b = [grad.to(dtype) for grad, dtype in zip(d_b, b_dtypes)]
-        d_w = [(g.T @ x2).to(w.dtype) if needed else None for g, w, needed in zip(grads, weights, need_w)]
-        d_bias = [g.sum(0).to(w.dtype) if needed and has else None
-                  for g, w, needed, has in zip(grads, weights, need_bias, ctx.has_bias)]
-        return (None if dx is None else dx.view(x.shape)), None, *d_w, *d_bias, *d_a, *d_b, None, None
+        dx = None if dx is None else dx.view(x.shape)
+        return (dx, None, *base_gradients(grads, x2, weights, need_w, need_bias),
+                *adapter_gradients(d_a, d_b, bs, ctx.adapter_dtypes), None, None)
 
 
 def lora_projections(

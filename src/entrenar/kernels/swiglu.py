@@ -24,7 +24,9 @@ import torch.nn.functional as F
 
 from entrenar.kernels._common import autocast_inputs, cdiv, use_triton
 from entrenar.kernels.lora_linear import (
+    adapter_gradients,
     adapters_in,
+    base_gradients,
     fusable,
     lora_projections_backward,
     lora_projections_forward,
@@ -138,7 +140,7 @@ def swiglu_backward(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> t
 
 
 class _SwigluLoraLinear(torch.autograd.Function):
-    """``lora_linear(swiglu(gate, up), ...)`` saving ``gate``, ``up`` and ``A h``; ``h = swiglu(gate, up)`` is rebuilt."""
+    """``lora_linear(swiglu(gate, up), ...)`` saving ``gate``, ``up`` and ``A h``; ``h`` itself is rebuilt."""
 
     @staticmethod
     def forward(ctx, gate, up, weight, bias, lora_a, lora_b, scaling: float, compute_dtype: torch.dtype):
@@ -146,8 +148,7 @@ class _SwigluLoraLinear(torch.autograd.Function):
         h = swiglu(gate, up)
         (out,), xa = lora_projections_forward(h.reshape(-1, h.shape[-1]), [weight], [bias], a, [b], [scaling])
         ctx.save_for_backward(gate, up, xa, weight, a, b)
-        ctx.scaling, ctx.has_bias = scaling, bias is not None
-        ctx.lora_dtypes = lora_a.dtype, lora_b.dtype
+        ctx.scaling, ctx.adapter_dtypes = scaling, (lora_a.dtype, lora_b.dtype)
         return out.view(*gate.shape[:-1], out.shape[-1])
 
     @staticmethod
@@ -161,10 +162,8 @@ class _SwigluLoraLinear(torch.autograd.Function):
         d_gate = d_up = None
         if need_h:
             d_gate, d_up = swiglu_backward(dh.view(gate.shape), gate, up)
-        d_w = (g.T @ h).to(weight.dtype) if need_w else None
-        d_bias = g.sum(0).to(weight.dtype) if need_bias and ctx.has_bias else None
-        a_dtype, b_dtype = ctx.lora_dtypes
-        return d_gate, d_up, d_w, d_bias, d_a.to(a_dtype), d_b.to(b_dtype), None, None
+        return (d_gate, d_up, *base_gradients([g], h, [weight], [need_w], [need_bias]),
+                *adapter_gradients(d_a, [d_b], [b], ctx.adapter_dtypes), None, None)
 
 
 def swiglu_lora_linear(
