@@ -44,8 +44,8 @@ def test_swaps_every_module_kind_and_keeps_the_state(monkeypatch):
     keys = list(model.state_dict())
     changed = apply_kernels(model)
     n = model.config.num_layers
-    # per layer: 2 norms + q/k norms, attention, MLP, 7 adapted linears; plus the final norm
-    assert len(changed) == n * (4 + 1 + 1 + 7) + 1
+    # per layer: the block, 2 norms + q/k norms, attention, MLP, 7 adapted linears; plus the final norm
+    assert len(changed) == n * (1 + 4 + 1 + 1 + 7) + 1
     assert apply_kernels(model) == []  # already applied
     assert list(model.state_dict()) == keys
     assert sorted(remove_kernels(model)) == sorted(changed)

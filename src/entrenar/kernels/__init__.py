@@ -6,7 +6,8 @@ Each fused op lives in its own file beside its plain PyTorch specification:
 * :mod:`.rope` - RoPE on q and k together (Triton);
 * :mod:`.swiglu` - ``silu(gate) * up`` forward and backward (Triton);
 * :mod:`.fused_linear_ce` - output projection + cross-entropy in chunks, no full logits (Triton + cuBLAS);
-* :mod:`.lora_linear` - LoRA and its frozen base as one node with a hand-written backward (PyTorch).
+* :mod:`.lora_linear` - LoRA and its frozen base as one node with a hand-written backward (PyTorch);
+* :mod:`.norm_projections` - a block's RMSNorm inside the LoRA node of the projections it feeds.
 
 :func:`apply_kernels` swaps the fused versions into a model by changing the
 class of its modules to a subclass that overrides only ``forward``, so
@@ -29,20 +30,21 @@ from entrenar.errors import ConfigError
 from entrenar.kernels._common import triton_available
 from entrenar.kernels.fused_linear_ce import fused_linear_cross_entropy
 from entrenar.kernels.lora_linear import FusedLoraLinear, lora_linear
+from entrenar.kernels.norm_projections import FusedBlock
 from entrenar.kernels.rmsnorm import FusedRMSNorm, rms_norm
 from entrenar.kernels.rope import FusedRopeAttention, apply_rope
 from entrenar.kernels.swiglu import FusedMLP, swiglu
 from entrenar.lora import LoraLinear
-from entrenar.models.transformer import MLP, Attention, RMSNorm
+from entrenar.models.transformer import MLP, Attention, Block, RMSNorm
 
 KERNELS = ("rms_norm", "rope", "swiglu", "lora")
 
-# kernel name -> (plain class, fused subclass)
-_SWAPS: dict[str, tuple[type[nn.Module], type[nn.Module]]] = {
-    "rms_norm": (RMSNorm, FusedRMSNorm),
-    "rope": (Attention, FusedRopeAttention),
-    "swiglu": (MLP, FusedMLP),
-    "lora": (LoraLinear, FusedLoraLinear),
+# kernel name -> its (plain class, fused subclass) pairs
+_SWAPS: dict[str, tuple[tuple[type[nn.Module], type[nn.Module]], ...]] = {
+    "rms_norm": ((RMSNorm, FusedRMSNorm),),
+    "rope": ((Attention, FusedRopeAttention),),
+    "swiglu": ((MLP, FusedMLP),),
+    "lora": ((LoraLinear, FusedLoraLinear), (Block, FusedBlock)),
 }
 
 
@@ -60,7 +62,7 @@ def apply_kernels(
     unknown = [k for k in kernels if k not in _SWAPS]
     if unknown:
         raise ConfigError(f"apply_kernels: unknown kernels {unknown}; known: {', '.join(KERNELS)}")
-    by_class = {_SWAPS[k][0]: _SWAPS[k][1] for k in kernels}
+    by_class = {plain: fused for k in kernels for plain, fused in _SWAPS[k]}
     changed = []
     for name, module in model.named_modules():
         fused = by_class.get(type(module))
@@ -74,7 +76,7 @@ def apply_kernels(
 
 def remove_kernels(model: nn.Module) -> list[str]:
     """Put the plain forwards back; return the names of the modules changed."""
-    plain_of = {fused: plain for plain, fused in _SWAPS.values()}
+    plain_of = {fused: plain for pairs in _SWAPS.values() for plain, fused in pairs}
     changed = []
     for name, module in model.named_modules():
         plain = plain_of.get(type(module))
@@ -88,6 +90,7 @@ def remove_kernels(model: nn.Module) -> list[str]:
 __all__ = [
     "KERNELS",
     "FusedLoraLinear",
+    "FusedBlock",
     "FusedMLP",
     "FusedRMSNorm",
     "FusedRopeAttention",

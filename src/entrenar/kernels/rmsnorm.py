@@ -89,7 +89,9 @@ def _num_programs(device: torch.device) -> int:
 
 
 @torch.library.custom_op("entrenar::rms_norm", mutates_args=())
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, rebuild: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    # ``rebuild`` changes nothing computed: it marks a backward's recomputation of a forward's output, so that
+    # torch.compile does not merge the two calls (and then keep the output alive in between).
     n_cols = x.shape[-1]
     x2 = x.reshape(-1, n_cols)
     y = torch.empty(x2.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
@@ -104,7 +106,7 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.
 
 
 @_rms_norm.register_fake
-def _(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _(x: torch.Tensor, weight: torch.Tensor, eps: float, rebuild: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     y = x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype))
     return y, x.new_empty(x.numel() // x.shape[-1], dtype=torch.float32)
 
@@ -135,14 +137,14 @@ def _(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tenso
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    x, weight, _ = inputs
+    x, weight, _, _ = inputs
     ctx.save_for_backward(x, weight, output[1])
 
 
 def _backward(ctx, dy: torch.Tensor, _drstd: torch.Tensor):
     x, weight, rstd = ctx.saved_tensors
     dx, dw = _rms_norm_backward(dy, x, weight, rstd)
-    return dx, dw, None
+    return dx, dw, None, None
 
 
 _rms_norm.register_autograd(_backward, setup_context=_setup_context)
@@ -150,9 +152,48 @@ _rms_norm.register_autograd(_backward, setup_context=_setup_context)
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``rms_norm_reference`` through the fused kernel where Triton can run, else the reference itself."""
-    if not use_triton(x, weight) or weight.shape != x.shape[-1:]:
+    if not _fits(x, weight):
         return rms_norm_reference(x, weight, eps)
     return _rms_norm(x, weight, float(eps))[0]
+
+
+def _fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return use_triton(x, weight) and weight.shape == x.shape[-1:]
+
+
+def rms_norm_and_rstd(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, rebuild: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rms_norm(x, weight, eps)`` and its fp32 ``1/rms`` per row (flat), for hand-written autograd nodes that
+    end in :func:`rms_norm_backward`. ``rebuild=True`` marks a backward's recomputation of the output."""
+    if _fits(x, weight):
+        return _rms_norm(x, weight, float(eps), rebuild)
+    x32 = x.float()
+    rstd = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * (x32 * rstd).to(x.dtype), rstd.reshape(-1)
+
+
+def rms_norm_backward_reference(
+    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gradients of :func:`rms_norm_reference` with respect to ``x`` and ``weight``, as the kernel forms them:
+    ``dw = sum of dy * normed`` and ``dx = rstd * (g - normed * mean(g * normed))`` with ``g = dy * weight``."""
+    x32 = x.float()
+    normed = x32 * rstd.view(*x.shape[:-1], 1)
+    dy32 = dy.float()
+    dw = (dy32 * normed.to(x.dtype).float()).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
+    g = dy32 * weight.float()
+    dx = rstd.view(*x.shape[:-1], 1) * (g - normed * (g * normed).mean(-1, keepdim=True))
+    return dx.to(x.dtype), dw
+
+
+def rms_norm_backward(
+    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``dx`` and ``dweight`` of :func:`rms_norm_and_rstd` (no autograd graph): the kernel where it runs."""
+    if _fits(x, weight):
+        return _rms_norm_backward(dy, x, weight, rstd)
+    return rms_norm_backward_reference(dy, x, weight, rstd)
 
 
 class FusedRMSNorm(RMSNorm):

@@ -158,7 +158,8 @@ class _SwigluLoraLinear(torch.autograd.Function):
         h = swiglu(gate, up, rebuild=True).reshape(-1, gate.shape[-1])
         g = grad_out.reshape(-1, grad_out.shape[-1])
         need_h = need_gate or need_up
-        dh, d_a, (d_b,) = lora_projections_backward([g], h, xa, [weight], a, [b], [ctx.scaling], need_h)
+        dh, d_a, (d_b,) = lora_projections_backward([g], h, xa, [weight], a, [b], [ctx.scaling], need_h,
+                                                    ctx.adapter_dtypes[0])
         d_gate = d_up = None
         if need_h:
             d_gate, d_up = swiglu_backward(dh.view(gate.shape), gate, up)
@@ -195,8 +196,10 @@ class FusedMLP(MLP):
     its input in backward (:func:`swiglu_lora_linear`).
     """
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = project_together(x, (self.gate_proj, self.up_proj))
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return project_together(x, (self.gate_proj, self.up_proj))
+
+    def combine(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         down = self.down_proj
         if fusable([down]):
             return swiglu_lora_linear(gate, up, down.base_layer.weight, down.base_layer.bias, down.lora_A.weight,

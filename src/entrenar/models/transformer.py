@@ -98,8 +98,20 @@ class Attention(nn.Module):
         mask: torch.Tensor | Documents | None,
         cache: KVCache | None = None,
     ) -> torch.Tensor:
-        b, t, _ = x.shape
-        q, k, v = self.project(x)
+        return self.attend(*self.project(x), cos, sin, mask, cache)
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor | Documents | None,
+        cache: KVCache | None = None,
+    ) -> torch.Tensor:
+        """Attention over the projections [B, T, heads x head_dim], through ``o_proj``."""
+        b, t, _ = q.shape
         q = q.view(b, t, self.num_heads, self.head_dim)
         k = k.view(b, t, self.num_kv_heads, self.head_dim)
         v = v.view(b, t, self.num_kv_heads, self.head_dim)
@@ -132,8 +144,16 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(h, i, bias=config.mlp_bias)
         self.down_proj = nn.Linear(i, h, bias=config.mlp_bias)
 
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """gate and up of ``x``; fused kernels run the two as one node."""
+        return self.gate_proj(x), self.up_proj(x)
+
+    def combine(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """``down(silu(gate) * up)``."""
+        return self.down_proj(F.silu(gate) * up)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.combine(*self.project(x))
 
 
 class Block(nn.Module):

@@ -1,0 +1,141 @@
+"""RMSNorm and the LoRA projections that read its output, as one autograd node that does not keep that output.
+
+In a decoder block the input norm feeds q, k and v and the post-attention
+norm feeds gate and up. Run apart, the norm's node saves the block input
+``h`` for its backward and the projections' node saves the normed ``x`` for
+the adapters' ``dA = u^T x``: two [tokens, hidden] tensors where one would do.
+Here the node saves ``h`` and the fp32 ``1/rms`` per row, and rebuilds ``x``
+in backward with one more pass of the norm kernel (1 GiB less on the LoRA-1B
+benchmark step, two such tensors per layer).
+
+Forward and backward are those of :func:`entrenar.kernels.rmsnorm.rms_norm`
+followed by :func:`entrenar.kernels.lora_linear.lora_projections`, in the same
+precision, so the numbers equal the two nodes in turn.
+
+:class:`FusedBlock` is the decoder block that uses it where its norms and
+projections allow, and otherwise runs the norm and its module's projections
+as the plain block does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from entrenar.kernels.lora_linear import (
+    adapter_gradients,
+    adapters_in,
+    base_gradients,
+    fusable,
+    lora_projections_backward,
+    lora_projections_forward,
+)
+from entrenar.kernels.rmsnorm import rms_norm_and_rstd, rms_norm_backward
+from entrenar.models.padding_free import Documents
+from entrenar.models.transformer import Block, KVCache, RMSNorm
+
+
+class _NormLoraProjections(torch.autograd.Function):
+    """Autograd for ``lora_projections(rms_norm(h, norm_weight, eps), ...)``; arguments flattened:
+    ``h, norm_weight, eps, n, *weights, *biases, *A, *B, scalings, dtype``."""
+
+    @staticmethod
+    def forward(ctx, h, norm_weight, eps: float, n: int, *args):
+        weights, biases, lora_a, lora_b = (list(args[i * n:(i + 1) * n]) for i in range(4))
+        scalings, compute_dtype = args[4 * n:]
+        a, bs = adapters_in(lora_a, lora_b, compute_dtype)
+        x, rstd = rms_norm_and_rstd(h, norm_weight, eps)
+        outs, xa = lora_projections_forward(x.reshape(-1, x.shape[-1]), weights, biases, a, bs, scalings)
+        ctx.save_for_backward(h, norm_weight, rstd, xa, a, *weights, *bs)
+        ctx.n, ctx.eps, ctx.scalings = n, eps, scalings
+        ctx.adapter_dtypes = [t.dtype for t in (*lora_a, *lora_b)]
+        return tuple(out.view(*h.shape[:-1], out.shape[-1]) for out in outs)
+
+    @staticmethod
+    def backward(ctx, *grad_outs):
+        n = ctx.n
+        h, norm_weight, rstd, xa, a, *rest = ctx.saved_tensors
+        weights, bs = rest[:n], rest[n:]
+        need = ctx.needs_input_grad
+        need_h, need_norm = need[0], need[1]
+        need_w, need_bias = need[4:4 + n], need[4 + n:4 + 2 * n]
+        x = rms_norm_and_rstd(h, norm_weight, ctx.eps, rebuild=True)[0].reshape(-1, h.shape[-1])
+        grads = [g.reshape(-1, g.shape[-1]) for g in grad_outs]
+        dx, d_a, d_b = lora_projections_backward(grads, x, xa, weights, a, bs, ctx.scalings, need_h or need_norm,
+                                                 ctx.adapter_dtypes[0])
+        dh = d_norm = None
+        if need_h or need_norm:
+            dh, d_norm = rms_norm_backward(dx.view(h.shape), h, norm_weight, rstd)
+        return (dh if need_h else None, d_norm if need_norm else None, None, None,
+                *base_gradients(grads, x, weights, need_w, need_bias),
+                *adapter_gradients(d_a, d_b, bs, ctx.adapter_dtypes), None, None)
+
+
+def norm_lora_projections(
+    h: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weights: Sequence[torch.Tensor],
+    biases: Sequence[torch.Tensor | None],
+    lora_a: Sequence[torch.Tensor],
+    lora_b: Sequence[torch.Tensor],
+    scalings: Sequence[float],
+    compute_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, ...]:
+    """``lora_projections(rms_norm(h, norm_weight, eps), weights, ...)`` as one node that rebuilds the normed
+    input in backward instead of keeping it. ``h`` and ``norm_weight`` share a dtype (see :func:`fits`)."""
+    n = len(weights)
+    return _NormLoraProjections.apply(h, norm_weight, float(eps), n, *weights, *biases, *lora_a, *lora_b,
+                                      tuple(float(s) for s in scalings), compute_dtype or lora_a[0].dtype)
+
+
+def fits(h: torch.Tensor, norm: nn.Module, layers: Sequence[nn.Module]) -> bool:
+    """True if ``layers`` applied to ``norm(h)`` can run as one :func:`norm_lora_projections` node.
+
+    The norm is an RMSNorm whose weight has ``h``'s dtype, outside autocast
+    (which would change the norm's output dtype), and the layers can share a
+    LoRA node (:func:`entrenar.kernels.lora_linear.fusable`).
+    """
+    return (
+        isinstance(norm, RMSNorm) and norm.weight.dtype == h.dtype and norm.weight.shape == h.shape[-1:]
+        and not torch.is_autocast_enabled(h.device.type) and fusable(layers)
+    )
+
+
+def norm_then_project(h: torch.Tensor, norm: nn.Module, layers: Sequence[nn.Module]) -> tuple[torch.Tensor, ...]:
+    """Each of ``layers`` applied to ``norm(h)`` by :func:`norm_lora_projections` (callers check :func:`fits`)."""
+    return norm_lora_projections(
+        h, norm.weight, norm.eps, [layer.base_layer.weight for layer in layers],
+        [layer.base_layer.bias for layer in layers], [layer.lora_A.weight for layer in layers],
+        [layer.lora_B.weight for layer in layers], [layer.scaling for layer in layers],
+        layers[0].lora_compute_dtype or layers[0].lora_A.weight.dtype,
+    )
+
+
+class FusedBlock(Block):
+    """A decoder :class:`Block` whose norms run inside the LoRA nodes of the projections they feed (q, k, v;
+    gate, up) where :func:`fits` allows; elsewhere the norm, then its module's projections. Same state dict."""
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor | Documents | None,
+        cache: KVCache | None = None,
+    ) -> torch.Tensor:
+        attn, mlp = self.self_attn, self.mlp
+        qkv = (attn.q_proj, attn.k_proj, attn.v_proj)
+        if fits(x, self.input_layernorm, qkv):
+            q, k, v = norm_then_project(x, self.input_layernorm, qkv)
+        else:
+            q, k, v = attn.project(self.input_layernorm(x))
+        x = x + attn.attend(q, k, v, cos, sin, mask, cache)
+        gate_up = (mlp.gate_proj, mlp.up_proj)
+        if fits(x, self.post_attention_layernorm, gate_up):
+            gate, up = norm_then_project(x, self.post_attention_layernorm, gate_up)
+        else:
+            gate, up = mlp.project(self.post_attention_layernorm(x))
+        return x + mlp.combine(gate, up)
