@@ -10,7 +10,7 @@ import copy
 
 import pytest
 import torch
-from kernel_checks import assert_as_close, rel_err
+from kernel_checks import assert_as_close, needs_cuda, rel_err
 from torch import nn
 
 from entrenar.kernels.lora_linear import FusedLoraLinear, project_together
@@ -21,7 +21,7 @@ def _pair(dtype: torch.dtype, bias: bool = True, dropout: float = 0.0, device: s
     """A plain LoRA layer with a random (non-zero) B, and a fused copy of it."""
     torch.manual_seed(6)
     base = nn.Linear(48, 40, bias=bias).to(device=device, dtype=dtype)
-    plain = LoraLinear(base, r=4, alpha=8.0, dropout=dropout)
+    plain = LoraLinear(base, r=4, alpha=8.0, dropout=dropout).to(device)
     with torch.no_grad():
         plain.lora_B.weight.normal_(0, 0.5)
     fused = copy.deepcopy(plain)
@@ -61,11 +61,16 @@ def test_bf16_base_with_fp32_adapters_is_as_accurate_as_plain_lora():
         assert_as_close(a, p, e, name)
 
 
-def test_bf16_adapter_math_stays_within_bf16_error():
-    plain, fused = _pair(torch.bfloat16)
+ON_CUDA_TOO = pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda)])
+
+
+@ON_CUDA_TOO
+def test_bf16_adapter_math_stays_within_bf16_error(device):
+    """On CUDA the adapter gradients are written in fp32 by the products themselves."""
+    plain, fused = _pair(torch.bfloat16, device=device)
     fused.lora_compute_dtype = torch.bfloat16
     exact = copy.deepcopy(plain).double()
-    x0, dy = torch.randn(3, 7, 48), torch.randn(3, 7, 40)
+    x0, dy = torch.randn(3, 7, 48, device=device), torch.randn(3, 7, 40, device=device)
     got, want = _run(fused, x0, dy, torch.bfloat16), _run(exact, x0, dy, torch.float64)
     for name, a, e in zip(NAMES, got, want):
         assert a.dtype == (torch.bfloat16 if name in ("output", "d x") else torch.float32), name
@@ -107,12 +112,13 @@ def test_merged_or_dropout_falls_back_to_the_plain_forward():
     torch.testing.assert_close(fused(x), plain(x), rtol=0, atol=0)
 
 
-def _group(dtype: torch.dtype, train_base: bool = False):
-    """Three LoRA layers reading one input (as q, k, v), of different widths and ranks, one with a bias."""
+def _group(dtype: torch.dtype, train_base: bool = False, device: str = "cpu"):
+    """Three LoRA layers reading one input (as q, k, v), of different widths and ranks (so different
+    scalings), one with a bias."""
     torch.manual_seed(8)
     plain = []
     for out_features, r, bias in ((40, 4, True), (24, 2, False), (24, 6, False)):
-        layer = LoraLinear(nn.Linear(48, out_features, bias=bias).to(dtype), r=r, alpha=8.0)
+        layer = LoraLinear(nn.Linear(48, out_features, bias=bias).to(dtype), r=r, alpha=8.0).to(device)
         layer.base_layer.requires_grad_(train_base)
         with torch.no_grad():
             layer.lora_B.weight.normal_(0, 0.5)
@@ -127,7 +133,7 @@ def _run_group(layers, x0: torch.Tensor, x_dtype: torch.dtype, together: bool):
     torch.manual_seed(9)
     x = x0.detach().to(x_dtype).requires_grad_(True)
     ys = project_together(x, layers) if together else tuple(layer(x) for layer in layers)
-    dys = [torch.randn(y.shape).to(y.dtype) for y in ys]
+    dys = [torch.randn(y.shape).to(device=y.device, dtype=y.dtype) for y in ys]
     params = [p for layer in layers for p in layer.parameters() if p.requires_grad]
     return (*ys, *torch.autograd.grad(ys, [x, *params], dys))
 
@@ -152,12 +158,13 @@ def test_projections_together_on_bf16_are_as_accurate_as_plain_lora():
         assert_as_close(a, p, e, f"result {i}")
 
 
-def test_projections_together_with_bf16_adapter_math_stay_within_bf16_error():
-    plain, fused = _group(torch.bfloat16)
+@ON_CUDA_TOO
+def test_projections_together_with_bf16_adapter_math_stay_within_bf16_error(device):
+    plain, fused = _group(torch.bfloat16, device=device)
     for layer in fused:
         layer.lora_compute_dtype = torch.bfloat16
     exact = [copy.deepcopy(layer).double() for layer in plain]
-    x0 = torch.randn(3, 7, 48)
+    x0 = torch.randn(3, 7, 48, device=device)
     for i, (a, e) in enumerate(zip(_run_group(fused, x0, torch.bfloat16, True),
                                    _run_group(exact, x0, torch.float64, False))):
         assert rel_err(a, e) < 1e-2, f"result {i}: relative error {rel_err(a, e):.3g}"

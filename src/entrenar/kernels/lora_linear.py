@@ -86,6 +86,24 @@ def lora_projections_forward(
     return outs, xa
 
 
+def _product(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``a @ b`` in ``dtype``; on CUDA a bf16/fp16 product is written in fp32 by the GEMM itself (no rounding to
+    16 bits, no cast kernel), elsewhere formed in ``a``'s dtype and cast."""
+    if a.dtype != dtype and a.is_cuda and a.dtype in (torch.bfloat16, torch.float16) and dtype == torch.float32:
+        return torch.mm(a, b, out_dtype=dtype)
+    return (a @ b).to(dtype)
+
+
+def _scale_columns(t: torch.Tensor, scalings: Sequence[float], cols: Sequence[slice], in_place: bool) -> torch.Tensor:
+    """Each adapter's columns of ``t`` times its scaling: one multiply when the scalings agree."""
+    if len(set(scalings)) == 1:
+        return t.mul_(scalings[0]) if in_place else t * scalings[0]
+    t = t if in_place else t.clone()
+    for s, c in zip(scalings, cols):
+        t[:, c].mul_(s)
+    return t
+
+
 def lora_projections_backward(
     grads: Sequence[torch.Tensor],
     x: torch.Tensor,
@@ -95,16 +113,27 @@ def lora_projections_backward(
     lora_b: Sequence[torch.Tensor],
     scalings: Sequence[float],
     need_x: bool,
+    grad_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor, list[torch.Tensor]]:
-    """``dx`` (None unless ``need_x``), the gradient of the stacked ``A`` and each ``dB``, in ``a``'s dtype."""
+    """``dx`` (None unless ``need_x``), the gradient of the stacked ``A`` and each ``dB``.
+
+    The adapter gradients come out in ``grad_dtype`` (default ``a``'s dtype):
+    with bf16 adapter math on fp32 adapters, the products write them in fp32.
+    """
     cd = a.dtype
-    us, d_b = [], []
-    for g, b, s, cols in zip(grads, lora_b, scalings, _columns([b.shape[1] for b in lora_b])):
+    grad_dtype = grad_dtype or cd
+    cols = _columns([b.shape[1] for b in lora_b])
+    # u_i = s_i g_i B_i side by side in one [tokens, sum of ranks] tensor (each product writes its columns),
+    # dB_i = g_i^T (s_i A_i x): the scalings applied once to each small tensor, not per product.
+    u = torch.empty(x.shape[0], cols[-1].stop, dtype=cd, device=x.device)
+    xa_scaled = _scale_columns(xa, scalings, cols, in_place=False)
+    d_b = []
+    for g, b, c in zip(grads, lora_b, cols):
         gc = g.to(cd)
-        us.append((gc @ b).mul_(s))
-        d_b.append((gc.T @ xa[:, cols]).mul_(s))
-    u = torch.cat(us, dim=1) if len(us) > 1 else us[0]
-    d_a = u.T @ x.to(cd)
+        torch.mm(gc, b, out=u[:, c])
+        d_b.append(_product(gc.T, xa_scaled[:, c], grad_dtype))
+    _scale_columns(u, scalings, cols, in_place=True)
+    d_a = _product(u.T, x.to(cd), grad_dtype)
     dx = None
     if need_x:
         dx = grads[0] @ weights[0]
@@ -153,7 +182,8 @@ class _LoraProjections(torch.autograd.Function):
         need_w, need_bias = need[2:2 + n], need[2 + n:2 + 2 * n]
         x2 = x.reshape(-1, x.shape[-1])
         grads = [g.reshape(-1, g.shape[-1]) for g in grad_outs]
-        dx, d_a, d_b = lora_projections_backward(grads, x2, xa, weights, a, bs, ctx.scalings, need[0])
+        dx, d_a, d_b = lora_projections_backward(grads, x2, xa, weights, a, bs, ctx.scalings, need[0],
+                                                 ctx.adapter_dtypes[0])
         dx = None if dx is None else dx.view(x.shape)
         return (dx, None, *base_gradients(grads, x2, weights, need_w, need_bias),
                 *adapter_gradients(d_a, d_b, bs, ctx.adapter_dtypes), None, None)
