@@ -197,3 +197,26 @@ def test_layers_that_cannot_share_a_node_run_one_by_one():
     fused[0].merge()
     for a, b in zip(project_together(x, fused), (layer(x) for layer in plain)):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_under_autocast_the_adapter_products_run_in_its_dtype_as_the_plain_layers_do():
+    """fp32 adapters on a bf16 base under bf16 autocast: the plain layers' adapter products run in bf16 (autocast
+    casts them), so the shared node's must too; in fp32 they cast every activation and run off the tensor cores."""
+    plain, fused = _group(torch.bfloat16)
+    x = torch.randn(4, 16, 48, dtype=torch.bfloat16)
+    params = {p.data_ptr() for layer in fused for p in layer.parameters()}
+    saved = []
+
+    def pack(t):
+        if t.data_ptr() not in params:
+            saved.append(t.dtype)
+        return t
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            got = project_together(x.requires_grad_(True), fused)
+        want = [layer(x) for layer in plain]
+    assert saved and set(saved) == {torch.bfloat16}
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype == torch.bfloat16
+        assert rel_err(a, b) < 1e-2

@@ -88,7 +88,7 @@ def test_backward_keeps_the_block_input_not_the_normed_one():
     assert sorted(saved) == sorted([("h", (4, 16, 48)), ("", (64,)), ("", (64, 12)), ("", (12, 48))])
 
 
-def test_autocast_or_a_norm_of_another_dtype_does_not_fit():
+def test_autocast_or_a_norm_of_another_dtype_than_the_input_does_not_fit():
     norm, _, fused = _norm_and_group(torch.float32)
     h = torch.randn(2, 48)
     assert fits(h, norm, fused)
@@ -148,4 +148,16 @@ def test_kernel_path_is_as_accurate_as_the_norm_then_plain_lora():
     _, rstd = rms_norm_and_rstd(x, w, norm.eps)
     dy = torch.randn_like(x)
     for a, b in zip(rms_norm_backward(dy, x, w, rstd), rms_norm_backward_reference(dy, x, w, rstd)):
+        assert rel_err(a, b) < 1e-2
+
+
+def test_under_autocast_of_the_weights_dtype_the_node_runs_and_matches():
+    norm, plain, fused = _norm_and_group(torch.bfloat16)
+    h = torch.randn(2, 5, 48, dtype=torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert fits(h, norm, fused)
+        got = norm_then_project(h, norm, fused)
+        want = [layer(norm(h)) for layer in plain]
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype == torch.bfloat16
         assert rel_err(a, b) < 1e-2

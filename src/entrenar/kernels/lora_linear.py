@@ -87,9 +87,11 @@ def lora_projections_forward(
 
 
 def _product(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``a @ b`` in ``dtype``; on CUDA a bf16/fp16 product is written in fp32 by the GEMM itself (no rounding to
-    16 bits, no cast kernel), elsewhere formed in ``a``'s dtype and cast."""
-    if a.dtype != dtype and a.is_cuda and a.dtype in (torch.bfloat16, torch.float16) and dtype == torch.float32:
+    """``a @ b`` in ``dtype``; on CUDA in eager mode a bf16/fp16 product is written in fp32 by the GEMM itself
+    (no rounding to 16 bits, no cast kernel), elsewhere formed in ``a``'s dtype and cast (a cast the compiler
+    fuses into what follows)."""
+    if (a.dtype != dtype and a.is_cuda and a.dtype in (torch.bfloat16, torch.float16) and dtype == torch.float32
+            and not torch.compiler.is_compiling()):
         return torch.mm(a, b, out_dtype=dtype)
     return (a @ b).to(dtype)
 
@@ -123,16 +125,20 @@ def lora_projections_backward(
     cd = a.dtype
     grad_dtype = grad_dtype or cd
     cols = _columns([b.shape[1] for b in lora_b])
-    # u_i = s_i g_i B_i side by side in one [tokens, sum of ranks] tensor (each product writes its columns),
-    # dB_i = g_i^T (s_i A_i x): the scalings applied once to each small tensor, not per product.
-    u = torch.empty(x.shape[0], cols[-1].stop, dtype=cd, device=x.device)
-    xa_scaled = _scale_columns(xa, scalings, cols, in_place=False)
-    d_b = []
-    for g, b, c in zip(grads, lora_b, cols):
-        gc = g.to(cd)
-        torch.mm(gc, b, out=u[:, c])
-        d_b.append(_product(gc.T, xa_scaled[:, c], grad_dtype))
+    # u_i = s_i g_i B_i side by side in one [tokens, sum of ranks] tensor, dB_i = g_i^T (s_i A_i x): the
+    # scalings applied once to each small tensor, not per product.
+    gcs = [g.to(cd) for g in grads]
+    if len(gcs) == 1:
+        u = gcs[0] @ lora_b[0]
+    elif torch.compiler.is_compiling():  # dynamo refuses out= on a column slice
+        u = torch.cat([gc @ b for gc, b in zip(gcs, lora_b)], dim=1)
+    else:  # each product writes its columns: no concatenation pass
+        u = torch.empty(x.shape[0], cols[-1].stop, dtype=cd, device=x.device)
+        for gc, b, c in zip(gcs, lora_b, cols):
+            torch.mm(gc, b, out=u[:, c])
     _scale_columns(u, scalings, cols, in_place=True)
+    xa_scaled = _scale_columns(xa, scalings, cols, in_place=False)
+    d_b = [_product(gc.T, xa_scaled[:, c], grad_dtype) for gc, c in zip(gcs, cols)]
     d_a = _product(u.T, x.to(cd), grad_dtype)
     dx = None
     if need_x:
@@ -210,7 +216,7 @@ def lora_projections(
     (x, *tensors), autocast_off = autocast_inputs(x, *weights, *biases, *lora_a, *lora_b)
     with autocast_off:
         return _LoraProjections.apply(x, n, *tensors, tuple(float(s) for s in scalings),
-                                      compute_dtype or lora_a[0].dtype)
+                                      compute_dtype or tensors[2 * n].dtype)  # the first A, as autocast left it
 
 
 def lora_linear(
@@ -247,10 +253,12 @@ def project_together(x: torch.Tensor, layers: Sequence[nn.Module]) -> tuple[torc
     """Each of ``layers`` applied to ``x``: one node for LoRA layers that can share it, else one call each."""
     if len(layers) < 2 or not fusable(layers):
         return tuple(layer(x) for layer in layers)
+    # The layers' own setting, not the adapters' dtype: under autocast the adapters arrive cast (as autocast
+    # runs the plain layer's adapters), and None then means that dtype.
     return lora_projections(
         x, [layer.base_layer.weight for layer in layers], [layer.base_layer.bias for layer in layers],
         [layer.lora_A.weight for layer in layers], [layer.lora_B.weight for layer in layers],
-        [layer.scaling for layer in layers], _compute_dtype(layers[0]),
+        [layer.scaling for layer in layers], layers[0].lora_compute_dtype,
     )
 
 

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from entrenar.kernels._common import autocast_inputs
 from entrenar.kernels.lora_linear import (
     adapter_gradients,
     adapters_in,
@@ -87,20 +88,25 @@ def norm_lora_projections(
     """``lora_projections(rms_norm(h, norm_weight, eps), weights, ...)`` as one node that rebuilds the normed
     input in backward instead of keeping it. ``h`` and ``norm_weight`` share a dtype (see :func:`fits`)."""
     n = len(weights)
-    return _NormLoraProjections.apply(h, norm_weight, float(eps), n, *weights, *biases, *lora_a, *lora_b,
-                                      tuple(float(s) for s in scalings), compute_dtype or lora_a[0].dtype)
+    (h, norm_weight, *tensors), autocast_off = autocast_inputs(h, norm_weight, *weights, *biases, *lora_a, *lora_b)
+    with autocast_off:
+        return _NormLoraProjections.apply(h, norm_weight, float(eps), n, *tensors, tuple(float(s) for s in scalings),
+                                          compute_dtype or tensors[2 * n].dtype)
 
 
 def fits(h: torch.Tensor, norm: nn.Module, layers: Sequence[nn.Module]) -> bool:
     """True if ``layers`` applied to ``norm(h)`` can run as one :func:`norm_lora_projections` node.
 
-    The norm is an RMSNorm whose weight has ``h``'s dtype, outside autocast
-    (which would change the norm's output dtype), and the layers can share a
-    LoRA node (:func:`entrenar.kernels.lora_linear.fusable`).
+    The norm is an RMSNorm whose weight has ``h``'s dtype, and under autocast
+    that is autocast's dtype too (so the norm's output is the same with or
+    without it), and the layers can share a LoRA node
+    (:func:`entrenar.kernels.lora_linear.fusable`).
     """
+    device = h.device.type
     return (
         isinstance(norm, RMSNorm) and norm.weight.dtype == h.dtype and norm.weight.shape == h.shape[-1:]
-        and not torch.is_autocast_enabled(h.device.type) and fusable(layers)
+        and (not torch.is_autocast_enabled(device) or torch.get_autocast_dtype(device) == h.dtype)
+        and fusable(layers)
     )
 
 
@@ -110,7 +116,7 @@ def norm_then_project(h: torch.Tensor, norm: nn.Module, layers: Sequence[nn.Modu
         h, norm.weight, norm.eps, [layer.base_layer.weight for layer in layers],
         [layer.base_layer.bias for layer in layers], [layer.lora_A.weight for layer in layers],
         [layer.lora_B.weight for layer in layers], [layer.scaling for layer in layers],
-        layers[0].lora_compute_dtype or layers[0].lora_A.weight.dtype,
+        layers[0].lora_compute_dtype,
     )
 
 
