@@ -408,6 +408,8 @@ class TrainingSection(_Section):
     activation_checkpointing: bool | int | tuple[int, ...] = _key(False, _checkpoint_layers)
     offload_activations: bool = _key(False, _boolean)  # checkpointed layers' inputs wait in CPU memory (CUDA)
     compile: bool = _key(False, _boolean)
+    # forward and backward of each micro-batch replayed from a CUDA graph (fixed shapes; not padding-free)
+    cuda_graphs: bool = _key(False, _boolean)
     kernels: str | bool = _key("auto", _choice("auto", True, False))  # auto: on CUDA when Triton imports
     # LoRA adapter products in the fused layer: fp32 as PEFT runs them, or bf16 on the tensor cores (the adapter
     # weights and the optimizer stay fp32)
@@ -492,6 +494,22 @@ class Recipe:
             raise _BadValue(
                 "training.offload_activations",
                 "'training.offload_activations' moves activations from GPU to CPU memory; model.device is 'cpu'",
+            )
+        if self.training.cuda_graphs and self.model.device == "cpu":
+            raise _BadValue(
+                "training.cuda_graphs",
+                "'training.cuda_graphs' replays GPU launches; model.device is 'cpu'",
+            )
+        if self.training.cuda_graphs and self.data.padding_free:
+            raise _BadValue(
+                "training.cuda_graphs",
+                "'training.cuda_graphs' needs batches of one layout, and 'data.padding_free' changes it with every "
+                "batch (turn one of them off)",
+            )
+        if self.training.cuda_graphs and self.training.offload_activations:
+            raise _BadValue(
+                "training.cuda_graphs",
+                "'training.cuda_graphs' cannot record the copies of 'training.offload_activations' (turn one off)",
             )
         if self.training.precision == "fp16" and self.model.device == "cpu":
             raise _BadValue(

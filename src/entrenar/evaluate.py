@@ -24,12 +24,13 @@ class EvalResult:
     examples: int | None = None
 
 
-def autocast_for(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
-    """The autocast context of a precision setting (fp32: none)."""
+def autocast_for(device: torch.device, precision: str, cache: bool = True) -> contextlib.AbstractContextManager:
+    """The autocast context of a precision setting (fp32: none). ``cache=False`` for CUDA-graph capture, where
+    weights cast once and cached would be freed with the context."""
     if precision == "fp32":
         return contextlib.nullcontext()
     dtype = torch.bfloat16 if precision == "bf16" else torch.float16
-    return torch.autocast(device_type=device.type, dtype=dtype)
+    return torch.autocast(device_type=device.type, dtype=dtype, cache_enabled=cache)
 
 
 @torch.no_grad()

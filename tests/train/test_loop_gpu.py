@@ -59,3 +59,23 @@ def test_padding_free_and_offload_on_cuda_give_the_padded_losses(workspace):
         return torch.tensor([r["loss"] for r in read_metrics(run.run_dir / "metrics.jsonl") if "loss" in r])
 
     torch.testing.assert_close(losses(flat), losses(padded), atol=3e-2, rtol=0)
+
+
+@pytest.mark.parametrize("settings", [["model.dtype=bfloat16", "training.adapter_math=bf16"],
+                                      ["training.precision=bf16", "lora=null", "training.compile=true"]],
+                         ids=["lora-kernels", "full-autocast-compiled"])
+def test_cuda_graphs_give_the_eager_losses(workspace, settings):
+    """Micro-steps replayed from a CUDA graph (after 3 eager ones), gradients accumulated over 2 micro-batches:
+    the losses of the eager run, and the replays really ran (the loss keeps falling after the capture)."""
+    common = ["model.device=cuda", "lora.dropout=0", "training.grad_accum=2", "training.max_steps=8",
+              "optimizer.lr=5e-3", *settings]
+    eager = train(recipe_for(workspace, *common, f"output.dir={workspace / 'e'}"), progress=False)
+    graphed = train(recipe_for(workspace, *common, "training.cuda_graphs=true", f"output.dir={workspace / 'g'}"),
+                    progress=False)
+
+    def losses(run):
+        return torch.tensor([r["loss"] for r in read_metrics(run.run_dir / "metrics.jsonl") if "loss" in r])
+
+    torch.testing.assert_close(losses(graphed), losses(eager), atol=2e-2, rtol=0)
+    assert losses(graphed)[-1] < losses(graphed)[2]
+    assert graphed.eval_after.loss < graphed.eval_before.loss

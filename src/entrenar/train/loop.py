@@ -45,6 +45,7 @@ from entrenar.memory import FUSED_LOSS_CHUNK, LINEAR_NAMES, GiB, estimate_traini
 from entrenar.quant.checkpoint import save_qat_model
 from entrenar.quant.qat import apply_qat_recipe, load_qat_state_dict, master_weights, qat_state_dict
 from entrenar.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from entrenar.train.cuda_graph import GraphedMicroStep
 from entrenar.train.loss import token_cross_entropy
 from entrenar.train.metrics import MetricsLogger, plot_loss_curve
 from entrenar.train.optim import build_optimizer, build_param_groups, lr_at, set_lr
@@ -119,6 +120,8 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
             apply_lora(model, lora_config)
         except AdapterError as e:
             raise AdapterError(f"lora.target_modules: {e}") from None
+    if t.cuda_graphs and device.type != "cuda":
+        raise ConfigError(f"training.cuda_graphs: CUDA graphs replay GPU launches; this run is on {device}")
     if t.offload_activations and device.type != "cuda":
         raise ConfigError(f"training.offload_activations: offloading moves activations from GPU to CPU memory; "
                           f"this run is on {device}")
@@ -161,6 +164,16 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
             hidden = model.hidden_states(*inputs, **layout)
             return fused_linear_cross_entropy(hidden, model.lm_head.weight, batch["labels"], FUSED_LOSS_CHUNK)[0]
         return token_cross_entropy(model(*inputs, **layout), batch["labels"])[0]
+
+    def micro_step(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Forward and backward of one micro-batch; its loss is normalised over the whole step's targets."""
+        with autocast_for(device, t.precision, cache=not t.cuda_graphs):
+            loss = loss_sum_of(batch) / batch["step_targets"]
+        scaler.scale(loss).backward()
+        return loss.detach()
+
+    # With CUDA graphs the gradients stay allocated and are zeroed in place (the graph adds into them).
+    run_micro_step = GraphedMicroStep(micro_step, trainable) if t.cuda_graphs else micro_step
 
     if t.compile:
         # Block by block, not the whole step: compiled around torch.utils.checkpoint, the step held 10-22 GiB
@@ -225,19 +238,15 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
                     if d.padding_free:
                         batch = padding_free(batch)
                     batch = {k: _to(v, device) for k, v in batch.items()}
-                    with autocast_for(device, t.precision):
-                        loss_sum = loss_sum_of(batch)
-                    loss = loss_sum / step_targets  # normalised over the whole step, not per micro-batch
-                    scaler.scale(loss).backward()
-                    step_loss += loss.detach()
-
+                    batch["step_targets"] = torch.full((), float(step_targets), device=device)  # no host copy
+                    step_loss += run_micro_step(batch)
 
                 scaler.unscale_(optimizer)
                 max_norm = t.max_grad_norm if t.max_grad_norm > 0 else math.inf
                 grad_norm = torch.nn.utils.clip_grad_norm_(trainable, max_norm)  # returns the pre-clip norm
                 scaler.step(optimizer)
                 scaler.update()
-                optimizer.zero_grad(set_to_none=True)
+                optimizer.zero_grad(set_to_none=not t.cuda_graphs)
 
                 done = step + 1
                 loss_value = float(step_loss)

@@ -1,0 +1,80 @@
+"""Forward and backward of a micro-batch replayed from a CUDA graph: one launch instead of thousands.
+
+An eager LoRA step on a GPU launches two to three thousand kernels (every
+adapter product, cast and norm of every layer, forward and backward); at
+1B-parameter scale the host spends about as long launching them as the GPU
+spends running them. A CUDA graph records the launches of one micro-step
+once and replays them with one call (docs/PERFORMANCE.md has the numbers).
+
+What replaying needs, and :class:`GraphedMicroStep` sees to or the loop
+keeps:
+
+* the same shapes every call: inputs are copied into the graph's own tensors;
+  a micro-batch of another shape runs eagerly;
+* gradients that exist before capture and are zeroed in place, never set to
+  ``None``: the graph adds each micro-batch's gradients into those tensors;
+* no host synchronisation inside (no ``.item()``, no data-dependent shapes):
+  padding-free batches are refused with graphs, since their layout changes
+  with every batch;
+* a few eager calls first, on a side stream, so Triton compiles, cuBLAS picks
+  its kernels and the autograd engine warms up before capture.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+WARMUP_CALLS = 3
+
+
+class GraphedMicroStep:
+    """``fn(inputs)`` (forward and backward of one micro-batch, returning the detached loss) replayed from a
+    CUDA graph after ``warmup`` eager calls. ``params`` are the trained parameters, whose gradients the graph
+    accumulates into."""
+
+    def __init__(self, fn: Callable[[dict[str, torch.Tensor]], torch.Tensor], params: Sequence[torch.Tensor],
+                 warmup: int = WARMUP_CALLS) -> None:
+        self.fn = fn
+        self.params = list(params)
+        self.warmup = warmup
+        self.eager_calls = 0
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.inputs: dict[str, torch.Tensor] = {}
+        self.loss: torch.Tensor | None = None
+
+    def __call__(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        if self.graph is None and self.eager_calls < self.warmup:
+            self.eager_calls += 1
+            return self._on_side_stream(inputs)
+        if self.graph is None:
+            self._capture(inputs)
+        elif not self._same_layout(inputs):
+            return self.fn(inputs)
+        for name, tensor in inputs.items():
+            self.inputs[name].copy_(tensor)
+        self.graph.replay()
+        return self.loss.clone()  # the next replay overwrites the graph's own
+
+    def _same_layout(self, inputs: dict[str, torch.Tensor]) -> bool:
+        return inputs.keys() == self.inputs.keys() and all(
+            t.shape == self.inputs[k].shape and t.dtype == self.inputs[k].dtype for k, t in inputs.items())
+
+    def _on_side_stream(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            loss = self.fn(inputs)
+        torch.cuda.current_stream().wait_stream(side)
+        return loss
+
+    def _capture(self, inputs: dict[str, torch.Tensor]) -> None:
+        self.inputs = {name: tensor.clone() for name, tensor in inputs.items()}
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self.loss = self.fn(self.inputs)  # recorded, not run: the replay that follows runs it
+        self.graph = graph
