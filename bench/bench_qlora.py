@@ -32,6 +32,8 @@ Rows (``--rows``):
   loop-lora               the same on a bf16 base
   loop-*-compiled         those with the whole step (forward and loss) under ``torch.compile``
   loop-*-blocks           those with each decoder block under ``torch.compile`` (checkpointing stays eager)
+  loop-*-cudagraph        those eager, forward and backward replayed from a CUDA graph after 3 eager steps
+                          (``training.cuda_graphs: true``; the optimizer step stays eager)
 
 Reported per row: tokens/s from the median step time after warm-up (CUDA
 events around forward, backward and optimizer step), peak GPU memory
@@ -65,6 +67,7 @@ from torch import nn
 
 from entrenar.lora import LoraConfig, apply_lora
 from entrenar.memory import GiB, estimate_training_memory
+from entrenar.train.cuda_graph import GraphedMicroStep
 from entrenar.models.config import ModelConfig
 from entrenar.models.hf import empty_model
 from entrenar.quant.nf4 import NF4Linear
@@ -88,6 +91,7 @@ class Row:
     loss_in_autocast: bool = False  # the chunked / fused loss inside autocast too, as the loop calls it
     chunk: int = CHUNK
     compile: str = ""  # "step": the whole forward + loss under torch.compile; "blocks": each decoder block
+    cuda_graph: bool = False  # forward and backward replayed from a CUDA graph (training.cuda_graphs)
     torch_dequant: bool = False
     lora_row: str | None = None  # the 16-bit LoRA row this QLoRA row is compared with
     steps: int = 10
@@ -111,6 +115,8 @@ ROWS: dict[str, Row] = {
     "loop-lora-compiled": Row("bf16", **LOOP, compile="step"),
     "loop-qlora-blocks": Row("nf4", **LOOP, compile="blocks", lora_row="loop-lora-blocks"),
     "loop-lora-blocks": Row("bf16", **LOOP, compile="blocks"),
+    "loop-qlora-cudagraph": Row("nf4", **LOOP, cuda_graph=True, lora_row="loop-lora-cudagraph"),
+    "loop-lora-cudagraph": Row("bf16", **LOOP, cuda_graph=True),
     "entrenar-qlora-chunked": Row("nf4", loss="chunked", lora_row="entrenar-lora-chunked"),
     "entrenar-lora-chunked": Row("bf16", loss="chunked"),
     "entrenar-qlora-torchdq": Row("nf4", torch_dequant=True, steps=5, warmup=2, lora_row="entrenar-lora"),
@@ -213,7 +219,7 @@ def step_fn(row: Row) -> Callable[[nn.Module, torch.Tensor], torch.Tensor]:
         return lambda model, ids: model(input_ids=ids, labels=ids).loss
     if row.loss == "logits":  # what entrenar.train.loop does for each micro-batch
         def step(model, ids):
-            with torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=row.autocast):
+            with torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=row.autocast, cache_enabled=not row.cuda_graph):
                 logits = model(ids)
             loss_sum, n = token_cross_entropy(logits, ids)
             return loss_sum / n
@@ -224,7 +230,7 @@ def step_fn(row: Row) -> Callable[[nn.Module, torch.Tensor], torch.Tensor]:
         from entrenar.kernels import fused_linear_cross_entropy as loss_fn
 
     def loss_of(model, ids):
-        with torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=row.autocast):
+        with torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=row.autocast, cache_enabled=not row.cuda_graph):
             hidden = model.hidden_states(ids)
             if row.loss_in_autocast:
                 return loss_fn(hidden, model.lm_head.weight, ids, row.chunk)
@@ -304,15 +310,20 @@ def run_row(name: str, row: Row, batches: list[torch.Tensor], profile: bool) -> 
     result.resident_gib = (torch.cuda.memory_allocated() - before) / GiB
     torch.cuda.reset_peak_memory_stats()
 
+    def forward_backward(inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        loss = step(model, inputs["ids"])
+        loss.backward()
+        return loss.detach()
+
+    run = GraphedMicroStep(forward_backward, params) if row.cuda_graph else forward_backward
     times = []
     for i in range(row.steps):
         ids = batches[i % len(batches)]
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        loss = step(model, ids)
-        loss.backward()
+        loss = run({"ids": ids})
         opt.step()
-        opt.zero_grad(set_to_none=True)
+        opt.zero_grad(set_to_none=not row.cuda_graph)  # a graph adds into its gradients: zeroed in place
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))
@@ -326,7 +337,7 @@ def run_row(name: str, row: Row, batches: list[torch.Tensor], profile: bool) -> 
             result.profile = profile_step(model, batches[0], step, opt)
         except Exception as err:  # the profiler is a nicety; the timings stand without it
             result.profile = {"error": f"{type(err).__name__}: {err}"[:300]}
-    del model, opt, params, loss
+    del model, opt, params, loss, run
     return result
 
 

@@ -13,8 +13,12 @@ Rows (``--rows``):
   kernels-eager    entrenar with apply_kernels and the fused linear cross-entropy, eager
   kernels-compiled the same, each decoder block under torch.compile
   kernels-bf16-*   kernels with the LoRA adapter products in bf16 (apply_kernels(lora_compute_dtype=bf16))
-  kernels-bf16-pernode-*  the same with one LoRA node per projection and the down projection's input saved
-                   (the kernels before q/k/v and gate/up shared a node: shows what sharing earns)
+  kernels-bf16-pernode-*  the same with one LoRA node per projection, the down projection's input saved and
+                   the norms apart (the kernels before q/k/v and gate/up shared a node: shows what sharing earns)
+  kernels-bf16-splitnorm-*  the same with each norm apart from the LoRA node it feeds (its output saved for
+                   backward; the kernels before the norm moved into the node: shows what that saves)
+  kernels-bf16-cudagraph  kernels-bf16-eager with forward and backward replayed from a CUDA graph after 3 eager
+                   steps (entrenar.train.cuda_graph, what training.cuda_graphs runs; the optimizer step stays eager)
   *-graph          instead of per block, model.hidden_states under torch.compile(fullgraph=True): the whole
                    layer loop in one graph (the fused loss stays outside it)
 
@@ -62,6 +66,7 @@ from torch import nn
 from entrenar.lora import LoraConfig, apply_lora
 from entrenar.models.config import ModelConfig
 from entrenar.models.transformer import Transformer
+from entrenar.train.cuda_graph import GraphedMicroStep
 from entrenar.train.loss import chunked_cross_entropy
 
 PEAK_BF16_FLOPS = 989.4e12
@@ -124,7 +129,10 @@ CASES: dict[str, Case] = {
 }
 ROWS = ("hf", "plain-eager", "plain-compiled", "plain-graph", "kernels-eager", "kernels-compiled", "kernels-graph",
         "kernels-bf16-eager", "kernels-bf16-compiled", "kernels-bf16-graph", "kernels-bf16-pernode-eager",
-        "kernels-bf16-pernode-compiled")
+        "kernels-bf16-pernode-compiled", "kernels-bf16-splitnorm-eager", "kernels-bf16-cudagraph")
+# The plain row each kernel row is compared with: the same mode (a CUDA graph is compared with the compiled row).
+PLAIN_OF_MODE = {"eager": "plain-eager", "compiled": "plain-compiled", "graph": "plain-graph",
+                 "cudagraph": "plain-compiled"}
 
 
 def model_config(shape: str, seq: int) -> ModelConfig:
@@ -219,7 +227,7 @@ def build_hf(cfg: ModelConfig, method: str, checkpointing: bool, device: str, dt
 
 def build_entrenar(cfg: ModelConfig, method: str, checkpointing: bool | int, device: str, dtype: torch.dtype,
                    kernels: bool, mode: str, lora_compute_dtype: torch.dtype | None = None,
-                   offload: bool = False, per_node: bool = False) -> Transformer:
+                   offload: bool = False, per_node: bool = False, split_norm: bool = False) -> Transformer:
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # build in bf16 directly: no fp32 copy of an 8B model on the way
     try:
@@ -236,6 +244,8 @@ def build_entrenar(cfg: ModelConfig, method: str, checkpointing: bool | int, dev
         apply_kernels(model, lora_compute_dtype=lora_compute_dtype)
         if per_node:
             one_node_per_projection(model)
+        if split_norm or per_node:
+            norms_apart(model)
     init_weights(model)
     if mode == "compiled":
         for block in model.model.layers:
@@ -248,16 +258,27 @@ def build_entrenar(cfg: ModelConfig, method: str, checkpointing: bool | int, dev
 def one_node_per_projection(model: Transformer) -> None:
     """Undo what apply_kernels shares between projections: each LoRA layer its own node, silu(gate)*up saved."""
     from entrenar.kernels import FusedMLP, FusedRopeAttention, swiglu
-    from entrenar.models.transformer import Attention
+    from entrenar.models.transformer import MLP, Attention
 
-    def mlp_forward(self, x):
-        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+    def combine(self, gate, up):
+        return self.down_proj(swiglu(gate, up))
 
     for module in model.modules():
         if isinstance(module, FusedRopeAttention):
             module.project = types.MethodType(Attention.project, module)
         elif isinstance(module, FusedMLP):
-            module.forward = types.MethodType(mlp_forward, module)
+            module.project = types.MethodType(MLP.project, module)
+            module.combine = types.MethodType(combine, module)
+
+
+def norms_apart(model: Transformer) -> None:
+    """Undo the norms inside the LoRA nodes: each block's norm runs alone and its output is saved."""
+    from entrenar.kernels import FusedBlock
+    from entrenar.models.transformer import Block
+
+    for module in model.modules():
+        if type(module) is FusedBlock:
+            module.__class__ = Block
 
 
 def hf_step_loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
@@ -342,7 +363,8 @@ def run_row(case_name: str, case: Case, row: str, device: str, dtype: torch.dtyp
         kernels, mode = row.startswith("kernels"), row.rsplit("-", 1)[1]
         compute = dtype if "-bf16-" in row else None
         model = build_entrenar(cfg, case.method, case.checkpointing, device, dtype, kernels, mode, compute,
-                               offload=case.offload, per_node="-pernode-" in row)
+                               offload=case.offload, per_node="-pernode-" in row,
+                               split_norm="-splitnorm-" in row)
         if kernels:
             from entrenar.kernels import fused_linear_cross_entropy as loss_fn
         else:
@@ -350,7 +372,18 @@ def run_row(case_name: str, case: Case, row: str, device: str, dtype: torch.dtyp
         step_loss = entrenar_step_loss(loss_fn)
     params = [p for p in model.parameters() if p.requires_grad]
     result.trainable_params = sum(p.numel() for p in params)
+    graphed = row.endswith("-cudagraph")
+    if graphed and (case.documents or profile_to):
+        raise ValueError("a CUDA-graph row takes fixed-shape batches and is not profiled")
     opt = torch.optim.AdamW(params, lr=case.lr, weight_decay=0.0, fused=device == "cuda")
+    graphed_step = None
+    if graphed:
+        def forward_backward(inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+            loss = step_loss(model, inputs["ids"])
+            loss.backward()
+            return loss.detach()
+
+        graphed_step = GraphedMicroStep(forward_backward, params)
     if case.documents:
         batches = make_document_batches(4, case.batch, case.seq, cfg.vocab_size, device, case.padding_free)
     else:
@@ -364,10 +397,15 @@ def run_row(case_name: str, case: Case, row: str, device: str, dtype: torch.dtyp
         if device == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-        loss = step_loss(model, ids)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        if graphed_step is not None:
+            loss = graphed_step({"ids": ids})
+            opt.step()
+            opt.zero_grad(set_to_none=False)  # the graph adds into these gradients
+        else:
+            loss = step_loss(model, ids)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
         if device == "cuda":
             end.record()
             end.synchronize()
@@ -391,7 +429,7 @@ def run_row(case_name: str, case: Case, row: str, device: str, dtype: torch.dtyp
             profile_steps(model, opt, step_loss, batches, profile_to)
         except Exception as err:  # noqa: BLE001 - the timing stands; say why the profile is missing
             result.error = f"profile failed: {type(err).__name__}: {err}"
-    del model, opt, params, batches, loss
+    del model, opt, params, batches, loss, graphed_step
     _free()
     return result
 
@@ -425,7 +463,7 @@ def compare(results: list[RowResult]) -> list[dict]:
             if r.peak_allocated_gib and hf.peak_allocated_gib:
                 d["memory_vs_hf"] = r.peak_allocated_gib / hf.peak_allocated_gib
         if r.status == "ok" and r.row.startswith("kernels-"):
-            ref_name = "plain-" + r.row.rsplit("-", 1)[1]  # the plain row of the same mode
+            ref_name = PLAIN_OF_MODE[r.row.rsplit("-", 1)[1]]
             if ref_name in same:
                 d[f"speed_vs_{ref_name}"] = r.tokens_per_s / same[ref_name].tokens_per_s
         if r.status == "ok" and plain is not None and r is not plain:
