@@ -6,8 +6,11 @@ specification as the plain PyTorch path is on the same low-precision inputs.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
+from torch import nn
 
 from entrenar.kernels._common import interpreting, triton_available
 
@@ -51,3 +54,23 @@ def grads(outputs, inputs, grad_outputs) -> tuple[torch.Tensor, ...]:
 def leaf(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """A detached copy (optionally cast) that requires grad."""
     return t.detach().to(dtype or t.dtype).requires_grad_(True)
+
+
+def lora_group(dtype: torch.dtype, device: str = "cpu", train_base: bool = False):
+    """Three LoRA layers reading one input (as q, k, v), of different widths and ranks (so different
+    scalings), one with a bias; the plain layers and fused copies of them."""
+    from entrenar.kernels.lora_linear import FusedLoraLinear
+    from entrenar.lora import LoraLinear
+
+    torch.manual_seed(8)
+    plain = []
+    for out_features, r, bias in ((40, 4, True), (24, 2, False), (24, 6, False)):
+        layer = LoraLinear(nn.Linear(48, out_features, bias=bias).to(dtype), r=r, alpha=8.0).to(device)
+        layer.base_layer.requires_grad_(train_base)
+        with torch.no_grad():
+            layer.lora_B.weight.normal_(0, 0.5)
+        plain.append(layer)
+    fused = copy.deepcopy(plain)
+    for layer in fused:
+        layer.__class__ = FusedLoraLinear
+    return plain, fused

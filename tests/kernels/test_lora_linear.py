@@ -10,7 +10,7 @@ import copy
 
 import pytest
 import torch
-from kernel_checks import assert_as_close, needs_cuda, rel_err
+from kernel_checks import assert_as_close, lora_group, needs_cuda, rel_err
 from torch import nn
 
 from entrenar.kernels.lora_linear import FusedLoraLinear, project_together
@@ -112,23 +112,6 @@ def test_merged_or_dropout_falls_back_to_the_plain_forward():
     torch.testing.assert_close(fused(x), plain(x), rtol=0, atol=0)
 
 
-def _group(dtype: torch.dtype, train_base: bool = False, device: str = "cpu"):
-    """Three LoRA layers reading one input (as q, k, v), of different widths and ranks (so different
-    scalings), one with a bias."""
-    torch.manual_seed(8)
-    plain = []
-    for out_features, r, bias in ((40, 4, True), (24, 2, False), (24, 6, False)):
-        layer = LoraLinear(nn.Linear(48, out_features, bias=bias).to(dtype), r=r, alpha=8.0).to(device)
-        layer.base_layer.requires_grad_(train_base)
-        with torch.no_grad():
-            layer.lora_B.weight.normal_(0, 0.5)
-        plain.append(layer)
-    fused = copy.deepcopy(plain)
-    for layer in fused:
-        layer.__class__ = FusedLoraLinear
-    return plain, fused
-
-
 def _run_group(layers, x0: torch.Tensor, x_dtype: torch.dtype, together: bool):
     torch.manual_seed(9)
     x = x0.detach().to(x_dtype).requires_grad_(True)
@@ -140,7 +123,7 @@ def _run_group(layers, x0: torch.Tensor, x_dtype: torch.dtype, together: bool):
 
 @pytest.mark.parametrize("train_base", [False, True], ids=["frozen-base", "trained-base"])
 def test_projections_together_match_plain_lora(train_base):
-    plain, fused = _group(torch.float32, train_base)
+    plain, fused = lora_group(torch.float32, train_base=train_base)
     x0 = torch.randn(2, 5, 48)
     got, want = _run_group(fused, x0, torch.float32, True), _run_group(plain, x0, torch.float32, False)
     assert len(got) == len(want) == 3 + 1 + 6 + (4 if train_base else 0)  # outputs, dx, A and B, W and the bias
@@ -149,7 +132,7 @@ def test_projections_together_match_plain_lora(train_base):
 
 
 def test_projections_together_on_bf16_are_as_accurate_as_plain_lora():
-    plain, fused = _group(torch.bfloat16)
+    plain, fused = lora_group(torch.bfloat16)
     exact = [copy.deepcopy(layer).double() for layer in plain]
     x0 = torch.randn(3, 7, 48)
     results = zip(_run_group(fused, x0, torch.bfloat16, True), _run_group(plain, x0, torch.bfloat16, False),
@@ -160,7 +143,7 @@ def test_projections_together_on_bf16_are_as_accurate_as_plain_lora():
 
 @ON_CUDA_TOO
 def test_projections_together_with_bf16_adapter_math_stay_within_bf16_error(device):
-    plain, fused = _group(torch.bfloat16, device=device)
+    plain, fused = lora_group(torch.bfloat16, device=device)
     for layer in fused:
         layer.lora_compute_dtype = torch.bfloat16
     exact = [copy.deepcopy(layer).double() for layer in plain]
@@ -171,7 +154,7 @@ def test_projections_together_with_bf16_adapter_math_stay_within_bf16_error(devi
 
 
 def test_projections_together_keep_one_adapter_activation_for_all():
-    _, fused = _group(torch.bfloat16)
+    _, fused = lora_group(torch.bfloat16)
     x = torch.randn(4, 16, 48, dtype=torch.bfloat16, requires_grad=True)
     params = {p.data_ptr() for layer in fused for p in layer.parameters()}
     saved = []
@@ -188,7 +171,7 @@ def test_projections_together_keep_one_adapter_activation_for_all():
 
 
 def test_layers_that_cannot_share_a_node_run_one_by_one():
-    plain, fused = _group(torch.float32)
+    plain, fused = lora_group(torch.float32)
     fused[1].lora_compute_dtype = torch.bfloat16  # another adapter precision than its neighbours
     x = torch.randn(2, 48)
     for a, b in zip(project_together(x, fused), (layer(x) for layer in fused)):
@@ -202,7 +185,7 @@ def test_layers_that_cannot_share_a_node_run_one_by_one():
 def test_under_autocast_the_adapter_products_run_in_its_dtype_as_the_plain_layers_do():
     """fp32 adapters on a bf16 base under bf16 autocast: the plain layers' adapter products run in bf16 (autocast
     casts them), so the shared node's must too; in fp32 they cast every activation and run off the tensor cores."""
-    plain, fused = _group(torch.bfloat16)
+    plain, fused = lora_group(torch.bfloat16)
     x = torch.randn(4, 16, 48, dtype=torch.bfloat16)
     params = {p.data_ptr() for layer in fused for p in layer.parameters()}
     saved = []

@@ -10,34 +10,22 @@ import copy
 
 import pytest
 import torch
-from kernel_checks import DEVICE, assert_as_close, needs_kernels, rel_err
+from kernel_checks import DEVICE, assert_as_close, lora_group, needs_kernels, rel_err
 from torch import nn
 
-from entrenar.kernels.lora_linear import FusedLoraLinear
 from entrenar.kernels.norm_projections import FusedBlock, fits, norm_then_project
 from entrenar.kernels.rmsnorm import rms_norm_and_rstd, rms_norm_backward, rms_norm_backward_reference
-from entrenar.lora import LoraLinear
 from entrenar.models.transformer import RMSNorm
 
 
 def _norm_and_group(dtype: torch.dtype, device: str = "cpu", train_norm: bool = False):
     """An RMSNorm (random weight) and three LoRA layers reading its output (as q, k, v), plain and fused."""
+    plain, fused = lora_group(dtype, device)
     torch.manual_seed(10)
     norm = RMSNorm(48, 1e-5).to(device=device, dtype=dtype)
     with torch.no_grad():
         norm.weight.normal_(1.0, 0.3)
     norm.weight.requires_grad_(train_norm)
-    plain = []
-    for out_features, r, bias in ((40, 4, True), (24, 2, False), (24, 6, False)):
-        layer = LoraLinear(nn.Linear(48, out_features, bias=bias).to(device=device, dtype=dtype), r=r, alpha=8.0)
-        layer.to(device)
-        layer.base_layer.requires_grad_(False)
-        with torch.no_grad():
-            layer.lora_B.weight.normal_(0, 0.5)
-        plain.append(layer)
-    fused = copy.deepcopy(plain)
-    for layer in fused:
-        layer.__class__ = FusedLoraLinear
     return norm, plain, fused
 
 
