@@ -29,10 +29,19 @@ def _norm_and_group(dtype: torch.dtype, device: str = "cpu", train_norm: bool = 
     return norm, plain, fused
 
 
+def _node(h, norm, layers):
+    """The shared node, which must fit: the fallback is not what these tests are about."""
+
+    def fallback(_):
+        raise AssertionError("the node did not fit")
+
+    return norm_then_project(h, norm, layers, fallback)
+
+
 def _run(norm, layers, h0: torch.Tensor, dtype: torch.dtype, together: bool):
     torch.manual_seed(11)
     h = h0.detach().to(dtype).requires_grad_(True)
-    ys = norm_then_project(h, norm, layers) if together else tuple(layer(norm(h)) for layer in layers)
+    ys = _node(h, norm, layers) if together else tuple(layer(norm(h)) for layer in layers)
     dys = [torch.randn(y.shape, device=y.device).to(y.dtype) for y in ys]
     params = [p for m in (norm, *layers) for p in m.parameters() if p.requires_grad]
     return (*ys, *torch.autograd.grad(ys, [h, *params], dys))
@@ -71,7 +80,7 @@ def test_backward_keeps_the_block_input_not_the_normed_one():
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        norm_then_project(h, norm, fused)
+        _node(h, norm, fused)
     # h itself, 1/rms per row, A x of the three adapters (ranks 4 + 2 + 6) and their stacked A: no normed copy
     assert sorted(saved) == sorted([("h", (4, 16, 48)), ("", (64,)), ("", (64, 12)), ("", (12, 48))])
 
@@ -144,7 +153,7 @@ def test_under_autocast_of_the_weights_dtype_the_node_runs_and_matches():
     h = torch.randn(2, 5, 48, dtype=torch.bfloat16)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert fits(h, norm, fused)
-        got = norm_then_project(h, norm, fused)
+        got = _node(h, norm, fused)
         want = [layer(norm(h)) for layer in plain]
     for a, b in zip(got, want):
         assert a.dtype == b.dtype == torch.bfloat16

@@ -249,17 +249,22 @@ def fusable(layers: Sequence[nn.Module]) -> bool:
     return all(_runs_fused(layer) for layer in layers) and len({_compute_dtype(layer) for layer in layers}) == 1
 
 
+def node_arguments(layers: Sequence[FusedLoraLinear]) -> tuple:
+    """``weights, biases, lora_a, lora_b, scalings, compute_dtype`` of layers that share a node (:func:`fusable`).
+
+    The compute dtype is the layers' own setting, not the adapters' dtype: under autocast the adapters arrive
+    cast (as autocast runs the plain layer's adapters), and None then means that dtype.
+    """
+    return ([layer.base_layer.weight for layer in layers], [layer.base_layer.bias for layer in layers],
+            [layer.lora_A.weight for layer in layers], [layer.lora_B.weight for layer in layers],
+            [layer.scaling for layer in layers], layers[0].lora_compute_dtype)
+
+
 def project_together(x: torch.Tensor, layers: Sequence[nn.Module]) -> tuple[torch.Tensor, ...]:
     """Each of ``layers`` applied to ``x``: one node for LoRA layers that can share it, else one call each."""
     if len(layers) < 2 or not fusable(layers):
         return tuple(layer(x) for layer in layers)
-    # The layers' own setting, not the adapters' dtype: under autocast the adapters arrive cast (as autocast
-    # runs the plain layer's adapters), and None then means that dtype.
-    return lora_projections(
-        x, [layer.base_layer.weight for layer in layers], [layer.base_layer.bias for layer in layers],
-        [layer.lora_A.weight for layer in layers], [layer.lora_B.weight for layer in layers],
-        [layer.scaling for layer in layers], layers[0].lora_compute_dtype,
-    )
+    return lora_projections(x, *node_arguments(layers))
 
 
 class FusedLoraLinear(LoraLinear):

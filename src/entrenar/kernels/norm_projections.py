@@ -19,7 +19,7 @@ as the plain block does.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -32,6 +32,7 @@ from entrenar.kernels.lora_linear import (
     fusable,
     lora_projections_backward,
     lora_projections_forward,
+    node_arguments,
 )
 from entrenar.kernels.rmsnorm import rms_norm_and_rstd, rms_norm_backward
 from entrenar.models.padding_free import Documents
@@ -110,14 +111,14 @@ def fits(h: torch.Tensor, norm: nn.Module, layers: Sequence[nn.Module]) -> bool:
     )
 
 
-def norm_then_project(h: torch.Tensor, norm: nn.Module, layers: Sequence[nn.Module]) -> tuple[torch.Tensor, ...]:
-    """Each of ``layers`` applied to ``norm(h)`` by :func:`norm_lora_projections` (callers check :func:`fits`)."""
-    return norm_lora_projections(
-        h, norm.weight, norm.eps, [layer.base_layer.weight for layer in layers],
-        [layer.base_layer.bias for layer in layers], [layer.lora_A.weight for layer in layers],
-        [layer.lora_B.weight for layer in layers], [layer.scaling for layer in layers],
-        layers[0].lora_compute_dtype,
-    )
+def norm_then_project(
+    h: torch.Tensor, norm: nn.Module, layers: Sequence[nn.Module], project: Callable[[torch.Tensor], tuple]
+) -> tuple[torch.Tensor, ...]:
+    """Each of ``layers`` applied to ``norm(h)``: by :func:`norm_lora_projections` where :func:`fits` allows,
+    else ``project(norm(h))`` (the module's own projections of those layers)."""
+    if not fits(h, norm, layers):
+        return project(norm(h))
+    return norm_lora_projections(h, norm.weight, norm.eps, *node_arguments(layers))
 
 
 class FusedBlock(Block):
@@ -133,15 +134,7 @@ class FusedBlock(Block):
         cache: KVCache | None = None,
     ) -> torch.Tensor:
         attn, mlp = self.self_attn, self.mlp
-        qkv = (attn.q_proj, attn.k_proj, attn.v_proj)
-        if fits(x, self.input_layernorm, qkv):
-            q, k, v = norm_then_project(x, self.input_layernorm, qkv)
-        else:
-            q, k, v = attn.project(self.input_layernorm(x))
+        q, k, v = norm_then_project(x, self.input_layernorm, (attn.q_proj, attn.k_proj, attn.v_proj), attn.project)
         x = x + attn.attend(q, k, v, cos, sin, mask, cache)
-        gate_up = (mlp.gate_proj, mlp.up_proj)
-        if fits(x, self.post_attention_layernorm, gate_up):
-            gate, up = norm_then_project(x, self.post_attention_layernorm, gate_up)
-        else:
-            gate, up = mlp.project(self.post_attention_layernorm(x))
+        gate, up = norm_then_project(x, self.post_attention_layernorm, (mlp.gate_proj, mlp.up_proj), mlp.project)
         return x + mlp.combine(gate, up)
