@@ -56,16 +56,21 @@ def leaf(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     return t.detach().to(dtype or t.dtype).requires_grad_(True)
 
 
-def lora_group(dtype: torch.dtype, device: str = "cpu", train_base: bool = False):
+def lora_group(dtype: torch.dtype, device: str = "cpu", train_base: bool = False, nf4: bool = False):
     """Three LoRA layers reading one input (as q, k, v), of different widths and ranks (so different
-    scalings), one with a bias; the plain layers and fused copies of them."""
+    scalings), one with a bias; the plain layers and fused copies of them. ``nf4``: QLoRA, each base
+    quantized to NF4 (frozen)."""
     from entrenar.kernels.lora_linear import FusedLoraLinear
     from entrenar.lora import LoraLinear
+    from entrenar.quant.nf4 import NF4Linear
 
     torch.manual_seed(8)
     plain = []
     for out_features, r, bias in ((40, 4, True), (24, 2, False), (24, 6, False)):
-        layer = LoraLinear(nn.Linear(48, out_features, bias=bias).to(dtype), r=r, alpha=8.0).to(device)
+        base = nn.Linear(48, out_features, bias=bias).to(dtype)
+        if nf4:
+            base = NF4Linear.from_linear(base)
+        layer = LoraLinear(base, r=r, alpha=8.0).to(device)
         layer.base_layer.requires_grad_(train_base)
         with torch.no_grad():
             layer.lora_B.weight.normal_(0, 0.5)

@@ -9,7 +9,12 @@ import torch
 from kernel_checks import assert_as_close, needs_cuda, rel_err
 
 from entrenar.errors import ConfigError
-from entrenar.kernels import KERNELS, apply_kernels, fused_linear_cross_entropy, remove_kernels
+from entrenar.kernels import (
+    KERNELS,
+    apply_kernels,
+    fused_linear_cross_entropy,
+    remove_kernels,
+)
 from entrenar.lora import LoraConfig, LoraLinear, apply_lora, lora_parameters
 from entrenar.models.config import ModelConfig
 from entrenar.models.transformer import Transformer

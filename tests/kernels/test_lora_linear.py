@@ -131,6 +131,16 @@ def test_projections_together_match_plain_lora(train_base):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=f"result {i}")
 
 
+def test_projections_together_on_nf4_bases_match_plain_qlora():
+    """QLoRA: the shared node dequantizes each base where the plain NF4 layers do, so the numbers agree."""
+    plain, fused = lora_group(torch.float32, nf4=True)
+    x0 = torch.randn(2, 5, 48)
+    got, want = _run_group(fused, x0, torch.float32, True), _run_group(plain, x0, torch.float32, False)
+    assert len(got) == len(want) == 3 + 1 + 6  # outputs, dx, A and B: the NF4 bases and their bias are frozen
+    for i, (a, b) in enumerate(zip(got, want)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=f"result {i}")
+
+
 def test_projections_together_on_bf16_are_as_accurate_as_plain_lora():
     plain, fused = lora_group(torch.bfloat16)
     exact = [copy.deepcopy(layer).double() for layer in plain]
@@ -153,8 +163,9 @@ def test_projections_together_with_bf16_adapter_math_stay_within_bf16_error(devi
         assert rel_err(a, e) < 1e-2, f"result {i}: relative error {rel_err(a, e):.3g}"
 
 
-def test_projections_together_keep_one_adapter_activation_for_all():
-    _, fused = lora_group(torch.bfloat16)
+@pytest.mark.parametrize("nf4", [False, True], ids=["bf16-bases", "nf4-bases"])
+def test_projections_together_keep_one_adapter_activation_for_all(nf4):
+    _, fused = lora_group(torch.bfloat16, nf4=nf4)
     x = torch.randn(4, 16, 48, dtype=torch.bfloat16, requires_grad=True)
     params = {p.data_ptr() for layer in fused for p in layer.parameters()}
     saved = []
@@ -166,7 +177,8 @@ def test_projections_together_keep_one_adapter_activation_for_all():
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         project_together(x, fused)
-    # A x of the three adapters (ranks 4 + 2 + 6) and their A matrices stacked, nothing else: one input read
+    # A x of the three adapters (ranks 4 + 2 + 6) and their A matrices stacked, nothing else: one input read,
+    # and no dequantized copy of an NF4 base
     assert sorted(saved) == [(12, 48), (64, 12)]
 
 

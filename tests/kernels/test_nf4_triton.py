@@ -6,11 +6,17 @@ import pytest
 import torch
 from kernel_checks import DEVICE, needs_cuda, needs_kernels, rel_err
 
-from entrenar.kernels import nf4 as nf4_kernel
 from entrenar.kernels import FusedLoraLinear
-from entrenar.kernels.nf4 import nf4_lora_linear
+from entrenar.kernels import nf4 as nf4_kernel
+from entrenar.kernels.lora_linear import lora_linear
 from entrenar.lora import LoraLinear
-from entrenar.quant.nf4 import NF4Linear, NF4Tensor, dequantize_nf4, dequantize_nf4_reference, quantize_nf4
+from entrenar.quant.nf4 import (
+    NF4Linear,
+    NF4Tensor,
+    dequantize_nf4,
+    dequantize_nf4_reference,
+    quantize_nf4,
+)
 
 _BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
 
@@ -117,7 +123,7 @@ def test_fused_qlora_layer_equals_the_plain_one_in_fp32(bias):
     x = torch.randn(2, 5, 96, requires_grad=True)
     dy = torch.randn(2, 5, 80)
     plain = layer(x)
-    fused = nf4_lora_linear(x, layer.base_layer.quantized, layer.base_layer.bias, layer.lora_A.weight,
+    fused = lora_linear(x, layer.base_layer.quantized, layer.base_layer.bias, layer.lora_A.weight,
                             layer.lora_B.weight, layer.scaling)
     torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-6)
     for name, a, b in zip(("dx", "dA", "dB", "dbias"), _grads(layer, fused, x, dy), _grads(layer, plain, x, dy),
@@ -133,7 +139,7 @@ def test_fused_qlora_layer_in_bf16_is_as_close_to_float64_as_the_plain_layer_und
     a64, b64 = layer.lora_A.weight.double(), layer.lora_B.weight.double()
     exact = x0.double() @ w.T + layer.scaling * (x0.double() @ a64.T) @ b64.T
     x = x0.to(torch.bfloat16).requires_grad_(True)
-    fused = nf4_lora_linear(x, q, None, layer.lora_A.weight, layer.lora_B.weight, layer.scaling, torch.bfloat16)
+    fused = lora_linear(x, q, None, layer.lora_A.weight, layer.lora_B.weight, layer.scaling, torch.bfloat16)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         plain = layer(x)
     assert fused.dtype == plain.dtype == torch.bfloat16
@@ -156,7 +162,7 @@ def test_fused_qlora_layer_saves_no_weight_sized_tensor_and_runs_under_autocast(
 
     x = torch.randn(3, 96, dtype=torch.bfloat16, requires_grad=True)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", dtype=torch.bfloat16):
-        y = nf4_lora_linear(x, layer.base_layer.quantized, None, layer.lora_A.weight, layer.lora_B.weight,
+        y = lora_linear(x, layer.base_layer.quantized, None, layer.lora_A.weight, layer.lora_B.weight,
                             layer.scaling)
     assert max(saved) < 80 * 96, saved
     y.sum().backward()

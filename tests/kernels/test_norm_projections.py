@@ -14,13 +14,17 @@ from kernel_checks import DEVICE, assert_as_close, lora_group, needs_kernels, re
 from torch import nn
 
 from entrenar.kernels.norm_projections import FusedBlock, fits, norm_then_project
-from entrenar.kernels.rmsnorm import rms_norm_and_rstd, rms_norm_backward, rms_norm_backward_reference
+from entrenar.kernels.rmsnorm import (
+    rms_norm_and_rstd,
+    rms_norm_backward,
+    rms_norm_backward_reference,
+)
 from entrenar.models.transformer import RMSNorm
 
 
-def _norm_and_group(dtype: torch.dtype, device: str = "cpu", train_norm: bool = False):
+def _norm_and_group(dtype: torch.dtype, device: str = "cpu", train_norm: bool = False, nf4: bool = False):
     """An RMSNorm (random weight) and three LoRA layers reading its output (as q, k, v), plain and fused."""
-    plain, fused = lora_group(dtype, device)
+    plain, fused = lora_group(dtype, device, nf4=nf4)
     torch.manual_seed(10)
     norm = RMSNorm(48, 1e-5).to(device=device, dtype=dtype)
     with torch.no_grad():
@@ -47,9 +51,10 @@ def _run(norm, layers, h0: torch.Tensor, dtype: torch.dtype, together: bool):
     return (*ys, *torch.autograd.grad(ys, [h, *params], dys))
 
 
+@pytest.mark.parametrize("nf4", [False, True], ids=["fp32-bases", "nf4-bases"])
 @pytest.mark.parametrize("train_norm", [False, True], ids=["frozen-norm", "trained-norm"])
-def test_fp32_matches_the_norm_then_plain_lora(train_norm):
-    norm, plain, fused = _norm_and_group(torch.float32, train_norm=train_norm)
+def test_fp32_matches_the_norm_then_plain_lora(train_norm, nf4):
+    norm, plain, fused = _norm_and_group(torch.float32, train_norm=train_norm, nf4=nf4)
     h0 = torch.randn(2, 5, 48) * 3
     assert fits(h0, norm, fused)
     got, want = _run(norm, fused, h0, torch.float32, True), _run(norm, plain, h0, torch.float32, False)
@@ -68,8 +73,9 @@ def test_bf16_is_as_accurate_as_the_norm_then_plain_lora():
         assert_as_close(a, p, e, f"result {i}")
 
 
-def test_backward_keeps_the_block_input_not_the_normed_one():
-    norm, _, fused = _norm_and_group(torch.bfloat16)
+@pytest.mark.parametrize("nf4", [False, True], ids=["bf16-bases", "nf4-bases"])
+def test_backward_keeps_the_block_input_not_the_normed_one(nf4):
+    norm, _, fused = _norm_and_group(torch.bfloat16, nf4=nf4)
     h = torch.randn(4, 16, 48, dtype=torch.bfloat16, requires_grad=True)
     params = {p.data_ptr() for m in (norm, *fused) for p in m.parameters()}
     saved = []
@@ -81,7 +87,8 @@ def test_backward_keeps_the_block_input_not_the_normed_one():
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         _node(h, norm, fused)
-    # h itself, 1/rms per row, A x of the three adapters (ranks 4 + 2 + 6) and their stacked A: no normed copy
+    # h itself, 1/rms per row, A x of the three adapters (ranks 4 + 2 + 6) and their stacked A: no normed copy,
+    # no dequantized copy of an NF4 base
     assert sorted(saved) == sorted([("h", (4, 16, 48)), ("", (64,)), ("", (64, 12)), ("", (12, 48))])
 
 
@@ -117,6 +124,37 @@ def test_block_runs_the_plain_way_where_the_node_does_not_fit():
     fused.model.layers[0].self_attn.k_proj.merge()
     plain.model.layers[0].self_attn.k_proj.merge()
     torch.testing.assert_close(fused(ids), plain(ids), rtol=1e-5, atol=1e-5)
+
+
+def test_qlora_model_runs_every_block_through_the_nodes_and_matches_the_plain_model(monkeypatch):
+    """NF4 bases (QLoRA) share the norm-and-projections nodes as 16-bit ones do: same loss, same adapter grads."""
+    from entrenar.kernels import apply_kernels, norm_projections
+    from entrenar.lora import LoraConfig, apply_lora, lora_parameters
+    from entrenar.models.config import ModelConfig
+    from entrenar.models.transformer import Transformer
+    from entrenar.quant.nf4 import quantize_model_nf4
+
+    torch.manual_seed(13)
+    config = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                         num_kv_heads=2)
+    plain = Transformer(config)
+    plain.reset_parameters()
+    quantize_model_nf4(plain)
+    apply_lora(plain, LoraConfig(r=4, alpha=8.0))
+    for p in lora_parameters(plain):
+        nn.init.normal_(p, std=0.05)  # B = 0 would hide every gradient but dB
+    fused = copy.deepcopy(plain)
+    apply_kernels(fused, ["lora"])
+    calls = []
+    node = norm_projections.norm_lora_projections
+    monkeypatch.setattr(norm_projections, "norm_lora_projections", lambda *a: calls.append(1) or node(*a))
+    ids = torch.randint(0, 64, (2, 9))
+    losses = [m(ids).logsumexp(-1).mean() for m in (fused, plain)]
+    assert len(calls) == 2 * config.num_layers  # q/k/v and gate/up of every block
+    torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=1e-5)
+    for a, b in zip(torch.autograd.grad(losses[0], lora_parameters(fused)),
+                    torch.autograd.grad(losses[1], lora_parameters(plain))):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 
 def test_norm_backward_reference_is_the_gradient_of_the_norm():

@@ -89,8 +89,8 @@ def remove_kernels(model: nn.Module) -> list[str]:
 
 __all__ = [
     "KERNELS",
-    "FusedLoraLinear",
     "FusedBlock",
+    "FusedLoraLinear",
     "FusedMLP",
     "FusedRMSNorm",
     "FusedRopeAttention",

@@ -45,18 +45,18 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def autocast_inputs(*tensors: torch.Tensor | None) -> tuple[tuple[torch.Tensor | None, ...], contextlib.AbstractContextManager]:
+def autocast_inputs(*tensors: object) -> tuple[tuple[object, ...], contextlib.AbstractContextManager]:
     """Do at the door of a hand-written autograd path what autocast would do inside it.
 
     Under autocast, floating inputs are cast to its dtype and the path runs
     with autocast off, so its own products see one dtype (autocast does not
-    reach in-place ops or ``out=`` arguments). Elsewhere the inputs pass as they are.
+    reach in-place ops or ``out=`` arguments). Elsewhere the inputs pass as they are, and so do arguments
+    that are not tensors (None, an NF4 weight: quantized weights are dequantized to the input's dtype).
     """
-    first = next((t for t in tensors if t is not None), None)
+    first = next((t for t in tensors if isinstance(t, torch.Tensor)), None)
     if first is None or not torch.is_autocast_enabled(first.device.type):
         return tensors, contextlib.nullcontext()
     dtype = torch.get_autocast_dtype(first.device.type)
-    # As autocast does: only float32/16 inputs are cast; float64 stays float64.
-    cast = tuple(t.to(dtype) if t is not None and t.dtype in (torch.float32, torch.float16, torch.bfloat16) else t
-                 for t in tensors)
+    castable = (torch.float32, torch.float16, torch.bfloat16)  # as autocast: float64 stays float64
+    cast = tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.dtype in castable else t for t in tensors)
     return cast, torch.autocast(first.device.type, enabled=False)

@@ -21,6 +21,11 @@ Backward, with ``g_i`` the output gradients::
 
     dB_i = s_i g_i^T (A_i x)    u_i = s_i g_i B_i    dA_i = u_i^T x    dx = sum_i (g_i W_i + u_i A_i)
 
+A base weight is a tensor or, for QLoRA, an :class:`~entrenar.quant.nf4.NF4Tensor`:
+its weight is dequantized in forward and again in backward (the Triton kernel
+on CUDA) and never kept between them, so the node holds no 16-bit copy of a
+4-bit base.
+
 The products are plain PyTorch (cuBLAS), so this runs on any device and
 ``torch.compile`` traces it.
 """
@@ -34,9 +39,30 @@ import torch.nn.functional as F
 from torch import nn
 
 from entrenar.kernels._common import autocast_inputs
-from entrenar.kernels.nf4 import nf4_lora_linear
 from entrenar.lora import LoraLinear
-from entrenar.quant.nf4 import NF4Linear
+from entrenar.quant.nf4 import NF4Linear, NF4Tensor, dequantize_nf4
+
+Weight = torch.Tensor | NF4Tensor  # a base weight as the node takes it
+
+
+def dense(weight: Weight, dtype: torch.dtype) -> torch.Tensor:
+    """A base weight as a matrix in ``dtype``: a tensor as it is, an NF4 weight dequantized now (a fresh tensor)."""
+    return dequantize_nf4(weight, dtype) if isinstance(weight, NF4Tensor) else weight
+
+
+def save_bases(ctx, weights: Sequence[Weight], *tensors: torch.Tensor) -> None:
+    """``save_for_backward(*tensors, *the tensor weights)``; NF4 weights (frozen buffers) are kept on ``ctx``
+    as they are. :func:`saved_bases` gives back ``tensors`` and the weights in order."""
+    ctx.nf4_bases = [w if isinstance(w, NF4Tensor) else None for w in weights]
+    ctx.save_for_backward(*tensors, *(w for w in weights if not isinstance(w, NF4Tensor)))
+
+
+def saved_bases(ctx) -> tuple[list[torch.Tensor], list[Weight]]:
+    """What :func:`save_bases` kept: the other tensors, then the weights."""
+    saved = list(ctx.saved_tensors)
+    n_dense = sum(q is None for q in ctx.nf4_bases)
+    dense_weights = iter(saved[len(saved) - n_dense:])
+    return saved[:len(saved) - n_dense], [next(dense_weights) if q is None else q for q in ctx.nf4_bases]
 
 
 def _add_product(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float, dtype: torch.dtype) -> torch.Tensor:
@@ -68,7 +94,7 @@ def adapters_in(lora_a: Sequence[torch.Tensor], lora_b: Sequence[torch.Tensor],
 
 def lora_projections_forward(
     x: torch.Tensor,
-    weights: Sequence[torch.Tensor],
+    weights: Sequence[Weight],
     biases: Sequence[torch.Tensor | None],
     a: torch.Tensor,
     lora_b: Sequence[torch.Tensor],
@@ -81,7 +107,8 @@ def lora_projections_forward(
     (:func:`entrenar.kernels.swiglu.swiglu_lora_linear`) call them too.
     """
     xa = x.to(a.dtype) @ a.T
-    outs = [_add_product(F.linear(x, w, bias), xa[:, cols], b.T, s, a.dtype)
+    outs = [_add_product(F.linear(x, dense(w, x.dtype), None if bias is None else bias.to(x.dtype)), xa[:, cols],
+                         b.T, s, a.dtype)
             for w, bias, b, s, cols in zip(weights, biases, lora_b, scalings, _columns([b.shape[1] for b in lora_b]))]
     return outs, xa
 
@@ -110,7 +137,7 @@ def lora_projections_backward(
     grads: Sequence[torch.Tensor],
     x: torch.Tensor,
     xa: torch.Tensor,
-    weights: Sequence[torch.Tensor],
+    weights: Sequence[Weight],
     a: torch.Tensor,
     lora_b: Sequence[torch.Tensor],
     scalings: Sequence[float],
@@ -142,9 +169,9 @@ def lora_projections_backward(
     d_a = _product(u.T, x.to(cd), grad_dtype)
     dx = None
     if need_x:
-        dx = grads[0] @ weights[0]
+        dx = grads[0] @ dense(weights[0], grads[0].dtype)
         for g, w in zip(grads[1:], weights[1:]):
-            dx = _add_product(dx, g, w, 1.0, dx.dtype)
+            dx = _add_product(dx, g, dense(w, g.dtype), 1.0, dx.dtype)
         dx = _add_product(dx, u, a, 1.0, cd)
     return dx, d_a, d_b
 
@@ -156,9 +183,10 @@ def adapter_gradients(d_a: torch.Tensor, d_b: Sequence[torch.Tensor], lora_b: Se
     return [g.to(dtype) for g, dtype in zip([*d_as, *d_b], dtypes)]
 
 
-def base_gradients(grads: Sequence[torch.Tensor], x: torch.Tensor, weights: Sequence[torch.Tensor],
+def base_gradients(grads: Sequence[torch.Tensor], x: torch.Tensor, weights: Sequence[Weight],
                    need_w: Sequence[bool], need_bias: Sequence[bool]) -> list[torch.Tensor | None]:
-    """``dW_i = g_i^T x`` and ``db_i = sum of g_i`` where asked (a trained base; LoRA leaves it frozen)."""
+    """``dW_i = g_i^T x`` and ``db_i = sum of g_i`` where asked (a trained base; LoRA leaves it frozen, and an
+    NF4 weight is never asked for)."""
     d_w = [(g.T @ x).to(w.dtype) if needed else None for g, w, needed in zip(grads, weights, need_w)]
     d_bias = [g.sum(0).to(w.dtype) if needed else None for g, w, needed in zip(grads, weights, need_bias)]
     return [*d_w, *d_bias]
@@ -174,7 +202,7 @@ class _LoraProjections(torch.autograd.Function):
         scalings, compute_dtype = args[4 * n:]
         a, bs = adapters_in(lora_a, lora_b, compute_dtype)
         outs, xa = lora_projections_forward(x.reshape(-1, x.shape[-1]), weights, biases, a, bs, scalings)
-        ctx.save_for_backward(x, xa, a, *weights, *bs)
+        save_bases(ctx, weights, x, xa, a, *bs)
         ctx.n, ctx.scalings = n, scalings
         ctx.adapter_dtypes = [t.dtype for t in (*lora_a, *lora_b)]
         return tuple(out.view(*x.shape[:-1], out.shape[-1]) for out in outs)
@@ -182,8 +210,7 @@ class _LoraProjections(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grad_outs):
         n = ctx.n
-        x, xa, a, *rest = ctx.saved_tensors
-        weights, bs = rest[:n], rest[n:]
+        (x, xa, a, *bs), weights = saved_bases(ctx)
         need = ctx.needs_input_grad
         need_w, need_bias = need[2:2 + n], need[2 + n:2 + 2 * n]
         x2 = x.reshape(-1, x.shape[-1])
@@ -197,7 +224,7 @@ class _LoraProjections(torch.autograd.Function):
 
 def lora_projections(
     x: torch.Tensor,
-    weights: Sequence[torch.Tensor],
+    weights: Sequence[Weight],
     biases: Sequence[torch.Tensor | None],
     lora_a: Sequence[torch.Tensor],
     lora_b: Sequence[torch.Tensor],
@@ -206,6 +233,9 @@ def lora_projections(
 ) -> tuple[torch.Tensor, ...]:
     """``F.linear(x, weights[i], biases[i]) + scalings[i] * B_i(A_i(x))`` for every ``i``, as one autograd node.
 
+    A weight may be an :class:`~entrenar.quant.nf4.NF4Tensor` (QLoRA): it is
+    dequantized to ``x``'s dtype where used, and a bias is cast to that dtype
+    as :class:`~entrenar.quant.nf4.NF4Linear` does.
     The adapter products run in ``compute_dtype``: by default the adapters'
     own dtype (fp32 on a bf16 base: the plain path's numerics). Passing the
     base dtype (bf16) runs them on the tensor cores with no fp32 copies of
@@ -221,7 +251,7 @@ def lora_projections(
 
 def lora_linear(
     x: torch.Tensor,
-    weight: torch.Tensor,
+    weight: Weight,
     bias: torch.Tensor | None,
     lora_a: torch.Tensor,
     lora_b: torch.Tensor,
@@ -233,11 +263,16 @@ def lora_linear(
 
 
 def _runs_fused(layer: nn.Module) -> bool:
-    """A LoRA layer whose forward is :func:`lora_linear`: a plain linear base, unmerged, no active dropout."""
+    """A LoRA layer whose forward is :func:`lora_linear`: a plain linear or NF4 base, unmerged, no active dropout."""
     return (
-        isinstance(layer, FusedLoraLinear) and type(layer.base_layer) is nn.Linear and not layer.merged
+        isinstance(layer, FusedLoraLinear) and type(layer.base_layer) in (nn.Linear, NF4Linear) and not layer.merged
         and not (layer.training and not isinstance(layer.lora_dropout, nn.Identity))
     )
+
+
+def _base_weight(layer: FusedLoraLinear) -> Weight:
+    base = layer.base_layer
+    return base.quantized if isinstance(base, NF4Linear) else base.weight
 
 
 def _compute_dtype(layer: FusedLoraLinear) -> torch.dtype:
@@ -255,7 +290,7 @@ def node_arguments(layers: Sequence[FusedLoraLinear]) -> tuple:
     The compute dtype is the layers' own setting, not the adapters' dtype: under autocast the adapters arrive
     cast (as autocast runs the plain layer's adapters), and None then means that dtype.
     """
-    return ([layer.base_layer.weight for layer in layers], [layer.base_layer.bias for layer in layers],
+    return ([_base_weight(layer) for layer in layers], [layer.base_layer.bias for layer in layers],
             [layer.lora_A.weight for layer in layers], [layer.lora_B.weight for layer in layers],
             [layer.scaling for layer in layers], layers[0].lora_compute_dtype)
 
@@ -270,10 +305,9 @@ def project_together(x: torch.Tensor, layers: Sequence[nn.Module]) -> tuple[torc
 class FusedLoraLinear(LoraLinear):
     """A :class:`LoraLinear` whose forward is one autograd node; same parameters, same state dict.
 
-    On a plain ``nn.Linear`` base that node is :func:`lora_linear`; on an NF4
-    base (QLoRA) it is :func:`entrenar.kernels.nf4.nf4_lora_linear`. Falls back
-    to the plain forward where neither applies: a merged adapter, active
-    dropout, or another base (fake-quant). ``lora_compute_dtype`` (see
+    That node is :func:`lora_linear`, on a plain ``nn.Linear`` base or an NF4
+    one (QLoRA). Falls back to the plain forward where it does not apply: a
+    merged adapter, active dropout, or another base (fake-quant). ``lora_compute_dtype`` (see
     :func:`lora_linear`) is ``None`` unless :func:`entrenar.kernels.apply_kernels`
     was asked for another.
     """
@@ -281,14 +315,6 @@ class FusedLoraLinear(LoraLinear):
     lora_compute_dtype: torch.dtype | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        base = self.base_layer
         if _runs_fused(self):
-            return lora_linear(
-                x, base.weight, base.bias, self.lora_A.weight, self.lora_B.weight, self.scaling, self.lora_compute_dtype
-            )
-        dropout_active = self.training and not isinstance(self.lora_dropout, nn.Identity)
-        if isinstance(base, NF4Linear) and not (self.merged or dropout_active):
-            bias = None if base.bias is None else base.bias.to(x.dtype)
-            return nf4_lora_linear(x, base.quantized, bias, self.lora_A.weight, self.lora_B.weight, self.scaling,
-                                   self.lora_compute_dtype)
+            return lora_projections(x, *node_arguments([self]))[0]
         return super().forward(x)

@@ -22,13 +22,8 @@ Under Triton's CPU interpreter (``TRITON_INTERPRET=1``), whose fp32 -> bf16
 conversion truncates, bf16 is rounded to nearest-even by integer arithmetic
 instead; on the GPU the hardware conversion (round to nearest-even) is used.
 
-:func:`nf4_lora_linear` is the QLoRA layer as one autograd node: the NF4 base
-(dequantized in forward and again in backward, never saved) plus the LoRA
-update, with a hand-written backward. The plain path (``LoraLinear`` around
-``NF4Linear``) makes an fp32 copy of every projection's input for the
-adapters and several elementwise passes over its output; here the adapter
-products run in ``compute_dtype`` straight from the input, and the update is
-added inside the output's matrix product.
+The QLoRA layer as one autograd node is :func:`entrenar.kernels.lora_linear.lora_projections`
+with NF4 weights: it calls this kernel in forward and again in backward.
 """
 
 from __future__ import annotations
@@ -36,11 +31,10 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
-from entrenar.kernels._common import autocast_inputs, cdiv, interpreting, use_triton
-from entrenar.quant.nf4 import ABSMAX_BLOCKSIZE, NF4_CODE, NF4Linear, NF4Tensor, dequantize_nf4, dynamic_map
+from entrenar.kernels._common import cdiv, interpreting, use_triton
+from entrenar.quant.nf4 import ABSMAX_BLOCKSIZE, NF4_CODE, NF4Tensor, dynamic_map
 
 _BYTES_PER_PROGRAM = 4096  # 8192 weights; with 4 warps, 32 code bytes per thread (fastest of a sweep on an H200)
 _NUM_WARPS = 4
@@ -163,67 +157,3 @@ def dequantize_nf4_triton(q: NF4Tensor, dtype: torch.dtype | None = None) -> Ten
         launch(q.codes, q.absmax, q.absmax_scale, q.absmax_offset, q.blocksize, flat)
     return flat[: q.numel].view(q.shape)
 
-
-# ---------------------------------------------------------------- the QLoRA layer as one node
-
-
-class _NF4LoraLinearFunction(torch.autograd.Function):
-    """``y = x W^T + b + s (x A^T) B^T`` with W rebuilt from NF4 codes in forward and backward.
-
-    Saved for backward: ``x`` (usually the very tensor the previous layer
-    saves), ``x A^T`` [tokens, r] and the adapters; never W or a copy of ``x``.
-    With ``g`` the output gradient and ``u = s g B``::
-
-        dx = g W + u A      dA = u^T x      dB = s g^T (x A^T)      db = sum of g
-    """
-
-    @staticmethod
-    def forward(ctx, x, bias, lora_a, lora_b, q: NF4Tensor, scaling: float, compute_dtype: torch.dtype):
-        # Runs with autocast off (nf4_lora_linear sees to it): the dtypes are chosen here.
-        x2 = x.reshape(-1, x.shape[-1])
-        xa = x2.to(compute_dtype) @ lora_a.to(compute_dtype).T
-        base = F.linear(x2, dequantize_nf4(q, x.dtype), bias)
-        out = torch.addmm(base.to(compute_dtype), xa, lora_b.to(compute_dtype).T, alpha=scaling).to(base.dtype)
-        ctx.save_for_backward(x, xa, lora_a, lora_b)
-        ctx.q, ctx.scaling, ctx.compute_dtype, ctx.has_bias = q, scaling, compute_dtype, bias is not None
-        return out.view(*x.shape[:-1], out.shape[-1])
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        x, xa, lora_a, lora_b = ctx.saved_tensors
-        need_x, need_bias, need_a, need_b = ctx.needs_input_grad[:4]
-        s, cd = ctx.scaling, ctx.compute_dtype
-        dx = dbias = da = db = None
-        # Every operand's dtype is explicit, so autocast (off here in any normal loop) could change nothing.
-        x2 = x.reshape(-1, x.shape[-1])
-        g = grad_out.reshape(-1, grad_out.shape[-1])
-        gc = g.to(cd)
-        u = (gc @ lora_b.to(cd)).mul_(s)  # [N, r]
-        if need_x:
-            dx = g @ dequantize_nf4(ctx.q, g.dtype)
-            dx = torch.addmm(dx.to(cd), u, lora_a.to(cd)).to(dx.dtype).view(x.shape)
-        if need_bias and ctx.has_bias:
-            dbias = g.sum(0)
-        if need_a:
-            da = (u.T @ x2.to(cd)).to(lora_a.dtype)
-        if need_b:
-            db = (gc.T @ xa).mul_(s).to(lora_b.dtype)
-        return dx, dbias, da, db, None, None, None
-
-
-def nf4_lora_linear(
-    x: Tensor, q: NF4Tensor, bias: Tensor | None, lora_a: Tensor, lora_b: Tensor, scaling: float,
-    compute_dtype: torch.dtype | None = None,
-) -> Tensor:
-    """``F.linear(x, dequantize_nf4(q, x.dtype), bias) + scaling * B(A(x))`` as one autograd node.
-
-    The adapter products, and the sum with the base output, run in
-    ``compute_dtype`` (default: the adapters' dtype, fp32 as in the plain
-    path); passing the base dtype (bf16) runs them on the tensor cores with no
-    fp32 copies of activations. Under autocast the inputs are cast at the door
-    as autocast would cast them inside the plain path (so the adapter products
-    run in its dtype).
-    """
-    (x, bias, lora_a, lora_b), autocast_off = autocast_inputs(x, bias, lora_a, lora_b)
-    with autocast_off:
-        return _NF4LoraLinearFunction.apply(x, bias, lora_a, lora_b, q, float(scaling), compute_dtype or lora_a.dtype)

@@ -33,6 +33,8 @@ from entrenar.kernels.lora_linear import (
     lora_projections_backward,
     lora_projections_forward,
     node_arguments,
+    save_bases,
+    saved_bases,
 )
 from entrenar.kernels.rmsnorm import rms_norm_and_rstd, rms_norm_backward
 from entrenar.models.padding_free import Documents
@@ -50,7 +52,7 @@ class _NormLoraProjections(torch.autograd.Function):
         a, bs = adapters_in(lora_a, lora_b, compute_dtype)
         x, rstd = rms_norm_and_rstd(h, norm_weight, eps)
         outs, xa = lora_projections_forward(x.reshape(-1, x.shape[-1]), weights, biases, a, bs, scalings)
-        ctx.save_for_backward(h, norm_weight, rstd, xa, a, *weights, *bs)
+        save_bases(ctx, weights, h, norm_weight, rstd, xa, a, *bs)
         ctx.n, ctx.eps, ctx.scalings = n, eps, scalings
         ctx.adapter_dtypes = [t.dtype for t in (*lora_a, *lora_b)]
         return tuple(out.view(*h.shape[:-1], out.shape[-1]) for out in outs)
@@ -58,8 +60,7 @@ class _NormLoraProjections(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grad_outs):
         n = ctx.n
-        h, norm_weight, rstd, xa, a, *rest = ctx.saved_tensors
-        weights, bs = rest[:n], rest[n:]
+        (h, norm_weight, rstd, xa, a, *bs), weights = saved_bases(ctx)
         need = ctx.needs_input_grad
         need_h, need_norm = need[0], need[1]
         need_w, need_bias = need[4:4 + n], need[4 + n:4 + 2 * n]
