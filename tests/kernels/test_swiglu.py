@@ -20,6 +20,7 @@ from entrenar.kernels.swiglu import (
 from entrenar.lora import LoraConfig, apply_lora
 from entrenar.models.config import ModelConfig
 from entrenar.models.transformer import MLP
+from entrenar.quant.nf4 import quantize_model_nf4
 
 
 @needs_kernels
@@ -60,11 +61,14 @@ def test_backward_reference_is_the_gradient_of_the_specification():
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=name)
 
 
-def _lora_mlp(device: str, dtype: torch.dtype) -> MLP:
+def _lora_mlp(device: str, dtype: torch.dtype, nf4: bool = False) -> MLP:
+    """A LoRA SwiGLU MLP with random B; ``nf4``: its bases quantized to NF4 first (QLoRA)."""
     torch.manual_seed(3)
     config = ModelConfig(vocab_size=32, hidden_size=48, intermediate_size=136, num_layers=1, num_heads=2,
                          num_kv_heads=1, mlp_bias=False)
     mlp = MLP(config).to(device=device, dtype=dtype)
+    if nf4:
+        quantize_model_nf4(mlp)
     apply_lora(mlp, LoraConfig(r=4, alpha=8.0, target_modules=["gate_proj", "up_proj", "down_proj"]))
     with torch.no_grad():
         for name, p in mlp.named_parameters():
@@ -97,18 +101,19 @@ def test_lora_mlp_as_three_nodes_is_as_accurate_as_the_plain_mlp(device, monkeyp
         assert_as_close(a, p, e, name)
 
 
-def test_swiglu_lora_linear_is_the_two_ops_in_turn(monkeypatch):
+@pytest.mark.parametrize("nf4", [False, True], ids=["fp32-base", "nf4-base"])
+def test_swiglu_lora_linear_is_the_two_ops_in_turn(monkeypatch, nf4):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    mlp = _lora_mlp("cpu", torch.float32)
+    mlp = _lora_mlp("cpu", torch.float32, nf4)
     apply_kernels(mlp, ["lora"])
     down = mlp.down_proj
+    weight = down.base_layer.quantized if nf4 else down.base_layer.weight
     g0, u0 = torch.randn(2, 5, 136) * 3, torch.randn(2, 5, 136)
     results = []
     for together in (True, False):
         gate, up = leaf(g0), leaf(u0)
         if together:
-            y = swiglu_lora_linear(gate, up, down.base_layer.weight, None, down.lora_A.weight, down.lora_B.weight,
-                                   down.scaling)
+            y = swiglu_lora_linear(gate, up, weight, None, down.lora_A.weight, down.lora_B.weight, down.scaling)
         else:
             y = down(swiglu_reference(gate, up))
         dy = torch.ones_like(y).cumsum(-1) / 50
@@ -117,9 +122,10 @@ def test_swiglu_lora_linear_is_the_two_ops_in_turn(monkeypatch):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=name)
 
 
-def test_lora_mlp_keeps_gate_and_up_but_not_their_product(monkeypatch):
+@pytest.mark.parametrize("nf4", [False, True], ids=["bf16-bases", "nf4-bases"])
+def test_lora_mlp_keeps_gate_and_up_but_not_their_product(monkeypatch, nf4):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    mlp = _lora_mlp("cpu", torch.bfloat16)
+    mlp = _lora_mlp("cpu", torch.bfloat16, nf4)
     apply_kernels(mlp, ["swiglu", "lora"])
     x = torch.randn(4, 16, 48, dtype=torch.bfloat16, requires_grad=True)
     params = {p.data_ptr() for p in mlp.parameters()}
@@ -134,7 +140,7 @@ def test_lora_mlp_keeps_gate_and_up_but_not_their_product(monkeypatch):
         mlp(x)
     n = 4 * 16
     # A x of gate and up together (and their A matrices stacked), gate and up themselves, A h of down:
-    # never h = silu(gate) * up.
+    # never h = silu(gate) * up, nor a dequantized NF4 weight.
     assert sorted(saved, key=str) == sorted([((n, 8), torch.float32), ((8, 48), torch.float32),
                                              ((4, 16, 136), torch.bfloat16), ((4, 16, 136), torch.bfloat16),
                                              ((n, 4), torch.float32)], key=str)

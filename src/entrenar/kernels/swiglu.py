@@ -24,13 +24,17 @@ import torch.nn.functional as F
 
 from entrenar.kernels._common import autocast_inputs, cdiv, use_triton
 from entrenar.kernels.lora_linear import (
+    Weight,
     adapter_gradients,
     adapters_in,
     base_gradients,
     fusable,
     lora_projections_backward,
     lora_projections_forward,
+    node_arguments,
     project_together,
+    save_bases,
+    saved_bases,
 )
 from entrenar.models.transformer import MLP
 
@@ -147,13 +151,13 @@ class _SwigluLoraLinear(torch.autograd.Function):
         a, (b,) = adapters_in([lora_a], [lora_b], compute_dtype)
         h = swiglu(gate, up)
         (out,), xa = lora_projections_forward(h.reshape(-1, h.shape[-1]), [weight], [bias], a, [b], [scaling])
-        ctx.save_for_backward(gate, up, xa, weight, a, b)
+        save_bases(ctx, [weight], gate, up, xa, a, b)
         ctx.scaling, ctx.adapter_dtypes = scaling, (lora_a.dtype, lora_b.dtype)
         return out.view(*gate.shape[:-1], out.shape[-1])
 
     @staticmethod
     def backward(ctx, grad_out):
-        gate, up, xa, weight, a, b = ctx.saved_tensors
+        (gate, up, xa, a, b), (weight,) = saved_bases(ctx)
         need_gate, need_up, need_w, need_bias = ctx.needs_input_grad[:4]
         h = swiglu(gate, up, rebuild=True).reshape(-1, gate.shape[-1])
         g = grad_out.reshape(-1, grad_out.shape[-1])
@@ -170,14 +174,15 @@ class _SwigluLoraLinear(torch.autograd.Function):
 def swiglu_lora_linear(
     gate: torch.Tensor,
     up: torch.Tensor,
-    weight: torch.Tensor,
+    weight: Weight,
     bias: torch.Tensor | None,
     lora_a: torch.Tensor,
     lora_b: torch.Tensor,
     scaling: float,
     compute_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """``lora_linear(swiglu(gate, up), weight, bias, lora_a, lora_b, scaling, compute_dtype)`` as one node.
+    """``lora_linear(swiglu(gate, up), weight, bias, lora_a, lora_b, scaling, compute_dtype)`` as one node
+    (``weight`` a tensor or an NF4 weight, as in :func:`entrenar.kernels.lora_linear.lora_projections`).
 
     Same numbers as the two ops in turn; backward recomputes ``swiglu(gate, up)``
     instead of keeping it (see the module docstring).
@@ -202,6 +207,6 @@ class FusedMLP(MLP):
     def combine(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         down = self.down_proj
         if fusable([down]):
-            return swiglu_lora_linear(gate, up, down.base_layer.weight, down.base_layer.bias, down.lora_A.weight,
-                                      down.lora_B.weight, down.scaling, down.lora_compute_dtype)
+            (weight,), (bias,), (lora_a,), (lora_b,), (scaling,), compute_dtype = node_arguments([down])
+            return swiglu_lora_linear(gate, up, weight, bias, lora_a, lora_b, scaling, compute_dtype)
         return down(swiglu(gate, up))
