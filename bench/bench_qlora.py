@@ -28,12 +28,15 @@ Rows (``--rows``):
   entrenar-qlora-torchdq  entrenar-qlora with the PyTorch reference dequantization instead of the kernel
   loop-qlora              the step ``entrenar train`` takes on CUDA now (``training.kernels: auto``): every
                           kernel of ``apply_kernels`` (the LoRA layers as one node with their NF4 base) and the
-                          fused linear cross-entropy in 4096-token chunks, all under bf16 autocast
+                          fused linear cross-entropy in ``FUSED_LOSS_CHUNK`` (1024) token chunks, all under bf16
+                          autocast
   loop-lora               the same on a bf16 base
   loop-*-compiled         those with the whole step (forward and loss) under ``torch.compile``
   loop-*-blocks           those with each decoder block under ``torch.compile`` (checkpointing stays eager)
   loop-*-cudagraph        those eager, forward and backward replayed from a CUDA graph after 3 eager steps
                           (``training.cuda_graphs: true``; the optimizer step stays eager)
+  loop-qlora-*-c4096      those with the fused loss in 4096-token chunks (as the loop ran it before the fifth call set)
+  loop-qlora-*-ckpt30     30 of the 32 blocks checkpointed (``training.activation_checkpointing: 30``)
 
 Reported per row: tokens/s from the median step time after warm-up (CUDA
 events around forward, backward and optimizer step), peak GPU memory
@@ -66,7 +69,7 @@ import torch
 from torch import nn
 
 from entrenar.lora import LoraConfig, apply_lora
-from entrenar.memory import GiB, estimate_training_memory
+from entrenar.memory import FUSED_LOSS_CHUNK, GiB, estimate_training_memory
 from entrenar.train.cuda_graph import GraphedMicroStep
 from entrenar.models.config import ModelConfig
 from entrenar.models.hf import empty_model
@@ -93,13 +96,14 @@ class Row:
     compile: str = ""  # "step": the whole forward + loss under torch.compile; "blocks": each decoder block
     cuda_graph: bool = False  # forward and backward replayed from a CUDA graph (training.cuda_graphs)
     torch_dequant: bool = False
+    checkpointed: bool | int = True  # activation checkpointing: every block, or this many spread over the depth
     lora_row: str | None = None  # the 16-bit LoRA row this QLoRA row is compared with
     steps: int = 10
     warmup: int = 3
 
 
 FAST = ("rms_norm", "rope", "swiglu", "lora")
-LOOP = dict(loss="fused", kernels=FAST, loss_in_autocast=True, chunk=4096)  # entrenar.train.loop on CUDA
+LOOP = dict(loss="fused", kernels=FAST, loss_in_autocast=True, chunk=FUSED_LOSS_CHUNK)  # entrenar.train.loop on CUDA
 ROWS: dict[str, Row] = {
     "entrenar-qlora": Row("nf4", lora_row="entrenar-lora"),
     "entrenar-lora": Row("bf16"),
@@ -117,6 +121,11 @@ ROWS: dict[str, Row] = {
     "loop-lora-blocks": Row("bf16", **LOOP, compile="blocks"),
     "loop-qlora-cudagraph": Row("nf4", **LOOP, cuda_graph=True, lora_row="loop-lora-cudagraph"),
     "loop-lora-cudagraph": Row("bf16", **LOOP, cuda_graph=True),
+    "loop-qlora-c4096": Row("nf4", **{**LOOP, "chunk": 4096}, lora_row="loop-lora"),
+    "loop-qlora-cudagraph-c4096": Row("nf4", **{**LOOP, "chunk": 4096}, cuda_graph=True,
+                                      lora_row="loop-lora-cudagraph"),
+    "loop-qlora-cudagraph-ckpt30": Row("nf4", **LOOP, cuda_graph=True, checkpointed=30,
+                                       lora_row="loop-lora-cudagraph"),
     "entrenar-qlora-chunked": Row("nf4", loss="chunked", lora_row="entrenar-lora-chunked"),
     "entrenar-lora-chunked": Row("bf16", loss="chunked"),
     "entrenar-qlora-torchdq": Row("nf4", torch_dequant=True, steps=5, warmup=2, lora_row="entrenar-lora"),
@@ -170,7 +179,7 @@ def build_entrenar(row: Row) -> nn.Module:
         if isinstance(layer, NF4Linear):  # quantized one layer at a time, as weights stream in
             layer.load_full_weight(random_weight(f"{name}.weight", (layer.out_features, layer.in_features)))
     apply_lora(model, LoraConfig(r=LORA_R, alpha=LORA_ALPHA, dropout=0.0))
-    model.set_activation_checkpointing(True)
+    model.set_activation_checkpointing(row.checkpointed)
     if row.kernels:
         from entrenar.kernels import apply_kernels
 
@@ -269,7 +278,8 @@ KERNEL_KINDS = (("dequantize", ("dequant",)), ("attention", ("flash", "fmha", "a
 
 
 def profile_step(model: nn.Module, ids: torch.Tensor, step: Callable, opt: torch.optim.Optimizer) -> dict:
-    """GPU time of one training step, by kernel kind (names matched loosely), and the 12 largest kernels."""
+    """GPU time of one training step, by kernel kind (names matched loosely), and the 30 largest kernels
+    (name, ms, launches)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -278,18 +288,20 @@ def profile_step(model: nn.Module, ids: torch.Tensor, step: Callable, opt: torch
         opt.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
     kernels: dict[str, float] = {}
+    launches: dict[str, int] = {}
     for e in prof.key_averages():
         us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0.0)
         if us and e.key and not e.key.startswith(("aten::", "ProfilerStep", "cuda")):
             kernels[e.key] = kernels.get(e.key, 0.0) + us
+            launches[e.key] = launches.get(e.key, 0) + e.count
     by_kind = dict.fromkeys([k for k, _ in KERNEL_KINDS] + ["other"], 0.0)
     for name, us in kernels.items():
         low = name.lower()
         kind = next((k for k, marks in KERNEL_KINDS if any(m in low for m in marks)), "other")
         by_kind[kind] += us / 1e3
-    top = sorted(kernels.items(), key=lambda kv: -kv[1])[:12]
-    return {"ms_by_kind": by_kind, "ms_total": sum(by_kind.values()),
-            "top_kernels_ms": [(name[:120], us / 1e3) for name, us in top]}
+    top = sorted(kernels.items(), key=lambda kv: -kv[1])[:30]
+    return {"ms_by_kind": by_kind, "ms_total": sum(by_kind.values()), "launches": sum(launches.values()),
+            "top_kernels_ms": [(name[:120], us / 1e3, launches[name]) for name, us in top]}
 
 
 def run_row(name: str, row: Row, batches: list[torch.Tensor], profile: bool) -> Result:

@@ -64,10 +64,13 @@ import torch
 from torch import nn
 
 from entrenar.lora import LoraConfig, apply_lora
+from entrenar.memory import FUSED_LOSS_CHUNK
 from entrenar.models.config import ModelConfig
 from entrenar.models.transformer import Transformer
 from entrenar.train.cuda_graph import GraphedMicroStep
 from entrenar.train.loss import chunked_cross_entropy
+
+LOSS_CHUNK = FUSED_LOSS_CHUNK  # tokens per chunk of the kernels rows' fused loss (--loss-chunk)
 
 PEAK_BF16_FLOPS = 989.4e12
 LORA_R, LORA_ALPHA = 16, 32
@@ -366,7 +369,10 @@ def run_row(case_name: str, case: Case, row: str, device: str, dtype: torch.dtyp
                                offload=case.offload, per_node="-pernode-" in row,
                                split_norm="-splitnorm-" in row)
         if kernels:
-            from entrenar.kernels import fused_linear_cross_entropy as loss_fn
+            from entrenar.kernels import fused_linear_cross_entropy
+
+            def loss_fn(hidden, weight, labels):
+                return fused_linear_cross_entropy(hidden, weight, labels, LOSS_CHUNK)
         else:
             loss_fn = chunked_cross_entropy
         step_loss = entrenar_step_loss(loss_fn)
@@ -514,7 +520,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default="bench_train.json")
     parser.add_argument("--budget-s", type=float, default=float("inf"),
                         help="start no new row after this many seconds (rows left are recorded as skipped)")
+    parser.add_argument("--loss-chunk", type=int, default=FUSED_LOSS_CHUNK,
+                        help="tokens per chunk of the kernels rows' fused loss")
     args = parser.parse_args(argv)
+    global LOSS_CHUNK
+    LOSS_CHUNK = args.loss_chunk
     if not torch.cuda.is_available():
         sys.exit("bench_train.py needs a CUDA GPU (bench/bench_cpu.py is the CPU benchmark)")
     torch.backends.cuda.matmul.allow_tf32 = False  # the same fp32 adapter products in every row
@@ -559,7 +569,7 @@ def write(path: str, results: list[RowResult]) -> None:
         case = CASES[name]
         per_token, detail = flops_per_token(model_config(case.shape, case.seq), case.method, case.seq)
         cases[name] = {**case.__dict__, "flops_per_token": per_token, **detail}
-    doc = {"environment": environment(), "peak_flops": PEAK_BF16_FLOPS, "cases": cases,
+    doc = {"environment": environment(), "peak_flops": PEAK_BF16_FLOPS, "loss_chunk": LOSS_CHUNK, "cases": cases,
            "rows": [r.__dict__ for r in results], "comparisons": compare(results)}
     Path(path).write_text(json.dumps(doc, indent=1))
 

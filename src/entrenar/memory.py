@@ -16,7 +16,9 @@ from entrenar.models.config import ModelConfig
 
 GiB = 2**30
 LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-FUSED_LOSS_CHUNK = 4096  # tokens per chunk of the fused output-projection loss, as the training loop runs it
+# Tokens per chunk of the fused output-projection loss, as the training loop runs it: a 128k vocabulary's bf16
+# logits chunk is then 0.25 GiB, at the speed of 4096-token chunks (docs/PERFORMANCE.md, fifth call set).
+FUSED_LOSS_CHUNK = 1024
 NF4_BYTES_PER_PARAM = 0.5 + 1 / 64 + 4 / (64 * 256)  # codes + 8-bit absmax per 64 + fp32 scale per 256 blocks
 
 

@@ -134,7 +134,7 @@ def _fused(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chu
 
 
 def fused_linear_cross_entropy(
-    hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.Tensor, chunk_size: int = 4096
+    hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.Tensor, chunk_size: int = 1024
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``token_cross_entropy(hidden @ lm_head_weight.T, labels)`` as ``(loss_sum, n_tokens)``, fused.
 
