@@ -61,21 +61,33 @@ def lora_params(config: ModelConfig, r: int, targets: list[str] | str) -> int:
     return config.num_layers * sum(r * (shapes[n][0] + shapes[n][1]) for n in names)
 
 
-def activation_bytes_per_token_layer(config: ModelConfig, dtype_bytes: int) -> float:
-    """Bytes autograd saves for one token in one block (eager PyTorch, SDPA attention).
+def activation_bytes_per_token_layer(config: ModelConfig, dtype_bytes: int, kernels: bool = False,
+                                     lora: bool = False) -> float:
+    """Bytes autograd saves for one token in one block (SDPA attention).
 
-    Counted per saved tensor: the two norms keep their input and fp32 rms stats,
-    the attention keeps the normed input, q, k, v (after RoPE), output and
-    log-sum-exp, the MLP keeps gate, up, silu(gate) and their product.
+    Eager PyTorch, counted per saved tensor: the two norms keep their input
+    and fp32 rms stats, the attention keeps the normed input, q, k, v (after
+    RoPE), output and log-sum-exp, the MLP keeps gate, up, silu(gate) and
+    their product.
+
+    With ``kernels`` (:func:`entrenar.kernels.apply_kernels`) the norms keep
+    their input and 1/rms only, the MLP gate and up only (its product is
+    rebuilt in backward); with ``lora`` too, each norm runs inside the LoRA
+    node of the projections it feeds, so no normed copy is kept either, and
+    the down projection rebuilds its input.
     """
     h, i, d = config.hidden_size, config.intermediate_size, config.head_dim
     q, kv = config.num_heads * d, config.num_kv_heads * d
-    norms = 2 * (h * dtype_bytes + h * 4 + 4)  # input, fp32 upcast, rms
-    attention = (h + q + 2 * kv + q) * dtype_bytes + config.num_heads * 4
+    attention = (q + 2 * kv + q) * dtype_bytes + config.num_heads * 4  # q, k, v, output; log-sum-exp
     if config.qk_norm:
         attention += (q + kv) * (dtype_bytes + 4)
-    mlp = (h + 4 * i) * dtype_bytes
-    return norms + attention + mlp
+    if not kernels:
+        norms = 2 * (h * dtype_bytes + h * 4 + 4)  # input, fp32 upcast, rms
+        return norms + attention + h * dtype_bytes + (h + 4 * i) * dtype_bytes
+    norms = 2 * (h * dtype_bytes + 4)  # input, 1/rms
+    if lora:
+        return norms + attention + 2 * i * dtype_bytes
+    return norms + attention + (2 * h + 3 * i) * dtype_bytes  # + normed inputs, gate, up, the down input
 
 
 def estimate_training_memory(
@@ -91,6 +103,7 @@ def estimate_training_memory(
     optimizer: str = "adamw",
     fused_loss_chunk: int | None = None,
     offload_activations: bool = False,
+    kernels: bool = False,
 ) -> MemoryEstimate:
     """Estimate peak training memory in bytes. `method` is full, lora or qlora.
 
@@ -102,7 +115,9 @@ def estimate_training_memory(
     chunk) models the fused output-projection loss (its GPU kernel) instead of full logits.
     `activation_checkpointing` is True (every layer), False, or how many layers
     recompute in backward; `offload_activations` keeps those layers' inputs in
-    CPU memory, so they hold nothing on the GPU.
+    CPU memory, so they hold nothing on the GPU. `kernels` models the fused
+    kernels' activations (:func:`activation_bytes_per_token_layer`), as
+    `entrenar train` runs on CUDA.
     """
     if method not in ("full", "lora", "qlora"):
         raise ValueError(f"method must be full, lora or qlora, got {method!r}")
@@ -126,7 +141,7 @@ def estimate_training_memory(
         gradients = trainable * 4
         optimizer_bytes = states * trainable * 4
     tokens = batch_size * seq_len
-    per_layer = activation_bytes_per_token_layer(config, dtype_bytes)
+    per_layer = activation_bytes_per_token_layer(config, dtype_bytes, kernels, lora=method != "full")
     if method != "full":
         # Adapter inputs are the projections' inputs, already saved; add the r-wide middles.
         per_layer += 7 * lora_r * 4

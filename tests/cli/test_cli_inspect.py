@@ -8,7 +8,7 @@ import json
 import pytest
 from cli_helpers import run_cli
 
-from entrenar.memory import estimate_training_memory, format_estimates
+from entrenar.memory import FUSED_LOSS_CHUNK, estimate_training_memory, format_estimates
 from entrenar.models.hf import read_config
 
 
@@ -61,11 +61,11 @@ def test_memory_equals_estimate_training_memory(capsys, hf_folder):
     assert out.endswith(format_estimates(expected) + "\n")
 
 
-def test_offload_and_fused_loss_flags_reach_the_estimate(capsys, hf_folder):
+def test_offload_and_kernels_flags_reach_the_estimate(capsys, hf_folder):
     folder, _ = hf_folder("llama")
     expected = estimate_training_memory(read_config(folder), "qlora", activation_checkpointing=True,
-                                        offload_activations=True, fused_loss_chunk=4096)
-    report = inspect_json(capsys, folder, "--checkpointing", "--offload", "--fused-loss")
+                                        offload_activations=True, fused_loss_chunk=FUSED_LOSS_CHUNK, kernels=True)
+    report = inspect_json(capsys, folder, "--checkpointing", "--offload", "--kernels")
     assert report["memory"]["estimates"]["qlora"] == expected.as_dict()
     assert expected.total < estimate_training_memory(read_config(folder), "qlora", activation_checkpointing=True).total
     code, _, err = run_cli(capsys, "inspect", folder, "--offload")

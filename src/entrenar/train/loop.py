@@ -183,7 +183,7 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
             block.compile()
 
     if dry_run:
-        report = _dry_run_report(recipe, model, trainable, examples, validation, notes, fused_loss)
+        report = _dry_run_report(recipe, model, trainable, examples, validation, notes, use_kernels, fused_loss)
         return TrainResult(run_dir=run_dir, steps=0, summary=report, dry_run=True)
 
     # Resume: weights, optimizer, RNG, data position and metrics continue where the checkpoint left them.
@@ -416,7 +416,8 @@ def _save_result(model, tokenizer, recipe: Recipe, run_dir: Path) -> Path:
     return out
 
 
-def _dry_run_report(recipe: Recipe, model, trainable, examples, validation, notes: list[str], fused_loss: bool) -> str:
+def _dry_run_report(recipe: Recipe, model, trainable, examples, validation, notes: list[str], kernels: bool,
+                    fused_loss: bool) -> str:
     total = sum(p.numel() for p in model.parameters())
     n_trainable = sum(p.numel() for p in trainable)
     t, d = recipe.training, recipe.data
@@ -430,7 +431,7 @@ def _dry_run_report(recipe: Recipe, model, trainable, examples, validation, note
         lora_r=lora.r if lora else 16, lora_targets=sorted(wrapped & set(LINEAR_NAMES)),
         activation_checkpointing=len(model.checkpointed_layers), offload_activations=t.offload_activations,
         optimizer=recipe.optimizer.name,
-        fused_loss_chunk=FUSED_LOSS_CHUNK if fused_loss else None,
+        fused_loss_chunk=FUSED_LOSS_CHUNK if fused_loss else None, kernels=kernels,
     )
     tokens = sum(len(e) for e in examples)
     return "\n".join([
