@@ -15,27 +15,28 @@ import difflib
 import importlib.resources
 import math
 import re
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Iterable
+from typing import Any, ClassVar
 
 import yaml
 
 from entrenar.errors import ConfigError
 
 __all__ = [
-    "ModelSection",
     "DataSection",
     "LoraSection",
-    "QatSection",
+    "ModelSection",
     "OptimizerSection",
+    "OutputSection",
+    "QatSection",
+    "Recipe",
     "ScheduleSection",
     "TrainingSection",
-    "OutputSection",
-    "Recipe",
     "load_recipe",
-    "save_recipe",
     "recipe_changes",
+    "save_recipe",
 ]
 
 QUICKSTART = "recipes/quickstart.yaml"  # package data of `entrenar`
@@ -117,9 +118,7 @@ def _as_number(value: Any) -> float | None:
     """``value`` as a finite float, accepting ints and numeric strings but not bools."""
     if isinstance(value, bool):
         return None
-    if isinstance(value, (int, float)):
-        number = float(value)
-    elif isinstance(value, str) and _NUMBER.fullmatch(value.strip()):
+    if isinstance(value, (int, float)) or isinstance(value, str) and _NUMBER.fullmatch(value.strip()):
         number = float(value)
     else:
         return None
@@ -205,12 +204,18 @@ def _text(*, nullable: bool = False) -> Rule:
 
 
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
+DEVICE_NAMES = "auto, cpu, cuda, cuda:N"
+
+
+def is_device_name(value: Any) -> bool:
+    """True for the device names a recipe's model.device and the CLI's --device accept."""
+    return isinstance(value, str) and _DEVICE.fullmatch(value) is not None
 
 
 def _device(value: Any) -> str:
-    if isinstance(value, str) and _DEVICE.fullmatch(value):
+    if is_device_name(value):
         return value
-    raise _Reject("one of: auto, cpu, cuda, cuda:N")
+    raise _Reject(f"one of: {DEVICE_NAMES}")
 
 
 def _modules(value: Any) -> str | tuple[str, ...]:

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import re
 from typing import TYPE_CHECKING
 
 import entrenar
+from entrenar.config import DEVICE_NAMES, is_device_name
 
 if TYPE_CHECKING:
     from entrenar.models.transformer import Transformer
@@ -53,9 +53,9 @@ positive_int.__name__ = "positive integer"  # argparse names the type in its mes
 
 def device(text: str) -> str:
     """An argparse type: the device names a recipe's model.device accepts."""
-    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", text):
+    if not is_device_name(text):
         raise ValueError(text)
     return text
 
 
-device.__name__ = "device (auto, cpu, cuda, cuda:N)"
+device.__name__ = f"device ({DEVICE_NAMES})"
