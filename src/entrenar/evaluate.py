@@ -71,10 +71,12 @@ def evaluate_file(
     train_on: str = "all",
     fmt: str = "auto",
     precision: str = "fp32",
+    add_eos: bool = True,
 ) -> EvalResult:
-    """Loss and perplexity of `model` on a data file, masked as training would mask it."""
+    """Loss and perplexity of `model` on a data file, masked as training would mask it (`add_eos` as the
+    recipe's data.add_eos: whether each text example ends with EOS)."""
     records, _ = read_records(path, format=fmt)
-    examples, _ = tokenize_records(records, tokenizer, seq_len, train_on=train_on)
+    examples, _ = tokenize_records(records, tokenizer, seq_len, train_on=train_on, add_eos=add_eos)
     pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else 0  # neither pad nor EOS; pads carry no loss
     batches = eval_batches(examples, batch_size, seq_len, packing=True, pad_id=pad_id)
     result = eval_loss(model, batches, precision=precision)

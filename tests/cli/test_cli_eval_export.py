@@ -25,8 +25,8 @@ def chat_model(hf_folder) -> Path:
 def test_eval_loads_the_model_and_prints_loss_and_perplexity(capsys, monkeypatch, chat_model, tmp_path):
     seen = {}
 
-    def evaluate_file(model, tokenizer, path, seq_len, batch_size, train_on, fmt="auto"):
-        seen.update(model=model, tokenizer=tokenizer, args=(path, seq_len, batch_size, train_on))
+    def evaluate_file(model, tokenizer, path, seq_len, batch_size, train_on, fmt="auto", add_eos=True):
+        seen.update(model=model, tokenizer=tokenizer, args=(path, seq_len, batch_size, train_on, add_eos))
         return SimpleNamespace(loss=2.5, perplexity=math.exp(2.5), tokens=1234, examples=7)
 
     fake_module(monkeypatch, "entrenar.evaluate", evaluate_file=evaluate_file)
@@ -35,7 +35,9 @@ def test_eval_loads_the_model_and_prints_loss_and_perplexity(capsys, monkeypatch
                              "--train-on", "completion", "--device", "cpu")
     assert (code, err) == (0, "")
     assert out == "loss 2.5000  perplexity 12.182  (1,234 tokens, 7 examples)\n"
-    assert seen["args"] == (str(data), 64, 2, "completion")
+    assert seen["args"] == (str(data), 64, 2, "completion", True)
+    run_cli(capsys, "eval", chat_model, "--data", data, "--no-eos", "--device", "cpu")
+    assert seen["args"][-1] is False  # as a recipe with data.add_eos: false trains
     assert isinstance(seen["model"], Transformer) and not seen["model"].training
     assert isinstance(seen["tokenizer"], Tokenizer)
 

@@ -20,6 +20,8 @@ def add_parser(commands: argparse._SubParsersAction, parents: list[argparse.Argu
                         help="sequences per batch (default 4)")
     parser.add_argument("--train-on", choices=("all", "completion"), default="all",
                         help="which tokens count: all, or only completions/assistant turns (default all)")
+    parser.add_argument("--no-eos", dest="add_eos", action="store_false",
+                        help="do not end each text example with EOS (as a recipe with data.add_eos: false trains)")
     parser.set_defaults(run=run)
 
 
@@ -27,7 +29,8 @@ def run(args: argparse.Namespace) -> int:
     from entrenar.evaluate import evaluate_file
 
     model, tokenizer = load_model(args)
-    result = evaluate_file(model, tokenizer, args.data, args.seq_len, args.batch_size, args.train_on)
+    result = evaluate_file(model, tokenizer, args.data, args.seq_len, args.batch_size, args.train_on,
+                           add_eos=args.add_eos)
     examples = "" if result.examples is None else f", {result.examples:,} examples"
     print(f"loss {result.loss:.4f}  perplexity {result.perplexity:.3f}  ({result.tokens:,} tokens{examples})")
     return 0
