@@ -18,10 +18,12 @@ from entrenar.kernels import (
 from entrenar.lora import LoraConfig, LoraLinear, apply_lora, lora_parameters
 from entrenar.models.config import ModelConfig
 from entrenar.models.transformer import Transformer
+from entrenar.quant.nf4 import quantize_model_nf4
 from entrenar.train.loss import chunked_cross_entropy
 
 
-def _lora_model(device="cpu", dtype=torch.float32, **shape) -> Transformer:
+def _lora_model(device="cpu", dtype=torch.float32, nf4: bool = False, **shape) -> Transformer:
+    """A small Qwen3-shaped model with LoRA (random B) on every projection; ``nf4``: QLoRA, the bases in NF4."""
     torch.manual_seed(0)
     dims = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 96, "num_layers": 2, "num_heads": 4,
             "num_kv_heads": 2}
@@ -29,6 +31,8 @@ def _lora_model(device="cpu", dtype=torch.float32, **shape) -> Transformer:
     model = Transformer(config)
     model.reset_parameters()
     model.to(device=device, dtype=dtype)
+    if nf4:
+        quantize_model_nf4(model)
     apply_lora(model, LoraConfig(r=4, alpha=8.0))
     with torch.no_grad():  # B starts at zero; make the adapters matter
         for name, p in model.named_parameters():
@@ -82,6 +86,21 @@ def test_cpu_training_step_matches_the_plain_model(monkeypatch):
 
 
 @needs_cuda
+def test_gpu_qlora_training_step_matches_the_plain_qlora_model():
+    """NF4 bases through the shared nodes (Triton dequantization) against LoraLinear over NF4Linear."""
+    shape = {"hidden_size": 256, "intermediate_size": 704, "vocab_size": 1000}
+    plain = _lora_model("cuda", torch.bfloat16, nf4=True, **shape)
+    fused = copy.deepcopy(plain)
+    apply_kernels(fused)
+    ids = torch.randint(0, 1000, (2, 64), device="cuda")
+    loss, g = _step(fused, ids, fused_linear_cross_entropy)
+    loss_plain, g_plain = _step(plain, ids, chunked_cross_entropy)
+    assert rel_err(loss, loss_plain.float()) < 1e-2
+    for i, (a, p) in enumerate(zip(g, g_plain, strict=True)):
+        assert rel_err(a, p.float()) < 3e-2, f"gradient {i}: relative error {rel_err(a, p.float()):.3g}"
+
+
+@needs_cuda
 def test_gpu_bf16_training_step_is_as_accurate_as_the_plain_model():
     shape = {"hidden_size": 256, "intermediate_size": 704, "vocab_size": 1000}
     plain = _lora_model("cuda", torch.bfloat16, **shape)
@@ -98,8 +117,9 @@ def test_gpu_bf16_training_step_is_as_accurate_as_the_plain_model():
 
 
 @needs_cuda
-def test_compiles_without_graph_breaks():
-    model = _lora_model("cuda", torch.bfloat16, hidden_size=128, intermediate_size=256)
+@pytest.mark.parametrize("nf4", [False, True], ids=["lora", "qlora"])
+def test_compiles_without_graph_breaks(nf4):
+    model = _lora_model("cuda", torch.bfloat16, nf4, hidden_size=128, intermediate_size=256)
     apply_kernels(model)
     ids = torch.randint(0, 128, (2, 32), device="cuda")
     compiled = torch.compile(model.hidden_states, fullgraph=True)
