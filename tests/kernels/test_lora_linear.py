@@ -215,3 +215,9 @@ def test_under_autocast_the_adapter_products_run_in_its_dtype_as_the_plain_layer
     for a, b in zip(got, want):
         assert a.dtype == b.dtype == torch.bfloat16
         assert rel_err(a, b) < 1e-2
+    # The adapters enter the node as they are: their fp32 gradients come straight from it, no cast node between.
+    adapters = {p for layer in fused for p in (layer.lora_A.weight, layer.lora_B.weight)}
+    leaves = {fn.variable for fn, _ in got[0].grad_fn.next_functions if fn is not None and hasattr(fn, "variable")}
+    assert adapters <= leaves
+    grads = torch.autograd.grad(sum(y.float().sum() for y in got), sorted(adapters, key=id))
+    assert {g.dtype for g in grads} == {torch.float32}

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
+from collections.abc import Callable
 
 import torch
 
@@ -45,6 +46,12 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def autocast_dtype(t: torch.Tensor) -> torch.dtype | None:
+    """The dtype autocast casts to on ``t``'s device, or None where it is off."""
+    device = t.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+
+
 def autocast_inputs(*tensors: object) -> tuple[tuple[object, ...], contextlib.AbstractContextManager]:
     """Do at the door of a hand-written autograd path what autocast would do inside it.
 
@@ -60,3 +67,20 @@ def autocast_inputs(*tensors: object) -> tuple[tuple[object, ...], contextlib.Ab
     castable = (torch.float32, torch.float16, torch.bfloat16)  # as autocast: float64 stays float64
     cast = tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.dtype in castable else t for t in tensors)
     return cast, torch.autocast(first.device.type, enabled=False)
+
+
+def call_op(op: Callable, impl: Callable, *args: object) -> object:
+    """``op(*args)``, a registered custom op, where something must see it as one op: under ``torch.compile``,
+    or when autograd records the call (grad mode on and an input requiring grad). Elsewhere ``impl(*args)``,
+    the op's own implementation, directly: the dispatcher's Python layers around a custom op cost host time
+    on every call, and the fused nodes make hundreds of such calls a step with autograd off.
+
+    Not for the backward of an op's ``register_autograd``: torch.compile traces that outside dynamo, where
+    ``is_compiling()`` is False, so it must call the op itself. The backward of a ``torch.autograd.Function``
+    is traced by dynamo and may use this.
+    """
+    if torch.compiler.is_compiling() or (
+        torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
+    ):
+        return op(*args)
+    return impl(*args)

@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from entrenar.kernels._common import autocast_inputs
+from entrenar.kernels._common import autocast_dtype, autocast_inputs
 from entrenar.lora import LoraLinear
 from entrenar.quant.nf4 import NF4Linear, NF4Tensor, dequantize_nf4
 
@@ -90,6 +90,17 @@ def adapters_in(lora_a: Sequence[torch.Tensor], lora_b: Sequence[torch.Tensor],
     """The adapters as the products use them: every ``A`` stacked into one [sum of ranks, in] matrix, in ``dtype``."""
     a = torch.cat(list(lora_a)) if len(lora_a) > 1 else lora_a[0]
     return a.to(dtype), [b.to(dtype) for b in lora_b]
+
+
+def adapter_compute_dtype(x: torch.Tensor, lora_a: torch.Tensor, compute_dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype of a node's adapter products: ``compute_dtype`` if set, else autocast's where it is on (it
+    runs the plain layer's adapter products in its dtype), else the adapters' own.
+
+    The adapters themselves enter the node uncast (see :func:`lora_projections`), so their gradients leave
+    it in their own dtype, written by the products: under bf16 autocast, fp32 gradients with no cast kernels
+    or cast nodes after them.
+    """
+    return compute_dtype or autocast_dtype(x) or lora_a.dtype
 
 
 def lora_projections_forward(
@@ -243,10 +254,11 @@ def lora_projections(
     then rounded to bf16 (the adapter weights and optimizer stay fp32).
     """
     n = len(weights)
-    (x, *tensors), autocast_off = autocast_inputs(x, *weights, *biases, *lora_a, *lora_b)
+    compute_dtype = adapter_compute_dtype(x, lora_a[0], compute_dtype)
+    (x, *bases), autocast_off = autocast_inputs(x, *weights, *biases)
     with autocast_off:
-        return _LoraProjections.apply(x, n, *tensors, tuple(float(s) for s in scalings),
-                                      compute_dtype or tensors[2 * n].dtype)  # the first A, as autocast left it
+        return _LoraProjections.apply(x, n, *bases, *lora_a, *lora_b, tuple(float(s) for s in scalings),
+                                      compute_dtype)
 
 
 def lora_linear(
@@ -287,8 +299,7 @@ def fusable(layers: Sequence[nn.Module]) -> bool:
 def node_arguments(layers: Sequence[FusedLoraLinear]) -> tuple:
     """``weights, biases, lora_a, lora_b, scalings, compute_dtype`` of layers that share a node (:func:`fusable`).
 
-    The compute dtype is the layers' own setting, not the adapters' dtype: under autocast the adapters arrive
-    cast (as autocast runs the plain layer's adapters), and None then means that dtype.
+    The compute dtype is the layers' own setting (None: see :func:`adapter_compute_dtype`).
     """
     return ([_base_weight(layer) for layer in layers], [layer.base_layer.bias for layer in layers],
             [layer.lora_A.weight for layer in layers], [layer.lora_B.weight for layer in layers],

@@ -26,6 +26,7 @@ from torch import nn
 
 from entrenar.kernels._common import autocast_inputs
 from entrenar.kernels.lora_linear import (
+    adapter_compute_dtype,
     adapter_gradients,
     adapters_in,
     base_gradients,
@@ -90,10 +91,11 @@ def norm_lora_projections(
     """``lora_projections(rms_norm(h, norm_weight, eps), weights, ...)`` as one node that rebuilds the normed
     input in backward instead of keeping it. ``h`` and ``norm_weight`` share a dtype (see :func:`fits`)."""
     n = len(weights)
-    (h, norm_weight, *tensors), autocast_off = autocast_inputs(h, norm_weight, *weights, *biases, *lora_a, *lora_b)
+    compute_dtype = adapter_compute_dtype(h, lora_a[0], compute_dtype)
+    (h, norm_weight, *bases), autocast_off = autocast_inputs(h, norm_weight, *weights, *biases)
     with autocast_off:
-        return _NormLoraProjections.apply(h, norm_weight, float(eps), n, *tensors, tuple(float(s) for s in scalings),
-                                          compute_dtype or tensors[2 * n].dtype)
+        return _NormLoraProjections.apply(h, norm_weight, float(eps), n, *bases, *lora_a, *lora_b,
+                                          tuple(float(s) for s in scalings), compute_dtype)
 
 
 def fits(h: torch.Tensor, norm: nn.Module, layers: Sequence[nn.Module]) -> bool:

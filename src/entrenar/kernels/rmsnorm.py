@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import torch
 
-from entrenar.kernels._common import cdiv, next_power_of_2, use_triton
+from entrenar.kernels._common import call_op, cdiv, next_power_of_2, use_triton
 from entrenar.models.transformer import RMSNorm
 
 
@@ -88,8 +88,9 @@ def _num_programs(device: torch.device) -> int:
     return 4
 
 
-@torch.library.custom_op("entrenar::rms_norm", mutates_args=())
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, rebuild: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def _rms_norm_impl(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, rebuild: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     # ``rebuild`` changes nothing computed: it marks a backward's recomputation of a forward's output, so that
     # torch.compile does not merge the two calls (and then keep the output alive in between).
     n_cols = x.shape[-1]
@@ -105,14 +106,16 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, rebuild: bool =
     return y.view(*x.shape[:-1], n_cols), rstd
 
 
+_rms_norm = torch.library.custom_op("entrenar::rms_norm", mutates_args=())(_rms_norm_impl)
+
+
 @_rms_norm.register_fake
 def _(x: torch.Tensor, weight: torch.Tensor, eps: float, rebuild: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     y = x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype))
     return y, x.new_empty(x.numel() // x.shape[-1], dtype=torch.float32)
 
 
-@torch.library.custom_op("entrenar::rms_norm_backward", mutates_args=())
-def _rms_norm_backward(
+def _rms_norm_backward_impl(
     dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     n_cols = x.shape[-1]
@@ -131,6 +134,9 @@ def _rms_norm_backward(
     return dx.view(x.shape), dw_part.sum(0).to(weight.dtype)
 
 
+_rms_norm_backward = torch.library.custom_op("entrenar::rms_norm_backward", mutates_args=())(_rms_norm_backward_impl)
+
+
 @_rms_norm_backward.register_fake
 def _(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return x.new_empty(x.shape), weight.new_empty(weight.shape)
@@ -143,7 +149,7 @@ def _setup_context(ctx, inputs, output) -> None:
 
 def _backward(ctx, dy: torch.Tensor, _drstd: torch.Tensor):
     x, weight, rstd = ctx.saved_tensors
-    dx, dw = _rms_norm_backward(dy, x, weight, rstd)
+    dx, dw = _rms_norm_backward(dy, x, weight, rstd)  # the op: torch.compile traces this backward outside dynamo
     return dx, dw, None, None
 
 
@@ -154,7 +160,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``rms_norm_reference`` through the fused kernel where Triton can run, else the reference itself."""
     if not _fits(x, weight):
         return rms_norm_reference(x, weight, eps)
-    return _rms_norm(x, weight, float(eps))[0]
+    return call_op(_rms_norm, _rms_norm_impl, x, weight, float(eps))[0]
 
 
 def _fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -167,7 +173,7 @@ def rms_norm_and_rstd(
     """``rms_norm(x, weight, eps)`` and its fp32 ``1/rms`` per row (flat), for hand-written autograd nodes that
     end in :func:`rms_norm_backward`. ``rebuild=True`` marks a backward's recomputation of the output."""
     if _fits(x, weight):
-        return _rms_norm(x, weight, float(eps), rebuild)
+        return call_op(_rms_norm, _rms_norm_impl, x, weight, float(eps), rebuild)
     x32 = x.float()
     rstd = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * (x32 * rstd).to(x.dtype), rstd.reshape(-1)
@@ -192,7 +198,7 @@ def rms_norm_backward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``dx`` and ``dweight`` of :func:`rms_norm_and_rstd` (no autograd graph): the kernel where it runs."""
     if _fits(x, weight):
-        return _rms_norm_backward(dy, x, weight, rstd)
+        return call_op(_rms_norm_backward, _rms_norm_backward_impl, dy, x, weight, rstd)
     return rms_norm_backward_reference(dy, x, weight, rstd)
 
 

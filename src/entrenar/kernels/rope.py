@@ -19,7 +19,7 @@ from types import SimpleNamespace
 
 import torch
 
-from entrenar.kernels._common import next_power_of_2, use_triton
+from entrenar.kernels._common import call_op, next_power_of_2, use_triton
 from entrenar.kernels.lora_linear import project_together
 from entrenar.models.transformer import Attention
 from entrenar.models.transformer import apply_rope as apply_rope_reference
@@ -76,8 +76,7 @@ def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-@torch.library.custom_op("entrenar::rope", mutates_args=())
-def _rope(
+def _rope_impl(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     q, k = _last_dim_contiguous(q), _last_dim_contiguous(k)
@@ -97,6 +96,9 @@ def _rope(
     return q_out, k_out
 
 
+_rope = torch.library.custom_op("entrenar::rope", mutates_args=())(_rope_impl)
+
+
 @_rope.register_fake
 def _(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: bool):
     return torch.empty_like(_last_dim_contiguous(q)), torch.empty_like(_last_dim_contiguous(k))
@@ -110,7 +112,7 @@ def _setup_context(ctx, inputs, output) -> None:
 
 def _backward(ctx, dq: torch.Tensor, dk: torch.Tensor):
     cos, sin = ctx.saved_tensors
-    dq_in, dk_in = _rope(dq, dk, cos, sin, not ctx.backward)
+    dq_in, dk_in = _rope(dq, dk, cos, sin, not ctx.backward)  # the op: compile traces this backward outside dynamo
     return dq_in, dk_in, None, None, None
 
 
@@ -134,7 +136,7 @@ def apply_rope(
     """Same contract as :func:`entrenar.models.transformer.apply_rope`, fused where Triton can run."""
     if not use_triton(q, k, cos, sin) or not _fits(q, k, cos, sin):
         return apply_rope_reference(q, k, cos, sin)
-    return _rope(q, k, cos, sin, False)
+    return call_op(_rope, _rope_impl, q, k, cos, sin, False)
 
 
 class FusedRopeAttention(Attention):

@@ -22,9 +22,10 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 
-from entrenar.kernels._common import autocast_inputs, cdiv, use_triton
+from entrenar.kernels._common import autocast_inputs, call_op, cdiv, use_triton
 from entrenar.kernels.lora_linear import (
     Weight,
+    adapter_compute_dtype,
     adapter_gradients,
     adapters_in,
     base_gradients,
@@ -83,8 +84,7 @@ def _kernels() -> SimpleNamespace:
     return SimpleNamespace(forward=forward, backward=backward)
 
 
-@torch.library.custom_op("entrenar::swiglu", mutates_args=())
-def _swiglu(gate: torch.Tensor, up: torch.Tensor, rebuild: bool = False) -> torch.Tensor:
+def _swiglu_impl(gate: torch.Tensor, up: torch.Tensor, rebuild: bool = False) -> torch.Tensor:
     # ``rebuild`` changes nothing computed: it marks the call that rebuilds the product in a backward, so that
     # torch.compile does not merge it with the forward's call (and then keep the product alive in between).
     gate, up = gate.contiguous(), up.contiguous()
@@ -94,18 +94,23 @@ def _swiglu(gate: torch.Tensor, up: torch.Tensor, rebuild: bool = False) -> torc
     return y
 
 
+_swiglu = torch.library.custom_op("entrenar::swiglu", mutates_args=())(_swiglu_impl)
+
+
 @_swiglu.register_fake
 def _(gate: torch.Tensor, up: torch.Tensor, rebuild: bool = False) -> torch.Tensor:
     return torch.empty_like(gate, memory_format=torch.contiguous_format)
 
 
-@torch.library.custom_op("entrenar::swiglu_backward", mutates_args=())
-def _swiglu_backward(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _swiglu_backward_impl(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     dy = dy.contiguous()
     d_gate, d_up = torch.empty_like(gate), torch.empty_like(up)
     n = gate.numel()
     _kernels().backward[(cdiv(n, _BLOCK),)](dy, gate, up, d_gate, d_up, n, BLOCK=_BLOCK, num_warps=8)
     return d_gate, d_up
+
+
+_swiglu_backward = torch.library.custom_op("entrenar::swiglu_backward", mutates_args=())(_swiglu_backward_impl)
 
 
 @_swiglu_backward.register_fake
@@ -120,7 +125,7 @@ def _setup_context(ctx, inputs, output) -> None:
 
 def _backward(ctx, dy: torch.Tensor):
     gate, up = ctx.saved_tensors
-    return *_swiglu_backward(dy, gate, up), None
+    return *_swiglu_backward(dy, gate, up), None  # the op: torch.compile traces this backward outside dynamo
 
 
 _swiglu.register_autograd(_backward, setup_context=_setup_context)
@@ -135,12 +140,14 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, rebuild: bool = False) -> torch
 
     ``rebuild=True`` marks a backward's recomputation of a forward's product (see :func:`_swiglu`).
     """
-    return _swiglu(gate, up, rebuild) if _fits(gate, up) else swiglu_reference(gate, up)
+    return call_op(_swiglu, _swiglu_impl, gate, up, rebuild) if _fits(gate, up) else swiglu_reference(gate, up)
 
 
 def swiglu_backward(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The gradients of :func:`swiglu` with respect to ``gate`` and ``up`` (no autograd graph)."""
-    return _swiglu_backward(dy, gate, up) if _fits(gate, up) else swiglu_backward_reference(dy, gate, up)
+    if _fits(gate, up):
+        return call_op(_swiglu_backward, _swiglu_backward_impl, dy, gate, up)
+    return swiglu_backward_reference(dy, gate, up)
 
 
 class _SwigluLoraLinear(torch.autograd.Function):
@@ -187,10 +194,10 @@ def swiglu_lora_linear(
     Same numbers as the two ops in turn; backward recomputes ``swiglu(gate, up)``
     instead of keeping it (see the module docstring).
     """
-    (gate, up, weight, bias, lora_a, lora_b), autocast_off = autocast_inputs(gate, up, weight, bias, lora_a, lora_b)
+    compute_dtype = adapter_compute_dtype(gate, lora_a, compute_dtype)
+    (gate, up, weight, bias), autocast_off = autocast_inputs(gate, up, weight, bias)
     with autocast_off:
-        return _SwigluLoraLinear.apply(gate, up, weight, bias, lora_a, lora_b, float(scaling),
-                                       compute_dtype or lora_a.dtype)
+        return _SwigluLoraLinear.apply(gate, up, weight, bias, lora_a, lora_b, float(scaling), compute_dtype)
 
 
 class FusedMLP(MLP):
