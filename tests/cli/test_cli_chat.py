@@ -56,3 +56,23 @@ def test_no_chat_template_fails_before_reading_input(capsys, monkeypatch, chat_m
     code, out, err = chat(capsys, monkeypatch, chat_model, "hello\n")
     assert (code, out) == (2, "")
     assert err.startswith(f"error: {chat_model}: the tokenizer has no chat template")
+
+
+def test_ctrl_c_stops_a_reply_and_drops_its_turn(capsys, monkeypatch, chat_model):
+    """Ctrl-C while a reply streams ends that reply; the chat goes on without the interrupted turn."""
+    from entrenar.cli import chat as chat_command
+
+    real = chat_command.stream_generate
+    calls = []
+
+    def interrupted_once(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(chat_command, "stream_generate", interrupted_once)
+    code, out, err = chat(capsys, monkeypatch, chat_model, "What is the capital?\nthe lazy dog\n")
+    assert code == 0 and "reply stopped" in err
+    alone = reply(chat_model, [{"role": "user", "content": "the lazy dog"}], 10)
+    assert out == f"\n{alone}\n"  # the second turn does not see the first

@@ -9,7 +9,8 @@ from entrenar.cli.generate import chat_ids, require_chat_template
 from entrenar.cli.options import add_model_args, add_sampling_args, load_model
 from entrenar.cli.stream import stream_generate
 
-HELP = "type a message; /reset clears the conversation, /exit (or end of input) quits"
+HELP = ("type a message; Ctrl-C stops a reply (the turn is dropped), /reset clears the conversation, "
+        "/exit (or end of input) quits")
 
 
 def add_parser(commands: argparse._SubParsersAction, parents: list[argparse.ArgumentParser]) -> None:
@@ -48,7 +49,13 @@ def run(args: argparse.Namespace) -> int:
         if not text.strip():
             continue
         messages.append({"role": "user", "content": text})
-        reply = stream_generate(model, tokenizer, chat_ids(tokenizer, messages, args.model), args, sys.stdout)
+        try:
+            reply = stream_generate(model, tokenizer, chat_ids(tokenizer, messages, args.model), args, sys.stdout)
+        except KeyboardInterrupt:  # stops this reply, not the chat (Ctrl-C at the prompt still quits)
+            messages.pop()
+            print()
+            print("(reply stopped; that turn is not kept)", file=sys.stderr)
+            continue
         print()
         messages.append({"role": "assistant", "content": reply})
     return 0
