@@ -81,10 +81,17 @@ def _rows_triton(
 def _rows_torch(
     logits: torch.Tensor, targets: torch.Tensor, loss_rows: torch.Tensor, write_grad: bool
 ) -> torch.Tensor:
-    """The same in PyTorch, for CPUs: one fused ``log_softmax`` pass where ``logsumexp`` takes several."""
+    """The same in PyTorch, for CPUs: one fused ``log_softmax`` pass where ``logsumexp`` takes several.
+
+    fp32 logits are overwritten in place: a fresh [chunk, V] block costs more in page faults on a CPU than the
+    pass itself (65 ms of a 1.1 s SmolLM2-shape step on the 2-core machine, docs/PERFORMANCE.md).
+    """
     valid = targets != IGNORE_INDEX
     safe = torch.where(valid, targets, 0).unsqueeze(1)
-    log_probs = torch.log_softmax(logits.float(), dim=-1)
+    if logits.dtype == torch.float32:
+        log_probs = torch.log_softmax(logits, dim=-1, out=logits)
+    else:
+        log_probs = torch.log_softmax(logits.float(), dim=-1)
     loss_rows.copy_(-log_probs.gather(1, safe).squeeze(1) * valid)
     if not write_grad:
         return logits
