@@ -61,9 +61,9 @@ def autocast_inputs(*tensors: object) -> tuple[tuple[object, ...], contextlib.Ab
     that are not tensors (None, an NF4 weight: quantized weights are dequantized to the input's dtype).
     """
     first = next((t for t in tensors if isinstance(t, torch.Tensor)), None)
-    if first is None or not torch.is_autocast_enabled(first.device.type):
+    dtype = None if first is None else autocast_dtype(first)
+    if dtype is None:
         return tensors, contextlib.nullcontext()
-    dtype = torch.get_autocast_dtype(first.device.type)
     castable = (torch.float32, torch.float16, torch.bfloat16)  # as autocast: float64 stays float64
     cast = tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.dtype in castable else t for t in tensors)
     return cast, torch.autocast(first.device.type, enabled=False)
