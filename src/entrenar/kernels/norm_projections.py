@@ -14,7 +14,9 @@ precision, so the numbers equal the two nodes in turn.
 
 :class:`FusedBlock` is the decoder block that uses it where its norms and
 projections allow, and otherwise runs the norm and its module's projections
-as the plain block does.
+as the plain block does. When a checkpointed block reruns for backward
+(:mod:`entrenar.models.recompute`), it skips the down projection's product,
+whose output that rerun throws away.
 """
 
 from __future__ import annotations
@@ -38,7 +40,9 @@ from entrenar.kernels.lora_linear import (
     saved_bases,
 )
 from entrenar.kernels.rmsnorm import rms_norm_and_rstd, rms_norm_backward
+from entrenar.kernels.swiglu import FusedMLP
 from entrenar.models.padding_free import Documents
+from entrenar.models.recompute import recomputing
 from entrenar.models.transformer import Block, KVCache, RMSNorm
 
 
@@ -140,4 +144,6 @@ class FusedBlock(Block):
         q, k, v = norm_then_project(x, self.input_layernorm, (attn.q_proj, attn.k_proj, attn.v_proj), attn.project)
         x = x + attn.attend(q, k, v, cos, sin, mask, cache)
         gate, up = norm_then_project(x, self.post_attention_layernorm, (mlp.gate_proj, mlp.up_proj), mlp.project)
+        if recomputing() and isinstance(mlp, FusedMLP):  # a checkpointed rerun: backward reads what combine saves
+            return mlp.combine(gate, up, output_needed=False)
         return x + mlp.combine(gate, up)

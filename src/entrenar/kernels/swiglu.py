@@ -154,13 +154,17 @@ class _SwigluLoraLinear(torch.autograd.Function):
     """``lora_linear(swiglu(gate, up), ...)`` saving ``gate``, ``up`` and ``A h``; ``h`` itself is rebuilt."""
 
     @staticmethod
-    def forward(ctx, gate, up, weight, bias, lora_a, lora_b, scaling: float, compute_dtype: torch.dtype):
+    def forward(ctx, gate, up, weight, bias, lora_a, lora_b, scaling: float, compute_dtype: torch.dtype,
+                output_needed: bool):
         a, (b,) = adapters_in([lora_a], [lora_b], compute_dtype)
-        h = swiglu(gate, up)
-        (out,), xa = lora_projections_forward(h.reshape(-1, h.shape[-1]), [weight], [bias], a, [b], [scaling])
+        h = swiglu(gate, up).reshape(-1, gate.shape[-1])
+        if output_needed:
+            (out,), xa = lora_projections_forward(h, [weight], [bias], a, [b], [scaling])
+        else:  # what backward reads, without the product itself (see swiglu_lora_linear)
+            xa, out = h.to(a.dtype) @ a.T, h.new_empty(h.shape[0], weight.shape[0])
         save_bases(ctx, [weight], gate, up, xa, a, b)
         ctx.scaling, ctx.adapter_dtypes = scaling, (lora_a.dtype, lora_b.dtype)
-        return out.view(*gate.shape[:-1], out.shape[-1])
+        return out
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -175,7 +179,7 @@ class _SwigluLoraLinear(torch.autograd.Function):
         if need_h:
             d_gate, d_up = swiglu_backward(dh.view(gate.shape), gate, up)
         return (d_gate, d_up, *base_gradients([g], h, [weight], [need_w], [need_bias]),
-                *adapter_gradients(d_a, [d_b], [b], ctx.adapter_dtypes), None, None)
+                *adapter_gradients(d_a, [d_b], [b], ctx.adapter_dtypes), None, None, None)
 
 
 def swiglu_lora_linear(
@@ -187,17 +191,25 @@ def swiglu_lora_linear(
     lora_b: torch.Tensor,
     scaling: float,
     compute_dtype: torch.dtype | None = None,
+    output_needed: bool = True,
 ) -> torch.Tensor:
     """``lora_linear(swiglu(gate, up), weight, bias, lora_a, lora_b, scaling, compute_dtype)`` as one node
     (``weight`` a tensor or an NF4 weight, as in :func:`entrenar.kernels.lora_linear.lora_projections`).
 
     Same numbers as the two ops in turn; backward recomputes ``swiglu(gate, up)``
     instead of keeping it (see the module docstring).
+
+    ``output_needed=False`` saves what backward reads but returns an uninitialised
+    tensor instead of the product: no base product and, for an NF4 weight, no
+    dequantization. A checkpointed block's rerun asks for that
+    (:mod:`entrenar.models.recompute`); backward is the same either way.
     """
     compute_dtype = adapter_compute_dtype(gate, lora_a, compute_dtype)
     (gate, up, weight, bias), autocast_off = autocast_inputs(gate, up, weight, bias)
     with autocast_off:
-        return _SwigluLoraLinear.apply(gate, up, weight, bias, lora_a, lora_b, float(scaling), compute_dtype)
+        out = _SwigluLoraLinear.apply(gate, up, weight, bias, lora_a, lora_b, float(scaling), compute_dtype,
+                                      output_needed)
+    return out.view(*gate.shape[:-1], out.shape[-1])
 
 
 class FusedMLP(MLP):
@@ -211,9 +223,11 @@ class FusedMLP(MLP):
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return project_together(x, (self.gate_proj, self.up_proj))
 
-    def combine(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    def combine(self, gate: torch.Tensor, up: torch.Tensor, output_needed: bool = True) -> torch.Tensor:
+        """``down(silu(gate) * up)``; ``output_needed=False``: see :func:`swiglu_lora_linear` (a hint, ignored
+        where the down projection is not a fused LoRA layer)."""
         down = self.down_proj
         if fusable([down]):
             (weight,), (bias,), (lora_a,), (lora_b,), (scaling,), compute_dtype = node_arguments([down])
-            return swiglu_lora_linear(gate, up, weight, bias, lora_a, lora_b, scaling, compute_dtype)
+            return swiglu_lora_linear(gate, up, weight, bias, lora_a, lora_b, scaling, compute_dtype, output_needed)
         return down(swiglu(gate, up))

@@ -13,10 +13,10 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from entrenar.models.config import ModelConfig, rope_inv_freq
 from entrenar.models.offload import offload_saved_input
+from entrenar.models.recompute import checkpointed
 from entrenar.models.padding_free import Documents, documents_attention
 
 _SDPA_HAS_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
@@ -281,7 +281,7 @@ class Transformer(nn.Module):
         for i, layer in enumerate(self.model.layers):
             if i in self.checkpointed_layers and torch.is_grad_enabled():
                 with offload_saved_input(x) if self.offload_checkpointed else contextlib.nullcontext():
-                    x = checkpoint(layer, x, cos, sin, mask, use_reentrant=False)
+                    x = checkpointed(layer, x, cos, sin, mask)
             else:
                 x = layer(x, cos, sin, mask, cache)
         return self.model.norm(x)

@@ -1,0 +1,88 @@
+"""Checkpointed blocks rerun their forward in backward without the MLP's last product, and get the same gradients."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from entrenar.kernels import apply_kernels, norm_projections
+from entrenar.lora import LoraConfig, apply_lora, lora_parameters
+from entrenar.models.config import ModelConfig
+from entrenar.models.recompute import checkpointed, recomputing
+from entrenar.models.transformer import Transformer
+from entrenar.quant.nf4 import quantize_model_nf4
+
+CONFIG = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2)
+RANK = 4
+
+
+def _model(nf4: bool) -> Transformer:
+    torch.manual_seed(21)
+    model = Transformer(CONFIG)
+    model.reset_parameters()
+    if nf4:
+        quantize_model_nf4(model)
+    apply_lora(model, LoraConfig(r=RANK, alpha=8.0))
+    for p in lora_parameters(model):
+        nn.init.normal_(p, std=0.05)  # B = 0 would hide every gradient but dB
+    apply_kernels(model)
+    return model
+
+
+def _loss_and_grads(model: Transformer, ids: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    loss = model(ids).logsumexp(-1).mean()
+    return loss.detach(), torch.autograd.grad(loss, lora_parameters(model))
+
+
+@pytest.mark.parametrize("nf4", [False, True], ids=["fp32-base", "nf4-base"])
+def test_checkpointed_blocks_give_the_gradients_of_uncheckpointed_ones(nf4):
+    plain = _model(nf4)
+    recomputed = copy.deepcopy(plain)
+    recomputed.set_activation_checkpointing(True)
+    ids = torch.randint(0, 64, (2, 11))
+    loss, grads = _loss_and_grads(plain, ids)
+    loss_ckpt, grads_ckpt = _loss_and_grads(recomputed, ids)
+    assert torch.equal(loss_ckpt, loss)
+    for g_ckpt, g in zip(grads_ckpt, grads, strict=True):
+        assert torch.equal(g_ckpt, g)  # the rerun saves bit for bit what the first run saved
+
+
+def _backward_flops(model: Transformer, ids: torch.Tensor) -> int:
+    loss = model(ids).logsumexp(-1).mean()
+    with FlopCounterMode(display=False) as counter:
+        loss.backward()
+    return counter.get_total_flops()
+
+
+def test_the_rerun_skips_the_down_projection_and_nothing_else(monkeypatch):
+    model = _model(nf4=False)
+    model.set_activation_checkpointing(True)
+    ids = torch.randint(0, 64, (2, 11))
+    skipping = _backward_flops(model, ids)
+    monkeypatch.setattr(norm_projections, "recomputing", lambda: False)  # the rerun computes everything
+    full = _backward_flops(model, ids)
+    tokens = ids.numel()
+    # per block: the base product [tokens, intermediate] x [intermediate, hidden], and the adapter's B product,
+    # which the counter sees only where it counts in-place addmm_ (torch 2.13 does not)
+    base = 2 * tokens * CONFIG.intermediate_size * CONFIG.hidden_size
+    adapter = 2 * tokens * RANK * CONFIG.hidden_size
+    assert full - skipping in (CONFIG.num_layers * base, CONFIG.num_layers * (base + adapter))
+
+
+def test_recomputing_is_set_only_during_the_rerun():
+    seen = []
+
+    def layer(x: torch.Tensor) -> torch.Tensor:
+        seen.append(recomputing())
+        return x.sin()
+
+    x = torch.randn(3, requires_grad=True)
+    y = checkpointed(layer, x)
+    assert seen == [False] and not recomputing()
+    y.sum().backward()
+    assert seen == [False, True] and not recomputing()
+    torch.testing.assert_close(x.grad, x.detach().cos())
