@@ -36,7 +36,10 @@ Rows (``--rows``):
   loop-*-cudagraph        those eager, forward and backward replayed from a CUDA graph after 3 eager steps
                           (``training.cuda_graphs: true``; the optimizer step stays eager)
   loop-qlora-*-c4096      those with the fused loss in 4096-token chunks (as the loop ran it before the fifth call set)
-  loop-qlora-*-ckpt30     30 of the 32 blocks checkpointed (``training.activation_checkpointing: 30``)
+  loop-qlora-*-ckpt30     30 of the 32 blocks checkpointed (``training.activation_checkpointing: 30``; -ckpt29 etc.)
+  loop-*-fullrerun        checkpointed blocks rerun their whole forward in backward, the down projection's
+                          product included (what the fused blocks did before the sixth call set)
+  loop-qlora-*emb*        the input-embedding table in pinned CPU memory (``training.offload_embeddings``)
 
 Reported per row: tokens/s from the median step time after warm-up (CUDA
 events around forward, backward and optimizer step), peak GPU memory
@@ -97,6 +100,8 @@ class Row:
     cuda_graph: bool = False  # forward and backward replayed from a CUDA graph (training.cuda_graphs)
     torch_dequant: bool = False
     checkpointed: bool | int = True  # activation checkpointing: every block, or this many spread over the depth
+    full_rerun: bool = False  # checkpointed blocks rerun their down projection too (as before the sixth call set)
+    offload_embeddings: bool = False  # the input-embedding table in pinned CPU memory (training.offload_embeddings)
     lora_row: str | None = None  # the 16-bit LoRA row this QLoRA row is compared with
     steps: int = 10
     warmup: int = 3
@@ -126,6 +131,13 @@ ROWS: dict[str, Row] = {
                                       lora_row="loop-lora-cudagraph"),
     "loop-qlora-cudagraph-ckpt30": Row("nf4", **LOOP, cuda_graph=True, checkpointed=30,
                                        lora_row="loop-lora-cudagraph"),
+    "loop-qlora-cudagraph-fullrerun": Row("nf4", **LOOP, cuda_graph=True, full_rerun=True,
+                                          lora_row="loop-lora-cudagraph"),
+    "loop-lora-cudagraph-fullrerun": Row("bf16", **LOOP, cuda_graph=True, full_rerun=True),
+    "loop-qlora-emb": Row("nf4", **LOOP, offload_embeddings=True, lora_row="loop-lora"),
+    **{f"loop-qlora-cudagraph-emb{suffix}": Row("nf4", **LOOP, cuda_graph=True, offload_embeddings=True,
+                                                checkpointed=n, lora_row="loop-lora-cudagraph")
+       for suffix, n in (("", True), ("-ckpt29", 29), ("-ckpt28", 28), ("-ckpt27", 27), ("-ckpt26", 26))},
     "entrenar-qlora-chunked": Row("nf4", loss="chunked", lora_row="entrenar-lora-chunked"),
     "entrenar-lora-chunked": Row("bf16", loss="chunked"),
     "entrenar-qlora-torchdq": Row("nf4", torch_dequant=True, steps=5, warmup=2, lora_row="entrenar-lora"),
@@ -179,6 +191,10 @@ def build_entrenar(row: Row) -> nn.Module:
         if isinstance(layer, NF4Linear):  # quantized one layer at a time, as weights stream in
             layer.load_full_weight(random_weight(f"{name}.weight", (layer.out_features, layer.in_features)))
     apply_lora(model, LoraConfig(r=LORA_R, alpha=LORA_ALPHA, dropout=0.0))
+    if row.offload_embeddings:
+        from entrenar.kernels.host_embedding import offload_embeddings
+
+        offload_embeddings(model)
     model.set_activation_checkpointing(row.checkpointed)
     if row.kernels:
         from entrenar.kernels import apply_kernels
@@ -265,6 +281,20 @@ def reference_dequantization(on: bool) -> Iterator[None]:
         yield
     finally:
         nf4_kernel.can_dequantize = kernel_check
+
+
+@contextlib.contextmanager
+def full_rerun(on: bool) -> Iterator[None]:
+    """While ``on``, checkpointed fused blocks rerun everything in backward (no skipped down projection)."""
+    from entrenar.kernels import norm_projections
+
+    skip_check = norm_projections.recomputing
+    if on:
+        norm_projections.recomputing = lambda: False
+    try:
+        yield
+    finally:
+        norm_projections.recomputing = skip_check
 
 
 def _free() -> None:
@@ -432,7 +462,7 @@ def main(argv: list[str] | None = None) -> None:
         t0 = time.perf_counter()
         try:
             row = ROWS[name]
-            with reference_dequantization(row.torch_dequant):
+            with reference_dequantization(row.torch_dequant), full_rerun(row.full_rerun):
                 results.append(run_row(name, row, batches, profile=not args.no_profile))
         except Exception as err:  # a failed row is reported and the others still run
             results.append(Result(name, status="failed", error=f"{type(err).__name__}: {err}"[:2000]))

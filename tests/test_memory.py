@@ -106,6 +106,22 @@ def test_lora_and_qlora_shrink_what_they_should():
     assert qlora.activations == lora.activations
 
 
+def test_offloaded_embeddings_leave_the_gpu_unless_tied_or_trained():
+    import dataclasses
+
+    big = ModelConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
+                      num_kv_heads=8, model_type="llama")
+    table = 128256 * 4096 * 2  # bf16
+    for method in ("lora", "qlora"):
+        kept = estimate_training_memory(big, method, 2, 2048)
+        offloaded = estimate_training_memory(big, method, 2, 2048, offload_embeddings=True)
+        assert kept.weights - offloaded.weights == table
+        assert (offloaded.activations, offloaded.optimizer) == (kept.activations, kept.optimizer)
+    tied = dataclasses.replace(big, tie_word_embeddings=True)  # the head needs the table on the GPU
+    assert (estimate_training_memory(tied, "qlora", offload_embeddings=True)
+            == estimate_training_memory(tied, "qlora"))
+
+
 def test_the_fused_loss_holds_one_chunk_of_logits_which_a_rebuilt_layer_can_hide():
     full = estimate_training_memory(CONFIG, "lora", 4, 2048)
     fused = estimate_training_memory(CONFIG, "lora", 4, 2048, fused_loss_chunk=1024)

@@ -412,6 +412,8 @@ class TrainingSection(_Section):
     precision: str = _key("fp32", _choice("fp32", "bf16", "fp16"))
     activation_checkpointing: bool | int | tuple[int, ...] = _key(False, _checkpoint_layers)
     offload_activations: bool = _key(False, _boolean)  # checkpointed layers' inputs wait in CPU memory (CUDA)
+    # the frozen input-embedding table stays in pinned CPU memory, read by the GPU (LoRA/QLoRA on CUDA)
+    offload_embeddings: bool = _key(False, _boolean)
     compile: bool = _key(False, _boolean)
     # forward and backward of each micro-batch replayed from a CUDA graph (fixed shapes; not padding-free)
     cuda_graphs: bool = _key(False, _boolean)
@@ -499,6 +501,17 @@ class Recipe:
             raise _BadValue(
                 "training.offload_activations",
                 "'training.offload_activations' moves activations from GPU to CPU memory; model.device is 'cpu'",
+            )
+        if self.training.offload_embeddings and self.lora is None:
+            raise _BadValue(
+                "training.offload_embeddings",
+                "'training.offload_embeddings' keeps a frozen embedding table in CPU memory, and full fine-tuning "
+                "trains it (add a 'lora' section, or turn it off)",
+            )
+        if self.training.offload_embeddings and self.model.device == "cpu":
+            raise _BadValue(
+                "training.offload_embeddings",
+                "'training.offload_embeddings' moves the embedding table from GPU to CPU memory; model.device is 'cpu'",
             )
         if self.training.cuda_graphs and self.model.device == "cpu":
             raise _BadValue(

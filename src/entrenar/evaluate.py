@@ -12,6 +12,7 @@ import torch
 
 from entrenar.data import eval_batches, read_records, tokenize_records
 from entrenar.data.batching import Batch
+from entrenar.models.transformer import compute_device
 from entrenar.tokenizer import Tokenizer
 from entrenar.train.loss import token_cross_entropy
 
@@ -41,7 +42,7 @@ def eval_loss(
     max_batches: int | None = None,
 ) -> EvalResult:
     """Mean cross-entropy per target token over `batches` (summed, then divided once)."""
-    device = next(model.parameters()).device
+    device = compute_device(model)
     was_training = model.training
     model.eval()
     total = torch.zeros((), dtype=torch.float64, device=device)

@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterable
 import torch
 
 from entrenar.errors import ConfigError
-from entrenar.models.transformer import KVCache, Transformer
+from entrenar.models.transformer import KVCache, Transformer, compute_device
 
 
 def sample_next(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None = None) -> int:
@@ -44,7 +44,7 @@ def generate(
         raise ConfigError(f"generate: temperature must be >= 0, got {temperature}")
     if not 0.0 < top_p <= 1.0:
         raise ConfigError(f"generate: top_p must be in (0, 1], got {top_p}")
-    device = next(model.parameters()).device
+    device = compute_device(model)
     generator = None
     if seed is not None:
         generator = torch.Generator(device="cpu").manual_seed(seed)

@@ -104,6 +104,7 @@ def estimate_training_memory(
     fused_loss_chunk: int | None = None,
     offload_activations: bool = False,
     kernels: bool = False,
+    offload_embeddings: bool = False,
 ) -> MemoryEstimate:
     """Estimate peak training memory in bytes. `method` is full, lora or qlora.
 
@@ -117,7 +118,9 @@ def estimate_training_memory(
     recompute in backward; `offload_activations` keeps those layers' inputs in
     CPU memory, so they hold nothing on the GPU. `kernels` models the fused
     kernels' activations (:func:`activation_bytes_per_token_layer`), as
-    `entrenar train` runs on CUDA.
+    `entrenar train` runs on CUDA. `offload_embeddings` keeps a LoRA or QLoRA
+    base's input-embedding table in CPU memory (not a tied one, which the
+    output head needs; full fine-tuning trains it).
     """
     if method not in ("full", "lora", "qlora"):
         raise ValueError(f"method must be full, lora or qlora, got {method!r}")
@@ -137,6 +140,8 @@ def estimate_training_memory(
     else:
         trainable = lora_params(config, lora_r, lora_targets)
         base = (total - linear) * param_bytes + linear * (NF4_BYTES_PER_PARAM if method == "qlora" else param_bytes)
+        if offload_embeddings and not config.tie_word_embeddings:
+            base -= config.vocab_size * config.hidden_size * param_bytes
         weights = base + trainable * 4  # adapters stay fp32
         gradients = trainable * 4
         optimizer_bytes = states * trainable * 4

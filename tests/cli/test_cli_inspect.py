@@ -72,6 +72,15 @@ def test_offload_and_kernels_flags_reach_the_estimate(capsys, hf_folder):
     assert code == 2 and "--offload offloads checkpointed activations; add --checkpointing" in err
 
 
+def test_offload_embeddings_flag_reaches_the_estimate(capsys, hf_folder):
+    folder, _ = hf_folder("llama")
+    expected = estimate_training_memory(read_config(folder), "qlora", offload_embeddings=True)
+    report = inspect_json(capsys, folder, "--offload-embeddings")
+    assert report["memory"]["estimates"]["qlora"] == expected.as_dict()
+    assert report["memory"]["estimates"]["full"] == estimate_training_memory(read_config(folder), "full").as_dict()
+    assert expected.weights < estimate_training_memory(read_config(folder), "qlora").weights
+
+
 def test_defaults_are_the_library_defaults(capsys, hf_folder):
     folder, _ = hf_folder("mistral")
     report = inspect_json(capsys, folder)

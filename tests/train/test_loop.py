@@ -224,6 +224,17 @@ def test_checkpointing_and_offload_settings_are_checked(workspace):
         recipe_for(workspace, "training.offload_activations=true", "training.activation_checkpointing=true")
 
 
+def test_offload_embeddings_settings_are_checked(workspace):
+    with pytest.raises(ConfigError, match=r"training\.offload_embeddings.*full fine-tuning trains it"):
+        recipe_for(workspace, "training.offload_embeddings=true", "model.device=cuda", "lora=null")
+    with pytest.raises(ConfigError, match=r"training\.offload_embeddings.*model\.device is 'cpu'"):
+        recipe_for(workspace, "training.offload_embeddings=true")
+    if not torch.cuda.is_available():  # model.device auto resolves to the CPU here
+        with pytest.raises(ConfigError, match=r"training\.offload_embeddings: .* this run is on cpu"):
+            train(recipe_for(workspace, "training.offload_embeddings=true", "model.device=auto"), dry_run=True,
+                  progress=False)
+
+
 def test_cuda_graph_settings_are_checked(workspace):
     with pytest.raises(ConfigError, match=r"training\.cuda_graphs.*model\.device is 'cpu'"):
         recipe_for(workspace, "training.cuda_graphs=true")

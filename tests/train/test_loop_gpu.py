@@ -62,8 +62,10 @@ def test_padding_free_and_offload_on_cuda_give_the_padded_losses(workspace):
 
 
 @pytest.mark.parametrize("settings", [["model.dtype=bfloat16", "training.adapter_math=bf16"],
-                                      ["training.precision=bf16", "lora=null", "training.compile=true"]],
-                         ids=["lora-kernels", "full-autocast-compiled"])
+                                      ["training.precision=bf16", "lora=null", "training.compile=true"],
+                                      ["model.dtype=bfloat16", "lora.quantize_base=nf4",
+                                       "training.activation_checkpointing=true", "training.offload_embeddings=true"]],
+                         ids=["lora-kernels", "full-autocast-compiled", "qlora-checkpointed-embeddings-offloaded"])
 def test_cuda_graphs_give_the_eager_losses(workspace, settings):
     """Micro-steps replayed from a CUDA graph (after 3 eager ones), gradients accumulated over 2 micro-batches:
     the losses of the eager run, and the replays really ran (the loss keeps falling after the capture)."""
@@ -79,3 +81,15 @@ def test_cuda_graphs_give_the_eager_losses(workspace, settings):
     torch.testing.assert_close(losses(graphed), losses(eager), atol=2e-2, rtol=0)
     assert losses(graphed)[-1] < losses(graphed)[2]
     assert graphed.eval_after.loss < graphed.eval_before.loss
+
+
+def test_offloaded_embeddings_give_the_losses_of_embeddings_on_the_gpu(workspace):
+    common = ["model.device=cuda", "lora.dropout=0", "model.dtype=bfloat16", "training.max_steps=6"]
+    kept = train(recipe_for(workspace, *common, f"output.dir={workspace / 'k'}"), progress=False)
+    offloaded = train(recipe_for(workspace, *common, "training.offload_embeddings=true",
+                                 f"output.dir={workspace / 'o'}"), progress=False)
+
+    def losses(run):
+        return torch.tensor([r["loss"] for r in read_metrics(run.run_dir / "metrics.jsonl") if "loss" in r])
+
+    torch.testing.assert_close(losses(offloaded), losses(kept), atol=1e-3, rtol=0)

@@ -39,6 +39,9 @@ def add_parser(commands: argparse._SubParsersAction, parents: list[argparse.Argu
     parser.add_argument("--checkpointing", action="store_true", help="with activation checkpointing")
     parser.add_argument("--offload", action="store_true",
                         help="checkpointed activations offloaded to CPU memory (training.offload_activations)")
+    parser.add_argument("--offload-embeddings", action="store_true",
+                        help="LoRA and QLoRA rows: the frozen input-embedding table in CPU memory "
+                             "(training.offload_embeddings)")
     parser.add_argument("--kernels", action="store_true",
                         help="the fused kernels and the fused output-projection loss, as `entrenar train` runs on "
                              "CUDA (training.kernels: auto); default: the plain path with full logits, as on the CPU")
@@ -73,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
         "batch_size": args.batch_size, "seq_len": args.seq_len, "dtype_bytes": dtype_bytes,
         "lora_r": args.lora_r, "lora_targets": targets, "activation_checkpointing": args.checkpointing,
         "offload_activations": args.offload, "fused_loss_chunk": FUSED_LOSS_CHUNK if args.kernels else None,
-        "kernels": args.kernels,
+        "kernels": args.kernels, "offload_embeddings": args.offload_embeddings,
     }
     if args.offload and not args.checkpointing:
         raise ConfigError("--offload offloads checkpointed activations; add --checkpointing")
@@ -100,6 +103,7 @@ def run(args: argparse.Namespace) -> int:
     checkpointing = ("on, offloaded" if args.offload else "on") if args.checkpointing else "off"
     print(f"training memory for batch {args.batch_size} x {args.seq_len} tokens, {args.dtype}, "
           f"activation checkpointing {checkpointing}, "
+          f"{'input embeddings in CPU memory (LoRA, QLoRA), ' if args.offload_embeddings else ''}"
           f"{'fused kernels and loss' if args.kernels else 'plain path, full-logits loss'}:")
     print(format_estimates(estimates))
     return 0

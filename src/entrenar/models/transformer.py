@@ -301,6 +301,13 @@ class Transformer(nn.Module):
         return self.lm_head(hidden)
 
 
+def compute_device(model: nn.Module) -> torch.device:
+    """The device a model computes on: its parameters' device, not counting a frozen input-embedding table
+    kept in CPU memory for a GPU model (``training.offload_embeddings``)."""
+    devices = [p.device for p in model.parameters()]
+    return next((d for d in devices if d.type != "cpu"), devices[0] if devices else torch.device("cpu"))
+
+
 def checkpointed_layer_indices(num_layers: int, layers: bool | int | Sequence[int]) -> list[int]:
     """The layers to recompute: all (True), none (False), ``layers`` of them spread evenly (an int),
     or the listed indices (each checked to exist)."""

@@ -40,6 +40,7 @@ from entrenar.evaluate import EvalResult, autocast_for, eval_loss
 from entrenar.export import save_merged
 from entrenar.kernels import apply_kernels, triton_available
 from entrenar.kernels.fused_linear_ce import fused_linear_cross_entropy
+from entrenar.kernels.host_embedding import offload_embeddings
 from entrenar.lora import LoraConfig, apply_lora, load_lora_state_dict, lora_layers, lora_state_dict, save_adapter
 from entrenar.memory import FUSED_LOSS_CHUNK, LINEAR_NAMES, GiB, estimate_training_memory
 from entrenar.quant.checkpoint import save_qat_model
@@ -125,6 +126,14 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
     if t.offload_activations and device.type != "cuda":
         raise ConfigError(f"training.offload_activations: offloading moves activations from GPU to CPU memory; "
                           f"this run is on {device}")
+    if t.offload_embeddings:
+        if device.type != "cuda":
+            raise ConfigError(f"training.offload_embeddings: the table moves from GPU to CPU memory; this run is "
+                              f"on {device}")
+        try:
+            offload_embeddings(model)
+        except ValueError as e:
+            raise ConfigError(f"training.offload_embeddings: {e}") from None
     try:
         model.set_activation_checkpointing(t.activation_checkpointing, offload=t.offload_activations)
     except ValueError as e:
@@ -430,6 +439,7 @@ def _dry_run_report(recipe: Recipe, model, trainable, examples, validation, note
         dtype_bytes=2 if t.precision != "fp32" else 4, param_bytes=stored_bytes,
         lora_r=lora.r if lora else 16, lora_targets=sorted(wrapped & set(LINEAR_NAMES)),
         activation_checkpointing=len(model.checkpointed_layers), offload_activations=t.offload_activations,
+        offload_embeddings=t.offload_embeddings,
         optimizer=recipe.optimizer.name,
         fused_loss_chunk=FUSED_LOSS_CHUNK if fused_loss else None, kernels=kernels,
     )

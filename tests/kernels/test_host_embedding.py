@@ -1,0 +1,144 @@
+"""A frozen embedding table in pinned CPU memory, gathered by the GPU: the rows of nn.Embedding, and clear refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_checks import DEVICE, needs_cuda, needs_kernels
+from torch import nn
+
+from entrenar.kernels.host_embedding import (
+    HostEmbedding,
+    gather_rows,
+    offload_embeddings,
+)
+from entrenar.lora import LoraConfig, apply_lora
+from entrenar.models.config import ModelConfig
+from entrenar.models.transformer import Transformer
+
+
+def _model(tied: bool = False, device: str = "cpu", lora: bool = True) -> Transformer:
+    torch.manual_seed(3)
+    config = ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4,
+                         num_kv_heads=2, tie_word_embeddings=tied)
+    model = Transformer(config)
+    model.reset_parameters()
+    if lora:
+        apply_lora(model, LoraConfig(r=2, alpha=4.0))
+    return model.to(device=device, dtype=torch.bfloat16)
+
+
+@needs_kernels
+@pytest.mark.parametrize("width", [48, 4096 + 8], ids=["narrow", "wider-than-a-block"])
+def test_kernel_gathers_the_rows_of_the_table(width):
+    torch.manual_seed(0)
+    table = torch.randn(300, width, dtype=torch.bfloat16)
+    if DEVICE == "cuda":
+        table = table.pin_memory()
+    ids = torch.randint(0, 300, (3, 17), device=DEVICE)
+    rows = gather_rows(table, ids)
+    assert rows.device == ids.device and rows.shape == (3, 17, width)
+    assert torch.equal(rows.cpu(), nn.functional.embedding(ids.cpu(), table))
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="Triton's interpreter only")
+def test_an_id_outside_the_table_reads_nothing_outside_it():
+    """The interpreter skips device assertions; the kernel's masked read is what is left to check there."""
+    table = torch.randn(10, 8)
+    rows = gather_rows(table, torch.tensor([3, 10, -1]))
+    assert torch.equal(rows, table[[3, 0, 0]])
+
+
+@needs_cuda
+@needs_kernels
+def test_an_id_outside_the_table_stops_the_kernel(tmp_path):
+    """On the GPU the kernel's device-side assertion fires, as F.embedding's does (in a child process: it ends
+    the CUDA context)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "bad_id.py"
+    script.write_text(
+        "import torch\n"
+        "from entrenar.kernels.host_embedding import gather_rows\n"
+        "table = torch.randn(10, 8).pin_memory()\n"
+        "gather_rows(table, torch.tensor([3, 10], device='cuda'))\n"
+        "torch.cuda.synchronize()\n"
+    )
+    done = subprocess.run([sys.executable, str(script)], check=False, capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0
+    assert "token id outside the table" in done.stdout + done.stderr or "device-side assert" in done.stderr
+
+
+def test_a_table_that_trains_is_refused():
+    with pytest.raises(ValueError, match="frozen table"):
+        gather_rows(torch.randn(4, 2, requires_grad=True), torch.tensor([1]))
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"lora": False}, "trained in this run"),
+        ({"tied": True}, "tied to the output head"),
+        ({}, "on cpu; offloading moves them off a GPU"),
+    ],
+    ids=["trained", "tied", "on-cpu"],
+)
+def test_offload_refuses_what_it_cannot_serve(kwargs, message):
+    model = _model(**kwargs)
+    with pytest.raises(ValueError, match=message):
+        offload_embeddings(model)
+    assert type(model.model.embed_tokens) is nn.Embedding  # nothing changed
+
+
+def test_host_embedding_on_one_device_is_the_plain_embedding():
+    model = _model()
+    ids = torch.randint(0, 96, (2, 5))
+    expected = model(ids)
+    model.model.embed_tokens.__class__ = HostEmbedding
+    assert torch.equal(model(ids), expected)
+
+
+@needs_cuda
+@needs_kernels
+def test_offloaded_model_gives_the_same_logits_and_gradients_and_frees_the_table():
+    model = _model(device="cuda")
+    ids = torch.randint(0, 96, (2, 7), device="cuda")
+    expected = model(ids)
+    adapter = model.model.layers[0].self_attn.q_proj.lora_A.weight
+    expected_grads = torch.autograd.grad(expected.float().square().mean(), [adapter])
+    before = torch.cuda.memory_allocated()
+    freed = offload_embeddings(model)
+    assert freed == 96 * 32 * 2 and torch.cuda.memory_allocated() == before - freed
+    weight = model.model.embed_tokens.weight
+    assert weight.device.type == "cpu" and weight.is_pinned() and not weight.requires_grad
+    logits = model(ids)
+    assert torch.equal(logits, expected)
+    grads = torch.autograd.grad(logits.float().square().mean(), [adapter])
+    assert torch.equal(grads[0], expected_grads[0])
+
+
+@needs_cuda
+@needs_kernels
+def test_the_gather_records_in_a_cuda_graph():
+    table = torch.randn(50, 64, dtype=torch.bfloat16).pin_memory()
+    ids = torch.randint(0, 50, (4, 9), device="cuda")
+    gather_rows(table, ids)  # compile the kernel outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        rows = gather_rows(table, ids)
+    ids.copy_(torch.randint(0, 50, (4, 9), device="cuda"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(rows.cpu(), nn.functional.embedding(ids.cpu(), table))
+
+
+def test_a_model_computes_where_its_layers_are_not_where_its_offloaded_table_is():
+    from entrenar.models.transformer import compute_device
+
+    model = _model(device="meta")  # stands in for a GPU: any device that is not the CPU
+    assert compute_device(model) == torch.device("meta")
+    model.model.embed_tokens.weight = nn.Parameter(torch.zeros(96, 32, dtype=torch.bfloat16), requires_grad=False)
+    assert next(model.parameters()).device.type == "cpu"
+    assert compute_device(model) == torch.device("meta")
+    assert compute_device(_model()) == torch.device("cpu")
