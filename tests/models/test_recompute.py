@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import importlib
 
 import pytest
 import torch
@@ -59,12 +60,20 @@ def _backward_flops(model: Transformer, ids: torch.Tensor) -> int:
 
 
 def test_the_rerun_skips_the_down_projection_and_nothing_else(monkeypatch):
+    swiglu_module = importlib.import_module("entrenar.kernels.swiglu")  # the package re-exports a function of that name
     model = _model(nf4=False)
     model.set_activation_checkpointing(True)
     ids = torch.randint(0, 64, (2, 11))
+    products = []
+    real_swiglu = swiglu_module.swiglu
+    monkeypatch.setattr(swiglu_module, "swiglu", lambda *a, **k: products.append(1) or real_swiglu(*a, **k))
     skipping = _backward_flops(model, ids)
+    swiglus_skipping = len(products)
     monkeypatch.setattr(norm_projections, "recomputing", lambda: False)  # the rerun computes everything
     full = _backward_flops(model, ids)
+    # silu(gate) * up per block: forward's and backward's rebuild; a full rerun forms it once more in between
+    assert swiglus_skipping == 2 * CONFIG.num_layers
+    assert len(products) - swiglus_skipping == 3 * CONFIG.num_layers
     tokens = ids.numel()
     # per block: the base product [tokens, intermediate] x [intermediate, hidden], and the adapter's B product,
     # which the counter sees only where it counts in-place addmm_ (torch 2.13 does not)

@@ -157,11 +157,14 @@ class _SwigluLoraLinear(torch.autograd.Function):
     def forward(ctx, gate, up, weight, bias, lora_a, lora_b, scaling: float, compute_dtype: torch.dtype,
                 output_needed: bool):
         a, (b,) = adapters_in([lora_a], [lora_b], compute_dtype)
-        h = swiglu(gate, up).reshape(-1, gate.shape[-1])
         if output_needed:
+            h = swiglu(gate, up).reshape(-1, gate.shape[-1])
             (out,), xa = lora_projections_forward(h, [weight], [bias], a, [b], [scaling])
-        else:  # what backward reads, without the product itself (see swiglu_lora_linear)
-            xa, out = h.to(a.dtype) @ a.T, h.new_empty(h.shape[0], weight.shape[0])
+        else:  # see swiglu_lora_linear: neither the product nor h; A h is left to backward, which rebuilds h
+            n = gate.numel() // gate.shape[-1]
+            out = gate.new_empty(n, weight.shape[0])
+            # A stride-0 stand-in with A h's shape and dtype: what checkpointing checks the rerun's tensors against.
+            xa = torch.empty((), dtype=a.dtype, device=gate.device).expand(n, a.shape[0])
         save_bases(ctx, [weight], gate, up, xa, a, b)
         ctx.scaling, ctx.adapter_dtypes = scaling, (lora_a.dtype, lora_b.dtype)
         return out
@@ -171,6 +174,8 @@ class _SwigluLoraLinear(torch.autograd.Function):
         (gate, up, xa, a, b), (weight,) = saved_bases(ctx)
         need_gate, need_up, need_w, need_bias = ctx.needs_input_grad[:4]
         h = swiglu(gate, up, rebuild=True).reshape(-1, gate.shape[-1])
+        if xa.numel() and xa.stride() == (0, 0):  # saved by a rerun that left A h to backward
+            xa = h.to(a.dtype) @ a.T
         g = grad_out.reshape(-1, grad_out.shape[-1])
         need_h = need_gate or need_up
         dh, d_a, (d_b,) = lora_projections_backward([g], h, xa, [weight], a, [b], [ctx.scaling], need_h,
@@ -200,9 +205,10 @@ def swiglu_lora_linear(
     instead of keeping it (see the module docstring).
 
     ``output_needed=False`` saves what backward reads but returns an uninitialised
-    tensor instead of the product: no base product and, for an NF4 weight, no
-    dequantization. A checkpointed block's rerun asks for that
-    (:mod:`entrenar.models.recompute`); backward is the same either way.
+    tensor instead of the product: no base product, no dequantization of an NF4
+    weight, not even ``swiglu(gate, up)``, whose ``A h`` backward then forms from
+    the ``h`` it rebuilds anyway. A checkpointed block's rerun asks for that
+    (:mod:`entrenar.models.recompute`); the gradients are the same either way.
     """
     compute_dtype = adapter_compute_dtype(gate, lora_a, compute_dtype)
     (gate, up, weight, bias), autocast_off = autocast_inputs(gate, up, weight, bias)
