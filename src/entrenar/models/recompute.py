@@ -7,8 +7,9 @@ even stops it as soon as everything backward needs has been saved again), so
 work whose only use is the layer's output can be skipped during it. The
 largest such work in a decoder block is its last product, the MLP's down
 projection (a fifth of the block's FLOPs on Llama shapes): its backward needs
-its input, never its output. :func:`recomputing` is True during a rerun; the
-fused block (:class:`entrenar.kernels.norm_projections.FusedBlock`) reads it.
+its inputs (gate and up), never its output, nor even ``silu(gate) * up``,
+which it rebuilds. :func:`recomputing` is True during a rerun; the fused block
+(:class:`entrenar.kernels.norm_projections.FusedBlock`) reads it.
 """
 
 from __future__ import annotations
