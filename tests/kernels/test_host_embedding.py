@@ -7,6 +7,7 @@ import torch
 from kernel_checks import DEVICE, needs_cuda, needs_kernels
 from torch import nn
 
+from entrenar.errors import ConfigError
 from entrenar.kernels.host_embedding import (
     HostEmbedding,
     gather_rows,
@@ -17,14 +18,14 @@ from entrenar.models.config import ModelConfig
 from entrenar.models.transformer import Transformer
 
 
-def _model(tied: bool = False, device: str = "cpu", lora: bool = True) -> Transformer:
+def _model(tied: bool = False, device: str = "cpu", lora: bool | list[str] = True) -> Transformer:
     torch.manual_seed(3)
     config = ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4,
                          num_kv_heads=2, tie_word_embeddings=tied)
     model = Transformer(config)
     model.reset_parameters()
     if lora:
-        apply_lora(model, LoraConfig(r=2, alpha=4.0))
+        apply_lora(model, LoraConfig(r=2, alpha=4.0, **({"target_modules": lora} if isinstance(lora, list) else {})))
     return model.to(device=device, dtype=torch.bfloat16)
 
 
@@ -70,33 +71,51 @@ def test_an_id_outside_the_table_stops_the_kernel(tmp_path):
     assert "token id outside the table" in done.stdout + done.stderr or "device-side assert" in done.stderr
 
 
-def test_a_table_that_trains_is_refused():
-    with pytest.raises(ValueError, match="frozen table"):
+@needs_kernels
+def test_rows_of_a_table_with_a_row_stride_are_gathered():
+    """A view of some columns of a wider table: rows start ``stride(0)`` elements apart, not ``width``."""
+    table = torch.arange(80.0).view(8, 10)[:, :6]
+    if DEVICE == "cuda":
+        table = torch.arange(80.0).view(8, 10).pin_memory()[:, :6]
+    ids = torch.tensor([3, 7, 0], device=DEVICE)
+    assert torch.equal(gather_rows(table, ids).cpu(), nn.functional.embedding(ids.cpu(), table))
+
+
+def test_a_table_that_trains_or_whose_rows_are_not_contiguous_is_refused():
+    with pytest.raises(ConfigError, match="frozen table"):
         gather_rows(torch.randn(4, 2, requires_grad=True), torch.tensor([1]))
+    with pytest.raises(ConfigError, match=r"contiguous rows, got shape \(2, 4\) and strides \(1, 2\)"):
+        gather_rows(torch.randn(4, 2).T, torch.tensor([1]))
 
 
 @pytest.mark.parametrize(
     "kwargs, message",
     [
         ({"lora": False}, "trained in this run"),
-        ({"tied": True}, "tied to the output head"),
+        ({"tied": True}, "tied to lm_head.weight"),
         ({}, "on cpu; offloading moves them off a GPU"),
+        ({"lora": ["q_proj", "lm_head"]}, "on cpu; offloading moves them off a GPU"),  # a LoRA head holds no .weight
     ],
-    ids=["trained", "tied", "on-cpu"],
+    ids=["trained", "tied", "on-cpu", "lora-on-the-head"],
 )
 def test_offload_refuses_what_it_cannot_serve(kwargs, message):
     model = _model(**kwargs)
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ConfigError, match=r"model\.embed_tokens\.weight: .*" + message):
         offload_embeddings(model)
     assert type(model.model.embed_tokens) is nn.Embedding  # nothing changed
 
 
-def test_host_embedding_on_one_device_is_the_plain_embedding():
+def test_a_table_that_cannot_be_read_from_the_gpu_is_named():
+    """A table moved or unfrozen after offloading: one message naming it, not a device-mismatch traceback."""
     model = _model()
-    ids = torch.randint(0, 96, (2, 5))
-    expected = model(ids)
-    model.model.embed_tokens.__class__ = HostEmbedding
-    assert torch.equal(model(ids), expected)
+    embedding = model.model.embed_tokens
+    embedding.__class__ = HostEmbedding
+    ids = torch.zeros(2, 3, dtype=torch.long, device="meta")  # stands in for ids on a GPU
+    with pytest.raises(ConfigError, match=r"embed_tokens\.weight is on cpu \(not pinned\) and its ids on meta"):
+        embedding(ids)
+    embedding.weight.requires_grad_(True)
+    with pytest.raises(ConfigError, match=r"\(trainable\)"):
+        embedding(ids)
 
 
 @needs_cuda

@@ -95,3 +95,21 @@ def test_recomputing_is_set_only_during_the_rerun():
     y.sum().backward()
     assert seen == [False, True] and not recomputing()
     torch.testing.assert_close(x.grad, x.detach().cos())
+
+
+def test_a_rerun_in_one_thread_is_not_seen_in_another():
+    """Two models training in two threads (one per GPU) must not skip work because of each other's reruns."""
+    import threading
+
+    from entrenar.models.recompute import _rerun
+
+    seen = {}
+    with _rerun():
+        other = threading.Thread(target=lambda: seen.setdefault("other thread", recomputing()))
+        other.start()
+        other.join()
+        assert recomputing()
+        with _rerun():
+            assert recomputing()
+        assert recomputing()  # a nested rerun's exit restores, not clears
+    assert seen == {"other thread": False} and not recomputing()

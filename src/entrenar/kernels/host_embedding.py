@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from entrenar.errors import ConfigError
 from entrenar.kernels._common import (
     call_op,
     cdiv,
@@ -38,7 +39,7 @@ def _kernels() -> SimpleNamespace:
     import triton.language as tl
 
     @triton.jit(debug=True)  # keeps the device_assert below (Triton drops asserts otherwise)
-    def gather(TABLE, IDS, OUT, n_rows, width, BLOCK: tl.constexpr):
+    def gather(TABLE, IDS, OUT, n_rows, width, row_stride, BLOCK: tl.constexpr):
         # One program per (id, block of columns).
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -47,7 +48,7 @@ def _kernels() -> SimpleNamespace:
         tl.device_assert(inside, "embedding: token id outside the table")
         idx = tl.where(inside, idx, 0)
         mask = cols < width
-        tl.store(OUT + row * width + cols, tl.load(TABLE + idx * width + cols, mask=mask), mask=mask)
+        tl.store(OUT + row * width + cols, tl.load(TABLE + idx * row_stride + cols, mask=mask), mask=mask)
 
     return SimpleNamespace(gather=gather)
 
@@ -58,7 +59,7 @@ def _gather_impl(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     if flat.numel():
         block = min(next_power_of_2(table.shape[1]), 2048)
         _kernels().gather[(flat.numel(), cdiv(table.shape[1], block))](
-            table, flat, out, table.shape[0], table.shape[1], BLOCK=block, num_warps=4)
+            table, flat, out, table.shape[0], table.shape[1], table.stride(0), BLOCK=block, num_warps=4)
     return out.view(*ids.shape, table.shape[1])
 
 
@@ -78,7 +79,10 @@ def gather_rows(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     one device and this is ``F.embedding``.
     """
     if table.requires_grad:
-        raise ValueError("gather_rows reads a frozen table; this one requires grad")
+        raise ConfigError("gather_rows reads a frozen table; this one requires grad")
+    if table.dim() != 2 or table.stride(1) != 1:
+        raise ConfigError(f"gather_rows reads a [rows, width] table with contiguous rows, got shape "
+                          f"{tuple(table.shape)} and strides {table.stride()}")
     if use_triton(ids):
         return call_op(_gather, _gather_impl, table, ids)
     return F.embedding(ids, table)
@@ -89,9 +93,15 @@ class HostEmbedding(nn.Embedding):
     (:func:`offload_embeddings`); same parameter, same state dict."""
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if self.weight.device != ids.device and not self.weight.requires_grad:
-            return gather_rows(self.weight, ids)
-        return super().forward(ids)
+        weight = self.weight
+        if weight.device == ids.device:
+            return super().forward(ids)
+        if weight.requires_grad or (weight.device.type == "cpu" and not weight.is_pinned()):
+            raise ConfigError(
+                f"embed_tokens.weight is on {weight.device} ({'trainable' if weight.requires_grad else 'not pinned'}) "
+                f"and its ids on {ids.device}: the GPU reads only a frozen table in pinned CPU memory "
+                "(call offload_embeddings(model) again after changing the table, or move the model to one device)")
+        return gather_rows(weight, ids)
 
 
 def offload_embeddings(model: nn.Module) -> int:
@@ -105,16 +115,20 @@ def offload_embeddings(model: nn.Module) -> int:
     """
     embedding = model.model.embed_tokens
     weight = embedding.weight
+    name = "model.embed_tokens.weight"
     if type(embedding) not in (nn.Embedding, HostEmbedding):
-        raise ValueError(f"the input embeddings are a {type(embedding).__name__}, not an nn.Embedding")
+        raise ConfigError(f"{name}: the input embeddings are a {type(embedding).__name__}, not an nn.Embedding")
     if weight.requires_grad:
-        raise ValueError("the input embeddings are trained in this run; only a frozen table can stay in CPU memory")
-    if getattr(model, "lm_head", None) is not None and model.lm_head.weight is weight:
-        raise ValueError("the input embeddings are tied to the output head, whose products need them on the GPU")
+        raise ConfigError(f"{name}: the input embeddings are trained in this run; only a frozen table can stay in "
+                          "CPU memory")
+    sharing = [n for n, p in model.named_parameters(remove_duplicate=False) if p is weight and n != name]
+    if sharing:
+        raise ConfigError(f"{name}: the input embeddings are tied to {sharing[0]}, whose products need them on the "
+                          "GPU")
     if not weight.is_cuda:
-        raise ValueError(f"the input embeddings are on {weight.device}; offloading moves them off a GPU")
+        raise ConfigError(f"{name}: the input embeddings are on {weight.device}; offloading moves them off a GPU")
     if not triton_available():
-        raise ValueError("reading the table from CPU memory needs Triton, which does not import here")
+        raise ConfigError(f"{name}: reading the table from CPU memory needs Triton, which does not import here")
     freed = weight.numel() * weight.element_size()
     with torch.no_grad():
         embedding.weight = nn.Parameter(weight.detach().to("cpu").pin_memory(), requires_grad=False)

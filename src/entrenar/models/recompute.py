@@ -6,7 +6,7 @@ output is thrown away (non-reentrant :func:`torch.utils.checkpoint.checkpoint`
 even stops it as soon as everything backward needs has been saved again), so
 work whose only use is the layer's output can be skipped during it. The
 largest such work in a decoder block is its last product, the MLP's down
-projection (a fifth of the block's FLOPs on Llama shapes): its backward needs
+projection (about a quarter of the block's matrix-product FLOPs on Llama shapes): its backward needs
 its inputs (gate and up), never its output, nor even ``silu(gate) * up``,
 which it rebuilds. :func:`recomputing` is True during a rerun; the fused block
 (:class:`entrenar.kernels.norm_projections.FusedBlock`) reads it.
@@ -15,32 +15,33 @@ which it rebuilds. :func:`recomputing` is True during a rerun; the fused block
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable, Iterator
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
-# A module global rather than a thread-local: the rerun happens on autograd's device thread, while the
-# thread that called backward() waits, and torch.compile guards on a global's value (a thread-local breaks the graph).
-_rerunning = False
+# Per thread: the rerun runs on the thread that enters its context (autograd's device thread for a GPU), and
+# two models training in two threads must not see each other's reruns.
+_state = threading.local()
 
 
 def recomputing() -> bool:
     """True while a layer checkpointed by :func:`checkpointed` reruns its forward for backward, in eager mode.
 
-    Under ``torch.compile`` this is always False: the compiler decides itself what a traced rerun computes.
+    Under ``torch.compile`` this is always False (and not guarded on): the compiler decides itself what a
+    traced rerun computes.
     """
-    return _rerunning and not torch.compiler.is_compiling()
+    return not torch.compiler.is_compiling() and getattr(_state, "rerunning", False)
 
 
 @contextlib.contextmanager
 def _rerun() -> Iterator[None]:
-    global _rerunning
-    before, _rerunning = _rerunning, True
+    before, _state.rerunning = getattr(_state, "rerunning", False), True
     try:
         yield
     finally:
-        _rerunning = before
+        _state.rerunning = before
 
 
 def _contexts() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:

@@ -132,7 +132,7 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
                               f"on {device}")
         try:
             offload_embeddings(model)
-        except ValueError as e:
+        except ConfigError as e:
             raise ConfigError(f"training.offload_embeddings: {e}") from None
     try:
         model.set_activation_checkpointing(t.activation_checkpointing, offload=t.offload_activations)
