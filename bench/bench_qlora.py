@@ -443,6 +443,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default="bench_qlora.json")
     parser.add_argument("--budget-s", type=float, default=math.inf, help="start no new row after this many seconds")
     parser.add_argument("--no-profile", action="store_true")
+    parser.add_argument("--steps", type=int, default=None, help="steps per row, warm-up included (default: the row's)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("bench_qlora.py needs a CUDA GPU")
@@ -461,7 +462,7 @@ def main(argv: list[str] | None = None) -> None:
             continue
         t0 = time.perf_counter()
         try:
-            row = ROWS[name]
+            row = ROWS[name] if args.steps is None else replace(ROWS[name], steps=args.steps)
             with reference_dequantization(row.torch_dequant), full_rerun(row.full_rerun):
                 results.append(run_row(name, row, batches, profile=not args.no_profile))
         except Exception as err:  # a failed row is reported and the others still run
