@@ -15,8 +15,8 @@ precision, so the numbers equal the two nodes in turn.
 :class:`FusedBlock` is the decoder block that uses it where its norms and
 projections allow, and otherwise runs the norm and its module's projections
 as the plain block does. When a checkpointed block reruns for backward
-(:mod:`entrenar.models.recompute`), it skips the down projection's product,
-whose output that rerun throws away.
+(:mod:`entrenar.models.recompute`), it skips the down projection's product
+and the SwiGLU product before it: that rerun's output is thrown away.
 """
 
 from __future__ import annotations
