@@ -307,15 +307,15 @@ KERNEL_KINDS = (("dequantize", ("dequant",)), ("attention", ("flash", "fmha", "a
                 ("matmul", ("gemm", "xmma", "cutlass", "nvjet", "sm90_", "cublas")))
 
 
-def profile_step(model: nn.Module, ids: torch.Tensor, step: Callable, opt: torch.optim.Optimizer) -> dict:
-    """GPU time of one training step, by kernel kind (names matched loosely), and the 30 largest kernels
-    (name, ms, launches)."""
+def profile_step(forward_backward: Callable[[], object], opt: torch.optim.Optimizer, set_to_none: bool) -> dict:
+    """GPU time of one eager training step, by kernel kind (names matched loosely), the 30 largest kernels
+    (name, ms, launches) and the 15 most launched (name, launches, ms)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        step(model, ids).backward()
+        forward_backward()
         opt.step()
-        opt.zero_grad(set_to_none=True)
+        opt.zero_grad(set_to_none=set_to_none)
         torch.cuda.synchronize()
     kernels: dict[str, float] = {}
     launches: dict[str, int] = {}
@@ -330,8 +330,47 @@ def profile_step(model: nn.Module, ids: torch.Tensor, step: Callable, opt: torch
         kind = next((k for k, marks in KERNEL_KINDS if any(m in low for m in marks)), "other")
         by_kind[kind] += us / 1e3
     top = sorted(kernels.items(), key=lambda kv: -kv[1])[:30]
+    most_launched = sorted(launches.items(), key=lambda kv: -kv[1])[:15]
     return {"ms_by_kind": by_kind, "ms_total": sum(by_kind.values()), "launches": sum(launches.values()),
-            "top_kernels_ms": [(name[:120], us / 1e3, launches[name]) for name, us in top]}
+            "top_kernels_ms": [(name[:120], us / 1e3, launches[name]) for name, us in top],
+            "most_launched": [(name[:120], n, kernels[name] / 1e3) for name, n in most_launched]}
+
+
+def replay_timeline(replay: Callable[[], object]) -> dict:
+    """Where one CUDA-graph replay's time goes: the span from its first kernel's start to its last one's end,
+    the time some kernel (or copy, or memset) runs, and the idle gaps between them by size, with the largest
+    gaps and what ran on either side."""
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        start.record()
+        replay()
+        end.record()
+        torch.cuda.synchronize()
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        trace = json.load(open(f.name))
+    ops = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in trace.get("traceEvents", [])
+                 if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
+    if not ops:
+        return {"error": "no device events in the trace"}
+    busy, gaps, reach, before = 0.0, [], ops[0][0], ops[0][2]
+    for begin, finish, name in ops:
+        if begin > reach:
+            gaps.append((begin - reach, before, name))
+        busy += max(0.0, finish - max(begin, reach))
+        if finish > reach:
+            reach, before = finish, name
+    buckets = {"<2us": (0, 2), "2-5us": (2, 5), "5-20us": (5, 20), "20-100us": (20, 100), ">=100us": (100, 1e12)}
+    return {"replay_ms_events": start.elapsed_time(end), "span_ms": (reach - ops[0][0]) / 1e3,
+            "busy_ms": busy / 1e3, "device_ops": len(ops),
+            "gaps": {k: [sum(1 for g in gaps if lo <= g[0] < hi), round(sum(g[0] for g in gaps if lo <= g[0] < hi) / 1e3, 3)]
+                     for k, (lo, hi) in buckets.items()},
+            "largest_gaps_us": [(round(g[0], 1), g[1][:70], g[2][:70]) for g in sorted(gaps, reverse=True)[:12]]}
 
 
 def run_row(name: str, row: Row, batches: list[torch.Tensor], profile: bool) -> Result:
@@ -376,9 +415,15 @@ def run_row(name: str, row: Row, batches: list[torch.Tensor], profile: bool) -> 
     result.tokens_per_s = BATCH * SEQ / (result.step_ms_median / 1e3)
     if profile:
         try:
-            result.profile = profile_step(model, batches[0], step, opt)
+            result.profile = profile_step(lambda: forward_backward({"ids": batches[0]}), opt,
+                                          set_to_none=not row.cuda_graph)
         except Exception as err:  # the profiler is a nicety; the timings stand without it
             result.profile = {"error": f"{type(err).__name__}: {err}"[:300]}
+        if row.cuda_graph:
+            try:
+                result.profile["graph_replay"] = replay_timeline(lambda: run({"ids": batches[0]}))
+            except Exception as err:
+                result.profile["graph_replay"] = {"error": f"{type(err).__name__}: {err}"[:300]}
     del model, opt, params, loss, run
     return result
 
@@ -423,6 +468,10 @@ def print_report(results: list[Result], est: dict) -> None:
         if r.profile and "ms_by_kind" in r.profile:
             kinds = ", ".join(f"{k} {v:.1f}" for k, v in r.profile["ms_by_kind"].items())
             print(f"profile {r.row}: {r.profile['ms_total']:.1f} ms of kernels ({kinds})")
+        replay = (r.profile or {}).get("graph_replay")
+        if replay and "span_ms" in replay:
+            print(f"  graph replay {r.row}: {replay['replay_ms_events']:.1f} ms (events), span {replay['span_ms']:.1f}, "
+                  f"busy {replay['busy_ms']:.1f}, {replay['device_ops']} device ops, gaps [count, ms] {replay['gaps']}")
 
 
 def environment() -> dict:
