@@ -40,6 +40,10 @@ Rows (``--rows``):
   loop-*-fullrerun        checkpointed blocks rerun their whole forward in backward, the down projection's
                           product included (what the fused blocks did before the sixth call set)
   loop-qlora-*emb*        the input-embedding table in pinned CPU memory (``training.offload_embeddings``)
+  loop-qlora-*-off-ckptC  C of 32 blocks checkpointed and what every block but the last saves (a checkpointed
+                          one: its input) in pinned CPU memory until backward (``training.offload_activations``)
+  loop-qlora-*-offN-ckptC the same with only the first N blocks' saves offloaded
+  loop-qlora-*-lagK       the copies of K blocks (not 2) may lag behind the compute in forward
 
 Reported per row: tokens/s from the median step time after warm-up (CUDA
 events around forward, backward and optimizer step), peak GPU memory
@@ -102,6 +106,8 @@ class Row:
     checkpointed: bool | int = True  # activation checkpointing: every block, or this many spread over the depth
     full_rerun: bool = False  # checkpointed blocks rerun their down projection too (as before the sixth call set)
     offload_embeddings: bool = False  # the input-embedding table in pinned CPU memory (training.offload_embeddings)
+    offload_activations: bool | int = False  # what blocks save in pinned CPU memory (training.offload_activations)
+    offload_in_flight: int = 0  # blocks whose copies to the CPU may lag (0: ActivationOffload's default)
     lora_row: str | None = None  # the 16-bit LoRA row this QLoRA row is compared with
     steps: int = 10
     warmup: int = 3
@@ -138,6 +144,20 @@ ROWS: dict[str, Row] = {
     **{f"loop-qlora-cudagraph-emb{suffix}": Row("nf4", **LOOP, cuda_graph=True, offload_embeddings=True,
                                                 checkpointed=n, lora_row="loop-lora-cudagraph")
        for suffix, n in (("", True), ("-ckpt29", 29), ("-ckpt28", 28), ("-ckpt27", 27), ("-ckpt26", 26))},
+    **{f"loop-qlora-cudagraph-emb-off-ckpt{n}": Row("nf4", **LOOP, cuda_graph=True, offload_embeddings=True,
+                                                   offload_activations=True, checkpointed=n,
+                                                   lora_row="loop-lora-cudagraph")
+       for n in (29, 26, 24, 22, 20, 18, 16)},
+    **{f"loop-qlora-cudagraph-emb-off{n}-ckpt{c}": Row("nf4", **LOOP, cuda_graph=True, offload_embeddings=True,
+                                                       offload_activations=n, checkpointed=c,
+                                                       lora_row="loop-lora-cudagraph")
+       for n, c in ((28, 20), (26, 20), (26, 18), (28, 18), (24, 16), (26, 16), (24, 18))},
+    **{f"loop-qlora-cudagraph-emb-off-ckpt{c}-lag{lag}": Row("nf4", **LOOP, cuda_graph=True, offload_embeddings=True,
+                                                           offload_activations=True, checkpointed=c,
+                                                           offload_in_flight=lag, lora_row="loop-lora-cudagraph")
+       for c in (18, 20, 22) for lag in (3, 4)},
+    "loop-qlora-emb-off-ckpt22": Row("nf4", **LOOP, offload_embeddings=True, offload_activations=True,
+                                     checkpointed=22, lora_row="loop-lora"),
     "entrenar-qlora-chunked": Row("nf4", loss="chunked", lora_row="entrenar-lora-chunked"),
     "entrenar-lora-chunked": Row("bf16", loss="chunked"),
     "entrenar-qlora-torchdq": Row("nf4", torch_dequant=True, steps=5, warmup=2, lora_row="entrenar-lora"),
@@ -195,7 +215,9 @@ def build_entrenar(row: Row) -> nn.Module:
         from entrenar.kernels.host_embedding import offload_embeddings
 
         offload_embeddings(model)
-    model.set_activation_checkpointing(row.checkpointed)
+    model.set_activation_checkpointing(row.checkpointed, offload=row.offload_activations)
+    if row.offload_in_flight and model.activation_offload is not None:
+        model.activation_offload.in_flight = row.offload_in_flight
     if row.kernels:
         from entrenar.kernels import apply_kernels
 
@@ -338,8 +360,8 @@ def profile_step(forward_backward: Callable[[], object], opt: torch.optim.Optimi
 
 def replay_timeline(replay: Callable[[], object]) -> dict:
     """Where one CUDA-graph replay's time goes: the span from its first kernel's start to its last one's end,
-    the time some kernel (or copy, or memset) runs, and the idle gaps between them by size, with the largest
-    gaps and what ran on either side."""
+    the time some kernel (or memset) runs, and the idle gaps between them by size, with the largest gaps and
+    what ran on either side; and the time copies ran (beside the kernels)."""
     import tempfile
 
     from torch.profiler import ProfilerActivity, profile
@@ -354,8 +376,10 @@ def replay_timeline(replay: Callable[[], object]) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
         trace = json.load(open(f.name))
-    ops = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in trace.get("traceEvents", [])
-                 if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
+    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
+    copies_ms = sum(e["dur"] for e in events if e.get("cat") == "gpu_memcpy") / 1e3
+    # Kernels only: copies run beside them on their own engines (offloaded activations).
+    ops = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events if e.get("cat") in ("kernel", "gpu_memset"))
     if not ops:
         return {"error": "no device events in the trace"}
     busy, gaps, reach, before = 0.0, [], ops[0][0], ops[0][2]
@@ -367,7 +391,7 @@ def replay_timeline(replay: Callable[[], object]) -> dict:
             reach, before = finish, name
     buckets = {"<2us": (0, 2), "2-5us": (2, 5), "5-20us": (5, 20), "20-100us": (20, 100), ">=100us": (100, 1e12)}
     return {"replay_ms_events": start.elapsed_time(end), "span_ms": (reach - ops[0][0]) / 1e3,
-            "busy_ms": busy / 1e3, "device_ops": len(ops),
+            "busy_ms": busy / 1e3, "device_ops": len(ops), "copies_ms": copies_ms,
             "gaps": {k: [sum(1 for g in gaps if lo <= g[0] < hi), round(sum(g[0] for g in gaps if lo <= g[0] < hi) / 1e3, 3)]
                      for k, (lo, hi) in buckets.items()},
             "largest_gaps_us": [(round(g[0], 1), g[1][:70], g[2][:70]) for g in sorted(gaps, reverse=True)[:12]]}
@@ -471,7 +495,8 @@ def print_report(results: list[Result], est: dict) -> None:
         replay = (r.profile or {}).get("graph_replay")
         if replay and "span_ms" in replay:
             print(f"  graph replay {r.row}: {replay['replay_ms_events']:.1f} ms (events), span {replay['span_ms']:.1f}, "
-                  f"busy {replay['busy_ms']:.1f}, {replay['device_ops']} device ops, gaps [count, ms] {replay['gaps']}")
+                  f"busy {replay['busy_ms']:.1f}, copies {replay['copies_ms']:.1f}, {replay['device_ops']} kernels, "
+                  f"gaps [count, ms] {replay['gaps']}")
 
 
 def environment() -> dict:

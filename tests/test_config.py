@@ -224,6 +224,10 @@ def test_bad_value_names_line_key_and_rule(tmp_path):
         ("precision: bf61", "'training.precision' must be one of: fp32, bf16, fp16, got 'bf61' (did you mean 'bf16'?)"),
         ("max_grad_norm: .nan", "'training.max_grad_norm' must be a number >= 0, got nan"),
         ("eval_batches: 0", "'training.eval_batches' must be an integer > 0 or null, got 0"),
+        ("offload_activations: -1",
+         "'training.offload_activations' must be true, false, or a number of layers (the first ones), got -1"),
+        ("offload_activations: 'first'",
+         "'training.offload_activations' must be true, false, or a number of layers (the first ones), got 'first'"),
     ],
 )
 def test_value_rules(tmp_path, line, expected):

@@ -132,3 +132,25 @@ def test_the_fused_loss_holds_one_chunk_of_logits_which_a_rebuilt_layer_can_hide
     # Under checkpointing the chunk (gone after forward) and the layer rebuilt in backward never coexist.
     ckpt = estimate_training_memory(CONFIG, "lora", 4, 2048, fused_loss_chunk=1024, activation_checkpointing=True)
     assert ckpt.logits == tokens * h * 2  # this layer (8192 tokens) outweighs a 1024 x 256 chunk
+
+
+def test_offloaded_activations_leave_the_gpu_but_the_last_layer_and_two_in_flight():
+    cfg = ModelConfig(vocab_size=1000, hidden_size=256, intermediate_size=512, num_layers=8, num_heads=4,
+                      num_kv_heads=2)
+    tokens, layer_input = 2 * 512, 256 * 2
+
+    def activations(checkpointing, offload) -> int:
+        return estimate_training_memory(cfg, "lora", 2, 512, activation_checkpointing=checkpointing,
+                                        offload_activations=offload).activations
+
+    kept = activations(False, False)
+    whole_layer = (kept - activations(False, 7)) // 5  # 7 offloaded whole layers: 5 leave, 2 stay in flight
+    assert whole_layer > layer_input * tokens
+    # More layers offloaded, less kept, down to the last layer plus two in flight; all of them = true.
+    on_gpu = [activations(False, n) for n in range(9)]
+    assert on_gpu == sorted(on_gpu, reverse=True) and on_gpu[0] == kept
+    assert on_gpu[2] == on_gpu[1] == on_gpu[0]  # up to two offloaded layers are still in flight
+    assert on_gpu[3] == kept - whole_layer
+    assert activations(False, True) == on_gpu[7] == on_gpu[8] == kept - 5 * whole_layer
+    # Checkpointed layers keep only their input, which offloading takes too (not the last layer's).
+    assert activations(True, False) - activations(True, True) == 7 * tokens * layer_input

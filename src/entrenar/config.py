@@ -282,6 +282,13 @@ def _checkpoint_layers(value: Any) -> bool | int | tuple[int, ...]:
     raise _Reject(expected)
 
 
+def _offload_layers(value: Any) -> bool | int:
+    """Activation offload: true (every layer but the last), false, or a number of layers (the first ones)."""
+    if isinstance(value, bool) or (isinstance(value, int) and value >= 0):
+        return value
+    raise _Reject("true, false, or a number of layers (the first ones)")
+
+
 def _key(default: Any, rule: Rule) -> Any:
     """A dataclass field with a default and the rule its values must pass."""
     if isinstance(default, dict):
@@ -411,7 +418,9 @@ class TrainingSection(_Section):
     max_grad_norm: float = _key(1.0, _number(0.0))
     precision: str = _key("fp32", _choice("fp32", "bf16", "fp16"))
     activation_checkpointing: bool | int | tuple[int, ...] = _key(False, _checkpoint_layers)
-    offload_activations: bool = _key(False, _boolean)  # checkpointed layers' inputs wait in CPU memory (CUDA)
+    # what layers keep for backward waits in pinned CPU memory (a checkpointed layer: its input) (CUDA): every
+    # layer but the last (true), or the first N
+    offload_activations: bool | int = _key(False, _offload_layers)
     # the frozen input-embedding table stays in pinned CPU memory, read by the GPU (LoRA/QLoRA on CUDA)
     offload_embeddings: bool = _key(False, _boolean)
     compile: bool = _key(False, _boolean)
@@ -491,12 +500,6 @@ class Recipe:
                 f"'lora.quantize_base' must be null when 'qat' is set, got {_show(self.lora.quantize_base)} "
                 "(QAT fake-quantizes full-precision weights; LoRA-QAT is 'qat' with a plain 'lora' section)",
             )
-        if self.training.offload_activations and self.training.activation_checkpointing in (False, 0, ()):
-            raise _BadValue(
-                "training.offload_activations",
-                "'training.offload_activations' offloads the inputs of checkpointed layers, but "
-                "'training.activation_checkpointing' checkpoints none (set it to true, a number of layers or a list)",
-            )
         if self.training.offload_activations and self.model.device == "cpu":
             raise _BadValue(
                 "training.offload_activations",
@@ -523,11 +526,6 @@ class Recipe:
                 "training.cuda_graphs",
                 "'training.cuda_graphs' needs batches of one layout, and 'data.padding_free' changes it with every "
                 "batch (turn one of them off)",
-            )
-        if self.training.cuda_graphs and self.training.offload_activations:
-            raise _BadValue(
-                "training.cuda_graphs",
-                "'training.cuda_graphs' cannot record the copies of 'training.offload_activations' (turn one off)",
             )
         if self.training.precision == "fp16" and self.model.device == "cpu":
             raise _BadValue(

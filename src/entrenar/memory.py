@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass
 
 from entrenar.errors import ConfigError
 from entrenar.models.config import ModelConfig
+from entrenar.models.transformer import checkpointed_layer_indices, offloaded_layer_indices
 
 GiB = 2**30
 LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -102,7 +103,7 @@ def estimate_training_memory(
     param_bytes: int | None = None,
     optimizer: str = "adamw",
     fused_loss_chunk: int | None = None,
-    offload_activations: bool = False,
+    offload_activations: bool | int = False,
     kernels: bool = False,
     offload_embeddings: bool = False,
 ) -> MemoryEstimate:
@@ -115,8 +116,10 @@ def estimate_training_memory(
     trainable parameter, SGD with momentum one. `fused_loss_chunk` (tokens per
     chunk) models the fused output-projection loss (its GPU kernel) instead of full logits.
     `activation_checkpointing` is True (every layer), False, or how many layers
-    recompute in backward; `offload_activations` keeps those layers' inputs in
-    CPU memory, so they hold nothing on the GPU. `kernels` models the fused
+    recompute in backward (spread over the depth as the model spreads them);
+    `offload_activations` keeps what layers save in CPU memory
+    (:mod:`entrenar.models.offload`): every layer's but the last's (True) or
+    the first N layers'. `kernels` models the fused
     kernels' activations (:func:`activation_bytes_per_token_layer`), as
     `entrenar train` runs on CUDA. `offload_embeddings` keeps a LoRA or QLoRA
     base's input-embedding table in CPU memory (not a tied one, which the
@@ -151,10 +154,19 @@ def estimate_training_memory(
         # Adapter inputs are the projections' inputs, already saved; add the r-wide middles.
         per_layer += 7 * lora_r * 4
     n_layers = config.num_layers
-    recomputed = n_layers if activation_checkpointing is True else min(int(activation_checkpointing), n_layers)
-    # A recomputed layer keeps only its input (unless offloaded), and one of them at a time is rebuilt whole.
-    kept_input = 0 if offload_activations else config.hidden_size * dtype_bytes
-    activations = tokens * ((n_layers - recomputed) * per_layer + recomputed * kept_input)
+    if isinstance(activation_checkpointing, int) and not isinstance(activation_checkpointing, bool):
+        activation_checkpointing = min(activation_checkpointing, n_layers)
+    recomputed_layers = set(checkpointed_layer_indices(n_layers, activation_checkpointing))
+    offloaded = set(offloaded_layer_indices(n_layers, offload_activations if offload_activations is True
+                                            else min(int(offload_activations), n_layers)))
+    recomputed = len(recomputed_layers)
+    # A recomputed layer keeps only its input, and one of them at a time is rebuilt whole. An offloaded layer
+    # keeps nothing on the GPU, but in backward one comes back ahead of the one that runs, and in forward the
+    # copies of two may still be running: two offloaded layers' worth.
+    whole = [i for i in range(n_layers) if i not in recomputed_layers]
+    kept_whole = sum(i not in offloaded for i in whole) + min(sum(i in offloaded for i in whole), 2)
+    kept_inputs = sum(i not in offloaded for i in recomputed_layers)
+    activations = tokens * (kept_whole * per_layer + kept_inputs * config.hidden_size * dtype_bytes)
     rebuilt = tokens * per_layer if recomputed else 0
     activations += rebuilt
     activations += tokens * config.hidden_size * (dtype_bytes + 4)  # final norm

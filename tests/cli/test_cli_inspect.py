@@ -68,8 +68,13 @@ def test_offload_and_kernels_flags_reach_the_estimate(capsys, hf_folder):
     report = inspect_json(capsys, folder, "--checkpointing", "--offload", "--kernels")
     assert report["memory"]["estimates"]["qlora"] == expected.as_dict()
     assert expected.total < estimate_training_memory(read_config(folder), "qlora", activation_checkpointing=True).total
-    code, _, err = run_cli(capsys, "inspect", folder, "--offload")
-    assert code == 2 and "--offload offloads checkpointed activations; add --checkpointing" in err
+    # Some layers checkpointed, the others' activations offloaded too: less than either alone.
+    some = inspect_json(capsys, folder, "--checkpointing", "1", "--offload")["memory"]["estimates"]["qlora"]
+    assert some == estimate_training_memory(read_config(folder), "qlora", activation_checkpointing=1,
+                                            offload_activations=True).as_dict()
+    assert some["total"] < estimate_training_memory(read_config(folder), "qlora", activation_checkpointing=1).total
+    code, _, err = run_cli(capsys, "inspect", folder, "--checkpointing", "99")
+    assert code == 2 and "--checkpointing: cannot checkpoint 99 layers of a 2-layer model" in err
 
 
 def test_offload_embeddings_flag_reaches_the_estimate(capsys, hf_folder):

@@ -1,44 +1,143 @@
-"""Offloaded activation checkpointing on a GPU: the layer inputs leave GPU memory and the gradients stay the same."""
+"""Activation offload on a GPU: what the blocks save leaves GPU memory, and the gradients stay the same."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from entrenar.kernels import apply_kernels
+from entrenar.lora import LoraConfig, apply_lora, lora_parameters
 from entrenar.models.config import ModelConfig
 from entrenar.models.transformer import Transformer
+from entrenar.quant.nf4 import quantize_model_nf4
+from entrenar.train.cuda_graph import GraphedMicroStep
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="offloading moves GPU memory to the CPU")
 
 CONFIG = ModelConfig(vocab_size=512, hidden_size=512, intermediate_size=1024, num_layers=6, num_heads=8,
                      num_kv_heads=4, model_type="llama")
+LAYER_INPUT = 2 * 4096 * CONFIG.hidden_size * 2  # [B, T, hidden] bf16 at the tests' batch
 
 
-def _forward_backward(offload: bool, ids: torch.Tensor) -> tuple[int, dict[str, torch.Tensor]]:
+def _model(checkpointing, offload: bool, qlora: bool = False) -> Transformer:
     torch.manual_seed(0)
     model = Transformer(CONFIG).cuda().to(torch.bfloat16)
     model.reset_parameters()
-    model.set_activation_checkpointing(True, offload=offload)
+    if qlora:
+        quantize_model_nf4(model)
+        apply_lora(model, LoraConfig(r=8, alpha=16.0))
+        for p in lora_parameters(model):
+            torch.nn.init.normal_(p, std=0.02)
+        apply_kernels(model, lora_compute_dtype=torch.bfloat16)
+    model.set_activation_checkpointing(checkpointing, offload=offload)
+    return model
+
+
+def _loss(model: Transformer, ids: torch.Tensor) -> torch.Tensor:
+    return model.hidden_states(ids).float().square().mean()
+
+
+def _held_after_forward(model: Transformer, ids: torch.Tensor) -> tuple[int, torch.Tensor]:
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     out = model.hidden_states(ids)
     torch.cuda.synchronize()
-    torch.empty(1, device="cuda")  # lets the allocator take back blocks whose side-stream copies have finished
-    held = torch.cuda.memory_allocated() - before - out.untyped_storage().nbytes()
-    out.float().square().mean().backward()
-    return held, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return torch.cuda.memory_allocated() - before - out.untyped_storage().nbytes(), out
 
 
-def test_offload_moves_checkpointed_inputs_to_the_cpu_and_keeps_the_gradients():
-    ids = torch.randint(0, CONFIG.vocab_size, (2, 4096), device="cuda")
-    held_on_gpu, grads = _forward_backward(False, ids)
-    held_offloaded, grads_offloaded = _forward_backward(True, ids)
-    layer_input = 2 * 4096 * CONFIG.hidden_size * 2  # [B, T, hidden] bf16
-    # Checkpointing alone keeps every layer's input (plus the small RoPE tables); offloading keeps none of them.
-    assert held_on_gpu >= CONFIG.num_layers * layer_input
-    assert held_offloaded <= held_on_gpu - CONFIG.num_layers * layer_input, (held_on_gpu, held_offloaded)
-    assert len(grads) == len(grads_offloaded) > 6 * 9  # every block's weights
-    for name, grad in grads.items():
+def _grads(model: Transformer) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _assert_same_gradients(grads: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> None:
+    assert grads.keys() == reference.keys() and len(grads) > 0
+    for name, grad in reference.items():
         # Not bit for bit: the attention backward (FlashAttention / cuDNN) and the embedding's backward add
         # with atomics in no fixed order, so two runs of the same step differ within bf16 rounding.
-        torch.testing.assert_close(grads_offloaded[name], grad, atol=1e-5, rtol=2e-2, msg=name)
+        torch.testing.assert_close(grads[name], grad, atol=1e-5, rtol=2e-2, msg=name)
+
+
+@pytest.mark.parametrize("checkpointing", [True, False, [1, 3]], ids=["all-checkpointed", "none", "some"])
+def test_offload_moves_saved_activations_to_the_cpu_and_keeps_the_gradients(checkpointing):
+    ids = torch.randint(0, CONFIG.vocab_size, (2, 4096), device="cuda")
+    results = {}
+    for offload in (False, True):
+        model = _model(checkpointing, offload)
+        held, out = _held_after_forward(model, ids)
+        out.float().square().mean().backward()
+        results[offload] = held, _grads(model)
+        del model, out
+    (held_on_gpu, grads), (held_offloaded, grads_offloaded) = results[False], results[True]
+    _assert_same_gradients(grads_offloaded, grads)
+    # After forward the GPU still holds the last layer's saves and those of the two before it, whose copies to the
+    # CPU the compute stream has not waited for yet; the other three layers' are gone.
+    if checkpointing is True:  # every layer keeps only its input
+        assert held_on_gpu >= CONFIG.num_layers * LAYER_INPUT
+        assert held_offloaded <= held_on_gpu - 3 * LAYER_INPUT, (held_on_gpu, held_offloaded)
+    if checkpointing is False:  # every layer keeps all it saves, the same for each layer
+        assert held_offloaded <= held_on_gpu * 3.2 / CONFIG.num_layers, (held_on_gpu, held_offloaded)
+
+
+def test_offloaded_qlora_blocks_give_the_gradients_of_blocks_on_the_gpu():
+    """The loop's QLoRA path (NF4 base, fused LoRA nodes, bf16 adapter products), some blocks checkpointed."""
+    ids = torch.randint(0, CONFIG.vocab_size, (2, 1024), device="cuda")
+    grads = {}
+    for offload in (False, True):
+        model = _model([0, 2, 4], offload, qlora=True)
+        _loss(model, ids).backward()
+        grads[offload] = dict(enumerate(p.grad.clone() for p in lora_parameters(model)))
+    _assert_same_gradients(grads[True], grads[False])
+
+
+def test_a_cuda_graph_replays_the_copies_and_steps_reuse_their_pinned_buffers():
+    ids = torch.randint(0, CONFIG.vocab_size, (2, 1024), device="cuda")
+    eager = _model([1, 3], offload=False, qlora=True)
+    _loss(eager, ids).backward()
+    reference = dict(enumerate(p.grad.clone() for p in lora_parameters(eager)))
+    del eager
+
+    model = _model([1, 3], offload=True, qlora=True)
+    params = lora_parameters(model)
+
+    def micro_step(inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        loss = _loss(model, inputs["ids"])
+        loss.backward()
+        return loss.detach()
+
+    step = GraphedMicroStep(micro_step, params, warmup=2)
+    pinned = []
+    for _ in range(5):  # two eager warm-up calls, the capture, two replays
+        for p in params:
+            if p.grad is not None:
+                p.grad.zero_()
+        step({"ids": ids})
+        pinned.append(sum(len(buffers) for buffers in model.activation_offload._pool.values()))
+    assert step.graph is not None
+    assert pinned[0] > 0 and len(set(pinned)) == 1, pinned  # one set of pinned buffers, reused every step
+    _assert_same_gradients(dict(enumerate(p.grad for p in params)), reference)
+
+
+def test_a_retained_graph_brings_the_activations_back_for_a_second_backward():
+    ids = torch.randint(0, CONFIG.vocab_size, (2, 1024), device="cuda")
+    reference_model = _model(False, offload=False)
+    _loss(reference_model, ids).backward()
+    reference = _grads(reference_model)
+    model = _model(False, offload=True)
+    loss = _loss(model, ids)
+    loss.backward(retain_graph=True)
+    loss.backward()
+    _assert_same_gradients({n: g / 2 for n, g in _grads(model).items()}, reference)
+
+
+def test_offloading_the_first_layers_only_keeps_the_others_on_the_gpu():
+    ids = torch.randint(0, CONFIG.vocab_size, (2, 4096), device="cuda")
+    reference = _model(False, offload=False)
+    held_on_gpu, out = _held_after_forward(reference, ids)
+    out.float().square().mean().backward()
+    model = _model(False, offload=2)
+    held, out = _held_after_forward(model, ids)
+    out.float().square().mean().backward()
+    _assert_same_gradients(_grads(model), _grads(reference))
+    assert {block for block, _, _ in model.activation_offload._pool} == {0, 1}
+    # Two of six layers offloaded, both still in flight after forward: the GPU holds what it held without.
+    assert held >= 0.95 * held_on_gpu

@@ -113,3 +113,19 @@ def test_a_rerun_in_one_thread_is_not_seen_in_another():
             assert recomputing()
         assert recomputing()  # a nested rerun's exit restores, not clears
     assert seen == {"other thread": False} and not recomputing()
+
+
+def test_offloaded_layers_are_every_one_but_the_last_or_the_first_n():
+    from entrenar.models.transformer import offloaded_layer_indices
+
+    assert offloaded_layer_indices(4, True) == [0, 1, 2]
+    assert offloaded_layer_indices(4, False) == []
+    assert offloaded_layer_indices(4, 2) == [0, 1]
+    assert offloaded_layer_indices(4, 4) == [0, 1, 2]  # the last layer's saves stay: backward reads them first
+    with pytest.raises(ValueError, match="cannot offload 5 layers of a 4-layer model"):
+        offloaded_layer_indices(4, 5)
+    model = Transformer(CONFIG)
+    model.set_activation_checkpointing([0], offload=1)
+    assert (model.checkpointed_layers, model.offloaded_layers) == ({0}, {0})
+    model.set_activation_offload(False)
+    assert model.activation_offload is None

@@ -218,8 +218,6 @@ def test_checkpointing_and_offload_settings_are_checked(workspace):
         train(recipe_for(workspace, "training.activation_checkpointing=5"), dry_run=True, progress=False)
     with pytest.raises(ConfigError, match=r"training\.activation_checkpointing: layer indices \[2\]"):
         train(recipe_for(workspace, "training.activation_checkpointing=[0, 2]"), dry_run=True, progress=False)
-    with pytest.raises(ConfigError, match=r"training\.offload_activations.*checkpoints none"):
-        recipe_for(workspace, "training.offload_activations=true", "model.device=cuda")
     with pytest.raises(ConfigError, match=r"training\.offload_activations.*model\.device is 'cpu'"):
         recipe_for(workspace, "training.offload_activations=true", "training.activation_checkpointing=true")
 
@@ -240,9 +238,6 @@ def test_cuda_graph_settings_are_checked(workspace):
         recipe_for(workspace, "training.cuda_graphs=true")
     with pytest.raises(ConfigError, match=r"training\.cuda_graphs.*data\.padding_free"):
         recipe_for(workspace, "training.cuda_graphs=true", "model.device=cuda", "data.padding_free=true")
-    with pytest.raises(ConfigError, match=r"training\.cuda_graphs.*offload_activations"):
-        recipe_for(workspace, "training.cuda_graphs=true", "model.device=cuda", "training.offload_activations=true",
-                   "training.activation_checkpointing=true")
     if not torch.cuda.is_available():  # model.device auto resolves to the CPU here
         with pytest.raises(ConfigError, match=r"training\.cuda_graphs: .* this run is on cpu"):
             train(recipe_for(workspace, "training.cuda_graphs=true", "model.device=auto"), dry_run=True,

@@ -26,9 +26,11 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
         ["training.precision=bf16", "data.padding_free=true", "training.activation_checkpointing=1",
          "training.offload_activations=true"],
         ["model.dtype=bfloat16", "data.padding_free=true", "training.compile=true"],
+        ["training.precision=bf16", "training.compile=true", "training.offload_activations=true"],
     ],
     ids=["lora-bf16", "lora-fp16-scaled", "full-bf16-compiled", "qlora-checkpointed", "plain-path-compiled",
-         "kernels-bf16-weights", "kernels-qlora-compiled", "padding-free-offloaded", "padding-free-compiled"],
+         "kernels-bf16-weights", "kernels-qlora-compiled", "padding-free-offloaded", "padding-free-compiled",
+         "compiled-offloaded"],
 )
 def test_training_on_cuda_learns_and_reports_memory(workspace, settings):
     result = train(recipe_for(workspace, "model.device=cuda", "training.max_steps=12", "optimizer.lr=5e-3",
@@ -64,8 +66,11 @@ def test_padding_free_and_offload_on_cuda_give_the_padded_losses(workspace):
 @pytest.mark.parametrize("settings", [["model.dtype=bfloat16", "training.adapter_math=bf16"],
                                       ["training.precision=bf16", "lora=null", "training.compile=true"],
                                       ["model.dtype=bfloat16", "lora.quantize_base=nf4",
-                                       "training.activation_checkpointing=true", "training.offload_embeddings=true"]],
-                         ids=["lora-kernels", "full-autocast-compiled", "qlora-checkpointed-embeddings-offloaded"])
+                                       "training.activation_checkpointing=true", "training.offload_embeddings=true"],
+                                      ["model.dtype=bfloat16", "lora.quantize_base=nf4",
+                                       "training.activation_checkpointing=[0]", "training.offload_activations=true"]],
+                         ids=["lora-kernels", "full-autocast-compiled", "qlora-checkpointed-embeddings-offloaded",
+                              "qlora-activations-offloaded"])
 def test_cuda_graphs_give_the_eager_losses(workspace, settings):
     """Micro-steps replayed from a CUDA graph (after 3 eager ones), gradients accumulated over 2 micro-batches:
     the losses of the eager run, and the replays really ran (the loss keeps falling after the capture)."""

@@ -36,9 +36,11 @@ def add_parser(commands: argparse._SubParsersAction, parents: list[argparse.Argu
     parser.add_argument("--lora-targets", default="all-linear", metavar="all-linear|q_proj,v_proj,...",
                         help="projections LoRA adapts (default all-linear)")
     parser.add_argument("--dtype", choices=tuple(entrenar.DTYPES), default="bf16", help="training dtype (default bf16)")
-    parser.add_argument("--checkpointing", action="store_true", help="with activation checkpointing")
+    parser.add_argument("--checkpointing", nargs="?", const=True, default=False, type=positive_int, metavar="N",
+                        help="with activation checkpointing of every layer, or of N layers "
+                             "(training.activation_checkpointing)")
     parser.add_argument("--offload", action="store_true",
-                        help="checkpointed activations offloaded to CPU memory (training.offload_activations)")
+                        help="what layers keep for backward waits in CPU memory (training.offload_activations)")
     parser.add_argument("--offload-embeddings", action="store_true",
                         help="LoRA and QLoRA rows: the frozen input-embedding table in CPU memory "
                              "(training.offload_embeddings)")
@@ -78,8 +80,9 @@ def run(args: argparse.Namespace) -> int:
         "offload_activations": args.offload, "fused_loss_chunk": FUSED_LOSS_CHUNK if args.kernels else None,
         "kernels": args.kernels, "offload_embeddings": args.offload_embeddings,
     }
-    if args.offload and not args.checkpointing:
-        raise ConfigError("--offload offloads checkpointed activations; add --checkpointing")
+    if args.checkpointing is not True and args.checkpointing > config.num_layers:
+        raise ConfigError(f"--checkpointing: cannot checkpoint {args.checkpointing} layers of a "
+                          f"{config.num_layers}-layer model")
     estimates = [estimate_training_memory(config, method, **settings) for method in METHODS]
     architecture = {name: getattr(config, name) for name in ARCHITECTURE_FIELDS}
     total, trainable = estimates[0].total_params, estimates[1].trainable_params
@@ -100,9 +103,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"  parameters    {total:,} total; LoRA r={args.lora_r} on {targets_text} trains "
           f"{trainable:,} ({100 * trainable / total:.2f}%)")
     print()
-    checkpointing = ("on, offloaded" if args.offload else "on") if args.checkpointing else "off"
+    checkpointing = {True: "on", False: "off"}.get(args.checkpointing, f"on for {args.checkpointing} layers")
     print(f"training memory for batch {args.batch_size} x {args.seq_len} tokens, {args.dtype}, "
-          f"activation checkpointing {checkpointing}, "
+          f"activation checkpointing {checkpointing}, {'activations offloaded to CPU memory, ' if args.offload else ''}"
           f"{'input embeddings in CPU memory (LoRA, QLoRA), ' if args.offload_embeddings else ''}"
           f"{'fused kernels and loss' if args.kernels else 'plain path, full-logits loss'}:")
     print(format_estimates(estimates))

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from entrenar.models.config import ModelConfig, rope_inv_freq
-from entrenar.models.offload import offload_saved_input
+from entrenar.models.offload import ActivationOffload
 from entrenar.models.recompute import checkpointed
 from entrenar.models.padding_free import Documents, documents_attention
 
@@ -197,10 +197,11 @@ class Transformer(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
-        # Which layers recompute their activations in backward (activation checkpointing),
-        # and whether those layers' inputs wait for backward in CPU memory.
+        # Which layers recompute their activations in backward (activation checkpointing), and whether what
+        # the layers keep for backward waits in CPU memory (None: on the device).
         self.checkpointed_layers: set[int] = set()
-        self.offload_checkpointed = False
+        self.offloaded_layers: set[int] = set()
+        self.activation_offload: ActivationOffload | None = None
 
     def reset_parameters(self) -> None:
         """Random initialisation as Llama's: normal(0, initializer_range) weights, zero biases, unit norms."""
@@ -214,15 +215,19 @@ class Transformer(nn.Module):
                 nn.init.ones_(module.weight)
         self.inv_freq = rope_inv_freq(self.config).to(self.inv_freq.device)
 
-    def set_activation_checkpointing(self, layers: bool | int | Sequence[int], offload: bool = False) -> None:
+    def set_activation_checkpointing(self, layers: bool | int | Sequence[int], offload: bool | int = False) -> None:
         """Recompute activations in backward for all layers (True), none (False), ``layers`` of them
-        spread evenly over the depth (an int), or the listed layer indices.
-
-        ``offload`` keeps each recomputed layer's input in CPU memory until backward
-        (:mod:`entrenar.models.offload`), so a checkpointed layer holds nothing on the GPU.
-        """
+        spread evenly over the depth (an int), or the listed layer indices; ``offload``: see
+        :meth:`set_activation_offload`."""
         self.checkpointed_layers = set(checkpointed_layer_indices(self.config.num_layers, layers))
-        self.offload_checkpointed = offload
+        self.set_activation_offload(offload)
+
+    def set_activation_offload(self, layers: bool | int) -> None:
+        """Keep what layers save for backward in pinned CPU memory until backward (:mod:`entrenar.models.offload`):
+        every layer's but the last's (True), none (False), or the first ``layers`` layers'. A recomputed layer
+        saves only its input. Applies to CUDA tensors; the last layer keeps its own, which backward reads first."""
+        self.offloaded_layers = set(offloaded_layer_indices(self.config.num_layers, layers))
+        self.activation_offload = ActivationOffload() if self.offloaded_layers else None
 
     def rope(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = position_ids[..., None].float() * self.inv_freq.float()
@@ -278,12 +283,16 @@ class Transformer(nn.Module):
             mask = Documents(cu_seqlens.to(device=input_ids.device, dtype=torch.int32), max_seqlen)
         else:
             mask = self.attention_mask(t, document_ids, input_ids.device, past)
+        training = torch.is_grad_enabled()
+        offload = None
+        if self.activation_offload is not None and training and x.is_cuda:
+            offload = self.activation_offload.forward(self, x.device, shared=(cos, sin, mask))
         for i, layer in enumerate(self.model.layers):
-            if i in self.checkpointed_layers and torch.is_grad_enabled():
-                with offload_saved_input(x) if self.offload_checkpointed else contextlib.nullcontext():
+            with offload.block() if offload is not None and i in self.offloaded_layers else contextlib.nullcontext():
+                if i in self.checkpointed_layers and training:
                     x = checkpointed(layer, x, cos, sin, mask)
-            else:
-                x = layer(x, cos, sin, mask, cache)
+                else:
+                    x = layer(x, cos, sin, mask, cache)
         return self.model.norm(x)
 
     def forward(
@@ -306,6 +315,16 @@ def compute_device(model: nn.Module) -> torch.device:
     kept in CPU memory for a GPU model (``training.offload_embeddings``)."""
     devices = [p.device for p in model.parameters()]
     return next((d for d in devices if d.type != "cpu"), devices[0] if devices else torch.device("cpu"))
+
+
+def offloaded_layer_indices(num_layers: int, layers: bool | int) -> list[int]:
+    """The layers whose saved activations wait in CPU memory: every one but the last (True), none (False), or
+    the first ``layers`` (the last one never: backward reads it first)."""
+    if layers is True or layers is False:
+        return list(range(num_layers - 1)) if layers else []
+    if not 0 <= layers <= num_layers:
+        raise ValueError(f"cannot offload {layers} layers of a {num_layers}-layer model")
+    return list(range(min(layers, num_layers - 1)))
 
 
 def checkpointed_layer_indices(num_layers: int, layers: bool | int | Sequence[int]) -> list[int]:

@@ -135,9 +135,13 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
         except ConfigError as e:
             raise ConfigError(f"training.offload_embeddings: {e}") from None
     try:
-        model.set_activation_checkpointing(t.activation_checkpointing, offload=t.offload_activations)
+        model.set_activation_checkpointing(t.activation_checkpointing)
     except ValueError as e:
         raise ConfigError(f"training.activation_checkpointing: {e}") from None
+    try:
+        model.set_activation_offload(t.offload_activations)
+    except ValueError as e:
+        raise ConfigError(f"training.offload_activations: {e}") from None
     use_kernels = t.kernels is True or (t.kernels == "auto" and device.type == "cuda" and triton_available())
     if t.adapter_math == "bf16" and not use_kernels:
         raise ConfigError("training.adapter_math: bf16 adapter products run in the fused LoRA layer, and this run "
