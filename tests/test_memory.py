@@ -154,3 +154,16 @@ def test_offloaded_activations_leave_the_gpu_but_the_last_layer_and_two_in_fligh
     assert activations(False, True) == on_gpu[7] == on_gpu[8] == kept - 5 * whole_layer
     # Checkpointed layers keep only their input, which offloading takes too (not the last layer's).
     assert activations(True, False) - activations(True, True) == 7 * tokens * layer_input
+
+
+def test_the_checkpointed_layers_themselves_decide_what_offloading_the_first_ones_takes():
+    cfg = ModelConfig(vocab_size=1000, hidden_size=256, intermediate_size=512, num_layers=8, num_heads=4,
+                      num_kv_heads=2)
+
+    def activations(checkpointing) -> int:
+        return estimate_training_memory(cfg, "lora", 2, 512, activation_checkpointing=checkpointing,
+                                        offload_activations=2).activations
+
+    # Two layers checkpointed either way; listed as the two offloaded ones, neither keeps its input on the GPU,
+    # while two spread over the depth (0 and 4) leave layer 4's input there.
+    assert activations([0, 1]) == activations(2) - 2 * 512 * 256 * 2

@@ -9,6 +9,7 @@ allocator slack; tests check each part against measured tensors.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 from entrenar.errors import ConfigError
@@ -99,7 +100,7 @@ def estimate_training_memory(
     dtype_bytes: int = 2,
     lora_r: int = 16,
     lora_targets: list[str] | str = "all-linear",
-    activation_checkpointing: bool | int = False,
+    activation_checkpointing: bool | int | Sequence[int] = False,
     param_bytes: int | None = None,
     optimizer: str = "adamw",
     fused_loss_chunk: int | None = None,
@@ -115,8 +116,9 @@ def estimate_training_memory(
     defaults to the compute precision. AdamW keeps two state tensors per
     trainable parameter, SGD with momentum one. `fused_loss_chunk` (tokens per
     chunk) models the fused output-projection loss (its GPU kernel) instead of full logits.
-    `activation_checkpointing` is True (every layer), False, or how many layers
-    recompute in backward (spread over the depth as the model spreads them);
+    `activation_checkpointing` is True (every layer), False, how many layers
+    recompute in backward (spread over the depth as the model spreads them), or
+    which ones;
     `offload_activations` keeps what layers save in CPU memory
     (:mod:`entrenar.models.offload`): every layer's but the last's (True) or
     the first N layers'. `kernels` models the fused
