@@ -7,8 +7,10 @@ that at Llama shapes). :class:`ActivationOffload` moves those tensors to
 pinned CPU memory on a side stream as autograd saves them, so the copies run
 beside the block's compute, and brings them back in backward one block ahead
 of the block that needs them. The GPU then holds a block's activations only
-while it runs, plus the copies in flight (two blocks in forward, one ahead in
-backward). The last block keeps its activations: backward reads them first.
+while it runs, plus the copies in flight (those of the last two layers in
+forward, one block ahead in backward). The last block keeps its activations:
+backward reads them first, and the blocks whose copies are still running when
+backward starts keep theirs too.
 
 What it costs is PCIe traffic, not compute: on an H200 host the copies ran at
 49 GB/s to the CPU and 55 GB/s back while matrix products ran at full speed
@@ -18,12 +20,15 @@ copies keep pace with the compute.
 
 Everything is ordered on the streams, with no host synchronisation and no
 allocation once the shapes have been seen: pinned buffers come from a pool
-keyed by where a tensor was saved, and a tensor's GPU memory is let go only
-after the compute stream has waited for its copy. So a CUDA graph records the
-copies along with the step and replays them (``training.cuda_graphs``).
+keyed by where a tensor was saved (grown to the largest size seen), a tensor's
+GPU memory is let go only after the compute stream has waited for its copy,
+and when a backward ends the compute stream waits for any copy back it did not
+read (a backward that stops short). So a CUDA graph records the copies along
+with the step and replays them (``training.cuda_graphs``).
 
-Parameters, buffers, tensors the caller names as shared by every block (RoPE
-tables, masks) and tensors under ``min_bytes`` stay where they are. Tensors
+Weights stay where they are: parameters, buffers, tensors made without
+autograd, and autocast's copies of parameters. So do tensors the caller names
+as shared by every block (RoPE tables, masks) and tensors under ``min_bytes``. Tensors
 that share a storage (views) travel once, as the whole storage, and come back
 with their own sizes, strides and offsets.
 """
@@ -59,13 +64,14 @@ class _Saved:
 class _Group:
     """The storages one block saved, in one forward pass."""
 
-    def __init__(self, forward: _Forward, index: int) -> None:
-        self.forward, self.index = forward, index
+    def __init__(self, forward: _Forward, index: int, layer: int) -> None:
+        self.forward, self.index, self.layer = forward, index, layer
         # storage data_ptr -> entry; weak, as autograd's saved objects own the entries (and their pinned buffers)
         self.entries: weakref.WeakValueDictionary[int, _Entry] = weakref.WeakValueDictionary()
         self.copied: list[torch.cuda.Event] = []  # the copies to the CPU, on the copy stream
         self.joined = False  # the compute stream has waited for those copies
-        self.loaded: torch.cuda.Event | None = None  # the copies back, once issued
+        self.loaded: torch.cuda.Event | None = None  # the GPU bytes are back (or never left) once this fires
+        self.waited = False  # the compute stream has waited for ``loaded``
 
 
 class _Forward:
@@ -75,33 +81,60 @@ class _Forward:
         self.owner, self.device, self.keep = owner, device, keep
         self.groups: list[_Group] = []
         self.backward_started = False
+        self.finish_queued = False
 
     @contextlib.contextmanager
-    def block(self) -> Iterator[None]:
-        """Saved-tensor hooks for one block's forward: what it saves goes to the CPU."""
-        group = _Group(self, len(self.groups))
+    def block(self, layer: int) -> Iterator[None]:
+        """Saved-tensor hooks for layer ``layer``'s forward: what it saves goes to the CPU."""
+        group = _Group(self, len(self.groups), layer)
         self.groups.append(group)
         with torch.autograd.graph.saved_tensors_hooks(lambda t: self.owner._pack(group, t), _unpack):
             yield
-        for old in self.groups[:-self.owner.in_flight]:
-            self._join(old)
 
-    def _join(self, group: _Group) -> None:
-        """The compute stream waits for the group's copies to the CPU; then its GPU bytes may go."""
+    def layer_done(self, layer: int) -> None:
+        """After layer ``layer``'s forward: the copies of blocks ``in_flight`` layers back must be done."""
+        for group in self.groups:
+            if group.layer <= layer - self.owner.in_flight:
+                self._join(group)
+
+    def _join(self, group: _Group, keep: bool = False) -> None:
+        """The compute stream waits for the group's copies to the CPU; then its GPU bytes may go, unless
+        ``keep`` (backward is about to read them: they count as loaded)."""
         if group.joined:
             return
         stream = torch.cuda.current_stream(self.device)
         for event in group.copied:
             stream.wait_event(event)
+        group.joined = True
+        if keep and group.loaded is None:
+            group.loaded = torch.cuda.Event()
+            group.loaded.record(stream)
+            return
         for entry in list(group.entries.values()):
             entry.gpu = None
-        group.joined = True
 
     def start_backward(self) -> None:
+        """At the first unpack of a backward: blocks whose copies may still run keep their GPU bytes, and the
+        compute stream waits for every copy to the CPU; the autograd engine is asked to call
+        :meth:`finish_backward` when this backward ends."""
         if not self.backward_started:
             self.backward_started = True
             for group in self.groups:
-                self._join(group)
+                self._join(group, keep=True)
+        if not self.finish_queued:
+            self.finish_queued = True
+            stream = torch.cuda.current_stream(self.device)
+            torch.autograd.Variable._execution_engine.queue_callback(lambda: self.finish_backward(stream))
+
+    def finish_backward(self, stream: torch.cuda.Stream) -> None:
+        """The compute stream waits for every copy back it has not waited for (a block prefetched but never
+        read, as when backward stops short): no copy may still write memory the allocator hands out again,
+        and a CUDA graph's capture ends with every side-stream copy joined."""
+        for group in self.groups:
+            if group.loaded is not None and not group.waited:
+                stream.wait_event(group.loaded)
+                group.waited = True
+        self.finish_queued = False
 
     def load(self, group: _Group) -> None:
         """Issue the copies of ``group`` back to the GPU on the copy stream (once)."""
@@ -117,6 +150,7 @@ class _Forward:
                 entry.gpu.copy_(entry.host, non_blocking=True)
             group.loaded = torch.cuda.Event()
             group.loaded.record(copy_stream)
+        group.waited = False
 
     def previous(self, group: _Group) -> _Group | None:
         """The block before ``group`` in forward order that saved something: the next one backward reads."""
@@ -137,6 +171,7 @@ def _unpack(saved: torch.Tensor | _Saved) -> torch.Tensor:
     else:
         forward.load(group)
         stream.wait_event(group.loaded)
+        group.waited = True
         ahead = forward.previous(group)
         if ahead is not None:
             forward.load(ahead)
@@ -146,6 +181,18 @@ def _unpack(saved: torch.Tensor | _Saved) -> torch.Tensor:
         entry.gpu = None  # autograd holds what it unpacked for as long as it needs it
     return torch.empty(0, dtype=saved.dtype, device=gpu.device).set_(
         gpu.untyped_storage(), saved.offset, saved.size, saved.stride)
+
+
+def _is_weight(t: torch.Tensor) -> bool:
+    """A parameter, a buffer, a tensor made without autograd or a cast of a parameter (autocast's): not an
+    activation of the step, so it stays where it is. Activations of a trained model carry a grad_fn."""
+    if t.is_leaf:
+        return True
+    if t._is_view():  # e.g. the transposed weight a product saves: judged by what it views
+        return _is_weight(t._base)
+    fn = t.grad_fn
+    return fn is not None and fn.name() == "ToCopyBackward0" and all(
+        f is None or type(f).__name__ == "AccumulateGrad" for f, _ in fn.next_functions)
 
 
 class ActivationOffload:
@@ -158,7 +205,7 @@ class ActivationOffload:
     def __init__(self, min_bytes: int = 1 << 20, in_flight: int = 2) -> None:
         self.min_bytes, self.in_flight = min_bytes, in_flight
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
-        self._pool: dict[tuple[int, int, int], list[torch.Tensor]] = {}  # (block, slot, nbytes) -> buffers
+        self._pool: dict[tuple[int, int], list[torch.Tensor]] = {}  # (block, slot) -> pinned buffers
         self._in_use: set[int] = set()  # data_ptrs of pooled buffers an entry holds
         self._static: set[int] = set()
 
@@ -178,7 +225,7 @@ class ActivationOffload:
         storage = t.untyped_storage()
         key = storage.data_ptr()
         if (not t.is_cuda or storage.nbytes() < self.min_bytes or key in self._static or key in group.forward.keep
-                or t.requires_grad and t.is_leaf):
+                or _is_weight(t)):
             return t
         entry = group.entries.get(key)
         if entry is None:
@@ -198,18 +245,20 @@ class ActivationOffload:
         return _Saved(entry, t)
 
     def _host_buffer(self, block: int, slot: int, nbytes: int) -> torch.Tensor:
-        """A pinned buffer for the ``slot``-th storage block ``block`` saves: the same one every step, so a
-        CUDA graph's copies land where this step's entries read."""
-        buffers = self._pool.setdefault((block, slot, nbytes), [])
-        for buffer in buffers:
-            if buffer.data_ptr() not in self._in_use:
-                break
-        else:
+        """``nbytes`` of a pinned buffer for the ``slot``-th storage block ``block`` saves: the same buffer every
+        step (a CUDA graph's copies land where this step's entries read), grown to the largest size asked, so
+        batches of changing shapes (padding-free) do not add buffers."""
+        buffers = self._pool.setdefault((block, slot), [])
+        free = [b for b in buffers if b.data_ptr() not in self._in_use]
+        buffer = next((b for b in free if b.numel() >= nbytes), None)
+        if buffer is None:
             if torch.cuda.is_current_stream_capturing():
                 raise RuntimeError(
                     f"activation offload: block {block} saved a new tensor ({nbytes} bytes) while a CUDA graph was "
                     "being captured; its warm-up steps must save what the captured step saves")
+            for smaller in free:  # outgrown: the larger one takes its place
+                buffers.remove(smaller)
             buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
             buffers.append(buffer)
         self._in_use.add(buffer.data_ptr())
-        return buffer
+        return buffer[:nbytes]

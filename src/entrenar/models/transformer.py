@@ -288,11 +288,13 @@ class Transformer(nn.Module):
         if self.activation_offload is not None and training and x.is_cuda:
             offload = self.activation_offload.forward(self, x.device, shared=(cos, sin, mask))
         for i, layer in enumerate(self.model.layers):
-            with offload.block() if offload is not None and i in self.offloaded_layers else contextlib.nullcontext():
+            with offload.block(i) if offload is not None and i in self.offloaded_layers else contextlib.nullcontext():
                 if i in self.checkpointed_layers and training:
                     x = checkpointed(layer, x, cos, sin, mask)
                 else:
                     x = layer(x, cos, sin, mask, cache)
+            if offload is not None:
+                offload.layer_done(i)
         return self.model.norm(x)
 
     def forward(
