@@ -156,11 +156,11 @@ def estimate_training_memory(
         # Adapter inputs are the projections' inputs, already saved; add the r-wide middles.
         per_layer += 7 * lora_r * 4
     n_layers = config.num_layers
-    if isinstance(activation_checkpointing, int) and not isinstance(activation_checkpointing, bool):
-        activation_checkpointing = min(activation_checkpointing, n_layers)
-    recomputed_layers = set(checkpointed_layer_indices(n_layers, activation_checkpointing))
-    offloaded = set(offloaded_layer_indices(n_layers, offload_activations if offload_activations is True
-                                            else min(int(offload_activations), n_layers)))
+    def clamped(layers):  # a layer count beyond the model means every layer
+        return min(layers, n_layers) if isinstance(layers, int) and not isinstance(layers, bool) else layers
+
+    recomputed_layers = set(checkpointed_layer_indices(n_layers, clamped(activation_checkpointing)))
+    offloaded = set(offloaded_layer_indices(n_layers, clamped(offload_activations)))
     recomputed = len(recomputed_layers)
     # A recomputed layer keeps only its input, and one of them at a time is rebuilt whole. An offloaded layer
     # keeps nothing on the GPU, but in backward one comes back ahead of the one that runs, and in forward the

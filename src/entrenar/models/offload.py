@@ -13,8 +13,8 @@ backward reads them first, and the blocks whose copies are still running when
 backward starts keep theirs too.
 
 What it costs is PCIe traffic, not compute: on an H200 host the copies ran at
-49 GB/s to the CPU and 55 GB/s back while matrix products ran at full speed
-beside them (docs/PERFORMANCE.md). So a block that would be recomputed in
+49-55 GB/s each way while matrix products ran at full speed beside them
+(``bench/pcie_probe.py``, docs/PERFORMANCE.md). So a block that would be recomputed in
 backward can instead keep its activations, in CPU memory, as long as the
 copies keep pace with the compute.
 
@@ -41,6 +41,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
+
 
 class _Entry:
     """One storage saved in a block: its pinned copy, and its GPU bytes while they are needed."""
