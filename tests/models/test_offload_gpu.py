@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import gc
-
 import pytest
 import torch
 
@@ -131,8 +129,23 @@ def test_a_backward_that_stops_short_leaves_no_copy_running_and_frees_the_buffer
     assert all(p.grad is not None for p in last)
     assert all(p.grad is None for p in model.model.layers[0].parameters())
     del loss
-    gc.collect()
     assert not model.activation_offload._in_use  # every pinned buffer back in the pool
+
+
+def test_a_graph_dropped_without_backward_frees_its_gpu_memory_and_buffers():
+    """A forward whose loss is never backpropagated (a skipped step) leaves nothing behind once dropped."""
+    ids = torch.randint(0, CONFIG.vocab_size, (2, 1024), device="cuda")
+    model = _model(False, offload=True)
+    _loss(model, ids).backward()  # the pool's buffers exist from here on
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    loss = _loss(model, ids)
+    torch.cuda.synchronize()
+    assert model.activation_offload._in_use
+    del loss
+    torch.cuda.synchronize()
+    assert not model.activation_offload._in_use
+    assert torch.cuda.memory_allocated() <= before
 
 
 def test_mixed_precision_weights_stay_on_the_gpu():

@@ -227,7 +227,11 @@ class ActivationOffload:
         key = storage.data_ptr()
         if (not t.is_cuda or storage.nbytes() < self.min_bytes or key in self._static or key in group.forward.keep
                 or _is_weight(t)):
-            return t
+            # Kept as it is, but without its autograd history: a node that saves its own output would
+            # otherwise hold that output, whose grad_fn is the node, a cycle no garbage collector sees, and
+            # a graph dropped before backward reached it (backward(inputs=...), retain_graph) would never
+            # be freed. Autograd gives the unpacked tensor its history back.
+            return t if t.grad_fn is None else t.detach()
         entry = group.entries.get(key)
         if entry is None:
             host = self._host_buffer(group.index, len(group.entries), storage.nbytes())
