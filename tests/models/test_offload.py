@@ -20,6 +20,26 @@ def test_weights_and_their_autocast_copies_are_not_activations():
     assert not _is_weight(activation.to(torch.bfloat16))  # an activation cast is still an activation
 
 
+class _Projection(torch.autograd.Function):
+    """As the fused nodes do: the output made inside forward (no history) and returned as a view of it."""
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        out = x.reshape(-1, x.shape[-1]) @ weight.T
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise NotImplementedError
+
+
+def test_a_nodes_output_viewing_what_its_forward_made_is_an_activation():
+    x = torch.randn(2, 3, 4, requires_grad=True)
+    out = _Projection.apply(x, torch.randn(5, 4))
+    assert out._is_view() and out._base.grad_fn is None  # the view's storage was made without history
+    assert not _is_weight(out) and not _is_weight(out.transpose(1, 2))
+
+
 def test_offload_on_a_cpu_model_changes_nothing():
     config = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=3, num_heads=4,
                          num_kv_heads=2)

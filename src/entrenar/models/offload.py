@@ -27,7 +27,8 @@ read (a backward that stops short). So a CUDA graph records the copies along
 with the step and replays them (``training.cuda_graphs``).
 
 Weights stay where they are: parameters, buffers, tensors made without
-autograd, and autocast's copies of parameters. So do tensors the caller names
+autograd (which include a frozen embedding's output), and autocast's copies
+and views of parameters. So do tensors the caller names
 as shared by every block (RoPE tables, masks) and tensors under ``min_bytes``. Tensors
 that share a storage (views) travel once, as the whole storage, and come back
 with their own sizes, strides and offsets.
@@ -184,16 +185,28 @@ def _unpack(saved: torch.Tensor | _Saved) -> torch.Tensor:
         gpu.untyped_storage(), saved.offset, saved.size, saved.stride)
 
 
+# Backward nodes of casts and views: a chain of them from a parameter ends in its AccumulateGrad.
+_WEIGHT_PATH = frozenset({"ToCopyBackward0", "TBackward0", "TransposeBackward0", "PermuteBackward0",
+                          "ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0", "AliasBackward0",
+                          "ExpandBackward0"})
+
+
 def _is_weight(t: torch.Tensor) -> bool:
-    """A parameter, a buffer, a tensor made without autograd or a cast of a parameter (autocast's): not an
-    activation of the step, so it stays where it is. Activations of a trained model carry a grad_fn."""
-    if t.is_leaf:
-        return True
-    if t._is_view():  # e.g. the transposed weight a product saves: judged by what it views
-        return _is_weight(t._base)
+    """A parameter, a buffer, a tensor made without autograd, or casts and views of a trained parameter (the
+    transposed bf16 copy autocast makes for a product): not an activation of the step, so it stays where it
+    is. Judged by the autograd history, not by what a view's storage belongs to: a node's output is often a
+    view of a tensor made inside its forward, without history, and is an activation all the same."""
     fn = t.grad_fn
-    return fn is not None and fn.name() == "ToCopyBackward0" and all(
-        f is None or type(f).__name__ == "AccumulateGrad" for f, _ in fn.next_functions)
+    while fn is not None:
+        if fn.name() not in _WEIGHT_PATH:
+            return False
+        inputs = [f for f, _ in fn.next_functions if f is not None]
+        if len(inputs) != 1:
+            return False
+        fn = inputs[0]
+        if type(fn).__name__ == "AccumulateGrad":
+            return True
+    return True  # no history: a leaf (a parameter, a buffer, or a tensor made without autograd)
 
 
 class ActivationOffload:
