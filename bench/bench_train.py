@@ -106,7 +106,8 @@ class Case:
     steps: int = 15
     warmup: int = 3
     lr: float = 1e-4
-    offload: bool = False  # what layers save waits in CPU memory (training.offload_activations; entrenar rows only)
+    offload: bool | int = False  # what layers (all but the last, or the first N) save waits in CPU memory
+    # (training.offload_activations; entrenar rows only)
     documents: bool = False  # rows packed with random-length documents (document-masked attention)
     padding_free: bool = False  # documents cases: each batch as one row of its real tokens (varlen attention)
 
@@ -127,6 +128,11 @@ CASES: dict[str, Case] = {
                             offload=True),
     "lora-8b-offload-ckpt20": Case("llama-8b", "lora", 2, 2048, checkpointing=20, steps=12, warmup=3, lr=1e-3,
                                    offload=True),
+    # fewer layers recomputed, at more memory: the first 20 layers offloaded, the rest's activations on the GPU
+    "lora-8b-off20-ckpt16": Case("llama-8b", "lora", 2, 2048, checkpointing=16, steps=12, warmup=3, lr=1e-3,
+                                 offload=20),
+    "lora-8b-off20-ckpt12": Case("llama-8b", "lora", 2, 2048, checkpointing=12, steps=12, warmup=3, lr=1e-3,
+                                 offload=20),
     # packed documents of 64-1024 tokens (about 13% of each row left as padding): padded rows with a document
     # mask against the same batches padding-free (entrenar rows only; tok/s counts real tokens)
     "lora-1b-docs": Case("llama-1b", "lora", 4, 2048, steps=15, warmup=5, lr=1e-3, documents=True),
@@ -233,7 +239,7 @@ def build_hf(cfg: ModelConfig, method: str, checkpointing: bool, device: str, dt
 
 def build_entrenar(cfg: ModelConfig, method: str, checkpointing: bool | int, device: str, dtype: torch.dtype,
                    kernels: bool, mode: str, lora_compute_dtype: torch.dtype | None = None,
-                   offload: bool = False, per_node: bool = False, split_norm: bool = False) -> Transformer:
+                   offload: bool | int = False, per_node: bool = False, split_norm: bool = False) -> Transformer:
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # build in bf16 directly: no fp32 copy of an 8B model on the way
     try:
