@@ -12,25 +12,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 import torch
 import torch.nn.functional as F
-
-
-def timed(fn, reps: int = 30, warmup: int = 5) -> float:
-    """Median milliseconds of ``fn()`` over ``reps`` runs, each between two CUDA events."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+from bench_nf4 import median_ms
 
 
 def rand(*shape: int) -> torch.Tensor:
@@ -43,7 +28,7 @@ def products(tokens: int, hidden: int, inter: int, q_out: int, kv_out: int, rank
     rows = []
 
     def row(name: str, fn, flop: float) -> None:
-        ms = timed(fn)
+        ms = median_ms(fn, reps=30, warmup=5)
         rows.append({"name": name, "ms": round(ms, 4), "tflops": round(flop / ms / 1e9, 1)})
 
     x = rand(tokens, hidden)
@@ -128,8 +113,8 @@ def attention(batch: int, seq: int, heads: int, kv_heads: int, head_dim: int) ->
             name = f"attention {backend.name} {'enable_gqa' if gqa else 'k/v repeated'}"
             try:
                 with sdpa_kernel(backend):
-                    ms_f = timed(lambda: fwd())
-                    ms_fb = timed(lambda: torch.autograd.backward(fwd(), g))
+                    ms_f = median_ms(fwd, reps=30, warmup=5)
+                    ms_fb = median_ms(lambda: torch.autograd.backward(fwd(), g), reps=30, warmup=5)
             except RuntimeError as err:
                 rows.append({"name": name, "error": str(err).splitlines()[0][:200]})
                 continue
