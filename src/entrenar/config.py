@@ -41,6 +41,7 @@ __all__ = [
 ]
 
 QUICKSTART = "recipes/quickstart.yaml"  # package data of `entrenar`
+MAX_SEQ_LEN = 2**22  # 4x the longest contexts models train at today; a row this long is 128 MiB of index tensors
 
 
 # --------------------------------------------------------------------------
@@ -349,7 +350,8 @@ class DataSection(_Section):
     completion_field: str = _key("completion", _text())
     messages_field: str = _key("messages", _text())
     train_on: str = _key("all", _choice("all", "completion"))
-    seq_len: int = _key(512, _integer(2))  # one input and one target at least
+    # one input and one target at least; at most MAX_SEQ_LEN, and 8x the model's context (checked when it is loaded)
+    seq_len: int = _key(512, _integer(2, MAX_SEQ_LEN))
     packing: bool = _key(True, _boolean)
     padding_free: bool = _key(False, _boolean)  # each batch as one row of its real tokens (no padding computed)
     add_eos: bool = _key(True, _boolean)
@@ -483,7 +485,14 @@ class Recipe:
     output: OutputSection = field(default_factory=OutputSection)
 
     def __post_init__(self) -> None:
-        # The few checks that span sections. model.path null is the bundled quickstart.
+        # The few checks that span sections. model.path and data.train both null is the bundled quickstart.
+        if self.model.path is None and (self.data.train is not None or self.data.validation is not None):
+            given = "data.train" if self.data.train is not None else "data.validation"
+            raise _BadValue(
+                "model.path",
+                f"'model.path' is required (a model folder or .gguf file) when '{given}' is set; only a recipe "
+                "with neither model.path nor data runs the bundled quickstart",
+            )
         if self.model.path is not None and self.data.train is None:
             raise _BadValue(
                 "data.train",

@@ -28,6 +28,7 @@ from entrenar import quickstart
 from entrenar.config import Recipe, load_recipe, recipe_changes, save_recipe
 from entrenar.data import (
     BatchStream,
+    check_seq_len,
     eval_batches,
     num_target_tokens,
     padding_free,
@@ -91,7 +92,7 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
     run_dir, resume_from = _run_folder(recipe, resume, dry_run)
     is_quickstart = quickstart.is_quickstart(recipe, run_dir)
     if is_quickstart:
-        recipe = quickstart.resolve(recipe, run_dir)
+        recipe = quickstart.resolve(recipe, run_dir, dry_run)  # a dry run's files go to a temporary folder
     if resume_from is not None:
         recipe = _recipe_for_resume(recipe, run_dir)
     t = recipe.training
@@ -100,6 +101,8 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
                           f"(training.max_steps={t.max_steps})")
     if is_quickstart:
         quickstart.write_files(recipe)  # only once the recipe is known to be sound
+    context_notes = check_seq_len(recipe.data.seq_len, entrenar.read_model_config(recipe.model.path)
+                                  .max_position_embeddings, recipe.model.path)  # before any weights are read
     if t.cpu_threads is not None:
         torch.set_num_threads(t.cpu_threads)
     _seed_everything(t.seed)
@@ -158,6 +161,7 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
     d = recipe.data
     skipped: list = []  # every record on_error=skip left out, for the run's skipped.jsonl
     examples, notes = _examples(d.train, "train", recipe, tokenizer, skipped)
+    notes = context_notes + notes
     if d.validation:
         validation, validation_notes = _examples(d.validation, "validation", recipe, tokenizer, skipped)
         notes += validation_notes
