@@ -51,7 +51,13 @@ MAX_SEQ_LEN = 2**22  # 4x the longest contexts models train at today; a row this
 def _unknown(at: str, dotted: str, key: Any, allowed: list[str]) -> ConfigError:
     close = _closest(key, allowed)
     hint = f"; did you mean '{close}'?" if close else ""
-    return ConfigError(f"{at}: unknown key '{dotted}' (allowed: {', '.join(allowed)}{hint})")
+    return ConfigError(f"{at}: unknown key '{_printable(dotted)}' (allowed: {', '.join(allowed)}{hint})")
+
+
+def _printable(text: str, limit: int = 80) -> str:
+    """``text`` for a one-line message: control characters escaped, cut to ``limit`` characters."""
+    shown = text if text.isprintable() else repr(text)[1:-1]
+    return shown if len(shown) <= limit else shown[: limit - 3] + "..."
 
 
 def _closest(value: Any, options: list[str]) -> str | None:
@@ -488,8 +494,8 @@ class Recipe:
         # The few checks that span sections. model.path and data.train both null is the bundled quickstart.
         if self.model.path is None and (self.data.train is not None or self.data.validation is not None):
             given = "data.train" if self.data.train is not None else "data.validation"
-            raise _BadValue(
-                "model.path",
+            raise _BadValue(  # reported where the data was named
+                given,
                 f"'model.path' is required (a model folder or .gguf file) when '{given}' is set; only a recipe "
                 "with neither model.path nor data runs the bundled quickstart",
             )
@@ -586,9 +592,14 @@ def load_recipe(path: str | Path | None, overrides: Iterable[str] = ()) -> Recip
         if not path.is_file():
             raise ConfigError(f"recipe path is not a file: {path}")
         try:
-            text = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            raise ConfigError(f"cannot read recipe {path}: {e}") from None
+            data = path.read_bytes()
+        except OSError as e:
+            raise ConfigError(f"cannot read recipe {path}: {e.strerror or e}") from None
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            line = data.count(b"\n", 0, e.start) + 1
+            raise ConfigError(f"{path} line {line}: not UTF-8 text (byte 0x{data[e.start]:02X})") from None
     raw, where = _parse(text, source)
     for item in overrides:
         _apply_override(raw, item, where)
@@ -774,8 +785,7 @@ def _key_lines(node: yaml.Node, source: str, prefix: str, lines: dict[str, int],
 
 def _apply_override(raw: dict[str, Any], item: str, where: _Where) -> None:
     """Apply one ``dotted.key=value`` to the raw recipe dict; the value replaces what was there."""
-    shown = item if item.isprintable() else repr(item)[1:-1]  # no raw control characters in the message
-    label = f"--set {shown if len(shown) <= 80 else shown[:77] + '...'}"
+    label = f"--set {_printable(item)}"
     key, sep, text = item.partition("=")
     key = key.strip()
     if not sep or not key:
