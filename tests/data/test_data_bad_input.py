@@ -131,7 +131,7 @@ def test_likely_mistakes_are_taken_and_counted_by_kind_with_the_first_place(tmp_
         "empty text": (2, f"{path} line 2"),
         "empty completion": (1, f"{path} line 3"),
         "unknown chat role 'bot'": (1, f"{path} line 4"),
-        "fields of several kinds (prompt_completion and text; prompt_completion used)": (1, f"{path} line 5"),
+        "both 'prompt'/'completion' and 'text' ('prompt'/'completion' used)": (1, f"{path} line 5"),
         "null message content": (1, f"{path} line 6"),
     }
     (note,) = data_notes("data.train", [], stats)

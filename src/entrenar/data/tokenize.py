@@ -121,10 +121,12 @@ def _tokenize(fields: Mapping[str, Any], where: str, tokenizer: Tokenizer, kind:
     suspicions = []
     if kind == "auto":
         kind = _detect_kind(fields, names, where)
-        present = [k for k, fs in (("messages", ["messages"]), ("prompt_completion", ["prompt", "completion"]),
-                                   ("text", ["text"])) if any(names[f] in fields for f in fs)]
+        shown = {"messages": f"'{names['messages']}'", "text": f"'{names['text']}'",
+                 "prompt_completion": f"'{names['prompt']}'/'{names['completion']}'"}
+        present = [shown[k] for k, fs in (("messages", ["messages"]), ("prompt_completion", ["prompt", "completion"]),
+                                          ("text", ["text"])) if any(names[f] in fields for f in fs)]
         if len(present) > 1:
-            suspicions.append(f"fields of several kinds ({' and '.join(present)}; {kind} used)")
+            suspicions.append(f"both {' and '.join(present)} ({shown[kind]} used)")
     if kind == "text":
         text = _string_field(fields, names["text"], where)
         if not text.strip():
