@@ -377,7 +377,8 @@ def _examples(path: str, role: str, recipe: Recipe, tokenizer, skipped: list) ->
         if str(e).startswith("no training examples"):
             raise DataError(f"data.{role} ({path}): {str(e).replace('no training examples', 'no examples', 1)}") from None
         raise
-    skipped += (left_out := skipped_in_order(read_stats, stats))
+    left_out = skipped_in_order(read_stats, stats)
+    skipped.extend(left_out)
     notes = data_notes(f"data.{role}", left_out, stats)
     if stats.truncated_examples:
         notes.append(f"data.{role}: {stats.truncated_examples} example(s) cut to seq_len={d.seq_len} "
