@@ -15,6 +15,7 @@ import difflib
 import importlib.resources
 import math
 import re
+import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -40,6 +41,7 @@ __all__ = [
 ]
 
 QUICKSTART = "recipes/quickstart.yaml"  # package data of `entrenar`
+MAX_SEQ_LEN = 2**22  # 4x the longest contexts models train at today; a row this long is 128 MiB of index tensors
 
 
 # --------------------------------------------------------------------------
@@ -49,7 +51,13 @@ QUICKSTART = "recipes/quickstart.yaml"  # package data of `entrenar`
 def _unknown(at: str, dotted: str, key: Any, allowed: list[str]) -> ConfigError:
     close = _closest(key, allowed)
     hint = f"; did you mean '{close}'?" if close else ""
-    return ConfigError(f"{at}: unknown key '{dotted}' (allowed: {', '.join(allowed)}{hint})")
+    return ConfigError(f"{at}: unknown key '{_printable(dotted)}' (allowed: {', '.join(allowed)}{hint})")
+
+
+def _printable(text: str, limit: int = 80) -> str:
+    """``text`` for a one-line message: control characters escaped, cut to ``limit`` characters."""
+    shown = text if text.isprintable() else repr(text)[1:-1]
+    return shown if len(shown) <= limit else shown[: limit - 3] + "..."
 
 
 def _closest(value: Any, options: list[str]) -> str | None:
@@ -63,7 +71,7 @@ def _closest(value: Any, options: list[str]) -> str | None:
 def _show(value: Any) -> str:
     """A value as the user would write it in YAML: 'eight', true, null, [1, 2]."""
     if isinstance(value, str):
-        return repr(value)
+        return repr(value) if len(value) <= 80 else repr(value[:77]) + "..."
     if isinstance(value, tuple):
         value = list(value)
     if value is None or isinstance(value, (bool, list, dict)):
@@ -248,8 +256,8 @@ def _lr_scales(value: Any) -> dict[str, float]:
             raise _Reject(expected)
         try:
             re.compile(pattern)
-        except re.error as e:
-            raise _Reject(expected, f" ('{pattern}' is not a valid regex: {e})") from None
+        except (re.error, RecursionError, OverflowError) as e:  # sre's parser recurses per nested group
+            raise _Reject(expected, f" ({_show(pattern)} is not a valid regex: {e})") from None
         number = _as_number(scale)
         if number is None or number <= 0:
             raise _Reject(expected, f" (scale of '{pattern}' is {_show(scale)})")
@@ -348,7 +356,8 @@ class DataSection(_Section):
     completion_field: str = _key("completion", _text())
     messages_field: str = _key("messages", _text())
     train_on: str = _key("all", _choice("all", "completion"))
-    seq_len: int = _key(512, _integer(2))  # one input and one target at least
+    # one input and one target at least; at most MAX_SEQ_LEN, and 8x the model's context (checked when it is loaded)
+    seq_len: int = _key(512, _integer(2, MAX_SEQ_LEN))
     packing: bool = _key(True, _boolean)
     padding_free: bool = _key(False, _boolean)  # each batch as one row of its real tokens (no padding computed)
     add_eos: bool = _key(True, _boolean)
@@ -482,7 +491,14 @@ class Recipe:
     output: OutputSection = field(default_factory=OutputSection)
 
     def __post_init__(self) -> None:
-        # The few checks that span sections. model.path null is the bundled quickstart.
+        # The few checks that span sections. model.path and data.train both null is the bundled quickstart.
+        if self.model.path is None and (self.data.train is not None or self.data.validation is not None):
+            given = "data.train" if self.data.train is not None else "data.validation"
+            raise _BadValue(  # reported where the data was named
+                given,
+                f"'model.path' is required (a model folder or .gguf file) when '{given}' is set; only a recipe "
+                "with neither model.path nor data runs the bundled quickstart",
+            )
         if self.model.path is not None and self.data.train is None:
             raise _BadValue(
                 "data.train",
@@ -576,9 +592,14 @@ def load_recipe(path: str | Path | None, overrides: Iterable[str] = ()) -> Recip
         if not path.is_file():
             raise ConfigError(f"recipe path is not a file: {path}")
         try:
-            text = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            raise ConfigError(f"cannot read recipe {path}: {e}") from None
+            data = path.read_bytes()
+        except OSError as e:
+            raise ConfigError(f"cannot read recipe {path}: {e.strerror or e}") from None
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            line = data.count(b"\n", 0, e.start) + 1
+            raise ConfigError(f"{path} line {line}: not UTF-8 text (byte 0x{data[e.start]:02X})") from None
     raw, where = _parse(text, source)
     for item in overrides:
         _apply_override(raw, item, where)
@@ -628,18 +649,97 @@ class _Where:
         return self.source
 
 
-def _parse(text: str, source: str) -> tuple[dict[str, Any], _Where]:
-    """YAML text -> (top-level dict, line of every key)."""
-    loader = yaml.SafeLoader(text)
+_MAX_DEPTH = 32  # a recipe needs 4 levels (section, key, lr_scale pattern); PyYAML recurses once per level
+
+
+class _Loader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing nesting deeper than ``_MAX_DEPTH`` before its recursion can overflow."""
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self._depth = 0
+
+    def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node:
+        if self._depth >= _MAX_DEPTH:
+            mark = self.peek_event().start_mark
+            raise yaml.composer.ComposerError(None, None, f"nested more than {_MAX_DEPTH} levels deep", mark)
+        self._depth += 1
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+
+class _YamlProblem(Exception):
+    """What is wrong with a YAML text and where (1-based line and column, when known)."""
+
+    def __init__(self, problem: str, line: int | None = None, column: int | None = None) -> None:
+        super().__init__(problem)
+        self.problem, self.line, self.column = problem, line, column
+
+    def at(self, source: str) -> ConfigError:
+        where = f" line {self.line}, column {self.column}" if self.line is not None else ""
+        return ConfigError(f"{source}{where}: malformed YAML: {self.problem}")
+
+
+def _load_yaml(text: str) -> tuple[Any, yaml.Node | None]:
+    """YAML text -> (value, its node); any problem, PyYAML's or Python's, is a ``_YamlProblem``."""
+    try:
+        loader = _Loader(text)  # the reader refuses control characters here
+    except yaml.reader.ReaderError as e:
+        line = text.count("\n", 0, e.position) + 1
+        column = e.position - (text.rfind("\n", 0, e.position) + 1) + 1
+        raise _YamlProblem(f"character U+{e.character:04X} is not allowed (YAML forbids control characters)",
+                           line, column) from None
     try:
         node = loader.get_single_node()
-        raw = loader.construct_document(node) if node is not None else None
+        try:
+            value = loader.construct_document(node) if node is not None else None
+        except (ValueError, OverflowError, TypeError) as e:  # a scalar that fits its tag's pattern but not Python
+            raise _scalar_problem(node, e) from None
     except yaml.MarkedYAMLError as e:
-        raise ConfigError(f"{source}{_yaml_problem(e)}") from None
+        raise _yaml_problem(e) from None
     except yaml.YAMLError as e:
-        raise ConfigError(f"{source}: malformed YAML: {e}") from None
+        raise _YamlProblem(str(e)) from None
+    except RecursionError:
+        raise _YamlProblem("nested too deeply to read") from None
     finally:
         loader.dispose()
+    return value, node
+
+
+def _scalar_problem(root: yaml.Node, error: Exception) -> _YamlProblem:
+    """The first scalar under ``root`` that cannot be built (an integer of thousands of digits, a date with
+    month 13), found by building each scalar alone."""
+    stack, seen = [root], set()
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        if isinstance(node, yaml.ScalarNode):
+            try:
+                yaml.SafeLoader("").construct_object(node)
+            except (ValueError, OverflowError, TypeError, yaml.YAMLError) as e:
+                mark = node.start_mark
+                if "integer string conversion" in str(e):  # Python's guard against quadratic int parsing
+                    problem = f"an integer of {len(node.value):,} digits is too long (at most {sys.get_int_max_str_digits()})"
+                else:
+                    problem = f"cannot read {_show(node.value)} as {node.tag.rsplit(':', 1)[-1]}: {str(e)[:200]}"
+                return _YamlProblem(problem, mark.line + 1, mark.column + 1)
+        elif isinstance(node, yaml.MappingNode):
+            stack.extend(n for pair in reversed(node.value) for n in reversed(pair))
+        elif isinstance(node, yaml.SequenceNode):
+            stack.extend(reversed(node.value))
+    return _YamlProblem(str(error)[:200])
+
+
+def _parse(text: str, source: str) -> tuple[dict[str, Any], _Where]:
+    """YAML text -> (top-level dict, line of every key)."""
+    try:
+        raw, node = _load_yaml(text)
+    except _YamlProblem as e:
+        raise e.at(source) from None
     if raw is None:
         raise ConfigError(f"{source}: the recipe is empty (expected sections: {', '.join(_SECTIONS)})")
     if not isinstance(raw, dict):
@@ -652,8 +752,8 @@ def _parse(text: str, source: str) -> tuple[dict[str, Any], _Where]:
     return raw, _Where(source, lines)
 
 
-def _yaml_problem(e: yaml.MarkedYAMLError) -> str:
-    """' line L, column C: malformed YAML: ...' from PyYAML's 0-based marks and its texts."""
+def _yaml_problem(e: yaml.MarkedYAMLError) -> _YamlProblem:
+    """PyYAML's error as a ``_YamlProblem``: its 0-based marks made 1-based, its texts joined."""
 
     def at(mark: yaml.Mark) -> str:
         return f"line {mark.line + 1}, column {mark.column + 1}"
@@ -664,7 +764,8 @@ def _yaml_problem(e: yaml.MarkedYAMLError) -> str:
         if e.context_mark and e.problem_mark and e.context_mark.line != e.problem_mark.line:
             started = f" (started at {at(e.context_mark)})"
         text = f"{e.context}{started}: {text}"
-    return f" {at(e.problem_mark)}: malformed YAML: {text}" if e.problem_mark else f": malformed YAML: {text}"
+    mark = e.problem_mark
+    return _YamlProblem(text, mark.line + 1, mark.column + 1) if mark else _YamlProblem(text)
 
 
 def _key_lines(node: yaml.Node, source: str, prefix: str, lines: dict[str, int], depth: int) -> None:
@@ -684,16 +785,16 @@ def _key_lines(node: yaml.Node, source: str, prefix: str, lines: dict[str, int],
 
 def _apply_override(raw: dict[str, Any], item: str, where: _Where) -> None:
     """Apply one ``dotted.key=value`` to the raw recipe dict; the value replaces what was there."""
-    label = f"--set {item}"
+    label = f"--set {_printable(item)}"
     key, sep, text = item.partition("=")
     key = key.strip()
     if not sep or not key:
         raise ConfigError(f"{label}: expected KEY=VALUE, e.g. optimizer.lr=1e-4")
     try:
-        value = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        problem = getattr(e, "problem", None) or str(e)
-        raise ConfigError(f"{label}: the value is not valid YAML: {problem}") from None
+        value, _ = _load_yaml(text)
+    except _YamlProblem as e:
+        column = f" (column {e.column})" if e.column is not None else ""
+        raise ConfigError(f"{label}: the value is not valid YAML{column}: {e.problem}") from None
     parts = key.split(".")
     if parts[0] not in _SECTIONS:
         raise _unknown(label, parts[0], parts[0], list(_SECTIONS))

@@ -28,6 +28,7 @@ from entrenar import quickstart
 from entrenar.config import Recipe, load_recipe, recipe_changes, save_recipe
 from entrenar.data import (
     BatchStream,
+    check_seq_len,
     eval_batches,
     num_target_tokens,
     padding_free,
@@ -35,6 +36,7 @@ from entrenar.data import (
     split_validation,
     tokenize_records,
 )
+from entrenar.data.report import data_notes, skipped_in_order, write_skipped
 from entrenar.errors import AdapterError, CheckpointError, ConfigError, DataError
 from entrenar.evaluate import EvalResult, autocast_for, eval_loss
 from entrenar.export import save_merged
@@ -90,7 +92,7 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
     run_dir, resume_from = _run_folder(recipe, resume, dry_run)
     is_quickstart = quickstart.is_quickstart(recipe, run_dir)
     if is_quickstart:
-        recipe = quickstart.resolve(recipe, run_dir)
+        recipe = quickstart.resolve(recipe, run_dir, dry_run)  # a dry run's files go to a temporary folder
     if resume_from is not None:
         recipe = _recipe_for_resume(recipe, run_dir)
     t = recipe.training
@@ -99,6 +101,8 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
                           f"(training.max_steps={t.max_steps})")
     if is_quickstart:
         quickstart.write_files(recipe)  # only once the recipe is known to be sound
+    context_notes = check_seq_len(recipe.data.seq_len, entrenar.read_model_config(recipe.model.path)
+                                  .max_position_embeddings, recipe.model.path)  # before any weights are read
     if t.cpu_threads is not None:
         torch.set_num_threads(t.cpu_threads)
     _seed_everything(t.seed)
@@ -155,9 +159,11 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
 
     # Data: records -> masked examples -> a resumable stream of packed batches.
     d = recipe.data
-    examples, notes = _examples(d.train, "train", recipe, tokenizer)
+    skipped: list = []  # every record on_error=skip left out, for the run's skipped.jsonl
+    examples, notes = _examples(d.train, "train", recipe, tokenizer, skipped)
+    notes = context_notes + notes
     if d.validation:
-        validation, validation_notes = _examples(d.validation, "validation", recipe, tokenizer)
+        validation, validation_notes = _examples(d.validation, "validation", recipe, tokenizer, skipped)
         notes += validation_notes
     else:
         examples, validation = split_validation(examples, d.validation_split, seed=t.seed)
@@ -209,6 +215,7 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
         if scaler.is_enabled():
             scaler.load_state_dict(trainer_state["grad_scaler"])
     save_recipe(recipe, run_dir / RECIPE_FILE)  # on resume: with the changes the resume made
+    write_skipped(run_dir, skipped)
 
     def evaluate() -> EvalResult | None:
         if not validation:
@@ -356,8 +363,9 @@ def _lora_config(recipe: Recipe) -> LoraConfig | None:
                       target_modules=_targets(lora.target_modules), use_rslora=lora.use_rslora)
 
 
-def _examples(path: str, role: str, recipe: Recipe, tokenizer) -> tuple[list, list[str]]:
-    """Masked examples of one data file, and notes on what was skipped or cut (for the report)."""
+def _examples(path: str, role: str, recipe: Recipe, tokenizer, skipped: list) -> tuple[list, list[str]]:
+    """Masked examples of one data file, and notes on what was skipped, cut or odd (for the report); appends
+    the skipped records to ``skipped``."""
     d = recipe.data
     records, read_stats = read_records(path, format=d.format, on_error=d.on_error)
     columns = {"text": d.text_field, "prompt": d.prompt_field, "completion": d.completion_field,
@@ -369,11 +377,9 @@ def _examples(path: str, role: str, recipe: Recipe, tokenizer) -> tuple[list, li
         if str(e).startswith("no training examples"):
             raise DataError(f"data.{role} ({path}): {str(e).replace('no training examples', 'no examples', 1)}") from None
         raise
-    notes = []
-    skipped = read_stats.skipped + stats.skipped
-    if skipped:
-        first = (read_stats.skip_reasons or stats.skip_reasons or ["?"])[0]
-        notes.append(f"data.{role}: {skipped} malformed record(s) skipped (first: {first})")
+    left_out = skipped_in_order(read_stats, stats)
+    skipped.extend(left_out)
+    notes = data_notes(f"data.{role}", left_out, stats)
     if stats.truncated_examples:
         notes.append(f"data.{role}: {stats.truncated_examples} example(s) cut to seq_len={d.seq_len} "
                      f"({stats.truncated_tokens:,} tokens dropped)")
