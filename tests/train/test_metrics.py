@@ -157,7 +157,7 @@ def test_plot_loss_curve_writes_png(tmp_path: Path) -> None:
     _write_run(tmp_path)
     out = plot_loss_curve(tmp_path / "metrics.jsonl", tmp_path / "plots" / "loss.png")
     assert out == tmp_path / "plots" / "loss.png"
-    assert _png_size(out) == (700, 400)
+    assert _png_size(out) == (700, 550)  # loss panel over a learning-rate panel
     (tmp_path / "empty.jsonl").write_text('{"step": 1, "eval_loss": null, "eval_ppl": null}\n')
     with pytest.raises(CheckpointError, match="no loss values to plot"):
         plot_loss_curve(tmp_path / "empty.jsonl", tmp_path / "x.png")

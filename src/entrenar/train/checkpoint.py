@@ -37,6 +37,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, safe_open, save_file
 
 from entrenar import atomic
+from entrenar.finite import check_finite
 from entrenar.errors import CheckpointError
 
 FORMAT_VERSION = 1
@@ -353,6 +354,9 @@ def save_checkpoint(
 
     ckpts = _checkpoints_dir(run_dir)
     final = ckpts / f"step-{step}"
+    # A checkpoint with NaN/inf weights or moments cannot be resumed from; refuse it before anything is written.
+    check_finite(model_state, final / MODEL_FILE, CheckpointError)
+    check_finite(optimizer_tensors, final / OPTIMIZER_TENSORS, CheckpointError)
     # Saving the same step again (after resuming from an earlier checkpoint) replaces it only once complete.
     with atomic.staged_folder(final) as tmp:
         save_file(_cpu_tensors(model_state), str(tmp / MODEL_FILE), metadata={"format": "pt"})
