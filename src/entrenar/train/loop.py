@@ -302,7 +302,7 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
                 bar.update(1)
                 if done % t.log_every == 0 or done == t.max_steps:
                     bar.set_postfix(loss=f"{loss_value:.4f}", lr=f"{lr:.2e}")
-                if done % t.log_every == 0 or "skipped" in flags:
+                if done % t.log_every == 0 or done == t.max_steps or "skipped" in flags:
                     console.step(record, t.max_steps)  # --no-progress: a line every log_every steps
 
                 is_last = done == t.max_steps
@@ -311,14 +311,15 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
                     bar.set_description("evaluating")
                     result = eval_after = evaluate()
                     bar.set_description(None)
-                    is_best = result is not None and metrics.log_eval(done, result.loss)
-                    if is_best:
-                        _save_result(model, tokenizer, recipe, run_dir / "best")  # usable as --adapter / MODEL as it is
-                        last_checkpoint = checkpoint(done, best=True)  # after run/best/: a crash never leaves it stale
                     if result is not None:
+                        is_best = metrics.log_eval(done, result.loss)
+                        # Before the checkpoints below, which carry its counter.
                         stop_early = early_stopping.update(done, {"eval_loss": result.loss,
                                                                   "eval_ppl": result.perplexity})
                         console.evaluation(done, result.loss, result.perplexity, is_best, early_stopping.reason or "")
+                        if is_best:
+                            _save_result(model, tokenizer, recipe, run_dir / "best")  # usable as --adapter / MODEL
+                            last_checkpoint = checkpoint(done, best=True)  # after run/best/: never left stale
                 if (t.save_every and done % t.save_every == 0) or is_last or stop_early:
                     if last_checkpoint is None or last_checkpoint.name != f"step-{done}":
                         last_checkpoint = checkpoint(done)
