@@ -64,19 +64,18 @@ def _write_pointer(path: Path, target: str) -> None:
     atomic.write_text(path, target + "\n")
 
 
-def _read_pointer(path: Path) -> str | None:
+def _read_pointer(path: Path, instead: str) -> str | None:
     """The ``step-N`` a pointer file names; None if there is no such file. A damaged pointer (not UTF-8, not a
-    ``step-N``) warns and reads as None, so callers fall back to scanning the folders."""
+    ``step-N``) warns, saying what is used ``instead``, and reads as None."""
     try:
         name = path.read_text(encoding="utf-8").strip()
     except FileNotFoundError:
         return None
     except (UnicodeDecodeError, OSError) as e:
-        warnings.warn(f"{path}: unreadable pointer ({e}); using the newest complete checkpoint instead", stacklevel=3)
+        warnings.warn(f"{path}: unreadable pointer ({e}); {instead}", stacklevel=3)
         return None
     if not _STEP_DIR.match(name):
-        warnings.warn(f"{path}: does not name a checkpoint ({name[:40]!r}); using the newest complete checkpoint "
-                      "instead", stacklevel=3)
+        warnings.warn(f"{path}: does not name a checkpoint ({name[:40]!r}); {instead}", stacklevel=3)
         return None
     return name
 
@@ -309,7 +308,7 @@ def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
     Temporary folders of an interrupted save and folders missing a file are ignored.
     """
     ckpts = _checkpoints_dir(run_dir)
-    name = _read_pointer(ckpts / "latest")
+    name = _read_pointer(ckpts / "latest", instead="using the newest complete checkpoint instead")
     if name is not None and _is_complete(ckpts / name):
         return ckpts / name
     complete = [d for _, d in _step_dirs(ckpts) if _is_complete(d)]
@@ -322,7 +321,7 @@ def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
 def best_checkpoint(run_dir: str | os.PathLike) -> Path | None:
     """The checkpoint last passed to :func:`mark_best`, if it still exists complete."""
     ckpts = _checkpoints_dir(run_dir)
-    name = _read_pointer(ckpts / "best")
+    name = _read_pointer(ckpts / "best", instead="no checkpoint is marked best")
     return ckpts / name if name is not None and _is_complete(ckpts / name) else None
 
 
@@ -397,7 +396,7 @@ def save_checkpoint(
     _write_pointer(ckpts / "latest", final.name)
     if best:
         _write_pointer(ckpts / "best", final.name)
-    best_name = _read_pointer(ckpts / "best")
+    best_name = _read_pointer(ckpts / "best", instead="no checkpoint is kept as best")
     _prune(ckpts, keep_last, protected={final.name} | ({best_name} if best_name else set()))
     return final
 
