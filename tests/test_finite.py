@@ -17,12 +17,16 @@ from entrenar.train.checkpoint import latest_checkpoint, save_checkpoint
 BAD = "model.layers.1.mlp.down_proj.weight"
 
 
-def test_first_nonfinite_reads_in_chunks_and_counts_every_bad_value(monkeypatch):
-    monkeypatch.setattr(finite, "_CHUNK", 7)  # the bad values sit in the third and fifth chunks
-    t = torch.zeros(5, 8)
-    t[2, 5], t[4, 7] = float("inf"), float("nan")
-    assert finite.first_nonfinite({"ok": torch.ones(3), "codes": torch.zeros(4, dtype=torch.uint8), "t": t}) == ("t", 2)
-    assert finite.first_nonfinite({"ok": torch.ones(30)}) is None
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bad", [[float("nan")], [float("inf")], [float("-inf")], [float("nan"), float("inf")]])
+def test_first_nonfinite_finds_each_kind_and_counts_every_bad_value(dtype, bad):
+    t = torch.randn(5, 8).to(dtype)
+    for i, value in enumerate(bad):
+        t[2 + i, 5] = value
+    tensors = {"ok": torch.ones(3, dtype=dtype), "codes": torch.zeros(4, dtype=torch.uint8),
+               "empty": torch.zeros(0, dtype=dtype), "t": t, "later": torch.full((2,), float("nan"))}
+    assert finite.first_nonfinite(tensors) == ("t", len(bad))
+    assert finite.first_nonfinite({"ok": torch.randn(30).to(dtype) * 1e4}) is None
 
 
 def test_model_writers_refuse_nan_weights_and_write_nothing(workspace):
@@ -32,8 +36,8 @@ def test_model_writers_refuse_nan_weights_and_write_nothing(workspace):
     out = workspace / "out"
     writers = [lambda: save_hf(model, out / "hf"), lambda: save_merged(model, tokenizer, out / "merged"),
                lambda: write_gguf(model, tokenizer, out / "m.gguf", "f16")]
-    for write in writers:
-        with pytest.raises(ModelError, match=rf"tensor '{BAD}' holds 1 non-finite value\(s\) \(NaN/inf\); nothing was "
+    for write, target in zip(writers, ["hf", "merged", "m.gguf"]):
+        with pytest.raises(ModelError, match=rf"^{out / target}: tensor '{BAD}' holds 1 non-finite value\(s\) \(NaN/inf\); nothing was "
                                              "written"):
             write()
         assert not out.exists() or list(out.iterdir()) == []
