@@ -55,7 +55,7 @@ from entrenar.train.metrics import MetricsLogger, plot_loss_curve, tensorboard_w
 from entrenar.train.optim import build_optimizer, build_param_groups, lr_at, set_lr
 
 RECIPE_FILE = "recipe.yaml"
-# Keys a resumed run may change: how long it runs and how often it reports.
+# Keys a resumed run may change: how long it runs, how often it reports, when it stops on faults or early.
 RESUMABLE_CHANGES = ("training.max_steps", "training.eval_every", "training.log_every", "training.save_every",
                      "training.keep_last", "training.eval_batches", "training.cpu_threads", "training.kernels",
                      "training.compile", "training.nonfinite", "training.max_skipped_steps",
