@@ -297,6 +297,36 @@ def _offload_layers(value: Any) -> bool | int:
     raise _Reject("true, false, or a number of layers (the first ones)")
 
 
+# Metrics where larger is better; any other metric (eval_loss, eval_ppl, ...) is minimised unless `mode` says so.
+_MAXIMISED_METRICS = ("accuracy", "acc", "f1", "macro_f1", "micro_f1", "precision", "recall", "auc", "exact_match")
+
+
+def _early_stopping(value: Any) -> dict[str, Any] | None:
+    """Early stopping: null (off) or {metric, patience, min_delta, mode}; mode defaults from the metric's name."""
+    expected = "null or a mapping {metric, patience, min_delta, mode}"
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise _Reject(expected)
+    unknown = [k for k in value if k not in ("metric", "patience", "min_delta", "mode")]
+    if unknown:
+        raise _Reject(expected, f" (unknown key {_show(unknown[0])})")
+    metric = value.get("metric", "eval_loss")
+    if not isinstance(metric, str) or not metric.strip():
+        raise _Reject(expected, " (metric must be a name such as eval_loss)")
+    patience = value.get("patience", 3)
+    if not isinstance(patience, int) or isinstance(patience, bool) or patience < 1:
+        raise _Reject(expected, f" (patience must be an integer > 0, got {_show(patience)})")
+    min_delta = _as_number(value.get("min_delta", 0.0))
+    if min_delta is None or min_delta < 0:
+        raise _Reject(expected, f" (min_delta must be a number >= 0, got {_show(value.get('min_delta'))})")
+    name = metric.removeprefix("eval_")
+    mode = value.get("mode", "max" if name in _MAXIMISED_METRICS else "min")
+    if mode not in ("min", "max"):
+        raise _Reject(expected, f" (mode must be min or max, got {_show(mode)})")
+    return {"metric": metric, "patience": patience, "min_delta": min_delta, "mode": mode}
+
+
 def _key(default: Any, rule: Rule) -> Any:
     """A dataclass field with a default and the rule its values must pass."""
     if isinstance(default, dict):
@@ -446,6 +476,10 @@ class TrainingSection(_Section):
     save_every: int = _key(0, _integer(0))
     keep_last: int = _key(3, _integer(1))
     cpu_threads: int | None = _key(None, _integer(1, nullable=True))  # None: torch's default
+    # a step whose loss or gradient norm is NaN/inf: stop the run, or skip its update (at most max_skipped_steps in a row)
+    nonfinite: str = _key("stop", _choice("stop", "skip"))
+    max_skipped_steps: int = _key(5, _integer(1))
+    early_stopping: dict[str, Any] | None = _key(None, _early_stopping)  # None: off
 
 
 @dataclass(frozen=True)
@@ -455,6 +489,7 @@ class OutputSection(_Section):
     section: ClassVar[str] = "output"
     name: str = _key("run", _text())
     dir: str | None = _key(None, _text(nullable=True))  # None: runs/<name>
+    tensorboard: bool = _key(False, _boolean)  # also write TensorBoard event files (the `tensorboard` extra)
 
     def __post_init__(self) -> None:
         super().__post_init__()

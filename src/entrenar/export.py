@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from entrenar import atomic
+from entrenar.finite import check_finite
 from entrenar.errors import AdapterError, ConfigError, ModelError
 
 if TYPE_CHECKING:
@@ -167,6 +168,7 @@ def save_merged(
     from entrenar.models.gguf_write import write_gguf
     from entrenar.models.hf import save_hf
 
+    check_finite(model.state_dict(), output, ModelError)  # before the folder is staged or config.dtype changed
     dtype = next(model.parameters()).dtype
     extra = {k: v for k, v in model.config.extra.items() if k != "torch_dtype"}
     model.config = model.config.replace(extra={**extra, "dtype": _DTYPE_NAMES.get(dtype, str(dtype))})

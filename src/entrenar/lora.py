@@ -35,6 +35,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from entrenar import atomic
+from entrenar.finite import check_finite
 from entrenar.errors import AdapterError
 from entrenar.surgery import ALL_LINEAR, find_linears, replace_module
 
@@ -486,6 +487,7 @@ def save_adapter(
     tensors = {PEFT_PREFIX + key: t.contiguous() for key, t in lora_state_dict(model).items()}
 
     folder = Path(folder)
+    check_finite(tensors, folder / ADAPTER_WEIGHTS, AdapterError)
     folder.mkdir(parents=True, exist_ok=True)
     config_path, weights_path = folder / ADAPTER_CONFIG, folder / ADAPTER_WEIGHTS
     tmp_weights = atomic.temp_file(weights_path, lambda p: save_file(tensors, p, metadata={"format": "pt"}))

@@ -11,6 +11,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from entrenar import atomic
+from entrenar.finite import check_finite
 from entrenar.errors import ModelError
 from entrenar.models.config import ModelConfig, rope_inv_freq
 from entrenar.models.transformer import Transformer
@@ -175,6 +176,7 @@ def save_hf(
     state = {n: t.detach().contiguous().cpu() for n, t in model.state_dict().items()}
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
+    check_finite(state, folder, ModelError)
     with atomic.staged_folder(folder) as tmp:
         (tmp / "config.json").write_text(json.dumps(model.config.to_hf(), indent=2) + "\n")
         shards = _shards(state, max_shard_bytes)

@@ -48,16 +48,20 @@ from entrenar.memory import FUSED_LOSS_CHUNK, LINEAR_NAMES, GiB, estimate_traini
 from entrenar.quant.checkpoint import save_qat_model
 from entrenar.quant.qat import apply_qat_recipe, load_qat_state_dict, master_weights, qat_state_dict
 from entrenar.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from entrenar.train.console import Console
 from entrenar.train.cuda_graph import GraphedMicroStep
+from entrenar.train.early_stopping import EarlyStopping
+from entrenar.train.faults import NonfiniteGuard, optimizer_step
 from entrenar.train.loss import token_cross_entropy
-from entrenar.train.metrics import MetricsLogger, plot_loss_curve
+from entrenar.train.metrics import MetricsLogger, plot_loss_curve, tensorboard_writer_class
 from entrenar.train.optim import build_optimizer, build_param_groups, lr_at, set_lr
 
 RECIPE_FILE = "recipe.yaml"
-# Keys a resumed run may change: how long it runs and how often it reports.
+# Keys a resumed run may change: how long it runs, how often it reports, when it stops on faults or early.
 RESUMABLE_CHANGES = ("training.max_steps", "training.eval_every", "training.log_every", "training.save_every",
                      "training.keep_last", "training.eval_batches", "training.cpu_threads", "training.kernels",
-                     "training.compile")
+                     "training.compile", "training.nonfinite", "training.max_skipped_steps",
+                     "training.early_stopping")
 
 
 @dataclass
@@ -79,16 +83,23 @@ def train(
     resume: str | Path | bool | None = None,
     dry_run: bool = False,
     progress: bool = True,
+    verbose: bool = False,
 ) -> TrainResult:
-    """Run (or resume, or dry-run) the training described by `recipe`."""
+    """Run (or resume, or dry-run) the training described by `recipe`.
+
+    ``verbose`` prints the resolved recipe, what the run is doing and each
+    evaluation (and, with ``progress=False``, a line every training.log_every
+    steps), as ``entrenar train`` does.
+    """
     threads = torch.get_num_threads()
     try:
-        return _train(recipe, resume, dry_run, progress)
+        return _train(recipe, resume, dry_run, progress, Console(verbose, log_lines=not progress))
     finally:
         torch.set_num_threads(threads)  # training.cpu_threads applies to the run, not to the caller's process
 
 
-def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, progress: bool) -> TrainResult:
+def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, progress: bool,
+           console: Console) -> TrainResult:
     run_dir, resume_from = _run_folder(recipe, resume, dry_run)
     is_quickstart = quickstart.is_quickstart(recipe, run_dir)
     if is_quickstart:
@@ -99,6 +110,11 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
     if recipe.schedule.warmup_steps > t.max_steps:
         raise ConfigError(f"schedule.warmup_steps ({recipe.schedule.warmup_steps}) is longer than the run "
                           f"(training.max_steps={t.max_steps})")
+    if t.early_stopping is not None and not t.eval_every:
+        raise ConfigError("training.early_stopping: needs evaluations during the run (training.eval_every > 0)")
+    if recipe.output.tensorboard:
+        tensorboard_writer_class()  # a missing package is found now, not after loading the model
+    console.recipe(recipe)
     if is_quickstart:
         quickstart.write_files(recipe)  # only once the recipe is known to be sound
     context_notes = check_seq_len(recipe.data.seq_len, entrenar.read_model_config(recipe.model.path)
@@ -115,6 +131,7 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
     if weights_dtype == "auto" and recipe.lora is None:
         weights_dtype = "float32"  # full fine-tuning keeps fp32 master weights; compute follows training.precision
     quantize = recipe.lora.quantize_base if recipe.lora is not None else None
+    console.say(f"loading {recipe.model.path} on {device} ...")
     model, tokenizer = entrenar.load(recipe.model.path, dtype=weights_dtype, device=device, quantize=quantize)
     model.train()
     if recipe.qat is not None:
@@ -160,6 +177,7 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
     # Data: records -> masked examples -> a resumable stream of packed batches.
     d = recipe.data
     skipped: list = []  # every record on_error=skip left out, for the run's skipped.jsonl
+    console.say(f"reading and tokenizing {d.train} ...")
     examples, notes = _examples(d.train, "train", recipe, tokenizer, skipped)
     notes = context_notes + notes
     if d.validation:
@@ -207,37 +225,52 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
 
     # Resume: weights, optimizer, RNG, data position and metrics continue where the checkpoint left them.
     start_step = 0
+    guard = NonfiniteGuard(t.nonfinite, t.max_skipped_steps, run_dir, scaler_handles_grads=scaler.is_enabled())
+    early_stopping = EarlyStopping(t.early_stopping)
+    if t.early_stopping is not None and not validation:
+        raise ConfigError("training.early_stopping: needs a validation set (data.validation or data.validation_split)")
     if resume_from is not None:
+        console.say(f"resuming from {resume_from} ...")
         model_state, trainer_state = load_checkpoint(resume_from, optimizer, expected_model_state=_trainable_state(model, recipe))
         start_step = _check_trainer_state(trainer_state, resume_from, t.max_steps, scaler.is_enabled())
         _load_trainable_state(model, recipe, model_state, str(resume_from))
         stream.load_state_dict(trainer_state["data"])
         if scaler.is_enabled():
             scaler.load_state_dict(trainer_state["grad_scaler"])
+        guard.load_state_dict(trainer_state.get("nonfinite"))
+        early_stopping.load_state_dict(trainer_state.get("early_stopping"))
     save_recipe(recipe, run_dir / RECIPE_FILE)  # on resume: with the changes the resume made
     write_skipped(run_dir, skipped)
 
     def evaluate() -> EvalResult | None:
         if not validation:
             return None
+        if not progress:
+            console.say(f"evaluating on {len(validation):,} validation examples ...")  # the bar says it otherwise
         batches = eval_batches(validation, t.batch_size, d.seq_len, packing=d.packing, pad_id=tokenizer.pad_id or 0)
         # Eager: the last batch is smaller and would make a compiled model recompile.
         return eval_loss(model, batches, precision=t.precision, max_batches=t.eval_batches)
 
     def checkpoint(step: int, best: bool = False) -> Path:
-        trainer_state = {"data": stream.state_dict(), "recipe": recipe.to_dict()}
+        trainer_state = {"data": stream.state_dict(), "recipe": recipe.to_dict(), "nonfinite": guard.state_dict(),
+                         "early_stopping": early_stopping.state_dict()}
         if scaler.is_enabled():
             trainer_state["grad_scaler"] = scaler.state_dict()
         return save_checkpoint(run_dir, step, _trainable_state(model, recipe), optimizer, trainer_state, t.keep_last,
                                best=best)
 
-    metrics = MetricsLogger(run_dir, resume_step=start_step if resume_from is not None else None)
+    metrics = MetricsLogger(run_dir, resume_step=start_step if resume_from is not None else None,
+                            tensorboard=recipe.output.tensorboard)
     with metrics:  # the metrics file is closed however the run ends
         eval_before = None
         if start_step == 0:
+            if progress:  # without a bar, evaluate() says it
+                console.say("evaluating before training ...")
             eval_before = evaluate()
             if eval_before is not None:
                 metrics.log_eval(0, eval_before.loss)
+                early_stopping.update(0, {"eval_loss": eval_before.loss, "eval_ppl": eval_before.perplexity})
+                console.evaluation(0, eval_before.loss, eval_before.perplexity, best=True)
         accuracy_before = quickstart.accuracy(model, tokenizer, d.validation) if is_quickstart and start_step == 0 else None
 
         with tqdm(total=t.max_steps, initial=start_step, disable=not progress, unit="step",
@@ -264,36 +297,54 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
                 scaler.unscale_(optimizer)
                 max_norm = t.max_grad_norm if t.max_grad_norm > 0 else math.inf
                 grad_norm = torch.nn.utils.clip_grad_norm_(trainable, max_norm)  # returns the pre-clip norm
-                scaler.step(optimizer)
-                scaler.update()
+                done = step + 1
+                # A NaN/inf loss or gradient norm stops the run, or drops this step's update (training.nonfinite).
+                flags = guard.check(done, step_loss, grad_norm)
+                flags |= optimizer_step(scaler, optimizer, skip=bool(flags))  # fp16: the scaler's own skips
                 optimizer.zero_grad(set_to_none=not t.cuda_graphs)
 
-                done = step + 1
                 loss_value = float(step_loss)
-                if not math.isfinite(loss_value):
-                    raise DataError(f"step {done}: the loss is {loss_value}; lower optimizer.lr or check the data "
-                                    f"(last good checkpoint: {latest_checkpoint(run_dir)})")
-                metrics.log_step(done, loss_value, grad_norm, lr, tokens, step_time_s=time.perf_counter() - started)
+                record = metrics.log_step(done, loss_value, grad_norm, lr, tokens,
+                                          step_time_s=time.perf_counter() - started, flags=flags)
                 bar.update(1)
                 if done % t.log_every == 0 or done == t.max_steps:
                     bar.set_postfix(loss=f"{loss_value:.4f}", lr=f"{lr:.2e}")
+                if done % t.log_every == 0 or done == t.max_steps or "skipped" in flags:
+                    console.step(record, t.max_steps)  # --no-progress: a line every log_every steps
 
                 is_last = done == t.max_steps
+                stop_early = False
                 if (t.eval_every and done % t.eval_every == 0) or is_last:
+                    bar.set_description("evaluating")
                     result = eval_after = evaluate()
-                    if result is not None and metrics.log_eval(done, result.loss):
-                        _save_result(model, tokenizer, recipe, run_dir / "best")  # usable as --adapter / MODEL as it is
-                        last_checkpoint = checkpoint(done, best=True)  # after run/best/: a crash never leaves it stale
-                if (t.save_every and done % t.save_every == 0) or is_last:
+                    bar.set_description(None)
+                    if result is not None:
+                        is_best = metrics.log_eval(done, result.loss)
+                        # Before the checkpoints below, which carry its counter.
+                        stop_early = early_stopping.update(done, {"eval_loss": result.loss,
+                                                                  "eval_ppl": result.perplexity})
+                        console.evaluation(done, result.loss, result.perplexity, is_best, early_stopping.reason or "")
+                        if is_best:
+                            _save_result(model, tokenizer, recipe, run_dir / "best")  # usable as --adapter / MODEL
+                            last_checkpoint = checkpoint(done, best=True)  # after run/best/: never left stale
+                if (t.save_every and done % t.save_every == 0) or is_last or stop_early:
                     if last_checkpoint is None or last_checkpoint.name != f"step-{done}":
                         last_checkpoint = checkpoint(done)
+                if stop_early:
+                    break
 
         if eval_after is None:
             eval_after = evaluate()
+        console.say("saving ...")
         output = _save_result(model, tokenizer, recipe, run_dir)
         quantized = save_qat_model(model, tokenizer, run_dir / "quantized") if recipe.qat is not None else None
         plot_loss_curve(metrics.path, run_dir / "loss_curve.png")
         rows = [("output", str(output)), *[("note", note) for note in notes]]
+        if early_stopping.reason is not None and (metrics.last_step or 0) < t.max_steps:
+            rows.append(("stopped early", early_stopping.reason))
+        if guard.total:
+            rows.append(("skipped steps", f"{guard.total} update(s) dropped for NaN/inf (training.nonfinite: skip); "
+                                          "see 'skipped' in metrics.jsonl"))
         if quantized is not None:
             rows.append(("quantized", str(quantized)))
         if eval_before is not None and eval_after is not None:
@@ -304,7 +355,7 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
             before = f"{accuracy_before:.1%} -> " if accuracy_before is not None else ""
             rows.append(("held-out acc.", f"{before}{after:.1%} of unseen sums answered exactly"))
         summary = metrics.summary(checkpoint=last_checkpoint or latest_checkpoint(run_dir), extra=rows)
-    return TrainResult(run_dir=run_dir, steps=t.max_steps, summary=summary, final_loss=loss_value,
+    return TrainResult(run_dir=run_dir, steps=metrics.last_step or 0, summary=summary, final_loss=loss_value,
                        eval_before=eval_before, eval_after=eval_after, checkpoint=latest_checkpoint(run_dir),
                        output=output, quantized=quantized)
 
