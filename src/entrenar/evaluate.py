@@ -76,6 +76,11 @@ def evaluate_file(
 ) -> EvalResult:
     """Loss and perplexity of `model` on a data file, masked as training would mask it (`add_eos` as the
     recipe's data.add_eos: whether each text example ends with EOS)."""
+    if tokenizer is None:
+        from entrenar.errors import ModelError
+
+        raise ModelError("the model was loaded without a tokenizer (no tokenizer.json in its folder); "
+                         "evaluating a data file needs one")
     records, _ = read_records(path, format=fmt)
     examples, _ = tokenize_records(records, tokenizer, seq_len, train_on=train_on, add_eos=add_eos)
     pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else 0  # neither pad nor EOS; pads carry no loss

@@ -11,6 +11,8 @@ Exit codes: 0 success, 2 a user error (``EntrenarError``, or bad arguments),
 from __future__ import annotations
 
 import argparse
+import errno
+import os
 import sys
 from collections.abc import Sequence
 from importlib import import_module
@@ -48,10 +50,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     debug = getattr(args, "debug", False)
     try:
         return args.run(args)
+    except BrokenPipeError:  # `entrenar inspect ... | head`: the reader left; stop quietly, as `cat` does
+        _silence_stdout()
+        return 0
     except EntrenarError as error:
         if debug:
             raise
         print(f"error: {error}", file=sys.stderr)
+        return 2
+    except OSError as error:
+        if debug:
+            raise
+        if not is_user_os_error(error):
+            return _internal(error)
+        where = error.filename if error.filename is not None else ""
+        print(f"error: {where}{': ' if where else ''}{error.strerror or error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         if debug:
@@ -61,9 +74,37 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as bug:
         if debug:
             raise
-        print(f"internal error: {type(bug).__name__}: {bug}", file=sys.stderr)
-        print("this is a bug in entrenar; run again with --debug for the traceback and report it", file=sys.stderr)
-        return 1
+        return _internal(bug)
+
+
+# OSErrors the user's machine or input causes (a read-only or full disk, a missing or forbidden path, a path
+# that is a folder where a file was wanted), as opposed to a bug in entrenar: these name a path to fix.
+USER_ERRNOS = frozenset({
+    errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.ENOENT, errno.EEXIST,
+    errno.EISDIR, errno.ENOTDIR, errno.ENOTEMPTY, errno.ENAMETOOLONG, errno.ELOOP, errno.EFBIG, errno.EMFILE,
+    errno.ENFILE, errno.EIO, errno.EXDEV, errno.EBUSY, errno.ETXTBSY,
+})
+
+
+def is_user_os_error(error: OSError) -> bool:
+    """An OSError about a path the user chose or the file system they write to (see USER_ERRNOS)."""
+    return error.errno in USER_ERRNOS and (error.filename is not None or error.errno in (errno.ENOSPC, errno.EDQUOT))
+
+
+def _internal(bug: BaseException) -> int:
+    print(f"internal error: {type(bug).__name__}: {bug}", file=sys.stderr)
+    print("this is a bug in entrenar; run again with --debug for the traceback and report it", file=sys.stderr)
+    return 1
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null so Python's flush at exit does not raise a second BrokenPipeError."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # stdout without a file descriptor (a test's capture): nothing to flush
+        pass
 
 
 if __name__ == "__main__":

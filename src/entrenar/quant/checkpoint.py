@@ -182,7 +182,7 @@ def read_quantization_config(folder: str | Path) -> dict[str, Any] | None:
     path = Path(folder) / "config.json"
     try:
         entry = json.loads(path.read_text()).get("quantization_config")
-    except (OSError, json.JSONDecodeError, AttributeError):
+    except (OSError, ValueError, AttributeError, RecursionError):  # ValueError: bad JSON or UTF-8
         return None  # not a readable model config: loading it reports why
     if not isinstance(entry, dict) or entry.get("quant_method") != QUANT_METHOD:
         return None
@@ -271,7 +271,10 @@ def _skeleton(folder: Path, entry: dict[str, Any], dtype: torch.dtype, device: t
     from entrenar.models.transformer import Transformer
     from entrenar.surgery import replace_module
 
+    from entrenar.models.hf import check_size, weight_files
+
     config = read_config(folder)
+    check_size(config, weight_files(folder), str(folder))  # before a damaged config allocates its size
     with torch.device("meta"):
         model = Transformer(config)
     where = f"{folder / 'config.json'}: quantization_config.modules"
