@@ -153,7 +153,7 @@ def _export_checkpoint_adapter(source: ModelSource, output: Path) -> Path:
     from entrenar import load, lora
     from entrenar.train.loop import _lora_config
 
-    model, _ = load(source.checkpoint, device="cpu", dtype=_stored_dtype(source.model))
+    model, _ = load(source.checkpoint, device="cpu", dtype=stored_dtype(source.model))
     with replace_files(output) as target:
         lora.save_adapter(model, target, _lora_config(source.recipe), base_model_name_or_path=str(source.model))
     return output
@@ -198,7 +198,7 @@ def load_merged(
     elif source.checkpoint is not None and source.recipe is not None and source.recipe.lora is None:
         torch_dtype = _checkpoint_dtype(source.checkpoint)  # a full fine-tune's weights, as it trained them
     else:
-        torch_dtype = _stored_dtype(source.model)
+        torch_dtype = stored_dtype(source.model)
     model, tokenizer = entrenar.load(model_path, adapter=adapter, dtype=torch_dtype, device="cpu")
     if any(True for _ in lora_layers(model)):
         unload_lora(model, merge=True)
@@ -292,7 +292,7 @@ def _checkpoint_dtype(checkpoint: Path) -> torch.dtype:
     return torch.float32
 
 
-def _stored_dtype(model_path: Path) -> torch.dtype:
+def stored_dtype(model_path: Path) -> torch.dtype:
     """The floating dtype the base's weights are stored in (see the module docstring)."""
     if model_path.suffix == ".gguf":
         from entrenar.models.gguf import read_gguf
@@ -345,4 +345,4 @@ def _read_json(path: Path) -> dict[str, Any]:
     return data
 
 
-__all__ = ["export", "export_adapter", "load_merged", "save_merged"]
+__all__ = ["export", "export_adapter", "load_merged", "save_merged", "stored_dtype"]
