@@ -151,6 +151,7 @@ def export_adapter(model_path: Path, adapter: Path, output: Path) -> Path:
 def _export_checkpoint_adapter(source: ModelSource, output: Path) -> Path:
     """A LoRA run's checkpoint as a PEFT adapter folder (its weights on the base, saved as the run saves them)."""
     from entrenar import load, lora
+    from entrenar.outputs import replace_files
     from entrenar.train.loop import _lora_config
 
     model, _ = load(source.checkpoint, device="cpu", dtype=stored_dtype(source.model))

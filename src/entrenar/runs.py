@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from entrenar.config import Recipe
 
 RECIPE_FILE = "recipe.yaml"
+METRICS_FILE = "metrics.jsonl"
 ADAPTER_DIR, MODEL_DIR, BEST_DIR = "adapter", "model", "best"
 _STEP = re.compile(r"step-\d+")
 
@@ -67,19 +68,26 @@ def run_folder_of(path: str | Path) -> tuple[Path, str] | None:
     ``recipe.yaml`` is not mistaken for a run.
     """
     path = Path(path)
-    if (path / RECIPE_FILE).is_file():
+    if is_run_folder(path):
         return path, "run"
     parent = path.parent
-    if path.name == BEST_DIR and (parent / RECIPE_FILE).is_file():
+    if path.name == BEST_DIR and is_run_folder(parent):
         return parent, "best"
-    if _STEP.fullmatch(path.name) and parent.name == "checkpoints" and (parent.parent / RECIPE_FILE).is_file():
+    if _STEP.fullmatch(path.name) and parent.name == "checkpoints" and is_run_folder(parent.parent):
         return parent.parent, "checkpoint"
     if path.name in (ADAPTER_DIR, MODEL_DIR):
-        if (parent / RECIPE_FILE).is_file():
+        if is_run_folder(parent):
             return parent, path.name
-        if parent.name == BEST_DIR and (parent.parent / RECIPE_FILE).is_file():
+        if parent.name == BEST_DIR and is_run_folder(parent.parent):
             return parent.parent, path.name
     return None
+
+
+def is_run_folder(folder: Path) -> bool:
+    """A folder ``entrenar train`` wrote: its recipe.yaml beside metrics.jsonl or checkpoints/ (a project
+    folder that merely holds a recipe.yaml is not one)."""
+    return (folder / RECIPE_FILE).is_file() and (
+        (folder / METRICS_FILE).is_file() or (folder / "checkpoints").is_dir())
 
 
 def read_run_recipe(run_dir: Path) -> Recipe:
