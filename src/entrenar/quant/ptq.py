@@ -174,7 +174,7 @@ def check_shapes(model: nn.Module, method: str, group_size: int | None) -> None:
         raise QuantError(
             f"group size {group_size} does not divide the input width of {len(bad)} of {len(widths)} layers, "
             f"e.g. {name} ({width}); the layer widths are {widths_text}. {hint} leave the group size out "
-            "(--group-size) for one scale per output channel"
+            "(no --group-size) for one scale per output channel"
         )
 
 
@@ -185,12 +185,13 @@ def disk_size(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
-def _weight_bytes(model: nn.Module, names: list[str]) -> int:
+def _weight_bytes(model: nn.Module, names: list[str], itemsize: int | None = None) -> int:
+    """Bytes of the named layers' weights: quantized as stored, full-precision at ``itemsize`` (default: as held)."""
     total = 0
     for name in names:
         layer = model.get_submodule(name)
         if isinstance(layer, nn.Linear):
-            total += layer.weight.numel() * layer.weight.element_size()
+            total += layer.weight.numel() * (itemsize or layer.weight.element_size())
         else:
             total += layer.quantized.nbytes
     return total
@@ -252,7 +253,7 @@ def quantize_pretrained(
 
     before = evaluate()
     names = find_linears(model, ALL_LINEAR)
-    bytes_before = _weight_bytes(model, names)
+    bytes_before = _weight_bytes(model, names, keep_dtype.itemsize)  # as the input stores them
     errors, info = quantize_model(model, method, group_size, symmetric, calibration, percentile)
     after = evaluate()
     model.to(keep_dtype)  # quantized layers keep their codes and fp32 scales; the rest goes back to the input's dtype
