@@ -68,6 +68,7 @@ def test_a_lora_run_stands_for_its_base_and_adapter(runs, tmp_path, monkeypatch)
     source = resolve_model_and_adapter(run)
     assert (source.model, source.adapter, source.checkpoint) == (ws / "model", run / "adapter", None)
     assert source.recipe.data.train_on == "completion" and source.run_dir == run
+    assert entrenar.read_model_config(run) == entrenar.read_model_config(ws / "model")  # inspect RUN
     expected = logits(ws / "model", adapter=run / "adapter")
     assert not torch.equal(expected, logits(ws / "model"))  # the adapter changes the model
     for path in (run, run / "adapter", run / "checkpoints" / "step-4"):

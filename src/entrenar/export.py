@@ -109,6 +109,7 @@ def export(
     if gguf_only:
         from entrenar.models.gguf_write import write_gguf
 
+        output.parent.mkdir(parents=True, exist_ok=True)
         return [write_gguf(model, tokenizer, output, qtype, name=output.stem)]
     from entrenar.outputs import replace_files
 

@@ -118,6 +118,18 @@ def test_an_os_error_that_names_no_path_is_still_a_bug(capsys, monkeypatch, erro
     assert capsys.readouterr().err.startswith("internal error: ")
 
 
+def test_a_full_disk_reported_by_safetensors_is_one_line(capsys, monkeypatch, tmp_path):
+    from safetensors import SafetensorError
+
+    error = SafetensorError('Error while serializing: I/O error: No space left on device (os error 28) at path '
+                            f'"{tmp_path}/out/.tmpX1"')
+    fake_module(monkeypatch, "entrenar.train.loop", train=failing_train(error))
+    assert main(["train"]) == 2
+    assert capsys.readouterr().err == f"error: {tmp_path}/out: No space left on device\n"
+    fake_module(monkeypatch, "entrenar.train.loop", train=failing_train(SafetensorError("header too large")))
+    assert main(["train"]) == 1  # not an OS error: still a bug
+
+
 def test_a_closed_pipe_ends_the_command_quietly(capsys, monkeypatch):
     fake_module(monkeypatch, "entrenar.train.loop", train=failing_train(BrokenPipeError(32, "Broken pipe")))
     assert main(["train"]) == 0

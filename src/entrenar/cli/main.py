@@ -4,8 +4,10 @@ Each command lives in its own module with ``add_parser(subparsers, parents)``,
 which sets ``run(args) -> int`` as the parser's default; heavy imports (torch and
 the model code) happen inside ``run`` so ``entrenar --help`` stays instant.
 
-Exit codes: 0 success, 2 a user error (``EntrenarError``, or bad arguments),
-130 interrupted, 1 a bug in entrenar (an exception that is not a user error).
+Exit codes: 0 success (also when the reader of stdout went away: ``inspect ... | head``),
+2 a user error (``EntrenarError``, an OSError about the user's paths or disk such as a
+read-only or full file system, or bad arguments), 130 interrupted, 1 a bug in entrenar
+(an exception that is not a user error).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import argparse
 import errno
 import os
+import re
 import sys
 from collections.abc import Sequence
 from importlib import import_module
@@ -74,6 +77,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as bug:
         if debug:
             raise
+        wrapped = os_error_in(bug)
+        if wrapped is not None:  # safetensors reports a full or read-only disk as its own error type
+            print(f"error: {wrapped.filename}: {wrapped.strerror}", file=sys.stderr)
+            return 2
         return _internal(bug)
 
 
@@ -89,6 +96,21 @@ USER_ERRNOS = frozenset({
 def is_user_os_error(error: OSError) -> bool:
     """An OSError about a path the user chose or the file system they write to (see USER_ERRNOS)."""
     return error.errno in USER_ERRNOS and (error.filename is not None or error.errno in (errno.ENOSPC, errno.EDQUOT))
+
+
+_RUST_IO = re.compile(r'\(os error (\d+)\)(?: at path "([^"]+)")?')
+
+
+def os_error_in(error: Exception) -> OSError | None:
+    """The user-caused OSError a library reports as text (safetensors: '... (os error 28) at path "..."')."""
+    match = _RUST_IO.search(str(error))
+    if match is None:
+        return None
+    code = int(match.group(1))
+    folder = os.path.dirname(match.group(2)) if match.group(2) else None
+    if code not in USER_ERRNOS or (folder is None and code not in (errno.ENOSPC, errno.EDQUOT)):
+        return None
+    return OSError(code, os.strerror(code), folder or "the output folder")
 
 
 def _internal(bug: BaseException) -> int:
