@@ -85,9 +85,13 @@ def export(
         raise ModelError(f"{model_path}: no such model folder or GGUF file")
     source = resolve_model_and_adapter(model_path, adapter)
     if source.adapter is not None and not (source.adapter / ADAPTER_CONFIG).is_file():
-        what = "is not an adapter folder (no {})".format(ADAPTER_CONFIG) if source.adapter.exists() \
-            else "no such adapter folder"
-        raise AdapterError(f"{source.adapter}: {what}")
+        exists = source.adapter.exists()
+        raise AdapterError(f"{source.adapter}: "
+                           + (f"is not an adapter folder (no {ADAPTER_CONFIG})" if exists else "no such adapter folder"))
+    if qtype is not None and source.model.is_dir() and not (source.model / "tokenizer.json").is_file():
+        from entrenar import require_tokenizer
+
+        require_tokenizer(None, source.model)  # a GGUF file carries the vocabulary: say so before any work
     inputs = {"base model": source.model, "adapter": source.adapter, "checkpoint": source.checkpoint,
               "model": Path(model_path)}
     _check_output(output, {k: v for k, v in inputs.items() if v is not None})
@@ -102,10 +106,6 @@ def export(
         return [_export_checkpoint_adapter(source, output)]
 
     model, tokenizer = load_merged(model_path, adapter, dtype)
-    if qtype is not None:
-        from entrenar import require_tokenizer
-
-        tokenizer = require_tokenizer(tokenizer, source.model)  # GGUF files carry the vocabulary
     if gguf_only:
         from entrenar.models.gguf_write import write_gguf
 
