@@ -85,9 +85,8 @@ def export(
         raise ModelError(f"{model_path}: no such model folder or GGUF file")
     source = resolve_model_and_adapter(model_path, adapter)
     if source.adapter is not None and not (source.adapter / ADAPTER_CONFIG).is_file():
-        exists = source.adapter.exists()
-        raise AdapterError(f"{source.adapter}: "
-                           + (f"is not an adapter folder (no {ADAPTER_CONFIG})" if exists else "no such adapter folder"))
+        what = f"is not an adapter folder (no {ADAPTER_CONFIG})" if source.adapter.exists() else "no such adapter folder"
+        raise AdapterError(f"{source.adapter}: {what}")
     if qtype is not None and source.model.is_dir() and not (source.model / "tokenizer.json").is_file():
         from entrenar import require_tokenizer
 

@@ -254,10 +254,16 @@ class _Reader:
 
     def number(self, key: str, default: float | None = None, positive: bool = False) -> float:
         value = self.data.get(key, default)
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) \
-                or (positive and value <= 0):
-            raise self._bad(key, "a positive finite number" if positive else "a finite number")
-        return float(value)
+        expected = "a positive finite number" if positive else "a finite number"
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise self._bad(key, expected)
+        try:
+            number = float(value)
+        except OverflowError:  # an integer of hundreds of digits
+            raise self._bad(key, expected) from None
+        if not math.isfinite(number) or (positive and number <= 0):
+            raise self._bad(key, expected)
+        return number
 
     def flag(self, key: str) -> bool:
         value = self.data.get(key, False)
