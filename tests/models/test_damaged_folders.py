@@ -69,6 +69,7 @@ def test_a_bad_value_names_the_file_and_the_key(folder, changes, message):
         ("{not json", r"config\.json line 1: invalid JSON"),
         ("[" * 100_000 + "]" * 100_000, r"config\.json: JSON nested too deeply"),
         (b"\xff\xfe{}", r"config\.json: not UTF-8 text"),
+        ('{"vocab_size": ' + "9" * 5000 + "}", r"config\.json: invalid JSON: Exceeds the limit"),
     ],
 )
 def test_a_config_that_is_not_an_object_is_named(folder, text, message):

@@ -30,6 +30,8 @@ def read_json(path: Path) -> object:
         raise ModelError(f"{path}: not UTF-8 text (byte {e.start}): not a JSON file") from None
     except RecursionError:
         raise ModelError(f"{path}: JSON nested too deeply to be a model file") from None
+    except ValueError as e:  # an integer of thousands of digits (Python's int-string limit)
+        raise ModelError(f"{path}: invalid JSON: {e}") from None
 
 
 def read_config(folder: str | Path) -> ModelConfig:
