@@ -163,3 +163,18 @@ def test_a_folder_without_tokenizer_loads_with_none_and_text_commands_say_so(fol
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json", "model.safetensors"]
     assert main(["export", str(folder), "--output", str(tmp_path / "m.gguf"), "--gguf", "f16"]) == 2
     assert "the model has no tokenizer" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["tokenizer_config.json", "generation_config.json"])
+def test_damaged_tokenizer_files_are_named(tmp_path, name):
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "data"))
+    from tiny_chat_tokenizer import chat_tokenizer
+
+    chat_tokenizer().save(tmp_path)
+    (tmp_path / name).write_text("[" * 100_000 + "]" * 100_000)
+    from entrenar.tokenizer import Tokenizer
+
+    with pytest.raises(ModelError, match=rf"{name}: invalid JSON"):
+        Tokenizer.from_folder(tmp_path)
