@@ -145,11 +145,14 @@ def test_mutated_configs_load_or_raise_a_model_error(folder):
     assert outcomes["loaded"] > 20 and outcomes["refused"] > 100, outcomes
 
 
-def test_a_folder_without_tokenizer_loads_with_none_and_text_commands_say_so(folder, capsys, tmp_path):
+def test_a_folder_without_tokenizer_loads_with_none_and_text_commands_say_so(folder, capsys, tmp_path, monkeypatch):
     from entrenar.cli.main import main
 
     model, tokenizer = entrenar.load(folder, device="cpu")
     assert tokenizer is None and isinstance(model, Transformer)
+    with monkeypatch.context() as patch:  # said before any weight is read
+        patch.setattr(entrenar, "load", lambda *a, **k: pytest.fail("the model was loaded"))
+        assert main(["generate", str(folder), "--prompt", "hi"]) == 2
     data = tmp_path / "d.jsonl"
     data.write_text('{"text": "hi"}\n')
     for argv in (["generate", folder, "--prompt", "hi"], ["eval", folder, "--data", data],

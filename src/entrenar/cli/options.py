@@ -42,10 +42,14 @@ def load_model(args: argparse.Namespace, quantize: str | None = None) -> tuple[T
     """(model, tokenizer) as the model arguments say; a model without a tokenizer is a ModelError
     (every command that loads through here reads or writes text)."""
     from entrenar import load, require_tokenizer
+    from entrenar.runs import resolve_model_and_adapter
 
+    base = resolve_model_and_adapter(args.model, args.adapter).model
+    if base.is_dir() and not (base / "tokenizer.json").is_file():
+        require_tokenizer(None, base)  # before minutes of loading weights
     model, tokenizer = load(args.model, adapter=args.adapter, dtype=args.dtype, device=args.device,
                             quantize=quantize)
-    return model, require_tokenizer(tokenizer, args.model)
+    return model, require_tokenizer(tokenizer, base)
 
 
 def positive_int(text: str) -> int:
