@@ -153,6 +153,7 @@ def test_a_folder_without_tokenizer_loads_with_none_and_text_commands_say_so(fol
     with monkeypatch.context() as patch:  # said before any weight is read
         patch.setattr(entrenar, "load", lambda *a, **k: pytest.fail("the model was loaded"))
         assert main(["generate", str(folder), "--prompt", "hi"]) == 2
+    assert "the model has no tokenizer" in capsys.readouterr().err
     data = tmp_path / "d.jsonl"
     data.write_text('{"text": "hi"}\n')
     for argv in (["generate", folder, "--prompt", "hi"], ["eval", folder, "--data", data],
