@@ -104,6 +104,16 @@ def test_eval_of_a_run_uses_its_recipe(runs, capsys):
                            "--train-on", "all", "--eos", "--seq-len", 512, "--device", "cpu")
     assert code == 0 and f"loss {all_tokens.loss:.4f} " in out  # flags override the recipe
 
+    # The run's field names: a recipe that read {"q", "a"} records has eval read them too.
+    recipe = (run / "recipe.yaml").read_text()
+    (run / "recipe.yaml").write_text(recipe.replace("prompt_field: prompt", "prompt_field: q")
+                                     .replace("completion_field: completion", "completion_field: a"))
+    renamed = ws / "renamed.jsonl"
+    renamed.write_text("".join(json.dumps({"q": r["prompt"], "a": r["completion"]}) + "\n"
+                               for r in map(json.loads, (ws / "train.jsonl").read_text().splitlines())))
+    code, out, err = run_cli(capsys, "eval", run, "--data", renamed, "--device", "cpu")
+    assert (code, err) == (0, "") and f"loss {as_trained.loss:.4f} " in out
+
 
 def test_generate_and_export_take_a_checkpoint(runs, capsys, tmp_path):
     ws, run = runs["ws"], runs["lora"]

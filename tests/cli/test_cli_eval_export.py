@@ -25,7 +25,7 @@ def chat_model(hf_folder) -> Path:
 def test_eval_loads_the_model_and_prints_loss_and_perplexity(capsys, monkeypatch, chat_model, tmp_path):
     seen = {}
 
-    def evaluate_file(model, tokenizer, path, seq_len, batch_size, train_on, fmt="auto", add_eos=True):
+    def evaluate_file(model, tokenizer, path, seq_len, batch_size, train_on, fmt="auto", add_eos=True, columns=None):
         seen.update(model=model, tokenizer=tokenizer, args=(path, seq_len, batch_size, train_on, add_eos))
         return SimpleNamespace(loss=2.5, perplexity=math.exp(2.5), tokens=1234, examples=7)
 

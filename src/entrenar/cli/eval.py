@@ -18,7 +18,8 @@ def add_parser(commands: argparse._SubParsersAction, parents: list[argparse.Argu
         "eval", parents=parents, help="loss and perplexity over a data file",
         description="Loss and perplexity of a model, with an optional adapter, over a data file. Given a "
                     "training run (as MODEL or --adapter), its recipe's data.seq_len, data.train_on and "
-                    "data.add_eos are used unless a flag says otherwise, so the loss is the one training measures.",
+                    "data.add_eos are used unless a flag says otherwise (and its data.format and field names), so the "
+                    "loss is the one training measures.",
     )
     add_model_args(parser)
     parser.add_argument("--data", required=True, metavar="FILE", help="JSONL/JSON/CSV/Parquet/text file or folder")
@@ -56,8 +57,13 @@ def run(args: argparse.Namespace) -> int:
     source = resolve_model_and_adapter(args.model, args.adapter)
     chosen = settings(args, source.recipe)
     model, tokenizer = load_model(args, quantize=source.quantize_base)  # a QLoRA run is measured on its NF4 base
+    extra = {}
+    if source.recipe is not None:  # read the file as training read it: its format and field names
+        d = source.recipe.data
+        extra = {"fmt": d.format, "columns": {"text": d.text_field, "prompt": d.prompt_field,
+                                              "completion": d.completion_field, "messages": d.messages_field}}
     result = evaluate_file(model, tokenizer, args.data, chosen["seq_len"], args.batch_size, chosen["train_on"],
-                           add_eos=chosen["add_eos"])
+                           add_eos=chosen["add_eos"], **extra)
     examples = "" if result.examples is None else f", {result.examples:,} examples"
     if source.recipe is not None:
         print(f"using the run's recipe ({source.run_dir}/recipe.yaml): seq_len {chosen['seq_len']}, "
