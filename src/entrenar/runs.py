@@ -10,6 +10,7 @@ Every command that takes a model or an adapter (eval, generate, chat, export, qu
 * ``RUN`` (a folder with ``recipe.yaml``): a LoRA run's ``adapter/`` on the recipe's base model, or a full
   fine-tune's ``model/``;
 * ``RUN/best``: the same, from the output kept at the best evaluation;
+* a QAT run: its ``quantized/`` integer model (with ``adapter/`` in LoRA-QAT), what the run trained;
 * ``RUN/checkpoints/step-N``: the trainable state of that step (a LoRA run's adapter weights, on the
   recipe's base model; a full fine-tune's weights) on the recipe's base model;
 * an adapter folder given as the model (``RUN/adapter``): its base is the run's model, or else the local
@@ -37,7 +38,7 @@ if TYPE_CHECKING:
 
 RECIPE_FILE = "recipe.yaml"
 METRICS_FILE = "metrics.jsonl"
-ADAPTER_DIR, MODEL_DIR, BEST_DIR = "adapter", "model", "best"
+ADAPTER_DIR, MODEL_DIR, BEST_DIR, QUANTIZED_DIR = "adapter", "model", "best", "quantized"
 _STEP = re.compile(r"step-\d+")
 
 
@@ -63,8 +64,8 @@ class ModelSource:
 def run_folder_of(path: str | Path) -> tuple[Path, str] | None:
     """(run folder, what ``path`` is in it) when ``path`` is a run, its ``best/``, a checkpoint, or an output.
 
-    The kinds: "run", "best", "checkpoint", "adapter", "model" (``adapter/`` or ``model/`` of the run or of
-    its ``best/``). Only these positions count, so a model folder that happens to sit beside some
+    The kinds: "run", "best", "checkpoint", "adapter", "model" (``adapter/``, ``model/`` or ``quantized/``
+    of the run, ``adapter/`` or ``model/`` of its ``best/``). Only these positions count, so a model folder that happens to sit beside some
     ``recipe.yaml`` is not mistaken for a run.
     """
     path = Path(path)
@@ -75,6 +76,8 @@ def run_folder_of(path: str | Path) -> tuple[Path, str] | None:
         return parent, "best"
     if _STEP.fullmatch(path.name) and parent.name == "checkpoints" and is_run_folder(parent.parent):
         return parent.parent, "checkpoint"
+    if path.name == QUANTIZED_DIR and is_run_folder(parent):
+        return parent, MODEL_DIR  # a plain (quantized) model folder, with the run's recipe
     if path.name in (ADAPTER_DIR, MODEL_DIR):
         if is_run_folder(parent):
             return parent, path.name
@@ -134,6 +137,14 @@ def _in_run(run_dir: Path, kind: str, path: Path) -> tuple[Path, Path | None, Pa
                              f"{'adapter' if recipe.lora else 'model'} or its quantized/ folder")
         return base_model_path(recipe, run_dir), None, path
     folder = path if kind in ("run", "best") else path.parent
+    if recipe.qat is not None and kind in ("run", "best"):  # what QAT trained is the integer model
+        quantized = run_dir / QUANTIZED_DIR
+        adapter = run_dir / ADAPTER_DIR if recipe.lora is not None else None
+        if kind == "best" or not quantized.is_dir():
+            pair = f"{quantized}" + (f" with the adapter {adapter}" if adapter else "")
+            raise ModelError(f"{path}: a QAT run's model is its {QUANTIZED_DIR}/ folder, written when the run "
+                             f"ends; load {pair}")
+        return quantized, adapter, None
     if kind == "model" or (kind in ("run", "best") and recipe.lora is None):
         model = folder / MODEL_DIR if kind != "model" else path
         if not model.is_dir():
