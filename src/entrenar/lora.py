@@ -509,9 +509,11 @@ def read_adapter_config(folder: str | os.PathLike) -> LoraConfig:
     if not path.is_file():
         raise AdapterError(f"{folder}: no {ADAPTER_CONFIG}; not an adapter folder (or an interrupted save)")
     try:
-        raw = json.loads(path.read_text())
+        raw = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as err:
         raise AdapterError(f"{path}:{err.lineno}:{err.colno}: invalid JSON: {err.msg}") from None
+    except (ValueError, RecursionError) as err:  # not UTF-8, a huge integer, absurd nesting
+        raise AdapterError(f"{path}: invalid JSON: {err}") from None
     if not isinstance(raw, dict):
         raise AdapterError(f"{path}: expected a JSON object, got {type(raw).__name__}")
     return LoraConfig.from_peft(raw, str(path))

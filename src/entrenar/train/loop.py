@@ -133,6 +133,7 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
     quantize = recipe.lora.quantize_base if recipe.lora is not None else None
     console.say(f"loading {recipe.model.path} on {device} ...")
     model, tokenizer = entrenar.load(recipe.model.path, dtype=weights_dtype, device=device, quantize=quantize)
+    tokenizer = entrenar.require_tokenizer(tokenizer, recipe.model.path)  # the data needs one
     model.train()
     if recipe.qat is not None:
         apply_qat_recipe(model, recipe.qat)  # before LoRA, which then wraps the fake-quantized layers (LoRA-QAT)
