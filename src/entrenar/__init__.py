@@ -100,6 +100,10 @@ def load(
     dtype: "str | torch.dtype | None" = None,
     device: "str | torch.device | None" = None,
     quantize: str | None = None,
+    task: str | None = None,
+    num_labels: int | None = None,
+    pooling: str = "last",
+    seed: int = 0,
 ) -> "tuple[Transformer, Tokenizer]":
     """Load a model and its tokenizer from a Hugging Face folder or a GGUF file.
 
@@ -108,7 +112,26 @@ def load(
     frozen base), one tensor at a time. A folder saved quantized (`entrenar
     quantize`, a QAT run) loads into the same quantized layers. The model is
     returned in eval mode; call `.train()` to fine-tune it.
+
+    A transformers ``*ForSequenceClassification`` folder loads as a
+    :class:`~entrenar.models.classifier.SequenceClassifier` (``model(input_ids,
+    attention_mask)`` gives ``[batch, num_labels]`` logits), and so does an
+    adapter saved for ``task_type: SEQ_CLS``. ``task="classification"`` with
+    ``num_labels`` puts a fresh head (drawn from ``seed``, ``pooling`` last or
+    mean) on a language-model checkpoint or GGUF file.
     """
+    if task not in (None, "causal_lm", "classification"):
+        from entrenar.errors import ConfigError
+
+        raise ConfigError(f"task {task!r} must be 'causal_lm' or 'classification'")
+    from entrenar.models import classifier as cls
+
+    if task == "classification" or (task is None and (cls.is_classifier_folder(path) or _seq_cls_adapter(adapter))):
+        from entrenar.tasks.classification import load_classifier
+
+        return load_classifier(path, adapter=adapter, dtype=dtype, device=device, quantize=quantize,
+                               num_labels=num_labels, pooling=pooling, seed=seed)
+
     from entrenar.errors import ModelError, QuantError
     from entrenar.models.hf import load_hf
     from entrenar.quant.checkpoint import is_quantized_folder, load_quantized
@@ -141,3 +164,15 @@ def load(
 
         load_adapter(model, adapter)
     return model.eval(), tokenizer
+
+
+def _seq_cls_adapter(adapter: str | Path | None) -> bool:
+    """Whether ``adapter`` is a PEFT adapter saved for sequence classification (``task_type: SEQ_CLS``)."""
+    import json
+
+    if adapter is None or not (Path(adapter) / "adapter_config.json").is_file():
+        return False
+    try:
+        return json.loads((Path(adapter) / "adapter_config.json").read_text()).get("task_type") == "SEQ_CLS"
+    except (json.JSONDecodeError, AttributeError):
+        return False
