@@ -8,6 +8,7 @@ intervals (1000 resamples of the rows, seeded).
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -101,16 +102,24 @@ def _markdown(report: dict) -> str:
 
 
 def _plots(report: dict, folder: Path) -> list[Path]:
-    import matplotlib
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        warnings.warn("matplotlib is not installed (pip install 'entrenar[plot]'): report images skipped", stacklevel=2)
+        return []
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    def figure(**kwargs):
+        fig = Figure(**kwargs)
+        FigureCanvasAgg(fig)
+        return fig
 
     written = []
     m, labels = report["metrics"], report["labels"]
     counts = np.array(m["confusion"], dtype=np.float64)
     normalised = counts / np.maximum(counts.sum(1, keepdims=True), 1)
-    fig, axes = plt.subplots(1, 2, figsize=(4 + 1.2 * len(labels), 2 + 0.6 * len(labels)))
+    fig = figure(figsize=(4 + 1.2 * len(labels), 2 + 0.6 * len(labels)))
+    axes = fig.subplots(1, 2)
     for ax, values, title, fmt in ((axes[0], counts, "counts", "{:.0f}"), (axes[1], normalised, "normalised by true class", "{:.2f}")):
         ax.imshow(values, cmap="Blues")
         ax.set_title(title)
@@ -124,10 +133,10 @@ def _plots(report: dict, folder: Path) -> list[Path]:
     fig.tight_layout()
     path = folder / "confusion_matrix.png"
     atomic.write_file(path, lambda p: fig.savefig(p, format="png", dpi=100))
-    plt.close(fig)
     written.append(path)
 
-    fig, ax = plt.subplots(figsize=(5, 5))
+    fig = figure(figsize=(5, 5))
+    ax = fig.subplots()
     bins = report["ece_bins"]
     centers = (np.arange(bins) + 0.5) / bins
     for key, label, offset in (("reliability_uncalibrated", "T=1", -0.25), ("reliability", "calibrated", 0.25)):
@@ -143,7 +152,6 @@ def _plots(report: dict, folder: Path) -> list[Path]:
     fig.tight_layout()
     path = folder / "reliability.png"
     atomic.write_file(path, lambda p: fig.savefig(p, format="png", dpi=100))
-    plt.close(fig)
     written.append(path)
     return written
 
