@@ -54,7 +54,6 @@ _UNSUPPORTED_PEFT_FIELDS = (
     "kasa_config",
     "fan_in_fan_out",
     "lora_bias",
-    "modules_to_save",
     "layers_to_transform",
     "rank_pattern",
     "alpha_pattern",
@@ -586,6 +585,8 @@ def _saved_modules(
         name = key.replace(".modules_to_save.default.", ".").replace(".modules_to_save.", ".")
         if name not in params:
             raise AdapterError(f"{where}: tensor {key!r} is a saved module the model has no parameter for")
+        if sum(p is params[name] for _, p in model.named_parameters(remove_duplicate=False)) > 1:
+            raise AdapterError(f"{where}: tensor {key!r} would replace {name}, which the model shares (tied weights)")
         if tuple(params[name].shape) != tuple(state[key].shape):
             raise AdapterError(f"{where}: tensor {key!r} has shape {tuple(state[key].shape)}, the model's "
                                f"{name} has {tuple(params[name].shape)}")
