@@ -159,3 +159,30 @@ def test_task_section_is_checked():
         load_recipe(None, ["task.labels=[a, b]", "task.num_labels=3"])
     with pytest.raises(ConfigError, match="task.class_weights"):
         load_recipe(None, ["task.class_weights=[1, -1]"])
+
+
+def test_classify_cli_eval_and_predict(workspace, tmp_path, capsys):
+    from entrenar.cli.main import main
+    from entrenar.evaluation.metrics import softmax
+
+    result = train(recipe_for(workspace, "training.max_steps=2", "training.eval_every=0"), progress=False)
+    data = write_data(workspace, "test.jsonl", n=10)
+    args = [str(workspace / "model"), "--adapter", str(result.output), "--data", str(data)]
+    assert main(["classify", "eval", *args, "--output", str(tmp_path / "rep")]) == 0
+    out = capsys.readouterr().out
+    assert "accuracy" in out and "ECE" in out and (tmp_path / "rep" / "report.md").is_file()
+
+    assert main(["classify", "predict", *args, "--output", str(tmp_path / "p.jsonl")]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "p.jsonl").read_text().splitlines()]
+    assert len(rows) == 10 and rows[0]["source"].endswith("test.jsonl line 1")
+    model, tokenizer = entrenar.load(workspace / "model", adapter=result.output)
+    with torch.no_grad():
+        logits = model(torch.tensor([tokenizer.encode("0+0")])).numpy()
+    probs = softmax(logits, model.info["temperature"])[0]  # the saved temperature is applied
+    assert rows[0]["probs"]["small"] == pytest.approx(probs[0], abs=1e-6)
+    assert rows[0]["label"] == ("small" if probs[0] > probs[1] else "big")
+
+    write_data(workspace, "bad.jsonl", n=3, bad="medium")
+    args[-1] = str(workspace / "bad.jsonl")
+    assert main(["classify", "eval", *args]) == 2
+    assert "bad.jsonl line 4: unknown label 'medium'" in capsys.readouterr().err

@@ -176,35 +176,45 @@ def label_spec(task, records: list | None = None, label_field: str = "label") ->
 
 def read_labeled(path: str, role: str, recipe, tokenizer, spec: LabelSpec) -> tuple[list[LabeledText], list[str]]:
     """The labeled texts of one data file, and notes on what was skipped or cut."""
-    d, task = recipe.data, recipe.task
-    records, stats = read_records(path, format=d.format, on_error=d.on_error)
+    d = recipe.data
+    return read_texts(path, tokenizer, spec, d.text_field, d.label_field, d.seq_len, d.format, d.on_error,
+                      f"data.{role}")
+
+
+def read_texts(path: str, tokenizer, spec: LabelSpec | None, text_field: str = "text", label_field: str = "label",
+               seq_len: int = 512, fmt: str = "auto", on_error: str = "raise",
+               role: str = "data") -> tuple[list[LabeledText], list[str]]:
+    """Tokenized texts of a data file with their targets (``spec`` None: no labels read, for prediction)."""
+    records, stats = read_records(path, format=fmt, on_error=on_error)
     examples, skipped, cut = [], [], 0
     for record in records:
         fields = record.fields
         try:
-            text = fields.get(d.text_field)
+            text = fields.get(text_field)
             if not isinstance(text, str) or not text.strip():
-                raise DataError(f"{record.where}: field '{d.text_field}' must be non-empty text")
-            if recipe.data.label_field not in fields:
-                raise DataError(f"{record.where}: no field '{recipe.data.label_field}' (the label)")
-            target = spec.parse(fields[recipe.data.label_field], record.where)
+                raise DataError(f"{record.where}: field '{text_field}' must be non-empty text")
+            target: Any = None
+            if spec is not None:
+                if label_field not in fields:
+                    raise DataError(f"{record.where}: no field '{label_field}' (the label)")
+                target = spec.parse(fields[label_field], record.where)
         except DataError as e:
-            if d.on_error == "raise":
+            if on_error == "raise":
                 raise
             skipped.append(str(e))
             continue
         ids = tokenizer.encode(text)
-        if len(ids) > d.seq_len:
-            ids, cut = ids[: d.seq_len], cut + 1
+        if len(ids) > seq_len:
+            ids, cut = ids[:seq_len], cut + 1
         examples.append(LabeledText(ids, target, record.where, text))
     if not examples:
-        raise DataError(f"data.{role} ({path}): no examples")
+        raise DataError(f"{role} ({path}): no examples")
     notes = []
     if skipped or stats.skipped:
         first = (stats.skip_reasons or skipped)[0]
-        notes.append(f"data.{role}: {len(skipped) + stats.skipped} record(s) skipped (first: {first})")
+        notes.append(f"{role}: {len(skipped) + stats.skipped} record(s) skipped (first: {first})")
     if cut:
-        notes.append(f"data.{role}: {cut} text(s) cut to seq_len={d.seq_len}")
+        notes.append(f"{role}: {cut} text(s) cut to seq_len={seq_len}")
     return examples, notes
 
 
@@ -503,3 +513,59 @@ def update_classifier_file(folder: Path, values: dict) -> None:
     path = Path(folder) / CLASSIFIER_FILE
     data = json.loads(path.read_text()) if path.is_file() else {}
     atomic.write_text(path, json.dumps({**data, **values}, indent=2) + "\n")
+
+
+# -- a trained classifier on a data file -------------------------------------------------------
+
+
+def _spec_of(model) -> LabelSpec:
+    info = model.info
+    return LabelSpec(info.get("problem_type", "single_label"), info.get("labels"), model.num_labels)
+
+
+def evaluate_file(model, tokenizer, path: str, output_dir: str | Path | None = None, text_field: str = "text",
+                  label_field: str = "label", seq_len: int = 512, batch_size: int = 8, fmt: str = "auto",
+                  seed: int = 0) -> dict:
+    """The report of ``model`` on a labeled data file, with the calibration saved with the model
+    (temperature, thresholds); written to ``output_dir`` (report.json, report.md, PNGs) when given."""
+    from entrenar.evaluation.report import build_report, write_report
+
+    spec = _spec_of(model)
+    examples, notes = read_texts(path, tokenizer, spec, text_field, label_field, seq_len, fmt)
+    logits = predict_logits(model, examples, batch_size, _pad_id(tokenizer))
+    calibration = {k: model.info[k] for k in ("temperature", "thresholds") if k in model.info}
+    labels = spec.names or [str(i) for i in range(spec.num_labels)]
+    report = build_report(spec.problem_type, logits, targets_array(examples), labels, calibration, seed=seed,
+                          source=str(path))
+    report["notes"] = notes
+    if output_dir is not None:
+        write_report(report, output_dir)
+    return report
+
+
+def predict_file(model, tokenizer, path: str, output: str | Path, text_field: str = "text", seq_len: int = 512,
+                 batch_size: int = 8, fmt: str = "auto") -> int:
+    """Write one JSON line per input text: predicted label(s) and calibrated probabilities (or values)."""
+    from entrenar import atomic
+
+    spec = _spec_of(model)
+    examples, _ = read_texts(path, tokenizer, None, text_field, seq_len=seq_len, fmt=fmt)
+    logits = predict_logits(model, examples, batch_size, _pad_id(tokenizer))
+    labels = spec.names or [str(i) for i in range(spec.num_labels)]
+    t = float(model.info.get("temperature", 1.0))
+    lines = []
+    for example, row in zip(examples, logits):
+        out: dict[str, Any] = {"source": example.origin}
+        if spec.problem_type == "single_label":
+            probs = M.softmax(row[None], t)[0]
+            out.update(label=labels[int(probs.argmax())], probs={n: float(p) for n, p in zip(labels, probs)})
+        elif spec.problem_type == "multi_label":
+            probs = M.sigmoid(row)
+            thresholds = model.info.get("thresholds") or [0.5] * len(labels)
+            out.update(labels=[n for n, p, th in zip(labels, probs, thresholds) if p >= th],
+                       probs={n: float(p) for n, p in zip(labels, probs)})
+        else:
+            out["values"] = [float(v) for v in row]
+        lines.append(json.dumps(out))
+    atomic.write_text(output, "\n".join(lines) + "\n")
+    return len(lines)
