@@ -186,3 +186,25 @@ def test_classify_cli_eval_and_predict(workspace, tmp_path, capsys):
     args[-1] = str(workspace / "bad.jsonl")
     assert main(["classify", "eval", *args]) == 2
     assert "bad.jsonl line 4: unknown label 'medium'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("problem_type", ["multi_label", "regression"])
+def test_multi_label_and_regression_runs_write_their_report(workspace, problem_type):
+    with open(workspace / "other.csv", "w") as f:
+        f.write("text,label\n")
+        for i in range(30):
+            a, b = i % 10, (i * 3) % 10
+            label = {"multi_label": f'"{"even," if a % 2 == 0 else ""}{"big" if a + b > 9 else ""}"',
+                     "regression": str((a + b) / 18)}[problem_type]
+            f.write(f"{a}+{b},{label}\n")
+    task = ("{type: classification, problem_type: multi_label, labels: [even, big]}" if problem_type == "multi_label"
+            else "{type: classification, problem_type: regression}")
+    result = train(recipe_for(workspace, f"data.train={workspace / 'other.csv'}", f"task={task}",
+                              "training.max_steps=3", "training.eval_every=0"), progress=False)
+    report = json.loads((result.run_dir / "report.json").read_text())
+    if problem_type == "multi_label":
+        assert {"micro_f1", "macro_f1", "subset_accuracy", "hamming_loss"} <= set(report["metrics"])
+        assert len(report["calibration"]["thresholds"]) == 2
+    else:
+        assert {"rmse", "mae", "r2", "spearman"} <= set(report["metrics"])
+        assert set(report["headline"]) == {"rmse", "r2"}
