@@ -95,6 +95,8 @@ def test_lora_run_trains_reports_and_resumes_exactly(workspace, monkeypatch):
     crash_after_step(monkeypatch, recipe, 5)
     resumed = train(recipe, resume=True, progress=False)
     assert losses(resumed.run_dir) == expected  # bit for bit, head included
+    best = "best/adapter/adapter_model.safetensors"  # the same evaluation is the best after the resume
+    assert (resumed.run_dir / best).read_bytes() == (straight.run_dir / best).read_bytes()
 
 
 def test_accumulation_normalises_by_the_whole_step(workspace):
@@ -134,6 +136,13 @@ def test_exports_load_in_transformers_and_peft_with_equal_logits(workspace):
     assert reloaded.info["temperature"] == model.info["temperature"]
 
 
+def test_qlora_trains_the_head_beside_nf4_adapters(workspace):
+    result = train(recipe_for(workspace, "lora.quantize_base=nf4", "training.max_steps=2", "training.eval_every=0"),
+                   progress=False)
+    model, _ = entrenar.load(workspace / "model", adapter=result.output, quantize="nf4")
+    assert model.score.weight.abs().sum() > 0 and (result.run_dir / "report.json").is_file()
+
+
 def test_full_fine_tune_saves_a_classifier_folder(workspace):
     result = train(recipe_for(workspace, "lora=null", "training.max_steps=2", "training.eval_every=0"), progress=False)
     model, _ = entrenar.load(result.output)
@@ -150,6 +159,11 @@ def test_unknown_or_out_of_range_label_names_file_and_line(workspace, bad):
     write_data(workspace, bad=bad)
     result = train(skipping, dry_run=True, progress=False)
     assert "1 record(s) skipped" in result.summary
+
+
+def test_metric_must_belong_to_the_problem_type(workspace):
+    with pytest.raises(ConfigError, match="task.metric: 'rmse' is not a single_label metric"):
+        train(recipe_for(workspace, "task.metric=rmse"), dry_run=True, progress=False)
 
 
 def test_task_section_is_checked():

@@ -11,8 +11,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from entrenar.data import num_target_tokens
 
 
@@ -35,9 +33,6 @@ class CausalLMTask:
     def log_eval(self, metrics_log, step: int, result) -> bool:
         """Log the held-out loss; True when it is the lowest so far."""
         return metrics_log.log_eval(step, result.loss)
-
-    def trainable_state(self, model) -> dict[str, torch.Tensor]:
-        return {}
 
     def finish(self, model, validation, recipe, run_dir: Path, output: Path) -> list[tuple[str, str]]:
         return []

@@ -29,6 +29,13 @@ from entrenar.errors import AdapterError, ConfigError, DataError, ModelError, Qu
 from entrenar.evaluation import metrics as M
 from entrenar.models.classifier import CLASSIFIER_FILE, SequenceClassifier, from_backbone
 
+# The scalar metrics each problem type reports (what task.metric may name, besides loss).
+METRICS = {
+    "single_label": {"accuracy", "macro_f1", "weighted_f1", "mcc", "kappa", "ece", "mce", "brier", "log_loss",
+                     "top2_accuracy", "top3_accuracy", "top5_accuracy"},
+    "multi_label": {"micro_f1", "macro_f1", "subset_accuracy", "hamming_loss"},
+    "regression": {"rmse", "mae", "r2", "spearman"},
+}
 HIGHER_IS_BETTER = {"accuracy", "macro_f1", "weighted_f1", "micro_f1", "mcc", "kappa", "r2", "spearman",
                     "subset_accuracy", "top2_accuracy", "top3_accuracy", "top5_accuracy"}
 LOWER_IS_BETTER = {"loss", "rmse", "mae", "ece", "mce", "brier", "log_loss", "hamming_loss"}
@@ -376,6 +383,11 @@ class ClassificationTask:
         import entrenar
 
         t = self.recipe.task
+        if self.metric != "loss" and self.metric not in METRICS[t.problem_type]:
+            raise ConfigError(f"task.metric: {self.metric!r} is not a {t.problem_type} metric (one of: loss, "
+                              f"{', '.join(sorted(METRICS[t.problem_type]))})")
+        if self.recipe.data.padding_free:
+            raise ConfigError("data.padding_free: a classification batch is one padded text per row; turn it off")
         names = list(t.labels) if t.labels else None
         num = len(names) if names else (t.num_labels or (1 if t.problem_type == "regression" else None))
         if num is None:  # collected from the training data
@@ -403,7 +415,7 @@ class ClassificationTask:
                 notes.append("class weights: " + ", ".join(f"{w:.3g}" for w in self.weights))
         return examples, notes
 
-    def stream(self, examples, recipe, tokenizer) -> LabeledStream:
+    def stream(self, examples, recipe) -> LabeledStream:
         d, t = recipe.data, recipe.training
         return LabeledStream(examples, t.batch_size, d.seq_len, shuffle=d.shuffle, seed=t.seed, pad_id=self.pad_id,
                              problem_type=self.problem_type, weights=self.weights)
@@ -433,6 +445,8 @@ class ClassificationTask:
 
     def log_eval(self, metrics_log, step: int, result: ClassificationEval) -> bool:
         """Log the evaluation; True when it is the best so far by the recipe's metric."""
+        if self.best is None:  # a resumed run: the best so far is in the metrics kept up to the resumed step
+            self.best = self._best_logged(metrics_log.path)
         metrics_log.log_eval(step, result.loss)
         value = result.loss if self.metric == "loss" else result.metrics[self.metric]
         scalars = {f"eval_{k}": v for k, v in result.metrics.items() if isinstance(v, float)}
@@ -443,8 +457,14 @@ class ClassificationTask:
         self.best = signed
         return True
 
-    def trainable_state(self, model) -> dict[str, torch.Tensor]:
-        return {"score.weight": model.score.weight}
+    def _best_logged(self, path: Path) -> float | None:
+        from entrenar.train.metrics import read_metrics
+
+        if not Path(path).is_file():
+            return None
+        key = f"eval_{self.metric}"
+        values = [metric_direction(self.metric) * r[key] for r in read_metrics(path) if r.get(key) is not None]
+        return max(values) if values else None
 
     def finish(self, model, validation, recipe, run_dir: Path, output: Path) -> list[tuple[str, str]]:
         """End of training: calibrate on validation, save the calibration with the model, write the report."""

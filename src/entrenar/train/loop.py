@@ -164,7 +164,7 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
     else:
         examples, validation = split_validation(examples, d.validation_split, seed=t.seed)
     stream = BatchStream(examples, t.batch_size, d.seq_len, packing=d.packing, shuffle=d.shuffle, seed=t.seed,
-                         pad_id=tokenizer.pad_id or 0) if task.name == "causal_lm" else task.stream(examples, recipe, tokenizer)
+                         pad_id=tokenizer.pad_id or 0) if task.name == "causal_lm" else task.stream(examples, recipe)
 
     groups = build_param_groups(model, recipe.optimizer.weight_decay, recipe.optimizer.lr_scale)
     o = recipe.optimizer
