@@ -97,6 +97,8 @@ def test_lora_run_trains_reports_and_resumes_exactly(workspace, monkeypatch):
     assert losses(resumed.run_dir) == expected  # bit for bit, head included
     best = "best/adapter/adapter_model.safetensors"  # the same evaluation is the best after the resume
     assert (resumed.run_dir / best).read_bytes() == (straight.run_dir / best).read_bytes()
+    best_line = next(line for line in straight.summary.splitlines() if line.startswith("best macro_f1"))
+    assert best_line in resumed.summary
 
 
 def test_accumulation_normalises_by_the_whole_step(workspace):

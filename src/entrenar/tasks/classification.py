@@ -365,7 +365,8 @@ class ClassificationTask:
     spec: LabelSpec | None = None
     weights: list[float] | None = None
     pad_id: int = 0
-    best: float | None = None
+    best: float | None = None  # the best evaluation so far, by task.metric, signed so that higher is better
+    best_step: int | None = None
     name: str = "classification"
     _weight_tensor: dict = field(default_factory=dict)
 
@@ -446,7 +447,7 @@ class ClassificationTask:
     def log_eval(self, metrics_log, step: int, result: ClassificationEval) -> bool:
         """Log the evaluation; True when it is the best so far by the recipe's metric."""
         if self.best is None:  # a resumed run: the best so far is in the metrics kept up to the resumed step
-            self.best = self._best_logged(metrics_log.path)
+            self.best, self.best_step = self._best_logged(metrics_log.path)
         metrics_log.log_eval(step, result.loss)
         value = result.loss if self.metric == "loss" else result.metrics[self.metric]
         scalars = {f"eval_{k}": v for k, v in result.metrics.items() if isinstance(v, float)}
@@ -454,17 +455,22 @@ class ClassificationTask:
         signed = metric_direction(self.metric) * value
         if self.best is not None and signed <= self.best:
             return False
-        self.best = signed
+        self.best, self.best_step = signed, int(step)
         return True
 
-    def _best_logged(self, path: Path) -> float | None:
+    def _best_logged(self, path: Path) -> tuple[float | None, int | None]:
+        """The best signed value of task.metric in a metrics file, and its step (None, None: none yet)."""
         from entrenar.train.metrics import read_metrics
 
         if not Path(path).is_file():
-            return None
+            return None, None
         key = f"eval_{self.metric}"
-        values = [metric_direction(self.metric) * r[key] for r in read_metrics(path) if r.get(key) is not None]
-        return max(values) if values else None
+        values = [(metric_direction(self.metric) * r[key], -r["step"]) for r in read_metrics(path)
+                  if r.get(key) is not None]
+        if not values:
+            return None, None
+        value, step = max(values)  # the earliest step among equal values, as the live comparison keeps it
+        return value, -step
 
     def finish(self, model, validation, recipe, run_dir: Path, output: Path) -> list[tuple[str, str]]:
         """End of training: calibrate on validation, save the calibration with the model, write the report."""
@@ -481,7 +487,11 @@ class ClassificationTask:
                               seed=recipe.training.seed, source=f"validation ({len(validation)} examples)")
         write_report(report, run_dir)
         headline = report["headline"]
-        return [("report", str(run_dir / "report.md")),
+        best = []
+        if self.best is not None:
+            value = metric_direction(self.metric) * self.best
+            best = [(f"best {self.metric}", f"{value:.4f} at step {self.best_step} (run/best/)")]
+        return [*best, ("report", str(run_dir / "report.md")),
                 *[(name, f"{v['value']:.4f} [{v['ci'][0]:.4f}, {v['ci'][1]:.4f}]") for name, v in headline.items()]]
 
 
