@@ -101,6 +101,10 @@ def load(
     dtype: "str | torch.dtype | None" = None,
     device: "str | torch.device | None" = None,
     quantize: str | None = None,
+    task: str | None = None,
+    num_labels: int | None = None,
+    pooling: str = "last",
+    seed: int = 0,
 ) -> "tuple[Transformer, Tokenizer | None]":
     """Load a model and its tokenizer from a Hugging Face folder, a GGUF file or a training run.
 
@@ -113,10 +117,29 @@ def load(
     `save_pretrained` of a model alone writes) loads with tokenizer None; what
     needs text asks for it with :func:`require_tokenizer`. The model is
     returned in eval mode; call `.train()` to fine-tune it.
+
+    A transformers ``*ForSequenceClassification`` folder loads as a
+    :class:`~entrenar.models.classifier.SequenceClassifier` (``model(input_ids,
+    attention_mask)`` gives ``[batch, num_labels]`` logits), and so does an
+    adapter saved for ``task_type: SEQ_CLS``. ``task="classification"`` with
+    ``num_labels`` puts a fresh head (drawn from ``seed``, ``pooling`` last or
+    mean) on a language-model checkpoint or GGUF file.
     """
+    if task not in (None, "causal_lm", "classification"):
+        from entrenar.errors import ConfigError
+
+        raise ConfigError(f"task {task!r} must be 'causal_lm' or 'classification'")
+    from entrenar.models import classifier as cls
     from entrenar.runs import apply_checkpoint, resolve_model_and_adapter
 
     source = resolve_model_and_adapter(path, adapter)
+    if task == "classification" or (
+        task is None and (cls.is_classifier_folder(source.model) or _seq_cls_adapter(source.adapter))
+    ):
+        from entrenar.tasks.classification import load_classifier
+
+        return load_classifier(source.model, adapter=source.adapter, dtype=dtype, device=device, quantize=quantize,
+                               num_labels=num_labels, pooling=pooling, seed=seed)
     model, tokenizer = _load_model(source.model, dtype, device, quantize)
     if source.adapter is not None:
         from entrenar.lora import load_adapter
@@ -141,6 +164,18 @@ def _folder_tokenizer(path: Path) -> "Tokenizer | None":
     from entrenar.tokenizer import Tokenizer
 
     return Tokenizer.from_folder(path) if (path / "tokenizer.json").is_file() else None
+
+
+def _seq_cls_adapter(adapter: str | Path | None) -> bool:
+    """Whether ``adapter`` is a PEFT adapter saved for sequence classification (``task_type: SEQ_CLS``)."""
+    import json
+
+    if adapter is None or not (Path(adapter) / "adapter_config.json").is_file():
+        return False
+    try:
+        return json.loads((Path(adapter) / "adapter_config.json").read_text()).get("task_type") == "SEQ_CLS"
+    except (json.JSONDecodeError, AttributeError, UnicodeDecodeError):
+        return False
 
 
 def _load_model(

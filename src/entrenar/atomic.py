@@ -42,7 +42,8 @@ def umask() -> int:
     return mask
 
 
-def _temp_prefix(path: Path) -> str:
+def temp_prefix(path: Path) -> str:
+    """The name prefix of this process's temporaries for ``path``: later writes know them as live."""
     return f".{path.name}.{os.getpid()}-"
 
 
@@ -112,7 +113,7 @@ def temp_file(path: str | os.PathLike, write: Callable[[Path], object]) -> Path:
     """
     path = Path(path)
     remove_stale_temps(path)
-    fd, tmp = tempfile.mkstemp(prefix=_temp_prefix(path), suffix=TEMP_SUFFIX, dir=path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=temp_prefix(path), suffix=TEMP_SUFFIX, dir=path.parent)
     try:
         os.fchmod(fd, 0o666 & ~umask())  # mkstemp's 0o600 would survive the rename
     finally:
@@ -173,7 +174,7 @@ def staged_folder(target: str | os.PathLike) -> Iterator[Path]:
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temps(target)
-    staging = Path(tempfile.mkdtemp(prefix=_temp_prefix(target), suffix=TEMP_SUFFIX, dir=target.parent))
+    staging = Path(tempfile.mkdtemp(prefix=temp_prefix(target), suffix=TEMP_SUFFIX, dir=target.parent))
     new, old = staging / "new", staging / "old"
     try:
         new.mkdir()
@@ -192,5 +193,5 @@ def staged_folder(target: str | os.PathLike) -> Iterator[Path]:
         shutil.rmtree(staging, ignore_errors=True)
 
 
-__all__ = ["fsync_dir", "is_stale_temp", "remove_stale_temps", "staged_folder", "temp_file", "umask", "write_bytes",
-           "write_file", "write_text"]
+__all__ = ["fsync_dir", "is_stale_temp", "remove_stale_temps", "staged_folder", "temp_file", "temp_prefix", "umask",
+           "write_bytes", "write_file", "write_text"]

@@ -298,7 +298,9 @@ def _offload_layers(value: Any) -> bool | int:
 
 
 # Metrics where larger is better; any other metric (eval_loss, eval_ppl, ...) is minimised unless `mode` says so.
-_MAXIMISED_METRICS = ("accuracy", "acc", "f1", "macro_f1", "micro_f1", "precision", "recall", "auc", "exact_match")
+_MAXIMISED_METRICS = ("accuracy", "acc", "f1", "macro_f1", "micro_f1", "weighted_f1", "precision", "recall", "auc",
+                      "exact_match", "mcc", "kappa", "r2", "spearman", "subset_accuracy", "top2_accuracy",
+                      "top3_accuracy", "top5_accuracy")
 
 
 def _early_stopping(value: Any) -> dict[str, Any] | None:
@@ -385,6 +387,7 @@ class DataSection(_Section):
     prompt_field: str = _key("prompt", _text())
     completion_field: str = _key("completion", _text())
     messages_field: str = _key("messages", _text())
+    label_field: str = _key("label", _text())  # task.type classification: the label (name, id, list, number)
     train_on: str = _key("all", _choice("all", "completion"))
     # one input and one target at least; at most MAX_SEQ_LEN, and 8x the model's context (checked when it is loaded)
     seq_len: int = _key(512, _integer(2, MAX_SEQ_LEN))
@@ -497,6 +500,60 @@ class OutputSection(_Section):
             object.__setattr__(self, "dir", f"runs/{self.name}")
 
 
+def _labels(value: Any) -> tuple[str, ...] | None:
+    if value is None:
+        return None
+    if isinstance(value, (list, tuple)) and value and all(isinstance(v, (str, int)) and not isinstance(v, bool)
+                                                          for v in value):
+        names = tuple(str(v) for v in value)
+        if len(set(names)) == len(names):
+            return names
+        raise _Reject("a list of distinct label names", " (a name is repeated)")
+    raise _Reject("a non-empty list of label names or null")
+
+
+def _class_weights(value: Any) -> str | tuple[float, ...]:
+    if isinstance(value, str) and value in ("none", "inverse_freq", "sqrt_inverse", "auto"):
+        return value
+    if isinstance(value, (list, tuple)) and value and all(_as_number(v) is not None and _as_number(v) >= 0 for v in value):
+        return tuple(float(v) for v in value)
+    raise _Reject("none, inverse_freq, sqrt_inverse, auto or a list of non-negative weights")
+
+
+def _threshold(value: Any) -> str | float | tuple[float, ...]:
+    if value == "tune":
+        return value
+    number = _as_number(value)
+    if number is not None and 0.0 < number < 1.0:
+        return number
+    if isinstance(value, (list, tuple)) and value and all(
+            (n := _as_number(v)) is not None and 0.0 < n < 1.0 for v in value):
+        return tuple(float(v) for v in value)
+    raise _Reject("'tune', a probability in (0, 1), or a list of them (one per label)")
+
+
+@dataclass(frozen=True)
+class TaskSection(_Section):
+    """What the run learns: next tokens (causal_lm) or a label per text (classification, entrenar.tasks)."""
+
+    section: ClassVar[str] = "task"
+    type: str = _key("causal_lm", _choice("causal_lm", "classification"))
+    problem_type: str = _key("single_label", _choice("single_label", "multi_label", "regression"))
+    labels: tuple[str, ...] | None = _key(None, _labels)  # names in class-id order; null: num_labels or from the data
+    num_labels: int | None = _key(None, _integer(1, nullable=True))
+    pooling: str = _key("last", _choice("last", "mean"))
+    class_weights: str | tuple[float, ...] = _key("none", _class_weights)
+    label_smoothing: float = _key(0.0, _number(0.0, 1.0, high_open=True))
+    threshold: str | float | tuple[float, ...] = _key("tune", _threshold)  # multi_label decision threshold(s)
+    metric: str | None = _key(None, _text(nullable=True))  # best checkpoint; null: macro_f1 (rmse for regression)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.labels is not None and self.num_labels is not None and self.num_labels != len(self.labels):
+            raise _BadValue("task.num_labels", f"'task.num_labels' is {self.num_labels} but 'task.labels' names "
+                                               f"{len(self.labels)}")
+
+
 _SECTIONS: dict[str, type[_Section]] = {
     cls.section: cls
     for cls in (
@@ -508,6 +565,7 @@ _SECTIONS: dict[str, type[_Section]] = {
         ScheduleSection,
         TrainingSection,
         OutputSection,
+        TaskSection,
     )
 }
 
@@ -524,6 +582,7 @@ class Recipe:
     schedule: ScheduleSection = field(default_factory=ScheduleSection)
     training: TrainingSection = field(default_factory=TrainingSection)
     output: OutputSection = field(default_factory=OutputSection)
+    task: TaskSection = field(default_factory=TaskSection)
 
     def __post_init__(self) -> None:
         # The few checks that span sections. model.path and data.train both null is the bundled quickstart.

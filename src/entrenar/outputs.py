@@ -88,7 +88,8 @@ def replace_files(output: str | os.PathLike) -> Iterator[Path]:
     """
     output = Path(output)
     output.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.", suffix=atomic.TEMP_SUFFIX, dir=output.parent))
+    staging = Path(tempfile.mkdtemp(prefix=atomic.temp_prefix(output), suffix=atomic.TEMP_SUFFIX,
+                                    dir=output.parent))
     target = staging / output.name
     try:
         yield target

@@ -227,7 +227,10 @@ def save_hf(
         state.pop("lm_head.weight", None)
     check_finite(state, folder, ModelError)
     with atomic.staged_folder(folder) as tmp:
-        (tmp / "config.json").write_text(json.dumps(model.config.to_hf(), indent=2) + "\n")
+        # A classifier writes its *ForSequenceClassification config and classifier.json.
+        config = model.hf_config() if hasattr(model, "hf_config") else model.config.to_hf()
+        extra_files = {**(model.saved_files() if hasattr(model, "saved_files") else {}), **(extra_files or {})}
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         shards = _shards(state, max_shard_bytes)
         if len(shards) == 1:
             save_file(shards[0], str(tmp / SINGLE_NAME), metadata={"format": "pt"})

@@ -56,9 +56,11 @@ class Console:
             parts.append("update skipped by the fp16 scaler")
         self.say("  ".join(parts))
 
-    def evaluation(self, step: int, loss: float, perplexity: float, best: bool, note: str = "") -> None:
-        """One line per evaluation, with or without a progress bar."""
-        text = f"step {step:,}: eval_loss {loss:.4f}  eval_ppl {perplexity:.2f}" + ("  (best so far)" if best else "")
+    def evaluation(self, step: int, scalars: dict[str, float | None], best: bool, note: str = "") -> None:
+        """One line per evaluation (a task's eval scalars: eval_loss first), with or without a progress bar."""
+        shown = [f"{name} {value:.4f}" if isinstance(value, float) else f"{name} {value}"
+                 for name, value in list(scalars.items())[:6]]
+        text = f"step {step:,}: " + "  ".join(shown) + ("  (best so far)" if best else "")
         self.say(text + (f"  {note}" if note else ""))
 
 

@@ -33,6 +33,8 @@ class EarlyStopping:
         if self.config is None:
             return False
         name = self.config["metric"]
+        if name not in metrics and f"eval_{name}" in metrics:  # macro_f1 means eval_macro_f1
+            name = f"eval_{name}"
         if name not in metrics:
             raise ConfigError(f"training.early_stopping.metric: {name!r} is not a metric this run evaluates "
                               f"(it has: {', '.join(sorted(metrics))})")

@@ -13,6 +13,7 @@ exactly the losses an uninterrupted run would have.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import random
 import time
@@ -24,13 +25,12 @@ import torch
 from tqdm.auto import tqdm
 
 import entrenar
-from entrenar import quickstart
+from entrenar import quickstart, tasks
 from entrenar.config import Recipe, load_recipe, recipe_changes, save_recipe
 from entrenar.data import (
     BatchStream,
     check_seq_len,
     eval_batches,
-    num_target_tokens,
     padding_free,
     read_records,
     split_validation,
@@ -122,6 +122,7 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
     if t.cpu_threads is not None:
         torch.set_num_threads(t.cpu_threads)
     _seed_everything(t.seed)
+    task = tasks.for_recipe(recipe)  # what a batch means and how it is scored (causal_lm or classification)
 
     # Model, adapters, precision.
     device = entrenar.resolve_device(recipe.model.device)
@@ -132,7 +133,7 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
         weights_dtype = "float32"  # full fine-tuning keeps fp32 master weights; compute follows training.precision
     quantize = recipe.lora.quantize_base if recipe.lora is not None else None
     console.say(f"loading {recipe.model.path} on {device} ...")
-    model, tokenizer = entrenar.load(recipe.model.path, dtype=weights_dtype, device=device, quantize=quantize)
+    model, tokenizer = task.load(recipe.model.path, dtype=weights_dtype, device=device, quantize=quantize)
     tokenizer = entrenar.require_tokenizer(tokenizer, recipe.model.path)  # the data needs one
     model.train()
     if recipe.qat is not None:
@@ -143,6 +144,7 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
             apply_lora(model, lora_config)
         except AdapterError as e:
             raise AdapterError(f"lora.target_modules: {e}") from None
+    task.prepare(model)  # a classifier's head stays trainable beside the adapters
     if t.cuda_graphs and device.type != "cuda":
         raise ConfigError(f"training.cuda_graphs: CUDA graphs replay GPU launches; this run is on {device}")
     if t.offload_activations and device.type != "cuda":
@@ -172,22 +174,23 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
         # Same parameters and names; fused forwards (PyTorch fallbacks off the GPU).
         apply_kernels(model, lora_compute_dtype=torch.bfloat16 if t.adapter_math == "bf16" else None)
     # Fusing the output projection into the loss never materialises full-vocabulary logits.
-    fused_loss = use_kernels and type(model.lm_head) is torch.nn.Linear
+    fused_loss = use_kernels and type(getattr(model, "lm_head", None)) is torch.nn.Linear
     trainable = [p for p in model.parameters() if p.requires_grad]
 
     # Data: records -> masked examples -> a resumable stream of packed batches.
     d = recipe.data
     skipped: list = []  # every record on_error=skip left out, for the run's skipped.jsonl
     console.say(f"reading and tokenizing {d.train} ...")
-    examples, notes = _examples(d.train, "train", recipe, tokenizer, skipped)
+    read_examples = functools.partial(_examples, skipped=skipped) if task.name == "causal_lm" else task.examples
+    examples, notes = read_examples(d.train, "train", recipe, tokenizer)
     notes = context_notes + notes
     if d.validation:
-        validation, validation_notes = _examples(d.validation, "validation", recipe, tokenizer, skipped)
+        validation, validation_notes = read_examples(d.validation, "validation", recipe, tokenizer)
         notes += validation_notes
     else:
         examples, validation = split_validation(examples, d.validation_split, seed=t.seed)
     stream = BatchStream(examples, t.batch_size, d.seq_len, packing=d.packing, shuffle=d.shuffle, seed=t.seed,
-                         pad_id=tokenizer.pad_id or 0)
+                         pad_id=tokenizer.pad_id or 0) if task.name == "causal_lm" else task.stream(examples, recipe)
 
     groups = build_param_groups(model, recipe.optimizer.weight_decay, recipe.optimizer.lr_scale)
     o = recipe.optimizer
@@ -196,6 +199,8 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
 
     def loss_sum_of(batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Summed cross-entropy of one micro-batch's target tokens."""
+        if task.name != "causal_lm":
+            return task.loss_sum(model, batch)
         inputs = (batch["input_ids"], batch["position_ids"], batch.get("document_ids"))
         layout = {"cu_seqlens": batch.get("cu_seqlens"), "max_seqlen": batch.get("max_seqlen")}  # padding-free
         if fused_loss:
@@ -248,6 +253,8 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
             return None
         if not progress:
             console.say(f"evaluating on {len(validation):,} validation examples ...")  # the bar says it otherwise
+        if task.name != "causal_lm":
+            return task.evaluate(model, validation, recipe)
         batches = eval_batches(validation, t.batch_size, d.seq_len, packing=d.packing, pad_id=tokenizer.pad_id or 0)
         # Eager: the last batch is smaller and would make a compiled model recompile.
         return eval_loss(model, batches, precision=t.precision, max_batches=t.eval_batches)
@@ -269,9 +276,10 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
                 console.say("evaluating before training ...")
             eval_before = evaluate()
             if eval_before is not None:
-                metrics.log_eval(0, eval_before.loss)
-                early_stopping.update(0, {"eval_loss": eval_before.loss, "eval_ppl": eval_before.perplexity})
-                console.evaluation(0, eval_before.loss, eval_before.perplexity, best=True)
+                task.log_eval(metrics, 0, eval_before)
+                scalars = task.eval_scalars(eval_before)
+                early_stopping.update(0, scalars)
+                console.evaluation(0, scalars, best=True)
         accuracy_before = quickstart.accuracy(model, tokenizer, d.validation) if is_quickstart and start_step == 0 else None
 
         with tqdm(total=t.max_steps, initial=start_step, disable=not progress, unit="step",
@@ -285,7 +293,7 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
                 set_lr(optimizer, lr)
 
                 micro_batches = [next(stream) for _ in range(t.grad_accum)]
-                step_targets = max(sum(num_target_tokens(b) for b in micro_batches), 1)
+                step_targets = max(sum(task.num_targets(b) for b in micro_batches), 1)
                 step_loss = torch.zeros((), device=device)
                 tokens = sum(int((b["document_ids"] >= 0).sum()) for b in micro_batches)  # counted on the CPU: no sync
                 for batch in micro_batches:
@@ -320,11 +328,11 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
                     result = eval_after = evaluate()
                     bar.set_description(None)
                     if result is not None:
-                        is_best = metrics.log_eval(done, result.loss)
+                        is_best = task.log_eval(metrics, done, result)
                         # Before the checkpoints below, which carry its counter.
-                        stop_early = early_stopping.update(done, {"eval_loss": result.loss,
-                                                                  "eval_ppl": result.perplexity})
-                        console.evaluation(done, result.loss, result.perplexity, is_best, early_stopping.reason or "")
+                        scalars = task.eval_scalars(result)
+                        stop_early = early_stopping.update(done, scalars)
+                        console.evaluation(done, scalars, is_best, early_stopping.reason or "")
                         if is_best:
                             _save_result(model, tokenizer, recipe, run_dir / "best")  # usable as --adapter / MODEL
                             last_checkpoint = checkpoint(done, best=True)  # after run/best/: never left stale
@@ -348,7 +356,8 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
                                           "see 'skipped' in metrics.jsonl"))
         if quantized is not None:
             rows.append(("quantized", str(quantized)))
-        if eval_before is not None and eval_after is not None:
+        rows += task.finish(model, validation, recipe, run_dir, output)  # a classifier's report
+        if eval_before is not None and eval_after is not None and task.name == "causal_lm":
             rows.append(("held-out loss", f"{eval_before.loss:.4f} -> {eval_after.loss:.4f} "
                                           f"(perplexity {eval_before.perplexity:.2f} -> {eval_after.perplexity:.2f})"))
         if is_quickstart:
@@ -458,15 +467,24 @@ def _check_trainer_state(state: dict, checkpoint: Path, max_steps: int, needs_sc
 
 def _trainable_state(model: torch.nn.Module, recipe: Recipe) -> dict[str, torch.Tensor]:
     """What a checkpoint keeps: the adapters in a LoRA run, every weight otherwise; and QAT's quantizer state."""
-    if recipe.lora is not None:
-        return {**lora_state_dict(model), **qat_state_dict(model)}
+    if recipe.lora is not None:  # with a classifier's head, trained whole beside the adapters
+        return {**lora_state_dict(model), **_head_state(model), **qat_state_dict(model)}
     return {**dict(model.named_parameters()), **qat_state_dict(model)}
+
+
+def _head_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A classifier's head (trained whole in a LoRA run); nothing for a language model."""
+    return {"score.weight": model.score.weight} if hasattr(model, "score") else {}
 
 
 def _load_trainable_state(model: torch.nn.Module, recipe: Recipe, state: dict[str, torch.Tensor], source: str) -> None:
     state = load_qat_state_dict(model, state, source)  # takes the quantizer state, leaves the rest
     if recipe.lora is not None:
+        head = {name: state.pop(name) for name in list(state) if name in _head_state(model)}
         load_lora_state_dict(model, state, source=source)
+        with torch.no_grad():
+            for name, tensor in head.items():
+                model.get_parameter(name).copy_(tensor)
         return
     params = dict(model.named_parameters())
     with torch.no_grad():
@@ -476,6 +494,10 @@ def _load_trainable_state(model: torch.nn.Module, recipe: Recipe, state: dict[st
 
 def _save_result(model, tokenizer, recipe: Recipe, run_dir: Path) -> Path:
     """The adapter (PEFT format) of a LoRA run, or the whole model folder of a full fine-tune."""
+    if recipe.task.type == "classification":  # the head in the adapter as PEFT saves SEQ_CLS, or a classifier folder
+        from entrenar.tasks.classification import save_result
+
+        return save_result(model, tokenizer, recipe, run_dir, _lora_config(recipe))
     if recipe.lora is not None:
         out = run_dir / "adapter"
         save_adapter(model, out, _lora_config(recipe), base_model_name_or_path=str(recipe.model.path))
