@@ -88,6 +88,7 @@ def replace_files(output: str | os.PathLike) -> Iterator[Path]:
     """
     output = Path(output)
     output.parent.mkdir(parents=True, exist_ok=True)
+    atomic.remove_stale_temps(output)  # what a killed export or quantize of this output left beside it
     staging = Path(tempfile.mkdtemp(prefix=atomic.temp_prefix(output), suffix=atomic.TEMP_SUFFIX,
                                     dir=output.parent))
     target = staging / output.name
