@@ -65,6 +65,43 @@ def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, str, torch.Tensor
             raise ModelError(f"{f}: cannot read safetensors file ({e})") from None
 
 
+def expert_checkpoint_names(config: ModelConfig) -> dict[str, tuple[str, int, slice]]:
+    """Checkpoint tensor name -> (parameter name, expert, rows) for MoE layers whose names differ on disk.
+
+    transformers keeps experts stacked in memory (``mlp.experts.gate_up_proj`` [E, 2I, H], gate rows first;
+    ``mlp.experts.down_proj`` [E, H, I]) but save_pretrained writes one tensor per expert and projection:
+    ``mlp.experts.{e}.{gate,up,down}_proj.weight``, and for Mixtral ``block_sparse_moe.experts.{e}.{w1,w3,w2}.weight``
+    with the router as ``block_sparse_moe.gate.weight``. The empty slice means the whole parameter.
+    """
+    names: dict[str, tuple[str, int, slice]] = {}
+    i_size = config.expert_intermediate_size
+    mixtral = config.model_type == "mixtral"
+    gate, up, down = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+    for layer in config.moe_layers:
+        ours = f"model.layers.{layer}.mlp"
+        disk = f"model.layers.{layer}.{'block_sparse_moe' if mixtral else 'mlp'}"
+        if mixtral:
+            names[f"{disk}.gate.weight"] = (f"{ours}.gate.weight", -1, slice(None))
+        for e in range(config.num_experts):
+            names[f"{disk}.experts.{e}.{gate}.weight"] = (f"{ours}.experts.gate_up_proj", e, slice(0, i_size))
+            names[f"{disk}.experts.{e}.{up}.weight"] = (f"{ours}.experts.gate_up_proj", e, slice(i_size, 2 * i_size))
+            names[f"{disk}.experts.{e}.{down}.weight"] = (f"{ours}.experts.down_proj", e, slice(None))
+    return names
+
+
+def expert_checkpoint_state(config: ModelConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` with stacked expert tensors split into the per-expert names save_pretrained writes."""
+    names = expert_checkpoint_names(config)
+    if not names:
+        return state
+    stacked = {param for param, _, _ in names.values()}
+    out = {n: t for n, t in state.items() if n not in stacked}
+    for disk, (param, expert, rows) in names.items():
+        tensor = state[param] if expert < 0 else state[param][expert][rows]
+        out[disk] = tensor.contiguous()
+    return out
+
+
 def load_state_into(model: torch.nn.Module, tensors: Iterator[tuple[str, str, torch.Tensor]], source: str) -> None:
     """Copy named tensors into a model's parameters, checking names and shapes.
 
@@ -75,10 +112,29 @@ def load_state_into(model: torch.nn.Module, tensors: Iterator[tuple[str, str, to
     in 16-bit.
     """
     params = dict(model.named_parameters(remove_duplicate=False))
+    # A selection bias the checkpoint keeps (DeepSeek-V3's e_score_correction_bias) loads like a parameter.
+    params.update((n, b) for n, b in model.named_buffers() if n.endswith("e_score_correction_bias"))
     sinks = {f"{n}.weight": m for n, m in model.named_modules() if hasattr(m, "load_full_weight")}
     tied = {n for n, p in params.items() if any(p is q for m, q in params.items() if m != n)}
+    pieces = expert_checkpoint_names(model.config) if hasattr(model, "config") else {}
+    pieces_left = {param: 0 for param, _, _ in pieces.values()}
+    for param, _, _ in pieces.values():
+        pieces_left[param] += 1
     seen: set[str] = set()
     for file_name, name, tensor in tensors:
+        if name in pieces and name not in seen:
+            param, expert, rows = pieces[name]
+            target = params[param] if expert < 0 else params[param][expert][rows]
+            if tuple(tensor.shape) != tuple(target.shape):
+                raise ModelError(f"{source}/{file_name}: tensor '{name}' has shape {tuple(tensor.shape)}, "
+                                 f"the model expects {tuple(target.shape)}")
+            with torch.no_grad():
+                target.copy_(tensor)
+            seen.add(name)
+            pieces_left[param] -= 1
+            if not pieces_left[param]:
+                seen.add(param)
+            continue
         if name in sinks:
             sinks[name].load_full_weight(tensor, name=f"{source}/{file_name}: {name}")
             seen.add(name)
@@ -97,6 +153,9 @@ def load_state_into(model: torch.nn.Module, tensors: Iterator[tuple[str, str, to
         seen.add(name)
     expected = [*params, *sinks]
     missing = [n for n in expected if n not in seen and not (n in tied and any(t in seen for t in tied))]
+    # A stacked expert tensor that came piece by piece: name the pieces that never came.
+    missing = [m for n in missing
+               for m in ([d for d, (p, _, _) in pieces.items() if p == n and d not in seen] if n in pieces_left else [n])]
     if missing:
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
         raise ModelError(f"{source}: missing tensors {', '.join(missing[:5])}{more}")
@@ -173,6 +232,7 @@ def save_hf(
     state = {n: t.detach().contiguous().cpu() for n, t in model.state_dict().items()}
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
+    state = expert_checkpoint_state(model.config, state)
     with atomic.staged_folder(folder) as tmp:
         (tmp / "config.json").write_text(json.dumps(model.config.to_hf(), indent=2) + "\n")
         shards = _shards(state, max_shard_bytes)
