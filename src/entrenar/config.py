@@ -1,7 +1,7 @@
 """The run recipe: a YAML file <-> typed dataclasses, plus ``--set`` overrides.
 
-A recipe has eight sections (model, data, lora, qat, optimizer, schedule,
-training, output). Each is a frozen dataclass whose fields carry a default and a rule;
+A recipe has nine sections (model, data, lora, qat, optimizer, schedule,
+training, output, moe). Each is a frozen dataclass whose fields carry a default and a rule;
 the rules run whenever a section is built, so a ``Recipe`` in hand is valid.
 Errors name the file, the line, the dotted key and what is allowed, because a
 typo found after an hour of training costs that hour.
@@ -383,6 +383,23 @@ class QatSection(_Section):
 
 
 @dataclass(frozen=True)
+class MoeSection(_Section):
+    """Router losses, balancing and diagnostics of mixture-of-experts models (ignored by dense models when left
+    at the defaults)."""
+
+    section: ClassVar[str] = "moe"
+    aux_loss: float = _key(0.0, _number(0.0))  # weight of the Switch load-balancing loss (0: off)
+    z_loss: float = _key(0.0, _number(0.0))  # weight of the ST-MoE router z-loss (0: off)
+    bias_update_rate: float = _key(0.0, _number(0.0))  # aux-loss-free balancing: per-expert bias step (0: off)
+    router_lr_scale: float = _key(1.0, _number(0.0, low_open=True))  # router learning rate multiplier
+    freeze_router: bool = _key(False, _boolean)  # full fine-tuning: keep the router weights as loaded
+    experts: str = _key("auto", _choice("auto", "loop", "grouped"))  # auto: one grouped product on CUDA
+    dead_after: int = _key(100, _integer(1))  # an expert with no tokens for this many steps counts as dead
+    collapse_entropy: float = _key(0.3, _number(0.0, 1.0))  # warn when a layer's normalised entropy falls below
+    collapse_share: float = _key(0.5, _number(0.0, 1.0))  # warn when one expert takes more than this share
+
+
+@dataclass(frozen=True)
 class OptimizerSection(_Section):
     """The optimizer and its per-group learning-rate scales."""
 
@@ -464,6 +481,7 @@ _SECTIONS: dict[str, type[_Section]] = {
         ScheduleSection,
         TrainingSection,
         OutputSection,
+        MoeSection,
     )
 }
 
@@ -480,6 +498,7 @@ class Recipe:
     schedule: ScheduleSection = field(default_factory=ScheduleSection)
     training: TrainingSection = field(default_factory=TrainingSection)
     output: OutputSection = field(default_factory=OutputSection)
+    moe: MoeSection = field(default_factory=MoeSection)
 
     def __post_init__(self) -> None:
         # The few checks that span sections. model.path null is the bundled quickstart.
