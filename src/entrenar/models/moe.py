@@ -56,7 +56,7 @@ class Router(nn.Module):
         if self.scoring == "sigmoid":
             self.register_buffer("e_score_correction_bias", torch.zeros(e))
         else:
-            self.e_score_correction_bias: torch.Tensor | None = None
+            self.register_buffer("e_score_correction_bias", None)
 
     def enable_selection_bias(self) -> torch.Tensor:
         """The per-expert selection bias, made (zeros, not saved with the model) if this router has none."""
@@ -189,7 +189,8 @@ class MoeBlock(nn.Module):
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         logits, weights, indices = self.gate(flat)
-        if self.record_routing and not recomputing():  # a checkpointed block's rerun in backward is not a new forward
+        # Training forwards only; a checkpointed block's rerun in backward is not a new forward.
+        if self.record_routing and torch.is_grad_enabled() and not recomputing():
             self.routing.append((logits, indices))
         out = self.experts(flat, indices, weights)
         if self.shared_expert is not None:

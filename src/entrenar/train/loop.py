@@ -49,6 +49,7 @@ from entrenar.train.checkpoint import latest_checkpoint, load_checkpoint, save_c
 from entrenar.train.cuda_graph import GraphedMicroStep
 from entrenar.train.loss import token_cross_entropy
 from entrenar.train.metrics import MetricsLogger, plot_loss_curve
+from entrenar.train.moe import moe_training, plot_expert_load
 from entrenar.train.optim import build_optimizer, build_param_groups, lr_at, set_lr
 
 RECIPE_FILE = "recipe.yaml"
@@ -151,6 +152,7 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
         apply_kernels(model, lora_compute_dtype=torch.bfloat16 if t.adapter_math == "bf16" else None)
     # Fusing the output projection into the loss never materialises full-vocabulary logits.
     fused_loss = use_kernels and type(model.lm_head) is torch.nn.Linear
+    moe = moe_training(model, recipe)  # router losses, balancing and diagnostics; None for a dense model
     trainable = [p for p in model.parameters() if p.requires_grad]
 
     # Data: records -> masked examples -> a resumable stream of packed batches.
@@ -164,7 +166,8 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
     stream = BatchStream(examples, t.batch_size, d.seq_len, packing=d.packing, shuffle=d.shuffle, seed=t.seed,
                          pad_id=tokenizer.pad_id or 0)
 
-    groups = build_param_groups(model, recipe.optimizer.weight_decay, recipe.optimizer.lr_scale)
+    lr_scale = moe.lr_scale(recipe.optimizer.lr_scale) if moe is not None else recipe.optimizer.lr_scale
+    groups = build_param_groups(model, recipe.optimizer.weight_decay, lr_scale)
     o = recipe.optimizer
     optimizer = build_optimizer(groups, o.name, o.lr, o.betas, o.eps, o.momentum, o.fused, device)
     scaler = torch.amp.GradScaler(device.type, enabled=t.precision == "fp16")
@@ -182,7 +185,8 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
         """Forward and backward of one micro-batch; its loss is normalised over the whole step's targets."""
         with autocast_for(device, t.precision, cache=not t.cuda_graphs):
             loss = loss_sum_of(batch) / batch["step_targets"]
-        scaler.scale(loss).backward()
+            total = loss + moe.router_loss(batch) if moe is not None else loss
+        scaler.scale(total).backward()
         return loss.detach()
 
     # With CUDA graphs the gradients stay allocated and are zeroed in place (the graph adds into them).
@@ -208,6 +212,8 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
         stream.load_state_dict(trainer_state["data"])
         if scaler.is_enabled():
             scaler.load_state_dict(trainer_state["grad_scaler"])
+        if moe is not None:
+            moe.load_state_dict(trainer_state.get("moe"), str(resume_from / "trainer.json"))
     save_recipe(recipe, run_dir / RECIPE_FILE)  # on resume: with the changes the resume made
 
     def evaluate() -> EvalResult | None:
@@ -221,6 +227,8 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
         trainer_state = {"data": stream.state_dict(), "recipe": recipe.to_dict()}
         if scaler.is_enabled():
             trainer_state["grad_scaler"] = scaler.state_dict()
+        if moe is not None:
+            trainer_state["moe"] = moe.state_dict()
         return save_checkpoint(run_dir, step, _trainable_state(model, recipe), optimizer, trainer_state, t.keep_last,
                                best=best)
 
@@ -266,7 +274,11 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
                 if not math.isfinite(loss_value):
                     raise DataError(f"step {done}: the loss is {loss_value}; lower optimizer.lr or check the data "
                                     f"(last good checkpoint: {latest_checkpoint(run_dir)})")
-                metrics.log_step(done, loss_value, grad_norm, lr, tokens, step_time_s=time.perf_counter() - started)
+                moe_record, moe_warnings = moe.after_step(done) if moe is not None else (None, [])
+                metrics.log_step(done, loss_value, grad_norm, lr, tokens, step_time_s=time.perf_counter() - started,
+                                 extra={"moe": moe_record} if moe_record is not None else None)
+                for warning in moe_warnings:
+                    bar.write(warning)
                 bar.update(1)
                 if done % t.log_every == 0 or done == t.max_steps:
                     bar.set_postfix(loss=f"{loss_value:.4f}", lr=f"{lr:.2e}")
@@ -286,6 +298,8 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
         output = _save_result(model, tokenizer, recipe, run_dir)
         quantized = save_qat_model(model, tokenizer, run_dir / "quantized") if recipe.qat is not None else None
         plot_loss_curve(metrics.path, run_dir / "loss_curve.png")
+        if moe is not None:
+            plot_expert_load(metrics.path, run_dir / "expert_load.png")
         rows = [("output", str(output)), *[("note", note) for note in notes]]
         if quantized is not None:
             rows.append(("quantized", str(quantized)))

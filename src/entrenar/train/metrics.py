@@ -124,6 +124,7 @@ class MetricsLogger:
         lr: float,
         tokens: int,
         step_time_s: float | None = None,
+        extra: dict[str, Any] | None = None,
     ) -> dict:
         """Log one optimizer step; ``tokens`` are those processed in it.
 
@@ -145,6 +146,7 @@ class MetricsLogger:
             "tokens_per_s": round(tokens / seconds, 1) if seconds > 0 else None,
             "elapsed_s": round(self.elapsed_s, 3),
         }
+        record.update(extra or {})  # e.g. the MoE router diagnostics (entrenar.train.moe)
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             record["peak_mem_gb"] = round(torch.cuda.max_memory_allocated() / 1e9, 3)
         self._write(record)
