@@ -229,6 +229,14 @@ def _modules(value: Any) -> str | tuple[str, ...]:
     raise _Reject(expected)
 
 
+def _parameter_names(value: Any) -> tuple[str, ...] | None:
+    if value is None:
+        return None
+    if isinstance(value, (list, tuple)) and value and all(isinstance(v, str) and v for v in value):
+        return tuple(value)
+    raise _Reject("null or a non-empty list of parameter names", " (e.g. [mlp.experts.gate_up_proj])")
+
+
 def _betas(value: Any) -> tuple[float, float]:
     expected = "a list of two numbers in [0, 1)"
     if isinstance(value, (list, tuple)) and len(value) == 2:
@@ -365,6 +373,7 @@ class LoraSection(_Section):
     alpha: float = _key(16.0, _number(0.0, low_open=True))
     dropout: float = _key(0.0, _number(0.0, 1.0, high_open=True))
     target_modules: str | tuple[str, ...] = _key(("q_proj", "k_proj", "v_proj", "o_proj"), _modules)
+    target_parameters: tuple[str, ...] | None = _key(None, _parameter_names)  # MoE experts, e.g. [mlp.experts.gate_up_proj]
     use_rslora: bool = _key(False, _boolean)
     quantize_base: str | None = _key(None, _choice(None, "nf4"))
 

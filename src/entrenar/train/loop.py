@@ -367,7 +367,8 @@ def _lora_config(recipe: Recipe) -> LoraConfig | None:
     if lora is None:
         return None
     return LoraConfig(r=lora.r, alpha=lora.alpha, dropout=lora.dropout,
-                      target_modules=_targets(lora.target_modules), use_rslora=lora.use_rslora)
+                      target_modules=_targets(lora.target_modules), use_rslora=lora.use_rslora,
+                      target_parameters=list(lora.target_parameters) if lora.target_parameters else None)
 
 
 def _examples(path: str, role: str, recipe: Recipe, tokenizer) -> tuple[list, list[str]]:
