@@ -153,3 +153,19 @@ def test_collapse_warnings_fire_once_per_episode(workspace):
         notes.append([n for n in warned if "router entropy" in n])
         assert (record["layers"]["0"]["entropy_norm"] < 0.3) == (scale > 1)
     assert [len(n) for n in notes] == [2, 0, 0, 2]  # both layers, once per episode
+
+
+def test_lora_on_experts_trains_saves_a_peft_adapter_and_dry_runs(workspace):
+    from safetensors import safe_open
+
+    overrides = ["lora={r: 4, alpha: 8, target_modules: [q_proj, v_proj], target_parameters: "
+                 "[mlp.experts.gate_up_proj, mlp.experts.down_proj]}", "training.max_steps=3"]
+    dry = train(recipe_for(workspace, *overrides), dry_run=True, progress=False)
+    assert "memory estimate" in dry.summary
+    result = train(recipe_for(workspace, *overrides), progress=False)
+    with safe_open(str(result.output / "adapter_model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+    assert "base_model.model.model.layers.1.mlp.experts.base_layer.lora_B.weight" in keys
+    assert "base_model.model.model.layers.1.mlp.experts.lora_A.weight" in keys
+    with safe_open(str(result.output / "adapter_model.safetensors"), "pt") as f:
+        assert f.get_tensor("base_model.model.model.layers.1.mlp.experts.lora_B.weight").abs().sum() > 0  # trained

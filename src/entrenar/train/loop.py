@@ -457,6 +457,7 @@ def _dry_run_report(recipe: Recipe, model, trainable, examples, validation, note
         model.config, method, t.batch_size, d.seq_len,
         dtype_bytes=2 if t.precision != "fp32" else 4, param_bytes=stored_bytes,
         lora_r=lora.r if lora else 16, lora_targets=sorted(wrapped & set(LINEAR_NAMES)),
+        lora_target_parameters=list(lora.target_parameters or []) if lora else [],
         activation_checkpointing=sorted(model.checkpointed_layers), offload_activations=t.offload_activations,
         offload_embeddings=t.offload_embeddings,
         optimizer=recipe.optimizer.name,
