@@ -65,6 +65,18 @@ def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, str, torch.Tensor
             raise ModelError(f"{f}: cannot read safetensors file ({e})") from None
 
 
+def stacked_expert_names(config: ModelConfig) -> dict[str, tuple[str, slice, int]]:
+    """Stacked per-projection expert tensors [E, I, H] (GGUF's ffn_gate_exps / ffn_up_exps, read under the names
+    ``mlp.experts.{gate,up}_proj``) -> (fused parameter, its rows, how many per-expert pieces each stands for)."""
+    i_size = config.expert_intermediate_size
+    names = {}
+    for layer in config.moe_layers:
+        ours = f"model.layers.{layer}.mlp.experts"
+        names[f"{ours}.gate_proj"] = (f"{ours}.gate_up_proj", slice(0, i_size), config.num_experts)
+        names[f"{ours}.up_proj"] = (f"{ours}.gate_up_proj", slice(i_size, 2 * i_size), config.num_experts)
+    return names
+
+
 def expert_checkpoint_names(config: ModelConfig) -> dict[str, tuple[str, int, slice]]:
     """Checkpoint tensor name -> (parameter name, expert, rows) for MoE layers whose names differ on disk.
 
@@ -117,11 +129,25 @@ def load_state_into(model: torch.nn.Module, tensors: Iterator[tuple[str, str, to
     sinks = {f"{n}.weight": m for n, m in model.named_modules() if hasattr(m, "load_full_weight")}
     tied = {n for n, p in params.items() if any(p is q for m, q in params.items() if m != n)}
     pieces = expert_checkpoint_names(model.config) if hasattr(model, "config") else {}
+    stacked = stacked_expert_names(model.config) if hasattr(model, "config") else {}
     pieces_left = {param: 0 for param, _, _ in pieces.values()}
     for param, _, _ in pieces.values():
         pieces_left[param] += 1
     seen: set[str] = set()
     for file_name, name, tensor in tensors:
+        if name in stacked and name not in seen:
+            param, rows, count = stacked[name]
+            target = params[param][:, rows]
+            if tuple(tensor.shape) != tuple(target.shape):
+                raise ModelError(f"{source}/{file_name}: tensor '{name}' has shape {tuple(tensor.shape)}, "
+                                 f"the model expects {tuple(target.shape)}")
+            with torch.no_grad():
+                target.copy_(tensor)
+            seen.add(name)
+            pieces_left[param] -= count
+            if not pieces_left[param]:
+                seen.add(param)
+            continue
         if name in pieces and name not in seen:
             param, expert, rows = pieces[name]
             target = params[param] if expert < 0 else params[param][expert][rows]
