@@ -169,3 +169,21 @@ def test_lora_on_experts_trains_saves_a_peft_adapter_and_dry_runs(workspace):
     assert "base_model.model.model.layers.1.mlp.experts.lora_A.weight" in keys
     with safe_open(str(result.output / "adapter_model.safetensors"), "pt") as f:
         assert f.get_tensor("base_model.model.model.layers.1.mlp.experts.lora_B.weight").abs().sum() > 0  # trained
+
+
+def test_checkpointed_blocks_give_the_same_router_loss_gradients_and_counts(workspace):
+    tiny_moe_model(workspace / "moe")
+    ids = torch.randint(0, 10, (2, 8))
+    results = []
+    for checkpointing in (False, True):
+        model = load_hf(workspace / "moe")
+        model.set_activation_checkpointing(checkpointing)
+        moe = MoeTraining(model, MoeSection(aux_loss=0.5, z_loss=0.1))
+        loss = model(ids).float().logsumexp(-1).mean() + moe.router_loss({})
+        loss.backward()  # a checkpointed block's rerun must not record its routing a second time
+        record, _ = moe.after_step(1)
+        results.append((record, {n: p.grad.clone() for n, p in model.named_parameters()}))
+    assert results[0][0] == results[1][0]
+    for name, grad in results[0][1].items():
+        torch.testing.assert_close(results[1][1][name], grad, atol=1e-6, rtol=0, msg=name)
+    assert any(g.abs().sum() > 0 for n, g in results[0][1].items() if n.endswith("mlp.gate.weight"))
