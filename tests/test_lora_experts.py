@@ -97,3 +97,28 @@ def test_unknown_expert_parameter_is_refused(hf_folder):
     folder, _ = hf_folder("llama")
     with pytest.raises(AdapterError, match="matches no expert parameter"):
         apply_lora(load_hf(folder), LoraConfig(target_modules=["q_proj"], target_parameters=["mlp.experts.up"]))
+
+
+def test_export_merged_folder_equals_peft_with_the_adapter(tmp_path):
+    import peft
+    import transformers
+
+    from conftest import make_hf_model
+    from entrenar import quickstart
+    from entrenar.export import export
+
+    tokenizer = quickstart.build_tokenizer()
+    make_hf_model("qwen3_moe", vocab_size=tokenizer.vocab_size).save_pretrained(tmp_path / "base")
+    tokenizer.save(tmp_path / "base")
+    model = load_hf(tmp_path / "base")
+    cfg = LoraConfig(r=2, alpha=4, target_modules=["q_proj"], target_parameters=TARGETS)
+    apply_lora(model, cfg)
+    randomise_adapters(model)
+    save_adapter(model, tmp_path / "adapter", cfg)
+    export(tmp_path / "base", tmp_path / "adapter", tmp_path / "merged", merge=True)
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    with_adapter = peft.PeftModel.from_pretrained(make_hf_model("qwen3_moe", vocab_size=tokenizer.vocab_size),
+                                                  tmp_path / "adapter").eval()
+    ids = torch.randint(0, tokenizer.vocab_size, (1, 8))
+    with torch.no_grad():
+        torch.testing.assert_close(merged(ids).logits, with_adapter(ids).logits, atol=1e-5, rtol=0)
