@@ -47,18 +47,18 @@ class LoraExpertWeights(LoraLinear):
         if parameter not in EXPERT_PARAMETERS:
             raise AdapterError(f"expert LoRA targets {', '.join(EXPERT_PARAMETERS)}, not {parameter!r}")
         experts = _experts_of(base_layer)
-        weight = getattr(experts, parameter)
+        shape, weight_dtype, device = experts.weight_info(parameter)
         self.base_layer, self.parameter = base_layer, parameter
         self.num_experts = experts.num_experts
-        self.out_features, self.in_features = weight.shape[1], weight.shape[2]
+        self.out_features, self.in_features = shape[1], shape[2]
         self.r, self.alpha, self.use_rslora = r, alpha, use_rslora
         self.scaling = lora_scaling(r, alpha, use_rslora)
         self.merged = False
-        dtype = adapter_dtype(weight.dtype)
+        dtype = adapter_dtype(weight_dtype)
         self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         e = self.num_experts
-        self.lora_A = nn.Linear(self.in_features, r * e, bias=False, device=weight.device, dtype=dtype)
-        self.lora_B = nn.Linear(r * e, self.out_features, bias=False, device=weight.device, dtype=dtype)
+        self.lora_A = nn.Linear(self.in_features, r * e, bias=False, device=device, dtype=dtype)
+        self.lora_B = nn.Linear(r * e, self.out_features, bias=False, device=device, dtype=dtype)
         self.reset_lora_parameters()
         experts.requires_grad_(False)  # not base_layer: an inner wrapper's adapters keep training
         self.train(base_layer.training)
@@ -131,18 +131,24 @@ class LoraExpertWeights(LoraLinear):
         return torch.einsum("ore,eri->eoi", b, a) * self.scaling
 
     def _base_weight(self) -> torch.Tensor:
-        return self.weight
+        weight = self.weight
+        if not isinstance(weight, nn.Parameter):
+            raise AdapterError(f"cannot merge LoRA into {type(_experts_of(self)).__name__}: its {self.parameter} is "
+                               "computed from quantized weights, not stored (merge into a full-precision base)")
+        return weight
 
     @torch.no_grad()
     def merge(self) -> None:
         if not self.merged:
-            self.weight.add_(self.delta_weight().to(self.weight.device, self.weight.dtype))
+            weight = self._base_weight()
+            weight.add_(self.delta_weight().to(weight.device, weight.dtype))
             self.merged = True
 
     @torch.no_grad()
     def unmerge(self) -> None:
         if self.merged:
-            self.weight.sub_(self.delta_weight().to(self.weight.device, self.weight.dtype))
+            weight = self._base_weight()
+            weight.sub_(self.delta_weight().to(weight.device, weight.dtype))
             self.merged = False
 
     def extra_repr(self) -> str:
@@ -192,7 +198,7 @@ def expected_expert_shapes(model: nn.Module, targets: list[str] | None, r: int) 
     for i, (name, parameter) in enumerate(pairs):
         later = sum(1 for n, _ in pairs[i + 1:] if n == name)
         prefix = name + ".base_layer" * later
-        e, out_features, in_features = getattr(model.get_submodule(name), parameter).shape
+        e, out_features, in_features = model.get_submodule(name).weight_info(parameter)[0]
         shapes[f"{prefix}.lora_A.weight"] = (r * e, in_features)
         shapes[f"{prefix}.lora_B.weight"] = (out_features, r * e)
     return shapes

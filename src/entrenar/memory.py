@@ -81,14 +81,15 @@ def lora_params(config: ModelConfig, r: int, targets: list[str] | str, target_pa
 
 
 def quantizable_params(config: ModelConfig) -> int:
-    """Weights of the linear layers NF4 replaces in a QLoRA base: attention and dense MLP projections, MoE
-    layers' shared experts and shared-expert gates. Stacked experts and routers stay in the compute dtype."""
+    """Weights NF4 replaces in a QLoRA base: attention and dense MLP projections, MoE layers' experts, shared
+    experts and shared-expert gates. Routers stay in the compute dtype."""
     attention = sum(a * b for n, (a, b) in linear_shapes(config).items() if n.endswith(("q_proj", "k_proj", "v_proj", "o_proj")))
     h = config.hidden_size
     total = config.num_layers * attention
     for layer in range(config.num_layers):
         if config.is_moe_layer(layer):
             total += 3 * h * config.shared_expert_intermediate_size + h * config.shared_expert_gate
+            total += config.num_experts * 3 * h * config.expert_intermediate_size
         else:
             total += 3 * h * config.intermediate_size
     return total

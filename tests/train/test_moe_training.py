@@ -155,11 +155,14 @@ def test_collapse_warnings_fire_once_per_episode(workspace):
     assert [len(n) for n in notes] == [2, 0, 0, 2]  # both layers, once per episode
 
 
-def test_lora_on_experts_trains_saves_a_peft_adapter_and_dry_runs(workspace):
+@pytest.mark.parametrize("quantize", [None, "nf4"])
+def test_lora_on_experts_trains_saves_a_peft_adapter_and_dry_runs(workspace, quantize):
     from safetensors import safe_open
 
     overrides = ["lora={r: 4, alpha: 8, target_modules: [q_proj, v_proj], target_parameters: "
                  "[mlp.experts.gate_up_proj, mlp.experts.down_proj]}", "training.max_steps=3"]
+    if quantize:
+        overrides.append(f"lora.quantize_base={quantize}")
     dry = train(recipe_for(workspace, *overrides), dry_run=True, progress=False)
     assert "memory estimate" in dry.summary
     result = train(recipe_for(workspace, *overrides), progress=False)

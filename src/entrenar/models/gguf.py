@@ -243,6 +243,9 @@ def load_gguf(
 
     gguf_model = read_gguf(path)
     config = ModelConfig.from_hf(gguf_model.hf_config, source=str(gguf_model.path))
+    if quantize is not None and config.is_moe:
+        raise ModelError(f"{gguf_model.path}: an NF4 base of an MoE GGUF file is not supported (its experts are "
+                         "stacked); load the Hugging Face folder for QLoRA")
     model = empty_model(config, dtype, device, quantize)
     name = gguf_model.path.name
     load_state_into(model, ((name, n, t) for n, t in gguf_model.tensors(dtype)), str(gguf_model.path.parent))

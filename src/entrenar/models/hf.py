@@ -101,6 +101,14 @@ def expert_checkpoint_names(config: ModelConfig) -> dict[str, tuple[str, int, sl
     return names
 
 
+def _sink_name(disk: str) -> str:
+    """A per-expert checkpoint name as NF4 experts' modules are named (Mixtral's w1/w3/w2 and block_sparse_moe)."""
+    for old, new in ((".block_sparse_moe.", ".mlp."), (".w1.", ".gate_proj."), (".w3.", ".up_proj."),
+                     (".w2.", ".down_proj.")):
+        disk = disk.replace(old, new)
+    return disk
+
+
 def expert_checkpoint_state(config: ModelConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``state`` with stacked expert tensors split into the per-expert names save_pretrained writes."""
     names = expert_checkpoint_names(config)
@@ -130,11 +138,17 @@ def load_state_into(model: torch.nn.Module, tensors: Iterator[tuple[str, str, to
     tied = {n for n, p in params.items() if any(p is q for m, q in params.items() if m != n)}
     pieces = expert_checkpoint_names(model.config) if hasattr(model, "config") else {}
     stacked = stacked_expert_names(model.config) if hasattr(model, "config") else {}
+    # NF4 experts take each expert's tensors as sinks named mlp.experts.{e}.{gate,up,down}_proj (Mixtral's
+    # w1/w3/w2 renamed to them); the stacked parameters they replace are not expected.
+    renamed = {disk: _sink_name(disk) for disk in pieces if _sink_name(disk) in sinks}
+    pieces = {disk: piece for disk, piece in pieces.items() if piece[0] in params}
+    stacked = {name: piece for name, piece in stacked.items() if piece[0] in params}
     pieces_left = {param: 0 for param, _, _ in pieces.values()}
     for param, _, _ in pieces.values():
         pieces_left[param] += 1
     seen: set[str] = set()
     for file_name, name, tensor in tensors:
+        name = renamed.get(name, name)
         if name in stacked and name not in seen:
             param, rows, count = stacked[name]
             target = params[param][:, rows]
@@ -198,13 +212,19 @@ def empty_model(
     with torch.device("meta"):
         model = Transformer(config)
     if quantize == "nf4":
+        from entrenar.models.moe import Experts
         from entrenar.quant.nf4 import NF4Linear
+        from entrenar.quant.nf4_experts import NF4Experts
         from entrenar.surgery import find_linears, replace_module
 
         for name in find_linears(model, "all-linear"):
             linear = model.get_submodule(name)
             replace_module(model, name, NF4Linear(linear.in_features, linear.out_features, linear.bias is not None,
                                                   dtype=dtype, device=device))
+        for name in [n for n, m in model.named_modules() if type(m) is Experts]:
+            experts = model.get_submodule(name)
+            replace_module(model, name, NF4Experts(experts.num_experts, experts.hidden_size,
+                                                   experts.intermediate_size, dtype=dtype, device=device))
     elif quantize is not None:
         raise ModelError(f"unknown base quantization '{quantize}' (supported: nf4)")
     model = model.to_empty(device=device).to(dtype)

@@ -115,6 +115,11 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
         self.implementation = "auto"
 
+    def weight_info(self, parameter: str) -> tuple[torch.Size, torch.dtype, torch.device]:
+        """Shape [E, out, in], dtype and device of a stacked parameter, without building it (NF4 experts)."""
+        w = getattr(self, parameter)
+        return w.shape, w.dtype, w.device
+
     # Per-expert and grouped products; LoRA on experts (entrenar.lora_experts) overrides these four.
     def gate_up(self, x: torch.Tensor, expert: int) -> torch.Tensor:
         return F.linear(x, self.gate_up_proj[expert])
