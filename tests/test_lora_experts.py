@@ -122,3 +122,29 @@ def test_export_merged_folder_equals_peft_with_the_adapter(tmp_path):
     ids = torch.randint(0, tokenizer.vocab_size, (1, 8))
     with torch.no_grad():
         torch.testing.assert_close(merged(ids).logits, with_adapter(ids).logits, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("direction", ["peft_to_ours", "ours_to_peft"])
+def test_router_adapter_matches_peft_both_ways(hf_folder, tmp_path, direction):
+    import peft
+
+    folder, ref = hf_folder("mixtral")
+    targets = ["mlp.gate.weight", *TARGETS]
+    ids = torch.randint(0, 128, (2, 12))
+    model = load_hf(folder).eval()
+    if direction == "peft_to_ours":
+        wrapped = peft.get_peft_model(ref, peft.LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj"],
+                                                           target_parameters=targets))
+        randomise_adapters(wrapped, seed=5)
+        wrapped.save_pretrained(tmp_path / "adapter")
+        load_adapter(model, tmp_path / "adapter")
+        other = wrapped.eval()
+    else:
+        cfg = LoraConfig(r=2, alpha=4, target_modules=["q_proj"], target_parameters=targets)
+        apply_lora(model, cfg)
+        randomise_adapters(model, seed=5)
+        save_adapter(model, tmp_path / "adapter", cfg)
+        other = peft.PeftModel.from_pretrained(ref, tmp_path / "adapter").eval()
+    assert "model.layers.0.mlp.gate.lora_B.weight" in lora_state_dict(model)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids), other(ids).logits, atol=1e-5, rtol=0)

@@ -181,7 +181,7 @@ def test_moe_parameters_total_active_and_adapters_match_the_model():
     assert estimate_training_memory(MOE, "full", dtype_bytes=4).weights == MOE.num_parameters * 4
     # Active: the two routed experts of eight in each of the two MoE layers.
     assert MOE.num_parameters - MOE.num_active_parameters == 2 * 6 * 3 * 128 * 96
-    targets = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    targets = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj", "mlp.gate.weight"]
     apply_lora(model, LoraConfig(r=4, target_modules=["q_proj", "gate_proj"], target_parameters=targets))
     adapters = sum(p.numel() for n, p in model.named_parameters() if "lora_" in n)
     assert lora_params(MOE, 4, ["q_proj", "gate_proj"], targets) == adapters

@@ -22,7 +22,7 @@ from torch import nn
 
 from entrenar.errors import AdapterError
 from entrenar.lora import LoraLinear, _check_hparams, adapter_dtype, lora_scaling
-from entrenar.models.moe import Experts
+from entrenar.models.moe import Experts, Router
 
 EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")
 
@@ -155,6 +155,28 @@ class LoraExpertWeights(LoraLinear):
         return f"{self.parameter}, experts={self.num_experts}, " + super().extra_repr()
 
 
+class LoraRouter(LoraLinear):
+    """A router whose logits get a LoRA update: PEFT's ``target_parameters: [mlp.gate.weight]`` (a 2-D
+    ParamWrapper, ``lora_A`` [r, H], ``lora_B`` [E, r]). Routing then follows the adapted logits."""
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        router = self.base_layer
+        logits = router.logits(x)
+        if not self.merged:
+            h = self.lora_dropout(x.to(self.lora_A.weight.dtype))
+            logits = (logits + self.lora_B(self.lora_A(h)) * self.scaling).to(logits.dtype)
+        return router.route_logits(logits, x.dtype)
+
+    def __getattr__(self, name: str):  # scoring, top_k, enable_selection_bias...: the router's
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            base = self.__dict__.get("_modules", {}).get("base_layer")
+            if base is None:
+                raise
+            return getattr(base, name)
+
+
 def _matches(module_name: str, parameter: str, target: str) -> bool:
     full = f"{module_name}.{parameter}"
     return full == target or full.endswith("." + target)
@@ -168,6 +190,8 @@ def find_expert_parameters(model: nn.Module, targets: list[str] | None) -> list[
         return []
     experts = [n for n, m in model.named_modules() if isinstance(m, Experts)]
     found = [(n, p) for n in experts for p in EXPERT_PARAMETERS if any(_matches(n, p, t) for t in targets)]
+    routers = [n for n, m in model.named_modules() if isinstance(m, Router)]
+    found += [(n, "weight") for n in routers if any(_matches(n, "weight", t) for t in targets)]
     for target in targets:
         if not any(_matches(n, p, target) for n, p in found):
             sample = f"{experts[0]}.gate_up_proj" if experts else "none: the model has no MoE experts"
@@ -185,7 +209,10 @@ def wrap_expert_parameters(model: nn.Module, targets: list[str] | None, r: int, 
         # A module already wrapped for the other parameter is wrapped again (PEFT's nesting): the new wrapper
         # takes the old one's place and name, the old one moves to base_layer.
         current = model.get_submodule(name)
-        replace_module(model, name, LoraExpertWeights(current, parameter, r, alpha, dropout, use_rslora))
+        if parameter == "weight":
+            replace_module(model, name, LoraRouter(current, r, alpha, dropout, use_rslora))
+        else:
+            replace_module(model, name, LoraExpertWeights(current, parameter, r, alpha, dropout, use_rslora))
         wrapped.append(name)
     return wrapped
 
@@ -198,6 +225,11 @@ def expected_expert_shapes(model: nn.Module, targets: list[str] | None, r: int) 
     for i, (name, parameter) in enumerate(pairs):
         later = sum(1 for n, _ in pairs[i + 1:] if n == name)
         prefix = name + ".base_layer" * later
+        if parameter == "weight":  # a router: one plain adapter
+            out_features, in_features = model.get_submodule(name).weight.shape
+            shapes[f"{prefix}.lora_A.weight"] = (r, in_features)
+            shapes[f"{prefix}.lora_B.weight"] = (out_features, r)
+            continue
         e, out_features, in_features = model.get_submodule(name).weight_info(parameter)[0]
         shapes[f"{prefix}.lora_A.weight"] = (r * e, in_features)
         shapes[f"{prefix}.lora_B.weight"] = (out_features, r * e)
@@ -205,8 +237,8 @@ def expected_expert_shapes(model: nn.Module, targets: list[str] | None, r: int) 
 
 
 def expert_lora_names(model: nn.Module) -> list[str]:
-    """Names of the expert LoRA wrappers, inner ones included (``...experts.base_layer``)."""
-    return [n for n, m in model.named_modules() if isinstance(m, LoraExpertWeights)]
+    """Names of the expert and router LoRA wrappers, inner ones included (``...experts.base_layer``)."""
+    return [n for n, m in model.named_modules() if isinstance(m, (LoraExpertWeights, LoraRouter))]
 
 
 def normalised_targets(targets: list[str] | str | None) -> list[str] | None:
@@ -220,5 +252,5 @@ def normalised_targets(targets: list[str] | str | None) -> list[str] | None:
     return list(targets)
 
 
-__all__ = ["EXPERT_PARAMETERS", "LoraExpertWeights", "expert_lora_names", "find_expert_parameters",
+__all__ = ["EXPERT_PARAMETERS", "LoraExpertWeights", "LoraRouter", "expert_lora_names", "find_expert_parameters",
            "wrap_expert_parameters"]

@@ -74,8 +74,11 @@ def lora_params(config: ModelConfig, r: int, targets: list[str] | str, target_pa
     per_expert = {"gate_up_proj": r * (h + 2 * ie), "down_proj": r * (ie + h)}
     for target in target_parameters:
         parameter = target.rsplit(".", 1)[-1]
+        if target.endswith("gate.weight") and config.is_moe:  # the router: one adapter per MoE layer
+            total += len(config.moe_layers) * r * (h + config.num_experts)
+            continue
         if parameter not in per_expert or not config.is_moe:
-            raise ConfigError(f"LoRA target_parameters {target!r} is not an expert weight of this model")
+            raise ConfigError(f"LoRA target_parameters {target!r} is not an expert or router weight of this model")
         total += len(config.moe_layers) * config.num_experts * per_expert[parameter]
     return total
 

@@ -51,6 +51,7 @@ class Router(nn.Module):
         self.routed_scaling_factor = config.routed_scaling_factor
         self.weight = nn.Parameter(torch.empty(e, h))
         self.bias = nn.Parameter(torch.zeros(e)) if config.router_bias else None
+        self.in_features, self.out_features = h, e  # what a LoRA wrapper reads (entrenar.lora_experts)
         # DeepSeek-V3 keeps its selection bias in the checkpoint; other families get one only when aux-loss-free
         # balancing is switched on for a run (enable_selection_bias), kept out of their saved folders.
         if self.scoring == "sigmoid":
@@ -69,11 +70,14 @@ class Router(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        logits = self.logits(x)
+        return self.route_logits(self.logits(x), x.dtype)
+
+    def route_logits(self, logits: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(fp32 logits, weights in ``dtype``, indices) of router logits [N, E]."""
         weights, indices = route(logits.float(), self.top_k, self.scoring, self.norm_topk_prob,
                                  self.e_score_correction_bias, self.n_group, self.topk_group,
                                  self.routed_scaling_factor)
-        return logits.float(), weights.to(x.dtype), indices
+        return logits.float(), weights.to(dtype), indices
 
 
 def route(
@@ -204,6 +208,14 @@ class MoeBlock(nn.Module):
                 shared = torch.sigmoid(self.shared_expert_gate(flat)) * shared
             out = out + shared
         return out.view(shape)
+
+
+def router_of(block: MoeBlock) -> Router:
+    """The block's router, inside a LoRA wrapper if it has one."""
+    gate = block.gate
+    while not isinstance(gate, Router):
+        gate = gate.base_layer
+    return gate
 
 
 def moe_blocks(model: nn.Module) -> list[tuple[int, MoeBlock]]:

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from entrenar.errors import CheckpointError, ConfigError
-from entrenar.models.moe import MoeBlock, moe_blocks, set_experts_implementation
+from entrenar.models.moe import MoeBlock, moe_blocks, router_of, set_experts_implementation
 
 ROUTER_PATTERN = r"mlp\.gate$"  # the router modules' names (lr_scale patterns match module names)
 
@@ -88,11 +88,11 @@ class MoeTraining:
         set_experts_implementation(model, section.experts)
         if section.freeze_router:
             for block in self.blocks:
-                block.gate.requires_grad_(False)
+                router_of(block).requires_grad_(False)
         self.num_experts = self.blocks[0].num_experts
-        self.scoring = self.blocks[0].gate.scoring
-        device = self.blocks[0].gate.weight.device
-        self.biases = [block.gate.enable_selection_bias() for block in self.blocks] if section.bias_update_rate else []
+        self.scoring = router_of(self.blocks[0]).scoring
+        device = router_of(self.blocks[0]).weight.device
+        self.biases = [router_of(b).enable_selection_bias() for b in self.blocks] if section.bias_update_rate else []
         n_layers, e = len(self.blocks), self.num_experts
         # Per-step accumulators, on the device until after_step reads them in one sync.
         self._counts = torch.zeros(n_layers, e, device=device)
@@ -104,7 +104,7 @@ class MoeTraining:
 
     @property
     def router_trainable(self) -> bool:
-        return any(p.requires_grad for block in self.blocks for p in block.gate.parameters())
+        return any(p.requires_grad for block in self.blocks for p in router_of(block).parameters())
 
     def lr_scale(self, scales: dict[str, float]) -> dict[str, float]:
         """The optimizer's lr_scale with the router's multiplier added (when the router trains)."""
