@@ -39,7 +39,7 @@ def make_hf_model(family: str, seed: int = 0, **overrides):
     """A tiny random transformers model of the given family, in fp32 eval mode."""
     import transformers
 
-    config_cls, model_cls, extra = FAMILIES[family]
+    config_cls, model_cls, extra = {**FAMILIES, **MOE_FAMILIES}[family]
     torch.manual_seed(seed)
     config = getattr(transformers, config_cls)(**{**TINY, **extra, **overrides})
     model = getattr(transformers, model_cls)(config).eval()
@@ -114,3 +114,17 @@ def workspace(tmp_path):
         for a in range(40):
             f.write(json.dumps({"prompt": f"{a}+{a % 7}=", "completion": str(a + a % 7)}) + "\n")
     return tmp_path
+
+
+# MoE families: (config class name, model class name, extra config kwargs); small enough for CPU tests.
+MOE_FAMILIES = {
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32)),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+                  dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                       norm_topk_prob=False, num_hidden_layers=3, mlp_only_layers=[0])),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=32, norm_topk_prob=True,
+                       num_hidden_layers=3, decoder_sparse_step=2)),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(num_experts=4, num_experts_per_tok=2, intermediate_size=32,
+                                                      clip_qkv=0.5, eos_token_id=2, pad_token_id=None)),
+}

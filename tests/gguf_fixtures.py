@@ -26,6 +26,8 @@ _ARCH = {
     "mistral": gguf.MODEL_ARCH.LLAMA,
     "qwen2": gguf.MODEL_ARCH.QWEN2,
     "qwen3": gguf.MODEL_ARCH.QWEN3,
+    "mixtral": gguf.MODEL_ARCH.LLAMA,
+    "qwen3_moe": gguf.MODEL_ARCH.QWEN3MOE,
 }
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -196,6 +198,7 @@ def write_gguf(
     skip: tuple[str, ...] = (),
     raw: dict[str, tuple[np.ndarray, Q]] | None = None,
     drop_keys: tuple[str, ...] = (),
+    extra_kv: dict[str, tuple[str, Any]] | None = None,
 ) -> Path:
     """Write a transformers causal LM as a GGUF file.
 
@@ -225,6 +228,7 @@ def write_gguf(
         f"{arch_name}.vocab_size": ("uint32", c.vocab_size),
         "general.name": ("string", name),
         "general.file_type": ("uint32", int(qtype)),
+        **{f"{arch_name}.{k}": v for k, v in (extra_kv or {}).items()},
     }
     rope = _rope_scaling(c)
     if rope and rope.get("rope_type") == "linear":
@@ -313,3 +317,38 @@ def random_kquant_bytes(qtype: Q, rows: int, cols: int, seed: int = 0) -> np.nda
     else:
         raise ValueError(f"not a K-quant: {qtype.name}")
     return blocks.reshape(rows, cols // block * size)
+
+
+def write_moe_gguf(path: str | Path, model: torch.nn.Module, qtype: Q = Q.F32, **kwargs: Any) -> Path:
+    """An MoE transformers model as llama.cpp writes it: the router as ffn_gate_inp and each projection of
+    every expert stacked into one tensor, ffn_{gate,up,down}_exps [experts, out, in]."""
+    c = model.config
+    experts = getattr(c, "num_local_experts", None) or c.num_experts
+    state = model.state_dict()
+    raw: dict[str, tuple[np.ndarray, Q]] = {}
+    plain = {}
+    for name, t in state.items():
+        layer = name.split(".")[2] if name.startswith("model.layers.") else None
+        if name.endswith("mlp.gate.weight"):
+            raw[f"blk.{layer}.ffn_gate_inp.weight"] = store(t.float().numpy(), qtype)
+        elif name.endswith("mlp.experts.gate_up_proj"):
+            gate, up = t.float().chunk(2, dim=1)
+            raw[f"blk.{layer}.ffn_gate_exps.weight"] = store(gate.contiguous().numpy(), qtype)
+            raw[f"blk.{layer}.ffn_up_exps.weight"] = store(up.contiguous().numpy(), qtype)
+        elif name.endswith("mlp.experts.down_proj"):
+            raw[f"blk.{layer}.ffn_down_exps.weight"] = store(t.float().numpy(), qtype)
+        else:
+            plain[name] = t
+
+    class Dense:  # what write_gguf maps by name: everything but the router and experts
+        config = c
+
+        @staticmethod
+        def state_dict() -> dict[str, torch.Tensor]:
+            return plain
+
+    moe_intermediate = getattr(c, "moe_intermediate_size", None) or c.intermediate_size
+    kv = {"expert_count": ("uint32", experts), "expert_used_count": ("uint32", c.num_experts_per_tok),
+          "expert_feed_forward_length": ("uint32", moe_intermediate)}
+    raw = {name: value for name, value in raw.items() if name not in kwargs.get("skip", ())}
+    return write_gguf(path, Dense(), qtype=qtype, raw=raw, extra_kv=kv, **kwargs)

@@ -167,3 +167,31 @@ def test_the_checkpointed_layers_themselves_decide_what_offloading_the_first_one
     # Two layers checkpointed either way; listed as the two offloaded ones, neither keeps its input on the GPU,
     # while two spread over the depth (0 and 4) leave layer 4's input there.
     assert activations([0, 1]) == activations(2) - 2 * 512 * 256 * 2
+
+
+MOE = CONFIG.replace(model_type="qwen3_moe", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=96,
+                     shared_expert_intermediate_size=64, first_k_dense=1)
+
+
+def test_moe_parameters_total_active_and_adapters_match_the_model():
+    from entrenar.lora import LoraConfig, apply_lora
+
+    model = Transformer(MOE)
+    assert MOE.num_parameters == sum(p.numel() for p in model.parameters())
+    assert estimate_training_memory(MOE, "full", dtype_bytes=4).weights == MOE.num_parameters * 4
+    # Active: the two routed experts of eight in each of the two MoE layers.
+    assert MOE.num_parameters - MOE.num_active_parameters == 2 * 6 * 3 * 128 * 96
+    targets = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj", "mlp.gate.weight"]
+    apply_lora(model, LoraConfig(r=4, target_modules=["q_proj", "gate_proj"], target_parameters=targets))
+    adapters = sum(p.numel() for n, p in model.named_parameters() if "lora_" in n)
+    assert lora_params(MOE, 4, ["q_proj", "gate_proj"], targets) == adapters
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_moe_activation_estimate_within_10_percent_of_saved_tensors(dtype):
+    model = Transformer(MOE).to(dtype)
+    model.reset_parameters()
+    ids = torch.randint(0, 256, (2, 64))
+    measured = measured_saved_bytes(model, ids)
+    est = estimate_training_memory(MOE, "full", 2, 64, dtype_bytes=dtype.itemsize)
+    assert abs(est.activations - measured) / measured < 0.10, (est.activations, measured)

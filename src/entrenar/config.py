@@ -1,7 +1,7 @@
 """The run recipe: a YAML file <-> typed dataclasses, plus ``--set`` overrides.
 
-A recipe has eight sections (model, data, lora, qat, optimizer, schedule,
-training, output). Each is a frozen dataclass whose fields carry a default and a rule;
+A recipe has nine sections (model, data, lora, qat, optimizer, schedule,
+training, output, moe). Each is a frozen dataclass whose fields carry a default and a rule;
 the rules run whenever a section is built, so a ``Recipe`` in hand is valid.
 Errors name the file, the line, the dotted key and what is allowed, because a
 typo found after an hour of training costs that hour.
@@ -237,6 +237,14 @@ def _modules(value: Any) -> str | tuple[str, ...]:
     raise _Reject(expected)
 
 
+def _parameter_names(value: Any) -> tuple[str, ...] | None:
+    if value is None:
+        return None
+    if isinstance(value, (list, tuple)) and value and all(isinstance(v, str) and v for v in value):
+        return tuple(value)
+    raise _Reject("null or a non-empty list of parameter names", " (e.g. [mlp.experts.gate_up_proj])")
+
+
 def _betas(value: Any) -> tuple[float, float]:
     expected = "a list of two numbers in [0, 1)"
     if isinstance(value, (list, tuple)) and len(value) == 2:
@@ -407,6 +415,7 @@ class LoraSection(_Section):
     alpha: float = _key(16.0, _number(0.0, low_open=True))
     dropout: float = _key(0.0, _number(0.0, 1.0, high_open=True))
     target_modules: str | tuple[str, ...] = _key(("q_proj", "k_proj", "v_proj", "o_proj"), _modules)
+    target_parameters: tuple[str, ...] | None = _key(None, _parameter_names)  # MoE experts, e.g. [mlp.experts.gate_up_proj]
     use_rslora: bool = _key(False, _boolean)
     quantize_base: str | None = _key(None, _choice(None, "nf4"))
 
@@ -422,6 +431,23 @@ class QatSection(_Section):
     group_size: int = _key(128, _integer(1))
     backward: str = _key("ste", _choice("ste", "clipped_ste", "lsq", "ewgs"))
     activations: bool | int = _key(False, _activation_bits)
+
+
+@dataclass(frozen=True)
+class MoeSection(_Section):
+    """Router losses, balancing and diagnostics of mixture-of-experts models (ignored by dense models when left
+    at the defaults)."""
+
+    section: ClassVar[str] = "moe"
+    aux_loss: float = _key(0.0, _number(0.0))  # weight of the Switch load-balancing loss (0: off)
+    z_loss: float = _key(0.0, _number(0.0))  # weight of the ST-MoE router z-loss (0: off)
+    bias_update_rate: float = _key(0.0, _number(0.0))  # aux-loss-free balancing: per-expert bias step (0: off)
+    router_lr_scale: float = _key(1.0, _number(0.0, low_open=True))  # router learning rate multiplier
+    freeze_router: bool = _key(False, _boolean)  # full fine-tuning: keep the router weights as loaded
+    experts: str = _key("auto", _choice("auto", "loop", "grouped"))  # auto: one grouped product on CUDA
+    dead_after: int = _key(100, _integer(1))  # an expert with no tokens for this many steps counts as dead
+    collapse_entropy: float = _key(0.3, _number(0.0, 1.0))  # warn when a layer's normalised entropy falls below
+    collapse_share: float = _key(0.5, _number(0.0, 1.0))  # warn when one expert takes more than this share
 
 
 @dataclass(frozen=True)
@@ -566,6 +592,7 @@ _SECTIONS: dict[str, type[_Section]] = {
         TrainingSection,
         OutputSection,
         TaskSection,
+        MoeSection,
     )
 }
 
@@ -583,6 +610,7 @@ class Recipe:
     training: TrainingSection = field(default_factory=TrainingSection)
     output: OutputSection = field(default_factory=OutputSection)
     task: TaskSection = field(default_factory=TaskSection)
+    moe: MoeSection = field(default_factory=MoeSection)
 
     def __post_init__(self) -> None:
         # The few checks that span sections. model.path and data.train both null is the bundled quickstart.

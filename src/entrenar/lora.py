@@ -59,7 +59,6 @@ _UNSUPPORTED_PEFT_FIELDS = (
     "rank_pattern",
     "alpha_pattern",
     "exclude_modules",
-    "target_parameters",
     "trainable_token_indices",
     "layer_replication",
     "use_qalora",
@@ -92,9 +91,15 @@ class LoraConfig:
     target_modules: list[str] | str = ALL_LINEAR
     use_rslora: bool = False
     bias: str = "none"
+    # PEFT's target_parameters: stacked MoE expert weights (mlp.experts.gate_up_proj / down_proj), one adapter
+    # per expert (entrenar.lora_experts)
+    target_parameters: list[str] | None = None
 
     def __post_init__(self) -> None:
         _check_hparams(self.r, self.alpha, self.dropout, "LoraConfig")
+        from entrenar.lora_experts import normalised_targets
+
+        self.target_parameters = normalised_targets(self.target_parameters)
         if isinstance(self.target_modules, (list, tuple)):
             if not self.target_modules or not all(isinstance(t, str) and t for t in self.target_modules):
                 raise AdapterError(
@@ -141,6 +146,7 @@ class LoraConfig:
             "layers_pattern": None,
             "rank_pattern": {},
             "alpha_pattern": {},
+            "target_parameters": self.target_parameters,
         }
 
     @classmethod
@@ -168,6 +174,7 @@ class LoraConfig:
                 target_modules=raw["target_modules"],
                 use_rslora=raw.get("use_rslora", False),
                 bias=raw.get("bias", "none"),
+                target_parameters=raw.get("target_parameters"),
             )
         except AdapterError as err:
             raise AdapterError(f"{source}: {err}") from None
@@ -341,7 +348,13 @@ def apply_lora(model: nn.Module, cfg: LoraConfig) -> list[str]:
     names = find_linears(model, cfg.target_modules)
     _refuse_shared_weights(model, names, merging=False)
     _wrap(model, names, cfg)
-    return names
+    return names + _wrap_experts(model, cfg)
+
+
+def _wrap_experts(model: nn.Module, cfg: LoraConfig) -> list[str]:
+    from entrenar.lora_experts import wrap_expert_parameters
+
+    return wrap_expert_parameters(model, cfg.target_parameters, cfg.r, cfg.alpha, cfg.dropout, cfg.use_rslora)
 
 
 def lora_parameters(model: nn.Module) -> list[nn.Parameter]:
@@ -388,7 +401,7 @@ def unload_lora(model: nn.Module, merge: bool = True) -> list[str]:
     layers = _require_lora(model)
     if merge:
         merge_lora(model)
-    for name, layer in layers:
+    for name, layer in reversed(layers):  # inner wrappers first (nested expert adapters: experts.base_layer)
         if layer.merged and not merge:
             layer.unmerge()
         replace_module(model, name, layer.base_layer)
@@ -453,7 +466,11 @@ def load_lora_state_dict(model: nn.Module, state: dict[str, torch.Tensor], sourc
 
 def _saved_target_modules(model: nn.Module, cfg: LoraConfig, wrapped: list[str]) -> list[str] | str:
     """``target_modules`` as written to disk; "all-linear" becomes the full names, as PEFT writes it."""
-    selected = find_linears(model, cfg.target_modules)
+    from entrenar.lora_experts import expert_lora_names
+
+    experts = set(expert_lora_names(model))
+    selected = [n for n in find_linears(model, cfg.target_modules) if n not in experts]
+    wrapped = [n for n in wrapped if n not in experts]
     if sorted(selected) != sorted(wrapped):
         extra = sorted(set(selected) ^ set(wrapped))
         raise AdapterError(
@@ -565,8 +582,15 @@ def load_adapter(model: nn.Module, folder: str | os.PathLike) -> LoraConfig:
     except AdapterError as err:
         raise AdapterError(f"{folder}: {err}") from None
     saved = _saved_modules(model, folder, state, str(weights_path))
-    _check_tensors(state, _expected_shapes(model, names, cfg.r), str(weights_path))
+    from entrenar.lora_experts import expected_expert_shapes
+
+    try:
+        expert_shapes = expected_expert_shapes(model, cfg.target_parameters, cfg.r)
+    except AdapterError as err:
+        raise AdapterError(f"{folder}: {err}") from None
+    _check_tensors(state, {**_expected_shapes(model, names, cfg.r), **expert_shapes}, str(weights_path))
     _wrap(model, names, cfg)
+    _wrap_experts(model, cfg)
     load_lora_state_dict(model, state, str(weights_path))
     with torch.no_grad():
         for name, (param, tensor) in saved.items():

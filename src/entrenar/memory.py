@@ -53,18 +53,53 @@ def linear_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
     }
 
 
-def lora_params(config: ModelConfig, r: int, targets: list[str] | str) -> int:
-    """Adapter parameters: r * (in + out) for every targeted projection of every layer."""
+def lora_params(config: ModelConfig, r: int, targets: list[str] | str, target_parameters: Sequence[str] = ()) -> int:
+    """Adapter parameters: r * (in + out) for every targeted projection of every layer. In an MoE layer the
+    MLP projections are its shared expert's (none without one); ``target_parameters`` (``gate_up_proj``,
+    ``down_proj``) add one adapter per expert of every MoE layer."""
     names = LINEAR_NAMES if targets == "all-linear" else list(targets)
     unknown = [n for n in names if n not in LINEAR_NAMES]
     if unknown:
         raise ConfigError(f"LoRA targets {unknown} are not projections of this model (known: {', '.join(LINEAR_NAMES)})")
-    shapes = linear_shapes(config)
-    return config.num_layers * sum(r * (shapes[n][0] + shapes[n][1]) for n in names)
+    dense, shared = linear_shapes(config), linear_shapes(config.replace(intermediate_size=max(1, config.shared_expert_intermediate_size)))
+    total = 0
+    for layer in range(config.num_layers):
+        moe = config.is_moe_layer(layer)
+        for n in names:
+            if moe and n in ("gate_proj", "up_proj", "down_proj"):
+                total += r * sum(shared[n]) if config.shared_expert_intermediate_size else 0
+            else:
+                total += r * sum(dense[n])
+    h, ie = config.hidden_size, config.expert_intermediate_size
+    per_expert = {"gate_up_proj": r * (h + 2 * ie), "down_proj": r * (ie + h)}
+    for target in target_parameters:
+        parameter = target.rsplit(".", 1)[-1]
+        if target.endswith("gate.weight") and config.is_moe:  # the router: one adapter per MoE layer
+            total += len(config.moe_layers) * r * (h + config.num_experts)
+            continue
+        if parameter not in per_expert or not config.is_moe:
+            raise ConfigError(f"LoRA target_parameters {target!r} is not an expert or router weight of this model")
+        total += len(config.moe_layers) * config.num_experts * per_expert[parameter]
+    return total
+
+
+def quantizable_params(config: ModelConfig) -> int:
+    """Weights NF4 replaces in a QLoRA base: attention and dense MLP projections, MoE layers' experts, shared
+    experts and shared-expert gates. Routers stay in the compute dtype."""
+    attention = sum(a * b for n, (a, b) in linear_shapes(config).items() if n.endswith(("q_proj", "k_proj", "v_proj", "o_proj")))
+    h = config.hidden_size
+    total = config.num_layers * attention
+    for layer in range(config.num_layers):
+        if config.is_moe_layer(layer):
+            total += 3 * h * config.shared_expert_intermediate_size + h * config.shared_expert_gate
+            total += config.num_experts * 3 * h * config.expert_intermediate_size
+        else:
+            total += 3 * h * config.intermediate_size
+    return total
 
 
 def activation_bytes_per_token_layer(config: ModelConfig, dtype_bytes: int, kernels: bool = False,
-                                     lora: bool = False) -> float:
+                                     lora: bool = False, moe_layer: bool = False) -> float:
     """Bytes autograd saves for one token in one block (SDPA attention).
 
     Eager PyTorch, counted per saved tensor: the two norms keep their input
@@ -77,12 +112,22 @@ def activation_bytes_per_token_layer(config: ModelConfig, dtype_bytes: int, kern
     rebuilt in backward); with ``lora`` too, each norm runs inside the LoRA
     node of the projections it feeds, so no normed copy is kept either, and
     the down projection rebuilds its input.
+
+    An MoE layer (``moe_layer``; it runs no fused block) keeps, per token, the router's fp32 logits and
+    probabilities and, for each of its k experts, the gathered input, gate and up, silu(gate), their product
+    and the expert's output; plus what its shared expert keeps.
     """
     h, i, d = config.hidden_size, config.intermediate_size, config.head_dim
     q, kv = config.num_heads * d, config.num_kv_heads * d
     attention = (q + 2 * kv + q) * dtype_bytes + config.num_heads * 4  # q, k, v, output; log-sum-exp
     if config.qk_norm:
         attention += (q + kv) * (dtype_bytes + 4)
+    if moe_layer:
+        ie, k = config.expert_intermediate_size, config.num_experts_per_tok
+        routed = k * (2 * h + 4 * ie) * dtype_bytes + config.num_experts * 8
+        shared = 4 * config.shared_expert_intermediate_size * dtype_bytes
+        norms = 2 * (h * dtype_bytes + (4 if kernels else h * 4 + 4))
+        return norms + attention + 2 * h * dtype_bytes + routed + shared
     if not kernels:
         norms = 2 * (h * dtype_bytes + h * 4 + 4)  # input, fp32 upcast, rms
         return norms + attention + h * dtype_bytes + (h + 4 * i) * dtype_bytes
@@ -102,6 +147,7 @@ def estimate_training_memory(
     lora_targets: list[str] | str = "all-linear",
     activation_checkpointing: bool | int | Sequence[int] = False,
     param_bytes: int | None = None,
+    lora_target_parameters: Sequence[str] = (),
     optimizer: str = "adamw",
     fused_loss_chunk: int | None = None,
     offload_activations: bool | int = False,
@@ -126,6 +172,8 @@ def estimate_training_memory(
     `entrenar train` runs on CUDA. `offload_embeddings` keeps a LoRA or QLoRA
     base's input-embedding table in CPU memory (not a tied one, which the
     output head needs; full fine-tuning trains it).
+    An MoE model (``config.num_experts``) counts every expert's weights, the activations of the k experts
+    each token is routed to, and ``lora_target_parameters`` (per-expert adapters).
     """
     if method not in ("full", "lora", "qlora"):
         raise ValueError(f"method must be full, lora or qlora, got {method!r}")
@@ -135,15 +183,14 @@ def estimate_training_memory(
         param_bytes = 4 if method == "full" else dtype_bytes
     states = 2 if optimizer == "adamw" else 1
     total = config.num_parameters
-    shapes = linear_shapes(config)
-    linear = config.num_layers * sum(a * b for a, b in shapes.values())
+    linear = quantizable_params(config)
     if method == "full":
         trainable = total
         weights = total * param_bytes
         gradients = trainable * param_bytes
         optimizer_bytes = states * trainable * param_bytes
     else:
-        trainable = lora_params(config, lora_r, lora_targets)
+        trainable = lora_params(config, lora_r, lora_targets, lora_target_parameters)
         base = (total - linear) * param_bytes + linear * (NF4_BYTES_PER_PARAM if method == "qlora" else param_bytes)
         if offload_embeddings and not config.tie_word_embeddings:
             base -= config.vocab_size * config.hidden_size * param_bytes
@@ -152,9 +199,17 @@ def estimate_training_memory(
         optimizer_bytes = states * trainable * 4
     tokens = batch_size * seq_len
     per_layer = activation_bytes_per_token_layer(config, dtype_bytes, kernels, lora=method != "full")
+    if config.is_moe:  # MoE and dense layers averaged; a rebuilt layer counts as the larger
+        moe_layer = activation_bytes_per_token_layer(config, dtype_bytes, kernels, lora=method != "full", moe_layer=True)
+        n_moe = len(config.moe_layers)
+        rebuilt_layer = max(per_layer, moe_layer)
+        per_layer = (n_moe * moe_layer + (config.num_layers - n_moe) * per_layer) / config.num_layers
+    else:
+        rebuilt_layer = per_layer
     if method != "full":
         # Adapter inputs are the projections' inputs, already saved; add the r-wide middles.
         per_layer += 7 * lora_r * 4
+        rebuilt_layer += 7 * lora_r * 4
     n_layers = config.num_layers
     def clamped(layers):  # a layer count beyond the model means every layer
         return min(layers, n_layers) if isinstance(layers, int) and not isinstance(layers, bool) else layers
@@ -169,7 +224,7 @@ def estimate_training_memory(
     kept_whole = sum(i not in offloaded for i in whole) + min(sum(i in offloaded for i in whole), 2)
     kept_inputs = sum(i not in offloaded for i in recomputed_layers)
     activations = tokens * (kept_whole * per_layer + kept_inputs * config.hidden_size * dtype_bytes)
-    rebuilt = tokens * per_layer if recomputed else 0
+    rebuilt = tokens * rebuilt_layer if recomputed else 0
     activations += rebuilt
     activations += tokens * config.hidden_size * (dtype_bytes + 4)  # final norm
     if fused_loss_chunk:

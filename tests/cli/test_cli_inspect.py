@@ -132,3 +132,23 @@ def test_unknown_lora_target_is_refused(capsys, hf_folder, targets):
     code, _, err = run_cli(capsys, "inspect", folder, "--lora-targets", targets)
     assert code == 2
     assert err.startswith("error: --lora-targets: unknown projection") and "q_proj, k_proj" in err
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "olmoe"])
+def test_moe_total_active_and_expert_adapters_match_transformers_and_peft(capsys, hf_folder, family):
+    from peft import LoraConfig, get_peft_model
+
+    folder, hf_model = hf_folder(family)
+    report = inspect_json(capsys, folder, "--lora-r", 2, "--lora-targets", "q_proj", "--lora-experts")
+    params = report["parameters"]
+    assert params["total"] == sum(p.numel() for p in hf_model.parameters())
+    experts = [m for n, m in hf_model.named_modules() if n.endswith("mlp.experts")]
+    per_expert = sum(m.gate_up_proj[0].numel() + m.down_proj[0].numel() for m in experts)
+    k, e = hf_model.config.num_experts_per_tok, experts[0].gate_up_proj.shape[0]
+    assert params["total"] - params["active_per_token"] == (e - k) * per_expert
+    assert report["architecture"]["num_experts"] == e
+    peft_model = get_peft_model(hf_model, LoraConfig(r=2, target_modules=["q_proj"], target_parameters=[
+        "mlp.experts.gate_up_proj", "mlp.experts.down_proj"]))
+    assert params["lora_trainable"] == sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
+    code, out, _ = run_cli(capsys, "inspect", folder)
+    assert code == 0 and "per token" in out and "experts" in out

@@ -18,7 +18,12 @@ ARCHITECTURE_FIELDS = (
     "vocab_size", "max_position_embeddings", "rope_theta", "rope_scaling", "tie_word_embeddings",
     "qkv_bias", "o_bias", "mlp_bias", "qk_norm", "sliding_window",
 )
+MOE_FIELDS = (
+    "num_experts", "num_experts_per_tok", "expert_intermediate_size", "shared_expert_intermediate_size",
+    "shared_expert_gate", "router_scoring", "norm_topk_prob", "moe_layers",
+)
 METHODS = ("full", "lora", "qlora")
+EXPERT_TARGETS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 
 
 def add_parser(commands: argparse._SubParsersAction, parents: list[argparse.ArgumentParser]) -> None:
@@ -35,6 +40,8 @@ def add_parser(commands: argparse._SubParsersAction, parents: list[argparse.Argu
     parser.add_argument("--lora-r", type=positive_int, default=16, metavar="R", help="LoRA rank (default 16)")
     parser.add_argument("--lora-targets", default="all-linear", metavar="all-linear|q_proj,v_proj,...",
                         help="projections LoRA adapts (default all-linear)")
+    parser.add_argument("--lora-experts", action="store_true",
+                        help="MoE models: LoRA on every expert too, one adapter each (lora.target_parameters)")
     parser.add_argument("--dtype", choices=tuple(entrenar.DTYPES), default="bf16", help="training dtype (default bf16)")
     parser.add_argument("--checkpointing", nargs="?", const=True, default=False, type=positive_int, metavar="N",
                         help="with activation checkpointing of every layer, or of N layers "
@@ -79,19 +86,23 @@ def run(args: argparse.Namespace) -> int:
         "lora_r": args.lora_r, "lora_targets": targets, "activation_checkpointing": args.checkpointing,
         "offload_activations": args.offload, "fused_loss_chunk": FUSED_LOSS_CHUNK if args.kernels else None,
         "kernels": args.kernels, "offload_embeddings": args.offload_embeddings,
+        "lora_target_parameters": EXPERT_TARGETS if args.lora_experts else [],
     }
     if args.checkpointing is not True and args.checkpointing > config.num_layers:
         raise ConfigError(f"--checkpointing: cannot checkpoint {args.checkpointing} layers of a "
                           f"{config.num_layers}-layer model")
     estimates = [estimate_training_memory(config, method, **settings) for method in METHODS]
     architecture = {name: getattr(config, name) for name in ARCHITECTURE_FIELDS}
+    if config.is_moe:
+        architecture.update({name: getattr(config, name) for name in MOE_FIELDS})
     total, trainable = estimates[0].total_params, estimates[1].trainable_params
+    active = config.num_active_parameters
 
     if args.json:
         report: dict[str, Any] = {
             "model": str(args.model),
             "architecture": architecture,
-            "parameters": {"total": total, "lora_trainable": trainable},
+            "parameters": {"total": total, "active_per_token": active, "lora_trainable": trainable},
             "memory": {**settings, "dtype": args.dtype, "estimates": {e.method: e.as_dict() for e in estimates}},
         }
         print(json.dumps(report, indent=2))
@@ -102,6 +113,9 @@ def run(args: argparse.Namespace) -> int:
     print(describe(architecture))
     print(f"  parameters    {total:,} total; LoRA r={args.lora_r} on {targets_text} trains "
           f"{trainable:,} ({100 * trainable / total:.2f}%)")
+    if config.is_moe:
+        print(f"  active        {active:,} per token ({100 * active / total:.1f}% of the weights: "
+              f"{config.num_experts_per_tok} of {config.num_experts} experts)")
     print()
     checkpointing = {True: "on", False: "off"}.get(args.checkpointing, f"on for {args.checkpointing} layers")
     print(f"training memory for batch {args.batch_size} x {args.seq_len} tokens, {args.dtype}, "
@@ -134,4 +148,12 @@ def describe(a: dict[str, Any]) -> str:
         "tied embed.": "yes" if a["tie_word_embeddings"] else "no",
         "variant": ", ".join(flags) or "plain",
     }
+    if a.get("num_experts"):
+        shared = a["shared_expert_intermediate_size"]
+        rows["experts"] = (f"{a['num_experts']} x intermediate {a['expert_intermediate_size']}, "
+                           f"{a['num_experts_per_tok']} per token, {a['router_scoring']} routing"
+                           f"{', top-k renormalised' if a['norm_topk_prob'] else ''}"
+                           + (f", shared expert {shared}{' (gated)' if a['shared_expert_gate'] else ''}" if shared else ""))
+        layers = a["moe_layers"]
+        rows["moe layers"] = "all" if len(layers) == a["num_layers"] else f"{len(layers)}: {layers}"
     return "\n".join(f"  {name:<14}{value}" for name, value in rows.items())

@@ -35,6 +35,7 @@ from entrenar.kernels.rmsnorm import FusedRMSNorm, rms_norm
 from entrenar.kernels.rope import FusedRopeAttention, apply_rope
 from entrenar.kernels.swiglu import FusedMLP, swiglu
 from entrenar.lora import LoraLinear
+from entrenar.models.moe import MoeBlock
 from entrenar.models.transformer import MLP, Attention, Block, RMSNorm
 
 KERNELS = ("rms_norm", "rope", "swiglu", "lora")
@@ -66,6 +67,8 @@ def apply_kernels(
     changed = []
     for name, module in model.named_modules():
         fused = by_class.get(type(module))
+        if fused is FusedBlock and isinstance(module.mlp, MoeBlock):
+            fused = None  # the fused block runs a dense MLP's projections; an MoE layer keeps its own forward
         if fused is not None:
             module.__class__ = fused
             changed.append(name)

@@ -14,13 +14,19 @@ from typing import Any
 
 from entrenar.errors import ModelError
 
-SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 _ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
 }
+ROUTER_SCORINGS = ("softmax", "softmax_topk", "sigmoid")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -44,6 +50,23 @@ class ModelConfig:
     o_bias: bool = False  # Llama's attention_bias puts one on o_proj too
     mlp_bias: bool = False
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE
+    qk_norm_full: bool = False  # OLMoE: that RMSNorm is over the whole q (k) projection instead of per head
+    clip_qkv: float | None = None  # OLMoE: q, k, v clamped to [-clip_qkv, clip_qkv]
+    # Mixture of experts (models/moe.py); num_experts == 0 is a dense model.
+    num_experts: int = 0
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int | None = None  # each expert's; None: intermediate_size
+    norm_topk_prob: bool = True  # renormalise the top-k weights to sum to 1 (Mixtral always does)
+    router_scoring: str = "softmax"  # softmax | softmax_topk (GPT-OSS) | sigmoid (DeepSeek-V3)
+    router_bias: bool = False  # a bias on the router's linear layer (it changes scores and weights)
+    n_group: int = 1  # grouped top-k (DeepSeek-V3): experts in n_group groups, top topk_group groups kept
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0  # routed experts' weights multiplied by this (DeepSeek)
+    shared_expert_intermediate_size: int = 0  # 0: no shared expert
+    shared_expert_gate: bool = False  # Qwen2-MoE: sigmoid(linear(x)) scales the shared expert; DeepSeek: ungated
+    first_k_dense: int = 0  # DeepSeek's first_k_dense_replace: the first k layers keep a dense MLP
+    decoder_sparse_step: int = 1  # Qwen-MoE: layer i is MoE when (i + 1) % step == 0
+    mlp_only_layers: tuple[int, ...] = ()  # Qwen-MoE: layers that keep a dense MLP
     sliding_window: int | None = None
     initializer_range: float = 0.02
     model_type: str = "llama"
@@ -70,6 +93,19 @@ class ModelConfig:
             raise ModelError(
                 f"unknown model family '{self.model_type}' (supported: {', '.join(SUPPORTED_FAMILIES)})"
             )
+        self.mlp_only_layers = tuple(self.mlp_only_layers)
+        if self.num_experts:
+            if not 0 < self.num_experts_per_tok <= self.num_experts:
+                raise ModelError(f"model config: num_experts_per_tok ({self.num_experts_per_tok}) must be in "
+                                 f"1..num_experts ({self.num_experts})")
+            if self.router_scoring not in ROUTER_SCORINGS:
+                raise ModelError(f"model config: router scoring '{self.router_scoring}' is not supported "
+                                 f"(supported: {', '.join(ROUTER_SCORINGS)})")
+            if self.num_experts % self.n_group or not 0 < self.topk_group <= self.n_group:
+                raise ModelError(f"model config: {self.num_experts} experts cannot form {self.n_group} groups "
+                                 f"with topk_group={self.topk_group}")
+            if self.n_group > 1 and self.num_experts_per_tok > self.topk_group * (self.num_experts // self.n_group):
+                raise ModelError("model config: num_experts_per_tok exceeds the experts of the kept groups")
         rope_type = (self.rope_scaling or {}).get("rope_type", "default")
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise ModelError(
@@ -77,16 +113,54 @@ class ModelConfig:
             )
 
     @property
-    def num_parameters(self) -> int:
-        """Parameter count, counting a tied embedding once."""
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def expert_intermediate_size(self) -> int:
+        return self.moe_intermediate_size or self.intermediate_size
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        """Whether layer ``layer_idx`` has an MoE block (the others keep the dense MLP)."""
+        return (self.num_experts > 0 and layer_idx >= self.first_k_dense and layer_idx not in self.mlp_only_layers
+                and (layer_idx + 1) % self.decoder_sparse_step == 0)
+
+    @property
+    def moe_layers(self) -> list[int]:
+        return [i for i in range(self.num_layers) if self.is_moe_layer(i)]
+
+    def _parameter_counts(self) -> tuple[int, int]:
+        """(total, active per token): an MoE layer's token uses num_experts_per_tok of its experts."""
         h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
         q, kv = self.num_heads * d, self.num_kv_heads * d
         attn = h * q + 2 * h * kv + q * h
-        attn += (q + 2 * kv) * self.qkv_bias + h * self.o_bias + 2 * d * self.qk_norm
-        mlp = 3 * h * i + (2 * i + h) * self.mlp_bias
-        layer = attn + mlp + 2 * h
-        embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * layer + embed + h
+        norm_dims = (q + kv) if self.qk_norm_full else 2 * d
+        attn += (q + 2 * kv) * self.qkv_bias + h * self.o_bias + norm_dims * self.qk_norm
+        dense = 3 * h * i + (2 * i + h) * self.mlp_bias
+        total = active = self.vocab_size * h * (1 if self.tie_word_embeddings else 2) + h
+        for layer in range(self.num_layers):
+            total += attn + 2 * h
+            active += attn + 2 * h
+            if not self.is_moe_layer(layer):
+                total += dense
+                active += dense
+                continue
+            expert = 3 * h * self.expert_intermediate_size
+            shared = 3 * h * self.shared_expert_intermediate_size + h * self.shared_expert_gate
+            router = self.num_experts * (h + self.router_bias)
+            total += self.num_experts * expert + shared + router
+            active += self.num_experts_per_tok * expert + shared + router
+        return total, active
+
+    @property
+    def num_parameters(self) -> int:
+        """Parameter count, counting a tied embedding once."""
+        return self._parameter_counts()[0]
+
+    @property
+    def num_active_parameters(self) -> int:
+        """Parameters one token computes with: every expert's for a dense model, the routed ones for MoE."""
+        return self._parameter_counts()[1]
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any], source: str = "config.json") -> "ModelConfig":
@@ -135,16 +209,20 @@ class ModelConfig:
             _check_rope_scaling(scaling, source)
 
         attention_bias = read.flag("attention_bias")
-        sliding = read.size("sliding_window", nullable=True, limit=None)
-        if model_type in ("qwen2", "qwen3") and not read.flag("use_sliding_window"):
-            sliding = None
+        if model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") and not read.flag("use_sliding_window"):
+            sliding = None  # the Qwen families ignore sliding_window (some configs hold 0) unless this flag is set
+        else:
+            sliding = read.size("sliding_window", nullable=True, limit=None)
+        moe = _moe_from_hf(model_type, hf)
         known = {
             "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
             "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta", "rope_scaling", "rope_parameters",
             "max_position_embeddings", "tie_word_embeddings", "attention_bias", "mlp_bias", "sliding_window",
             "use_sliding_window", "initializer_range", "model_type", "bos_token_id", "eos_token_id", "pad_token_id",
-            "architectures", "hidden_act",
+            "architectures", "hidden_act", *_MOE_KEYS,
         }
+        if model_type == "qwen2_moe":
+            attention_bias = bool(hf.get("qkv_bias", True))
         try:
             return cls(
                 **required,
@@ -156,9 +234,12 @@ class ModelConfig:
                 max_position_embeddings=read.size("max_position_embeddings", default=2048, limit=None),
                 tie_word_embeddings=read.flag("tie_word_embeddings"),
                 qkv_bias=model_type == "qwen2" or attention_bias,
-                o_bias=model_type != "qwen2" and attention_bias,
+                o_bias=model_type not in ("qwen2", "qwen2_moe") and attention_bias,
                 mlp_bias=read.flag("mlp_bias"),
-                qk_norm=model_type == "qwen3",
+                qk_norm=model_type in ("qwen3", "qwen3_moe", "olmoe"),
+                qk_norm_full=model_type == "olmoe",
+                clip_qkv=read.number("clip_qkv", positive=True) if hf.get("clip_qkv") is not None else None,
+                **moe,
                 sliding_window=sliding,
                 initializer_range=0.02 if hf.get("initializer_range") is None else read.number("initializer_range"),
                 model_type=model_type,
@@ -197,7 +278,12 @@ class ModelConfig:
         }
         if self.rope_scaling:
             hf["rope_scaling"] = dict(self.rope_scaling)
-        if self.model_type == "qwen2":
+        hf.update(self._moe_to_hf())
+        if self.model_type == "qwen2_moe":
+            if self.o_bias:
+                raise ModelError("qwen2_moe checkpoints have no o_proj bias")
+            hf["qkv_bias"] = self.qkv_bias
+        elif self.model_type == "qwen2":
             if self.o_bias or not self.qkv_bias:
                 raise ModelError("qwen2 checkpoints always have q/k/v biases and no o_proj bias")
         else:
@@ -206,10 +292,28 @@ class ModelConfig:
             hf["attention_bias"] = self.qkv_bias
         if self.model_type in ("llama", "mistral"):
             hf["mlp_bias"] = self.mlp_bias
-        if self.model_type == "mistral" or self.sliding_window:
+        if self.model_type in ("mistral", "mixtral") or self.sliding_window:
             hf["sliding_window"] = self.sliding_window
-        if self.model_type in ("qwen2", "qwen3"):
+        if self.model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
             hf["use_sliding_window"] = self.sliding_window is not None
+        return hf
+
+    def _moe_to_hf(self) -> dict[str, Any]:
+        """The MoE keys of config.json, as each family names them."""
+        kind = self.model_type
+        if kind not in MOE_FAMILIES:
+            if self.num_experts:
+                raise ModelError(f"{kind} checkpoints have no mixture-of-experts layers; use one of {', '.join(MOE_FAMILIES)}")
+            return {}
+        hf: dict[str, Any] = {"num_experts_per_tok": self.num_experts_per_tok}
+        hf["num_local_experts" if kind in ("mixtral", "qwen3_moe") else "num_experts"] = self.num_experts
+        if kind in ("qwen2_moe", "qwen3_moe"):
+            hf.update(moe_intermediate_size=self.expert_intermediate_size, norm_topk_prob=self.norm_topk_prob,
+                      decoder_sparse_step=self.decoder_sparse_step, mlp_only_layers=list(self.mlp_only_layers))
+        if kind == "qwen2_moe":
+            hf["shared_expert_intermediate_size"] = self.shared_expert_intermediate_size
+        if kind == "olmoe":
+            hf.update(norm_topk_prob=self.norm_topk_prob, clip_qkv=self.clip_qkv)
         return hf
 
     def replace(self, **changes: Any) -> "ModelConfig":
@@ -307,6 +411,36 @@ def _check_rope_scaling(scaling: dict[str, Any], source: str) -> None:
     if kind == "llama3" and scaling["low_freq_factor"] == scaling["high_freq_factor"]:
         raise ModelError(f"{source}: 'rope_scaling.low_freq_factor' and 'high_freq_factor' must differ "
                          f"(both {scaling['low_freq_factor']})")
+
+
+_MOE_KEYS = ("num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+             "shared_expert_intermediate_size", "decoder_sparse_step", "mlp_only_layers", "clip_qkv", "qkv_bias")
+
+
+def _moe_from_hf(model_type: str, hf: dict[str, Any]) -> dict[str, Any]:
+    """ModelConfig's MoE fields from a config.json of one of MOE_FAMILIES (empty for a dense family).
+
+    Mixtral always renormalises its top-k weights; the Qwen MoE families and OLMoE say so in
+    norm_topk_prob. Mixtral's and OLMoE's intermediate_size is each expert's; the Qwen MoE families
+    keep intermediate_size for their dense layers and give moe_intermediate_size.
+    """
+    if model_type not in MOE_FAMILIES:
+        return {}
+    moe: dict[str, Any] = {
+        "num_experts": int(hf.get("num_local_experts") or hf.get("num_experts") or 0),
+        "num_experts_per_tok": int(hf.get("num_experts_per_tok", 2)),
+        "norm_topk_prob": True if model_type == "mixtral" else bool(hf.get("norm_topk_prob", False)),
+    }
+    if model_type in ("qwen2_moe", "qwen3_moe"):
+        moe["moe_intermediate_size"] = hf.get("moe_intermediate_size")
+        moe["decoder_sparse_step"] = int(hf.get("decoder_sparse_step", 1))
+        moe["mlp_only_layers"] = tuple(hf.get("mlp_only_layers") or ())
+    if model_type == "qwen2_moe":
+        moe["shared_expert_intermediate_size"] = int(hf.get("shared_expert_intermediate_size") or 0)
+        moe["shared_expert_gate"] = True
+    if not moe["num_experts"]:
+        raise ModelError(f"config.json of a {model_type} model names no experts (num_experts / num_local_experts)")
+    return moe
 
 
 def rope_inv_freq(config: ModelConfig) -> "torch.Tensor":  # noqa: F821

@@ -45,12 +45,15 @@ if TYPE_CHECKING:
     from entrenar.tokenizer import Tokenizer
 
 # GGUF architecture -> transformers model_type. llama.cpp stores Mistral under "llama".
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+# Mixtral is "llama" with expert_count set; Qwen3-MoE is "qwen3moe".
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe")
 _HF_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
+    "mixtral": "MixtralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
 
 # GGUF tensor name -> HF name. "{i}" is the layer index.
@@ -78,6 +81,12 @@ _LAYER_NAMES = {
     "ffn_gate.bias": "mlp.gate_proj.bias",
     "ffn_up.bias": "mlp.up_proj.bias",
     "ffn_down.bias": "mlp.down_proj.bias",
+    # MoE layers: the router, and every expert's projection stacked [experts, out, in] in one tensor each
+    # (models/hf.py's load_state_into puts gate and up into the model's fused gate_up_proj).
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+    "ffn_gate_exps.weight": "mlp.experts.gate_proj",
+    "ffn_up_exps.weight": "mlp.experts.up_proj",
+    "ffn_down_exps.weight": "mlp.experts.down_proj",
 }
 # Read into the config, not part of the state dict.
 _ROPE_FREQS = "rope_freqs.weight"
@@ -234,6 +243,9 @@ def load_gguf(
 
     gguf_model = read_gguf(path)
     config = ModelConfig.from_hf(gguf_model.hf_config, source=str(gguf_model.path))
+    if quantize is not None and config.is_moe:
+        raise ModelError(f"{gguf_model.path}: an NF4 base of an MoE GGUF file is not supported (its experts are "
+                         "stacked); load the Hugging Face folder for QLoRA")
     model = empty_model(config, dtype, device, quantize)
     name = gguf_model.path.name
     load_state_into(model, ((name, n, t) for n, t in gguf_model.tensors(dtype)), str(gguf_model.path.parent))
@@ -303,10 +315,11 @@ def build_hf_config(metadata: dict[str, Any], tensors: dict[str, ReaderTensor], 
             raise ModelError(f"{path}: metadata key '{full}' is missing")
         return default
 
-    if get("expert_count", 0):
-        raise ModelError(
-            f"{path}: mixture-of-experts models ({arch}.expert_count={get('expert_count')}) are not supported"
-        )
+    experts = get("expert_count", 0)
+    if experts and arch not in ("llama", "qwen3moe"):
+        raise ModelError(f"{path}: mixture-of-experts {arch} models ({arch}.expert_count={experts}) are not supported")
+    if arch == "qwen3moe" and not experts:
+        raise ModelError(f"{path}: a qwen3moe file without {arch}.expert_count")
     if "token_embd.weight" not in tensors:
         raise ModelError(f"{path}: tensor 'token_embd.weight' is missing")
 
@@ -329,9 +342,11 @@ def build_hf_config(metadata: dict[str, Any], tensors: dict[str, ReaderTensor], 
         raise ModelError(f"{path}: {arch}.vocab_size is {vocab} but token_embd.weight has {embed_rows} rows")
     rope_theta = get("rope.freq_base", 10000.0)
 
-    model_type = arch
+    model_type = {"qwen3moe": "qwen3_moe"}.get(arch, arch)
     name = f"{metadata.get('general.name', '')} {metadata.get('general.basename', '')}".lower()
-    if arch == "llama" and "mistral" in name:
+    if arch == "llama" and experts:
+        model_type = "mixtral"
+    elif arch == "llama" and "mistral" in name:
         model_type = "mistral"
 
     eos = metadata.get("tokenizer.ggml.eos_token_id")
@@ -362,6 +377,15 @@ def build_hf_config(metadata: dict[str, Any], tensors: dict[str, ReaderTensor], 
     }
     if model_type == "mistral":
         config["sliding_window"] = None  # llama.cpp keeps no sliding window for Mistral
+    if experts:
+        # llama.cpp renormalises the chosen experts' weights for both (Mixtral always does; Qwen3-MoE's
+        # released models set norm_topk_prob), unless expert_weights_norm says otherwise.
+        config.update(num_experts=experts, num_experts_per_tok=get("expert_used_count"),
+                      norm_topk_prob=bool(get("expert_weights_norm", True)))
+        if model_type == "mixtral":
+            config["intermediate_size"] = get("expert_feed_forward_length", config["intermediate_size"])
+        else:
+            config["moe_intermediate_size"] = get("expert_feed_forward_length")
     return config
 
 
@@ -492,8 +516,14 @@ def _expected_shapes(config: dict[str, Any], arch: str) -> dict[str, tuple[int, 
             layer["self_attn.o_proj.bias"] = (h,)
         if config["mlp_bias"]:
             layer.update({"mlp.gate_proj.bias": (i,), "mlp.up_proj.bias": (i,), "mlp.down_proj.bias": (h,)})
-        if arch == "qwen3":
+        if arch in ("qwen3", "qwen3moe"):
             layer.update({"self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,)})
+        if config.get("num_experts"):  # every layer of these files is an MoE layer
+            e, ie = config["num_experts"], config.get("moe_intermediate_size") or i
+            for name in ("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"):
+                del layer[name]
+            layer.update({"mlp.gate.weight": (e, h), "mlp.experts.gate_proj": (e, ie, h),
+                          "mlp.experts.up_proj": (e, ie, h), "mlp.experts.down_proj": (e, h, ie)})
         shapes.update({p + k: v for k, v in layer.items()})
     return shapes
 

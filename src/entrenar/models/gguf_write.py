@@ -400,6 +400,9 @@ def write_gguf(
 
     qtype = check_gguf_type(qtype)
     path = Path(path)
+    if model.config.model_type not in _ARCHITECTURES:
+        raise ModelError(f"writing GGUF files of {model.config.model_type} models is not supported "
+                         f"(supported: {', '.join(_ARCHITECTURES)})")
     finite.check_finite(model.state_dict(), path, ModelError)
     arch = _ARCHITECTURES[model.config.model_type]
     plan = _plan(model, qtype)

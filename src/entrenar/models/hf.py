@@ -81,6 +81,63 @@ def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, str, torch.Tensor
             raise ModelError(f"{f}: cannot read safetensors file ({e})") from None
 
 
+def stacked_expert_names(config: ModelConfig) -> dict[str, tuple[str, slice, int]]:
+    """Stacked per-projection expert tensors [E, I, H] (GGUF's ffn_gate_exps / ffn_up_exps, read under the names
+    ``mlp.experts.{gate,up}_proj``) -> (fused parameter, its rows, how many per-expert pieces each stands for)."""
+    i_size = config.expert_intermediate_size
+    names = {}
+    for layer in config.moe_layers:
+        ours = f"model.layers.{layer}.mlp.experts"
+        names[f"{ours}.gate_proj"] = (f"{ours}.gate_up_proj", slice(0, i_size), config.num_experts)
+        names[f"{ours}.up_proj"] = (f"{ours}.gate_up_proj", slice(i_size, 2 * i_size), config.num_experts)
+    return names
+
+
+def expert_checkpoint_names(config: ModelConfig) -> dict[str, tuple[str, int, slice]]:
+    """Checkpoint tensor name -> (parameter name, expert, rows) for MoE layers whose names differ on disk.
+
+    transformers keeps experts stacked in memory (``mlp.experts.gate_up_proj`` [E, 2I, H], gate rows first;
+    ``mlp.experts.down_proj`` [E, H, I]) but save_pretrained writes one tensor per expert and projection:
+    ``mlp.experts.{e}.{gate,up,down}_proj.weight``, and for Mixtral ``block_sparse_moe.experts.{e}.{w1,w3,w2}.weight``
+    with the router as ``block_sparse_moe.gate.weight``. The empty slice means the whole parameter.
+    """
+    names: dict[str, tuple[str, int, slice]] = {}
+    i_size = config.expert_intermediate_size
+    mixtral = config.model_type == "mixtral"
+    gate, up, down = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+    for layer in config.moe_layers:
+        ours = f"model.layers.{layer}.mlp"
+        disk = f"model.layers.{layer}.{'block_sparse_moe' if mixtral else 'mlp'}"
+        if mixtral:
+            names[f"{disk}.gate.weight"] = (f"{ours}.gate.weight", -1, slice(None))
+        for e in range(config.num_experts):
+            names[f"{disk}.experts.{e}.{gate}.weight"] = (f"{ours}.experts.gate_up_proj", e, slice(0, i_size))
+            names[f"{disk}.experts.{e}.{up}.weight"] = (f"{ours}.experts.gate_up_proj", e, slice(i_size, 2 * i_size))
+            names[f"{disk}.experts.{e}.{down}.weight"] = (f"{ours}.experts.down_proj", e, slice(None))
+    return names
+
+
+def _sink_name(disk: str) -> str:
+    """A per-expert checkpoint name as NF4 experts' modules are named (Mixtral's w1/w3/w2 and block_sparse_moe)."""
+    for old, new in ((".block_sparse_moe.", ".mlp."), (".w1.", ".gate_proj."), (".w3.", ".up_proj."),
+                     (".w2.", ".down_proj.")):
+        disk = disk.replace(old, new)
+    return disk
+
+
+def expert_checkpoint_state(config: ModelConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` with stacked expert tensors split into the per-expert names save_pretrained writes."""
+    names = expert_checkpoint_names(config)
+    if not names:
+        return state
+    stacked = {param for param, _, _ in names.values()}
+    out = {n: t for n, t in state.items() if n not in stacked}
+    for disk, (param, expert, rows) in names.items():
+        tensor = state[param] if expert < 0 else state[param][expert][rows]
+        out[disk] = tensor.contiguous()
+    return out
+
+
 def load_state_into(model: torch.nn.Module, tensors: Iterator[tuple[str, str, torch.Tensor]], source: str) -> None:
     """Copy named tensors into a model's parameters, checking names and shapes.
 
@@ -91,10 +148,49 @@ def load_state_into(model: torch.nn.Module, tensors: Iterator[tuple[str, str, to
     in 16-bit.
     """
     params = dict(model.named_parameters(remove_duplicate=False))
+    # A selection bias the checkpoint keeps (DeepSeek-V3's e_score_correction_bias) loads like a parameter.
+    params.update((n, b) for n, b in model.named_buffers() if n.endswith("e_score_correction_bias"))
     sinks = {f"{n}.weight": m for n, m in model.named_modules() if hasattr(m, "load_full_weight")}
     tied = {n for n, p in params.items() if any(p is q for m, q in params.items() if m != n)}
+    pieces = expert_checkpoint_names(model.config) if hasattr(model, "config") else {}
+    stacked = stacked_expert_names(model.config) if hasattr(model, "config") else {}
+    # NF4 experts take each expert's tensors as sinks named mlp.experts.{e}.{gate,up,down}_proj (Mixtral's
+    # w1/w3/w2 renamed to them); the stacked parameters they replace are not expected.
+    renamed = {disk: _sink_name(disk) for disk in pieces if _sink_name(disk) in sinks}
+    pieces = {disk: piece for disk, piece in pieces.items() if piece[0] in params}
+    stacked = {name: piece for name, piece in stacked.items() if piece[0] in params}
+    pieces_left = {param: 0 for param, _, _ in pieces.values()}
+    for param, _, _ in pieces.values():
+        pieces_left[param] += 1
     seen: set[str] = set()
     for file_name, name, tensor in tensors:
+        name = renamed.get(name, name)
+        if name in stacked and name not in seen:
+            param, rows, count = stacked[name]
+            target = params[param][:, rows]
+            if tuple(tensor.shape) != tuple(target.shape):
+                raise ModelError(f"{source}/{file_name}: tensor '{name}' has shape {tuple(tensor.shape)}, "
+                                 f"the model expects {tuple(target.shape)}")
+            with torch.no_grad():
+                target.copy_(tensor)
+            seen.add(name)
+            pieces_left[param] -= count
+            if not pieces_left[param]:
+                seen.add(param)
+            continue
+        if name in pieces and name not in seen:
+            param, expert, rows = pieces[name]
+            target = params[param] if expert < 0 else params[param][expert][rows]
+            if tuple(tensor.shape) != tuple(target.shape):
+                raise ModelError(f"{source}/{file_name}: tensor '{name}' has shape {tuple(tensor.shape)}, "
+                                 f"the model expects {tuple(target.shape)}")
+            with torch.no_grad():
+                target.copy_(tensor)
+            seen.add(name)
+            pieces_left[param] -= 1
+            if not pieces_left[param]:
+                seen.add(param)
+            continue
         if name in sinks:
             sinks[name].load_full_weight(tensor, name=f"{source}/{file_name}: {name}")
             seen.add(name)
@@ -113,6 +209,9 @@ def load_state_into(model: torch.nn.Module, tensors: Iterator[tuple[str, str, to
         seen.add(name)
     expected = [*params, *sinks]
     missing = [n for n in expected if n not in seen and not (n in tied and any(t in seen for t in tied))]
+    # A stacked expert tensor that came piece by piece: name the pieces that never came.
+    missing = [m for n in missing
+               for m in ([d for d, (p, _, _) in pieces.items() if p == n and d not in seen] if n in pieces_left else [n])]
     if missing:
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
         raise ModelError(f"{source}: missing tensors {', '.join(missing[:5])}{more}")
@@ -129,13 +228,19 @@ def empty_model(
     with torch.device("meta"):
         model = Transformer(config)
     if quantize == "nf4":
+        from entrenar.models.moe import Experts
         from entrenar.quant.nf4 import NF4Linear
+        from entrenar.quant.nf4_experts import NF4Experts
         from entrenar.surgery import find_linears, replace_module
 
         for name in find_linears(model, "all-linear"):
             linear = model.get_submodule(name)
             replace_module(model, name, NF4Linear(linear.in_features, linear.out_features, linear.bias is not None,
                                                   dtype=dtype, device=device))
+        for name in [n for n, m in model.named_modules() if type(m) is Experts]:
+            experts = model.get_submodule(name)
+            replace_module(model, name, NF4Experts(experts.num_experts, experts.hidden_size,
+                                                   experts.intermediate_size, dtype=dtype, device=device))
     elif quantize is not None:
         raise ModelError(f"unknown base quantization '{quantize}' (supported: nf4)")
     # Cast on the meta device first: allocating in fp32 and casting after held both copies at once, twice
@@ -226,6 +331,7 @@ def save_hf(
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     check_finite(state, folder, ModelError)
+    state = expert_checkpoint_state(model.config, state)
     with atomic.staged_folder(folder) as tmp:
         # A classifier writes its *ForSequenceClassification config and classifier.json.
         config = model.hf_config() if hasattr(model, "hf_config") else model.config.to_hf()

@@ -54,6 +54,7 @@ from entrenar.train.early_stopping import EarlyStopping
 from entrenar.train.faults import NonfiniteGuard, optimizer_step
 from entrenar.train.loss import token_cross_entropy
 from entrenar.train.metrics import MetricsLogger, plot_loss_curve, tensorboard_writer_class
+from entrenar.train.moe import moe_training, plot_expert_load
 from entrenar.train.optim import build_optimizer, build_param_groups, lr_at, set_lr
 
 RECIPE_FILE = "recipe.yaml"
@@ -175,6 +176,7 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
         apply_kernels(model, lora_compute_dtype=torch.bfloat16 if t.adapter_math == "bf16" else None)
     # Fusing the output projection into the loss never materialises full-vocabulary logits.
     fused_loss = use_kernels and type(getattr(model, "lm_head", None)) is torch.nn.Linear
+    moe = moe_training(model, recipe)  # router losses, balancing and diagnostics; None for a dense model
     trainable = [p for p in model.parameters() if p.requires_grad]
 
     # Data: records -> masked examples -> a resumable stream of packed batches.
@@ -192,7 +194,8 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
     stream = BatchStream(examples, t.batch_size, d.seq_len, packing=d.packing, shuffle=d.shuffle, seed=t.seed,
                          pad_id=tokenizer.pad_id or 0) if task.name == "causal_lm" else task.stream(examples, recipe)
 
-    groups = build_param_groups(model, recipe.optimizer.weight_decay, recipe.optimizer.lr_scale)
+    lr_scale = moe.lr_scale(recipe.optimizer.lr_scale) if moe is not None else recipe.optimizer.lr_scale
+    groups = build_param_groups(model, recipe.optimizer.weight_decay, lr_scale)
     o = recipe.optimizer
     optimizer = build_optimizer(groups, o.name, o.lr, o.betas, o.eps, o.momentum, o.fused, device)
     scaler = torch.amp.GradScaler(device.type, enabled=t.precision == "fp16")
@@ -212,7 +215,8 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
         """Forward and backward of one micro-batch; its loss is normalised over the whole step's targets."""
         with autocast_for(device, t.precision, cache=not t.cuda_graphs):
             loss = loss_sum_of(batch) / batch["step_targets"]
-        scaler.scale(loss).backward()
+            total = loss + moe.router_loss(batch) if moe is not None else loss
+        scaler.scale(total).backward()
         return loss.detach()
 
     # With CUDA graphs the gradients stay allocated and are zeroed in place (the graph adds into them).
@@ -245,6 +249,8 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
             scaler.load_state_dict(trainer_state["grad_scaler"])
         guard.load_state_dict(trainer_state.get("nonfinite"))
         early_stopping.load_state_dict(trainer_state.get("early_stopping"))
+        if moe is not None:
+            moe.load_state_dict(trainer_state.get("moe"), str(resume_from / "trainer.json"))
     save_recipe(recipe, run_dir / RECIPE_FILE)  # on resume: with the changes the resume made
     write_skipped(run_dir, skipped)
 
@@ -264,6 +270,8 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
                          "early_stopping": early_stopping.state_dict()}
         if scaler.is_enabled():
             trainer_state["grad_scaler"] = scaler.state_dict()
+        if moe is not None:
+            trainer_state["moe"] = moe.state_dict()
         return save_checkpoint(run_dir, step, _trainable_state(model, recipe), optimizer, trainer_state, t.keep_last,
                                best=best)
 
@@ -313,8 +321,14 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
                 optimizer.zero_grad(set_to_none=not t.cuda_graphs)
 
                 loss_value = float(step_loss)
+                # Router biases move only with an applied update (a skipped step leaves them too).
+                moe_record, moe_warnings = (moe.after_step(done, update="skipped" not in flags) if moe is not None
+                                            else (None, []))
                 record = metrics.log_step(done, loss_value, grad_norm, lr, tokens,
-                                          step_time_s=time.perf_counter() - started, flags=flags)
+                                          step_time_s=time.perf_counter() - started, flags=flags,
+                                          extra={"moe": moe_record} if moe_record is not None else None)
+                for warning in moe_warnings:
+                    bar.write(warning)
                 bar.update(1)
                 if done % t.log_every == 0 or done == t.max_steps:
                     bar.set_postfix(loss=f"{loss_value:.4f}", lr=f"{lr:.2e}")
@@ -348,6 +362,8 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
         output = _save_result(model, tokenizer, recipe, run_dir)
         quantized = save_qat_model(model, tokenizer, run_dir / "quantized") if recipe.qat is not None else None
         plot_loss_curve(metrics.path, run_dir / "loss_curve.png")
+        if moe is not None:
+            plot_expert_load(metrics.path, run_dir / "expert_load.png")
         rows = [("output", str(output)), *[("note", note) for note in notes]]
         if early_stopping.reason is not None and (metrics.last_step or 0) < t.max_steps:
             rows.append(("stopped early", early_stopping.reason))
@@ -421,7 +437,8 @@ def _lora_config(recipe: Recipe) -> LoraConfig | None:
     if lora is None:
         return None
     return LoraConfig(r=lora.r, alpha=lora.alpha, dropout=lora.dropout,
-                      target_modules=_targets(lora.target_modules), use_rslora=lora.use_rslora)
+                      target_modules=_targets(lora.target_modules), use_rslora=lora.use_rslora,
+                      target_parameters=list(lora.target_parameters) if lora.target_parameters else None)
 
 
 def _examples(path: str, role: str, recipe: Recipe, tokenizer, skipped: list) -> tuple[list, list[str]]:
@@ -522,6 +539,7 @@ def _dry_run_report(recipe: Recipe, model, trainable, examples, validation, note
         model.config, method, t.batch_size, d.seq_len,
         dtype_bytes=2 if t.precision != "fp32" else 4, param_bytes=stored_bytes,
         lora_r=lora.r if lora else 16, lora_targets=sorted(wrapped & set(LINEAR_NAMES)),
+        lora_target_parameters=list(lora.target_parameters or []) if lora else [],
         activation_checkpointing=sorted(model.checkpointed_layers), offload_activations=t.offload_activations,
         offload_embeddings=t.offload_embeddings,
         optimizer=recipe.optimizer.name,

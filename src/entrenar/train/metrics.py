@@ -155,6 +155,7 @@ class MetricsLogger:
         tokens: int,
         step_time_s: float | None = None,
         flags: dict[str, Any] | None = None,
+        extra: dict[str, Any] | None = None,
     ) -> dict:
         """Log one optimizer step; ``tokens`` are those processed in it.
 
@@ -177,6 +178,7 @@ class MetricsLogger:
             "tokens_per_s": round(tokens / seconds, 1) if seconds > 0 else None,
             "elapsed_s": round(self.elapsed_s, 3),
         }
+        record.update(extra or {})  # e.g. the MoE router diagnostics (entrenar.train.moe)
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             record["peak_mem_gb"] = round(torch.cuda.max_memory_allocated() / 1e9, 3)
         record.update(flags or {})

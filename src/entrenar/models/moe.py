@@ -1,0 +1,231 @@
+"""Mixture-of-experts blocks: a router picks k of N SwiGLU experts per token.
+
+The decoder puts a :class:`MoeBlock` where a dense MLP would be when its config says so
+(``ModelConfig.is_moe_layer``). Names follow transformers' in-memory modules (``mlp.gate.weight``,
+``mlp.experts.gate_up_proj`` [E, 2I, H], ``mlp.experts.down_proj`` [E, H, I], ``mlp.shared_expert...``,
+``mlp.shared_expert_gate.weight``); checkpoints on disk name experts one by one and ``models/hf.py``
+translates. Experts are stacked so one grouped matrix product can run them all, and so LoRA and NF4
+wrap them as one module each.
+
+Routing variants (config ``router_scoring``):
+
+* ``softmax``: softmax over all N logits, top-k of those probabilities, optionally renormalised
+  (``norm_topk_prob``) -- Mixtral, Qwen-MoE, OLMoE.
+* ``softmax_topk``: top-k of the logits, softmax over those k only (GPT-OSS).
+* ``sigmoid``: sigmoid scores; a selection-only bias (``e_score_correction_bias``) decides which
+  experts are picked but not their weights, with grouped top-k (``n_group``/``topk_group``) --
+  DeepSeek-V3. The bias is DeepSeek-V3's aux-loss-free balancing, nudged by ``entrenar.moe``.
+
+What a block routed is kept on the block while someone asks for it (``record_routing``), so
+router losses and diagnostics are computed outside the model (``entrenar.moe``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from entrenar.models.config import ModelConfig
+from entrenar.models.recompute import recomputing
+
+# How experts run: "loop" (one product per expert: the specification), "grouped" (torch._grouped_mm over
+# tokens sorted by expert, every expert in one product) or "auto" (grouped on CUDA when this PyTorch has it).
+EXPERTS_IMPLEMENTATIONS = ("auto", "loop", "grouped")
+
+
+def grouped_mm_available() -> bool:
+    return hasattr(torch, "_grouped_mm")
+
+
+class Router(nn.Module):
+    """Scores N experts per token and picks k: returns (logits [N, E] fp32, weights [N, k], indices [N, k])."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        e, h = config.num_experts, config.hidden_size
+        self.num_experts, self.top_k = e, config.num_experts_per_tok
+        self.scoring = config.router_scoring
+        self.norm_topk_prob = config.norm_topk_prob
+        self.n_group, self.topk_group = config.n_group, config.topk_group
+        self.routed_scaling_factor = config.routed_scaling_factor
+        self.weight = nn.Parameter(torch.empty(e, h))
+        self.bias = nn.Parameter(torch.zeros(e)) if config.router_bias else None
+        self.in_features, self.out_features = h, e  # what a LoRA wrapper reads (entrenar.lora_experts)
+        # DeepSeek-V3 keeps its selection bias in the checkpoint; other families get one only when aux-loss-free
+        # balancing is switched on for a run (enable_selection_bias), kept out of their saved folders.
+        if self.scoring == "sigmoid":
+            self.register_buffer("e_score_correction_bias", torch.zeros(e))
+        else:
+            self.register_buffer("e_score_correction_bias", None)
+
+    def enable_selection_bias(self) -> torch.Tensor:
+        """The per-expert selection bias, made (zeros, not saved with the model) if this router has none."""
+        if self.e_score_correction_bias is None:
+            self.register_buffer("e_score_correction_bias", torch.zeros(self.num_experts, device=self.weight.device),
+                                 persistent=False)
+        return self.e_score_correction_bias
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.route_logits(self.logits(x), x.dtype)
+
+    def route_logits(self, logits: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(fp32 logits, weights in ``dtype``, indices) of router logits [N, E]."""
+        weights, indices = route(logits.float(), self.top_k, self.scoring, self.norm_topk_prob,
+                                 self.e_score_correction_bias, self.n_group, self.topk_group,
+                                 self.routed_scaling_factor)
+        return logits.float(), weights.to(dtype), indices
+
+
+def route(
+    logits: torch.Tensor,
+    top_k: int,
+    scoring: str = "softmax",
+    norm_topk_prob: bool = True,
+    selection_bias: torch.Tensor | None = None,
+    n_group: int = 1,
+    topk_group: int = 1,
+    scaling: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Routing weights [N, k] and expert indices [N, k] from router logits [N, E] (fp32)."""
+    if scoring == "softmax_topk":
+        top, indices = torch.topk(logits, top_k, dim=-1)
+        return top.softmax(dim=-1) * scaling, indices
+    scores = logits.softmax(dim=-1) if scoring == "softmax" else logits.sigmoid()
+    choice = scores if selection_bias is None else scores + selection_bias
+    if n_group > 1:
+        # Keep the topk_group groups whose two best experts score highest (DeepSeek-V3).
+        grouped = choice.view(-1, n_group, choice.shape[-1] // n_group)
+        group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1)[0].sum(dim=-1)
+        keep = torch.zeros_like(group_scores).scatter_(1, group_scores.topk(topk_group, dim=-1)[1], 1.0).bool()
+        choice = choice.masked_fill(~keep.repeat_interleave(grouped.shape[-1], dim=-1), float("-inf"))
+    indices = torch.topk(choice, top_k, dim=-1)[1]
+    weights = scores.gather(1, indices)
+    if norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + (1e-20 if scoring == "sigmoid" else 0.0))
+    return weights * scaling, indices
+
+
+class Experts(nn.Module):
+    """N SwiGLU experts stacked: ``gate_up_proj`` [E, 2I, H] (gate rows first), ``down_proj`` [E, H, I]."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.implementation = "auto"
+
+    def weight_info(self, parameter: str) -> tuple[torch.Size, torch.dtype, torch.device]:
+        """Shape [E, out, in], dtype and device of a stacked parameter, without building it (NF4 experts)."""
+        w = getattr(self, parameter)
+        return w.shape, w.dtype, w.device
+
+    # Per-expert and grouped products; LoRA on experts (entrenar.lora_experts) overrides these four.
+    def gate_up(self, x: torch.Tensor, expert: int) -> torch.Tensor:
+        return F.linear(x, self.gate_up_proj[expert])
+
+    def down(self, h: torch.Tensor, expert: int) -> torch.Tensor:
+        return F.linear(h, self.down_proj[expert])
+
+    def grouped_gate_up(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        return torch._grouped_mm(x, self.gate_up_proj.transpose(1, 2), offs=offsets)
+
+    def grouped_down(self, h: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        return torch._grouped_mm(h, self.down_proj.transpose(1, 2), offs=offsets)
+
+    def use_grouped(self, x: torch.Tensor) -> bool:
+        if self.implementation == "loop" or not grouped_mm_available():
+            return False
+        # torch._grouped_mm wants rows whose strides are multiples of 16 bytes.
+        aligned = all(d * x.element_size() % 16 == 0 for d in (self.hidden_size, self.intermediate_size))
+        if self.implementation == "grouped":
+            return aligned
+        return aligned and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
+
+    def forward(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """``sum_k weights[n, k] * expert_{indices[n, k]}(x[n])`` for tokens x [N, H]."""
+        n, k = indices.shape
+        flat = indices.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # (token, slot) pairs sorted by expert
+        tokens = order // k
+        xs = x[tokens]
+        counts = torch.bincount(flat, minlength=self.num_experts)
+        if self.use_grouped(x):
+            offsets = counts.cumsum(0).to(torch.int32)
+            gate, up = self.grouped_gate_up(xs, offsets).chunk(2, dim=-1)
+            ys = self.grouped_down(F.silu(gate) * up, offsets)
+        else:
+            pieces = []
+            for expert, (start, count) in enumerate(_spans(counts.tolist())):
+                if count:
+                    gate, up = self.gate_up(xs[start:start + count], expert).chunk(2, dim=-1)
+                    pieces.append(self.down(F.silu(gate) * up, expert))
+            ys = torch.cat(pieces) if pieces else xs.new_zeros(0, self.hidden_size)
+        ys = ys * weights.reshape(-1)[order, None].to(ys.dtype)
+        return torch.zeros_like(x).index_add_(0, tokens, ys.to(x.dtype))
+
+
+def _spans(counts: list[int]) -> list[tuple[int, int]]:
+    spans, start = [], 0
+    for c in counts:
+        spans.append((start, c))
+        start += c
+    return spans
+
+
+class MoeBlock(nn.Module):
+    """Router + experts (+ an optional shared expert): what replaces the dense MLP in an MoE layer."""
+
+    def __init__(self, config: ModelConfig, dense_mlp: type[nn.Module]) -> None:
+        super().__init__()
+        self.num_experts, self.top_k = config.num_experts, config.num_experts_per_tok
+        self.gate = Router(config)
+        self.experts = Experts(config.num_experts, config.hidden_size, config.expert_intermediate_size)
+        if config.shared_expert_intermediate_size:
+            self.shared_expert = dense_mlp(config, config.shared_expert_intermediate_size)
+            self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False) if config.shared_expert_gate else None
+        else:
+            self.shared_expert = None
+        # Routing of recent forwards, [(logits [N, E] fp32, indices [N, k])], while recording is on.
+        self.record_routing = False
+        self.routing: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        logits, weights, indices = self.gate(flat)
+        # Training forwards only; a checkpointed block's rerun in backward is not a new forward.
+        if self.record_routing and torch.is_grad_enabled() and not recomputing():
+            self.routing.append((logits, indices))
+        out = self.experts(flat, indices, weights)
+        if self.shared_expert is not None:
+            shared = self.shared_expert(flat)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(flat)) * shared
+            out = out + shared
+        return out.view(shape)
+
+
+def router_of(block: MoeBlock) -> Router:
+    """The block's router, inside a LoRA wrapper if it has one."""
+    gate = block.gate
+    while not isinstance(gate, Router):
+        gate = gate.base_layer
+    return gate
+
+
+def moe_blocks(model: nn.Module) -> list[tuple[int, MoeBlock]]:
+    """(layer index, block) of every MoE layer of a decoder."""
+    return [(i, layer.mlp) for i, layer in enumerate(model.model.layers) if isinstance(layer.mlp, MoeBlock)]
+
+
+def set_experts_implementation(model: nn.Module, implementation: str) -> None:
+    """How every expert stack of ``model`` runs: ``loop``, ``grouped`` or ``auto`` (grouped on CUDA)."""
+    if implementation not in EXPERTS_IMPLEMENTATIONS:
+        raise ValueError(f"experts implementation must be one of {', '.join(EXPERTS_IMPLEMENTATIONS)}, got {implementation!r}")
+    for _, block in moe_blocks(model):
+        block.experts.implementation = implementation

@@ -1,0 +1,87 @@
+"""MoE experts with NF4 weights: the frozen base of QLoRA on a mixture-of-experts model.
+
+Each expert keeps its three projections as :class:`NF4Linear` layers named as checkpoints name them
+(``mlp.experts.{e}.{gate,up,down}_proj``), so weights stream in one tensor at a time and are quantized as
+they arrive (``models/hf.py``'s sinks), and nothing weight-sized is saved for backward. Experts run one at a
+time (the loop): the grouped product needs the dense stacks.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from entrenar.models.moe import Experts
+from entrenar.quant.nf4 import NF4Linear
+
+
+class NF4Experts(Experts):
+    """``Experts`` whose weights are NF4 (same interface; ``gate_up_proj`` / ``down_proj`` are rebuilt on access)."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, dtype: torch.dtype,
+                 device: torch.device | str | None = None, blocksize: int = 64, double_quant: bool = True) -> None:
+        nn.Module.__init__(self)
+        self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
+        self.implementation = "loop"
+        self.dtype = dtype
+        h, i = hidden_size, intermediate_size
+
+        def nf4(n_in: int, n_out: int) -> NF4Linear:
+            return NF4Linear(n_in, n_out, bias=False, dtype=dtype, blocksize=blocksize, double_quant=double_quant,
+                             device=device)
+
+        for e in range(num_experts):
+            expert = nn.Module()
+            expert.gate_proj, expert.up_proj, expert.down_proj = nf4(h, i), nf4(h, i), nf4(i, h)
+            self.add_module(str(e), expert)
+
+    @classmethod
+    def from_experts(cls, experts: Experts, blocksize: int = 64, double_quant: bool = True) -> "NF4Experts":
+        """Quantize a full-precision ``Experts`` module."""
+        w = experts.gate_up_proj
+        out = cls(experts.num_experts, experts.hidden_size, experts.intermediate_size, w.dtype, w.device,
+                  blocksize, double_quant)
+        i = experts.intermediate_size
+        for e in range(experts.num_experts):
+            expert = out.expert(e)
+            expert.gate_proj.load_full_weight(w[e, :i].detach(), f"experts.{e}.gate_proj")
+            expert.up_proj.load_full_weight(w[e, i:].detach(), f"experts.{e}.up_proj")
+            expert.down_proj.load_full_weight(experts.down_proj[e].detach(), f"experts.{e}.down_proj")
+        return out
+
+    def expert(self, e: int) -> nn.Module:
+        return self._modules[str(e)]
+
+    def weight_info(self, parameter: str) -> tuple[torch.Size, torch.dtype, torch.device]:
+        h, i, e = self.hidden_size, self.intermediate_size, self.num_experts
+        shape = (e, 2 * i, h) if parameter == "gate_up_proj" else (e, h, i)
+        return torch.Size(shape), self.dtype, self.expert(0).gate_proj.weight_codes.device
+
+    @property
+    def gate_up_proj(self) -> torch.Tensor:  # dequantized, for inspection and merged exports
+        return torch.stack([torch.cat([self.expert(e).gate_proj.weight, self.expert(e).up_proj.weight])
+                            for e in range(self.num_experts)])
+
+    @property
+    def down_proj(self) -> torch.Tensor:
+        return torch.stack([self.expert(e).down_proj.weight for e in range(self.num_experts)])
+
+    def gate_up(self, x: torch.Tensor, expert: int) -> torch.Tensor:
+        module = self.expert(expert)
+        return torch.cat([module.gate_proj(x), module.up_proj(x)], dim=-1)
+
+    def down(self, h: torch.Tensor, expert: int) -> torch.Tensor:
+        return self.expert(expert).down_proj(h)
+
+    def use_grouped(self, x: torch.Tensor) -> bool:
+        return False
+
+
+def quantize_experts_nf4(model: nn.Module) -> list[str]:
+    """Replace every ``Experts`` module of ``model`` by its NF4 version; return their names."""
+    from entrenar.surgery import replace_module
+
+    names = [n for n, m in model.named_modules() if type(m) is Experts]
+    for name in names:
+        replace_module(model, name, NF4Experts.from_experts(model.get_submodule(name)))
+    return names

@@ -1,0 +1,126 @@
+"""The MoE block's routing variants against transformers' routers, and the block against a formula."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from entrenar.errors import ModelError
+from entrenar.models.config import ModelConfig
+from entrenar.models.moe import MoeBlock, route
+from entrenar.models.transformer import MLP, Transformer
+
+
+def moe_config(**kw) -> ModelConfig:
+    base = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=3, num_heads=4, num_kv_heads=2,
+                model_type="qwen3_moe", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16)
+    return ModelConfig(**{**base, **kw})
+
+
+def sorted_by_index(weights, indices):
+    order = indices.argsort(dim=-1)
+    return weights.gather(1, order), indices.gather(1, order)
+
+
+def test_sigmoid_grouped_routing_equals_deepseek_v3():
+    import transformers
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+    config = transformers.DeepseekV3Config(hidden_size=32, n_routed_experts=16, num_experts_per_tok=4, n_group=4,
+                                           topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5)
+    torch.manual_seed(0)
+    ref = DeepseekV3TopkRouter(config)
+    with torch.no_grad():
+        ref.weight.normal_()
+        ref.e_score_correction_bias.normal_(std=0.3)
+    x = torch.randn(40, 32)
+    _, ref_w, ref_i = ref(x)
+    logits = F.linear(x, ref.weight)
+    w, i = route(logits, 4, "sigmoid", True, ref.e_score_correction_bias, 4, 2, 2.5)
+    ref_w, ref_i = sorted_by_index(ref_w, ref_i)
+    w, i = sorted_by_index(w, i)
+    assert torch.equal(i, ref_i)
+    torch.testing.assert_close(w, ref_w, atol=1e-6, rtol=0)
+    # The bias selects but does not weigh: the weights are the plain sigmoid scores of the chosen experts.
+    torch.testing.assert_close(w, torch.sigmoid(logits).gather(1, i) / torch.sigmoid(logits).gather(1, i).sum(-1, keepdim=True) * 2.5)
+
+
+def test_softmax_over_topk_logits_equals_gpt_oss():
+    import transformers
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssTopKRouter
+
+    config = transformers.GptOssConfig(hidden_size=32, num_local_experts=8, num_experts_per_tok=3)
+    ref = GptOssTopKRouter(config)
+    with torch.no_grad():
+        ref.weight.normal_()
+        ref.bias.normal_()
+    x = torch.randn(20, 32)
+    _, ref_w, ref_i = ref(x)
+    w, i = route(F.linear(x, ref.weight, ref.bias), 3, "softmax_topk")
+    assert torch.equal(i, ref_i)
+    torch.testing.assert_close(w, ref_w, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("norm", [True, False])
+def test_softmax_topk_with_and_without_renormalising(norm):
+    logits = torch.randn(10, 8)
+    w, i = route(logits, 2, "softmax", norm)
+    probs = logits.softmax(-1)
+    top = probs.topk(2, dim=-1)
+    expected = top.values / top.values.sum(-1, keepdim=True) if norm else top.values
+    assert torch.equal(i, top.indices)
+    torch.testing.assert_close(w, expected)
+
+
+def test_block_equals_the_sum_over_chosen_experts_plus_an_ungated_shared_expert():
+    """The block against a per-token formula: DeepSeek-style sigmoid routing with an ungated shared expert."""
+    config = moe_config(router_scoring="sigmoid", n_group=2, topk_group=1, shared_expert_intermediate_size=24,
+                        router_bias=True)
+    torch.manual_seed(0)
+    model = Transformer(config)
+    model.reset_parameters()
+    block = model.model.layers[0].mlp
+    assert isinstance(block, MoeBlock) and block.shared_expert_gate is None
+    with torch.no_grad():
+        block.gate.bias.normal_()
+        block.gate.e_score_correction_bias.normal_(std=0.1)
+    x = torch.randn(2, 5, 32)
+    out = block(x)
+    flat = x.reshape(-1, 32)
+    logits = flat @ block.gate.weight.T + block.gate.bias
+    w, idx = route(logits, 2, "sigmoid", True, block.gate.e_score_correction_bias, 2, 1)
+    expected = torch.zeros_like(flat)
+    e = block.experts
+    for n in range(flat.shape[0]):
+        for slot in range(2):
+            k = int(idx[n, slot])
+            gate, up = (e.gate_up_proj[k] @ flat[n]).chunk(2)
+            expected[n] += w[n, slot] * (e.down_proj[k] @ (F.silu(gate) * up))
+    expected += block.shared_expert(flat)
+    torch.testing.assert_close(out.reshape(-1, 32), expected, atol=1e-6, rtol=1e-5)
+
+
+def test_dense_layer_placement_flags():
+    assert moe_config(first_k_dense=1).moe_layers == [1, 2]
+    assert moe_config(decoder_sparse_step=2).moe_layers == [1]
+    assert moe_config(mlp_only_layers=[0, 2]).moe_layers == [1]
+    model = Transformer(moe_config(first_k_dense=1))
+    assert isinstance(model.model.layers[0].mlp, MLP) and isinstance(model.model.layers[1].mlp, MoeBlock)
+
+
+def test_total_and_active_parameters_count_the_modules():
+    config = moe_config(shared_expert_intermediate_size=24, shared_expert_gate=True, first_k_dense=1)
+    model = Transformer(config)
+    assert config.num_parameters == sum(p.numel() for p in model.parameters())
+    per_expert = 3 * 32 * 16
+    assert config.num_parameters - config.num_active_parameters == 2 * (8 - 2) * per_expert  # two MoE layers
+
+
+def test_bad_moe_configs_are_refused():
+    with pytest.raises(ModelError, match="num_experts_per_tok"):
+        moe_config(num_experts_per_tok=9)
+    with pytest.raises(ModelError, match="router scoring"):
+        moe_config(router_scoring="relu")
+    with pytest.raises(ModelError, match="groups"):
+        moe_config(n_group=3)
