@@ -69,5 +69,6 @@ def test_cpu_estimate_within_25_percent_of_peak_rss(model_folder, method, sets):
     gpu_view = estimate_training_memory(CONFIG, method, 4, 256, dtype_bytes=2 if lora else 4, param_bytes=4,
                                         lora_targets="all-linear")
     assert est.total - est.runtime > 0.5 * est.total  # the model's terms, not the runtime constant, are tested
+    print(f"{method}: estimate {est.total / GiB:.3f} GiB, peak RSS {measured / GiB:.3f} GiB")
     assert abs(est.total - measured) / measured < 0.25, (est.as_dict(), measured / GiB)
     assert abs(gpu_view.total - measured) / measured > 0.25  # what the GPU count leaves out is worth modelling

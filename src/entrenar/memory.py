@@ -224,8 +224,9 @@ def _add_cpu_terms(e: MemoryEstimate, config: ModelConfig, method: str, tokens: 
     if method != "full" and not kernels:
         names = LINEAR_NAMES if targets == "all-linear" else [n for n in targets if n in LINEAR_NAMES]
         widths = config.num_layers * sum(shapes[n][0] for n in names)
-        # fp32 adapters under autocast: lora_A gets its own bf16 copy of the projection's input; dropout a mask.
-        e.activations += tokens * widths * ((dtype_bytes if dtype_bytes < 4 else 0) + (1 if dropout > 0 else 0))
+        # fp32 adapters under autocast: lora_A gets its own bf16 copy of the projection's input. Dropout on the CPU
+        # multiplies by a noise tensor of the fp32 adapter input's dtype and keeps it for backward (not a bool mask).
+        e.activations += tokens * widths * ((dtype_bytes if dtype_bytes < 4 else 0) + (4 if dropout > 0 else 0))
     e.allocator = CPU_ALLOCATOR_SLACK * (e.activations + e.logits + e.casts)
 
 

@@ -132,3 +132,12 @@ def test_unknown_lora_target_is_refused(capsys, hf_folder, targets):
     code, _, err = run_cli(capsys, "inspect", folder, "--lora-targets", targets)
     assert code == 2
     assert err.startswith("error: --lora-targets: unknown projection") and "q_proj, k_proj" in err
+
+
+def test_cpu_flag_estimates_the_cpu_process(capsys, hf_folder):
+    folder, _ = hf_folder("llama")
+    expected = estimate_training_memory(read_config(folder), "lora", cpu=True, param_bytes=4)
+    assert inspect_json(capsys, folder, "--cpu")["memory"]["estimates"]["lora"] == expected.as_dict()
+    assert expected.runtime > 0 and expected.casts > 0  # fp32 weights under bf16 autocast
+    code, out, _ = run_cli(capsys, "inspect", folder, "--cpu")
+    assert code == 0 and "runtime" in out and "resident memory of a CPU process" in out
