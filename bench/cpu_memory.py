@@ -33,6 +33,9 @@ CASES = {
     "smollm2-lora": ["lora.r=16", "lora.alpha=32", "lora.dropout=0.05", "lora.target_modules=all-linear",
                      "training.batch_size=4",
                      "data.seq_len=256", "training.precision=bf16", "model.dtype=float32"],
+    "smollm2-lora-no-dropout": ["lora.r=16", "lora.alpha=32", "lora.target_modules=all-linear",
+                                "training.batch_size=4", "data.seq_len=256", "training.precision=bf16",
+                                "model.dtype=float32"],
     "smollm2-lora-fp32": ["lora.r=16", "lora.alpha=32", "lora.target_modules=all-linear", "training.batch_size=4",
                           "data.seq_len=256", "training.precision=fp32", "model.dtype=float32"],
     # full fine-tuning of the same shape (recipes/full-smollm.yaml's method, a CPU-sized step)
@@ -67,7 +70,8 @@ def peak_rss(args: list[str], env: dict) -> tuple[int, float, str]:
     """ru_maxrss (bytes) of `args` run as the only child of a fresh Python process."""
     probe = ("import resource,subprocess,sys,json;"
              "p=subprocess.run(sys.argv[1:],capture_output=True,text=True);"
-             "print(json.dumps([p.returncode,resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss,p.stdout[-3000:],p.stderr[-3000:]]))")
+             "peak=resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss;"
+             "print(json.dumps([p.returncode,peak,p.stdout[-3000:],p.stderr[-3000:]]))")
     started = time.time()
     out = subprocess.run([sys.executable, "-c", probe, *args], capture_output=True, text=True, env=env, check=True)
     rc, kib, stdout, stderr = json.loads(out.stdout)
@@ -105,8 +109,9 @@ def main() -> None:
                    estimate_over_peak=round(est / peak, 3), seconds=round(seconds, 1), dry_run=line)
         print(json.dumps(row), flush=True)
         rows.append(row)
-    meta = dict(date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), machine=platform.processor() or platform.machine(),
-                cpus=os.cpu_count(), load=os.getloadavg(), torch=torch.__version__, python=platform.python_version())
+    meta = dict(date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                machine=platform.processor() or platform.machine(), cpus=os.cpu_count(), load=os.getloadavg(),
+                torch=torch.__version__, python=platform.python_version())
     if args.out:
         args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     print(json.dumps(meta))
