@@ -72,3 +72,21 @@ def test_cpu_estimate_within_25_percent_of_peak_rss(model_folder, method, sets):
     print(f"{method}: estimate {est.total / GiB:.3f} GiB, peak RSS {measured / GiB:.3f} GiB")
     assert abs(est.total - measured) / measured < 0.25, (est.as_dict(), measured / GiB)
     assert abs(gpu_view.total - measured) / measured > 0.25  # what the GPU count leaves out is worth modelling
+
+
+def test_the_cpu_dry_run_prints_the_cpu_estimate_of_its_recipe(workspace):
+    from entrenar.config import load_recipe
+    from entrenar.models.hf import read_config
+    from entrenar.train.loop import train
+
+    path = workspace / "recipe.yaml"
+    path.write_text(f"model: {{path: {workspace / 'model'}, device: cpu}}\n"
+                    f"data: {{train: {workspace / 'train.jsonl'}, seq_len: 32}}\n"
+                    "lora: {r: 4, alpha: 8, dropout: 0.1, target_modules: all-linear}\n"
+                    f"training: {{batch_size: 2, precision: bf16}}\noutput: {{dir: {workspace / 'run'}}}\n")
+    summary = train(load_recipe(path), dry_run=True, progress=False).summary
+    est = estimate_training_memory(read_config(workspace / "model"), "lora", 2, 32, dtype_bytes=2, param_bytes=4,
+                                   lora_r=4, lora_targets="all-linear", lora_dropout=0.1, cpu=True)
+    assert f"memory estimate       {est.total / GiB:.2f} GiB" in summary
+    assert f"runtime {est.runtime / GiB:.2f}, autocast copies {est.casts / GiB:.2f}" in summary
+    assert "left out: loading" in summary
