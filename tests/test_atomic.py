@@ -109,3 +109,41 @@ def test_every_new_file_is_on_disk_before_the_swap(tmp_path, monkeypatch):
     swap = events.index("replace new -> ckpt")
     assert {"fsync model.safetensors", "fsync trainer.json", "fsync new"} <= set(events[:swap])
     assert events[swap - 1] == "replace ckpt -> old" and events[swap + 1] == f"fsync {tmp_path.name}"
+
+
+@pytest.mark.parametrize("mask", [0o022, 0o002, 0o077])
+def test_files_and_folders_get_the_modes_the_umask_gives(tmp_path, mask):
+    old = os.umask(mask)
+    try:
+        assert atomic.umask() == mask
+        atomic.write_text(tmp_path / "recipe.yaml", "x: 1\n")
+        with atomic.staged_folder(tmp_path / "model") as folder:
+            (folder / "weights").write_bytes(b"w")
+        with open(tmp_path / "reference", "w") as f:  # what plain open() and mkdir() give
+            f.write("x")
+        (tmp_path / "reference-dir").mkdir()
+    finally:
+        os.umask(old)
+    mode = lambda p: p.stat().st_mode & 0o777  # noqa: E731
+    assert mode(tmp_path / "recipe.yaml") == mode(tmp_path / "reference") == 0o666 & ~mask
+    assert mode(tmp_path / "model") == mode(tmp_path / "reference-dir") == 0o777 & ~mask
+    assert mode(tmp_path / "model" / "weights") == 0o666 & ~mask
+
+
+def test_a_write_removes_only_the_stale_temporaries_of_its_own_target(tmp_path):
+    import subprocess
+    import sys
+
+    dead_pid = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                                  text=True).stdout)
+    stale = [f".metrics.jsonl.{dead_pid}-a1b2c3.tmp", ".metrics.jsonl.q9w8e7r6.tmp"]  # pid-tagged, older style
+    kept = [f".metrics.jsonl.{os.getppid()}-livewr.tmp",  # a live process's write in progress
+            f".other.jsonl.{dead_pid}-a1b2c3.tmp",  # another target's: its own next write cleans it
+            ".metrics.jsonl.backup.tmp.txt", "metrics.jsonl.tmp"]  # not entrenar's names
+    for name in stale + kept:
+        (tmp_path / name).write_text("partial")
+    (tmp_path / f".model.{dead_pid}-zz.tmp" / "new").mkdir(parents=True)  # a killed staged_folder
+    atomic.write_text(tmp_path / "metrics.jsonl", "{}\n")
+    with atomic.staged_folder(tmp_path / "model") as folder:
+        (folder / "config.json").write_text("{}")
+    assert sorted(os.listdir(tmp_path)) == sorted(kept + ["metrics.jsonl", "model"])

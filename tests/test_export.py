@@ -237,13 +237,63 @@ def test_option_errors_are_raised_before_anything_is_read_or_written(base, adapt
     out = tmp_path / "out"
     with pytest.raises(QuantError, match="GGUF type 'q4_k' is not supported"):
         export(base, adapter, out, merge=True, gguf="q4_k")
-    with pytest.raises(ConfigError, match="GGUF export needs a merged model; pass merge=True"):
-        export(base, adapter, out, gguf="f16")
-    with pytest.raises(ConfigError, match="GGUF export needs a merged model"):
-        export(base, adapter, tmp_path / "m.gguf")
     with pytest.raises(ConfigError, match="m.gguf: the output is a .gguf file but no GGUF type"):
         export(base, adapter, tmp_path / "m.gguf", merge=True)
+    with pytest.raises(ConfigError, match="unknown dtype 'fp8'"):
+        export(base, adapter, out, merge=True, dtype="fp8")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter", "base"]
+
+
+def test_gguf_implies_merge(base, adapter, tmp_path):
+    out = tmp_path / "m.gguf"
+    assert export(base, adapter, out, gguf="f32") == [out]  # no merge=True needed
+    model, _ = entrenar.load(out, device="cpu", dtype=torch.float32)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids()), reference_logits(base, adapter), atol=1e-5, rtol=0)
+
+
+def test_a_model_without_adapter_exports_in_its_own_dtype_or_the_one_asked(tmp_path):
+    base = make_base(tmp_path / "bf16-base", dtype=torch.bfloat16)
+    out = export(base, None, tmp_path / "as-is")[0]
+    assert {t.dtype for t in load_file(out / "model.safetensors").values()} == {torch.bfloat16}
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    torch.testing.assert_close(load_file(out / "model.safetensors"), load_file(base / "model.safetensors"))
+    out32 = export(base, None, tmp_path / "fp32", dtype="fp32", gguf="f32")
+    assert out32 == [tmp_path / "fp32", tmp_path / "fp32" / "model-f32.gguf"]
+    assert {t.dtype for t in load_file(out32[0] / "model.safetensors").values()} == {torch.float32}
+    ours, _ = entrenar.load(base, device="cpu", dtype=torch.float32)
+    theirs, _ = entrenar.load(out32[1], device="cpu", dtype=torch.float32)
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(ids()), ours(ids()), atol=0, rtol=0)
+
+
+def test_an_unwritable_output_fails_before_the_model_is_read(base, adapter, tmp_path, monkeypatch):
+    import os
+
+    if os.geteuid() == 0:
+        pytest.skip("root writes into read-only folders")
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    monkeypatch.setattr("entrenar.export.load_merged", lambda *a, **k: pytest.fail("the model was loaded"))
+    try:
+        with pytest.raises(PermissionError, match="cannot write in this folder"):
+            export(base, adapter, locked / "out", merge=True)
+    finally:
+        locked.chmod(0o700)
+
+
+def test_an_unwritable_output_fails_before_the_model_is_read_even_as_root(base, adapter, tmp_path, monkeypatch):
+    import errno
+
+    def read_only(*args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system", str(tmp_path))
+
+    monkeypatch.setattr("entrenar.outputs.tempfile.mkstemp", read_only)
+    monkeypatch.setattr("entrenar.export.load_merged", lambda *a, **k: pytest.fail("the model was loaded"))
+    with pytest.raises(OSError, match="cannot write in this folder.*Read-only") as caught:
+        export(base, adapter, tmp_path / "out", merge=True)
+    assert caught.value.errno == errno.EROFS and caught.value.filename == str(tmp_path)
 
 
 def test_export_never_writes_over_its_inputs(base, adapter, tmp_path):
@@ -259,18 +309,32 @@ def test_export_never_writes_over_its_inputs(base, adapter, tmp_path):
     assert snapshot(tmp_path) == inputs
 
 
-def test_existing_folders(base, adapter, tmp_path):
-    unrelated = tmp_path / "notes"
-    unrelated.mkdir()
-    (unrelated / "todo.txt").write_text("keep me")
-    with pytest.raises(ConfigError, match="notes: exists and is not a model or adapter folder; refusing"):
-        export(base, adapter, unrelated, merge=True)
-    assert (unrelated / "todo.txt").read_text() == "keep me"
+def test_an_existing_output_needs_overwrite_and_keeps_the_users_files(base, adapter, tmp_path):
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "todo.txt").write_text("keep me")
+    with pytest.raises(ConfigError, match="notes: the folder exists and is not empty; pass --overwrite"):
+        export(base, adapter, notes, merge=True)
+    assert snapshot(notes) == {"todo.txt": b"keep me"}
 
-    out = tmp_path / "out"  # an earlier export is replaced whole, by a different kind of output too
+    out = tmp_path / "out"
     export(base, adapter, out, merge=True)
-    export(base, adapter, out)
-    assert sorted(p.name for p in out.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    (out / "README.md").write_text("my notes about this model")
+    (out / "model-00001-of-00002.safetensors").write_text("a shard of an older, sharded export")
+    with pytest.raises(ConfigError, match="exists and is not empty"):
+        export(base, adapter, out)
+    export(base, adapter, out, overwrite=True)  # another kind of output replaces ours, never the user's files
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "adapter_config.json", "adapter_model.safetensors"]
+    assert (out / "README.md").read_text() == "my notes about this model"
+    export(base, adapter, out, merge=True, overwrite=True)
+    assert (out / "README.md").read_text() == "my notes about this model"
+    torch.testing.assert_close(transformers_logits(out), reference_logits(base, adapter), atol=1e-5, rtol=0)
+
+    gguf_file = tmp_path / "m.gguf"
+    export(base, adapter, gguf_file, gguf="f16")
+    with pytest.raises(ConfigError, match="m.gguf: the file exists; pass --overwrite"):
+        export(base, adapter, gguf_file, gguf="f16")
+    assert export(base, adapter, gguf_file, gguf="f16", overwrite=True) == [gguf_file]
 
 
 def test_failed_export_leaves_the_previous_output(base, adapter, tmp_path, monkeypatch):
@@ -283,6 +347,6 @@ def test_failed_export_leaves_the_previous_output(base, adapter, tmp_path, monke
 
     monkeypatch.setattr("entrenar.tokenizer.Tokenizer.save", broken_save)
     with pytest.raises(OSError, match="disk full"):
-        export(base, adapter, out, merge=True, gguf="f16")
+        export(base, adapter, out, merge=True, gguf="f16", overwrite=True)
     assert snapshot(out) == before
     assert leftovers(tmp_path) == []

@@ -315,12 +315,13 @@ def test_model_with_lora_layers_is_refused(native, tmp_path):
         write_gguf(model, tok, tmp_path / "m.gguf")
 
 
-@pytest.mark.parametrize("value, message", [(1e6, "exceed the float16 range"), (float("nan"), "NaN/inf")])
-def test_bad_values_name_the_tensor(native, tmp_path, value, message):
+@pytest.mark.parametrize("value, error, message", [(1e6, QuantError, "exceed the float16 range"),
+                                                   (float("nan"), ModelError, "NaN/inf")])
+def test_bad_values_name_the_tensor(native, tmp_path, value, error, message):
     model, tok = native("llama")
     with torch.no_grad():
         model.model.layers[1].mlp.up_proj.weight[3, 5] = value
-    with pytest.raises(QuantError, match=f"model.layers.1.mlp.up_proj.weight.*{message}"):
+    with pytest.raises(error, match=f"model.layers.1.mlp.up_proj.weight.*{message}"):
         write_gguf(model, tok, tmp_path / "m.gguf", "f16")
 
 
@@ -329,8 +330,8 @@ def test_failed_write_keeps_the_old_file_and_leaves_no_temp(native, tmp_path):
     path = write_gguf(model, tok, tmp_path / "m.gguf", "f16")
     before = path.read_bytes()
     with torch.no_grad():
-        model.model.norm.weight[0] = float("inf")  # the last tensor: fails after most of the file is written
-    with pytest.raises(QuantError, match="model.norm.weight"):
+        model.model.norm.weight[0] = float("inf")  # refused before the file is begun (entrenar.finite)
+    with pytest.raises(ModelError, match="model.norm.weight"):
         write_gguf(model, tok, path, "q8_0")
     assert path.read_bytes() == before
     assert [p.name for p in tmp_path.iterdir() if p.is_file()] == ["m.gguf"]

@@ -4,13 +4,19 @@ A file is written to a temporary sibling, fsynced and renamed over its target
 (``os.replace`` is atomic within one file system). A folder is built in a
 temporary sibling and renamed into place once every file in it is on disk.
 After a rename the parent folder is fsynced, so the rename itself survives a
-power cut. Temporaries are named ``.<target name>.<random>.tmp``; they are
-removed when a write fails, and only a hard kill leaves one behind.
+power cut. Temporaries are named ``.<target name>.<pid>-<random>.tmp``; they
+are removed when a write fails, and only a hard kill leaves one behind: the next
+write of the same target removes it once the process that made it is gone.
+
+New files and folders get the modes the process umask gives (``0o666`` and
+``0o777`` less the umask), as ``open`` and ``mkdir`` would, not the ``0o600``
+of ``mkstemp``.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
@@ -18,6 +24,63 @@ from contextlib import contextmanager
 from pathlib import Path
 
 TEMP_SUFFIX = ".tmp"
+# What follows ".<target name>." in a temporary's name: "<pid>-<random>", or "<random>" from earlier versions.
+_TEMP_TAIL = re.compile(r"^(?:(\d+)-)?[A-Za-z0-9_]+" + re.escape(TEMP_SUFFIX) + "$")
+
+
+def umask() -> int:
+    """The process umask, read without changing it where the system tells it (Linux); else set and restored."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def temp_prefix(path: Path) -> str:
+    """The name prefix of this process's temporaries for ``path``: later writes know them as live."""
+    return f".{path.name}.{os.getpid()}-"
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True  # ours: a write in progress in this process
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # exists, another user's
+    return True
+
+
+def is_stale_temp(entry: Path, target_name: str) -> bool:
+    """True when ``entry`` is a temporary that a killed write of ``target_name`` left behind."""
+    prefix = f".{target_name}."
+    if not entry.name.startswith(prefix):
+        return False
+    match = _TEMP_TAIL.match(entry.name[len(prefix):])
+    return match is not None and (match.group(1) is None or not _pid_alive(int(match.group(1))))
+
+
+def remove_stale_temps(target: str | os.PathLike) -> None:
+    """Remove the temporaries of earlier, killed writes of ``target`` (files or folders beside it)."""
+    target = Path(target)
+    try:
+        entries = list(target.parent.iterdir())
+    except OSError:
+        return
+    for entry in entries:
+        if is_stale_temp(entry, target.name):
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                entry.unlink(missing_ok=True)
 
 
 def fsync_dir(folder: str | os.PathLike) -> None:
@@ -49,8 +112,12 @@ def temp_file(path: str | os.PathLike, write: Callable[[Path], object]) -> Path:
     callers want :func:`write_file`. The temporary is removed if ``write`` fails.
     """
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=TEMP_SUFFIX, dir=path.parent)
-    os.close(fd)
+    remove_stale_temps(path)
+    fd, tmp = tempfile.mkstemp(prefix=temp_prefix(path), suffix=TEMP_SUFFIX, dir=path.parent)
+    try:
+        os.fchmod(fd, 0o666 & ~umask())  # mkstemp's 0o600 would survive the rename
+    finally:
+        os.close(fd)
     try:
         write(Path(tmp))
         _fsync_file(tmp)
@@ -106,7 +173,8 @@ def staged_folder(target: str | os.PathLike) -> Iterator[Path]:
     """
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=TEMP_SUFFIX, dir=target.parent))
+    remove_stale_temps(target)
+    staging = Path(tempfile.mkdtemp(prefix=temp_prefix(target), suffix=TEMP_SUFFIX, dir=target.parent))
     new, old = staging / "new", staging / "old"
     try:
         new.mkdir()
@@ -125,4 +193,5 @@ def staged_folder(target: str | os.PathLike) -> Iterator[Path]:
         shutil.rmtree(staging, ignore_errors=True)
 
 
-__all__ = ["fsync_dir", "staged_folder", "temp_file", "write_bytes", "write_file", "write_text"]
+__all__ = ["fsync_dir", "is_stale_temp", "remove_stale_temps", "staged_folder", "temp_file", "temp_prefix", "umask",
+           "write_bytes", "write_file", "write_text"]

@@ -15,6 +15,7 @@ import difflib
 import importlib.resources
 import math
 import re
+import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -40,6 +41,7 @@ __all__ = [
 ]
 
 QUICKSTART = "recipes/quickstart.yaml"  # package data of `entrenar`
+MAX_SEQ_LEN = 2**22  # 4x the longest contexts models train at today; a row this long is 128 MiB of index tensors
 
 
 # --------------------------------------------------------------------------
@@ -49,7 +51,13 @@ QUICKSTART = "recipes/quickstart.yaml"  # package data of `entrenar`
 def _unknown(at: str, dotted: str, key: Any, allowed: list[str]) -> ConfigError:
     close = _closest(key, allowed)
     hint = f"; did you mean '{close}'?" if close else ""
-    return ConfigError(f"{at}: unknown key '{dotted}' (allowed: {', '.join(allowed)}{hint})")
+    return ConfigError(f"{at}: unknown key '{_printable(dotted)}' (allowed: {', '.join(allowed)}{hint})")
+
+
+def _printable(text: str, limit: int = 80) -> str:
+    """``text`` for a one-line message: control characters escaped, cut to ``limit`` characters."""
+    shown = text if text.isprintable() else repr(text)[1:-1]
+    return shown if len(shown) <= limit else shown[: limit - 3] + "..."
 
 
 def _closest(value: Any, options: list[str]) -> str | None:
@@ -63,7 +71,7 @@ def _closest(value: Any, options: list[str]) -> str | None:
 def _show(value: Any) -> str:
     """A value as the user would write it in YAML: 'eight', true, null, [1, 2]."""
     if isinstance(value, str):
-        return repr(value)
+        return repr(value) if len(value) <= 80 else repr(value[:77]) + "..."
     if isinstance(value, tuple):
         value = list(value)
     if value is None or isinstance(value, (bool, list, dict)):
@@ -248,8 +256,8 @@ def _lr_scales(value: Any) -> dict[str, float]:
             raise _Reject(expected)
         try:
             re.compile(pattern)
-        except re.error as e:
-            raise _Reject(expected, f" ('{pattern}' is not a valid regex: {e})") from None
+        except (re.error, RecursionError, OverflowError) as e:  # sre's parser recurses per nested group
+            raise _Reject(expected, f" ({_show(pattern)} is not a valid regex: {e})") from None
         number = _as_number(scale)
         if number is None or number <= 0:
             raise _Reject(expected, f" (scale of '{pattern}' is {_show(scale)})")
@@ -287,6 +295,38 @@ def _offload_layers(value: Any) -> bool | int:
     if isinstance(value, bool) or (isinstance(value, int) and value >= 0):
         return value
     raise _Reject("true, false, or a number of layers (the first ones)")
+
+
+# Metrics where larger is better; any other metric (eval_loss, eval_ppl, ...) is minimised unless `mode` says so.
+_MAXIMISED_METRICS = ("accuracy", "acc", "f1", "macro_f1", "micro_f1", "weighted_f1", "precision", "recall", "auc",
+                      "exact_match", "mcc", "kappa", "r2", "spearman", "subset_accuracy", "top2_accuracy",
+                      "top3_accuracy", "top5_accuracy")
+
+
+def _early_stopping(value: Any) -> dict[str, Any] | None:
+    """Early stopping: null (off) or {metric, patience, min_delta, mode}; mode defaults from the metric's name."""
+    expected = "null or a mapping {metric, patience, min_delta, mode}"
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise _Reject(expected)
+    unknown = [k for k in value if k not in ("metric", "patience", "min_delta", "mode")]
+    if unknown:
+        raise _Reject(expected, f" (unknown key {_show(unknown[0])})")
+    metric = value.get("metric", "eval_loss")
+    if not isinstance(metric, str) or not metric.strip():
+        raise _Reject(expected, " (metric must be a name such as eval_loss)")
+    patience = value.get("patience", 3)
+    if not isinstance(patience, int) or isinstance(patience, bool) or patience < 1:
+        raise _Reject(expected, f" (patience must be an integer > 0, got {_show(patience)})")
+    min_delta = _as_number(value.get("min_delta", 0.0))
+    if min_delta is None or min_delta < 0:
+        raise _Reject(expected, f" (min_delta must be a number >= 0, got {_show(value.get('min_delta'))})")
+    name = metric.removeprefix("eval_")
+    mode = value.get("mode", "max" if name in _MAXIMISED_METRICS else "min")
+    if mode not in ("min", "max"):
+        raise _Reject(expected, f" (mode must be min or max, got {_show(mode)})")
+    return {"metric": metric, "patience": patience, "min_delta": min_delta, "mode": mode}
 
 
 def _key(default: Any, rule: Rule) -> Any:
@@ -347,8 +387,10 @@ class DataSection(_Section):
     prompt_field: str = _key("prompt", _text())
     completion_field: str = _key("completion", _text())
     messages_field: str = _key("messages", _text())
+    label_field: str = _key("label", _text())  # task.type classification: the label (name, id, list, number)
     train_on: str = _key("all", _choice("all", "completion"))
-    seq_len: int = _key(512, _integer(2))  # one input and one target at least
+    # one input and one target at least; at most MAX_SEQ_LEN, and 8x the model's context (checked when it is loaded)
+    seq_len: int = _key(512, _integer(2, MAX_SEQ_LEN))
     packing: bool = _key(True, _boolean)
     padding_free: bool = _key(False, _boolean)  # each batch as one row of its real tokens (no padding computed)
     add_eos: bool = _key(True, _boolean)
@@ -437,6 +479,10 @@ class TrainingSection(_Section):
     save_every: int = _key(0, _integer(0))
     keep_last: int = _key(3, _integer(1))
     cpu_threads: int | None = _key(None, _integer(1, nullable=True))  # None: torch's default
+    # a step whose loss or gradient norm is NaN/inf: stop the run, or skip its update (at most max_skipped_steps in a row)
+    nonfinite: str = _key("stop", _choice("stop", "skip"))
+    max_skipped_steps: int = _key(5, _integer(1))
+    early_stopping: dict[str, Any] | None = _key(None, _early_stopping)  # None: off
 
 
 @dataclass(frozen=True)
@@ -446,11 +492,66 @@ class OutputSection(_Section):
     section: ClassVar[str] = "output"
     name: str = _key("run", _text())
     dir: str | None = _key(None, _text(nullable=True))  # None: runs/<name>
+    tensorboard: bool = _key(False, _boolean)  # also write TensorBoard event files (the `tensorboard` extra)
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.dir is None:
             object.__setattr__(self, "dir", f"runs/{self.name}")
+
+
+def _labels(value: Any) -> tuple[str, ...] | None:
+    if value is None:
+        return None
+    if isinstance(value, (list, tuple)) and value and all(isinstance(v, (str, int)) and not isinstance(v, bool)
+                                                          for v in value):
+        names = tuple(str(v) for v in value)
+        if len(set(names)) == len(names):
+            return names
+        raise _Reject("a list of distinct label names", " (a name is repeated)")
+    raise _Reject("a non-empty list of label names or null")
+
+
+def _class_weights(value: Any) -> str | tuple[float, ...]:
+    if isinstance(value, str) and value in ("none", "inverse_freq", "sqrt_inverse", "auto"):
+        return value
+    if isinstance(value, (list, tuple)) and value and all(_as_number(v) is not None and _as_number(v) >= 0 for v in value):
+        return tuple(float(v) for v in value)
+    raise _Reject("none, inverse_freq, sqrt_inverse, auto or a list of non-negative weights")
+
+
+def _threshold(value: Any) -> str | float | tuple[float, ...]:
+    if value == "tune":
+        return value
+    number = _as_number(value)
+    if number is not None and 0.0 < number < 1.0:
+        return number
+    if isinstance(value, (list, tuple)) and value and all(
+            (n := _as_number(v)) is not None and 0.0 < n < 1.0 for v in value):
+        return tuple(float(v) for v in value)
+    raise _Reject("'tune', a probability in (0, 1), or a list of them (one per label)")
+
+
+@dataclass(frozen=True)
+class TaskSection(_Section):
+    """What the run learns: next tokens (causal_lm) or a label per text (classification, entrenar.tasks)."""
+
+    section: ClassVar[str] = "task"
+    type: str = _key("causal_lm", _choice("causal_lm", "classification"))
+    problem_type: str = _key("single_label", _choice("single_label", "multi_label", "regression"))
+    labels: tuple[str, ...] | None = _key(None, _labels)  # names in class-id order; null: num_labels or from the data
+    num_labels: int | None = _key(None, _integer(1, nullable=True))
+    pooling: str = _key("last", _choice("last", "mean"))
+    class_weights: str | tuple[float, ...] = _key("none", _class_weights)
+    label_smoothing: float = _key(0.0, _number(0.0, 1.0, high_open=True))
+    threshold: str | float | tuple[float, ...] = _key("tune", _threshold)  # multi_label decision threshold(s)
+    metric: str | None = _key(None, _text(nullable=True))  # best checkpoint; null: macro_f1 (rmse for regression)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.labels is not None and self.num_labels is not None and self.num_labels != len(self.labels):
+            raise _BadValue("task.num_labels", f"'task.num_labels' is {self.num_labels} but 'task.labels' names "
+                                               f"{len(self.labels)}")
 
 
 _SECTIONS: dict[str, type[_Section]] = {
@@ -464,6 +565,7 @@ _SECTIONS: dict[str, type[_Section]] = {
         ScheduleSection,
         TrainingSection,
         OutputSection,
+        TaskSection,
     )
 }
 
@@ -480,9 +582,17 @@ class Recipe:
     schedule: ScheduleSection = field(default_factory=ScheduleSection)
     training: TrainingSection = field(default_factory=TrainingSection)
     output: OutputSection = field(default_factory=OutputSection)
+    task: TaskSection = field(default_factory=TaskSection)
 
     def __post_init__(self) -> None:
-        # The few checks that span sections. model.path null is the bundled quickstart.
+        # The few checks that span sections. model.path and data.train both null is the bundled quickstart.
+        if self.model.path is None and (self.data.train is not None or self.data.validation is not None):
+            given = "data.train" if self.data.train is not None else "data.validation"
+            raise _BadValue(  # reported where the data was named
+                given,
+                f"'model.path' is required (a model folder or .gguf file) when '{given}' is set; only a recipe "
+                "with neither model.path nor data runs the bundled quickstart",
+            )
         if self.model.path is not None and self.data.train is None:
             raise _BadValue(
                 "data.train",
@@ -576,9 +686,14 @@ def load_recipe(path: str | Path | None, overrides: Iterable[str] = ()) -> Recip
         if not path.is_file():
             raise ConfigError(f"recipe path is not a file: {path}")
         try:
-            text = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            raise ConfigError(f"cannot read recipe {path}: {e}") from None
+            data = path.read_bytes()
+        except OSError as e:
+            raise ConfigError(f"cannot read recipe {path}: {e.strerror or e}") from None
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            line = data.count(b"\n", 0, e.start) + 1
+            raise ConfigError(f"{path} line {line}: not UTF-8 text (byte 0x{data[e.start]:02X})") from None
     raw, where = _parse(text, source)
     for item in overrides:
         _apply_override(raw, item, where)
@@ -628,18 +743,97 @@ class _Where:
         return self.source
 
 
-def _parse(text: str, source: str) -> tuple[dict[str, Any], _Where]:
-    """YAML text -> (top-level dict, line of every key)."""
-    loader = yaml.SafeLoader(text)
+_MAX_DEPTH = 32  # a recipe needs 4 levels (section, key, lr_scale pattern); PyYAML recurses once per level
+
+
+class _Loader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing nesting deeper than ``_MAX_DEPTH`` before its recursion can overflow."""
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self._depth = 0
+
+    def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node:
+        if self._depth >= _MAX_DEPTH:
+            mark = self.peek_event().start_mark
+            raise yaml.composer.ComposerError(None, None, f"nested more than {_MAX_DEPTH} levels deep", mark)
+        self._depth += 1
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+
+class _YamlProblem(Exception):
+    """What is wrong with a YAML text and where (1-based line and column, when known)."""
+
+    def __init__(self, problem: str, line: int | None = None, column: int | None = None) -> None:
+        super().__init__(problem)
+        self.problem, self.line, self.column = problem, line, column
+
+    def at(self, source: str) -> ConfigError:
+        where = f" line {self.line}, column {self.column}" if self.line is not None else ""
+        return ConfigError(f"{source}{where}: malformed YAML: {self.problem}")
+
+
+def _load_yaml(text: str) -> tuple[Any, yaml.Node | None]:
+    """YAML text -> (value, its node); any problem, PyYAML's or Python's, is a ``_YamlProblem``."""
+    try:
+        loader = _Loader(text)  # the reader refuses control characters here
+    except yaml.reader.ReaderError as e:
+        line = text.count("\n", 0, e.position) + 1
+        column = e.position - (text.rfind("\n", 0, e.position) + 1) + 1
+        raise _YamlProblem(f"character U+{e.character:04X} is not allowed (YAML forbids control characters)",
+                           line, column) from None
     try:
         node = loader.get_single_node()
-        raw = loader.construct_document(node) if node is not None else None
+        try:
+            value = loader.construct_document(node) if node is not None else None
+        except (ValueError, OverflowError, TypeError) as e:  # a scalar that fits its tag's pattern but not Python
+            raise _scalar_problem(node, e) from None
     except yaml.MarkedYAMLError as e:
-        raise ConfigError(f"{source}{_yaml_problem(e)}") from None
+        raise _yaml_problem(e) from None
     except yaml.YAMLError as e:
-        raise ConfigError(f"{source}: malformed YAML: {e}") from None
+        raise _YamlProblem(str(e)) from None
+    except RecursionError:
+        raise _YamlProblem("nested too deeply to read") from None
     finally:
         loader.dispose()
+    return value, node
+
+
+def _scalar_problem(root: yaml.Node, error: Exception) -> _YamlProblem:
+    """The first scalar under ``root`` that cannot be built (an integer of thousands of digits, a date with
+    month 13), found by building each scalar alone."""
+    stack, seen = [root], set()
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        if isinstance(node, yaml.ScalarNode):
+            try:
+                yaml.SafeLoader("").construct_object(node)
+            except (ValueError, OverflowError, TypeError, yaml.YAMLError) as e:
+                mark = node.start_mark
+                if "integer string conversion" in str(e):  # Python's guard against quadratic int parsing
+                    problem = f"an integer of {len(node.value):,} digits is too long (at most {sys.get_int_max_str_digits()})"
+                else:
+                    problem = f"cannot read {_show(node.value)} as {node.tag.rsplit(':', 1)[-1]}: {str(e)[:200]}"
+                return _YamlProblem(problem, mark.line + 1, mark.column + 1)
+        elif isinstance(node, yaml.MappingNode):
+            stack.extend(n for pair in reversed(node.value) for n in reversed(pair))
+        elif isinstance(node, yaml.SequenceNode):
+            stack.extend(reversed(node.value))
+    return _YamlProblem(str(error)[:200])
+
+
+def _parse(text: str, source: str) -> tuple[dict[str, Any], _Where]:
+    """YAML text -> (top-level dict, line of every key)."""
+    try:
+        raw, node = _load_yaml(text)
+    except _YamlProblem as e:
+        raise e.at(source) from None
     if raw is None:
         raise ConfigError(f"{source}: the recipe is empty (expected sections: {', '.join(_SECTIONS)})")
     if not isinstance(raw, dict):
@@ -652,8 +846,8 @@ def _parse(text: str, source: str) -> tuple[dict[str, Any], _Where]:
     return raw, _Where(source, lines)
 
 
-def _yaml_problem(e: yaml.MarkedYAMLError) -> str:
-    """' line L, column C: malformed YAML: ...' from PyYAML's 0-based marks and its texts."""
+def _yaml_problem(e: yaml.MarkedYAMLError) -> _YamlProblem:
+    """PyYAML's error as a ``_YamlProblem``: its 0-based marks made 1-based, its texts joined."""
 
     def at(mark: yaml.Mark) -> str:
         return f"line {mark.line + 1}, column {mark.column + 1}"
@@ -664,7 +858,8 @@ def _yaml_problem(e: yaml.MarkedYAMLError) -> str:
         if e.context_mark and e.problem_mark and e.context_mark.line != e.problem_mark.line:
             started = f" (started at {at(e.context_mark)})"
         text = f"{e.context}{started}: {text}"
-    return f" {at(e.problem_mark)}: malformed YAML: {text}" if e.problem_mark else f": malformed YAML: {text}"
+    mark = e.problem_mark
+    return _YamlProblem(text, mark.line + 1, mark.column + 1) if mark else _YamlProblem(text)
 
 
 def _key_lines(node: yaml.Node, source: str, prefix: str, lines: dict[str, int], depth: int) -> None:
@@ -684,16 +879,16 @@ def _key_lines(node: yaml.Node, source: str, prefix: str, lines: dict[str, int],
 
 def _apply_override(raw: dict[str, Any], item: str, where: _Where) -> None:
     """Apply one ``dotted.key=value`` to the raw recipe dict; the value replaces what was there."""
-    label = f"--set {item}"
+    label = f"--set {_printable(item)}"
     key, sep, text = item.partition("=")
     key = key.strip()
     if not sep or not key:
         raise ConfigError(f"{label}: expected KEY=VALUE, e.g. optimizer.lr=1e-4")
     try:
-        value = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        problem = getattr(e, "problem", None) or str(e)
-        raise ConfigError(f"{label}: the value is not valid YAML: {problem}") from None
+        value, _ = _load_yaml(text)
+    except _YamlProblem as e:
+        column = f" (column {e.column})" if e.column is not None else ""
+        raise ConfigError(f"{label}: the value is not valid YAML{column}: {e.problem}") from None
     parts = key.split(".")
     if parts[0] not in _SECTIONS:
         raise _unknown(label, parts[0], parts[0], list(_SECTIONS))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -73,11 +73,17 @@ def evaluate_file(
     fmt: str = "auto",
     precision: str = "fp32",
     add_eos: bool = True,
+    columns: Mapping[str, str] | None = None,
 ) -> EvalResult:
     """Loss and perplexity of `model` on a data file, masked as training would mask it (`add_eos` as the
-    recipe's data.add_eos: whether each text example ends with EOS)."""
+    recipe's data.add_eos: whether each text example ends with EOS; `columns` as its data.*_field keys)."""
+    if tokenizer is None:
+        from entrenar.errors import ModelError
+
+        raise ModelError("the model was loaded without a tokenizer (no tokenizer.json in its folder); "
+                         "evaluating a data file needs one")
     records, _ = read_records(path, format=fmt)
-    examples, _ = tokenize_records(records, tokenizer, seq_len, train_on=train_on, add_eos=add_eos)
+    examples, _ = tokenize_records(records, tokenizer, seq_len, train_on=train_on, add_eos=add_eos, columns=columns)
     pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else 0  # neither pad nor EOS; pads carry no loss
     batches = eval_batches(examples, batch_size, seq_len, packing=True, pad_id=pad_id)
     result = eval_loss(model, batches, precision=precision)

@@ -1,28 +1,32 @@
-"""Export a fine-tuned adapter: as a PEFT adapter, merged into a Hugging Face folder, or as GGUF.
+"""Export a model, with or without its adapter: as a PEFT adapter, as a Hugging Face folder, or as GGUF.
 
     export(base, adapter, "out")                          # the adapter, validated and re-saved (PEFT format)
     export(base, adapter, "out", merge=True)              # base + adapter merged: a Hugging Face model folder
-    export(base, adapter, "out", merge=True, gguf="q8_0") # ... plus out/model-q8_0.gguf for llama.cpp
-    export(base, adapter, "m.gguf", merge=True, gguf="f16")  # only the GGUF file
+    export(base, adapter, "out", gguf="q8_0")             # ... plus out/model-q8_0.gguf for llama.cpp
+    export(base, adapter, "m.gguf", gguf="f16")           # only the GGUF file
+    export("runs/full-ft", None, "m.gguf", gguf="q8_0")   # a full fine-tune (or any model) without adapter
 
-``base`` is a Hugging Face folder or a ``.gguf`` file; a quantized GGUF base is
-dequantized on load, so the adapter is merged into floating-point weights.
+``base`` is a Hugging Face folder, a ``.gguf`` file or a training run (its
+folder, ``best/`` or ``checkpoints/step-N``, see :mod:`entrenar.runs`); a
+quantized GGUF base is dequantized on load, so the adapter is merged into
+floating-point weights. GGUF needs a merged model (llama.cpp runs plain
+weights), so asking for GGUF merges. Without an adapter the model is written
+as it is (in ``dtype`` if given).
 
-GGUF needs a merged model (llama.cpp runs plain weights), so ``gguf`` without
-``merge=True`` is refused rather than merged behind the user's back: without
-``merge`` the output is an adapter folder, and a GGUF written beside it would
-be a different kind of artefact than the one asked for.
+Weights are kept in the input's stored dtype unless ``dtype`` says otherwise:
+a Hugging Face folder's safetensors dtype (a full fine-tune's checkpoint: the
+dtype it trained in); for a GGUF base, F32 and BF16 files keep their type and
+F16 or quantized ones become float16. The LoRA update is computed in float32
+and added with one rounding to that dtype.
 
-Weights are kept in the base's stored dtype unless ``dtype`` says otherwise:
-a Hugging Face folder's safetensors dtype; for a GGUF base, F32 and BF16 files
-keep their type and F16 or quantized ones become float16. The LoRA update is
-computed in float32 and added with one rounding to that dtype.
-
-Every output is written beside its target and renamed into place, so an
-interrupted export leaves the previous output (or nothing), never half of one.
-An export never writes over its inputs: an output that is, or contains, the
-base model or the adapter is refused, as is an existing folder that is not a
-model or adapter folder.
+Everything that can be checked is checked before any weight is read: the
+options, the inputs, and that the output can be written. An existing
+non-empty output needs ``overwrite=True`` (``--overwrite``); even then only
+the files an export writes are replaced (and files of an earlier export that
+this one does not write, such as old shards, removed): other files in the
+folder are kept (:mod:`entrenar.outputs`). An export never writes over its
+inputs: an output that is, or contains, the base model or the adapter is
+refused.
 """
 
 from __future__ import annotations
@@ -34,10 +38,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from entrenar import atomic
+from entrenar.finite import check_finite
 from entrenar.errors import AdapterError, ConfigError, ModelError
 
 if TYPE_CHECKING:
     from entrenar.models.transformer import Transformer
+    from entrenar.runs import ModelSource
     from entrenar.tokenizer import Tokenizer
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
@@ -46,13 +52,14 @@ _SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch
 
 def export(
     model_path: str | Path,
-    adapter: str | Path,
+    adapter: str | Path | None,
     output: str | Path,
     merge: bool = False,
     gguf: str | None = None,
     dtype: str | torch.dtype | None = None,
+    overwrite: bool = False,
 ) -> list[Path]:
-    """Export ``adapter`` (a PEFT LoRA folder) trained on ``model_path``; return the paths written.
+    """Export ``model_path`` with ``adapter`` (a PEFT LoRA folder, or None); return the paths written.
 
     See the module docstring for what each combination writes. ``gguf`` is one
     of :data:`entrenar.models.gguf_write.GGUF_TYPES`; with an ``output`` ending
@@ -61,34 +68,54 @@ def export(
     """
     from entrenar.lora import ADAPTER_CONFIG
     from entrenar.models.gguf_write import check_gguf_type
+    from entrenar.outputs import check_output
+    from entrenar.runs import resolve_model_and_adapter
 
-    model_path, adapter, output = Path(model_path), Path(adapter), Path(output)
+    output = Path(output)
     qtype = check_gguf_type(gguf) if gguf is not None else None
     gguf_only = output.suffix == ".gguf"
-    if (qtype or gguf_only) and not merge:
-        raise ConfigError(
-            f"{output}: GGUF export needs a merged model; pass merge=True (--merge) to merge {adapter} into the base"
-        )
     if gguf_only and qtype is None:
         raise ConfigError(
             f"{output}: the output is a .gguf file but no GGUF type was given (gguf=/--gguf: f16, q8_0, ...)"
         )
-    if not model_path.exists():
+    if dtype is not None:
+        import entrenar
+
+        entrenar.resolve_dtype(dtype, "cpu")  # an unknown name fails now
+    if not Path(model_path).exists():
         raise ModelError(f"{model_path}: no such model folder or GGUF file")
-    if not (adapter / ADAPTER_CONFIG).is_file():
-        what = f"is not an adapter folder (no {ADAPTER_CONFIG})" if adapter.exists() else "no such adapter folder"
-        raise AdapterError(f"{adapter}: {what}")
-    _check_output(output, {"base model": model_path, "adapter": adapter}, is_file=gguf_only)
+    source = resolve_model_and_adapter(model_path, adapter)
+    if source.adapter is not None and not (source.adapter / ADAPTER_CONFIG).is_file():
+        what = f"is not an adapter folder (no {ADAPTER_CONFIG})" if source.adapter.exists() else "no such adapter folder"
+        raise AdapterError(f"{source.adapter}: {what}")
+    if qtype is not None and source.model.is_dir() and not (source.model / "tokenizer.json").is_file():
+        from entrenar import require_tokenizer
+
+        require_tokenizer(None, source.model)  # a GGUF file carries the vocabulary: say so before any work
+    inputs = {"base model": source.model, "adapter": source.adapter, "checkpoint": source.checkpoint,
+              "model": Path(model_path)}
+    _check_output(output, {k: v for k, v in inputs.items() if v is not None})
+    check_output(output, overwrite=overwrite, is_file=gguf_only)  # before minutes of loading and merging
+    lora_checkpoint = source.checkpoint is not None and source.recipe is not None and source.recipe.lora is not None
+    has_adapter = source.adapter is not None or lora_checkpoint
+    merge = merge or qtype is not None or not has_adapter
 
     if not merge:
-        return [export_adapter(model_path, adapter, output)]
+        if source.adapter is not None:
+            return [export_adapter(source.model, source.adapter, output)]
+        return [_export_checkpoint_adapter(source, output)]
 
     model, tokenizer = load_merged(model_path, adapter, dtype)
     if gguf_only:
         from entrenar.models.gguf_write import write_gguf
 
+        output.parent.mkdir(parents=True, exist_ok=True)
         return [write_gguf(model, tokenizer, output, qtype, name=output.stem)]
-    return save_merged(model, tokenizer, output, qtype, base=model_path)
+    from entrenar.outputs import replace_files
+
+    with replace_files(output) as target:
+        written = save_merged(model, tokenizer, target, qtype, base=source.model, name=output.name)
+    return [output / p.relative_to(target) if p != target else output for p in written]
 
 
 # -- adapter only ---------------------------------------------------------------
@@ -105,6 +132,7 @@ def export_adapter(model_path: Path, adapter: Path, output: Path) -> Path:
     from safetensors.torch import load_file
 
     from entrenar import lora
+    from entrenar.outputs import replace_files
 
     skeleton = _meta_model(model_path)
     cfg = lora.load_adapter(skeleton, adapter)  # checks every tensor's name and shape against the base
@@ -116,8 +144,20 @@ def export_adapter(model_path: Path, adapter: Path, output: Path) -> Path:
     lora.load_lora_state_dict(skeleton, state, str(weights))
 
     base_name = _read_json(adapter / lora.ADAPTER_CONFIG).get("base_model_name_or_path") or str(model_path)
-    with atomic.staged_folder(output) as target:
+    with replace_files(output) as target:
         lora.save_adapter(skeleton, target, cfg, base_model_name_or_path=base_name)
+    return output
+
+
+def _export_checkpoint_adapter(source: ModelSource, output: Path) -> Path:
+    """A LoRA run's checkpoint as a PEFT adapter folder (its weights on the base, saved as the run saves them)."""
+    from entrenar import load, lora
+    from entrenar.outputs import replace_files
+    from entrenar.train.loop import _lora_config
+
+    model, _ = load(source.checkpoint, device="cpu", dtype=stored_dtype(source.model))
+    with replace_files(output) as target:
+        lora.save_adapter(model, target, _lora_config(source.recipe), base_model_name_or_path=str(source.model))
     return output
 
 
@@ -142,48 +182,70 @@ def _meta_model(model_path: Path) -> Transformer:
 
 
 def load_merged(
-    model_path: Path, adapter: Path, dtype: str | torch.dtype | None = None
-) -> tuple[Transformer, Tokenizer]:
-    """The base with ``adapter`` merged in and the LoRA layers removed (a plain model), and its tokenizer."""
-    import entrenar
-    from entrenar.lora import unload_lora
+    model_path: Path, adapter: Path | None, dtype: str | torch.dtype | None = None
+) -> tuple[Transformer, Tokenizer | None]:
+    """The model with ``adapter`` (if any) merged in and the LoRA layers removed (a plain model), and its tokenizer.
 
-    if model_path.suffix != ".gguf":
-        _refuse_quantized_checkpoint(model_path)
-    torch_dtype = _stored_dtype(model_path) if dtype is None else entrenar.resolve_dtype(dtype, "cpu")
+    ``model_path`` may be a run (:mod:`entrenar.runs`); ``dtype`` None keeps the input's stored dtype.
+    """
+    import entrenar
+    from entrenar.lora import lora_layers, unload_lora
+    from entrenar.runs import resolve_model_and_adapter
+
+    source = resolve_model_and_adapter(model_path, adapter)
+    if source.model.suffix != ".gguf":
+        _refuse_quantized_checkpoint(source.model)
+    if dtype is not None:
+        torch_dtype = entrenar.resolve_dtype(dtype, "cpu")
+    elif source.checkpoint is not None and source.recipe is not None and source.recipe.lora is None:
+        torch_dtype = _checkpoint_dtype(source.checkpoint)  # a full fine-tune's weights, as it trained them
+    else:
+        torch_dtype = stored_dtype(source.model)
     model, tokenizer = entrenar.load(model_path, adapter=adapter, dtype=torch_dtype, device="cpu")
-    unload_lora(model, merge=True)
+    if any(True for _ in lora_layers(model)):
+        unload_lora(model, merge=True)
     return model, tokenizer
 
 
 def save_merged(
-    model: Transformer, tokenizer: Tokenizer, output: Path, qtype: str | None = None, base: Path | None = None
+    model: Transformer,
+    tokenizer: Tokenizer | None,
+    output: Path,
+    qtype: str | None = None,
+    base: Path | None = None,
+    name: str | None = None,
 ) -> list[Path]:
     """Write a Hugging Face folder (weights, config, tokenizer, generation config) and optionally a GGUF in it.
 
     ``model.config`` gets the dtype the weights are saved in (``dtype`` in
-    config.json), which transformers 5 loads them as.
+    config.json), which transformers 5 loads them as. ``name`` is the GGUF's
+    ``general.name`` (default: the folder's name). Without a tokenizer no
+    tokenizer files are written.
     """
     from entrenar.models.gguf_write import write_gguf
     from entrenar.models.hf import save_hf
 
+    check_finite(model.state_dict(), output, ModelError)  # before the folder is staged or config.dtype changed
     dtype = next(model.parameters()).dtype
     extra = {k: v for k, v in model.config.extra.items() if k != "torch_dtype"}
     model.config = model.config.replace(extra={**extra, "dtype": _DTYPE_NAMES.get(dtype, str(dtype))})
     generation = _generation_config(tokenizer, base)
     written = [output]
+    if qtype is not None and tokenizer is None:
+        raise ModelError(f"{output}: a GGUF file needs the model's tokenizer, and the model has none")
     with atomic.staged_folder(output) as target:
         save_hf(model, target)
-        tokenizer.save(target)
+        if tokenizer is not None:
+            tokenizer.save(target)
         (target / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
         if qtype is not None:
-            name = f"model-{qtype}.gguf"
-            write_gguf(model, tokenizer, target / name, qtype, name=output.name)
-            written.append(output / name)
+            file_name = f"model-{qtype}.gguf"
+            write_gguf(model, tokenizer, target / file_name, qtype, name=name or output.name)
+            written.append(output / file_name)
     return written
 
 
-def _generation_config(tokenizer: Tokenizer, base: Path | None) -> dict[str, Any]:
+def _generation_config(tokenizer: Tokenizer | None, base: Path | None) -> dict[str, Any]:
     """The base's generation_config.json (sampling defaults) with the tokenizer's special ids.
 
     Several end-of-sequence ids (Llama 3 Instruct stops on three) are written
@@ -192,6 +254,9 @@ def _generation_config(tokenizer: Tokenizer, base: Path | None) -> dict[str, Any
     config: dict[str, Any] = {}
     if base is not None and base.is_dir():
         config = _read_json(base / "generation_config.json")
+    if tokenizer is None:
+        config.pop("transformers_version", None)
+        return config
     eos = tokenizer.eos_ids
     if tokenizer.bos_id is not None:
         config["bos_token_id"] = tokenizer.bos_id
@@ -216,7 +281,21 @@ def _refuse_quantized_checkpoint(folder: Path) -> None:
         )
 
 
-def _stored_dtype(model_path: Path) -> torch.dtype:
+def _checkpoint_dtype(checkpoint: Path) -> torch.dtype:
+    """The floating dtype of a training checkpoint's weights."""
+    from safetensors import safe_open
+
+    from entrenar.train.checkpoint import MODEL_FILE
+
+    with safe_open(str(checkpoint / MODEL_FILE), framework="pt") as f:
+        for name in f.keys():
+            kind = f.get_slice(name).get_dtype()
+            if kind in _SAFETENSORS_DTYPES:
+                return _SAFETENSORS_DTYPES[kind]
+    return torch.float32
+
+
+def stored_dtype(model_path: Path) -> torch.dtype:
     """The floating dtype the base's weights are stored in (see the module docstring)."""
     if model_path.suffix == ".gguf":
         from entrenar.models.gguf import read_gguf
@@ -244,8 +323,8 @@ def _stored_dtype(model_path: Path) -> torch.dtype:
 # -- paths ------------------------------------------------------------------------
 
 
-def _check_output(output: Path, inputs: dict[str, Path], is_file: bool) -> None:
-    """Refuse outputs that would overwrite or delete an input, or replace a folder that is not ours to replace."""
+def _check_output(output: Path, inputs: dict[str, Path]) -> None:
+    """Refuse outputs that would overwrite or delete an input."""
     out = output.resolve()
     for what, path in inputs.items():
         src = path.resolve()
@@ -255,18 +334,6 @@ def _check_output(output: Path, inputs: dict[str, Path], is_file: bool) -> None:
             )
         if out in src.parents:
             raise ConfigError(f"{output}: the output contains the {what} {path}; replacing it would delete the input")
-    if not output.exists():
-        return
-    if is_file:
-        if not output.is_file():
-            raise ConfigError(f"{output}: exists and is not a file")
-        return
-    if not output.is_dir():
-        raise ConfigError(f"{output}: exists and is not a folder")
-    if any(output.iterdir()) and not any((output / n).is_file() for n in ("config.json", "adapter_config.json")):
-        raise ConfigError(
-            f"{output}: exists and is not a model or adapter folder; refusing to replace it (choose a new path)"
-        )
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -281,4 +348,4 @@ def _read_json(path: Path) -> dict[str, Any]:
     return data
 
 
-__all__ = ["export", "export_adapter", "load_merged", "save_merged"]
+__all__ = ["export", "export_adapter", "load_merged", "save_merged", "stored_dtype"]

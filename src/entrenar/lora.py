@@ -35,6 +35,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from entrenar import atomic
+from entrenar.finite import check_finite
 from entrenar.errors import AdapterError
 from entrenar.surgery import ALL_LINEAR, find_linears, replace_module
 
@@ -54,7 +55,6 @@ _UNSUPPORTED_PEFT_FIELDS = (
     "kasa_config",
     "fan_in_fan_out",
     "lora_bias",
-    "modules_to_save",
     "layers_to_transform",
     "rank_pattern",
     "alpha_pattern",
@@ -464,7 +464,12 @@ def _saved_target_modules(model: nn.Module, cfg: LoraConfig, wrapped: list[str])
 
 
 def save_adapter(
-    model: nn.Module, folder: str | os.PathLike, cfg: LoraConfig, base_model_name_or_path: str | None = None
+    model: nn.Module,
+    folder: str | os.PathLike,
+    cfg: LoraConfig,
+    base_model_name_or_path: str | None = None,
+    modules_to_save: list[str] | None = None,
+    task_type: str = "CAUSAL_LM",
 ) -> Path:
     """Write the model's adapter to ``folder`` in PEFT's format; return the folder.
 
@@ -482,10 +487,19 @@ def save_adapter(
                 f"r={cfg.r}, alpha={cfg.alpha}, use_rslora={cfg.use_rslora}"
             )
     target_modules = _saved_target_modules(model, cfg, [name for name, _ in layers])
-    config_text = json.dumps(cfg.to_peft(target_modules, base_model_name_or_path), indent=2, sort_keys=True) + "\n"
+    peft_config = cfg.to_peft(target_modules, base_model_name_or_path)
     tensors = {PEFT_PREFIX + key: t.contiguous() for key, t in lora_state_dict(model).items()}
+    if modules_to_save:  # trained whole beside the adapter (a classification head): PEFT's modules_to_save
+        peft_config.update(task_type=task_type, modules_to_save=list(modules_to_save))
+        for module in modules_to_save:
+            for name, param in model.get_submodule(module).named_parameters():
+                tensors[f"{PEFT_PREFIX}{module}.{name}"] = param.detach().contiguous()
+    else:
+        peft_config["task_type"] = task_type
+    config_text = json.dumps(peft_config, indent=2, sort_keys=True) + "\n"
 
     folder = Path(folder)
+    check_finite(tensors, folder / ADAPTER_WEIGHTS, AdapterError)
     folder.mkdir(parents=True, exist_ok=True)
     config_path, weights_path = folder / ADAPTER_CONFIG, folder / ADAPTER_WEIGHTS
     tmp_weights = atomic.temp_file(weights_path, lambda p: save_file(tensors, p, metadata={"format": "pt"}))
@@ -507,9 +521,11 @@ def read_adapter_config(folder: str | os.PathLike) -> LoraConfig:
     if not path.is_file():
         raise AdapterError(f"{folder}: no {ADAPTER_CONFIG}; not an adapter folder (or an interrupted save)")
     try:
-        raw = json.loads(path.read_text())
+        raw = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as err:
         raise AdapterError(f"{path}:{err.lineno}:{err.colno}: invalid JSON: {err.msg}") from None
+    except (ValueError, RecursionError) as err:  # not UTF-8, a huge integer, absurd nesting
+        raise AdapterError(f"{path}: invalid JSON: {err}") from None
     if not isinstance(raw, dict):
         raise AdapterError(f"{path}: expected a JSON object, got {type(raw).__name__}")
     return LoraConfig.from_peft(raw, str(path))
@@ -548,10 +564,38 @@ def load_adapter(model: nn.Module, folder: str | os.PathLike) -> LoraConfig:
         names = find_linears(model, cfg.target_modules, strict=False)
     except AdapterError as err:
         raise AdapterError(f"{folder}: {err}") from None
+    saved = _saved_modules(model, folder, state, str(weights_path))
     _check_tensors(state, _expected_shapes(model, names, cfg.r), str(weights_path))
     _wrap(model, names, cfg)
     load_lora_state_dict(model, state, str(weights_path))
+    with torch.no_grad():
+        for name, (param, tensor) in saved.items():
+            param.copy_(tensor)
     return cfg
+
+
+def _saved_modules(
+    model: nn.Module, folder: str | os.PathLike, state: dict[str, torch.Tensor], where: str
+) -> dict[str, tuple[nn.Parameter, torch.Tensor]]:
+    """Take the weights of PEFT's ``modules_to_save`` (stored whole, e.g. a classification head) out of
+    ``state``, each checked against the model's parameter of that name and shape."""
+    raw = json.loads((Path(folder) / ADAPTER_CONFIG).read_text())
+    modules = raw.get("modules_to_save") or []
+    params = dict(model.named_parameters())
+    saved = {}
+    for key in list(state):
+        if not any(key.startswith(m + ".") for m in modules):
+            continue
+        name = key.replace(".modules_to_save.default.", ".").replace(".modules_to_save.", ".")
+        if name not in params:
+            raise AdapterError(f"{where}: tensor {key!r} is a saved module the model has no parameter for")
+        if sum(p is params[name] for _, p in model.named_parameters(remove_duplicate=False)) > 1:
+            raise AdapterError(f"{where}: tensor {key!r} would replace {name}, which the model shares (tied weights)")
+        if tuple(params[name].shape) != tuple(state[key].shape):
+            raise AdapterError(f"{where}: tensor {key!r} has shape {tuple(state[key].shape)}, the model's "
+                               f"{name} has {tuple(params[name].shape)}")
+        saved[name] = (params[name], state.pop(key))
+    return saved
 
 
 __all__ = [

@@ -9,9 +9,13 @@ as a real fine-tune. Held-out accuracy of greedy answers shows what training did
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
+import functools
 import json
 import random
+import shutil
+import tempfile
 from pathlib import Path
 
 import torch
@@ -62,14 +66,30 @@ def _write_jsonl(path: Path, pairs: list[tuple[int, int]]) -> None:
 
 
 def is_quickstart(recipe: Recipe, run_dir: Path) -> bool:
-    """The bundled quickstart: before its first run (no model path) or resumed from its own saved recipe."""
+    """The bundled quickstart: before its first run (neither model path nor data; the recipe refuses data
+    without a model path) or resumed from its own saved recipe."""
     path = recipe.model.path
-    return path is None or Path(path).absolute() == (run_dir / "quickstart" / "base-model").absolute()
+    if path is None:
+        return recipe.data.train is None and recipe.data.validation is None
+    return Path(path).absolute() == (run_dir / "quickstart" / "base-model").absolute()
 
 
-def resolve(recipe: Recipe, run_dir: Path) -> Recipe:
-    """Point the recipe at the quickstart's model and data under `run_dir/quickstart/` (nothing is written)."""
+@functools.cache
+def _scratch() -> Path:
+    """A temporary folder for dry runs, removed when the process exits."""
+    folder = Path(tempfile.mkdtemp(prefix="entrenar-quickstart-"))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return folder
+
+
+def resolve(recipe: Recipe, run_dir: Path, dry_run: bool = False) -> Recipe:
+    """Point the recipe at the quickstart's model and data under `run_dir/quickstart/` (nothing is written).
+
+    A dry run writes nothing to the run folder: unless an earlier run generated the files there, it points at
+    a temporary folder instead (one per seed, since the seed picks the model and the data)."""
     root = run_dir / "quickstart"
+    if dry_run and not (root / "base-model" / "config.json").is_file():
+        root = _scratch() / f"seed-{recipe.training.seed}" / "quickstart"
     model = dataclasses.replace(recipe.model, path=str(root / "base-model"))
     data = dataclasses.replace(recipe.data, train=str(root / "train.jsonl"), validation=str(root / "validation.jsonl"))
     return dataclasses.replace(recipe, model=model, data=data)

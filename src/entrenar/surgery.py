@@ -26,6 +26,7 @@ from entrenar.errors import AdapterError, ModelError
 
 ALL_LINEAR = "all-linear"
 OUTPUT_HEAD_NAME = "lm_head"
+CLASSIFIER_HEAD_NAME = "score"  # trained whole (PEFT's modules_to_save), never adapted
 
 Patterns = str | Sequence[str]
 
@@ -54,8 +55,8 @@ def named_linears(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
 
 
 def _output_head_names(model: nn.Module, linears: dict[str, nn.Module]) -> set[str]:
-    """Names of the output head: ``lm_head`` and whatever HF's ``get_output_embeddings()`` returns."""
-    heads = {name for name in linears if name.rsplit(".", 1)[-1] == OUTPUT_HEAD_NAME}
+    """Names of the output head: ``lm_head`` (``score`` on a classifier) and whatever HF's ``get_output_embeddings()`` returns."""
+    heads = {name for name in linears if name.rsplit(".", 1)[-1] in (OUTPUT_HEAD_NAME, CLASSIFIER_HEAD_NAME)}
     get_head = getattr(model, "get_output_embeddings", None)
     head = get_head() if callable(get_head) else None
     if head is not None:

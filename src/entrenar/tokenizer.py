@@ -201,8 +201,8 @@ def _read_json(path: Path) -> dict[str, Any] | None:
         return None
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ModelError(f"{path}: invalid JSON: {e}") from e
+    except (ValueError, RecursionError) as e:  # bad JSON or UTF-8, a huge integer, absurd nesting
+        raise ModelError(f"{path}: invalid JSON: {e or 'nested too deeply'}") from None
     if not isinstance(data, dict):
         raise ModelError(f"{path}: expected a JSON object, got {type(data).__name__}")
     return data

@@ -25,7 +25,7 @@ def chat_model(hf_folder) -> Path:
 def test_eval_loads_the_model_and_prints_loss_and_perplexity(capsys, monkeypatch, chat_model, tmp_path):
     seen = {}
 
-    def evaluate_file(model, tokenizer, path, seq_len, batch_size, train_on, fmt="auto", add_eos=True):
+    def evaluate_file(model, tokenizer, path, seq_len, batch_size, train_on, fmt="auto", add_eos=True, columns=None):
         seen.update(model=model, tokenizer=tokenizer, args=(path, seq_len, batch_size, train_on, add_eos))
         return SimpleNamespace(loss=2.5, perplexity=math.exp(2.5), tokens=1234, examples=7)
 
@@ -60,8 +60,8 @@ def test_eval_needs_data(capsys):
 def exports(monkeypatch):
     calls: list[tuple] = []
 
-    def export(model_path, adapter, output, merge, gguf):
-        calls.append((model_path, adapter, output, merge, gguf))
+    def export(model_path, adapter, output, merge, gguf, dtype, overwrite):
+        calls.append((model_path, adapter, output, merge, gguf, dtype, overwrite))
         if adapter == "broken":
             raise AdapterError("broken: no adapter_config.json; not an adapter folder")
         paths = [Path(output)] if merge else []
@@ -74,10 +74,12 @@ def exports(monkeypatch):
 def test_export_passes_its_options_and_lists_what_it_wrote(capsys, exports):
     code, out, _ = run_cli(capsys, "export", "base", "--adapter", "ad", "--output", "out", "--merge", "--gguf", "f16")
     assert code == 0
-    assert exports == [("base", "ad", "out", True, "f16")]
+    assert exports == [("base", "ad", "out", True, "f16", None, False)]
     assert out == f"wrote out\nwrote {Path('out') / 'model-f16.gguf'}\n"
     assert run_cli(capsys, "export", "base", "--adapter", "ad", "--output", "o")[0] == 0
-    assert exports[-1] == ("base", "ad", "o", False, None)
+    assert exports[-1] == ("base", "ad", "o", False, None, None, False)
+    assert run_cli(capsys, "export", "full-run", "--output", "o", "--dtype", "bf16", "--overwrite")[0] == 0
+    assert exports[-1] == ("full-run", None, "o", False, None, "bf16", True)  # no adapter: a full fine-tune
 
 
 def test_export_errors_and_usage(capsys, exports):
@@ -85,6 +87,6 @@ def test_export_errors_and_usage(capsys, exports):
     assert (code, out, err) == (2, "", "error: broken: no adapter_config.json; not an adapter folder\n")
     code, _, err = run_cli(capsys, "export", "base", "--adapter", "ad", "--output", "o", "--gguf", "q4_k")
     assert code == 2 and "invalid choice: 'q4_k'" in err
-    code, _, err = run_cli(capsys, "export", "base", "--output", "o")
-    assert code == 2 and "--adapter" in err
+    code, _, err = run_cli(capsys, "export", "base", "--adapter", "ad", "--output", "o", "--dtype", "fp8")
+    assert code == 2 and "invalid choice: 'fp8'" in err
     assert len(exports) == 1

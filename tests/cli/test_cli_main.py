@@ -37,7 +37,7 @@ def test_the_console_script_is_main():
 def test_help_lists_every_command(capsys):
     assert main(["--help"]) == 0
     out = capsys.readouterr().out
-    assert COMMANDS == ("train", "inspect", "generate", "eval", "chat", "export", "quantize", "recipes")
+    assert COMMANDS == ("train", "inspect", "generate", "eval", "chat", "export", "quantize", "classify", "recipes")
     for command in COMMANDS:
         assert f"    {command} " in out
 
@@ -88,3 +88,59 @@ def test_a_bug_exits_1_and_points_to_debug(capsys, monkeypatch):
     assert "--debug" in err and "Traceback" not in err
     with pytest.raises(ZeroDivisionError):
         main(["--debug", "train"])
+
+
+@pytest.mark.parametrize(
+    "error,line",
+    [
+        (OSError(30, "Read-only file system", "/mnt/ro/out"), "error: /mnt/ro/out: Read-only file system\n"),
+        (OSError(28, "No space left on device", "/data/out/model.safetensors"),
+         "error: /data/out/model.safetensors: No space left on device\n"),
+        (OSError(28, "No space left on device"), "error: No space left on device\n"),
+        (PermissionError(13, "Permission denied", "/root/out"), "error: /root/out: Permission denied\n"),
+        (FileNotFoundError(2, "No such file or directory", "data.jsonl"),
+         "error: data.jsonl: No such file or directory\n"),
+    ],
+)
+def test_an_os_error_about_the_users_files_is_one_line(capsys, monkeypatch, error, line):
+    fake_module(monkeypatch, "entrenar.train.loop", train=failing_train(error))
+    assert main(["train"]) == 2
+    assert capsys.readouterr().err == line
+    with pytest.raises(OSError):
+        main(["--debug", "train"])
+
+
+@pytest.mark.parametrize("error", [OSError(22, "Invalid argument"), OSError("something odd"),
+                                   FileNotFoundError(2, "No such file or directory")])
+def test_an_os_error_that_names_no_path_is_still_a_bug(capsys, monkeypatch, error):
+    fake_module(monkeypatch, "entrenar.train.loop", train=failing_train(error))
+    assert main(["train"]) == 1
+    assert capsys.readouterr().err.startswith("internal error: ")
+
+
+def test_a_full_disk_reported_by_safetensors_is_one_line(capsys, monkeypatch, tmp_path):
+    from safetensors import SafetensorError
+
+    error = SafetensorError('Error while serializing: I/O error: No space left on device (os error 28) at path '
+                            f'"{tmp_path}/out/.tmpX1"')
+    fake_module(monkeypatch, "entrenar.train.loop", train=failing_train(error))
+    assert main(["train"]) == 2
+    assert capsys.readouterr().err == f"error: {tmp_path}/out: No space left on device\n"
+    fake_module(monkeypatch, "entrenar.train.loop", train=failing_train(SafetensorError("header too large")))
+    assert main(["train"]) == 1  # not an OS error: still a bug
+
+
+def test_a_closed_pipe_ends_the_command_quietly(capsys, monkeypatch):
+    fake_module(monkeypatch, "entrenar.train.loop", train=failing_train(BrokenPipeError(32, "Broken pipe")))
+    assert main(["train"]) == 0
+    assert capsys.readouterr().err == ""
+
+
+def test_a_real_process_piped_into_head_exits_quietly():
+    """`entrenar inspect MODEL --json | head`: output longer than the pipe holds, the reader gone; no traceback."""
+    program = ("import sys; from entrenar.cli import inspect, main; "
+               "inspect.run = lambda args: [print('x' * 1000) for _ in range(2000)] and 0; "
+               "sys.exit(main.main(['inspect', 'm']))")
+    script = f"{sys.executable} -c \"{program}\" | head -c 10 >/dev/null; echo ${{PIPESTATUS[0]}}"
+    done = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=120, check=False)
+    assert (done.stdout, done.stderr) == ("0\n", "")

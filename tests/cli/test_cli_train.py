@@ -26,8 +26,8 @@ def calls(monkeypatch):
     """Replace ``entrenar.train.loop.train`` with one that records its arguments."""
     seen: list[dict] = []
 
-    def train(recipe, resume=None, dry_run=False, progress=True):
-        seen.append({"recipe": recipe, "resume": resume, "dry_run": dry_run, "progress": progress})
+    def train(recipe, resume=None, dry_run=False, progress=True, verbose=False):
+        seen.append({"recipe": recipe, "resume": resume, "dry_run": dry_run, "progress": progress, "verbose": verbose})
         summary = "dry run: would train" if dry_run else f"trained {recipe.training.max_steps} steps"
         return SimpleNamespace(run_dir=Path(recipe.output.dir), summary=summary)
 
@@ -48,7 +48,7 @@ def test_recipe_with_overrides_is_passed_and_summary_printed(capsys, calls, reci
     (call,) = calls
     assert call["recipe"] == load_recipe(recipe_file, sets)
     assert call["recipe"].training.max_steps == 3  # the override, not the file's 10
-    assert (call["resume"], call["dry_run"], call["progress"]) == (None, False, True)
+    assert (call["resume"], call["dry_run"], call["progress"], call["verbose"]) == (None, False, True, True)
     assert capsys.readouterr().out == "trained 3 steps\n"
 
 

@@ -93,3 +93,33 @@ def test_unknown_family_and_corrupt_files(hf_folder, tmp_path):
         load_hf(folder)
     with pytest.raises(ModelError, match="no such model folder"):
         load_hf(tmp_path / "nowhere")
+
+
+def test_empty_model_allocates_weights_once_in_the_target_dtype(monkeypatch):
+    """Weights leave the meta device already in the load dtype: no fp32 copy that is cast afterwards."""
+    from entrenar.models.hf import empty_model
+
+    seen: list[torch.dtype] = []
+    to_empty = torch.nn.Module.to_empty
+
+    def spy(module, *args, **kwargs):
+        seen.extend({p.dtype for p in module.parameters()})
+        return to_empty(module, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.Module, "to_empty", spy)
+    config = ModelConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64,
+                         vocab_size=64)
+    model = empty_model(config, torch.bfloat16, "cpu")
+    assert seen == [torch.bfloat16]
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_load_peak_gpu_memory_is_one_copy_of_the_weights(hf_folder):
+    folder, _ = hf_folder("llama")
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    model = load_hf(folder, dtype=torch.bfloat16, device="cuda")
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert torch.cuda.max_memory_allocated() - before <= weights * 1.1 + 2**20

@@ -66,6 +66,8 @@ def test_qat_run_resumes_exactly_and_its_integer_model_computes_what_it_trained(
                       QuantLinear)
     with torch.no_grad():
         assert torch.equal(model(ids), trained["logits"])
+        run_model, _ = entrenar.load(straight.run_dir, device="cpu")  # the run folder stands for the same pair
+        assert torch.equal(run_model(ids), trained["logits"])
     entry = json.loads((straight.quantized / "config.json").read_text())["quantization_config"]
     assert {k: entry[k] for k in ("method", "bits", "granularity", "group_size", "activation_bits",
                                   "activation_scale", "source", "backward")} == {

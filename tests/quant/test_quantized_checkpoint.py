@@ -247,8 +247,8 @@ def test_quantizing_refuses_bad_settings_naming_the_layer():
     with pytest.raises(QuantError, match=r"unknown quantization method 'fp4'"):
         parse_method("fp4")
     model = tiny_model()
-    with pytest.raises(QuantError, match=r"^model\.layers\.0\.self_attn\.q_proj\.weight: group_size 48 does not "
-                                         r"divide in_features 64"):
+    with pytest.raises(QuantError, match=r"^group size 48 does not divide the input width of .* e\.g\. "
+                                         r"model\.layers\.0\.self_attn\.q_proj \(64\)"):
         quantize_model(model, "int4", group_size=48)
     assert isinstance(model.get_submodule(LAYER), nn.Linear)  # nothing swapped
     with pytest.raises(QuantError, match="nf4 scales each block by its absolute maximum"):
@@ -259,6 +259,18 @@ def test_quantizing_refuses_bad_settings_naming_the_layer():
         quantize_model(model, "int8")
     with pytest.raises(QuantError, match=rf"^{LAYER}\.weight: weight of shape \(128, 64\) has 1 NaN/inf value"):
         quantize_model(model, "nf4")
+
+
+def test_a_layer_one_group_wide_is_a_group_layer(tmp_path):
+    """At group size 64 the 64-wide projections have one scale per row: the folder still says group 64."""
+    model = tiny_model()
+    quantize_model_int(model, bits=4, group_size=64)
+    entry = quantization_config(model)
+    assert (entry["granularity"], entry["group_size"]) == ("group", 64)
+    reloaded = tiny_model()
+    quantize_model_int(reloaded, patterns=["q_proj"], bits=4)  # per channel, 64 wide: group 64 when told so
+    assert quantization_config(reloaded, group_size=64)["granularity"] == "group"
+    assert quantization_config(reloaded)["granularity"] == "channel"
 
 
 def test_saving_refuses_what_a_folder_cannot_describe(tmp_path):
@@ -320,15 +332,17 @@ def test_quantize_pretrained_never_touches_its_input(model_folder, tmp_path):
         quantize_pretrained(model_folder, tmp_path, "int8", device="cpu")
     (tmp_path / "notes").mkdir()
     (tmp_path / "notes" / "todo.txt").write_text("keep me")
-    with pytest.raises(ConfigError, match="exists and is not a model folder"):
+    with pytest.raises(ConfigError, match="notes: the folder exists and is not empty; pass --overwrite"):
         quantize_pretrained(model_folder, tmp_path / "notes", "int8", device="cpu")
-    with pytest.raises(QuantError, match="group_size 48 does not divide"):
+    with pytest.raises(QuantError, match="group size 48 does not divide"):
         quantize_pretrained(model_folder, tmp_path / "out", "int4", group_size=48, device="cpu")
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out*"))
     quantize_pretrained(model_folder, tmp_path / "out", "int8", device="cpu")
     with pytest.raises(QuantError, match="already quantized"):
         quantize_pretrained(tmp_path / "out", tmp_path / "again", "int4", device="cpu")
-    quantize_pretrained(model_folder, tmp_path / "out", "nf4", device="cpu")  # replaces an earlier output whole
+    with pytest.raises(ConfigError, match="out: the folder exists and is not empty"):
+        quantize_pretrained(model_folder, tmp_path / "out", "nf4", device="cpu")
+    quantize_pretrained(model_folder, tmp_path / "out", "nf4", device="cpu", overwrite=True)
     assert isinstance(entrenar.load(tmp_path / "out", device="cpu")[0].get_submodule(LAYER), NF4Linear)
     assert {p.name: p.read_bytes() for p in model_folder.iterdir()} == before
     assert not any(isinstance(m, QuantLinear) for m in entrenar.load(model_folder, device="cpu")[0].modules())

@@ -165,7 +165,8 @@ def test_incomplete_checkpoint_is_skipped_and_refused(tmp_path: Path) -> None:
     _save(tmp_path, 1, model, opt)
     broken = _save(tmp_path, 2, model, opt)
     (broken / "optimizer.json").unlink()
-    assert latest_checkpoint(tmp_path) == tmp_path / "checkpoints" / "step-1"
+    with pytest.warns(UserWarning, match="latest names step-2, which is not a complete checkpoint; using step-1"):
+        assert latest_checkpoint(tmp_path) == tmp_path / "checkpoints" / "step-1"
     (tmp_path / "checkpoints" / "latest").unlink()  # no pointer: fall back to the highest complete step
     assert latest_checkpoint(tmp_path) == tmp_path / "checkpoints" / "step-1"
     with pytest.raises(CheckpointError, match=r"step-2: incomplete checkpoint, missing optimizer.json"):
@@ -291,3 +292,105 @@ def test_fused_choice_is_not_taken_from_the_checkpoint(tmp_path: Path) -> None:
     load_checkpoint(tmp_path, plain)
     assert all(not g["fused"] for g in plain.param_groups)
     assert all(torch.equal(plain.state[p]["exp_avg"], fused.state[p]["exp_avg"]) for p in model.parameters())
+
+
+def test_a_trainer_state_naming_another_step_than_its_folder_is_refused(tmp_path: Path) -> None:
+    model = _model()
+    path = _save(tmp_path, 4, model, _optimizer(model, "sgd"))
+    state = json.loads((path / "trainer.json").read_text())
+    state["step"] = 2
+    (path / "trainer.json").write_text(json.dumps(state))
+    with pytest.raises(CheckpointError, match=r"step-4/trainer.json: says step 2 but the folder is step-4"):
+        load_checkpoint(path)
+    with pytest.raises(CheckpointError, match=r"says step 2 but the folder is step-4"):
+        load_checkpoint(tmp_path)  # through the run folder's latest too
+
+
+@pytest.mark.parametrize("pointer", [b"\xff\xfe step-2\x00", b"step-9\n", b"../../etc\n"])
+def test_a_damaged_latest_pointer_falls_back_to_the_newest_complete_checkpoint(tmp_path: Path, pointer) -> None:
+    model = _model()
+    opt = _optimizer(model, "sgd")
+    _save(tmp_path, 1, model, opt)
+    _save(tmp_path, 2, model, opt)
+    (tmp_path / "checkpoints" / "latest").write_bytes(pointer)
+    with pytest.warns(UserWarning, match=r"latest.*(unreadable pointer|does not name a checkpoint|names step-9, which "
+                                         r"is not a complete checkpoint).*newest complete"):
+        assert latest_checkpoint(tmp_path) == tmp_path / "checkpoints" / "step-2"
+    with pytest.warns(UserWarning):
+        assert load_checkpoint(tmp_path, opt)[1]["step"] == 2
+    _save(tmp_path, 3, model, opt)  # the next save repairs the pointer
+    assert (tmp_path / "checkpoints" / "latest").read_text() == "step-3\n"
+
+
+def test_deeply_nested_json_and_a_cut_rng_state_name_the_file(tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    model = _model()
+    opt = _optimizer(model, "adamw")
+    _train(model, opt, 1)
+    path = _save(tmp_path, 1, model, opt)
+    deep = "[" * 100_000 + "]" * 100_000
+    good_optimizer = (path / "optimizer.json").read_bytes()
+    for name in ("trainer.json", "optimizer.json"):
+        good = (path / name).read_bytes()
+        (path / name).write_text(deep)
+        with pytest.raises(CheckpointError, match=rf"step-1/{name}: corrupt JSON, nested too deeply"):
+            load_checkpoint(path, _optimizer(_model(), "adamw"))
+        (path / name).write_bytes(good)
+    # Nested less deeply than the JSON reader's limit, but more than the optimizer-state decoder's.
+    (path / "optimizer.json").write_text('{"state": {}, "param_groups": ' + "[" * 900 + "]" * 900 + "}")
+    with pytest.raises(CheckpointError, match=r"step-1/optimizer.json: nested too deeply|corrupt JSON, nested"):
+        load_checkpoint(path, _optimizer(_model(), "adamw"))
+    (path / "optimizer.json").write_bytes(good_optimizer)
+
+    rng_file = path / "rng.safetensors"
+    with safe_open_metadata(rng_file) as metadata:
+        tensors = load_file(str(rng_file))
+        tensors["torch_cpu"] = tensors["torch_cpu"][:100].clone()
+        save_file(tensors, str(rng_file), metadata=metadata)
+    opt = _optimizer(_model(), "adamw")
+    before = torch.get_rng_state()
+    with pytest.raises(CheckpointError, match=r"step-1/rng.safetensors: tensor 'torch_cpu' is torch.uint8 with 100 "
+                                              r"values, a generator state needs torch.uint8 with \d+"):
+        load_checkpoint(path, opt)
+    assert torch.equal(torch.get_rng_state(), before) and opt.state_dict()["state"] == {}  # nothing restored
+
+
+class safe_open_metadata:
+    """The metadata of a safetensors file, for rewriting it with other tensors."""
+
+    def __init__(self, path: Path) -> None:
+        from safetensors import safe_open
+
+        with safe_open(str(path), "pt") as f:
+            self.metadata = f.metadata()
+
+    def __enter__(self) -> dict:
+        return self.metadata
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+
+def test_saves_clean_stale_staging_left_by_a_killed_save(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    model = _model()
+    opt = _optimizer(model, "sgd")
+    _save(tmp_path, 1, model, opt)
+    ckpts = tmp_path / "checkpoints"
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(dead.stdout)  # a process that has ended
+    stale = [ckpts / f".step-2.{dead_pid}-abc123.tmp", ckpts / f".latest.{dead_pid}-x9y8z7.tmp",
+             ckpts / ".best.oldstyle.tmp"]
+    (stale[0] / "new").mkdir(parents=True)
+    stale[1].write_text("step-2")
+    stale[2].write_text("step-2")
+    alive = ckpts / f".step-3.{__import__('os').getppid()}-live12.tmp"  # a live process's save in progress
+    alive.mkdir()
+    mine = ckpts / "notes.tmp"  # not entrenar's name: never touched
+    mine.write_text("mine")
+    _save(tmp_path, 2, model, opt, best=True)
+    assert sorted(p.name for p in ckpts.iterdir()) == sorted(["best", "latest", "step-1", "step-2", alive.name,
+                                                              mine.name])

@@ -150,7 +150,7 @@ def test_skipped_records_are_reported_and_an_empty_validation_set_is_named(works
     (workspace / "bad.jsonl").write_text("\n".join(lines) + "\n")
     report = train(recipe_for(workspace, f"data.train={workspace / 'bad.jsonl'}", "data.on_error=skip"),
                    dry_run=True, progress=False).summary
-    assert "1 malformed record(s) skipped (first: " in report and "bad.jsonl line 4" in report
+    assert "1 malformed record(s) skipped (1 invalid JSON); first: " in report and "bad.jsonl line 4" in report
     (workspace / "long.jsonl").write_text(json.dumps({"prompt": "1" * 40, "completion": "2"}) + "\n")
     with pytest.raises(DataError, match=r"data\.validation \(.*long\.jsonl\): no examples left"):
         train(recipe_for(workspace, f"data.validation={workspace / 'long.jsonl'}", "data.validation_split=0"),

@@ -157,7 +157,7 @@ def test_plot_loss_curve_writes_png(tmp_path: Path) -> None:
     _write_run(tmp_path)
     out = plot_loss_curve(tmp_path / "metrics.jsonl", tmp_path / "plots" / "loss.png")
     assert out == tmp_path / "plots" / "loss.png"
-    assert _png_size(out) == (700, 400)
+    assert _png_size(out) == (700, 550)  # loss panel over a learning-rate panel
     (tmp_path / "empty.jsonl").write_text('{"step": 1, "eval_loss": null, "eval_ppl": null}\n')
     with pytest.raises(CheckpointError, match="no loss values to plot"):
         plot_loss_curve(tmp_path / "empty.jsonl", tmp_path / "x.png")
@@ -170,3 +170,47 @@ def test_plot_without_matplotlib_warns_and_skips(tmp_path: Path, monkeypatch: py
     with pytest.warns(UserWarning, match=r"entrenar\[plot\]"):
         assert plot_loss_curve(tmp_path / "metrics.jsonl", tmp_path / "loss.png") is None
     assert not (tmp_path / "loss.png").exists()
+
+
+def test_smoothing_is_tensorboards_debiased_ema() -> None:
+    from entrenar.train.metrics import smooth
+
+    # By hand, w = 0.5: the averages 0.5, 1.25, 2.125 divided by 1 - 0.5**t.
+    assert smooth([1.0, 2.0, 3.0], 0.5) == pytest.approx([1.0, 1.25 / 0.75, 2.125 / 0.875])
+    assert smooth([2.0] * 5) == pytest.approx([2.0] * 5)  # no pull towards zero at the start
+
+
+def _scalars(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(log_dir))
+    events.Reload()
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+def test_tensorboard_gets_the_numbers_of_metrics_jsonl_and_drops_them_after_a_resumed_step(tmp_path: Path) -> None:
+    pytest.importorskip("tensorboard")
+    with MetricsLogger(tmp_path, tensorboard=True) as logger:
+        for step in range(1, 5):
+            logger.log_step(step, 3.0 - 0.25 * step, 0.5 * step, 1e-3 * step, tokens=100, step_time_s=0.5,
+                            flags={"skipped": "x"} if step == 2 else None)
+        logger.log_eval(4, 2.0)
+    with MetricsLogger(tmp_path, resume_step=2, tensorboard=True) as logger:  # crashed after 4, resumed from 2
+        for step in (3, 4):
+            logger.log_step(step, 9.0 + step, 0.1, 2e-3, tokens=100, step_time_s=0.5)
+    lines = read_metrics(tmp_path / "metrics.jsonl")
+    scalars = _scalars(tmp_path / "tensorboard")
+    assert scalars["train/loss"] == [(r["step"], pytest.approx(r["loss"])) for r in lines if "loss" in r]
+    assert scalars["train/lr"] == [(r["step"], pytest.approx(r["lr"])) for r in lines if "loss" in r]
+    assert [s for s, _ in scalars["train/grad_norm"]] == [1, 2, 3, 4]
+    assert scalars.get("eval/loss", []) == []  # the eval at step 4 came after the resumed step: purged
+
+
+def test_tensorboard_missing_is_a_config_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    from entrenar.errors import ConfigError
+    from entrenar.train.metrics import tensorboard_writer_class
+
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
+    with pytest.raises(ConfigError, match=r"output\.tensorboard: needs the tensorboard package \(pip install "
+                                          r"'entrenar\[tensorboard\]'\)"):
+        tensorboard_writer_class()

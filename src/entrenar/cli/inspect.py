@@ -27,7 +27,7 @@ def add_parser(commands: argparse._SubParsersAction, parents: list[argparse.Argu
         description="Show a model's architecture, parameter counts and estimated training memory "
                     "for full fine-tuning, LoRA and QLoRA. Reads the config only, not the weights.",
     )
-    parser.add_argument("model", metavar="MODEL", help="Hugging Face model folder or .gguf file")
+    parser.add_argument("model", metavar="MODEL", help="Hugging Face model folder, .gguf file or a training run")
     parser.add_argument("--batch-size", type=positive_int, default=1, metavar="B",
                         help="sequences per step (default 1)")
     parser.add_argument("--seq-len", type=positive_int, default=2048, metavar="T",

@@ -4,13 +4,18 @@ Each command lives in its own module with ``add_parser(subparsers, parents)``,
 which sets ``run(args) -> int`` as the parser's default; heavy imports (torch and
 the model code) happen inside ``run`` so ``entrenar --help`` stays instant.
 
-Exit codes: 0 success, 2 a user error (``EntrenarError``, or bad arguments),
-130 interrupted, 1 a bug in entrenar (an exception that is not a user error).
+Exit codes: 0 success (also when the reader of stdout went away: ``inspect ... | head``),
+2 a user error (``EntrenarError``, an OSError about the user's paths or disk such as a
+read-only or full file system, or bad arguments), 130 interrupted, 1 a bug in entrenar
+(an exception that is not a user error).
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
+import os
+import re
 import sys
 from collections.abc import Sequence
 from importlib import import_module
@@ -18,7 +23,7 @@ from importlib import import_module
 from entrenar import __version__
 from entrenar.errors import EntrenarError
 
-COMMANDS = ("train", "inspect", "generate", "eval", "chat", "export", "quantize", "recipes")  # modules of entrenar.cli
+COMMANDS = ("train", "inspect", "generate", "eval", "chat", "export", "quantize", "classify", "recipes")  # modules of entrenar.cli
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -48,10 +53,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     debug = getattr(args, "debug", False)
     try:
         return args.run(args)
+    except BrokenPipeError:  # `entrenar inspect ... | head`: the reader left; stop quietly, as `cat` does
+        _silence_stdout()
+        return 0
     except EntrenarError as error:
         if debug:
             raise
         print(f"error: {error}", file=sys.stderr)
+        return 2
+    except OSError as error:
+        if debug:
+            raise
+        if not is_user_os_error(error):
+            return _internal(error)
+        where = error.filename if error.filename is not None else ""
+        print(f"error: {where}{': ' if where else ''}{error.strerror or error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         if debug:
@@ -61,9 +77,56 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as bug:
         if debug:
             raise
-        print(f"internal error: {type(bug).__name__}: {bug}", file=sys.stderr)
-        print("this is a bug in entrenar; run again with --debug for the traceback and report it", file=sys.stderr)
-        return 1
+        wrapped = os_error_in(bug)
+        if wrapped is not None:  # safetensors reports a full or read-only disk as its own error type
+            print(f"error: {wrapped.filename}: {wrapped.strerror}", file=sys.stderr)
+            return 2
+        return _internal(bug)
+
+
+# OSErrors the user's machine or input causes (a read-only or full disk, a missing or forbidden path, a path
+# that is a folder where a file was wanted), as opposed to a bug in entrenar: these name a path to fix.
+USER_ERRNOS = frozenset({
+    errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.ENOENT, errno.EEXIST,
+    errno.EISDIR, errno.ENOTDIR, errno.ENOTEMPTY, errno.ENAMETOOLONG, errno.ELOOP, errno.EFBIG, errno.EMFILE,
+    errno.ENFILE, errno.EIO, errno.EXDEV, errno.EBUSY, errno.ETXTBSY,
+})
+
+
+def is_user_os_error(error: OSError) -> bool:
+    """An OSError about a path the user chose or the file system they write to (see USER_ERRNOS)."""
+    return error.errno in USER_ERRNOS and (error.filename is not None or error.errno in (errno.ENOSPC, errno.EDQUOT))
+
+
+_RUST_IO = re.compile(r'\(os error (\d+)\)(?: at path "([^"]+)")?')
+
+
+def os_error_in(error: Exception) -> OSError | None:
+    """The user-caused OSError a library reports as text (safetensors: '... (os error 28) at path "..."')."""
+    match = _RUST_IO.search(str(error))
+    if match is None:
+        return None
+    code = int(match.group(1))
+    folder = os.path.dirname(match.group(2)) if match.group(2) else None
+    if code not in USER_ERRNOS or (folder is None and code not in (errno.ENOSPC, errno.EDQUOT)):
+        return None
+    return OSError(code, os.strerror(code), folder or "the output folder")
+
+
+def _internal(bug: BaseException) -> int:
+    print(f"internal error: {type(bug).__name__}: {bug}", file=sys.stderr)
+    print("this is a bug in entrenar; run again with --debug for the traceback and report it", file=sys.stderr)
+    return 1
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null so Python's flush at exit does not raise a second BrokenPipeError."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # stdout without a file descriptor (a test's capture): nothing to flush
+        pass
 
 
 if __name__ == "__main__":

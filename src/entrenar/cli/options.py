@@ -15,10 +15,15 @@ if TYPE_CHECKING:
 DTYPES = ("auto", *entrenar.DTYPES)  # the names entrenar.load accepts
 
 
+MODEL_HELP = ("Hugging Face model folder, .gguf file, or a training run: its folder, RUN/best or "
+              "RUN/checkpoints/step-N (a LoRA run brings its base model and adapter)")
+ADAPTER_HELP = "LoRA adapter folder (PEFT format), or a LoRA run's folder, RUN/best or RUN/checkpoints/step-N"
+
+
 def add_model_args(parser: argparse.ArgumentParser) -> None:
     """MODEL, --adapter, --device, --dtype: the arguments of ``entrenar.load``."""
-    parser.add_argument("model", metavar="MODEL", help="Hugging Face model folder or .gguf file")
-    parser.add_argument("--adapter", metavar="DIR", help="LoRA adapter folder (PEFT format) to apply")
+    parser.add_argument("model", metavar="MODEL", help=MODEL_HELP)
+    parser.add_argument("--adapter", metavar="DIR", help=ADAPTER_HELP)
     parser.add_argument("--device", type=device, default="auto", help="auto (CUDA when available), cpu, cuda, cuda:N")
     parser.add_argument("--dtype", default="auto", choices=DTYPES, help="weight dtype (auto: bf16 on CUDA, else fp32)")
 
@@ -33,11 +38,18 @@ def add_sampling_args(parser: argparse.ArgumentParser, max_new_tokens: int) -> N
     parser.add_argument("--seed", type=int, default=None, metavar="S", help="random seed for sampling")
 
 
-def load_model(args: argparse.Namespace) -> tuple[Transformer, Tokenizer]:
-    """(model, tokenizer) as the model arguments say."""
-    from entrenar import load
+def load_model(args: argparse.Namespace, quantize: str | None = None) -> tuple[Transformer, Tokenizer]:
+    """(model, tokenizer) as the model arguments say; a model without a tokenizer is a ModelError
+    (every command that loads through here reads or writes text)."""
+    from entrenar import load, require_tokenizer
+    from entrenar.runs import resolve_model_and_adapter
 
-    return load(args.model, adapter=args.adapter, dtype=args.dtype, device=args.device)
+    base = resolve_model_and_adapter(args.model, args.adapter).model
+    if base.is_dir() and not (base / "tokenizer.json").is_file():
+        require_tokenizer(None, base)  # before minutes of loading weights
+    model, tokenizer = load(args.model, adapter=args.adapter, dtype=args.dtype, device=args.device,
+                            quantize=quantize)
+    return model, require_tokenizer(tokenizer, base)
 
 
 def positive_int(text: str) -> int:

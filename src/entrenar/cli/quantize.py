@@ -17,13 +17,18 @@ def add_parser(commands: argparse._SubParsersAction, parents: list[argparse.Argu
         description="Quantize every linear layer but the output head and write a model folder that "
                     "entrenar loads back. Prints each layer's error and, with --data, the perplexity change.",
     )
-    parser.add_argument("model", metavar="MODEL", help="Hugging Face model folder or .gguf file")
+    parser.add_argument("model", metavar="MODEL",
+                        help="Hugging Face model folder, .gguf file, or a full fine-tune's run folder")
     parser.add_argument("--method", required=True, metavar="METHOD",
                         help="nf4 (QLoRA's 4-bit NormalFloat), int8 or int4 (also int2 to int7)")
     parser.add_argument("--output", required=True, metavar="DIR", help="folder to write (never the input)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace an earlier output in DIR (files quantize does not write are kept)")
     parser.add_argument("--group-size", type=positive_int, default=None, metavar="G",
                         help="weights per scale: the NF4 block size (default 64) or the integer group size "
-                             "(default: one scale per output channel); e.g. 32, 64, 128")
+                             "(default: one scale per output channel); e.g. 32, 64, 128. It must divide every "
+                             "layer's input width; a size that does not is refused before any work, with sizes "
+                             "that fit")
     parser.add_argument("--asymmetric", action="store_true",
                         help="integer methods: a zero point per group (default: symmetric around 0)")
     parser.add_argument("--calibration", choices=("minmax", "percentile"), default="minmax",
@@ -47,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
     result = quantize_pretrained(
         args.model, args.output, args.method, group_size=args.group_size, symmetric=not args.asymmetric,
         calibration=args.calibration, percentile=args.percentile, data=args.data, dtype=args.dtype,
-        device=args.device, seq_len=args.seq_len, batch_size=args.batch_size,
+        device=args.device, seq_len=args.seq_len, batch_size=args.batch_size, overwrite=args.overwrite,
     )
     print(report(result))
     return 0
@@ -73,6 +78,10 @@ def report(result: QuantizeResult) -> str:
               + (", symmetric" if c["symmetric"] else ", asymmetric"))
     lines.append(f"wrote {result.output} ({result.method}, {layout}; quantized weights "
                  f"{_size(result.bytes_before)} -> {_size(result.bytes_after)})")
+    if result.disk_before:
+        lines.append(f"on disk {_size(result.disk_before)} -> {_size(result.disk_after)} "
+                     f"({result.disk_after / result.disk_before:.0%} of the input; unquantized weights "
+                     f"in {result.dtype})")
     return "\n".join(lines)
 
 

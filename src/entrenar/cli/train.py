@@ -19,7 +19,8 @@ def add_parser(commands: argparse._SubParsersAction, parents: list[argparse.Argu
                         help="continue from the latest checkpoint of RUN_DIR (default: the recipe's output.dir)")
     parser.add_argument("--dry-run", action="store_true",
                         help="check the recipe, model and data and report what would run, without training")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar (logs only)")
+    parser.add_argument("--no-progress", action="store_true",
+                        help="no progress bar: a log line every training.log_every steps instead")
     parser.set_defaults(run=run)
 
 
@@ -38,6 +39,6 @@ def run(args: argparse.Namespace) -> int:
     recipe = load_recipe(path, args.overrides)  # before importing torch: a bad recipe fails at once
     from entrenar.train.loop import train
 
-    result = train(recipe, resume=args.resume, dry_run=args.dry_run, progress=not args.no_progress)
+    result = train(recipe, resume=args.resume, dry_run=args.dry_run, progress=not args.no_progress, verbose=True)
     print(result.summary)
     return 0

@@ -2,6 +2,7 @@
 
 from entrenar.data.batching import (
     BatchStream,
+    check_seq_len,
     collate,
     eval_batches,
     num_target_tokens,
@@ -20,6 +21,7 @@ __all__ = [
     "Record",
     "TokenizeStats",
     "assistant_spans",
+    "check_seq_len",
     "collate",
     "eval_batches",
     "num_target_tokens",

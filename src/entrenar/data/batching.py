@@ -14,7 +14,9 @@ Every batch is a dict of LongTensors ``[B, T]``:
 
 Packing fills each row greedily with whole examples in stream order; an example
 that does not fit in what is left of a row starts the next one (examples are
-never split, so none loses its beginning). Padding puts one example per row.
+never split, so none loses its beginning). A row holds at most as many examples
+as the data set has, so a ``seq_len`` longer than all the data together leaves
+the rest of the row padding instead of repeating examples in it. Padding puts one example per row.
 
 :func:`padding_free` lays any such batch out as one row ``[1, N]`` of its real
 tokens only, documents end to end, with ``cu_seqlens`` marking where each
@@ -34,6 +36,20 @@ from entrenar.errors import CheckpointError, ConfigError, DataError
 
 PAD_DOCUMENT = -1
 Batch = dict[str, torch.Tensor]
+CONTEXT_FACTOR = 8  # seq_len may exceed the model's context this many times (context extension), no more
+
+
+def check_seq_len(seq_len: int, context: int, model: str = "the model") -> list[str]:
+    """Notes on ``seq_len`` against the model's context (``max_position_embeddings``): one note above it,
+    a ``ConfigError`` above ``CONTEXT_FACTOR`` times it (a row that long is memory spent on nothing the model
+    was made for, and packing short examples into it repeats them many times over)."""
+    if seq_len > CONTEXT_FACTOR * context:
+        raise ConfigError(f"'data.seq_len' is {seq_len:,}, more than {CONTEXT_FACTOR}x the context of {model} "
+                          f"({context:,} tokens, max_position_embeddings); use at most {CONTEXT_FACTOR * context:,}")
+    if seq_len > context:
+        return [f"data.seq_len={seq_len:,} is beyond the context of {model} ({context:,} tokens, "
+                "max_position_embeddings): positions past it are extrapolated"]
+    return []
 
 
 def num_target_tokens(batch: Batch) -> int:
@@ -161,7 +177,8 @@ class BatchStream:
         self._advance()
         if self.packing:
             used = len(row[0])
-            while used + len(self._peek()) <= self.seq_len:
+            # Each example at most once a row: the bound when seq_len holds more than the whole data set.
+            while len(row) < len(self.examples) and used + len(self._peek()) <= self.seq_len:
                 row.append(self._peek())
                 used += len(row[-1])
                 self._advance()

@@ -6,7 +6,7 @@ so every later error can name the place to fix. Formats:
 - ``.jsonl``/``.ndjson``: one JSON object per line (blank lines ignored).
 - ``.json``: a list of objects, or ``{"data": [...]}``. A ``.json`` file that
   holds one object per line is read as JSONL, since many datasets are named so.
-- ``.csv``: a header row, then one record per row (all values are strings).
+- ``.csv``: a header row, then one record per row (all values are strings; a field may be of any length).
 - ``.parquet``: one record per row (needs ``pyarrow``: ``pip install entrenar[parquet]``).
 - ``.txt``/``.md``: the whole file is one ``{"text": ...}`` record.
 - a folder: every file of a known format below it, in sorted path order.
@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import csv
 import json
+import re
+import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +31,8 @@ _EXTENSIONS = {
     ".parquet": "parquet", ".txt": "text", ".md": "text",
 }
 _MAX_REPORTED = 10
+_CSV_FIELD_LIMIT = 2**31 - 1  # the csv module's default (131,072 characters) refuses long texts; C long is 32-bit on Windows
+_DEEP = 100  # a nesting depth no record needs, used to point at where a too-deeply nested document goes wrong
 
 
 @dataclass(frozen=True)
@@ -44,26 +48,46 @@ class Record:
         return f"{self.file} {self.location}" if self.location else self.file
 
 
+@dataclass(frozen=True)
+class Skip:
+    """A skipped record: where it was, a short ``reason`` (what notes count by) and the full ``message``."""
+
+    file: str
+    location: str
+    reason: str
+    message: str
+
+    @property
+    def line(self) -> int | None:
+        """The 1-based line the record starts on, where the format has lines."""
+        found = re.search(r"line (\d+)", self.location)
+        return int(found.group(1)) if found else None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"file": self.file, "line": self.line, "location": self.location, "reason": self.reason,
+                "message": self.message}
+
+
 @dataclass
 class ReadStats:
-    """What reading found: files read, records kept, records skipped and why (first few)."""
+    """What reading found: files read, records kept, records skipped (every one, with where and why)."""
 
     files: list[str] = field(default_factory=list)
     records: int = 0
     skipped: int = 0
-    skip_reasons: list[str] = field(default_factory=list)
+    skip_reasons: list[str] = field(default_factory=list)  # the first few messages
+    skipped_records: list[Skip] = field(default_factory=list)
 
-    def skip(self, reason: str) -> None:
+    def skip(self, bad: Skip) -> None:
         self.skipped += 1
+        self.skipped_records.append(bad)
         if len(self.skip_reasons) < _MAX_REPORTED:
-            self.skip_reasons.append(reason)
+            self.skip_reasons.append(bad.message)
 
 
-@dataclass(frozen=True)
-class _BadRecord:
+def _bad(path: Path, location: str, reason: str, detail: str) -> Skip:
     """A malformed record, yielded by the file readers; ``read_records`` raises or skips it."""
-
-    message: str
+    return Skip(str(path), location, reason, f"{path}{' ' + location if location else ''}: {detail}")
 
 
 def read_records(
@@ -93,10 +117,10 @@ def read_records(
         stats.files.append(str(file))
         try:
             for item in _read_file(file, file_format):
-                if isinstance(item, _BadRecord):
+                if isinstance(item, Skip):
                     if on_error == "raise":
                         raise DataError(item.message)
-                    stats.skip(item.message)
+                    stats.skip(item)
                 else:
                     records.append(item)
         except OSError as e:
@@ -144,35 +168,47 @@ def _format_of(path: Path, format: str) -> str:
         ) from None
 
 
-def _read_file(path: Path, format: str) -> Iterator[Record | _BadRecord]:
+def _read_file(path: Path, format: str) -> Iterator[Record | Skip]:
     readers = {"jsonl": _read_jsonl, "json": _read_json, "csv": _read_csv, "parquet": _read_parquet, "text": _read_text}
     return readers[format](path)
 
 
-def _object_or_bad(value: Any, where: str) -> dict[str, Any] | _BadRecord:
+def _object_or_bad(value: Any, path: Path, location: str) -> dict[str, Any] | Skip:
     if isinstance(value, dict):
         return value
-    return _BadRecord(f"{where}: expected a JSON object, got {type(value).__name__}")
+    return _bad(path, location, "not an object", f"expected a JSON object, got {type(value).__name__}")
 
 
-def _read_jsonl(path: Path) -> Iterator[Record | _BadRecord]:
+def _json_problem(error: Exception) -> tuple[str, str]:
+    """(reason, detail) of a JSON text that ``json`` refuses: a syntax error, Python's limits on nesting
+    (its recursion limit) and on integer digits (``sys.get_int_max_str_digits``)."""
+    if isinstance(error, json.JSONDecodeError):
+        return "invalid JSON", f"invalid JSON: {error.msg} (column {error.colno})"
+    if isinstance(error, RecursionError):
+        return "nested too deeply", "invalid JSON: nested too deeply to read"
+    if "integer string conversion" in str(error):
+        return "number too long", f"invalid JSON: an integer longer than {sys.get_int_max_str_digits()} digits"
+    return "invalid JSON", f"invalid JSON: {error}"
+
+
+def _read_jsonl(path: Path) -> Iterator[Record | Skip]:
     with open(path, "rb") as f:
         for number, raw in enumerate(f, start=1):
-            where = f"{path} line {number}"
+            location = f"line {number}"
             try:
                 line = raw.decode("utf-8-sig" if number == 1 else "utf-8")
             except UnicodeDecodeError as e:
-                yield _BadRecord(f"{where}: not UTF-8 text: {e}")
+                yield _bad(path, location, "not UTF-8", f"not UTF-8 text: {e}")
                 continue
             if not line.strip():
                 continue
             try:
                 value = json.loads(line)
-            except json.JSONDecodeError as e:
-                yield _BadRecord(f"{where}: invalid JSON: {e.msg} (column {e.colno})")
+            except (ValueError, RecursionError) as e:
+                yield _bad(path, location, *_json_problem(e))
                 continue
-            obj = _object_or_bad(value, where)
-            yield obj if isinstance(obj, _BadRecord) else Record(obj, str(path), f"line {number}")
+            obj = _object_or_bad(value, path, location)
+            yield obj if isinstance(obj, Skip) else Record(obj, str(path), location)
 
 
 def _read_text_file(path: Path) -> str:
@@ -182,7 +218,7 @@ def _read_text_file(path: Path) -> str:
         raise DataError(f"{path}: not UTF-8 text: {e}") from e
 
 
-def _read_json(path: Path) -> Iterator[Record | _BadRecord]:
+def _read_json(path: Path) -> Iterator[Record | Skip]:
     text = _read_text_file(path)
     try:
         document = json.loads(text)
@@ -191,6 +227,9 @@ def _read_json(path: Path) -> Iterator[Record | _BadRecord]:
             yield from _read_jsonl(path)
             return
         raise DataError(f"{path} line {e.lineno}: invalid JSON: {e.msg} (column {e.colno})") from e
+    except (ValueError, RecursionError) as e:  # one document: a record that breaks it breaks the file
+        line = _problem_line(text, e)
+        raise DataError(f"{path}{f' line {line}' if line else ''}: {_json_problem(e)[1]}") from None
     if isinstance(document, dict) and isinstance(document.get("data"), list):
         items = document["data"]
     elif isinstance(document, list):
@@ -201,8 +240,28 @@ def _read_json(path: Path) -> Iterator[Record | _BadRecord]:
     lines = _item_lines(text, len(items))
     for index, value in enumerate(items):
         location = f"item {index} (line {lines[index]})" if lines else f"item {index}"
-        obj = _object_or_bad(value, f"{path} {location}")
-        yield obj if isinstance(obj, _BadRecord) else Record(obj, str(path), location)
+        obj = _object_or_bad(value, path, location)
+        yield obj if isinstance(obj, Skip) else Record(obj, str(path), location)
+
+
+def _problem_line(text: str, error: Exception) -> int | None:
+    """Where in a JSON text nesting first passes ``_DEEP`` levels, or the first integer too long to read."""
+    if isinstance(error, RecursionError):
+        depth, in_string, escaped = 0, False, False
+        for i, char in enumerate(text):
+            if in_string:
+                in_string, escaped = (escaped or char != '"'), (not escaped and char == "\\")
+            elif char == '"':
+                in_string = True
+            elif char in "[{":
+                depth += 1
+                if depth > _DEEP:
+                    return text.count("\n", 0, i) + 1
+            elif char in "]}":
+                depth -= 1
+        return None
+    found = re.search(r"\d{%d,}" % (sys.get_int_max_str_digits() + 1), text)
+    return text.count("\n", 0, found.start()) + 1 if found else None
 
 
 def _item_lines(text: str, count: int) -> list[int] | None:
@@ -253,12 +312,14 @@ def _item_lines(text: str, count: int) -> list[int] | None:
                 i = skip_ws(i)
                 if text[i] == ",":
                     i = skip_ws(i + 1)
-    except (IndexError, ValueError):
+    except (IndexError, ValueError, RecursionError):
         return None
     return lines if len(lines) == count else None
 
 
-def _read_csv(path: Path) -> Iterator[Record | _BadRecord]:
+def _read_csv(path: Path) -> Iterator[Record | Skip]:
+    limit = csv.field_size_limit(_CSV_FIELD_LIMIT)  # process-wide: restored when the file is done
+    reader = None
     try:
         with open(path, encoding="utf-8-sig", newline="") as f:
             reader = csv.reader(f)
@@ -274,16 +335,20 @@ def _read_csv(path: Path) -> Iterator[Record | _BadRecord]:
                 if not row:
                     continue
                 if len(row) != len(header):
-                    yield _BadRecord(f"{path} {location}: row has {len(row)} fields, header has {len(header)}")
+                    yield _bad(path, location, "wrong number of fields",
+                               f"row has {len(row)} fields, header has {len(header)}")
                     continue
                 yield Record(dict(zip(header, row, strict=True)), str(path), location)
     except UnicodeDecodeError as e:
         raise DataError(f"{path}: not UTF-8 text: {e}") from e
     except csv.Error as e:
-        raise DataError(f"{path}: malformed CSV: {e}") from e
+        line = f" line {reader.line_num}" if reader is not None and reader.line_num else ""
+        raise DataError(f"{path}{line}: malformed CSV: {e}") from e
+    finally:
+        csv.field_size_limit(limit)
 
 
-def _read_parquet(path: Path) -> Iterator[Record | _BadRecord]:
+def _read_parquet(path: Path) -> Iterator[Record | Skip]:
     try:
         import pyarrow.parquet as pq
     except ImportError:
@@ -299,9 +364,9 @@ def _read_parquet(path: Path) -> Iterator[Record | _BadRecord]:
             row += 1
 
 
-def _read_text(path: Path) -> Iterator[Record | _BadRecord]:
+def _read_text(path: Path) -> Iterator[Record | Skip]:
     text = _read_text_file(path)
     if not text.strip():
-        yield _BadRecord(f"{path}: empty document")
+        yield _bad(path, "", "empty document", "empty document")
     else:
         yield Record({"text": text}, str(path))

@@ -100,6 +100,9 @@ def render_chat(
         raise ModelError(f"chat template tried something the sandbox forbids: {e}") from e
     except jinja2.TemplateError as e:
         raise DataError(f"{where}: the chat template rejected it: {e}") from e
+    except (ArithmeticError, AttributeError, LookupError, TypeError, ValueError, RecursionError) as e:
+        # The template's own code failed on this conversation (e.g. `content + '...'` with null content).
+        raise DataError(f"{where}: the chat template failed on it: {type(e).__name__}: {e}") from e
 
 
 def assistant_spans(

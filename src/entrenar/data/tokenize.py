@@ -17,6 +17,10 @@ Three kinds of record:
 Labels are aligned with ``input_ids`` (the loss shifts them). ``add_eos``
 appends EOS to text and completion examples; chat templates write their own
 end-of-turn tokens.
+
+Records that are legal but likely mistakes (empty text or completion, an
+unknown chat role, null content, fields of two kinds in one record) are taken
+as written and counted by kind in ``TokenizeStats.suspicious``.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from entrenar.data.sources import Record
+from entrenar.data.sources import Record, Skip
 from entrenar.data.templates import assistant_spans, render_chat
 from entrenar.errors import ConfigError, DataError
 
@@ -36,6 +40,16 @@ IGNORE_INDEX = -100
 KINDS = ("auto", "text", "prompt_completion", "messages")
 TRAIN_ON = ("all", "completion")
 _MAX_REPORTED = 10
+# Roles the common chat templates know (OpenAI's, Llama 3's ipython, the older function); others are likely typos.
+KNOWN_ROLES = frozenset({"system", "user", "assistant", "tool", "developer", "function", "ipython"})
+
+
+class RecordError(DataError):
+    """A record that cannot become an example; ``reason`` is the short kind skip reports count by."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 @dataclass(frozen=True)
@@ -67,6 +81,12 @@ class TokenizeStats:
     truncated_examples: int = 0
     truncated_tokens: int = 0
     dropped_no_targets: int = 0
+    skipped_records: list[Skip] = field(default_factory=list)  # every skipped record
+    suspicious: dict[str, tuple[int, str]] = field(default_factory=dict)  # kind -> (count, first where)
+
+    def suspect(self, kind: str, where: str) -> None:
+        count, first = self.suspicious.get(kind, (0, where))
+        self.suspicious[kind] = (count + 1, first)
 
 
 def tokenize_record(
@@ -91,27 +111,44 @@ def tokenize_record(
         fields, where = record.fields, record.where
     else:
         fields, where = dict(record), "record"
-    names = {name: name for name in ("text", "prompt", "completion", "messages")}
-    unknown = sorted(set(columns or {}) - set(names))
-    if unknown:
-        raise ConfigError(f"columns {unknown} are not among {sorted(names)} (map these names to your fields)")
-    names.update(columns or {})
+    names = _columns(columns)
+    return _tokenize(fields, where, tokenizer, kind, train_on, add_eos, names)[0]
 
+
+def _tokenize(fields: Mapping[str, Any], where: str, tokenizer: Tokenizer, kind: str, train_on: str, add_eos: bool,
+              names: Mapping[str, str]) -> tuple[Example, list[str]]:
+    """The example of one record, and the likely mistakes it holds (kinds of ``TokenizeStats.suspicious``)."""
+    suspicions = []
     if kind == "auto":
         kind = _detect_kind(fields, names, where)
+        shown = {"messages": f"'{names['messages']}'", "text": f"'{names['text']}'",
+                 "prompt_completion": f"'{names['prompt']}'/'{names['completion']}'"}
+        present = [shown[k] for k, fs in (("messages", ["messages"]), ("prompt_completion", ["prompt", "completion"]),
+                                          ("text", ["text"])) if any(names[f] in fields for f in fs)]
+        if len(present) > 1:
+            suspicions.append(f"both {' and '.join(present)} ({shown[kind]} used)")
     if kind == "text":
         text = _string_field(fields, names["text"], where)
-        ids = tokenizer.encode(text, add_special_tokens=True)
+        if not text.strip():
+            suspicions.append("empty text")
+        ids = _encode(tokenizer, text, True, where, names["text"])
         ids = _with_eos(ids, tokenizer, add_eos, where)
-        return Example(ids, list(ids), where)
+        return Example(ids, list(ids), where), suspicions
     if kind == "prompt_completion":
-        prompt = tokenizer.encode(_string_field(fields, names["prompt"], where), add_special_tokens=True)
-        completion = tokenizer.encode(_string_field(fields, names["completion"], where), add_special_tokens=False)
+        prompt = _encode(tokenizer, _string_field(fields, names["prompt"], where), True, where, names["prompt"])
+        completion_text = _string_field(fields, names["completion"], where)
+        if not completion_text.strip():
+            suspicions.append("empty completion")
+        completion = _encode(tokenizer, completion_text, False, where, names["completion"])
         completion = _with_eos(completion, tokenizer, add_eos, where)
         prompt_labels = [IGNORE_INDEX] * len(prompt) if train_on == "completion" else list(prompt)
-        return Example(prompt + completion, prompt_labels + completion, where)
+        return Example(prompt + completion, prompt_labels + completion, where), suspicions
     messages = _messages_field(fields, names["messages"], where)
-    return _tokenize_chat(messages, tokenizer, train_on, where)
+    for role in sorted({m["role"] for m in messages} - KNOWN_ROLES):
+        suspicions.append(f"unknown chat role {role[:40]!r}")
+    if any(m.get("content") is None for m in messages):
+        suspicions.append("null message content")
+    return _tokenize_chat(messages, tokenizer, train_on, where), suspicions
 
 
 def tokenize_records(
@@ -138,18 +175,26 @@ def tokenize_records(
         raise ConfigError(f"on_error {on_error!r} must be 'raise' or 'skip'")
     stats = TokenizeStats()
     examples: list[Example] = []
+    names = _columns(columns)
+    if kind not in KINDS:
+        raise ConfigError(f"data kind {kind!r} is not one of {', '.join(KINDS)}")
+    if train_on not in TRAIN_ON:
+        raise ConfigError(f"train_on {train_on!r} is not one of {', '.join(TRAIN_ON)}")
     for index, record in enumerate(records):
         if not isinstance(record, Record):
             record = Record(dict(record), "records", f"item {index}")
         try:
-            example = tokenize_record(record, tokenizer, kind=kind, train_on=train_on, add_eos=add_eos, columns=columns)
+            example, suspicions = _tokenize(record.fields, record.where, tokenizer, kind, train_on, add_eos, names)
         except DataError as e:
             if on_error == "raise":
                 raise
             stats.skipped += 1
+            stats.skipped_records.append(Skip(record.file, record.location, getattr(e, "reason", "bad record"), str(e)))
             if len(stats.skip_reasons) < _MAX_REPORTED:
                 stats.skip_reasons.append(str(e))
             continue
+        for suspicion in suspicions:
+            stats.suspect(suspicion, record.where)
         if len(example) > seq_len:
             stats.truncated_examples += 1
             stats.truncated_tokens += len(example) - seq_len
@@ -170,6 +215,30 @@ def tokenize_records(
     return examples, stats
 
 
+def _columns(columns: Mapping[str, str] | None) -> dict[str, str]:
+    names = {name: name for name in ("text", "prompt", "completion", "messages")}
+    unknown = sorted(set(columns or {}) - set(names))
+    if unknown:
+        raise ConfigError(f"columns {unknown} are not among {sorted(names)} (map these names to your fields)")
+    names.update(columns or {})
+    return names
+
+
+def _encode(tokenizer: Tokenizer, text: str, add_special_tokens: bool, where: str, name: str) -> list[int]:
+    return tokenizer.encode(_valid_text(text, where, name), add_special_tokens=add_special_tokens)
+
+
+def _valid_text(text: str, where: str, name: str) -> str:
+    """``text`` if it is Unicode a tokenizer can take; a lone surrogate (JSON's "\\ud800" read alone) is not."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise RecordError("invalid text", f"{where}: field '{name}' is not valid Unicode text: "
+                                          f"{ascii(text[e.start])[1:-1]} at character {e.start} is a lone "
+                                          "surrogate") from None
+    return text
+
+
 def _detect_kind(fields: Mapping[str, Any], names: Mapping[str, str], where: str) -> str:
     if names["messages"] in fields:
         return "messages"
@@ -178,29 +247,30 @@ def _detect_kind(fields: Mapping[str, Any], names: Mapping[str, str], where: str
     if names["text"] in fields:
         return "text"
     wanted = f"'{names['text']}', '{names['prompt']}'+'{names['completion']}' or '{names['messages']}'"
-    raise DataError(f"{where}: record has none of the fields {wanted} (it has {sorted(fields)[:10]})")
+    raise RecordError("no known fields", f"{where}: record has none of the fields {wanted} (it has {sorted(fields)[:10]})")
 
 
 def _string_field(fields: Mapping[str, Any], name: str, where: str) -> str:
     if name not in fields:
-        raise DataError(f"{where}: missing field '{name}' (the record has {sorted(fields)[:10]})")
+        raise RecordError("missing field", f"{where}: missing field '{name}' (the record has {sorted(fields)[:10]})")
     value = fields[name]
     if not isinstance(value, str):
-        raise DataError(f"{where}: field '{name}' must be a string, got {type(value).__name__}")
+        raise RecordError("field not a string", f"{where}: field '{name}' must be a string, got {type(value).__name__}")
     return value
 
 
 def _messages_field(fields: Mapping[str, Any], name: str, where: str) -> list[dict[str, Any]]:
     if name not in fields:
-        raise DataError(f"{where}: missing field '{name}' (the record has {sorted(fields)[:10]})")
+        raise RecordError("missing field", f"{where}: missing field '{name}' (the record has {sorted(fields)[:10]})")
     messages = fields[name]
     if not isinstance(messages, list) or not messages:
-        raise DataError(f"{where}: field '{name}' must be a non-empty list of {{role, content}} objects")
+        raise RecordError("bad messages", f"{where}: field '{name}' must be a non-empty list of {{role, content}} objects")
     for i, message in enumerate(messages):
         if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
-            raise DataError(f"{where}: {name}[{i}] must be an object with a string 'role'")
+            raise RecordError("bad messages", f"{where}: {name}[{i}] must be an object with a string 'role'")
         if not isinstance(message.get("content"), (str, type(None))):
-            raise DataError(f"{where}: {name}[{i}].content must be a string, got {type(message['content']).__name__}")
+            raise RecordError("bad messages", f"{where}: {name}[{i}].content must be a string, "
+                                              f"got {type(message['content']).__name__}")
     return [dict(m) for m in messages]
 
 
@@ -216,16 +286,26 @@ def _with_eos(ids: list[int], tokenizer: Tokenizer, add_eos: bool, where: str) -
 def _tokenize_chat(messages: Sequence[Mapping[str, Any]], tokenizer: Tokenizer, train_on: str, where: str) -> Example:
     template = tokenizer.chat_template
     if template is None:
-        raise DataError(f"{where}: a 'messages' record needs a chat template, and the tokenizer has none")
+        raise RecordError("no chat template",
+                          f"{where}: a 'messages' record needs a chat template, and the tokenizer has none")
     if train_on == "all":
-        text = render_chat(template, messages, False, tokenizer.special_tokens, where)
+        try:
+            text = render_chat(template, messages, False, tokenizer.special_tokens, where)
+        except DataError as e:
+            raise RecordError("chat template rejected it", str(e)) from None
         # The template writes BOS itself where the model wants one, as in transformers.
-        ids = tokenizer.encode(text, add_special_tokens=False)
+        ids = _encode(tokenizer, text, False, where, "messages")
         return Example(ids, list(ids), where)
     if not any(m["role"] == "assistant" for m in messages):
-        raise DataError(f"{where}: train_on='completion' but the conversation has no assistant message")
-    text, spans = assistant_spans(template, messages, tokenizer.special_tokens, where)
-    ids, offsets = tokenizer.encode_with_offsets(text, add_special_tokens=False)
+        raise RecordError("no assistant message",
+                          f"{where}: train_on='completion' but the conversation has no assistant message")
+    try:
+        text, spans = assistant_spans(template, messages, tokenizer.special_tokens, where)
+    except RecordError:
+        raise
+    except DataError as e:
+        raise RecordError("chat template rejected it", str(e)) from None
+    ids, offsets = tokenizer.encode_with_offsets(_valid_text(text, where, "messages"), add_special_tokens=False)
     labels = [IGNORE_INDEX] * len(ids)
     span = 0
     for i, (start, _end) in enumerate(offsets):

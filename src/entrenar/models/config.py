@@ -90,41 +90,53 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any], source: str = "config.json") -> "ModelConfig":
-        """Build from a transformers config.json dict (v4 or v5 style)."""
+        """Build from a transformers config.json dict (v4 or v5 style).
+
+        Every value is checked for its type and range, so a damaged config.json
+        is a ModelError naming the file and the key, never a TypeError or an
+        allocation of absurd size later.
+        """
+        if not isinstance(hf, dict):
+            raise ModelError(f"{source}: expected a JSON object, got {_json_type(hf)}")
         model_type = hf.get("model_type")
         if model_type not in SUPPORTED_FAMILIES:
             archs = hf.get("architectures")
             raise ModelError(
-                f"{source}: unknown model family '{model_type}'"
+                f"{source}: unknown model family {model_type!r}"
                 + (f" (architectures {archs})" if archs else "")
                 + f"; supported: {', '.join(SUPPORTED_FAMILIES)}"
             )
-        try:
-            required = {
-                "vocab_size": hf["vocab_size"],
-                "hidden_size": hf["hidden_size"],
-                "intermediate_size": hf["intermediate_size"],
-                "num_layers": hf["num_hidden_layers"],
-                "num_heads": hf["num_attention_heads"],
-            }
-        except KeyError as e:
-            raise ModelError(f"{source}: missing key {e.args[0]!r}") from None
-        if hf.get("hidden_act", "silu") not in ("silu", "swish"):
-            raise ModelError(f"{source}: hidden_act '{hf['hidden_act']}' is not supported (only silu)")
+        read = _Reader(hf, source)
+        required = {
+            "vocab_size": read.size("vocab_size", required=True),
+            "hidden_size": read.size("hidden_size", required=True),
+            "intermediate_size": read.size("intermediate_size", required=True),
+            "num_layers": read.size("num_hidden_layers", required=True, limit=MAX_LAYERS),
+            "num_heads": read.size("num_attention_heads", required=True),
+        }
+        hidden_act = hf.get("hidden_act", "silu")
+        if hidden_act not in ("silu", "swish"):
+            raise ModelError(f"{source}: hidden_act {hidden_act!r} is not supported (only silu)")
 
         # transformers v5 moved rope_theta and rope_scaling into rope_parameters.
-        rope = dict(hf.get("rope_parameters") or {})
-        legacy = hf.get("rope_scaling") or {}
-        rope_theta = rope.pop("rope_theta", hf.get("rope_theta", 10000.0))
+        rope = dict(read.mapping("rope_parameters") or {})
+        legacy = read.mapping("rope_scaling") or {}
+        if "rope_theta" in rope:
+            rope_theta = _Reader(rope, source, "rope_parameters.").number("rope_theta", positive=True)
+            rope.pop("rope_theta")
+        else:
+            rope_theta = read.number("rope_theta", default=10000.0, positive=True)
         scaling = {k: v for k, v in {**legacy, **rope}.items() if k != "rope_theta"}
         if "type" in scaling and "rope_type" not in scaling:
             scaling["rope_type"] = scaling.pop("type")
         if scaling.get("rope_type", "default") == "default":
             scaling = None
+        else:
+            _check_rope_scaling(scaling, source)
 
-        attention_bias = bool(hf.get("attention_bias", False))
-        sliding = hf.get("sliding_window")
-        if model_type in ("qwen2", "qwen3") and not hf.get("use_sliding_window", False):
+        attention_bias = read.flag("attention_bias")
+        sliding = read.size("sliding_window", nullable=True, limit=None)
+        if model_type in ("qwen2", "qwen3") and not read.flag("use_sliding_window"):
             sliding = None
         known = {
             "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -133,27 +145,30 @@ class ModelConfig:
             "use_sliding_window", "initializer_range", "model_type", "bos_token_id", "eos_token_id", "pad_token_id",
             "architectures", "hidden_act",
         }
-        return cls(
-            **required,
-            num_kv_heads=hf.get("num_key_value_heads") or required["num_heads"],
-            head_dim=hf.get("head_dim"),
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(rope_theta),
-            rope_scaling=scaling,
-            max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            qkv_bias=model_type == "qwen2" or attention_bias,
-            o_bias=model_type != "qwen2" and attention_bias,
-            mlp_bias=bool(hf.get("mlp_bias", False)),
-            qk_norm=model_type == "qwen3",
-            sliding_window=sliding,
-            initializer_range=float(hf.get("initializer_range", 0.02)),
-            model_type=model_type,
-            bos_token_id=hf.get("bos_token_id"),
-            eos_token_id=hf.get("eos_token_id"),
-            pad_token_id=hf.get("pad_token_id"),
-            extra={k: v for k, v in hf.items() if k not in known},
-        )
+        try:
+            return cls(
+                **required,
+                num_kv_heads=read.size("num_key_value_heads", nullable=True) or required["num_heads"],
+                head_dim=read.size("head_dim", nullable=True),
+                rms_norm_eps=read.number("rms_norm_eps", default=1e-6, positive=True),
+                rope_theta=rope_theta,
+                rope_scaling=scaling,
+                max_position_embeddings=read.size("max_position_embeddings", default=2048, limit=None),
+                tie_word_embeddings=read.flag("tie_word_embeddings"),
+                qkv_bias=model_type == "qwen2" or attention_bias,
+                o_bias=model_type != "qwen2" and attention_bias,
+                mlp_bias=read.flag("mlp_bias"),
+                qk_norm=model_type == "qwen3",
+                sliding_window=sliding,
+                initializer_range=0.02 if hf.get("initializer_range") is None else read.number("initializer_range"),
+                model_type=model_type,
+                bos_token_id=read.token_ids("bos_token_id"),
+                eos_token_id=read.token_ids("eos_token_id"),
+                pad_token_id=read.token_ids("pad_token_id", single=True),
+                extra={k: v for k, v in hf.items() if k not in known},
+            )
+        except ModelError as e:
+            raise ModelError(f"{source}: {str(e).removeprefix('model config: ')}") from None
 
     def to_hf(self) -> dict[str, Any]:
         """A config.json dict that transformers (v4 and v5) loads back."""
@@ -199,6 +214,99 @@ class ModelConfig:
 
     def replace(self, **changes: Any) -> "ModelConfig":
         return dataclasses.replace(self, **changes)
+
+
+
+# Bounds far above any released model (Llama 3.1 405B: hidden 16384, intermediate 53248, 126 layers;
+# vocabularies reach 262,144), so a damaged config.json fails here rather than in a huge allocation.
+MAX_DIM = 2**22
+MAX_LAYERS = 4096
+
+
+def _json_type(value: Any) -> str:
+    names = {dict: "an object", list: "a list", str: "a string", bool: "true/false", type(None): "null"}
+    return names.get(type(value), "a number")
+
+
+class _Reader:
+    """Typed reads of config.json keys; each bad value is a ModelError naming the file and the key."""
+
+    def __init__(self, data: dict[str, Any], source: str, prefix: str = ""):
+        self.data, self.source, self.prefix = data, source, prefix
+
+    def _bad(self, key: str, expected: str) -> ModelError:
+        return ModelError(f"{self.source}: '{self.prefix}{key}' must be {expected}, got {self.data.get(key)!r}"[:400])
+
+    def size(self, key: str, required: bool = False, nullable: bool = False, default: int | None = None,
+             limit: int | None = MAX_DIM) -> int | None:
+        if key not in self.data:
+            if required:
+                raise ModelError(f"{self.source}: missing key '{self.prefix}{key}'")
+            return default
+        value = self.data[key]
+        if value is None and nullable:
+            return None
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise self._bad(key, "a positive integer")
+        if limit is not None and value > limit:
+            raise self._bad(key, f"at most {limit:,} (larger than any model entrenar can load)")
+        return value
+
+    def number(self, key: str, default: float | None = None, positive: bool = False) -> float:
+        value = self.data.get(key, default)
+        expected = "a positive finite number" if positive else "a finite number"
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise self._bad(key, expected)
+        try:
+            number = float(value)
+        except OverflowError:  # an integer of hundreds of digits
+            raise self._bad(key, expected) from None
+        if not math.isfinite(number) or (positive and number <= 0):
+            raise self._bad(key, expected)
+        return number
+
+    def flag(self, key: str) -> bool:
+        value = self.data.get(key, False)
+        if value is None:
+            return False
+        if not isinstance(value, bool):
+            raise self._bad(key, "true or false")
+        return value
+
+    def mapping(self, key: str) -> dict[str, Any] | None:
+        value = self.data.get(key)
+        if value is not None and not isinstance(value, dict):
+            raise self._bad(key, "an object or null")
+        return value
+
+    def token_ids(self, key: str, single: bool = False) -> int | list[int] | None:
+        value = self.data.get(key)
+
+        def is_id(v: Any) -> bool:  # old conversions wrote pad_token_id -1 for "none"; it is passed through
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        if value is None or is_id(value):
+            return value
+        if not single and isinstance(value, list) and all(is_id(v) for v in value):
+            return value
+        raise self._bad(key, "a token id (an integer)" + ("" if single else ", a list of them,") + " or null")
+
+
+def _check_rope_scaling(scaling: dict[str, Any], source: str) -> None:
+    """The numbers rope_inv_freq reads for a scaled RoPE, checked before they are used."""
+    kind = scaling.get("rope_type")
+    if kind not in SUPPORTED_ROPE_TYPES:
+        raise ModelError(
+            f"{source}: rope scaling {kind!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
+        )
+    keys = {"linear": ("factor",),
+            "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}[kind]
+    read = _Reader(scaling, source, "rope_scaling.")
+    for key in keys:
+        read.number(key, positive=True)
+    if kind == "llama3" and scaling["low_freq_factor"] == scaling["high_freq_factor"]:
+        raise ModelError(f"{source}: 'rope_scaling.low_freq_factor' and 'high_freq_factor' must differ "
+                         f"(both {scaling['low_freq_factor']})")
 
 
 def rope_inv_freq(config: ModelConfig) -> "torch.Tensor":  # noqa: F821

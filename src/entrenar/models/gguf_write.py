@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from entrenar import atomic
+from entrenar import atomic, finite
 from entrenar.errors import ModelError, QuantError
 from entrenar.models.config import rope_inv_freq
 from entrenar.models.gguf import build_tokenizer, gguf_tensor_name
@@ -400,6 +400,7 @@ def write_gguf(
 
     qtype = check_gguf_type(qtype)
     path = Path(path)
+    finite.check_finite(model.state_dict(), path, ModelError)
     arch = _ARCHITECTURES[model.config.model_type]
     plan = _plan(model, qtype)
     meta = tokenizer_metadata(tokenizer, model.config.vocab_size)

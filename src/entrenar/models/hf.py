@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -11,6 +12,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from entrenar import atomic
+from entrenar.finite import check_finite
 from entrenar.errors import ModelError
 from entrenar.models.config import ModelConfig, rope_inv_freq
 from entrenar.models.transformer import Transformer
@@ -19,15 +21,25 @@ INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 
 
+def read_json(path: Path) -> object:
+    """A JSON file's value; unreadable, non-UTF-8, invalid or absurdly nested JSON is a ModelError naming it."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ModelError(f"{path} line {e.lineno}: invalid JSON: {e.msg}") from None
+    except UnicodeDecodeError as e:
+        raise ModelError(f"{path}: not UTF-8 text (byte {e.start}): not a JSON file") from None
+    except RecursionError:
+        raise ModelError(f"{path}: JSON nested too deeply to be a model file") from None
+    except ValueError as e:  # an integer of thousands of digits (Python's int-string limit)
+        raise ModelError(f"{path}: invalid JSON: {e}") from None
+
+
 def read_config(folder: str | Path) -> ModelConfig:
     path = Path(folder) / "config.json"
     if not path.is_file():
         raise ModelError(f"{folder}: not a Hugging Face model folder (no config.json)")
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ModelError(f"{path} line {e.lineno}: invalid JSON: {e.msg}") from None
-    return ModelConfig.from_hf(data, source=str(path))
+    return ModelConfig.from_hf(read_json(path), source=str(path))
 
 
 def weight_files(folder: str | Path) -> list[Path]:
@@ -35,10 +47,14 @@ def weight_files(folder: str | Path) -> list[Path]:
     folder = Path(folder)
     index = folder / INDEX_NAME
     if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as e:
-            raise ModelError(f"{index}: malformed index ({e})") from None
+        data = read_json(index)
+        weight_map = data.get("weight_map") if isinstance(data, dict) else None
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ModelError(f"{index}: 'weight_map' must be an object of tensor name -> file name, "
+                             f"got {type(weight_map).__name__ if weight_map is not None else 'nothing'}")
+        for value in weight_map.values():
+            if not isinstance(value, str) or value in ("", ".", "..") or Path(value).name != value:
+                raise ModelError(f"{index}: 'weight_map' names {value!r}, not a file name in the folder")
         files = [folder / name for name in dict.fromkeys(weight_map.values())]
     elif (folder / SINGLE_NAME).is_file():
         files = [folder / SINGLE_NAME]
@@ -122,11 +138,45 @@ def empty_model(
                                                   dtype=dtype, device=device))
     elif quantize is not None:
         raise ModelError(f"unknown base quantization '{quantize}' (supported: nf4)")
-    model = model.to_empty(device=device).to(dtype)
+    # Cast on the meta device first: allocating in fp32 and casting after held both copies at once, twice
+    # the bf16 weights at load (27.9 GiB for a Llama-8B shape whose weights are 14 GiB).
+    model = model.to(dtype).to_empty(device=device)
     if config.tie_word_embeddings:  # leaving the meta device makes new Parameters, so re-tie
         model.lm_head.weight = model.model.embed_tokens.weight
     model.inv_freq = rope_inv_freq(config).to(device)  # kept in fp32 whatever the weights' dtype
     return model
+
+
+def stored_elements(files: list[Path]) -> int:
+    """How many values the safetensors files hold, from their headers (no tensor data is read)."""
+    total = 0
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as reader:
+                for name in reader.keys():
+                    total += math.prod(reader.get_slice(name).get_shape())
+        except Exception as e:  # safetensors raises its own error types for corrupt headers
+            raise ModelError(f"{f}: cannot read safetensors file ({e})") from None
+    return total
+
+
+def check_size(config: ModelConfig, files: list[Path], source: str) -> None:
+    """Refuse a config that describes more parameters than the weights hold, before allocating them.
+
+    A damaged config.json (``vocab_size: 10**12``) would otherwise ask for
+    terabytes before any tensor is compared. Quantized folders hold fewer
+    values than parameters (two 4-bit codes a byte), so a quarter of the
+    count is enough here; the exact check is per tensor, while loading.
+    """
+    stored = stored_elements(files)
+    needed = config.num_parameters
+    if stored * 4 < needed:  # 4: two 4-bit codes a byte in a quantized folder, with margin
+        raise ModelError(
+            f"{source}/config.json describes a model of {needed:,} parameters but its weights hold {stored:,} "
+            f"values (vocab_size {config.vocab_size:,}, hidden_size {config.hidden_size:,}, "
+            f"intermediate_size {config.intermediate_size:,}, {config.num_layers} layers): the config does not "
+            "belong to these weights"
+        )
 
 
 def load_hf(
@@ -140,8 +190,10 @@ def load_hf(
     if not folder.exists():
         raise ModelError(f"{folder}: no such model folder")
     config = read_config(folder)
+    files = weight_files(folder)
+    check_size(config, files, str(folder))
     model = empty_model(config, dtype, device, quantize)
-    load_state_into(model, iter_safetensors(weight_files(folder)), str(folder))
+    load_state_into(model, iter_safetensors(files), str(folder))
     return model
 
 
@@ -173,8 +225,12 @@ def save_hf(
     state = {n: t.detach().contiguous().cpu() for n, t in model.state_dict().items()}
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
+    check_finite(state, folder, ModelError)
     with atomic.staged_folder(folder) as tmp:
-        (tmp / "config.json").write_text(json.dumps(model.config.to_hf(), indent=2) + "\n")
+        # A classifier writes its *ForSequenceClassification config and classifier.json.
+        config = model.hf_config() if hasattr(model, "hf_config") else model.config.to_hf()
+        extra_files = {**(model.saved_files() if hasattr(model, "saved_files") else {}), **(extra_files or {})}
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         shards = _shards(state, max_shard_bytes)
         if len(shards) == 1:
             save_file(shards[0], str(tmp / SINGLE_NAME), metadata={"format": "pt"})

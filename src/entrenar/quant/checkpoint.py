@@ -86,11 +86,17 @@ def _describe(layer: nn.Module) -> dict[str, Any]:
     }
 
 
-def quantization_config(model: nn.Module, info: dict[str, Any] | None = None) -> dict[str, Any]:
+def quantization_config(
+    model: nn.Module, info: dict[str, Any] | None = None, group_size: int | None = None
+) -> dict[str, Any]:
     """The ``quantization_config`` entry that describes ``model``'s quantized layers.
 
     Every quantized layer must share one layout (the entry describes them all);
     ``info`` adds provenance such as ``{"source": "ptq", "calibration": "minmax"}``.
+    A layer exactly one group wide has one scale per row, as a per-channel
+    layer has: with ``group_size`` (the size the layers were quantized with),
+    or when the other layers agree on one, it is described as a group layer,
+    which is what it is, so the folder keeps one layout.
     """
     from entrenar.lora import LoraLinear
 
@@ -106,9 +112,17 @@ def quantization_config(model: nn.Module, info: dict[str, Any] | None = None) ->
     config = getattr(model, "config", None)
     if getattr(config, "tie_word_embeddings", False) and "lm_head" in layers:
         raise QuantError("lm_head: the output head is tied to the embeddings and cannot be stored quantized")
-    first, layout = next(iter(layers)), _describe(next(iter(layers.values())))
+    described = {name: _describe(layer) for name, layer in layers.items()}
+    sizes = {d["group_size"] for d in described.values() if d.get("granularity") == "group"}
+    if group_size is None and len(sizes) == 1:
+        group_size = sizes.pop()
+    if group_size is not None:
+        for name, d in described.items():
+            if d.get("granularity") == "channel" and layers[name].in_features == group_size:
+                d.update(granularity="group", group_size=group_size)
+    first, layout = next(iter(layers)), described[next(iter(layers))]
     for name, layer in layers.items():
-        other = _describe(layer)
+        other = described[name]
         if other != layout:
             diff = next(k for k in _LAYOUT_KEYS if other.get(k) != layout.get(k))
             raise QuantError(
@@ -126,17 +140,22 @@ def quantization_config(model: nn.Module, info: dict[str, Any] | None = None) ->
 
 
 def save_quantized(
-    model: Transformer, tokenizer: Tokenizer | None, folder: str | Path, info: dict[str, Any] | None = None
+    model: Transformer,
+    tokenizer: Tokenizer | None,
+    folder: str | Path,
+    info: dict[str, Any] | None = None,
+    group_size: int | None = None,
 ) -> Path:
     """Write ``model`` (its quantized layers as codes and scales) and ``tokenizer`` to ``folder``.
 
     The folder is built beside the target and renamed into place, so an
     interrupted save leaves the previous folder (or none), never half of one.
+    ``group_size``: see :func:`quantization_config`.
     """
     from entrenar.models.hf import save_hf
 
     folder = Path(folder)
-    entry = quantization_config(model, info)
+    entry = quantization_config(model, info, group_size)
     with atomic.staged_folder(folder) as target:
         save_hf(model, target)
         config_path = target / "config.json"
@@ -182,7 +201,7 @@ def read_quantization_config(folder: str | Path) -> dict[str, Any] | None:
     path = Path(folder) / "config.json"
     try:
         entry = json.loads(path.read_text()).get("quantization_config")
-    except (OSError, json.JSONDecodeError, AttributeError):
+    except (OSError, ValueError, AttributeError, RecursionError):  # ValueError: bad JSON or UTF-8
         return None  # not a readable model config: loading it reports why
     if not isinstance(entry, dict) or entry.get("quant_method") != QUANT_METHOD:
         return None
@@ -271,7 +290,10 @@ def _skeleton(folder: Path, entry: dict[str, Any], dtype: torch.dtype, device: t
     from entrenar.models.transformer import Transformer
     from entrenar.surgery import replace_module
 
+    from entrenar.models.hf import check_size, weight_files
+
     config = read_config(folder)
+    check_size(config, weight_files(folder), str(folder))  # before a damaged config allocates its size
     with torch.device("meta"):
         model = Transformer(config)
     where = f"{folder / 'config.json'}: quantization_config.modules"

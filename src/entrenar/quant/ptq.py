@@ -12,6 +12,7 @@ the most sensitive one). The result is written by
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,6 +45,9 @@ class QuantizeResult:
     before: EvalResult | None = None
     after: EvalResult | None = None
     config: dict[str, Any] = field(default_factory=dict)
+    disk_before: int = 0  # bytes on disk of the input (folder or GGUF file) and of the written folder
+    disk_after: int = 0
+    dtype: str = ""  # the dtype the unquantized weights (embeddings, norms, the head) are stored in
 
 
 def parse_method(method: str) -> tuple[str, int]:
@@ -95,6 +99,7 @@ def quantize_model(
     Nothing is replaced unless every layer quantizes.
     """
     kind, bits, percentile = check_options(method, symmetric, calibration, percentile)
+    check_shapes(model, method, group_size)
     if kind == "nf4":
         names = find_linears(model, ALL_LINEAR)
         originals = {name: model.get_submodule(name) for name in names}
@@ -109,8 +114,11 @@ def quantize_model(
     return errors, info
 
 
-def _check_paths(model_path: Path, output: Path) -> None:
-    """Refuse an output that is, or contains, the input; or an existing folder that is not a model folder."""
+def _check_paths(model_path: Path, output: Path, overwrite: bool) -> None:
+    """Refuse an output that is, or contains, the input; an earlier output without ``overwrite``; an output
+    that cannot be written (checked now, not after the model is read)."""
+    from entrenar.outputs import check_output
+
     src, out = model_path.resolve(), output.resolve()
     if out == src:
         raise ConfigError(f"{output}: the output is the input model; choose another folder (quantize never "
@@ -118,16 +126,72 @@ def _check_paths(model_path: Path, output: Path) -> None:
     if out in src.parents:
         raise ConfigError(f"{output}: the output contains the input model {model_path}; replacing it would delete "
                           "the input")
-    if output.exists() and (not output.is_dir() or (any(output.iterdir()) and not (output / "config.json").is_file())):
-        raise ConfigError(f"{output}: exists and is not a model folder; refusing to replace it (choose a new path)")
+    check_output(output, overwrite=overwrite)
 
 
-def _weight_bytes(model: nn.Module, names: list[str]) -> int:
+def suggest_group_sizes(widths: list[int], largest: int) -> list[int]:
+    """Group sizes that divide every width, powers of two from ``largest`` down to 16, largest first."""
+    common = math.gcd(*widths)
+    found, g = [], 1
+    while g * 2 <= min(common, largest) and common % (g * 2) == 0:
+        g *= 2
+    while g >= 16 and len(found) < 3:
+        found.append(g)
+        g //= 2
+    return found
+
+
+def check_shapes(model: nn.Module, method: str, group_size: int | None) -> None:
+    """Refuse a layout some layer cannot take, before any weight is read or any evaluation runs.
+
+    ``model`` may live on the meta device (only shapes are read). A group
+    size must divide every quantized layer's input width; the error names
+    the first layer it does not fit and suggests sizes that fit them all.
+    """
+    from entrenar.quant.nf4 import BLOCKSIZES
+
+    kind, bits = parse_method(method)
+    if kind == "nf4":
+        if group_size is not None and group_size not in BLOCKSIZES:
+            raise QuantError(f"nf4 block size {group_size} is not supported (choose one of "
+                             f"{', '.join(map(str, BLOCKSIZES))}; default {NF4_BLOCKSIZE})")
+        return
+    widths = {name: model.get_submodule(name).in_features for name in find_linears(model, ALL_LINEAR)}
+    if bits <= 4:
+        odd = [(n, w) for n, w in widths.items() if w % 2]
+        if odd:
+            raise QuantError(f"{odd[0][0]}: {bits}-bit codes are packed two per byte and need an even input width, "
+                             f"got {odd[0][1]}; use int5 or more bits")
+    if group_size is None:
+        return
+    bad = [(n, w) for n, w in widths.items() if w % group_size]
+    if bad:
+        name, width = bad[0]
+        sizes = suggest_group_sizes(list(widths.values()), group_size)
+        widths_text = ", ".join(str(w) for w in sorted(set(widths.values())))
+        hint = (f"group sizes that divide every layer: {', '.join(map(str, sizes))}; or" if sizes else
+                "no power-of-two group size from 16 up divides every layer;")
+        raise QuantError(
+            f"group size {group_size} does not divide the input width of {len(bad)} of {len(widths)} layers, "
+            f"e.g. {name} ({width}); the layer widths are {widths_text}. {hint} leave the group size out "
+            "(no --group-size) for one scale per output channel"
+        )
+
+
+def disk_size(path: Path) -> int:
+    """Bytes on disk of a file, or of every file under a folder."""
+    if path.is_file():
+        return path.stat().st_size
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def _weight_bytes(model: nn.Module, names: list[str], itemsize: int | None = None) -> int:
+    """Bytes of the named layers' weights: quantized as stored, full-precision at ``itemsize`` (default: as held)."""
     total = 0
     for name in names:
         layer = model.get_submodule(name)
         if isinstance(layer, nn.Linear):
-            total += layer.weight.numel() * layer.weight.element_size()
+            total += layer.weight.numel() * (itemsize or layer.weight.element_size())
         else:
             total += layer.quantized.nbytes
     return total
@@ -146,21 +210,38 @@ def quantize_pretrained(
     device: str | torch.device | None = None,
     seq_len: int = 512,
     batch_size: int = 4,
+    overwrite: bool = False,
 ) -> QuantizeResult:
     """Load ``model_path``, quantize it (:func:`quantize_model`) and write it to ``output``.
 
     With ``data`` (a data file as ``entrenar eval`` takes it), the loss and
-    perplexity are measured before and after, on the same batches. The output is
-    written atomically and may not be, or contain, the input.
+    perplexity are measured before and after, on the same batches. ``dtype``
+    is the dtype to load and compute in; what stays unquantized (embeddings,
+    norms, the output head) is stored in the input's own dtype, so a bf16
+    model's folder holds bf16 embeddings. Settings, layer shapes and the
+    output are all checked before the model is read; an existing non-empty
+    output needs ``overwrite`` and keeps files that are not ours
+    (:mod:`entrenar.outputs`). The output may not be, or contain, the input.
     """
     import entrenar
+    from entrenar.export import stored_dtype
+    from entrenar.models.transformer import Transformer
+    from entrenar.outputs import replace_files
     from entrenar.quant.checkpoint import is_quantized_folder, quantization_config, save_quantized
+    from entrenar.runs import resolve_model_and_adapter
 
     model_path, output = Path(model_path), Path(output)
     check_options(method, symmetric, calibration, percentile)  # bad settings fail before the model is read
-    _check_paths(model_path, output)
+    _check_paths(model_path, output, overwrite)
     if is_quantized_folder(model_path):
         raise QuantError(f"{model_path}: the model is already quantized; quantize the full-precision model instead")
+    with torch.device("meta"):
+        check_shapes(Transformer(entrenar.read_model_config(model_path)), method, group_size)
+    source = resolve_model_and_adapter(model_path)
+    if source.adapter is not None or source.checkpoint is not None:
+        raise QuantError(f"{model_path}: is a LoRA run or checkpoint; export it merged first (entrenar export "
+                         "--merge) and quantize that folder")
+    keep_dtype = stored_dtype(source.model)
     model, tokenizer = entrenar.load(model_path, dtype=dtype, device=device)
 
     def evaluate() -> EvalResult | None:
@@ -172,10 +253,17 @@ def quantize_pretrained(
 
     before = evaluate()
     names = find_linears(model, ALL_LINEAR)
-    bytes_before = _weight_bytes(model, names)
+    bytes_before = _weight_bytes(model, names, keep_dtype.itemsize)  # as the input stores them
     errors, info = quantize_model(model, method, group_size, symmetric, calibration, percentile)
     after = evaluate()
-    save_quantized(model, tokenizer, output, info=info)
+    model.to(keep_dtype)  # quantized layers keep their codes and fp32 scales; the rest goes back to the input's dtype
+    extra = {k: v for k, v in model.config.extra.items() if k != "torch_dtype"}
+    model.config = model.config.replace(extra={**extra, "dtype": str(keep_dtype).removeprefix("torch.")})
+    layout_group = group_size if parse_method(method)[0] == "int" else None
+    with replace_files(output) as target:
+        save_quantized(model, tokenizer, target, info=info, group_size=layout_group)
     return QuantizeResult(output=output, method=method, layers=errors, bytes_before=bytes_before,
                           bytes_after=_weight_bytes(model, names), before=before, after=after,
-                          config=quantization_config(model, info))
+                          config=quantization_config(model, info, layout_group),
+                          disk_before=disk_size(source.model), disk_after=disk_size(output),
+                          dtype=str(keep_dtype).removeprefix("torch."))

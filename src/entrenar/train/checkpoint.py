@@ -37,6 +37,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, safe_open, save_file
 
 from entrenar import atomic
+from entrenar.finite import check_finite
 from entrenar.errors import CheckpointError
 
 FORMAT_VERSION = 1
@@ -49,8 +50,8 @@ TRAINER_FILE = "trainer.json"
 REQUIRED_FILES = (MODEL_FILE, OPTIMIZER_TENSORS, OPTIMIZER_JSON, RNG_FILE, TRAINER_FILE)
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
-# A staging folder of atomic.staged_folder that a hard kill left behind.
-_LEFTOVER_DIR = re.compile(r"^\.step-\d+\..+" + re.escape(atomic.TEMP_SUFFIX) + "$")
+# A staging folder of atomic.staged_folder for a checkpoint (removed once the process that made it is gone).
+_LEFTOVER_DIR = re.compile(r"^\.(step-\d+)\..+" + re.escape(atomic.TEMP_SUFFIX) + "$")
 # Group keys that describe this process's optimizer implementation, not training state.
 _IMPLEMENTATION_KEYS = ("fused", "foreach", "capturable", "differentiable")
 
@@ -63,12 +64,20 @@ def _write_pointer(path: Path, target: str) -> None:
     atomic.write_text(path, target + "\n")
 
 
-def _read_pointer(path: Path) -> str | None:
+def _read_pointer(path: Path, instead: str) -> str | None:
+    """The ``step-N`` a pointer file names; None if there is no such file. A damaged pointer (not UTF-8, not a
+    ``step-N``) warns, saying what is used ``instead``, and reads as None."""
     try:
         name = path.read_text(encoding="utf-8").strip()
     except FileNotFoundError:
         return None
-    return name if _STEP_DIR.match(name) else None
+    except (UnicodeDecodeError, OSError) as e:
+        warnings.warn(f"{path}: unreadable pointer ({e}); {instead}", stacklevel=3)
+        return None
+    if not _STEP_DIR.match(name):
+        warnings.warn(f"{path}: does not name a checkpoint ({name[:40]!r}); {instead}", stacklevel=3)
+        return None
+    return name
 
 
 def _read_json(path: Path) -> Any:
@@ -78,6 +87,10 @@ def _read_json(path: Path) -> Any:
         raise CheckpointError(f"{path}: file is missing") from None
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{path}: corrupt JSON at line {e.lineno}, column {e.colno}: {e.msg}") from None
+    except UnicodeDecodeError as e:
+        raise CheckpointError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except RecursionError:
+        raise CheckpointError(f"{path}: corrupt JSON, nested too deeply to be a checkpoint's") from None
 
 
 def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
@@ -155,7 +168,10 @@ def _decode(obj: Any, tensors: dict[str, torch.Tensor], file: Path) -> Any:
 def _saved_optimizer_state(ckpt: Path, optimizer: torch.optim.Optimizer) -> dict:
     """Read the saved optimizer state and check it fits ``optimizer`` before anything is changed."""
     tensor_file = ckpt / OPTIMIZER_TENSORS
-    saved = _decode(_read_json(ckpt / OPTIMIZER_JSON), _read_tensors(tensor_file), tensor_file)
+    try:
+        saved = _decode(_read_json(ckpt / OPTIMIZER_JSON), _read_tensors(tensor_file), tensor_file)
+    except RecursionError:
+        raise CheckpointError(f"{ckpt / OPTIMIZER_JSON}: nested too deeply to be an optimizer state") from None
     if not isinstance(saved, dict) or not {"state", "param_groups"} <= saved.keys():
         raise CheckpointError(f"{ckpt / OPTIMIZER_JSON}: not an optimizer state (needs 'state' and 'param_groups')")
     groups, saved_groups = optimizer.param_groups, saved["param_groups"]
@@ -222,10 +238,20 @@ def _read_rng(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         raw = f.metadata() or {}
     try:
         meta = {key: json.loads(raw[key]) for key in ("numpy", "python_random")}
-    except (KeyError, json.JSONDecodeError) as e:
+    except (KeyError, json.JSONDecodeError, RecursionError) as e:
         raise CheckpointError(f"{path}: missing or corrupt RNG metadata ({e})") from None
     if "torch_cpu" not in tensors or "numpy_keys" not in tensors:
         raise CheckpointError(f"{path}: tensor 'torch_cpu' or 'numpy_keys' is missing")
+    # Sizes the generators need, checked here so a cut-short state fails before anything is restored.
+    expected = {"torch_cpu": (torch.uint8, torch.get_rng_state().numel()), "numpy_keys": (torch.int64, 624)}
+    for name, (dtype, numel) in expected.items():
+        if tensors[name].dtype != dtype or tensors[name].numel() != numel:
+            raise CheckpointError(f"{path}: tensor {name!r} is {tensors[name].dtype} with {tensors[name].numel()} "
+                                  f"values, a generator state needs {dtype} with {numel}; the file is damaged")
+    py, np_meta = meta["python_random"], meta["numpy"]
+    if (not isinstance(py, dict) or not isinstance(py.get("state"), list) or len(py["state"]) != 625
+            or not isinstance(np_meta, dict) or not {"kind", "pos", "has_gauss", "cached_gaussian"} <= np_meta.keys()):
+        raise CheckpointError(f"{path}: RNG metadata 'python_random' or 'numpy' is damaged")
     return tensors, meta
 
 
@@ -282,17 +308,20 @@ def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
     Temporary folders of an interrupted save and folders missing a file are ignored.
     """
     ckpts = _checkpoints_dir(run_dir)
-    name = _read_pointer(ckpts / "latest")
+    name = _read_pointer(ckpts / "latest", instead="using the newest complete checkpoint instead")
     if name is not None and _is_complete(ckpts / name):
         return ckpts / name
     complete = [d for _, d in _step_dirs(ckpts) if _is_complete(d)]
+    if name is not None and complete:
+        warnings.warn(f"{ckpts / 'latest'} names {name}, which is not a complete checkpoint; using "
+                      f"{complete[-1].name}, the newest complete one", stacklevel=2)
     return complete[-1] if complete else None
 
 
 def best_checkpoint(run_dir: str | os.PathLike) -> Path | None:
     """The checkpoint last passed to :func:`mark_best`, if it still exists complete."""
     ckpts = _checkpoints_dir(run_dir)
-    name = _read_pointer(ckpts / "best")
+    name = _read_pointer(ckpts / "best", instead="no checkpoint is marked best")
     return ckpts / name if name is not None and _is_complete(ckpts / name) else None
 
 
@@ -310,7 +339,7 @@ def mark_best(run_dir: str | os.PathLike, step: int) -> Path:
 
 def _prune(ckpts: Path, keep_last: int | None, protected: set[str]) -> None:
     for d in ckpts.iterdir():
-        if d.is_dir() and _LEFTOVER_DIR.match(d.name):
+        if d.is_dir() and (m := _LEFTOVER_DIR.match(d.name)) and atomic.is_stale_temp(d, m.group(1)):
             shutil.rmtree(d, ignore_errors=True)
     if keep_last is None:
         return
@@ -353,6 +382,9 @@ def save_checkpoint(
 
     ckpts = _checkpoints_dir(run_dir)
     final = ckpts / f"step-{step}"
+    # A checkpoint with NaN/inf weights or moments cannot be resumed from; refuse it before anything is written.
+    check_finite(model_state, final / MODEL_FILE, CheckpointError)
+    check_finite(optimizer_tensors, final / OPTIMIZER_TENSORS, CheckpointError)
     # Saving the same step again (after resuming from an earlier checkpoint) replaces it only once complete.
     with atomic.staged_folder(final) as tmp:
         save_file(_cpu_tensors(model_state), str(tmp / MODEL_FILE), metadata={"format": "pt"})
@@ -364,7 +396,7 @@ def save_checkpoint(
     _write_pointer(ckpts / "latest", final.name)
     if best:
         _write_pointer(ckpts / "best", final.name)
-    best_name = _read_pointer(ckpts / "best")
+    best_name = _read_pointer(ckpts / "best", instead="no checkpoint is kept as best")
     _prune(ckpts, keep_last, protected={final.name} | ({best_name} if best_name else set()))
     return final
 
@@ -430,6 +462,11 @@ def load_checkpoint(
             f"(this entrenar reads {FORMAT_VERSION})"
         )
     del trainer_state["format_version"]
+    named = _STEP_DIR.match(ckpt.name)
+    if named is not None and trainer_state.get("step") != int(named.group(1)):
+        raise CheckpointError(f"{ckpt / TRAINER_FILE}: says step {trainer_state.get('step')!r} but the folder is "
+                              f"{ckpt.name}; the checkpoint was moved or damaged, and resuming it would continue at "
+                              "the wrong step")
     model_state = _read_tensors(ckpt / MODEL_FILE)
     if expected_model_state is not None:
         _check_model_state(model_state, expected_model_state, ckpt / MODEL_FILE)

@@ -13,6 +13,7 @@ exactly the losses an uninterrupted run would have.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import random
 import time
@@ -24,17 +25,18 @@ import torch
 from tqdm.auto import tqdm
 
 import entrenar
-from entrenar import quickstart
+from entrenar import quickstart, tasks
 from entrenar.config import Recipe, load_recipe, recipe_changes, save_recipe
 from entrenar.data import (
     BatchStream,
+    check_seq_len,
     eval_batches,
-    num_target_tokens,
     padding_free,
     read_records,
     split_validation,
     tokenize_records,
 )
+from entrenar.data.report import data_notes, skipped_in_order, write_skipped
 from entrenar.errors import AdapterError, CheckpointError, ConfigError, DataError
 from entrenar.evaluate import EvalResult, autocast_for, eval_loss
 from entrenar.export import save_merged
@@ -46,16 +48,20 @@ from entrenar.memory import FUSED_LOSS_CHUNK, LINEAR_NAMES, GiB, estimate_traini
 from entrenar.quant.checkpoint import save_qat_model
 from entrenar.quant.qat import apply_qat_recipe, load_qat_state_dict, master_weights, qat_state_dict
 from entrenar.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from entrenar.train.console import Console
 from entrenar.train.cuda_graph import GraphedMicroStep
+from entrenar.train.early_stopping import EarlyStopping
+from entrenar.train.faults import NonfiniteGuard, optimizer_step
 from entrenar.train.loss import token_cross_entropy
-from entrenar.train.metrics import MetricsLogger, plot_loss_curve
+from entrenar.train.metrics import MetricsLogger, plot_loss_curve, tensorboard_writer_class
 from entrenar.train.optim import build_optimizer, build_param_groups, lr_at, set_lr
 
 RECIPE_FILE = "recipe.yaml"
-# Keys a resumed run may change: how long it runs and how often it reports.
+# Keys a resumed run may change: how long it runs, how often it reports, when it stops on faults or early.
 RESUMABLE_CHANGES = ("training.max_steps", "training.eval_every", "training.log_every", "training.save_every",
                      "training.keep_last", "training.eval_batches", "training.cpu_threads", "training.kernels",
-                     "training.compile")
+                     "training.compile", "training.nonfinite", "training.max_skipped_steps",
+                     "training.early_stopping")
 
 
 @dataclass
@@ -77,31 +83,46 @@ def train(
     resume: str | Path | bool | None = None,
     dry_run: bool = False,
     progress: bool = True,
+    verbose: bool = False,
 ) -> TrainResult:
-    """Run (or resume, or dry-run) the training described by `recipe`."""
+    """Run (or resume, or dry-run) the training described by `recipe`.
+
+    ``verbose`` prints the resolved recipe, what the run is doing and each
+    evaluation (and, with ``progress=False``, a line every training.log_every
+    steps), as ``entrenar train`` does.
+    """
     threads = torch.get_num_threads()
     try:
-        return _train(recipe, resume, dry_run, progress)
+        return _train(recipe, resume, dry_run, progress, Console(verbose, log_lines=not progress))
     finally:
         torch.set_num_threads(threads)  # training.cpu_threads applies to the run, not to the caller's process
 
 
-def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, progress: bool) -> TrainResult:
+def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, progress: bool,
+           console: Console) -> TrainResult:
     run_dir, resume_from = _run_folder(recipe, resume, dry_run)
     is_quickstart = quickstart.is_quickstart(recipe, run_dir)
     if is_quickstart:
-        recipe = quickstart.resolve(recipe, run_dir)
+        recipe = quickstart.resolve(recipe, run_dir, dry_run)  # a dry run's files go to a temporary folder
     if resume_from is not None:
         recipe = _recipe_for_resume(recipe, run_dir)
     t = recipe.training
     if recipe.schedule.warmup_steps > t.max_steps:
         raise ConfigError(f"schedule.warmup_steps ({recipe.schedule.warmup_steps}) is longer than the run "
                           f"(training.max_steps={t.max_steps})")
+    if t.early_stopping is not None and not t.eval_every:
+        raise ConfigError("training.early_stopping: needs evaluations during the run (training.eval_every > 0)")
+    if recipe.output.tensorboard:
+        tensorboard_writer_class()  # a missing package is found now, not after loading the model
+    console.recipe(recipe)
     if is_quickstart:
         quickstart.write_files(recipe)  # only once the recipe is known to be sound
+    context_notes = check_seq_len(recipe.data.seq_len, entrenar.read_model_config(recipe.model.path)
+                                  .max_position_embeddings, recipe.model.path)  # before any weights are read
     if t.cpu_threads is not None:
         torch.set_num_threads(t.cpu_threads)
     _seed_everything(t.seed)
+    task = tasks.for_recipe(recipe)  # what a batch means and how it is scored (causal_lm or classification)
 
     # Model, adapters, precision.
     device = entrenar.resolve_device(recipe.model.device)
@@ -111,7 +132,9 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
     if weights_dtype == "auto" and recipe.lora is None:
         weights_dtype = "float32"  # full fine-tuning keeps fp32 master weights; compute follows training.precision
     quantize = recipe.lora.quantize_base if recipe.lora is not None else None
-    model, tokenizer = entrenar.load(recipe.model.path, dtype=weights_dtype, device=device, quantize=quantize)
+    console.say(f"loading {recipe.model.path} on {device} ...")
+    model, tokenizer = task.load(recipe.model.path, dtype=weights_dtype, device=device, quantize=quantize)
+    tokenizer = entrenar.require_tokenizer(tokenizer, recipe.model.path)  # the data needs one
     model.train()
     if recipe.qat is not None:
         apply_qat_recipe(model, recipe.qat)  # before LoRA, which then wraps the fake-quantized layers (LoRA-QAT)
@@ -121,6 +144,7 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
             apply_lora(model, lora_config)
         except AdapterError as e:
             raise AdapterError(f"lora.target_modules: {e}") from None
+    task.prepare(model)  # a classifier's head stays trainable beside the adapters
     if t.cuda_graphs and device.type != "cuda":
         raise ConfigError(f"training.cuda_graphs: CUDA graphs replay GPU launches; this run is on {device}")
     if t.offload_activations and device.type != "cuda":
@@ -150,19 +174,23 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
         # Same parameters and names; fused forwards (PyTorch fallbacks off the GPU).
         apply_kernels(model, lora_compute_dtype=torch.bfloat16 if t.adapter_math == "bf16" else None)
     # Fusing the output projection into the loss never materialises full-vocabulary logits.
-    fused_loss = use_kernels and type(model.lm_head) is torch.nn.Linear
+    fused_loss = use_kernels and type(getattr(model, "lm_head", None)) is torch.nn.Linear
     trainable = [p for p in model.parameters() if p.requires_grad]
 
     # Data: records -> masked examples -> a resumable stream of packed batches.
     d = recipe.data
-    examples, notes = _examples(d.train, "train", recipe, tokenizer)
+    skipped: list = []  # every record on_error=skip left out, for the run's skipped.jsonl
+    console.say(f"reading and tokenizing {d.train} ...")
+    read_examples = functools.partial(_examples, skipped=skipped) if task.name == "causal_lm" else task.examples
+    examples, notes = read_examples(d.train, "train", recipe, tokenizer)
+    notes = context_notes + notes
     if d.validation:
-        validation, validation_notes = _examples(d.validation, "validation", recipe, tokenizer)
+        validation, validation_notes = read_examples(d.validation, "validation", recipe, tokenizer)
         notes += validation_notes
     else:
         examples, validation = split_validation(examples, d.validation_split, seed=t.seed)
     stream = BatchStream(examples, t.batch_size, d.seq_len, packing=d.packing, shuffle=d.shuffle, seed=t.seed,
-                         pad_id=tokenizer.pad_id or 0)
+                         pad_id=tokenizer.pad_id or 0) if task.name == "causal_lm" else task.stream(examples, recipe)
 
     groups = build_param_groups(model, recipe.optimizer.weight_decay, recipe.optimizer.lr_scale)
     o = recipe.optimizer
@@ -171,6 +199,8 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
 
     def loss_sum_of(batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Summed cross-entropy of one micro-batch's target tokens."""
+        if task.name != "causal_lm":
+            return task.loss_sum(model, batch)
         inputs = (batch["input_ids"], batch["position_ids"], batch.get("document_ids"))
         layout = {"cu_seqlens": batch.get("cu_seqlens"), "max_seqlen": batch.get("max_seqlen")}  # padding-free
         if fused_loss:
@@ -201,36 +231,55 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
 
     # Resume: weights, optimizer, RNG, data position and metrics continue where the checkpoint left them.
     start_step = 0
+    guard = NonfiniteGuard(t.nonfinite, t.max_skipped_steps, run_dir, scaler_handles_grads=scaler.is_enabled())
+    early_stopping = EarlyStopping(t.early_stopping)
+    if t.early_stopping is not None and not validation:
+        raise ConfigError("training.early_stopping: needs a validation set (data.validation or data.validation_split)")
     if resume_from is not None:
+        console.say(f"resuming from {resume_from} ...")
         model_state, trainer_state = load_checkpoint(resume_from, optimizer, expected_model_state=_trainable_state(model, recipe))
         start_step = _check_trainer_state(trainer_state, resume_from, t.max_steps, scaler.is_enabled())
         _load_trainable_state(model, recipe, model_state, str(resume_from))
         stream.load_state_dict(trainer_state["data"])
         if scaler.is_enabled():
             scaler.load_state_dict(trainer_state["grad_scaler"])
+        guard.load_state_dict(trainer_state.get("nonfinite"))
+        early_stopping.load_state_dict(trainer_state.get("early_stopping"))
     save_recipe(recipe, run_dir / RECIPE_FILE)  # on resume: with the changes the resume made
+    write_skipped(run_dir, skipped)
 
     def evaluate() -> EvalResult | None:
         if not validation:
             return None
+        if not progress:
+            console.say(f"evaluating on {len(validation):,} validation examples ...")  # the bar says it otherwise
+        if task.name != "causal_lm":
+            return task.evaluate(model, validation, recipe)
         batches = eval_batches(validation, t.batch_size, d.seq_len, packing=d.packing, pad_id=tokenizer.pad_id or 0)
         # Eager: the last batch is smaller and would make a compiled model recompile.
         return eval_loss(model, batches, precision=t.precision, max_batches=t.eval_batches)
 
     def checkpoint(step: int, best: bool = False) -> Path:
-        trainer_state = {"data": stream.state_dict(), "recipe": recipe.to_dict()}
+        trainer_state = {"data": stream.state_dict(), "recipe": recipe.to_dict(), "nonfinite": guard.state_dict(),
+                         "early_stopping": early_stopping.state_dict()}
         if scaler.is_enabled():
             trainer_state["grad_scaler"] = scaler.state_dict()
         return save_checkpoint(run_dir, step, _trainable_state(model, recipe), optimizer, trainer_state, t.keep_last,
                                best=best)
 
-    metrics = MetricsLogger(run_dir, resume_step=start_step if resume_from is not None else None)
+    metrics = MetricsLogger(run_dir, resume_step=start_step if resume_from is not None else None,
+                            tensorboard=recipe.output.tensorboard)
     with metrics:  # the metrics file is closed however the run ends
         eval_before = None
         if start_step == 0:
+            if progress:  # without a bar, evaluate() says it
+                console.say("evaluating before training ...")
             eval_before = evaluate()
             if eval_before is not None:
-                metrics.log_eval(0, eval_before.loss)
+                task.log_eval(metrics, 0, eval_before)
+                scalars = task.eval_scalars(eval_before)
+                early_stopping.update(0, scalars)
+                console.evaluation(0, scalars, best=True)
         accuracy_before = quickstart.accuracy(model, tokenizer, d.validation) if is_quickstart and start_step == 0 else None
 
         with tqdm(total=t.max_steps, initial=start_step, disable=not progress, unit="step",
@@ -244,7 +293,7 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
                 set_lr(optimizer, lr)
 
                 micro_batches = [next(stream) for _ in range(t.grad_accum)]
-                step_targets = max(sum(num_target_tokens(b) for b in micro_batches), 1)
+                step_targets = max(sum(task.num_targets(b) for b in micro_batches), 1)
                 step_loss = torch.zeros((), device=device)
                 tokens = sum(int((b["document_ids"] >= 0).sum()) for b in micro_batches)  # counted on the CPU: no sync
                 for batch in micro_batches:
@@ -257,39 +306,58 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
                 scaler.unscale_(optimizer)
                 max_norm = t.max_grad_norm if t.max_grad_norm > 0 else math.inf
                 grad_norm = torch.nn.utils.clip_grad_norm_(trainable, max_norm)  # returns the pre-clip norm
-                scaler.step(optimizer)
-                scaler.update()
+                done = step + 1
+                # A NaN/inf loss or gradient norm stops the run, or drops this step's update (training.nonfinite).
+                flags = guard.check(done, step_loss, grad_norm)
+                flags |= optimizer_step(scaler, optimizer, skip=bool(flags))  # fp16: the scaler's own skips
                 optimizer.zero_grad(set_to_none=not t.cuda_graphs)
 
-                done = step + 1
                 loss_value = float(step_loss)
-                if not math.isfinite(loss_value):
-                    raise DataError(f"step {done}: the loss is {loss_value}; lower optimizer.lr or check the data "
-                                    f"(last good checkpoint: {latest_checkpoint(run_dir)})")
-                metrics.log_step(done, loss_value, grad_norm, lr, tokens, step_time_s=time.perf_counter() - started)
+                record = metrics.log_step(done, loss_value, grad_norm, lr, tokens,
+                                          step_time_s=time.perf_counter() - started, flags=flags)
                 bar.update(1)
                 if done % t.log_every == 0 or done == t.max_steps:
                     bar.set_postfix(loss=f"{loss_value:.4f}", lr=f"{lr:.2e}")
+                if done % t.log_every == 0 or done == t.max_steps or "skipped" in flags:
+                    console.step(record, t.max_steps)  # --no-progress: a line every log_every steps
 
                 is_last = done == t.max_steps
+                stop_early = False
                 if (t.eval_every and done % t.eval_every == 0) or is_last:
+                    bar.set_description("evaluating")
                     result = eval_after = evaluate()
-                    if result is not None and metrics.log_eval(done, result.loss):
-                        _save_result(model, tokenizer, recipe, run_dir / "best")  # usable as --adapter / MODEL as it is
-                        last_checkpoint = checkpoint(done, best=True)  # after run/best/: a crash never leaves it stale
-                if (t.save_every and done % t.save_every == 0) or is_last:
+                    bar.set_description(None)
+                    if result is not None:
+                        is_best = task.log_eval(metrics, done, result)
+                        # Before the checkpoints below, which carry its counter.
+                        scalars = task.eval_scalars(result)
+                        stop_early = early_stopping.update(done, scalars)
+                        console.evaluation(done, scalars, is_best, early_stopping.reason or "")
+                        if is_best:
+                            _save_result(model, tokenizer, recipe, run_dir / "best")  # usable as --adapter / MODEL
+                            last_checkpoint = checkpoint(done, best=True)  # after run/best/: never left stale
+                if (t.save_every and done % t.save_every == 0) or is_last or stop_early:
                     if last_checkpoint is None or last_checkpoint.name != f"step-{done}":
                         last_checkpoint = checkpoint(done)
+                if stop_early:
+                    break
 
         if eval_after is None:
             eval_after = evaluate()
+        console.say("saving ...")
         output = _save_result(model, tokenizer, recipe, run_dir)
         quantized = save_qat_model(model, tokenizer, run_dir / "quantized") if recipe.qat is not None else None
         plot_loss_curve(metrics.path, run_dir / "loss_curve.png")
         rows = [("output", str(output)), *[("note", note) for note in notes]]
+        if early_stopping.reason is not None and (metrics.last_step or 0) < t.max_steps:
+            rows.append(("stopped early", early_stopping.reason))
+        if guard.total:
+            rows.append(("skipped steps", f"{guard.total} update(s) dropped for NaN/inf (training.nonfinite: skip); "
+                                          "see 'skipped' in metrics.jsonl"))
         if quantized is not None:
             rows.append(("quantized", str(quantized)))
-        if eval_before is not None and eval_after is not None:
+        rows += task.finish(model, validation, recipe, run_dir, output)  # a classifier's report
+        if eval_before is not None and eval_after is not None and task.name == "causal_lm":
             rows.append(("held-out loss", f"{eval_before.loss:.4f} -> {eval_after.loss:.4f} "
                                           f"(perplexity {eval_before.perplexity:.2f} -> {eval_after.perplexity:.2f})"))
         if is_quickstart:
@@ -297,7 +365,7 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
             before = f"{accuracy_before:.1%} -> " if accuracy_before is not None else ""
             rows.append(("held-out acc.", f"{before}{after:.1%} of unseen sums answered exactly"))
         summary = metrics.summary(checkpoint=last_checkpoint or latest_checkpoint(run_dir), extra=rows)
-    return TrainResult(run_dir=run_dir, steps=t.max_steps, summary=summary, final_loss=loss_value,
+    return TrainResult(run_dir=run_dir, steps=metrics.last_step or 0, summary=summary, final_loss=loss_value,
                        eval_before=eval_before, eval_after=eval_after, checkpoint=latest_checkpoint(run_dir),
                        output=output, quantized=quantized)
 
@@ -356,8 +424,9 @@ def _lora_config(recipe: Recipe) -> LoraConfig | None:
                       target_modules=_targets(lora.target_modules), use_rslora=lora.use_rslora)
 
 
-def _examples(path: str, role: str, recipe: Recipe, tokenizer) -> tuple[list, list[str]]:
-    """Masked examples of one data file, and notes on what was skipped or cut (for the report)."""
+def _examples(path: str, role: str, recipe: Recipe, tokenizer, skipped: list) -> tuple[list, list[str]]:
+    """Masked examples of one data file, and notes on what was skipped, cut or odd (for the report); appends
+    the skipped records to ``skipped``."""
     d = recipe.data
     records, read_stats = read_records(path, format=d.format, on_error=d.on_error)
     columns = {"text": d.text_field, "prompt": d.prompt_field, "completion": d.completion_field,
@@ -369,11 +438,9 @@ def _examples(path: str, role: str, recipe: Recipe, tokenizer) -> tuple[list, li
         if str(e).startswith("no training examples"):
             raise DataError(f"data.{role} ({path}): {str(e).replace('no training examples', 'no examples', 1)}") from None
         raise
-    notes = []
-    skipped = read_stats.skipped + stats.skipped
-    if skipped:
-        first = (read_stats.skip_reasons or stats.skip_reasons or ["?"])[0]
-        notes.append(f"data.{role}: {skipped} malformed record(s) skipped (first: {first})")
+    left_out = skipped_in_order(read_stats, stats)
+    skipped.extend(left_out)
+    notes = data_notes(f"data.{role}", left_out, stats)
     if stats.truncated_examples:
         notes.append(f"data.{role}: {stats.truncated_examples} example(s) cut to seq_len={d.seq_len} "
                      f"({stats.truncated_tokens:,} tokens dropped)")
@@ -400,15 +467,24 @@ def _check_trainer_state(state: dict, checkpoint: Path, max_steps: int, needs_sc
 
 def _trainable_state(model: torch.nn.Module, recipe: Recipe) -> dict[str, torch.Tensor]:
     """What a checkpoint keeps: the adapters in a LoRA run, every weight otherwise; and QAT's quantizer state."""
-    if recipe.lora is not None:
-        return {**lora_state_dict(model), **qat_state_dict(model)}
+    if recipe.lora is not None:  # with a classifier's head, trained whole beside the adapters
+        return {**lora_state_dict(model), **_head_state(model), **qat_state_dict(model)}
     return {**dict(model.named_parameters()), **qat_state_dict(model)}
+
+
+def _head_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A classifier's head (trained whole in a LoRA run); nothing for a language model."""
+    return {"score.weight": model.score.weight} if hasattr(model, "score") else {}
 
 
 def _load_trainable_state(model: torch.nn.Module, recipe: Recipe, state: dict[str, torch.Tensor], source: str) -> None:
     state = load_qat_state_dict(model, state, source)  # takes the quantizer state, leaves the rest
     if recipe.lora is not None:
+        head = {name: state.pop(name) for name in list(state) if name in _head_state(model)}
         load_lora_state_dict(model, state, source=source)
+        with torch.no_grad():
+            for name, tensor in head.items():
+                model.get_parameter(name).copy_(tensor)
         return
     params = dict(model.named_parameters())
     with torch.no_grad():
@@ -418,6 +494,10 @@ def _load_trainable_state(model: torch.nn.Module, recipe: Recipe, state: dict[st
 
 def _save_result(model, tokenizer, recipe: Recipe, run_dir: Path) -> Path:
     """The adapter (PEFT format) of a LoRA run, or the whole model folder of a full fine-tune."""
+    if recipe.task.type == "classification":  # the head in the adapter as PEFT saves SEQ_CLS, or a classifier folder
+        from entrenar.tasks.classification import save_result
+
+        return save_result(model, tokenizer, recipe, run_dir, _lora_config(recipe))
     if recipe.lora is not None:
         out = run_dir / "adapter"
         save_adapter(model, out, _lora_config(recipe), base_model_name_or_path=str(recipe.model.path))

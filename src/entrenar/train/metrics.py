@@ -1,11 +1,18 @@
 """Run metrics: one JSON line per optimizer step in ``<run>/metrics.jsonl``, a closing summary, a loss plot.
 
 Train lines: ``{"step", "loss", "grad_norm", "lr", "tokens", "total_tokens",
-"tokens_per_s", "elapsed_s"}`` plus ``"peak_mem_gb"`` on CUDA. Eval lines:
-``{"step", "eval_loss", "eval_ppl"}``. Non-finite numbers are written as
+"tokens_per_s", "elapsed_s"}`` plus ``"peak_mem_gb"`` on CUDA, and
+``"skipped": reason`` on a step whose update was dropped (training.nonfinite:
+skip) or ``"scaler_skipped": true`` where fp16's GradScaler dropped it. Eval
+lines: ``{"step", "eval_loss", "eval_ppl"}``. Non-finite numbers are written as
 ``null`` so the file stays strict JSON. Step numbers are whatever the loop
 counts, and must be the same count its checkpoints use, since resuming at
 step N drops every line after N.
+
+With ``tensorboard=True`` the same numbers also go to TensorBoard event files
+in ``<run>/tensorboard/`` (the standard SummaryWriter; ``pip install
+'entrenar[tensorboard]'``), tagged ``train/loss``, ``train/lr``,
+``train/grad_norm``, ``train/tokens_per_s``, ``eval/loss``, ``eval/ppl``.
 """
 
 from __future__ import annotations
@@ -22,12 +29,23 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from entrenar import atomic
-from entrenar.errors import CheckpointError
+from entrenar.errors import CheckpointError, ConfigError
 
 if TYPE_CHECKING:
     from typing_extensions import Self
 
 METRICS_FILE = "metrics.jsonl"
+TENSORBOARD_DIR = "tensorboard"
+
+
+def tensorboard_writer_class() -> type:
+    """torch's SummaryWriter, or a ConfigError saying how to install what it needs."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        raise ConfigError("output.tensorboard: needs the tensorboard package (pip install 'entrenar[tensorboard]'), "
+                          "or set output.tensorboard: false") from None
+    return SummaryWriter
 
 
 def _number(value: Any) -> float | None:
@@ -71,7 +89,7 @@ class MetricsLogger:
     ``resume_step=N`` keeps the lines with ``step <= N`` (rewritten atomically,
     byte for byte) and carries on from them: elapsed time, total tokens and the
     best eval loss continue where step N left them. ``clock`` is injectable for
-    tests.
+    tests; ``tensorboard`` also writes TensorBoard event files.
     """
 
     def __init__(
@@ -79,6 +97,7 @@ class MetricsLogger:
         run_dir: str | os.PathLike,
         resume_step: int | None = None,
         clock: Callable[[], float] = time.monotonic,
+        tensorboard: bool = False,
     ) -> None:
         self.path = Path(run_dir) / METRICS_FILE
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -97,6 +116,12 @@ class MetricsLogger:
         atomic.write_bytes(self.path, b"".join(line + b"\n" for line in kept))  # a crash here leaves the old file whole
         self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (held open until close())
         self._start = self._last = clock()
+        self._tensorboard = None
+        if tensorboard:
+            # purge_step: events after the resumed step are dropped, as the JSONL lines are.
+            purge = resume_step + 1 if resume_step is not None else None
+            self._tensorboard = tensorboard_writer_class()(log_dir=str(self.path.parent / TENSORBOARD_DIR),
+                                                           purge_step=purge)
 
 
     def _absorb(self, record: dict) -> None:
@@ -115,6 +140,11 @@ class MetricsLogger:
     def _write(self, record: dict) -> None:
         self._file.write(json.dumps(record, allow_nan=False) + "\n")
         self._file.flush()
+        if self._tensorboard is not None:
+            prefix = "eval" if "eval_loss" in record else "train"
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                    self._tensorboard.add_scalar(f"{prefix}/{key.removeprefix('eval_')}", value, record["step"])
 
     def log_step(
         self,
@@ -124,11 +154,13 @@ class MetricsLogger:
         lr: float,
         tokens: int,
         step_time_s: float | None = None,
+        flags: dict[str, Any] | None = None,
     ) -> dict:
         """Log one optimizer step; ``tokens`` are those processed in it.
 
         Throughput is ``tokens / step_time_s``, or over the wall time since the
         previous call (or since construction) when ``step_time_s`` is None.
+        ``flags`` (``{"skipped": reason}``...) are added to the record.
         Returns the record written.
         """
         now = self._clock()
@@ -147,6 +179,7 @@ class MetricsLogger:
         }
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             record["peak_mem_gb"] = round(torch.cuda.max_memory_allocated() / 1e9, 3)
+        record.update(flags or {})
         self._write(record)
         self.last_step, self.last_loss = record["step"], record["loss"]
         return record
@@ -178,6 +211,8 @@ class MetricsLogger:
 
     def close(self) -> None:
         self._file.close()
+        if self._tensorboard is not None:
+            self._tensorboard.close()
 
     def __enter__(self) -> Self:
         return self
@@ -224,8 +259,21 @@ def summary(
     return "\n".join(f"{key:<{width}}  {value}" for key, value in rows)
 
 
+EMA_WEIGHT = 0.9  # TensorBoard's default smoothing of the loss curve
+
+
+def smooth(values: Sequence[float], weight: float = EMA_WEIGHT) -> list[float]:
+    """Exponential moving average, bias-corrected as TensorBoard's: ``s_t = w s_{t-1} + (1-w) x_t``, divided by
+    ``1 - w**t`` so the first points are not pulled towards zero."""
+    out, last = [], 0.0
+    for i, value in enumerate(values, start=1):
+        last = weight * last + (1 - weight) * value
+        out.append(last / (1 - weight**i))
+    return out
+
+
 def plot_loss_curve(metrics_path: str | os.PathLike, out_png: str | os.PathLike) -> Path | None:
-    """Draw train (line) and eval (dots) loss against step into ``out_png``.
+    """Draw the loss (raw, its EMA and the eval points) and, below it, the learning rate against step.
 
     Needs matplotlib (``pip install 'entrenar[plot]'``); without it, warns and
     returns None. Uses the Agg canvas directly, so no global backend is changed.
@@ -239,22 +287,29 @@ def plot_loss_curve(metrics_path: str | os.PathLike, out_png: str | os.PathLike)
     records = read_metrics(metrics_path)
     train = [(r["step"], r["loss"]) for r in records if r.get("loss") is not None]
     evals = [(r["step"], r["eval_loss"]) for r in records if r.get("eval_loss") is not None]
+    lrs = [(r["step"], r["lr"]) for r in records if r.get("lr") is not None]
     if not train and not evals:
         raise CheckpointError(f"{metrics_path}: no loss values to plot")
 
-    fig = Figure(figsize=(7, 4), dpi=100)
+    fig = Figure(figsize=(7, 5.5), dpi=100)
     FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
+    ax, ax_lr = fig.subplots(2, 1, sharex=True, gridspec_kw={"height_ratios": [3, 1]})
     if train:
-        ax.plot(*zip(*train), linewidth=1, label="train loss")
+        steps, values = zip(*train)
+        ax.plot(steps, values, linewidth=0.8, alpha=0.35, color="C0", label="train loss")
+        ax.plot(steps, smooth(values), linewidth=1.5, color="C0", label=f"train loss, EMA {EMA_WEIGHT:g}")
     if evals:
-        ax.plot(*zip(*evals), "o-", markersize=4, label="eval loss")
-    ax.set_xlabel("optimizer step")
+        ax.plot(*zip(*evals), "o-", markersize=4, color="C1", label="eval loss")
     ax.set_ylabel("loss (nats/token)")
     ax.grid(alpha=0.3)
     ax.legend()
+    if lrs:
+        ax_lr.plot(*zip(*lrs), linewidth=1, color="C2")
+    ax_lr.set_ylabel("learning rate")
+    ax_lr.ticklabel_format(axis="y", style="sci", scilimits=(-2, 2))
+    ax_lr.set_xlabel("optimizer step")
+    ax_lr.grid(alpha=0.3)
     fig.tight_layout()
     out = Path(out_png)
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out)
-    return out
+    return atomic.write_file(out, lambda tmp: fig.savefig(tmp, format="png"))

@@ -1,0 +1,354 @@
+"""Speed that users get: `entrenar train` on a recipe against the baseline they would run, on the same tokens.
+
+Each case builds one random Hugging Face folder of a real model's shape (with SmolLM2's tokenizer, vocabulary
+49,152) and one JSONL of real English text, then runs, each in its own process:
+
+  entrenar           `python -m entrenar.cli.main train RECIPE` with the case's default recipe (what a user writes
+                     from recipes/: bf16, `kernels: auto`, packing on); tokens/s and memory from its metrics.jsonl
+  entrenar-fast      the same with the case's documented fast settings (docs/PERFORMANCE.md, docs/QUANTIZATION.md)
+  hf                 transformers + PEFT under bf16 autocast, as HF Trainer's `bf16=True` runs it: fp32 adapters,
+                     fused AdamW, clipping at 1.0; QLoRA with bitsandbytes NF4 + double quantization and
+                     prepare_model_for_kbit_training (gradient checkpointing in effect: the model is put in
+                     `.train()` mode); the 8B cases with gradient checkpointing
+  hf-liger           the same with Liger kernels (`_apply_liger_kernel_to_instance`, before PEFT wraps the model)
+
+The transformers rows are fed the very batches entrenar's data pipeline makes from the same file, seed and
+settings (packed rows of whole documents), without a document mask, as transformers' run_clm `group_texts`
+feeds packed rows. tokens/s counts real (non-padding) tokens: the median over steps after the first
+`--skip` (warm-up, compilation, graph capture). Peak memory is torch.cuda.max_memory_allocated over the
+whole process (model load included), in GiB. MFU uses bench_train.py's FLOP count and 989.4 TFLOP/s.
+
+    PYTHONPATH=src python bench/bench_e2e.py --cases lora-1b --text .e2e/text.jsonl \
+        --tokenizer .e2e --work /tmp/e2e --out e2e.json
+
+On the GPU machine: peft ships there; bitsandbytes and liger-kernel travel as wheels (bench/README of
+docs/PERFORMANCE.md gives the call). Rows whose package is missing are reported as skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+GiB = 2**30
+PEAK_BF16_FLOPS = 989.4e12
+LORA = {"r": 16, "alpha": 32}
+LR = 1e-4
+
+CASES: dict[str, dict] = {
+    "lora-1b": {"shape": "llama-1b", "method": "lora", "batch": 4, "seq": 2048, "ckpt": False, "steps": 30,
+                "fast": {"adapter_math": "bf16", "cuda_graphs": True}},
+    "lora-qwen3": {"shape": "qwen3-1.7b", "method": "lora", "batch": 4, "seq": 2048, "ckpt": False, "steps": 30,
+                   "fast": {"adapter_math": "bf16", "cuda_graphs": True}},
+    "full-1b": {"shape": "llama-1b", "method": "full", "batch": 4, "seq": 2048, "ckpt": False, "steps": 20,
+                "fast": {"cuda_graphs": True}},
+    "lora-8b": {"shape": "llama-8b", "method": "lora", "batch": 2, "seq": 2048, "ckpt": True, "steps": 16,
+                "fast": {"adapter_math": "bf16", "cuda_graphs": True, "offload_activations": True,
+                         "activation_checkpointing": 20}},
+    "qlora-8b": {"shape": "llama-8b", "method": "qlora", "batch": 2, "seq": 2048, "ckpt": True, "steps": 16,
+                 "fast": {"cuda_graphs": True, "offload_embeddings": True, "offload_activations": True,
+                          "activation_checkpointing": 20}},
+}
+ROWS = ("entrenar", "entrenar-fast", "hf", "hf-liger")
+
+
+def shape_config(shape: str, vocab: int, seq: int):
+    """entrenar's ModelConfig for a bench_train shape, with the tokenizer's vocabulary."""
+    from bench_train import SHAPES
+
+    from entrenar.models.config import ModelConfig
+
+    return ModelConfig(**{**SHAPES[shape], "vocab_size": vocab}, max_position_embeddings=max(seq, 4096))
+
+
+# ---------------------------------------------------------------- inputs
+
+
+def make_model_folder(shape: str, vocab: int, seq: int, tokenizer_dir: Path, folder: Path) -> Path:
+    """A random bf16 Hugging Face folder of `shape` (transformers' own initialisation) with the tokenizer."""
+    if (folder / "config.json").is_file():
+        return folder
+    import torch
+    import transformers
+
+    hf = dict(shape_config(shape, vocab, seq).to_hf())
+    model_type = hf.pop("model_type")
+    config = transformers.AutoConfig.for_model(model_type, **hf)
+    torch.manual_seed(0)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+            model = transformers.AutoModelForCausalLM.from_config(config)
+    finally:
+        torch.set_default_dtype(default)
+    tmp = folder.with_name(folder.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, max_shard_size="5GB")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer_dir / name, tmp / name)
+    del model
+    tmp.rename(folder)
+    return folder
+
+
+def recipe_for(case: dict, folder: Path, text: Path, run_dir: Path, fast: bool) -> dict:
+    """The recipe a user would write for the case (fast: plus the documented fast settings)."""
+    training = {"max_steps": case["steps"], "batch_size": case["batch"], "grad_accum": 1, "max_grad_norm": 1.0,
+                "precision": "bf16", "activation_checkpointing": case["ckpt"], "kernels": "auto", "seed": 0,
+                "eval_every": 0, "save_every": 0, "log_every": 1}
+    if fast:
+        training.update(case["fast"])
+    lora = None
+    if case["method"] in ("lora", "qlora"):
+        lora = {**LORA, "dropout": 0.0, "target_modules": "all-linear",
+                "quantize_base": "nf4" if case["method"] == "qlora" else None}
+    return {
+        "model": {"path": str(folder), "device": "cuda"},
+        "data": {"train": str(text), "validation_split": 0.0, "seq_len": case["seq"], "packing": True,
+                 "train_on": "all", "add_eos": True, "shuffle": True},
+        "lora": lora,
+        "optimizer": {"name": "adamw", "lr": LR},
+        "schedule": {"name": "constant", "warmup_steps": 0},
+        "training": training,
+        "output": {"dir": str(run_dir)},
+    }
+
+
+def packed_batches(tokenizer_dir: Path, text: Path, case: dict, n: int) -> list[dict]:
+    """The first `n` batches entrenar's loop trains on for this case (same reader, tokenizer, packing, seed)."""
+    from entrenar.data import BatchStream, read_records, split_validation, tokenize_records
+    from entrenar.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_folder(tokenizer_dir)
+    records, _ = read_records(str(text), format="auto", on_error="raise")
+    examples, _ = tokenize_records(records, tokenizer, case["seq"], train_on="all", add_eos=True,
+                                   columns={"text": "text", "prompt": "prompt", "completion": "completion",
+                                            "messages": "messages"}, on_error="raise")
+    examples, _ = split_validation(examples, 0.0, seed=0)
+    stream = BatchStream(examples, case["batch"], case["seq"], packing=True, shuffle=True, seed=0,
+                         pad_id=tokenizer.pad_id or 0)
+    return [next(stream) for _ in range(n)]
+
+
+# ---------------------------------------------------------------- rows
+
+
+def summarise(step_s: list[float], tokens: list[int], losses: list[float], skip: int, flops_per_token: float,
+              peak_bytes: float | None, wall_s: float) -> dict:
+    timed = list(range(min(skip, len(step_s) - 1), len(step_s)))
+    rates = [tokens[i] / step_s[i] for i in timed if step_s[i] > 0]
+    tps = statistics.median(rates) if rates else None
+    return {"tokens_per_s": tps, "step_ms_median": statistics.median(step_s[i] for i in timed) * 1e3,
+            "mfu": tps * flops_per_token / PEAK_BF16_FLOPS if tps else None,
+            "peak_gib": peak_bytes / GiB if peak_bytes else None, "loss_first": losses[0] if losses else None,
+            "loss_last": losses[-1] if losses else None, "losses": losses, "steps": len(step_s), "wall_s": wall_s,
+            "tokens_per_step": statistics.median(tokens) if tokens else None}
+
+
+def run_entrenar(case_name: str, case: dict, folder: Path, text: Path, work: Path, fast: bool, skip: int,
+                 flops: float) -> dict:
+    run_dir = work / f"run-{case_name}-{'fast' if fast else 'default'}"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    recipe_path = work / f"{case_name}-{'fast' if fast else 'default'}.yaml"
+    recipe = recipe_for(case, folder, text, run_dir, fast)
+    recipe_path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    started = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "entrenar.cli.main", "train", str(recipe_path), "--no-progress"],
+                          capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    wall = time.perf_counter() - started
+    if proc.returncode != 0:
+        return {"status": "failed", "error": (proc.stderr or proc.stdout)[-2000:], "recipe": recipe}
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    steps = [r for r in lines if "loss" in r and r.get("tokens")]
+    step_s = [r["tokens"] / r["tokens_per_s"] for r in steps]
+    peak = max((r.get("peak_mem_gb") or 0) for r in steps) * 1e9
+    out = summarise(step_s, [r["tokens"] for r in steps], [r["loss"] for r in steps], skip, flops, peak, wall)
+    return {"status": "ok", **out, "recipe": recipe}
+
+
+def run_hf(case: dict, folder: Path, tokenizer_dir: Path, text: Path, liger: bool, skip: int, flops: float) -> dict:
+    """transformers + PEFT (+ bitsandbytes, + Liger) under bf16 autocast, in this process."""
+    import torch
+    import transformers
+
+    try:
+        import peft
+    except ImportError as e:
+        return {"status": "skipped", "error": f"peft: {e}"}
+    if liger:
+        try:
+            from liger_kernel.transformers import _apply_liger_kernel_to_instance
+        except ImportError as e:
+            return {"status": "skipped", "error": f"liger-kernel: {e}"}
+    batches = packed_batches(tokenizer_dir, text, case, case["steps"])
+    started = time.perf_counter()
+    kwargs = {"attn_implementation": "sdpa"}
+    if case["method"] == "qlora":
+        try:
+            import bitsandbytes  # noqa: F401
+        except ImportError as e:
+            return {"status": "skipped", "error": f"bitsandbytes: {e}"}
+        kwargs["quantization_config"] = transformers.BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=torch.bfloat16)
+        kwargs["device_map"] = {"": 0}
+    # HF Trainer with bf16=True: LoRA bases in bf16 as loaded; a full fine-tune keeps fp32 master weights.
+    dtype = torch.float32 if case["method"] == "full" else torch.bfloat16
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **kwargs)
+    if case["method"] != "qlora":
+        model = model.cuda()
+    model.config.use_cache = False
+    if liger:
+        _apply_liger_kernel_to_instance(model=model)
+    if case["method"] == "qlora":
+        model = peft.prepare_model_for_kbit_training(
+            model, use_gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False})
+    elif case["ckpt"]:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if case["method"] in ("lora", "qlora"):
+        model = peft.get_peft_model(model, peft.LoraConfig(
+            r=LORA["r"], lora_alpha=LORA["alpha"], lora_dropout=0.0, target_modules="all-linear",
+            task_type="CAUSAL_LM"))
+    model.train()  # from_pretrained returns eval mode, where gradient checkpointing is not in effect
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=LR, fused=True)
+    step_s, tokens, losses = [], [], []
+    for batch in batches:
+        ids, labels = batch["input_ids"].cuda(), batch["labels"].cuda()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=labels).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(trainable, 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(float(loss))  # the host sync the step ends with
+        step_s.append(time.perf_counter() - t0)
+        tokens.append(int((batch["document_ids"] >= 0).sum()))
+    wall = time.perf_counter() - started
+    out = summarise(step_s, tokens, losses, skip, flops, torch.cuda.max_memory_allocated(), wall)
+    gc_checkpointing = getattr(getattr(model, "base_model", model), "is_gradient_checkpointing", None)
+    return {"status": "ok", **out, "gradient_checkpointing": gc_checkpointing}
+
+
+def run_row_process(row: str, case_name: str, folder: Path, args: argparse.Namespace) -> dict:
+    """A transformers row in a fresh process, so neither stack's memory counts against the other."""
+    out = Path(args.work) / f"{case_name}-{row}.json"
+    cmd = [sys.executable, __file__, "--hf-row", row, "--cases", case_name, "--folder", str(folder),
+           "--text", args.text, "--tokenizer", args.tokenizer, "--work", args.work, "--skip", str(args.skip),
+           "--out", str(out)]
+    if args.steps:
+        cmd += ["--steps", str(args.steps)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0 or not out.is_file():
+        return {"status": "failed", "error": (proc.stderr or proc.stdout)[-2000:]}
+    return json.loads(out.read_text())
+
+
+# ---------------------------------------------------------------- report
+
+
+def print_table(results: list[dict]) -> None:
+    header = (f"{'case':<11}{'row':<15}{'tok/s':>9}{'MFU':>6}{'peak GiB':>9}{'vs hf':>7}{'vs liger':>9}"
+              f"{'mem/liger':>10}{'loss first->last':>20}")
+    print(header)
+    for r in results:
+        if r["status"] != "ok":
+            print(f"{r['case']:<11}{r['row']:<15}{r['status']}: {str(r.get('error', ''))[-160:]!r}")
+            continue
+        ratio = lambda key, other: f"{r[key] / other[key]:.2f}" if other and other.get(key) else "-"  # noqa: E731
+        peers = {x["row"]: x for x in results if x["case"] == r["case"] and x["status"] == "ok"}
+        print(f"{r['case']:<11}{r['row']:<15}{r['tokens_per_s']:9.0f}{(r['mfu'] or 0):6.1%}{r['peak_gib']:9.2f}"
+              f"{ratio('tokens_per_s', peers.get('hf')):>7}{ratio('tokens_per_s', peers.get('hf-liger')):>9}"
+              f"{ratio('peak_gib', peers.get('hf-liger')):>10}"
+              f"{r['loss_first']:10.4f} ->{r['loss_last']:8.4f}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--cases", default="lora-1b", help=f"comma-separated, of {', '.join(CASES)}")
+    p.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated, of {', '.join(ROWS)}")
+    p.add_argument("--text", default=".e2e/text.jsonl", help="JSONL of {'text': ...} records")
+    p.add_argument("--tokenizer", default=".e2e", help="folder with tokenizer.json (SmolLM2's)")
+    p.add_argument("--work", default="/tmp/e2e", help="where model folders and runs go")
+    p.add_argument("--steps", type=int, default=0, help="override every case's step count")
+    p.add_argument("--skip", type=int, default=5, help="steps left out of the median (warm-up, capture)")
+    p.add_argument("--out", default="", help="JSON results file")
+    p.add_argument("--hf-row", default="", help=argparse.SUPPRESS)
+    p.add_argument("--folder", default="", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    tokenizer_dir, text = Path(args.tokenizer), Path(args.text)
+    vocab = json.loads((tokenizer_dir / "tokenizer.json").read_text())["model"]["vocab"]
+    vocab_size = 49152 if len(vocab) <= 49152 else len(vocab)
+
+    from bench_train import flops_per_token
+
+    if args.hf_row:  # one transformers row, called by run_row_process
+        case = dict(CASES[args.cases])
+        case["steps"] = args.steps or case["steps"]
+        cfg = shape_config(case["shape"], vocab_size, case["seq"])
+        flops = flops_per_token(cfg, "full" if case["method"] == "full" else "lora", case["seq"])[0]
+        result = run_hf(case, Path(args.folder), tokenizer_dir, text, args.hf_row == "hf-liger", args.skip, flops)
+        Path(args.out).write_text(json.dumps(result))
+        return
+
+    import torch
+
+    results = []
+    for case_name in args.cases.split(","):
+        case = dict(CASES[case_name])
+        case["steps"] = args.steps or case["steps"]
+        cfg = shape_config(case["shape"], vocab_size, case["seq"])
+        flops = flops_per_token(cfg, "full" if case["method"] == "full" else "lora", case["seq"])[0]
+        t0 = time.perf_counter()
+        folder = make_model_folder(case["shape"], vocab_size, case["seq"], tokenizer_dir, work / case["shape"])
+        print(f"[{case_name}] model folder {folder} ready in {time.perf_counter() - t0:.0f}s", flush=True)
+        torch.cuda.empty_cache()
+        for row in args.rows.split(","):
+            t0 = time.perf_counter()
+            if row.startswith("entrenar"):
+                r = run_entrenar(case_name, case, folder, text, work, row == "entrenar-fast", args.skip, flops)
+            else:
+                r = run_row_process(row, case_name, folder, args)
+            results.append({"case": case_name, "row": row, **r})
+            print(f"[{case_name}] {row}: {r['status']} {r.get('tokens_per_s') or ''} in "
+                  f"{time.perf_counter() - t0:.0f}s", flush=True)
+            write_results(args.out, results)  # after every row: a run cut short keeps what it measured
+    print_table(results)
+
+
+def write_results(out: str, results: list[dict]) -> None:
+    import torch
+
+    if out:
+        env = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+               "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+               "torch": torch.__version__, "python": platform.python_version(), "argv": sys.argv[1:]}
+        for name in ("transformers", "peft", "bitsandbytes", "liger_kernel", "triton"):
+            try:
+                env[name] = __import__(name).__version__
+            except Exception:  # noqa: BLE001 (a missing package is recorded as missing)
+                env[name] = None
+        Path(out).write_text(json.dumps({"environment": env, "results": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

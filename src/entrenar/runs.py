@@ -1,0 +1,228 @@
+"""Run folders as models: what a run folder, its ``best/`` or a ``checkpoints/step-N`` stands for.
+
+    source = resolve_model_and_adapter("outputs/my-run")      # a LoRA run: its base model + adapter/
+    source = resolve_model_and_adapter("outputs/my-run/checkpoints/step-200")   # the base + that step's state
+    model, tokenizer = entrenar.load("outputs/my-run/best")   # entrenar.load resolves the same way
+
+Every command that takes a model or an adapter (eval, generate, chat, export, quantize) goes through
+:func:`resolve_model_and_adapter`, so each accepts the same paths:
+
+* ``RUN`` (a folder with ``recipe.yaml``): a LoRA run's ``adapter/`` on the recipe's base model, or a full
+  fine-tune's ``model/``;
+* ``RUN/best``: the same, from the output kept at the best evaluation;
+* a QAT run: its ``quantized/`` integer model (with ``adapter/`` in LoRA-QAT), what the run trained;
+* ``RUN/checkpoints/step-N``: the trainable state of that step (a LoRA run's adapter weights, on the
+  recipe's base model; a full fine-tune's weights) on the recipe's base model;
+* an adapter folder given as the model (``RUN/adapter``): its base is the run's model, or else the local
+  folder its ``adapter_config.json`` names as ``base_model_name_or_path``;
+* anything else: a model folder or GGUF file, as it is.
+
+The run's recipe comes along (:attr:`ModelSource.recipe`), so ``entrenar eval`` can mask and end examples as
+training did (``data.train_on``, ``data.add_eos``, ``data.seq_len``).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from entrenar.errors import AdapterError, EntrenarError, ModelError
+
+if TYPE_CHECKING:
+    import torch
+
+    from entrenar.config import Recipe
+
+RECIPE_FILE = "recipe.yaml"
+METRICS_FILE = "metrics.jsonl"
+ADAPTER_DIR, MODEL_DIR, BEST_DIR, QUANTIZED_DIR = "adapter", "model", "best", "quantized"
+_STEP = re.compile(r"step-\d+")
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """What to load: a model (folder or GGUF), an adapter on it, and a checkpoint's trainable state on top."""
+
+    model: Path
+    adapter: Path | None = None
+    checkpoint: Path | None = None  # a checkpoints/step-N folder of the run
+    recipe: Recipe | None = None  # the run's recipe, when a run's folder was named
+    run_dir: Path | None = None
+
+    @property
+    def quantize_base(self) -> str | None:
+        """The base quantization the run trained its adapter on (QLoRA: "nf4"), if any."""
+        lora = self.recipe.lora if self.recipe is not None else None
+        if lora is None or (self.adapter is None and self.checkpoint is None):
+            return None
+        return lora.quantize_base
+
+
+def run_folder_of(path: str | Path) -> tuple[Path, str] | None:
+    """(run folder, what ``path`` is in it) when ``path`` is a run, its ``best/``, a checkpoint, or an output.
+
+    The kinds: "run", "best", "checkpoint", "adapter", "model" (``adapter/``, ``model/`` or ``quantized/``
+    of the run, ``adapter/`` or ``model/`` of its ``best/``). Only these positions count, so a model folder that happens to sit beside some
+    ``recipe.yaml`` is not mistaken for a run.
+    """
+    path = Path(path)
+    if is_run_folder(path):
+        return path, "run"
+    parent = path.parent
+    if path.name == BEST_DIR and is_run_folder(parent):
+        return parent, "best"
+    if _STEP.fullmatch(path.name) and parent.name == "checkpoints" and is_run_folder(parent.parent):
+        return parent.parent, "checkpoint"
+    if path.name == QUANTIZED_DIR and is_run_folder(parent):
+        return parent, MODEL_DIR  # a plain (quantized) model folder, with the run's recipe
+    if path.name in (ADAPTER_DIR, MODEL_DIR):
+        if is_run_folder(parent):
+            return parent, path.name
+        if parent.name == BEST_DIR and is_run_folder(parent.parent):
+            return parent.parent, path.name
+    return None
+
+
+def is_run_folder(folder: Path) -> bool:
+    """A folder ``entrenar train`` wrote: its recipe.yaml beside metrics.jsonl or checkpoints/ (a project
+    folder that merely holds a recipe.yaml is not one)."""
+    return (folder / RECIPE_FILE).is_file() and (
+        (folder / METRICS_FILE).is_file() or (folder / "checkpoints").is_dir())
+
+
+def read_run_recipe(run_dir: Path) -> Recipe:
+    """The recipe a run saved (its resolved recipe.yaml)."""
+    from entrenar.config import load_recipe
+
+    try:
+        return load_recipe(run_dir / RECIPE_FILE)
+    except EntrenarError as e:
+        raise ModelError(f"{run_dir}: the run's {RECIPE_FILE} cannot be read: {e}") from None
+
+
+def base_model_path(recipe: Recipe, run_dir: Path) -> Path:
+    """The recipe's ``model.path``; a relative one is tried from here, then from each folder above the run
+    (training ran from one of them)."""
+    if recipe.model.path is None:
+        raise ModelError(f"{run_dir / RECIPE_FILE}: model.path is not set, so the run's base model is unknown")
+    path = Path(recipe.model.path)
+    if path.is_absolute() or path.exists():
+        return path
+    for folder in run_dir.absolute().parents:
+        if (folder / path).exists():
+            return folder / path
+    raise ModelError(f"{run_dir / RECIPE_FILE}: the base model {path} (model.path) is not found from here or "
+                     f"from any folder above the run")
+
+
+def _adapter_base(adapter: Path) -> Path | None:
+    """The local base model an adapter's config names, if it exists."""
+    try:
+        name = json.loads((adapter / "adapter_config.json").read_text(encoding="utf-8")).get(
+            "base_model_name_or_path")
+    except (OSError, ValueError, AttributeError, RecursionError):
+        return None
+    return Path(name) if isinstance(name, str) and name and Path(name).exists() else None
+
+
+def _in_run(run_dir: Path, kind: str, path: Path) -> tuple[Path, Path | None, Path | None]:
+    """(model, adapter, checkpoint) that ``path`` of the given kind stands for in the run."""
+    recipe = read_run_recipe(run_dir)
+    if kind == "checkpoint":
+        if recipe.qat is not None:
+            raise ModelError(f"{path}: a QAT run's checkpoint holds fake-quantization state; use the run's "
+                             f"{'adapter' if recipe.lora else 'model'} or its quantized/ folder")
+        return base_model_path(recipe, run_dir), None, path
+    folder = path if kind in ("run", "best") else path.parent
+    if recipe.qat is not None and kind in ("run", "best"):  # what QAT trained is the integer model
+        quantized = run_dir / QUANTIZED_DIR
+        adapter = run_dir / ADAPTER_DIR if recipe.lora is not None else None
+        if kind == "best" or not quantized.is_dir():
+            pair = f"{quantized}" + (f" with the adapter {adapter}" if adapter else "")
+            raise ModelError(f"{path}: a QAT run's model is its {QUANTIZED_DIR}/ folder, written when the run "
+                             f"ends; load {pair}")
+        return quantized, adapter, None
+    if kind == "model" or (kind in ("run", "best") and recipe.lora is None):
+        model = folder / MODEL_DIR if kind != "model" else path
+        if not model.is_dir():
+            raise ModelError(f"{path}: the run has no {model.name}/ yet (interrupted?); name one of its "
+                             f"checkpoints instead: {run_dir / 'checkpoints'}/step-N")
+        return model, None, None
+    adapter = folder / ADAPTER_DIR if kind != "adapter" else path
+    if not adapter.is_dir():
+        raise ModelError(f"{path}: the run has no {adapter.name}/ yet (interrupted?); name one of its "
+                         f"checkpoints instead: {run_dir / 'checkpoints'}/step-N")
+    return base_model_path(recipe, run_dir), adapter, None
+
+
+def resolve_model_and_adapter(model: str | Path, adapter: str | Path | None = None) -> ModelSource:
+    """What ``model`` (and ``adapter``) stand for; see the module docstring. Checks paths, reads no weights."""
+    model = Path(model)
+    found = run_folder_of(model)
+    recipe_run: Path | None = found[0] if found else None
+    if found is not None and found[1] != "model":  # a run's model/ is a plain model folder, with the run's recipe
+        model_path, run_adapter, checkpoint = _in_run(found[0], found[1], model)
+    elif (model / "adapter_config.json").is_file() and not (model / "config.json").is_file():
+        base = _adapter_base(model)
+        if base is None:
+            raise ModelError(f"{model}: is an adapter folder, and its adapter_config.json names no local base "
+                             "model; pass the base model as MODEL and this folder as --adapter")
+        model_path, run_adapter, checkpoint = base, model, None
+    else:
+        model_path, run_adapter, checkpoint = model, None, None
+
+    if adapter is not None:
+        if run_adapter is not None or checkpoint is not None:
+            raise AdapterError(f"--adapter {adapter}: {model} already brings its adapter (a LoRA run or "
+                               "checkpoint); pass the base model as MODEL, or leave --adapter out")
+        adapter = Path(adapter)
+        found_adapter = run_folder_of(adapter)
+        if found_adapter is not None:
+            run_dir, kind = found_adapter
+            recipe_run = run_dir
+            if kind == "model" or read_run_recipe(run_dir).lora is None:
+                raise AdapterError(f"{adapter}: is a full fine-tune's run, not an adapter; pass it as MODEL")
+            _, run_adapter, checkpoint = _in_run(run_dir, kind, adapter)
+        else:
+            run_adapter = adapter
+    recipe = read_run_recipe(recipe_run) if recipe_run is not None else None
+    if checkpoint is not None:
+        _check_checkpoint(checkpoint)
+    return ModelSource(model=model_path, adapter=run_adapter, checkpoint=checkpoint, recipe=recipe,
+                       run_dir=recipe_run)
+
+
+def _check_checkpoint(checkpoint: Path) -> None:
+    from entrenar.train.checkpoint import MODEL_FILE
+
+    if not (checkpoint / MODEL_FILE).is_file():
+        raise ModelError(f"{checkpoint}: no {MODEL_FILE} (an incomplete checkpoint?)")
+
+
+def apply_checkpoint(model: torch.nn.Module, source: ModelSource) -> None:
+    """Put a checkpoint's trainable state on ``model`` (loaded from ``source.model``): a LoRA run's adapter
+    (wrapping the layers its recipe names), or a full fine-tune's weights. Every name and shape is checked."""
+    from entrenar.models.hf import iter_safetensors, load_state_into
+    from entrenar.train.checkpoint import MODEL_FILE
+
+    assert source.checkpoint is not None and source.recipe is not None
+    file = source.checkpoint / MODEL_FILE
+    if source.recipe.lora is None:
+        load_state_into(model, iter_safetensors([file]), str(source.checkpoint))
+        return
+    from entrenar.lora import apply_lora, load_lora_state_dict
+    from entrenar.train.loop import _lora_config
+
+    state = {name: tensor for _, name, tensor in iter_safetensors([file])}
+    try:
+        apply_lora(model, _lora_config(source.recipe))
+    except AdapterError as e:
+        raise AdapterError(f"{source.run_dir / RECIPE_FILE}: lora.target_modules: {e}") from None
+    load_lora_state_dict(model, state, str(file))
+
+
+__all__ = ["ModelSource", "apply_checkpoint", "base_model_path", "read_run_recipe", "resolve_model_and_adapter",
+           "run_folder_of"]

@@ -1,0 +1,210 @@
+"""Bad data is one DataError naming file and line (or, with on_error=skip, a counted skip), never a crash."""
+
+from __future__ import annotations
+
+import csv
+import json
+import random
+import re
+import sys
+
+import pytest
+from tiny_chat_tokenizer import BOS, CHATML, EOS, chat_backend, chat_tokenizer
+
+from entrenar.data.report import data_notes, skipped_in_order, write_skipped
+from entrenar.data.sources import read_records
+from entrenar.data.tokenize import tokenize_record, tokenize_records
+from entrenar.errors import DataError
+from entrenar.tokenizer import Tokenizer
+
+DEEP = "[" * 5000 + "]" * 5000
+LONG_INT = "9" * (sys.get_int_max_str_digits() + 1)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return chat_tokenizer()
+
+
+def lines(*texts: str) -> str:
+    return "".join(t + "\n" for t in texts)
+
+
+def read_and_tokenize(path, tokenizer, on_error="raise"):
+    records, read = read_records(path, on_error=on_error)
+    examples, stats = tokenize_records(records, tokenizer, seq_len=64, on_error=on_error)
+    return examples, read, stats
+
+
+@pytest.mark.parametrize(("bad", "reason", "message"), [
+    ('{"text": ' + DEEP + "}", "nested too deeply", "invalid JSON: nested too deeply to read"),
+    ('{"text": "a", "id": ' + LONG_INT + "}", "number too long", "invalid JSON: an integer longer than"),
+    ('{"text": "lone \\ud800 surrogate"}', "invalid text",
+     r"field 'text' is not valid Unicode text: \ud800 at character 5 is a lone surrogate"),
+    ('{"prompt": "p", "completion": 7}', "field not a string", "field 'completion' must be a string, got int"),
+    ('{"text": null}', "field not a string", "field 'text' must be a string, got NoneType"),
+    ('{"messages": [{"role": "user", "content": ["a", "list"]}]}', "bad messages",
+     "messages[0].content must be a string, got list"),
+    ('{"messages": [{"role": "user", "content": "\\udfff"}, {"role": "assistant", "content": "x"}]}',
+     "invalid text", "field 'messages' is not valid Unicode text"),
+], ids=["deep", "long-int", "surrogate", "int-completion", "null-text", "list-content", "surrogate-chat"])
+def test_each_bad_record_is_one_error_naming_file_and_line_or_a_counted_skip(tmp_path, tokenizer, bad, reason,
+                                                                              message):
+    path = tmp_path / "train.jsonl"
+    path.write_text(lines('{"text": "fox"}', '{"text": "dog"}', bad, '{"text": "end"}'))
+    with pytest.raises(DataError, match="^" + re.escape(f"{path} line 3: {message}")):
+        read_and_tokenize(path, tokenizer)
+    examples, read, stats = read_and_tokenize(path, tokenizer, on_error="skip")
+    assert len(examples) == 3
+    (skip,) = skipped_in_order(read, stats)
+    assert (skip.file, skip.line, skip.reason) == (str(path), 3, reason)
+    assert skip.message.startswith(f"{path} line 3: {message}")
+
+
+def test_a_json_document_that_breaks_json_names_the_line(tmp_path, tokenizer):
+    deep = tmp_path / "deep.json"
+    deep.write_text('[\n{"text": "a"},\n{"text": ' + DEEP + "}\n]")
+    with pytest.raises(DataError, match=re.escape(f"{deep} line 3: invalid JSON: nested too deeply")):
+        read_records(deep, on_error="skip")  # one document: its own parse fails, whatever the mode
+    long = tmp_path / "long.json"
+    long.write_text('{"data": [\n{"text": "a"},\n{"text": "b", "n": ' + LONG_INT + "}]}")
+    with pytest.raises(DataError, match=re.escape(f"{long} line 3: invalid JSON: an integer longer than")):
+        read_records(long)
+
+
+def test_csv_fields_longer_than_the_csv_module_default_are_read(tmp_path, tokenizer):
+    limit = csv.field_size_limit()
+    text = "word " * 60_000  # 300,000 characters, over the csv module's 131,072
+    path = tmp_path / "long.csv"
+    with open(path, "w", newline="") as f:
+        csv.writer(f).writerows([["text"], [text], ["short"]])
+    records, _ = read_records(path)
+    assert [r.fields["text"] for r in records] == [text, "short"]
+    assert csv.field_size_limit() == limit  # the process-wide limit is left as it was
+
+
+def test_skipped_records_are_listed_in_file_order_and_counted_by_reason(tmp_path, tokenizer):
+    path = tmp_path / "train.jsonl"
+    path.write_text(lines(
+        '{"text": 1}',                      # line 1: found by the tokenizer
+        "not json",                         # line 2: found by the reader
+        '{"text": "ok"}',
+        '{"prompt": "p"}',                  # line 4: tokenizer
+        "[1]",                              # line 5: reader
+        '{"text": "\\ud800"}',              # line 6: tokenizer
+    ))
+    examples, read, stats = read_and_tokenize(path, tokenizer, on_error="skip")
+    skipped = skipped_in_order(read, stats)
+    assert [(s.line, s.reason) for s in skipped] == [
+        (1, "field not a string"), (2, "invalid JSON"), (4, "missing field"), (5, "not an object"),
+        (6, "invalid text")]
+    (note,) = data_notes("data.train", skipped, stats)
+    assert note.startswith("data.train: 5 malformed record(s) skipped (")
+    assert f"first: {path} line 1: field 'text' must be a string" in note
+    for count in ("1 field not a string", "1 invalid JSON", "1 missing field", "1 not an object", "1 invalid text"):
+        assert count in note
+
+    written = write_skipped(tmp_path / "run", skipped)
+    rows = [json.loads(line) for line in written.read_text().splitlines()]
+    assert [(r["file"], r["line"], r["reason"]) for r in rows] == [(str(path), s.line, s.reason) for s in skipped]
+    assert rows[0]["message"] == skipped[0].message
+    assert write_skipped(tmp_path / "none", []) is None and not (tmp_path / "none").exists()
+
+
+def test_likely_mistakes_are_taken_and_counted_by_kind_with_the_first_place(tmp_path, tokenizer):
+    path = tmp_path / "train.jsonl"
+    chat = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    path.write_text(lines(
+        json.dumps({"text": "fine"}),
+        json.dumps({"text": "  "}),                                               # 2: empty text
+        json.dumps({"prompt": "p", "completion": ""}),                            # 3: empty completion
+        json.dumps({"messages": [{"role": "bot", "content": "hi"}, *chat]}),      # 4: unknown role
+        json.dumps({"text": "t", "prompt": "p", "completion": "c"}),              # 5: two kinds
+        json.dumps({"messages": [{"role": "system", "content": None}, *chat]}),   # 6: null content
+        json.dumps({"text": ""}),                                                 # 7: empty text again
+    ))
+    lenient = Tokenizer(chat_backend(), bos_token=BOS, eos_token=EOS,  # a template that takes null content
+                        chat_template=CHATML.replace("m['content']", "(m['content'] or '')"))
+    examples, read, stats = read_and_tokenize(path, lenient)
+    assert len(examples) == 7  # taken as written
+    assert stats.suspicious == {
+        "empty text": (2, f"{path} line 2"),
+        "empty completion": (1, f"{path} line 3"),
+        "unknown chat role 'bot'": (1, f"{path} line 4"),
+        "both 'prompt'/'completion' and 'text' ('prompt'/'completion' used)": (1, f"{path} line 5"),
+        "null message content": (1, f"{path} line 6"),
+    }
+    (note,) = data_notes("data.train", [], stats)
+    assert note.startswith("data.train: taken as written, but likely mistakes: 2 with empty text "
+                           f"(first: {path} line 2); 1 with empty completion")
+
+
+def test_a_chat_template_that_fails_on_a_record_is_a_data_error(tokenizer):
+    # ChatML's `m['content'] + '<|im_end|>'` is a TypeError in the template when content is null.
+    record = {"messages": [{"role": "user", "content": None}, {"role": "assistant", "content": "x"}]}
+    with pytest.raises(DataError, match="the chat template failed on it: TypeError"):
+        tokenize_record(record, tokenizer)
+
+
+# -- fuzzing: mutated data files give records or one DataError, never anything else -----------------------------
+
+SEEDS = [
+    json.dumps({"text": "The quick brown fox."}),
+    json.dumps({"prompt": "What is the capital of France?", "completion": " Paris."}),
+    json.dumps({"messages": [{"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "Hello."}]}),
+]
+INSERTS = ["\x00", "\x7f", "\x1b", "\ud800", "\\ud800", "\ufeff", "\u2028", '"', "\\", ",", "\n", "{", "[", "]", "}",
+           "null", "1e999", LONG_INT, "[" * 3000, '"messages":', '"text":', '"role": 5', "\r"]
+
+
+# Values that keep the JSON well-formed but break what reads it, put in place of a string.
+VALUES = ['"\\ud800x"', '"a\\udfff"', "null", "7", "[]", "{}", "[" * 3000 + "]" * 3000, LONG_INT, '""', '" "',
+          '[{"role": 1}]', '[{"role": "bot", "content": null}]', '{"a": ' * 2000 + "1" + "}" * 2000]
+STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
+
+
+def mutate(text: str, rng: random.Random) -> str:
+    for _ in range(rng.randint(1, 4)):
+        i = rng.randrange(len(text) + 1)
+        op = rng.random()
+        strings = list(STRING.finditer(text))
+        if op < 0.35 and strings:
+            found = rng.choice(strings)
+            text = text[:found.start()] + rng.choice(VALUES) + text[found.end():]
+        elif op < 0.5:
+            text = text[:i] + text[i + rng.randint(1, 5):]
+        elif op < 0.65:
+            j = rng.randint(i, min(len(text), i + 20))
+            text = text[:j] + text[i:j] + text[j:]
+        else:
+            text = text[:i] + rng.choice(INSERTS) + text[i:]
+    return text
+
+
+def fuzz_file(tmp_path, rng: random.Random, n: int):
+    kind = rng.choice(["jsonl", "json", "csv"])
+    rows = [rng.choice(SEEDS) for _ in range(rng.randint(1, 4))]
+    if kind == "jsonl":
+        text = "\n".join(rows)
+    elif kind == "json":
+        text = "[" + ",\n".join(rows) + "]"
+    else:
+        text = "text,completion\n" + "\n".join(f'"{r[:30]}",x' for r in rows)
+    path = tmp_path / f"f{n}.{kind}"
+    path.write_bytes(mutate(text, rng).encode("utf-8", "surrogatepass"))
+    return path
+
+
+def test_fuzzed_data_files_give_records_or_a_data_error(tmp_path, tokenizer):
+    rng = random.Random(15)
+    outcomes = {"ok": 0, "error": 0}
+    for n in range(300):
+        path = fuzz_file(tmp_path, rng, n)
+        for on_error in ("raise", "skip"):
+            try:
+                read_and_tokenize(path, tokenizer, on_error=on_error)
+                outcomes["ok"] += 1
+            except DataError:
+                outcomes["error"] += 1
+            # anything else fails the test, with the file to reproduce it
+    assert outcomes["ok"] > 50 and outcomes["error"] > 50  # the fuzzing reaches both outcomes
