@@ -1,7 +1,7 @@
 """The recipes that come with entrenar: the package's own, and a checkout's recipes/ folder.
 
-`entrenar recipes` lists them with the first comment line of each file as its
-description, and prints one by name, ready to copy and edit.
+`entrenar recipes` lists them with the first sentence of each file's opening
+comment as its description, and prints one by name, ready to copy and edit.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from entrenar.errors import ConfigError
 class BundledRecipe:
     name: str  # the file name without .yaml
     path: Path
-    description: str  # the file's first comment line
+    description: str  # the first sentence of the file's opening comment
 
 
 def checkout_recipes_dir() -> Path | None:
@@ -27,15 +27,25 @@ def checkout_recipes_dir() -> Path | None:
     return folder if (root / "pyproject.toml").is_file() and folder.is_dir() else None
 
 
-def describe(path: Path) -> str:
-    """The first comment line of a recipe file, without its '#'; '' when it opens with none."""
+def describe(path: Path, width: int = 110) -> str:
+    """The first sentence of a recipe's opening comment, cut to `width` characters; '' when it opens with none."""
+    lines: list[str] = []
     for line in path.read_text(encoding="utf-8").splitlines():
         line = line.strip()
-        if line.startswith("#"):
-            return line.lstrip("#").strip()
-        if line:
-            return ""
-    return ""
+        if not line.startswith("#"):
+            if line or lines:
+                break
+            continue
+        text = line.lstrip("#").strip()
+        if not text:
+            break  # a blank comment line ends the opening paragraph
+        lines.append(text)
+    text = " ".join(lines)
+    end = text.find(". ")
+    sentence = text[: end + 1] if end >= 0 else text
+    if len(sentence) > width:
+        sentence = sentence[: width - 3].rsplit(" ", 1)[0] + "..."
+    return sentence
 
 
 def bundled_recipes() -> list[BundledRecipe]:

@@ -13,14 +13,15 @@ from entrenar.recipe_catalog import bundled_recipes, describe, find_recipe
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_lists_the_package_and_checkout_recipes_with_their_first_comment_line(capsys):
+def test_lists_the_package_and_checkout_recipes_with_their_first_sentence(capsys):
     assert main(["recipes"]) == 0
     lines = capsys.readouterr().out.splitlines()
     files = [REPO / "src/entrenar/recipes/quickstart.yaml", *sorted((REPO / "recipes").glob("*.yaml"))]
-    for path in files:
-        first = next(l for l in path.read_text().splitlines() if l.startswith("#")).lstrip("# ").strip()
-        assert any(l.split()[0] == path.stem and l.endswith(first) for l in lines if l), (path, lines)
     assert [r.name for r in bundled_recipes()] == [p.stem for p in files]
+    listed = {line.split()[0]: line.split(None, 1)[1] for line in lines[: len(files)]}
+    assert listed["quickstart"] == "The bundled quickstart: `entrenar train` with no recipe runs this."
+    assert listed["lora-llama"] == "LoRA fine-tuning of a Llama-style model on prompt/completion data."
+    assert set(listed) == {p.stem for p in files}
 
 
 def test_every_bundled_recipe_has_a_description_and_loads():
@@ -43,12 +44,15 @@ def test_an_unknown_name_is_one_error_line_naming_the_known_ones(capsys):
     assert err.count("\n") == 1
 
 
-def test_describe_takes_the_first_comment_line_only_before_any_key(tmp_path):
-    commented = tmp_path / "a.yaml"
-    commented.write_text("\n#   Full fine-tuning, fast.  \n# more\nmodel: {}\n")
+def test_describe_takes_the_first_sentence_of_the_opening_comment(tmp_path):
+    two_lines = tmp_path / "a.yaml"
+    two_lines.write_text("\n#   Full fine-tuning of a model\n# on chat data. More here.\n#\n# later\nmodel: {}\n")
     bare = tmp_path / "b.yaml"
     bare.write_text("model: {}  # not a description\n# late\n")
-    assert (describe(commented), describe(bare)) == ("Full fine-tuning, fast.", "")
+    long = tmp_path / "c.yaml"
+    long.write_text("# " + "word " * 40 + "\n")
+    assert (describe(two_lines), describe(bare)) == ("Full fine-tuning of a model on chat data.", "")
+    assert describe(long, width=30) == "word word word word word..."
 
 
 def test_train_help_points_at_the_recipes_command(capsys):
