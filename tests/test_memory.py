@@ -195,3 +195,27 @@ def test_moe_activation_estimate_within_10_percent_of_saved_tensors(dtype):
     measured = measured_saved_bytes(model, ids)
     est = estimate_training_memory(MOE, "full", 2, 64, dtype_bytes=dtype.itemsize)
     assert abs(est.activations - measured) / measured < 0.10, (est.activations, measured)
+
+
+def test_cpu_terms_by_hand():
+    from entrenar.memory import CPU_ALLOCATOR_SLACK, CPU_RUNTIME_BYTES
+
+    cfg = LLAMA.replace(tie_word_embeddings=True)
+    h, i, q, kv, layers = 128, 352, 128, 64, 3
+    linear = layers * (h * q + 2 * h * kv + q * h + 3 * h * i)
+    gpu = estimate_training_memory(cfg, "lora", 2, 64, dtype_bytes=2, param_bytes=4)
+    cpu = estimate_training_memory(cfg, "lora", 2, 64, dtype_bytes=2, param_bytes=4, cpu=True, lora_dropout=0.1)
+    assert (cpu.weights, cpu.gradients, cpu.optimizer, cpu.logits) == (gpu.weights, gpu.gradients, gpu.optimizer,
+                                                                      gpu.logits)
+    assert cpu.runtime == CPU_RUNTIME_BYTES
+    assert cpu.casts == (linear + 256 * h) * 2  # bf16 copies of every projection and the (tied) head
+    # q/k/v read the normed input (h); o its q-wide input, gate and up h, down i: a bf16 copy and an fp32 noise each
+    widths = layers * (3 * h + q + 2 * h + i)  # all-linear, the default
+    assert cpu.activations - gpu.activations == 2 * 64 * widths * (2 + 4)
+    assert cpu.allocator == CPU_ALLOCATOR_SLACK * (cpu.activations + cpu.logits + cpu.casts)
+    # fp32 training: no autocast copies, no adapter input copies; QLoRA's NF4 base is dequantized again in backward
+    fp32 = estimate_training_memory(cfg, "lora", 2, 64, dtype_bytes=4, param_bytes=4, cpu=True)
+    assert fp32.casts == 0
+    assert fp32.activations == estimate_training_memory(cfg, "lora", 2, 64, dtype_bytes=4).activations
+    qlora = estimate_training_memory(cfg, "qlora", 2, 64, dtype_bytes=2, param_bytes=4, cpu=True)
+    assert qlora.casts == 256 * h * 2

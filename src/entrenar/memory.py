@@ -5,6 +5,14 @@ state) and what one step holds at its peak (saved activations and the logits
 with their loss gradient). It assumes memory-efficient attention (no T x T
 scores kept), AdamW (two state tensors per trainable parameter) and no
 allocator slack; tests check each part against measured tensors.
+
+On the CPU (``cpu=True``) the estimate is of the process's peak resident
+memory, which adds what a GPU count leaves out: the Python and PyTorch
+runtime, the bf16 copies autocast makes of fp32 weights and adapter inputs
+(no fused kernels there), and what the C allocator keeps of freed step
+memory. The last is fitted to measured peaks (docs/PERFORMANCE.md, "CPU
+memory"), not derived; ``tests/test_memory_rss.py`` checks the sum against
+a real run's peak RSS.
 """
 
 from __future__ import annotations
@@ -21,6 +29,12 @@ LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 # Tokens per chunk of the fused output-projection loss, as the training loop runs it: a 128k vocabulary's bf16
 # logits chunk is then 0.25 GiB, at the speed of 4096-token chunks (docs/PERFORMANCE.md, fifth call set).
 FUSED_LOSS_CHUNK = 1024
+# Resident memory of a process that has imported torch (2.13, CPU build) and entrenar, before any model: measured
+# 0.30 GiB (docs/PERFORMANCE.md, "CPU memory").
+CPU_RUNTIME_BYTES = 0.30 * GiB
+# Share of a step's transient memory (activations, logits, autocast copies) that glibc's allocator still holds,
+# fragmented, when the next step reaches its peak: fitted to the measured SmolLM2-shape runs (0.26-0.29).
+CPU_ALLOCATOR_SLACK = 0.28
 NF4_BYTES_PER_PARAM = 0.5 + 1 / 64 + 4 / (64 * 256)  # codes + 8-bit absmax per 64 + fp32 scale per 256 blocks
 
 
@@ -34,10 +48,14 @@ class MemoryEstimate:
     optimizer: float
     activations: float
     logits: float
+    runtime: float = 0.0  # CPU only: the Python + PyTorch process before any model
+    casts: float = 0.0  # CPU only: autocast's lower-precision copies of the weights, kept for backward
+    allocator: float = 0.0  # CPU only: freed step memory the C allocator keeps (fitted, not derived)
 
     @property
     def total(self) -> float:
-        return self.weights + self.gradients + self.optimizer + self.activations + self.logits
+        return (self.weights + self.gradients + self.optimizer + self.activations + self.logits + self.runtime
+                + self.casts + self.allocator)
 
     def as_dict(self) -> dict:
         return {**asdict(self), "total": self.total}
@@ -153,6 +171,8 @@ def estimate_training_memory(
     offload_activations: bool | int = False,
     kernels: bool = False,
     offload_embeddings: bool = False,
+    cpu: bool = False,
+    lora_dropout: float = 0.0,
 ) -> MemoryEstimate:
     """Estimate peak training memory in bytes. `method` is full, lora or qlora.
 
@@ -174,6 +194,9 @@ def estimate_training_memory(
     output head needs; full fine-tuning trains it).
     An MoE model (``config.num_experts``) counts every expert's weights, the activations of the k experts
     each token is routed to, and ``lora_target_parameters`` (per-expert adapters).
+    `cpu` estimates the peak resident memory of a training process on the
+    CPU (see the module docstring); `lora_dropout` above 0 adds the masks
+    LoRA dropout keeps there.
     """
     if method not in ("full", "lora", "qlora"):
         raise ValueError(f"method must be full, lora or qlora, got {method!r}")
@@ -236,14 +259,41 @@ def estimate_training_memory(
     else:
         # Logits in the model dtype, upcast to fp32 for the loss, and their gradient.
         logits = tokens * config.vocab_size * (dtype_bytes + 4 + 4)
-    return MemoryEstimate(method, total, trainable, weights, gradients, optimizer_bytes, activations, logits)
+    estimate = MemoryEstimate(method, total, trainable, weights, gradients, optimizer_bytes, activations, logits)
+    if cpu:
+        _add_cpu_terms(estimate, config, method, tokens, dtype_bytes, param_bytes, lora_targets, lora_dropout, kernels)
+    return estimate
+
+
+def _add_cpu_terms(e: MemoryEstimate, config: ModelConfig, method: str, tokens: int, dtype_bytes: int,
+                   param_bytes: int, targets: list[str] | str, dropout: float, kernels: bool) -> None:
+    """What a CPU process holds beyond the tensors a GPU count sees (module docstring)."""
+    e.runtime = CPU_RUNTIME_BYTES
+    shapes = linear_shapes(config)
+    head = config.vocab_size * config.hidden_size
+    if dtype_bytes < param_bytes:
+        # Autocast runs each matrix product on a bf16 copy of its fp32 weight, which backward keeps (cached for
+        # trained weights): every projection (an NF4 base is dequantized again in backward) and the head.
+        linear = 0 if method == "qlora" else config.num_layers * sum(a * b for a, b in shapes.values())
+        e.casts = (linear + head) * dtype_bytes
+    if method != "full" and not kernels:
+        names = LINEAR_NAMES if targets == "all-linear" else [n for n in targets if n in LINEAR_NAMES]
+        widths = config.num_layers * sum(shapes[n][0] for n in names)
+        # fp32 adapters under autocast: lora_A gets its own bf16 copy of the projection's input. Dropout on the CPU
+        # multiplies by a noise tensor of the fp32 adapter input's dtype and keeps it for backward (not a bool mask).
+        e.activations += tokens * widths * ((dtype_bytes if dtype_bytes < 4 else 0) + (4 if dropout > 0 else 0))
+    e.allocator = CPU_ALLOCATOR_SLACK * (e.activations + e.logits + e.casts)
 
 
 def format_estimates(estimates: list[MemoryEstimate]) -> str:
-    rows = [f"{'method':<8}{'trainable':>14}{'weights':>10}{'grads':>9}{'optim':>9}{'activ.':>9}{'logits':>9}{'total':>9}  (GiB)"]
+    cpu = any(e.runtime for e in estimates)
+    extra = f"{'runtime':>9}{'casts':>9}{'alloc.':>9}" if cpu else ""
+    rows = [f"{'method':<8}{'trainable':>14}{'weights':>10}{'grads':>9}{'optim':>9}{'activ.':>9}{'logits':>9}{extra}"
+            f"{'total':>9}  (GiB)"]
     for e in estimates:
+        extra = f"{e.runtime / GiB:>9.2f}{e.casts / GiB:>9.2f}{e.allocator / GiB:>9.2f}" if cpu else ""
         rows.append(
             f"{e.method:<8}{e.trainable_params:>14,}{e.weights / GiB:>10.2f}{e.gradients / GiB:>9.2f}"
-            f"{e.optimizer / GiB:>9.2f}{e.activations / GiB:>9.2f}{e.logits / GiB:>9.2f}{e.total / GiB:>9.2f}"
+            f"{e.optimizer / GiB:>9.2f}{e.activations / GiB:>9.2f}{e.logits / GiB:>9.2f}{extra}{e.total / GiB:>9.2f}"
         )
     return "\n".join(rows)

@@ -152,3 +152,12 @@ def test_moe_total_active_and_expert_adapters_match_transformers_and_peft(capsys
     assert params["lora_trainable"] == sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
     code, out, _ = run_cli(capsys, "inspect", folder)
     assert code == 0 and "per token" in out and "experts" in out
+
+
+def test_cpu_flag_estimates_the_cpu_process(capsys, hf_folder):
+    folder, _ = hf_folder("llama")
+    expected = estimate_training_memory(read_config(folder), "lora", cpu=True, param_bytes=4)
+    assert inspect_json(capsys, folder, "--cpu")["memory"]["estimates"]["lora"] == expected.as_dict()
+    assert expected.runtime > 0 and expected.casts > 0  # fp32 weights under bf16 autocast
+    code, out, _ = run_cli(capsys, "inspect", folder, "--cpu")
+    assert code == 0 and "runtime" in out and "resident memory of a CPU process" in out

@@ -54,6 +54,9 @@ def add_parser(commands: argparse._SubParsersAction, parents: list[argparse.Argu
     parser.add_argument("--kernels", action="store_true",
                         help="the fused kernels and the fused output-projection loss, as `entrenar train` runs on "
                              "CUDA (training.kernels: auto); default: the plain path with full logits, as on the CPU")
+    parser.add_argument("--cpu", action="store_true",
+                        help="the peak resident memory of a training process on the CPU, as `entrenar train` runs "
+                             "there: fp32 weights (the CPU default), autocast copies, the runtime and the allocator")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     parser.set_defaults(run=run)
 
@@ -88,6 +91,8 @@ def run(args: argparse.Namespace) -> int:
         "kernels": args.kernels, "offload_embeddings": args.offload_embeddings,
         "lora_target_parameters": EXPERT_TARGETS if args.lora_experts else [],
     }
+    if args.cpu:
+        settings.update(cpu=True, param_bytes=4)  # model.dtype auto loads fp32 on the CPU
     if args.checkpointing is not True and args.checkpointing > config.num_layers:
         raise ConfigError(f"--checkpointing: cannot checkpoint {args.checkpointing} layers of a "
                           f"{config.num_layers}-layer model")
@@ -121,7 +126,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"training memory for batch {args.batch_size} x {args.seq_len} tokens, {args.dtype}, "
           f"activation checkpointing {checkpointing}, {'activations offloaded to CPU memory, ' if args.offload else ''}"
           f"{'input embeddings in CPU memory (LoRA, QLoRA), ' if args.offload_embeddings else ''}"
-          f"{'fused kernels and loss' if args.kernels else 'plain path, full-logits loss'}:")
+          f"{'fused kernels and loss' if args.kernels else 'plain path, full-logits loss'}"
+          f"{', resident memory of a CPU process (fp32 weights)' if args.cpu else ''}:")
     print(format_estimates(estimates))
     return 0
 

@@ -9,7 +9,8 @@ def add_parser(commands: argparse._SubParsersAction, parents: list[argparse.Argu
     parser = commands.add_parser(
         "train", parents=parents, help="fine-tune a model as a recipe says",
         description="Fine-tune a model as a recipe says. With no RECIPE, run the bundled quickstart.",
-        epilog="Put RECIPE before a bare --resume: in 'train --resume x.yaml', x.yaml is taken as the run dir.",
+        epilog="Bundled recipes: `entrenar recipes` lists them, `entrenar recipes NAME > my.yaml` copies one. "
+               "Put RECIPE before a bare --resume: in 'train --resume x.yaml', x.yaml is taken as the run dir.",
     )
     parser.add_argument("recipe", nargs="?", metavar="RECIPE", help="YAML recipe (default: the bundled quickstart)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",

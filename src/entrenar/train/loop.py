@@ -544,6 +544,7 @@ def _dry_run_report(recipe: Recipe, model, trainable, examples, validation, note
         offload_embeddings=t.offload_embeddings,
         optimizer=recipe.optimizer.name,
         fused_loss_chunk=FUSED_LOSS_CHUNK if fused_loss else None, kernels=kernels,
+        cpu=next(model.parameters()).device.type == "cpu", lora_dropout=lora.dropout if lora else 0.0,
     )
     tokens = sum(len(e) for e in examples)
     return "\n".join([
@@ -557,5 +558,18 @@ def _dry_run_report(recipe: Recipe, model, trainable, examples, validation, note
         f"{'step':<22}{t.batch_size} x {d.seq_len} tokens x {t.grad_accum} accumulation, {t.max_steps} steps",
         f"{'memory estimate':<22}{estimate.total / GiB:.2f} GiB (weights {estimate.weights / GiB:.2f}, "
         f"grads {estimate.gradients / GiB:.2f}, optimizer {estimate.optimizer / GiB:.2f}, "
-        f"activations {estimate.activations / GiB:.2f}, logits {estimate.logits / GiB:.2f})",
+        f"activations {estimate.activations / GiB:.2f}, logits {estimate.logits / GiB:.2f}{_cpu_terms(estimate)})",
+        *([f"{'':<22}{CPU_ESTIMATE_NOTE}"] if estimate.runtime else []),
     ])
+
+
+CPU_ESTIMATE_NOTE = ("the peak resident memory of this process: measured peaks were within 25% of it "
+                     "(docs/PERFORMANCE.md, CPU memory); left out: loading (the file is mapped while the weights "
+                     "are converted; a GGUF is dequantized), evaluation, the OS page cache")
+
+
+def _cpu_terms(estimate) -> str:
+    if not estimate.runtime:
+        return ""
+    return (f", runtime {estimate.runtime / GiB:.2f}, autocast copies {estimate.casts / GiB:.2f}, "
+            f"allocator {estimate.allocator / GiB:.2f}")
