@@ -18,7 +18,7 @@ from importlib import import_module
 from entrenar import __version__
 from entrenar.errors import EntrenarError
 
-COMMANDS = ("train", "inspect", "generate", "eval", "chat", "export", "quantize")  # modules of entrenar.cli
+COMMANDS = ("train", "inspect", "generate", "eval", "chat", "export", "quantize", "merge")  # modules of entrenar.cli
 
 
 def build_parser() -> argparse.ArgumentParser:
