@@ -187,9 +187,12 @@ def magnitude(delta: Tensor, density: float, rescale: str | None = None) -> Tens
     k = int(density * delta.numel())
     if k <= 0:
         return torch.zeros_like(delta)
-    mask = torch.zeros(delta.numel(), dtype=delta.dtype)
-    mask[torch.topk(delta.abs().reshape(-1), k, sorted=False).indices] = 1
-    return _apply_mask(delta, mask.reshape(delta.shape), density, rescale)
+    keep = torch.zeros(delta.numel(), dtype=torch.bool)
+    keep[torch.topk(delta.abs().reshape(-1), k, sorted=False).indices] = True
+    keep = keep.reshape(delta.shape)
+    if rescale is None:
+        return delta.masked_fill(~keep, 0)
+    return _apply_mask(delta, keep.to(delta.dtype), density, rescale)
 
 
 def random_drop(delta: Tensor, density: float, generator: torch.Generator, rescale: str | None = "l1") -> Tensor:
@@ -273,11 +276,17 @@ def task_arithmetic_family(
     epsilons: Sequence[float] | None = None,
     generators: Sequence[torch.Generator] | None = None,
     consensus: str | None = None,
+    inplace: bool = False,
 ) -> Tensor:
-    """``base + lambda * sum_i(w_i m_i s(x_i - base)) / D`` (see the module docstring)."""
+    """``base + lambda * sum_i(w_i m_i s(x_i - base)) / D`` (see the module docstring).
+
+    Works one model at a time with boolean masks, so its peak is about the
+    inputs plus three tensors. ``inplace`` lets it turn ``tensors`` into their
+    task vectors in place (the merge loop's copies, which it drops afterwards).
+    """
     deltas = []
     for i, x in enumerate(tensors):
-        d = x - base
+        d = x.sub_(base) if inplace else x - base
         if recipe.sparsifier == "magnitude":
             d = magnitude(d, densities[i], rescale)
         elif recipe.sparsifier == "random":
@@ -286,24 +295,36 @@ def task_arithmetic_family(
             d = magnitude_outliers(d, densities[i], gammas[i], rescale)
         elif recipe.sparsifier == "della":
             d = della_magprune(d, densities[i], epsilons[i], generators[i], rescale)
-        deltas.append(d * float(weights[i]))
-    weighted = torch.stack(deltas)
-    w = torch.tensor([float(x) for x in weights], dtype=base.dtype).reshape(-1, *([1] * base.dim()))
+        if float(weights[i]) != 1.0:
+            d.mul_(float(weights[i]))
+        deltas.append(d)
     method = consensus or recipe.consensus
     if method:
-        mask = sign_consensus(weighted, method).to(base.dtype)
-        mixed = (weighted * mask).sum(dim=0)
-        divisor = (w * mask).sum(dim=0)
-        divisor[divisor == 0] = 1
+        votes = torch.zeros_like(base)
+        for d in deltas:
+            votes.add_(d if method == "sum" else d.sign())
+        positive = votes >= 0  # the elected sign; a tie elects +
+        del votes
+        mixed, divisor = torch.zeros_like(base), torch.zeros_like(base)
+        for d, w in zip(deltas, weights):
+            agree = torch.where(positive, d > 0, d < 0)  # zero entries never agree
+            mixed.add_(d.masked_fill_(~agree, 0))
+            divisor.add_(agree.to(base.dtype), alpha=float(w))
+            del agree
+        divisor.masked_fill_(divisor == 0, 1)
     else:
-        mixed = weighted.sum(dim=0)
-        divisor = w.sum(dim=0).expand_as(mixed).clone()
-        divisor[divisor.abs() < 1e-8] = 1
+        mixed = deltas[0] if len(deltas) == 1 else torch.zeros_like(base)
+        if len(deltas) > 1:
+            for d in deltas:
+                mixed.add_(d)
+        total = float(sum(float(w) for w in weights))
+        divisor = total if abs(total) >= 1e-8 else 1.0
+    deltas.clear()
     if normalize:
-        mixed = mixed / divisor
+        mixed.div_(divisor)
     if lambda_ != 1:
-        mixed = mixed * lambda_
-    return base + mixed
+        mixed.mul_(lambda_)
+    return mixed.add_(base)
 
 
 # -- the registry the config reader uses -------------------------------------------

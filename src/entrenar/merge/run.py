@@ -188,6 +188,7 @@ def merge_tensor(pt: PlannedTensor, read: Callable[[str, str], torch.Tensor], cf
         epsilons=[float(m.get("epsilon", 0.15)) for m in mp],
         generators=generators,
         consensus=p.get("consensus_method"),
+        inplace=True,  # xs are this tensor's private copies (read() upcasts), dropped once it is written
     )
 
 
