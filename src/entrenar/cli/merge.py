@@ -54,8 +54,11 @@ def run(args: argparse.Namespace) -> int:
     plan = merge(args.config, args.output, dry_run=args.dry_run, gguf=args.gguf, seed=args.seed,
                  max_shard_bytes=parse_size(args.max_shard_size),
                  progress=None if args.quiet or args.dry_run else progress)
-    if args.dry_run:
+    if isinstance(plan, list):  # adapters merged into one adapter
+        print("\n".join(plan))
+    elif args.dry_run:
         print(plan.summary())
+    if args.dry_run:
         print(f"dry run: nothing written (would write {args.output})")
     else:
         print(f"wrote {args.output}")

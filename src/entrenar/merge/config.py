@@ -25,7 +25,7 @@ Errors name the file and line of the key at fault.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -196,13 +196,14 @@ class MergeConfig:
     tokenizer_source: str | ModelRef | None = None
     chat_template: str | None = None
     seed: int = 0
+    adapters: bool = False  # every model is a PEFT LoRA adapter folder: the output is one adapter
     source: str = "<config>"
     text: str = ""
     lines: Lines = field(default_factory=lambda: Lines("<config>"))
 
     @property
     def spec(self):
-        return METHODS[self.merge_method]
+        return _spec(self.merge_method, self.adapters)
 
     def references(self) -> list[ModelRef]:
         """Every input once, in order of first mention (the base first)."""
@@ -260,7 +261,8 @@ def parse_config(raw: dict[str, Any], lines: Lines, root: Path | None, text: str
         where = lines("merge_method") if "merge_method" in raw else lines.source
         what = f"unknown merge_method {method!r}" if method is not None else "missing merge_method"
         raise ConfigError(f"{where}: {what} (supported: {', '.join(METHODS)})")
-    spec = METHODS[method]
+    adapters = _all_adapters(raw.get("models"), root)
+    spec = _spec(method, adapters)
     if ("models" in raw) == ("slices" in raw):
         raise ConfigError(f"{lines.source}: give exactly one of 'models' and 'slices'")
 
@@ -277,7 +279,7 @@ def parse_config(raw: dict[str, Any], lines: Lines, root: Path | None, text: str
     cfg = MergeConfig(
         merge_method=method, base_model=base, models=models, slices=slices, parameters=parameters,
         dtype=_dtype(raw, "dtype", lines), out_dtype=_dtype(raw, "out_dtype", lines),
-        source=lines.source, text=text, lines=lines,
+        adapters=adapters, source=lines.source, text=text, lines=lines,
     )
     ts = raw.get("tokenizer_source")
     if ts is not None:
@@ -299,6 +301,23 @@ def parse_config(raw: dict[str, Any], lines: Lines, root: Path | None, text: str
     cfg.seed = seed
     _check_structure(cfg)
     return cfg
+
+
+def _spec(method: str, adapters: bool):
+    """The method's parameters; merging adapters needs no base and takes a target ``rank``."""
+    spec = METHODS[method]
+    if not adapters:
+        return spec
+    return replace(spec, base="none", global_params={**spec.global_params, "rank": None})
+
+
+def _all_adapters(models: Any, root: Path | None) -> bool:
+    """Whether every model entry is a PEFT adapter folder (then the merge's output is an adapter)."""
+    if not isinstance(models, list) or not models:
+        return False
+    paths = [m.get("model") if isinstance(m, dict) else m for m in models]
+    return all(isinstance(p, str) and "+" not in p and (_resolve(p, root) / "adapter_config.json").is_file()
+               for p in paths)
 
 
 def _list(value: Any, key: str, lines: Lines) -> list[Any]:
@@ -384,6 +403,8 @@ def _check_structure(cfg: MergeConfig) -> None:
     for sources, base, where in groups:
         names = [s.model.text for s in sources]
         others = [n for n in names if base is None or n != base.text]
+        if cfg.adapters and base is not None:
+            raise ConfigError(f"{lines('base_model')}: merging adapters takes no base_model (the base is left alone)")
         if spec.base == "required" and base is None:
             raise ConfigError(f"{lines.source}: merge_method {spec.name} needs base_model")
         if spec.name == "passthrough" and len(sources) != 1:

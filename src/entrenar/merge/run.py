@@ -71,6 +71,10 @@ def merge(
 ) -> Plan:
     """Merge as ``config`` (mergekit YAML: a path, YAML text or a dict) says into the Hugging Face folder ``output``.
 
+    When every model is a PEFT LoRA adapter folder the output is one merged
+    adapter instead (:mod:`entrenar.merge.adapters`) and a list of summary lines
+    is returned in place of the plan.
+
     ``dry_run`` checks everything that needs no weights and returns the plan
     (``plan.summary()`` says what would be merged). ``gguf`` (e.g. ``"q8_0"``)
     also writes ``output/model-<gguf>.gguf``. ``seed`` overrides the config's
@@ -80,6 +84,15 @@ def merge(
     from entrenar.merge.card import model_card, write_tokenizer
 
     output = Path(output)
+    cfg0 = config if isinstance(config, MergeConfig) else load_config(config)
+    if cfg0.adapters:
+        from entrenar.merge.adapters import merge_adapters
+
+        if gguf is not None:
+            raise ConfigError(f"{cfg0.source}: --gguf needs a merged model; merging adapters writes an adapter")
+        _check_output(output, _input_paths(cfg0), is_file=False)
+        return merge_adapters(cfg0, output, dry_run=dry_run, seed=seed)
+    config = cfg0
     qtype = None
     if gguf is not None:
         from entrenar.models.gguf_write import check_gguf_type
