@@ -223,3 +223,20 @@ def test_refuses_an_output_that_is_an_input(models):
     with pytest.raises(ConfigError, match="output"):
         merge({"merge_method": "linear", "models": [{"model": str(models["a"]), "parameters": {"weight": 1}}]},
               models["a"])
+
+
+@pytest.mark.parametrize("method", ["linear", "task_arithmetic"])
+def test_row_blocks_give_the_same_tensors_as_whole(models, tmp_path, monkeypatch, method):
+    from entrenar.merge import run
+
+    cfg = {"merge_method": method, "base_model": str(models["base"]),
+           "models": [{"model": str(models["a"]), "parameters": {"weight": 0.4}},
+                      {"model": str(models["b"]), "parameters": {"weight": 0.6}}]}
+    if method == "linear":
+        cfg["models"].append({"model": str(models["base"]), "parameters": {"weight": 0.1}})
+    merge(cfg, tmp_path / "whole")
+    monkeypatch.setattr(run, "ROW_BLOCK_BYTES", 3 * 64 * 4)  # three rows of a 64-wide tensor per block
+    assert run._row_blocks(run.plan_merge(cfg)[0].tensors[0], run.load_config(cfg), False)[1] == (3, 6)
+    merge(cfg, tmp_path / "blocks")
+    whole, blocks = state(tmp_path / "whole"), state(tmp_path / "blocks")
+    assert all(torch.equal(whole[n], blocks[n]) for n in whole)

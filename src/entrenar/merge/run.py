@@ -11,6 +11,7 @@ the output dtype.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,9 @@ from entrenar.merge.plan import Plan, PlannedTensor, build_plan
 from entrenar.merge.stream import Input, ShardedWriter, open_input
 
 DEFAULT_SHARD_BYTES = 5 * 2**30
+# Methods whose every output element depends only on the same element of the inputs: merged by row blocks.
+ELEMENTWISE = ("linear", "passthrough", "task_arithmetic")
+ROW_BLOCK_BYTES = 32 * 2**20  # float32 bytes of one row block
 _TORCH = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
 
@@ -109,23 +113,33 @@ def merge(
         compute = _TORCH[cfg.dtype] if cfg.dtype else None
         cache: dict[tuple[str, str], torch.Tensor] = {}
 
-        def read(ref: str, name: str) -> torch.Tensor:
-            key = (ref, name)
-            if key not in cache:
-                x = inputs[ref].read(name)
-                if compute is not None and x.is_floating_point():
-                    x = x.to(compute)
-                cache[key] = x.float() if x.is_floating_point() else x
-            return cache[key]
+        def reader(rows: tuple[int, int] | None) -> Callable[[str, str], torch.Tensor]:
+            def read(ref: str, name: str) -> torch.Tensor:
+                key = (ref, name)
+                if key not in cache:
+                    x = inputs[ref].read(name) if rows is None else inputs[ref].read_rows(name, *rows)
+                    if compute is not None and x.is_floating_point():
+                        x = x.to(compute)
+                    cache[key] = x.float() if x.is_floating_point() else x
+                return cache[key]
+
+            return read
+
+        def blocks(pt: PlannedTensor):
+            """The output tensor, whole or (elementwise methods, large tensors) one row block at a time."""
+            for rows in _row_blocks(pt, cfg, vocab is not None):
+                cache.clear()
+                read = reader(rows)
+                if rows is None and vocab is not None and pt.vocab:
+                    vocab.align(pt, read, cache)
+                result = merge_tensor(pt, read, cfg)
+                cache.clear()
+                yield result.to(pt.info.dtype) if result.is_floating_point() else result
 
         with atomic.staged_folder(output) as tmp:
             writer = ShardedWriter(tmp, [(t.name, t.info) for t in plan.tensors], max_shard_bytes)
             for i, pt in enumerate(plan.tensors):
-                cache.clear()
-                if vocab is not None and pt.vocab:
-                    vocab.align(pt, read, cache)
-                result = merge_tensor(pt, read, cfg)
-                writer.write(pt.name, result.to(pt.info.dtype) if result.is_floating_point() else result)
+                writer.write_parts(pt.name, blocks(pt))
                 if progress is not None:
                     progress(i + 1, len(plan.tensors), pt.name)
             cache.clear()
@@ -148,6 +162,18 @@ def merge(
                                 device="cpu")
         write_gguf(model, tokenizer, output / f"model-{qtype}.gguf", qtype, name=output.name)
     return plan
+
+
+def _row_blocks(pt: PlannedTensor, cfg: MergeConfig, aligning_vocab: bool) -> list[tuple[int, int] | None]:
+    """Row ranges to merge a tensor in, or ``[None]`` (whole): only elementwise methods can go by rows."""
+    shape = pt.info.shape
+    if cfg.spec.name not in ELEMENTWISE or len(shape) < 2 or (aligning_vocab and pt.vocab):
+        return [None]
+    row_bytes = 4 * math.prod(shape[1:])
+    rows = max(1, ROW_BLOCK_BYTES // row_bytes)
+    if rows >= shape[0]:
+        return [None]
+    return [(start, min(start + rows, shape[0])) for start in range(0, shape[0], rows)]
 
 
 def _input_paths(cfg: MergeConfig) -> dict[str, Path]:

@@ -75,14 +75,25 @@ class SafetensorsFile:
         self._file: BinaryIO | None = None
 
     def read(self, name: str) -> torch.Tensor:
-        info, start, end = self.entries[name]
+        info = self.entries[name][0]
+        return self.read_rows(name, 0, info.shape[0] if info.shape else 1)
+
+    def read_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows ``start:stop`` of a tensor (its first dimension), read from the file alone."""
+        info, begin, end = self.entries[name]
+        if not info.shape:
+            start, stop, row = 0, 1, end - begin
+        else:
+            row = (end - begin) // max(info.shape[0], 1)
         if self._file is None:
             self._file = open(self.path, "rb")  # noqa: SIM115 - closed by close()
-        buffer = torch.empty(end - start, dtype=torch.uint8)
-        self._file.seek(self.data_start + start)
-        if self._file.readinto(buffer.numpy()) != end - start:
+        nbytes = (stop - start) * row
+        buffer = torch.empty(nbytes, dtype=torch.uint8)
+        self._file.seek(self.data_start + begin + start * row)
+        if self._file.readinto(buffer.numpy()) != nbytes:
             raise ModelError(f"{self.path}: tensor '{name}' is truncated")
-        return buffer.view(info.dtype).reshape(info.shape)
+        shape = (stop - start, *info.shape[1:]) if info.shape else ()
+        return buffer.view(info.dtype).reshape(shape)
 
     def close(self) -> None:
         if self._file is not None:
@@ -130,14 +141,23 @@ class ShardedWriter:
         self.total_bytes = sum(info.nbytes for _, info in entries)
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
+        self.write_parts(name, [tensor])
+
+    def write_parts(self, name: str, parts) -> None:
+        """Write one tensor given as consecutive row blocks (an iterable), each written as it comes."""
         shard, expected, info = self._order[self._next]
         if name != expected:
             raise RuntimeError(f"tensor {name} written out of order (expected {expected})")
-        if tuple(tensor.shape) != info.shape or tensor.dtype != info.dtype:
-            raise ModelError(f"output tensor {name}: planned {info.shape} {info.dtype}, got {tuple(tensor.shape)} {tensor.dtype}")
         if shard != self._shard:
             self._open(shard)
-        self._file.write(tensor.contiguous().view(-1).view(torch.uint8).numpy().data)
+        written = 0
+        for part in parts:
+            if tuple(part.shape[1:]) != info.shape[1:] or part.dtype != info.dtype:
+                raise ModelError(f"output tensor {name}: planned {info.shape} {info.dtype}, got {tuple(part.shape)} {part.dtype}")
+            self._file.write(part.contiguous().reshape(-1).view(torch.uint8).numpy().data)
+            written += part.numel() * part.element_size()
+        if written != info.nbytes:
+            raise ModelError(f"output tensor {name}: planned {info.nbytes} bytes, {written} were written")
         self._next += 1
 
     def _open(self, shard: int) -> None:
@@ -179,6 +199,10 @@ class Input:
     def read(self, name: str) -> torch.Tensor:
         raise NotImplementedError
 
+    def read_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows ``start:stop`` of a tensor; inputs that cannot seek read it whole and slice."""
+        return self.read(name)[start:stop]
+
     def close(self) -> None:
         pass
 
@@ -219,6 +243,9 @@ class HFInput(Input):
 
     def read(self, name: str) -> torch.Tensor:
         return self._where[name].read(name)
+
+    def read_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        return self._where[name].read_rows(name, start, stop)
 
     def close(self) -> None:
         for f in self.files:
@@ -297,6 +324,13 @@ class AdapterInput(Input):
         a, b = self.pairs[name]
         merged = weight.float() + self.scale * (b.float() @ a.float())
         return merged.to(weight.dtype) if weight.dtype.is_floating_point else merged
+
+    def read_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        weight = self.base.read_rows(name, start, stop)
+        if name not in self.pairs:
+            return weight
+        a, b = self.pairs[name]
+        return (weight.float() + self.scale * (b[start:stop].float() @ a.float())).to(weight.dtype)
 
     def close(self) -> None:
         self.base.close()
