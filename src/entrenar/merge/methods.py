@@ -188,7 +188,9 @@ def magnitude(delta: Tensor, density: float, rescale: str | None = None) -> Tens
     if k <= 0:
         return torch.zeros_like(delta)
     keep = torch.zeros(delta.numel(), dtype=torch.bool)
-    keep[torch.topk(delta.abs().reshape(-1), k, sorted=False).indices] = True
+    magnitudes = delta.abs().reshape(-1)
+    keep[torch.topk(magnitudes, k, sorted=False).indices] = True
+    del magnitudes
     keep = keep.reshape(delta.shape)
     if rescale is None:
         return delta.masked_fill(~keep, 0)
@@ -304,8 +306,7 @@ def task_arithmetic_family(
         for d in deltas:
             votes.add_(d if method == "sum" else d.sign())
         positive = votes >= 0  # the elected sign; a tie elects +
-        del votes
-        mixed, divisor = torch.zeros_like(base), torch.zeros_like(base)
+        mixed, divisor = votes.zero_(), torch.zeros_like(base)  # the votes' storage is reused
         for d, w in zip(deltas, weights):
             agree = torch.where(positive, d > 0, d < 0)  # zero entries never agree
             mixed.add_(d.masked_fill_(~agree, 0))
