@@ -7,7 +7,7 @@
 # 2. two LoRA adapters on that base, one trained on sums whose first number is < 50, one on the rest
 #    (different seeds and learning rates);
 # 3. merges: the adapters averaged into one adapter (linear), and the models base+adapter merged with
-#    task_arithmetic and with ties (inputs `base+adapter`: nothing merged is written but the result);
+#    task_arithmetic (weights 1 and 0.5) and with ties (inputs `base+adapter`: nothing merged is written but the result);
 # 4. held-out loss (answer tokens) of each on the quickstart's validation sums.
 set -euo pipefail
 W=${1:-runs/merge-example}
@@ -40,25 +40,28 @@ models:
   - {model: $W/lora-low/adapter, parameters: {weight: 1.0}}
   - {model: $W/lora-high/adapter, parameters: {weight: 1.0}}
 YAML
-for method in task_arithmetic ties; do
-    density=""; [ "$method" = ties ] && density=", density: 0.5"
-    cat > "$W/$method.yaml" <<YAML
-merge_method: $method
+for spec in "task_arithmetic 1.0" "task_arithmetic-half 0.5" "ties 1.0"; do
+    set -- $spec
+    extra=""; [ "$1" = ties ] && extra=", density: 0.5"
+    cat > "$W/$1.yaml" <<YAML
+merge_method: ${1%-half}
 base_model: $BASE
 models:
-  - {model: $BASE+$W/lora-low/adapter, parameters: {weight: 1.0$density}}
-  - {model: $BASE+$W/lora-high/adapter, parameters: {weight: 1.0$density}}
+  - {model: $BASE+$W/lora-low/adapter, parameters: {weight: $2$extra}}
+  - {model: $BASE+$W/lora-high/adapter, parameters: {weight: $2$extra}}
 YAML
 done
 entrenar merge "$W/adapters.yaml" --output "$W/merged-adapter" --quiet
 entrenar merge "$W/task_arithmetic.yaml" --output "$W/merged-task-arithmetic" --quiet
+entrenar merge "$W/task_arithmetic-half.yaml" --output "$W/merged-task-arithmetic-half" --quiet
 entrenar merge "$W/ties.yaml" --output "$W/merged-ties" --quiet
-loss() { entrenar eval "$@" --data "$DATA/validation.jsonl" --train-on completion --seq-len 64 | grep -i loss; }
+loss() { entrenar eval "$@" --data "$DATA/validation.jsonl" --train-on completion --seq-len 64 | awk '/^loss/ {print $2}'; }
 echo "| model | held-out loss |"
 echo "| --- | --- |"
 echo "| base | $(loss "$BASE") |"
 echo "| base + adapter (a < 50) | $(loss "$BASE" --adapter "$W/lora-low/adapter") |"
 echo "| base + adapter (a >= 50) | $(loss "$BASE" --adapter "$W/lora-high/adapter") |"
 echo "| base + merged adapter (linear, mean) | $(loss "$BASE" --adapter "$W/merged-adapter") |"
-echo "| task_arithmetic (sum of both) | $(loss "$W/merged-task-arithmetic") |"
-echo "| ties (density 0.5) | $(loss "$W/merged-ties") |"
+echo "| task_arithmetic, weights 1 + 1 (sum of both updates) | $(loss "$W/merged-task-arithmetic") |"
+echo "| task_arithmetic, weights 0.5 + 0.5 | $(loss "$W/merged-task-arithmetic-half") |"
+echo "| ties, weights 1 + 1, density 0.5 | $(loss "$W/merged-ties") |"

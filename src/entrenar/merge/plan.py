@@ -53,6 +53,7 @@ class Plan:
     out_dtype: torch.dtype
     base_ref: str  # the model whose config and (by default) tokenizer the output takes
     notes: list[str] = field(default_factory=list)
+    inputs: list[str] = field(default_factory=list)  # one line per input: family, layers, vocab rows, dtype
 
     def summary(self) -> str:
         """What will be merged: a short report for ``--dry-run``."""
@@ -61,7 +62,8 @@ class Plan:
         lines = [
             f"merge_method: {cfg.merge_method}",
             f"base_model: {self.base_ref if cfg.base_model else '(none)'}",
-            "inputs: " + ", ".join(str(r) for r in cfg.references()),
+            "inputs:",
+            *[f"  {line}" for line in self.inputs],
             f"output: {len(self.tensors)} tensors, {total / 2**30:.2f} GiB in {str(self.out_dtype).removeprefix('torch.')}, "
             f"{self.out_config.get('num_hidden_layers')} layers, vocab_size {self.out_config.get('vocab_size')}",
         ]
@@ -221,12 +223,19 @@ def build_plan(cfg: MergeConfig, inputs: dict[str, Input], vocab_rows: int | Non
     for name in post:
         add(name, last_sources, [name] * len(last_sources), last_base, last_params, 0.0)
 
+    described = []
+    for ref, model in inputs.items():
+        kinds = [i.dtype for i in model.tensors().values() if i.dtype.is_floating_point]
+        stored = str(max(set(kinds), key=kinds.count)).removeprefix("torch.") if kinds else "?"
+        embed = model.tensors().get("model.embed_tokens.weight")
+        described.append(f"{ref}: {model.config.get('model_type')}, {model.config.get('num_hidden_layers')} layers, "
+                         f"{embed.shape[0] if embed else '?'} vocab rows, {stored}")
     n_out = out_layer
     if n_out != out_config.get("num_hidden_layers"):
         _relayer_config(out_config, slices, inputs, n_out)
     if vocab_rows is not None:
         out_config["vocab_size"] = vocab_rows
-    return Plan(cfg, plan, out_config, out_dtype, base_ref)
+    return Plan(cfg, plan, out_config, out_dtype, base_ref, inputs=described)
 
 
 def _layers(model: Input) -> int:
