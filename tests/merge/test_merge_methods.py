@@ -171,3 +171,15 @@ def test_identical_inputs_with_weights_summing_to_one_give_the_input():
     assert torch.allclose(gta("ties", base, [x, x], [0.5, 0.5]), x, atol=1e-6)
     assert torch.allclose(gta("task_arithmetic", base, [x, x], [0.5, 0.5]), x, atol=1e-6)
     assert torch.allclose(M.model_stock(base, [x, x.clone()]), x, atol=1e-5)
+
+
+def test_top_k_mask_is_exact_with_ties_at_the_cut():
+    torch.manual_seed(0)
+    values = torch.randn(10_000).abs()
+    for k in (1, 17, 5000, 9999):
+        want = torch.zeros(10_000, dtype=torch.bool)
+        want[torch.topk(values, k).indices] = True
+        assert torch.equal(M.top_k_mask(values, k), want)
+    tied = T([1.0, 3.0, 2.0, 2.0, 2.0, 0.5])  # the cut falls among the 2.0s: the lowest indices go in
+    assert M.top_k_mask(tied, 3).tolist() == [False, True, True, True, False, False]
+    assert M.top_k_mask(torch.zeros(4), 2).tolist() == [True, True, False, False]

@@ -156,53 +156,95 @@ def passthrough(tensor: Tensor, scale: float | None = None) -> Tensor:
 # -- sparsifiers (task vectors) ----------------------------------------------------
 
 
-def rescaled(delta: Tensor, mask: Tensor, norm: str | None, eps: float = 1e-7) -> Tensor:
+def rescaled(delta: Tensor, mask: Tensor, norm: str | None, eps: float = 1e-7, inplace: bool = False) -> Tensor:
     """``delta * mask``, scaled back to ``delta``'s l1 / l2 / max norm when ``norm`` is set (mergekit's rescale)."""
-    kept = delta * mask
     if norm is None:
-        return kept
-    if norm == "l1":
-        before, after = delta.abs().sum(), kept.abs().sum()
-    elif norm == "l2":
-        before, after = delta.norm(), kept.norm()
-    elif norm == "linf":
-        before, after = delta.abs().max(), kept.abs().max()
-    else:
-        raise ValueError(norm)
+        return delta.mul_(mask) if inplace else delta * mask
+    order = {"l1": 1, "l2": 2, "linf": float("inf")}[norm]
+    before = torch.linalg.vector_norm(delta, order)  # a fused reduction: no |delta| copy
+    kept = delta.mul_(mask) if inplace else delta * mask
+    after = torch.linalg.vector_norm(kept, order)
     if before < eps or after < eps:
         return kept
-    return kept * (before / after)
+    return kept.mul_(before / after)
 
 
-def _apply_mask(delta: Tensor, mask: Tensor, keep_probability: Tensor | float, rescale: str | None) -> Tensor:
+def _apply_mask(delta: Tensor, mask: Tensor, keep_probability: Tensor | float, rescale: str | None,
+                inplace: bool = False) -> Tensor:
     if rescale == "inverse_density":  # the papers' unbiased estimator: E[kept / p] = delta
-        return delta * mask / keep_probability
-    return rescaled(delta, mask, rescale)
+        return (delta.mul_(mask) if inplace else delta * mask).div_(keep_probability)
+    return rescaled(delta, mask, rescale, inplace=inplace)
 
 
-def magnitude(delta: Tensor, density: float, rescale: str | None = None) -> Tensor:
-    """TIES trimming: keep the ``int(density * n)`` entries of largest magnitude, zero the rest."""
+def top_k_mask(values: Tensor, k: int) -> Tensor:
+    """A boolean mask of exactly the ``k`` largest of ``values`` (non-negative), ties at the cut to the lowest index.
+
+    ``torch.topk`` on CPU keeps a (value, index) pair per element, 16 bytes each; this
+    finds the k-th largest from two 65536-bin histograms of the float bit patterns
+    (monotonic for non-negative floats), so it needs one byte per element beyond the input.
+    """
+    bits = values.float().contiguous().reshape(-1).view(torch.int32)
+    n = bits.numel()
+    if k >= n:
+        return torch.ones(values.shape, dtype=torch.bool)
+    chunks = bits.split(1 << 22)
+
+    def kth_bin(hist: Tensor, k: int) -> tuple[int, int]:
+        """(bin holding the k-th largest, count of elements in higher bins)."""
+        from_top = hist.flip(0).cumsum(0)
+        i = int(torch.searchsorted(from_top, torch.tensor(k)))
+        return hist.numel() - 1 - i, int(from_top[i - 1]) if i > 0 else 0
+
+    high = torch.zeros(65536, dtype=torch.long)
+    for c in chunks:
+        high += torch.bincount((c >> 16).long(), minlength=65536)
+    top, above = kth_bin(high, k)
+    low = torch.zeros(65536, dtype=torch.long)
+    for c in chunks:
+        low += torch.bincount((c[(c >> 16) == top] & 0xFFFF).long(), minlength=65536)
+    bottom, above_low = kth_bin(low, k - above)
+    threshold = (top << 16) | bottom
+    keep = bits > threshold
+    need = k - above - above_low  # how many equal to the threshold still go in, lowest index first
+    if need > 0:
+        keep[(bits == threshold).nonzero().reshape(-1)[:need]] = True
+    return keep.reshape(values.shape)
+
+
+def magnitude(delta: Tensor, density: float, rescale: str | None = None, inplace: bool = False) -> Tensor:
+    """TIES trimming: keep the ``int(density * n)`` entries of largest magnitude, zero the rest.
+
+    ``inplace`` zeroes ``delta`` itself when no rescale is asked for (the caller's private copy).
+    """
     if density >= 1:
         return delta
     k = int(density * delta.numel())
     if k <= 0:
         return torch.zeros_like(delta)
-    keep = torch.zeros(delta.numel(), dtype=torch.bool)
-    magnitudes = delta.abs().reshape(-1)
-    keep[torch.topk(magnitudes, k, sorted=False).indices] = True
-    del magnitudes
-    keep = keep.reshape(delta.shape)
+    keep = top_k_mask(delta.abs(), k)
     if rescale is None:
-        return delta.masked_fill(~keep, 0)
-    return _apply_mask(delta, keep.to(delta.dtype), density, rescale)
+        return delta.masked_fill_(~keep, 0) if inplace else delta.masked_fill(~keep, 0)
+    return _apply_mask(delta, keep, density, rescale, inplace)
 
 
-def random_drop(delta: Tensor, density: float, generator: torch.Generator, rescale: str | None = "l1") -> Tensor:
+def _bernoulli_mask(shape: torch.Size, probability: float, generator: torch.Generator) -> Tensor:
+    """True with ``probability``, drawn 4M entries at a time (no full-size float tensor of draws)."""
+    mask = torch.empty(shape, dtype=torch.bool)
+    for part in mask.view(-1).split(1 << 22):
+        part.copy_(torch.rand(part.numel(), generator=generator) < probability)
+    return mask
+
+
+def random_drop(
+    delta: Tensor, density: float, generator: torch.Generator, rescale: str | None = "l1", inplace: bool = False
+) -> Tensor:
     """DARE: keep each entry with probability ``density``, then rescale (see :func:`rescaled`)."""
     if density >= 1:
         return delta
-    mask = (torch.rand(delta.shape, generator=generator) < density).to(delta.dtype)
-    return _apply_mask(delta, mask, density, rescale)
+    keep = _bernoulli_mask(delta.shape, density, generator)
+    if rescale is None:
+        return delta.masked_fill_(~keep, 0) if inplace else delta.masked_fill(~keep, 0)
+    return _apply_mask(delta, keep, density, rescale, inplace)
 
 
 def magnitude_outliers(delta: Tensor, density: float, gamma: float = 0.01, rescale: str | None = None) -> Tensor:
@@ -290,9 +332,9 @@ def task_arithmetic_family(
     for i, x in enumerate(tensors):
         d = x.sub_(base) if inplace else x - base
         if recipe.sparsifier == "magnitude":
-            d = magnitude(d, densities[i], rescale)
+            d = magnitude(d, densities[i], rescale, inplace=True)  # d is ours: x - base, or x itself
         elif recipe.sparsifier == "random":
-            d = random_drop(d, densities[i], generators[i], rescale)
+            d = random_drop(d, densities[i], generators[i], rescale, inplace=True)
         elif recipe.sparsifier == "magnitude_outliers":
             d = magnitude_outliers(d, densities[i], gammas[i], rescale)
         elif recipe.sparsifier == "della":
@@ -310,7 +352,7 @@ def task_arithmetic_family(
         for d, w in zip(deltas, weights):
             agree = torch.where(positive, d > 0, d < 0)  # zero entries never agree
             mixed.add_(d.masked_fill_(~agree, 0))
-            divisor.add_(agree.to(base.dtype), alpha=float(w))
+            divisor.add_(agree, alpha=float(w))
             del agree
         divisor.masked_fill_(divisor == 0, 1)
     else:
