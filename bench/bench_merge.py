@@ -4,9 +4,9 @@
     python bench/bench_merge.py --layers 4             # smaller: same widths, 4 layers (~0.3B)
     python bench/bench_merge.py --mergekit /tmp/mk/bin/mergekit-yaml   # side by side with mergekit
 
-Each merge runs in its own process; its wall time and peak resident memory
-(``ru_maxrss`` of that child, from ``os.wait4``) are measured from outside, so
-both tools are measured the same way. Methods: linear, ties, dare_ties, bf16
+Each merge runs in its own process; its wall time, CPU time (user + system) and
+peak resident memory (``ru_maxrss`` of that child, from ``os.wait4``) are
+measured from outside, so both tools are measured the same way. Methods: linear, ties, dare_ties, bf16
 in and out. Prints a table and writes bench/results/merge.json.
 """
 
@@ -84,7 +84,9 @@ def measure(cmd: list[str], env: dict[str, str]) -> dict:
     proc.stderr.close()
     if os.waitstatus_to_exitcode(status) != 0:
         raise RuntimeError(f"{cmd[0]} failed:\n{err[-3000:]}")
-    return {"seconds": round(seconds, 2), "peak_rss_gib": round(usage.ru_maxrss / 2**20, 3)}
+    # CPU time (user + system) is the fairer speed measure on a shared machine: wall time includes waiting for cores.
+    return {"seconds": round(seconds, 2), "cpu_seconds": round(usage.ru_utime + usage.ru_stime, 2),
+            "peak_rss_gib": round(usage.ru_maxrss / 2**20, 3)}
 
 
 def main() -> None:
@@ -122,7 +124,8 @@ def main() -> None:
         for tool, cmd in tools:
             result = measure(cmd, env)
             rows.append({"method": method, "tool": tool, **result})
-            print(f"{method:10s} {tool:9s} {result['seconds']:8.1f} s  peak RSS {result['peak_rss_gib']:.2f} GiB", flush=True)
+            print(f"{method:10s} {tool:9s} wall {result['seconds']:7.1f} s  CPU {result['cpu_seconds']:7.1f} s  "
+                  f"peak RSS {result['peak_rss_gib']:.2f} GiB", flush=True)
     report = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "machine": f"{platform.machine()} {os.cpu_count()} cores, {platform.processor() or platform.platform()}",

@@ -144,13 +144,14 @@ class ModelRef:
     text: str
     path: Path
     adapter: Path | None = None
+    where: str = ""  # file and line it was written at
 
     @classmethod
     def parse(cls, text: Any, where: str, root: Path | None) -> ModelRef:
         if not isinstance(text, str) or not text.strip():
             raise ConfigError(f"{where}: a model must be a path (a Hugging Face folder or .gguf file), got {text!r}")
         model, _, adapter = text.strip().partition("+")
-        return cls(text.strip(), _resolve(model, root), _resolve(adapter, root) if adapter else None)
+        return cls(text.strip(), _resolve(model, root), _resolve(adapter, root) if adapter else None, where)
 
     def __str__(self) -> str:
         return self.text

@@ -2,7 +2,9 @@
 
 Each output tensor is computed from the same tensor of each input, read when
 it is needed and dropped once written, so peak memory is a few tensors (the
-largest, times the number of inputs, plus the output), not a model. Arithmetic
+largest, times the number of inputs, plus about three of work), not a model.
+Elementwise methods (:data:`ELEMENTWISE`) read, merge and write a large tensor
+by row blocks of :data:`ROW_BLOCK_BYTES`, so theirs does not grow with it. Arithmetic
 is float32 whatever the stored dtype; inputs are first rounded to ``dtype`` when
 the config sets it (as mergekit loads them), and the result is rounded once to
 the output dtype.
@@ -19,7 +21,7 @@ from typing import Any
 import torch
 
 from entrenar import atomic
-from entrenar.errors import ConfigError
+from entrenar.errors import ConfigError, EntrenarError
 from entrenar.merge import methods
 from entrenar.merge.config import MergeConfig, load_config
 from entrenar.merge.plan import Plan, PlannedTensor, build_plan
@@ -37,7 +39,10 @@ def open_inputs(cfg: MergeConfig) -> dict[str, Input]:
     inputs: dict[str, Input] = {}
     try:
         for ref in cfg.references():
-            inputs[ref.text] = open_input(ref.path, ref.adapter, ref.text)
+            try:
+                inputs[ref.text] = open_input(ref.path, ref.adapter, ref.text)
+            except EntrenarError as error:
+                raise type(error)(f"{ref.where}: {error}" if ref.where else str(error)) from None
     except BaseException:
         for model in inputs.values():
             model.close()

@@ -340,7 +340,8 @@ def open_input(path: Path, adapter: Path | None = None, reference: str | None = 
     """An :class:`Input` for a folder or .gguf file, with ``adapter`` merged into it as it is read."""
     reference = reference or str(path)
     if not path.exists():
-        raise ModelError(f"{reference}: no such model folder or .gguf file ({path})")
+        raise ModelError(f"{reference}: no such model folder or .gguf file"
+                         + (f" ({path})" if str(path) != reference.partition("+")[0] else ""))
     if path.suffix == ".gguf":
         model: Input = GGUFInput(path, reference)
     elif path.is_dir():
