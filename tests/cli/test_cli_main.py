@@ -37,7 +37,7 @@ def test_the_console_script_is_main():
 def test_help_lists_every_command(capsys):
     assert main(["--help"]) == 0
     out = capsys.readouterr().out
-    assert COMMANDS == ("train", "inspect", "generate", "eval", "chat", "export", "quantize")
+    assert COMMANDS == ("train", "inspect", "generate", "eval", "chat", "export", "quantize", "merge")
     for command in COMMANDS:
         assert f"    {command} " in out
 
