@@ -240,3 +240,17 @@ def test_row_blocks_give_the_same_tensors_as_whole(models, tmp_path, monkeypatch
     merge(cfg, tmp_path / "blocks")
     whole, blocks = state(tmp_path / "whole"), state(tmp_path / "blocks")
     assert all(torch.equal(whole[n], blocks[n]) for n in whole)
+
+
+def test_different_architectures_are_refused_before_reading_weights(models, tmp_path):
+    from entrenar.merge.run import plan_merge
+
+    make_hf_model("llama", intermediate_size=96).save_pretrained(tmp_path / "narrow")
+    config = json.loads((models["a"] / "config.json").read_text())
+    config.pop("head_dim", None)  # left out: the default hidden/heads is compared, not a refusal
+    (models["a"] / "config.json").write_text(json.dumps(config))
+    plan_merge({"merge_method": "linear", "models": [{"model": str(models["a"]), "parameters": {"weight": 1}},
+                                                    {"model": str(models["b"]), "parameters": {"weight": 1}}]})
+    with pytest.raises(ModelError, match="differ in intermediate_size"):
+        plan_merge({"merge_method": "linear", "models": [{"model": str(models["a"]), "parameters": {"weight": 1}},
+                                                        {"model": str(tmp_path / "narrow"), "parameters": {"weight": 1}}]})

@@ -99,10 +99,19 @@ def _param(name: str, default: Any, tensor: str, t: float, *levels: dict[str, An
 
 def check_architectures(cfg: MergeConfig, inputs: dict[str, Input]) -> None:
     """Refuse inputs whose architectures cannot be merged tensor by tensor, naming the field and models."""
+    def arch(config: dict[str, Any]) -> dict[str, Any]:
+        """The fields, with the defaults transformers fills in when a config leaves them out."""
+        out = {key: config.get(key) for key in _ARCH_FIELDS}
+        if out["num_key_value_heads"] is None:
+            out["num_key_value_heads"] = out["num_attention_heads"]
+        if out["head_dim"] is None and out["hidden_size"] and out["num_attention_heads"]:
+            out["head_dim"] = out["hidden_size"] // out["num_attention_heads"]
+        return out
+
     refs = list(inputs)
-    first = inputs[refs[0]].config
+    first = arch(inputs[refs[0]].config)
     for ref in refs[1:]:
-        other = inputs[ref].config
+        other = arch(inputs[ref].config)
         for key in _ARCH_FIELDS:
             if first.get(key) != other.get(key):
                 raise ModelError(
