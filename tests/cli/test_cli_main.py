@@ -37,7 +37,8 @@ def test_the_console_script_is_main():
 def test_help_lists_every_command(capsys):
     assert main(["--help"]) == 0
     out = capsys.readouterr().out
-    assert COMMANDS == ("train", "inspect", "generate", "eval", "chat", "export", "quantize", "classify", "recipes")
+    assert COMMANDS == ("train", "inspect", "generate", "eval", "chat", "export", "quantize", "merge", "classify",
+                        "recipes")
     for command in COMMANDS:
         assert f"    {command} " in out
 

@@ -23,7 +23,8 @@ from importlib import import_module
 from entrenar import __version__
 from entrenar.errors import EntrenarError
 
-COMMANDS = ("train", "inspect", "generate", "eval", "chat", "export", "quantize", "classify", "recipes")  # modules of entrenar.cli
+COMMANDS = ("train", "inspect", "generate", "eval", "chat", "export", "quantize", "merge", "classify",
+            "recipes")  # modules of entrenar.cli
 
 
 def build_parser() -> argparse.ArgumentParser:
