@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from importlib import import_module
 
 from entrenar import __version__
+from entrenar.distributed.launch import rank_prefix, report_worker_error
 from entrenar.errors import EntrenarError
 
 COMMANDS = ("train", "inspect", "generate", "eval", "chat", "export", "quantize")  # modules of entrenar.cli
@@ -51,7 +52,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except EntrenarError as error:
         if debug:
             raise
-        print(f"error: {error}", file=sys.stderr)
+        if not report_worker_error(error, user_error=True):  # a worker of `train --nproc-per-node`: its launcher prints
+            print(f"error: {rank_prefix()}{error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         if debug:
@@ -61,7 +63,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as bug:
         if debug:
             raise
-        print(f"internal error: {type(bug).__name__}: {bug}", file=sys.stderr)
+        report_worker_error(bug, user_error=False)
+        print(f"internal error: {rank_prefix()}{type(bug).__name__}: {bug}", file=sys.stderr)
         print("this is a bug in entrenar; run again with --debug for the traceback and report it", file=sys.stderr)
         return 1
 

@@ -26,6 +26,10 @@ from tqdm.auto import tqdm
 import entrenar
 from entrenar import quickstart
 from entrenar.config import Recipe, load_recipe, recipe_changes, save_recipe
+from entrenar.distributed import steps as dist_steps
+from entrenar.distributed.consistency import check_replicas
+from entrenar.distributed.parallelize import choose_mode, parallelize, refuse
+from entrenar.distributed.world import join, leave, restarted
 from entrenar.data import (
     BatchStream,
     eval_batches,
@@ -83,10 +87,15 @@ def train(
     try:
         return _train(recipe, resume, dry_run, progress)
     finally:
+        leave()  # the process group of a distributed run, if this run opened one
         torch.set_num_threads(threads)  # training.cpu_threads applies to the run, not to the caller's process
 
 
 def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, progress: bool) -> TrainResult:
+    # Under torchrun: this process's rank and device (one per process); a restarted job resumes where it stopped.
+    world, rank_device = join(entrenar.resolve_device(recipe.model.device), recipe.training.dist_timeout_s)
+    if not resume and not dry_run and restarted() and latest_checkpoint(Path(recipe.output.dir).absolute()):
+        resume = True
     run_dir, resume_from = _run_folder(recipe, resume, dry_run)
     is_quickstart = quickstart.is_quickstart(recipe, run_dir)
     if is_quickstart:
@@ -98,19 +107,22 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
         raise ConfigError(f"schedule.warmup_steps ({recipe.schedule.warmup_steps}) is longer than the run "
                           f"(training.max_steps={t.max_steps})")
     if is_quickstart:
-        quickstart.write_files(recipe)  # only once the recipe is known to be sound
+        world.main_only(quickstart.write_files, recipe)  # only once the recipe is known to be sound
     if t.cpu_threads is not None:
         torch.set_num_threads(t.cpu_threads)
     _seed_everything(t.seed)
 
     # Model, adapters, precision.
-    device = entrenar.resolve_device(recipe.model.device)
+    device = rank_device
     if t.precision == "fp16" and device.type != "cuda":
         raise ConfigError("training.precision: fp16 needs a CUDA device (use bf16 or fp32 on the CPU)")
     weights_dtype = recipe.model.dtype
     if weights_dtype == "auto" and recipe.lora is None:
         weights_dtype = "float32"  # full fine-tuning keeps fp32 master weights; compute follows training.precision
     quantize = recipe.lora.quantize_base if recipe.lora is not None else None
+    mode = choose_mode(recipe, world, device)  # single, ddp or fsdp
+    refuse(mode, t, quantize is not None, world)
+    accumulation = dist_steps.accumulation(t.batch_size, t.grad_accum, t.global_batch_size, world.size)
     model, tokenizer = entrenar.load(recipe.model.path, dtype=weights_dtype, device=device, quantize=quantize)
     model.train()
     if recipe.qat is not None:
@@ -142,7 +154,8 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
         model.set_activation_offload(t.offload_activations)
     except ValueError as e:
         raise ConfigError(f"training.offload_activations: {e}") from None
-    use_kernels = t.kernels is True or (t.kernels == "auto" and device.type == "cuda" and triton_available())
+    use_kernels = t.kernels is True or (t.kernels == "auto" and device.type == "cuda" and triton_available()
+                                        and mode != "fsdp")
     if t.adapter_math == "bf16" and not use_kernels:
         raise ConfigError("training.adapter_math: bf16 adapter products run in the fused LoRA layer, and this run "
                           "has no kernels (training.kernels: true, or auto on a CUDA device with Triton)")
@@ -151,6 +164,7 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
         apply_kernels(model, lora_compute_dtype=torch.bfloat16 if t.adapter_math == "bf16" else None)
     # Fusing the output projection into the loss never materialises full-vocabulary logits.
     fused_loss = use_kernels and type(model.lm_head) is torch.nn.Linear
+    step_model = parallelize(model, mode, world, device, t.precision)  # DDP / FSDP2 from outside (or the model)
     trainable = [p for p in model.parameters() if p.requires_grad]
 
     # Data: records -> masked examples -> a resumable stream of packed batches.
@@ -174,9 +188,9 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
         inputs = (batch["input_ids"], batch["position_ids"], batch.get("document_ids"))
         layout = {"cu_seqlens": batch.get("cu_seqlens"), "max_seqlen": batch.get("max_seqlen")}  # padding-free
         if fused_loss:
-            hidden = model.hidden_states(*inputs, **layout)
+            hidden = step_model.hidden_states(*inputs, **layout)
             return fused_linear_cross_entropy(hidden, model.lm_head.weight, batch["labels"], FUSED_LOSS_CHUNK)[0]
-        return token_cross_entropy(model(*inputs, **layout), batch["labels"])[0]
+        return token_cross_entropy(step_model(*inputs, **layout), batch["labels"])[0]
 
     def micro_step(batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Forward and backward of one micro-batch; its loss is normalised over the whole step's targets."""
@@ -206,9 +220,10 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
         start_step = _check_trainer_state(trainer_state, resume_from, t.max_steps, scaler.is_enabled())
         _load_trainable_state(model, recipe, model_state, str(resume_from))
         stream.load_state_dict(trainer_state["data"])
+        dist_steps.check_resume(trainer_state, resume_from, t.batch_size * accumulation * world.size)
         if scaler.is_enabled():
             scaler.load_state_dict(trainer_state["grad_scaler"])
-    save_recipe(recipe, run_dir / RECIPE_FILE)  # on resume: with the changes the resume made
+    world.main_only(save_recipe, recipe, run_dir / RECIPE_FILE)  # on resume: with the changes the resume made
 
     def evaluate() -> EvalResult | None:
         if not validation:
@@ -218,13 +233,15 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
         return eval_loss(model, batches, precision=t.precision, max_batches=t.eval_batches)
 
     def checkpoint(step: int, best: bool = False) -> Path:
-        trainer_state = {"data": stream.state_dict(), "recipe": recipe.to_dict()}
+        trainer_state = {"data": stream.state_dict(), "recipe": recipe.to_dict(),
+                         "global_batch": t.batch_size * accumulation * world.size, "world_size": world.size}
         if scaler.is_enabled():
             trainer_state["grad_scaler"] = scaler.state_dict()
-        return save_checkpoint(run_dir, step, _trainable_state(model, recipe), optimizer, trainer_state, t.keep_last,
-                               best=best)
+        return world.main_only(save_checkpoint, run_dir, step, _trainable_state(model, recipe), optimizer,
+                               trainer_state, t.keep_last, best=best)
 
-    metrics = MetricsLogger(run_dir, resume_step=start_step if resume_from is not None else None)
+    metrics = MetricsLogger(run_dir, resume_step=start_step if resume_from is not None else None,
+                            write=world.is_main)  # rank 0 writes; the others keep the same counts
     with metrics:  # the metrics file is closed however the run ends
         eval_before = None
         if start_step == 0:
@@ -233,7 +250,9 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
                 metrics.log_eval(0, eval_before.loss)
         accuracy_before = quickstart.accuracy(model, tokenizer, d.validation) if is_quickstart and start_step == 0 else None
 
-        with tqdm(total=t.max_steps, initial=start_step, disable=not progress, unit="step",
+        if world.distributed and world.is_main:
+            print(dist_steps.describe(mode, world, t.batch_size, accumulation, d.seq_len), flush=True)
+        with tqdm(total=t.max_steps, initial=start_step, disable=not progress or not world.is_main, unit="step",
                   dynamic_ncols=True) as bar:
             last_checkpoint: Path | None = None
             loss_value, eval_after = None, None
@@ -243,16 +262,17 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
                            recipe.schedule.min_lr_ratio)
                 set_lr(optimizer, lr)
 
-                micro_batches = [next(stream) for _ in range(t.grad_accum)]
-                step_targets = max(sum(num_target_tokens(b) for b in micro_batches), 1)
+                micro_batches = dist_steps.step_batches(stream, accumulation, world)  # this rank's share
+                step_targets, tokens = dist_steps.step_counts(micro_batches, world, device)  # of the global step
                 step_loss = torch.zeros((), device=device)
-                tokens = sum(int((b["document_ids"] >= 0).sum()) for b in micro_batches)  # counted on the CPU: no sync
-                for batch in micro_batches:
+                for i, batch in enumerate(micro_batches):
                     if d.padding_free:
                         batch = padding_free(batch)
                     batch = {k: _to(v, device) for k, v in batch.items()}
-                    batch["step_targets"] = torch.full((), float(step_targets), device=device)  # no host copy
-                    step_loss += run_micro_step(batch)
+                    # Over world.size: DDP and FSDP average the ranks' gradients, and the step needs their sum.
+                    batch["step_targets"] = step_targets / world.size
+                    with step_model.sync(last=i == len(micro_batches) - 1):  # no all-reduce on accumulation steps
+                        step_loss += run_micro_step(batch)
 
                 scaler.unscale_(optimizer)
                 max_norm = t.max_grad_norm if t.max_grad_norm > 0 else math.inf
@@ -262,11 +282,15 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
                 optimizer.zero_grad(set_to_none=not t.cuda_graphs)
 
                 done = step + 1
-                loss_value = float(step_loss)
+                loss_value = float(world.all_sum(step_loss)) / world.size
+                tokens = int(tokens)
                 if not math.isfinite(loss_value):
                     raise DataError(f"step {done}: the loss is {loss_value}; lower optimizer.lr or check the data "
                                     f"(last good checkpoint: {latest_checkpoint(run_dir)})")
-                metrics.log_step(done, loss_value, grad_norm, lr, tokens, step_time_s=time.perf_counter() - started)
+                metrics.log_step(done, loss_value, grad_norm, lr, tokens, step_time_s=time.perf_counter() - started,
+                                 **dist_steps.peak_memory(world, device))  # each rank's
+                if t.replica_check_every and (done % t.replica_check_every == 0 or done == t.max_steps):
+                    check_replicas(model, optimizer, world, done)  # every rank holds the same weights
                 bar.update(1)
                 if done % t.log_every == 0 or done == t.max_steps:
                     bar.set_postfix(loss=f"{loss_value:.4f}", lr=f"{lr:.2e}")
@@ -275,7 +299,7 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
                 if (t.eval_every and done % t.eval_every == 0) or is_last:
                     result = eval_after = evaluate()
                     if result is not None and metrics.log_eval(done, result.loss):
-                        _save_result(model, tokenizer, recipe, run_dir / "best")  # usable as --adapter / MODEL as it is
+                        world.main_only(_save_result, model, tokenizer, recipe, run_dir / "best")  # usable as it is
                         last_checkpoint = checkpoint(done, best=True)  # after run/best/: a crash never leaves it stale
                 if (t.save_every and done % t.save_every == 0) or is_last:
                     if last_checkpoint is None or last_checkpoint.name != f"step-{done}":
@@ -283,9 +307,9 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
 
         if eval_after is None:
             eval_after = evaluate()
-        output = _save_result(model, tokenizer, recipe, run_dir)
-        quantized = save_qat_model(model, tokenizer, run_dir / "quantized") if recipe.qat is not None else None
-        plot_loss_curve(metrics.path, run_dir / "loss_curve.png")
+        output = world.main_only(_save_result, model, tokenizer, recipe, run_dir)
+        quantized = world.main_only(save_qat_model, model, tokenizer, run_dir / "quantized") if recipe.qat else None
+        world.main_only(plot_loss_curve, metrics.path, run_dir / "loss_curve.png")
         rows = [("output", str(output)), *[("note", note) for note in notes]]
         if quantized is not None:
             rows.append(("quantized", str(quantized)))

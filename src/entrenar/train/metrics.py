@@ -79,6 +79,7 @@ class MetricsLogger:
         run_dir: str | os.PathLike,
         resume_step: int | None = None,
         clock: Callable[[], float] = time.monotonic,
+        write: bool = True,
     ) -> None:
         self.path = Path(run_dir) / METRICS_FILE
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -94,8 +95,10 @@ class MetricsLogger:
                 if record["step"] <= resume_step:
                     kept.append(line)
                     self._absorb(record)
-        atomic.write_bytes(self.path, b"".join(line + b"\n" for line in kept))  # a crash here leaves the old file whole
-        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (held open until close())
+        self._file = None  # write=False (the other ranks of a distributed run): counts kept, nothing written
+        if write:
+            atomic.write_bytes(self.path, b"".join(line + b"\n" for line in kept))  # a crash leaves the old file whole
+            self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (held open until close())
         self._start = self._last = clock()
 
 
@@ -113,6 +116,8 @@ class MetricsLogger:
         return self._elapsed_before + (self._clock() - self._start)
 
     def _write(self, record: dict) -> None:
+        if self._file is None:
+            return
         self._file.write(json.dumps(record, allow_nan=False) + "\n")
         self._file.flush()
 
@@ -124,12 +129,13 @@ class MetricsLogger:
         lr: float,
         tokens: int,
         step_time_s: float | None = None,
+        extra: dict[str, Any] | None = None,
     ) -> dict:
         """Log one optimizer step; ``tokens`` are those processed in it.
 
         Throughput is ``tokens / step_time_s``, or over the wall time since the
         previous call (or since construction) when ``step_time_s`` is None.
-        Returns the record written.
+        ``extra`` adds keys (a distributed run: each rank's peak memory). Returns the record written.
         """
         now = self._clock()
         seconds = step_time_s if step_time_s is not None else now - self._last
@@ -147,6 +153,7 @@ class MetricsLogger:
         }
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             record["peak_mem_gb"] = round(torch.cuda.max_memory_allocated() / 1e9, 3)
+        record.update(extra or {})
         self._write(record)
         self.last_step, self.last_loss = record["step"], record["loss"]
         return record
@@ -177,7 +184,8 @@ class MetricsLogger:
         )
 
     def close(self) -> None:
-        self._file.close()
+        if self._file is not None:
+            self._file.close()
 
     def __enter__(self) -> Self:
         return self
