@@ -31,6 +31,7 @@ def add_parser(commands: argparse._SubParsersAction, parents: list[argparse.Argu
 
 
 def run(args: argparse.Namespace) -> int:
+    import os
     from pathlib import Path
 
     from entrenar.config import load_recipe
@@ -48,7 +49,8 @@ def run(args: argparse.Namespace) -> int:
     from entrenar.train.loop import train
 
     result = train(recipe, resume=args.resume, dry_run=args.dry_run, progress=not args.no_progress)
-    print(result.summary)
+    if os.environ.get("RANK", "0") == "0":  # a distributed run's summary comes from rank 0 alone
+        print(result.summary)
     return 0
 
 

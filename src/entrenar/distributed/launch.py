@@ -14,6 +14,7 @@ the rank that died, then the earliest), not N tracebacks.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -25,6 +26,8 @@ from typing import Any
 
 from entrenar.errors import DistributedError, EntrenarError
 
+# What a collective says when another rank is gone: the cause is elsewhere.
+_LOST_PEER = ("closed by peer", "reset by peer", "Connection refused", "timed out", "Timed out")
 LAUNCHER_ENV = "ENTRENAR_LAUNCHER"  # set for workers entrenar started: they record errors, the launcher prints
 
 
@@ -64,17 +67,35 @@ def launch_command(worker_argv: Sequence[str], **options: Any) -> None:
 
 
 def launch_function(fn: Callable[..., Any], args: Sequence[Any] = (), start_method: str = "spawn",
-                    monitor_interval: float = 0.1, **options: Any) -> dict[int, Any]:
+                    monitor_interval: float = 0.1, shutdown_timeout: int = 30, **options: Any) -> dict[int, Any]:
     """Run ``fn(*args)`` on every process (a library entry point, and the tests'); returns each rank's result.
 
-    ``start_method="fork"`` starts workers without importing torch again (tests on a small machine).
+    ``start_method="fork"`` starts workers without importing torch again (tests on a small machine);
+    ``shutdown_timeout``: seconds the survivors of a failure get between SIGTERM and SIGKILL.
     """
     from torch.distributed.run import config_from_args, parse_args
 
     parsed = parse_args([*torchrun_args(**options), "unused"])
     config, _, _ = config_from_args(parsed)
-    config = replace(config, start_method=start_method, monitor_interval=monitor_interval)
-    return _run(config, fn, list(args))
+    config = replace(config, start_method=start_method, monitor_interval=monitor_interval,
+                     shutdown_timeout=shutdown_timeout)
+    return _run(config, _Recording(fn), list(args))
+
+
+class _Recording:
+    """A worker function whose errors go to torchrun's error file, for :func:`root_cause` to report."""
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+        functools.update_wrapper(self, fn)  # torchrun names the job after the function
+
+    def __call__(self, *args: Any) -> Any:
+        try:
+            return self.fn(*args)
+        except EntrenarError as e:
+            if report_worker_error(e, user_error=True):
+                raise SystemExit(2) from e  # not re-raised: torchrun's handler would overwrite the report
+            raise
 
 
 def _run(config: Any, entrypoint: Any, args: list[Any]) -> Any:
@@ -102,19 +123,28 @@ def root_cause(failures: dict[int, Any]) -> str:
     An entrenar error (bad data, a diverged replica) explains itself; a rank killed or exited without a report
     (a crash, the OOM killer) is the likely cause of the others' lost collectives; otherwise the earliest.
     """
+    def reported(failure: Any) -> dict:
+        data = failure.error_file_data if isinstance(failure.error_file_data, dict) else {}
+        return {} if data.get("message") in (None, "<NONE>") else data  # "<NONE>": torchrun found no error file
+
     def rank_of(item: tuple[int, Any]) -> tuple[int, int, int]:
         rank, failure = item
-        data = failure.error_file_data if isinstance(failure.error_file_data, dict) else {}
-        kind = 0 if data.get("entrenar") == "user" else 1 if not failure.message or failure.exitcode < 0 else 2
+        data = reported(failure)
+        kind = 0 if data.get("entrenar") == "user" else 1 if not data.get("message") else 2
         return kind, failure.timestamp, rank
 
     rank, failure = min(failures.items(), key=rank_of)
-    message = failure.message if isinstance(failure.message, str) else str(failure.message)
-    if not failure.error_file_data or "entrenar" not in failure.error_file_data:
+    data = reported(failure)
+    message = failure.message
+    if isinstance(message, dict):  # torchrun's own record of an exception
+        message = message.get("message", "")
+    if "entrenar" not in data:
         how = f"signal {-failure.exitcode} ({failure.signal_name()})" if failure.exitcode < 0 else \
               f"exit code {failure.exitcode}"
-        detail = "" if message.startswith("To enable traceback") or not message else f": {message}"
+        detail = f": {message}" if data.get("message") and message else ""
         message = f"the process stopped with {how}{detail}"
+    if any(sign in message for sign in _LOST_PEER):
+        message += " (this rank lost another that failed or hung first; see the other ranks' output)"
     others = len(failures) - 1
     tail = f" ({others} other rank(s) stopped with it)" if others else ""
     return f"rank {rank}: {message}{tail}"

@@ -83,7 +83,6 @@ class Replicated(Single):
             entry,
             device_ids=[device.index] if device.type == "cuda" else None,
             bucket_cap_mb=bucket_mb(trainable_bytes),
-            broadcast_buffers=False,
             gradient_as_bucket_view=True,  # gradients live in the buckets: no second copy of them
         )
 

@@ -118,12 +118,29 @@ def join(device: torch.device, timeout_s: float) -> tuple[World, torch.device]:
         raise ConfigError(f"model.device: distributed training runs on CUDA (NCCL) or the CPU (gloo), not {device}")
     if not dist.is_initialized():
         options = {"device_id": device} if backend == "nccl" else {}
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), **options)
+        timeout = timedelta(seconds=timeout_s)
+        dist.init_process_group(backend, timeout=timeout, store=_store(size, timeout), rank=rank, world_size=size,
+                                **options)
         _opened.append(True)
     if dist.get_world_size() != size or dist.get_rank() != rank:
         raise ConfigError(f"the process group ({dist.get_rank()} of {dist.get_world_size()}) does not match "
                           f"RANK={rank} WORLD_SIZE={size}")
     return World(rank=rank, size=size, local_rank=local_rank, backend=backend), device
+
+
+def _store(size: int, timeout: timedelta) -> dist.Store:
+    """The rendezvous store for this attempt's process group.
+
+    Under torchrun's agent the workers share the agent's TCPStore, which (torch 2.13, c10d rendezvous) outlives
+    a restart: the restarted workers' gloo could read the dead ones' addresses from it and fail to connect
+    (seen here). Keys under a prefix per attempt keep the attempts apart.
+    """
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    rank = int(os.environ["RANK"])
+    store = dist.TCPStore(host, port, size, is_master=not agent_store and rank == 0, timeout=timeout,
+                          multi_tenant=not agent_store)
+    return dist.PrefixStore(f"entrenar/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
 _opened: list[bool] = []  # whether join() opened the default group (one a caller opened is the caller's to close)
