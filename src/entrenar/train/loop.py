@@ -29,6 +29,7 @@ from entrenar.config import Recipe, load_recipe, recipe_changes, save_recipe
 from entrenar.distributed import steps as dist_steps
 from entrenar.distributed.consistency import check_replicas
 from entrenar.distributed.parallelize import choose_mode, parallelize, refuse
+from entrenar.distributed.state import full_optimizer, full_params, main_writes
 from entrenar.distributed.world import join, leave, restarted
 from entrenar.data import (
     BatchStream,
@@ -59,7 +60,8 @@ RECIPE_FILE = "recipe.yaml"
 # Keys a resumed run may change: how long it runs and how often it reports.
 RESUMABLE_CHANGES = ("training.max_steps", "training.eval_every", "training.log_every", "training.save_every",
                      "training.keep_last", "training.eval_batches", "training.cpu_threads", "training.kernels",
-                     "training.compile")
+                     "training.compile", "training.parallel", "training.global_batch_size", "training.dist_timeout_s",
+                     "training.replica_check_every")  # global_batch_size: checked against the checkpoint's
 
 
 @dataclass
@@ -216,9 +218,11 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
     # Resume: weights, optimizer, RNG, data position and metrics continue where the checkpoint left them.
     start_step = 0
     if resume_from is not None:
-        model_state, trainer_state = load_checkpoint(resume_from, optimizer, expected_model_state=_trainable_state(model, recipe))
-        start_step = _check_trainer_state(trainer_state, resume_from, t.max_steps, scaler.is_enabled())
-        _load_trainable_state(model, recipe, model_state, str(resume_from))
+        with full_params(model, write_back=True):  # FSDP: whole tensors read, then scattered into the shards
+            model_state, trainer_state = load_checkpoint(resume_from, full_optimizer(optimizer, gather=False),
+                                                         expected_model_state=_trainable_state(model, recipe))
+            start_step = _check_trainer_state(trainer_state, resume_from, t.max_steps, scaler.is_enabled())
+            _load_trainable_state(model, recipe, model_state, str(resume_from))
         stream.load_state_dict(trainer_state["data"])
         dist_steps.check_resume(trainer_state, resume_from, t.batch_size * accumulation * world.size)
         if scaler.is_enabled():
@@ -237,8 +241,9 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
                          "global_batch": t.batch_size * accumulation * world.size, "world_size": world.size}
         if scaler.is_enabled():
             trainer_state["grad_scaler"] = scaler.state_dict()
-        return world.main_only(save_checkpoint, run_dir, step, _trainable_state(model, recipe), optimizer,
-                               trainer_state, t.keep_last, best=best)
+        with full_params(model):  # FSDP: whole tensors, gathered; rank 0 writes them
+            return world.main_only(save_checkpoint, run_dir, step, _trainable_state(model, recipe),
+                                   full_optimizer(optimizer), trainer_state, t.keep_last, best=best)
 
     metrics = MetricsLogger(run_dir, resume_step=start_step if resume_from is not None else None,
                             write=world.is_main)  # rank 0 writes; the others keep the same counts
@@ -299,7 +304,7 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
                 if (t.eval_every and done % t.eval_every == 0) or is_last:
                     result = eval_after = evaluate()
                     if result is not None and metrics.log_eval(done, result.loss):
-                        world.main_only(_save_result, model, tokenizer, recipe, run_dir / "best")  # usable as it is
+                        main_writes(world, model, _save_result, model, tokenizer, recipe, run_dir / "best")  # usable as it is
                         last_checkpoint = checkpoint(done, best=True)  # after run/best/: a crash never leaves it stale
                 if (t.save_every and done % t.save_every == 0) or is_last:
                     if last_checkpoint is None or last_checkpoint.name != f"step-{done}":
@@ -307,8 +312,8 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
 
         if eval_after is None:
             eval_after = evaluate()
-        output = world.main_only(_save_result, model, tokenizer, recipe, run_dir)
-        quantized = world.main_only(save_qat_model, model, tokenizer, run_dir / "quantized") if recipe.qat else None
+        output = main_writes(world, model, _save_result, model, tokenizer, recipe, run_dir)
+        quantized = main_writes(world, model, save_qat_model, model, tokenizer, run_dir / "quantized") if recipe.qat else None
         world.main_only(plot_loss_curve, metrics.path, run_dir / "loss_curve.png")
         rows = [("output", str(output)), *[("note", note) for note in notes]]
         if quantized is not None:
