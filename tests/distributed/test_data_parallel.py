@@ -15,28 +15,13 @@ from safetensors.torch import load_file
 HERE = Path(__file__).parent
 SRC = HERE.parents[1] / "src"
 sys.path.insert(0, str(HERE))
-from workers import diverging_worker, dying_worker, launch, train_worker  # noqa: E402
+from dist_fixtures import shared  # noqa: E402, F401  (a fixture)
+from workers import diverging_worker, dying_worker, free_port, launch, train_worker  # noqa: E402
 
 from entrenar.errors import DistributedError  # noqa: E402
 from entrenar.train.metrics import read_metrics  # noqa: E402
 
 pytestmark = pytest.mark.timeout(90)
-
-
-def write_recipe(ws: Path, method: str = "lora") -> str:
-    lora = "lora: {r: 4, alpha: 8, dropout: 0.0, target_modules: all-linear}" if method == "lora" else "lora: null"
-    text = f"""
-model: {{path: {ws / 'model'}, device: cpu}}
-data: {{train: {ws / 'train.jsonl'}, seq_len: 32, validation_split: 0.2, train_on: completion}}
-{lora}
-optimizer: {{lr: 1.0e-2}}
-schedule: {{name: constant}}
-training: {{max_steps: 4, batch_size: 2, global_batch_size: 4, log_every: 1, replica_check_every: 1,
-           dist_timeout_s: 20}}
-"""
-    path = ws / f"recipe-{method}.yaml"
-    path.write_text(text)
-    return str(path)
 
 
 def losses(run: Path) -> list[float]:
@@ -58,15 +43,14 @@ def assert_same_run(run: Path, reference: Path, method: str = "lora") -> None:
 
 
 @pytest.mark.parametrize("method", ["lora", "full"])
-def test_two_processes_train_as_one_and_resume_across_world_sizes(workspace, method):
-    recipe = write_recipe(workspace, method)
-    one = workspace / "one"
-    train_worker(recipe, [f"output.dir={one}"])  # 1 process: 2 rows x 2 accumulation
+def test_two_processes_train_as_one_and_resume_across_world_sizes(shared, method):
+    ws, recipes, reference = shared
+    recipe, one = recipes[method], reference[method]
     assert len(losses(one)) == 4 and len(set(losses(one))) == 4
 
-    two = workspace / "two"
+    two = ws / f"two-{method}"
     results = launch(train_worker, recipe, [f"output.dir={two}"])  # 2 processes: 2 rows x 1 accumulation each
-    assert results[0] == pytest.approx(results[1], abs=0)  # every rank reports the global loss
+    assert results[0] == results[1]  # every rank reports the global loss
     assert_same_run(two, one, method)
     line = next(r for r in read_metrics(two / "metrics.jsonl") if "loss" in r)
     assert len(line["peak_mem_gb_ranks"]) == 2
@@ -74,56 +58,58 @@ def test_two_processes_train_as_one_and_resume_across_world_sizes(workspace, met
         return  # the resumes below exercise the data position, the same for both methods
 
     # 2 -> 1: stop the 2-process run at step 2 (its last checkpoint), finish on one process.
-    two_one = workspace / "two-one"
+    two_one = ws / "two-one"
     launch(train_worker, recipe, [f"output.dir={two_one}", "training.max_steps=2"])
     train_worker(recipe, [f"output.dir={two_one}", "training.max_steps=4"], True)
     assert_same_run(two_one, one)
 
     # 1 -> 2.
-    one_two = workspace / "one-two"
+    one_two = ws / "one-two"
     train_worker(recipe, [f"output.dir={one_two}", "training.max_steps=2"])
     launch(train_worker, recipe, [f"output.dir={one_two}", "training.max_steps=4"], True)
     assert_same_run(one_two, one)
 
 
-def test_a_diverged_replica_stops_the_run_naming_step_and_tensor(workspace):
-    recipe = write_recipe(workspace)
+def test_a_diverged_replica_stops_the_run_naming_step_and_tensor(shared):
+    ws, recipes, _ = shared
     with pytest.raises(DistributedError, match=r"step 2: replicas diverged; '.*lora_A.*' differs on rank\(s\) 1"):
-        launch(diverging_worker, recipe, [f"output.dir={workspace / 'run'}"], 2)
+        launch(diverging_worker, recipes["lora"], [f"output.dir={ws / 'diverged'}"], 2)
 
 
-def test_a_killed_rank_restarts_the_job_from_its_last_checkpoint(workspace):
-    recipe = write_recipe(workspace)
-    straight = workspace / "straight"
-    train_worker(recipe, [f"output.dir={straight}"])
-
-    run = workspace / "restarted"  # rank 1 dies after step 3; the checkpoint is at step 2
-    launch(dying_worker, recipe, [f"output.dir={run}", "training.save_every=2"], 3, max_restarts=1)
-    assert_same_run(run, straight)
+def test_a_killed_rank_restarts_the_job_from_its_last_checkpoint(shared):
+    ws, recipes, reference = shared
+    run = ws / "restarted"  # rank 1 dies after step 3; the checkpoint is at step 2
+    launch(dying_worker, recipes["lora"], [f"output.dir={run}", "training.save_every=2"], 3, max_restarts=1)
+    assert_same_run(run, reference["lora"])
 
 
-def test_a_dead_rank_is_reported_once_with_its_exit_code(workspace):
-    recipe = write_recipe(workspace)
+def test_a_dead_rank_is_reported_once_with_its_exit_code(shared):
+    ws, recipes, _ = shared
     # Forked workers: torchrun reports the first failure it polls, the dead rank or the one that lost it.
     with pytest.raises(DistributedError, match=r"^rank (1: the process stopped with exit code 17( \(1 other|$)|"
                                                r"0: .* by peer.* lost another that failed)"):
-        launch(dying_worker, recipe, [f"output.dir={workspace / 'run'}"], 3)
+        launch(dying_worker, recipes["lora"], [f"output.dir={ws / 'dead'}"], 3)
 
 
-@pytest.mark.slow
-def test_the_cli_launches_restarts_and_prints_one_summary(workspace):
-    """`entrenar train --nproc-per-node 2 --max-restarts 1` (torchrun's agent, spawned workers running
-    `python -m entrenar`), rank 1 killed after step 3 of 4 by a start-up hook on the first attempt."""
-    recipe = write_recipe(workspace)
-    straight = workspace / "straight"
-    train_worker(recipe, [f"output.dir={straight}"])
-
-    run = workspace / "restarted"
-    env = {**os.environ, "ENTRENAR_TEST_DIE_AT": "3",
-           "PYTHONPATH": os.pathsep.join([str(HERE / "crash_hook"), str(SRC), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-m", "entrenar", "train", recipe, "--set", f"output.dir={run}",
-                           "--set", "training.save_every=2", "--no-progress", "--nproc-per-node", "2",
-                           "--max-restarts", "1"], env=env, capture_output=True, text=True, timeout=100)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert_same_run(run, straight)
-    assert done.stdout.count("final loss") == 1  # one summary, from rank 0
+def test_the_cli_runs_two_nodes_and_prints_one_summary(shared):
+    """Two hosts' worth of `entrenar train --nnodes 2 --node-rank R --rdzv-endpoint 127.0.0.1:PORT
+    --nproc-per-node 1` on this one: torchrun's agents (static rendezvous), spawned `python -m entrenar` workers."""
+    ws, recipes, reference = shared
+    run = ws / "two-nodes"
+    endpoint = f"127.0.0.1:{free_port()}"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])}
+    nodes = [subprocess.Popen([sys.executable, "-m", "entrenar", "train", recipes["lora"], "--set",
+                               f"output.dir={run}", "--set", "training.max_steps=2", "--no-progress",
+                               "--nproc-per-node", "1", "--nnodes", "2", "--node-rank", str(rank),
+                               "--rdzv-endpoint", endpoint], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    try:
+        outputs = [node.communicate(timeout=80) for node in nodes]
+    finally:
+        for node in nodes:
+            node.kill()
+    assert [node.returncode for node in nodes] == [0, 0], outputs[0][1][-2000:] + outputs[1][1][-2000:]
+    assert outputs[0][0].count("final loss") == 1 and "final loss" not in outputs[1][0]  # rank 0 prints
+    assert "ddp on 2 processes (gloo)" in outputs[0][0]
+    torch.testing.assert_close(torch.tensor(losses(run)), torch.tensor(losses(reference["lora"])[:2]),
+                               rtol=0, atol=1e-5)
