@@ -167,3 +167,19 @@ def test_the_checkpointed_layers_themselves_decide_what_offloading_the_first_one
     # Two layers checkpointed either way; listed as the two offloaded ones, neither keeps its input on the GPU,
     # while two spread over the depth (0 and 4) leave layer 4's input there.
     assert activations([0, 1]) == activations(2) - 2 * 512 * 256 * 2
+
+
+def test_fsdp_divides_resident_state_and_adds_what_one_step_gathers():
+    from entrenar.memory import per_device
+
+    model = Transformer(CONFIG)
+    block = sum(p.numel() for p in model.model.layers[0].parameters())  # measured: one fully_shard unit
+    root = sum(p.numel() for p in model.parameters()) - CONFIG.num_layers * block
+    full = estimate_training_memory(CONFIG, "full", dtype_bytes=2)
+    sharded = per_device(full, CONFIG, 4, "fsdp", dtype_bytes=2)
+    assert sharded.weights == full.weights / 4 + (root + 2 * block) * 2
+    assert (sharded.gradients, sharded.optimizer) == (full.gradients / 4, full.optimizer / 4)
+    assert (sharded.activations, sharded.logits) == (full.activations, full.logits)
+    assert per_device(full, CONFIG, 4, "ddp") == full  # a whole replica per device
+    qlora = estimate_training_memory(CONFIG, "qlora")
+    assert per_device(qlora, CONFIG, 4, "fsdp") == qlora  # not sharded: refused with fsdp

@@ -132,3 +132,15 @@ def test_unknown_lora_target_is_refused(capsys, hf_folder, targets):
     code, _, err = run_cli(capsys, "inspect", folder, "--lora-targets", targets)
     assert code == 2
     assert err.startswith("error: --lora-targets: unknown projection") and "q_proj, k_proj" in err
+
+
+def test_nproc_and_parallel_give_the_per_device_estimate(capsys, hf_folder):
+    from entrenar.memory import per_device
+
+    folder, _ = hf_folder("llama")
+    config = read_config(folder)
+    report = inspect_json(capsys, folder, "--nproc", "4", "--parallel", "fsdp")
+    expected = per_device(estimate_training_memory(config, "full"), config, 4, "fsdp", dtype_bytes=2)
+    assert report["memory"]["estimates"]["full"] == expected.as_dict()
+    assert expected.total < estimate_training_memory(config, "full").total
+    assert (report["memory"]["nproc"], report["memory"]["parallel"]) == (4, "fsdp")
