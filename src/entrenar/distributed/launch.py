@@ -57,10 +57,18 @@ def torchrun_args(
     return [*args, "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}", f"--rdzv-id={rdzv_id or 'entrenar'}"]
 
 
+def _quiet() -> None:
+    """The agent's own log lines (closing signals, each failed rank, OMP_NUM_THREADS set to 1) would bury the
+    one message that matters; :func:`root_cause` says what failed."""
+    for name in ("torch.distributed.elastic", "torch.distributed.run", "torch.distributed.launcher"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+
+
 def launch_command(worker_argv: Sequence[str], **options: Any) -> None:
     """Run ``python -m entrenar *worker_argv`` on every process torchrun starts (options: :func:`torchrun_args`)."""
     from torch.distributed.run import config_from_args, parse_args
 
+    _quiet()
     args = parse_args([*torchrun_args(**options), "-m", "entrenar", *worker_argv])
     config, cmd, cmd_args = config_from_args(args)
     _run(config, cmd, cmd_args)
@@ -75,6 +83,7 @@ def launch_function(fn: Callable[..., Any], args: Sequence[Any] = (), start_meth
     """
     from torch.distributed.run import config_from_args, parse_args
 
+    _quiet()
     parsed = parse_args([*torchrun_args(**options), "unused"])
     config, _, _ = config_from_args(parsed)
     config = replace(config, start_method=start_method, monitor_interval=monitor_interval,
@@ -102,8 +111,6 @@ def _run(config: Any, entrypoint: Any, args: list[Any]) -> Any:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
-    # The agent's own warnings (closing signals, restarts) would bury the one message that matters.
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
     previous = os.environ.get(LAUNCHER_ENV)
     os.environ[LAUNCHER_ENV] = "1"
     try:
