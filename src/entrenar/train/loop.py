@@ -26,20 +26,19 @@ from tqdm.auto import tqdm
 import entrenar
 from entrenar import quickstart
 from entrenar.config import Recipe, load_recipe, recipe_changes, save_recipe
-from entrenar.distributed import steps as dist_steps
-from entrenar.distributed.consistency import check_replicas
-from entrenar.distributed.parallelize import choose_mode, parallelize, refuse
-from entrenar.distributed.state import full_optimizer, full_params, main_writes
-from entrenar.distributed.world import join, leave, restarted
 from entrenar.data import (
     BatchStream,
     eval_batches,
-    num_target_tokens,
     padding_free,
     read_records,
     split_validation,
     tokenize_records,
 )
+from entrenar.distributed import steps as dist_steps
+from entrenar.distributed.consistency import check_replicas
+from entrenar.distributed.parallelize import choose_mode, parallelize, refuse
+from entrenar.distributed.state import full_optimizer, full_params, main_writes
+from entrenar.distributed.world import join, leave, restarted
 from entrenar.errors import AdapterError, CheckpointError, ConfigError, DataError
 from entrenar.evaluate import EvalResult, autocast_for, eval_loss
 from entrenar.export import save_merged
@@ -304,7 +303,8 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
                 if (t.eval_every and done % t.eval_every == 0) or is_last:
                     result = eval_after = evaluate()
                     if result is not None and metrics.log_eval(done, result.loss):
-                        main_writes(world, model, _save_result, model, tokenizer, recipe, run_dir / "best")  # usable as it is
+                        # run/best/ is usable as --adapter / MODEL as it is
+                        main_writes(world, model, _save_result, model, tokenizer, recipe, run_dir / "best")
                         last_checkpoint = checkpoint(done, best=True)  # after run/best/: a crash never leaves it stale
                 if (t.save_every and done % t.save_every == 0) or is_last:
                     if last_checkpoint is None or last_checkpoint.name != f"step-{done}":
@@ -313,7 +313,8 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
         if eval_after is None:
             eval_after = evaluate()
         output = main_writes(world, model, _save_result, model, tokenizer, recipe, run_dir)
-        quantized = main_writes(world, model, save_qat_model, model, tokenizer, run_dir / "quantized") if recipe.qat else None
+        quantized = (main_writes(world, model, save_qat_model, model, tokenizer, run_dir / "quantized")
+                     if recipe.qat is not None else None)
         world.main_only(plot_loss_curve, metrics.path, run_dir / "loss_curve.png")
         rows = [("output", str(output)), *[("note", note) for note in notes]]
         if quantized is not None:
