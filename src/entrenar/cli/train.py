@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 
 def add_parser(commands: argparse._SubParsersAction, parents: list[argparse.ArgumentParser]) -> None:
@@ -31,7 +32,6 @@ def add_parser(commands: argparse._SubParsersAction, parents: list[argparse.Argu
 
 
 def run(args: argparse.Namespace) -> int:
-    import os
     from pathlib import Path
 
     from entrenar.config import load_recipe
@@ -57,6 +57,11 @@ def run(args: argparse.Namespace) -> int:
 def _launch(args: argparse.Namespace) -> int:
     """Start the workers through torchrun's machinery, each running this command without the launch flags."""
     from entrenar.distributed.launch import launch_command
+    from entrenar.errors import ConfigError
+
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        raise ConfigError("--nproc-per-node: this process is already a worker of torchrun; drop the launch flags "
+                          "(torchrun ... -m entrenar train RECIPE)")
 
     argv = ["train", *([args.recipe] if args.recipe else [])]
     for item in args.overrides:
