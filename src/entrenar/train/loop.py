@@ -124,7 +124,9 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
     mode = choose_mode(recipe, world, device)  # single, ddp or fsdp
     refuse(mode, t, quantize is not None, world)
     accumulation = dist_steps.accumulation(t.batch_size, t.grad_accum, t.global_batch_size, world.size)
-    model, tokenizer = entrenar.load(recipe.model.path, dtype=weights_dtype, device=device, quantize=quantize)
+    # FSDP on CUDA reads the weights into CPU memory; fully_shard moves each rank's shards to its device.
+    load_device = torch.device("cpu") if mode == "fsdp" else device
+    model, tokenizer = entrenar.load(recipe.model.path, dtype=weights_dtype, device=load_device, quantize=quantize)
     model.train()
     if recipe.qat is not None:
         apply_qat_recipe(model, recipe.qat)  # before LoRA, which then wraps the fake-quantized layers (LoRA-QAT)
