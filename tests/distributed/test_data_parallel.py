@@ -113,3 +113,9 @@ def test_the_cli_runs_two_nodes_and_prints_one_summary(shared):
     assert "ddp on 2 processes (gloo)" in outputs[0][0]
     torch.testing.assert_close(torch.tensor(losses(run)), torch.tensor(losses(reference["lora"])[:2]),
                                rtol=0, atol=1e-5)
+
+
+def test_what_rank_0_does_alone_reaches_every_rank_with_its_result_or_its_error():
+    from workers import main_only_worker
+
+    assert launch(main_only_worker) == {r: ("from rank 0", "bad.jsonl:3: not JSON") for r in (0, 1)}

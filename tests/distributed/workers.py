@@ -61,3 +61,24 @@ def dying_worker(recipe_path: str, overrides: list[str], at_step: int) -> float 
 
     loop.MetricsLogger.log_step = log_step
     return train_worker(recipe_path, overrides)
+
+
+def main_only_worker() -> tuple[str, str]:
+    """World.main_only on 2 ranks: rank 0's result reaches both; rank 0's error is raised on both."""
+    import entrenar.distributed.world as world_module
+    from entrenar.errors import DataError
+
+    world, _ = world_module.join(torch.device("cpu"), 20)
+    try:
+        value = world.main_only(lambda: f"from rank {world.rank}")
+
+        def fail():
+            raise DataError("bad.jsonl:3: not JSON")
+
+        try:
+            world.main_only(fail)
+        except DataError as e:
+            return value, str(e)
+        return value, "no error"
+    finally:
+        world_module.leave()

@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
-from entrenar.errors import DistributedError, EntrenarError
+from entrenar.errors import ConfigError, DistributedError, EntrenarError
 
 # What a collective says when another rank is gone: the cause is elsewhere.
 _LOST_PEER = ("closed by peer", "reset by peer", "Connection refused", "timed out", "Timed out")
@@ -41,14 +41,14 @@ def torchrun_args(
 ) -> list[str]:
     """The torchrun options for a launch (what ``torchrun`` would be given before ``-m entrenar``)."""
     if nproc_per_node < 1 or nnodes < 1 or max_restarts < 0:
-        raise EntrenarError(f"--nproc-per-node ({nproc_per_node}) and --nnodes ({nnodes}) must be at least 1, "
+        raise ConfigError(f"--nproc-per-node ({nproc_per_node}) and --nnodes ({nnodes}) must be at least 1, "
                             f"--max-restarts ({max_restarts}) at least 0")
     args = [f"--nproc-per-node={nproc_per_node}", f"--nnodes={nnodes}", f"--max-restarts={max_restarts}"]
     if nnodes == 1 and rdzv_endpoint is None:
         # torchrun --standalone: a c10d store on a free local port.
         return [*args, "--rdzv-backend=c10d", "--rdzv-endpoint=localhost:0", f"--rdzv-id={rdzv_id or uuid.uuid4()}"]
     if rdzv_endpoint is None:
-        raise EntrenarError(f"--nnodes {nnodes} needs --rdzv-endpoint HOST:PORT (a host every node reaches)")
+        raise ConfigError(f"--nnodes {nnodes} needs --rdzv-endpoint HOST:PORT (a host every node reaches)")
     if node_rank is not None:
         # Fixed node ranks: torchrun's static rendezvous, with the endpoint as the master address.
         host, _, port = rdzv_endpoint.rpartition(":")

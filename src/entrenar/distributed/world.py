@@ -9,6 +9,7 @@ run gets :data:`SOLO`, whose collectives are no-ops, so the loop reads the same 
 from __future__ import annotations
 
 import os
+import pickle
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -72,7 +73,7 @@ class World:
             try:
                 box[0] = ("ok", fn(*args, **kwargs))
             except EntrenarError as e:
-                box[0] = ("error", e)
+                box[0] = ("error", e if _picklable(e) else RankError(str(e)))
             except BaseException as e:  # still tell the others, then fail here with the real traceback
                 dist.broadcast_object_list([("error", RankError(f"rank 0 failed: {type(e).__name__}: {e}"))], src=0)
                 raise
@@ -84,6 +85,14 @@ class World:
 
 
 SOLO = World()
+
+
+def _picklable(error: BaseException) -> bool:
+    try:
+        pickle.loads(pickle.dumps(error))
+    except Exception:
+        return False
+    return True
 
 
 class RankError(DistributedError):
