@@ -1,7 +1,8 @@
 """Run metrics: one JSON line per optimizer step in ``<run>/metrics.jsonl``, a closing summary, a loss plot.
 
 Train lines: ``{"step", "loss", "grad_norm", "lr", "tokens", "total_tokens",
-"tokens_per_s", "elapsed_s"}`` plus ``"peak_mem_gb"`` on CUDA. Eval lines:
+"tokens_per_s", "elapsed_s"}`` plus ``"peak_mem_gb"`` on CUDA, and ``"peak_mem_gb_ranks"`` (each rank's) in a
+distributed run, whose tokens are the whole global step's. Eval lines:
 ``{"step", "eval_loss", "eval_ppl"}``. Non-finite numbers are written as
 ``null`` so the file stays strict JSON. Step numbers are whatever the loop
 counts, and must be the same count its checkpoints use, since resuming at
