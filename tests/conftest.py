@@ -95,6 +95,11 @@ def crash_after_step(monkeypatch, recipe, step: int) -> None:
 @pytest.fixture
 def workspace(tmp_path):
     """A tiny native model folder with a character tokenizer, and prompt/completion data, for training runs."""
+    return make_workspace(tmp_path)
+
+
+def make_workspace(tmp_path):
+    """What the ``workspace`` fixture builds, in any folder (module-scoped fixtures share one)."""
     import json
 
     from entrenar import quickstart

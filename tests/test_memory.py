@@ -219,3 +219,19 @@ def test_cpu_terms_by_hand():
     assert fp32.activations == estimate_training_memory(cfg, "lora", 2, 64, dtype_bytes=4).activations
     qlora = estimate_training_memory(cfg, "qlora", 2, 64, dtype_bytes=2, param_bytes=4, cpu=True)
     assert qlora.casts == 256 * h * 2
+
+
+def test_fsdp_divides_resident_state_and_adds_what_one_step_gathers():
+    from entrenar.memory import per_device
+
+    model = Transformer(CONFIG)
+    block = sum(p.numel() for p in model.model.layers[0].parameters())  # measured: one fully_shard unit
+    root = sum(p.numel() for p in model.parameters()) - CONFIG.num_layers * block
+    full = estimate_training_memory(CONFIG, "full", dtype_bytes=2)
+    sharded = per_device(full, CONFIG, 4, "fsdp", dtype_bytes=2)
+    assert sharded.weights == full.weights / 4 + (root + 2 * block) * 2
+    assert (sharded.gradients, sharded.optimizer) == (full.gradients / 4, full.optimizer / 4)
+    assert (sharded.activations, sharded.logits) == (full.activations, full.logits)
+    assert per_device(full, CONFIG, 4, "ddp") == full  # a whole replica per device
+    qlora = estimate_training_memory(CONFIG, "qlora")
+    assert per_device(qlora, CONFIG, 4, "fsdp") == qlora  # not sharded: refused with fsdp

@@ -509,6 +509,12 @@ class TrainingSection(_Section):
     nonfinite: str = _key("stop", _choice("stop", "skip"))
     max_skipped_steps: int = _key(5, _integer(1))
     early_stopping: dict[str, Any] | None = _key(None, _early_stopping)  # None: off
+    # many processes (entrenar train --nproc-per-node N): ddp, fsdp, or auto (ddp when a replica fits one device)
+    parallel: str = _key("auto", _choice("auto", "ddp", "fsdp"))
+    # rows per optimizer step over all processes; None: batch_size x grad_accum x processes (accumulation derived)
+    global_batch_size: int | None = _key(None, _integer(1, nullable=True))
+    dist_timeout_s: float = _key(300.0, _number(1.0))  # a collective waits this long for a dead or hung rank
+    replica_check_every: int = _key(50, _integer(0))  # steps between replica checks (and at the end); 0: never
 
 
 @dataclass(frozen=True)

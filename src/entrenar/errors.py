@@ -34,3 +34,7 @@ class CheckpointError(EntrenarError):
 
 class QuantError(EntrenarError):
     """A quantization setting or quantized file is invalid."""
+
+
+class DistributedError(EntrenarError):
+    """Processes of one distributed run disagree (replicas diverged) or one of them failed."""

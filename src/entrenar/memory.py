@@ -297,3 +297,25 @@ def format_estimates(estimates: list[MemoryEstimate]) -> str:
             f"{e.optimizer / GiB:>9.2f}{e.activations / GiB:>9.2f}{e.logits / GiB:>9.2f}{extra}{e.total / GiB:>9.2f}"
         )
     return "\n".join(rows)
+
+
+def per_device(estimate: MemoryEstimate, config: ModelConfig, nproc: int, parallel: str,
+               dtype_bytes: int = 2) -> MemoryEstimate:
+    """What one of ``nproc`` devices holds under ``parallel`` (``ddp`` or ``fsdp``, as `entrenar train` runs it).
+
+    DDP: a whole replica on each device (its gradients live in the all-reduce buckets: no second copy), so the
+    same as one device. FSDP2 (``fully_shard`` per decoder block, the root holding embeddings, final norm and
+    head): weights, gradients and optimizer state divided by ``nproc``, plus what is gathered at once in
+    ``dtype_bytes``: the root's parameters and two blocks' (the one computing and the one prefetched).
+    Activations are per device either way. A QLoRA base is not sharded (refused with fsdp).
+    """
+    if nproc < 1 or parallel not in ("ddp", "fsdp"):
+        raise ValueError(f"nproc must be >= 1 and parallel ddp or fsdp, got {nproc} and {parallel!r}")
+    if parallel == "ddp" or nproc == 1 or estimate.method == "qlora":
+        return estimate
+    root = config.vocab_size * config.hidden_size * (1 if config.tie_word_embeddings else 2) + config.hidden_size
+    block = (config.num_parameters - root) // config.num_layers
+    gathered = (root + 2 * block) * dtype_bytes
+    return MemoryEstimate(estimate.method, estimate.total_params, estimate.trainable_params,
+                          estimate.weights / nproc + gathered, estimate.gradients / nproc, estimate.optimizer / nproc,
+                          estimate.activations, estimate.logits)

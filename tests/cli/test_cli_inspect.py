@@ -161,3 +161,15 @@ def test_cpu_flag_estimates_the_cpu_process(capsys, hf_folder):
     assert expected.runtime > 0 and expected.casts > 0  # fp32 weights under bf16 autocast
     code, out, _ = run_cli(capsys, "inspect", folder, "--cpu")
     assert code == 0 and "runtime" in out and "resident memory of a CPU process" in out
+
+
+def test_nproc_and_parallel_give_the_per_device_estimate(capsys, hf_folder):
+    from entrenar.memory import per_device
+
+    folder, _ = hf_folder("llama")
+    config = read_config(folder)
+    report = inspect_json(capsys, folder, "--nproc", "4", "--parallel", "fsdp")
+    expected = per_device(estimate_training_memory(config, "full"), config, 4, "fsdp", dtype_bytes=2)
+    assert report["memory"]["estimates"]["full"] == expected.as_dict()
+    assert expected.total < estimate_training_memory(config, "full").total
+    assert (report["memory"]["nproc"], report["memory"]["parallel"]) == (4, "fsdp")

@@ -57,6 +57,10 @@ def add_parser(commands: argparse._SubParsersAction, parents: list[argparse.Argu
     parser.add_argument("--cpu", action="store_true",
                         help="the peak resident memory of a training process on the CPU, as `entrenar train` runs "
                              "there: fp32 weights (the CPU default), autocast copies, the runtime and the allocator")
+    parser.add_argument("--nproc", type=positive_int, default=1, metavar="N",
+                        help="per-device memory on N processes (entrenar train --nproc-per-node N)")
+    parser.add_argument("--parallel", choices=("ddp", "fsdp"), default="ddp",
+                        help="with --nproc: ddp (a replica per device) or fsdp (sharded); training.parallel")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     parser.set_defaults(run=run)
 
@@ -79,7 +83,7 @@ def parse_targets(text: str) -> str | list[str]:
 def run(args: argparse.Namespace) -> int:
     from entrenar import read_model_config, resolve_dtype
     from entrenar.errors import ConfigError
-    from entrenar.memory import FUSED_LOSS_CHUNK, estimate_training_memory, format_estimates
+    from entrenar.memory import FUSED_LOSS_CHUNK, estimate_training_memory, format_estimates, per_device
 
     config = read_model_config(args.model)
     dtype_bytes = resolve_dtype(args.dtype, "cpu").itemsize
@@ -96,7 +100,8 @@ def run(args: argparse.Namespace) -> int:
     if args.checkpointing is not True and args.checkpointing > config.num_layers:
         raise ConfigError(f"--checkpointing: cannot checkpoint {args.checkpointing} layers of a "
                           f"{config.num_layers}-layer model")
-    estimates = [estimate_training_memory(config, method, **settings) for method in METHODS]
+    estimates = [per_device(estimate_training_memory(config, method, **settings), config, args.nproc, args.parallel,
+                            dtype_bytes) for method in METHODS]
     architecture = {name: getattr(config, name) for name in ARCHITECTURE_FIELDS}
     if config.is_moe:
         architecture.update({name: getattr(config, name) for name in MOE_FIELDS})
@@ -108,7 +113,8 @@ def run(args: argparse.Namespace) -> int:
             "model": str(args.model),
             "architecture": architecture,
             "parameters": {"total": total, "active_per_token": active, "lora_trainable": trainable},
-            "memory": {**settings, "dtype": args.dtype, "estimates": {e.method: e.as_dict() for e in estimates}},
+            "memory": {**settings, "dtype": args.dtype, "nproc": args.nproc, "parallel": args.parallel,
+                       "estimates": {e.method: e.as_dict() for e in estimates}},
         }
         print(json.dumps(report, indent=2))
         return 0
@@ -127,9 +133,18 @@ def run(args: argparse.Namespace) -> int:
           f"activation checkpointing {checkpointing}, {'activations offloaded to CPU memory, ' if args.offload else ''}"
           f"{'input embeddings in CPU memory (LoRA, QLoRA), ' if args.offload_embeddings else ''}"
           f"{'fused kernels and loss' if args.kernels else 'plain path, full-logits loss'}"
-          f"{', resident memory of a CPU process (fp32 weights)' if args.cpu else ''}:")
+          f"{', resident memory of a CPU process (fp32 weights)' if args.cpu else ''}"
+          f"{per_device_text(args.nproc, args.parallel)}:")
     print(format_estimates(estimates))
     return 0
+
+
+def per_device_text(nproc: int, parallel: str) -> str:
+    if nproc == 1:
+        return ""
+    if parallel == "ddp":
+        return f", per device with ddp on {nproc} processes (a whole replica each)"
+    return f", per device with fsdp on {nproc} processes (qlora: not sharded, as ddp)"
 
 
 def describe(a: dict[str, Any]) -> str:

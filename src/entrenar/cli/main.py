@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from importlib import import_module
 
 from entrenar import __version__
+from entrenar.distributed.launch import rank_prefix, report_worker_error
 from entrenar.errors import EntrenarError
 
 COMMANDS = ("train", "inspect", "generate", "eval", "chat", "export", "quantize", "merge", "classify",
@@ -60,7 +61,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except EntrenarError as error:
         if debug:
             raise
-        print(f"error: {error}", file=sys.stderr)
+        if not report_worker_error(error, user_error=True):  # a worker of `train --nproc-per-node`: its launcher prints
+            print(f"error: {rank_prefix()}{error}", file=sys.stderr)
         return 2
     except OSError as error:
         if debug:
@@ -68,7 +70,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not is_user_os_error(error):
             return _internal(error)
         where = error.filename if error.filename is not None else ""
-        print(f"error: {where}{': ' if where else ''}{error.strerror or error}", file=sys.stderr)
+        if not report_worker_error(error, user_error=True):
+            print(f"error: {rank_prefix()}{where}{': ' if where else ''}{error.strerror or error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         if debug:
@@ -80,7 +83,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         wrapped = os_error_in(bug)
         if wrapped is not None:  # safetensors reports a full or read-only disk as its own error type
-            print(f"error: {wrapped.filename}: {wrapped.strerror}", file=sys.stderr)
+            if not report_worker_error(wrapped, user_error=True):
+                print(f"error: {rank_prefix()}{wrapped.filename}: {wrapped.strerror}", file=sys.stderr)
             return 2
         return _internal(bug)
 
@@ -115,7 +119,8 @@ def os_error_in(error: Exception) -> OSError | None:
 
 
 def _internal(bug: BaseException) -> int:
-    print(f"internal error: {type(bug).__name__}: {bug}", file=sys.stderr)
+    report_worker_error(bug, user_error=False)  # a worker of `train --nproc-per-node`: for its launcher too
+    print(f"internal error: {rank_prefix()}{type(bug).__name__}: {bug}", file=sys.stderr)
     print("this is a bug in entrenar; run again with --debug for the traceback and report it", file=sys.stderr)
     return 1
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 
 def add_parser(commands: argparse._SubParsersAction, parents: list[argparse.ArgumentParser]) -> None:
@@ -21,6 +22,14 @@ def add_parser(commands: argparse._SubParsersAction, parents: list[argparse.Argu
                         help="check the recipe, model and data and report what would run, without training")
     parser.add_argument("--no-progress", action="store_true",
                         help="no progress bar: a log line every training.log_every steps instead")
+    dist = parser.add_argument_group("distributed (torchrun's launcher; see docs/DISTRIBUTED.md)")
+    dist.add_argument("--nproc-per-node", type=int, metavar="N",
+                      help="start N processes on this host, one per device (gloo on the CPU, NCCL on CUDA)")
+    dist.add_argument("--nnodes", type=int, default=1, metavar="M", help="hosts taking part (default 1)")
+    dist.add_argument("--node-rank", type=int, metavar="R", help="this host's rank (fixed ranks: static rendezvous)")
+    dist.add_argument("--rdzv-endpoint", metavar="HOST:PORT", help="where the hosts meet (needed with --nnodes > 1)")
+    dist.add_argument("--max-restarts", type=int, default=0, metavar="K",
+                      help="restart the processes up to K times after a failure; they resume from the last checkpoint")
     parser.set_defaults(run=run)
 
 
@@ -37,8 +46,34 @@ def run(args: argparse.Namespace) -> int:
         if not path.is_file():
             raise CheckpointError(f"{args.resume}: no recipe.yaml there; is it a run folder?")
     recipe = load_recipe(path, args.overrides)  # before importing torch: a bad recipe fails at once
+    if args.nproc_per_node is not None:
+        return _launch(args)
     from entrenar.train.loop import train
 
     result = train(recipe, resume=args.resume, dry_run=args.dry_run, progress=not args.no_progress, verbose=True)
-    print(result.summary)
+    if os.environ.get("RANK", "0") == "0":  # a distributed run's summary comes from rank 0 alone
+        print(result.summary)
+    return 0
+
+
+def _launch(args: argparse.Namespace) -> int:
+    """Start the workers through torchrun's machinery, each running this command without the launch flags."""
+    from entrenar.distributed.launch import launch_command
+    from entrenar.errors import ConfigError
+
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        raise ConfigError("--nproc-per-node: this process is already a worker of torchrun; drop the launch flags "
+                          "(torchrun ... -m entrenar train RECIPE)")
+
+    argv = ["train", *([args.recipe] if args.recipe else [])]
+    for item in args.overrides:
+        argv += ["--set", item]
+    if args.resume is True:
+        argv.append("--resume")
+    elif args.resume:
+        argv += ["--resume", str(args.resume)]
+    argv += [flag for flag, on in (("--dry-run", args.dry_run), ("--no-progress", args.no_progress),
+                                   ("--debug", getattr(args, "debug", False))) if on]
+    launch_command(argv, nproc_per_node=args.nproc_per_node, nnodes=args.nnodes, node_rank=args.node_rank,
+                   rdzv_endpoint=args.rdzv_endpoint, max_restarts=args.max_restarts)
     return 0

@@ -194,6 +194,11 @@ class BatchStream:
             width = max(len(row[0]) for row in rows)
         return collate(rows, width, self.pad_id)
 
+    def skip(self, batches: int) -> None:
+        """Move past ``batches`` batches without building them (another rank's share of a step)."""
+        for _ in range(batches * self.batch_size):
+            self._next_row()
+
     def state_dict(self) -> dict[str, int]:
         """Where the stream is, as JSON-able ints (with the dataset size and seed, checked on load)."""
         return {"epoch": self.epoch, "position": self.position, "num_examples": len(self.examples), "seed": self.seed}

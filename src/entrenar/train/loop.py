@@ -37,6 +37,11 @@ from entrenar.data import (
     tokenize_records,
 )
 from entrenar.data.report import data_notes, skipped_in_order, write_skipped
+from entrenar.distributed import steps as dist_steps
+from entrenar.distributed.consistency import check_replicas
+from entrenar.distributed.parallelize import choose_mode, parallelize, refuse
+from entrenar.distributed.state import full_optimizer, full_params, main_writes
+from entrenar.distributed.world import join, leave, restarted
 from entrenar.errors import AdapterError, CheckpointError, ConfigError, DataError
 from entrenar.evaluate import EvalResult, autocast_for, eval_loss
 from entrenar.export import save_merged
@@ -62,7 +67,8 @@ RECIPE_FILE = "recipe.yaml"
 RESUMABLE_CHANGES = ("training.max_steps", "training.eval_every", "training.log_every", "training.save_every",
                      "training.keep_last", "training.eval_batches", "training.cpu_threads", "training.kernels",
                      "training.compile", "training.nonfinite", "training.max_skipped_steps",
-                     "training.early_stopping")
+                     "training.early_stopping", "training.parallel", "training.global_batch_size",
+                     "training.dist_timeout_s", "training.replica_check_every")  # global_batch_size: checked
 
 
 @dataclass
@@ -96,11 +102,18 @@ def train(
     try:
         return _train(recipe, resume, dry_run, progress, Console(verbose, log_lines=not progress))
     finally:
+        leave()  # the process group of a distributed run, if this run opened one
         torch.set_num_threads(threads)  # training.cpu_threads applies to the run, not to the caller's process
 
 
 def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, progress: bool,
            console: Console) -> TrainResult:
+    # Under torchrun: this process's rank and device (one per process); a restarted job resumes where it stopped.
+    world, rank_device = join(entrenar.resolve_device(recipe.model.device), recipe.training.dist_timeout_s)
+    if not world.is_main:
+        console = Console(False)  # one voice: rank 0 prints for the job
+    if not resume and not dry_run and restarted() and latest_checkpoint(Path(recipe.output.dir).absolute()):
+        resume = True
     run_dir, resume_from = _run_folder(recipe, resume, dry_run)
     is_quickstart = quickstart.is_quickstart(recipe, run_dir)
     if is_quickstart:
@@ -117,7 +130,7 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
         tensorboard_writer_class()  # a missing package is found now, not after loading the model
     console.recipe(recipe)
     if is_quickstart:
-        quickstart.write_files(recipe)  # only once the recipe is known to be sound
+        world.main_only(quickstart.write_files, recipe)  # only once the recipe is known to be sound
     context_notes = check_seq_len(recipe.data.seq_len, entrenar.read_model_config(recipe.model.path)
                                   .max_position_embeddings, recipe.model.path)  # before any weights are read
     if t.cpu_threads is not None:
@@ -126,15 +139,20 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
     task = tasks.for_recipe(recipe)  # what a batch means and how it is scored (causal_lm or classification)
 
     # Model, adapters, precision.
-    device = entrenar.resolve_device(recipe.model.device)
+    device = rank_device
     if t.precision == "fp16" and device.type != "cuda":
         raise ConfigError("training.precision: fp16 needs a CUDA device (use bf16 or fp32 on the CPU)")
     weights_dtype = recipe.model.dtype
     if weights_dtype == "auto" and recipe.lora is None:
         weights_dtype = "float32"  # full fine-tuning keeps fp32 master weights; compute follows training.precision
     quantize = recipe.lora.quantize_base if recipe.lora is not None else None
-    console.say(f"loading {recipe.model.path} on {device} ...")
-    model, tokenizer = task.load(recipe.model.path, dtype=weights_dtype, device=device, quantize=quantize)
+    mode = choose_mode(recipe, world, device)  # single, ddp or fsdp
+    refuse(mode, t, quantize is not None, world)
+    accumulation = dist_steps.accumulation(t.batch_size, t.grad_accum, t.global_batch_size, world.size)
+    # FSDP on CUDA reads the weights into CPU memory; fully_shard moves each rank's shards to its device.
+    load_device = torch.device("cpu") if mode == "fsdp" else device
+    console.say(f"loading {recipe.model.path} on {load_device} ...")
+    model, tokenizer = task.load(recipe.model.path, dtype=weights_dtype, device=load_device, quantize=quantize)
     tokenizer = entrenar.require_tokenizer(tokenizer, recipe.model.path)  # the data needs one
     model.train()
     if recipe.qat is not None:
@@ -167,7 +185,8 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
         model.set_activation_offload(t.offload_activations)
     except ValueError as e:
         raise ConfigError(f"training.offload_activations: {e}") from None
-    use_kernels = t.kernels is True or (t.kernels == "auto" and device.type == "cuda" and triton_available())
+    use_kernels = t.kernels is True or (t.kernels == "auto" and device.type == "cuda" and triton_available()
+                                        and mode != "fsdp")
     if t.adapter_math == "bf16" and not use_kernels:
         raise ConfigError("training.adapter_math: bf16 adapter products run in the fused LoRA layer, and this run "
                           "has no kernels (training.kernels: true, or auto on a CUDA device with Triton)")
@@ -177,6 +196,7 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
     # Fusing the output projection into the loss never materialises full-vocabulary logits.
     fused_loss = use_kernels and type(getattr(model, "lm_head", None)) is torch.nn.Linear
     moe = moe_training(model, recipe)  # router losses, balancing and diagnostics; None for a dense model
+    step_model = parallelize(model, mode, world, device, t.precision)  # DDP / FSDP2 from outside (or the model)
     trainable = [p for p in model.parameters() if p.requires_grad]
 
     # Data: records -> masked examples -> a resumable stream of packed batches.
@@ -207,9 +227,9 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
         inputs = (batch["input_ids"], batch["position_ids"], batch.get("document_ids"))
         layout = {"cu_seqlens": batch.get("cu_seqlens"), "max_seqlen": batch.get("max_seqlen")}  # padding-free
         if fused_loss:
-            hidden = model.hidden_states(*inputs, **layout)
+            hidden = step_model.hidden_states(*inputs, **layout)
             return fused_linear_cross_entropy(hidden, model.lm_head.weight, batch["labels"], FUSED_LOSS_CHUNK)[0]
-        return token_cross_entropy(model(*inputs, **layout), batch["labels"])[0]
+        return token_cross_entropy(step_model(*inputs, **layout), batch["labels"])[0]
 
     def micro_step(batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Forward and backward of one micro-batch; its loss is normalised over the whole step's targets."""
@@ -241,18 +261,21 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
         raise ConfigError("training.early_stopping: needs a validation set (data.validation or data.validation_split)")
     if resume_from is not None:
         console.say(f"resuming from {resume_from} ...")
-        model_state, trainer_state = load_checkpoint(resume_from, optimizer, expected_model_state=_trainable_state(model, recipe))
-        start_step = _check_trainer_state(trainer_state, resume_from, t.max_steps, scaler.is_enabled())
-        _load_trainable_state(model, recipe, model_state, str(resume_from))
+        with full_params(model, write_back=True):  # FSDP: whole tensors read, then scattered into the shards
+            model_state, trainer_state = load_checkpoint(resume_from, full_optimizer(optimizer, gather=False),
+                                                         expected_model_state=_trainable_state(model, recipe))
+            start_step = _check_trainer_state(trainer_state, resume_from, t.max_steps, scaler.is_enabled())
+            _load_trainable_state(model, recipe, model_state, str(resume_from))
         stream.load_state_dict(trainer_state["data"])
+        dist_steps.check_resume(trainer_state, resume_from, t.batch_size * accumulation * world.size)
         if scaler.is_enabled():
             scaler.load_state_dict(trainer_state["grad_scaler"])
         guard.load_state_dict(trainer_state.get("nonfinite"))
         early_stopping.load_state_dict(trainer_state.get("early_stopping"))
         if moe is not None:
             moe.load_state_dict(trainer_state.get("moe"), str(resume_from / "trainer.json"))
-    save_recipe(recipe, run_dir / RECIPE_FILE)  # on resume: with the changes the resume made
-    write_skipped(run_dir, skipped)
+    world.main_only(save_recipe, recipe, run_dir / RECIPE_FILE)  # on resume: with the changes the resume made
+    world.main_only(write_skipped, run_dir, skipped)
 
     def evaluate() -> EvalResult | None:
         if not validation:
@@ -267,16 +290,19 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
 
     def checkpoint(step: int, best: bool = False) -> Path:
         trainer_state = {"data": stream.state_dict(), "recipe": recipe.to_dict(), "nonfinite": guard.state_dict(),
-                         "early_stopping": early_stopping.state_dict()}
+                         "early_stopping": early_stopping.state_dict(),
+                         "global_batch": t.batch_size * accumulation * world.size, "world_size": world.size}
         if scaler.is_enabled():
             trainer_state["grad_scaler"] = scaler.state_dict()
         if moe is not None:
             trainer_state["moe"] = moe.state_dict()
-        return save_checkpoint(run_dir, step, _trainable_state(model, recipe), optimizer, trainer_state, t.keep_last,
-                               best=best)
+        with full_params(model):  # FSDP: whole tensors, gathered; rank 0 writes them
+            return world.main_only(save_checkpoint, run_dir, step, _trainable_state(model, recipe),
+                                   full_optimizer(optimizer), trainer_state, t.keep_last, best=best)
 
     metrics = MetricsLogger(run_dir, resume_step=start_step if resume_from is not None else None,
-                            tensorboard=recipe.output.tensorboard)
+                            tensorboard=recipe.output.tensorboard,
+                            write=world.is_main)  # rank 0 writes; the others keep the same counts
     with metrics:  # the metrics file is closed however the run ends
         eval_before = None
         if start_step == 0:
@@ -290,7 +316,9 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
                 console.evaluation(0, scalars, best=True)
         accuracy_before = quickstart.accuracy(model, tokenizer, d.validation) if is_quickstart and start_step == 0 else None
 
-        with tqdm(total=t.max_steps, initial=start_step, disable=not progress, unit="step",
+        if world.distributed and world.is_main:
+            print(dist_steps.describe(mode, world, t.batch_size, accumulation, d.seq_len), flush=True)
+        with tqdm(total=t.max_steps, initial=start_step, disable=not progress or not world.is_main, unit="step",
                   dynamic_ncols=True) as bar:
             last_checkpoint: Path | None = None
             loss_value, eval_after = None, None
@@ -300,35 +328,43 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
                            recipe.schedule.min_lr_ratio)
                 set_lr(optimizer, lr)
 
-                micro_batches = [next(stream) for _ in range(t.grad_accum)]
-                step_targets = max(sum(task.num_targets(b) for b in micro_batches), 1)
+                micro_batches = dist_steps.step_batches(stream, accumulation, world)  # this rank's share
+                step_targets, tokens = dist_steps.step_counts(micro_batches, world, device,  # of the global step
+                                                              count_targets=task.num_targets)
                 step_loss = torch.zeros((), device=device)
-                tokens = sum(int((b["document_ids"] >= 0).sum()) for b in micro_batches)  # counted on the CPU: no sync
-                for batch in micro_batches:
+                for i, batch in enumerate(micro_batches):
                     if d.padding_free:
                         batch = padding_free(batch)
                     batch = {k: _to(v, device) for k, v in batch.items()}
-                    batch["step_targets"] = torch.full((), float(step_targets), device=device)  # no host copy
-                    step_loss += run_micro_step(batch)
+                    # Over world.size: DDP and FSDP average the ranks' gradients, and the step needs their sum.
+                    batch["step_targets"] = step_targets / world.size
+                    with step_model.sync(last=i == len(micro_batches) - 1):  # no all-reduce on accumulation steps
+                        step_loss += run_micro_step(batch)
 
                 scaler.unscale_(optimizer)
                 max_norm = t.max_grad_norm if t.max_grad_norm > 0 else math.inf
                 grad_norm = torch.nn.utils.clip_grad_norm_(trainable, max_norm)  # returns the pre-clip norm
                 done = step + 1
+                # The global step's loss on every rank, so every rank takes the same decision below.
+                step_loss = world.all_sum(step_loss) / world.size
                 # A NaN/inf loss or gradient norm stops the run, or drops this step's update (training.nonfinite).
                 flags = guard.check(done, step_loss, grad_norm)
                 flags |= optimizer_step(scaler, optimizer, skip=bool(flags))  # fp16: the scaler's own skips
                 optimizer.zero_grad(set_to_none=not t.cuda_graphs)
 
                 loss_value = float(step_loss)
+                tokens = int(tokens)
                 # Router biases move only with an applied update (a skipped step leaves them too).
                 moe_record, moe_warnings = (moe.after_step(done, update="skipped" not in flags) if moe is not None
                                             else (None, []))
+                extra = {"moe": moe_record} if moe_record is not None else {}
+                extra.update(dist_steps.peak_memory(world, device).get("extra") or {})  # each rank's
                 record = metrics.log_step(done, loss_value, grad_norm, lr, tokens,
-                                          step_time_s=time.perf_counter() - started, flags=flags,
-                                          extra={"moe": moe_record} if moe_record is not None else None)
+                                          step_time_s=time.perf_counter() - started, flags=flags, extra=extra)
                 for warning in moe_warnings:
                     bar.write(warning)
+                if t.replica_check_every and (done % t.replica_check_every == 0 or done == t.max_steps):
+                    check_replicas(model, optimizer, world, done)  # every rank holds the same weights
                 bar.update(1)
                 if done % t.log_every == 0 or done == t.max_steps:
                     bar.set_postfix(loss=f"{loss_value:.4f}", lr=f"{lr:.2e}")
@@ -347,8 +383,8 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
                         scalars = task.eval_scalars(result)
                         stop_early = early_stopping.update(done, scalars)
                         console.evaluation(done, scalars, is_best, early_stopping.reason or "")
-                        if is_best:
-                            _save_result(model, tokenizer, recipe, run_dir / "best")  # usable as --adapter / MODEL
+                        if is_best:  # run/best/ is usable as --adapter / MODEL as it is
+                            main_writes(world, model, _save_result, model, tokenizer, recipe, run_dir / "best")
                             last_checkpoint = checkpoint(done, best=True)  # after run/best/: never left stale
                 if (t.save_every and done % t.save_every == 0) or is_last or stop_early:
                     if last_checkpoint is None or last_checkpoint.name != f"step-{done}":
@@ -359,11 +395,12 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
         if eval_after is None:
             eval_after = evaluate()
         console.say("saving ...")
-        output = _save_result(model, tokenizer, recipe, run_dir)
-        quantized = save_qat_model(model, tokenizer, run_dir / "quantized") if recipe.qat is not None else None
-        plot_loss_curve(metrics.path, run_dir / "loss_curve.png")
+        output = main_writes(world, model, _save_result, model, tokenizer, recipe, run_dir)
+        quantized = (main_writes(world, model, save_qat_model, model, tokenizer, run_dir / "quantized")
+                     if recipe.qat is not None else None)
+        world.main_only(plot_loss_curve, metrics.path, run_dir / "loss_curve.png")
         if moe is not None:
-            plot_expert_load(metrics.path, run_dir / "expert_load.png")
+            world.main_only(plot_expert_load, metrics.path, run_dir / "expert_load.png")
         rows = [("output", str(output)), *[("note", note) for note in notes]]
         if early_stopping.reason is not None and (metrics.last_step or 0) < t.max_steps:
             rows.append(("stopped early", early_stopping.reason))

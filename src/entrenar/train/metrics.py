@@ -1,9 +1,9 @@
 """Run metrics: one JSON line per optimizer step in ``<run>/metrics.jsonl``, a closing summary, a loss plot.
 
 Train lines: ``{"step", "loss", "grad_norm", "lr", "tokens", "total_tokens",
-"tokens_per_s", "elapsed_s"}`` plus ``"peak_mem_gb"`` on CUDA, and
-``"skipped": reason`` on a step whose update was dropped (training.nonfinite:
-skip) or ``"scaler_skipped": true`` where fp16's GradScaler dropped it. Eval
+"tokens_per_s", "elapsed_s"}`` plus ``"peak_mem_gb"`` on CUDA, ``"peak_mem_gb_ranks"`` (each rank's) in a
+distributed run, whose tokens are the whole global step's, and ``"skipped": reason`` on a step whose update
+was dropped (training.nonfinite: skip) or ``"scaler_skipped": true`` where fp16's GradScaler dropped it. Eval
 lines: ``{"step", "eval_loss", "eval_ppl"}``. Non-finite numbers are written as
 ``null`` so the file stays strict JSON. Step numbers are whatever the loop
 counts, and must be the same count its checkpoints use, since resuming at
@@ -98,6 +98,7 @@ class MetricsLogger:
         resume_step: int | None = None,
         clock: Callable[[], float] = time.monotonic,
         tensorboard: bool = False,
+        write: bool = True,
     ) -> None:
         self.path = Path(run_dir) / METRICS_FILE
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -113,11 +114,13 @@ class MetricsLogger:
                 if record["step"] <= resume_step:
                     kept.append(line)
                     self._absorb(record)
-        atomic.write_bytes(self.path, b"".join(line + b"\n" for line in kept))  # a crash here leaves the old file whole
-        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (held open until close())
+        self._file = None  # write=False (the other ranks of a distributed run): counts kept, nothing written
+        if write:
+            atomic.write_bytes(self.path, b"".join(line + b"\n" for line in kept))  # a crash leaves the old file whole
+            self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (held open until close())
         self._start = self._last = clock()
         self._tensorboard = None
-        if tensorboard:
+        if tensorboard and write:
             # purge_step: events after the resumed step are dropped, as the JSONL lines are.
             purge = resume_step + 1 if resume_step is not None else None
             self._tensorboard = tensorboard_writer_class()(log_dir=str(self.path.parent / TENSORBOARD_DIR),
@@ -138,6 +141,8 @@ class MetricsLogger:
         return self._elapsed_before + (self._clock() - self._start)
 
     def _write(self, record: dict) -> None:
+        if self._file is None:
+            return
         self._file.write(json.dumps(record, allow_nan=False) + "\n")
         self._file.flush()
         if self._tensorboard is not None:
@@ -161,8 +166,8 @@ class MetricsLogger:
 
         Throughput is ``tokens / step_time_s``, or over the wall time since the
         previous call (or since construction) when ``step_time_s`` is None.
-        ``flags`` (``{"skipped": reason}``...) are added to the record.
-        Returns the record written.
+        ``flags`` (``{"skipped": reason}``...) and ``extra`` (MoE router diagnostics, each rank's peak memory
+        in a distributed run) are added to the record. Returns the record written.
         """
         now = self._clock()
         seconds = step_time_s if step_time_s is not None else now - self._last
@@ -212,7 +217,8 @@ class MetricsLogger:
         )
 
     def close(self) -> None:
-        self._file.close()
+        if self._file is not None:
+            self._file.close()
         if self._tensorboard is not None:
             self._tensorboard.close()
 

@@ -1,0 +1,190 @@
+"""Data parallelism applied to a plain model from outside, as torchtitan does: DDP or FSDP2.
+
+:func:`parallelize` takes the model the loop built (adapters, quantization, kernels already in place) and gives
+back what the loop's micro-step calls: ``step_model(...)`` and ``step_model.hidden_states(...)`` run the
+model's forward through the wrapper, and ``step_model.sync(last)`` says whether this micro-batch's backward
+reduces gradients. The model object stays the loop's ``model`` for everything else (eval, saving); its code
+knows nothing of any of this.
+
+- ``ddp``: every rank holds a replica; only trainable parameters are broadcast and all-reduced (frozen bases,
+  NF4 codes and buffers are ignored by DDP), buckets are sized for adapters, and accumulation micro-steps
+  skip the all-reduce (``no_sync``). For LoRA/QLoRA and full fine-tunes that fit one device.
+- ``fsdp``: ``fully_shard`` on each decoder block, then on the root (embeddings, final norm and head in one
+  group, so tied embeddings stay one parameter); parameters, gradients and optimizer state are sharded.
+  Gradients are reduce-scattered on every micro-step, so unsharded gradients never pile up.
+
+Both average gradients over ranks; the loop divides each rank's token-summed loss by the global step's target
+tokens over ``world.size``, so the sum of what they average is the one-process gradient.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
+
+import torch
+from torch import nn
+
+from entrenar.distributed.world import World
+from entrenar.errors import ConfigError
+
+MiB = 2**20
+# Fraction of device memory a replica may take for `parallel: auto` to pick DDP (the rest: allocator slack).
+AUTO_DDP_FRACTION = 0.85
+
+
+class Single:
+    """One process: the model itself, gradients always kept."""
+
+    mode = "single"
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return self.model(*args, **kwargs)
+
+    def hidden_states(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return self.model.hidden_states(*args, **kwargs)
+
+    def sync(self, last: bool) -> AbstractContextManager:
+        return nullcontext()
+
+
+class _Entry(nn.Module):
+    """What DDP wraps: one forward that runs any of the model's forward methods, so ``hidden_states`` (the fused
+    loss's entry) also passes through DDP's forward, which arms its gradient hooks."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, method: str, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return self.model(*args, **kwargs) if method == "forward" else getattr(self.model, method)(*args, **kwargs)
+
+
+class Replicated(Single):
+    """DDP over the trainable parameters."""
+
+    mode = "ddp"
+
+    def __init__(self, model: nn.Module, world: World, device: torch.device) -> None:
+        super().__init__(model)
+        from torch.nn.parallel import DistributedDataParallel
+
+        entry = _Entry(model)
+        frozen = [f"model.{n}" for n, p in model.named_parameters() if not p.requires_grad]
+        buffers = [f"model.{n}" for n, _ in model.named_buffers()]
+        # Identical on every rank already (read from the same files); broadcasting a frozen base would cost as
+        # much as the model and reducing it nothing.
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(entry, frozen + buffers)
+        trainable_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+        self.ddp = DistributedDataParallel(
+            entry,
+            device_ids=[device.index] if device.type == "cuda" else None,
+            bucket_cap_mb=bucket_mb(trainable_bytes),
+            gradient_as_bucket_view=True,  # gradients live in the buckets: no second copy of them
+        )
+
+    def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return self.ddp("forward", *args, **kwargs)
+
+    def hidden_states(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return self.ddp("hidden_states", *args, **kwargs)
+
+    def sync(self, last: bool) -> AbstractContextManager:
+        """All-reduce only on the last micro-batch of a step; the others accumulate locally."""
+        return nullcontext() if last else self.ddp.no_sync()
+
+
+class Sharded(Single):
+    """FSDP2: each decoder block and the root sharded over the ranks."""
+
+    mode = "fsdp"
+
+    def __init__(self, model: nn.Module, world: World, device: torch.device, precision: str) -> None:
+        super().__init__(model)
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+
+        mesh = init_device_mesh(device.type, (world.size,))
+        compute = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+        # All-gathers in the compute dtype (half the traffic of fp32 master weights); gradients reduced in fp32.
+        policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
+        layers = list(model.model.layers)
+        for i, block in enumerate(layers):
+            # The last block's parameters are needed again at once by backward: keep them gathered.
+            fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=i < len(layers) - 1)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
+        register_fsdp_forward_method(model, "hidden_states")
+
+
+def bucket_mb(trainable_bytes: int) -> float:
+    """DDP bucket size: about eight buckets of an adapter's gradients (so the all-reduce of the last layers'
+    overlaps backward of the first), between 1 MiB and DDP's default 25 MiB."""
+    return float(min(25.0, max(1.0, trainable_bytes / 8 / MiB)))
+
+
+def choose(parallel: str, world: World, replica_bytes: float, device: torch.device) -> str:
+    """``single`` for one process; otherwise ``training.parallel``, with ``auto`` meaning DDP when a replica
+    (weights, gradients, optimizer state, activations: :mod:`entrenar.memory`'s estimate) fits one device."""
+    if not world.distributed:
+        return "single"
+    if parallel != "auto":
+        return parallel
+    if device.type != "cuda":
+        return "ddp"  # CPU memory is the host's, shared by its ranks: sharding saves nothing per process
+    capacity = torch.cuda.get_device_properties(device).total_memory
+    return "ddp" if replica_bytes <= AUTO_DDP_FRACTION * capacity else "fsdp"
+
+
+def refuse(mode: str, training: Any, quantized_base: bool, world: World) -> None:
+    """Combinations this version does not run, each with what to change."""
+    if mode == "single":
+        return
+    if training.cuda_graphs:
+        raise ConfigError(f"training.cuda_graphs: the gradient reduction of {mode} runs outside a captured graph; "
+                          f"turn cuda_graphs off to train on {world.size} processes")
+    if mode == "fsdp":
+        if quantized_base:
+            raise ConfigError("training.parallel: fsdp does not shard an NF4 base yet (lora.quantize_base); use "
+                              "training.parallel: ddp (each rank holds the 4-bit base)")
+        if training.kernels is True:
+            raise ConfigError("training.kernels: the fused kernels read weights outside the module's forward, "
+                              "which FSDP2 has not gathered; use training.kernels: false with parallel: fsdp")
+        if training.offload_embeddings:
+            raise ConfigError("training.offload_embeddings: a host-memory table cannot be sharded; use "
+                              "training.parallel: ddp")
+
+
+def parallelize(model: nn.Module, mode: str, world: World, device: torch.device, precision: str = "fp32") -> Single:
+    """Wrap ``model`` for ``mode`` (``single``, ``ddp`` or ``fsdp``, from :func:`choose`)."""
+    if mode == "single":
+        return Single(model)
+    if mode == "ddp":
+        return Replicated(model, world, device)
+    if mode == "fsdp":
+        return Sharded(model, world, device, precision)
+    raise ConfigError(f"training.parallel must be ddp, fsdp or auto, got {mode!r}")
+
+
+def choose_mode(recipe: Any, world: World, device: torch.device) -> str:
+    """The mode a run takes (:func:`choose`), estimating a replica's memory only when ``auto`` must decide."""
+    t = recipe.training
+    if not world.distributed or t.parallel != "auto" or device.type != "cuda":
+        return choose(t.parallel, world, 0.0, device)
+    import entrenar
+    from entrenar.memory import estimate_training_memory
+
+    from entrenar.memory import LINEAR_NAMES
+
+    lora = recipe.lora
+    method = "full" if lora is None else ("qlora" if lora.quantize_base else "lora")
+    targets = "all-linear" if lora is None or isinstance(lora.target_modules, str) else \
+        [n for n in lora.target_modules if n in LINEAR_NAMES]
+    estimate = estimate_training_memory(
+        entrenar.read_model_config(recipe.model.path), method, t.batch_size, recipe.data.seq_len,
+        dtype_bytes=4 if t.precision == "fp32" else 2, lora_r=lora.r if lora else 16,
+        lora_targets=targets,
+        activation_checkpointing=t.activation_checkpointing, optimizer=recipe.optimizer.name)
+    return choose(t.parallel, world, estimate.total, device)
