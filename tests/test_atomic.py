@@ -147,3 +147,27 @@ def test_a_write_removes_only_the_stale_temporaries_of_its_own_target(tmp_path):
     with atomic.staged_folder(tmp_path / "model") as folder:
         (folder / "config.json").write_text("{}")
     assert sorted(os.listdir(tmp_path)) == sorted(kept + ["metrics.jsonl", "model"])
+
+
+def test_a_staged_folder_gets_umask_modes_whatever_its_writers_left(tmp_path):
+    """safetensors' save_file leaves 0o600; the folder entrenar renames into place follows the umask."""
+    import os
+    import stat
+
+    import torch
+    from safetensors.torch import save_file
+
+    from entrenar import atomic
+
+    old = os.umask(0o022)
+    try:
+        with atomic.staged_folder(tmp_path / "model") as tmp:
+            save_file({"w": torch.zeros(2)}, str(tmp / "model.safetensors"))
+            (tmp / "sub").mkdir(mode=0o700)
+            (tmp / "sub" / "x.json").write_text("{}")
+            os.chmod(tmp / "sub" / "x.json", 0o600)
+    finally:
+        os.umask(old)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in (tmp_path / "model").rglob("*")}
+    assert modes == {"model.safetensors": 0o644, "sub": 0o755, "x.json": 0o644}
+    assert stat.S_IMODE((tmp_path / "model").stat().st_mode) == 0o755

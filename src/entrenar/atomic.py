@@ -160,6 +160,21 @@ def _fsync_tree(folder: Path) -> None:
         fsync_dir(root)
 
 
+def apply_umask(folder: str | os.PathLike) -> None:
+    """Give a staged tree the modes the umask gives new files and folders.
+
+    Writers that stage through temporary files of their own (safetensors' ``save_file`` leaves ``0o600``)
+    would otherwise carry those modes into the user's folder.
+    """
+    mask = umask()
+    for root, dirs, files in os.walk(folder):
+        os.chmod(root, 0o777 & ~mask)
+        for name in files:
+            path = os.path.join(root, name)
+            if not os.path.islink(path):
+                os.chmod(path, 0o666 & ~mask)
+
+
 @contextmanager
 def staged_folder(target: str | os.PathLike) -> Iterator[Path]:
     """Yield an empty folder to fill; when the block succeeds, it replaces ``target``.
@@ -179,6 +194,7 @@ def staged_folder(target: str | os.PathLike) -> Iterator[Path]:
     try:
         new.mkdir()
         yield new
+        apply_umask(new)
         _fsync_tree(new)
         if target.exists() or target.is_symlink():
             os.replace(target, old)
@@ -193,5 +209,5 @@ def staged_folder(target: str | os.PathLike) -> Iterator[Path]:
         shutil.rmtree(staging, ignore_errors=True)
 
 
-__all__ = ["fsync_dir", "is_stale_temp", "remove_stale_temps", "staged_folder", "temp_file", "temp_prefix", "umask",
-           "write_bytes", "write_file", "write_text"]
+__all__ = ["apply_umask", "fsync_dir", "is_stale_temp", "remove_stale_temps", "staged_folder", "temp_file",
+           "temp_prefix", "umask", "write_bytes", "write_file", "write_text"]

@@ -102,6 +102,7 @@ def replace_files(output: str | os.PathLike) -> Iterator[Path]:
                 os.replace(target, fresh)
             return
         names = sorted(p.name for p in target.iterdir())
+        atomic.apply_umask(target)
         _fsync_files(target)
         for name in sorted(names, key=lambda n: (n in _LAST, _LAST.index(n) if n in _LAST else 0, n)):
             source, dest = target / name, output / name
