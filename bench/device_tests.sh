@@ -11,5 +11,5 @@ paths=${*:-tests/kernels tests/models tests/quant tests/train tests/test_load.py
 timeout 400 python3 -m pytest -q -p no:cacheprovider -rfE $paths 2>&1 | tee "$OUT/pytest-gpu.log" | tail -25
 (cd /tmp && timeout 150 python3 -m entrenar.cli.main train --nproc-per-node 1 --no-progress \
   --set output.dir=/tmp/qs-nccl --set training.max_steps=40 --set training.parallel=ddp \
-  --set training.replica_check_every=10 2>&1 | tail -20) | tee "$OUT/nccl.log"
+  --set training.replica_check_every=10 --set model.device=cuda 2>&1 | tail -20) | tee "$OUT/nccl.log"
 grep -c '"step"' /tmp/qs-nccl/metrics.jsonl; tail -1 /tmp/qs-nccl/metrics.jsonl | tee -a "$OUT/nccl.log"

@@ -65,7 +65,7 @@ def test_entrenar_load_recognises_the_folder_and_round_trips_through_save(tmp_pa
     hf.config.id2label, hf.config.label2id = {0: "neg", 1: "pos"}, {"neg": 0, "pos": 1}
     hf.save_pretrained(tmp_path / "hf")
     quickstart.build_tokenizer().save(tmp_path / "hf")
-    model, tokenizer = entrenar.load(tmp_path / "hf")
+    model, tokenizer = entrenar.load(tmp_path / "hf", device="cpu")
     assert isinstance(model, SequenceClassifier) and model.info["labels"] == ["neg", "pos"]
 
     from entrenar.export import save_merged
@@ -119,7 +119,7 @@ def test_load_with_task_needs_num_labels(hf_folder, tmp_path):
     quickstart.build_tokenizer().save(folder)
     with pytest.raises(entrenar.EntrenarError, match="num_labels"):
         entrenar.load(folder, task="classification")
-    model, _ = entrenar.load(folder, task="classification", num_labels=5)
+    model, _ = entrenar.load(folder, task="classification", num_labels=5, device="cpu")
     assert model(torch.tensor([[3, 4, 5]])).shape == (1, 5)
     with pytest.raises(ModelError):
         SequenceClassifier(model.config, 0)

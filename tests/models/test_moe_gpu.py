@@ -46,8 +46,19 @@ def test_grouped_experts_equal_the_loop_forward_and_backward(dtype, tol, lora):
     ids = torch.randint(0, 512, (4, 256), device="cuda")
     loop_out, loop_grads = _run(model, "loop", ids)
     grouped_out, grouped_grads = _run(model, "grouped", ids)
-    torch.testing.assert_close(grouped_out, loop_out, atol=tol, rtol=tol)
     assert loop_grads.keys() == grouped_grads.keys()
-    for name, g in loop_grads.items():
-        scale = g.abs().max().clamp_min(1e-6)
-        assert (grouped_grads[name] - g).abs().max() / scale < tol * 5, name
+    if dtype == torch.float32:
+        torch.testing.assert_close(grouped_out, loop_out, atol=tol, rtol=tol)
+        for name, g in loop_grads.items():
+            scale = g.abs().max().clamp_min(1e-6)
+            assert (grouped_grads[name] - g).abs().max() / scale < tol * 5, name
+        return
+    # bf16: the two paths round in different orders, so neither is the reference. Both are held against the
+    # same model in fp32: the grouped product may be no further from it than the loop is (plus one bf16 step).
+    ref_out, ref_grads = _run(model.float(), "loop", ids)
+    loop_err, grouped_err = (loop_out - ref_out).abs().max(), (grouped_out - ref_out).abs().max()
+    assert grouped_err <= 2 * loop_err + 2**-7 * ref_out.abs().max(), (grouped_err, loop_err)
+    for name, ref in ref_grads.items():
+        loop_err = (loop_grads[name] - ref).abs().max()
+        grouped_err = (grouped_grads[name] - ref).abs().max()
+        assert grouped_err <= 2 * loop_err + 2**-7 * ref.abs().max(), (name, grouped_err, loop_err)

@@ -337,9 +337,11 @@ def test_deeply_nested_json_and_a_cut_rng_state_name_the_file(tmp_path: Path) ->
         with pytest.raises(CheckpointError, match=rf"step-1/{name}: corrupt JSON, nested too deeply"):
             load_checkpoint(path, _optimizer(_model(), "adamw"))
         (path / name).write_bytes(good)
-    # Nested less deeply than the JSON reader's limit, but more than the optimizer-state decoder's.
+    # Nested less deeply than the JSON reader's limit, but more than the optimizer-state decoder's (Python 3.11;
+    # where the interpreter's limits let it through, the malformed groups are refused by name instead).
     (path / "optimizer.json").write_text('{"state": {}, "param_groups": ' + "[" * 900 + "]" * 900 + "}")
-    with pytest.raises(CheckpointError, match=r"step-1/optimizer.json: nested too deeply|corrupt JSON, nested"):
+    with pytest.raises(CheckpointError, match=r"step-1/optimizer.json: (nested too deeply|corrupt JSON, nested|"
+                                              r"1 parameter groups saved)"):
         load_checkpoint(path, _optimizer(_model(), "adamw"))
     (path / "optimizer.json").write_bytes(good_optimizer)
 
