@@ -113,7 +113,7 @@ def test_exports_load_in_transformers_and_peft_with_equal_logits(workspace):
     import transformers
 
     result = train(recipe_for(workspace, "training.max_steps=2", "training.eval_every=0"), progress=False)
-    model, tokenizer = entrenar.load(workspace / "model", adapter=result.output)
+    model, tokenizer = entrenar.load(workspace / "model", adapter=result.output, device="cpu")
     ids = torch.tensor([tokenizer.encode("3+4"), tokenizer.encode("9+9")])
     mask = torch.ones_like(ids)
     with torch.no_grad():
@@ -191,7 +191,7 @@ def test_classify_cli_eval_and_predict(workspace, tmp_path, capsys):
     assert main(["classify", "predict", *args, "--output", str(tmp_path / "p.jsonl")]) == 0
     rows = [json.loads(line) for line in (tmp_path / "p.jsonl").read_text().splitlines()]
     assert len(rows) == 10 and rows[0]["source"].endswith("test.jsonl line 1")
-    model, tokenizer = entrenar.load(workspace / "model", adapter=result.output)
+    model, tokenizer = entrenar.load(workspace / "model", adapter=result.output, device="cpu")
     with torch.no_grad():
         logits = model(torch.tensor([tokenizer.encode("0+0")])).numpy()
     probs = softmax(logits, model.info["temperature"])[0]  # the saved temperature is applied
