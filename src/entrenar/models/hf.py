@@ -167,12 +167,7 @@ def load_state_into(model: torch.nn.Module, tensors: Iterator[tuple[str, str, to
         name = renamed.get(name, name)
         if name in stacked and name not in seen:
             param, rows, count = stacked[name]
-            target = params[param][:, rows]
-            if tuple(tensor.shape) != tuple(target.shape):
-                raise ModelError(f"{source}/{file_name}: tensor '{name}' has shape {tuple(tensor.shape)}, "
-                                 f"the model expects {tuple(target.shape)}")
-            with torch.no_grad():
-                target.copy_(tensor)
+            _copy_checked(params[param][:, rows], tensor, f"{source}/{file_name}", name)
             seen.add(name)
             pieces_left[param] -= count
             if not pieces_left[param]:
@@ -180,12 +175,8 @@ def load_state_into(model: torch.nn.Module, tensors: Iterator[tuple[str, str, to
             continue
         if name in pieces and name not in seen:
             param, expert, rows = pieces[name]
-            target = params[param] if expert < 0 else params[param][expert][rows]
-            if tuple(tensor.shape) != tuple(target.shape):
-                raise ModelError(f"{source}/{file_name}: tensor '{name}' has shape {tuple(tensor.shape)}, "
-                                 f"the model expects {tuple(target.shape)}")
-            with torch.no_grad():
-                target.copy_(tensor)
+            _copy_checked(params[param] if expert < 0 else params[param][expert][rows], tensor,
+                          f"{source}/{file_name}", name)
             seen.add(name)
             pieces_left[param] -= 1
             if not pieces_left[param]:
@@ -215,6 +206,15 @@ def load_state_into(model: torch.nn.Module, tensors: Iterator[tuple[str, str, to
     if missing:
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
         raise ModelError(f"{source}: missing tensors {', '.join(missing[:5])}{more}")
+
+
+def _copy_checked(target: torch.Tensor, tensor: torch.Tensor, where: str, name: str) -> None:
+    """Copy a checkpoint tensor into (a view of) a parameter, naming it when the shapes differ."""
+    if tuple(tensor.shape) != tuple(target.shape):
+        raise ModelError(f"{where}: tensor '{name}' has shape {tuple(tensor.shape)}, the model expects "
+                         f"{tuple(target.shape)}")
+    with torch.no_grad():
+        target.copy_(tensor)
 
 
 def empty_model(
