@@ -224,3 +224,11 @@ def test_multi_label_and_regression_runs_write_their_report(workspace, problem_t
     else:
         assert {"rmse", "mae", "r2", "spearman"} <= set(report["metrics"])
         assert set(report["headline"]) == {"rmse", "r2"}
+
+
+def test_skipped_labels_are_listed_in_the_runs_skipped_jsonl(workspace):
+    recipe = recipe_for(workspace, "training.max_steps=1", "data.on_error=skip")
+    write_data(workspace, bad="huge")  # one record with a label that is not a class
+    result = train(recipe, progress=False)
+    lines = [json.loads(line) for line in (result.run_dir / "skipped.jsonl").read_text().splitlines()]
+    assert len(lines) == 1 and "huge" in json.dumps(lines[0]) and "line 49" in json.dumps(lines[0])

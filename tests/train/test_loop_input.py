@@ -100,3 +100,14 @@ def test_packing_never_repeats_an_example_in_a_row():
         assert batch["document_ids"][row, :30].tolist() == [d for d in range(10) for _ in range(3)]
         assert (batch["document_ids"][row, 30:] == -1).all()
     assert stream.state_dict()["epoch"] == 2 and stream.state_dict()["position"] == 0
+
+
+def test_dry_run_refuses_early_stopping_without_validation(workspace):
+    """What the real run refuses, the dry run refuses too (it used to call such a recipe valid)."""
+    from entrenar.errors import ConfigError
+    from entrenar.train.loop import train
+
+    recipe = recipe_for(workspace, "data.validation_split=0", "training.eval_every=1",
+                        "training.early_stopping={metric: eval_loss}")
+    with pytest.raises(ConfigError, match="early_stopping: needs a validation set"):
+        train(recipe, dry_run=True, progress=False)

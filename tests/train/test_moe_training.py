@@ -190,3 +190,16 @@ def test_checkpointed_blocks_give_the_same_router_loss_gradients_and_counts(work
     for name, grad in results[0][1].items():
         torch.testing.assert_close(results[1][1][name], grad, atol=1e-6, rtol=0, msg=name)
     assert any(g.abs().sum() > 0 for n, g in results[0][1].items() if n.endswith("mlp.gate.weight"))
+
+
+def test_router_losses_follow_the_derived_accumulation(workspace):
+    """training.global_batch_size derives the accumulation; the router losses are divided by that, not by
+    training.grad_accum (same run written both ways: same losses, same router losses)."""
+    from entrenar.train.metrics import read_metrics
+
+    a = train(recipe_for(workspace, "training.max_steps=2", f"output.dir={workspace / 'a'}"), progress=False)
+    b = train(recipe_for(workspace, "training.max_steps=2", "training.grad_accum=1", "training.global_batch_size=4",
+                         f"output.dir={workspace / 'b'}"), progress=False)
+    rows = [[r for r in read_metrics(run.run_dir / "metrics.jsonl") if "loss" in r] for run in (a, b)]
+    for x, y in zip(*rows):
+        assert (x["loss"], x["grad_norm"], x["moe"]["aux_loss"]) == (y["loss"], y["grad_norm"], y["moe"]["aux_loss"])

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from entrenar.data import BatchStream, read_records
 from entrenar.data.batching import PAD_DOCUMENT
+from entrenar.data.sources import Skip
 from entrenar.errors import AdapterError, ConfigError, DataError, ModelError, QuantError
 from entrenar.evaluation import metrics as M
 from entrenar.models.classifier import CLASSIFIER_FILE, SequenceClassifier, from_backbone
@@ -181,18 +182,22 @@ def label_spec(task, records: list | None = None, label_field: str = "label") ->
     return LabelSpec(task.problem_type, names, num)
 
 
-def read_labeled(path: str, role: str, recipe, tokenizer, spec: LabelSpec) -> tuple[list[LabeledText], list[str]]:
-    """The labeled texts of one data file, and notes on what was skipped or cut."""
+def read_labeled(path: str, role: str, recipe, tokenizer, spec: LabelSpec,
+                 skipped_out: list[Skip] | None = None) -> tuple[list[LabeledText], list[str]]:
+    """The labeled texts of one data file, and notes on what was skipped or cut (every skipped record is also
+    appended to ``skipped_out``, for the run's skipped.jsonl)."""
     d = recipe.data
     return read_texts(path, tokenizer, spec, d.text_field, d.label_field, d.seq_len, d.format, d.on_error,
-                      f"data.{role}")
+                      f"data.{role}", skipped_out)
 
 
 def read_texts(path: str, tokenizer, spec: LabelSpec | None, text_field: str = "text", label_field: str = "label",
                seq_len: int = 512, fmt: str = "auto", on_error: str = "raise",
-               role: str = "data") -> tuple[list[LabeledText], list[str]]:
+               role: str = "data", skipped_out: list[Skip] | None = None) -> tuple[list[LabeledText], list[str]]:
     """Tokenized texts of a data file with their targets (``spec`` None: no labels read, for prediction)."""
     records, stats = read_records(path, format=fmt, on_error=on_error)
+    if skipped_out is not None:
+        skipped_out.extend(stats.skipped_records)
     examples, skipped, cut = [], [], 0
     for record in records:
         fields = record.fields
@@ -209,6 +214,8 @@ def read_texts(path: str, tokenizer, spec: LabelSpec | None, text_field: str = "
             if on_error == "raise":
                 raise
             skipped.append(str(e))
+            if skipped_out is not None:
+                skipped_out.append(Skip(record.file, record.location, "bad label or text", str(e)))
             continue
         ids = tokenizer.encode(text)
         if len(ids) > seq_len:
@@ -408,8 +415,8 @@ class ClassificationTask:
         """After adapters: the head is trained whole (PEFT's modules_to_save)."""
         model.score.weight.requires_grad_(True)
 
-    def examples(self, path: str, role: str, recipe, tokenizer):
-        examples, notes = read_labeled(path, role, recipe, tokenizer, self.spec)
+    def examples(self, path: str, role: str, recipe, tokenizer, skipped: list[Skip] | None = None):
+        examples, notes = read_labeled(path, role, recipe, tokenizer, self.spec, skipped)
         if role == "train" and self.problem_type == "single_label":
             self.weights = class_weights(recipe.task.class_weights, examples, self.spec.num_labels)
             if self.weights is not None:
@@ -497,7 +504,9 @@ class ClassificationTask:
         best = []
         if self.best is not None:
             value = metric_direction(self.metric) * self.best
-            best = [(f"best {self.metric}", f"{value:.4f} at step {self.best_step} (run/best/)")]
+            # run/best/ is written when training beats the evaluation before it, not for step 0.
+            where = " (run/best/)" if self.best_step else " (before training; no run/best/)"
+            best = [(f"best {self.metric}", f"{value:.4f} at step {self.best_step}{where}")]
         return [*best, ("report", str(run_dir / "report.md")),
                 *[(name, f"{v['value']:.4f} [{v['ci'][0]:.4f}, {v['ci'][1]:.4f}]") for name, v in headline.items()]]
 

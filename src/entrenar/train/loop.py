@@ -195,7 +195,8 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
         apply_kernels(model, lora_compute_dtype=torch.bfloat16 if t.adapter_math == "bf16" else None)
     # Fusing the output projection into the loss never materialises full-vocabulary logits.
     fused_loss = use_kernels and type(getattr(model, "lm_head", None)) is torch.nn.Linear
-    moe = moe_training(model, recipe)  # router losses, balancing and diagnostics; None for a dense model
+    # Router losses, balancing and diagnostics (None for a dense model); counts are summed over the ranks.
+    moe = moe_training(model, recipe, accumulation, world)
     step_model = parallelize(model, mode, world, device, t.precision)  # DDP / FSDP2 from outside (or the model)
     trainable = [p for p in model.parameters() if p.requires_grad]
 
@@ -203,7 +204,7 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
     d = recipe.data
     skipped: list = []  # every record on_error=skip left out, for the run's skipped.jsonl
     console.say(f"reading and tokenizing {d.train} ...")
-    read_examples = functools.partial(_examples, skipped=skipped) if task.name == "causal_lm" else task.examples
+    read_examples = functools.partial(_examples if task.name == "causal_lm" else task.examples, skipped=skipped)
     examples, notes = read_examples(d.train, "train", recipe, tokenizer)
     notes = context_notes + notes
     if d.validation:
@@ -223,7 +224,7 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
     def loss_sum_of(batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Summed cross-entropy of one micro-batch's target tokens."""
         if task.name != "causal_lm":
-            return task.loss_sum(model, batch)
+            return task.loss_sum(step_model, batch)  # through DDP / FSDP, so gradients are reduced
         inputs = (batch["input_ids"], batch["position_ids"], batch.get("document_ids"))
         layout = {"cu_seqlens": batch.get("cu_seqlens"), "max_seqlen": batch.get("max_seqlen")}  # padding-free
         if fused_loss:
@@ -249,16 +250,17 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
         for block in model.model.layers:
             block.compile()
 
+    if t.early_stopping is not None and not validation:
+        raise ConfigError("training.early_stopping: needs a validation set (data.validation or data.validation_split)")
     if dry_run:
-        report = _dry_run_report(recipe, model, trainable, examples, validation, notes, use_kernels, fused_loss)
+        report = _dry_run_report(recipe, model, trainable, examples, validation, notes, use_kernels, fused_loss,
+                                 accumulation * world.size)
         return TrainResult(run_dir=run_dir, steps=0, summary=report, dry_run=True)
 
     # Resume: weights, optimizer, RNG, data position and metrics continue where the checkpoint left them.
     start_step = 0
     guard = NonfiniteGuard(t.nonfinite, t.max_skipped_steps, run_dir, scaler_handles_grads=scaler.is_enabled())
     early_stopping = EarlyStopping(t.early_stopping)
-    if t.early_stopping is not None and not validation:
-        raise ConfigError("training.early_stopping: needs a validation set (data.validation or data.validation_split)")
     if resume_from is not None:
         console.say(f"resuming from {resume_from} ...")
         with full_params(model, write_back=True):  # FSDP: whole tensors read, then scattered into the shards
@@ -282,8 +284,9 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
             return None
         if not progress:
             console.say(f"evaluating on {len(validation):,} validation examples ...")  # the bar says it otherwise
-        if task.name != "causal_lm":
-            return task.evaluate(model, validation, recipe)
+        if task.name != "causal_lm":  # training.eval_batches bounds it as it bounds the token loss
+            subset = validation[:t.eval_batches * t.batch_size] if t.eval_batches else validation
+            return task.evaluate(model, subset, recipe)
         batches = eval_batches(validation, t.batch_size, d.seq_len, packing=d.packing, pad_id=tokenizer.pad_id or 0)
         # Eager: the last batch is smaller and would make a compiled model recompile.
         return eval_loss(model, batches, precision=t.precision, max_batches=t.eval_batches)
@@ -378,7 +381,8 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
                     result = eval_after = evaluate()
                     bar.set_description(None)
                     if result is not None:
-                        is_best = task.log_eval(metrics, done, result)
+                        # Rank 0 decides (it alone reads and writes the metrics), so every rank saves alike.
+                        is_best = world.all_gather(task.log_eval(metrics, done, result))[0]
                         # Before the checkpoints below, which carry its counter.
                         scalars = task.eval_scalars(result)
                         stop_early = early_stopping.update(done, scalars)
@@ -564,7 +568,8 @@ def _save_result(model, tokenizer, recipe: Recipe, run_dir: Path) -> Path:
 
 
 def _dry_run_report(recipe: Recipe, model, trainable, examples, validation, notes: list[str], kernels: bool,
-                    fused_loss: bool) -> str:
+                    fused_loss: bool, micro_batches: int) -> str:
+    """What a dry run prints; ``micro_batches`` per optimizer step over every process."""
     total = sum(p.numel() for p in model.parameters())
     n_trainable = sum(p.numel() for p in trainable)
     t, d = recipe.training, recipe.data
@@ -592,7 +597,7 @@ def _dry_run_report(recipe: Recipe, model, trainable, examples, validation, note
         f"{'train examples':<22}{len(examples):,} ({tokens:,} tokens)",
         f"{'validation examples':<22}{len(validation):,}",
         *[f"{'note':<22}{note}" for note in notes],
-        f"{'step':<22}{t.batch_size} x {d.seq_len} tokens x {t.grad_accum} accumulation, {t.max_steps} steps",
+        f"{'step':<22}{t.batch_size} x {d.seq_len} tokens x {micro_batches} micro-batches, {t.max_steps} steps",
         f"{'memory estimate':<22}{estimate.total / GiB:.2f} GiB (weights {estimate.weights / GiB:.2f}, "
         f"grads {estimate.gradients / GiB:.2f}, optimizer {estimate.optimizer / GiB:.2f}, "
         f"activations {estimate.activations / GiB:.2f}, logits {estimate.logits / GiB:.2f}{_cpu_terms(estimate)})",

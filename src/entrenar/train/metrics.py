@@ -146,7 +146,7 @@ class MetricsLogger:
         self._file.write(json.dumps(record, allow_nan=False) + "\n")
         self._file.flush()
         if self._tensorboard is not None:
-            prefix = "eval" if "eval_loss" in record else "train"
+            prefix = "eval" if any(key.startswith("eval_") for key in record) else "train"
             for key, value in record.items():
                 if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
                     self._tensorboard.add_scalar(f"{prefix}/{key.removeprefix('eval_')}", value, record["step"])

@@ -76,9 +76,10 @@ def router_z_loss(logits: torch.Tensor, mask: torch.Tensor | None = None) -> tor
 class MoeTraining:
     """Router losses, balancing and diagnostics of one run (see the module docstring)."""
 
-    def __init__(self, model: nn.Module, section: Any, grad_accum: int = 1) -> None:
+    def __init__(self, model: nn.Module, section: Any, grad_accum: int = 1, world: Any = None) -> None:
         self.section = section
-        self.grad_accum = grad_accum
+        self.grad_accum = grad_accum  # micro-batches per optimizer step on this process
+        self.world = world  # a distributed run's ranks (entrenar.distributed.world): counts are summed over them
         self.layers: list[int] = []
         self.blocks: list[MoeBlock] = []
         for i, block in moe_blocks(model):
@@ -147,6 +148,10 @@ class MoeTraining:
     def after_step(self, step: int, update: bool = True) -> tuple[dict[str, Any], list[str]]:
         """Nudge the selection biases (not when the step's update was dropped: ``update=False``), then this
         step's diagnostics (one host sync) and collapse warnings."""
+        if self.world is not None and self.world.distributed:  # the global step's routing, the same on every rank
+            for t in (self._counts, self._entropy, self._tokens, self._losses):
+                self.world.all_sum(t)
+            self._losses /= self.world.size
         rate = self.section.bias_update_rate
         if rate and update:
             with torch.no_grad():  # DeepSeek-V3: raise an under-loaded expert's bias, lower an over-loaded one's
@@ -220,8 +225,12 @@ class MoeTraining:
             raise CheckpointError(f"{source}: 'moe' state does not fit this model ({e})") from None
 
 
-def moe_training(model: nn.Module, recipe: Any) -> MoeTraining | None:
-    """The run's MoE component, or None for a dense model (whose recipe must leave ``moe`` at its defaults)."""
+def moe_training(model: nn.Module, recipe: Any, accumulation: int | None = None, world: Any = None
+                 ) -> MoeTraining | None:
+    """The run's MoE component, or None for a dense model (whose recipe must leave ``moe`` at its defaults).
+
+    ``accumulation`` is the micro-batches per step on this process (default ``training.grad_accum``; the loop
+    passes what ``training.global_batch_size`` derives); ``world`` the ranks of a distributed run."""
     config = getattr(model, "config", None)
     if config is None or not getattr(config, "is_moe", False):
         defaults = type(recipe.moe)()
@@ -232,7 +241,7 @@ def moe_training(model: nn.Module, recipe: Any) -> MoeTraining | None:
     if recipe.training.cuda_graphs:
         raise ConfigError("training.cuda_graphs: an MoE model routes a different number of tokens to each expert "
                           "every step, which a replayed graph cannot follow")
-    return MoeTraining(model, recipe.moe, recipe.training.grad_accum)
+    return MoeTraining(model, recipe.moe, accumulation or recipe.training.grad_accum, world)
 
 
 def plot_expert_load(metrics_path: str | Path, out_png: str | Path) -> Path | None:
