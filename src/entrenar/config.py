@@ -719,15 +719,7 @@ def load_recipe(path: str | Path | None, overrides: Iterable[str] = ()) -> Recip
             raise ConfigError(f"recipe file not found: {path}")
         if not path.is_file():
             raise ConfigError(f"recipe path is not a file: {path}")
-        try:
-            data = path.read_bytes()
-        except OSError as e:
-            raise ConfigError(f"cannot read recipe {path}: {e.strerror or e}") from None
-        try:
-            text = data.decode("utf-8")
-        except UnicodeDecodeError as e:
-            line = data.count(b"\n", 0, e.start) + 1
-            raise ConfigError(f"{path} line {line}: not UTF-8 text (byte 0x{data[e.start]:02X})") from None
+        text = read_yaml_text(path, "recipe")
     raw, where = _parse(text, source)
     for item in overrides:
         _apply_override(raw, item, where)
@@ -796,6 +788,29 @@ class _Loader(yaml.SafeLoader):
             return super().compose_node(parent, index)
         finally:
             self._depth -= 1
+
+
+def read_yaml_text(path: Path, what: str = "file") -> str:
+    """A YAML file's text; unreadable or non-UTF-8 bytes are a ConfigError naming the file (and line)."""
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise ConfigError(f"cannot read {what} {path}: {e.strerror or e}") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise ConfigError(f"{path} line {line}: not UTF-8 text (byte 0x{data[e.start]:02X})") from None
+
+
+def load_yaml(text: str, source: str) -> tuple[Any, yaml.Node | None]:
+    """YAML text -> (value, its node), with every problem (control characters, nesting, a scalar Python cannot
+    build, any PyYAML error) a one-line ConfigError naming ``source``, line and column. Shared by recipes and
+    merge configs."""
+    try:
+        return _load_yaml(text)
+    except _YamlProblem as e:
+        raise e.at(source) from None
 
 
 class _YamlProblem(Exception):

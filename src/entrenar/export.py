@@ -329,11 +329,12 @@ def _check_output(output: Path, inputs: dict[str, Path]) -> None:
     for what, path in inputs.items():
         src = path.resolve()
         if out == src:
-            raise ConfigError(
-                f"{output}: the output is the {what}; choose another path (export never overwrites its input)"
-            )
+            raise ConfigError(f"{output}: the output is the {what}; choose another path (an output never replaces "
+                              "an input)")
         if out in src.parents:
-            raise ConfigError(f"{output}: the output contains the {what} {path}; replacing it would delete the input")
+            raise ConfigError(f"{output}: the output contains the {what} ({path}); replacing it would delete it")
+        if src.is_dir() and src in out.parents:
+            raise ConfigError(f"{output}: the output is inside the {what} ({path}); choose a path outside it")
 
 
 def _read_json(path: Path) -> dict[str, Any]:

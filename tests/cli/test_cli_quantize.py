@@ -86,7 +86,7 @@ def test_nf4_without_data_has_no_perplexity_line(capsys, model, tmp_path):
         (["--method", "int4", "--group-size", "48"],
          "error: group size 48 does not divide the input width of 14 of 14 layers, e.g. "
          "model.layers.0.self_attn.q_proj (64); the layer widths are 64, 128. group sizes that divide every layer: "
-         "32, 16; or leave the group size out (no --group-size) for one scale per output channel\n"),
+         "64, 32, 16; or leave the group size out (no --group-size) for one scale per output channel\n"),
         (["--method", "int8", "--group-size", "128"],
          "error: group size 128 does not divide the input width of 12 of 14 layers, e.g. "
          "model.layers.0.self_attn.q_proj (64); the layer widths are 64, 128. group sizes that divide every layer: "

@@ -254,3 +254,12 @@ def test_gguf_errors_name_the_tensor():
         quantize_q4_0(w, name="tok.weight")
     with pytest.raises(QuantError, match="whole 34-byte blocks"):
         dequantize_q8_0(np.zeros((2, 33), dtype=np.uint8))
+
+
+def test_suggested_group_sizes_divide_every_width_whatever_size_was_asked():
+    from entrenar.quant.ptq import suggest_group_sizes
+
+    assert suggest_group_sizes([128, 384], 7) == [64, 32, 16]  # a size below 16 was asked: the nearest that fit
+    assert suggest_group_sizes([576, 1536], 128) == [64, 32, 16]  # SmolLM2's widths: 128 does not divide 576
+    assert suggest_group_sizes([128, 384], 128) == [128, 64, 32]
+    assert suggest_group_sizes([24, 48], 16) == []  # gcd 24: no power of two from 16 up divides it

@@ -30,10 +30,23 @@ def add_parser(commands: argparse._SubParsersAction, parents: list[argparse.Argu
     predict.set_defaults(run=run_predict)
 
 
+def _load_classifier(args: argparse.Namespace):
+    """The classifier and tokenizer MODEL (and --adapter) name; a language model is refused by name."""
+    from entrenar.errors import ModelError
+    from entrenar.models.classifier import SequenceClassifier
+
+    model, tokenizer = load_model(args)
+    if not isinstance(model, SequenceClassifier):
+        where = args.model + (f" with adapter {args.adapter}" if args.adapter else "")
+        raise ModelError(f"{where}: not a classification model (a language model: no 'score' head); train one with "
+                         "task.type: classification, or load a *ForSequenceClassification folder")
+    return model, tokenizer
+
+
 def run_eval(args: argparse.Namespace) -> int:
     from entrenar.tasks.classification import evaluate_file
 
-    model, tokenizer = load_model(args)
+    model, tokenizer = _load_classifier(args)
     report = evaluate_file(model, tokenizer, args.data, args.output, args.text_field, args.label_field, args.seq_len,
                            args.batch_size, seed=args.seed)
     print(f"{report['examples']:,} examples ({report['problem_type']})")
@@ -53,7 +66,7 @@ def run_eval(args: argparse.Namespace) -> int:
 def run_predict(args: argparse.Namespace) -> int:
     from entrenar.tasks.classification import predict_file
 
-    model, tokenizer = load_model(args)
+    model, tokenizer = _load_classifier(args)
     n = predict_file(model, tokenizer, args.data, args.output, args.text_field, args.seq_len, args.batch_size)
     print(f"{n:,} predictions -> {args.output}")
     return 0

@@ -45,6 +45,11 @@ def run(args: argparse.Namespace) -> int:
         path = Path(args.resume) / "recipe.yaml"
         if not path.is_file():
             raise CheckpointError(f"{args.resume}: no recipe.yaml there; is it a run folder?")
+    if path is not None and not Path(path).exists() and "/" not in str(path):
+        from entrenar.recipe_catalog import bundled_recipes
+
+        named = {r.name: r.path for r in bundled_recipes()}
+        path = named.get(str(path).removesuffix(".yaml"), path)  # `entrenar train lora-llama`: a bundled recipe
     recipe = load_recipe(path, args.overrides)  # before importing torch: a bad recipe fails at once
     if args.nproc_per_node is not None:
         return _launch(args)

@@ -203,7 +203,7 @@ def _read_jsonl(path: Path) -> Iterator[Record | Skip]:
             if not line.strip():
                 continue
             try:
-                value = json.loads(line)
+                value = json.loads(line.rstrip("\r\n"))  # an error's column counts within the line
             except (ValueError, RecursionError) as e:
                 yield _bad(path, location, *_json_problem(e))
                 continue

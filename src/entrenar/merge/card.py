@@ -49,6 +49,18 @@ def write_tokenizer(plan, inputs: dict[str, Input], vocab, folder: Path) -> None
             _set_chat_template(folder, template)
 
 
+def gguf_tokenizer_check(plan, inputs: dict[str, Input], vocab) -> None:
+    """The merged model's tokenizer (its source's), checked as the GGUF writer will need it."""
+    from entrenar.models.gguf_write import check_gguf_tokenizer
+    from entrenar.tokenizer import Tokenizer
+
+    source = inputs[_tokenizer_ref(plan, vocab)]
+    if isinstance(source, GGUFInput):
+        check_gguf_tokenizer(source.gguf.tokenizer)
+    elif source.folder is not None and (source.folder / "tokenizer.json").is_file():
+        check_gguf_tokenizer(Tokenizer.from_folder(source.folder))
+
+
 def _add_tokens(folder: Path, added: list[tuple[str, bool]]) -> None:
     import tokenizers
 

@@ -31,6 +31,7 @@ from typing import Any
 
 import yaml
 
+from entrenar.config import load_yaml, read_yaml_text
 from entrenar.errors import ConfigError
 from entrenar.merge.methods import METHODS, REQUIRED, RESCALE_NORMS
 
@@ -134,6 +135,18 @@ def _check_setting(value: Any, where: str, key: str) -> None:
     )
 
 
+_TEXT_PARAMETERS = ("rescale_norm", "consensus_method")  # the only parameters whose values are words
+
+
+def _leaves(setting: Any) -> list[Any]:
+    """The scalars of a setting: itself, a gradient's entries, or each conditional entry's value."""
+    if isinstance(setting, dict):
+        return _leaves(setting.get("value"))
+    if isinstance(setting, list):
+        return [leaf for item in setting for leaf in _leaves(item)]
+    return [setting]
+
+
 # -- the config --------------------------------------------------------------------
 
 
@@ -231,16 +244,10 @@ def load_config(config: str | Path | dict[str, Any]) -> MergeConfig:
     if "\n" not in str(config) and path.suffix in (".yaml", ".yml") or path.is_file():
         if not path.is_file():
             raise ConfigError(f"{path}: no such merge config file")
-        text, source, root = path.read_text(encoding="utf-8"), str(path), path.parent
+        text, source, root = read_yaml_text(path, "merge config"), str(path), path.parent
     else:
         text, source, root = str(config), "<config>", None
-    try:
-        node = yaml.compose(text, Loader=yaml.SafeLoader)
-        raw = yaml.safe_load(text)
-    except yaml.MarkedYAMLError as e:
-        mark = e.problem_mark
-        at = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise ConfigError(f"{source}{at}: malformed YAML: {e.problem or e}") from None
+    raw, node = load_yaml(text, source)  # the recipe reader's checks: control characters, nesting, encoding
     if not isinstance(raw, dict):
         raise ConfigError(f"{source}: a merge config must be a mapping with merge_method and models or slices")
     lines: dict[str, int] = {}
@@ -351,6 +358,11 @@ def _parameters(value: Any, path: str, lines: Lines, spec, per_model: bool) -> d
                 f"(it takes: {names})"
             )
         _check_setting(setting, lines(f"{path}.{key}"), key)
+        if key not in _TEXT_PARAMETERS:
+            for leaf in _leaves(setting):
+                if isinstance(leaf, str):
+                    raise ConfigError(f"{lines(f'{path}.{key}')}: parameter '{key}' must be a number "
+                                      f"(or true/false), got {leaf!r}")
         if key == "rescale_norm" and setting not in RESCALE_NORMS:
             raise ConfigError(f"{lines(f'{path}.{key}')}: rescale_norm must be one of {', '.join(RESCALE_NORMS)}")
         if key == "consensus_method" and setting not in ("sum", "count"):

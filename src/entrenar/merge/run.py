@@ -101,7 +101,7 @@ def merge(
 
         if gguf is not None:
             raise ConfigError(f"{cfg0.source}: --gguf needs a merged model; merging adapters writes an adapter")
-        _check_output(output, _input_paths(cfg0))
+        _check_output(output, {f"adapter {i}": p for i, p in enumerate(_input_paths(cfg0).values(), 1)})
         if not dry_run:
             check_output(output, overwrite)
         return merge_adapters(cfg0, output, dry_run=dry_run, seed=seed)
@@ -116,7 +116,11 @@ def merge(
     if seed is not None:
         cfg.seed = seed
     try:
-        _check_output(output, {f"input {r}": p for r, p in _input_paths(cfg).items()})
+        _check_output(output, {f"input {i}": p for i, p in enumerate(_input_paths(cfg).values(), 1)})
+        if qtype is not None:  # before any tensor is merged: the GGUF writer must be able to describe it
+            from entrenar.merge.card import gguf_tokenizer_check
+
+            gguf_tokenizer_check(plan, inputs, vocab)
         if dry_run:
             return plan
         check_output(output, overwrite)  # before minutes of merging: no silent replacement, a writable folder

@@ -238,6 +238,17 @@ def _add_architecture(writer: gguf.GGUFWriter, model: Transformer, arch: str, qt
         )
 
 
+def check_gguf_tokenizer(tokenizer: Tokenizer) -> None:
+    """Refuse, before any work, a tokenizer the GGUF writer cannot describe (it writes byte-level BPE)."""
+    model_json = json.loads(tokenizer.backend.to_str())["model"]
+    if model_json.get("type") != "BPE" or model_json.get("byte_fallback"):
+        kind = f"{model_json.get('type')}" + (" with byte fallback" if model_json.get("byte_fallback") else "")
+        raise ModelError(
+            f"GGUF export supports byte-level BPE tokenizers (Llama 3, Qwen, SmolLM); this one is {kind} "
+            "(SentencePiece-style tokenizers are not supported yet)"
+        )
+
+
 def tokenizer_metadata(tokenizer: Tokenizer, n_vocab: int) -> dict[str, Any]:
     """The ``tokenizer.ggml.*`` metadata of a byte-level BPE tokenizer, as the GGUF reader reads it.
 
@@ -250,13 +261,8 @@ def tokenizer_metadata(tokenizer: Tokenizer, n_vocab: int) -> dict[str, Any]:
         raise ModelError(
             f"the tokenizer has {tokenizer.vocab_size} tokens but the model's embedding only {n_vocab} rows"
         )
+    check_gguf_tokenizer(tokenizer)
     model_json = json.loads(backend.to_str())["model"]
-    if model_json.get("type") != "BPE" or model_json.get("byte_fallback"):
-        kind = f"{model_json.get('type')}" + (" with byte fallback" if model_json.get("byte_fallback") else "")
-        raise ModelError(
-            f"GGUF export supports byte-level BPE tokenizers (Llama 3, Qwen, SmolLM); this one is {kind} "
-            "(SentencePiece-style tokenizers are not supported yet)"
-        )
     by_id = {i: t for t, i in backend.get_vocab(with_added_tokens=True).items()}
     added = backend.get_added_tokens_decoder()
     tokens, types = [], []

@@ -129,16 +129,13 @@ def _check_paths(model_path: Path, output: Path, overwrite: bool) -> None:
     check_output(output, overwrite=overwrite)
 
 
-def suggest_group_sizes(widths: list[int], largest: int) -> list[int]:
-    """Group sizes that divide every width, powers of two from ``largest`` down to 16, largest first."""
+def suggest_group_sizes(widths: list[int], wanted: int) -> list[int]:
+    """Up to three group sizes that divide every width: powers of two from 16 up, nearest ``wanted`` first,
+    listed largest first."""
     common = math.gcd(*widths)
-    found, g = [], 1
-    while g * 2 <= min(common, largest) and common % (g * 2) == 0:
-        g *= 2
-    while g >= 16 and len(found) < 3:
-        found.append(g)
-        g //= 2
-    return found
+    fits = [2**k for k in range(4, 16) if common % 2**k == 0]
+    nearest = sorted(fits, key=lambda g: (abs(math.log2(g) - math.log2(max(wanted, 1))), -g))[:3]
+    return sorted(nearest, reverse=True)
 
 
 def check_shapes(model: nn.Module, method: str, group_size: int | None) -> None:

@@ -123,7 +123,8 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
     t = recipe.training
     if recipe.schedule.warmup_steps > t.max_steps:
         raise ConfigError(f"schedule.warmup_steps ({recipe.schedule.warmup_steps}) is longer than the run "
-                          f"(training.max_steps={t.max_steps})")
+                          f"(training.max_steps={t.max_steps}); shorten it too, e.g. --set "
+                          f"schedule.warmup_steps={t.max_steps // 10}")
     if t.early_stopping is not None and not t.eval_every:
         raise ConfigError("training.early_stopping: needs evaluations during the run (training.eval_every > 0)")
     if recipe.output.tensorboard:
