@@ -33,6 +33,7 @@ SUSPECT_REL_DIFF = 0.1  # suspect: a gradient's error is over a tenth of its siz
 ROUTING_DIVERGENT = 0.05  # suspect, "ROUTING DIVERGENT": more than 5% of a layer's tokens change experts
 FP16_INIT_SCALE = 2.0 ** 16  # torch.amp.GradScaler's initial scale, as the loop uses it
 TOP = 20  # parameters the table shows
+SHOWN_REASONS = 10  # reasons for the verdict the table shows
 
 
 @dataclass
@@ -94,6 +95,7 @@ class Report:
     logit_max_diff: float
     logit_where: dict[str, int]  # batch, position (causal LM), index (vocabulary id or class)
     logit_values: dict[str, float]  # the two logits there
+    logit_nonfinite: int  # low-precision logits that are NaN/inf (left out of the largest difference)
     params: list[ParamDiff]  # worst first
     routing: list[RoutingDiff]
     nonfinite: dict[str, Any]  # per pass: loss, logits, first activation, gradients
@@ -171,7 +173,8 @@ def compare(reference: Pass, low: Pass, mask: torch.Tensor | None = None, model:
     nonfinite = {p.precision: _nonfinite_summary(p) for p in (reference, low)}
     verdict, reasons = judge(params, routing, nonfinite, low.precision)
     return Report(precision=low.precision, model=model, device=device, batch=batch or {}, loss_fp32=reference.loss,
-                  loss_lp=low.loss, logit_max_diff=diff, logit_where=where, logit_values=values, params=params,
+                  loss_lp=low.loss, logit_max_diff=diff, logit_where=where, logit_values=values,
+                  logit_nonfinite=int((~torch.isfinite(low.logits)).sum()), params=params,
                   routing=routing, nonfinite=nonfinite, loss_scale=low.loss_scale, verdict=verdict, reasons=reasons)
 
 
@@ -260,6 +263,8 @@ def format_report(report: Report, top: int = TOP) -> str:
     where = ", ".join(f"{k} {v}" for k, v in report.logit_where.items())
     lines.append(f"{'logits':<14}largest |difference| {report.logit_max_diff:.4g} at {where} "
                  f"(fp32 {report.logit_values['fp32']:.4g}, {lp} {report.logit_values['low']:.4g})")
+    if report.logit_nonfinite:
+        lines.append(f"{'':<14}{report.logit_nonfinite:,} {lp} logits are NaN/inf (left out of the difference)")
     if lp == "fp16":
         halved = (f"halved from GradScaler's {FP16_INIT_SCALE:g} while the gradients overflowed"
                   if report.loss_scale < FP16_INIT_SCALE else "GradScaler's initial scale")
@@ -292,7 +297,9 @@ def format_report(report: Report, top: int = TOP) -> str:
                      f"{sum(p.cosine < SUSPECT_COSINE for p in finite)} below cosine {SUSPECT_COSINE}, "
                      f"{len(report.params) - len(finite)} non-finite")
     lines.append(f"{'verdict':<14}{report.verdict.upper()}")
-    lines += [f"{'':<14}{reason}" for reason in report.reasons]
+    lines += [f"{'':<14}{reason}" for reason in report.reasons[:SHOWN_REASONS]]
+    if len(report.reasons) > SHOWN_REASONS:
+        lines.append(f"{'':<14}... and {len(report.reasons) - SHOWN_REASONS} more (--json lists them all)")
     lines.append(f"{'thresholds':<14}{THRESHOLDS_TEXT}")
     return "\n".join(lines)
 
