@@ -153,18 +153,7 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
     # FSDP on CUDA reads the weights into CPU memory; fully_shard moves each rank's shards to its device.
     load_device = torch.device("cpu") if mode == "fsdp" else device
     console.say(f"loading {recipe.model.path} on {load_device} ...")
-    model, tokenizer = task.load(recipe.model.path, dtype=weights_dtype, device=load_device, quantize=quantize)
-    tokenizer = entrenar.require_tokenizer(tokenizer, recipe.model.path)  # the data needs one
-    model.train()
-    if recipe.qat is not None:
-        apply_qat_recipe(model, recipe.qat)  # before LoRA, which then wraps the fake-quantized layers (LoRA-QAT)
-    lora_config = _lora_config(recipe)
-    if lora_config is not None:
-        try:
-            apply_lora(model, lora_config)
-        except AdapterError as e:
-            raise AdapterError(f"lora.target_modules: {e}") from None
-    task.prepare(model)  # a classifier's head stays trainable beside the adapters
+    model, tokenizer = build_model(recipe, task, weights_dtype, load_device, quantize)
     if t.cuda_graphs and device.type != "cuda":
         raise ConfigError(f"training.cuda_graphs: CUDA graphs replay GPU launches; this run is on {device}")
     if t.offload_activations and device.type != "cuda":
@@ -205,16 +194,8 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
     d = recipe.data
     skipped: list = []  # every record on_error=skip left out, for the run's skipped.jsonl
     console.say(f"reading and tokenizing {d.train} ...")
-    read_examples = functools.partial(_examples if task.name == "causal_lm" else task.examples, skipped=skipped)
-    examples, notes = read_examples(d.train, "train", recipe, tokenizer)
+    examples, validation, notes, stream = build_data(recipe, task, tokenizer, skipped)
     notes = context_notes + notes
-    if d.validation:
-        validation, validation_notes = read_examples(d.validation, "validation", recipe, tokenizer)
-        notes += validation_notes
-    else:
-        examples, validation = split_validation(examples, d.validation_split, seed=t.seed)
-    stream = BatchStream(examples, t.batch_size, d.seq_len, packing=d.packing, shuffle=d.shuffle, seed=t.seed,
-                         pad_id=tokenizer.pad_id or 0) if task.name == "causal_lm" else task.stream(examples, recipe)
 
     lr_scale = moe.lr_scale(recipe.optimizer.lr_scale) if moe is not None else recipe.optimizer.lr_scale
     groups = build_param_groups(model, recipe.optimizer.weight_decay, lr_scale)
@@ -429,6 +410,40 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
 
 
 # -- the pieces the loop reads as one line each ------------------------------------------------
+
+
+def build_model(recipe: Recipe, task, dtype: str, device: torch.device, quantize: str | None):
+    """(model, tokenizer) as the loop trains them: loaded by the task, QAT and LoRA applied, in train mode.
+    Also what ``entrenar diagnose`` builds (entrenar.experiments.diagnose)."""
+    model, tokenizer = task.load(recipe.model.path, dtype=dtype, device=device, quantize=quantize)
+    tokenizer = entrenar.require_tokenizer(tokenizer, recipe.model.path)  # the data needs one
+    model.train()
+    if recipe.qat is not None:
+        apply_qat_recipe(model, recipe.qat)  # before LoRA, which then wraps the fake-quantized layers (LoRA-QAT)
+    lora_config = _lora_config(recipe)
+    if lora_config is not None:
+        try:
+            apply_lora(model, lora_config)
+        except AdapterError as e:
+            raise AdapterError(f"lora.target_modules: {e}") from None
+    task.prepare(model)  # a classifier's head stays trainable beside the adapters
+    return model, tokenizer
+
+
+def build_data(recipe: Recipe, task, tokenizer, skipped: list) -> tuple[list, list, list[str], BatchStream]:
+    """(train examples, validation examples, notes, the stream of training batches) of a recipe; appends what
+    on_error=skip left out to ``skipped``."""
+    d, t = recipe.data, recipe.training
+    read_examples = functools.partial(_examples if task.name == "causal_lm" else task.examples, skipped=skipped)
+    examples, notes = read_examples(d.train, "train", recipe, tokenizer)
+    if d.validation:
+        validation, validation_notes = read_examples(d.validation, "validation", recipe, tokenizer)
+        notes += validation_notes
+    else:
+        examples, validation = split_validation(examples, d.validation_split, seed=t.seed)
+    stream = BatchStream(examples, t.batch_size, d.seq_len, packing=d.packing, shuffle=d.shuffle, seed=t.seed,
+                         pad_id=tokenizer.pad_id or 0) if task.name == "causal_lm" else task.stream(examples, recipe)
+    return examples, validation, notes, stream
 
 
 def _run_folder(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool) -> tuple[Path, Path | None]:

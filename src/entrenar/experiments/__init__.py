@@ -1,0 +1,1 @@
+"""Experiments: commands built from the same pieces as ``train`` (diagnose, ablate, synthetic data)."""
