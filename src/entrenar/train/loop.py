@@ -44,6 +44,8 @@ from entrenar.distributed.state import full_optimizer, full_params, main_writes
 from entrenar.distributed.world import join, leave, restarted
 from entrenar.errors import AdapterError, CheckpointError, ConfigError, DataError
 from entrenar.evaluate import EvalResult, autocast_for, eval_loss
+from entrenar.experiments import scratch
+from entrenar.experiments.arch import write_arch
 from entrenar.export import save_merged
 from entrenar.kernels import apply_kernels, triton_available
 from entrenar.kernels.fused_linear_ce import fused_linear_cross_entropy
@@ -131,8 +133,8 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
     console.recipe(recipe)
     if is_quickstart:
         world.main_only(quickstart.write_files, recipe)  # only once the recipe is known to be sound
-    context_notes = check_seq_len(recipe.data.seq_len, entrenar.read_model_config(recipe.model.path)
-                                  .max_position_embeddings, recipe.model.path)  # before any weights are read
+    context_notes = check_seq_len(recipe.data.seq_len, scratch.read_model_config(recipe)  # model.path or .config
+                                  .max_position_embeddings, recipe.model.path or "model.config")  # before any weights are read
     if t.cpu_threads is not None:
         torch.set_num_threads(t.cpu_threads)
     _seed_everything(t.seed)
@@ -151,7 +153,7 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
     accumulation = dist_steps.accumulation(t.batch_size, t.grad_accum, t.global_batch_size, world.size)
     # FSDP on CUDA reads the weights into CPU memory; fully_shard moves each rank's shards to its device.
     load_device = torch.device("cpu") if mode == "fsdp" else device
-    console.say(f"loading {recipe.model.path} on {load_device} ...")
+    console.say(f"loading {recipe.model.path or 'a random model (model.config)'} on {load_device} ...")
     model, tokenizer = task.load(recipe.model.path, dtype=weights_dtype, device=load_device, quantize=quantize)
     tokenizer = entrenar.require_tokenizer(tokenizer, recipe.model.path)  # the data needs one
     model.train()
@@ -275,6 +277,7 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
         if moe is not None:
             moe.load_state_dict(trainer_state.get("moe"), str(resume_from / "trainer.json"))
     world.main_only(save_recipe, recipe, run_dir / RECIPE_FILE)  # on resume: with the changes the resume made
+    world.main_only(write_arch, run_dir, model.config)  # architecture, parameter counts, fingerprint
     world.main_only(write_skipped, run_dir, skipped)
 
     def evaluate() -> EvalResult | None:
@@ -557,9 +560,9 @@ def _save_result(model, tokenizer, recipe: Recipe, run_dir: Path) -> Path:
         save_adapter(model, out, _lora_config(recipe), base_model_name_or_path=str(recipe.model.path))
         return out
     out = run_dir / "model"
-    base = Path(recipe.model.path)
+    base = Path(recipe.model.path) if recipe.model.path else None  # a random-init model has no base folder
     with master_weights(model):  # QAT: the full-precision weights it trained, as a plain model folder
-        save_merged(model, tokenizer, out, base=base if base.is_dir() else None)  # keeps generation_config.json
+        save_merged(model, tokenizer, out, base=base if base and base.is_dir() else None)  # keeps generation_config.json
     return out
 
 

@@ -1,0 +1,2 @@
+"""Experiments: models trained from scratch (:mod:`.scratch`), their architecture record (:mod:`.arch`) and
+synthetic data (:mod:`.synth`). See docs/EXPERIMENTS.md."""
