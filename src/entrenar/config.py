@@ -431,6 +431,17 @@ class DataSection(_Section):
     add_eos: bool = _key(True, _boolean)
     on_error: str = _key("raise", _choice("raise", "skip"))
     shuffle: bool = _key(True, _boolean)
+    query: str | None = _key(None, _text(nullable=True))  # a SQLite train/validation file: the SELECT giving its rows
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.query is not None:
+            from entrenar.data.sqlite import check_query
+
+            try:
+                check_query(self.query)
+            except ConfigError as e:
+                raise _BadValue("data.query", str(e).replace("data.query", "'data.query'", 1)) from None
 
 
 @dataclass(frozen=True)

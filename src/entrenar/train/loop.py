@@ -485,7 +485,8 @@ def _examples(path: str, role: str, recipe: Recipe, tokenizer, skipped: list) ->
     """Masked examples of one data file, and notes on what was skipped, cut or odd (for the report); appends
     the skipped records to ``skipped``."""
     d = recipe.data
-    records, read_stats = read_records(path, format=d.format, on_error=d.on_error)
+    records, read_stats = read_records(path, format=d.format, on_error=d.on_error, seed=recipe.training.seed,
+                                       query=d.query)  # synth: sources draw from the seed; SQLite files run the query
     columns = {"text": d.text_field, "prompt": d.prompt_field, "completion": d.completion_field,
                "messages": d.messages_field}
     try:
