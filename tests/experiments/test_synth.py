@@ -48,10 +48,10 @@ def test_every_mixture_record_follows_its_rule():
     for r in records:
         f = r.fields
         name = synth.TASKS[f["task"]]
-        assert f["task_name"] == name and f["text"] == f["prompt"] + f["completion"]
+        assert f["task_name"] == name and set(f) == {"prompt", "completion", "task", "task_name"}
         seen[name] += 1
         body = f["prompt"][:-1]
-        assert 3 <= len(f["completion"]) <= 8 and set(f["text"]) <= set("abcdefgh=~^+:")
+        assert 3 <= len(f["completion"]) <= 8 and set(f["prompt"] + f["completion"]) <= set("abcdefgh=~^+:")
         if name == "copy":
             assert f["prompt"].endswith("=") and f["completion"] == body
         elif name == "reverse":

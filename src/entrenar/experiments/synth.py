@@ -8,8 +8,8 @@ same numbers on every platform and every Python 3 since 3.2.
 
 - ``mixture``: K=4 hidden sub-tasks over the alphabet ``a``..``h``, on sequences of 3 to 8 symbols: copy
   (``abc=abc``), reverse (``abc~cba``), sort (``cab^abc``) and modular add of two sequences (``abc+bcd:bdf``,
-  symbol i + symbol i mod 8). The text is prompt + completion; each record carries ``task`` (0..3),
-  ``task_name``, ``prompt`` and ``completion``.
+  symbol i + symbol i mod 8). Each record is ``prompt`` (up to and including the operator) and
+  ``completion``, with the hidden ``task`` (0..3) and ``task_name`` beside them (not in the text).
 - ``regression``: 4 features in [-1, 1] with two decimals, written ``x1=0.25 x2=-0.50 x3=0.10 x4=0.75``;
   ``label`` = 2*x1 - x2 + 0.5*x3*x4 + sin(3*x2), rounded to 6 decimals, computed from the written values.
 """
@@ -90,7 +90,7 @@ def mixture_record(seed: int, index: int) -> dict[str, Any]:
         prompt, answer = _text(xs) + "+" + _text(ys), [(x + y) % len(ALPHABET) for x, y in zip(xs, ys, strict=True)]
     prompt += ":" if name == "add" else _OPERATORS[name]
     completion = _text(answer)
-    return {"text": prompt + completion, "prompt": prompt, "completion": completion, "task": task, "task_name": name}
+    return {"prompt": prompt, "completion": completion, "task": task, "task_name": name}
 
 
 def regression_target(features: list[float]) -> float:
