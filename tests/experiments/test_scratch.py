@@ -91,6 +91,8 @@ def test_recipe_refusals_name_the_key(model, message):
     ({"model_type": "gpt2"}, "unknown model family 'gpt2'"),
     ({"hidden_size": "big"}, "model.config: 'hidden_size' must be a positive integer"),
     ({"num_hidden_layers": None}, "missing key 'num_hidden_layers'"),
+    ({"num_hiden_layers": 3}, "model.config: unknown key 'num_hiden_layers' for model_type llama"),
+    ({"router_scoring": "sigmoid"}, "unknown key 'router_scoring'"),
 ])
 def test_config_errors_name_the_key(change, message):
     config = {k: v for k, v in {**DENSE, **change}.items() if v is not None}
@@ -138,3 +140,19 @@ def test_a_run_from_scratch_trains_writes_arch_json_and_loads_back(tmp_path):
     assert ids[0].tolist() == transformers.AutoTokenizer.from_pretrained(result.run_dir / "model")("abcd>dcba")["input_ids"]
     with torch.no_grad():
         torch.testing.assert_close(model(ids), hf(ids).logits, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["MixtralConfig", "Qwen3MoeConfig", "Qwen2Config"])
+def test_a_whole_transformers_config_builds_the_model_transformers_builds(name):
+    import transformers
+
+    hf_config = getattr(transformers, name)(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                            num_attention_heads=2, num_key_value_heads=1, vocab_size=300,
+                                            **({"num_local_experts": 4, "num_experts_per_tok": 2}
+                                               if name == "MixtralConfig" else {}),
+                                            **({"num_experts": 4, "moe_intermediate_size": 16, "num_experts_per_tok": 2}
+                                               if name == "Qwen3MoeConfig" else {}))
+    model, _ = scratch.build(recipe(hf_config.to_dict()), "float32", "cpu")
+    reference = transformers.AutoModelForCausalLM.from_config(hf_config)
+    assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in reference.parameters())
+    assert model.config.num_parameters == sum(p.numel() for p in reference.parameters())

@@ -24,6 +24,13 @@ from entrenar.models.transformer import Transformer
 from entrenar.tokenizer import Tokenizer
 
 BYTE_SPECIALS = ("<s>", "</s>", "<pad>")
+# config.json keys that do not change the model entrenar builds (transformers' runtime and training options).
+IGNORED_KEYS = ("transformers_version", "torch_dtype", "dtype", "use_cache", "attention_dropout", "pretraining_tp",
+                "output_router_logits", "router_aux_loss_coef", "router_jitter_noise", "router_z_loss_coef",
+                "_name_or_path", "layer_types", "chunk_size_feed_forward", "id2label", "label2id", "is_encoder_decoder",
+                "output_attentions", "output_hidden_states", "problem_type", "return_dict", "tokenizer_class",
+                "torchscript", "tie_encoder_decoder", "add_cross_attention", "cross_attention_hidden_size",
+                "max_window_layers")
 
 
 def is_random(recipe: Any) -> bool:
@@ -95,6 +102,10 @@ def model_config(recipe: Any, tokenizer: Tokenizer | None = None) -> ModelConfig
         config = ModelConfig.from_hf(hf, source="model.config")
     except ModelError as e:
         raise ConfigError(str(e)) from None
+    unread = sorted(set(config.extra) - set(IGNORED_KEYS))
+    if unread:  # a typo, or an option no supported family reads from config.json: refused, never built wrong
+        raise ConfigError(f"model.config: unknown key '{unread[0]}' for model_type {config.model_type} (a config.json "
+                          "key that entrenar does not read; see docs/EXPERIMENTS.md)")
     if tokenizer.vocab_size > config.vocab_size:
         raise ConfigError(f"model.config: 'vocab_size' is {config.vocab_size} but the tokenizer "
                           f"({recipe.model.tokenizer or 'byte-level'}) has {tokenizer.vocab_size} tokens; "
