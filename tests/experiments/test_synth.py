@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from entrenar.config import load_recipe
 from entrenar.data.sources import read_records
@@ -98,3 +99,36 @@ def test_a_tiny_moe_trains_from_scratch_on_the_mixture(tmp_path):
     result = train(load_recipe(recipe), progress=False)
     losses = [r["loss"] for r in read_metrics(result.run_dir / "metrics.jsonl") if "loss" in r]
     assert losses[-1] < losses[0] - 1.5, losses  # from ln(259) ~ 5.56 toward the 11-symbol alphabet
+
+
+def test_a_run_from_scratch_resumes_exactly_and_its_checkpoints_load(tmp_path, monkeypatch):
+    from conftest import crash_after_step
+
+    import entrenar
+    from entrenar.train.loop import train
+    from entrenar.train.metrics import read_metrics
+
+    def recipe(name):
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(json.dumps({
+            "model": {"init": "random", "device": "cpu", "config": {
+                "model_type": "qwen3_moe", "hidden_size": 32, "intermediate_size": 32, "moe_intermediate_size": 16,
+                "num_experts": 4, "num_experts_per_tok": 2, "num_hidden_layers": 1, "num_attention_heads": 2,
+                "num_key_value_heads": 1, "head_dim": 16}},
+            "data": {"train": "synth:mixture:64", "seq_len": 32, "train_on": "completion"}, "lora": None,
+            "training": {"max_steps": 6, "batch_size": 4, "log_every": 1, "save_every": 2, "seed": 1},
+            "moe": {"aux_loss": 0.01}, "output": {"dir": str(tmp_path / name)}}))
+        return load_recipe(path)
+
+    straight = train(recipe("straight"), progress=False)
+    crash_after_step(monkeypatch, recipe("resumed"), 3)
+    resumed = train(recipe("resumed"), resume=True, progress=False)
+    losses = [[r["loss"] for r in read_metrics(run.run_dir / "metrics.jsonl") if "loss" in r]
+              for run in (straight, resumed)]
+    assert losses[0] == losses[1] and len(losses[0]) == 6
+    step4, _ = entrenar.load(straight.run_dir / "checkpoints" / "step-4")
+    final, _ = entrenar.load(straight.run_dir / "checkpoints" / "step-6")
+    model, _ = entrenar.load(straight.run_dir / "model")
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(final.state_dict()[name], tensor)
+    assert not torch.equal(step4.state_dict()["lm_head.weight"], model.state_dict()["lm_head.weight"])
