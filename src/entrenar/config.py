@@ -436,12 +436,15 @@ class DataSection(_Section):
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.query is not None:
-            from entrenar.data.sqlite import check_query
+            from entrenar.data.sqlite import check_query, is_sqlite
 
             try:
                 check_query(self.query)
             except ConfigError as e:
                 raise _BadValue("data.query", str(e).replace("data.query", "'data.query'", 1)) from None
+            if not any(f is not None and is_sqlite(f) for f in (self.train, self.validation)):
+                raise _BadValue("data.query", f"'data.query' reads a SQLite file (.db, .sqlite, .sqlite3), and "
+                                              f"data.train is {_show(self.train)}")
 
 
 @dataclass(frozen=True)

@@ -56,6 +56,8 @@ def test_bad_sql_names_the_query_and_the_file_is_never_written(db):
             Recipe.from_dict({"model": {"path": "m"}, "data": {"train": str(db), "query": statement}})
         with pytest.raises(ConfigError):
             read_records(db, query=statement)
+    with pytest.raises(ConfigError, match="'data.query' reads a SQLite file .* data.train is 'x.jsonl'"):
+        Recipe.from_dict({"model": {"path": "m"}, "data": {"train": "x.jsonl", "query": "SELECT 1"}})
     # Read-only even when a statement slips past the SELECT check: a CTE cannot write, and the URI forbids it.
     with pytest.raises(DataError, match="readonly|read-only|not authorized|failed"):
         read_records(db, query="WITH x AS (SELECT 1) INSERT INTO logs VALUES (9, 'a', 'b', 1.0)")
