@@ -978,6 +978,12 @@ def _apply_override(raw: dict[str, Any], item: str, where: _Where) -> None:
         allowed = [f.name for f in fields(_SECTIONS[parts[0]])]
         if parts[1] not in allowed:
             raise _unknown(label, ".".join(parts[:2]), parts[1], allowed)
+        model = raw.get("model")
+        if len(parts) == 3 and parts[:2] == ["model", "config"] and isinstance(model, dict) \
+                and isinstance(model.get("config"), dict):  # one key of model.config (a size, say)
+            model["config"] = {**model["config"], parts[2]: value}
+            where.set_by(key, label)
+            return
         if len(parts) > 2:
             raise ConfigError(
                 f"{label}: unknown key '{key}' ('{'.'.join(parts[:2])}' is set as a whole, "

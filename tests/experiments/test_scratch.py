@@ -156,3 +156,12 @@ def test_a_whole_transformers_config_builds_the_model_transformers_builds(name):
     reference = transformers.AutoModelForCausalLM.from_config(hf_config)
     assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in reference.parameters())
     assert model.config.num_parameters == sum(p.numel() for p in reference.parameters())
+
+
+def test_set_changes_one_key_of_model_config(tmp_path):
+    path = tmp_path / "r.yaml"
+    path.write_text(json.dumps({"model": {"init": "random", "config": DENSE}, "data": {"train": "synth:mixture:9"}}))
+    recipe = load_recipe(path, ["model.config.hidden_size=64", "model.config.num_hidden_layers=3"])
+    assert recipe.model.config == {**DENSE, "hidden_size": 64, "num_hidden_layers": 3}
+    with pytest.raises(ConfigError, match="'model.config' is set as a whole"):
+        load_recipe(path, ["model.config.a.b=1"])
