@@ -132,3 +132,29 @@ def test_a_run_from_scratch_resumes_exactly_and_its_checkpoints_load(tmp_path, m
     for name, tensor in model.state_dict().items():
         assert torch.equal(final.state_dict()[name], tensor)
     assert not torch.equal(step4.state_dict()["lm_head.weight"], model.state_dict()["lm_head.weight"])
+
+
+def test_synth_regression_feeds_the_regression_head(tmp_path):
+    from entrenar.experiments import scratch
+    from entrenar.export import save_merged
+    from entrenar.train.loop import train
+
+    base = tmp_path / "base"
+    built = load_recipe_from(tmp_path, {"model": {"init": "random", "device": "cpu", "config": {
+        "model_type": "llama", "hidden_size": 32, "intermediate_size": 32, "num_hidden_layers": 1,
+        "num_attention_heads": 2, "num_key_value_heads": 1}}, "data": {"train": "synth:regression:8"}})
+    save_merged(*scratch.build(built, "float32", "cpu"), base)
+    recipe = load_recipe_from(tmp_path, {
+        "model": {"path": str(base), "device": "cpu"}, "data": {"train": "synth:regression:96:4", "seq_len": 48,
+                                                                  "validation": "synth:regression:32:5"},
+        "task": {"type": "classification", "problem_type": "regression"}, "lora": None,
+        "training": {"max_steps": 3, "batch_size": 8}, "output": {"dir": str(tmp_path / "run")}})
+    result = train(recipe, progress=False)
+    report = json.loads((result.run_dir / "report.json").read_text())
+    assert {"rmse", "r2"} <= set(report["metrics"])
+
+
+def load_recipe_from(folder, recipe: dict):
+    path = folder / "r.yaml"
+    path.write_text(json.dumps(recipe))
+    return load_recipe(path)
