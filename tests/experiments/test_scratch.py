@@ -137,7 +137,8 @@ def test_a_run_from_scratch_trains_writes_arch_json_and_loads_back(tmp_path):
     model, tok = entrenar.load(result.run_dir / "model", dtype="float32", device="cpu")
     hf = transformers.AutoModelForCausalLM.from_pretrained(result.run_dir / "model", dtype=torch.float32).eval()
     ids = torch.tensor([tok.encode("abcd>dcba")])
-    assert ids[0].tolist() == transformers.AutoTokenizer.from_pretrained(result.run_dir / "model")("abcd>dcba")["input_ids"]
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(result.run_dir / "model")
+    assert ids[0].tolist() == hf_tokenizer("abcd>dcba")["input_ids"]
     with torch.no_grad():
         torch.testing.assert_close(model(ids), hf(ids).logits, atol=1e-4, rtol=1e-4)
 

@@ -134,7 +134,7 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
     if is_quickstart:
         world.main_only(quickstart.write_files, recipe)  # only once the recipe is known to be sound
     context_notes = check_seq_len(recipe.data.seq_len, scratch.read_model_config(recipe)  # model.path or .config
-                                  .max_position_embeddings, recipe.model.path or "model.config")  # before any weights are read
+                                  .max_position_embeddings, recipe.model.path or "model.config")  # before any weights
     if t.cpu_threads is not None:
         torch.set_num_threads(t.cpu_threads)
     _seed_everything(t.seed)
@@ -563,7 +563,7 @@ def _save_result(model, tokenizer, recipe: Recipe, run_dir: Path) -> Path:
     out = run_dir / "model"
     base = Path(recipe.model.path) if recipe.model.path else None  # a random-init model has no base folder
     with master_weights(model):  # QAT: the full-precision weights it trained, as a plain model folder
-        save_merged(model, tokenizer, out, base=base if base and base.is_dir() else None)  # keeps generation_config.json
+        save_merged(model, tokenizer, out, base=base if base and base.is_dir() else None)  # keeps generation config
     return out
 
 
