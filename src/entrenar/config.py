@@ -337,6 +337,15 @@ def _early_stopping(value: Any) -> dict[str, Any] | None:
     return {"metric": metric, "patience": patience, "min_delta": min_delta, "mode": mode}
 
 
+def _model_config(value: Any) -> dict[str, Any] | None:
+    """model.config: null, or a mapping of config.json keys (checked key by key when the model is built)."""
+    if value is None:
+        return None
+    if isinstance(value, dict) and value and all(isinstance(k, str) for k in value):
+        return dict(value)
+    raise _Reject("null or a non-empty mapping of config.json keys", " (e.g. {model_type: llama, hidden_size: 64})")
+
+
 def _key(default: Any, rule: Rule) -> Any:
     """A dataclass field with a default and the rule its values must pass."""
     if isinstance(default, dict):
@@ -380,6 +389,24 @@ class ModelSection(_Section):
     path: str | None = _key(None, _text(nullable=True))
     dtype: str = _key("auto", _choice("auto", "float32", "bfloat16", "float16"))
     device: str = _key("auto", _device)
+    init: str = _key("pretrained", _choice("pretrained", "random"))  # random: built from `config` (EXPERIMENTS.md)
+    config: dict[str, Any] | None = _key(None, _model_config)  # init random: a config.json-style mapping
+    tokenizer: str | None = _key(None, _text(nullable=True))  # init random: a tokenizer.json; null: byte-level
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.init == "random":
+            if self.config is None:
+                raise _BadValue("model.config", "'model.config' is required when 'model.init' is random (a "
+                                                "mapping of config.json keys: model_type, hidden_size, ...)")
+            if self.path is not None:
+                raise _BadValue("model.path", f"'model.path' must be null when 'model.init' is random (the model is "
+                                              f"built from model.config), got {_show(self.path)}")
+        else:
+            for key in ("config", "tokenizer"):
+                if getattr(self, key) is not None:
+                    raise _BadValue(f"model.{key}", f"'model.{key}' is for 'model.init: random'; a pretrained "
+                                                    "model takes both from model.path")
 
 
 @dataclass(frozen=True)
@@ -404,6 +431,20 @@ class DataSection(_Section):
     add_eos: bool = _key(True, _boolean)
     on_error: str = _key("raise", _choice("raise", "skip"))
     shuffle: bool = _key(True, _boolean)
+    query: str | None = _key(None, _text(nullable=True))  # a SQLite train/validation file: the SELECT giving its rows
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.query is not None:
+            from entrenar.data.sqlite import check_query, is_sqlite
+
+            try:
+                check_query(self.query)
+            except ConfigError as e:
+                raise _BadValue("data.query", str(e).replace("data.query", "'data.query'", 1)) from None
+            if not any(f is not None and is_sqlite(f) for f in (self.train, self.validation)):
+                raise _BadValue("data.query", f"'data.query' reads a SQLite file (.db, .sqlite, .sqlite3), and "
+                                              f"data.train is {_show(self.train)}")
 
 
 @dataclass(frozen=True)
@@ -620,18 +661,23 @@ class Recipe:
 
     def __post_init__(self) -> None:
         # The few checks that span sections. model.path and data.train both null is the bundled quickstart.
-        if self.model.path is None and (self.data.train is not None or self.data.validation is not None):
+        if self.model.path is None and self.model.init != "random" and (
+                self.data.train is not None or self.data.validation is not None):
             given = "data.train" if self.data.train is not None else "data.validation"
             raise _BadValue(  # reported where the data was named
                 given,
                 f"'model.path' is required (a model folder or .gguf file) when '{given}' is set; only a recipe "
                 "with neither model.path nor data runs the bundled quickstart",
             )
-        if self.model.path is not None and self.data.train is None:
+        if (self.model.path is not None or self.model.init == "random") and self.data.train is None:
             raise _BadValue(
                 "data.train",
-                "'data.train' is required (a data file or folder) when model.path is set",
+                "'data.train' is required (a data file or folder) when model.path is set"
+                + (" or model.init is random" if self.model.init == "random" else ""),
             )
+        if self.model.init == "random" and self.task.type != "causal_lm":
+            raise _BadValue("model.init", f"'model.init' random builds a language model; task.type "
+                                          f"{self.task.type} needs a pretrained model.path")
         if self.data.validation is not None and self.data.validation_split > 0:
             raise _BadValue(
                 "data.validation_split",
@@ -947,6 +993,12 @@ def _apply_override(raw: dict[str, Any], item: str, where: _Where) -> None:
         allowed = [f.name for f in fields(_SECTIONS[parts[0]])]
         if parts[1] not in allowed:
             raise _unknown(label, ".".join(parts[:2]), parts[1], allowed)
+        model = raw.get("model")
+        if len(parts) == 3 and parts[:2] == ["model", "config"] and isinstance(model, dict) \
+                and isinstance(model.get("config"), dict):  # one key of model.config (a size, say)
+            model["config"] = {**model["config"], parts[2]: value}
+            where.set_by(key, label)
+            return
         if len(parts) > 2:
             raise ConfigError(
                 f"{label}: unknown key '{key}' ('{'.'.join(parts[:2])}' is set as a whole, "

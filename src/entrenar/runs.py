@@ -106,6 +106,11 @@ def read_run_recipe(run_dir: Path) -> Recipe:
 def base_model_path(recipe: Recipe, run_dir: Path) -> Path:
     """The recipe's ``model.path``; a relative one is tried from here, then from each folder above the run
     (training ran from one of them)."""
+    if recipe.model.init == "random" and recipe.lora is None:  # a checkpoint holds every weight: any folder of
+        if (run_dir / MODEL_DIR / "config.json").is_file():    # the architecture is its base, the run's model/ one
+            return run_dir / MODEL_DIR
+        raise ModelError(f"{run_dir}: a checkpoint of a model trained from scratch (model.init random) loads onto "
+                         f"the run's {MODEL_DIR}/ folder, written when the run ends; it is not there yet")
     if recipe.model.path is None:
         raise ModelError(f"{run_dir / RECIPE_FILE}: model.path is not set, so the run's base model is unknown")
     path = Path(recipe.model.path)

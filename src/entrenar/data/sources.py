@@ -10,6 +10,8 @@ so every later error can name the place to fix. Formats:
 - ``.parquet``: one record per row (needs ``pyarrow``: ``pip install entrenar[parquet]``).
 - ``.txt``/``.md``: the whole file is one ``{"text": ...}`` record.
 - a folder: every file of a known format below it, in sorted path order.
+- ``.db``/``.sqlite``/``.sqlite3``: the rows of ``query`` (:mod:`entrenar.data.sqlite`; not read from folders).
+- ``synth:KIND:N[:SEED]``: generated records (:mod:`entrenar.experiments.synth`), ``seed`` when none is named.
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from entrenar.data.sqlite import is_sqlite, read_sqlite
 from entrenar.errors import ConfigError, DataError
+from entrenar.experiments.synth import is_synth
 
 FORMATS = ("auto", "jsonl", "json", "csv", "parquet", "text")
 _EXTENSIONS = {
@@ -94,6 +98,8 @@ def read_records(
     paths: str | Path | Sequence[str | Path],
     format: str = "auto",
     on_error: str = "raise",
+    seed: int = 0,
+    query: str | None = None,
 ) -> tuple[list[Record], ReadStats]:
     """Read every record of ``paths`` (files or folders).
 
@@ -101,6 +107,7 @@ def read_records(
     ``on_error="skip"`` malformed records are skipped and counted in the
     returned stats; with ``"raise"`` the first one raises ``DataError``.
     Missing files, unreadable files and an empty result raise ``DataError``.
+    ``seed`` draws ``synth:`` sources that name no seed; ``query`` is the SELECT of SQLite files.
     """
     if format not in FORMATS:
         raise ConfigError(f"data format {format!r} is not one of {', '.join(FORMATS)}")
@@ -116,7 +123,7 @@ def read_records(
     for file, file_format in _expand(paths, format):
         stats.files.append(str(file))
         try:
-            for item in _read_file(file, file_format):
+            for item in _read_file(file, file_format, seed, query):
                 if isinstance(item, Skip):
                     if on_error == "raise":
                         raise DataError(item.message)
@@ -138,7 +145,9 @@ def _expand(paths: Sequence[str | Path], format: str) -> list[tuple[Path, str]]:
     """Files to read with their formats; folders are walked in sorted order."""
     files: list[tuple[Path, str]] = []
     for path in map(Path, paths):
-        if path.is_dir():
+        if is_synth(path):  # a generated source, not a file
+            files.append((path, "synth"))
+        elif path.is_dir():
             found = [
                 (f, _format_of(f, format)) for f in sorted(path.rglob("*"))
                 if f.is_file() and not any(p.startswith(".") for p in f.relative_to(path).parts)
@@ -159,6 +168,8 @@ def _expand(paths: Sequence[str | Path], format: str) -> list[tuple[Path, str]]:
 def _format_of(path: Path, format: str) -> str:
     if format != "auto":
         return format
+    if is_sqlite(path):
+        return "sqlite"
     try:
         return _EXTENSIONS[path.suffix.lower()]
     except KeyError:
@@ -168,9 +179,20 @@ def _format_of(path: Path, format: str) -> str:
         ) from None
 
 
-def _read_file(path: Path, format: str) -> Iterator[Record | Skip]:
+def _read_file(path: Path, format: str, seed: int = 0, query: str | None = None) -> Iterator[Record | Skip]:
+    if format == "synth":
+        return _read_synth(str(path), seed)
+    if format == "sqlite":
+        return (Record(fields, str(path), location) for location, fields in read_sqlite(path, query))
     readers = {"jsonl": _read_jsonl, "json": _read_json, "csv": _read_csv, "parquet": _read_parquet, "text": _read_text}
     return readers[format](path)
+
+
+def _read_synth(source: str, seed: int) -> Iterator[Record | Skip]:
+    from entrenar.experiments import synth
+
+    for index, fields in synth.records(synth.parse(source), seed):
+        yield Record(fields, source, f"record {index}")
 
 
 def _object_or_bad(value: Any, path: Path, location: str) -> dict[str, Any] | Skip:

@@ -21,7 +21,14 @@ class CausalLMTask:
 
     def load(self, path, dtype, device, quantize):
         import entrenar
+        from entrenar.experiments import scratch
 
+        if scratch.is_random(self.recipe):  # model.init random: built from model.config, seeded
+            if quantize is not None:
+                from entrenar.errors import ConfigError
+
+                raise ConfigError("lora.quantize_base: a random-init model has no pretrained base to quantize")
+            return scratch.build(self.recipe, dtype, device)
         return entrenar.load(path, dtype=dtype, device=device, quantize=quantize)
 
     def prepare(self, model) -> None:

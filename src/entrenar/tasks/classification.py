@@ -188,14 +188,15 @@ def read_labeled(path: str, role: str, recipe, tokenizer, spec: LabelSpec,
     appended to ``skipped_out``, for the run's skipped.jsonl)."""
     d = recipe.data
     return read_texts(path, tokenizer, spec, d.text_field, d.label_field, d.seq_len, d.format, d.on_error,
-                      f"data.{role}", skipped_out)
+                      f"data.{role}", skipped_out, seed=recipe.training.seed, query=d.query)
 
 
 def read_texts(path: str, tokenizer, spec: LabelSpec | None, text_field: str = "text", label_field: str = "label",
                seq_len: int = 512, fmt: str = "auto", on_error: str = "raise",
-               role: str = "data", skipped_out: list[Skip] | None = None) -> tuple[list[LabeledText], list[str]]:
+               role: str = "data", skipped_out: list[Skip] | None = None, seed: int = 0,
+               query: str | None = None) -> tuple[list[LabeledText], list[str]]:
     """Tokenized texts of a data file with their targets (``spec`` None: no labels read, for prediction)."""
-    records, stats = read_records(path, format=fmt, on_error=on_error)
+    records, stats = read_records(path, format=fmt, on_error=on_error, seed=seed, query=query)
     if skipped_out is not None:
         skipped_out.extend(stats.skipped_records)
     examples, skipped, cut = [], [], 0
@@ -400,7 +401,8 @@ class ClassificationTask:
         num = len(names) if names else (t.num_labels or (1 if t.problem_type == "regression" else None))
         if num is None:  # collected from the training data
             records, _ = read_records(self.recipe.data.train, format=self.recipe.data.format,
-                                      on_error=self.recipe.data.on_error)
+                                      on_error=self.recipe.data.on_error, seed=self.recipe.training.seed,
+                                      query=self.recipe.data.query)
             self.spec = label_spec(t, records, self.recipe.data.label_field)
             num = self.spec.num_labels
         model, tokenizer = entrenar.load(path, dtype=dtype, device=device, quantize=quantize, task="classification",

@@ -44,6 +44,8 @@ from entrenar.distributed.state import full_optimizer, full_params, main_writes
 from entrenar.distributed.world import join, leave, restarted
 from entrenar.errors import AdapterError, CheckpointError, ConfigError, DataError
 from entrenar.evaluate import EvalResult, autocast_for, eval_loss
+from entrenar.experiments import scratch
+from entrenar.experiments.arch import write_arch
 from entrenar.export import save_merged
 from entrenar.kernels import apply_kernels, triton_available
 from entrenar.kernels.fused_linear_ce import fused_linear_cross_entropy
@@ -132,8 +134,8 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
     console.recipe(recipe)
     if is_quickstart:
         world.main_only(quickstart.write_files, recipe)  # only once the recipe is known to be sound
-    context_notes = check_seq_len(recipe.data.seq_len, entrenar.read_model_config(recipe.model.path)
-                                  .max_position_embeddings, recipe.model.path)  # before any weights are read
+    context_notes = check_seq_len(recipe.data.seq_len, scratch.read_model_config(recipe)  # model.path or .config
+                                  .max_position_embeddings, recipe.model.path or "model.config")  # before any weights
     if t.cpu_threads is not None:
         torch.set_num_threads(t.cpu_threads)
     _seed_everything(t.seed)
@@ -152,7 +154,7 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
     accumulation = dist_steps.accumulation(t.batch_size, t.grad_accum, t.global_batch_size, world.size)
     # FSDP on CUDA reads the weights into CPU memory; fully_shard moves each rank's shards to its device.
     load_device = torch.device("cpu") if mode == "fsdp" else device
-    console.say(f"loading {recipe.model.path} on {load_device} ...")
+    console.say(f"loading {recipe.model.path or 'a random model (model.config)'} on {load_device} ...")
     model, tokenizer = build_model(recipe, task, weights_dtype, load_device, quantize)
     if t.cuda_graphs and device.type != "cuda":
         raise ConfigError(f"training.cuda_graphs: CUDA graphs replay GPU launches; this run is on {device}")
@@ -259,6 +261,7 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
         if moe is not None:
             moe.load_state_dict(trainer_state.get("moe"), str(resume_from / "trainer.json"))
     world.main_only(save_recipe, recipe, run_dir / RECIPE_FILE)  # on resume: with the changes the resume made
+    world.main_only(write_arch, run_dir, model.config)  # architecture, parameter counts, fingerprint
     world.main_only(write_skipped, run_dir, skipped)
 
     def evaluate() -> EvalResult | None:
@@ -502,7 +505,8 @@ def _examples(path: str, role: str, recipe: Recipe, tokenizer, skipped: list) ->
     """Masked examples of one data file, and notes on what was skipped, cut or odd (for the report); appends
     the skipped records to ``skipped``."""
     d = recipe.data
-    records, read_stats = read_records(path, format=d.format, on_error=d.on_error)
+    records, read_stats = read_records(path, format=d.format, on_error=d.on_error, seed=recipe.training.seed,
+                                       query=d.query)  # synth: sources draw from the seed; SQLite files run the query
     columns = {"text": d.text_field, "prompt": d.prompt_field, "completion": d.completion_field,
                "messages": d.messages_field}
     try:
@@ -577,9 +581,9 @@ def _save_result(model, tokenizer, recipe: Recipe, run_dir: Path) -> Path:
         save_adapter(model, out, _lora_config(recipe), base_model_name_or_path=str(recipe.model.path))
         return out
     out = run_dir / "model"
-    base = Path(recipe.model.path)
+    base = Path(recipe.model.path) if recipe.model.path else None  # a random-init model has no base folder
     with master_weights(model):  # QAT: the full-precision weights it trained, as a plain model folder
-        save_merged(model, tokenizer, out, base=base if base.is_dir() else None)  # keeps generation_config.json
+        save_merged(model, tokenizer, out, base=base if base and base.is_dir() else None)  # keeps generation config
     return out
 
 
