@@ -232,3 +232,18 @@ def test_skipped_labels_are_listed_in_the_runs_skipped_jsonl(workspace):
     result = train(recipe, progress=False)
     lines = [json.loads(line) for line in (result.run_dir / "skipped.jsonl").read_text().splitlines()]
     assert len(lines) == 1 and "huge" in json.dumps(lines[0]) and "line 49" in json.dumps(lines[0])
+
+
+def test_class_weights_count_only_the_rows_trained_on(workspace):
+    """The validation split is taken out before the weights are counted (they were counted on every row)."""
+    from entrenar import tasks
+    from entrenar.tasks.classification import class_weights
+    from entrenar.train.loop import build_data
+
+    recipe = recipe_for(workspace, "task.class_weights=inverse_freq")
+    task = tasks.for_recipe(recipe)
+    _, tokenizer = task.load(recipe.model.path, dtype="float32", device="cpu", quantize=None)
+    examples, validation, notes, _ = build_data(recipe, task, tokenizer, [])
+    assert task.weights == class_weights("inverse_freq", examples, 2)
+    assert task.weights != class_weights("inverse_freq", examples + validation, 2)
+    assert any(note.startswith("class weights: ") for note in notes)

@@ -418,17 +418,20 @@ class ClassificationTask:
         model.score.weight.requires_grad_(True)
 
     def examples(self, path: str, role: str, recipe, tokenizer, skipped: list[Skip] | None = None):
-        examples, notes = read_labeled(path, role, recipe, tokenizer, self.spec, skipped)
-        if role == "train" and self.problem_type == "single_label":
+        return read_labeled(path, role, recipe, tokenizer, self.spec, skipped)
+
+    def stream(self, examples, recipe) -> tuple[LabeledStream, list[str]]:
+        """The training batches and a note on the class weights, counted on ``examples``: the rows trained on,
+        after the validation split is taken out."""
+        d, t = recipe.data, recipe.training
+        notes = []
+        if self.problem_type == "single_label":
             self.weights = class_weights(recipe.task.class_weights, examples, self.spec.num_labels)
             if self.weights is not None:
                 notes.append("class weights: " + ", ".join(f"{w:.3g}" for w in self.weights))
-        return examples, notes
-
-    def stream(self, examples, recipe) -> LabeledStream:
-        d, t = recipe.data, recipe.training
-        return LabeledStream(examples, t.batch_size, d.seq_len, shuffle=d.shuffle, seed=t.seed, pad_id=self.pad_id,
-                             problem_type=self.problem_type, weights=self.weights)
+        stream = LabeledStream(examples, t.batch_size, d.seq_len, shuffle=d.shuffle, seed=t.seed, pad_id=self.pad_id,
+                               problem_type=self.problem_type, weights=self.weights)
+        return stream, notes
 
     def num_targets(self, batch) -> float:
         return float(batch["row_weight"].sum())

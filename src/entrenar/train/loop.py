@@ -444,8 +444,12 @@ def build_data(recipe: Recipe, task, tokenizer, skipped: list) -> tuple[list, li
         notes += validation_notes
     else:
         examples, validation = split_validation(examples, d.validation_split, seed=t.seed)
-    stream = BatchStream(examples, t.batch_size, d.seq_len, packing=d.packing, shuffle=d.shuffle, seed=t.seed,
-                         pad_id=tokenizer.pad_id or 0) if task.name == "causal_lm" else task.stream(examples, recipe)
+    if task.name == "causal_lm":
+        stream = BatchStream(examples, t.batch_size, d.seq_len, packing=d.packing, shuffle=d.shuffle, seed=t.seed,
+                             pad_id=tokenizer.pad_id or 0)
+    else:  # a task's stream may weigh the rows it trains on (class weights)
+        stream, stream_notes = task.stream(examples, recipe)
+        notes += stream_notes
     return examples, validation, notes, stream
 
 
