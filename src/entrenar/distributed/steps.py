@@ -9,9 +9,8 @@ after a step is the same on any number of processes, so a checkpoint taken on N 
 
 from __future__ import annotations
 
-from typing import Any
-
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -84,14 +83,17 @@ def describe(mode: str, world: World, batch_size: int, accumulation: int, seq_le
 
 
 def peak_memory(world: World, device: torch.device) -> dict[str, Any]:
-    """``{"extra": {"peak_mem_gb_ranks": [...]}}`` for the metrics line of a distributed run: each rank's peak
-    (CUDA: allocated by torch; CPU: the process's peak resident memory), gathered to every rank."""
+    """``{"peak_mem_gb_ranks": [...]}`` for the metrics line of a distributed run (``{}`` on one process): each
+    rank's peak (CUDA: allocated by torch; CPU: the process's peak resident memory), gathered as one tensor."""
     if not world.distributed:
         return {}
     if device.type == "cuda":
-        peak = torch.cuda.max_memory_allocated(device)
+        peak = float(torch.cuda.max_memory_allocated(device))
     else:
         import resource
 
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kilobytes on Linux
-    return {"extra": {"peak_mem_gb_ranks": [round(p / 1e9, 3) for p in world.all_gather(peak)]}}
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0  # kilobytes on Linux
+    mine = torch.tensor([peak], dtype=torch.float64, device=device)
+    every = [torch.empty_like(mine) for _ in range(world.size)]
+    torch.distributed.all_gather(every, mine)  # a tensor collective: no pickling on the step's path
+    return {"peak_mem_gb_ranks": [round(float(p) / 1e9, 3) for p in torch.cat(every).tolist()]}

@@ -41,13 +41,13 @@ class NonfiniteGuard:
         self.in_a_row = 0  # consecutive skipped steps
         self.total = 0
 
-    def check(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> dict[str, Any]:
+    def check(self, step: int, loss_value: float, norm_value: float) -> dict[str, Any]:
         """``{}`` when step ``step`` may be applied; ``{"skipped": reason}`` when its update must be dropped.
 
-        Raises DataError in stop mode, or after too many skips in a row. Reads
-        two numbers from the device: the one synchronisation a decision needs.
+        Raises DataError in stop mode, or after too many skips in a row. Takes
+        the step's loss and pre-clip gradient norm as read to the host: the one
+        read the loop makes per step, which the metrics line reuses.
         """
-        loss_value, norm_value = float(loss), float(grad_norm)
         if not math.isfinite(loss_value):
             reason = f"non-finite loss ({loss_value})"
         elif not math.isfinite(norm_value) and not self.scaler_handles_grads:

@@ -335,19 +335,20 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
                 done = step + 1
                 # The global step's loss on every rank, so every rank takes the same decision below.
                 step_loss = world.all_sum(step_loss) / world.size
-                # A NaN/inf loss or gradient norm stops the run, or drops this step's update (training.nonfinite).
-                flags = guard.check(done, step_loss, grad_norm)
+                # The step's one host read; a NaN/inf loss or gradient norm then stops the run, or drops this
+                # step's update (training.nonfinite), before the optimizer applies it.
+                loss_value, norm_value = float(step_loss), float(grad_norm)
+                flags = guard.check(done, loss_value, norm_value)
                 flags |= optimizer_step(scaler, optimizer, skip=bool(flags))  # fp16: the scaler's own skips
                 optimizer.zero_grad(set_to_none=not t.cuda_graphs)
 
-                loss_value = float(step_loss)
                 tokens = int(tokens)
                 # Router biases move only with an applied update (a skipped step leaves them too).
                 moe_record, moe_warnings = (moe.after_step(done, update="skipped" not in flags) if moe is not None
                                             else (None, []))
                 extra = {"moe": moe_record} if moe_record is not None else {}
-                extra.update(dist_steps.peak_memory(world, device).get("extra") or {})  # each rank's
-                record = metrics.log_step(done, loss_value, grad_norm, lr, tokens,
+                extra.update(dist_steps.peak_memory(world, device))  # each rank's, in a distributed run
+                record = metrics.log_step(done, loss_value, norm_value, lr, tokens,
                                           step_time_s=time.perf_counter() - started, flags=flags, extra=extra)
                 for warning in moe_warnings:
                     bar.write(warning)
