@@ -161,14 +161,15 @@ def summarise(step_s: list[float], tokens: list[int], losses: list[float], skip:
 
 
 def run_entrenar(case_name: str, case: dict, folder: Path, text: Path, work: Path, fast: bool, skip: int,
-                 flops: float) -> dict:
+                 flops: float, overrides: tuple[str, ...] = ()) -> dict:
     run_dir = work / f"run-{case_name}-{'fast' if fast else 'default'}"
     shutil.rmtree(run_dir, ignore_errors=True)
     recipe_path = work / f"{case_name}-{'fast' if fast else 'default'}.yaml"
     recipe = recipe_for(case, folder, text, run_dir, fast)
     recipe_path.write_text(yaml.safe_dump(recipe, sort_keys=False))
     started = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "entrenar.cli.main", "train", str(recipe_path), "--no-progress"],
+    sets = [a for o in overrides for a in ("--set", o)]
+    proc = subprocess.run([sys.executable, "-m", "entrenar.cli.main", "train", str(recipe_path), "--no-progress", *sets],
                           capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     wall = time.perf_counter() - started
     if proc.returncode != 0:
@@ -290,6 +291,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=0, help="override every case's step count")
     p.add_argument("--skip", type=int, default=5, help="steps left out of the median (warm-up, capture)")
     p.add_argument("--out", default="", help="JSON results file")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a recipe override for the entrenar rows (repeatable); the row name records it")
     p.add_argument("--hf-row", default="", help=argparse.SUPPRESS)
     p.add_argument("--folder", default="", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -325,7 +328,9 @@ def main(argv: list[str] | None = None) -> None:
         for row in args.rows.split(","):
             t0 = time.perf_counter()
             if row.startswith("entrenar"):
-                r = run_entrenar(case_name, case, folder, text, work, row == "entrenar-fast", args.skip, flops)
+                r = run_entrenar(case_name, case, folder, text, work, row == "entrenar-fast", args.skip, flops,
+                                 tuple(args.set))
+                row = " ".join([row, *args.set])
             else:
                 r = run_row_process(row, case_name, folder, args)
             results.append({"case": case_name, "row": row, **r})

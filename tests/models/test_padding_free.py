@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from entrenar.models.hf import load_hf
-from entrenar.data import Example, collate, num_target_tokens, padding_free
+from entrenar.data import Example, collate, num_target_tokens, packed_documents, padding_free
 from entrenar.data.tokenize import IGNORE_INDEX
 from entrenar.lora import LoraConfig, apply_lora
 from entrenar.models.padding_free import Documents, documents_attention
@@ -89,10 +89,63 @@ def test_padding_free_gives_the_padded_packed_batch_loss_and_adapter_gradients(h
         torch.testing.assert_close(grads_flat[name], grads_padded[name], atol=1e-5, rtol=1e-4, msg=name)
 
 
-def test_a_padding_free_batch_is_one_row():
-    q = torch.randn(2, 4, 8, 16)
-    with pytest.raises(ValueError, match="one row"):
-        documents_attention(q, q, q, Documents(torch.tensor([0, 8], dtype=torch.int32), 8))
+def test_packed_documents_cover_every_token_of_the_rows_end_to_end():
+    batch = collate(_rows(vocab=50), seq_len=48)
+    packed = packed_documents(batch)
+    # Each row's documents, then its padding as one more segment; the [B, T] layout itself is unchanged.
+    segments = [9, 23, 5, 11, 30, 18, 1, 17, 12, 18]
+    assert packed["cu_seqlens"].tolist() == [0, *torch.tensor(segments).cumsum(0).tolist()]
+    assert packed["cu_seqlens"].dtype == torch.int32 and packed["max_seqlen"] == 30
+    for key in batch:
+        assert torch.equal(packed[key], batch[key]), key
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral"])
+def test_packed_rows_read_end_to_end_give_the_document_mask_loss_and_gradients(hf_folder, family):
+    """Packed rows [B, T] handed over as documents (what the loop does on CUDA, for the flash kernel) compute
+    what the dense document mask computes: same loss, same adapter gradients (mistral: windowed)."""
+    folder, hf = hf_folder(family)
+    batch = collate(_rows(hf.config.vocab_size, seed=2), seq_len=48)
+    packed = packed_documents(batch)
+
+    def loss_and_grads(as_documents: bool):
+        torch.manual_seed(0)
+        model = load_hf(folder)
+        apply_lora(model, LoraConfig(r=4, alpha=8, target_modules="all-linear"))
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                torch.nn.init.normal_(p, std=0.02)
+        layout = {"cu_seqlens": packed["cu_seqlens"], "max_seqlen": packed["max_seqlen"]} if as_documents else {}
+        logits = model(batch["input_ids"], batch["position_ids"], batch["document_ids"], **layout)
+        loss = token_cross_entropy(logits, batch["labels"])[0]
+        loss.backward()
+        real = batch["document_ids"] >= 0
+        return logits[real], loss, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+    logits_mask, loss_mask, grads_mask = loss_and_grads(False)
+    logits_docs, loss_docs, grads_docs = loss_and_grads(True)
+    torch.testing.assert_close(logits_docs, logits_mask, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(loss_docs, loss_mask, atol=1e-5, rtol=1e-5)
+    assert grads_docs.keys() == grads_mask.keys() and grads_docs
+    for name in grads_docs:
+        torch.testing.assert_close(grads_docs[name], grads_mask[name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="FlashAttention's variable-length kernel needs CUDA")
+def test_packed_rows_through_the_varlen_kernel_match_the_mask_on_gpu(hf_folder):
+    from entrenar.models import padding_free as pf
+
+    folder, hf = hf_folder("llama")
+    batch = {k: v.cuda() for k, v in collate(_rows(hf.config.vocab_size, seed=3), seq_len=48).items()}
+    packed = packed_documents({k: v.cpu() for k, v in batch.items()})
+    model = load_hf(folder).cuda()
+    assert pf.varlen_available(model.config.head_dim, torch.device("cuda"))
+    real = batch["document_ids"] >= 0
+    with torch.no_grad(), torch.autocast("cuda", torch.bfloat16):
+        masked = model(batch["input_ids"], batch["position_ids"], batch["document_ids"])
+        varlen = model(batch["input_ids"], batch["position_ids"], batch["document_ids"],
+                       cu_seqlens=packed["cu_seqlens"].cuda(), max_seqlen=packed["max_seqlen"])
+    torch.testing.assert_close(varlen[real].float(), masked[real].float(), atol=3e-2, rtol=3e-2)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="FlashAttention's variable-length kernel needs CUDA")

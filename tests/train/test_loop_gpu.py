@@ -63,6 +63,22 @@ def test_padding_free_and_offload_on_cuda_give_the_padded_losses(workspace):
     torch.testing.assert_close(losses(flat), losses(padded), atol=3e-2, rtol=0)
 
 
+def test_packed_rows_through_the_varlen_kernel_give_the_document_mask_losses(workspace, monkeypatch):
+    """On CUDA in bf16 the loop hands packed rows to FlashAttention's varlen kernel as documents; with that
+    off (monkeypatched) they go through SDPA with a dense document mask: the same losses within bf16 noise."""
+    import entrenar.train.loop as loop
+
+    common = ["model.device=cuda", "training.precision=bf16", "lora.dropout=0"]
+    varlen = train(recipe_for(workspace, *common, f"output.dir={workspace / 'v'}"), progress=False)
+    monkeypatch.setattr(loop, "varlen_available", lambda *a: False)
+    masked = train(recipe_for(workspace, *common, f"output.dir={workspace / 'm'}"), progress=False)
+
+    def losses(run):
+        return torch.tensor([r["loss"] for r in read_metrics(run.run_dir / "metrics.jsonl") if "loss" in r])
+
+    torch.testing.assert_close(losses(varlen), losses(masked), atol=3e-2, rtol=0)
+
+
 @pytest.mark.parametrize("settings", [["model.dtype=bfloat16", "training.adapter_math=bf16"],
                                       ["training.precision=bf16", "lora=null", "training.compile=true"],
                                       ["model.dtype=bfloat16", "lora.quantize_base=nf4",

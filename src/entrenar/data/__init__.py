@@ -6,6 +6,7 @@ from entrenar.data.batching import (
     collate,
     eval_batches,
     num_target_tokens,
+    packed_documents,
     padding_free,
     split_validation,
 )
@@ -25,6 +26,7 @@ __all__ = [
     "collate",
     "eval_batches",
     "num_target_tokens",
+    "packed_documents",
     "padding_free",
     "read_records",
     "render_chat",

@@ -107,6 +107,24 @@ def padding_free(batch: Batch) -> dict[str, torch.Tensor | int]:
     }
 
 
+def packed_documents(batch: Batch) -> dict[str, torch.Tensor | int]:
+    """The batch with ``cu_seqlens`` and ``max_seqlen`` over its rows laid end to end, shape kept ``[B, T]``.
+
+    The model then attends within each document through a variable-length kernel (FlashAttention's on CUDA)
+    instead of a dense ``[B, 1, T, T]`` document mask, which keeps SDPA off its flash kernel. Every token is a
+    member of one segment: a document, or a run of padding (its output is never used: its labels are -100).
+    ``document_ids`` stays for what reads it (router statistics, token counts). Computed on the host, before
+    the batch moves, so the step reads nothing back from the device.
+    """
+    documents = batch["document_ids"]
+    rows, t = documents.shape
+    starts = torch.ones_like(documents, dtype=torch.bool)
+    starts[:, 1:] = documents[:, 1:] != documents[:, :-1]
+    cu_seqlens = torch.nonzero(starts.flatten()).flatten()
+    cu_seqlens = torch.cat([cu_seqlens, cu_seqlens.new_tensor([rows * t])]).to(torch.int32)
+    return {**batch, "cu_seqlens": cu_seqlens, "max_seqlen": int((cu_seqlens[1:] - cu_seqlens[:-1]).max())}
+
+
 class BatchStream:
     """An endless, deterministic stream of batches over ``examples``, epoch after epoch.
 

@@ -7,6 +7,10 @@ the real tokens, with ``cu_seqlens`` (int32, ``[D + 1]``) marking where each
 of its ``D`` documents starts: document ``i`` spans
 ``cu_seqlens[i]:cu_seqlens[i + 1]`` and attends causally to itself only.
 
+Packed rows ``[B, T]`` can be handed over the same way, with ``cu_seqlens``
+over their ``B x T`` tokens end to end (see
+:func:`entrenar.data.batching.packed_documents`), in place of a document mask.
+
 On CUDA this runs FlashAttention's variable-length kernel
 (:func:`torch.nn.attention.varlen.varlen_attn`); elsewhere, or where that
 kernel cannot take the shapes, each document goes through SDPA on its own,
@@ -44,17 +48,23 @@ class Documents:
 def documents_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Documents, window: int | None = None
 ) -> torch.Tensor:
-    """Causal attention within each document of one row: q ``[1, Hq, N, D]``, k/v ``[1, Hk, N, D]`` -> ``[1, N, Hq, D]``.
+    """Causal attention within each document: q ``[B, Hq, T, D]``, k/v ``[B, Hk, T, D]`` -> ``[B, T, Hq, D]``.
 
+    The rows are read end to end (a padding-free batch is one row; packed rows
+    keep their ``[B, T]`` shape and ``documents`` spans all ``B x T`` tokens).
     ``window`` (sliding-window models) limits each query to the ``window``
     latest positions, itself included, as the padded path's mask does.
     """
-    if q.shape[0] != 1:
-        raise ValueError(f"a padding-free batch is one row, got {q.shape[0]} rows")
-    q, k, v = q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1)  # [N, H, D]
+    b, t = q.shape[0], q.shape[2]
+    q, k, v = (x.transpose(1, 2).reshape(b * t, x.shape[1], x.shape[3]) for x in (q, k, v))  # [N, H, D]
     if _varlen_fits(q, k, documents, window):
-        return _varlen(q, k, v, documents, window)[None]
-    return _per_document(q, k, v, documents, window)[None]
+        return _varlen(q, k, v, documents, window).view(b, t, *q.shape[1:])
+    return _per_document(q, k, v, documents, window).view(b, t, *q.shape[1:])
+
+
+def varlen_available(head_dim: int, device: torch.device) -> bool:
+    """Whether the variable-length kernel can run attention for this head size on ``device`` (in bf16/fp16)."""
+    return _varlen_attn is not None and device.type == "cuda" and head_dim % 8 == 0 and head_dim <= 256
 
 
 def _varlen_fits(q: torch.Tensor, k: torch.Tensor, documents: Documents, window: int | None) -> bool:

@@ -280,8 +280,9 @@ class Transformer(nn.Module):
         """Final normed hidden states [B, T, hidden] (what the output head reads).
 
         `cache` (generation only) holds past keys/values and is extended in place.
-        `cu_seqlens` (int32 [D + 1]) makes `input_ids` a padding-free row [1, N] of D documents end to end
-        (see :mod:`entrenar.models.padding_free`); `max_seqlen` is the longest (computed when not given).
+        `cu_seqlens` (int32 [D + 1]) marks D documents over the rows of `input_ids` read end to end: a
+        padding-free row [1, N], or packed rows [B, T] (then it replaces `document_ids`' mask; see
+        :mod:`entrenar.models.padding_free`); `max_seqlen` is the longest (computed when not given).
         """
         b, t = input_ids.shape
         past = cache.length if cache is not None else 0
@@ -291,9 +292,7 @@ class Transformer(nn.Module):
             position_ids = torch.arange(past, past + t, device=input_ids.device).expand(b, t)
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rope(position_ids, x.dtype)
-        if cu_seqlens is not None:
-            if b != 1:
-                raise ValueError(f"a padding-free batch is one row [1, N], got input_ids of shape {tuple(input_ids.shape)}")
+        if cu_seqlens is not None:  # a padding-free row, or packed rows read end to end
             if max_seqlen is None:
                 max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
             mask = Documents(cu_seqlens.to(device=input_ids.device, dtype=torch.int32), max_seqlen)

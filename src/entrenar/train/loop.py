@@ -31,6 +31,7 @@ from entrenar.data import (
     BatchStream,
     check_seq_len,
     eval_batches,
+    packed_documents,
     padding_free,
     read_records,
     split_validation,
@@ -52,6 +53,7 @@ from entrenar.kernels.fused_linear_ce import fused_linear_cross_entropy
 from entrenar.kernels.host_embedding import offload_embeddings
 from entrenar.lora import LoraConfig, apply_lora, load_lora_state_dict, lora_layers, lora_state_dict, save_adapter
 from entrenar.memory import FUSED_LOSS_CHUNK, LINEAR_NAMES, GiB, estimate_training_memory
+from entrenar.models.padding_free import varlen_available
 from entrenar.quant.checkpoint import save_qat_model
 from entrenar.quant.qat import apply_qat_recipe, load_qat_state_dict, master_weights, qat_state_dict
 from entrenar.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
@@ -190,6 +192,10 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
     # Router losses, balancing and diagnostics (None for a dense model); counts are summed over the ranks.
     moe = moe_training(model, recipe, accumulation, world)
     step_model = parallelize(model, mode, world, device, t.precision)  # DDP / FSDP2 from outside (or the model)
+    # Packed rows attend within their documents through the variable-length flash kernel instead of a dense
+    # document mask (which keeps SDPA off flash). Not under CUDA graphs: the layout changes with every batch.
+    varlen_rows = (task.name == "causal_lm" and not recipe.data.padding_free and not t.cuda_graphs
+                   and varlen_available(model.config.head_dim, device) and _half_compute(model, t.precision))
     trainable = [p for p in model.parameters() if p.requires_grad]
 
     # Data: records -> masked examples -> a resumable stream of packed batches.
@@ -323,6 +329,8 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
                 for i, batch in enumerate(micro_batches):
                     if d.padding_free:
                         batch = padding_free(batch)
+                    elif varlen_rows:
+                        batch = packed_documents(batch)
                     batch = {k: _to(v, device) for k, v in batch.items()}
                     # Over world.size: DDP and FSDP average the ranks' gradients, and the step needs their sum.
                     batch["step_targets"] = step_targets / world.size
@@ -481,6 +489,12 @@ def _recipe_for_resume(recipe: Recipe, run_dir: Path) -> Recipe:
                               + f" (a resume may change only {', '.join(RESUMABLE_CHANGES)})")
     allowed = {key.split(".")[1]: getattr(recipe.training, key.split(".")[1]) for key in RESUMABLE_CHANGES}
     return dataclasses.replace(saved, training=dataclasses.replace(saved.training, **allowed))
+
+
+def _half_compute(model: torch.nn.Module, precision: str) -> bool:
+    """Whether attention runs in bf16/fp16 (autocast, or a half-precision model): what flash kernels take."""
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    return precision in ("bf16", "fp16") or getattr(embed, "weight", torch.empty(0)).dtype in (torch.bfloat16, torch.float16)
 
 
 def _to(value: torch.Tensor | int, device: torch.device) -> torch.Tensor | int:
