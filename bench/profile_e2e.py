@@ -1,0 +1,76 @@
+"""Where a step of `entrenar train` goes: the loop run in-process under torch.profiler on a bench_e2e case.
+
+Prints, over the profiled steps, the wall time per step against the GPU's busy time per step (kernels only:
+the gap is host time the GPU waited for), the top CUDA kernels, and the top host-side operators. Use it
+before changing the loop for speed (measure, don't guess).
+
+    PYTHONPATH=src:bench python bench/profile_e2e.py --case lora-1b --steps 12 [--set KEY=VALUE ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import time
+from pathlib import Path
+
+import yaml
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--case", default="lora-1b")
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--fast", action="store_true", help="the case's documented fast settings")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--text", default=".e2e/text.jsonl")
+    p.add_argument("--tokenizer", default=".e2e")
+    p.add_argument("--work", default="/tmp/e2e")
+    p.add_argument("--active", type=int, default=4, help="steps profiled, the last ones of the run")
+    p.add_argument("--trace", default="", help="write a Chrome trace here")
+    args = p.parse_args(argv)
+
+    import torch
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    from bench_e2e import CASES, make_model_folder, recipe_for
+    from entrenar.config import load_recipe
+    from entrenar.train.loop import train
+
+    case = dict(CASES[args.case], steps=args.steps)
+    work = Path(args.work)
+    vocab = json.loads((Path(args.tokenizer) / "tokenizer.json").read_text())["model"]["vocab"]
+    folder = make_model_folder(case["shape"], 49152 if len(vocab) <= 49152 else len(vocab), case["seq"],
+                               Path(args.tokenizer), work / case["shape"])
+    run_dir = work / f"profile-{args.case}"
+    recipe_path = work / f"profile-{args.case}.yaml"
+    recipe_path.write_text(yaml.safe_dump(recipe_for(case, folder, Path(args.text), run_dir, args.fast)))
+    recipe = load_recipe(recipe_path, args.set)
+    shutil.rmtree(run_dir, ignore_errors=True)
+    # Profile steady-state steps only: the window is moved by a hook after every optimizer step.
+    wait = max(args.steps - args.active - 1, 1)
+    started = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+                 schedule=schedule(wait=wait, warmup=1, active=args.active, repeat=1)) as prof:
+        hook = register_optimizer_step_post_hook(lambda *_: prof.step())
+        try:
+            train(recipe, progress=False)
+        finally:
+            hook.remove()
+    wall = time.perf_counter() - started
+    if args.trace:
+        prof.export_chrome_trace(args.trace)
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    step_ms = [r["tokens"] / r["tokens_per_s"] * 1e3 for r in rows if "loss" in r and r.get("tokens")][-args.active:]
+    events = prof.key_averages()
+    gpu_ms = sum(e.self_device_time_total for e in events if e.device_type.name == "CUDA") / 1e3 / args.active
+    print(f"whole run {wall:.1f}s; profiled steps (wall ms, under the profiler): {[round(x, 1) for x in step_ms]}; "
+          f"GPU kernel time per profiled step {gpu_ms:.1f} ms")
+    print(events.table(sort_by="self_device_time_total", row_limit=30, max_name_column_width=70))
+    print(events.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70))
+
+
+if __name__ == "__main__":
+    main()
