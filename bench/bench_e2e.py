@@ -12,6 +12,14 @@ Each case builds one random Hugging Face folder of a real model's shape (with Sm
                      `.train()` mode); the 8B cases with gradient checkpointing
   hf-liger           the same with Liger kernels (`_apply_liger_kernel_to_instance`, before PEFT wraps the model)
 
+`lora-moe` is a random Qwen3-MoE model (MOE_SHAPES): LoRA on attention and on every expert, both stacks with the
+Switch load-balancing loss at weight 0.001 (recipes/moe-qwen3-lora.yaml's `moe.aux_loss`, transformers'
+`router_aux_loss_coef`). transformers runs its experts through `experts_implementation="grouped_mm"` (its
+fastest built in; `batched_mm` needs hundreds of GiB at these shapes, see docs/MOE.md) and PEFT adapts them
+with `target_parameters` (ParamWrapper: each step it folds every expert's low-rank update into a copy of the
+stacked weight, where entrenar runs `x A_e^T B_e^T` on each expert's tokens). Its losses are the language-model
+loss (transformers' `loss - coef * aux_loss`), as entrenar's metrics report them.
+
 The transformers rows are fed the very batches entrenar's data pipeline makes from the same file, seed and
 settings (packed rows of whole documents), without a document mask, as transformers' run_clm `group_texts`
 feeds packed rows. tokens/s counts real (non-padding) tokens: the median over steps after the first
@@ -20,6 +28,9 @@ whole process (model load included), in GiB. MFU uses bench_train.py's FLOP coun
 
     PYTHONPATH=src python bench/bench_e2e.py --cases lora-1b --text .e2e/text.jsonl \
         --tokenizer .e2e --work /tmp/e2e --out e2e.json
+
+`--tiny` runs any case at a toy size (hidden 64, 2 layers, 8 experts for MoE, 2 x 128 tokens, 4 steps), on the
+CPU when there is no GPU: a smoke test that every row starts, trains and reports, not a measurement.
 
 On the GPU machine: peft ships there; bitsandbytes and liger-kernel travel as wheels (bench/README of
 docs/PERFORMANCE.md gives the call). Rows whose package is missing are reported as skipped.
@@ -48,6 +59,26 @@ GiB = 2**30
 PEAK_BF16_FLOPS = 989.4e12
 LORA = {"r": 16, "alpha": 32}
 LR = 1e-4
+EXPERT_TARGETS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]  # recipes/moe-qwen3-lora.yaml's
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+
+# Qwen3-30B-A3B's block at half its width and a third of its depth, about 1.8B parameters of which 0.39B are
+# active per token: 64 experts (OLMoE's count; 128 at this size would leave 512 tokens per expert per step)
+# of width 512 (Qwen3's 768/2048 and OLMoE's 1024/2048 ratios give 384-512), top-8 renormalised, 16 query
+# heads of 128 (query width twice the hidden size, as in Qwen3-30B-A3B) and 4 KV heads, q/k norms, untied.
+MOE_SHAPES: dict[str, dict] = {
+    "qwen3-moe-1.8b-a0.4b": {
+        "hidden_size": 1024, "num_layers": 16, "num_heads": 16, "num_kv_heads": 4, "head_dim": 128,
+        "intermediate_size": 3072, "num_experts": 64, "num_experts_per_tok": 8, "moe_intermediate_size": 512,
+        "norm_topk_prob": True, "vocab_size": 151936, "tie_word_embeddings": False, "rope_theta": 1000000.0,
+        "model_type": "qwen3_moe", "qk_norm": True,
+    },
+}
+# --tiny: every shape at a toy size (MoE keys only where the shape has experts).
+TINY = {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "head_dim": 16,
+        "intermediate_size": 128}
+TINY_MOE = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+TINY_CASE = {"batch": 2, "seq": 128, "steps": 4}
 
 CASES: dict[str, dict] = {
     "lora-1b": {"shape": "llama-1b", "method": "lora", "batch": 4, "seq": 2048, "ckpt": False, "steps": 30,
@@ -62,37 +93,83 @@ CASES: dict[str, dict] = {
     "qlora-8b": {"shape": "llama-8b", "method": "qlora", "batch": 2, "seq": 2048, "ckpt": True, "steps": 16,
                  "fast": {"cuda_graphs": True, "offload_embeddings": True, "offload_activations": True,
                           "activation_checkpointing": 20}},
+    # CUDA graphs are refused for MoE runs (token counts per expert change every step): bf16 adapter math only.
+    "lora-moe": {"shape": "qwen3-moe-1.8b-a0.4b", "method": "lora", "batch": 4, "seq": 2048, "ckpt": False,
+                 "steps": 30, "fast": {"adapter_math": "bf16"}, "target_modules": ATTENTION,
+                 "target_parameters": EXPERT_TARGETS, "moe": {"aux_loss": 0.001}},
 }
 ROWS = ("entrenar", "entrenar-fast", "hf", "hf-liger")
 
 
-def shape_config(shape: str, vocab: int, seq: int):
-    """entrenar's ModelConfig for a bench_train shape, with the tokenizer's vocabulary."""
+def shape_config(shape: str, vocab: int, seq: int, tiny: bool = False):
+    """entrenar's ModelConfig for a bench_train (or MoE) shape, with the tokenizer's vocabulary."""
     from bench_train import SHAPES
 
     from entrenar.models.config import ModelConfig
 
-    return ModelConfig(**{**SHAPES[shape], "vocab_size": vocab}, max_position_embeddings=max(seq, 4096))
+    fields = {**{**SHAPES, **MOE_SHAPES}[shape], "vocab_size": vocab}
+    if tiny:
+        fields.update(TINY, **(TINY_MOE if fields.get("num_experts") else {}))
+    return ModelConfig(**fields, max_position_embeddings=max(seq, 4096))
+
+
+def case_flops(cfg, method: str, seq: int) -> float:
+    """Training FLOPs per token: bench_train's count, or for an MoE model the same count over what a token uses
+    (attention, the router, k experts; LoRA on attention and on those k experts)."""
+    from bench_train import LORA_R, flops_per_token
+
+    if not cfg.num_experts:
+        return flops_per_token(cfg, "full" if method == "full" else "lora", seq)[0]
+    h, i, k = cfg.hidden_size, cfg.expert_intermediate_size, cfg.num_experts_per_tok
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    attention = [(h, q), (h, kv), (h, kv), (q, h)]
+    n_matmul, n_lora = cfg.vocab_size * h, 0
+    for layer in range(cfg.num_layers):
+        n_matmul += sum(a * b for a, b in attention)
+        n_lora += sum(LORA_R * (a + b) for a, b in attention)
+        if cfg.is_moe_layer(layer):
+            n_matmul += cfg.num_experts * h + k * 3 * h * i
+            n_lora += k * LORA_R * ((h + 2 * i) + (i + h))  # gate_up [2I, H] and down [H, I] per expert
+        else:
+            n_matmul += 3 * h * cfg.intermediate_size
+    attend = 6 * cfg.num_layers * seq * q
+    return float(6 * n_matmul + attend if method == "full" else 4 * n_matmul + 6 * n_lora + attend)
+
+
+def case_for(name: str, steps: int, tiny: bool) -> dict:
+    """The case's settings, with --steps and --tiny applied."""
+    case = dict(CASES[name])
+    if tiny:
+        case.update(TINY_CASE, ckpt=False)
+    case["steps"] = steps or case["steps"]
+    return case
+
+
+def device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 # ---------------------------------------------------------------- inputs
 
 
-def make_model_folder(shape: str, vocab: int, seq: int, tokenizer_dir: Path, folder: Path) -> Path:
+def make_model_folder(shape: str, vocab: int, seq: int, tokenizer_dir: Path, folder: Path,
+                      tiny: bool = False) -> Path:
     """A random bf16 Hugging Face folder of `shape` (transformers' own initialisation) with the tokenizer."""
     if (folder / "config.json").is_file():
         return folder
     import torch
     import transformers
 
-    hf = dict(shape_config(shape, vocab, seq).to_hf())
+    hf = dict(shape_config(shape, vocab, seq, tiny).to_hf())
     model_type = hf.pop("model_type")
     config = transformers.AutoConfig.for_model(model_type, **hf)
     torch.manual_seed(0)
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:
-        with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        with torch.device(device()):
             model = transformers.AutoModelForCausalLM.from_config(config)
     finally:
         torch.set_default_dtype(default)
@@ -113,12 +190,17 @@ def recipe_for(case: dict, folder: Path, text: Path, run_dir: Path, fast: bool) 
                 "eval_every": 0, "save_every": 0, "log_every": 1}
     if fast:
         training.update(case["fast"])
+        if device() == "cpu" and training.get("adapter_math") == "bf16":
+            training["kernels"] = True  # the fused layers' PyTorch fallbacks (--tiny on a machine without CUDA)
     lora = None
     if case["method"] in ("lora", "qlora"):
-        lora = {**LORA, "dropout": 0.0, "target_modules": "all-linear",
+        lora = {**LORA, "dropout": 0.0, "target_modules": case.get("target_modules", "all-linear"),
                 "quantize_base": "nf4" if case["method"] == "qlora" else None}
+        if case.get("target_parameters"):
+            lora["target_parameters"] = case["target_parameters"]
+    extra = {"moe": case["moe"]} if case.get("moe") else {}
     return {
-        "model": {"path": str(folder), "device": "cuda"},
+        "model": {"path": str(folder), "device": device()},
         "data": {"train": str(text), "validation_split": 0.0, "seq_len": case["seq"], "packing": True,
                  "train_on": "all", "add_eos": True, "shuffle": True},
         "lora": lora,
@@ -126,6 +208,7 @@ def recipe_for(case: dict, folder: Path, text: Path, run_dir: Path, fast: bool) 
         "schedule": {"name": "constant", "warmup_steps": 0},
         "training": training,
         "output": {"dir": str(run_dir)},
+        **extra,
     }
 
 
@@ -198,7 +281,12 @@ def run_hf(case: dict, folder: Path, tokenizer_dir: Path, text: Path, liger: boo
             return {"status": "skipped", "error": f"liger-kernel: {e}"}
     batches = packed_batches(tokenizer_dir, text, case, case["steps"])
     started = time.perf_counter()
+    dev = device()
     kwargs = {"attn_implementation": "sdpa"}
+    aux_coef = (case.get("moe") or {}).get("aux_loss", 0.0)
+    if case.get("target_parameters"):  # MoE: the grouped experts and the router loss entrenar's recipe has
+        kwargs.update(experts_implementation="grouped_mm", output_router_logits=aux_coef > 0,
+                      router_aux_loss_coef=aux_coef)
     if case["method"] == "qlora":
         try:
             import bitsandbytes  # noqa: F401
@@ -212,7 +300,7 @@ def run_hf(case: dict, folder: Path, tokenizer_dir: Path, text: Path, liger: boo
     dtype = torch.float32 if case["method"] == "full" else torch.bfloat16
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **kwargs)
     if case["method"] != "qlora":
-        model = model.cuda()
+        model = model.to(dev)
     model.config.use_cache = False
     if liger:
         _apply_liger_kernel_to_instance(model=model)
@@ -223,29 +311,37 @@ def run_hf(case: dict, folder: Path, tokenizer_dir: Path, text: Path, liger: boo
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if case["method"] in ("lora", "qlora"):
         model = peft.get_peft_model(model, peft.LoraConfig(
-            r=LORA["r"], lora_alpha=LORA["alpha"], lora_dropout=0.0, target_modules="all-linear",
-            task_type="CAUSAL_LM"))
+            r=LORA["r"], lora_alpha=LORA["alpha"], lora_dropout=0.0,
+            target_modules=case.get("target_modules", "all-linear"),
+            target_parameters=case.get("target_parameters"), task_type="CAUSAL_LM"))
     model.train()  # from_pretrained returns eval mode, where gradient checkpointing is not in effect
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=LR, fused=True)
     step_s, tokens, losses = [], [], []
     for batch in batches:
-        ids, labels = batch["input_ids"].cuda(), batch["labels"].cuda()
-        torch.cuda.synchronize()
+        ids, labels = batch["input_ids"].to(dev), batch["labels"].to(dev)
+        if dev == "cuda":
+            torch.cuda.synchronize()
         t0 = time.perf_counter()
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = model(input_ids=ids, labels=labels).loss
+        with torch.autocast(dev, dtype=torch.bfloat16):
+            output = model(input_ids=ids, labels=labels)
+        loss = output.loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(trainable, 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        if getattr(output, "aux_loss", None) is not None:  # entrenar's `loss` is the language-model loss alone
+            loss = loss.detach() - aux_coef * output.aux_loss.detach()
         losses.append(float(loss))  # the host sync the step ends with
         step_s.append(time.perf_counter() - t0)
         tokens.append(int((batch["document_ids"] >= 0).sum()))
     wall = time.perf_counter() - started
-    out = summarise(step_s, tokens, losses, skip, flops, torch.cuda.max_memory_allocated(), wall)
+    peak = torch.cuda.max_memory_allocated() if dev == "cuda" else None
+    out = summarise(step_s, tokens, losses, skip, flops, peak, wall)
     gc_checkpointing = getattr(getattr(model, "base_model", model), "is_gradient_checkpointing", None)
-    return {"status": "ok", **out, "gradient_checkpointing": gc_checkpointing}
+    return {"status": "ok", **out, "gradient_checkpointing": gc_checkpointing,
+            "experts_implementation": getattr(model.config, "_experts_implementation", None),
+            "trainable_params": sum(p.numel() for p in trainable)}
 
 
 def run_row_process(row: str, case_name: str, folder: Path, args: argparse.Namespace) -> dict:
@@ -256,6 +352,8 @@ def run_row_process(row: str, case_name: str, folder: Path, args: argparse.Names
            "--out", str(out)]
     if args.steps:
         cmd += ["--steps", str(args.steps)]
+    if args.tiny:
+        cmd += ["--tiny"]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0 or not out.is_file():
         return {"status": "failed", "error": (proc.stderr or proc.stdout)[-2000:]}
@@ -275,7 +373,7 @@ def print_table(results: list[dict]) -> None:
             continue
         ratio = lambda key, other: f"{r[key] / other[key]:.2f}" if other and other.get(key) else "-"  # noqa: E731
         peers = {x["row"]: x for x in results if x["case"] == r["case"] and x["status"] == "ok"}
-        print(f"{r['case']:<11}{r['row']:<15}{r['tokens_per_s']:9.0f}{(r['mfu'] or 0):6.1%}{r['peak_gib']:9.2f}"
+        print(f"{r['case']:<11}{r['row']:<15}{r['tokens_per_s']:9.0f}{(r['mfu'] or 0):6.1%}{(r['peak_gib'] or 0):9.2f}"
               f"{ratio('tokens_per_s', peers.get('hf')):>7}{ratio('tokens_per_s', peers.get('hf-liger')):>9}"
               f"{ratio('peak_gib', peers.get('hf-liger')):>10}"
               f"{r['loss_first']:10.4f} ->{r['loss_last']:8.4f}")
@@ -293,22 +391,22 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", default="", help="JSON results file")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="a recipe override for the entrenar rows (repeatable); the row name records it")
+    p.add_argument("--tiny", action="store_true", help="toy sizes, CPU without a GPU: a smoke test, not a measurement")
     p.add_argument("--hf-row", default="", help=argparse.SUPPRESS)
     p.add_argument("--folder", default="", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if device() == "cpu" and not args.tiny:
+        p.error("no CUDA device: the cases are GPU measurements (--tiny runs them at a toy size on the CPU)")
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     tokenizer_dir, text = Path(args.tokenizer), Path(args.text)
     vocab = json.loads((tokenizer_dir / "tokenizer.json").read_text())["model"]["vocab"]
     vocab_size = 49152 if len(vocab) <= 49152 else len(vocab)
 
-    from bench_train import flops_per_token
-
     if args.hf_row:  # one transformers row, called by run_row_process
-        case = dict(CASES[args.cases])
-        case["steps"] = args.steps or case["steps"]
-        cfg = shape_config(case["shape"], vocab_size, case["seq"])
-        flops = flops_per_token(cfg, "full" if case["method"] == "full" else "lora", case["seq"])[0]
+        case = case_for(args.cases, args.steps, args.tiny)
+        cfg = shape_config(case["shape"], vocab_size, case["seq"], args.tiny)
+        flops = case_flops(cfg, case["method"], case["seq"])
         result = run_hf(case, Path(args.folder), tokenizer_dir, text, args.hf_row == "hf-liger", args.skip, flops)
         Path(args.out).write_text(json.dumps(result))
         return
@@ -317,12 +415,12 @@ def main(argv: list[str] | None = None) -> None:
 
     results = []
     for case_name in args.cases.split(","):
-        case = dict(CASES[case_name])
-        case["steps"] = args.steps or case["steps"]
-        cfg = shape_config(case["shape"], vocab_size, case["seq"])
-        flops = flops_per_token(cfg, "full" if case["method"] == "full" else "lora", case["seq"])[0]
+        case = case_for(case_name, args.steps, args.tiny)
+        cfg = shape_config(case["shape"], vocab_size, case["seq"], args.tiny)
+        flops = case_flops(cfg, case["method"], case["seq"])
         t0 = time.perf_counter()
-        folder = make_model_folder(case["shape"], vocab_size, case["seq"], tokenizer_dir, work / case["shape"])
+        folder = make_model_folder(case["shape"], vocab_size, case["seq"], tokenizer_dir,
+                                   work / (case["shape"] + ("-tiny" if args.tiny else "")), args.tiny)
         print(f"[{case_name}] model folder {folder} ready in {time.perf_counter() - t0:.0f}s", flush=True)
         torch.cuda.empty_cache()
         for row in args.rows.split(","):
