@@ -100,6 +100,38 @@ def test_packed_documents_cover_every_token_of_the_rows_end_to_end():
         assert torch.equal(packed[key], batch[key]), key
 
 
+def test_a_fixed_capacity_pads_with_empty_segments_and_the_row_length():
+    batch = collate(_rows(vocab=50), seq_len=48)
+    packed = packed_documents(batch, capacity=16)
+    assert packed["cu_seqlens"].tolist() == packed_documents(batch)["cu_seqlens"].tolist() + [144] * 6
+    assert packed["max_seqlen"] == 48
+    # More segments than the capacity: the batch keeps its own layout (CUDA graphs then run it eagerly).
+    assert packed_documents(batch, capacity=4)["cu_seqlens"].tolist() == packed_documents(batch)["cu_seqlens"].tolist()
+
+
+def test_segment_capacity_covers_the_stream_and_leaves_it_where_it_was():
+    from entrenar.data import BatchStream, segment_capacity
+
+    examples = [Example(input_ids=list(range(n)), labels=list(range(n))) for n in [3, 9, 1, 14, 6, 2, 11] * 5]
+    stream = BatchStream(examples, 2, 16, packing=True, shuffle=True, seed=0, pad_id=0)
+    state = stream.state_dict()
+    capacity = segment_capacity(stream, batches=8)
+    assert stream.state_dict() == state
+    seen = [len(packed_documents(next(stream))["cu_seqlens"]) - 1 for _ in range(8)]
+    assert capacity % 16 == 0 and max(seen) <= capacity < 1.25 * max(seen) + 16
+
+
+def test_empty_segments_change_nothing(hf_folder):
+    folder, hf = hf_folder("llama")
+    model = load_hf(folder)
+    batch = collate(_rows(hf.config.vocab_size, seed=4), seq_len=48)
+    with torch.no_grad():
+        outs = [model(batch["input_ids"], batch["position_ids"], batch["document_ids"],
+                      cu_seqlens=p["cu_seqlens"], max_seqlen=p["max_seqlen"])
+                for p in (packed_documents(batch), packed_documents(batch, capacity=32))]
+    torch.testing.assert_close(outs[1], outs[0], atol=0, rtol=0)
+
+
 @pytest.mark.parametrize("family", ["llama", "mistral"])
 def test_packed_rows_read_end_to_end_give_the_document_mask_loss_and_gradients(hf_folder, family):
     """Packed rows [B, T] handed over as documents (what the loop does on CUDA, for the flash kernel) compute

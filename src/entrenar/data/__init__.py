@@ -8,6 +8,7 @@ from entrenar.data.batching import (
     num_target_tokens,
     packed_documents,
     padding_free,
+    segment_capacity,
     split_validation,
 )
 from entrenar.data.sources import ReadStats, Record, read_records
@@ -28,6 +29,7 @@ __all__ = [
     "num_target_tokens",
     "packed_documents",
     "padding_free",
+    "segment_capacity",
     "read_records",
     "render_chat",
     "split_validation",

@@ -107,7 +107,7 @@ def padding_free(batch: Batch) -> dict[str, torch.Tensor | int]:
     }
 
 
-def packed_documents(batch: Batch) -> dict[str, torch.Tensor | int]:
+def packed_documents(batch: Batch, capacity: int | None = None) -> dict[str, torch.Tensor | int]:
     """The batch with ``cu_seqlens`` and ``max_seqlen`` over its rows laid end to end, shape kept ``[B, T]``.
 
     The model then attends within each document through a variable-length kernel (FlashAttention's on CUDA)
@@ -115,14 +115,34 @@ def packed_documents(batch: Batch) -> dict[str, torch.Tensor | int]:
     member of one segment: a document, or a run of padding (its output is never used: its labels are -100).
     ``document_ids`` stays for what reads it (router statistics, token counts). Computed on the host, before
     the batch moves, so the step reads nothing back from the device.
+
+    ``capacity`` (for CUDA graphs, which replay fixed shapes) pads ``cu_seqlens`` to ``capacity + 1`` entries
+    with empty segments and sets ``max_seqlen`` to the row length; a batch with more segments than that keeps
+    its own layout (and runs eagerly).
     """
     documents = batch["document_ids"]
     rows, t = documents.shape
     starts = torch.ones_like(documents, dtype=torch.bool)
     starts[:, 1:] = documents[:, 1:] != documents[:, :-1]
     cu_seqlens = torch.nonzero(starts.flatten()).flatten()
+    segments = len(cu_seqlens)
+    if capacity is not None and segments <= capacity:
+        end = cu_seqlens.new_full((capacity + 1 - segments,), rows * t)
+        return {**batch, "cu_seqlens": torch.cat([cu_seqlens, end]).to(torch.int32), "max_seqlen": t}
     cu_seqlens = torch.cat([cu_seqlens, cu_seqlens.new_tensor([rows * t])]).to(torch.int32)
     return {**batch, "cu_seqlens": cu_seqlens, "max_seqlen": int((cu_seqlens[1:] - cu_seqlens[:-1]).max())}
+
+
+def segment_capacity(stream: "BatchStream", batches: int = 32, margin: float = 1.25) -> int:
+    """How many segments :func:`packed_documents` should make room for under CUDA graphs: the most in the
+    stream's next ``batches`` batches, with a margin, to a multiple of 16 (the stream is left where it was)."""
+    state = stream.state_dict()
+    most = 1
+    for _ in range(batches):
+        documents = next(stream)["document_ids"]
+        most = max(most, int((documents[:, 1:] != documents[:, :-1]).sum()) + documents.shape[0])
+    stream.load_state_dict(state)
+    return -(-int(most * margin) // 16) * 16
 
 
 class BatchStream:

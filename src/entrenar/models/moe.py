@@ -38,6 +38,18 @@ def grouped_mm_available() -> bool:
     return hasattr(torch, "_grouped_mm")
 
 
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """``torch._grouped_mm(x, w)`` in autocast's dtype when autocast is on, as ``F.linear`` would run.
+
+    Autocast does not cover ``_grouped_mm``, and on CUDA only bf16 x bf16 has a fused kernel: other dtypes fall
+    back to one product per expert after reading the offsets to the host (a sync per call).
+    """
+    if torch.is_autocast_enabled(x.device.type):
+        dtype = torch.get_autocast_dtype(x.device.type)
+        x, w = x.to(dtype), w.to(dtype)
+    return torch._grouped_mm(x, w, offs=offsets)
+
+
 class Router(nn.Module):
     """Scores N experts per token and picks k: returns (logits [N, E] fp32, weights [N, k], indices [N, k])."""
 
@@ -132,10 +144,10 @@ class Experts(nn.Module):
         return F.linear(h, self.down_proj[expert])
 
     def grouped_gate_up(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        return torch._grouped_mm(x, self.gate_up_proj.transpose(1, 2), offs=offsets)
+        return grouped_mm(x, self.gate_up_proj.transpose(1, 2), offsets)
 
     def grouped_down(self, h: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        return torch._grouped_mm(h, self.down_proj.transpose(1, 2), offs=offsets)
+        return grouped_mm(h, self.down_proj.transpose(1, 2), offsets)
 
     def use_grouped(self, x: torch.Tensor) -> bool:
         if self.implementation == "loop" or not grouped_mm_available():

@@ -98,6 +98,8 @@ def _per_document(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: 
     bounds = documents.bounds()
     pieces = []
     for start, end in zip(bounds[:-1], bounds[1:]):
+        if end == start:  # an empty segment (fixed-capacity layouts end with some)
+            continue
         qi, ki, vi = (x[start:end].transpose(0, 1) for x in (q, k, v))  # [H, n, D]
         if groups > 1:
             ki, vi = ki.repeat_interleave(groups, dim=0), vi.repeat_interleave(groups, dim=0)

@@ -15,7 +15,8 @@ keeps:
   ``None``: the graph adds each micro-batch's gradients into those tensors;
 * no host synchronisation inside (no ``.item()``, no data-dependent shapes):
   padding-free batches are refused with graphs, since their layout changes
-  with every batch;
+  with every batch; packed rows keep their shape and hand their documents to
+  the varlen kernel in a fixed number of segments (empty ones at the end);
 * a few eager calls first, on a side stream, so Triton compiles, cuBLAS picks
   its kernels and the autograd engine warms up before capture.
 """
@@ -56,13 +57,18 @@ class GraphedMicroStep:
         elif not self._same_layout(inputs):
             return self.fn(inputs)
         for name, tensor in inputs.items():
-            self.inputs[name].copy_(tensor)
+            if isinstance(tensor, torch.Tensor):
+                self.inputs[name].copy_(tensor)
         self.graph.replay()
         return self.loss.clone()  # the next replay overwrites the graph's own
 
     def _same_layout(self, inputs: dict[str, torch.Tensor]) -> bool:
-        return inputs.keys() == self.inputs.keys() and all(
-            t.shape == self.inputs[k].shape and t.dtype == self.inputs[k].dtype for k, t in inputs.items())
+        def same(t, mine) -> bool:  # a Python number (a kernel's launch size) is baked into the graph
+            if isinstance(t, torch.Tensor):
+                return isinstance(mine, torch.Tensor) and t.shape == mine.shape and t.dtype == mine.dtype
+            return t == mine
+
+        return inputs.keys() == self.inputs.keys() and all(same(t, self.inputs[k]) for k, t in inputs.items())
 
     def _on_side_stream(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         side = torch.cuda.Stream()
@@ -73,7 +79,7 @@ class GraphedMicroStep:
         return loss
 
     def _capture(self, inputs: dict[str, torch.Tensor]) -> None:
-        self.inputs = {name: tensor.clone() for name, tensor in inputs.items()}
+        self.inputs = {name: v.clone() if isinstance(v, torch.Tensor) else v for name, v in inputs.items()}
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             self.loss = self.fn(self.inputs)  # recorded, not run: the replay that follows runs it

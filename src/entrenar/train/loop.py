@@ -34,6 +34,7 @@ from entrenar.data import (
     packed_documents,
     padding_free,
     read_records,
+    segment_capacity,
     split_validation,
     tokenize_records,
 )
@@ -193,8 +194,8 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
     moe = moe_training(model, recipe, accumulation, world)
     step_model = parallelize(model, mode, world, device, t.precision)  # DDP / FSDP2 from outside (or the model)
     # Packed rows attend within their documents through the variable-length flash kernel instead of a dense
-    # document mask (which keeps SDPA off flash). Not under CUDA graphs: the layout changes with every batch.
-    varlen_rows = (task.name == "causal_lm" and not recipe.data.padding_free and not t.cuda_graphs
+    # document mask (which keeps SDPA off flash).
+    varlen_rows = (task.name == "causal_lm" and not recipe.data.padding_free
                    and varlen_available(model.config.head_dim, device) and _half_compute(model, t.precision))
     trainable = [p for p in model.parameters() if p.requires_grad]
 
@@ -203,6 +204,8 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
     skipped: list = []  # every record on_error=skip left out, for the run's skipped.jsonl
     console.say(f"reading and tokenizing {d.train} ...")
     examples, validation, notes, stream = build_data(recipe, task, tokenizer, skipped)
+    # CUDA graphs replay one layout: the documents of packed rows then fill a fixed number of segments.
+    segments = segment_capacity(stream) if varlen_rows and t.cuda_graphs else None
     notes = context_notes + notes
 
     lr_scale = moe.lr_scale(recipe.optimizer.lr_scale) if moe is not None else recipe.optimizer.lr_scale
@@ -330,7 +333,7 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
                     if d.padding_free:
                         batch = padding_free(batch)
                     elif varlen_rows:
-                        batch = packed_documents(batch)
+                        batch = packed_documents(batch, segments)
                     batch = {k: _to(v, device) for k, v in batch.items()}
                     # Over world.size: DDP and FSDP average the ranks' gradients, and the step needs their sum.
                     batch["step_targets"] = step_targets / world.size
