@@ -533,8 +533,9 @@ class TrainingSection(_Section):
     # the frozen input-embedding table stays in pinned CPU memory, read by the GPU (LoRA/QLoRA on CUDA)
     offload_embeddings: bool = _key(False, _boolean)
     compile: bool = _key(False, _boolean)
-    # forward and backward of each micro-batch replayed from a CUDA graph (fixed shapes; not padding-free)
-    cuda_graphs: bool = _key(False, _boolean)
+    # forward and backward of each micro-batch replayed from a CUDA graph (fixed shapes; not padding-free);
+    # auto: on a single CUDA device for packed causal-LM batches of a dense model, without compile or fp16
+    cuda_graphs: str | bool = _key("auto", _choice("auto", True, False))
     kernels: str | bool = _key("auto", _choice("auto", True, False))  # auto: on CUDA when Triton imports
     # LoRA adapter products in the fused layer: fp32 as PEFT runs them, or bf16 on the tensor cores (the adapter
     # weights and the optimizer stay fp32)
@@ -706,12 +707,12 @@ class Recipe:
                 "training.offload_embeddings",
                 "'training.offload_embeddings' moves the embedding table from GPU to CPU memory; model.device is 'cpu'",
             )
-        if self.training.cuda_graphs and self.model.device == "cpu":
+        if self.training.cuda_graphs is True and self.model.device == "cpu":
             raise _BadValue(
                 "training.cuda_graphs",
                 "'training.cuda_graphs' replays GPU launches; model.device is 'cpu'",
             )
-        if self.training.cuda_graphs and self.data.padding_free:
+        if self.training.cuda_graphs is True and self.data.padding_free:
             raise _BadValue(
                 "training.cuda_graphs",
                 "'training.cuda_graphs' needs batches of one layout, and 'data.padding_free' changes it with every "

@@ -233,6 +233,27 @@ def test_offload_embeddings_settings_are_checked(workspace):
                   progress=False)
 
 
+@pytest.mark.parametrize("overrides,expected", [
+    ([], True),
+    (["training.cuda_graphs=false"], False),
+    (["data.padding_free=true"], False),  # a layout per batch
+    (["data.packing=false"], False),  # rows padded to the longest: shapes vary
+    (["training.compile=true"], False),
+    (["training.precision=fp16"], False),
+])
+def test_cuda_graphs_auto_turns_on_only_where_they_replay(workspace, overrides, expected):
+    from entrenar.train.loop import _cuda_graphs
+
+    recipe = recipe_for(workspace, "model.device=cuda", *overrides)
+    assert recipe.training.cuda_graphs == (False if "training.cuda_graphs=false" in overrides else "auto")
+    assert _cuda_graphs(recipe, torch.device("cuda"), "single", "causal_lm", moe=False) is expected
+    if expected:  # and off on the CPU, on several processes, for a classifier and for an MoE model
+        assert not _cuda_graphs(recipe, torch.device("cpu"), "single", "causal_lm", moe=False)
+        assert not _cuda_graphs(recipe, torch.device("cuda"), "ddp", "causal_lm", moe=False)
+        assert not _cuda_graphs(recipe, torch.device("cuda"), "single", "classification", moe=False)
+        assert not _cuda_graphs(recipe, torch.device("cuda"), "single", "causal_lm", moe=True)
+
+
 def test_cuda_graph_settings_are_checked(workspace):
     with pytest.raises(ConfigError, match=r"training\.cuda_graphs.*model\.device is 'cpu'"):
         recipe_for(workspace, "training.cuda_graphs=true")

@@ -52,7 +52,8 @@ def test_adamw_is_fused_on_cuda(workspace):
 def test_padding_free_and_offload_on_cuda_give_the_padded_losses(workspace):
     """FlashAttention's varlen kernel over a padding-free row, with checkpointed inputs offloaded to the CPU,
     against padded packed rows with a document mask (SDPA): the same losses within bf16 noise."""
-    common = ["model.device=cuda", "training.precision=bf16", "lora.dropout=0", "training.activation_checkpointing=true"]
+    common = ["model.device=cuda", "training.precision=bf16", "lora.dropout=0", "training.activation_checkpointing=true",
+              "training.cuda_graphs=false"]
     padded = train(recipe_for(workspace, *common, f"output.dir={workspace / 'p'}"), progress=False)
     flat = train(recipe_for(workspace, *common, "data.padding_free=true", "training.offload_activations=true",
                             f"output.dir={workspace / 'f'}"), progress=False)
@@ -68,7 +69,7 @@ def test_packed_rows_through_the_varlen_kernel_give_the_document_mask_losses(wor
     off (monkeypatched) they go through SDPA with a dense document mask: the same losses within bf16 noise."""
     import entrenar.train.loop as loop
 
-    common = ["model.device=cuda", "training.precision=bf16", "lora.dropout=0"]
+    common = ["model.device=cuda", "training.precision=bf16", "lora.dropout=0", "training.cuda_graphs=false"]
     varlen = train(recipe_for(workspace, *common, f"output.dir={workspace / 'v'}"), progress=False)
     monkeypatch.setattr(loop, "varlen_available", lambda *a: False)
     masked = train(recipe_for(workspace, *common, f"output.dir={workspace / 'm'}"), progress=False)
@@ -92,7 +93,8 @@ def test_cuda_graphs_give_the_eager_losses(workspace, settings):
     the losses of the eager run, and the replays really ran (the loss keeps falling after the capture)."""
     common = ["model.device=cuda", "lora.dropout=0", "training.grad_accum=2", "training.max_steps=8",
               "optimizer.lr=5e-3", *settings]
-    eager = train(recipe_for(workspace, *common, f"output.dir={workspace / 'e'}"), progress=False)
+    eager = train(recipe_for(workspace, *common, "training.cuda_graphs=false", f"output.dir={workspace / 'e'}"),
+                  progress=False)
     graphed = train(recipe_for(workspace, *common, "training.cuda_graphs=true", f"output.dir={workspace / 'g'}"),
                     progress=False)
 

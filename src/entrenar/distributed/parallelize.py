@@ -142,7 +142,7 @@ def refuse(mode: str, training: Any, quantized_base: bool, world: World) -> None
     """Combinations this version does not run, each with what to change."""
     if mode == "single":
         return
-    if training.cuda_graphs:
+    if training.cuda_graphs is True:
         raise ConfigError(f"training.cuda_graphs: the gradient reduction of {mode} runs outside a captured graph; "
                           f"turn cuda_graphs off to train on {world.size} processes")
     if mode == "fsdp":

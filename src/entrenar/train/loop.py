@@ -159,7 +159,7 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
     load_device = torch.device("cpu") if mode == "fsdp" else device
     console.say(f"loading {recipe.model.path or 'a random model (model.config)'} on {load_device} ...")
     model, tokenizer = build_model(recipe, task, weights_dtype, load_device, quantize)
-    if t.cuda_graphs and device.type != "cuda":
+    if t.cuda_graphs is True and device.type != "cuda":
         raise ConfigError(f"training.cuda_graphs: CUDA graphs replay GPU launches; this run is on {device}")
     if t.offload_activations and device.type != "cuda":
         raise ConfigError(f"training.offload_activations: offloading moves activations from GPU to CPU memory; "
@@ -193,6 +193,7 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
     # Router losses, balancing and diagnostics (None for a dense model); counts are summed over the ranks.
     moe = moe_training(model, recipe, accumulation, world)
     step_model = parallelize(model, mode, world, device, t.precision)  # DDP / FSDP2 from outside (or the model)
+    graphs = _cuda_graphs(recipe, device, mode, task.name, moe is not None)
     # Packed rows attend within their documents through the variable-length flash kernel instead of a dense
     # document mask (which keeps SDPA off flash).
     varlen_rows = (task.name == "causal_lm" and not recipe.data.padding_free
@@ -205,7 +206,7 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
     console.say(f"reading and tokenizing {d.train} ...")
     examples, validation, notes, stream = build_data(recipe, task, tokenizer, skipped)
     # CUDA graphs replay one layout: the documents of packed rows then fill a fixed number of segments.
-    segments = segment_capacity(stream) if varlen_rows and t.cuda_graphs else None
+    segments = segment_capacity(stream) if varlen_rows and graphs else None
     notes = context_notes + notes
 
     lr_scale = moe.lr_scale(recipe.optimizer.lr_scale) if moe is not None else recipe.optimizer.lr_scale
@@ -227,14 +228,14 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
 
     def micro_step(batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Forward and backward of one micro-batch; its loss is normalised over the whole step's targets."""
-        with autocast_for(device, t.precision, cache=not t.cuda_graphs):
+        with autocast_for(device, t.precision, cache=not graphs):
             loss = loss_sum_of(batch) / batch["step_targets"]
             total = loss + moe.router_loss(batch) if moe is not None else loss
         scaler.scale(total).backward()
         return loss.detach()
 
     # With CUDA graphs the gradients stay allocated and are zeroed in place (the graph adds into them).
-    run_micro_step = GraphedMicroStep(micro_step, trainable) if t.cuda_graphs else micro_step
+    run_micro_step = GraphedMicroStep(micro_step, trainable) if graphs else micro_step
 
     if t.compile:
         # Block by block, not the whole step: compiled around torch.utils.checkpoint, the step held 10-22 GiB
@@ -351,7 +352,7 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
                 loss_value, norm_value = float(step_loss), float(grad_norm)
                 flags = guard.check(done, loss_value, norm_value)
                 flags |= optimizer_step(scaler, optimizer, skip=bool(flags))  # fp16: the scaler's own skips
-                optimizer.zero_grad(set_to_none=not t.cuda_graphs)
+                optimizer.zero_grad(set_to_none=not graphs)
 
                 tokens = int(tokens)
                 # Router biases move only with an applied update (a skipped step leaves them too).
@@ -492,6 +493,16 @@ def _recipe_for_resume(recipe: Recipe, run_dir: Path) -> Recipe:
                               + f" (a resume may change only {', '.join(RESUMABLE_CHANGES)})")
     allowed = {key.split(".")[1]: getattr(recipe.training, key.split(".")[1]) for key in RESUMABLE_CHANGES}
     return dataclasses.replace(saved, training=dataclasses.replace(saved.training, **allowed))
+
+
+def _cuda_graphs(recipe: Recipe, device: torch.device, mode: str, task: str, moe: bool) -> bool:
+    """``training.cuda_graphs``, with ``auto`` resolved: on where graphs are known to replay and pay (one CUDA
+    device, packed causal-LM rows of one shape, a dense model, no compile, no fp16 loss scaling)."""
+    t, d = recipe.training, recipe.data
+    if t.cuda_graphs != "auto":
+        return t.cuda_graphs
+    return (device.type == "cuda" and mode == "single" and task == "causal_lm" and not moe and d.packing
+            and not d.padding_free and not t.compile and t.precision != "fp16")
 
 
 def _half_compute(model: torch.nn.Module, precision: str) -> bool:

@@ -238,7 +238,7 @@ def moe_training(model: nn.Module, recipe: Any, accumulation: int | None = None,
             raise ConfigError(f"moe: the model ({getattr(config, 'model_type', '?')}) has no mixture-of-experts "
                               "layers; remove the moe section")
         return None
-    if recipe.training.cuda_graphs:
+    if recipe.training.cuda_graphs is True:
         raise ConfigError("training.cuda_graphs: an MoE model routes a different number of tokens to each expert "
                           "every step, which a replayed graph cannot follow")
     return MoeTraining(model, recipe.moe, accumulation or recipe.training.grad_accum, world)
