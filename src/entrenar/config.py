@@ -534,7 +534,8 @@ class TrainingSection(_Section):
     offload_embeddings: bool = _key(False, _boolean)
     compile: bool = _key(False, _boolean)
     # forward and backward of each micro-batch replayed from a CUDA graph (fixed shapes; not padding-free);
-    # auto: on a single CUDA device for packed causal-LM batches of a dense model, without compile or fp16
+    # auto: on a single CUDA device for LoRA/QLoRA on packed causal-LM batches of a dense model, without
+    # compile or fp16
     cuda_graphs: str | bool = _key("auto", _choice("auto", True, False))
     kernels: str | bool = _key("auto", _choice("auto", True, False))  # auto: on CUDA when Triton imports
     # LoRA adapter products in the fused layer: fp32 as PEFT runs them, or bf16 on the tensor cores (the adapter

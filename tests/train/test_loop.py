@@ -240,6 +240,7 @@ def test_offload_embeddings_settings_are_checked(workspace):
     (["data.packing=false"], False),  # rows padded to the longest: shapes vary
     (["training.compile=true"], False),
     (["training.precision=fp16"], False),
+    (["lora=null"], False),  # full fine-tuning: no faster under graphs, and heavier
 ])
 def test_cuda_graphs_auto_turns_on_only_where_they_replay(workspace, overrides, expected):
     from entrenar.train.loop import _cuda_graphs

@@ -497,12 +497,14 @@ def _recipe_for_resume(recipe: Recipe, run_dir: Path) -> Recipe:
 
 def _cuda_graphs(recipe: Recipe, device: torch.device, mode: str, task: str, moe: bool) -> bool:
     """``training.cuda_graphs``, with ``auto`` resolved: on where graphs are known to replay and pay (one CUDA
-    device, packed causal-LM rows of one shape, a dense model, no compile, no fp16 loss scaling)."""
+    device, LoRA/QLoRA on packed causal-LM rows of one shape, a dense model, no compile, no fp16 loss scaling).
+    Full fine-tuning measured no faster under graphs and 4 GiB heavier (docs/PERFORMANCE.md), so auto leaves
+    it eager."""
     t, d = recipe.training, recipe.data
     if t.cuda_graphs != "auto":
         return t.cuda_graphs
     return (device.type == "cuda" and mode == "single" and task == "causal_lm" and not moe and d.packing
-            and not d.padding_free and not t.compile and t.precision != "fp16")
+            and recipe.lora is not None and not d.padding_free and not t.compile and t.precision != "fp16")
 
 
 def _half_compute(model: torch.nn.Module, precision: str) -> bool:
