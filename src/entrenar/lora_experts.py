@@ -107,7 +107,7 @@ class LoraExpertWeights(LoraLinear):
         dtype = torch.bfloat16 if x.dtype == torch.bfloat16 or torch.is_autocast_enabled(x.device.type) and \
             torch.get_autocast_dtype(x.device.type) == torch.bfloat16 else a.dtype
         h = torch._grouped_mm(self.lora_dropout(x.to(dtype)), a.to(dtype), offs=offsets)
-        return torch._grouped_mm(h, b.to(dtype), offs=offsets) * self.scaling
+        return torch._grouped_mm(h, (b * self.scaling).to(dtype), offs=offsets)  # scaled factor, not output
 
     def _mine(self, parameter: str) -> bool:
         return parameter == self.parameter and not self.merged

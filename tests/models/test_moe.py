@@ -124,3 +124,20 @@ def test_bad_moe_configs_are_refused():
         moe_config(router_scoring="relu")
     with pytest.raises(ModelError, match="groups"):
         moe_config(n_group=3)
+
+
+def test_token_dispatch_and_permutation_backwards_equal_indexing():
+    """The experts' gather-only dispatch and combine give x[tokens]'s and x[perm]'s own values and gradients."""
+    from entrenar.models.moe import _Dispatch, _Permute
+
+    torch.manual_seed(0)
+    n, k, h = 7, 3, 5
+    order = torch.argsort(torch.randint(0, 4, (n * k,)), stable=True)
+    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(n * k))
+    x = torch.randn(n, h, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda t: _Dispatch.apply(t, order // k, inverse, k), (x,))
+    ys = torch.randn(n * k, h, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda t: _Permute.apply(t, inverse, order), (ys,))
+    grad = torch.randn(n * k, h, dtype=torch.float64)
+    mine = torch.autograd.grad(_Dispatch.apply(x, order // k, inverse, k), x, grad)[0]
+    torch.testing.assert_close(mine, torch.autograd.grad(x[order // k], x, grad)[0], atol=1e-12, rtol=0)

@@ -163,8 +163,9 @@ class Experts(nn.Module):
         n, k = indices.shape
         flat = indices.reshape(-1)
         order = torch.argsort(flat, stable=True)  # (token, slot) pairs sorted by expert
+        inverse = torch.empty_like(order).scatter_(0, order, torch.arange(n * k, device=order.device))
         tokens = order // k
-        xs = x[tokens]
+        xs = _Dispatch.apply(x, tokens, inverse, k)
         counts = torch.bincount(flat, minlength=self.num_experts)
         if self.use_grouped(x):
             offsets = counts.cumsum(0).to(torch.int32)
@@ -177,8 +178,38 @@ class Experts(nn.Module):
                     gate, up = self.gate_up(xs[start:start + count], expert).chunk(2, dim=-1)
                     pieces.append(self.down(F.silu(gate) * up, expert))
             ys = torch.cat(pieces) if pieces else xs.new_zeros(0, self.hidden_size)
-        ys = ys * weights.reshape(-1)[order, None].to(ys.dtype)
-        return torch.zeros_like(x).index_add_(0, tokens, ys.to(x.dtype))
+        by_token = _Permute.apply(ys, inverse, order).view(n, k, -1)  # back in (token, slot) order
+        return (by_token * weights.to(ys.dtype)[..., None]).sum(dim=1).to(x.dtype)
+
+
+class _Dispatch(torch.autograd.Function):
+    """``x[tokens]`` (each token once per chosen expert), whose backward gathers and sums the k copies through
+    ``inverse`` instead of scattering with atomics, as ``x[tokens]``'s own backward would."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, tokens: torch.Tensor, inverse: torch.Tensor, k: int) -> torch.Tensor:
+        ctx.save_for_backward(inverse)
+        ctx.k = k
+        return x[tokens]
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (inverse,) = ctx.saved_tensors
+        return grad[inverse].view(-1, ctx.k, grad.shape[-1]).sum(dim=1), None, None, None
+
+
+class _Permute(torch.autograd.Function):
+    """``x[perm]`` for a permutation, whose backward is the gather ``grad[inverse]`` (no scatter)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, perm: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(inverse)
+        return x[perm]
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (inverse,) = ctx.saved_tensors
+        return grad[inverse], None, None
 
 
 def _spans(counts: list[int]) -> list[tuple[int, int]]:
