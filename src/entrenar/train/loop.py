@@ -38,6 +38,7 @@ from entrenar.data import (
 )
 from entrenar.data.report import data_notes, skipped_in_order, write_skipped
 from entrenar.distributed import steps as dist_steps
+from entrenar.distributed.checkpoint import load_sharded_checkpoint, save_sharded_checkpoint
 from entrenar.distributed.consistency import check_replicas
 from entrenar.distributed.parallelize import choose_mode, parallelize, refuse
 from entrenar.distributed.state import full_optimizer, full_params, main_writes
@@ -54,7 +55,7 @@ from entrenar.lora import LoraConfig, apply_lora, load_lora_state_dict, lora_lay
 from entrenar.memory import FUSED_LOSS_CHUNK, LINEAR_NAMES, GiB, estimate_training_memory
 from entrenar.quant.checkpoint import save_qat_model
 from entrenar.quant.qat import apply_qat_recipe, load_qat_state_dict, master_weights, qat_state_dict
-from entrenar.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from entrenar.train.checkpoint import is_sharded, latest_checkpoint, load_checkpoint, save_checkpoint
 from entrenar.train.console import Console
 from entrenar.train.cuda_graph import GraphedMicroStep
 from entrenar.train.early_stopping import EarlyStopping
@@ -247,11 +248,14 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
     early_stopping = EarlyStopping(t.early_stopping)
     if resume_from is not None:
         console.say(f"resuming from {resume_from} ...")
-        with full_params(model, write_back=True):  # FSDP: whole tensors read, then scattered into the shards
-            model_state, trainer_state = load_checkpoint(resume_from, full_optimizer(optimizer, gather=False),
-                                                         expected_model_state=_trainable_state(model, recipe))
-            start_step = _check_trainer_state(trainer_state, resume_from, t.max_steps, scaler.is_enabled())
-            _load_trainable_state(model, recipe, model_state, str(resume_from))
+        if is_sharded(resume_from):  # an FSDP run's: each rank reads what its tensors cover, from any world size
+            trainer_state = load_sharded_checkpoint(resume_from, model, optimizer, world)
+        else:
+            with full_params(model, write_back=True):  # FSDP: whole tensors read, then scattered into the shards
+                model_state, trainer_state = load_checkpoint(resume_from, full_optimizer(optimizer, gather=False),
+                                                             expected_model_state=_trainable_state(model, recipe))
+                _load_trainable_state(model, recipe, model_state, str(resume_from))
+        start_step = _check_trainer_state(trainer_state, resume_from, t.max_steps, scaler.is_enabled())
         stream.load_state_dict(trainer_state["data"])
         dist_steps.check_resume(trainer_state, resume_from, t.batch_size * accumulation * world.size)
         if scaler.is_enabled():
@@ -284,7 +288,9 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
             trainer_state["grad_scaler"] = scaler.state_dict()
         if moe is not None:
             trainer_state["moe"] = moe.state_dict()
-        with full_params(model):  # FSDP: whole tensors, gathered; rank 0 writes them
+        if mode == "fsdp":  # each rank writes its shards (torch.distributed.checkpoint); nothing is gathered
+            return save_sharded_checkpoint(run_dir, step, model, optimizer, trainer_state, world, t.keep_last, best)
+        with full_params(model):  # whole tensors (a sharded model's gathered); rank 0 writes them
             return world.main_only(save_checkpoint, run_dir, step, _trainable_state(model, recipe),
                                    full_optimizer(optimizer), trainer_state, t.keep_last, best=best)
 
