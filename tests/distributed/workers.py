@@ -82,3 +82,45 @@ def main_only_worker() -> tuple[str, str]:
         return value, "no error"
     finally:
         world_module.leave()
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory since the last :func:`reset_peak_rss` (Linux: VmHWM)."""
+    import re
+
+    with open("/proc/self/status") as f:
+        return int(re.search(r"VmHWM:\s+(\d+) kB", f.read()).group(1)) * 1024
+
+
+def reset_peak_rss() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the current resident size
+
+
+def sharded_load_worker(recipe_path: str, overrides: list[str]) -> dict:
+    """Build the model as an FSDP run does (rank 0 on the CPU, the others on meta, then fully_shard); what each
+    rank built on, how much its peak memory grew, the whole weights gathered and the generator's state after."""
+    from entrenar import tasks
+    from entrenar.distributed import world as world_module
+    from entrenar.distributed.materialize import load_device
+    from entrenar.distributed.parallelize import parallelize
+    from entrenar.distributed.state import full_params
+    from entrenar.train.loop import build_model
+
+    recipe = load_recipe(recipe_path, overrides)
+    world, device = world_module.join(torch.device("cpu"), 30)
+    try:
+        torch.manual_seed(recipe.training.seed)
+        reset_peak_rss()
+        before = peak_rss_bytes()
+        where = load_device(world)
+        model, _ = build_model(recipe, tasks.for_recipe(recipe), "float32", where, None)
+        parallelize(model, "fsdp", world, device)
+        grown = peak_rss_bytes() - before
+        rng = torch.get_rng_state()
+        with full_params(model):
+            weights = {name: p.detach().clone() for name, p in model.named_parameters()}
+        return {"built_on": where.type, "grown": grown, "weights": weights if world.rank == 1 else None,
+                "inv_freq": model.inv_freq.clone(), "rng": rng}
+    finally:
+        world_module.leave()

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from entrenar.distributed.materialize import full_state, materialize
 from entrenar.distributed.world import World
 from entrenar.errors import ConfigError
 
@@ -112,10 +113,12 @@ class Sharded(Single):
         # All-gathers in the compute dtype (half the traffic of fp32 master weights); gradients reduced in fp32.
         policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
         layers = list(model.model.layers)
+        state = full_state(model, world)  # rank 0's whole tensors; the other ranks built the model on meta
         for i, block in enumerate(layers):
             # The last block's parameters are needed again at once by backward: keep them gathered.
             fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=i < len(layers) - 1)
         fully_shard(model, mesh=mesh, mp_policy=policy)
+        materialize(model, state, world, device)  # each rank's shards, from rank 0
         register_fsdp_forward_method(model, "hidden_states")
 
 

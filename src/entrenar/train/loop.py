@@ -40,6 +40,7 @@ from entrenar.data.report import data_notes, skipped_in_order, write_skipped
 from entrenar.distributed import steps as dist_steps
 from entrenar.distributed.checkpoint import load_sharded_checkpoint, save_sharded_checkpoint
 from entrenar.distributed.consistency import check_replicas
+from entrenar.distributed.materialize import load_device as sharded_load_device
 from entrenar.distributed.parallelize import choose_mode, parallelize, refuse
 from entrenar.distributed.state import full_optimizer, full_params, main_writes
 from entrenar.distributed.world import join, leave, restarted
@@ -153,8 +154,9 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
     mode = choose_mode(recipe, world, device)  # single, ddp or fsdp
     refuse(mode, t, quantize is not None, world)
     accumulation = dist_steps.accumulation(t.batch_size, t.grad_accum, t.global_batch_size, world.size)
-    # FSDP on CUDA reads the weights into CPU memory; fully_shard moves each rank's shards to its device.
-    load_device = torch.device("cpu") if mode == "fsdp" else device
+    # FSDP: rank 0 reads the weights into CPU memory, the others build on the meta device; fully_shard then
+    # gives each rank its shards of rank 0's (entrenar.distributed.materialize), on its device.
+    load_device = sharded_load_device(world) if mode == "fsdp" else device
     console.say(f"loading {recipe.model.path or 'a random model (model.config)'} on {load_device} ...")
     model, tokenizer = build_model(recipe, task, weights_dtype, load_device, quantize)
     if t.cuda_graphs and device.type != "cuda":
