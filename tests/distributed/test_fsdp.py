@@ -8,12 +8,15 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_data_parallel import assert_same_run  # noqa: E402
+from test_data_parallel import assert_same_run, weights  # noqa: E402
 from dist_fixtures import shared  # noqa: E402, F401  (a fixture)
 from workers import launch, train_worker  # noqa: E402
 
+import entrenar  # noqa: E402
+from entrenar.lora import PEFT_PREFIX  # noqa: E402
 from entrenar.train.checkpoint import is_sharded, latest_checkpoint  # noqa: E402
 
 pytestmark = pytest.mark.timeout(90)
@@ -34,10 +37,20 @@ def test_sharded_checkpoints_resume_on_another_world_size_as_an_uninterrupted_ru
     if method == "full":  # 2 -> 1: two ranks' shards, read whole by one plain process
         launch(train_worker, recipe, first)
         assert shard_files(run) == ["__0_0.distcp", "__1_0.distcp"]
+        step2 = latest_checkpoint(run)
         train_worker(recipe, [f"output.dir={run}", "training.max_steps=4"], True)
+        entrenar.load(step2)  # a sharded full fine-tune's checkpoint loads whole: every weight, names checked
     else:  # 1 -> 2: one rank's shards (FSDP on one process), resharded over two
         launch(train_worker, recipe, first, nproc=1)
         assert shard_files(run) == ["__0_0.distcp"]
         launch(train_worker, recipe, [f"output.dir={run}", "training.parallel=fsdp", "training.max_steps=4"], True)
         assert shard_files(run) == ["__0_0.distcp", "__1_0.distcp"]
     assert_same_run(run, one, method)  # the final model / adapter: one plain file, as one process writes it
+    # The last checkpoint loads as a model in one process (the shards joined): its weights are the output's.
+    ckpt = run / "checkpoints" / "step-4"  # written by the 2 FSDP ranks (lora), or the plain process (full)
+    assert is_sharded(ckpt) == (method == "lora")
+    loaded = entrenar.load(ckpt)[0].state_dict()
+    final = weights(run, method)
+    assert len(final) > 0
+    for name, tensor in final.items():
+        torch.testing.assert_close(loaded[name.removeprefix(PEFT_PREFIX)], tensor, rtol=0, atol=0, msg=name)

@@ -180,3 +180,21 @@ def load_sharded_checkpoint(ckpt: str | os.PathLike, model: nn.Module, optimizer
     if rng is not None:
         ckpt_files.restore_rng(rng)
     return trainer_state
+
+
+def read_model_tensors(ckpt: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """The saved model tensors of a sharded checkpoint, whole, in this one process (DCP joins the shards): what
+    ``entrenar.load(RUN/checkpoints/step-N)`` puts on the base model."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    shards = Path(ckpt) / ckpt_files.SHARDS_DIR
+    state = {name: torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
+             for name, entry in _saved_entries(shards).items()
+             if name.startswith("model.") and isinstance(entry, TensorStorageMetadata)}
+    try:
+        with _one_process_ok():
+            dcp.load(state, checkpoint_id=shards, no_dist=True)
+    except Exception as e:
+        raise CheckpointError(f"{shards}: cannot read the shards ({_first_line(e)})") from None
+    return {name[len("model."):]: tensor for name, tensor in state.items()}
