@@ -23,7 +23,8 @@ pytestmark = pytest.mark.timeout(90)
 
 
 def shard_files(run: Path) -> list[str]:
-    ckpt = latest_checkpoint(run)
+    """The shard files of a run's latest checkpoint (or of a checkpoint folder), checked to be sharded."""
+    ckpt = run if run.parent.name == "checkpoints" else latest_checkpoint(run)
     assert ckpt is not None and is_sharded(ckpt) and not (ckpt / "model.safetensors").exists()
     return sorted(p.name for p in (ckpt / "shards").iterdir() if p.suffix == ".distcp")
 
@@ -54,3 +55,33 @@ def test_sharded_checkpoints_resume_on_another_world_size_as_an_uninterrupted_ru
     assert len(final) > 0
     for name, tensor in final.items():
         torch.testing.assert_close(loaded[name.removeprefix(PEFT_PREFIX)], tensor, rtol=0, atol=0, msg=name)
+
+
+def test_a_qlora_base_is_sharded_and_trains_as_on_one_process_resuming_across_world_sizes(shared):
+    """QLoRA under FSDP: each rank keeps half of every NF4 layer's codes (gathered, they are a plain load's);
+    2 ranks -> 1 plain process gives the losses and adapter of one uninterrupted process."""
+    from entrenar import tasks
+    from entrenar.config import load_recipe
+    from entrenar.train.loop import build_model
+    from workers import sharded_load_worker
+
+    ws, recipes, _ = shared
+    recipe, nf4 = recipes["lora"], ["lora.quantize_base=nf4"]
+    ranks = launch(sharded_load_worker, recipe, nf4, "nf4")
+    r = load_recipe(recipe, nf4)
+    plain = build_model(r, tasks.for_recipe(r), "float32", torch.device("cpu"), "nf4")[0]
+    codes = {name: m.weight_codes for name, m in plain.named_modules() if hasattr(m, "weight_codes")}
+    assert codes and ranks[0]["nf4"].keys() == ranks[1]["nf4"].keys() == codes.keys()
+    for name, whole in codes.items():
+        for rank in (0, 1):
+            local, gathered = ranks[rank]["nf4"][name]
+            assert local == -(-whole.numel() // 2)  # half of the codes on each rank
+            assert torch.equal(gathered, whole), name
+
+    one = ws / "qlora-one"
+    train_worker(recipe, [*nf4, f"output.dir={one}"])
+    two_one = ws / "qlora-2-1"  # 2 sharded ranks, then one plain process (the base quantized again from the files)
+    launch(train_worker, recipe, [*nf4, "training.parallel=fsdp", "training.max_steps=2", f"output.dir={two_one}"])
+    train_worker(recipe, [*nf4, f"output.dir={two_one}", "training.max_steps=4"], True)
+    assert shard_files(two_one / "checkpoints" / "step-2") == ["__0_0.distcp", "__1_0.distcp"]
+    assert_same_run(two_one, one)

@@ -97,9 +97,10 @@ def reset_peak_rss() -> None:
         f.write("5")  # resets VmHWM to the current resident size
 
 
-def sharded_load_worker(recipe_path: str, overrides: list[str]) -> dict:
+def sharded_load_worker(recipe_path: str, overrides: list[str], quantize: str | None = None) -> dict:
     """Build the model as an FSDP run does (rank 0 on the CPU, the others on meta, then fully_shard); what each
-    rank built on, how much its peak memory grew, the whole weights gathered and the generator's state after."""
+    rank built on, how much its peak memory grew, the whole weights gathered and the generator's state after;
+    with an NF4 base, each layer's codes: this rank's chunk length and the whole codes gathered."""
     from entrenar import tasks
     from entrenar.distributed import world as world_module
     from entrenar.distributed.materialize import load_device
@@ -114,13 +115,15 @@ def sharded_load_worker(recipe_path: str, overrides: list[str]) -> dict:
         reset_peak_rss()
         before = peak_rss_bytes()
         where = load_device(world)
-        model, _ = build_model(recipe, tasks.for_recipe(recipe), "float32", where, None)
+        model, _ = build_model(recipe, tasks.for_recipe(recipe), "float32", where, quantize)
         parallelize(model, "fsdp", world, device)
         grown = peak_rss_bytes() - before
         rng = torch.get_rng_state()
+        nf4 = {name: (m.weight_codes.numel(), m.quantized.codes.clone()) for name, m in model.named_modules()
+               if hasattr(m, "holds_shards")}
         with full_params(model):
             weights = {name: p.detach().clone() for name, p in model.named_parameters()}
         return {"built_on": where.type, "grown": grown, "weights": weights if world.rank == 1 else None,
-                "inv_freq": model.inv_freq.clone(), "rng": rng}
+                "inv_freq": model.inv_freq.clone(), "rng": rng, "nf4": nf4}
     finally:
         world_module.leave()

@@ -47,7 +47,16 @@ def _state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer, load: bool)
 
     model_state, optimizer_state = get_state_dict(model, optimizer,
                                                   options=StateDictOptions(**(_LOAD if load else _SAVE)))
-    return {"model": model_state, "optimizer": optimizer_state}
+    base = _quantized_base(model)
+    return {"model": {k: v for k, v in model_state.items() if k not in base}, "optimizer": optimizer_state}
+
+
+def _quantized_base(model: nn.Module) -> set[str]:
+    """The buffers of a QLoRA run's NF4 base: frozen as its weights are, quantized again from model.path."""
+    from entrenar.quant.nf4 import NF4Linear
+
+    return {f"{name}.{b}" for name, module in model.named_modules() if isinstance(module, NF4Linear)
+            for b, _ in module.named_buffers(recurse=False)}
 
 
 def _local(tensor: Any) -> Any:

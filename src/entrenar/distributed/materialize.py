@@ -56,8 +56,10 @@ def materialize(model: nn.Module, state: dict[str, torch.Tensor] | None, world: 
     set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     state.clear()  # rank 0: the whole tensors go once the shards hold them
     with torch.no_grad():
-        for buffer in model.buffers():
-            _broadcast(buffer, device)
+        for module in model.modules():
+            if not getattr(module, "holds_shards", False):  # a sharded NF4 base's chunks differ by rank
+                for buffer in module.buffers(recurse=False):
+                    _broadcast(buffer, device)
     rng: list[Any] = [torch.get_rng_state()]
     dist.broadcast_object_list(rng, src=0)
     torch.set_rng_state(rng[0])

@@ -152,7 +152,7 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
         weights_dtype = "float32"  # full fine-tuning keeps fp32 master weights; compute follows training.precision
     quantize = recipe.lora.quantize_base if recipe.lora is not None else None
     mode = choose_mode(recipe, world, device)  # single, ddp or fsdp
-    refuse(mode, t, quantize is not None, world)
+    refuse(mode, t, world)
     accumulation = dist_steps.accumulation(t.batch_size, t.grad_accum, t.global_batch_size, world.size)
     # FSDP: rank 0 reads the weights into CPU memory, the others build on the meta device; fully_shard then
     # gives each rank its shards of rank 0's (entrenar.distributed.materialize), on its device.
