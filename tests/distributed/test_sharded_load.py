@@ -28,8 +28,8 @@ def test_rank_1_builds_on_meta_holds_about_half_and_gets_a_plain_loads_weights(t
     ws = make_workspace(tmp_path)
     # A model big enough for its copy to show in a process's peak memory (72 MiB of fp32 weights, tied embeddings).
     tokenizer = quickstart.build_tokenizer()
-    config = ModelConfig(vocab_size=tokenizer.vocab_size, hidden_size=512, intermediate_size=1536, num_layers=6, num_heads=8,
-                         num_kv_heads=4, model_type="llama", tie_word_embeddings=True)
+    config = ModelConfig(vocab_size=tokenizer.vocab_size, hidden_size=512, intermediate_size=1536, num_layers=6,
+                         num_heads=8, num_kv_heads=4, model_type="llama", tie_word_embeddings=True)
     torch.manual_seed(0)
     big = Transformer(config)
     big.reset_parameters()

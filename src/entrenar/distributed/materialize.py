@@ -34,7 +34,8 @@ def load_device(world: World) -> torch.device:
 
 
 def full_state(model: nn.Module, world: World) -> dict[str, torch.Tensor] | None:
-    """Rank 0's whole state dict (its tensors, kept alive through ``fully_shard``); None where built on meta."""
+    """Rank 0's whole state dict (its tensors, kept alive through ``fully_shard``), empty on the other ranks;
+    None when there is nothing to send (one process)."""
     if not world.distributed or world.size == 1:
         return None
     return dict(model.state_dict()) if world.is_main else {}
