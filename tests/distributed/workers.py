@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+import importlib
 import os
 import socket
 
@@ -111,11 +113,15 @@ def sharded_load_worker(recipe_path: str, overrides: list[str], quantize: str | 
     recipe = load_recipe(recipe_path, overrides)
     world, device = world_module.join(torch.device("cpu"), 30)
     try:
+        task = tasks.for_recipe(recipe)
+        build_model(recipe, task, "float32", torch.device("meta"), quantize)  # modules imported before measuring
+        importlib.import_module("torch.distributed.checkpoint.state_dict")  # imported by the sharding, measured below
+        gc.collect()
         torch.manual_seed(recipe.training.seed)
         reset_peak_rss()
         before = peak_rss_bytes()
         where = load_device(world)
-        model, _ = build_model(recipe, tasks.for_recipe(recipe), "float32", where, quantize)
+        model, _ = build_model(recipe, task, "float32", where, quantize)
         parallelize(model, "fsdp", world, device)
         grown = peak_rss_bytes() - before
         rng = torch.get_rng_state()
