@@ -54,3 +54,13 @@ def test_ddp_buckets_hold_an_eighth_of_the_adapter_gradients_between_1_and_25_mi
     assert bucket_mb(2**20) == 1.0
     assert bucket_mb(80 * 2**20) == 10.0
     assert bucket_mb(2**33) == 25.0
+
+
+def test_nf4_experts_are_refused_under_fsdp_naming_the_module():
+    from entrenar.distributed.nf4 import shard_nf4_layers
+    from entrenar.quant.nf4_experts import NF4Experts
+
+    model = torch.nn.Module()
+    model.mlp = NF4Experts(2, 64, 64, torch.float32, "meta")
+    with pytest.raises(ConfigError, match=r"NF4 experts of a mixture-of-experts model \(mlp\).*parallel: ddp"):
+        shard_nf4_layers(model, World(rank=0, size=2, backend="gloo"))

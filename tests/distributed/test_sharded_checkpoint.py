@@ -92,3 +92,4 @@ def test_a_checkpoint_that_does_not_fit_the_model_is_named(tmp_path):
         load_sharded_checkpoint(ckpt, other, torch.optim.AdamW(other[1:].parameters()), SOLO)
     with pytest.raises(CheckpointError, match=r"step-1: a sharded checkpoint .*entrenar train --resume"):
         load_checkpoint(ckpt)
+

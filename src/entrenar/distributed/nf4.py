@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from entrenar.distributed.world import World
+from entrenar.errors import ConfigError
 from entrenar.quant.nf4 import NF4Linear, NF4Tensor, dequantize_nf4
 from entrenar.surgery import replace_module
 
@@ -112,6 +113,14 @@ class ShardedNF4Linear(nn.Module):
 def shard_nf4_layers(model: nn.Module, world: World) -> list[tuple[ShardedNF4Linear, dict[str, Tensor]]]:
     """Replace every NF4Linear of ``model`` by a ShardedNF4Linear (chunks not yet filled); with each, rank 0's
     whole buffers for :func:`scatter_nf4` (empty on the other ranks)."""
+    from entrenar.quant.nf4_experts import NF4Experts
+
+    experts = next((name for name, m in model.named_modules() if isinstance(m, NF4Experts)), None)
+    if experts is not None:
+        # Each rank runs only the experts its tokens are routed to: their gathers would not match across ranks.
+        raise ConfigError(f"training.parallel: fsdp does not shard the NF4 experts of a mixture-of-experts model "
+                          f"({experts}): ranks run different experts, so their gathers would not match; use "
+                          "training.parallel: ddp (each rank holding the 4-bit base)")
     layers = []
     for name, module in list(model.named_modules()):
         if type(module) is NF4Linear:
