@@ -55,6 +55,8 @@ def test_rank_1_builds_on_meta_holds_about_half_and_gets_a_plain_loads_weights(t
     assert got.keys() == expected.keys() and any("lora_A" in name for name in got)
     for name, tensor in expected.items():
         torch.testing.assert_close(got[name], tensor.detach(), rtol=0, atol=0, msg=name)
+    trainable = sorted(name for name, p in plain.named_parameters() if p.requires_grad)
+    assert results[1]["gathered_for_adapter"] == trainable  # the adapter's output gathers no frozen base
     for rank in (0, 1):  # RoPE's buffer (not in a state dict) and the generator, as after a plain load
         torch.testing.assert_close(results[rank]["inv_freq"], plain.inv_freq, rtol=0, atol=0)
         assert torch.equal(results[rank]["rng"], torch.get_rng_state())

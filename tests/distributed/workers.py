@@ -129,7 +129,10 @@ def sharded_load_worker(recipe_path: str, overrides: list[str], quantize: str | 
                if hasattr(m, "holds_shards")}
         with full_params(model):
             weights = {name: p.detach().clone() for name, p in model.named_parameters()}
+        with full_params(model, trainable_only=True):  # what an adapter's output gathers
+            gathered = sorted(name for name, p in model.named_parameters() if type(p).__name__ != "DTensor")
         return {"built_on": where.type, "grown": grown, "weights": weights if world.rank == 1 else None,
-                "inv_freq": model.inv_freq.clone(), "rng": rng, "nf4": nf4}
+                "inv_freq": model.inv_freq.clone(), "rng": rng, "nf4": nf4,
+                "gathered_for_adapter": gathered}
     finally:
         world_module.leave()

@@ -382,7 +382,8 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
                         stop_early = early_stopping.update(done, scalars)
                         console.evaluation(done, scalars, is_best, early_stopping.reason or "")
                         if is_best:  # run/best/ is usable as --adapter / MODEL as it is
-                            main_writes(world, model, _save_result, model, tokenizer, recipe, run_dir / "best")
+                            main_writes(world, model, _save_result, model, tokenizer, recipe, run_dir / "best",
+                                        trainable_only=recipe.lora is not None)  # an adapter: no base gathered
                             last_checkpoint = checkpoint(done, best=True)  # after run/best/: never left stale
                 if (t.save_every and done % t.save_every == 0) or is_last or stop_early:
                     if last_checkpoint is None or last_checkpoint.name != f"step-{done}":
@@ -393,7 +394,8 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
         if eval_after is None:
             eval_after = evaluate()
         console.say("saving ...")
-        output = main_writes(world, model, _save_result, model, tokenizer, recipe, run_dir)
+        output = main_writes(world, model, _save_result, model, tokenizer, recipe, run_dir,
+                             trainable_only=recipe.lora is not None)  # an adapter: no base gathered
         quantized = (main_writes(world, model, save_qat_model, model, tokenizer, run_dir / "quantized")
                      if recipe.qat is not None else None)
         world.main_only(plot_loss_curve, metrics.path, run_dir / "loss_curve.png")
