@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from entrenar.memory import estimate_training_memory, lora_params
+from entrenar.memory import NF4_BYTES_PER_PARAM, estimate_training_memory, lora_params
 from entrenar.models.config import ModelConfig
 from entrenar.models.transformer import Transformer
 
@@ -234,4 +234,6 @@ def test_fsdp_divides_resident_state_and_adds_what_one_step_gathers():
     assert (sharded.activations, sharded.logits) == (full.activations, full.logits)
     assert per_device(full, CONFIG, 4, "ddp") == full  # a whole replica per device
     qlora = estimate_training_memory(CONFIG, "qlora")
-    assert per_device(qlora, CONFIG, 4, "fsdp") == qlora  # not sharded: refused with fsdp
+    largest = CONFIG.hidden_size * CONFIG.intermediate_size  # gathered by the sharded NF4 layer, one at a time
+    assert per_device(qlora, CONFIG, 4, "fsdp", dtype_bytes=2).weights == pytest.approx(
+        qlora.weights / 4 + root * 2 + largest * (NF4_BYTES_PER_PARAM + 2))

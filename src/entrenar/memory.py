@@ -307,15 +307,19 @@ def per_device(estimate: MemoryEstimate, config: ModelConfig, nproc: int, parall
     same as one device. FSDP2 (``fully_shard`` per decoder block, the root holding embeddings, final norm and
     head): weights, gradients and optimizer state divided by ``nproc``, plus what is gathered at once in
     ``dtype_bytes``: the root's parameters and two blocks' (the one computing and the one prefetched).
-    Activations are per device either way. A QLoRA base is not sharded (refused with fsdp).
+    Activations are per device either way. A QLoRA base is sharded too; its blocks' projections are gathered by
+    the layer itself, one at a time (the NF4 codes and the dequantized weight of the largest projection).
     """
     if nproc < 1 or parallel not in ("ddp", "fsdp"):
         raise ValueError(f"nproc must be >= 1 and parallel ddp or fsdp, got {nproc} and {parallel!r}")
-    if parallel == "ddp" or nproc == 1 or estimate.method == "qlora":
+    if parallel == "ddp" or nproc == 1:
         return estimate
     root = config.vocab_size * config.hidden_size * (1 if config.tie_word_embeddings else 2) + config.hidden_size
     block = (config.num_parameters - root) // config.num_layers
     gathered = (root + 2 * block) * dtype_bytes
+    if estimate.method == "qlora":  # entrenar.distributed.nf4: blocks' norms and adapters are small beside these
+        largest = config.hidden_size * config.intermediate_size
+        gathered = root * dtype_bytes + largest * (NF4_BYTES_PER_PARAM + dtype_bytes)
     return MemoryEstimate(estimate.method, estimate.total_params, estimate.trainable_params,
                           estimate.weights / nproc + gathered, estimate.gradients / nproc, estimate.optimizer / nproc,
                           estimate.activations, estimate.logits)

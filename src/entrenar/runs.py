@@ -201,9 +201,9 @@ def resolve_model_and_adapter(model: str | Path, adapter: str | Path | None = No
 
 
 def _check_checkpoint(checkpoint: Path) -> None:
-    from entrenar.train.checkpoint import MODEL_FILE
+    from entrenar.train.checkpoint import MODEL_FILE, is_sharded
 
-    if not (checkpoint / MODEL_FILE).is_file():
+    if not (checkpoint / MODEL_FILE).is_file() and not is_sharded(checkpoint):
         raise ModelError(f"{checkpoint}: no {MODEL_FILE} (an incomplete checkpoint?)")
 
 
@@ -211,17 +211,24 @@ def apply_checkpoint(model: torch.nn.Module, source: ModelSource) -> None:
     """Put a checkpoint's trainable state on ``model`` (loaded from ``source.model``): a LoRA run's adapter
     (wrapping the layers its recipe names), or a full fine-tune's weights. Every name and shape is checked."""
     from entrenar.models.hf import iter_safetensors, load_state_into
-    from entrenar.train.checkpoint import MODEL_FILE
+    from entrenar.train.checkpoint import MODEL_FILE, SHARDS_DIR, is_sharded
 
     assert source.checkpoint is not None and source.recipe is not None
-    file = source.checkpoint / MODEL_FILE
+    if is_sharded(source.checkpoint):  # an FSDP run's: the shards joined in this process
+        from entrenar.distributed.checkpoint import read_model_tensors
+
+        file = source.checkpoint / SHARDS_DIR
+        named = [(file.name, name, tensor) for name, tensor in read_model_tensors(source.checkpoint).items()]
+    else:
+        file = source.checkpoint / MODEL_FILE
+        named = iter_safetensors([file])
     if source.recipe.lora is None:
-        load_state_into(model, iter_safetensors([file]), str(source.checkpoint))
+        load_state_into(model, named, str(source.checkpoint))
         return
     from entrenar.lora import apply_lora, load_lora_state_dict
     from entrenar.train.loop import _lora_config
 
-    state = {name: tensor for _, name, tensor in iter_safetensors([file])}
+    state = {name: tensor for _, name, tensor in named}
     try:
         apply_lora(model, _lora_config(source.recipe))
     except AdapterError as e:

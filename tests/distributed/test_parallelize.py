@@ -40,18 +40,27 @@ def test_auto_takes_ddp_when_the_estimated_replica_fits_the_device_else_fsdp(wor
 
 def test_combinations_that_do_not_compose_are_refused_with_what_to_change(workspace):
     t = recipe(workspace).training
-    refuse("ddp", t, True, TWO)  # QLoRA under DDP: each rank holds the 4-bit base
-    with pytest.raises(ConfigError, match="does not shard an NF4 base yet"):
-        refuse("fsdp", t, True, TWO)
+    refuse("ddp", t, TWO)
+    refuse("fsdp", t, TWO)  # QLoRA too: the NF4 base is sharded (test_fsdp.py)
     with pytest.raises(ConfigError, match="training.kernels: false with parallel: fsdp"):
-        refuse("fsdp", recipe(workspace, "training.kernels=true").training, False, TWO)
+        refuse("fsdp", recipe(workspace, "training.kernels=true").training, TWO)
     graphs = recipe(workspace, "training.cuda_graphs=true", "model.device=cuda").training
     with pytest.raises(ConfigError, match="turn cuda_graphs off to train on 2 processes"):
-        refuse("ddp", graphs, False, TWO)
-    refuse("single", graphs, False, World())
+        refuse("ddp", graphs, TWO)
+    refuse("single", graphs, World())
 
 
 def test_ddp_buckets_hold_an_eighth_of_the_adapter_gradients_between_1_and_25_mib():
     assert bucket_mb(2**20) == 1.0
     assert bucket_mb(80 * 2**20) == 10.0
     assert bucket_mb(2**33) == 25.0
+
+
+def test_nf4_experts_are_refused_under_fsdp_naming_the_module():
+    from entrenar.distributed.nf4 import shard_nf4_layers
+    from entrenar.quant.nf4_experts import NF4Experts
+
+    model = torch.nn.Module()
+    model.mlp = NF4Experts(2, 64, 64, torch.float32, "meta")
+    with pytest.raises(ConfigError, match=r"NF4 experts of a mixture-of-experts model \(mlp\).*parallel: ddp"):
+        shard_nf4_layers(model, World(rank=0, size=2, backend="gloo"))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+import importlib
 import os
 import socket
 
@@ -80,5 +82,57 @@ def main_only_worker() -> tuple[str, str]:
         except DataError as e:
             return value, str(e)
         return value, "no error"
+    finally:
+        world_module.leave()
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory since the last :func:`reset_peak_rss` (Linux: VmHWM)."""
+    import re
+
+    with open("/proc/self/status") as f:
+        return int(re.search(r"VmHWM:\s+(\d+) kB", f.read()).group(1)) * 1024
+
+
+def reset_peak_rss() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the current resident size
+
+
+def sharded_load_worker(recipe_path: str, overrides: list[str], quantize: str | None = None) -> dict:
+    """Build the model as an FSDP run does (rank 0 on the CPU, the others on meta, then fully_shard); what each
+    rank built on, how much its peak memory grew, the whole weights gathered and the generator's state after;
+    with an NF4 base, each layer's codes: this rank's chunk length and the whole codes gathered."""
+    from entrenar import tasks
+    from entrenar.distributed import world as world_module
+    from entrenar.distributed.materialize import load_device
+    from entrenar.distributed.parallelize import parallelize
+    from entrenar.distributed.state import full_params
+    from entrenar.train.loop import build_model
+
+    recipe = load_recipe(recipe_path, overrides)
+    world, device = world_module.join(torch.device("cpu"), 30)
+    try:
+        task = tasks.for_recipe(recipe)
+        build_model(recipe, task, "float32", torch.device("meta"), quantize)  # modules imported before measuring
+        importlib.import_module("torch.distributed.checkpoint.state_dict")  # imported by the sharding, measured below
+        gc.collect()
+        torch.manual_seed(recipe.training.seed)
+        reset_peak_rss()
+        before = peak_rss_bytes()
+        where = load_device(world)
+        model, _ = build_model(recipe, task, "float32", where, quantize)
+        parallelize(model, "fsdp", world, device)
+        grown = peak_rss_bytes() - before
+        rng = torch.get_rng_state()
+        nf4 = {name: (m.weight_codes.numel(), m.quantized.codes.clone()) for name, m in model.named_modules()
+               if hasattr(m, "holds_shards")}
+        with full_params(model):
+            weights = {name: p.detach().clone() for name, p in model.named_parameters()}
+        with full_params(model, trainable_only=True):  # what an adapter's output gathers
+            gathered = sorted(name for name, p in model.named_parameters() if type(p).__name__ != "DTensor")
+        return {"built_on": where.type, "grown": grown, "weights": weights if world.rank == 1 else None,
+                "inv_freq": model.inv_freq.clone(), "rng": rng, "nf4": nf4,
+                "gathered_for_adapter": gathered}
     finally:
         world_module.leave()

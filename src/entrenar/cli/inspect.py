@@ -144,7 +144,7 @@ def per_device_text(nproc: int, parallel: str) -> str:
         return ""
     if parallel == "ddp":
         return f", per device with ddp on {nproc} processes (a whole replica each)"
-    return f", per device with fsdp on {nproc} processes (qlora: not sharded, as ddp)"
+    return f", per device with fsdp on {nproc} processes (sharded, an NF4 base too)"
 
 
 def describe(a: dict[str, Any]) -> str:

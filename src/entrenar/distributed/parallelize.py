@@ -25,6 +25,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from entrenar.distributed.materialize import full_state, materialize
+from entrenar.distributed.nf4 import scatter_nf4, shard_nf4_layers
 from entrenar.distributed.world import World
 from entrenar.errors import ConfigError
 
@@ -112,10 +114,14 @@ class Sharded(Single):
         # All-gathers in the compute dtype (half the traffic of fp32 master weights); gradients reduced in fp32.
         policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
         layers = list(model.model.layers)
+        nf4 = shard_nf4_layers(model, world)  # a QLoRA base: each rank keeps its chunks (before the state below)
+        state = full_state(model, world)  # rank 0's whole tensors; the other ranks built the model on meta
         for i, block in enumerate(layers):
             # The last block's parameters are needed again at once by backward: keep them gathered.
             fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=i < len(layers) - 1)
         fully_shard(model, mesh=mesh, mp_policy=policy)
+        materialize(model, state, world, device)  # each rank's shards, from rank 0
+        scatter_nf4(nf4, world, device)
         register_fsdp_forward_method(model, "hidden_states")
 
 
@@ -138,7 +144,7 @@ def choose(parallel: str, world: World, replica_bytes: float, device: torch.devi
     return "ddp" if replica_bytes <= AUTO_DDP_FRACTION * capacity else "fsdp"
 
 
-def refuse(mode: str, training: Any, quantized_base: bool, world: World) -> None:
+def refuse(mode: str, training: Any, world: World) -> None:
     """Combinations this version does not run, each with what to change."""
     if mode == "single":
         return
@@ -146,9 +152,6 @@ def refuse(mode: str, training: Any, quantized_base: bool, world: World) -> None
         raise ConfigError(f"training.cuda_graphs: the gradient reduction of {mode} runs outside a captured graph; "
                           f"turn cuda_graphs off to train on {world.size} processes")
     if mode == "fsdp":
-        if quantized_base:
-            raise ConfigError("training.parallel: fsdp does not shard an NF4 base yet (lora.quantize_base); use "
-                              "training.parallel: ddp (each rank holds the 4-bit base)")
         if training.kernels is True:
             raise ConfigError("training.kernels: the fused kernels read weights outside the module's forward, "
                               "which FSDP2 has not gathered; use training.kernels: false with parallel: fsdp")

@@ -37,8 +37,9 @@ def is_sharded(model: nn.Module) -> bool:
 
 
 @contextmanager
-def full_params(model: nn.Module, write_back: bool = False) -> Iterator[None]:
-    """Within the block, every sharded parameter of ``model`` is a plain full CPU one (tied ones stay tied)."""
+def full_params(model: nn.Module, write_back: bool = False, trainable_only: bool = False) -> Iterator[None]:
+    """Within the block, every sharded parameter of ``model`` is a plain full CPU one (tied ones stay tied);
+    with ``trainable_only``, only those that train (an adapter's output needs no frozen base gathered)."""
     if not is_sharded(model):
         yield
         return
@@ -51,7 +52,7 @@ def full_params(model: nn.Module, write_back: bool = False) -> Iterator[None]:
     full: dict[int, nn.Parameter] = {}
     for module in model.modules():
         for name, param in list(module._parameters.items()):
-            if param is None or not _sharded(param):
+            if param is None or not _sharded(param) or (trainable_only and not param.requires_grad):
                 continue
             if id(param) not in full:
                 full[id(param)] = nn.Parameter(_whole(param.detach()), requires_grad=param.requires_grad)
@@ -116,7 +117,9 @@ def full_optimizer(optimizer: torch.optim.Optimizer, gather: bool = True) -> Any
     return _FullOptimizer(optimizer, gather) if sharded else optimizer
 
 
-def main_writes(world: Any, model: nn.Module, fn: Any, *args: Any, **kwargs: Any) -> Any:
-    """``fn(*args)`` on rank 0 (``World.main_only``) while ``model``'s parameters are whole on every rank."""
-    with full_params(model):
+def main_writes(world: Any, model: nn.Module, fn: Any, *args: Any, trainable_only: bool = False,
+                **kwargs: Any) -> Any:
+    """``fn(*args)`` on rank 0 (``World.main_only``) while ``model``'s parameters (or its trainable ones) are
+    whole on every rank."""
+    with full_params(model, trainable_only=trainable_only):
         return world.main_only(fn, *args, **kwargs)

@@ -81,6 +81,18 @@ def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, str, torch.Tensor
             raise ModelError(f"{f}: cannot read safetensors file ({e})") from None
 
 
+def header_tensors(files: list[Path]) -> Iterator[tuple[str, str, torch.Tensor]]:
+    """As :func:`iter_safetensors`, with meta tensors of each tensor's shape: the headers only, no data read
+    (a model built on the meta device checks its names and shapes against the files)."""
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as reader:
+                for name in reader.keys():
+                    yield f.name, name, torch.empty(reader.get_slice(name).get_shape(), device="meta")
+        except Exception as e:  # safetensors raises its own error types for corrupt headers
+            raise ModelError(f"{f}: cannot read safetensors file ({e})") from None
+
+
 def stacked_expert_names(config: ModelConfig) -> dict[str, tuple[str, slice, int]]:
     """Stacked per-projection expert tensors [E, I, H] (GGUF's ffn_gate_exps / ffn_up_exps, read under the names
     ``mlp.experts.{gate,up}_proj``) -> (fused parameter, its rows, how many per-expert pieces each stands for)."""
@@ -298,7 +310,8 @@ def load_hf(
     files = weight_files(folder)
     check_size(config, files, str(folder))
     model = empty_model(config, dtype, device, quantize)
-    load_state_into(model, iter_safetensors(files), str(folder))
+    meta = torch.device(device).type == "meta"  # the structure only (an FSDP rank that receives its shards)
+    load_state_into(model, (header_tensors if meta else iter_safetensors)(files), str(folder))
     return model
 
 

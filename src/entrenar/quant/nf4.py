@@ -347,6 +347,8 @@ class NF4Linear(nn.Module):
         """Quantize a full-precision weight into this layer's buffers (streamed loading: one tensor at a time)."""
         if tuple(w.shape) != (self.out_features, self.in_features):
             raise QuantError(f"{name}: shape {tuple(w.shape)} does not fit NF4Linear({self.in_features} -> {self.out_features})")
+        if w.is_meta or self.weight_codes.is_meta:
+            return  # a model built on the meta device: the shape is all there is to check
         q = quantize_nf4(w.to(self.weight_codes.device, self.dtype), self.blocksize, self.weight_absmax_scale is not None, name=name)
         self.weight_codes.copy_(q.codes)
         self.weight_absmax.copy_(q.absmax)

@@ -12,6 +12,10 @@ Layout under a run folder::
         latest                     text file naming the newest checkpoint folder ("step-N")
         best                       text file naming the checkpoint kept as best (see mark_best)
 
+A sharded (FSDP) run's checkpoint holds ``shards/`` (torch.distributed.checkpoint: each rank's shards of the
+weights and optimizer state) instead of the three model and optimizer files; see
+:mod:`entrenar.distributed.checkpoint`, which writes and reads it with the helpers here.
+
 A checkpoint is built in a staging folder beside ``step-N``, fsynced, and renamed
 into place (:func:`entrenar.atomic.staged_folder`); the pointers are replaced
 the same way. A crash at any moment leaves the previous checkpoint intact and
@@ -48,6 +52,8 @@ OPTIMIZER_JSON = "optimizer.json"
 RNG_FILE = "rng.safetensors"
 TRAINER_FILE = "trainer.json"
 REQUIRED_FILES = (MODEL_FILE, OPTIMIZER_TENSORS, OPTIMIZER_JSON, RNG_FILE, TRAINER_FILE)
+SHARDS_DIR = "shards"  # a sharded checkpoint's torch.distributed.checkpoint folder
+SHARDED_REQUIRED_FILES = (f"{SHARDS_DIR}/.metadata", RNG_FILE, TRAINER_FILE)
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 # A staging folder of atomic.staged_folder for a checkpoint (removed once the process that made it is gone).
@@ -292,7 +298,12 @@ def _checkpoints_dir(run_dir: str | os.PathLike) -> Path:
 
 
 def _is_complete(ckpt: Path) -> bool:
-    return all((ckpt / name).is_file() for name in REQUIRED_FILES)
+    return any(all((ckpt / name).is_file() for name in files) for files in (REQUIRED_FILES, SHARDED_REQUIRED_FILES))
+
+
+def is_sharded(ckpt: str | os.PathLike) -> bool:
+    """Whether ``ckpt`` is a sharded checkpoint (torch.distributed.checkpoint), written by an FSDP run."""
+    return (Path(ckpt) / SHARDED_REQUIRED_FILES[0]).is_file()
 
 
 def _step_dirs(ckpts: Path) -> list[tuple[int, Path]]:
@@ -369,14 +380,7 @@ def save_checkpoint(
     are removed. ``best=True`` marks this checkpoint best before pruning, so
     the previous best is pruned like any other. Returns the checkpoint folder.
     """
-    if keep_last is not None and keep_last < 1:
-        raise CheckpointError(f"keep_last must be at least 1 (or None to keep all), got {keep_last}")
-    if "format_version" in trainer_state or trainer_state.get("step", step) != step:
-        raise ValueError("trainer_state must not set 'format_version', and its 'step' (if any) must equal step")
-    try:
-        trainer_json = json.dumps({"format_version": FORMAT_VERSION, **trainer_state, "step": step}, indent=2)
-    except TypeError as e:
-        raise TypeError(f"trainer_state must be JSON-serialisable: {e}") from None
+    trainer_json = encode_trainer_state(step, trainer_state, keep_last)
     optimizer_tensors: dict[str, torch.Tensor] = {}
     optimizer_json = json.dumps(_encode(optimizer.state_dict(), "", optimizer_tensors))
 
@@ -390,9 +394,32 @@ def save_checkpoint(
         save_file(_cpu_tensors(model_state), str(tmp / MODEL_FILE), metadata={"format": "pt"})
         save_file(_cpu_tensors(optimizer_tensors), str(tmp / OPTIMIZER_TENSORS))
         (tmp / OPTIMIZER_JSON).write_text(optimizer_json, encoding="utf-8")
-        rng_tensors, rng_meta = _capture_rng()
-        save_file(rng_tensors, str(tmp / RNG_FILE), metadata=rng_meta)
-        (tmp / TRAINER_FILE).write_text(trainer_json, encoding="utf-8")  # last: its presence marks a finished write
+        write_rng_and_trainer(tmp, trainer_json)
+    return publish(final, keep_last, best)
+
+
+def encode_trainer_state(step: int, trainer_state: Mapping[str, Any], keep_last: int | None) -> str:
+    """trainer.json's text, after checking the arguments of a save (both checkpoint formats)."""
+    if keep_last is not None and keep_last < 1:
+        raise CheckpointError(f"keep_last must be at least 1 (or None to keep all), got {keep_last}")
+    if "format_version" in trainer_state or trainer_state.get("step", step) != step:
+        raise ValueError("trainer_state must not set 'format_version', and its 'step' (if any) must equal step")
+    try:
+        return json.dumps({"format_version": FORMAT_VERSION, **trainer_state, "step": step}, indent=2)
+    except TypeError as e:
+        raise TypeError(f"trainer_state must be JSON-serialisable: {e}") from None
+
+
+def write_rng_and_trainer(folder: Path, trainer_json: str) -> None:
+    """The generators' states, then trainer.json (last: its presence marks a finished write), into ``folder``."""
+    rng_tensors, rng_meta = _capture_rng()
+    save_file(rng_tensors, str(folder / RNG_FILE), metadata=rng_meta)
+    (folder / TRAINER_FILE).write_text(trainer_json, encoding="utf-8")
+
+
+def publish(final: Path, keep_last: int | None, best: bool) -> Path:
+    """Point ``latest`` (and ``best``) at the checkpoint just renamed into place, then prune; return it."""
+    ckpts = final.parent
     _write_pointer(ckpts / "latest", final.name)
     if best:
         _write_pointer(ckpts / "best", final.name)
@@ -451,22 +478,14 @@ def load_checkpoint(
     into the model, and the trainer dict given at save time with its ``step``.
     """
     ckpt = _resolve(path_or_run_dir)
+    if is_sharded(ckpt):
+        raise CheckpointError(f"{ckpt}: a sharded checkpoint (torch.distributed.checkpoint, written by an FSDP run); "
+                              "read it with entrenar.distributed.checkpoint.load_sharded_checkpoint (entrenar train "
+                              "--resume does)")
     missing = [name for name in REQUIRED_FILES if not (ckpt / name).is_file()]
     if missing:
         raise CheckpointError(f"{ckpt}: incomplete checkpoint, missing {', '.join(missing)}")
-    trainer_state = _read_json(ckpt / TRAINER_FILE)
-    if not isinstance(trainer_state, dict) or trainer_state.get("format_version") != FORMAT_VERSION:
-        raise CheckpointError(
-            f"{ckpt / TRAINER_FILE}: unsupported format_version "
-            f"{trainer_state.get('format_version') if isinstance(trainer_state, dict) else None!r} "
-            f"(this entrenar reads {FORMAT_VERSION})"
-        )
-    del trainer_state["format_version"]
-    named = _STEP_DIR.match(ckpt.name)
-    if named is not None and trainer_state.get("step") != int(named.group(1)):
-        raise CheckpointError(f"{ckpt / TRAINER_FILE}: says step {trainer_state.get('step')!r} but the folder is "
-                              f"{ckpt.name}; the checkpoint was moved or damaged, and resuming it would continue at "
-                              "the wrong step")
+    trainer_state = read_trainer_state(ckpt)
     model_state = _read_tensors(ckpt / MODEL_FILE)
     if expected_model_state is not None:
         _check_model_state(model_state, expected_model_state, ckpt / MODEL_FILE)
@@ -481,3 +500,31 @@ def load_checkpoint(
     if rng is not None:
         _restore_rng(*rng)
     return model_state, trainer_state
+
+
+def read_trainer_state(ckpt: Path) -> dict[str, Any]:
+    """trainer.json of a checkpoint (either format), checked: its format version and the step its folder names."""
+    trainer_state = _read_json(ckpt / TRAINER_FILE)
+    if not isinstance(trainer_state, dict) or trainer_state.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(
+            f"{ckpt / TRAINER_FILE}: unsupported format_version "
+            f"{trainer_state.get('format_version') if isinstance(trainer_state, dict) else None!r} "
+            f"(this entrenar reads {FORMAT_VERSION})"
+        )
+    del trainer_state["format_version"]
+    named = _STEP_DIR.match(ckpt.name)
+    if named is not None and trainer_state.get("step") != int(named.group(1)):
+        raise CheckpointError(f"{ckpt / TRAINER_FILE}: says step {trainer_state.get('step')!r} but the folder is "
+                              f"{ckpt.name}; the checkpoint was moved or damaged, and resuming it would continue at "
+                              "the wrong step")
+    return trainer_state
+
+
+def read_rng(ckpt: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """A checkpoint's generator states, read and checked; :func:`restore_rng` applies them."""
+    return _read_rng(ckpt / RNG_FILE)
+
+
+def restore_rng(rng: tuple[dict[str, torch.Tensor], dict[str, Any]]) -> None:
+    """Set the torch, CUDA, numpy and ``random`` generators to what :func:`read_rng` read."""
+    _restore_rng(*rng)

@@ -40,7 +40,9 @@ from entrenar.data import (
 )
 from entrenar.data.report import data_notes, skipped_in_order, write_skipped
 from entrenar.distributed import steps as dist_steps
+from entrenar.distributed.checkpoint import load_sharded_checkpoint, save_sharded_checkpoint
 from entrenar.distributed.consistency import check_replicas
+from entrenar.distributed.materialize import load_device as sharded_load_device
 from entrenar.distributed.parallelize import choose_mode, parallelize, refuse
 from entrenar.distributed.state import full_optimizer, full_params, main_writes
 from entrenar.distributed.world import join, leave, restarted
@@ -57,7 +59,7 @@ from entrenar.memory import FUSED_LOSS_CHUNK, LINEAR_NAMES, GiB, estimate_traini
 from entrenar.models.padding_free import varlen_available
 from entrenar.quant.checkpoint import save_qat_model
 from entrenar.quant.qat import apply_qat_recipe, load_qat_state_dict, master_weights, qat_state_dict
-from entrenar.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from entrenar.train.checkpoint import is_sharded, latest_checkpoint, load_checkpoint, save_checkpoint
 from entrenar.train.console import Console
 from entrenar.train.cuda_graph import GraphedMicroStep
 from entrenar.train.early_stopping import EarlyStopping
@@ -153,10 +155,11 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
         weights_dtype = "float32"  # full fine-tuning keeps fp32 master weights; compute follows training.precision
     quantize = recipe.lora.quantize_base if recipe.lora is not None else None
     mode = choose_mode(recipe, world, device)  # single, ddp or fsdp
-    refuse(mode, t, quantize is not None, world)
+    refuse(mode, t, world)
     accumulation = dist_steps.accumulation(t.batch_size, t.grad_accum, t.global_batch_size, world.size)
-    # FSDP on CUDA reads the weights into CPU memory; fully_shard moves each rank's shards to its device.
-    load_device = torch.device("cpu") if mode == "fsdp" else device
+    # FSDP: rank 0 reads the weights into CPU memory, the others build on the meta device; fully_shard then
+    # gives each rank its shards of rank 0's (entrenar.distributed.materialize), on its device.
+    load_device = sharded_load_device(world) if mode == "fsdp" else device
     console.say(f"loading {recipe.model.path or 'a random model (model.config)'} on {load_device} ...")
     model, tokenizer = build_model(recipe, task, weights_dtype, load_device, quantize)
     if t.cuda_graphs is True and device.type != "cuda":
@@ -257,11 +260,14 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
     early_stopping = EarlyStopping(t.early_stopping)
     if resume_from is not None:
         console.say(f"resuming from {resume_from} ...")
-        with full_params(model, write_back=True):  # FSDP: whole tensors read, then scattered into the shards
-            model_state, trainer_state = load_checkpoint(resume_from, full_optimizer(optimizer, gather=False),
-                                                         expected_model_state=_trainable_state(model, recipe))
-            start_step = _check_trainer_state(trainer_state, resume_from, t.max_steps, scaler.is_enabled())
-            _load_trainable_state(model, recipe, model_state, str(resume_from))
+        if is_sharded(resume_from):  # an FSDP run's: each rank reads what its tensors cover, from any world size
+            trainer_state = load_sharded_checkpoint(resume_from, model, optimizer, world)
+        else:
+            with full_params(model, write_back=True):  # FSDP: whole tensors read, then scattered into the shards
+                model_state, trainer_state = load_checkpoint(resume_from, full_optimizer(optimizer, gather=False),
+                                                             expected_model_state=_trainable_state(model, recipe))
+                _load_trainable_state(model, recipe, model_state, str(resume_from))
+        start_step = _check_trainer_state(trainer_state, resume_from, t.max_steps, scaler.is_enabled())
         stream.load_state_dict(trainer_state["data"])
         dist_steps.check_resume(trainer_state, resume_from, t.batch_size * accumulation * world.size)
         if scaler.is_enabled():
@@ -294,7 +300,9 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
             trainer_state["grad_scaler"] = scaler.state_dict()
         if moe is not None:
             trainer_state["moe"] = moe.state_dict()
-        with full_params(model):  # FSDP: whole tensors, gathered; rank 0 writes them
+        if mode == "fsdp":  # each rank writes its shards (torch.distributed.checkpoint); nothing is gathered
+            return save_sharded_checkpoint(run_dir, step, model, optimizer, trainer_state, world, t.keep_last, best)
+        with full_params(model):  # whole tensors (a sharded model's gathered); rank 0 writes them
             return world.main_only(save_checkpoint, run_dir, step, _trainable_state(model, recipe),
                                    full_optimizer(optimizer), trainer_state, t.keep_last, best=best)
 
@@ -386,7 +394,8 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
                         stop_early = early_stopping.update(done, scalars)
                         console.evaluation(done, scalars, is_best, early_stopping.reason or "")
                         if is_best:  # run/best/ is usable as --adapter / MODEL as it is
-                            main_writes(world, model, _save_result, model, tokenizer, recipe, run_dir / "best")
+                            main_writes(world, model, _save_result, model, tokenizer, recipe, run_dir / "best",
+                                        trainable_only=recipe.lora is not None)  # an adapter: no base gathered
                             last_checkpoint = checkpoint(done, best=True)  # after run/best/: never left stale
                 if (t.save_every and done % t.save_every == 0) or is_last or stop_early:
                     if last_checkpoint is None or last_checkpoint.name != f"step-{done}":
@@ -397,7 +406,8 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
         if eval_after is None:
             eval_after = evaluate()
         console.say("saving ...")
-        output = main_writes(world, model, _save_result, model, tokenizer, recipe, run_dir)
+        output = main_writes(world, model, _save_result, model, tokenizer, recipe, run_dir,
+                             trainable_only=recipe.lora is not None)  # an adapter: no base gathered
         quantized = (main_writes(world, model, save_qat_model, model, tokenizer, run_dir / "quantized")
                      if recipe.qat is not None else None)
         world.main_only(plot_loss_curve, metrics.path, run_dir / "loss_curve.png")
