@@ -303,3 +303,17 @@ def test_merge_into_an_nf4_base_dequantizes_and_keeps_the_output():
     torch.testing.assert_close(layer(x), before, atol=1e-4, rtol=1e-4)
     layer.unmerge()
     torch.testing.assert_close(layer(x), before, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compares the CPU with a GPU")
+def test_a_seed_gives_the_same_adapters_on_the_cpu_and_on_a_gpu():
+    from entrenar.lora import LoraLinear
+
+    def drawn(device: str) -> torch.Tensor:
+        base = torch.nn.Linear(32, 16, device=device)
+        torch.manual_seed(0)
+        lora = LoraLinear(base, r=4, alpha=8)
+        assert lora.lora_A.weight.device == base.weight.device
+        return lora.lora_A.weight.detach().cpu()
+
+    torch.testing.assert_close(drawn("cuda"), drawn("cpu"), atol=0, rtol=0)

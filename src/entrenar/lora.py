@@ -221,15 +221,26 @@ class LoraLinear(nn.Module):
         self.merged = False
         dtype = adapter_dtype(weight.dtype)
         self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
-        self.lora_A = nn.Linear(in_features, r, bias=False, device=weight.device, dtype=dtype)
-        self.lora_B = nn.Linear(r, out_features, bias=False, device=weight.device, dtype=dtype)
+        # Built and drawn on the CPU, then moved: a seed gives the same adapters on any device (PEFT's draws on
+        # the CPU), and a run that loads on the CPU first (FSDP) starts where a one-GPU run does.
+        self.lora_A = nn.Linear(in_features, r, bias=False, dtype=dtype)
+        self.lora_B = nn.Linear(r, out_features, bias=False, dtype=dtype)
         self.reset_lora_parameters()
+        self.lora_A.to(weight.device)
+        self.lora_B.to(weight.device)
         base_layer.requires_grad_(False)
         self.train(base_layer.training)
 
     def reset_lora_parameters(self) -> None:
-        """A as ``nn.Linear``'s default (Kaiming uniform, a=sqrt(5)), B zero: the update starts at zero."""
-        nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))
+        """A as ``nn.Linear``'s default (Kaiming uniform, a=sqrt(5)), B zero: the update starts at zero.
+
+        A is drawn from the CPU generator whatever its device, so a seed gives the same adapters on the CPU and
+        on a GPU, and a run that builds on the CPU first (FSDP) starts where a one-GPU run does."""
+        weight = self.lora_A.weight
+        drawn = torch.empty(weight.shape, dtype=weight.dtype)
+        nn.init.kaiming_uniform_(drawn, a=math.sqrt(5))
+        with torch.no_grad():
+            weight.copy_(drawn)
         nn.init.zeros_(self.lora_B.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -57,9 +57,11 @@ class LoraExpertWeights(LoraLinear):
         dtype = adapter_dtype(weight_dtype)
         self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         e = self.num_experts
-        self.lora_A = nn.Linear(self.in_features, r * e, bias=False, device=device, dtype=dtype)
-        self.lora_B = nn.Linear(r * e, self.out_features, bias=False, device=device, dtype=dtype)
+        self.lora_A = nn.Linear(self.in_features, r * e, bias=False, dtype=dtype)  # drawn on the CPU (LoraLinear)
+        self.lora_B = nn.Linear(r * e, self.out_features, bias=False, dtype=dtype)
         self.reset_lora_parameters()
+        self.lora_A.to(device)
+        self.lora_B.to(device)
         experts.requires_grad_(False)  # not base_layer: an inner wrapper's adapters keep training
         self.train(base_layer.training)
 

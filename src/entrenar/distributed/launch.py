@@ -21,7 +21,7 @@ import os
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import replace
+from dataclasses import fields, replace
 from typing import Any
 
 from entrenar.errors import ConfigError, DistributedError, EntrenarError
@@ -86,8 +86,8 @@ def launch_function(fn: Callable[..., Any], args: Sequence[Any] = (), start_meth
     _quiet()
     parsed = parse_args([*torchrun_args(**options), "unused"])
     config, _, _ = config_from_args(parsed)
-    config = replace(config, start_method=start_method, monitor_interval=monitor_interval,
-                     shutdown_timeout=shutdown_timeout)
+    extra = {"shutdown_timeout": shutdown_timeout} if "shutdown_timeout" in {f.name for f in fields(config)} else {}
+    config = replace(config, start_method=start_method, monitor_interval=monitor_interval, **extra)  # torch < 2.12: none
     return _run(config, _Recording(fn), list(args))
 
 
