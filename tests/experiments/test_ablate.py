@@ -254,3 +254,11 @@ def test_routing_specialisation_is_measured_with_the_model_as_trained(ablation):
             for e in chosen.flatten().tolist():
                 want[layer][r["task"]][e] += 1
     assert {int(k): v["all"]["table"] for k, v in spec["layers"].items()} == want
+
+
+def test_the_sigmoid_arm_bias_rate_is_the_option_else_the_recipe_else_the_default(tmp_path):
+    r = recipe(tmp_path)
+    with_rate = Recipe.from_dict({**r.to_dict(), "moe": {**r.to_dict()["moe"], "bias_update_rate": 0.01}})
+    assert ab.arm_recipe(with_rate, "moe-sigmoid", tmp_path).moe.bias_update_rate == 0.01
+    assert ab.arm_recipe(with_rate, "moe-sigmoid", tmp_path, bias_update_rate=0.002).moe.bias_update_rate == 0.002
+    assert ab.arm_recipe(r, "moe-sigmoid", tmp_path).moe.bias_update_rate == ab.BIAS_UPDATE_RATE

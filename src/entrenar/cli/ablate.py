@@ -33,18 +33,25 @@ def add_parser(commands: argparse._SubParsersAction, parents: list[argparse.Argu
 
 
 def run(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     from entrenar.config import load_recipe
     from entrenar.errors import ConfigError
-    from entrenar.experiments.ablate import BIAS_UPDATE_RATE, parse_arms
+    from entrenar.experiments.ablate import parse_arms
 
-    arms = parse_arms(args.arms)  # before reading the recipe or importing torch: a bad option fails at once
-    rate = BIAS_UPDATE_RATE if args.bias_update_rate is None else args.bias_update_rate
-    if not rate > 0:
+    arms = parse_arms(args.arms)  # before reading the recipe: a bad option fails at once
+    rate = args.bias_update_rate
+    if rate is not None and not rate > 0:
         raise ConfigError(f"--bias-update-rate: must be a positive number, got {args.bias_update_rate}")
-    recipe = load_recipe(args.recipe, args.overrides)
+    path = args.recipe
+    if not Path(path).exists() and "/" not in path:  # `entrenar ablate ablate-moe-synth`: a bundled recipe
+        from entrenar.recipe_catalog import bundled_recipes
+
+        path = {r.name: r.path for r in bundled_recipes()}.get(path.removesuffix(".yaml"), path)
+    recipe = load_recipe(path, args.overrides)
     from entrenar.experiments.ablate import ablate, check_recipe
 
-    check_recipe(recipe, args.recipe)  # its errors name the recipe file
+    check_recipe(recipe, str(path))  # its errors name the recipe file
 
     report = ablate(recipe, arms, match=args.match, output=args.output, bias_update_rate=rate,
                     progress=not args.no_progress, say=lambda line: print(line, flush=True))

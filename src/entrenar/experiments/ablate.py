@@ -131,14 +131,15 @@ def dense_config(recipe: Recipe, match: str = "active") -> tuple[dict[str, Any],
 
 
 def arm_recipe(recipe: Recipe, arm: str, run_dir: Path, match: str = "active",
-               bias_update_rate: float = BIAS_UPDATE_RATE) -> Recipe:
-    """The recipe of one arm, training into ``run_dir``."""
+               bias_update_rate: float | None = None) -> Recipe:
+    """The recipe of one arm, training into ``run_dir``. The sigmoid arm's bias update rate is
+    ``bias_update_rate``, else the recipe's ``moe.bias_update_rate``, else :data:`BIAS_UPDATE_RATE`."""
     out = replace(recipe.output, dir=str(run_dir), name=f"{recipe.output.name}-{arm}")
     if arm == "moe":
         return replace(recipe, output=out)
     if arm == "moe-sigmoid":
         config = {**recipe.model.config, "scoring_func": "sigmoid"}
-        rate = recipe.moe.bias_update_rate or bias_update_rate
+        rate = bias_update_rate or recipe.moe.bias_update_rate or BIAS_UPDATE_RATE
         moe = replace(recipe.moe, aux_loss=0.0, bias_update_rate=rate)
         return replace(recipe, model=replace(recipe.model, config=config), moe=moe, output=out)
     if arm == "dense":
@@ -152,7 +153,7 @@ def ablate(
     arms: Sequence[str] = ARMS,
     match: str = "active",
     output: str | Path | None = None,
-    bias_update_rate: float = BIAS_UPDATE_RATE,
+    bias_update_rate: float | None = None,
     progress: bool = False,
     say: Callable[[str], None] = lambda line: None,
     mi_records: int = MI_RECORDS,
