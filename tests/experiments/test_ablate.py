@@ -262,3 +262,17 @@ def test_the_sigmoid_arm_bias_rate_is_the_option_else_the_recipe_else_the_defaul
     assert ab.arm_recipe(with_rate, "moe-sigmoid", tmp_path).moe.bias_update_rate == 0.01
     assert ab.arm_recipe(with_rate, "moe-sigmoid", tmp_path, bias_update_rate=0.002).moe.bias_update_rate == 0.002
     assert ab.arm_recipe(r, "moe-sigmoid", tmp_path).moe.bias_update_rate == ab.BIAS_UPDATE_RATE
+
+
+def test_a_finished_arm_continues_when_only_its_length_changed(ablation):
+    report, _ = ablation
+    lines: list[str] = []
+    longer = recipe(report.output.parent, max_steps=3)
+    out = report.output.parent / "longer"
+    import shutil
+
+    shutil.copytree(report.output / "moe", out / "moe")  # a copy: the shared fixture's arms stay as they are
+    got = ab.ablate(longer, arms="moe", output=out, say=lines.append, mi_records=4)
+    assert lines[0].startswith("arm moe: finished earlier; continuing it (training.max_steps: 2 -> 3)")
+    assert lines[1] == f"arm moe: resuming in {out / 'moe'}"
+    assert got.arms["moe"]["steps"] == 3 and got.arms["moe"]["curve"][:2] == report.arms["moe"]["curve"]

@@ -187,13 +187,19 @@ def _run_arm(arm: str, recipe: Recipe, run_dir: Path, progress: bool, say: Calla
              mi_records: int = MI_RECORDS) -> dict[str, Any]:
     """One arm's results: read from its arm.json when it finished before, else trained (or resumed) now."""
     from entrenar.train.checkpoint import latest_checkpoint
-    from entrenar.train.loop import RECIPE_FILE, train
+    from entrenar.train.loop import RECIPE_FILE, RESUMABLE_CHANGES, train
 
     done = run_dir / ARM_FILE
     if done.is_file():
-        _check_same(arm, recipe, run_dir / RECIPE_FILE)
-        say(f"arm {arm}: finished earlier, skipped ({done})")
-        return json.loads(done.read_text())
+        changes = _changes(recipe, run_dir / RECIPE_FILE)
+        if not changes:
+            say(f"arm {arm}: finished earlier, skipped ({done})")
+            return json.loads(done.read_text())
+        if not all(c.startswith(RESUMABLE_CHANGES) for c in changes):
+            raise ConfigError(f"{run_dir}: arm {arm} was trained from another recipe ({'; '.join(changes[:3])}); "
+                              "use another --output, or delete that folder to train it again")
+        say(f"arm {arm}: finished earlier; continuing it ({'; '.join(changes[:3])})")  # e.g. more steps
+        done.unlink()
     resume = run_dir if latest_checkpoint(run_dir) is not None else None
     say(f"arm {arm}: {'resuming' if resume else 'training'} in {run_dir}")
     result = train(recipe, resume=resume, progress=progress)
@@ -202,14 +208,11 @@ def _run_arm(arm: str, recipe: Recipe, run_dir: Path, progress: bool, say: Calla
     return record
 
 
-def _check_same(arm: str, recipe: Recipe, saved: Path) -> None:
-    """A finished arm is reused only if it was trained from this arm's recipe."""
+def _changes(recipe: Recipe, saved: Path) -> list[str]:
+    """How ``recipe`` differs from the one an arm was trained from (its run folder's recipe.yaml)."""
     if not saved.is_file():
-        return
-    changes = [c for c in recipe_changes(load_recipe(saved), recipe) if not c.startswith("output.")]
-    if changes:
-        raise ConfigError(f"{saved.parent}: arm {arm} was trained from another recipe ({'; '.join(changes[:3])}); "
-                          "use another --output, or delete that folder to train it again")
+        return []
+    return [c for c in recipe_changes(load_recipe(saved), recipe) if not c.startswith("output.")]
 
 
 def arm_record(run_dir: Path, recipe: Recipe, eval_loss: float | None, mi_records: int = MI_RECORDS) -> dict[str, Any]:
