@@ -361,7 +361,8 @@ def format_markdown(report: Ablation) -> str:
              f"{s['model_type']}, {s['num_experts']} experts, top-{s['num_experts_per_tok']}; data {s['data']} "
              f"(held out: {s['validation'] or 'none'}); seed {s['seed']}, {s['max_steps']} steps of "
              f"{s['batch_size']} x {s['seq_len']} tokens.", "",
-             "| arm | parameters | active | train loss | held-out loss | tokens/s | router entropy | MI (bits) | MI / H(task) |",
+             "| arm | parameters | active | train loss | held-out loss | tokens/s | router entropy | MI (bits) "
+             "| MI / H(task) |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for arm, r in report.arms.items():
         spec = r.get("specialisation")

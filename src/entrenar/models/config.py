@@ -488,7 +488,8 @@ def _routing_from_hf(model_type: str, hf: dict[str, Any], moe: dict[str, Any], s
             raise ModelError(f"{source}: 'n_shared_experts' is DeepSeek's; qwen2_moe gives its (gated) shared "
                              "expert as shared_expert_intermediate_size")
         count = read.size("n_shared_experts", limit=4096)
-        out["shared_expert_intermediate_size"] = count * int(moe.get("moe_intermediate_size") or hf["intermediate_size"])
+        width = moe.get("moe_intermediate_size") or hf["intermediate_size"]
+        out["shared_expert_intermediate_size"] = count * int(width)
         out["shared_expert_gate"] = False
     return out
 
