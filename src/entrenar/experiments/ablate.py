@@ -203,6 +203,7 @@ def _run_arm(arm: str, recipe: Recipe, run_dir: Path, progress: bool, say: Calla
     resume = run_dir if latest_checkpoint(run_dir) is not None else None
     say(f"arm {arm}: {'resuming' if resume else 'training'} in {run_dir}")
     result = train(recipe, resume=resume, progress=progress)
+    say(result.summary)  # what `entrenar train` prints at the end of a run
     record = arm_record(result.run_dir, recipe, result.eval_after.loss if result.eval_after else None, mi_records)
     atomic.write_text(done, json.dumps(record, indent=2) + "\n")
     return record
