@@ -362,22 +362,25 @@ def format_markdown(report: Ablation) -> str:
              f"{s['model_type']}, {s['num_experts']} experts, top-{s['num_experts_per_tok']}; data {s['data']} "
              f"(held out: {s['validation'] or 'none'}); seed {s['seed']}, {s['max_steps']} steps of "
              f"{s['batch_size']} x {s['seq_len']} tokens.", "",
-             "| arm | parameters | active | train loss | held-out loss | tokens/s | router entropy | MI (bits) "
-             "| MI / H(task) |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| arm | parameters | active | train loss | held-out loss | tokens/s | router entropy | load max/mean "
+             "| MI (bits) | MI / H(task) |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for arm, r in report.arms.items():
         spec = r.get("specialisation")
         answer = [d["answer"] for d in spec["layers"].values()] if spec else []
         mi = sum(d["mi_bits"] for d in answer) / len(answer) if answer else None
         norm = sum(d["mi_norm"] for d in answer) / len(answer) if answer else None
         tps = f"{r['tokens_per_s']:,.0f}" if r.get("tokens_per_s") else "-"
+        router = list(r.get("router", {}).values())
+        imbalance = sum(d["imbalance"] for d in router) / len(router) if router else None
         lines.append(f"| {arm} | {r['parameters']:,} | {r['active_parameters']:,} | {_num(r['train_loss'])} | "
-                     f"{_num(r['eval_loss'])} | {tps} | {_num(r.get('router_entropy_norm'), 3)} | "
+                     f"{_num(r['eval_loss'])} | {tps} | {_num(r.get('router_entropy_norm'), 3)} | {_num(imbalance, 2)} | "
                      f"{_num(mi, 3)} | {_num(norm, 3)} |")
     lines += ["", f"Train loss: the mean over the last {TAIL:.0%} of the steps. Router entropy: at the last step, "
               "normalised by log(experts), mean over the MoE layers (for sigmoid routing, of the scores normalised "
-              "to sum to 1). MI: I(sub-task; chosen expert) on the answer tokens of held-out records, mean over the "
-              "MoE layers (per layer below)."]
+              "to sum to 1). Load max/mean: the busiest expert's share of the routed tokens at the last step over "
+              "the mean share (1: balanced), mean over the MoE layers. MI: I(sub-task; chosen expert) on the "
+              "answer tokens of held-out records, mean over the MoE layers (per layer below)."]
     m = report.match
     if m is not None:
         lines += ["", f"Dense arm: {m['family']} with intermediate_size {m['intermediate_size']}: {m['achieved']:,} "
