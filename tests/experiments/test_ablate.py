@@ -278,3 +278,16 @@ def test_a_finished_arm_continues_when_only_its_length_changed(ablation):
     assert lines[0].startswith("arm moe: finished earlier; continuing it (training.max_steps: 2 -> 3)")
     assert lines[1] == f"arm moe: resuming in {out / 'moe'}"
     assert got.arms["moe"]["steps"] == 3 and got.arms["moe"]["curve"][:2] == report.arms["moe"]["curve"]
+
+
+def test_without_matplotlib_the_report_is_written_and_says_why_there_is_no_plot(ablation, monkeypatch, tmp_path):
+    import sys
+
+    report, _ = ablation
+    monkeypatch.setitem(sys.modules, "matplotlib.backends.backend_agg", None)  # import fails as if not installed
+    copy = ab.Ablation(tmp_path, report.arms, report.match, report.setup)
+    with pytest.warns(UserWarning, match="matplotlib is not installed"):
+        files = ab.write_report(copy)
+    assert [f.name for f in files] == ["ablation.json", "ablation.md"] and not (tmp_path / "ablation_loss.png").exists()
+    text = (tmp_path / "ablation.md").read_text()
+    assert "Note: no plot: matplotlib is not installed (pip install 'entrenar[plot]')." in text

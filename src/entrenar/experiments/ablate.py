@@ -374,7 +374,8 @@ def format_markdown(report: Ablation) -> str:
         router = list(r.get("router", {}).values())
         imbalance = sum(d["imbalance"] for d in router) / len(router) if router else None
         lines.append(f"| {arm} | {r['parameters']:,} | {r['active_parameters']:,} | {_num(r['train_loss'])} | "
-                     f"{_num(r['eval_loss'])} | {tps} | {_num(r.get('router_entropy_norm'), 3)} | {_num(imbalance, 2)} | "
+                     f"{_num(r['eval_loss'])} | {tps} | {_num(r.get('router_entropy_norm'), 3)} | "
+                     f"{_num(imbalance, 2)} | "
                      f"{_num(mi, 3)} | {_num(norm, 3)} |")
     lines += ["", f"Train loss: the mean over the last {TAIL:.0%} of the steps. Router entropy: at the last step, "
               "normalised by log(experts), mean over the MoE layers (for sigmoid routing, of the scores normalised "
