@@ -38,7 +38,7 @@ def test_help_lists_every_command(capsys):
     assert main(["--help"]) == 0
     out = capsys.readouterr().out
     assert COMMANDS == ("train", "inspect", "generate", "eval", "chat", "export", "quantize", "merge", "classify",
-                        "recipes", "diagnose")
+                        "recipes", "diagnose", "ablate")
     for command in COMMANDS:
         assert f"    {command} " in out
 

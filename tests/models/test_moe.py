@@ -141,3 +141,92 @@ def test_token_dispatch_and_permutation_backwards_equal_indexing():
     grad = torch.randn(n * k, h, dtype=torch.float64)
     mine = torch.autograd.grad(_Dispatch.apply(x, order // k, inverse, k), x, grad)[0]
     torch.testing.assert_close(mine, torch.autograd.grad(x[order // k], x, grad)[0], atol=1e-12, rtol=0)
+
+
+# DeepSeek-V3's routing keys in a config.json / model.config of any MoE family.
+ROUTED = dict(model_type="qwen3_moe", vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+              moe_intermediate_size=16, norm_topk_prob=True)
+
+
+def test_deepseek_routing_keys_are_read_and_written_back():
+    hf = {**ROUTED, "scoring_func": "sigmoid", "n_group": 2, "topk_group": 1, "routed_scaling_factor": 2.5,
+          "n_shared_experts": 2}
+    config = ModelConfig.from_hf(hf)
+    assert (config.router_scoring, config.n_group, config.topk_group, config.routed_scaling_factor) == \
+        ("sigmoid", 2, 1, 2.5)
+    assert (config.shared_expert_intermediate_size, config.shared_expert_gate) == (32, False)  # 2 experts of 16
+    written = config.to_hf()
+    assert {k: written[k] for k in ("scoring_func", "n_group", "topk_group", "routed_scaling_factor",
+                                    "n_shared_experts")} == {k: hf[k] for k in written if k in hf and k in (
+                                        "scoring_func", "n_group", "topk_group", "routed_scaling_factor",
+                                        "n_shared_experts")}
+    assert ModelConfig.from_hf(written) == config
+    plain = ModelConfig.from_hf(ROUTED).to_hf()  # the family's own routing: none of DeepSeek's keys written
+    assert not {"scoring_func", "n_group", "topk_group", "routed_scaling_factor", "n_shared_experts"} & set(plain)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"scoring_func": "relu"}, "'scoring_func' must be one of softmax, softmax_topk, sigmoid"),
+    ({"n_group": 3}, "4 experts cannot form 3 groups"),
+    ({"n_group": 0}, "'n_group' must be a positive integer"),
+    ({"routed_scaling_factor": -1}, "'routed_scaling_factor' must be a positive finite number"),
+    ({"model_type": "qwen2_moe", "n_shared_experts": 1}, "'n_shared_experts' is DeepSeek's"),
+])
+def test_bad_deepseek_routing_keys_name_the_key(change, message):
+    with pytest.raises(ModelError, match=message):
+        ModelConfig.from_hf({**ROUTED, **change}, source="model.config")
+
+
+def test_sigmoid_grouped_router_from_config_matches_a_hand_computed_route():
+    """Sigmoid scores, a selection-only bias and grouped top-k, worked out by hand for one token."""
+    import math
+
+    from entrenar.models.moe import Router
+
+    config = ModelConfig.from_hf({**ROUTED, "scoring_func": "sigmoid", "n_group": 2, "topk_group": 1,
+                                  "routed_scaling_factor": 2.0})
+    router = Router(config)
+    router.e_score_correction_bias.copy_(torch.tensor([0.0, 0.0, 0.6, 0.0]))
+    logits = torch.tensor([[3.0, 0.5, 0.5, 1.0]])
+    _, weights, indices = router.route_logits(logits, torch.float32)
+    s = [1 / (1 + math.exp(-v)) for v in (3.0, 0.5, 0.5, 1.0)]  # 0.953 0.622 0.622 0.731
+    # With the bias, group {2, 3} scores 0.622+0.6 + 0.731 = 1.953 > group {0, 1}'s 0.953 + 0.622 = 1.575: it alone
+    # is kept, so experts 2 and 3 are chosen although expert 0 has the highest score; the weights are the plain
+    # sigmoid scores (no bias) renormalised, times routed_scaling_factor.
+    assert sorted(indices[0].tolist()) == [2, 3]
+    order = indices[0].argsort()
+    expected = torch.tensor([s[2], s[3]]) / (s[2] + s[3]) * 2.0
+    torch.testing.assert_close(weights[0][order], expected, atol=1e-6, rtol=0)
+    # Without the bias group {0, 1} wins (1.575 > 0.622 + 0.731 = 1.353) and its two experts are taken.
+    router.e_score_correction_bias.zero_()
+    _, weights, indices = router.route_logits(logits, torch.float32)
+    assert sorted(indices[0].tolist()) == [0, 1]
+    torch.testing.assert_close(weights[0][indices[0].argsort()],
+                               torch.tensor([s[0], s[1]]) / (s[0] + s[1]) * 2.0, atol=1e-6, rtol=0)
+
+
+def test_a_sigmoid_model_from_scratch_saves_and_loads_back_with_its_selection_bias(tmp_path):
+    import entrenar
+    from entrenar.config import Recipe
+    from entrenar.experiments import scratch
+    from entrenar.export import save_merged
+
+    hf = {**ROUTED, "vocab_size": 259, "scoring_func": "sigmoid", "n_group": 2, "topk_group": 2,
+          "n_shared_experts": 1}
+    recipe = Recipe.from_dict({"model": {"init": "random", "device": "cpu", "config": hf},
+                               "data": {"train": "synth:mixture:8"}})
+    model, tok = scratch.build(recipe, "float32", "cpu")
+    block = model.model.layers[0].mlp
+    assert block.gate.scoring == "sigmoid" and block.shared_expert is not None and block.shared_expert_gate is None
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(std=0.5)
+    save_merged(model, tok, tmp_path / "m")
+    loaded, _ = entrenar.load(tmp_path / "m", dtype="float32", device="cpu")
+    assert torch.equal(loaded.model.layers[1].mlp.gate.e_score_correction_bias,
+                       model.model.layers[1].mlp.gate.e_score_correction_bias)
+    ids = torch.tensor([tok.encode("abc~cba")])
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids), model(ids), atol=0, rtol=0)

@@ -25,7 +25,7 @@ from entrenar.distributed.launch import rank_prefix, report_worker_error
 from entrenar.errors import EntrenarError
 
 COMMANDS = ("train", "inspect", "generate", "eval", "chat", "export", "quantize", "merge", "classify",
-            "recipes", "diagnose")  # modules of entrenar.cli
+            "recipes", "diagnose", "ablate")  # modules of entrenar.cli
 
 
 def build_parser() -> argparse.ArgumentParser:

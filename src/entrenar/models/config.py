@@ -213,13 +213,13 @@ class ModelConfig:
             sliding = None  # the Qwen families ignore sliding_window (some configs hold 0) unless this flag is set
         else:
             sliding = read.size("sliding_window", nullable=True, limit=None)
-        moe = _moe_from_hf(model_type, hf)
+        moe = _moe_from_hf(model_type, hf, source)
         known = {
             "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
             "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta", "rope_scaling", "rope_parameters",
             "max_position_embeddings", "tie_word_embeddings", "attention_bias", "mlp_bias", "sliding_window",
             "use_sliding_window", "initializer_range", "model_type", "bos_token_id", "eos_token_id", "pad_token_id",
-            "architectures", "hidden_act", *_MOE_KEYS,
+            "architectures", "hidden_act", *_MOE_KEYS, *(_ROUTING_KEYS if model_type in MOE_FAMILIES else ()),
         }
         if model_type == "qwen2_moe":
             attention_bias = bool(hf.get("qkv_bias", True))
@@ -314,6 +314,27 @@ class ModelConfig:
             hf["shared_expert_intermediate_size"] = self.shared_expert_intermediate_size
         if kind == "olmoe":
             hf.update(norm_topk_prob=self.norm_topk_prob, clip_qkv=self.clip_qkv)
+        hf.update(self._routing_to_hf())
+        return hf
+
+    def _routing_to_hf(self) -> dict[str, Any]:
+        """DeepSeek-V3's routing keys, for what the family's own config.json cannot say (empty otherwise).
+
+        transformers' classes for these families do not read them: a folder with sigmoid routing loads back
+        in entrenar as trained, but transformers would route it with the family's softmax."""
+        hf: dict[str, Any] = {}
+        if self.router_scoring != "softmax":
+            hf["scoring_func"] = self.router_scoring
+        if self.n_group != 1 or self.topk_group != 1:
+            hf.update(n_group=self.n_group, topk_group=self.topk_group)
+        if self.routed_scaling_factor != 1.0:
+            hf["routed_scaling_factor"] = self.routed_scaling_factor
+        if self.shared_expert_intermediate_size and self.model_type != "qwen2_moe":
+            if self.shared_expert_gate or self.shared_expert_intermediate_size % self.expert_intermediate_size:
+                raise ModelError(f"{self.model_type} checkpoints can hold only ungated shared experts as wide as the "
+                                 f"routed ones (n_shared_experts); got {self.shared_expert_intermediate_size} wide, "
+                                 f"gated={self.shared_expert_gate}")
+            hf["n_shared_experts"] = self.shared_expert_intermediate_size // self.expert_intermediate_size
         return hf
 
     def replace(self, **changes: Any) -> "ModelConfig":
@@ -415,9 +436,12 @@ def _check_rope_scaling(scaling: dict[str, Any], source: str) -> None:
 
 _MOE_KEYS = ("num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
              "shared_expert_intermediate_size", "decoder_sparse_step", "mlp_only_layers", "clip_qkv", "qkv_bias")
+# DeepSeek-V3's routing keys (its config.json names), read for every MoE family so a model from scratch can use
+# sigmoid routing with grouped top-k; written back only when they differ from the family's own routing.
+_ROUTING_KEYS = ("scoring_func", "n_group", "topk_group", "routed_scaling_factor", "n_shared_experts")
 
 
-def _moe_from_hf(model_type: str, hf: dict[str, Any]) -> dict[str, Any]:
+def _moe_from_hf(model_type: str, hf: dict[str, Any], source: str = "config.json") -> dict[str, Any]:
     """ModelConfig's MoE fields from a config.json of one of MOE_FAMILIES (empty for a dense family).
 
     Mixtral always renormalises its top-k weights; the Qwen MoE families and OLMoE say so in
@@ -440,7 +464,34 @@ def _moe_from_hf(model_type: str, hf: dict[str, Any]) -> dict[str, Any]:
         moe["shared_expert_gate"] = True
     if not moe["num_experts"]:
         raise ModelError(f"config.json of a {model_type} model names no experts (num_experts / num_local_experts)")
+    moe.update(_routing_from_hf(model_type, hf, moe, source))
     return moe
+
+
+def _routing_from_hf(model_type: str, hf: dict[str, Any], moe: dict[str, Any], source: str) -> dict[str, Any]:
+    """DeepSeek-V3-style routing from its config.json keys: ``scoring_func`` (softmax | sigmoid; entrenar also
+    takes softmax_topk), ``n_group``/``topk_group`` (grouped top-k), ``routed_scaling_factor`` and
+    ``n_shared_experts`` (ungated shared experts, each ``moe_intermediate_size`` wide)."""
+    read = _Reader(hf, source)
+    out: dict[str, Any] = {}
+    if hf.get("scoring_func") is not None:
+        if hf["scoring_func"] not in ROUTER_SCORINGS:
+            raise read._bad("scoring_func", f"one of {', '.join(ROUTER_SCORINGS)}")
+        out["router_scoring"] = hf["scoring_func"]
+    for key in ("n_group", "topk_group"):
+        if hf.get(key) is not None:
+            out[key] = read.size(key, limit=4096)
+    if hf.get("routed_scaling_factor") is not None:
+        out["routed_scaling_factor"] = read.number("routed_scaling_factor", positive=True)
+    if hf.get("n_shared_experts"):
+        if model_type == "qwen2_moe":
+            raise ModelError(f"{source}: 'n_shared_experts' is DeepSeek's; qwen2_moe gives its (gated) shared "
+                             "expert as shared_expert_intermediate_size")
+        count = read.size("n_shared_experts", limit=4096)
+        width = moe.get("moe_intermediate_size") or hf["intermediate_size"]
+        out["shared_expert_intermediate_size"] = count * int(width)
+        out["shared_expert_gate"] = False
+    return out
 
 
 def rope_inv_freq(config: ModelConfig) -> "torch.Tensor":  # noqa: F821
