@@ -78,8 +78,12 @@ class SafetensorsFile:
         info = self.entries[name][0]
         return self.read_rows(name, 0, info.shape[0] if info.shape else 1)
 
-    def read_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
-        """Rows ``start:stop`` of a tensor (its first dimension), read from the file alone."""
+    def read_rows(self, name: str, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows ``start:stop`` of a tensor (its first dimension), read from the file alone.
+
+        ``out``, a uint8 tensor of at least the rows' bytes, is read into and the
+        result is a view of it: a caller merging block after block reuses one buffer.
+        """
         info, begin, end = self.entries[name]
         if not info.shape:
             start, stop, row = 0, 1, end - begin
@@ -88,7 +92,7 @@ class SafetensorsFile:
         if self._file is None:
             self._file = open(self.path, "rb")  # noqa: SIM115 - closed by close()
         nbytes = (stop - start) * row
-        buffer = torch.empty(nbytes, dtype=torch.uint8)
+        buffer = torch.empty(nbytes, dtype=torch.uint8) if out is None else out[:nbytes]
         self._file.seek(self.data_start + begin + start * row)
         if self._file.readinto(buffer.numpy()) != nbytes:
             raise ModelError(f"{self.path}: tensor '{name}' is truncated")
@@ -199,9 +203,17 @@ class Input:
     def read(self, name: str) -> torch.Tensor:
         raise NotImplementedError
 
-    def read_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
-        """Rows ``start:stop`` of a tensor; inputs that cannot seek read it whole and slice."""
+    def read_rows(self, name: str, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows ``start:stop`` of a tensor; inputs that cannot seek read it whole and slice.
+
+        ``out`` is a uint8 scratch buffer the result may be a view of (see :meth:`SafetensorsFile.read_rows`).
+        """
         return self.read(name)[start:stop]
+
+    @property
+    def reads_rows(self) -> bool:
+        """Whether :meth:`read_rows` reads only the rows asked for (then merging by row blocks pays)."""
+        return False
 
     def close(self) -> None:
         pass
@@ -244,8 +256,12 @@ class HFInput(Input):
     def read(self, name: str) -> torch.Tensor:
         return self._where[name].read(name)
 
-    def read_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
-        return self._where[name].read_rows(name, start, stop)
+    def read_rows(self, name: str, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        return self._where[name].read_rows(name, start, stop, out)
+
+    @property
+    def reads_rows(self) -> bool:
+        return True
 
     def close(self) -> None:
         for f in self.files:
@@ -325,12 +341,16 @@ class AdapterInput(Input):
         merged = weight.float() + self.scale * (b.float() @ a.float())
         return merged.to(weight.dtype) if weight.dtype.is_floating_point else merged
 
-    def read_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
-        weight = self.base.read_rows(name, start, stop)
+    def read_rows(self, name: str, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        weight = self.base.read_rows(name, start, stop, out)
         if name not in self.pairs:
             return weight
         a, b = self.pairs[name]
         return (weight.float() + self.scale * (b[start:stop].float() @ a.float())).to(weight.dtype)
+
+    @property
+    def reads_rows(self) -> bool:
+        return self.base.reads_rows
 
     def close(self) -> None:
         self.base.close()
