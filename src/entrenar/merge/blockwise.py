@@ -54,13 +54,17 @@ def row_spans(rows: int, cols: int, block_elements: int | None = None) -> list[t
 def widen(x: torch.Tensor, out: torch.Tensor, compute: torch.dtype | None) -> None:
     """``out`` (float32) = ``x`` as merge arithmetic sees it: rounded to ``compute`` when set, then float32."""
     if x.dtype == torch.bfloat16 and compute in (None, torch.bfloat16):
-        # A bfloat16 is the top half of a float32: shifting its bits up is exact, and several times faster than a cast.
-        src = x.reshape(-1).view(torch.int16).numpy().view(np.uint16)
-        np.left_shift(src, 16, out=out.reshape(-1).view(torch.int32).numpy().view(np.uint32), dtype=np.uint32)
+        _widen_bf16_bits(x.reshape(-1).view(torch.int16).numpy().view(np.uint16), out)
     elif compute is None or x.dtype == compute:
         out.copy_(x)
     else:
         out.copy_(x.to(compute))
+
+
+def _widen_bf16_bits(bits: np.ndarray, out: torch.Tensor) -> None:
+    """bfloat16 bit patterns into float32: a bfloat16 is the top half of a float32, so a shift is exact (and
+    several times faster than torch's cast)."""
+    np.left_shift(bits.reshape(-1), 16, out=out.reshape(-1).view(torch.int32).numpy().view(np.uint32), dtype=np.uint32)
 
 
 class BlockReader:
@@ -83,9 +87,19 @@ class BlockReader:
 
     def rows(self, slot: int, model: Input, name: str, start: int, stop: int) -> torch.Tensor:
         info = model.tensors()[name]
-        n = (stop - start) * math.prod(info.shape[1:])
-        x = model.read_rows(name, start, stop, self.buffer("raw", slot, n * info.dtype.itemsize, torch.uint8))
-        out = self.buffer("wide", slot, n, torch.float32).view(x.shape)
+        shape = (stop - start, *info.shape[1:])
+        n = math.prod(shape)
+        out = self.buffer("wide", slot, n, torch.float32).view(shape)
+        stored = model.view_rows(name, start, stop)
+        if stored is not None and info.dtype == torch.bfloat16 and self.compute in (None, torch.bfloat16):
+            _widen_bf16_bits(stored.view(np.uint16), out)  # straight from the mapped file
+            return out
+        if stored is not None:
+            raw = self.buffer("raw", slot, stored.size, torch.uint8)
+            raw.numpy()[:] = stored
+            x = raw.view(info.dtype).view(shape)
+        else:
+            x = model.read_rows(name, start, stop, self.buffer("raw", slot, n * info.dtype.itemsize, torch.uint8))
         widen(x, out, self.compute)
         return out
 
@@ -199,13 +213,16 @@ def _prepare(pt: PlannedTensor, cfg, spans, read) -> list[_Task] | None:
             delta = read(1 + i, start, stop).sub_(base)
             if task.sparsifier == "magnitude":
                 a = np.abs(delta.numpy())
+                if np.isnan(a).any():
+                    return None  # NaN's place in the order is the whole-tensor path's to decide
                 lo, hi = task.bracket
                 task.above += int(np.count_nonzero(a > hi))
                 task.candidates.append(a[(a >= lo) & (a <= hi)])
             else:
                 keep = (torch.rand(delta.numel(), generator=task.generator) < task.density).view(delta.shape)
                 task.before.append(methods.norm_parts(delta, task.rescale))
-                task.after.append(methods.norm_parts(delta.mul_(keep), task.rescale))
+                np.multiply(delta.numpy(), keep.numpy(), out=delta.numpy())  # = delta.mul_(keep), faster
+                task.after.append(methods.norm_parts(delta, task.rescale))
                 task.masks.append(np.packbits(keep.numpy().reshape(-1)))
     for task in tasks:
         if task.sparsifier == "magnitude":
@@ -269,26 +286,26 @@ def _sparsify(d: torch.Tensor, task: _Task, block: int) -> None:
         d.zero_()
         return
     if kind == "magnitude":
-        a = d.abs()
+        a = np.abs(d.numpy())
         keep = a > task.threshold
         if task.ties > 0:
-            equal = (a == task.threshold).view(-1).nonzero().view(-1)[: task.ties]
-            keep.view(-1)[equal] = True
-            task.ties -= equal.numel()
-        d.masked_fill_(~keep, 0)
+            equal = np.flatnonzero(a == task.threshold)[: task.ties]
+            keep.reshape(-1)[equal] = True
+            task.ties -= equal.size
+        methods.zero_dropped(d, keep)
         return
     if task.masks:
-        keep = torch.from_numpy(np.unpackbits(task.masks[block], count=d.numel()).view(np.bool_)).view(d.shape)
+        keep = np.unpackbits(task.masks[block], count=d.numel()).view(np.bool_).reshape(d.shape)
     else:
-        keep = (torch.rand(d.numel(), generator=task.generator) < task.density).view(d.shape)
+        keep = (torch.rand(d.numel(), generator=task.generator) < task.density).view(d.shape).numpy()
     if task.rescale is None:
-        d.masked_fill_(~keep, 0)
-    elif task.rescale == "inverse_density":
-        d.mul_(keep).div_(task.density)
-    else:
-        d.mul_(keep)
-        if task.scale is not None:
-            d.mul_(task.scale)
+        methods.zero_dropped(d, keep)
+        return
+    np.multiply(d.numpy(), keep, out=d.numpy())  # = d.mul_(keep), the whole-tensor path's step
+    if task.rescale == "inverse_density":
+        d.div_(task.density)
+    elif task.scale is not None:
+        d.mul_(task.scale)
 
 
 __all__ = ["BLOCK_ELEMENTS", "BlockReader", "STREAMED", "merge_blocks", "row_spans", "streamable", "widen"]

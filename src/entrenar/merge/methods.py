@@ -205,6 +205,18 @@ def _apply_mask(delta: Tensor, mask: Tensor, keep_probability: Tensor | float, r
     return rescaled(delta, mask, rescale, inplace=inplace)
 
 
+def zero_dropped(d: Tensor, keep: np.ndarray | Tensor) -> Tensor:
+    """``d.masked_fill_(~keep, 0)`` bit for bit (+0.0 where dropped, NaN included), as a bitwise and.
+
+    A random mask makes ``masked_fill_``'s per-element branch mispredict half the time:
+    ANDing the float bits with 0 or all ones is several times faster.
+    """
+    keep = keep.numpy() if isinstance(keep, Tensor) else keep
+    bits = d.numpy().view(np.int32)
+    np.bitwise_and(bits, np.subtract(0, keep, dtype=np.int32), out=bits)
+    return d
+
+
 def top_k_mask(values: Tensor, k: int) -> Tensor:
     """A boolean mask of exactly the ``k`` largest of ``values`` (non-negative), ties at the cut to the lowest index.
 
@@ -388,14 +400,21 @@ def combine_task_vectors(
         votes = torch.zeros_like(base)
         for d in deltas:
             votes.add_(d if consensus == "sum" else d.sign())
-        positive = votes >= 0  # the elected sign; a tie elects +
+        positive = (votes >= 0).numpy()  # the elected sign; a tie elects +
+        negative = ~positive
         mixed, divisor = votes.zero_(), torch.zeros_like(base)  # the votes' storage is reused
+        mixed_np, divisor_np = mixed.numpy(), divisor.numpy()
+        agree, below = np.empty(positive.shape, np.bool_), np.empty(positive.shape, np.bool_)
         for d, w in zip(deltas, weights):
-            agree = torch.where(positive, d > 0, d < 0)  # zero entries never agree
-            mixed.add_(d.masked_fill_(~agree, 0))
-            divisor.add_(agree, alpha=float(w))
-            del agree
-        divisor.masked_fill_(divisor == 0, 1)
+            dn = d.numpy()
+            # agree = positive ? d > 0 : d < 0 (zero entries never agree), without a per-element branch
+            np.logical_and(np.greater(dn, 0, out=agree), positive, out=agree)
+            np.logical_and(np.less(dn, 0, out=below), negative, out=below)
+            np.logical_or(agree, below, out=agree)
+            zero_dropped(d, agree)
+            np.add(mixed_np, dn, out=mixed_np)
+            np.add(divisor_np, np.multiply(agree, np.float32(w), dtype=np.float32), out=divisor_np)
+        np.add(divisor_np, divisor_np == 0, out=divisor_np, casting="unsafe")  # no model agrees: divide by 1
     else:
         mixed = deltas[0] if len(deltas) == 1 else torch.zeros_like(base)
         if len(deltas) > 1:
@@ -505,4 +524,5 @@ __all__ = [
     "slerp",
     "task_arithmetic_family",
     "tensor_generator",
+    "zero_dropped",
 ]
