@@ -289,3 +289,19 @@ def test_different_architectures_are_refused_before_reading_weights(models, tmp_
     with pytest.raises(ModelError, match="differ in intermediate_size"):
         plan_merge({"merge_method": "linear", "models": [{"model": str(models["a"]), "parameters": {"weight": 1}},
                                                         {"model": str(tmp_path / "narrow"), "parameters": {"weight": 1}}]})
+
+
+def test_mapped_row_views_equal_plain_reads(tmp_path):
+    from safetensors.torch import save_file
+
+    from entrenar.merge.stream import SafetensorsFile
+
+    torch.manual_seed(0)
+    tensors = {"a": torch.randn(7, 5).to(torch.bfloat16), "b": torch.randn(300, 33), "c": torch.randn(3)}
+    save_file(tensors, str(tmp_path / "t.safetensors"))
+    f = SafetensorsFile(tmp_path / "t.safetensors")
+    for name, rows in (("a", (0, 7)), ("a", (2, 5)), ("b", (0, 1)), ("b", (299, 300)), ("b", (17, 250)), ("c", (0, 1))):
+        view = f.view_rows(name, *rows)
+        assert bytes(view) == f.read_rows(name, *rows).reshape(-1).view(torch.uint8).numpy().tobytes(), (name, rows)
+    del view
+    f.close()
