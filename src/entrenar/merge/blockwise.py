@@ -147,8 +147,9 @@ def merge_blocks(pt: PlannedTensor, cfg, inputs: dict[str, Input], reader: Block
 
 def _elementwise(pt, name: str, spans, read, reader) -> Iterator[torch.Tensor]:
     p, mp = pt.params, pt.model_params
+    first = 1 if pt.base else 0  # the slots of the sources (a base, if planned, is not merged by these methods)
     for start, stop in spans:
-        xs = [read(i, start, stop) for i in range(len(pt.sources))]
+        xs = [read(first + i, start, stop) for i in range(len(pt.sources))]
         if name == "linear":
             result = methods.linear(xs, [m["weight"] for m in mp], normalize=bool(p["normalize"]))
         else:
