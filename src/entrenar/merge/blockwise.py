@@ -62,8 +62,8 @@ def widen(x: torch.Tensor, out: torch.Tensor, compute: torch.dtype | None) -> No
 
 
 def _widen_bf16_bits(bits: np.ndarray, out: torch.Tensor) -> None:
-    """bfloat16 bit patterns into float32: a bfloat16 is the top half of a float32, so a shift is exact (and
-    several times faster than torch's cast)."""
+    """bfloat16 bit patterns into float32: a bfloat16 is the top half of a float32, so a shift is exact; it reads
+    the (read-only, mapped) bytes in place."""
     np.left_shift(bits.reshape(-1), 16, out=out.reshape(-1).view(torch.int32).numpy().view(np.uint32), dtype=np.uint32)
 
 
