@@ -161,6 +161,7 @@ def main() -> None:
 
 
 def _count(folder: Path) -> int:
+    sys.path.insert(0, str(ROOT / "src"))
     from entrenar.merge.stream import HFInput
 
     model = HFInput(folder, str(folder))
