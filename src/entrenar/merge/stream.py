@@ -126,7 +126,7 @@ class SafetensorsFile:
         return np.frombuffer(self._map, np.uint8, nbytes, offset)
 
     def _drop_view(self) -> None:
-        if self._viewed is not None and self._viewed[1] > 0:
+        if self._viewed is not None and self._viewed[1] > 0 and hasattr(mmap, "MADV_DONTNEED"):  # not on Windows
             self._map.madvise(mmap.MADV_DONTNEED, *self._viewed)
         self._viewed = None
 
