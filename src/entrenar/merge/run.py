@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -160,10 +161,11 @@ def merge(
         with replace_files(output) as tmp:
             tmp.mkdir()
             writer = ShardedWriter(tmp, [(t.name, t.info) for t in plan.tensors], max_shard_bytes)
-            for i, pt in enumerate(plan.tensors):
-                writer.write_parts(pt.name, blocks(pt))
-                if progress is not None:
-                    progress(i + 1, len(plan.tensors), pt.name)
+            with _torch_threads(1 if cfg.spec.name in blockwise.STREAMED else None):
+                for i, pt in enumerate(plan.tensors):
+                    writer.write_parts(pt.name, blocks(pt))
+                    if progress is not None:
+                        progress(i + 1, len(plan.tensors), pt.name)
             cache.clear()
             writer.close()
             out_config = dict(plan.out_config)
@@ -184,6 +186,24 @@ def merge(
                                 device="cpu")
         write_gguf(model, tokenizer, output / f"model-{qtype}.gguf", qtype, name=output.name)
     return plan
+
+
+@contextmanager
+def _torch_threads(n: int | None):
+    """torch's intra-op threads set to ``n`` inside (restored after); ``None`` leaves them alone.
+
+    Merging by row blocks runs on one thread: a block's operations take about
+    0.1 ms each, too short for intra-op threads to pay, and on a busy machine every
+    parallel region waits for a descheduled partner (measured: several times the
+    CPU time with 2 threads, see docs/PERFORMANCE.md).
+    """
+    previous = torch.get_num_threads()
+    if n is not None:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
 
 
 def _input_paths(cfg: MergeConfig) -> dict[str, Path]:
