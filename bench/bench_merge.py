@@ -3,11 +3,15 @@
     python bench/bench_merge.py                        # two ~1.1B-parameter checkpoints (TinyLlama's shape)
     python bench/bench_merge.py --layers 4             # smaller: same widths, 4 layers (~0.3B)
     python bench/bench_merge.py --mergekit /tmp/mk/bin/mergekit-yaml   # side by side with mergekit
+    python bench/bench_merge.py --mergekit /tmp/mk/bin/mergekit-yaml --repeat 3 --threads 1
 
 Each merge runs in its own process; its wall time, CPU time (user + system) and
 peak resident memory (``ru_maxrss`` of that child, from ``os.wait4``) are
-measured from outside, so both tools are measured the same way. Methods: linear, ties, dare_ties, bf16
-in and out. Prints a table and writes bench/results/merge.json.
+measured from outside, so both tools are measured the same way. With
+``--repeat N`` the tools alternate (entrenar, mergekit, entrenar, mergekit, ...)
+so a change in the machine's load falls on both, and the medians and their ratios
+(entrenar / mergekit) are reported. Methods: linear, ties, dare_ties, bf16 in and
+out. Prints a table and writes bench/results/merge.json.
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ import argparse
 import json
 import os
 import platform
+import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -99,6 +105,7 @@ def main() -> None:
     parser.add_argument("--methods", default="linear,ties,dare_ties")
     parser.add_argument("--mergekit", default=None, metavar="PATH", help="mergekit-yaml executable to compare with")
     parser.add_argument("--threads", type=int, default=None, help="OMP/torch threads for both tools (default: all)")
+    parser.add_argument("--repeat", type=int, default=1, help="runs of each tool per method, alternating (medians reported)")
     parser.add_argument("--workdir", default=None, help="where the checkpoints go (default: a temp folder)")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "merge.json"))
     args = parser.parse_args()
@@ -112,27 +119,41 @@ def main() -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     if args.threads:
         env["OMP_NUM_THREADS"] = str(args.threads)
-    rows = []
+    rows, summary = [], []
     for method in args.methods.split(","):
         cfg = work / f"{method}.yml"
         cfg.write_text(json.dumps(config_for(method, a, b)))  # JSON is YAML
-        tools = [("entrenar", [sys.executable, "-m", "entrenar.cli.main", "merge", str(cfg),
-                               "--output", str(work / f"out-entrenar-{method}"), "--quiet", "--seed", "0"])]
+        tools = [("entrenar", work / f"out-entrenar-{method}", [sys.executable, "-m", "entrenar.cli.main", "merge", str(cfg),
+                                                                 "--output", str(work / f"out-entrenar-{method}"), "--quiet",
+                                                                 "--seed", "0"])]
         if args.mergekit:
-            tools.append(("mergekit", [args.mergekit, str(cfg), str(work / f"out-mergekit-{method}"),
-                                       "--no-copy-tokenizer", "--random-seed", "0"]))
-        for tool, cmd in tools:
-            result = measure(cmd, env)
-            rows.append({"method": method, "tool": tool, **result})
-            print(f"{method:10s} {tool:9s} wall {result['seconds']:7.1f} s  CPU {result['cpu_seconds']:7.1f} s  "
-                  f"peak RSS {result['peak_rss_gib']:.2f} GiB", flush=True)
+            tools.append(("mergekit", work / f"out-mergekit-{method}",
+                          [args.mergekit, str(cfg), str(work / f"out-mergekit-{method}"), "--no-copy-tokenizer",
+                           "--random-seed", "0"]))
+        for run in range(args.repeat):
+            for tool, out, cmd in tools:
+                shutil.rmtree(out, ignore_errors=True)  # each run writes a fresh folder
+                result = measure(cmd, env)
+                rows.append({"method": method, "tool": tool, "run": run, **result})
+                print(f"{method:10s} {tool:9s} run {run}  wall {result['seconds']:7.1f} s  CPU {result['cpu_seconds']:7.1f} s  "
+                      f"peak RSS {result['peak_rss_gib']:.2f} GiB", flush=True)
+        medians = {tool: {key: statistics.median(r[key] for r in rows if r["method"] == method and r["tool"] == tool)
+                          for key in ("seconds", "cpu_seconds", "peak_rss_gib")} for tool, _, _ in tools}
+        line = {"method": method, "median": medians}
+        if args.mergekit:
+            line["ratio_entrenar_over_mergekit"] = {
+                key: round(medians["entrenar"][key] / medians["mergekit"][key], 3) for key in medians["entrenar"]}
+        summary.append(line)
     report = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "machine": f"{platform.machine()} {os.cpu_count()} cores, {platform.processor() or platform.platform()}",
         "command": " ".join(sys.argv),
         "params_per_checkpoint": params,
         "checkpoint_gib": round(2 * params / 2**30, 2),
+        "threads": args.threads,
+        "repeat": args.repeat,
         "results": rows,
+        "summary": summary,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
@@ -140,6 +161,7 @@ def main() -> None:
 
 
 def _count(folder: Path) -> int:
+    sys.path.insert(0, str(ROOT / "src"))
     from entrenar.merge.stream import HFInput
 
     model = HFInput(folder, str(folder))

@@ -225,21 +225,56 @@ def test_refuses_an_output_that_is_an_input(models):
               models["a"])
 
 
-@pytest.mark.parametrize("method", ["linear", "task_arithmetic"])
-def test_row_blocks_give_the_same_tensors_as_whole(models, tmp_path, monkeypatch, method):
-    from entrenar.merge import run
+BLOCK_CASES = {
+    "linear": {},
+    "task_arithmetic": {},
+    "ties": {"density": 0.4},
+    "dare_ties": {"density": 0.6},
+    "dare_linear": {"density": 0.5, "rescale_norm": "l2"},
+    "dare_linear_inverse": {"density": 0.5, "rescale_norm": "inverse_density"},
+}
 
-    cfg = {"merge_method": method, "base_model": str(models["base"]),
-           "models": [{"model": str(models["a"]), "parameters": {"weight": 0.4}},
-                      {"model": str(models["b"]), "parameters": {"weight": 0.6}}]}
+
+@pytest.mark.parametrize("case", list(BLOCK_CASES))
+def test_row_blocks_give_the_same_bits_as_whole_tensors(models, tmp_path, monkeypatch, case):
+    """Blockwise (two passes for TIES / DARE) against the whole-tensor functions, bit for bit."""
+    from entrenar.merge import blockwise
+
+    method = case.removesuffix("_inverse")
+    extra = dict(BLOCK_CASES[case])
+    norm = extra.pop("rescale_norm", None)
+    cfg = {"merge_method": method, "base_model": str(models["base"]), "parameters": {"normalize": True},
+           "models": [{"model": str(models["a"]), "parameters": {"weight": 0.4, **extra}},
+                      {"model": str(models["b"]), "parameters": {"weight": 0.7, **extra}}]}
+    if norm:
+        cfg["parameters"]["rescale_norm"] = norm
     if method == "linear":
         cfg["models"].append({"model": str(models["base"]), "parameters": {"weight": 0.1}})
-    merge(cfg, tmp_path / "whole")
-    monkeypatch.setattr(run, "ROW_BLOCK_BYTES", 3 * 64 * 4)  # three rows of a 64-wide tensor per block
-    assert run._row_blocks(run.plan_merge(cfg)[0].tensors[0], run.load_config(cfg), False)[1] == (3, 6)
-    merge(cfg, tmp_path / "blocks")
+    monkeypatch.setattr(blockwise, "STREAMED", ())
+    merge(cfg, tmp_path / "whole", seed=3)
+    monkeypatch.undo()
+    monkeypatch.setattr(blockwise, "BLOCK_ELEMENTS", 3 * 64)  # three rows of a 64-wide tensor per block
+    monkeypatch.setattr(blockwise, "SAMPLE_ELEMENTS", 64)  # small enough that the magnitude cut is bracketed
+    assert blockwise.row_spans(7, 64)[-1] == (3, 7)  # never a block of one row
+    calls = []
+    real = blockwise.merge_blocks
+    monkeypatch.setattr(blockwise, "merge_blocks", lambda *a: calls.append(a[0].name) or real(*a))
+    merge(cfg, tmp_path / "blocks", seed=3)
+    assert len(calls) > 10
     whole, blocks = state(tmp_path / "whole"), state(tmp_path / "blocks")
     assert all(torch.equal(whole[n], blocks[n]) for n in whole)
+
+
+def test_a_missed_magnitude_bracket_falls_back_to_the_whole_tensor(models, tmp_path, monkeypatch):
+    from entrenar.merge import blockwise
+
+    cfg = {"merge_method": "ties", "base_model": str(models["base"]),
+           "models": [{"model": str(models["a"]), "parameters": {"weight": 1.0, "density": 0.3}}]}
+    merge(cfg, tmp_path / "right")
+    monkeypatch.setattr(blockwise, "_bracket", lambda *a: (100.0, 200.0))  # above every |delta|: misses
+    merge(cfg, tmp_path / "missed")
+    right, missed = state(tmp_path / "right"), state(tmp_path / "missed")
+    assert all(torch.equal(right[n], missed[n]) for n in right)
 
 
 def test_different_architectures_are_refused_before_reading_weights(models, tmp_path):
@@ -254,3 +289,19 @@ def test_different_architectures_are_refused_before_reading_weights(models, tmp_
     with pytest.raises(ModelError, match="differ in intermediate_size"):
         plan_merge({"merge_method": "linear", "models": [{"model": str(models["a"]), "parameters": {"weight": 1}},
                                                         {"model": str(tmp_path / "narrow"), "parameters": {"weight": 1}}]})
+
+
+def test_mapped_row_views_equal_plain_reads(tmp_path):
+    from safetensors.torch import save_file
+
+    from entrenar.merge.stream import SafetensorsFile
+
+    torch.manual_seed(0)
+    tensors = {"a": torch.randn(7, 5).to(torch.bfloat16), "b": torch.randn(300, 33), "c": torch.randn(3)}
+    save_file(tensors, str(tmp_path / "t.safetensors"))
+    f = SafetensorsFile(tmp_path / "t.safetensors")
+    for name, rows in (("a", (0, 7)), ("a", (2, 5)), ("b", (0, 1)), ("b", (299, 300)), ("b", (17, 250)), ("c", (0, 1))):
+        view = f.view_rows(name, *rows)
+        assert bytes(view) == f.read_rows(name, *rows).reshape(-1).view(torch.uint8).numpy().tobytes(), (name, rows)
+    del view
+    f.close()

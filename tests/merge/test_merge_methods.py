@@ -183,3 +183,37 @@ def test_top_k_mask_is_exact_with_ties_at_the_cut():
     tied = T([1.0, 3.0, 2.0, 2.0, 2.0, 0.5])  # the cut falls among the 2.0s: the lowest indices go in
     assert M.top_k_mask(tied, 3).tolist() == [False, True, True, True, False, False]
     assert M.top_k_mask(torch.zeros(4), 2).tolist() == [True, True, False, False]
+
+
+def test_zero_dropped_is_masked_fill_bit_for_bit():
+    d = T([-1.5, -0.0, 0.0, float("nan"), float("inf"), -2.0, 3.0, float("-inf")])
+    keep = T([True, False, False, False, False, False, True, True])
+    want = d.clone().masked_fill_(~keep, 0)
+    got = M.zero_dropped(d.clone(), keep)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))  # +0.0 where dropped, NaN and -0.0 included
+
+
+def test_combine_task_vectors_matches_the_where_formula():
+    torch.manual_seed(0)
+    base = torch.randn(40, 30)
+    deltas = [torch.randn(40, 30) * (torch.rand(40, 30) < 0.5) for _ in range(3)]
+    weights = [0.3, 1.0, -0.7]
+    votes = sum(deltas)
+    agree = [torch.where(votes >= 0, d > 0, d < 0) for d in deltas]
+    mixed = sum(d.masked_fill(~a, 0) for d, a in zip(deltas, agree))
+    divisor = sum(a.float() * w for a, w in zip(agree, weights))
+    want = mixed / divisor.masked_fill(divisor == 0, 1) * 0.5 + base
+    got = M.combine_task_vectors([d.clone() for d in deltas], base, weights, consensus="sum", normalize=True,
+                                 lambda_=0.5)
+    assert torch.allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("norm", ["l1", "l2", "linf"])
+def test_norms_by_rows_do_not_depend_on_the_grouping_and_match_float64(norm):
+    torch.manual_seed(0)
+    x = torch.randn(37, 300)
+    whole = M.finish_norm([M.norm_parts(x, norm)], norm)
+    grouped = M.finish_norm([M.norm_parts(x[a:b], norm) for a, b in ((0, 2), (2, 19), (19, 37))], norm)
+    assert whole == grouped
+    order = {"l1": 1, "l2": 2, "linf": float("inf")}[norm]
+    assert math.isclose(whole, torch.linalg.vector_norm(x.double(), order).item(), rel_tol=1e-6)

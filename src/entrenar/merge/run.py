@@ -1,10 +1,11 @@
 """``merge(config, output)``: plan, then stream every output tensor from its inputs through its method to disk.
 
 Each output tensor is computed from the same tensor of each input, read when
-it is needed and dropped once written, so peak memory is a few tensors (the
-largest, times the number of inputs, plus about three of work), not a model.
-Elementwise methods (:data:`ELEMENTWISE`) read, merge and write a large tensor
-by row blocks of :data:`ROW_BLOCK_BYTES`, so theirs does not grow with it. Arithmetic
+it is needed and dropped once written. Matrices merged by linear, passthrough,
+task_arithmetic, ties, dare_linear or dare_ties are read, merged and written by
+row blocks of a few MB (:mod:`entrenar.merge.blockwise`), so peak memory is a few
+blocks; other methods (and GGUF inputs) hold the tensor whole: the largest,
+times the number of inputs, plus about three of work. Arithmetic
 is float32 whatever the stored dtype; inputs are first rounded to ``dtype`` when
 the config sets it (as mergekit loads them), and the result is rounded once to
 the output dtype.
@@ -13,23 +14,20 @@ the output dtype.
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Callable
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from entrenar.errors import ConfigError, EntrenarError
-from entrenar.merge import methods
+from entrenar.merge import blockwise, methods
 from entrenar.merge.config import MergeConfig, load_config
 from entrenar.merge.plan import Plan, PlannedTensor, build_plan
 from entrenar.merge.stream import Input, ShardedWriter, open_input
 
 DEFAULT_SHARD_BYTES = 5 * 2**30
-# Methods whose every output element depends only on the same element of the inputs: merged by row blocks.
-ELEMENTWISE = ("linear", "passthrough", "task_arithmetic")
-ROW_BLOCK_BYTES = 32 * 2**20  # float32 bytes of one row block
 _TORCH = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
 
@@ -139,24 +137,35 @@ def merge(
 
             return read
 
+        block_reader = blockwise.BlockReader(compute)
+        recipe = cfg.spec.recipe
+
+        def whole(pt: PlannedTensor):
+            cache.clear()
+            read = reader(None)
+            if vocab is not None and pt.vocab:
+                vocab.align(pt, read, cache)
+            result = merge_tensor(pt, read, cfg)
+            cache.clear()
+            yield result.to(pt.info.dtype) if result.is_floating_point() else result
+
         def blocks(pt: PlannedTensor):
-            """The output tensor, whole or (elementwise methods, large tensors) one row block at a time."""
-            for rows in _row_blocks(pt, cfg, vocab is not None):
-                cache.clear()
-                read = reader(rows)
-                if rows is None and vocab is not None and pt.vocab:
-                    vocab.align(pt, read, cache)
-                result = merge_tensor(pt, read, cfg)
-                cache.clear()
-                yield result.to(pt.info.dtype) if result.is_floating_point() else result
+            """The output tensor by row blocks where its method and inputs allow, else whole."""
+            if blockwise.streamable(pt, cfg.spec.name, inputs, vocab is not None, methods.rescale_norm(pt.params),
+                                    recipe.sparsifier if recipe else None):
+                parts = blockwise.merge_blocks(pt, cfg, inputs, block_reader)
+                if parts is not None:
+                    return parts
+            return whole(pt)
 
         with replace_files(output) as tmp:
             tmp.mkdir()
             writer = ShardedWriter(tmp, [(t.name, t.info) for t in plan.tensors], max_shard_bytes)
-            for i, pt in enumerate(plan.tensors):
-                writer.write_parts(pt.name, blocks(pt))
-                if progress is not None:
-                    progress(i + 1, len(plan.tensors), pt.name)
+            with _torch_threads(1 if cfg.spec.name in blockwise.STREAMED else None):
+                for i, pt in enumerate(plan.tensors):
+                    writer.write_parts(pt.name, blocks(pt))
+                    if progress is not None:
+                        progress(i + 1, len(plan.tensors), pt.name)
             cache.clear()
             writer.close()
             out_config = dict(plan.out_config)
@@ -179,16 +188,22 @@ def merge(
     return plan
 
 
-def _row_blocks(pt: PlannedTensor, cfg: MergeConfig, aligning_vocab: bool) -> list[tuple[int, int] | None]:
-    """Row ranges to merge a tensor in, or ``[None]`` (whole): only elementwise methods can go by rows."""
-    shape = pt.info.shape
-    if cfg.spec.name not in ELEMENTWISE or len(shape) < 2 or (aligning_vocab and pt.vocab):
-        return [None]
-    row_bytes = 4 * math.prod(shape[1:])
-    rows = max(1, ROW_BLOCK_BYTES // row_bytes)
-    if rows >= shape[0]:
-        return [None]
-    return [(start, min(start + rows, shape[0])) for start in range(0, shape[0], rows)]
+@contextmanager
+def _torch_threads(n: int | None):
+    """torch's intra-op threads set to ``n`` inside (restored after); ``None`` leaves them alone.
+
+    Merging by row blocks runs on one thread: a block's operations take about
+    0.1 ms each, too short for intra-op threads to pay, and on a busy machine every
+    parallel region waits for a descheduled partner (measured: several times the
+    CPU time with 2 threads, see docs/PERFORMANCE.md).
+    """
+    previous = torch.get_num_threads()
+    if n is not None:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
 
 
 def _input_paths(cfg: MergeConfig) -> dict[str, Path]:

@@ -1,9 +1,10 @@
 """Inputs read one tensor at a time, and output written shard by shard: a merge holds a few tensors, not models.
 
-Safetensors files are read with plain ``readinto`` at the offsets in their
-header rather than memory-mapped, so the bytes of tensors already merged do not
-stay mapped into the process (a mapped file counts toward its resident memory
-until it is closed). The writer knows every output tensor's name, shape and
+Safetensors files are read at the offsets in their header: whole tensors with
+plain ``readinto``, row blocks (:meth:`SafetensorsFile.view_rows`) as views of a
+memory map, with the pages of the block before dropped from the process
+(``MADV_DONTNEED``: they stay in the page cache), so the bytes of tensors already
+merged do not count toward its resident memory. The writer knows every output tensor's name, shape and
 dtype before the first is merged, so it writes each shard's header first and
 then streams the tensors into it in order.
 
@@ -18,12 +19,14 @@ Inputs (:func:`open_input`):
 from __future__ import annotations
 
 import json
+import mmap
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
+import numpy as np
 import torch
 
 from entrenar.errors import AdapterError, ModelError
@@ -73,13 +76,19 @@ class SafetensorsFile:
             start, end = entry["data_offsets"]
             self.entries[name] = (TensorInfo(tuple(entry["shape"]), ST_DTYPES[entry["dtype"]]), start, end)
         self._file: BinaryIO | None = None
+        self._map: mmap.mmap | None = None
+        self._viewed: tuple[int, int] | None = None  # page range of the last view, dropped at the next
 
     def read(self, name: str) -> torch.Tensor:
         info = self.entries[name][0]
         return self.read_rows(name, 0, info.shape[0] if info.shape else 1)
 
-    def read_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
-        """Rows ``start:stop`` of a tensor (its first dimension), read from the file alone."""
+    def read_rows(self, name: str, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows ``start:stop`` of a tensor (its first dimension), read from the file alone.
+
+        ``out``, a uint8 tensor of at least the rows' bytes, is read into and the
+        result is a view of it: a caller merging block after block reuses one buffer.
+        """
         info, begin, end = self.entries[name]
         if not info.shape:
             start, stop, row = 0, 1, end - begin
@@ -88,14 +97,47 @@ class SafetensorsFile:
         if self._file is None:
             self._file = open(self.path, "rb")  # noqa: SIM115 - closed by close()
         nbytes = (stop - start) * row
-        buffer = torch.empty(nbytes, dtype=torch.uint8)
+        buffer = torch.empty(nbytes, dtype=torch.uint8) if out is None else out[:nbytes]
         self._file.seek(self.data_start + begin + start * row)
         if self._file.readinto(buffer.numpy()) != nbytes:
             raise ModelError(f"{self.path}: tensor '{name}' is truncated")
         shape = (stop - start, *info.shape[1:]) if info.shape else ()
         return buffer.view(info.dtype).reshape(shape)
 
+    def view_rows(self, name: str, start: int, stop: int) -> np.ndarray:
+        """Rows ``start:stop`` of a tensor as a read-only uint8 view of the mapped file: no copy, no read call.
+
+        The pages of the previous view are dropped from this process's memory
+        first, so however much is read, about one block per file stays resident.
+        """
+        info, begin, end = self.entries[name]
+        row = (end - begin) // max(info.shape[0], 1) if info.shape else end - begin
+        offset = self.data_start + begin + start * row
+        nbytes = (stop - start) * row if info.shape else end - begin
+        if self._map is None:
+            if self._file is None:
+                self._file = open(self.path, "rb")  # noqa: SIM115 - closed by close()
+            self._map = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ)
+        if offset + nbytes > len(self._map):
+            raise ModelError(f"{self.path}: tensor '{name}' is truncated")
+        self._drop_view()
+        first = offset - offset % mmap.PAGESIZE
+        self._viewed = (first, min(len(self._map), offset + nbytes) - first)
+        return np.frombuffer(self._map, np.uint8, nbytes, offset)
+
+    def _drop_view(self) -> None:
+        if self._viewed is not None and self._viewed[1] > 0 and hasattr(mmap, "MADV_DONTNEED"):  # not on Windows
+            self._map.madvise(mmap.MADV_DONTNEED, *self._viewed)
+        self._viewed = None
+
     def close(self) -> None:
+        if self._map is not None:
+            self._drop_view()
+            try:
+                self._map.close()
+            except BufferError:  # a view is still alive: the map closes when it is collected
+                pass
+            self._map = None
         if self._file is not None:
             self._file.close()
             self._file = None
@@ -199,9 +241,21 @@ class Input:
     def read(self, name: str) -> torch.Tensor:
         raise NotImplementedError
 
-    def read_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
-        """Rows ``start:stop`` of a tensor; inputs that cannot seek read it whole and slice."""
+    def read_rows(self, name: str, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows ``start:stop`` of a tensor; inputs that cannot seek read it whole and slice.
+
+        ``out`` is a uint8 scratch buffer the result may be a view of (see :meth:`SafetensorsFile.read_rows`).
+        """
         return self.read(name)[start:stop]
+
+    @property
+    def reads_rows(self) -> bool:
+        """Whether :meth:`read_rows` reads only the rows asked for (then merging by row blocks pays)."""
+        return False
+
+    def view_rows(self, name: str, start: int, stop: int) -> np.ndarray | None:
+        """Rows ``start:stop`` as a read-only uint8 view of the stored bytes, or None where there is none."""
+        return None
 
     def close(self) -> None:
         pass
@@ -218,7 +272,7 @@ class Input:
 
 class HFInput(Input):
     def __init__(self, folder: Path, reference: str) -> None:
-        from entrenar.models.hf import weight_files
+        from entrenar.hf_files import weight_files
 
         self.reference, self.folder = reference, folder
         path = folder / "config.json"
@@ -244,8 +298,15 @@ class HFInput(Input):
     def read(self, name: str) -> torch.Tensor:
         return self._where[name].read(name)
 
-    def read_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
-        return self._where[name].read_rows(name, start, stop)
+    def read_rows(self, name: str, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        return self._where[name].read_rows(name, start, stop, out)
+
+    def view_rows(self, name: str, start: int, stop: int) -> np.ndarray | None:
+        return self._where[name].view_rows(name, start, stop)
+
+    @property
+    def reads_rows(self) -> bool:
+        return True
 
     def close(self) -> None:
         for f in self.files:
@@ -325,12 +386,16 @@ class AdapterInput(Input):
         merged = weight.float() + self.scale * (b.float() @ a.float())
         return merged.to(weight.dtype) if weight.dtype.is_floating_point else merged
 
-    def read_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
-        weight = self.base.read_rows(name, start, stop)
+    def read_rows(self, name: str, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        weight = self.base.read_rows(name, start, stop, out)
         if name not in self.pairs:
             return weight
         a, b = self.pairs[name]
         return (weight.float() + self.scale * (b[start:stop].float() @ a.float())).to(weight.dtype)
+
+    @property
+    def reads_rows(self) -> bool:
+        return self.base.reads_rows
 
     def close(self) -> None:
         self.base.close()
