@@ -535,7 +535,7 @@ class TrainingSection(_Section):
     compile: bool = _key(False, _boolean)
     # forward and backward of each micro-batch replayed from a CUDA graph (fixed shapes; not padding-free)
     cuda_graphs: bool = _key(False, _boolean)
-    kernels: str | bool = _key("auto", _choice("auto", True, False))  # auto: on CUDA when Triton imports
+    kernels: str | bool = _key("auto", _choice("auto", True, False))  # auto: on CUDA when Triton imports, and on a CPU (PyTorch paths)
     # LoRA adapter products in the fused layer: fp32 as PEFT runs them, or bf16 on the tensor cores (the adapter
     # weights and the optimizer stay fp32)
     adapter_math: str = _key("fp32", _choice("fp32", "bf16"))
