@@ -20,6 +20,12 @@ with `target_parameters` (ParamWrapper: each step it folds every expert's low-ra
 stacked weight, where entrenar runs `x A_e^T B_e^T` on each expert's tokens). Its losses are the language-model
 loss (transformers' `loss - coef * aux_loss`), as entrenar's metrics report them.
 
+The CPU case (`cpu-smollm2`, SmolLM2-135M's shape, batch 2 x 512) runs fp32 on the CPU instead: `entrenar` with
+`training.precision: fp32`, `entrenar-fast` with `bf16` (autocast on the CPU), `hf` in fp32 (HF Trainer on a CPU
+without `bf16=True`) and `hf-bf16` under CPU bf16 autocast (Trainer with `bf16=True` on a CPU). Its peak memory is
+each process's peak resident memory (`ru_maxrss`), and `--repeat N` runs its rows round-robin N times (the
+machine's speed drifts; the table gives the median over repeats and their spread).
+
 The transformers rows are fed the very batches entrenar's data pipeline makes from the same file, seed and
 settings (packed rows of whole documents), without a document mask, as transformers' run_clm `group_texts`
 feeds packed rows. tokens/s counts real (non-padding) tokens: the median over steps after the first
@@ -28,6 +34,7 @@ whole process (model load included), in GiB. MFU uses bench_train.py's FLOP coun
 
     PYTHONPATH=src python bench/bench_e2e.py --cases lora-1b --text .e2e/text.jsonl \
         --tokenizer .e2e --work /tmp/e2e --out e2e.json
+    PYTHONPATH=src python bench/bench_e2e.py --cases cpu-smollm2 --repeat 3 --out e2e-cpu.json
 
 `--tiny` runs any case at a toy size (hidden 64, 2 layers, 8 experts for MoE, 2 x 128 tokens, 4 steps), on the
 CPU when there is no GPU: a smoke test that every row starts, trains and reports, not a measurement.
@@ -97,8 +104,12 @@ CASES: dict[str, dict] = {
     "lora-moe": {"shape": "qwen3-moe-1.8b-a0.4b", "method": "lora", "batch": 4, "seq": 2048, "ckpt": False,
                  "steps": 30, "fast": {"adapter_math": "bf16"}, "target_modules": ATTENTION,
                  "target_parameters": EXPERT_TARGETS, "moe": {"aux_loss": 0.001}},
+    "cpu-smollm2": {"shape": "smollm2-135m", "method": "lora", "batch": 2, "seq": 512, "ckpt": False, "steps": 12,
+                    "device": "cpu", "precision": "fp32", "fast": {"precision": "bf16"},
+                    "rows": ("entrenar", "entrenar-fast", "hf", "hf-bf16")},
 }
-ROWS = ("entrenar", "entrenar-fast", "hf", "hf-liger")
+ROWS = ("entrenar", "entrenar-fast", "hf", "hf-liger", "hf-bf16")
+CPU_CASES = tuple(name for name, case in CASES.items() if case.get("device") == "cpu")
 
 
 def shape_config(shape: str, vocab: int, seq: int, tiny: bool = False):
@@ -186,7 +197,7 @@ def make_model_folder(shape: str, vocab: int, seq: int, tokenizer_dir: Path, fol
 def recipe_for(case: dict, folder: Path, text: Path, run_dir: Path, fast: bool) -> dict:
     """The recipe a user would write for the case (fast: plus the documented fast settings)."""
     training = {"max_steps": case["steps"], "batch_size": case["batch"], "grad_accum": 1, "max_grad_norm": 1.0,
-                "precision": "bf16", "activation_checkpointing": case["ckpt"], "kernels": "auto", "seed": 0,
+                "precision": case.get("precision", "bf16"), "activation_checkpointing": case["ckpt"], "kernels": "auto", "seed": 0,
                 "eval_every": 0, "save_every": 0, "log_every": 1}
     if fast:
         training.update(case["fast"])
@@ -200,7 +211,7 @@ def recipe_for(case: dict, folder: Path, text: Path, run_dir: Path, fast: bool) 
             lora["target_parameters"] = case["target_parameters"]
     extra = {"moe": case["moe"]} if case.get("moe") else {}
     return {
-        "model": {"path": str(folder), "device": device()},
+        "model": {"path": str(folder), "device": case.get("device", device())},
         "data": {"train": str(text), "validation_split": 0.0, "seq_len": case["seq"], "packing": True,
                  "train_on": "all", "add_eos": True, "shuffle": True},
         "lora": lora,
@@ -252,21 +263,33 @@ def run_entrenar(case_name: str, case: dict, folder: Path, text: Path, work: Pat
     recipe_path.write_text(yaml.safe_dump(recipe, sort_keys=False))
     started = time.perf_counter()
     sets = [a for o in overrides for a in ("--set", o)]
-    proc = subprocess.run([sys.executable, "-m", "entrenar.cli.main", "train", str(recipe_path), "--no-progress", *sets],
-                          capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    returncode, output, max_rss = run_process(
+        [sys.executable, "-m", "entrenar.cli.main", "train", str(recipe_path), "--no-progress", *sets],
+        work / f"{case_name}-{'fast' if fast else 'default'}.log", {**os.environ, "PYTHONUNBUFFERED": "1"})
     wall = time.perf_counter() - started
-    if proc.returncode != 0:
-        return {"status": "failed", "error": (proc.stderr or proc.stdout)[-2000:], "recipe": recipe}
+    if returncode != 0:
+        return {"status": "failed", "error": output[-2000:], "recipe": recipe}
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     steps = [r for r in lines if "loss" in r and r.get("tokens")]
     step_s = [r["tokens"] / r["tokens_per_s"] for r in steps]
-    peak = max((r.get("peak_mem_gb") or 0) for r in steps) * 1e9
+    on_cpu = case.get("device") == "cpu"
+    peak = max_rss if on_cpu else max((r.get("peak_mem_gb") or 0) for r in steps) * 1e9
     out = summarise(step_s, [r["tokens"] for r in steps], [r["loss"] for r in steps], skip, flops, peak, wall)
     return {"status": "ok", **out, "recipe": recipe}
 
 
-def run_hf(case: dict, folder: Path, tokenizer_dir: Path, text: Path, liger: bool, skip: int, flops: float) -> dict:
-    """transformers + PEFT (+ bitsandbytes, + Liger) under bf16 autocast, in this process."""
+def run_process(cmd: list[str], log: Path, env: dict | None = None) -> tuple[int, str, int]:
+    """(exit code, output, peak resident bytes) of a command run to its end; the peak is the child's own."""
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
+        _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    return proc.returncode, log.read_text(), usage.ru_maxrss * 1024  # kilobytes on Linux
+
+
+def run_hf(case: dict, folder: Path, tokenizer_dir: Path, text: Path, row: str, skip: int, flops: float) -> dict:
+    """transformers + PEFT (+ bitsandbytes, + Liger) under bf16 autocast, in this process; on the CPU case in
+    fp32 (``hf``) or under CPU bf16 autocast (``hf-bf16``)."""
     import torch
     import transformers
 
@@ -274,6 +297,7 @@ def run_hf(case: dict, folder: Path, tokenizer_dir: Path, text: Path, liger: boo
         import peft
     except ImportError as e:
         return {"status": "skipped", "error": f"peft: {e}"}
+    liger = row == "hf-liger"
     if liger:
         try:
             from liger_kernel.transformers import _apply_liger_kernel_to_instance
@@ -281,7 +305,8 @@ def run_hf(case: dict, folder: Path, tokenizer_dir: Path, text: Path, liger: boo
             return {"status": "skipped", "error": f"liger-kernel: {e}"}
     batches = packed_batches(tokenizer_dir, text, case, case["steps"])
     started = time.perf_counter()
-    dev = device()
+    dev = case.get("device", device())
+    autocast = dev == "cuda" or row == "hf-bf16"
     kwargs = {"attn_implementation": "sdpa"}
     aux_coef = (case.get("moe") or {}).get("aux_loss", 0.0)
     if case.get("target_parameters"):  # MoE: the grouped experts and the router loss entrenar's recipe has
@@ -297,7 +322,8 @@ def run_hf(case: dict, folder: Path, tokenizer_dir: Path, text: Path, liger: boo
             bnb_4bit_compute_dtype=torch.bfloat16)
         kwargs["device_map"] = {"": 0}
     # HF Trainer with bf16=True: LoRA bases in bf16 as loaded; a full fine-tune keeps fp32 master weights.
-    dtype = torch.float32 if case["method"] == "full" else torch.bfloat16
+    # On the CPU case, fp32 weights (with bf16=True, Trainer autocasts around them).
+    dtype = torch.float32 if case["method"] == "full" or case.get("device") == "cpu" else torch.bfloat16
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **kwargs)
     if case["method"] != "qlora":
         model = model.to(dev)
@@ -323,7 +349,7 @@ def run_hf(case: dict, folder: Path, tokenizer_dir: Path, text: Path, liger: boo
         if dev == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        with torch.autocast(dev, dtype=torch.bfloat16):
+        with torch.autocast(dev, dtype=torch.bfloat16, enabled=autocast):
             output = model(input_ids=ids, labels=labels)
         loss = output.loss
         loss.backward()
@@ -336,7 +362,7 @@ def run_hf(case: dict, folder: Path, tokenizer_dir: Path, text: Path, liger: boo
         step_s.append(time.perf_counter() - t0)
         tokens.append(int((batch["document_ids"] >= 0).sum()))
     wall = time.perf_counter() - started
-    peak = torch.cuda.max_memory_allocated() if dev == "cuda" else None
+    peak = torch.cuda.max_memory_allocated() if dev == "cuda" else None  # CPU: the parent reads ru_maxrss
     out = summarise(step_s, tokens, losses, skip, flops, peak, wall)
     gc_checkpointing = getattr(getattr(model, "base_model", model), "is_gradient_checkpointing", None)
     return {"status": "ok", **out, "gradient_checkpointing": gc_checkpointing,
@@ -354,35 +380,54 @@ def run_row_process(row: str, case_name: str, folder: Path, args: argparse.Names
         cmd += ["--steps", str(args.steps)]
     if args.tiny:
         cmd += ["--tiny"]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0 or not out.is_file():
-        return {"status": "failed", "error": (proc.stderr or proc.stdout)[-2000:]}
-    return json.loads(out.read_text())
+    out.unlink(missing_ok=True)
+    returncode, output, max_rss = run_process(cmd, out.with_suffix(".log"))
+    if returncode != 0 or not out.is_file():
+        return {"status": "failed", "error": output[-2000:]}
+    result = json.loads(out.read_text())
+    if result.get("status") == "ok" and result.get("peak_gib") is None:
+        result["peak_gib"] = max_rss / GiB
+    return result
 
 
 # ---------------------------------------------------------------- report
 
 
 def print_table(results: list[dict]) -> None:
-    header = (f"{'case':<11}{'row':<15}{'tok/s':>9}{'MFU':>6}{'peak GiB':>9}{'vs hf':>7}{'vs liger':>9}"
-              f"{'mem/liger':>10}{'loss first->last':>20}")
+    """One line per case and row; with several repeats, the median over them (and min-max of tokens/s). The
+    ratios to a baseline row are medians of per-repeat ratios (rows of one repeat ran minutes apart)."""
+    header = (f"{'case':<13}{'row':<15}{'tok/s':>9}{'min-max':>14}{'MFU':>6}{'peak GiB':>9}{'vs hf':>7}"
+              f"{'vs liger':>9}{'vs hf-bf16':>11}{'mem/liger':>10}{'loss first->last':>20}")
     print(header)
-    for r in results:
-        if r["status"] != "ok":
-            print(f"{r['case']:<11}{r['row']:<15}{r['status']}: {str(r.get('error', ''))[-160:]!r}")
+    keys = list(dict.fromkeys((r["case"], r["row"]) for r in results))
+    for case, row in keys:
+        runs = [r for r in results if (r["case"], r["row"]) == (case, row)]
+        ok = [r for r in runs if r["status"] == "ok"]
+        if not ok:
+            print(f"{case:<13}{row:<15}{runs[-1]['status']}: {str(runs[-1].get('error', ''))[-160:]!r}")
             continue
-        ratio = lambda key, other: f"{r[key] / other[key]:.2f}" if other and other.get(key) else "-"  # noqa: E731
-        peers = {x["row"]: x for x in results if x["case"] == r["case"] and x["status"] == "ok"}
-        print(f"{r['case']:<11}{r['row']:<15}{r['tokens_per_s']:9.0f}{(r['mfu'] or 0):6.1%}{(r['peak_gib'] or 0):9.2f}"
-              f"{ratio('tokens_per_s', peers.get('hf')):>7}{ratio('tokens_per_s', peers.get('hf-liger')):>9}"
-              f"{ratio('peak_gib', peers.get('hf-liger')):>10}"
-              f"{r['loss_first']:10.4f} ->{r['loss_last']:8.4f}")
+
+        def ratio(key: str, base: str) -> str:
+            pairs = [r[key] / b[key] for r in ok for b in results
+                     if (b["case"], b["row"], b.get("repeat")) == (case, base, r.get("repeat"))
+                     and b["status"] == "ok" and b.get(key)]
+            return f"{statistics.median(pairs):.2f}" if pairs else "-"
+
+        median = lambda key: statistics.median(r[key] or 0 for r in ok)  # noqa: E731
+        tps = [r["tokens_per_s"] for r in ok]
+        spread = f"{min(tps):.0f}-{max(tps):.0f}" if len(tps) > 1 else ""
+        mfu = f"{median('mfu'):6.1%}" if ok[0]["mfu"] and case not in CPU_CASES else f"{'-':>6}"
+        print(f"{case:<13}{row:<15}{median('tokens_per_s'):9.0f}{spread:>14}{mfu}{median('peak_gib'):9.2f}"
+              f"{ratio('tokens_per_s', 'hf'):>7}{ratio('tokens_per_s', 'hf-liger'):>9}"
+              f"{ratio('tokens_per_s', 'hf-bf16'):>11}{ratio('peak_gib', 'hf-liger'):>10}"
+              f"{ok[0]['loss_first']:10.4f} ->{ok[0]['loss_last']:8.4f}")
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--cases", default="lora-1b", help=f"comma-separated, of {', '.join(CASES)}")
-    p.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated, of {', '.join(ROWS)}")
+    p.add_argument("--rows", default="", help=f"comma-separated, of {', '.join(ROWS)} (default: the case's)")
+    p.add_argument("--repeat", type=int, default=1, help="run the case's rows round-robin this many times")
     p.add_argument("--text", default=".e2e/text.jsonl", help="JSONL of {'text': ...} records")
     p.add_argument("--tokenizer", default=".e2e", help="folder with tokenizer.json (SmolLM2's)")
     p.add_argument("--work", default="/tmp/e2e", help="where model folders and runs go")
@@ -395,7 +440,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--hf-row", default="", help=argparse.SUPPRESS)
     p.add_argument("--folder", default="", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if device() == "cpu" and not args.tiny:
+    if device() == "cpu" and not args.tiny and not all(c in CPU_CASES for c in args.cases.split(",")):
         p.error("no CUDA device: the cases are GPU measurements (--tiny runs them at a toy size on the CPU)")
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
@@ -407,7 +452,7 @@ def main(argv: list[str] | None = None) -> None:
         case = case_for(args.cases, args.steps, args.tiny)
         cfg = shape_config(case["shape"], vocab_size, case["seq"], args.tiny)
         flops = case_flops(cfg, case["method"], case["seq"])
-        result = run_hf(case, Path(args.folder), tokenizer_dir, text, args.hf_row == "hf-liger", args.skip, flops)
+        result = run_hf(case, Path(args.folder), tokenizer_dir, text, args.hf_row, args.skip, flops)
         Path(args.out).write_text(json.dumps(result))
         return
 
@@ -423,18 +468,20 @@ def main(argv: list[str] | None = None) -> None:
                                    work / (case["shape"] + ("-tiny" if args.tiny else "")), args.tiny)
         print(f"[{case_name}] model folder {folder} ready in {time.perf_counter() - t0:.0f}s", flush=True)
         torch.cuda.empty_cache()
-        for row in args.rows.split(","):
-            t0 = time.perf_counter()
-            if row.startswith("entrenar"):
-                r = run_entrenar(case_name, case, folder, text, work, row == "entrenar-fast", args.skip, flops,
-                                 tuple(args.set))
-                row = " ".join([row, *args.set])
-            else:
-                r = run_row_process(row, case_name, folder, args)
-            results.append({"case": case_name, "row": row, **r})
-            print(f"[{case_name}] {row}: {r['status']} {r.get('tokens_per_s') or ''} in "
-                  f"{time.perf_counter() - t0:.0f}s", flush=True)
-            write_results(args.out, results)  # after every row: a run cut short keeps what it measured
+        rows = args.rows.split(",") if args.rows else list(case.get("rows", ROWS[:4]))
+        for repeat in range(args.repeat):
+            for row in rows:
+                t0 = time.perf_counter()
+                if row.startswith("entrenar"):
+                    r = run_entrenar(case_name, case, folder, text, work, row == "entrenar-fast", args.skip, flops,
+                                     tuple(args.set))
+                    row = " ".join([row, *args.set])
+                else:
+                    r = run_row_process(row, case_name, folder, args)
+                results.append({"case": case_name, "row": row, "repeat": repeat, "load_avg": os.getloadavg(), **r})
+                print(f"[{case_name}] {row}: {r['status']} {r.get('tokens_per_s') or ''} in "
+                      f"{time.perf_counter() - t0:.0f}s", flush=True)
+                write_results(args.out, results)  # after every row: a run cut short keeps what it measured
     print_table(results)
 
 
@@ -444,7 +491,8 @@ def write_results(out: str, results: list[dict]) -> None:
     if out:
         env = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-               "torch": torch.__version__, "python": platform.python_version(), "argv": sys.argv[1:]}
+               "torch": torch.__version__, "python": platform.python_version(), "argv": sys.argv[1:],
+               "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads()}
         for name in ("transformers", "peft", "bitsandbytes", "liger_kernel", "triton"):
             try:
                 env[name] = __import__(name).__version__

@@ -170,6 +170,19 @@ def test_kernels_and_the_fused_loss_give_the_plain_losses(workspace, precision, 
                                atol=tolerance, rtol=0)
 
 
+def test_kernels_auto_takes_the_pytorch_paths_on_a_cpu(workspace, monkeypatch):
+    """training.kernels: auto applies the kernels on a CPU too (their PyTorch paths: the fused LoRA node, the
+    chunked loss); false leaves the model as it is."""
+    import entrenar.train.loop as loop
+
+    applied = []
+    monkeypatch.setattr(loop, "apply_kernels", lambda model, **kwargs: applied.append(model))
+    train(recipe_for(workspace), dry_run=True, progress=False)
+    assert len(applied) == 1
+    train(recipe_for(workspace, "training.kernels=false"), dry_run=True, progress=False)
+    assert len(applied) == 1
+
+
 def test_bf16_adapter_math_trains_within_bf16_noise_of_fp32_and_needs_the_kernels(workspace):
     common = ["lora.dropout=0", "model.dtype=bfloat16", "training.kernels=true"]
     fp32 = train(recipe_for(workspace, *common, f"output.dir={workspace / 'a'}"), progress=False)

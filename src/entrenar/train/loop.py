@@ -183,11 +183,12 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
         model.set_activation_offload(t.offload_activations)
     except ValueError as e:
         raise ConfigError(f"training.offload_activations: {e}") from None
-    use_kernels = t.kernels is True or (t.kernels == "auto" and device.type == "cuda" and triton_available()
-                                        and mode != "fsdp")
+    # auto on a CPU: the fused LoRA node and the chunked loss, in PyTorch (no full logits; docs/PERFORMANCE.md).
+    use_kernels = t.kernels is True or (t.kernels == "auto" and mode != "fsdp"
+                                        and (device.type == "cpu" or device.type == "cuda" and triton_available()))
     if t.adapter_math == "bf16" and not use_kernels:
         raise ConfigError("training.adapter_math: bf16 adapter products run in the fused LoRA layer, and this run "
-                          "has no kernels (training.kernels: true, or auto on a CUDA device with Triton)")
+                          "has no kernels (training.kernels: true, or auto on a CPU or on a CUDA device with Triton)")
     if use_kernels:
         # Same parameters and names; fused forwards (PyTorch fallbacks off the GPU).
         apply_kernels(model, lora_compute_dtype=torch.bfloat16 if t.adapter_math == "bf16" else None)
