@@ -223,8 +223,9 @@ class LoraLinear(nn.Module):
         self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         # Built and drawn on the CPU, then moved: a seed gives the same adapters on any device (PEFT's draws on
         # the CPU), and a run that loads on the CPU first (FSDP) starts where a one-GPU run does.
-        self.lora_A = nn.Linear(in_features, r, bias=False, dtype=dtype)
-        self.lora_B = nn.Linear(r, out_features, bias=False, dtype=dtype)
+        build = weight.device if weight.is_meta else torch.device("cpu")
+        self.lora_A = nn.Linear(in_features, r, bias=False, device=build, dtype=dtype)
+        self.lora_B = nn.Linear(r, out_features, bias=False, device=build, dtype=dtype)
         self.reset_lora_parameters()
         self.lora_A.to(weight.device)
         self.lora_B.to(weight.device)
@@ -237,6 +238,8 @@ class LoraLinear(nn.Module):
         A is drawn from the CPU generator whatever its device, so a seed gives the same adapters on the CPU and
         on a GPU, and a run that builds on the CPU first (FSDP) starts where a one-GPU run does."""
         weight = self.lora_A.weight
+        if weight.is_meta:  # a rank that receives its weights (FSDP's meta load) draws nothing
+            return
         drawn = torch.empty(weight.shape, dtype=weight.dtype)
         nn.init.kaiming_uniform_(drawn, a=math.sqrt(5))
         with torch.no_grad():

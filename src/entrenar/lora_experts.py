@@ -57,8 +57,9 @@ class LoraExpertWeights(LoraLinear):
         dtype = adapter_dtype(weight_dtype)
         self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         e = self.num_experts
-        self.lora_A = nn.Linear(self.in_features, r * e, bias=False, dtype=dtype)  # drawn on the CPU (LoraLinear)
-        self.lora_B = nn.Linear(r * e, self.out_features, bias=False, dtype=dtype)
+        build = device if torch.device(device).type == "meta" else torch.device("cpu")  # drawn on the CPU (LoraLinear)
+        self.lora_A = nn.Linear(self.in_features, r * e, bias=False, device=build, dtype=dtype)
+        self.lora_B = nn.Linear(r * e, self.out_features, bias=False, device=build, dtype=dtype)
         self.reset_lora_parameters()
         self.lora_A.to(device)
         self.lora_B.to(device)

@@ -254,6 +254,7 @@ def test_offload_embeddings_settings_are_checked(workspace):
     (["training.compile=true"], False),
     (["training.precision=fp16"], False),
     (["lora=null"], False),  # full fine-tuning: no faster under graphs, and heavier
+    (["qat={bits: 4}"], False),  # LoRA-QAT: its step sizes initialise from a device read
 ])
 def test_cuda_graphs_auto_turns_on_only_where_they_replay(workspace, overrides, expected):
     from entrenar.train.loop import _cuda_graphs
@@ -266,6 +267,14 @@ def test_cuda_graphs_auto_turns_on_only_where_they_replay(workspace, overrides, 
         assert not _cuda_graphs(recipe, torch.device("cuda"), "ddp", "causal_lm", moe=False)
         assert not _cuda_graphs(recipe, torch.device("cuda"), "single", "classification", moe=False)
         assert not _cuda_graphs(recipe, torch.device("cuda"), "single", "causal_lm", moe=True)
+
+
+def test_a_graph_is_captured_only_with_the_fixed_segment_layout():
+    from entrenar.train.loop import _fills_capacity
+
+    assert _fills_capacity({"input_ids": torch.zeros(2, 8)}, None)
+    assert _fills_capacity({"cu_seqlens": torch.zeros(17, dtype=torch.int32)}, 16)
+    assert not _fills_capacity({"cu_seqlens": torch.zeros(21, dtype=torch.int32)}, 16)  # over capacity: eager
 
 
 def test_cuda_graph_settings_are_checked(workspace):

@@ -153,7 +153,8 @@ class Experts(nn.Module):
         if self.implementation == "loop" or not grouped_mm_available():
             return False
         # torch._grouped_mm wants rows whose strides are multiples of 16 bytes.
-        aligned = all(d * x.element_size() % 16 == 0 for d in (self.hidden_size, self.intermediate_size))
+        size = 2 if torch.is_autocast_enabled(x.device.type) else x.element_size()  # grouped_mm casts under autocast
+        aligned = all(d * size % 16 == 0 for d in (self.hidden_size, self.intermediate_size))
         if self.implementation == "grouped":
             return aligned
         return aligned and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16, torch.float32)

@@ -62,9 +62,11 @@ def documents_attention(
     return _per_document(q, k, v, documents, window).view(b, t, *q.shape[1:])
 
 
-def varlen_available(head_dim: int, device: torch.device) -> bool:
-    """Whether the variable-length kernel can run attention for this head size on ``device`` (in bf16/fp16)."""
-    return _varlen_attn is not None and device.type == "cuda" and head_dim % 8 == 0 and head_dim <= 256
+def varlen_available(head_dim: int, device: torch.device, window: int | None = None) -> bool:
+    """Whether the variable-length kernel can run attention for this head size on ``device`` (in bf16/fp16),
+    for any document length: a sliding window needs this torch's ``window_size`` argument."""
+    return (_varlen_attn is not None and device.type == "cuda" and head_dim % 8 == 0 and head_dim <= 256
+            and (window is None or "window_size" in _VARLEN_PARAMS))
 
 
 def _varlen_fits(q: torch.Tensor, k: torch.Tensor, documents: Documents, window: int | None) -> bool:

@@ -36,8 +36,9 @@ class GraphedMicroStep:
     accumulates into."""
 
     def __init__(self, fn: Callable[[dict[str, torch.Tensor]], torch.Tensor], params: Sequence[torch.Tensor],
-                 warmup: int = WARMUP_CALLS) -> None:
+                 warmup: int = WARMUP_CALLS, capturable: Callable[[dict], bool] | None = None) -> None:
         self.fn = fn
+        self.capturable = capturable  # which inputs may set the graph's layout (others run eagerly until one does)
         self.params = list(params)
         self.warmup = warmup
         self.eager_calls = 0
@@ -53,6 +54,8 @@ class GraphedMicroStep:
             self.eager_calls += 1
             return self._on_side_stream(inputs)
         if self.graph is None:
+            if self.capturable is not None and not self.capturable(inputs):
+                return self.fn(inputs)
             self._capture(inputs)
         elif not self._same_layout(inputs):
             return self.fn(inputs)

@@ -75,7 +75,8 @@ RESUMABLE_CHANGES = ("training.max_steps", "training.eval_every", "training.log_
                      "training.keep_last", "training.eval_batches", "training.cpu_threads", "training.kernels",
                      "training.compile", "training.nonfinite", "training.max_skipped_steps",
                      "training.early_stopping", "training.parallel", "training.global_batch_size",
-                     "training.dist_timeout_s", "training.replica_check_every")  # global_batch_size: checked
+                     "training.dist_timeout_s", "training.replica_check_every",
+                     "training.cuda_graphs")  # global_batch_size: checked
 
 
 @dataclass
@@ -201,7 +202,8 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
     # Packed rows attend within their documents through the variable-length flash kernel instead of a dense
     # document mask (which keeps SDPA off flash).
     varlen_rows = (task.name == "causal_lm" and not recipe.data.padding_free
-                   and varlen_available(model.config.head_dim, device) and _half_compute(model, t.precision))
+                   and varlen_available(model.config.head_dim, device, model.config.sliding_window)
+                   and _half_compute(model, t.precision))
     trainable = [p for p in model.parameters() if p.requires_grad]
 
     # Data: records -> masked examples -> a resumable stream of packed batches.
@@ -210,7 +212,7 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
     console.say(f"reading and tokenizing {d.train} ...")
     examples, validation, notes, stream = build_data(recipe, task, tokenizer, skipped)
     # CUDA graphs replay one layout: the documents of packed rows then fill a fixed number of segments.
-    segments = segment_capacity(stream) if varlen_rows and graphs else None
+    segments: int | None = None  # measured once the data position is known (after a resume's)
     notes = context_notes + notes
 
     lr_scale = moe.lr_scale(recipe.optimizer.lr_scale) if moe is not None else recipe.optimizer.lr_scale
@@ -239,7 +241,8 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
         return loss.detach()
 
     # With CUDA graphs the gradients stay allocated and are zeroed in place (the graph adds into them).
-    run_micro_step = GraphedMicroStep(micro_step, trainable) if graphs else micro_step
+    run_micro_step = GraphedMicroStep(micro_step, trainable, capturable=lambda b: _fills_capacity(b, segments)) \
+        if graphs else micro_step
 
     if t.compile:
         # Block by block, not the whole step: compiled around torch.utils.checkpoint, the step held 10-22 GiB
@@ -277,6 +280,8 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
         early_stopping.load_state_dict(trainer_state.get("early_stopping"))
         if moe is not None:
             moe.load_state_dict(trainer_state.get("moe"), str(resume_from / "trainer.json"))
+    if varlen_rows and graphs:  # CUDA graphs replay one layout: packed rows' documents fill a fixed count
+        segments = segment_capacity(stream)
     world.main_only(save_recipe, recipe, run_dir / RECIPE_FILE)  # on resume: with the changes the resume made
     world.main_only(write_arch, run_dir, model.config)  # architecture, parameter counts, fingerprint
     world.main_only(write_skipped, run_dir, skipped)
@@ -510,12 +515,20 @@ def _cuda_graphs(recipe: Recipe, device: torch.device, mode: str, task: str, moe
     """``training.cuda_graphs``, with ``auto`` resolved: on where graphs are known to replay and pay (one CUDA
     device, LoRA/QLoRA on packed causal-LM rows of one shape, a dense model, no compile, no fp16 loss scaling).
     Full fine-tuning measured no faster under graphs and 4 GiB heavier (docs/PERFORMANCE.md), so auto leaves
-    it eager."""
+    it eager; QAT's step-size initialisation reads the device once, which a graph cannot."""
     t, d = recipe.training, recipe.data
     if t.cuda_graphs != "auto":
         return t.cuda_graphs
     return (device.type == "cuda" and mode == "single" and task == "causal_lm" and not moe and d.packing
-            and recipe.lora is not None and not d.padding_free and not t.compile and t.precision != "fp16")
+            and recipe.lora is not None and recipe.qat is None and not d.padding_free and not t.compile
+            and t.precision != "fp16")
+
+
+def _fills_capacity(batch: dict, segments: int | None) -> bool:
+    """Whether a micro-batch has the layout a CUDA graph may be captured with (packed rows padded to the
+    segment capacity, not a batch over it that kept its own)."""
+    cu = batch.get("cu_seqlens")
+    return cu is None or segments is None or len(cu) == segments + 1
 
 
 def _half_compute(model: torch.nn.Module, precision: str) -> bool:
