@@ -27,6 +27,17 @@ def _rows(vocab: int, seed: int = 0) -> list[list[Example]]:
     return rows
 
 
+def _lora_model(folder):
+    """The folder's model with seeded all-linear LoRA whose B is non-zero (B = 0 would make every A gradient zero)."""
+    torch.manual_seed(0)
+    model = load_hf(folder)
+    apply_lora(model, LoraConfig(r=4, alpha=8, target_modules="all-linear"))
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.02)
+    return model
+
+
 def test_padding_free_layout_keeps_every_real_token_and_marks_documents():
     rows = _rows(vocab=50)
     batch = collate(rows, seq_len=48)
@@ -65,12 +76,7 @@ def test_padding_free_gives_the_padded_packed_batch_loss_and_adapter_gradients(h
     flat = padding_free(batch)
 
     def loss_and_grads(padding_free_batch: bool):
-        torch.manual_seed(0)
-        model = load_hf(folder)
-        apply_lora(model, LoraConfig(r=4, alpha=8, target_modules="all-linear"))
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                torch.nn.init.normal_(p, std=0.02)  # B = 0 would make every A gradient zero
+        model = _lora_model(folder)
         model.set_activation_checkpointing(1)  # one layer of two recomputes, with its input "offloaded"
         if padding_free_batch:
             logits = model(flat["input_ids"], flat["position_ids"], cu_seqlens=flat["cu_seqlens"])
@@ -141,12 +147,7 @@ def test_packed_rows_read_end_to_end_give_the_document_mask_loss_and_gradients(h
     packed = packed_documents(batch)
 
     def loss_and_grads(as_documents: bool):
-        torch.manual_seed(0)
-        model = load_hf(folder)
-        apply_lora(model, LoraConfig(r=4, alpha=8, target_modules="all-linear"))
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                torch.nn.init.normal_(p, std=0.02)
+        model = _lora_model(folder)
         layout = {"cu_seqlens": packed["cu_seqlens"], "max_seqlen": packed["max_seqlen"]} if as_documents else {}
         logits = model(batch["input_ids"], batch["position_ids"], batch["document_ids"], **layout)
         loss = token_cross_entropy(logits, batch["labels"])[0]

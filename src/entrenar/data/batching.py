@@ -120,11 +120,8 @@ def packed_documents(batch: Batch, capacity: int | None = None) -> dict[str, tor
     with empty segments and sets ``max_seqlen`` to the row length; a batch with more segments than that keeps
     its own layout (and runs eagerly).
     """
-    documents = batch["document_ids"]
-    rows, t = documents.shape
-    starts = torch.ones_like(documents, dtype=torch.bool)
-    starts[:, 1:] = documents[:, 1:] != documents[:, :-1]
-    cu_seqlens = torch.nonzero(starts.flatten()).flatten()
+    rows, t = batch["document_ids"].shape
+    cu_seqlens = torch.nonzero(_segment_starts(batch["document_ids"]).flatten()).flatten()
     segments = len(cu_seqlens)
     if capacity is not None and segments <= capacity:
         end = cu_seqlens.new_full((capacity + 1 - segments,), rows * t)
@@ -133,14 +130,21 @@ def packed_documents(batch: Batch, capacity: int | None = None) -> dict[str, tor
     return {**batch, "cu_seqlens": cu_seqlens, "max_seqlen": int((cu_seqlens[1:] - cu_seqlens[:-1]).max())}
 
 
+def _segment_starts(documents: torch.Tensor) -> torch.Tensor:
+    """Where :func:`packed_documents`' segments start: each row's first token and every change of document id
+    (padding runs included)."""
+    starts = torch.ones_like(documents, dtype=torch.bool)
+    starts[:, 1:] = documents[:, 1:] != documents[:, :-1]
+    return starts
+
+
 def segment_capacity(stream: "BatchStream", batches: int = 32, margin: float = 1.25) -> int:
     """How many segments :func:`packed_documents` should make room for under CUDA graphs: the most in the
     stream's next ``batches`` batches, with a margin, to a multiple of 16 (the stream is left where it was)."""
     state = stream.state_dict()
     most = 1
     for _ in range(batches):
-        documents = next(stream)["document_ids"]
-        most = max(most, int((documents[:, 1:] != documents[:, :-1]).sum()) + documents.shape[0])
+        most = max(most, int(_segment_starts(next(stream)["document_ids"]).sum()))
     stream.load_state_dict(state)
     return -(-int(most * margin) // 16) * 16
 

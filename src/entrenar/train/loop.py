@@ -211,8 +211,7 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
     skipped: list = []  # every record on_error=skip left out, for the run's skipped.jsonl
     console.say(f"reading and tokenizing {d.train} ...")
     examples, validation, notes, stream = build_data(recipe, task, tokenizer, skipped)
-    # CUDA graphs replay one layout: the documents of packed rows then fill a fixed number of segments.
-    segments: int | None = None  # measured once the data position is known (after a resume's)
+    segments: int | None = None  # CUDA graphs' segment capacity, measured once the data position is known
     notes = context_notes + notes
 
     lr_scale = moe.lr_scale(recipe.optimizer.lr_scale) if moe is not None else recipe.optimizer.lr_scale
@@ -533,8 +532,10 @@ def _fills_capacity(batch: dict, segments: int | None) -> bool:
 
 def _half_compute(model: torch.nn.Module, precision: str) -> bool:
     """Whether attention runs in bf16/fp16 (autocast, or a half-precision model): what flash kernels take."""
-    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
-    return precision in ("bf16", "fp16") or getattr(embed, "weight", torch.empty(0)).dtype in (torch.bfloat16, torch.float16)
+    if precision in ("bf16", "fp16"):
+        return True
+    weight = getattr(getattr(getattr(model, "model", None), "embed_tokens", None), "weight", None)
+    return weight is not None and weight.dtype in (torch.bfloat16, torch.float16)
 
 
 def _to(value: torch.Tensor | int, device: torch.device) -> torch.Tensor | int:
