@@ -70,6 +70,48 @@ def main(argv: list[str] | None = None) -> None:
           f"GPU kernel time per profiled step {gpu_ms:.1f} ms")
     print(events.table(sort_by="self_device_time_total", row_limit=30, max_name_column_width=70))
     print(events.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70))
+    print(gap_report(prof.events(), args.active))
+
+
+def gap_report(events, steps: int, attribute_over_us: float = 100.0) -> str:
+    """Where the GPU sat idle in the profiled window: idle time by gap length, and for the gaps longer than
+    ``attribute_over_us`` what the host was running meanwhile (top-level operators; "(python)" for time no
+    operator covers: the loop's own Python, batch building, logging)."""
+    kernels = sorted((e.time_range.start, e.time_range.end) for e in events if e.device_type.name == "CUDA")
+    if not kernels:
+        return "no GPU activity recorded"
+    busy = [list(kernels[0])]
+    for start, end in kernels[1:]:
+        if start <= busy[-1][1]:
+            busy[-1][1] = max(busy[-1][1], end)
+        else:
+            busy.append([start, end])
+    gaps = [(a[1], b[0]) for a, b in zip(busy, busy[1:])]
+    buckets = {"<5us": 0.0, "5-50us": 0.0, "50us-1ms": 0.0, ">=1ms": 0.0}
+    for start, end in gaps:
+        d = end - start
+        key = "<5us" if d < 5 else "5-50us" if d < 50 else "50us-1ms" if d < 1000 else ">=1ms"
+        buckets[key] += d
+    span = busy[-1][1] - busy[0][0]
+    busy_us = sum(e - s for s, e in busy)
+    top_level = [e for e in events if e.device_type.name == "CPU" and e.cpu_parent is None]
+    blamed: dict[str, float] = {}
+    for start, end in gaps:
+        if end - start < attribute_over_us:
+            continue
+        covered = 0.0
+        for e in top_level:
+            overlap = min(end, e.time_range.end) - max(start, e.time_range.start)
+            if overlap > 0:
+                blamed[e.name] = blamed.get(e.name, 0.0) + overlap
+                covered += overlap
+        blamed["(python)"] = blamed.get("(python)", 0.0) + max(end - start - covered, 0.0)
+    lines = [f"GPU busy {busy_us / 1e3 / steps:.1f} ms per step of a {span / 1e3 / steps:.1f} ms span; idle per "
+             "step by gap length: " + ", ".join(f"{k} {v / 1e3 / steps:.2f} ms" for k, v in buckets.items()),
+             f"host work during idle gaps >= {attribute_over_us:g} us (ms per step):"]
+    for name, us in sorted(blamed.items(), key=lambda kv: -kv[1])[:20]:
+        lines.append(f"  {us / 1e3 / steps:8.2f}  {name[:90]}")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

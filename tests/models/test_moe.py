@@ -230,3 +230,14 @@ def test_a_sigmoid_model_from_scratch_saves_and_loads_back_with_its_selection_bi
     ids = torch.tensor([tok.encode("abc~cba")])
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids), model(ids), atol=0, rtol=0)
+
+
+def test_expert_offsets_are_the_running_token_counts_of_sorted_experts():
+    from entrenar.models.moe import expert_offsets
+
+    flat = torch.tensor([3, 0, 3, 5, 0, 3, 1])  # experts 2 and 4 get nothing, 5 is the last
+    sorted_experts = flat.sort().values
+    offsets = expert_offsets(sorted_experts, 6)
+    assert offsets.dtype == torch.int32
+    assert offsets.tolist() == torch.bincount(flat, minlength=6).cumsum(0).tolist() == [2, 3, 3, 6, 6, 7]
+    assert expert_offsets(torch.zeros(0, dtype=torch.long), 3).tolist() == [0, 0, 0]

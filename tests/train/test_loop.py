@@ -261,12 +261,12 @@ def test_cuda_graphs_auto_turns_on_only_where_they_replay(workspace, overrides, 
 
     recipe = recipe_for(workspace, "model.device=cuda", *overrides)
     assert recipe.training.cuda_graphs == (False if "training.cuda_graphs=false" in overrides else "auto")
-    assert _cuda_graphs(recipe, torch.device("cuda"), "single", "causal_lm", moe=False) is expected
-    if expected:  # and off on the CPU, on several processes, for a classifier and for an MoE model
-        assert not _cuda_graphs(recipe, torch.device("cpu"), "single", "causal_lm", moe=False)
-        assert not _cuda_graphs(recipe, torch.device("cuda"), "ddp", "causal_lm", moe=False)
-        assert not _cuda_graphs(recipe, torch.device("cuda"), "single", "classification", moe=False)
-        assert not _cuda_graphs(recipe, torch.device("cuda"), "single", "causal_lm", moe=True)
+    assert _cuda_graphs(recipe, torch.device("cuda"), "single", "causal_lm", moe_replays=True) is expected
+    if expected:  # and off on the CPU, on several processes, for a classifier and for MoE layers that cannot replay
+        assert not _cuda_graphs(recipe, torch.device("cpu"), "single", "causal_lm", moe_replays=True)
+        assert not _cuda_graphs(recipe, torch.device("cuda"), "ddp", "causal_lm", moe_replays=True)
+        assert not _cuda_graphs(recipe, torch.device("cuda"), "single", "classification", moe_replays=True)
+        assert not _cuda_graphs(recipe, torch.device("cuda"), "single", "causal_lm", moe_replays=False)
 
 
 def test_a_graph_is_captured_only_with_the_fixed_segment_layout():

@@ -203,3 +203,55 @@ def test_router_losses_follow_the_derived_accumulation(workspace):
     rows = [[r for r in read_metrics(run.run_dir / "metrics.jsonl") if "loss" in r] for run in (a, b)]
     for x, y in zip(*rows):
         assert (x["loss"], x["grad_norm"], x["moe"]["aux_loss"]) == (y["loss"], y["grad_norm"], y["moe"]["aux_loss"])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_graphs_replay_moe_layers_with_the_eager_losses_and_diagnostics(workspace, monkeypatch):
+    """LoRA on attention and every expert, packed rows, bf16: micro-steps replayed from a CUDA graph give the
+    eager run's losses, router losses and expert loads (the in-place routing counters fill on replay too)."""
+    from entrenar.models.moe import grouped_mm_available
+
+    if not grouped_mm_available():
+        pytest.skip("needs torch._grouped_mm")
+    replays = []
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "replay",
+                        lambda self, original=torch.cuda.CUDAGraph.replay: (replays.append(1), original(self))[1])
+    common = ["model.device=cuda", "training.precision=bf16", "data.packing=true", "training.max_steps=8",
+              "lora={r: 8, alpha: 16, dropout: 0, target_modules: [q_proj, v_proj], target_parameters: "
+              "[mlp.experts.gate_up_proj, mlp.experts.down_proj]}"]
+    runs = {}
+    for graphs in ("false", "true"):
+        result = train(recipe_for(workspace, *common, f"training.cuda_graphs={graphs}",
+                                  f"output.dir={workspace / graphs}"), progress=False)
+        runs[graphs] = [r for r in read_metrics(result.run_dir / "metrics.jsonl") if "loss" in r]
+    assert len(replays) >= 8  # 16 micro-steps, 3 eager warm-ups, the rest replayed
+    eager, graphed = runs["false"], runs["true"]
+    torch.testing.assert_close(torch.tensor([r["loss"] for r in graphed]), torch.tensor([r["loss"] for r in eager]),
+                               atol=2e-2, rtol=0)
+    for a, b in zip(eager, graphed):
+        assert b["moe"]["aux_loss"] == pytest.approx(a["moe"]["aux_loss"], abs=2e-2)
+        for layer in ("0", "1"):
+            assert sum(b["moe"]["layers"][layer]["load"]) == pytest.approx(1.0)
+            torch.testing.assert_close(torch.tensor(b["moe"]["layers"][layer]["load"]),
+                                       torch.tensor(a["moe"]["layers"][layer]["load"]), atol=0.05, rtol=0)
+
+
+def test_cuda_graphs_refuse_moe_experts_that_loop(workspace):
+    """The per-expert loop reads token counts back in every layer, which no graph can replay: said, not hung."""
+    from entrenar.train.loop import _compute_dtype
+
+    recipe = recipe_for(workspace, "moe.experts=loop")
+    model = load_hf(workspace / "moe")
+    moe = MoeTraining(model, recipe.moe)
+    assert not moe.replayable(torch.device("cpu"), _compute_dtype(model, "bf16"))
+    if torch.cuda.is_available():
+        assert not moe.replayable(torch.device("cuda"), torch.bfloat16)
+        moe.blocks[0].experts.implementation = "grouped"
+        assert not moe.replayable(torch.device("cuda"), torch.bfloat16)  # one layer that loops is enough
+        for block in moe.blocks:
+            block.experts.implementation = "auto"
+        assert moe.replayable(torch.device("cuda"), torch.bfloat16)
+        assert not moe.replayable(torch.device("cuda"), torch.float32)  # fp32 grouped products loop inside
+        with pytest.raises(ConfigError, match=r"training\.cuda_graphs: .*grouped"):
+            train(recipe_for(workspace, "model.device=cuda", "moe.experts=loop", "training.cuda_graphs=true"),
+                  progress=False)

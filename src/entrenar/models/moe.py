@@ -167,14 +167,13 @@ class Experts(nn.Module):
         inverse = torch.empty_like(order).scatter_(0, order, torch.arange(n * k, device=order.device))
         tokens = order // k
         xs = _Dispatch.apply(x, tokens, inverse, k)
-        counts = torch.bincount(flat, minlength=self.num_experts)
+        offsets = expert_offsets(flat[order], self.num_experts)
         if self.use_grouped(x):
-            offsets = counts.cumsum(0).to(torch.int32)
             gate, up = self.grouped_gate_up(xs, offsets).chunk(2, dim=-1)
             ys = self.grouped_down(F.silu(gate) * up, offsets)
         else:
             pieces = []
-            for expert, (start, count) in enumerate(_spans(counts.tolist())):
+            for expert, (start, count) in enumerate(_spans(offsets.tolist())):
                 if count:
                     gate, up = self.gate_up(xs[start:start + count], expert).chunk(2, dim=-1)
                     pieces.append(self.down(F.silu(gate) * up, expert))
@@ -213,12 +212,17 @@ class _Permute(torch.autograd.Function):
         return grad[inverse], None, None
 
 
-def _spans(counts: list[int]) -> list[tuple[int, int]]:
-    spans, start = [], 0
-    for c in counts:
-        spans.append((start, c))
-        start += c
-    return spans
+def expert_offsets(sorted_experts: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Where each expert's rows end in the (token, slot) pairs sorted by expert: int32 [E], what
+    ``torch._grouped_mm`` takes as ``offs``. A search, not ``torch.bincount``, which on CUDA reads the largest
+    index back to the host (a sync in every MoE layer, and no CUDA graph)."""
+    bounds = torch.arange(1, num_experts + 1, device=sorted_experts.device, dtype=sorted_experts.dtype)
+    return torch.searchsorted(sorted_experts, bounds).to(torch.int32)
+
+
+def _spans(offsets: list[int]) -> list[tuple[int, int]]:
+    """(start, count) of each expert's rows from their end offsets."""
+    return [(start, end - start) for start, end in zip([0, *offsets[:-1]], offsets)]
 
 
 class MoeBlock(nn.Module):

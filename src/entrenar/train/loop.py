@@ -198,12 +198,17 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
     # Router losses, balancing and diagnostics (None for a dense model); counts are summed over the ranks.
     moe = moe_training(model, recipe, accumulation, world)
     step_model = parallelize(model, mode, world, device, t.precision)  # DDP / FSDP2 from outside (or the model)
-    graphs = _cuda_graphs(recipe, device, mode, task.name, moe is not None)
+    moe_replays = moe is None or moe.replayable(device, _compute_dtype(model, t.precision))
+    if t.cuda_graphs is True and not moe_replays:
+        raise ConfigError("training.cuda_graphs: a CUDA graph replays MoE layers whose experts run as one grouped "
+                          "bf16 product (moe.experts: auto or grouped, bf16 compute, full-precision experts); "
+                          "this run's loop over experts reads their token counts back every layer")
+    graphs = _cuda_graphs(recipe, device, mode, task.name, moe_replays)
     # Packed rows attend within their documents through the variable-length flash kernel instead of a dense
     # document mask (which keeps SDPA off flash).
     varlen_rows = (task.name == "causal_lm" and not recipe.data.padding_free
                    and varlen_available(model.config.head_dim, device, model.config.sliding_window)
-                   and _half_compute(model, t.precision))
+                   and _compute_dtype(model, t.precision) in (torch.bfloat16, torch.float16))
     trainable = [p for p in model.parameters() if p.requires_grad]
 
     # Data: records -> masked examples -> a resumable stream of packed batches.
@@ -510,15 +515,16 @@ def _recipe_for_resume(recipe: Recipe, run_dir: Path) -> Recipe:
     return dataclasses.replace(saved, training=dataclasses.replace(saved.training, **allowed))
 
 
-def _cuda_graphs(recipe: Recipe, device: torch.device, mode: str, task: str, moe: bool) -> bool:
+def _cuda_graphs(recipe: Recipe, device: torch.device, mode: str, task: str, moe_replays: bool = True) -> bool:
     """``training.cuda_graphs``, with ``auto`` resolved: on where graphs are known to replay and pay (one CUDA
-    device, LoRA/QLoRA on packed causal-LM rows of one shape, a dense model, no compile, no fp16 loss scaling).
+    device, LoRA/QLoRA on packed causal-LM rows of one shape, a dense model or an MoE one whose experts run
+    grouped (``moe_replays``: no host read in the step), no compile, no fp16 loss scaling).
     Full fine-tuning measured no faster under graphs and 4 GiB heavier (docs/PERFORMANCE.md), so auto leaves
     it eager; QAT's step-size initialisation reads the device once, which a graph cannot."""
     t, d = recipe.training, recipe.data
     if t.cuda_graphs != "auto":
         return t.cuda_graphs
-    return (device.type == "cuda" and mode == "single" and task == "causal_lm" and not moe and d.packing
+    return (device.type == "cuda" and mode == "single" and task == "causal_lm" and moe_replays and d.packing
             and recipe.lora is not None and recipe.qat is None and not d.padding_free and not t.compile
             and t.precision != "fp16")
 
@@ -530,12 +536,12 @@ def _fills_capacity(batch: dict, segments: int | None) -> bool:
     return cu is None or segments is None or len(cu) == segments + 1
 
 
-def _half_compute(model: torch.nn.Module, precision: str) -> bool:
-    """Whether attention runs in bf16/fp16 (autocast, or a half-precision model): what flash kernels take."""
+def _compute_dtype(model: torch.nn.Module, precision: str) -> torch.dtype:
+    """The dtype the products run in: autocast's, or the model's own (what flash and grouped kernels take)."""
     if precision in ("bf16", "fp16"):
-        return True
+        return torch.bfloat16 if precision == "bf16" else torch.float16
     weight = getattr(getattr(getattr(model, "model", None), "embed_tokens", None), "weight", None)
-    return weight is not None and weight.dtype in (torch.bfloat16, torch.float16)
+    return weight.dtype if weight is not None else torch.float32
 
 
 def _to(value: torch.Tensor | int, device: torch.device) -> torch.Tensor | int:

@@ -103,6 +103,16 @@ class MoeTraining:
         self.last_seen = [[0] * e for _ in range(n_layers)]  # the last step each expert got a token
         self.collapsed: set[str] = set()  # "layer:kind" warned about and not yet recovered
 
+    def replayable(self, device: torch.device, dtype: torch.dtype) -> bool:
+        """Whether a CUDA graph can replay these MoE layers: every expert stack runs as one grouped bf16 product
+        (token counts per expert stay on the device as offsets; the per-expert loop, and grouped products in
+        other dtypes, read them back). Routing statistics and router losses accumulate in place, so a replay
+        adds to them as an eager forward does."""
+        if device.type != "cuda" or dtype != torch.bfloat16:
+            return False
+        probe = torch.empty(0, self.blocks[0].experts.hidden_size, device=device, dtype=dtype)
+        return all(block.experts.use_grouped(probe) for block in self.blocks)
+
     @property
     def router_trainable(self) -> bool:
         return any(p.requires_grad for block in self.blocks for p in router_of(block).parameters())
@@ -238,9 +248,6 @@ def moe_training(model: nn.Module, recipe: Any, accumulation: int | None = None,
             raise ConfigError(f"moe: the model ({getattr(config, 'model_type', '?')}) has no mixture-of-experts "
                               "layers; remove the moe section")
         return None
-    if recipe.training.cuda_graphs is True:
-        raise ConfigError("training.cuda_graphs: an MoE model routes a different number of tokens to each expert "
-                          "every step, which a replayed graph cannot follow")
     return MoeTraining(model, recipe.moe, accumulation or recipe.training.grad_accum, world)
 
 
