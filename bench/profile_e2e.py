@@ -77,7 +77,10 @@ def gap_report(events, steps: int, attribute_over_us: float = 100.0) -> str:
     """Where the GPU sat idle in the profiled window: idle time by gap length, and for the gaps longer than
     ``attribute_over_us`` what the host was running meanwhile (top-level operators; "(python)" for time no
     operator covers: the loop's own Python, batch building, logging)."""
-    kernels = sorted((e.time_range.start, e.time_range.end) for e in events if e.device_type.name == "CUDA")
+    # Device activity only: the profiler's step and optimizer ranges are also CUDA-typed (annotations).
+    kernels = sorted((e.time_range.start, e.time_range.end) for e in events
+                     if e.device_type.name == "CUDA" and not getattr(e, "is_user_annotation", False)
+                     and not e.name.startswith(("ProfilerStep", "Optimizer.")))
     if not kernels:
         return "no GPU activity recorded"
     busy = [list(kernels[0])]
@@ -94,7 +97,8 @@ def gap_report(events, steps: int, attribute_over_us: float = 100.0) -> str:
         buckets[key] += d
     span = busy[-1][1] - busy[0][0]
     busy_us = sum(e - s for s, e in busy)
-    top_level = [e for e in events if e.device_type.name == "CPU" and e.cpu_parent is None]
+    top_level = [e for e in events if e.device_type.name == "CPU" and e.cpu_parent is None
+                 and not e.name.startswith("ProfilerStep")]
     blamed: dict[str, float] = {}
     for start, end in gaps:
         if end - start < attribute_over_us:

@@ -231,7 +231,7 @@ def test_cuda_graphs_replay_moe_layers_with_the_eager_losses_and_diagnostics(wor
     for a, b in zip(eager, graphed):
         assert b["moe"]["aux_loss"] == pytest.approx(a["moe"]["aux_loss"], abs=2e-2)
         for layer in ("0", "1"):
-            assert sum(b["moe"]["layers"][layer]["load"]) == pytest.approx(1.0)
+            assert sum(b["moe"]["layers"][layer]["load"]) == pytest.approx(1.0, abs=1e-5)  # shares rounded to 1e-6
             torch.testing.assert_close(torch.tensor(b["moe"]["layers"][layer]["load"]),
                                        torch.tensor(a["moe"]["layers"][layer]["load"]), atol=0.05, rtol=0)
 
