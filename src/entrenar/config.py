@@ -537,6 +537,9 @@ class TrainingSection(_Section):
     # auto: on a single CUDA device for LoRA/QLoRA on packed causal-LM batches of a dense model, without
     # compile or fp16
     cuda_graphs: str | bool = _key("auto", _choice("auto", True, False))
+    # read each step's loss and norm while the GPU runs the next step's forward and backward (a non-finite
+    # update is dropped on the device); auto: on one CUDA device with a fused optimizer and no fp16 scaler
+    overlap_steps: str | bool = _key("auto", _choice("auto", True, False))
     kernels: str | bool = _key("auto", _choice("auto", True, False))  # auto: on CUDA when Triton imports, and on a CPU (PyTorch paths)
     # LoRA adapter products in the fused layer: fp32 as PEFT runs them, or bf16 on the tensor cores (the adapter
     # weights and the optimizer stay fp32)

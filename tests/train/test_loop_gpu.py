@@ -117,3 +117,30 @@ def test_offloaded_embeddings_give_the_losses_of_embeddings_on_the_gpu(workspace
 
     assert losses(offloaded)[0] == losses(kept)[0]  # the same rows, the same first forward, bit for bit
     torch.testing.assert_close(losses(offloaded), losses(kept), atol=1e-3, rtol=0)  # then attention's backward
+
+
+def test_overlapped_steps_on_cuda_give_the_losses_of_steps_read_at_once(workspace, monkeypatch):
+    """Pinned-memory reads behind CUDA events: the metrics of the run that reads each step at once."""
+    from entrenar.train import loop
+    from entrenar.train.overlap import DeferredRead
+
+    reads = []
+
+    class Counted(DeferredRead):
+        def __init__(self, values):
+            reads.append(values.device.type)
+            super().__init__(values)
+
+    common = ["model.device=cuda", "lora.dropout=0", "training.precision=bf16", "training.max_steps=8",
+              "training.cuda_graphs=false"]
+    at_once = train(recipe_for(workspace, *common, "training.overlap_steps=false", f"output.dir={workspace / 'a'}"),
+                    progress=False)
+    monkeypatch.setattr(loop, "DeferredRead", Counted)
+    overlapped = train(recipe_for(workspace, *common, f"output.dir={workspace / 'o'}"), progress=False)  # auto: on
+    assert reads == ["cuda"] * 4
+
+    def fields(run):
+        return torch.tensor([[r["loss"], r["grad_norm"], r["tokens"]]
+                             for r in read_metrics(run.run_dir / "metrics.jsonl") if "loss" in r])
+
+    torch.testing.assert_close(fields(overlapped), fields(at_once), atol=1e-3, rtol=1e-3)

@@ -255,3 +255,17 @@ def test_cuda_graphs_refuse_moe_experts_that_loop(workspace):
         with pytest.raises(ConfigError, match=r"training\.cuda_graphs: .*grouped"):
             train(recipe_for(workspace, "model.device=cuda", "moe.experts=loop", "training.cuda_graphs=true"),
                   progress=False)
+
+
+def test_overlapped_steps_give_the_same_router_diagnostics_and_biases(workspace):
+    """Steps read after the next one's micro-steps (training.overlap_steps): the routing counters, the biases'
+    nudges and the diagnostics are those of the run that reads each step at once, bit for bit."""
+    runs = {}
+    for overlap in ("false", "true"):
+        result = train(recipe_for(workspace, "optimizer.fused=true", f"training.overlap_steps={overlap}",
+                                  "training.save_every=3", f"output.dir={workspace / overlap}"), progress=False)
+        records = [r for r in read_metrics(result.run_dir / "metrics.jsonl") if "loss" in r]
+        bias = json.loads((result.checkpoint / "trainer.json").read_text())["moe"]["bias"]
+        runs[overlap] = ([(r["loss"], r["moe"]) for r in records], bias)
+    assert runs["true"] == runs["false"]
+    assert "bias_abs_max" in runs["true"][0][0][1]

@@ -68,6 +68,7 @@ from entrenar.train.loss import token_cross_entropy
 from entrenar.train.metrics import MetricsLogger, plot_loss_curve, tensorboard_writer_class
 from entrenar.train.moe import moe_training, plot_expert_load
 from entrenar.train.optim import build_optimizer, build_param_groups, lr_at, set_lr
+from entrenar.train.overlap import DeferredRead, overlap_unsupported, step_unless_nonfinite
 
 RECIPE_FILE = "recipe.yaml"
 # Keys a resumed run may change: how long it runs, how often it reports, when it stops on faults or early.
@@ -76,7 +77,7 @@ RESUMABLE_CHANGES = ("training.max_steps", "training.eval_every", "training.log_
                      "training.compile", "training.nonfinite", "training.max_skipped_steps",
                      "training.early_stopping", "training.parallel", "training.global_batch_size",
                      "training.dist_timeout_s", "training.replica_check_every",
-                     "training.cuda_graphs")  # global_batch_size: checked
+                     "training.cuda_graphs", "training.overlap_steps")  # global_batch_size: checked
 
 
 @dataclass
@@ -224,6 +225,7 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
     o = recipe.optimizer
     optimizer = build_optimizer(groups, o.name, o.lr, o.betas, o.eps, o.momentum, o.fused, device)
     scaler = torch.amp.GradScaler(device.type, enabled=t.precision == "fp16")
+    overlap = _overlap_steps(t.overlap_steps, device, optimizer, mode, scaler.is_enabled())
 
     def loss_sum_of(batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Summed cross-entropy of one micro-batch's target tokens."""
@@ -338,6 +340,28 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
                   dynamic_ncols=True) as bar:
             last_checkpoint: Path | None = None
             loss_value, eval_after = None, None
+            pending: _LaunchedStep | None = None  # overlap: a launched step, read after the next one's micro-steps
+            last_read = time.perf_counter()
+
+            def log_step(done: int, lr: float, started: float, loss_value: float, norm_value: float, tokens: int,
+                         flags: dict, moe_values: list[float] | None) -> None:
+                """The metrics line, warnings and progress of a step whose results were read to the host."""
+                nonlocal last_read
+                now = time.perf_counter()
+                elapsed, last_read = now - max(started, last_read), now  # overlapped: between consecutive reads
+                moe_record, moe_warnings = moe.diagnose(done, moe_values) if moe is not None else (None, [])
+                extra = {"moe": moe_record} if moe_record is not None else {}
+                extra.update(dist_steps.peak_memory(world, device))  # each rank's, in a distributed run
+                record = metrics.log_step(done, loss_value, norm_value, lr, tokens, step_time_s=elapsed,
+                                          flags=flags, extra=extra)
+                for warning in moe_warnings:
+                    bar.write(warning)
+                bar.update(1)
+                if done % t.log_every == 0 or done == t.max_steps:
+                    bar.set_postfix(loss=f"{loss_value:.4f}", lr=f"{lr:.2e}")
+                if done % t.log_every == 0 or done == t.max_steps or "skipped" in flags:
+                    console.step(record, t.max_steps)  # --no-progress: a line every log_every steps
+
             for step in range(start_step, t.max_steps):
                 started = time.perf_counter()
                 lr = lr_at(step, o.lr, recipe.schedule.warmup_steps, t.max_steps, recipe.schedule.name,
@@ -358,39 +382,44 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
                     batch["step_targets"] = step_targets / world.size
                     with step_model.sync(last=i == len(micro_batches) - 1):  # no all-reduce on accumulation steps
                         step_loss += run_micro_step(batch)
+                if pending is not None:  # the previous step, read while this step's micro-steps run on the GPU
+                    values = pending.read.values()
+                    # Its update was already dropped on the device if non-finite; stop mode raises here, before
+                    # this step's update is launched.
+                    flags = guard.check(pending.step, values[0], values[1])
+                    log_step(pending.step, pending.lr, pending.started, values[0], values[1], int(values[2]), flags,
+                             values[3:] if moe is not None else None)
+                    pending = None
 
                 scaler.unscale_(optimizer)
                 max_norm = t.max_grad_norm if t.max_grad_norm > 0 else math.inf
                 grad_norm = torch.nn.utils.clip_grad_norm_(trainable, max_norm)  # returns the pre-clip norm
                 done = step + 1
+                is_last = done == t.max_steps
                 # The global step's loss on every rank, so every rank takes the same decision below.
                 step_loss = world.all_sum(step_loss) / world.size
+                if overlap and not (is_last or t.eval_every and done % t.eval_every == 0
+                                    or t.save_every and done % t.save_every == 0):
+                    # Read after the next step's micro-steps are launched; steps the host acts on are read now.
+                    found = step_unless_nonfinite(optimizer, step_loss, grad_norm)
+                    optimizer.zero_grad(set_to_none=not graphs)
+                    values = [step_loss.double().reshape(1), grad_norm.double().reshape(1), tokens.double().reshape(1)]
+                    if moe is not None:  # router biases move only with an applied update
+                        values.append(moe.close_step(update=1.0 - found).double())
+                    pending = _LaunchedStep(done, lr, started, DeferredRead(torch.cat(values)))
+                    continue
                 # The step's one host read; a NaN/inf loss or gradient norm then stops the run, or drops this
                 # step's update (training.nonfinite), before the optimizer applies it.
                 loss_value, norm_value = float(step_loss), float(grad_norm)
                 flags = guard.check(done, loss_value, norm_value)
                 flags |= optimizer_step(scaler, optimizer, skip=bool(flags))  # fp16: the scaler's own skips
                 optimizer.zero_grad(set_to_none=not graphs)
-
-                tokens = int(tokens)
                 # Router biases move only with an applied update (a skipped step leaves them too).
-                moe_record, moe_warnings = (moe.after_step(done, update="skipped" not in flags) if moe is not None
-                                            else (None, []))
-                extra = {"moe": moe_record} if moe_record is not None else {}
-                extra.update(dist_steps.peak_memory(world, device))  # each rank's, in a distributed run
-                record = metrics.log_step(done, loss_value, norm_value, lr, tokens,
-                                          step_time_s=time.perf_counter() - started, flags=flags, extra=extra)
-                for warning in moe_warnings:
-                    bar.write(warning)
-                if t.replica_check_every and (done % t.replica_check_every == 0 or done == t.max_steps):
+                moe_values = moe.close_step(update="skipped" not in flags).tolist() if moe is not None else None
+                log_step(done, lr, started, loss_value, norm_value, int(tokens), flags, moe_values)
+                if t.replica_check_every and (done % t.replica_check_every == 0 or is_last):
                     check_replicas(model, optimizer, world, done)  # every rank holds the same weights
-                bar.update(1)
-                if done % t.log_every == 0 or done == t.max_steps:
-                    bar.set_postfix(loss=f"{loss_value:.4f}", lr=f"{lr:.2e}")
-                if done % t.log_every == 0 or done == t.max_steps or "skipped" in flags:
-                    console.step(record, t.max_steps)  # --no-progress: a line every log_every steps
 
-                is_last = done == t.max_steps
                 stop_early = False
                 if (t.eval_every and done % t.eval_every == 0) or is_last:
                     bar.set_description("evaluating")
@@ -527,6 +556,27 @@ def _cuda_graphs(recipe: Recipe, device: torch.device, mode: str, task: str, moe
     return (device.type == "cuda" and mode == "single" and task == "causal_lm" and moe_replays and d.packing
             and recipe.lora is not None and recipe.qat is None and not d.padding_free and not t.compile
             and t.precision != "fp16")
+
+
+@dataclass
+class _LaunchedStep:
+    """An overlapped step whose update is launched and whose results (loss, gradient norm, tokens, MoE
+    counters) are on their way to the host."""
+
+    step: int
+    lr: float
+    started: float
+    read: DeferredRead
+
+
+def _overlap_steps(setting: str | bool, device: torch.device, optimizer: torch.optim.Optimizer, mode: str,
+                   scaled: bool) -> bool:
+    """``training.overlap_steps`` resolved: auto is on for one CUDA device when the optimizer can drop a
+    non-finite update itself (a CPU runs each step to its end anyway); true where that is impossible says why."""
+    reason = overlap_unsupported(optimizer, mode, scaled)
+    if setting is True and reason is not None:
+        raise ConfigError(f"training.overlap_steps: {reason}")
+    return reason is None and (setting is True or setting == "auto" and device.type == "cuda")
 
 
 def _fills_capacity(batch: dict, segments: int | None) -> bool:

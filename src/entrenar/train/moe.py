@@ -156,24 +156,38 @@ class MoeTraining:
         self._tokens[layer] += w.sum()
 
     def after_step(self, step: int, update: bool = True) -> tuple[dict[str, Any], list[str]]:
-        """Nudge the selection biases (not when the step's update was dropped: ``update=False``), then this
-        step's diagnostics (one host sync) and collapse warnings."""
+        """:meth:`close_step`, then this step's diagnostics (one host sync) and collapse warnings."""
+        return self.diagnose(step, self.close_step(update).tolist())
+
+    def close_step(self, update: bool | torch.Tensor = True) -> torch.Tensor:
+        """End a step on the device: nudge the selection biases (not when the step's update was dropped:
+        ``update`` False, or a 0.0 flag on the device when the loop decides later), and return the step's
+        routing counters as one vector for :meth:`diagnose` (the accumulators start again from zero)."""
         if self.world is not None and self.world.distributed:  # the global step's routing, the same on every rank
             for t in (self._counts, self._entropy, self._tokens, self._losses):
                 self.world.all_sum(t)
             self._losses /= self.world.size
         rate = self.section.bias_update_rate
-        if rate and update:
+        if rate and update is not False:
             with torch.no_grad():  # DeepSeek-V3: raise an under-loaded expert's bias, lower an over-loaded one's
                 for bias, load in zip(self.biases, self._counts):
-                    bias += rate * torch.sign(load.mean() - load)
-        values = torch.cat([self._counts.flatten(), self._entropy, self._tokens, self._losses]).tolist()
+                    nudge = rate * torch.sign(load.mean() - load)
+                    bias += nudge if update is True else nudge * update
+        values = [self._counts.flatten(), self._entropy, self._tokens, self._losses]
+        if self.biases:  # after the nudge: what the next step selects with
+            values.append(torch.stack([b.abs().max() for b in self.biases]).max().reshape(1))
+        values = torch.cat(values)
         for t in (self._counts, self._entropy, self._tokens, self._losses):
             t.zero_()
+        return values
+
+    def diagnose(self, step: int, values: list[float]) -> tuple[dict[str, Any], list[str]]:
+        """The metrics line's ``moe`` entry and collapse warnings of step ``step`` from its :meth:`close_step`
+        counters, read to the host."""
         n, e = len(self.blocks), self.num_experts
         counts = [values[i * e:(i + 1) * e] for i in range(n)]
         entropy, tokens = values[n * e:n * e + n], values[n * e + n:n * e + 2 * n]
-        aux, z = values[-2:]
+        aux, z = values[n * e + 2 * n:n * e + 2 * n + 2]
         s = self.section
         record: dict[str, Any] = {"aux_loss": aux, "z_loss": z, "layers": {}}
         notes: list[str] = []
@@ -200,7 +214,7 @@ class MoeTraining:
                                     f"expert {shares.index(top)} takes {top:.0%} of the tokens (above "
                                     f"moe.collapse_share {s.collapse_share:g})")
         if self.biases:
-            record["bias_abs_max"] = max(float(b.abs().max()) for b in self.biases)
+            record["bias_abs_max"] = values[n * e + 2 * n + 2]
         return record, notes
 
     def _warn(self, step: int, layer: int, kind: str, bad: bool, what: str) -> list[str]:
