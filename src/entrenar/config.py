@@ -534,8 +534,8 @@ class TrainingSection(_Section):
     offload_embeddings: bool = _key(False, _boolean)
     compile: bool = _key(False, _boolean)
     # forward and backward of each micro-batch replayed from a CUDA graph (fixed shapes; not padding-free);
-    # auto: on a single CUDA device for LoRA/QLoRA on packed causal-LM batches of a dense model, without
-    # compile or fp16
+    # auto: on a single CUDA device for LoRA/QLoRA on packed causal-LM batches of a dense model (or an MoE one
+    # whose experts run grouped in bf16), without compile or fp16
     cuda_graphs: str | bool = _key("auto", _choice("auto", True, False))
     # read each step's loss and norm while the GPU runs the next step's forward and backward (a non-finite
     # update is dropped on the device); auto: on one CUDA device with a fused optimizer and no fp16 scaler
