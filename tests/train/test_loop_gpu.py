@@ -137,7 +137,7 @@ def test_overlapped_steps_on_cuda_give_the_losses_of_steps_read_at_once(workspac
                     progress=False)
     monkeypatch.setattr(loop, "DeferredRead", Counted)
     overlapped = train(recipe_for(workspace, *common, f"output.dir={workspace / 'o'}"), progress=False)  # auto: on
-    assert reads == ["cuda"] * 4
+    assert reads == ["cuda"] * 3  # steps 2, 5 and 7 (1 precedes the optimizer's state; 3, 4, 6, 8 save or evaluate)
 
     def fields(run):
         return torch.tensor([[r["loss"], r["grad_norm"], r["tokens"]]

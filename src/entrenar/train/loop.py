@@ -398,9 +398,10 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
                 is_last = done == t.max_steps
                 # The global step's loss on every rank, so every rank takes the same decision below.
                 step_loss = world.all_sum(step_loss) / world.size
-                if overlap and not (is_last or t.eval_every and done % t.eval_every == 0
-                                    or t.save_every and done % t.save_every == 0):
-                    # Read after the next step's micro-steps are launched; steps the host acts on are read now.
+                if overlap and optimizer.state and not (is_last or t.eval_every and done % t.eval_every == 0
+                                                        or t.save_every and done % t.save_every == 0):
+                    # Read after the next step's micro-steps are launched; steps the host acts on, and those
+                    # before the optimizer has state (built by its first step), are read now.
                     found = step_unless_nonfinite(optimizer, step_loss, grad_norm)
                     optimizer.zero_grad(set_to_none=not graphs)
                     values = [step_loss.double().reshape(1), grad_norm.double().reshape(1), tokens.double().reshape(1)]

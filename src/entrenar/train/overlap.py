@@ -12,7 +12,10 @@ What keeps that exact:
 * a non-finite step's update is dropped on the device: the fused optimizer skips its kernel while its
   ``found_inf`` flag is set (the flag GradScaler uses), computed from the same loss and norm the guard reads
   later, so the guard's verdict (skip, or stop before the next update is launched) is what the device did;
-* steps whose results the host acts on at once (evaluation, checkpoint, the last step) are read at once.
+* steps whose results the host acts on at once (evaluation, checkpoint, the last step) are read at once, and so
+  is every step until the optimizer has state: a fused optimizer builds its state lazily in its first ``step()``
+  (SGD's momentum buffers as uninitialised memory its kernel fills), which a dropped first update would leave
+  as it was built.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ class DeferredRead:
             self._host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
             self._host.copy_(values, non_blocking=True)
             self._event: torch.cuda.Event | None = torch.cuda.Event()
-            self._event.record()
+            self._event.record(torch.cuda.current_stream(values.device))  # the copy's stream, on any cuda:N
         else:  # a CPU has finished the work already
             self._host, self._event = values.detach().clone(), None
 
