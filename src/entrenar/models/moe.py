@@ -163,11 +163,11 @@ class Experts(nn.Module):
         """``sum_k weights[n, k] * expert_{indices[n, k]}(x[n])`` for tokens x [N, H]."""
         n, k = indices.shape
         flat = indices.reshape(-1)
-        order = torch.argsort(flat, stable=True)  # (token, slot) pairs sorted by expert
+        sorted_experts, order = torch.sort(flat, stable=True)  # (token, slot) pairs sorted by expert
         inverse = torch.empty_like(order).scatter_(0, order, torch.arange(n * k, device=order.device))
         tokens = order // k
         xs = _Dispatch.apply(x, tokens, inverse, k)
-        offsets = expert_offsets(flat[order], self.num_experts)
+        offsets = expert_offsets(sorted_experts, self.num_experts)
         if self.use_grouped(x):
             gate, up = self.grouped_gate_up(xs, offsets).chunk(2, dim=-1)
             ys = self.grouped_down(F.silu(gate) * up, offsets)

@@ -396,10 +396,11 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
                 grad_norm = torch.nn.utils.clip_grad_norm_(trainable, max_norm)  # returns the pre-clip norm
                 done = step + 1
                 is_last = done == t.max_steps
+                evaluates = bool(t.eval_every and done % t.eval_every == 0) or is_last
+                saves = bool(t.save_every and done % t.save_every == 0) or is_last
                 # The global step's loss on every rank, so every rank takes the same decision below.
                 step_loss = world.all_sum(step_loss) / world.size
-                if overlap and optimizer.state and not (is_last or t.eval_every and done % t.eval_every == 0
-                                                        or t.save_every and done % t.save_every == 0):
+                if overlap and optimizer.state and not (evaluates or saves):
                     # Read after the next step's micro-steps are launched; steps the host acts on, and those
                     # before the optimizer has state (built by its first step), are read now.
                     found = step_unless_nonfinite(optimizer, step_loss, grad_norm)
@@ -422,7 +423,7 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
                     check_replicas(model, optimizer, world, done)  # every rank holds the same weights
 
                 stop_early = False
-                if (t.eval_every and done % t.eval_every == 0) or is_last:
+                if evaluates:
                     bar.set_description("evaluating")
                     result = eval_after = evaluate()
                     bar.set_description(None)
@@ -437,7 +438,7 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
                             main_writes(world, model, _save_result, model, tokenizer, recipe, run_dir / "best",
                                         trainable_only=recipe.lora is not None)  # an adapter: no base gathered
                             last_checkpoint = checkpoint(done, best=True)  # after run/best/: never left stale
-                if (t.save_every and done % t.save_every == 0) or is_last or stop_early:
+                if saves or stop_early:
                     if last_checkpoint is None or last_checkpoint.name != f"step-{done}":
                         last_checkpoint = checkpoint(done)
                 if stop_early:

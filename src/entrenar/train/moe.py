@@ -5,9 +5,10 @@ The loop composes one :class:`MoeTraining` (``moe_training(model, recipe)``; Non
 * ``router_loss(batch)`` after each micro-batch's forward: the weighted Switch load-balancing loss and
   ST-MoE z-loss of what the MoE layers routed, to add to the language-model loss. It also adds the
   routing into per-layer counters kept on the device (no host sync).
-* ``after_step(step)`` after each optimizer step: the aux-loss-free bias update (outside autograd), then
-  one host sync that turns the counters into this step's diagnostics (a ``moe`` entry of the metrics
-  line) and warnings when a layer's router collapses.
+* ``close_step(update)`` after each optimizer step, on the device: the aux-loss-free bias update (outside
+  autograd; ``update`` may be a device flag when the loop decides later) and the step's counters as one
+  vector; ``diagnose(step, values)`` turns them, read to the host, into this step's diagnostics (a ``moe``
+  entry of the metrics line) and warnings when a layer's router collapses. ``after_step`` does both.
 * ``state_dict()`` / ``load_state_dict()`` for the checkpoint's trainer.json (selection biases and the
   dead-expert bookkeeping), so a resumed run continues exactly.
 
@@ -95,7 +96,7 @@ class MoeTraining:
         device = router_of(self.blocks[0]).weight.device
         self.biases = [router_of(b).enable_selection_bias() for b in self.blocks] if section.bias_update_rate else []
         n_layers, e = len(self.blocks), self.num_experts
-        # Per-step accumulators, on the device until after_step reads them in one sync.
+        # Per-step accumulators, on the device until close_step hands them over for one host read.
         self._counts = torch.zeros(n_layers, e, device=device)
         self._entropy = torch.zeros(n_layers, device=device)
         self._tokens = torch.zeros(n_layers, device=device)
