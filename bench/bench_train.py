@@ -84,6 +84,10 @@ SHAPES: dict[str, dict] = {
         "hidden_size": 4096, "num_layers": 32, "num_heads": 32, "num_kv_heads": 8, "intermediate_size": 14336,
         "vocab_size": 128256, "tie_word_embeddings": False, "rope_theta": 500000.0, "model_type": "llama",
     },
+    "llama-70b": {  # Llama-3.1-70B (bench/multi_gpu.py's QLoRA case: an NF4 base sharded by FSDP2)
+        "hidden_size": 8192, "num_layers": 80, "num_heads": 64, "num_kv_heads": 8, "intermediate_size": 28672,
+        "vocab_size": 128256, "tie_word_embeddings": False, "rope_theta": 500000.0, "model_type": "llama",
+    },
     "qwen3-1.7b": {  # Qwen3-1.7B: q/k norms, head_dim 128
         "hidden_size": 2048, "num_layers": 28, "num_heads": 16, "num_kv_heads": 8, "head_dim": 128,
         "intermediate_size": 6144, "vocab_size": 151936, "tie_word_embeddings": True, "rope_theta": 1000000.0,

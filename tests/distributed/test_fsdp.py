@@ -85,3 +85,27 @@ def test_a_qlora_base_is_sharded_and_trains_as_on_one_process_resuming_across_wo
     train_worker(recipe, [*nf4, f"output.dir={two_one}", "training.max_steps=4"], True)
     assert shard_files(two_one / "checkpoints" / "step-2") == ["__0_0.distcp", "__1_0.distcp"]
     assert_same_run(two_one, one)
+
+
+def test_a_folder_saved_in_nf4_trains_sharded_as_on_one_process(shared):
+    """A model folder already quantized to NF4 (`entrenar quantize`'s layout; how a base too large for a bf16
+    folder is kept): the other ranks build it from the file headers alone (no data read, nothing to check), rank 0
+    reads it, FSDP shards its codes; 2 ranks give the losses and adapter of one process on the same folder."""
+    from entrenar.quant.checkpoint import load_quantized, save_quantized
+    from entrenar.quant.nf4 import quantize_model_nf4
+
+    ws, recipes, _ = shared
+    folder = ws / "model-nf4"
+    if not folder.exists():
+        model, tokenizer = entrenar.load(ws / "model")
+        quantize_model_nf4(model, "all-linear")
+        save_quantized(model, tokenizer, folder)
+    skeleton = load_quantized(folder, device="meta")  # what a rank of the sharded load builds
+    assert {b.device.type for b in skeleton.buffers()} == {"meta"}
+    assert skeleton.model.layers[0].self_attn.q_proj.weight_codes.dtype == torch.uint8  # dtypes from the headers
+
+    nf4 = [f"model.path={folder}"]
+    one, two = ws / "nf4-folder-one", ws / "nf4-folder-two"
+    train_worker(recipes["lora"], [*nf4, f"output.dir={one}"])
+    launch(train_worker, recipes["lora"], [*nf4, "training.parallel=fsdp", f"output.dir={two}"])
+    assert_same_run(two, one)

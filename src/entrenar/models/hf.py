@@ -38,14 +38,21 @@ def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, str, torch.Tensor
             raise ModelError(f"{f}: cannot read safetensors file ({e})") from None
 
 
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+                       "U8": torch.uint8, "BOOL": torch.bool}
+
+
 def header_tensors(files: list[Path]) -> Iterator[tuple[str, str, torch.Tensor]]:
-    """As :func:`iter_safetensors`, with meta tensors of each tensor's shape: the headers only, no data read
-    (a model built on the meta device checks its names and shapes against the files)."""
+    """As :func:`iter_safetensors`, with meta tensors of each tensor's shape and dtype: the headers only, no data
+    read (a model built on the meta device checks its names, shapes and dtypes against the files)."""
     for f in files:
         try:
             with safe_open(str(f), framework="pt") as reader:
                 for name in reader.keys():
-                    yield f.name, name, torch.empty(reader.get_slice(name).get_shape(), device="meta")
+                    piece = reader.get_slice(name)
+                    dtype = _SAFETENSORS_DTYPES.get(piece.get_dtype(), torch.float32)
+                    yield f.name, name, torch.empty(piece.get_shape(), dtype=dtype, device="meta")
         except Exception as e:  # safetensors raises its own error types for corrupt headers
             raise ModelError(f"{f}: cannot read safetensors file ({e})") from None
 

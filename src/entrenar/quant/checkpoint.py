@@ -351,7 +351,7 @@ def load_quantized(
     ``dtype`` is the compute dtype: unquantized weights and biases are cast to
     it and quantized weights dequantize to it; codes and fp32 scales load as stored.
     """
-    from entrenar.models.hf import iter_safetensors, weight_files
+    from entrenar.models.hf import header_tensors, iter_safetensors, weight_files
 
     folder, device = Path(folder), torch.device(device)
     entry = read_quantization_config(folder)
@@ -364,7 +364,8 @@ def load_quantized(
     targets = model.state_dict(keep_vars=True)
     files = weight_files(folder)
     origin: dict[str, str] = {}
-    for file_name, key, tensor in iter_safetensors(files):
+    meta = device.type == "meta"  # the structure only (an FSDP rank that receives its shards): headers, no data
+    for file_name, key, tensor in (header_tensors if meta else iter_safetensors)(files):
         where = f"{folder / file_name}: tensor '{key}'"
         error = QuantError if key in quantized_keys or key.rsplit(".", 1)[0] in quantized else ModelError
         if key not in targets:
@@ -389,5 +390,6 @@ def load_quantized(
         more = f" ({len(missing)} missing in all)" if len(missing) > 1 else ""
         raise error(f"{folder}: tensor '{missing[0]}' is missing from {names}{more}")
     for name, layer in quantized.items():
-        _check_values(name, layer, entry, origin)
+        if not meta:  # the rank that read the values checks them
+            _check_values(name, layer, entry, origin)
     return model

@@ -1,0 +1,324 @@
+"""Multi-GPU runs of `entrenar train` on one host (issue 20): DDP scaling, FSDP2 memory, a killed rank's restart.
+
+Every run goes through the product: a random Hugging Face folder of a real model's shape (bench_e2e's cases, with
+SmolLM2's tokenizer), a JSONL of real text, a recipe a user would write, and `entrenar train --nproc-per-node N`
+(torchrun's agent, NCCL). Nothing here drives the model directly.
+
+    scaling   each N of --gpus trains the case with --parallel (ddp or fsdp; N=1 runs the same code path), the
+              replica check every 10 steps; per run: tokens/s of real tokens for the job (median over the steps
+              after --skip) and per GPU, scaling efficiency against the first N, each rank's peak memory, the
+              first and last losses
+    restart   the case trained twice on N GPUs with a checkpoint every --save-every steps: once uninterrupted,
+              once under `--max-restarts 1` with a rank killed (SIGKILL, as the OOM killer would) once the run
+              has logged step --kill-after; the restarted job resumes from its latest checkpoint on its own, and
+              the two runs' final weights are compared tensor by tensor (and, when they differ, against a
+              second uninterrupted run: the GPU's own run-to-run spread)
+
+Cases: bench_e2e's, plus `full-8b` (full fine-tuning of the Llama-8B shape, fp32 master weights and AdamW state:
+about 128 GB of state, which FSDP2 shards) and `qlora-70b` (LoRA on a Llama-70B-shape NF4 base: the folder is
+written already quantized, about 40 GB, since the bf16 folder would not fit the machine's disk; FSDP2 shards the
+NF4 codes over the ranks).
+
+    python bench/multi_gpu.py scaling --case lora-8b --parallel ddp --gpus 1 2 --out ddp-8b.json
+    python bench/multi_gpu.py scaling --case full-8b --parallel fsdp --gpus 2 --out fsdp-8b.json
+    python bench/multi_gpu.py scaling --case qlora-70b --parallel fsdp --gpus 2 --out qlora-70b.json
+    python bench/multi_gpu.py restart --case lora-1b --gpus 2 --out restart.json
+
+`--tiny` runs a case at a toy size on the CPU (gloo): a smoke test of the script, not a measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import bench_e2e  # noqa: E402
+
+CASES: dict[str, dict] = {
+    **bench_e2e.CASES,
+    "full-8b": {"shape": "llama-8b", "method": "full", "batch": 2, "seq": 2048, "ckpt": True, "steps": 16},
+    "qlora-70b": {"shape": "llama-70b", "method": "qlora", "batch": 1, "seq": 2048, "ckpt": True, "steps": 10,
+                  "prequantized": True},
+}
+
+
+def case_for(name: str, steps: int, tiny: bool) -> dict:
+    case = dict(CASES[name])
+    if tiny:
+        case.update(bench_e2e.TINY_CASE, ckpt=False)
+    case["steps"] = steps or case["steps"]
+    return case
+
+
+# ---------------------------------------------------------------- inputs
+
+
+def make_nf4_folder(shape: str, vocab: int, seq: int, tokenizer_dir: Path, folder: Path, tiny: bool) -> Path:
+    """A random model folder of `shape` saved already NF4-quantized (entrenar's quantized layout): each linear
+    layer drawn normal(0, 0.02) in bf16 and quantized on the device one at a time, so neither the bf16 model
+    nor its bf16 folder ever exists (a 70B one would not fit the disk)."""
+    if (folder / "config.json").is_file():
+        return folder
+    import torch
+
+    from entrenar.models.hf import empty_model
+    from entrenar.quant.checkpoint import save_quantized
+    from entrenar.quant.nf4 import NF4Linear
+    from entrenar.tokenizer import Tokenizer
+
+    dev = bench_e2e.device()
+    config = bench_e2e.shape_config(shape, vocab, seq, tiny)
+    model = empty_model(config, torch.bfloat16, dev, quantize="nf4")
+    gen = torch.Generator(dev).manual_seed(0)
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if isinstance(module, NF4Linear):
+                w = torch.empty(module.out_features, module.in_features, device=dev, dtype=torch.bfloat16)
+                module.load_full_weight(w.normal_(0.0, 0.02, generator=gen), f"{name}.weight")
+        for name, p in model.named_parameters():
+            p.fill_(1.0) if name.endswith("norm.weight") else p.normal_(0.0, 0.02, generator=gen)
+    tmp = folder.with_name(folder.name + ".partial")
+    save_quantized(model, Tokenizer.from_folder(tokenizer_dir), tmp, info={"source": "bench/multi_gpu.py"})
+    (tmp / "tokenizer_config.json").write_bytes((tokenizer_dir / "tokenizer_config.json").read_bytes())
+    del model
+    tmp.rename(folder)
+    return folder
+
+
+def prepare(name: str, case: dict, work: Path, tokenizer_dir: Path, text: Path, tiny: bool) -> Path:
+    """The case's model folder (cached under `work`) and its recipe file; returns the recipe's path."""
+    vocab = max(len(json.loads((tokenizer_dir / "tokenizer.json").read_text())["model"]["vocab"]), 49152)
+    folder = work / (case["shape"] + ("-nf4" if case.get("prequantized") else "") + ("-tiny" if tiny else ""))
+    started = time.perf_counter()
+    if case.get("prequantized"):
+        make_nf4_folder(case["shape"], vocab, case["seq"], tokenizer_dir, folder, tiny)
+    else:
+        bench_e2e.make_model_folder(case["shape"], vocab, case["seq"], tokenizer_dir, folder, tiny)
+    print(f"{folder}: ready in {time.perf_counter() - started:.0f} s", flush=True)
+    recipe = bench_e2e.recipe_for(case, folder, text, work / "run", False)
+    if case.get("prequantized"):
+        recipe["lora"]["quantize_base"] = None  # the folder's layers are NF4 already
+    recipe["training"].update(replica_check_every=10, log_every=1)
+    path = work / f"{name}{'-tiny' if tiny else ''}.yaml"
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    return path
+
+
+# ---------------------------------------------------------------- runs
+
+
+def train_command(recipe: Path, nproc: int, run_dir: Path, sets: list[str], max_restarts: int = 0) -> list[str]:
+    return [sys.executable, "-m", "entrenar.cli.main", "train", str(recipe), "--nproc-per-node", str(nproc),
+            "--max-restarts", str(max_restarts), "--no-progress", "--set", f"output.dir={run_dir}",
+            *[a for s in sets for a in ("--set", s)]]
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    """The step lines of a run's metrics.jsonl; a step logged twice (before and after a restart) counts once,
+    as the resumed run logged it."""
+    by_step: dict[int, dict] = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        row = json.loads(line) if line.strip() else {}
+        if "loss" in row and row.get("tokens"):
+            by_step[row["step"]] = row
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def summary(run_dir: Path, nproc: int, skip: int, wall_s: float) -> dict:
+    rows = metrics(run_dir)
+    timed = rows[min(skip, len(rows) - 1):]
+    tps = statistics.median(r["tokens_per_s"] for r in timed)
+    per_rank = [r.get("peak_mem_gb_ranks") or [r.get("peak_mem_gb") or 0.0] for r in rows]  # GB; 0 on a CPU
+    peaks = [round(max(p[i] for p in per_rank), 2) for i in range(len(per_rank[-1]))]
+    return {"gpus": nproc, "steps": len(rows), "tokens_per_s": round(tps), "per_gpu": round(tps / nproc),
+            "peak_gb_ranks": peaks, "loss_first": rows[0]["loss"], "loss_last": rows[-1]["loss"],
+            "losses": [round(r["loss"], 5) for r in rows], "wall_s": round(wall_s, 1)}
+
+
+def run(cmd: list[str], log: Path, timeout: float) -> tuple[int, float]:
+    started = time.perf_counter()
+    with open(log, "w") as f:
+        try:
+            code = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout).returncode
+        except subprocess.TimeoutExpired:
+            code = 124
+    return code, time.perf_counter() - started
+
+
+def failed(log: Path, code: int) -> dict:
+    return {"status": "failed", "exit": code, "error": log.read_text()[-3000:]}
+
+
+def scaling(args, recipe: Path, work: Path) -> list[dict]:
+    results = []
+    for n in args.gpus:
+        run_dir, log = work / f"{args.case}-{args.parallel}-{n}", work / f"{args.case}-{args.parallel}-{n}.log"
+        subprocess.run(["rm", "-rf", str(run_dir)])
+        code, wall = run(train_command(recipe, n, run_dir, [f"training.parallel={args.parallel}", *args.set]),
+                         log, args.timeout)
+        row = failed(log, code) if code else {"status": "ok", **summary(run_dir, n, args.skip, wall)}
+        if row["status"] == "ok" and results and results[0].get("status") == "ok":
+            base = results[0]
+            row["efficiency"] = round(row["tokens_per_s"] / (base["tokens_per_s"] / base["gpus"] * n), 3)
+        print(json.dumps({k: v for k, v in row.items() if k != "losses"}), flush=True)
+        results.append({"parallel": args.parallel, **row})
+    return results
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def worker_of_rank(launcher: int, rank: int) -> int | None:
+    for pid in descendants(launcher):
+        try:
+            env = dict(kv.split("=", 1) for kv in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in kv)
+        except OSError:
+            continue
+        if env.get("RANK") == str(rank) and env.get("TORCHELASTIC_RESTART_COUNT") == "0":
+            return pid
+    return None
+
+
+def weights(run_dir: Path) -> dict:
+    """Every tensor the run wrote as its final output (adapter or model), by file and name."""
+    from safetensors.torch import load_file
+
+    out = {}
+    for path in sorted((run_dir / "final").rglob("*.safetensors")) if (run_dir / "final").is_dir() else []:
+        out.update({f"{path.relative_to(run_dir)}:{k}": v for k, v in load_file(path).items()})
+    if not out:
+        for path in sorted(p for p in run_dir.rglob("*.safetensors") if "checkpoints" not in p.parts):
+            out.update({f"{path.relative_to(run_dir)}:{k}": v for k, v in load_file(path).items()})
+    return out
+
+
+def compare(a: dict, b: dict) -> dict:
+    if a.keys() != b.keys():
+        return {"same_names": False, "only_a": sorted(a.keys() - b.keys())[:5], "only_b": sorted(b.keys() - a.keys())[:5]}
+    worst = max(((a[k].float() - b[k].float()).abs().max().item(), k) for k in a)
+    scale = max(a[k].float().abs().max().item() for k in a)
+    return {"same_names": True, "tensors": len(a), "bitwise_equal": all(a[k].equal(b[k]) for k in a),
+            "max_abs_diff": worst[0], "worst_tensor": worst[1], "largest_value": scale}
+
+
+def restart(args, recipe: Path, work: Path) -> dict:
+    n = args.gpus[0]
+    sets = [f"training.parallel={args.parallel}", f"training.save_every={args.save_every}", *args.set]
+    out: dict = {"gpus": n, "parallel": args.parallel, "save_every": args.save_every, "kill_after": args.kill_after}
+    clean = work / f"restart-{args.case}-clean"
+    subprocess.run(["rm", "-rf", str(clean)])
+    code, wall = run(train_command(recipe, n, clean, sets), work / "restart-clean.log", args.timeout)
+    if code:
+        return {**out, "clean": failed(work / "restart-clean.log", code)}
+    out["clean"] = {"status": "ok", **summary(clean, n, args.skip, wall)}
+
+    killed, log = work / f"restart-{args.case}-killed", work / "restart-killed.log"
+    subprocess.run(["rm", "-rf", str(killed)])
+    started = time.perf_counter()
+    with open(log, "w") as f:
+        proc = subprocess.Popen(train_command(recipe, n, killed, sets, max_restarts=1), stdout=f,
+                                stderr=subprocess.STDOUT)
+        victim = None
+        while proc.poll() is None and victim is None and time.perf_counter() - started < args.timeout:
+            time.sleep(0.2)
+            logged = metrics(killed) if (killed / "metrics.jsonl").is_file() else []
+            if logged and logged[-1]["step"] >= args.kill_after:
+                victim = worker_of_rank(proc.pid, n - 1)
+                if victim is not None:
+                    os.kill(victim, signal.SIGKILL)
+                    out["killed"] = {"rank": n - 1, "pid": victim, "after_step": logged[-1]["step"],
+                                     "at_s": round(time.perf_counter() - started, 1)}
+        try:
+            code = proc.wait(timeout=max(1.0, args.timeout - (time.perf_counter() - started)))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            code = 124
+    if code or victim is None:
+        return {**out, "restarted": failed(log, code) if code else {"status": "no rank was killed"}}
+    out["restarted"] = {"status": "ok", **summary(killed, n, args.skip, time.perf_counter() - started)}
+    out["restarted"]["resumed"] = [line for line in log.read_text().splitlines() if line.startswith("resuming from")]
+    a, b = weights(clean), weights(killed)
+    out["clean_vs_restarted"] = compare(a, b)
+    out["losses_equal"] = out["clean"]["losses"] == out["restarted"]["losses"]
+    if not out["clean_vs_restarted"].get("bitwise_equal"):  # the GPU's own spread between two identical runs
+        again = work / f"restart-{args.case}-clean2"
+        subprocess.run(["rm", "-rf", str(again)])
+        code, _ = run(train_command(recipe, n, again, sets), work / "restart-clean2.log", args.timeout)
+        out["clean_vs_clean"] = compare(a, weights(again)) if not code else failed(work / "restart-clean2.log", code)
+    return out
+
+
+def machine() -> dict:
+    import torch
+
+    info = {"python": platform.python_version(), "torch": torch.__version__, "host": platform.node(),
+            "date": datetime.date.today().isoformat()}
+    if torch.cuda.is_available():
+        info.update(gpus=[torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
+                    nccl=".".join(map(str, torch.cuda.nccl.version())))
+    return info
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("what", choices=("scaling", "restart"))
+    p.add_argument("--case", default="lora-1b", choices=sorted(CASES))
+    p.add_argument("--parallel", default="ddp", choices=("ddp", "fsdp"))
+    p.add_argument("--gpus", type=int, nargs="+", default=[1, 2], help="process counts (restart: the first)")
+    p.add_argument("--steps", type=int, default=0, help="optimizer steps per run (default: the case's)")
+    p.add_argument("--skip", type=int, default=5, help="steps left out of the median (warm-up)")
+    p.add_argument("--save-every", type=int, default=10)
+    p.add_argument("--kill-after", type=int, default=15)
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a recipe override for every run")
+    p.add_argument("--timeout", type=float, default=400, help="seconds a run may take")
+    p.add_argument("--work", type=Path, default=Path("/tmp/multi_gpu"))
+    p.add_argument("--tokenizer", type=Path, default=Path(".e2e"))
+    p.add_argument("--text", type=Path, default=Path(".e2e/text.jsonl"))
+    p.add_argument("--tiny", action="store_true", help="a toy size on the CPU: a smoke test")
+    p.add_argument("--out", type=Path)
+    args = p.parse_args()
+    args.work.mkdir(parents=True, exist_ok=True)
+    if args.tiny:
+        args.set = ["model.device=cpu", "training.precision=fp32", *args.set]
+    case = case_for(args.case, args.steps, args.tiny)
+    recipe = prepare(args.case, case, args.work, args.tokenizer, args.text, args.tiny)
+    result = {"what": args.what, "case": args.case, "settings": case, "machine": machine(), "sets": args.set,
+              "command": " ".join(sys.argv)}
+    result["runs"] = scaling(args, recipe, args.work) if args.what == "scaling" else restart(args, recipe, args.work)
+    if args.what == "restart":
+        print(json.dumps({k: v for k, v in result["runs"].items() if k not in ("clean", "restarted")}, indent=1))
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
