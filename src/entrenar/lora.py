@@ -187,6 +187,17 @@ def adapter_dtype(base_dtype: torch.dtype) -> torch.dtype:
     return torch.float32
 
 
+def weight_spec(layer: nn.Module) -> torch.Tensor | None:
+    """A tensor with the dtype and device of a linear-like layer's weight (None if it has none). A quantized
+    layer answers with an empty tensor beside its codes instead of dequantizing its whole weight, which on a
+    CPU (an FSDP run's rank 0 building a 70B NF4 base) took minutes."""
+    spec = getattr(layer, "weight_spec", None)
+    if isinstance(spec, torch.Tensor):
+        return spec
+    weight = getattr(layer, "weight", None)
+    return weight if isinstance(weight, torch.Tensor) else None
+
+
 class LoraLinear(nn.Module):
     """A frozen linear-like ``base_layer`` plus a trainable low-rank update.
 
@@ -205,12 +216,8 @@ class LoraLinear(nn.Module):
         _check_hparams(r, alpha, dropout, "LoraLinear")
         in_features = getattr(base_layer, "in_features", None)
         out_features = getattr(base_layer, "out_features", None)
-        weight = getattr(base_layer, "weight", None)
-        if (
-            not isinstance(in_features, int)
-            or not isinstance(out_features, int)
-            or not isinstance(weight, torch.Tensor)
-        ):
+        weight = weight_spec(base_layer)
+        if not isinstance(in_features, int) or not isinstance(out_features, int) or weight is None:
             raise AdapterError(
                 f"LoRA needs a linear layer with in_features, out_features and weight; got {type(base_layer).__name__}"
             )

@@ -73,3 +73,27 @@ def test_unknown_base_quantization_is_refused(hf_folder):
     folder, _ = hf_folder("llama")
     with pytest.raises(ModelError, match="unknown base quantization 'nf2'"):
         load_hf(folder, quantize="nf2")
+
+
+def test_adapters_on_a_quantized_base_are_built_without_dequantizing_it(hf_folder, monkeypatch):
+    """LoRA reads the base's dtype and device from an empty tensor beside its codes: dequantizing every layer
+    just to read them made an FSDP run's rank 0 spend minutes building a 70B NF4 base on its CPU."""
+    from entrenar.quant import int as int_quant
+    from entrenar.quant import nf4
+    from entrenar.quant.int import QuantLinear
+
+    folder, _ = hf_folder("llama")
+    model = load_hf(folder, quantize="nf4", dtype=torch.bfloat16)
+    q_proj = model.model.layers[0].self_attn.q_proj
+    replace_module(model, "model.layers.0.self_attn.q_proj",
+                   QuantLinear.from_linear(q_proj.to_linear(), name="q_proj.weight", bits=8))
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the base was dequantized")
+
+    monkeypatch.setattr(nf4, "dequantize_nf4", refuse)
+    monkeypatch.setattr(int_quant, "dequantize_int", refuse)
+    names = apply_lora(model, LoraConfig(r=4, alpha=8, target_modules="all-linear"))
+    assert len(names) == 7 * model.config.num_layers
+    adapter = model.model.layers[0].mlp.down_proj
+    assert adapter.lora_A.weight.dtype == torch.float32 and adapter.lora_A.weight.device.type == "cpu"
