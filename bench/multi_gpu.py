@@ -5,9 +5,9 @@ SmolLM2's tokenizer), a JSONL of real text, a recipe a user would write, and `en
 (torchrun's agent, NCCL). Nothing here drives the model directly.
 
     scaling   each N of --gpus trains the case with --parallel (ddp or fsdp; N=1 runs the same code path), the
-              replica check every 10 steps; per run: tokens/s of real tokens for the job (median over the steps
-              after --skip) and per GPU, scaling efficiency against the first N, each rank's peak memory, the
-              first and last losses
+              replica check every 10 steps; per run: tokens/s of real tokens for the job over the steps after
+              --skip (all their tokens over all their time; the median of the steps' rates beside it) and per
+              GPU, scaling efficiency against the first N, each rank's peak memory, the first and last losses
     restart   the case trained twice on N GPUs with a checkpoint every --save-every steps: once uninterrupted,
               once under `--max-restarts 1` with a rank killed (SIGKILL, as the OOM killer would) once the run
               has logged step --kill-after; the restarted job resumes from its latest checkpoint on its own, and
@@ -142,9 +142,13 @@ def summary(run_dir: Path, nproc: int, skip: int, wall_s: float) -> dict:
     rows = metrics(run_dir)
     timed = rows[min(skip, len(rows) - 1):]
     tps = statistics.median(r["tokens_per_s"] for r in timed)
+    # A step's rate moves with the real tokens its packed rows hold (a row ends in padding): the job's rate over
+    # the timed steps, all tokens over all step time, is the measure of scaling; the median is kept beside it.
+    total = sum(r["tokens"] for r in timed) / sum(r["tokens"] / r["tokens_per_s"] for r in timed)
     per_rank = [r.get("peak_mem_gb_ranks") or [r.get("peak_mem_gb") or 0.0] for r in rows]  # GB; 0 on a CPU
     peaks = [round(max(p[i] for p in per_rank), 2) for i in range(len(per_rank[-1]))]
-    return {"gpus": nproc, "steps": len(rows), "tokens_per_s": round(tps), "per_gpu": round(tps / nproc),
+    return {"gpus": nproc, "steps": len(rows), "tokens_per_s": round(total), "per_gpu": round(total / nproc),
+            "tokens_per_s_median": round(tps),
             "peak_gb_ranks": peaks, "loss_first": rows[0]["loss"], "loss_last": rows[-1]["loss"],
             "losses": [round(r["loss"], 5) for r in rows], "wall_s": round(wall_s, 1)}
 
@@ -174,6 +178,7 @@ def scaling(args, recipe: Path, work: Path) -> list[dict]:
         if row["status"] == "ok" and results and results[0].get("status") == "ok":
             base = results[0]
             row["efficiency"] = round(row["tokens_per_s"] / (base["tokens_per_s"] / base["gpus"] * n), 3)
+            row["efficiency_median"] = round(row["tokens_per_s_median"] / (base["tokens_per_s_median"] / base["gpus"] * n), 3)
         print(json.dumps({k: v for k, v in row.items() if k != "losses"}), flush=True)
         results.append({"parallel": args.parallel, **row})
     return results
