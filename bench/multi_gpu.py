@@ -130,9 +130,10 @@ def train_command(recipe: Path, nproc: int, run_dir: Path, sets: list[str], max_
 def metrics(run_dir: Path) -> list[dict]:
     """The step lines of a run's metrics.jsonl; a step logged twice (before and after a restart) counts once,
     as the resumed run logged it."""
+    from entrenar.train.metrics import read_metrics  # complete lines only: the run may be writing the last
+
     by_step: dict[int, dict] = {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        row = json.loads(line) if line.strip() else {}
+    for row in read_metrics(run_dir / "metrics.jsonl"):
         if "loss" in row and row.get("tokens"):
             by_step[row["step"]] = row
     return [by_step[s] for s in sorted(by_step)]
@@ -214,16 +215,13 @@ def worker_of_rank(launcher: int, rank: int) -> int | None:
 
 
 def weights(run_dir: Path) -> dict:
-    """Every tensor the run wrote as its final output (adapter or model), by file and name."""
+    """Every tensor of the run's final output (``adapter/`` for LoRA, ``model/`` for full fine-tuning)."""
     from safetensors.torch import load_file
 
-    out = {}
-    for path in sorted((run_dir / "final").rglob("*.safetensors")) if (run_dir / "final").is_dir() else []:
-        out.update({f"{path.relative_to(run_dir)}:{k}": v for k, v in load_file(path).items()})
-    if not out:
-        for path in sorted(p for p in run_dir.rglob("*.safetensors") if "checkpoints" not in p.parts):
-            out.update({f"{path.relative_to(run_dir)}:{k}": v for k, v in load_file(path).items()})
-    return out
+    files = [f for kind in ("adapter", "model") for f in sorted((run_dir / kind).glob("*.safetensors"))]
+    if not files:
+        raise SystemExit(f"{run_dir}: no adapter/ or model/ safetensors to compare")
+    return {f"{f.relative_to(run_dir)}:{k}": v for f in files for k, v in load_file(f).items()}
 
 
 def compare(a: dict, b: dict) -> dict:

@@ -123,3 +123,19 @@ def test_load_peak_gpu_memory_is_one_copy_of_the_weights(hf_folder):
     model = load_hf(folder, dtype=torch.bfloat16, device="cuda")
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     assert torch.cuda.max_memory_allocated() - before <= weights * 1.1 + 2**20
+
+
+def test_header_tensors_give_each_tensor_its_stored_dtype_without_reading_data(tmp_path):
+    """What a rank building on the meta device checks a file against: names, shapes and the dtypes on disk."""
+    from safetensors.torch import save_file
+
+    from entrenar.models.hf import header_tensors
+
+    stored = {"codes": torch.zeros(4, 8, dtype=torch.uint8), "w": torch.zeros(2, 3, dtype=torch.bfloat16),
+              "scale": torch.ones(5), "fp8": torch.zeros(3, dtype=torch.float8_e4m3fn),
+              "idx": torch.zeros(2, dtype=torch.int64)}
+    save_file(stored, str(tmp_path / "model.safetensors"))
+    seen = {name: t for _, name, t in header_tensors([tmp_path / "model.safetensors"])}
+    assert seen.keys() == stored.keys()
+    for name, tensor in stored.items():
+        assert seen[name].is_meta and seen[name].dtype == tensor.dtype and seen[name].shape == tensor.shape, name

@@ -38,9 +38,12 @@ def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, str, torch.Tensor
             raise ModelError(f"{f}: cannot read safetensors file ({e})") from None
 
 
-_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-                       "U8": torch.uint8, "BOOL": torch.bool}
+# safetensors' dtype codes, those this PyTorch has (the float8 and wide unsigned types are recent).
+_SAFETENSORS_DTYPES = {code: getattr(torch, name) for code, name in (
+    ("F64", "float64"), ("F32", "float32"), ("F16", "float16"), ("BF16", "bfloat16"), ("I64", "int64"),
+    ("I32", "int32"), ("I16", "int16"), ("I8", "int8"), ("U64", "uint64"), ("U32", "uint32"), ("U16", "uint16"),
+    ("U8", "uint8"), ("BOOL", "bool"), ("C64", "complex64"), ("F8_E4M3", "float8_e4m3fn"),
+    ("F8_E5M2", "float8_e5m2"), ("F8_E8M0", "float8_e8m0fnu")) if hasattr(torch, name)}
 
 
 def header_tensors(files: list[Path]) -> Iterator[tuple[str, str, torch.Tensor]]:
@@ -51,8 +54,13 @@ def header_tensors(files: list[Path]) -> Iterator[tuple[str, str, torch.Tensor]]
             with safe_open(str(f), framework="pt") as reader:
                 for name in reader.keys():
                     piece = reader.get_slice(name)
-                    dtype = _SAFETENSORS_DTYPES.get(piece.get_dtype(), torch.float32)
+                    dtype = _SAFETENSORS_DTYPES.get(piece.get_dtype())
+                    if dtype is None:
+                        raise ModelError(f"{f}: tensor '{name}' has dtype {piece.get_dtype()}, which this PyTorch "
+                                         "cannot hold")
                     yield f.name, name, torch.empty(piece.get_shape(), dtype=dtype, device="meta")
+        except ModelError:
+            raise
         except Exception as e:  # safetensors raises its own error types for corrupt headers
             raise ModelError(f"{f}: cannot read safetensors file ({e})") from None
 
