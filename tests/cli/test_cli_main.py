@@ -91,6 +91,20 @@ def test_a_bug_exits_1_and_points_to_debug(capsys, monkeypatch):
         main(["--debug", "train"])
 
 
+def test_a_device_out_of_memory_is_the_machine_s_limit_not_a_bug(capsys, monkeypatch):
+    import torch
+
+    oom = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 768.00 MiB. GPU 0 has a total capacity of "
+                                 "79.18 GiB of which 112.56 MiB is free. If reserved but unallocated memory is large "
+                                 "try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.")
+    fake_module(monkeypatch, "entrenar.train.loop", train=failing_train(oom))
+    assert main(["train"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: the device ran out of memory (CUDA out of memory. Tried to allocate 768.00 MiB.")
+    assert "training.batch_size" in err and "internal error" not in err and "expandable_segments" not in err
+    assert err.count("\n") == 1
+
+
 @pytest.mark.parametrize(
     "error,line",
     [

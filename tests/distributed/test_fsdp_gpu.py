@@ -48,7 +48,9 @@ def test_fsdp_on_gpus_saves_shards_that_one_process_resumes(tmp_path, base):
     # Adam moves an element by ~lr whatever its gradient's size, so bf16 noise in a near-zero gradient flips single
     # elements by up to 2 x lr (1e-2 here): each tensor is compared as a whole. Measured on one H100: at most 2%
     # (bf16 base) and 4.8% (NF4 base, gathered shards against the whole layer) after 4 steps; unrelated draws
-    # would be ~140% (they were, before adapters were drawn on the CPU for every device).
+    # would be ~140% (they were, before adapters were drawn on the CPU for every device). 13-22% on the NF4 base
+    # (2026-11-24) was the sharded run keeping its frozen base in fp32 (rank 0 resolved `model.dtype: auto` on the
+    # CPU it reads on); with the run's device deciding, the NF4 adapters came out equal (0.0).
     for name in expected:
         error = (got[name].float() - expected[name].float()).norm() / expected[name].float().norm()
         assert error < (2e-2 if base == "bf16" else 8e-2), (name, float(error))

@@ -86,7 +86,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             if not report_worker_error(wrapped, user_error=True):
                 print(f"error: {rank_prefix()}{wrapped.filename}: {wrapped.strerror}", file=sys.stderr)
             return 2
+        if type(bug).__name__ == "OutOfMemoryError":  # torch's, without importing torch for every command
+            message = out_of_memory_message(bug)
+            if not report_worker_error(RuntimeError(message), user_error=True):
+                print(f"error: {rank_prefix()}{message}", file=sys.stderr)
+            return 2
         return _internal(bug)
+
+
+def out_of_memory_message(error: Exception) -> str:
+    """A device ran out of memory: the machine's limit, not a bug; say what to change (and keep torch's numbers)."""
+    first = str(error).split(". See documentation")[0].split("If reserved but unallocated")[0].strip()
+    return (f"the device ran out of memory ({first}); lower training.batch_size or data.seq_len, turn on "
+            "training.activation_checkpointing, or check what else uses the device "
+            "(`entrenar inspect MODEL` estimates what a run needs)")
 
 
 # OSErrors the user's machine or input causes (a read-only or full disk, a missing or forbidden path, a path

@@ -162,6 +162,10 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
     # FSDP: rank 0 reads the weights into CPU memory, the others build on the meta device; fully_shard then
     # gives each rank its shards of rank 0's (entrenar.distributed.materialize), on its device.
     load_device = sharded_load_device(world) if mode == "fsdp" else device
+    if weights_dtype == "auto" and load_device != device:
+        # What the run's device gives (bf16 on a GPU), not the CPU that reads for it: an fp32 frozen base would
+        # hold twice the memory of a one-GPU run in every shard.
+        weights_dtype = str(entrenar.resolve_dtype("auto", device)).removeprefix("torch.")
     console.say(f"loading {recipe.model.path or 'a random model (model.config)'} on {load_device} ...")
     model, tokenizer = build_model(recipe, task, weights_dtype, load_device, quantize)
     if t.cuda_graphs is True and device.type != "cuda":
