@@ -94,7 +94,7 @@ def make_nf4_folder(shape: str, vocab: int, seq: int, tokenizer_dir: Path, folde
     tmp = folder.with_name(folder.name + ".partial")
     save_quantized(model, Tokenizer.from_folder(tokenizer_dir), tmp, info={"source": "bench/multi_gpu.py"})
     (tmp / "tokenizer_config.json").write_bytes((tokenizer_dir / "tokenizer_config.json").read_bytes())
-    del model, module, w
+    model = module = w = None  # the last layer and weight drawn too
     torch.cuda.empty_cache()  # this process only launches the runs: leave the device to them
     tmp.rename(folder)
     return folder
