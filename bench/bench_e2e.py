@@ -147,9 +147,9 @@ def case_flops(cfg, method: str, seq: int) -> float:
     return float(6 * n_matmul + attend if method == "full" else 4 * n_matmul + 6 * n_lora + attend)
 
 
-def case_for(name: str, steps: int, tiny: bool) -> dict:
-    """The case's settings, with --steps and --tiny applied."""
-    case = dict(CASES[name])
+def case_for(name: str, steps: int, tiny: bool, cases: dict[str, dict] | None = None) -> dict:
+    """The case's settings (from ``cases``, default this script's), with --steps and --tiny applied."""
+    case = dict((cases or CASES)[name])
     if tiny:
         case.update(TINY_CASE, ckpt=False)
     case["steps"] = steps or case["steps"]

@@ -30,10 +30,8 @@ NF4 codes over the ranks).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import signal
 import statistics
 import subprocess
@@ -54,14 +52,6 @@ CASES: dict[str, dict] = {
     "qlora-70b": {"shape": "llama-70b", "method": "qlora", "batch": 1, "seq": 2048, "ckpt": True, "steps": 10,
                   "prequantized": True},
 }
-
-
-def case_for(name: str, steps: int, tiny: bool) -> dict:
-    case = dict(CASES[name])
-    if tiny:
-        case.update(bench_e2e.TINY_CASE, ckpt=False)
-    case["steps"] = steps or case["steps"]
-    return case
 
 
 # ---------------------------------------------------------------- inputs
@@ -282,10 +272,11 @@ def restart(args, recipe: Path, work: Path) -> dict:
 
 
 def machine() -> dict:
+    """bench_train's environment record, with every GPU of the host and NCCL's version."""
     import torch
+    from bench_train import environment
 
-    info = {"python": platform.python_version(), "torch": torch.__version__, "host": platform.node(),
-            "date": datetime.date.today().isoformat()}
+    info = environment()
     if torch.cuda.is_available():
         info.update(gpus=[torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
                     nccl=".".join(map(str, torch.cuda.nccl.version())))
@@ -313,7 +304,7 @@ def main() -> None:
     args.work.mkdir(parents=True, exist_ok=True)
     if args.tiny:
         args.set = ["model.device=cpu", "training.precision=fp32", *args.set]
-    case = case_for(args.case, args.steps, args.tiny)
+    case = bench_e2e.case_for(args.case, args.steps, args.tiny, CASES)
     recipe = prepare(args.case, case, args.work, args.tokenizer, args.text, args.tiny)
     result = {"what": args.what, "case": args.case, "settings": case, "machine": machine(), "sets": args.set,
               "command": " ".join(sys.argv)}

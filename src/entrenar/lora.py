@@ -188,12 +188,13 @@ def adapter_dtype(base_dtype: torch.dtype) -> torch.dtype:
 
 
 def weight_spec(layer: nn.Module) -> torch.Tensor | None:
-    """A tensor with the dtype and device of a linear-like layer's weight (None if it has none). A quantized
-    layer answers with an empty tensor beside its codes instead of dequantizing its whole weight, which on a
-    CPU (an FSDP run's rank 0 building a 70B NF4 base) took minutes."""
-    spec = getattr(layer, "weight_spec", None)
-    if isinstance(spec, torch.Tensor):
-        return spec
+    """A tensor with the dtype and device of a linear-like layer's weight (None if it has none). For a quantized
+    layer (integer or NF4 codes and a compute dtype) an empty tensor beside its codes: its ``weight`` property
+    dequantizes the whole matrix (a gather, when sharded), which on a CPU (an FSDP run's rank 0 building a 70B
+    NF4 base) took minutes."""
+    codes, dtype = getattr(layer, "weight_codes", None), getattr(layer, "dtype", None)
+    if isinstance(codes, torch.Tensor) and isinstance(dtype, torch.dtype):
+        return torch.empty(0, dtype=dtype, device=codes.device)
     weight = getattr(layer, "weight", None)
     return weight if isinstance(weight, torch.Tensor) else None
 

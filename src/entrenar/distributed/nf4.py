@@ -97,11 +97,6 @@ class ShardedNF4Linear(nn.Module):
                          torch.Size((self.out_features, self.in_features)), self.dtype, self.blocksize)
 
     @property
-    def weight_spec(self) -> Tensor:
-        """An empty tensor of the weight's dtype on the layer's device (no gather, unlike ``weight``)."""
-        return torch.empty(0, dtype=self.dtype, device=self.weight_codes.device)
-
-    @property
     def weight(self) -> Tensor:
         """The dequantized weight (a collective)."""
         return dequantize_nf4(self.quantized)

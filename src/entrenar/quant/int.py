@@ -296,11 +296,6 @@ class QuantLinear(nn.Module):
         return IntQuantTensor(self.weight_codes, self.weight_scale, self.weight_zero, self.bits, shape, self.dtype)
 
     @property
-    def weight_spec(self) -> Tensor:
-        """An empty tensor of the weight's dtype on the layer's device: what LoRA reads, without dequantizing."""
-        return torch.empty(0, dtype=self.dtype, device=self.weight_codes.device)
-
-    @property
     def weight(self) -> Tensor:
         """The dequantized weight, rebuilt on every access (writing into it changes nothing)."""
         return dequantize_int(self.quantized)

@@ -370,11 +370,6 @@ class NF4Linear(nn.Module):
         )
 
     @property
-    def weight_spec(self) -> Tensor:
-        """An empty tensor of the weight's dtype on the layer's device: what LoRA reads, without dequantizing."""
-        return torch.empty(0, dtype=self.dtype, device=self.weight_codes.device)
-
-    @property
     def weight(self) -> Tensor:
         """The dequantized weight [out_features, in_features], rebuilt on every access.
 
