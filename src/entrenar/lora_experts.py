@@ -75,6 +75,10 @@ class LoraExpertWeights(LoraLinear):
     use_grouped = Experts.use_grouped
 
     @property
+    def routing_ops(self):  # the elementwise steps of the grouped path: the (possibly fused) base's
+        return _experts_of(self).routing_ops
+
+    @property
     def hidden_size(self) -> int:
         return _experts_of(self).hidden_size
 

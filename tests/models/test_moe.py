@@ -126,21 +126,41 @@ def test_bad_moe_configs_are_refused():
         moe_config(n_group=3)
 
 
-def test_token_dispatch_and_permutation_backwards_equal_indexing():
-    """The experts' gather-only dispatch and combine give x[tokens]'s and x[perm]'s own values and gradients."""
-    from entrenar.models.moe import _Dispatch, _Permute
+def test_token_dispatch_combine_and_permutation_backwards_equal_indexing():
+    """The experts' gather-only dispatch, combine and permutation give indexing's own values and gradients."""
+    from entrenar.models.moe import _Combine, _Dispatch, _Permute, gather_sum_reference
 
     torch.manual_seed(0)
     n, k, h = 7, 3, 5
     order = torch.argsort(torch.randint(0, 4, (n * k,)), stable=True)
     inverse = torch.empty_like(order).scatter_(0, order, torch.arange(n * k))
+    tokens = order // k
     x = torch.randn(n, h, dtype=torch.float64, requires_grad=True)
-    assert torch.autograd.gradcheck(lambda t: _Dispatch.apply(t, order // k, inverse, k), (x,))
+    assert torch.autograd.gradcheck(lambda t: _Dispatch.apply(t, tokens, inverse, k, gather_sum_reference), (x,))
     ys = torch.randn(n * k, h, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(lambda t: _Permute.apply(t, inverse, order), (ys,))
+    assert torch.autograd.gradcheck(lambda t: _Combine.apply(t, tokens, inverse, k, gather_sum_reference), (ys,))
     grad = torch.randn(n * k, h, dtype=torch.float64)
-    mine = torch.autograd.grad(_Dispatch.apply(x, order // k, inverse, k), x, grad)[0]
-    torch.testing.assert_close(mine, torch.autograd.grad(x[order // k], x, grad)[0], atol=1e-12, rtol=0)
+    mine = torch.autograd.grad(_Dispatch.apply(x, tokens, inverse, k, gather_sum_reference), x, grad)[0]
+    torch.testing.assert_close(mine, torch.autograd.grad(x[tokens], x, grad)[0], atol=1e-12, rtol=0)
+    # Combine sums each token's k rows, wherever the sort put them.
+    combined = _Combine.apply(ys, tokens, inverse, k, gather_sum_reference)
+    torch.testing.assert_close(combined, ys[inverse].view(n, k, h).sum(dim=1), atol=1e-12, rtol=0)
+    by_hand = torch.zeros(n, h, dtype=torch.float64).index_add_(0, tokens, ys.detach())
+    torch.testing.assert_close(combined.detach(), by_hand, atol=1e-12, rtol=0)
+
+
+def test_routed_swiglu_reference_folds_the_routing_weight_in():
+    """silu(gate) * up * w per row, with gradients for gate_up and for each row's weight (gradcheck)."""
+    from entrenar.models.moe import routed_swiglu_reference
+
+    torch.manual_seed(0)
+    gate_up = torch.randn(6, 8, dtype=torch.float64, requires_grad=True)
+    scale = torch.rand(6, dtype=torch.float64, requires_grad=True)
+    gate, up = gate_up.detach()[:, :4], gate_up.detach()[:, 4:]
+    expected = gate * torch.sigmoid(gate) * up * scale.detach()[:, None]
+    torch.testing.assert_close(routed_swiglu_reference(gate_up, scale).detach(), expected, atol=1e-12, rtol=0)
+    assert torch.autograd.gradcheck(routed_swiglu_reference, (gate_up, scale))
 
 
 # DeepSeek-V3's routing keys in a config.json / model.config of any MoE family.

@@ -7,12 +7,14 @@ Each fused op lives in its own file beside its plain PyTorch specification:
 * :mod:`.swiglu` - ``silu(gate) * up`` forward and backward (Triton);
 * :mod:`.fused_linear_ce` - output projection + cross-entropy in chunks, no full logits (Triton + cuBLAS);
 * :mod:`.lora_linear` - LoRA and its frozen base as one node with a hand-written backward (PyTorch);
-* :mod:`.norm_projections` - a block's RMSNorm inside the LoRA node of the projections it feeds.
+* :mod:`.norm_projections` - a block's RMSNorm inside the LoRA node of the projections it feeds;
+* :mod:`.moe_routing` - the MoE grouped path's routed activation and gather-sum (Triton).
 
 :func:`apply_kernels` swaps the fused versions into a model by changing the
 class of its modules to a subclass that overrides only ``forward``, so
 parameters, buffers, module names, state dicts and ``isinstance`` checks stay
-as they were, and :func:`remove_kernels` undoes it. Every fused forward falls
+as they were (MoE experts, quantized or wrapped by LoRA, instead get the fused
+routing steps as their ``routing_ops``), and :func:`remove_kernels` undoes it. Every fused forward falls
 back to the specification wherever its kernel cannot run (CPU tensors, no
 Triton, unusual shapes), so a model with kernels applied works everywhere.
 
@@ -30,15 +32,16 @@ from entrenar.errors import ConfigError
 from entrenar.kernels._common import triton_available
 from entrenar.kernels.fused_linear_ce import fused_linear_cross_entropy
 from entrenar.kernels.lora_linear import FusedLoraLinear, lora_linear
+from entrenar.kernels.moe_routing import FUSED_ROUTING_OPS
 from entrenar.kernels.norm_projections import FusedBlock
 from entrenar.kernels.rmsnorm import FusedRMSNorm, rms_norm
 from entrenar.kernels.rope import FusedRopeAttention, apply_rope
 from entrenar.kernels.swiglu import FusedMLP, swiglu
 from entrenar.lora import LoraLinear
-from entrenar.models.moe import MoeBlock
+from entrenar.models.moe import Experts, MoeBlock
 from entrenar.models.transformer import MLP, Attention, Block, RMSNorm
 
-KERNELS = ("rms_norm", "rope", "swiglu", "lora")
+KERNELS = ("rms_norm", "rope", "swiglu", "lora", "moe_routing")
 
 # kernel name -> its (plain class, fused subclass) pairs
 _SWAPS: dict[str, tuple[tuple[type[nn.Module], type[nn.Module]], ...]] = {
@@ -46,6 +49,7 @@ _SWAPS: dict[str, tuple[tuple[type[nn.Module], type[nn.Module]], ...]] = {
     "rope": ((Attention, FusedRopeAttention),),
     "swiglu": ((MLP, FusedMLP),),
     "lora": ((LoraLinear, FusedLoraLinear), (Block, FusedBlock)),
+    "moe_routing": (),  # not a class swap: every Experts module (any subclass) gets FUSED_ROUTING_OPS
 }
 
 
@@ -72,6 +76,9 @@ def apply_kernels(
         if fused is not None:
             module.__class__ = fused
             changed.append(name)
+        elif "moe_routing" in kernels and isinstance(module, Experts) and "routing_ops" not in module.__dict__:
+            module.routing_ops = FUSED_ROUTING_OPS
+            changed.append(name)
         if isinstance(module, FusedLoraLinear) and lora_compute_dtype is not None:
             module.lora_compute_dtype = lora_compute_dtype
     return changed
@@ -82,6 +89,8 @@ def remove_kernels(model: nn.Module) -> list[str]:
     plain_of = {fused: plain for pairs in _SWAPS.values() for plain, fused in pairs}
     changed = []
     for name, module in model.named_modules():
+        if isinstance(module, Experts) and module.__dict__.pop("routing_ops", None) is not None:
+            changed.append(name)
         plain = plain_of.get(type(module))
         if plain is not None:
             module.__dict__.pop("lora_compute_dtype", None)
@@ -101,6 +110,7 @@ __all__ = [
     "apply_rope",
     "fused_linear_cross_entropy",
     "lora_linear",
+    "FUSED_ROUTING_OPS",
     "remove_kernels",
     "rms_norm",
     "swiglu",

@@ -22,6 +22,9 @@ router losses and diagnostics are computed outside the model (``entrenar.moe``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -48,6 +51,28 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch
         dtype = torch.get_autocast_dtype(x.device.type)
         x, w = x.to(dtype), w.to(dtype)
     return torch._grouped_mm(x, w, offs=offsets)
+
+
+def routed_swiglu_reference(gate_up: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up * scale`` for rows ``gate_up`` [M, 2I] (gate columns first) and routing weights [M]:
+    the expert activation with each row's routing weight folded in before the down product."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up * scale.to(gate_up.dtype)[:, None]
+
+
+def gather_sum_reference(rows: torch.Tensor, index: torch.Tensor, k: int) -> torch.Tensor:
+    """``out[n] = sum_j rows[index[n * k + j]]`` for ``j < k``: k rows gathered and summed per output row."""
+    return rows[index].view(-1, k, rows.shape[-1]).sum(dim=1)
+
+
+class RoutingOps(NamedTuple):
+    """The elementwise steps of the grouped expert path; ``entrenar.kernels`` swaps in fused ones on the GPU."""
+
+    routed_swiglu: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    gather_sum: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
+
+
+REFERENCE_ROUTING_OPS = RoutingOps(routed_swiglu_reference, gather_sum_reference)
 
 
 class Router(nn.Module):
@@ -124,6 +149,8 @@ def route(
 class Experts(nn.Module):
     """N SwiGLU experts stacked: ``gate_up_proj`` [E, 2I, H] (gate rows first), ``down_proj`` [E, H, I]."""
 
+    routing_ops: RoutingOps = REFERENCE_ROUTING_OPS  # an instance's own when kernels are applied
+
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
         self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
@@ -166,18 +193,22 @@ class Experts(nn.Module):
         sorted_experts, order = torch.sort(flat, stable=True)  # (token, slot) pairs sorted by expert
         inverse = torch.empty_like(order).scatter_(0, order, torch.arange(n * k, device=order.device))
         tokens = order // k
-        xs = _Dispatch.apply(x, tokens, inverse, k)
         offsets = expert_offsets(sorted_experts, self.num_experts)
         if self.use_grouped(x):
-            gate, up = self.grouped_gate_up(xs, offsets).chunk(2, dim=-1)
-            ys = self.grouped_down(F.silu(gate) * up, offsets)
-        else:
-            pieces = []
-            for expert, (start, count) in enumerate(_spans(offsets.tolist())):
-                if count:
-                    gate, up = self.gate_up(xs[start:start + count], expert).chunk(2, dim=-1)
-                    pieces.append(self.down(F.silu(gate) * up, expert))
-            ys = torch.cat(pieces) if pieces else xs.new_zeros(0, self.hidden_size)
+            # Each row's routing weight is folded into the activation, so the k outputs of a token are summed
+            # as they are gathered back: no [N, k, H] product of outputs and weights, forward or backward.
+            ops = self.routing_ops
+            xs = _Dispatch.apply(x, tokens, inverse, k, ops.gather_sum)
+            scale = _Permute.apply(weights.reshape(-1), order, inverse)
+            ys = self.grouped_down(ops.routed_swiglu(self.grouped_gate_up(xs, offsets), scale), offsets)
+            return _Combine.apply(ys, tokens, inverse, k, ops.gather_sum).to(x.dtype)
+        xs = _Dispatch.apply(x, tokens, inverse, k, gather_sum_reference)
+        pieces = []
+        for expert, (start, count) in enumerate(_spans(offsets.tolist())):
+            if count:
+                gate, up = self.gate_up(xs[start:start + count], expert).chunk(2, dim=-1)
+                pieces.append(self.down(F.silu(gate) * up, expert))
+        ys = torch.cat(pieces) if pieces else xs.new_zeros(0, self.hidden_size)
         by_token = _Permute.apply(ys, inverse, order).view(n, k, -1)  # back in (token, slot) order
         return (by_token * weights.to(ys.dtype)[..., None]).sum(dim=1).to(x.dtype)
 
@@ -187,15 +218,32 @@ class _Dispatch(torch.autograd.Function):
     ``inverse`` instead of scattering with atomics, as ``x[tokens]``'s own backward would."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, tokens: torch.Tensor, inverse: torch.Tensor, k: int) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, tokens: torch.Tensor, inverse: torch.Tensor, k: int,
+                gather_sum: Callable) -> torch.Tensor:
         ctx.save_for_backward(inverse)
-        ctx.k = k
+        ctx.k, ctx.gather_sum = k, gather_sum
         return x[tokens]
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         (inverse,) = ctx.saved_tensors
-        return grad[inverse].view(-1, ctx.k, grad.shape[-1]).sum(dim=1), None, None, None
+        return ctx.gather_sum(grad.contiguous(), inverse, ctx.k), None, None, None, None
+
+
+class _Combine(torch.autograd.Function):
+    """The transpose of :class:`_Dispatch`: each token's k expert rows summed (``gather_sum``); its backward
+    hands each row its token's gradient (``grad[tokens]``)."""
+
+    @staticmethod
+    def forward(ctx, ys: torch.Tensor, tokens: torch.Tensor, inverse: torch.Tensor, k: int,
+                gather_sum: Callable) -> torch.Tensor:
+        ctx.save_for_backward(tokens)
+        return gather_sum(ys, inverse, k)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (tokens,) = ctx.saved_tensors
+        return grad[tokens], None, None, None, None
 
 
 class _Permute(torch.autograd.Function):
