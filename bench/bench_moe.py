@@ -104,12 +104,11 @@ class GemmsOnly(torch.nn.Module):
         self.width = reference.experts.down_proj.shape[-1]
         self.gate_up = torch.nn.Parameter(reference.experts.gate_up_proj.detach().clone())
         self.down = torch.nn.Parameter(reference.experts.down_proj.detach().clone())
-        self.rows = torch.randn(experts.numel(), HIDDEN, device=x.device, dtype=x.dtype)
+        self.rows = torch.nn.Parameter(torch.randn(experts.numel(), HIDDEN, device=x.device, dtype=x.dtype))
         self.top_k = top_k
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = self.rows.requires_grad_()
-        h = torch._grouped_mm(rows, self.gate_up.transpose(1, 2), offs=self.offsets)[:, :self.width]
+        h = torch._grouped_mm(self.rows, self.gate_up.transpose(1, 2), offs=self.offsets)[:, :self.width]
         y = torch._grouped_mm(h.contiguous(), self.down.transpose(1, 2), offs=self.offsets)
         return y.view(x.shape[0], -1, self.top_k, HIDDEN)[:, :, 0] + 0 * x
 
@@ -118,12 +117,16 @@ def kernel_profile(block, x: torch.Tensor, grad: torch.Tensor, steps: int = 5) -
     """CUDA kernel time per step by kernel name, largest first: where a row's milliseconds go."""
     from torch.profiler import ProfilerActivity, profile
 
-    for _ in range(3):
+    def step() -> None:
         block(x.detach().requires_grad_()).backward(grad)
+        block.zero_grad(set_to_none=True)  # as time_block: no gradient accumulation kernels
+
+    for _ in range(3):
+        step()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
-            block(x.detach().requires_grad_()).backward(grad)
+            step()
         torch.cuda.synchronize()
     totals: dict[str, list[float]] = {}
     for event in prof.events():
@@ -131,9 +134,7 @@ def kernel_profile(block, x: torch.Tensor, grad: torch.Tensor, steps: int = 5) -
             entry = totals.setdefault(event.name[:90], [0.0, 0])
             entry[0] += event.device_time / 1000 / steps
             entry[1] += 1 / steps
-    rows = sorted(({"kernel": k, "ms": v[0], "calls": v[1]} for k, v in totals.items()), key=lambda r: -r["ms"])
-    block.zero_grad(set_to_none=True)
-    return rows
+    return sorted(({"kernel": k, "ms": v[0], "calls": v[1]} for k, v in totals.items()), key=lambda r: -r["ms"])
 
 
 def main() -> None:
@@ -181,7 +182,8 @@ def main() -> None:
                 continue
             results.append({"shape": name, "row": row, "status": "ok", "ms": ms, "peak_gib": peak,
                             "max_abs_diff_vs_eager": error, **({"kernels": kernels[:25]} if kernels else {})})
-            print(f"{name:<15}{row:<26}{ms:8.2f} ms  {peak:6.2f} GiB  |diff| {error:.3g}", flush=True)
+            busy = f"  GPU kernels {sum(k['ms'] for k in kernels):.2f} ms" if kernels else ""
+            print(f"{name:<15}{row:<26}{ms:8.2f} ms  {peak:6.2f} GiB  |diff| {error:.3g}{busy}", flush=True)
             for k in (kernels or [])[:12]:
                 print(f"    {k['ms']:7.3f} ms {k['calls']:5.1f}x  {k['kernel']}", flush=True)
             del block
@@ -193,6 +195,9 @@ def main() -> None:
         if hf and floor:
             print(f"{name}: the grouped products alone take {floor['ms']:.2f} ms = {floor['ms'] / hf['ms']:.0%} of "
                   f"{hf['row']}; 3x would be {hf['ms'] / 3:.2f} ms")
+            gemm = sum(k["ms"] for k in floor.get("kernels", []) if "cutlass" in k["kernel"] or "gemm" in k["kernel"])
+            if gemm:
+                print(f"{name}: of which {gemm:.2f} ms in the grouped GEMM kernels themselves")
             flop = 3 * 2 * args.tokens * shape["top_k"] * HIDDEN * 3 * shape["width"]  # fwd + dx + dW
             print(f"{name}: {flop / 1e12:.2f} TFLOP of products; alone {flop / floor['ms'] / 1e9:.0f} TFLOP/s, "
                   f"3x needs the whole layer at {flop / (hf['ms'] / 3) / 1e9:.0f} TFLOP/s")

@@ -545,6 +545,9 @@ class TrainingSection(_Section):
     # weights and the optimizer stay fp32)
     adapter_math: str = _key("fp32", _choice("fp32", "bf16"))
     seed: int = _key(0, _integer(0, 2**32 - 1))  # numpy's seed range
+    # the same bits on every rerun and resume on a GPU too: PyTorch's deterministic algorithms (an op without one
+    # is refused, naming it) and a fixed cuBLAS workspace; a CPU run is deterministic either way
+    deterministic: bool = _key(False, _boolean)
     eval_every: int = _key(0, _integer(0))
     eval_batches: int | None = _key(None, _integer(1, nullable=True))
     log_every: int = _key(10, _integer(1))

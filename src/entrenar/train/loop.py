@@ -62,6 +62,7 @@ from entrenar.quant.qat import apply_qat_recipe, load_qat_state_dict, master_wei
 from entrenar.train.checkpoint import is_sharded, latest_checkpoint, load_checkpoint, save_checkpoint
 from entrenar.train.console import Console
 from entrenar.train.cuda_graph import GraphedMicroStep
+from entrenar.train.determinism import deterministic_algorithms
 from entrenar.train.early_stopping import EarlyStopping
 from entrenar.train.faults import NonfiniteGuard, optimizer_step
 from entrenar.train.loss import token_cross_entropy
@@ -77,7 +78,7 @@ RESUMABLE_CHANGES = ("training.max_steps", "training.eval_every", "training.log_
                      "training.compile", "training.nonfinite", "training.max_skipped_steps",
                      "training.early_stopping", "training.parallel", "training.global_batch_size",
                      "training.dist_timeout_s", "training.replica_check_every",
-                     "training.cuda_graphs", "training.overlap_steps")  # global_batch_size: checked
+                     "training.cuda_graphs", "training.overlap_steps", "training.deterministic")  # global_batch_size: checked
 
 
 @dataclass
@@ -109,7 +110,8 @@ def train(
     """
     threads = torch.get_num_threads()
     try:
-        return _train(recipe, resume, dry_run, progress, Console(verbose, log_lines=not progress))
+        with deterministic_algorithms(recipe.training.deterministic):  # a resume keeps what this recipe says
+            return _train(recipe, resume, dry_run, progress, Console(verbose, log_lines=not progress))
     finally:
         leave()  # the process group of a distributed run, if this run opened one
         torch.set_num_threads(threads)  # training.cpu_threads applies to the run, not to the caller's process
