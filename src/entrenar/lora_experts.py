@@ -22,7 +22,7 @@ from torch import nn
 
 from entrenar.errors import AdapterError
 from entrenar.lora import LoraLinear, _check_hparams, adapter_dtype, lora_scaling
-from entrenar.models.moe import Experts, Router
+from entrenar.models.moe import Experts, Router, RoutingOps
 
 EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")
 
@@ -75,7 +75,7 @@ class LoraExpertWeights(LoraLinear):
     use_grouped = Experts.use_grouped
 
     @property
-    def routing_ops(self):  # the elementwise steps of the grouped path: the (possibly fused) base's
+    def routing_ops(self) -> RoutingOps:  # the elementwise steps of the grouped path: the (possibly fused) base's
         return _experts_of(self).routing_ops
 
     @property

@@ -42,6 +42,24 @@ def test_routed_swiglu_matches_the_specification(dtype, width):
 
 
 @needs_kernels
+def test_routed_swiglu_of_bf16_rows_and_fp32_weights_matches_the_specification():
+    """An fp32 model under autocast: the grouped products give bf16 rows, the routing weights stay fp32."""
+    torch.manual_seed(0)
+    gu0, dh, s0 = torch.randn(19, 96, device=DEVICE) * 3, torch.randn(19, 48, device=DEVICE), torch.rand(19, device=DEVICE)
+    gu, s = leaf(gu0, torch.bfloat16), leaf(s0)
+    gur, sr = leaf(gu0, torch.bfloat16), leaf(s0)
+    gu64, s64 = leaf(gu0.bfloat16(), torch.float64), leaf(s0, torch.float64)
+    h, h_plain, h64 = routed_swiglu(gu, s), routed_swiglu_reference(gur, sr), routed_swiglu_reference(gu64, s64)
+    assert h.dtype == torch.bfloat16
+    assert_as_close(h, h_plain, h64, "output")
+    fused, plain, exact = grads(h, (gu, s), dh.bfloat16()), grads(h_plain, (gur, sr), dh.bfloat16()), \
+        grads(h64, (gu64, s64), dh.bfloat16().double())
+    assert fused[1].dtype == torch.float32  # each routing weight's gradient in its own dtype
+    assert_as_close(fused[0], plain[0], exact[0], "d gate_up")
+    assert_as_close(fused[1], plain[1], exact[1], "d scale", computed_in=torch.bfloat16)
+
+
+@needs_kernels
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_gather_sum_matches_the_specification(dtype):
     torch.manual_seed(0)
@@ -90,3 +108,30 @@ def test_apply_kernels_gives_grouped_experts_the_fused_steps_with_the_same_resul
         torch.testing.assert_close(gradients[1][name], g, atol=1e-5, rtol=1e-4, msg=name)
     remove_kernels(fused)
     assert all(b.experts.routing_ops is REFERENCE_ROUTING_OPS for _, b in moe_blocks(fused))
+
+
+@needs_kernels
+@pytest.mark.skipif(not grouped_mm_available(), reason="the grouped expert path needs torch._grouped_mm")
+def test_lora_wrapped_experts_use_the_fused_steps_with_the_same_result():
+    """LoRA on every expert (both stacks wrapped, PEFT's nesting): the wrappers answer the fused steps of the
+    Experts inside, and the adapters' gradients equal the plain grouped path's."""
+    from entrenar.lora import LoraConfig, apply_lora
+
+    plain = _moe_model(DEVICE)
+    set_experts_implementation(plain, "grouped")
+    apply_lora(plain, LoraConfig(r=8, alpha=16, target_modules=["q_proj"],
+                                 target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]))
+    for name, p in plain.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.1)  # B starts at zero: give the adapters an effect to check
+    fused = copy.deepcopy(plain)
+    apply_kernels(fused, ("moe_routing",))
+    assert all(b.experts.routing_ops is FUSED_ROUTING_OPS for _, b in moe_blocks(fused))  # the outer wrapper
+    ids = torch.randint(0, 96, (2, 24), device=DEVICE)
+    gradients = []
+    for model in (plain, fused):
+        torch.nn.functional.cross_entropy(model(ids).flatten(0, 1).float(), ids.flatten()).backward()
+        gradients.append({n: p.grad for n, p in model.named_parameters() if p.requires_grad})
+    assert any("experts" in n for n in gradients[0])
+    for name, g in gradients[0].items():
+        torch.testing.assert_close(gradients[1][name], g, atol=1e-5, rtol=1e-4, msg=name)

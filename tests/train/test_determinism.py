@@ -21,16 +21,29 @@ def test_the_mode_holds_for_the_run_and_the_callers_setting_comes_back(workspace
     real = loop._train
 
     def spy(*args, **kwargs):
-        seen.append(torch.are_deterministic_algorithms_enabled())
+        seen.append((torch.are_deterministic_algorithms_enabled(), os.environ.get("CUBLAS_WORKSPACE_CONFIG")))
         return real(*args, **kwargs)
 
     monkeypatch.setattr(loop, "_train", spy)
-    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", "x")  # recorded, so monkeypatch restores the caller's state
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG")
     loop.train(recipe_for(workspace, "training.deterministic=true", "training.max_steps=2"), progress=False)
     loop.train(recipe_for(workspace, "training.max_steps=2", f"output.dir={workspace / 'b'}"), progress=False)
-    assert seen == [True, False]
+    assert seen == [(True, ":4096:8"), (False, None)]
     assert not torch.are_deterministic_algorithms_enabled()
-    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    assert "CUBLAS_WORKSPACE_CONFIG" not in os.environ  # set for the run only
+
+
+def test_a_cublas_workspace_that_is_not_deterministic_is_refused_by_name(monkeypatch):
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":0:0")
+    with pytest.raises(ConfigError, match=r"CUBLAS_WORKSPACE_CONFIG=:0:0 in the environment .* :4096:8"):
+        with deterministic_algorithms(True):
+            pass
+    assert not torch.are_deterministic_algorithms_enabled()
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")
+    with deterministic_algorithms(True):
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"
+    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"
 
 
 def test_an_op_without_a_deterministic_version_is_a_config_error_naming_it():
