@@ -1,7 +1,7 @@
 """``training.deterministic`` on a CUDA device: two runs, and a run resumed after a crash, give the same bits.
 
 Documents here are longer than FlashAttention's key blocks, whose backward adds each block's share of a query's
-gradient with atomics: without the mode, two such runs differed from step 3 (bench/det_control.py,
+gradient with atomics: without the mode, two such runs differed from step 2 on (bench/det_control.py,
 docs/TRAINING.md)."""
 
 from __future__ import annotations
