@@ -54,6 +54,7 @@ def build_row(row: str, folder: Path, recipe):
         from entrenar.kernels.fused_linear_ce import fused_linear_cross_entropy
         from entrenar.memory import FUSED_LOSS_CHUNK
         from entrenar.train.loop import build_model
+        from entrenar.data import packed_documents
         from entrenar.train.loss import token_cross_entropy
 
         model, _ = build_model(recipe, tasks.for_recipe(recipe), "float32", torch.device("cpu"), None)
@@ -63,14 +64,16 @@ def build_row(row: str, folder: Path, recipe):
 
         def step(batch: dict) -> torch.Tensor:  # the loop's loss_sum_of / micro_step
             inputs = (batch["input_ids"], batch["position_ids"], batch.get("document_ids"))
+            layout = packed_documents(batch)  # as the loop hands packed rows over on a CPU: document by document
+            layout = {"cu_seqlens": layout["cu_seqlens"], "max_seqlen": layout["max_seqlen"]}
             targets = (batch["labels"][:, 1:] != -100).sum()
             with autocast_for(torch.device("cpu"), precision):
                 if kernels:
-                    hidden = model.hidden_states(*inputs)
+                    hidden = model.hidden_states(*inputs, **layout)
                     loss_sum = fused_linear_cross_entropy(hidden, model.lm_head.weight, batch["labels"],
                                                           FUSED_LOSS_CHUNK)[0]
                 else:
-                    loss_sum = token_cross_entropy(model(*inputs), batch["labels"])[0]
+                    loss_sum = token_cross_entropy(model(*inputs, **layout), batch["labels"])[0]
                 loss = loss_sum / targets
             loss.backward()
             return loss.detach()

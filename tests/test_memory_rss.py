@@ -45,7 +45,9 @@ def peak_rss(folder: Path, sets: list[str]) -> int:
     """ru_maxrss in bytes of one `entrenar train` process, measured from a parent started for it alone."""
     recipe = folder / "recipe.yaml"
     recipe.write_text(f"model: {{path: {folder / 'model'}, device: cpu}}\n"
-                      f"data: {{train: {folder / 'train.jsonl'}, seq_len: 256, validation_split: 0}}\n"
+                      # full rows, as the estimate counts them (padding-free rows run fewer positions)
+                      f"data: {{train: {folder / 'train.jsonl'}, seq_len: 256, validation_split: 0, "
+                      "padding_free: false}\n"
                       "training: {max_steps: 2, batch_size: 4, save_every: 0, eval_every: 0, cpu_threads: 1}\n")
     args = [a for kv in [*sets, f"output.dir={folder / 'run'}-{len(sets)}"] for a in ("--set", kv)]
     env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1"}

@@ -427,7 +427,9 @@ class DataSection(_Section):
     # one input and one target at least; at most MAX_SEQ_LEN, and 8x the model's context (checked when it is loaded)
     seq_len: int = _key(512, _integer(2, MAX_SEQ_LEN))
     packing: bool = _key(True, _boolean)
-    padding_free: bool = _key(False, _boolean)  # each batch as one row of its real tokens (no padding computed)
+    # each batch as one row of its real tokens (no padding computed); auto: on a CPU for causal-LM training (no
+    # fixed shapes to keep there, so padding is only work)
+    padding_free: str | bool = _key("auto", _choice("auto", True, False))
     add_eos: bool = _key(True, _boolean)
     on_error: str = _key("raise", _choice("raise", "skip"))
     shuffle: bool = _key(True, _boolean)
@@ -719,7 +721,7 @@ class Recipe:
                 "training.cuda_graphs",
                 "'training.cuda_graphs' replays GPU launches; model.device is 'cpu'",
             )
-        if self.training.cuda_graphs is True and self.data.padding_free:
+        if self.training.cuda_graphs is True and self.data.padding_free is True:
             raise _BadValue(
                 "training.cuda_graphs",
                 "'training.cuda_graphs' needs batches of one layout, and 'data.padding_free' changes it with every "

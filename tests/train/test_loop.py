@@ -217,13 +217,58 @@ def test_padding_free_batches_give_the_padded_losses(workspace, packing):
     """data.padding_free drops the padding and the document mask and changes nothing else: the losses are the
     padded run's (dropout off: its masks are drawn per position, and the layouts have different positions)."""
     common = ["lora.dropout=0", f"data.packing={str(packing).lower()}", "training.activation_checkpointing=1"]
-    padded = train(recipe_for(workspace, *common, f"output.dir={workspace / 'p'}"), progress=False)
+    padded = train(recipe_for(workspace, *common, "data.padding_free=false", f"output.dir={workspace / 'p'}"),
+                   progress=False)
     flat = train(recipe_for(workspace, "data.padding_free=true", *common, f"output.dir={workspace / 'f'}"),
                  progress=False)
     torch.testing.assert_close(torch.tensor(losses(flat.run_dir)), torch.tensor(losses(padded.run_dir)),
                                atol=1e-5, rtol=0)
     tokens = [r["tokens"] for r in read_metrics(flat.run_dir / "metrics.jsonl") if "loss" in r]
     assert tokens == [r["tokens"] for r in read_metrics(padded.run_dir / "metrics.jsonl") if "loss" in r]
+
+
+def test_padding_free_auto_is_on_for_causal_lm_on_a_cpu_and_off_on_cuda(workspace, monkeypatch):
+    """data.padding_free: auto (the default) lays causal-LM batches out padding-free on a CPU (nothing there
+    gains from fixed rows) and leaves them padded on CUDA (graphs replay fixed rows); true and false are
+    obeyed as written."""
+    import entrenar.train.loop as loop
+
+    recipe = recipe_for(workspace)
+    assert recipe.data.padding_free == "auto"
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert loop._padding_free(recipe, cpu, "causal_lm") and not loop._padding_free(recipe, cuda, "causal_lm")
+    assert not loop._padding_free(recipe, cpu, "classification")
+    assert not loop._padding_free(recipe_for(workspace, "data.padding_free=false"), cpu, "causal_lm")
+    assert loop._padding_free(recipe_for(workspace, "data.padding_free=true"), cuda, "causal_lm")
+    flat = []
+    monkeypatch.setattr(loop, "padding_free", lambda batch: flat.append(1) or __import__(
+        "entrenar.data", fromlist=["padding_free"]).padding_free(batch))
+    train(recipe_for(workspace, "training.max_steps=2", "training.eval_every=0", "training.save_every=0"),
+          progress=False)
+    assert len(flat) == 2  # every batch of the default CPU run went padding-free
+
+
+@pytest.mark.parametrize("precision, tolerance", [("fp32", 1e-5), ("bf16", 3e-2)])
+def test_packed_rows_attend_document_by_document_on_a_cpu_with_the_mask_losses(workspace, monkeypatch, precision,
+                                                                               tolerance):
+    """On a CPU the loop hands packed rows over as documents (each attends on its own: explicit products in
+    bf16, PyTorch's flash kernel in fp32); with that off they go through SDPA under a dense document mask:
+    the same losses (bf16: within its noise)."""
+    import entrenar.models.transformer as transformer
+    import entrenar.train.loop as loop
+
+    seen = []
+    real = transformer.documents_attention
+    monkeypatch.setattr(transformer, "documents_attention", lambda *a, **k: seen.append(1) or real(*a, **k))
+    common = ["lora.dropout=0", f"training.precision={precision}", "data.packing=true", "data.padding_free=false"]
+    documents = train(recipe_for(workspace, *common, f"output.dir={workspace / 'd'}"), progress=False)
+    assert seen, "packed rows did not reach the per-document attention"
+    monkeypatch.setattr(loop, "rows_by_document", lambda *a: False)
+    seen.clear()
+    masked = train(recipe_for(workspace, *common, f"output.dir={workspace / 'm'}"), progress=False)
+    assert not seen
+    torch.testing.assert_close(torch.tensor(losses(documents.run_dir)), torch.tensor(losses(masked.run_dir)),
+                               atol=tolerance, rtol=0)
 
 
 def test_checkpointing_and_offload_settings_are_checked(workspace):

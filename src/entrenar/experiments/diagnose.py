@@ -144,7 +144,7 @@ def diagnose(recipe: Any, precision: str = "bf16") -> Report:
     moe = moe_training(model, recipe)  # records routing; its router losses are part of what a step trains
     _, _, _, stream = build_data(recipe, task, tokenizer, skipped=[])
     batch = next(stream)
-    if recipe.data.padding_free:
+    if recipe.data.padding_free is True:
         batch = padding_free(batch)
     batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
     batch["step_targets"] = task.num_targets(batch)

@@ -14,7 +14,9 @@ over their ``B x T`` tokens end to end (see
 On CUDA this runs FlashAttention's variable-length kernel
 (:func:`torch.nn.attention.varlen.varlen_attn`); elsewhere, or where that
 kernel cannot take the shapes, each document goes through SDPA on its own,
-which computes the same thing.
+which computes the same thing and skips the blocks across documents that a
+mask would only hide. On a CPU in bf16, documents up to 1,024 tokens run as
+explicit products instead (:mod:`entrenar.models.cpu_attention`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from entrenar.models.cpu_attention import explicit_causal_attention, explicit_fits
 
 try:
     from torch.nn.attention.varlen import varlen_attn as _varlen_attn
@@ -35,6 +39,7 @@ _VARLEN_PARAMS = set(inspect.signature(_varlen_attn).parameters) if _varlen_attn
 # enable_gqa=True; older ones pass the heads through unchecked, unless their source refuses unequal counts.
 _VARLEN_REFUSES_GQA = _varlen_attn is not None and "enable_gqa" not in _VARLEN_PARAMS and \
     "same number of heads" in inspect.getsource(_varlen_attn)
+SDPA_HAS_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
 
 
 @dataclass(frozen=True)
@@ -64,6 +69,15 @@ def documents_attention(
     if _varlen_fits(q, k, documents, window):
         return _varlen(q, k, v, documents, window).view(b, t, *q.shape[1:])
     return _per_document(q, k, v, documents, window).view(b, t, *q.shape[1:])
+
+
+def rows_by_document(head_dim: int, device: torch.device, dtype: torch.dtype, window: int | None = None) -> bool:
+    """Whether packed rows should attend document by document (``cu_seqlens``) rather than under a dense
+    document mask: on CUDA where the variable-length kernel takes them (bf16/fp16), on a CPU always (each
+    document's own causal attention skips the blocks across documents that a mask computes and hides)."""
+    if device.type == "cpu":
+        return True
+    return dtype in (torch.bfloat16, torch.float16) and varlen_available(head_dim, device, window)
 
 
 def varlen_available(head_dim: int, device: torch.device, window: int | None = None) -> bool:
@@ -109,14 +123,20 @@ def _per_document(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: 
         if end == start:  # an empty segment (fixed-capacity layouts end with some)
             continue
         qi, ki, vi = (x[start:end].transpose(0, 1) for x in (q, k, v))  # [H, n, D]
-        if groups > 1:
-            ki, vi = ki.repeat_interleave(groups, dim=0), vi.repeat_interleave(groups, dim=0)
         n = end - start
+        if explicit_fits(qi, n, window):
+            pieces.append(explicit_causal_attention(qi, ki, vi).transpose(0, 1))
+            continue
+        extra = {}
+        if groups > 1 and SDPA_HAS_GQA:
+            extra["enable_gqa"] = True
+        elif groups > 1:
+            ki, vi = ki.repeat_interleave(groups, dim=0), vi.repeat_interleave(groups, dim=0)
         if window is not None and n > window:
             pos = torch.arange(n, device=q.device)
             mask = (pos[None, :] <= pos[:, None]) & (pos[:, None] - pos[None, :] < window)
-            y = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask)
+            y = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, **extra)
         else:
-            y = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True)
+            y = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, **extra)
         pieces.append(y.transpose(0, 1))
     return torch.cat(pieces)

@@ -18,9 +18,8 @@ from entrenar.models.config import ModelConfig, rope_inv_freq
 from entrenar.models.moe import Experts, MoeBlock, Router
 from entrenar.models.offload import ActivationOffload
 from entrenar.models.recompute import checkpointed
-from entrenar.models.padding_free import Documents, documents_attention
+from entrenar.models.padding_free import SDPA_HAS_GQA, Documents, documents_attention
 
-_SDPA_HAS_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
 
 
 class RMSNorm(nn.Module):
@@ -135,7 +134,7 @@ class Attention(nn.Module):
         groups = self.num_heads // self.num_kv_heads
         extra = {}
         if groups > 1:
-            if _SDPA_HAS_GQA:
+            if SDPA_HAS_GQA:
                 extra["enable_gqa"] = True
             else:
                 k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)

@@ -395,7 +395,7 @@ class ClassificationTask:
         if self.metric != "loss" and self.metric not in METRICS[t.problem_type]:
             raise ConfigError(f"task.metric: {self.metric!r} is not a {t.problem_type} metric (one of: loss, "
                               f"{', '.join(sorted(METRICS[t.problem_type]))})")
-        if self.recipe.data.padding_free:
+        if self.recipe.data.padding_free is True:
             raise ConfigError("data.padding_free: a classification batch is one padded text per row; turn it off")
         names = list(t.labels) if t.labels else None
         num = len(names) if names else (t.num_labels or (1 if t.problem_type == "regression" else None))

@@ -56,7 +56,7 @@ from entrenar.kernels.fused_linear_ce import fused_linear_cross_entropy
 from entrenar.kernels.host_embedding import offload_embeddings
 from entrenar.lora import LoraConfig, apply_lora, load_lora_state_dict, lora_layers, lora_state_dict, save_adapter
 from entrenar.memory import FUSED_LOSS_CHUNK, LINEAR_NAMES, GiB, estimate_training_memory
-from entrenar.models.padding_free import varlen_available
+from entrenar.models.padding_free import rows_by_document
 from entrenar.quant.checkpoint import save_qat_model
 from entrenar.quant.qat import apply_qat_recipe, load_qat_state_dict, master_weights, qat_state_dict
 from entrenar.train.checkpoint import is_sharded, latest_checkpoint, load_checkpoint, save_checkpoint
@@ -211,11 +211,12 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
                           "bf16 product (moe.experts: auto or grouped, bf16 compute, full-precision experts); "
                           "this run's loop over experts reads their token counts back every layer")
     graphs = _cuda_graphs(recipe, device, mode, task.name, moe_replays)
-    # Packed rows attend within their documents through the variable-length flash kernel instead of a dense
-    # document mask (which keeps SDPA off flash).
-    varlen_rows = (task.name == "causal_lm" and not recipe.data.padding_free
-                   and varlen_available(model.config.head_dim, device, model.config.sliding_window)
-                   and _compute_dtype(model, t.precision) in (torch.bfloat16, torch.float16))
+    # Packed rows attend document by document (the variable-length flash kernel on CUDA) instead of under a
+    # dense document mask, which keeps SDPA off flash and computes the blocks across documents.
+    flat_rows = _padding_free(recipe, device, task.name)
+    varlen_rows = (task.name == "causal_lm" and not flat_rows
+                   and rows_by_document(model.config.head_dim, device, _compute_dtype(model, t.precision),
+                                        model.config.sliding_window))
     trainable = [p for p in model.parameters() if p.requires_grad]
 
     # Data: records -> masked examples -> a resumable stream of packed batches.
@@ -379,7 +380,7 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
                                                               count_targets=task.num_targets)
                 step_loss = torch.zeros((), device=device)
                 for i, batch in enumerate(micro_batches):
-                    if d.padding_free:
+                    if flat_rows:
                         batch = padding_free(batch)
                     elif varlen_rows:
                         batch = packed_documents(batch, segments)
@@ -562,8 +563,17 @@ def _cuda_graphs(recipe: Recipe, device: torch.device, mode: str, task: str, moe
     if t.cuda_graphs != "auto":
         return t.cuda_graphs
     return (device.type == "cuda" and mode == "single" and task == "causal_lm" and moe_replays and d.packing
-            and recipe.lora is not None and recipe.qat is None and not d.padding_free and not t.compile
+            and recipe.lora is not None and recipe.qat is None and not _padding_free(recipe, device, task)
+            and not t.compile
             and t.precision != "fp16")
+
+
+def _padding_free(recipe: Recipe, device: torch.device, task: str) -> bool:
+    """``data.padding_free``, with ``auto`` resolved: on a CPU for causal-LM training, where nothing gains
+    from fixed shapes (no CUDA graphs, no compiled kernels per shape) and a padded position costs what a real
+    one does; off on a GPU, whose graphs replay fixed rows."""
+    setting = recipe.data.padding_free
+    return setting if setting != "auto" else device.type == "cpu" and task == "causal_lm"
 
 
 @dataclass

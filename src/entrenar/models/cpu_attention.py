@@ -1,0 +1,65 @@
+"""Causal attention of one document as explicit products, for a CPU in bf16.
+
+PyTorch's CPU flash kernel gains little from bf16: on the SmolLM2-135M shape it runs a layer's attention,
+forward and backward, at about a quarter of the speed the CPU's bf16 matrix products reach. Written as products,
+``softmax(q k^T / sqrt(d)) v`` runs 1.5-1.6x the flash kernel per document (docs/PERFORMANCE.md). The
+precision is FlashAttention-2's: scores and their gradient (``q k^T`` and ``dout v^T``) in fp32, the softmax in
+fp32, the probabilities and the score gradient rounded to bf16 for the other four products (fp32 accumulation).
+Relative errors against fp64 are within 2.5 times PyTorch's kernel's (outputs 2.2e-3 against 1.6e-3).
+
+The probabilities are kept for backward (``heads x n x n`` bf16 per document), so only documents up to
+:data:`EXPLICIT_MAX_LEN` tokens go this way; longer ones stay with the flash kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+
+EXPLICIT_MAX_LEN = 1024  # the longest document whose probabilities are kept (32 heads: 64 MiB per layer)
+
+
+def explicit_fits(q: torch.Tensor, n: int, window: int | None) -> bool:
+    """Whether a document of ``n`` tokens of ``q`` runs as explicit products: a CPU, 16-bit, fully causal."""
+    return (q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16) and n <= EXPLICIT_MAX_LEN
+            and (window is None or n <= window))
+
+
+def explicit_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal attention of one document: q ``[Hq, n, D]``, k and v ``[Hk, n, D]`` (``Hq`` a multiple of
+    ``Hk``: query head ``h`` reads key/value head ``h // (Hq / Hk)``, as SDPA's ``enable_gqa``) -> ``[Hq, n, D]``."""
+    return _ExplicitCausal.apply(q.contiguous(), k.contiguous(), v.contiguous())
+
+
+def _causal_probabilities(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d)) under the causal mask, products and all in fp32: ``[Hk, groups x n, n]``."""
+    hq, n, d = q.shape
+    hk = k.shape[0]
+    scores = torch.bmm(q.view(hk, hq // hk * n, d).float(), k.transpose(1, 2).float()).mul_(d**-0.5)
+    future = torch.ones(n, n, dtype=torch.bool, device=q.device).triu_(1)
+    scores.view(hk, hq // hk, n, n).masked_fill_(future, float("-inf"))
+    return torch.softmax(scores, dim=-1)
+
+
+class _ExplicitCausal(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(q.device.type, enabled=False):  # the dtypes below are the point
+            p = _causal_probabilities(q, k).to(q.dtype)
+            out = torch.bmm(p, v)  # [Hk, groups x n, D]
+        ctx.save_for_backward(q, k, v, p, out)
+        return out.view(q.shape)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, k, v, p, out = ctx.saved_tensors
+        hq, n, d = q.shape
+        hk = k.shape[0]
+        grad_out = grad_out.reshape(out.shape).to(q.dtype)
+        grad_v = torch.bmm(p.transpose(1, 2), grad_out)
+        grad_p = torch.bmm(grad_out.float(), v.transpose(1, 2).float())
+        # d softmax: p * (dp - rowsum(dp * p)), and rowsum(dp * p) = rowsum(dout * out).
+        row = (grad_out.float() * out.float()).sum(-1, keepdim=True)
+        grad_s = grad_p.sub_(row).mul_(p).mul_(d**-0.5).to(q.dtype)
+        grad_q = torch.bmm(grad_s, k).view(hq, n, d)
+        grad_k = torch.bmm(grad_s.transpose(1, 2), q.view(hk, hq // hk * n, d))
+        return grad_q, grad_k, grad_v
