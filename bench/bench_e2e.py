@@ -11,6 +11,9 @@ Each case builds one random Hugging Face folder of a real model's shape (with Sm
                      prepare_model_for_kbit_training (gradient checkpointing in effect: the model is put in
                      `.train()` mode); the 8B cases with gradient checkpointing
   hf-liger           the same with Liger kernels (`_apply_liger_kernel_to_instance`, before PEFT wraps the model)
+  <row>-wrapped      a transformers row on transformers' own packing instead (run_clm's `group_texts`): the same
+                     documents in the same order, concatenated and cut every `seq` tokens, so its rows have no
+                     padding (documents split across rows and attending to each other); every token is real
 
 `lora-moe` is a random Qwen3-MoE model (MOE_SHAPES): LoRA on attention and on every expert, both stacks with the
 Switch load-balancing loss at weight 0.001 (recipes/moe-qwen3-lora.yaml's `moe.aux_loss`, transformers'
@@ -108,7 +111,7 @@ CASES: dict[str, dict] = {
                     "device": "cpu", "precision": "fp32", "fast": {"precision": "bf16"},
                     "rows": ("entrenar", "entrenar-fast", "hf", "hf-bf16")},
 }
-ROWS = ("entrenar", "entrenar-fast", "hf", "hf-liger", "hf-bf16")
+ROWS = ("entrenar", "entrenar-fast", "hf", "hf-liger", "hf-bf16", "hf-wrapped", "hf-liger-wrapped", "hf-bf16-wrapped")
 CPU_CASES = tuple(name for name, case in CASES.items() if case.get("device") == "cpu")
 
 
@@ -239,6 +242,21 @@ def packed_batches(tokenizer_dir: Path, text: Path, case: dict, n: int) -> list[
     return [next(stream) for _ in range(n)]
 
 
+def wrapped_batches(batches: list[dict], more: list[dict]) -> list[dict]:
+    """``len(batches)`` batches as run_clm's `group_texts` makes them from the same documents in the same order:
+    the real tokens of ``batches`` then ``more`` end to end, cut into rows of the same length, labels = inputs.
+    Every position is real (no padding, no document ids: transformers attends across documents)."""
+    import torch
+
+    rows, width = batches[0]["input_ids"].shape
+    stream = torch.cat([b["input_ids"][b["document_ids"] >= 0] for b in [*batches, *more]])
+    need = len(batches) * rows * width
+    if stream.numel() < need:
+        raise ValueError(f"{stream.numel()} real tokens in the batches given; wrapping needs {need}")
+    ids = stream[:need].view(len(batches), rows, width)
+    return [{"input_ids": x, "labels": x.clone(), "document_ids": torch.zeros_like(x)} for x in ids]
+
+
 # ---------------------------------------------------------------- rows
 
 
@@ -297,6 +315,8 @@ def run_hf(case: dict, folder: Path, tokenizer_dir: Path, text: Path, row: str, 
         import peft
     except ImportError as e:
         return {"status": "skipped", "error": f"peft: {e}"}
+    wrapped = row.endswith("-wrapped")
+    row = row.removesuffix("-wrapped")
     liger = row == "hf-liger"
     if liger:
         try:
@@ -304,6 +324,9 @@ def run_hf(case: dict, folder: Path, tokenizer_dir: Path, text: Path, row: str, 
         except ImportError as e:
             return {"status": "skipped", "error": f"liger-kernel: {e}"}
     batches = packed_batches(tokenizer_dir, text, case, case["steps"])
+    if wrapped:  # the same documents, group_texts' way: about a third more batches' worth to draw from
+        more = packed_batches(tokenizer_dir, text, case, case["steps"] * 3 // 2 + 2)[case["steps"]:]
+        batches = wrapped_batches(batches, more)
     started = time.perf_counter()
     dev = case.get("device", device())
     autocast = dev == "cuda" or row == "hf-bf16"
@@ -395,9 +418,11 @@ def run_row_process(row: str, case_name: str, folder: Path, args: argparse.Names
 
 def print_table(results: list[dict]) -> None:
     """One line per case and row; with several repeats, the median over them (and min-max of tokens/s). The
-    ratios to a baseline row are medians of per-repeat ratios (rows of one repeat ran minutes apart)."""
-    header = (f"{'case':<13}{'row':<15}{'tok/s':>9}{'min-max':>14}{'MFU':>6}{'peak GiB':>9}{'vs hf':>7}"
-              f"{'vs liger':>9}{'vs hf-bf16':>11}{'mem/liger':>10}{'loss first->last':>20}")
+    ratios to a baseline row are medians of per-repeat ratios (rows of one repeat ran minutes apart); a column
+    for each baseline row that ran (``vs hf-bf16-wrapped``: against that row on group_texts batches)."""
+    bases = [b for b in ROWS[2:] if any(r["row"] == b and r["status"] == "ok" for r in results)]
+    header = (f"{'case':<13}{'row':<15}{'tok/s':>9}{'min-max':>14}{'MFU':>6}{'peak GiB':>9}"
+              + "".join(f"{'vs ' + b:>{len(b) + 5}}" for b in bases) + f"{'mem/liger':>10}{'loss first->last':>20}")
     print(header)
     keys = list(dict.fromkeys((r["case"], r["row"]) for r in results))
     for case, row in keys:
@@ -418,9 +443,8 @@ def print_table(results: list[dict]) -> None:
         spread = f"{min(tps):.0f}-{max(tps):.0f}" if len(tps) > 1 else ""
         mfu = f"{median('mfu'):6.1%}" if ok[0]["mfu"] and case not in CPU_CASES else f"{'-':>6}"
         print(f"{case:<13}{row:<15}{median('tokens_per_s'):9.0f}{spread:>14}{mfu}{median('peak_gib'):9.2f}"
-              f"{ratio('tokens_per_s', 'hf'):>7}{ratio('tokens_per_s', 'hf-liger'):>9}"
-              f"{ratio('tokens_per_s', 'hf-bf16'):>11}{ratio('peak_gib', 'hf-liger'):>10}"
-              f"{ok[0]['loss_first']:10.4f} ->{ok[0]['loss_last']:8.4f}")
+              + "".join(f"{ratio('tokens_per_s', b):>{len(b) + 5}}" for b in bases)
+              + f"{ratio('peak_gib', 'hf-liger'):>10}{ok[0]['loss_first']:10.4f} ->{ok[0]['loss_last']:8.4f}")
 
 
 def main(argv: list[str] | None = None) -> None:
