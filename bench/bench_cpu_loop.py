@@ -54,7 +54,7 @@ def build_row(row: str, folder: Path, recipe):
         from entrenar.kernels.fused_linear_ce import fused_linear_cross_entropy
         from entrenar.memory import FUSED_LOSS_CHUNK
         from entrenar.train.loop import build_model
-        from entrenar.data import packed_documents
+        from entrenar.data import padding_free
         from entrenar.train.loss import token_cross_entropy
 
         model, _ = build_model(recipe, tasks.for_recipe(recipe), "float32", torch.device("cpu"), None)
@@ -63,9 +63,9 @@ def build_row(row: str, folder: Path, recipe):
             apply_kernels(model)
 
         def step(batch: dict) -> torch.Tensor:  # the loop's loss_sum_of / micro_step
-            inputs = (batch["input_ids"], batch["position_ids"], batch.get("document_ids"))
-            layout = packed_documents(batch)  # as the loop hands packed rows over on a CPU: document by document
-            layout = {"cu_seqlens": layout["cu_seqlens"], "max_seqlen": layout["max_seqlen"]}
+            batch = padding_free(batch)  # what the loop runs on a CPU (data.padding_free: auto)
+            inputs = (batch["input_ids"], batch["position_ids"], None)
+            layout = {"cu_seqlens": batch["cu_seqlens"], "max_seqlen": batch["max_seqlen"]}
             targets = (batch["labels"][:, 1:] != -100).sum()
             with autocast_for(torch.device("cpu"), precision):
                 if kernels:

@@ -532,8 +532,9 @@ class TrainingSection(_Section):
     # what layers keep for backward waits in pinned CPU memory (a checkpointed layer: its input) (CUDA): every
     # layer but the last (true), or the first N
     offload_activations: bool | int = _key(False, _offload_layers)
-    # the frozen input-embedding table stays in pinned CPU memory, read by the GPU (LoRA/QLoRA on CUDA)
-    offload_embeddings: bool = _key(False, _boolean)
+    # the frozen input-embedding table stays in pinned CPU memory, read by the GPU (LoRA/QLoRA on CUDA); auto: on
+    # for a causal-LM LoRA/QLoRA run on one CUDA device with every layer checkpointed and untied embeddings
+    offload_embeddings: str | bool = _key("auto", _choice("auto", True, False))
     compile: bool = _key(False, _boolean)
     # forward and backward of each micro-batch replayed from a CUDA graph (fixed shapes; not padding-free);
     # auto: on a single CUDA device for LoRA/QLoRA on packed causal-LM batches of a dense model (or an MoE one
@@ -705,13 +706,13 @@ class Recipe:
                 "training.offload_activations",
                 "'training.offload_activations' moves activations from GPU to CPU memory; model.device is 'cpu'",
             )
-        if self.training.offload_embeddings and self.lora is None:
+        if self.training.offload_embeddings is True and self.lora is None:
             raise _BadValue(
                 "training.offload_embeddings",
                 "'training.offload_embeddings' keeps a frozen embedding table in CPU memory, and full fine-tuning "
                 "trains it (add a 'lora' section, or turn it off)",
             )
-        if self.training.offload_embeddings and self.model.device == "cpu":
+        if self.training.offload_embeddings is True and self.model.device == "cpu":
             raise _BadValue(
                 "training.offload_embeddings",
                 "'training.offload_embeddings' moves the embedding table from GPU to CPU memory; model.device is 'cpu'",

@@ -271,6 +271,40 @@ def test_packed_rows_attend_document_by_document_on_a_cpu_with_the_mask_losses(w
                                atol=tolerance, rtol=0)
 
 
+def test_offload_embeddings_auto_is_on_only_for_checkpointed_lora_on_one_gpu_with_untied_embeddings(workspace,
+                                                                                                   monkeypatch):
+    """training.offload_embeddings: auto (the default) keeps the frozen input table in CPU memory where a run
+    already trades speed for memory (every layer checkpointed), for LoRA/QLoRA of a causal LM on one CUDA
+    device, when the output head does not read the table; true and false are obeyed as written."""
+    import entrenar.train.loop as loop
+    from entrenar.models.hf import load_hf
+
+    monkeypatch.setattr(loop, "triton_available", lambda: True)
+    cuda = torch.device("cuda")
+    model = load_hf(workspace / "model")
+    model.model.embed_tokens.weight.requires_grad_(False)
+    checkpointed = recipe_for(workspace, "training.activation_checkpointing=true")
+    assert checkpointed.training.offload_embeddings == "auto"
+
+    def auto(recipe=checkpointed, device=cuda, mode="single", task="causal_lm", m=model):
+        return loop._offload_embeddings(recipe, m, device, mode, task)
+
+    assert auto()
+    assert not auto(recipe=recipe_for(workspace))  # not every layer checkpointed
+    assert not auto(recipe=recipe_for(workspace, "training.activation_checkpointing=1"))
+    assert not auto(device=torch.device("cpu")) and not auto(mode="ddp") and not auto(task="classification")
+    assert not auto(recipe=recipe_for(workspace, "training.activation_checkpointing=true", "lora=null"))
+    tied = load_hf(workspace / "model")
+    tied.lm_head.weight = tied.model.embed_tokens.weight
+    assert not auto(m=tied)
+    assert not auto(recipe=recipe_for(workspace, "training.activation_checkpointing=true",
+                                      "training.offload_embeddings=false"))
+    assert loop._offload_embeddings(recipe_for(workspace, "model.device=cuda", "training.offload_embeddings=true"),
+                                    model, cuda, "single", "causal_lm")
+    monkeypatch.setattr(loop, "triton_available", lambda: False)
+    assert not auto()
+
+
 def test_checkpointing_and_offload_settings_are_checked(workspace):
     with pytest.raises(ConfigError, match=r"training\.activation_checkpointing: cannot checkpoint 5 layers of a 2-layer"):
         train(recipe_for(workspace, "training.activation_checkpointing=5"), dry_run=True, progress=False)

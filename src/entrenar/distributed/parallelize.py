@@ -155,7 +155,7 @@ def refuse(mode: str, training: Any, world: World) -> None:
         if training.kernels is True:
             raise ConfigError("training.kernels: the fused kernels read weights outside the module's forward, "
                               "which FSDP2 has not gathered; use training.kernels: false with parallel: fsdp")
-        if training.offload_embeddings:
+        if training.offload_embeddings is True:
             raise ConfigError("training.offload_embeddings: a host-memory table cannot be sharded; use "
                               "training.parallel: ddp")
 

@@ -53,7 +53,7 @@ from entrenar.experiments.arch import write_arch
 from entrenar.export import save_merged
 from entrenar.kernels import apply_kernels, triton_available
 from entrenar.kernels.fused_linear_ce import fused_linear_cross_entropy
-from entrenar.kernels.host_embedding import offload_embeddings
+from entrenar.kernels.host_embedding import HostEmbedding, offload_embeddings
 from entrenar.lora import LoraConfig, apply_lora, load_lora_state_dict, lora_layers, lora_state_dict, save_adapter
 from entrenar.memory import FUSED_LOSS_CHUNK, LINEAR_NAMES, GiB, estimate_training_memory
 from entrenar.models.padding_free import rows_by_document
@@ -175,7 +175,7 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
     if t.offload_activations and device.type != "cuda":
         raise ConfigError(f"training.offload_activations: offloading moves activations from GPU to CPU memory; "
                           f"this run is on {device}")
-    if t.offload_embeddings:
+    if _offload_embeddings(recipe, model, device, mode, task.name):
         if device.type != "cuda":
             raise ConfigError(f"training.offload_embeddings: the table moves from GPU to CPU memory; this run is "
                               f"on {device}")
@@ -568,6 +568,21 @@ def _cuda_graphs(recipe: Recipe, device: torch.device, mode: str, task: str, moe
             and t.precision != "fp16")
 
 
+def _offload_embeddings(recipe: Recipe, model: torch.nn.Module, device: torch.device, mode: str, task: str) -> bool:
+    """``training.offload_embeddings``, with ``auto`` resolved: on for a causal-LM LoRA/QLoRA run on one CUDA
+    device with every layer checkpointed (the run trades speed for memory already; the GPU reads a batch's rows
+    over PCIe in well under a millisecond) whose frozen input table is not tied to the output head."""
+    setting = recipe.training.offload_embeddings
+    if setting != "auto":
+        return setting
+    embedding = getattr(getattr(model, "model", None), "embed_tokens", None)
+    head = getattr(model, "lm_head", None)
+    return (device.type == "cuda" and mode == "single" and task == "causal_lm" and recipe.lora is not None
+            and recipe.training.activation_checkpointing is True and triton_available()
+            and type(embedding) is torch.nn.Embedding and not embedding.weight.requires_grad
+            and head is not None and getattr(head, "weight", None) is not embedding.weight)
+
+
 def _padding_free(recipe: Recipe, device: torch.device, task: str) -> bool:
     """``data.padding_free``, with ``auto`` resolved: on a CPU for causal-LM training, where nothing gains
     from fixed shapes (no CUDA graphs, no compiled kernels per shape) and a padded position costs what a real
@@ -737,7 +752,7 @@ def _dry_run_report(recipe: Recipe, model, trainable, examples, validation, note
         lora_r=lora.r if lora else 16, lora_targets=sorted(wrapped & set(LINEAR_NAMES)),
         lora_target_parameters=list(lora.target_parameters or []) if lora else [],
         activation_checkpointing=sorted(model.checkpointed_layers), offload_activations=t.offload_activations,
-        offload_embeddings=t.offload_embeddings,
+        offload_embeddings=isinstance(getattr(getattr(model, "model", None), "embed_tokens", None), HostEmbedding),
         optimizer=recipe.optimizer.name,
         fused_loss_chunk=FUSED_LOSS_CHUNK if fused_loss else None, kernels=kernels,
         cpu=next(model.parameters()).device.type == "cpu", lora_dropout=lora.dropout if lora else 0.0,
