@@ -34,9 +34,9 @@ def _causal_probabilities(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     """softmax(q k^T / sqrt(d)) under the causal mask, products and all in fp32: ``[Hk, groups x n, n]``."""
     hq, n, d = q.shape
     hk = k.shape[0]
-    scores = torch.bmm(q.view(hk, hq // hk * n, d).float(), k.transpose(1, 2).float()).mul_(d**-0.5)
-    future = torch.ones(n, n, dtype=torch.bool, device=q.device).triu_(1)
-    scores.view(hk, hq // hk, n, n).masked_fill_(future, float("-inf"))
+    # -inf above the diagonal, added by the product itself (one pass over the scores, not three)
+    future = torch.full((n, n), float("-inf"), device=q.device).triu_(1).repeat(hq // hk, 1)
+    scores = torch.baddbmm(future, q.view(hk, hq // hk * n, d).float(), k.transpose(1, 2).float(), alpha=d**-0.5)
     return torch.softmax(scores, dim=-1)
 
 
