@@ -111,7 +111,8 @@ CASES: dict[str, dict] = {
                     "device": "cpu", "precision": "fp32", "fast": {"precision": "bf16"},
                     "rows": ("entrenar", "entrenar-fast", "hf", "hf-bf16")},
 }
-ROWS = ("entrenar", "entrenar-fast", "hf", "hf-liger", "hf-bf16", "hf-wrapped", "hf-liger-wrapped", "hf-bf16-wrapped")
+ROWS = ("entrenar", "entrenar-fast", "hf", "hf-liger", "hf-bf16", "hf-wrapped", "hf-liger-wrapped",
+        "hf-bf16-wrapped")
 CPU_CASES = tuple(name for name, case in CASES.items() if case.get("device") == "cpu")
 
 
@@ -324,7 +325,7 @@ def run_hf(case: dict, folder: Path, tokenizer_dir: Path, text: Path, row: str, 
         except ImportError as e:
             return {"status": "skipped", "error": f"liger-kernel: {e}"}
     batches = packed_batches(tokenizer_dir, text, case, case["steps"])
-    if wrapped:  # the same documents, group_texts' way: about a third more batches' worth to draw from
+    if wrapped:  # the same documents, group_texts' way: half as many batches again to draw from
         more = packed_batches(tokenizer_dir, text, case, case["steps"] * 3 // 2 + 2)[case["steps"]:]
         batches = wrapped_batches(batches, more)
     started = time.perf_counter()
@@ -421,7 +422,7 @@ def print_table(results: list[dict]) -> None:
     ratios to a baseline row are medians of per-repeat ratios (rows of one repeat ran minutes apart); a column
     for each baseline row that ran (``vs hf-bf16-wrapped``: against that row on group_texts batches)."""
     bases = [b for b in ROWS[2:] if any(r["row"] == b and r["status"] == "ok" for r in results)]
-    header = (f"{'case':<13}{'row':<15}{'tok/s':>9}{'min-max':>14}{'MFU':>6}{'peak GiB':>9}"
+    header = (f"{'case':<13}{'row':<17}{'tok/s':>9}{'min-max':>14}{'MFU':>6}{'peak GiB':>9}"
               + "".join(f"{'vs ' + b:>{len(b) + 5}}" for b in bases) + f"{'mem/liger':>10}{'loss first->last':>20}")
     print(header)
     keys = list(dict.fromkeys((r["case"], r["row"]) for r in results))
@@ -429,7 +430,7 @@ def print_table(results: list[dict]) -> None:
         runs = [r for r in results if (r["case"], r["row"]) == (case, row)]
         ok = [r for r in runs if r["status"] == "ok"]
         if not ok:
-            print(f"{case:<13}{row:<15}{runs[-1]['status']}: {str(runs[-1].get('error', ''))[-160:]!r}")
+            print(f"{case:<13}{row:<17}{runs[-1]['status']}: {str(runs[-1].get('error', ''))[-160:]!r}")
             continue
 
         def ratio(key: str, base: str) -> str:
@@ -442,7 +443,7 @@ def print_table(results: list[dict]) -> None:
         tps = [r["tokens_per_s"] for r in ok]
         spread = f"{min(tps):.0f}-{max(tps):.0f}" if len(tps) > 1 else ""
         mfu = f"{median('mfu'):6.1%}" if ok[0]["mfu"] and case not in CPU_CASES else f"{'-':>6}"
-        print(f"{case:<13}{row:<15}{median('tokens_per_s'):9.0f}{spread:>14}{mfu}{median('peak_gib'):9.2f}"
+        print(f"{case:<13}{row:<17}{median('tokens_per_s'):9.0f}{spread:>14}{mfu}{median('peak_gib'):9.2f}"
               + "".join(f"{ratio('tokens_per_s', b):>{len(b) + 5}}" for b in bases)
               + f"{ratio('peak_gib', 'hf-liger'):>10}{ok[0]['loss_first']:10.4f} ->{ok[0]['loss_last']:8.4f}")
 

@@ -3,8 +3,11 @@
 An estimate is the sum of what stays resident (weights, gradients, optimizer
 state) and what one step holds at its peak (saved activations and the logits
 with their loss gradient). It assumes memory-efficient attention (no T x T
-scores kept), AdamW (two state tensors per trainable parameter) and no
-allocator slack; tests check each part against measured tensors.
+scores kept; on a CPU in bf16 the explicit attention of short documents keeps
+their probabilities, at most 64 MiB a layer, not counted), AdamW (two state
+tensors per trainable parameter) and no allocator slack; tests check each
+part against measured tensors. Padding-free batches (a CPU's default) run
+only their real tokens, so the estimate, made for full rows, is an upper bound.
 
 On the CPU (``cpu=True``) the estimate is of the process's peak resident
 memory, which adds what a GPU count leaves out: the Python and PyTorch

@@ -6,8 +6,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import entrenar.models.padding_free as padding_free
 from entrenar.models.cpu_attention import EXPLICIT_MAX_LEN, explicit_causal_attention, explicit_fits
-from entrenar.models.padding_free import Documents, documents_attention
+from entrenar.models.padding_free import SDPA_HAS_GQA, Documents, documents_attention
+
+pytestmark = pytest.mark.skipif(not SDPA_HAS_GQA, reason="the references use SDPA's enable_gqa (torch >= 2.5)")
 
 
 def _qkv(n: int, hq: int, hk: int, dtype: torch.dtype, seed: int = 0):
@@ -57,12 +60,45 @@ def test_explicit_attention_in_fp32_is_exact_causal_attention():
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=name)
 
 
-def test_documents_attention_on_a_cpu_in_bf16_takes_short_documents_explicitly_and_long_ones_by_sdpa():
+def test_only_short_16bit_documents_on_a_cpu_run_explicitly():
     q = torch.zeros(3, EXPLICIT_MAX_LEN + 1, 16, dtype=torch.bfloat16)
-    assert explicit_fits(q, 100, None) and explicit_fits(q, EXPLICIT_MAX_LEN, None)
-    assert not explicit_fits(q, EXPLICIT_MAX_LEN + 1, None)  # probabilities kept for backward: bounded
-    assert not explicit_fits(q, 100, window=64)  # a window that cuts the document: SDPA with its mask
-    assert not explicit_fits(q.float(), 100, None)  # fp32: PyTorch's flash kernel is as fast and keeps less
+    assert explicit_fits(q, q, q, 100, None) and explicit_fits(q, q, q, EXPLICIT_MAX_LEN, None)
+    assert not explicit_fits(q, q, q, EXPLICIT_MAX_LEN + 1, None)  # probabilities kept for backward: bounded
+    assert not explicit_fits(q, q, q, 100, window=64)  # a window that cuts the document: SDPA with its mask
+    assert not explicit_fits(q.float(), q.float(), q.float(), 100, None)  # fp32: the flash kernel is as fast
+    assert not explicit_fits(q, q.float(), q, 100, None)  # mixed dtypes (q/k norms in fp32): SDPA
+
+
+def test_a_layer_keeps_at_most_its_budget_of_probabilities(monkeypatch):
+    """Documents go explicitly until the layer's kept probabilities would pass the budget; the rest go
+    through SDPA, and every document still gets its own causal attention."""
+    monkeypatch.setattr(padding_free, "EXPLICIT_LAYER_BUDGET", 4 * (30 * 30 + 20 * 20))  # 4 heads: two documents
+    explicit = []
+    real = padding_free.explicit_causal_attention
+    monkeypatch.setattr(padding_free, "explicit_causal_attention",
+                        lambda q, k, v: explicit.append(q.shape[1]) or real(q, k, v))
+    lengths = [30, 20, 25, 5]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    g = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(1, 4, 80, 16, generator=g).bfloat16() for _ in range(3))
+    out = documents_attention(q, k, v, Documents(cu, 30)).reshape(80, 4, 16)
+    assert explicit == [30, 20]  # 25 would pass the budget; 5 still fits in what is left
+    flat = [x.transpose(1, 2).reshape(80, 4, 16) for x in (q, k, v)]
+    for start, end in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        ref = F.scaled_dot_product_attention(*(x[start:end].transpose(0, 1).double() for x in flat), is_causal=True)
+        torch.testing.assert_close(out[start:end].transpose(0, 1).double(), ref, atol=2e-2, rtol=2e-2)
+
+
+def test_backward_under_autocast_gives_the_same_gradients():
+    """A caller may run backward inside ``torch.autocast``: the fp32 score gradient must stay fp32."""
+    q, k, v = _qkv(33, 4, 2, torch.bfloat16, seed=7)
+    weight = torch.randn(4, 33, 32, generator=torch.Generator().manual_seed(8))
+    plain = _forward_backward(explicit_causal_attention, q, k, v, weight)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = explicit_causal_attention(q, k, v)
+        (out.float() * weight).sum().backward()
+    for name, a, b in zip(("dq", "dk", "dv"), (x.grad.double() for x in (q, k, v)), plain[1:]):
+        torch.testing.assert_close(a, b, atol=0, rtol=0, msg=name)
 
 
 def test_documents_attention_gives_each_documents_own_attention_in_bf16_on_a_cpu():

@@ -214,8 +214,9 @@ def test_the_quickstart_resumes_from_anywhere_by_its_run_folder(tmp_path, monkey
 
 @pytest.mark.parametrize("packing", [True, False])
 def test_padding_free_batches_give_the_padded_losses(workspace, packing):
-    """data.padding_free drops the padding and the document mask and changes nothing else: the losses are the
-    padded run's (dropout off: its masks are drawn per position, and the layouts have different positions)."""
+    """data.padding_free drops the padding and changes nothing else: the losses are the padded run's (whose rows
+    attend document by document on a CPU; dropout off: its masks are drawn per position, and the layouts have
+    different positions)."""
     common = ["lora.dropout=0", f"data.packing={str(packing).lower()}", "training.activation_checkpointing=1"]
     padded = train(recipe_for(workspace, *common, "data.padding_free=false", f"output.dir={workspace / 'p'}"),
                    progress=False)
@@ -225,6 +226,17 @@ def test_padding_free_batches_give_the_padded_losses(workspace, packing):
                                atol=1e-5, rtol=0)
     tokens = [r["tokens"] for r in read_metrics(flat.run_dir / "metrics.jsonl") if "loss" in r]
     assert tokens == [r["tokens"] for r in read_metrics(padded.run_dir / "metrics.jsonl") if "loss" in r]
+
+
+def test_a_run_from_before_the_auto_defaults_resumes_under_them(workspace):
+    """A run whose saved recipe says data.padding_free: false and training.offload_embeddings: false (what every
+    recipe saved before they became auto said) resumes under the new defaults: neither changes the data."""
+    short = ["training.max_steps=4", "training.eval_every=0", "training.save_every=2", "lora.dropout=0"]
+    first = train(recipe_for(workspace, *short, "data.padding_free=false", "training.offload_embeddings=false"),
+                  progress=False)
+    resumed = train(recipe_for(workspace, "training.max_steps=6", "training.eval_every=0", "training.save_every=2",
+                               "lora.dropout=0"), resume=first.run_dir, progress=False)
+    assert [r["step"] for r in read_metrics(resumed.run_dir / "metrics.jsonl") if "loss" in r] == list(range(1, 7))
 
 
 def test_padding_free_auto_is_on_for_causal_lm_on_a_cpu_and_off_on_cuda(workspace, monkeypatch):
@@ -239,6 +251,7 @@ def test_padding_free_auto_is_on_for_causal_lm_on_a_cpu_and_off_on_cuda(workspac
     assert loop._padding_free(recipe, cpu, "causal_lm") and not loop._padding_free(recipe, cuda, "causal_lm")
     assert not loop._padding_free(recipe, cpu, "classification")
     assert not loop._padding_free(recipe_for(workspace, "data.padding_free=false"), cpu, "causal_lm")
+    assert not loop._padding_free(recipe_for(workspace, "training.compile=true"), cpu, "causal_lm")  # would retrace
     assert loop._padding_free(recipe_for(workspace, "data.padding_free=true"), cuda, "causal_lm")
     flat = []
     monkeypatch.setattr(loop, "padding_free", lambda batch: flat.append(1) or __import__(
@@ -263,7 +276,7 @@ def test_packed_rows_attend_document_by_document_on_a_cpu_with_the_mask_losses(w
     common = ["lora.dropout=0", f"training.precision={precision}", "data.packing=true", "data.padding_free=false"]
     documents = train(recipe_for(workspace, *common, f"output.dir={workspace / 'd'}"), progress=False)
     assert seen, "packed rows did not reach the per-document attention"
-    monkeypatch.setattr(loop, "rows_by_document", lambda *a: False)
+    monkeypatch.setattr(loop, "rows_by_document", lambda *a, **k: False)
     seen.clear()
     masked = train(recipe_for(workspace, *common, f"output.dir={workspace / 'm'}"), progress=False)
     assert not seen

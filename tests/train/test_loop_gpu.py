@@ -71,7 +71,7 @@ def test_packed_rows_through_the_varlen_kernel_give_the_document_mask_losses(wor
 
     common = ["model.device=cuda", "training.precision=bf16", "lora.dropout=0", "training.cuda_graphs=false"]
     varlen = train(recipe_for(workspace, *common, f"output.dir={workspace / 'v'}"), progress=False)
-    monkeypatch.setattr(loop, "rows_by_document", lambda *a: False)
+    monkeypatch.setattr(loop, "rows_by_document", lambda *a, **k: False)
     masked = train(recipe_for(workspace, *common, f"output.dir={workspace / 'm'}"), progress=False)
 
     def losses(run):

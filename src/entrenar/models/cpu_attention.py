@@ -2,26 +2,32 @@
 
 PyTorch's CPU flash kernel gains little from bf16: on the SmolLM2-135M shape it runs a layer's attention,
 forward and backward, at about a quarter of the speed the CPU's bf16 matrix products reach. Written as products,
-``softmax(q k^T / sqrt(d)) v`` runs 1.5-1.6x the flash kernel per document (docs/PERFORMANCE.md). The
+``softmax(q k^T / sqrt(d)) v`` runs 1.5-1.7x the flash kernel per document, forward and backward (SmolLM2-135M
+shape, bench numbers in docs/PERFORMANCE.md). The
 precision is FlashAttention-2's: scores and their gradient (``q k^T`` and ``dout v^T``) in fp32, the softmax in
 fp32, the probabilities and the score gradient rounded to bf16 for the other four products (fp32 accumulation).
 Relative errors against fp64 are within 2.5 times PyTorch's kernel's (outputs 2.2e-3 against 1.6e-3).
 
 The probabilities are kept for backward (``heads x n x n`` bf16 per document), so only documents up to
-:data:`EXPLICIT_MAX_LEN` tokens go this way; longer ones stay with the flash kernel.
+:data:`EXPLICIT_MAX_LEN` tokens go this way, and only until a layer keeps :data:`EXPLICIT_LAYER_BUDGET`
+elements (64 MiB); the rest stay with the flash kernel.
 """
 
 from __future__ import annotations
 
 import torch
 
-EXPLICIT_MAX_LEN = 1024  # the longest document whose probabilities are kept (32 heads: 64 MiB per layer)
+EXPLICIT_MAX_LEN = 1024  # the longest document whose probabilities are kept
+# The most probabilities one layer keeps for a batch (elements: 64 MiB in bf16); documents past it take the
+# flash kernel, so a layer holds at most this much more than flash would, whatever the batch.
+EXPLICIT_LAYER_BUDGET = 32 * 2**20
 
 
-def explicit_fits(q: torch.Tensor, n: int, window: int | None) -> bool:
-    """Whether a document of ``n`` tokens of ``q`` runs as explicit products: a CPU, 16-bit, fully causal."""
-    return (q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16) and n <= EXPLICIT_MAX_LEN
-            and (window is None or n <= window))
+def explicit_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n: int, window: int | None) -> bool:
+    """Whether a document of ``n`` tokens runs as explicit products: on a CPU, q, k and v in one 16-bit dtype,
+    fully causal (no window that cuts it), at most :data:`EXPLICIT_MAX_LEN` tokens."""
+    return (q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16) and k.dtype == v.dtype == q.dtype
+            and n <= EXPLICIT_MAX_LEN and (window is None or n <= window))
 
 
 def explicit_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -51,6 +57,11 @@ class _ExplicitCausal(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        with torch.autocast(grad_out.device.type, enabled=False):  # a backward called under autocast too
+            return _ExplicitCausal._gradients(ctx, grad_out)
+
+    @staticmethod
+    def _gradients(ctx, grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         q, k, v, p, out = ctx.saved_tensors
         hq, n, d = q.shape
         hk = k.shape[0]

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from entrenar.models.cpu_attention import explicit_causal_attention, explicit_fits
+from entrenar.models.cpu_attention import EXPLICIT_LAYER_BUDGET, explicit_causal_attention, explicit_fits
 
 try:
     from torch.nn.attention.varlen import varlen_attn as _varlen_attn
@@ -71,12 +71,14 @@ def documents_attention(
     return _per_document(q, k, v, documents, window).view(b, t, *q.shape[1:])
 
 
-def rows_by_document(head_dim: int, device: torch.device, dtype: torch.dtype, window: int | None = None) -> bool:
+def rows_by_document(head_dim: int, device: torch.device, dtype: torch.dtype, window: int | None = None,
+                     compiled: bool = False) -> bool:
     """Whether packed rows should attend document by document (``cu_seqlens``) rather than under a dense
-    document mask: on CUDA where the variable-length kernel takes them (bf16/fp16), on a CPU always (each
-    document's own causal attention skips the blocks across documents that a mask computes and hides)."""
+    document mask: on CUDA where the variable-length kernel takes them (bf16/fp16), on a CPU unless the model
+    is compiled (each document's own causal attention skips the blocks across documents that a mask computes
+    and hides, but its Python loop over documents would break a compiled graph)."""
     if device.type == "cpu":
-        return True
+        return not compiled
     return dtype in (torch.bfloat16, torch.float16) and varlen_available(head_dim, device, window)
 
 
@@ -119,12 +121,14 @@ def _per_document(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: 
     groups = q.shape[1] // k.shape[1]
     bounds = documents.bounds()
     pieces = []
+    kept = 0  # probabilities the explicit path keeps for backward in this layer
     for start, end in zip(bounds[:-1], bounds[1:]):
         if end == start:  # an empty segment (fixed-capacity layouts end with some)
             continue
         qi, ki, vi = (x[start:end].transpose(0, 1) for x in (q, k, v))  # [H, n, D]
         n = end - start
-        if explicit_fits(qi, n, window):
+        if explicit_fits(qi, ki, vi, n, window) and kept + qi.shape[0] * n * n <= EXPLICIT_LAYER_BUDGET:
+            kept += qi.shape[0] * n * n
             pieces.append(explicit_causal_attention(qi, ki, vi).transpose(0, 1))
             continue
         extra = {}

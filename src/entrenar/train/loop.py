@@ -78,7 +78,8 @@ RESUMABLE_CHANGES = ("training.max_steps", "training.eval_every", "training.log_
                      "training.compile", "training.nonfinite", "training.max_skipped_steps",
                      "training.early_stopping", "training.parallel", "training.global_batch_size",
                      "training.dist_timeout_s", "training.replica_check_every",
-                     "training.cuda_graphs", "training.overlap_steps", "training.deterministic")  # global_batch_size: checked
+                     "training.cuda_graphs", "training.overlap_steps", "training.deterministic",
+                     "training.offload_embeddings", "data.padding_free")  # global_batch_size: checked
 
 
 @dataclass
@@ -216,7 +217,7 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
     flat_rows = _padding_free(recipe, device, task.name)
     varlen_rows = (task.name == "causal_lm" and not flat_rows
                    and rows_by_document(model.config.head_dim, device, _compute_dtype(model, t.precision),
-                                        model.config.sliding_window))
+                                        model.config.sliding_window, compiled=t.compile))
     trainable = [p for p in model.parameters() if p.requires_grad]
 
     # Data: records -> masked examples -> a resumable stream of packed batches.
@@ -549,8 +550,12 @@ def _recipe_for_resume(recipe: Recipe, run_dir: Path) -> Recipe:
     if changes:
         raise CheckpointError(f"{run_dir}: the recipe differs from the run being resumed: " + "; ".join(changes)
                               + f" (a resume may change only {', '.join(RESUMABLE_CHANGES)})")
-    allowed = {key.split(".")[1]: getattr(recipe.training, key.split(".")[1]) for key in RESUMABLE_CHANGES}
-    return dataclasses.replace(saved, training=dataclasses.replace(saved.training, **allowed))
+    def allowed(section: str) -> dict:
+        return {key.split(".")[1]: getattr(getattr(recipe, section), key.split(".")[1])
+                for key in RESUMABLE_CHANGES if key.startswith(section + ".")}
+
+    return dataclasses.replace(saved, training=dataclasses.replace(saved.training, **allowed("training")),
+                               data=dataclasses.replace(saved.data, **allowed("data")))
 
 
 def _cuda_graphs(recipe: Recipe, device: torch.device, mode: str, task: str, moe_replays: bool = True) -> bool:
@@ -585,10 +590,12 @@ def _offload_embeddings(recipe: Recipe, model: torch.nn.Module, device: torch.de
 
 def _padding_free(recipe: Recipe, device: torch.device, task: str) -> bool:
     """``data.padding_free``, with ``auto`` resolved: on a CPU for causal-LM training, where nothing gains
-    from fixed shapes (no CUDA graphs, no compiled kernels per shape) and a padded position costs what a real
-    one does; off on a GPU, whose graphs replay fixed rows."""
+    from fixed shapes (no CUDA graphs) and a padded position costs what a real one does; off on a GPU, whose
+    graphs replay fixed rows, and under ``training.compile``, which would trace every new length."""
     setting = recipe.data.padding_free
-    return setting if setting != "auto" else device.type == "cpu" and task == "causal_lm"
+    if setting != "auto":
+        return setting
+    return device.type == "cpu" and task == "causal_lm" and not recipe.training.compile
 
 
 @dataclass
