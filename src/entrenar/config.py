@@ -428,7 +428,8 @@ class DataSection(_Section):
     seq_len: int = _key(512, _integer(2, MAX_SEQ_LEN))
     packing: bool = _key(True, _boolean)
     # each batch as one row of its real tokens (no padding computed); auto: on a CPU for causal-LM training (no
-    # fixed shapes to keep there, so padding is only work)
+    # fixed shapes to keep there, so padding is only work) unless the documents are too small to attend one by
+    # one (hidden size x mean example length under 8192, the quickstart's case)
     padding_free: str | bool = _key("auto", _choice("auto", True, False))
     add_eos: bool = _key(True, _boolean)
     on_error: str = _key("raise", _choice("raise", "skip"))

@@ -252,10 +252,18 @@ def test_padding_free_auto_is_on_for_causal_lm_on_a_cpu_and_off_on_cuda(workspac
     assert not loop._padding_free(recipe, cpu, "classification")
     assert not loop._padding_free(recipe_for(workspace, "data.padding_free=false"), cpu, "causal_lm")
     assert not loop._padding_free(recipe_for(workspace, "training.compile=true"), cpu, "causal_lm")  # would retrace
+    # Small documents: attending one at a time would cost more than a dense mask over padded rows.
+    from entrenar.models.padding_free import CPU_DOCUMENTS_MIN_WORK, rows_by_document
+
+    assert loop._padding_free(recipe, cpu, "causal_lm", document_work=CPU_DOCUMENTS_MIN_WORK)
+    assert not loop._padding_free(recipe, cpu, "causal_lm", document_work=CPU_DOCUMENTS_MIN_WORK - 1)
+    assert rows_by_document(8, cpu, torch.float32, document_work=576 * 59)  # the SmolLM2 chat recipe
+    assert not rows_by_document(8, cpu, torch.float32, document_work=128 * 12)  # the quickstart
     assert loop._padding_free(recipe_for(workspace, "data.padding_free=true"), cuda, "causal_lm")
     flat = []
     monkeypatch.setattr(loop, "padding_free", lambda batch: flat.append(1) or __import__(
         "entrenar.data", fromlist=["padding_free"]).padding_free(batch))
+    monkeypatch.setattr(loop, "CPU_DOCUMENTS_MIN_WORK", 1)  # the workspace's model and sums are tiny
     train(recipe_for(workspace, "training.max_steps=2", "training.eval_every=0", "training.save_every=0"),
           progress=False)
     assert len(flat) == 2  # every batch of the default CPU run went padding-free
@@ -270,6 +278,9 @@ def test_packed_rows_attend_document_by_document_on_a_cpu_with_the_mask_losses(w
     import entrenar.models.transformer as transformer
     import entrenar.train.loop as loop
 
+    import entrenar.models.padding_free as padding_free
+
+    monkeypatch.setattr(padding_free, "CPU_DOCUMENTS_MIN_WORK", 1)  # the workspace's model and sums are tiny
     seen = []
     real = transformer.documents_attention
     monkeypatch.setattr(transformer, "documents_attention", lambda *a, **k: seen.append(1) or real(*a, **k))

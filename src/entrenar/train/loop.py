@@ -56,7 +56,7 @@ from entrenar.kernels.fused_linear_ce import fused_linear_cross_entropy
 from entrenar.kernels.host_embedding import HostEmbedding, offload_embeddings
 from entrenar.lora import LoraConfig, apply_lora, load_lora_state_dict, lora_layers, lora_state_dict, save_adapter
 from entrenar.memory import FUSED_LOSS_CHUNK, LINEAR_NAMES, GiB, estimate_training_memory
-from entrenar.models.padding_free import rows_by_document
+from entrenar.models.padding_free import CPU_DOCUMENTS_MIN_WORK, rows_by_document
 from entrenar.quant.checkpoint import save_qat_model
 from entrenar.quant.qat import apply_qat_recipe, load_qat_state_dict, master_weights, qat_state_dict
 from entrenar.train.checkpoint import is_sharded, latest_checkpoint, load_checkpoint, save_checkpoint
@@ -212,12 +212,6 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
                           "bf16 product (moe.experts: auto or grouped, bf16 compute, full-precision experts); "
                           "this run's loop over experts reads their token counts back every layer")
     graphs = _cuda_graphs(recipe, device, mode, task.name, moe_replays)
-    # Packed rows attend document by document (the variable-length flash kernel on CUDA) instead of under a
-    # dense document mask, which keeps SDPA off flash and computes the blocks across documents.
-    flat_rows = _padding_free(recipe, device, task.name)
-    varlen_rows = (task.name == "causal_lm" and not flat_rows
-                   and rows_by_document(model.config.head_dim, device, _compute_dtype(model, t.precision),
-                                        model.config.sliding_window, compiled=t.compile))
     trainable = [p for p in model.parameters() if p.requires_grad]
 
     # Data: records -> masked examples -> a resumable stream of packed batches.
@@ -225,6 +219,15 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
     skipped: list = []  # every record on_error=skip left out, for the run's skipped.jsonl
     console.say(f"reading and tokenizing {d.train} ...")
     examples, validation, notes, stream = build_data(recipe, task, tokenizer, skipped)
+    document_work = (model.config.hidden_size * sum(len(e) for e in examples) / len(examples)
+                     if task.name == "causal_lm" else None)  # what decides per-document attention on a CPU
+    # Packed rows attend document by document (the variable-length flash kernel on CUDA) instead of under a
+    # dense document mask, which keeps SDPA off flash and computes the blocks across documents.
+    flat_rows = _padding_free(recipe, device, task.name, document_work)
+    varlen_rows = (task.name == "causal_lm" and not flat_rows
+                   and rows_by_document(model.config.head_dim, device, _compute_dtype(model, t.precision),
+                                        model.config.sliding_window, compiled=t.compile,
+                                        document_work=document_work))
     segments: int | None = None  # CUDA graphs' segment capacity, measured once the data position is known
     notes = context_notes + notes
 
@@ -588,14 +591,17 @@ def _offload_embeddings(recipe: Recipe, model: torch.nn.Module, device: torch.de
             and head is not None and getattr(head, "weight", None) is not embedding.weight)
 
 
-def _padding_free(recipe: Recipe, device: torch.device, task: str) -> bool:
+def _padding_free(recipe: Recipe, device: torch.device, task: str, document_work: float | None = None) -> bool:
     """``data.padding_free``, with ``auto`` resolved: on a CPU for causal-LM training, where nothing gains
     from fixed shapes (no CUDA graphs) and a padded position costs what a real one does; off on a GPU, whose
-    graphs replay fixed rows, and under ``training.compile``, which would trace every new length."""
+    graphs replay fixed rows, under ``training.compile``, which would trace every new length, and where
+    ``document_work`` (hidden size x mean example length) is below ``CPU_DOCUMENTS_MIN_WORK``: attention would
+    then loop over documents too small for their calls, and a dense mask over padded rows is faster."""
     setting = recipe.data.padding_free
     if setting != "auto":
         return setting
-    return device.type == "cpu" and task == "causal_lm" and not recipe.training.compile
+    return (device.type == "cpu" and task == "causal_lm" and not recipe.training.compile
+            and (document_work is None or document_work >= CPU_DOCUMENTS_MIN_WORK))
 
 
 @dataclass
