@@ -244,26 +244,34 @@ def test_padding_free_auto_is_on_for_causal_lm_on_a_cpu_and_off_on_cuda(workspac
     gains from fixed rows) and leaves them padded on CUDA (graphs replay fixed rows); true and false are
     obeyed as written."""
     import entrenar.train.loop as loop
+    from entrenar.models.hf import load_hf
+    from entrenar.models.padding_free import CPU_DOCUMENTS_MIN_WORK, rows_by_document
 
     recipe = recipe_for(workspace)
     assert recipe.data.padding_free == "auto"
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert loop._padding_free(recipe, cpu, "causal_lm") and not loop._padding_free(recipe, cuda, "causal_lm")
-    assert not loop._padding_free(recipe, cpu, "classification")
-    assert not loop._padding_free(recipe_for(workspace, "data.padding_free=false"), cpu, "causal_lm")
-    assert not loop._padding_free(recipe_for(workspace, "training.compile=true"), cpu, "causal_lm")  # would retrace
-    # Small documents: attending one at a time would cost more than a dense mask over padded rows.
-    from entrenar.models.padding_free import CPU_DOCUMENTS_MIN_WORK, rows_by_document
+    model = load_hf(workspace / "model")  # hidden size 32: documents of 256 tokens reach the CPU rule's 8192
+    big, small = [[0] * 256] * 3, [[0] * 255, [0] * 256]  # mean lengths 256 and 255.5
 
-    assert loop._padding_free(recipe, cpu, "causal_lm", document_work=CPU_DOCUMENTS_MIN_WORK)
-    assert not loop._padding_free(recipe, cpu, "causal_lm", document_work=CPU_DOCUMENTS_MIN_WORK - 1)
+    def layout(recipe=recipe, device=cpu, task="causal_lm", examples=big):
+        return loop._row_layout(recipe, model, device, task, examples)
+
+    assert model.config.hidden_size * 256 == CPU_DOCUMENTS_MIN_WORK
+    assert layout() == (True, False) and not layout(device=cuda)[0]
+    assert layout(task="classification") == (False, False)
+    assert layout(recipe_for(workspace, "data.padding_free=false")) == (False, True)  # rows read as documents
+    assert layout(recipe_for(workspace, "training.compile=true")) == (False, False)  # would retrace
+    # Small documents: attending one at a time would cost more than a dense mask over padded rows.
+    assert layout(examples=small) == (False, False)
     assert rows_by_document(8, cpu, torch.float32, document_work=576 * 59)  # the SmolLM2 chat recipe
     assert not rows_by_document(8, cpu, torch.float32, document_work=128 * 12)  # the quickstart
-    assert loop._padding_free(recipe_for(workspace, "data.padding_free=true"), cuda, "causal_lm")
+    assert layout(recipe_for(workspace, "data.padding_free=true"), cuda)[0]
     flat = []
     monkeypatch.setattr(loop, "padding_free", lambda batch: flat.append(1) or __import__(
         "entrenar.data", fromlist=["padding_free"]).padding_free(batch))
-    monkeypatch.setattr(loop, "CPU_DOCUMENTS_MIN_WORK", 1)  # the workspace's model and sums are tiny
+    import entrenar.models.padding_free as padding_free
+
+    monkeypatch.setattr(padding_free, "CPU_DOCUMENTS_MIN_WORK", 1)  # the workspace's model and sums are tiny
     train(recipe_for(workspace, "training.max_steps=2", "training.eval_every=0", "training.save_every=0"),
           progress=False)
     assert len(flat) == 2  # every batch of the default CPU run went padding-free

@@ -316,7 +316,8 @@ class BatchStream:
             self.packer = state.get("packer", "next_fit")
             if self.packer == "best_fit":
                 row = state.get("row")
-                if not isinstance(row, int) or not 0 <= row < len(self._window_rows()):
+                self._rows = self._window_rows()  # what the next row is read from
+                if not isinstance(row, int) or not 0 <= row < len(self._rows):
                     raise CheckpointError(f"data stream state row={row!r} is out of range for the window of "
                                           f"examples at position {position}")
                 self.row = row

@@ -57,20 +57,16 @@ class _ExplicitCausal(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        with torch.autocast(grad_out.device.type, enabled=False):  # a backward called under autocast too
-            return _ExplicitCausal._gradients(ctx, grad_out)
-
-    @staticmethod
-    def _gradients(ctx, grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         q, k, v, p, out = ctx.saved_tensors
         hq, n, d = q.shape
         hk = k.shape[0]
-        grad_out = grad_out.reshape(out.shape).to(q.dtype)
-        grad_v = torch.bmm(p.transpose(1, 2), grad_out)
-        grad_p = torch.bmm(grad_out.float(), v.transpose(1, 2).float())
-        # d softmax: p * (dp - rowsum(dp * p)), and rowsum(dp * p) = rowsum(dout * out).
-        row = (grad_out.float() * out.float()).sum(-1, keepdim=True)
-        grad_s = grad_p.sub_(row).mul_(p).mul_(d**-0.5).to(q.dtype)
-        grad_q = torch.bmm(grad_s, k).view(hq, n, d)
-        grad_k = torch.bmm(grad_s.transpose(1, 2), q.view(hk, hq // hk * n, d))
+        with torch.autocast(grad_out.device.type, enabled=False):  # a backward called under autocast too
+            grad_out = grad_out.reshape(out.shape).to(q.dtype)
+            grad_v = torch.bmm(p.transpose(1, 2), grad_out)
+            grad_p = torch.bmm(grad_out.float(), v.transpose(1, 2).float())
+            # d softmax: p * (dp - rowsum(dp * p)), and rowsum(dp * p) = rowsum(dout * out).
+            row = (grad_out.float() * out.float()).sum(-1, keepdim=True)
+            grad_s = grad_p.sub_(row).mul_(p).mul_(d**-0.5).to(q.dtype)
+            grad_q = torch.bmm(grad_s, k).view(hq, n, d)
+            grad_k = torch.bmm(grad_s.transpose(1, 2), q.view(hk, hq // hk * n, d))
         return grad_q, grad_k, grad_v

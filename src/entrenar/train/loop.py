@@ -56,7 +56,7 @@ from entrenar.kernels.fused_linear_ce import fused_linear_cross_entropy
 from entrenar.kernels.host_embedding import HostEmbedding, offload_embeddings
 from entrenar.lora import LoraConfig, apply_lora, load_lora_state_dict, lora_layers, lora_state_dict, save_adapter
 from entrenar.memory import FUSED_LOSS_CHUNK, LINEAR_NAMES, GiB, estimate_training_memory
-from entrenar.models.padding_free import CPU_DOCUMENTS_MIN_WORK, rows_by_document
+from entrenar.models.padding_free import rows_by_document
 from entrenar.quant.checkpoint import save_qat_model
 from entrenar.quant.qat import apply_qat_recipe, load_qat_state_dict, master_weights, qat_state_dict
 from entrenar.train.checkpoint import is_sharded, latest_checkpoint, load_checkpoint, save_checkpoint
@@ -219,15 +219,7 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
     skipped: list = []  # every record on_error=skip left out, for the run's skipped.jsonl
     console.say(f"reading and tokenizing {d.train} ...")
     examples, validation, notes, stream = build_data(recipe, task, tokenizer, skipped)
-    document_work = (model.config.hidden_size * sum(len(e) for e in examples) / len(examples)
-                     if task.name == "causal_lm" else None)  # what decides per-document attention on a CPU
-    # Packed rows attend document by document (the variable-length flash kernel on CUDA) instead of under a
-    # dense document mask, which keeps SDPA off flash and computes the blocks across documents.
-    flat_rows = _padding_free(recipe, device, task.name, document_work)
-    varlen_rows = (task.name == "causal_lm" and not flat_rows
-                   and rows_by_document(model.config.head_dim, device, _compute_dtype(model, t.precision),
-                                        model.config.sliding_window, compiled=t.compile,
-                                        document_work=document_work))
+    flat_rows, varlen_rows = _row_layout(recipe, model, device, task.name, examples)
     segments: int | None = None  # CUDA graphs' segment capacity, measured once the data position is known
     notes = context_notes + notes
 
@@ -571,9 +563,8 @@ def _cuda_graphs(recipe: Recipe, device: torch.device, mode: str, task: str, moe
     if t.cuda_graphs != "auto":
         return t.cuda_graphs
     return (device.type == "cuda" and mode == "single" and task == "causal_lm" and moe_replays and d.packing
-            and recipe.lora is not None and recipe.qat is None and not _padding_free(recipe, device, task)
-            and not t.compile
-            and t.precision != "fp16")
+            and recipe.lora is not None and recipe.qat is None and d.padding_free is not True and not t.compile
+            and t.precision != "fp16")  # padding_free: auto is never on for a CUDA device
 
 
 def _offload_embeddings(recipe: Recipe, model: torch.nn.Module, device: torch.device, mode: str, task: str) -> bool:
@@ -591,17 +582,27 @@ def _offload_embeddings(recipe: Recipe, model: torch.nn.Module, device: torch.de
             and head is not None and getattr(head, "weight", None) is not embedding.weight)
 
 
-def _padding_free(recipe: Recipe, device: torch.device, task: str, document_work: float | None = None) -> bool:
-    """``data.padding_free``, with ``auto`` resolved: on a CPU for causal-LM training, where nothing gains
-    from fixed shapes (no CUDA graphs) and a padded position costs what a real one does; off on a GPU, whose
-    graphs replay fixed rows, under ``training.compile``, which would trace every new length, and where
-    ``document_work`` (hidden size x mean example length) is below ``CPU_DOCUMENTS_MIN_WORK``: attention would
-    then loop over documents too small for their calls, and a dense mask over padded rows is faster."""
+def _row_layout(recipe: Recipe, model: torch.nn.Module, device: torch.device, task: str,
+                examples: list) -> tuple[bool, bool]:
+    """(padding-free batches, packed rows read as documents) for this run. Causal-LM rows attend document by
+    document (the variable-length flash kernel on CUDA) instead of under a dense document mask, which keeps SDPA
+    off flash and computes the blocks across documents; on a CPU only where the documents outweigh their calls
+    (hidden size x mean example length, :func:`rows_by_document`)."""
+    by_document = task == "causal_lm" and rows_by_document(
+        model.config.head_dim, device, _compute_dtype(model, recipe.training.precision), model.config.sliding_window,
+        compiled=recipe.training.compile,
+        document_work=model.config.hidden_size * sum(len(e) for e in examples) / len(examples))
+    flat_rows = _padding_free(recipe, device, by_document)
+    return flat_rows, by_document and not flat_rows
+
+
+def _padding_free(recipe: Recipe, device: torch.device, by_document: bool) -> bool:
+    """``data.padding_free``, with ``auto`` resolved: on a CPU where causal-LM rows attend document by document
+    (``by_document``, :func:`rows_by_document`: not compiled, documents big enough for their calls), since
+    nothing there gains from fixed shapes and a padded position costs what a real one does; off on a GPU, whose
+    graphs replay fixed rows."""
     setting = recipe.data.padding_free
-    if setting != "auto":
-        return setting
-    return (device.type == "cpu" and task == "causal_lm" and not recipe.training.compile
-            and (document_work is None or document_work >= CPU_DOCUMENTS_MIN_WORK))
+    return setting if setting != "auto" else device.type == "cpu" and by_document
 
 
 @dataclass
