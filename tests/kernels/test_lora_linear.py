@@ -167,7 +167,7 @@ def test_projections_together_with_bf16_adapter_math_stay_within_bf16_error(devi
 def test_projections_together_keep_one_adapter_activation_for_all(nf4):
     _, fused = lora_group(torch.bfloat16, nf4=nf4)
     x = torch.randn(4, 16, 48, dtype=torch.bfloat16, requires_grad=True)
-    params = {p.data_ptr() for layer in fused for p in layer.parameters()}
+    params = {p.data_ptr() for layer in fused for p in (*layer.parameters(), *layer.buffers())}  # NF4 codes too
     saved = []
 
     def pack(t):

@@ -77,7 +77,7 @@ def test_bf16_is_as_accurate_as_the_norm_then_plain_lora():
 def test_backward_keeps_the_block_input_not_the_normed_one(nf4):
     norm, _, fused = _norm_and_group(torch.bfloat16, nf4=nf4)
     h = torch.randn(4, 16, 48, dtype=torch.bfloat16, requires_grad=True)
-    params = {p.data_ptr() for m in (norm, *fused) for p in m.parameters()}
+    params = {p.data_ptr() for m in (norm, *fused) for p in (*m.parameters(), *m.buffers())}  # NF4 codes too
     saved = []
 
     def pack(t):

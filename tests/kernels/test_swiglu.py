@@ -146,7 +146,7 @@ def test_lora_mlp_keeps_gate_and_up_but_not_their_product(monkeypatch, nf4):
     mlp = _lora_mlp("cpu", torch.bfloat16, nf4)
     apply_kernels(mlp, ["swiglu", "lora"])
     x = torch.randn(4, 16, 48, dtype=torch.bfloat16, requires_grad=True)
-    params = {p.data_ptr() for p in mlp.parameters()}
+    params = {p.data_ptr() for p in (*mlp.parameters(), *mlp.buffers())}  # NF4 codes too
     saved = []
 
     def pack(t):

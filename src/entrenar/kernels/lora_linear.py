@@ -51,18 +51,33 @@ def dense(weight: Weight, dtype: torch.dtype) -> torch.Tensor:
 
 
 def save_bases(ctx, weights: Sequence[Weight], *tensors: torch.Tensor) -> None:
-    """``save_for_backward(*tensors, *the tensor weights)``; NF4 weights (frozen buffers) are kept on ``ctx``
-    as they are. :func:`saved_bases` gives back ``tensors`` and the weights in order."""
-    ctx.nf4_bases = [w if isinstance(w, NF4Tensor) else None for w in weights]
-    ctx.save_for_backward(*tensors, *(w for w in weights if not isinstance(w, NF4Tensor)))
+    """``save_for_backward(*tensors, *the weights)``, an NF4 weight as its buffers (its shape and format on
+    ``ctx``). :func:`saved_bases` gives back ``tensors`` and the weights in order.
+
+    Through ``save_for_backward``, not as ``ctx`` attributes: activation checkpointing drops what a node saves
+    there until the rerun, so a checkpointed block does not keep a GPU copy of weights streamed in from CPU
+    memory (:mod:`entrenar.models.weight_stream`) between its forward and its backward.
+    """
+    ctx.nf4_bases = [(w.shape, w.dtype, w.blocksize) if isinstance(w, NF4Tensor) else None for w in weights]
+    parts = []
+    for w in weights:
+        parts += [w.codes, w.absmax, w.absmax_scale, w.absmax_offset] if isinstance(w, NF4Tensor) else [w]
+    ctx.save_for_backward(*tensors, *parts)
 
 
 def saved_bases(ctx) -> tuple[list[torch.Tensor], list[Weight]]:
     """What :func:`save_bases` kept: the other tensors, then the weights."""
     saved = list(ctx.saved_tensors)
-    n_dense = sum(q is None for q in ctx.nf4_bases)
-    dense_weights = iter(saved[len(saved) - n_dense:])
-    return saved[:len(saved) - n_dense], [next(dense_weights) if q is None else q for q in ctx.nf4_bases]
+    n_parts = sum(1 if meta is None else 4 for meta in ctx.nf4_bases)
+    parts = iter(saved[len(saved) - n_parts:])
+    weights = []
+    for meta in ctx.nf4_bases:
+        if meta is None:
+            weights.append(next(parts))
+        else:
+            codes, absmax, scale, offset = (next(parts) for _ in range(4))
+            weights.append(NF4Tensor(codes, absmax, scale, offset, *meta))
+    return saved[:len(saved) - n_parts], weights
 
 
 def _add_product(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float, dtype: torch.dtype) -> torch.Tensor:

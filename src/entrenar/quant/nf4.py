@@ -247,12 +247,14 @@ class _NF4LinearFn(torch.autograd.Function):
     """``x @ W.T + b`` with W dequantized on the fly, in forward and again in backward.
 
     Nothing weight-sized is saved for backward: the frozen weight gets no
-    gradient, and grad_input needs W, which is rebuilt from the packed codes.
+    gradient, and grad_input needs W, which is rebuilt from the packed codes
+    (saved as tensors, so that activation checkpointing drops them until a rerun).
     """
 
     @staticmethod
     def forward(ctx, x: Tensor, bias: Tensor | None, q: NF4Tensor) -> Tensor:
-        ctx.q = q
+        ctx.format = (q.shape, q.dtype, q.blocksize)
+        ctx.save_for_backward(q.codes, q.absmax, q.absmax_scale, q.absmax_offset)
         ctx.has_bias = bias is not None
         return F.linear(x, dequantize_nf4(q, x.dtype), bias)
 
@@ -260,7 +262,7 @@ class _NF4LinearFn(torch.autograd.Function):
     def backward(ctx, grad_out: Tensor):
         grad_x = grad_bias = None
         if ctx.needs_input_grad[0]:
-            grad_x = grad_out @ dequantize_nf4(ctx.q, grad_out.dtype)
+            grad_x = grad_out @ dequantize_nf4(NF4Tensor(*ctx.saved_tensors, *ctx.format), grad_out.dtype)
         if ctx.has_bias and ctx.needs_input_grad[1]:
             grad_bias = grad_out.reshape(-1, grad_out.shape[-1]).sum(0)
         return grad_x, grad_bias, None
@@ -295,6 +297,7 @@ class NF4Linear(nn.Module):
             raise QuantError(f"NF4Linear dtype must be float32/bfloat16/float16, got {dtype}")
         self.in_features, self.out_features = in_features, out_features
         self.dtype, self.blocksize = dtype, blocksize
+        self.quantize_on: torch.device | None = None  # set by keep_in_host_memory
         numel = in_features * out_features
         n_blocks = -(-numel // blocksize)
         self.register_buffer("weight_codes", torch.zeros(-(-numel // 2), dtype=torch.uint8, device=device))
@@ -334,7 +337,22 @@ class NF4Linear(nn.Module):
             layer.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
         return layer
 
+    def keep_in_host_memory(self, quantize_on: torch.device) -> None:
+        """Keep the NF4 buffers in CPU memory through device moves (``.to``, ``to_empty``); weights loaded into
+        them are quantized on ``quantize_on``. For a model whose blocks stream their weights to the GPU
+        (:mod:`entrenar.models.weight_stream`), loaded without ever holding them all there."""
+        for name, t in list(self._buffers.items()):
+            if name.startswith("weight_") and t is not None and t.device.type != "cpu":
+                self._buffers[name] = torch.empty(t.shape, dtype=t.dtype, device="cpu")
+        self.quantize_on = torch.device(quantize_on)
+
     def _apply(self, fn, recurse=True):
+        if self.quantize_on is not None:  # buffers in host memory: only the bias follows
+            held = {k: self._buffers.pop(k) for k in list(self._buffers) if k.startswith("weight_")}
+            try:
+                return super()._apply(fn, recurse)
+            finally:
+                self._buffers.update(held)
         scales = {k: self._buffers.get(k) for k in ("weight_absmax", "weight_absmax_scale", "weight_absmax_offset")}
         super()._apply(fn, recurse)
         for k, old in scales.items():
@@ -349,7 +367,8 @@ class NF4Linear(nn.Module):
             raise QuantError(f"{name}: shape {tuple(w.shape)} does not fit NF4Linear({self.in_features} -> {self.out_features})")
         if w.is_meta or self.weight_codes.is_meta:
             return  # a model built on the meta device: the shape is all there is to check
-        q = quantize_nf4(w.to(self.weight_codes.device, self.dtype), self.blocksize, self.weight_absmax_scale is not None, name=name)
+        device = self.quantize_on or self.weight_codes.device
+        q = quantize_nf4(w.to(device, self.dtype), self.blocksize, self.weight_absmax_scale is not None, name=name)
         self.weight_codes.copy_(q.codes)
         self.weight_absmax.copy_(q.absmax)
         if q.double_quant:
