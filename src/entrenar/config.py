@@ -536,6 +536,9 @@ class TrainingSection(_Section):
     # the frozen input-embedding table stays in pinned CPU memory, read by the GPU (LoRA/QLoRA on CUDA); auto: on
     # for a causal-LM LoRA/QLoRA run on one CUDA device with every layer checkpointed and untied embeddings
     offload_embeddings: str | bool = _key("auto", _choice("auto", True, False))
+    # QLoRA: the blocks' NF4 base weights stay in pinned CPU memory, each block's copied to the GPU as it runs
+    # (one CUDA device, quantize_base: nf4); auto: on when every layer is checkpointed, without compile
+    offload_weights: str | bool = _key("auto", _choice("auto", True, False))
     compile: bool = _key(False, _boolean)
     # forward and backward of each micro-batch replayed from a CUDA graph (fixed shapes; not padding-free);
     # auto: on a single CUDA device for LoRA/QLoRA on packed causal-LM batches of a dense model (or an MoE one
@@ -717,6 +720,17 @@ class Recipe:
             raise _BadValue(
                 "training.offload_embeddings",
                 "'training.offload_embeddings' moves the embedding table from GPU to CPU memory; model.device is 'cpu'",
+            )
+        if self.training.offload_weights is True and (self.lora is None or self.lora.quantize_base != "nf4"):
+            raise _BadValue(
+                "training.offload_weights",
+                "'training.offload_weights' streams NF4 base weights from CPU memory (QLoRA); this recipe has "
+                "no NF4 base (set lora.quantize_base: nf4, or turn it off)",
+            )
+        if self.training.offload_weights is True and self.model.device == "cpu":
+            raise _BadValue(
+                "training.offload_weights",
+                "'training.offload_weights' moves the NF4 base weights from GPU to CPU memory; model.device is 'cpu'",
             )
         if self.training.cuda_graphs is True and self.model.device == "cpu":
             raise _BadValue(

@@ -194,7 +194,8 @@ def weight_spec(layer: nn.Module) -> torch.Tensor | None:
     NF4 base) took minutes."""
     codes, dtype = getattr(layer, "weight_codes", None), getattr(layer, "dtype", None)
     if isinstance(codes, torch.Tensor) and isinstance(dtype, torch.dtype):
-        return torch.empty(0, dtype=dtype, device=codes.device)
+        # NF4 codes kept in CPU memory for a model that streams them to its GPU compute there
+        return torch.empty(0, dtype=dtype, device=getattr(layer, "quantize_on", None) or codes.device)
     weight = getattr(layer, "weight", None)
     return weight if isinstance(weight, torch.Tensor) else None
 

@@ -357,6 +357,38 @@ def test_offload_embeddings_settings_are_checked(workspace):
                   progress=False)
 
 
+def test_offload_weights_auto_is_on_only_for_fully_checkpointed_qlora_on_one_gpu(workspace):
+    """training.offload_weights: auto (the default) streams the NF4 base from CPU memory where every layer is
+    checkpointed (each block's weights are then read in forward and again in its rerun) on one CUDA device."""
+    import entrenar.train.loop as loop
+
+    cuda = torch.device("cuda")
+    qlora = recipe_for(workspace, "lora.quantize_base=nf4", "training.activation_checkpointing=true")
+    assert qlora.training.offload_weights == "auto"
+    assert loop._offload_weights(qlora, cuda, "single")
+    assert not loop._offload_weights(qlora, torch.device("cpu"), "single")
+    assert not loop._offload_weights(qlora, cuda, "fsdp")
+    assert not loop._offload_weights(recipe_for(workspace, "lora.quantize_base=nf4"), cuda, "single")
+    assert not loop._offload_weights(recipe_for(workspace, "training.activation_checkpointing=true"), cuda, "single")
+    assert not loop._offload_weights(recipe_for(workspace, "lora.quantize_base=nf4", "training.compile=true",
+                                                "training.activation_checkpointing=true"), cuda, "single")
+    assert not loop._offload_weights(recipe_for(workspace, "lora.quantize_base=nf4", "training.offload_weights=false",
+                                                "training.activation_checkpointing=true"), cuda, "single")
+    assert loop._offload_weights(recipe_for(workspace, "lora.quantize_base=nf4", "training.offload_weights=true",
+                                            "model.device=cuda"), cuda, "single")
+
+
+def test_offload_weights_settings_are_checked(workspace):
+    with pytest.raises(ConfigError, match=r"training\.offload_weights.*no NF4 base"):
+        recipe_for(workspace, "training.offload_weights=true", "model.device=cuda")
+    with pytest.raises(ConfigError, match=r"training\.offload_weights.*model\.device is 'cpu'"):
+        recipe_for(workspace, "training.offload_weights=true", "lora.quantize_base=nf4")
+    if not torch.cuda.is_available():  # model.device auto resolves to the CPU here
+        with pytest.raises(ConfigError, match=r"training\.offload_weights: .* this run is single on cpu"):
+            train(recipe_for(workspace, "training.offload_weights=true", "lora.quantize_base=nf4",
+                             "model.device=auto"), dry_run=True, progress=False)
+
+
 @pytest.mark.parametrize("overrides,expected", [
     ([], True),
     (["training.cuda_graphs=false"], False),

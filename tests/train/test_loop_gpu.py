@@ -85,9 +85,11 @@ def test_packed_rows_through_the_varlen_kernel_give_the_document_mask_losses(wor
                                       ["model.dtype=bfloat16", "lora.quantize_base=nf4",
                                        "training.activation_checkpointing=true", "training.offload_embeddings=true"],
                                       ["model.dtype=bfloat16", "lora.quantize_base=nf4",
-                                       "training.activation_checkpointing=[0]", "training.offload_activations=true"]],
+                                       "training.activation_checkpointing=[0]", "training.offload_activations=true"],
+                                      ["model.dtype=bfloat16", "lora.quantize_base=nf4",
+                                       "training.activation_checkpointing=true", "training.offload_weights=true"]],
                          ids=["lora-kernels", "full-autocast-compiled", "qlora-checkpointed-embeddings-offloaded",
-                              "qlora-activations-offloaded"])
+                              "qlora-activations-offloaded", "qlora-weights-streamed"])
 def test_cuda_graphs_give_the_eager_losses(workspace, settings):
     """Micro-steps replayed from a CUDA graph (after 3 eager ones), gradients accumulated over 2 micro-batches:
     the losses of the eager run, and the replays really ran (the loss keeps falling after the capture)."""
@@ -144,3 +146,16 @@ def test_overlapped_steps_on_cuda_give_the_losses_of_steps_read_at_once(workspac
                              for r in read_metrics(run.run_dir / "metrics.jsonl") if "loss" in r])
 
     torch.testing.assert_close(fields(overlapped), fields(at_once), atol=1e-3, rtol=1e-3)
+
+
+def test_streamed_nf4_weights_train_as_resident_ones(workspace):
+    """training.offload_weights moves the NF4 base to pinned CPU memory and streams it block by block: the same
+    losses, step for step, as the run that keeps it on the GPU."""
+    common = ["model.device=cuda", "lora.dropout=0", "training.max_steps=6", "optimizer.lr=5e-3",
+              "model.dtype=bfloat16", "lora.quantize_base=nf4", "training.activation_checkpointing=true",
+              "training.cuda_graphs=false"]
+    runs = [train(recipe_for(workspace, *common, f"training.offload_weights={on}", f"output.dir={workspace / on}"),
+                  progress=False) for on in ("false", "true")]
+    resident, streamed = ([r["loss"] for r in read_metrics(run.run_dir / "metrics.jsonl") if "loss" in r]
+                          for run in runs)
+    assert streamed == resident

@@ -207,20 +207,27 @@ def empty_model(
     """A model with allocated but uninitialised weights (no wasted random init for big models).
 
     `quantize="nf4"` makes every linear layer but the output head an empty NF4
-    layer, filled as weights stream in (QLoRA's frozen base).
+    layer, filled as weights stream in (QLoRA's frozen base); inside
+    :func:`entrenar.models.weight_stream.nf4_in_host_memory`, those layers keep
+    their buffers in CPU memory and quantize on `device`.
     """
     with torch.device("meta"):
         model = Transformer(config)
     if quantize == "nf4":
         from entrenar.models.moe import Experts
+        from entrenar.models.weight_stream import nf4_host_memory_requested
         from entrenar.quant.nf4 import NF4Linear
         from entrenar.quant.nf4_experts import NF4Experts
         from entrenar.surgery import find_linears, replace_module
 
+        host = nf4_host_memory_requested() and torch.device(device).type == "cuda"
         for name in find_linears(model, "all-linear"):
             linear = model.get_submodule(name)
-            replace_module(model, name, NF4Linear(linear.in_features, linear.out_features, linear.bias is not None,
-                                                  dtype=dtype, device=device))
+            layer = NF4Linear(linear.in_features, linear.out_features, linear.bias is not None, dtype=dtype,
+                              device="meta" if host else device)
+            if host:
+                layer.keep_in_host_memory(quantize_on=device)
+            replace_module(model, name, layer)
         for name in [n for n, m in model.named_modules() if type(m) is Experts]:
             experts = model.get_submodule(name)
             replace_module(model, name, NF4Experts(experts.num_experts, experts.hidden_size,
