@@ -122,6 +122,21 @@ def test_offloaded_embeddings_leave_the_gpu_unless_tied_or_trained():
             == estimate_training_memory(tied, "qlora"))
 
 
+def test_streamed_nf4_weights_leave_two_blocks_on_the_gpu():
+    from entrenar.memory import NF4_BYTES_PER_PARAM, quantizable_params
+
+    big = ModelConfig(vocab_size=49152, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
+                      num_kv_heads=8, model_type="llama")
+    kept = estimate_training_memory(big, "qlora", 2, 2048, activation_checkpointing=True)
+    streamed = estimate_training_memory(big, "qlora", 2, 2048, activation_checkpointing=True, offload_weights=True)
+    per_block = quantizable_params(big) * NF4_BYTES_PER_PARAM / 32
+    assert kept.weights - streamed.weights == pytest.approx(30 * per_block)
+    assert 3.1 * 2**30 < kept.weights - streamed.weights < 3.2 * 2**30  # 30/32 of the 3.35 GiB of NF4 measured
+    for method in ("lora", "full"):  # nothing NF4 to stream
+        assert (estimate_training_memory(big, method, 2, 2048, offload_weights=True)
+                == estimate_training_memory(big, method, 2, 2048))
+
+
 def test_the_fused_loss_holds_one_chunk_of_logits_which_a_rebuilt_layer_can_hide():
     full = estimate_training_memory(CONFIG, "lora", 4, 2048)
     fused = estimate_training_memory(CONFIG, "lora", 4, 2048, fused_loss_chunk=1024)

@@ -174,6 +174,7 @@ def estimate_training_memory(
     offload_activations: bool | int = False,
     kernels: bool = False,
     offload_embeddings: bool = False,
+    offload_weights: bool = False,
     cpu: bool = False,
     lora_dropout: float = 0.0,
 ) -> MemoryEstimate:
@@ -194,7 +195,9 @@ def estimate_training_memory(
     kernels' activations (:func:`activation_bytes_per_token_layer`), as
     `entrenar train` runs on CUDA. `offload_embeddings` keeps a LoRA or QLoRA
     base's input-embedding table in CPU memory (not a tied one, which the
-    output head needs; full fine-tuning trains it).
+    output head needs; full fine-tuning trains it). `offload_weights` streams a
+    QLoRA base's NF4 block weights from CPU memory (:mod:`entrenar.models.weight_stream`):
+    two blocks' are on the GPU at a time (the one running, the next one copied in).
     An MoE model (``config.num_experts``) counts every expert's weights, the activations of the k experts
     each token is routed to, and ``lora_target_parameters`` (per-expert adapters).
     `cpu` estimates the peak resident memory of a training process on the
@@ -220,6 +223,8 @@ def estimate_training_memory(
         base = (total - linear) * param_bytes + linear * (NF4_BYTES_PER_PARAM if method == "qlora" else param_bytes)
         if offload_embeddings and not config.tie_word_embeddings:
             base -= config.vocab_size * config.hidden_size * param_bytes
+        if offload_weights and method == "qlora" and not config.is_moe:
+            base -= linear * NF4_BYTES_PER_PARAM * max(config.num_layers - 2, 0) / config.num_layers
         weights = base + trainable * 4  # adapters stay fp32
         gradients = trainable * 4
         optimizer_bytes = states * trainable * 4

@@ -51,6 +51,9 @@ def add_parser(commands: argparse._SubParsersAction, parents: list[argparse.Argu
     parser.add_argument("--offload-embeddings", action="store_true",
                         help="LoRA and QLoRA rows: the frozen input-embedding table in CPU memory "
                              "(training.offload_embeddings)")
+    parser.add_argument("--offload-weights", action="store_true",
+                        help="QLoRA row: the NF4 block weights in CPU memory, streamed to the GPU a block ahead "
+                             "(training.offload_weights)")
     parser.add_argument("--kernels", action="store_true",
                         help="the fused kernels and the fused output-projection loss, as `entrenar train` runs on "
                              "CUDA (training.kernels: auto); default: the plain path with full logits, as on the CPU")
@@ -93,6 +96,7 @@ def run(args: argparse.Namespace) -> int:
         "lora_r": args.lora_r, "lora_targets": targets, "activation_checkpointing": args.checkpointing,
         "offload_activations": args.offload, "fused_loss_chunk": FUSED_LOSS_CHUNK if args.kernels else None,
         "kernels": args.kernels, "offload_embeddings": args.offload_embeddings,
+        "offload_weights": args.offload_weights,
         "lora_target_parameters": EXPERT_TARGETS if args.lora_experts else [],
     }
     if args.cpu:
@@ -132,6 +136,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"training memory for batch {args.batch_size} x {args.seq_len} tokens, {args.dtype}, "
           f"activation checkpointing {checkpointing}, {'activations offloaded to CPU memory, ' if args.offload else ''}"
           f"{'input embeddings in CPU memory (LoRA, QLoRA), ' if args.offload_embeddings else ''}"
+          f"{'NF4 block weights streamed from CPU memory (QLoRA), ' if args.offload_weights else ''}"
           f"{'fused kernels and loss' if args.kernels else 'plain path, full-logits loss'}"
           f"{', resident memory of a CPU process (fp32 weights)' if args.cpu else ''}"
           f"{per_device_text(args.nproc, args.parallel)}:")

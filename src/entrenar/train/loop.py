@@ -59,6 +59,7 @@ from entrenar.memory import FUSED_LOSS_CHUNK, LINEAR_NAMES, GiB, estimate_traini
 from entrenar.models.padding_free import rows_by_document
 from entrenar.models.weight_stream import nf4_in_host_memory, stream_weights
 from entrenar.quant.checkpoint import save_qat_model
+from entrenar.quant.nf4 import NF4Linear
 from entrenar.quant.qat import apply_qat_recipe, load_qat_state_dict, master_weights, qat_state_dict
 from entrenar.train.checkpoint import is_sharded, latest_checkpoint, load_checkpoint, save_checkpoint
 from entrenar.train.console import Console
@@ -771,6 +772,12 @@ def _save_result(model, tokenizer, recipe: Recipe, run_dir: Path) -> Path:
     return out
 
 
+def _weights_streamed(model: torch.nn.Module) -> bool:
+    """Whether the model's NF4 block weights live in CPU memory (``training.offload_weights``)."""
+    return any(isinstance(m, NF4Linear) and m.weight_codes.device.type == "cpu" and m.quantize_on is not None
+               and m.quantize_on.type == "cuda" for m in model.modules())
+
+
 def _dry_run_report(recipe: Recipe, model, trainable, examples, validation, notes: list[str], kernels: bool,
                     fused_loss: bool, micro_batches: int) -> str:
     """What a dry run prints; ``micro_batches`` per optimizer step over every process."""
@@ -788,6 +795,7 @@ def _dry_run_report(recipe: Recipe, model, trainable, examples, validation, note
         lora_target_parameters=list(lora.target_parameters or []) if lora else [],
         activation_checkpointing=sorted(model.checkpointed_layers), offload_activations=t.offload_activations,
         offload_embeddings=isinstance(getattr(getattr(model, "model", None), "embed_tokens", None), HostEmbedding),
+        offload_weights=_weights_streamed(model),
         optimizer=recipe.optimizer.name,
         fused_loss_chunk=FUSED_LOSS_CHUNK if fused_loss else None, kernels=kernels,
         cpu=next(model.parameters()).device.type == "cpu", lora_dropout=lora.dropout if lora else 0.0,
