@@ -123,3 +123,58 @@ def test_adapters_of_a_base_kept_in_host_memory_live_where_it_computes():
     adapted = LoraLinear(base, r=4, alpha=8.0)
     assert base.weight_codes.device.type == "cpu"
     assert all(p.is_meta for p in adapted.parameters())
+
+
+def _copies_alive_after_forward(model: Transformer, stream, ids: torch.Tensor) -> tuple[int, torch.Tensor]:
+    """How many blocks' weight copies something still refers to once forward is done (before backward)."""
+    storages = []
+    fetch = stream._fetch
+
+    def recording(i):
+        new = i not in stream._pending
+        fetch(i)
+        if new and i in stream._pending:
+            storages.append(stream._pending[i][0].untyped_storage())
+
+    stream._fetch = recording
+    logits = model(ids)
+    # a storage nothing else refers to is held by this list alone (and the pending entry of a prefetch)
+    alive = sum(torch._C._storage_Use_Count(st._cdata) > 1 for st in storages)
+    return alive, logits
+
+
+@pytest.mark.parametrize("kernels", [False, True], ids=["plain", "kernels"])
+def test_checkpointed_blocks_hold_no_copy_between_forward_and_backward(kernels):
+    """Products keep the weights they read through save_for_backward, which checkpointing drops: after forward
+    only the last block's copy (prefetched for backward's first rerun) is alive; without checkpointing, all."""
+    ids = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(3))
+    for checkpointed, expected in ((True, 1), (False, 3)):
+        model = _qlora(kernels=kernels)
+        model.set_activation_checkpointing(checkpointed)
+        stream = stream_weights(model, torch.device("cpu"))
+        alive, logits = _copies_alive_after_forward(model, stream, ids)
+        assert alive == expected
+        logits.float().sum().backward()
+        assert not stream._pending
+
+
+def test_backward_that_stops_above_a_block_prefetches_nothing_for_it():
+    """LoRA on the last block only: backward never reruns the blocks below, so none is prefetched for them (an
+    unused side-stream copy would also break a CUDA graph capture)."""
+    ids = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(4))
+
+    def build():
+        torch.manual_seed(0)
+        config = ModelConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_layers=3, num_heads=4,
+                             num_kv_heads=2, model_type="llama")
+        model = Transformer(config)
+        model.reset_parameters()
+        quantize_model_nf4(model.model.layers)
+        apply_lora(model, LoraConfig(r=4, alpha=8.0, target_modules=["layers.2.mlp.down_proj"]))
+        model.set_activation_checkpointing(True)
+        return model
+
+    reference, model = build(), build()
+    stream = stream_weights(model, torch.device("cpu"))
+    assert torch.equal(_loss_and_grads(model, ids)[0], _loss_and_grads(reference, ids)[0])
+    assert not stream._pending

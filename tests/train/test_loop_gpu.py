@@ -148,14 +148,20 @@ def test_overlapped_steps_on_cuda_give_the_losses_of_steps_read_at_once(workspac
     torch.testing.assert_close(fields(overlapped), fields(at_once), atol=1e-3, rtol=1e-3)
 
 
-def test_streamed_nf4_weights_train_as_resident_ones(workspace):
+def test_streamed_nf4_weights_train_as_resident_ones(workspace, monkeypatch):
     """training.offload_weights moves the NF4 base to pinned CPU memory and streams it block by block: the same
     losses, step for step, as the run that keeps it on the GPU."""
     common = ["model.device=cuda", "lora.dropout=0", "training.max_steps=6", "optimizer.lr=5e-3",
               "model.dtype=bfloat16", "lora.quantize_base=nf4", "training.activation_checkpointing=true",
               "training.cuda_graphs=false"]
+    import entrenar.train.loop as loop
+
+    streams = []
+    real = loop.stream_weights
+    monkeypatch.setattr(loop, "stream_weights", lambda *a: streams.append(real(*a)) or streams[-1])
     runs = [train(recipe_for(workspace, *common, f"training.offload_weights={on}", f"output.dir={workspace / on}"),
                   progress=False) for on in ("false", "true")]
+    assert len(streams) == 1 and streams[0].blocks[0].host.is_pinned()  # the second run streamed, the first not
     resident, streamed = ([r["loss"] for r in read_metrics(run.run_dir / "metrics.jsonl") if "loss" in r]
                           for run in runs)
     assert streamed == resident

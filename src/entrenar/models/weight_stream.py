@@ -105,8 +105,8 @@ class WeightStream:
         self._installed: set[int] = set()
         self._hooks = []
         for i, block in enumerate(blocks):
-            self._hooks.append(block.register_forward_pre_hook(lambda _m, _a, i=i: self._before(i)))
-            self._hooks.append(block.register_forward_hook(lambda _m, _a, _o, i=i: self._after(i)))
+            self._hooks.append(block.register_forward_pre_hook(lambda _m, args, i=i: self._before(i, args)))
+            self._hooks.append(block.register_forward_hook(lambda _m, _a, out, i=i: self._after(i, out)))
 
     @property
     def host_bytes(self) -> int:
@@ -138,7 +138,7 @@ class WeightStream:
             done.record(self._stream)
         self._pending[i] = (gpu, done, compute)
 
-    def _before(self, i: int) -> None:
+    def _before(self, i: int, args: tuple = ()) -> None:
         if i == 0 and not recomputing():
             self._new_pass()
         # A rerun that checkpointing stopped early never reached its forward hook: its buffers are let go here.
@@ -152,15 +152,15 @@ class WeightStream:
                 torch.cuda.current_stream(self.device).wait_event(done)
             self.blocks[i].point_to(flat)
             self._installed.add(i)
-        if recomputing():  # backward reruns blocks last to first
-            if i > 0 and self.rerun(i - 1):
+        if recomputing():  # backward reruns blocks last to first, down to the first whose input needs a gradient
+            if i > 0 and self.rerun(i - 1) and _needs_grad(args):
                 self._fetch(i - 1)
         else:
             self._fetch(i + 1)
 
-    def _after(self, i: int) -> None:
+    def _after(self, i: int, output: object = None) -> None:
         self._release(i)
-        if i == len(self.blocks) - 1 and torch.is_grad_enabled() and self.rerun(i) and not recomputing():
+        if i == len(self.blocks) - 1 and self.rerun(i) and not recomputing() and _needs_grad((output,)):
             self._fetch(i)  # backward reruns this block first
 
     def _new_pass(self) -> None:
@@ -176,6 +176,13 @@ class WeightStream:
     def _release(self, i: int) -> None:
         self.blocks[i].point_to(self.blocks[i].host)
         self._installed.discard(i)
+
+
+def _needs_grad(values: tuple) -> bool:
+    """Whether backward will reach the block these are the input (or output) of: a copy prefetched for a rerun
+    that never comes would stay unused, and a CUDA graph capture refuses a side-stream copy nothing waits for."""
+    first = values[0] if values else None
+    return isinstance(first, torch.Tensor) and first.requires_grad and torch.is_grad_enabled()
 
 
 def stream_weights(model: nn.Module, device: torch.device) -> WeightStream | None:

@@ -601,7 +601,8 @@ def _offload_weights(recipe: Recipe, device: torch.device, mode: str) -> bool:
     if t.offload_weights != "auto":
         return t.offload_weights
     return (device.type == "cuda" and mode == "single" and recipe.lora is not None
-            and recipe.lora.quantize_base == "nf4" and t.activation_checkpointing is True and not t.compile)
+            and recipe.lora.quantize_base == "nf4" and t.activation_checkpointing is True and not t.compile
+            and not scratch.read_model_config(recipe).is_moe)  # NF4 experts load on the GPU, outside the stream
 
 
 def _row_layout(recipe: Recipe, model: torch.nn.Module, device: torch.device, task: str,
