@@ -705,37 +705,24 @@ class Recipe:
                 f"'lora.quantize_base' must be null when 'qat' is set, got {_show(self.lora.quantize_base)} "
                 "(QAT fake-quantizes full-precision weights; LoRA-QAT is 'qat' with a plain 'lora' section)",
             )
-        if self.training.offload_activations and self.model.device == "cpu":
-            raise _BadValue(
-                "training.offload_activations",
-                "'training.offload_activations' moves activations from GPU to CPU memory; model.device is 'cpu'",
-            )
+        if self.model.device == "cpu":  # settings that only mean something on a GPU, asked for explicitly
+            for key, what in (("offload_activations", "moves activations from GPU to CPU memory"),
+                              ("offload_embeddings", "moves the embedding table from GPU to CPU memory"),
+                              ("offload_weights", "moves the NF4 base weights from GPU to CPU memory"),
+                              ("cuda_graphs", "replays GPU launches")):
+                if getattr(self.training, key) not in (False, 0, "auto"):  # true, or a layer count
+                    raise _BadValue(f"training.{key}", f"'training.{key}' {what}; model.device is 'cpu'")
         if self.training.offload_embeddings is True and self.lora is None:
             raise _BadValue(
                 "training.offload_embeddings",
                 "'training.offload_embeddings' keeps a frozen embedding table in CPU memory, and full fine-tuning "
                 "trains it (add a 'lora' section, or turn it off)",
             )
-        if self.training.offload_embeddings is True and self.model.device == "cpu":
-            raise _BadValue(
-                "training.offload_embeddings",
-                "'training.offload_embeddings' moves the embedding table from GPU to CPU memory; model.device is 'cpu'",
-            )
         if self.training.offload_weights is True and (self.lora is None or self.lora.quantize_base != "nf4"):
             raise _BadValue(
                 "training.offload_weights",
                 "'training.offload_weights' streams NF4 base weights from CPU memory (QLoRA); this recipe has "
                 "no NF4 base (set lora.quantize_base: nf4, or turn it off)",
-            )
-        if self.training.offload_weights is True and self.model.device == "cpu":
-            raise _BadValue(
-                "training.offload_weights",
-                "'training.offload_weights' moves the NF4 base weights from GPU to CPU memory; model.device is 'cpu'",
-            )
-        if self.training.cuda_graphs is True and self.model.device == "cpu":
-            raise _BadValue(
-                "training.cuda_graphs",
-                "'training.cuda_graphs' replays GPU launches; model.device is 'cpu'",
             )
         if self.training.cuda_graphs is True and self.data.padding_free is True:
             raise _BadValue(

@@ -175,9 +175,9 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
         raise ConfigError("training.offload_weights: the NF4 base weights stream to one CUDA device, block by "
                           f"block, outside torch.compile; this run is {mode} on {device}"
                           + (" with training.compile" if t.compile else ""))
-    stream = _offload_weights(recipe, device, mode)
+    weights_streamed = _offload_weights(recipe, device, mode)
     console.say(f"loading {recipe.model.path or 'a random model (model.config)'} on {load_device} ...")
-    with nf4_in_host_memory(stream):  # never all on the GPU, not even while loading
+    with nf4_in_host_memory(weights_streamed):  # never all on the GPU, not even while loading
         model, tokenizer = build_model(recipe, task, weights_dtype, load_device, quantize)
     if t.cuda_graphs is True and device.type != "cuda":
         raise ConfigError(f"training.cuda_graphs: CUDA graphs replay GPU launches; this run is on {device}")
@@ -209,7 +209,7 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
     if use_kernels:
         # Same parameters and names; fused forwards (PyTorch fallbacks off the GPU).
         apply_kernels(model, lora_compute_dtype=torch.bfloat16 if t.adapter_math == "bf16" else None)
-    if stream:
+    if weights_streamed:
         stream_weights(model, device)
     # Fusing the output projection into the loss never materialises full-vocabulary logits.
     fused_loss = use_kernels and type(getattr(model, "lm_head", None)) is torch.nn.Linear
