@@ -42,7 +42,7 @@ from bench_train import (
 )
 
 from entrenar.kernels import fused_linear_cross_entropy
-from entrenar.train.loss import chunked_cross_entropy
+from entrenar.models.loss import chunked_cross_entropy
 
 ROWS = ("hf", "plain", "kernels", "plain-compiled", "kernels-compiled")
 

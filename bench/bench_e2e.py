@@ -230,7 +230,7 @@ def recipe_for(case: dict, folder: Path, text: Path, run_dir: Path, fast: bool) 
 def packed_batches(tokenizer_dir: Path, text: Path, case: dict, n: int) -> list[dict]:
     """The first `n` batches entrenar's loop trains on for this case (same reader, tokenizer, packing, seed)."""
     from entrenar.data import BatchStream, read_records, split_validation, tokenize_records
-    from entrenar.tokenizer import Tokenizer
+    from entrenar.data.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_folder(tokenizer_dir)
     records, _ = read_records(str(text), format="auto", on_error="raise")

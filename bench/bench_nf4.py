@@ -34,8 +34,8 @@ from pathlib import Path
 
 import torch
 
-from entrenar.kernels import nf4 as nf4_kernel
-from entrenar.quant.nf4 import NF4Tensor, dequantize_nf4_reference, quantize_nf4
+from entrenar.quant.nf4 import kernel as nf4_kernel
+from entrenar.quant.nf4.format import NF4Tensor, dequantize_nf4_reference, quantize_nf4
 
 SHAPE = (14336, 4096)
 N_WEIGHTS = 3  # rotated between calls so codes come from DRAM, not L2 (3 x 29 MB > 60 MB L2)

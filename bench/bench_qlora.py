@@ -75,13 +75,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from entrenar.lora import LoraConfig, apply_lora
-from entrenar.memory import FUSED_LOSS_CHUNK, GiB, estimate_training_memory
+from entrenar.adapters.lora import LoraConfig, apply_lora
+from entrenar.train.memory import FUSED_LOSS_CHUNK, GiB, estimate_training_memory
 from entrenar.train.cuda_graph import GraphedMicroStep
 from entrenar.models.config import ModelConfig
 from entrenar.models.hf import empty_model
-from entrenar.quant.nf4 import NF4Linear
-from entrenar.train.loss import chunked_cross_entropy, token_cross_entropy
+from entrenar.quant.nf4.format import NF4Linear
+from entrenar.models.loss import chunked_cross_entropy, token_cross_entropy
 
 BATCH, SEQ, LORA_R, LORA_ALPHA, LR = 2, 2048, 16, 32, 1e-4
 CHUNK = 1024  # tokens per logits chunk in the chunked / fused losses
@@ -294,7 +294,7 @@ def step_fn(row: Row) -> Callable[[nn.Module, torch.Tensor], torch.Tensor]:
 @contextlib.contextmanager
 def reference_dequantization(on: bool) -> Iterator[None]:
     """While ``on``, CUDA NF4 weights are dequantized by the PyTorch specification instead of the kernel."""
-    from entrenar.kernels import nf4 as nf4_kernel
+    from entrenar.quant.nf4 import kernel as nf4_kernel
 
     kernel_check = nf4_kernel.can_dequantize
     if on:

@@ -67,8 +67,8 @@ def make_nf4_folder(shape: str, vocab: int, seq: int, tokenizer_dir: Path, folde
 
     from entrenar.models.hf import empty_model
     from entrenar.quant.checkpoint import save_quantized
-    from entrenar.quant.nf4 import NF4Linear
-    from entrenar.tokenizer import Tokenizer
+    from entrenar.quant.nf4.format import NF4Linear
+    from entrenar.data.tokenizer import Tokenizer
 
     dev = bench_e2e.device()
     config = bench_e2e.shape_config(shape, vocab, seq, tiny)

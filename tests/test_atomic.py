@@ -1,4 +1,4 @@
-"""entrenar.atomic: files and folders are replaced whole or not at all, and no temporary is left behind."""
+"""entrenar.io.atomic: files and folders are replaced whole or not at all, and no temporary is left behind."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from entrenar import atomic
+from entrenar.io import atomic
 
 
 def listing(folder: Path) -> dict[str, bytes]:
@@ -157,7 +157,7 @@ def test_a_staged_folder_gets_umask_modes_whatever_its_writers_left(tmp_path):
     import torch
     from safetensors.torch import save_file
 
-    from entrenar import atomic
+    from entrenar.io import atomic
 
     old = os.umask(0o022)
     try:

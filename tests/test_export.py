@@ -19,8 +19,8 @@ from safetensors.torch import load_file, save_file
 import entrenar
 from entrenar.errors import AdapterError, ConfigError, ModelError, QuantError
 from entrenar.export import export
-from entrenar.lora import LoraConfig, apply_lora, lora_layers, save_adapter
-from entrenar.models.gguf_write import write_gguf
+from entrenar.adapters.lora import LoraConfig, apply_lora, lora_layers, save_adapter
+from entrenar.export.gguf_write import write_gguf
 from entrenar.models.hf import load_hf
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "data"))
@@ -289,7 +289,7 @@ def test_an_unwritable_output_fails_before_the_model_is_read_even_as_root(base, 
     def read_only(*args, **kwargs):
         raise OSError(errno.EROFS, "Read-only file system", str(tmp_path))
 
-    monkeypatch.setattr("entrenar.outputs.tempfile.mkstemp", read_only)
+    monkeypatch.setattr("entrenar.io.outputs.tempfile.mkstemp", read_only)
     monkeypatch.setattr("entrenar.export.load_merged", lambda *a, **k: pytest.fail("the model was loaded"))
     with pytest.raises(OSError, match="cannot write in this folder.*Read-only") as caught:
         export(base, adapter, tmp_path / "out", merge=True)
@@ -345,7 +345,7 @@ def test_failed_export_leaves_the_previous_output(base, adapter, tmp_path, monke
     def broken_save(self, folder):
         raise OSError("disk full")
 
-    monkeypatch.setattr("entrenar.tokenizer.Tokenizer.save", broken_save)
+    monkeypatch.setattr("entrenar.data.tokenizer.Tokenizer.save", broken_save)
     with pytest.raises(OSError, match="disk full"):
         export(base, adapter, out, merge=True, gguf="f16", overwrite=True)
     assert snapshot(out) == before

@@ -6,11 +6,11 @@ import pytest
 import torch
 
 import entrenar
-from entrenar import finite
+from entrenar.io import finite
 from entrenar.errors import AdapterError, CheckpointError, ModelError
 from entrenar.export import save_merged
-from entrenar.lora import LoraConfig, apply_lora, save_adapter
-from entrenar.models.gguf_write import write_gguf
+from entrenar.adapters.lora import LoraConfig, apply_lora, save_adapter
+from entrenar.export.gguf_write import write_gguf
 from entrenar.models.hf import save_hf
 from entrenar.train.checkpoint import latest_checkpoint, save_checkpoint
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from entrenar.errors import ConfigError
-from entrenar.generate import generate, sample_next
+from entrenar.generation.sampling import generate, sample_next
 from entrenar.models.hf import load_hf
 from entrenar.models.transformer import KVCache
 

@@ -33,7 +33,7 @@ import entrenar
 from entrenar.errors import ModelError
 from entrenar.models.config import ModelConfig
 from entrenar.models.gguf import llama3_rope_scaling_from_divisors, load_gguf, read_gguf, unpermute_rope_rows
-from entrenar.tokenizer import Tokenizer
+from entrenar.data.tokenizer import Tokenizer
 
 SPECIAL_IDS = {"bos": 1, "eos": 2, "pad": 2}  # <|im_start|>, <|im_end|>, as SmolLM2's file says
 CHAT_TEMPLATE = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"

@@ -21,13 +21,13 @@ from gguf_fixtures import SAMPLE_TEXTS, permute, train_byte_level_tokenizer
 
 import entrenar
 from entrenar.errors import ModelError, QuantError
-from entrenar.lora import LoraConfig, apply_lora
+from entrenar.adapters.lora import LoraConfig, apply_lora
 from entrenar.models.config import ModelConfig
 from entrenar.models.gguf import read_gguf, unpermute_rope_rows
-from entrenar.models.gguf_write import permute_rope_rows, tokenizer_metadata, write_gguf
+from entrenar.export.gguf_write import permute_rope_rows, tokenizer_metadata, write_gguf
 from entrenar.models.hf import load_hf
 from entrenar.quant.int import dequantize_q4_0, dequantize_q8_0, quantize_q4_0, quantize_q8_0
-from entrenar.tokenizer import Tokenizer
+from entrenar.data.tokenizer import Tokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "data"))
 from tiny_chat_tokenizer import BOS, CHATML, EOS, chat_backend, chat_tokenizer  # noqa: E402
@@ -330,7 +330,7 @@ def test_failed_write_keeps_the_old_file_and_leaves_no_temp(native, tmp_path):
     path = write_gguf(model, tok, tmp_path / "m.gguf", "f16")
     before = path.read_bytes()
     with torch.no_grad():
-        model.model.norm.weight[0] = float("inf")  # refused before the file is begun (entrenar.finite)
+        model.model.norm.weight[0] = float("inf")  # refused before the file is begun (entrenar.io.finite)
     with pytest.raises(ModelError, match="model.norm.weight"):
         write_gguf(model, tok, path, "q8_0")
     assert path.read_bytes() == before

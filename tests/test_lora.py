@@ -1,4 +1,4 @@
-"""entrenar.lora: the LoRA layer's arithmetic, injection, freezing and merging."""
+"""entrenar.adapters.lora: the LoRA layer's arithmetic, injection, freezing and merging."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from entrenar.errors import AdapterError
-from entrenar.lora import (
+from entrenar.adapters.lora import (
     LoraConfig,
     LoraLinear,
     apply_lora,
@@ -291,7 +291,7 @@ def test_state_dict_round_trip_and_shape_errors(base):
 
 def test_merge_into_an_nf4_base_dequantizes_and_keeps_the_output():
     """Merging into a quantized base must not drop the adapter (its weight is computed on the fly)."""
-    from entrenar.quant.nf4 import NF4Linear
+    from entrenar.quant.nf4.format import NF4Linear
 
     torch.manual_seed(0)
     layer = LoraLinear(NF4Linear.from_linear(nn.Linear(64, 32)), r=4, alpha=8)
@@ -307,7 +307,7 @@ def test_merge_into_an_nf4_base_dequantizes_and_keeps_the_output():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="compares the CPU with a GPU")
 def test_a_seed_gives_the_same_adapters_on_the_cpu_and_on_a_gpu():
-    from entrenar.lora import LoraLinear
+    from entrenar.adapters.lora import LoraLinear
 
     def drawn(device: str) -> torch.Tensor:
         base = torch.nn.Linear(32, 16, device=device)

@@ -14,9 +14,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from entrenar import lora
+from entrenar.adapters import lora
 from entrenar.errors import AdapterError
-from entrenar.lora import (
+from entrenar.adapters.lora import (
     LoraConfig,
     apply_lora,
     load_adapter,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from entrenar.memory import NF4_BYTES_PER_PARAM, estimate_training_memory, lora_params
+from entrenar.train.memory import NF4_BYTES_PER_PARAM, estimate_training_memory, lora_params
 from entrenar.models.config import ModelConfig
 from entrenar.models.transformer import Transformer
 
@@ -61,7 +61,7 @@ LLAMA = CONFIG.replace(qk_norm=False, model_type="llama")
 
 def _lora_with_kernels(config: ModelConfig, dtype: torch.dtype, checkpointing: bool) -> Transformer:
     from entrenar.kernels import apply_kernels
-    from entrenar.lora import LoraConfig, apply_lora
+    from entrenar.adapters.lora import LoraConfig, apply_lora
 
     model = Transformer(config).to(dtype)
     model.reset_parameters()
@@ -123,7 +123,7 @@ def test_offloaded_embeddings_leave_the_gpu_unless_tied_or_trained():
 
 
 def test_streamed_nf4_weights_leave_two_blocks_on_the_gpu():
-    from entrenar.memory import NF4_BYTES_PER_PARAM, quantizable_params
+    from entrenar.train.memory import NF4_BYTES_PER_PARAM, quantizable_params
 
     big = ModelConfig(vocab_size=49152, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
                       num_kv_heads=8, model_type="llama")
@@ -189,7 +189,7 @@ MOE = CONFIG.replace(model_type="qwen3_moe", num_experts=8, num_experts_per_tok=
 
 
 def test_moe_parameters_total_active_and_adapters_match_the_model():
-    from entrenar.lora import LoraConfig, apply_lora
+    from entrenar.adapters.lora import LoraConfig, apply_lora
 
     model = Transformer(MOE)
     assert MOE.num_parameters == sum(p.numel() for p in model.parameters())
@@ -213,7 +213,7 @@ def test_moe_activation_estimate_within_10_percent_of_saved_tensors(dtype):
 
 
 def test_cpu_terms_by_hand():
-    from entrenar.memory import CPU_ALLOCATOR_SLACK, CPU_RUNTIME_BYTES
+    from entrenar.train.memory import CPU_ALLOCATOR_SLACK, CPU_RUNTIME_BYTES
 
     cfg = LLAMA.replace(tie_word_embeddings=True)
     h, i, q, kv, layers = 128, 352, 128, 64, 3
@@ -237,7 +237,7 @@ def test_cpu_terms_by_hand():
 
 
 def test_fsdp_divides_resident_state_and_adds_what_one_step_gathers():
-    from entrenar.memory import per_device
+    from entrenar.train.memory import per_device
 
     model = Transformer(CONFIG)
     block = sum(p.numel() for p in model.model.layers[0].parameters())  # measured: one fully_shard unit

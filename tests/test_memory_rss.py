@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from entrenar.memory import GiB, estimate_training_memory
+from entrenar.train.memory import GiB, estimate_training_memory
 from entrenar.models.config import ModelConfig
 
 SRC = Path(__file__).resolve().parents[1] / "src"

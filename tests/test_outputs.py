@@ -7,7 +7,7 @@ def test_a_killed_writes_staging_folder_is_cleaned_by_the_next_write(tmp_path):
     """A staging folder named for a process that is gone is removed; one of a live process is kept."""
     import os
 
-    from entrenar.outputs import replace_files
+    from entrenar.io.outputs import replace_files
 
     dead = tmp_path / ".out.999999999-abc123.tmp"  # no such pid
     dead.mkdir()

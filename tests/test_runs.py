@@ -15,7 +15,7 @@ import torch
 import entrenar
 from entrenar.config import load_recipe
 from entrenar.errors import AdapterError, ModelError
-from entrenar.runs import resolve_model_and_adapter
+from entrenar.loading.runs import resolve_model_and_adapter
 from entrenar.train.loop import train
 
 IDS = torch.tensor([[3, 7, 11, 2, 5]])
@@ -87,7 +87,7 @@ def test_a_lora_run_stands_for_its_base_and_adapter(runs, tmp_path, monkeypatch)
 
 
 def test_eval_of_a_run_uses_its_recipe(runs, capsys):
-    from entrenar.evaluate import evaluate_file
+    from entrenar.evaluation.loss import evaluate_file
 
     ws, run = runs["ws"], runs["lora"]
     model, tokenizer = entrenar.load(ws / "model", adapter=run / "adapter", device="cpu", dtype=torch.float32)

@@ -1,4 +1,4 @@
-"""entrenar.surgery: which layers a target_modules spec selects (checked against PEFT), and module swaps."""
+"""entrenar.models.surgery: which layers a target_modules spec selects (checked against PEFT), and module swaps."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 from torch import nn
 
 from entrenar.errors import AdapterError, ModelError
-from entrenar.surgery import find_linears, is_linear, named_linears, replace_module
+from entrenar.models.surgery import find_linears, is_linear, named_linears, replace_module
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")

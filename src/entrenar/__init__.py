@@ -2,211 +2,27 @@
 
     model, tokenizer = entrenar.load("path/to/hf-folder-or-model.gguf")
     logits = model(input_ids)          # [batch, seq, vocab]
+
+The front door only: ``load`` and ``read_model_config`` come from :mod:`entrenar.loading` on first use, so
+``import entrenar`` (and the CLI's start) does not import torch.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from entrenar.errors import EntrenarError
 
 if TYPE_CHECKING:
-    import torch
-
-    from entrenar.models.config import ModelConfig
-    from entrenar.models.transformer import Transformer
-    from entrenar.tokenizer import Tokenizer
+    from entrenar.loading import load, read_model_config
 
 __version__ = "0.1.0"
-__all__ = ["DTYPES", "load", "read_model_config", "require_tokenizer", "EntrenarError", "__version__"]
-
-# The weight dtypes a user may name (library and CLI), each to its torch dtype's name; "auto" is handled apart.
-DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16"}
+__all__ = ["EntrenarError", "__version__", "load", "read_model_config"]
 
 
-def resolve_dtype(dtype: "str | torch.dtype | None", device: "str | torch.device") -> "torch.dtype":
-    """None/'auto' means bf16 on a CUDA device that supports it, else fp32."""
-    import torch
+def __getattr__(name: str) -> Any:
+    if name in ("load", "read_model_config"):
+        from entrenar import loading  # start-up time: torch comes with it
 
-    from entrenar.errors import ConfigError
-
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype in (None, "auto"):
-        on_cuda = torch.device(device).type == "cuda"
-        return torch.bfloat16 if on_cuda and torch.cuda.is_bf16_supported() else torch.float32
-    if dtype not in DTYPES:
-        raise ConfigError(f"unknown dtype '{dtype}' (allowed: auto, {', '.join(DTYPES)})")
-    return getattr(torch, DTYPES[dtype])
-
-
-def resolve_device(device: "str | torch.device | None") -> "torch.device":
-    import torch
-
-    from entrenar.errors import ConfigError
-
-    if device in (None, "auto"):
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        resolved = torch.device(device)
-    except (RuntimeError, TypeError) as e:
-        raise ConfigError(f"unknown device '{device}' (use auto, cpu, cuda or cuda:N): {e}") from None
-    if resolved.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ConfigError(f"device '{device}' was asked for, but CUDA is not available on this machine")
-        if resolved.index is not None and resolved.index >= torch.cuda.device_count():
-            raise ConfigError(f"device '{device}': this machine has {torch.cuda.device_count()} CUDA device(s)")
-    return resolved
-
-
-def read_model_config(path: str | Path) -> "ModelConfig":
-    """The ModelConfig of a Hugging Face folder, a GGUF file or a run's model, without reading any weights."""
-    from entrenar.errors import ModelError
-    from entrenar.models.config import ModelConfig
-    from entrenar.models.hf import read_config
-    from entrenar.runs import resolve_model_and_adapter
-
-    path = resolve_model_and_adapter(path).model if Path(path).is_dir() else Path(path)
-    if path.suffix == ".gguf":
-        from entrenar.models.gguf import read_gguf  # maps tensor names and shapes; reads no tensor data
-
-        return ModelConfig.from_hf(read_gguf(path).hf_config, source=str(path))
-    if not path.exists():
-        raise ModelError(f"{path}: no such model folder or .gguf file")
-    if not path.is_dir():
-        raise ModelError(f"{path}: not a model folder or .gguf file")
-    return read_config(path)
-
-
-def _check_vocabulary(path: str | Path, model_vocab_size: int, tokenizer: "Tokenizer") -> None:
-    """Refuse a tokenizer with ids the model's embedding has no row for.
-
-    Without this, the first such id is an IndexError deep inside the embedding.
-    A tokenizer smaller than the embedding is fine: vocabularies are often
-    padded to a multiple of 64 or 128.
-    """
-    from entrenar.errors import ModelError
-
-    if tokenizer.vocab_size > model_vocab_size:
-        raise ModelError(
-            f"{path}: the tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size is "
-            f"{model_vocab_size}; ids from {model_vocab_size} up have no embedding (mismatched tokenizer and model files?)"
-        )
-
-
-def load(
-    path: str | Path,
-    adapter: str | Path | None = None,
-    dtype: "str | torch.dtype | None" = None,
-    device: "str | torch.device | None" = None,
-    quantize: str | None = None,
-    task: str | None = None,
-    num_labels: int | None = None,
-    pooling: str = "last",
-    seed: int = 0,
-) -> "tuple[Transformer, Tokenizer | None]":
-    """Load a model and its tokenizer from a Hugging Face folder, a GGUF file or a training run.
-
-    `adapter` is a PEFT-format LoRA adapter folder applied on top. `quantize="nf4"`
-    loads every linear layer but the output head straight into NF4 (QLoRA's
-    frozen base), one tensor at a time. A folder saved quantized (`entrenar
-    quantize`, a QAT run) loads into the same quantized layers. A run folder,
-    its `best/` or a `checkpoints/step-N` loads what it stands for
-    (:mod:`entrenar.runs`). A folder without tokenizer.json (what
-    `save_pretrained` of a model alone writes) loads with tokenizer None; what
-    needs text asks for it with :func:`require_tokenizer`. The model is
-    returned in eval mode; call `.train()` to fine-tune it.
-
-    A transformers ``*ForSequenceClassification`` folder loads as a
-    :class:`~entrenar.models.classifier.SequenceClassifier` (``model(input_ids,
-    attention_mask)`` gives ``[batch, num_labels]`` logits), and so does an
-    adapter saved for ``task_type: SEQ_CLS``. ``task="classification"`` with
-    ``num_labels`` puts a fresh head (drawn from ``seed``, ``pooling`` last or
-    mean) on a language-model checkpoint or GGUF file.
-    """
-    if task not in (None, "causal_lm", "classification"):
-        from entrenar.errors import ConfigError
-
-        raise ConfigError(f"task {task!r} must be 'causal_lm' or 'classification'")
-    from entrenar.models import classifier as cls
-    from entrenar.runs import apply_checkpoint, resolve_model_and_adapter
-
-    source = resolve_model_and_adapter(path, adapter)
-    if task == "classification" or (
-        task is None and (cls.is_classifier_folder(source.model) or _seq_cls_adapter(source.adapter))
-    ):
-        from entrenar.tasks.classification import load_classifier
-
-        return load_classifier(source.model, adapter=source.adapter, dtype=dtype, device=device, quantize=quantize,
-                               num_labels=num_labels, pooling=pooling, seed=seed)
-    model, tokenizer = _load_model(source.model, dtype, device, quantize)
-    if source.adapter is not None:
-        from entrenar.lora import load_adapter
-
-        load_adapter(model, source.adapter)
-    if source.checkpoint is not None:
-        apply_checkpoint(model, source)
-    return model.eval(), tokenizer
-
-
-def require_tokenizer(tokenizer: "Tokenizer | None", model_path: str | Path) -> "Tokenizer":
-    """``tokenizer``, or a ModelError naming the model folder when it has none (for what needs text)."""
-    from entrenar.errors import ModelError
-
-    if tokenizer is None:
-        raise ModelError(f"{model_path}: the model has no tokenizer (no tokenizer.json in the folder); copy the "
-                         "tokenizer files of the model it came from into it")
-    return tokenizer
-
-
-def _folder_tokenizer(path: Path) -> "Tokenizer | None":
-    from entrenar.tokenizer import Tokenizer
-
-    return Tokenizer.from_folder(path) if (path / "tokenizer.json").is_file() else None
-
-
-def _seq_cls_adapter(adapter: str | Path | None) -> bool:
-    """Whether ``adapter`` is a PEFT adapter saved for sequence classification (``task_type: SEQ_CLS``)."""
-    import json
-
-    if adapter is None or not (Path(adapter) / "adapter_config.json").is_file():
-        return False
-    try:
-        return json.loads((Path(adapter) / "adapter_config.json").read_text()).get("task_type") == "SEQ_CLS"
-    except (json.JSONDecodeError, AttributeError, UnicodeDecodeError):
-        return False
-
-
-def _load_model(
-    path: Path, dtype: "str | torch.dtype | None", device: "str | torch.device | None", quantize: str | None
-) -> "tuple[Transformer, Tokenizer | None]":
-    from entrenar.errors import ModelError, QuantError
-    from entrenar.models.hf import load_hf
-    from entrenar.quant.checkpoint import is_quantized_folder, load_quantized
-
-    path = Path(path)
-    device = resolve_device(device)
-    torch_dtype = resolve_dtype(dtype, device)
-    if path.suffix == ".gguf" and path.is_file():
-        from entrenar.models.gguf import load_gguf
-
-        model, tokenizer = load_gguf(path, dtype=torch_dtype, device=device, quantize=quantize)
-        _check_vocabulary(path, model.config.vocab_size, tokenizer)
-    elif is_quantized_folder(path):  # written by `entrenar quantize` or a QAT run: codes and scales as saved
-        if quantize is not None:
-            raise QuantError(f"{path}: the model is already quantized; load it without quantize={quantize!r}")
-        tokenizer = _folder_tokenizer(path)
-        if tokenizer is not None:
-            _check_vocabulary(path, read_model_config(path).vocab_size, tokenizer)  # before any weight is read
-        model = load_quantized(path, dtype=torch_dtype, device=device)
-    elif path.is_dir():
-        tokenizer = _folder_tokenizer(path)
-        if tokenizer is not None:
-            _check_vocabulary(path, read_model_config(path).vocab_size, tokenizer)
-        model = load_hf(path, dtype=torch_dtype, device=device, quantize=quantize)
-    elif not path.exists():
-        raise ModelError(f"{path}: no such model folder or .gguf file")
-    else:
-        raise ModelError(f"{path}: not a model folder or .gguf file")
-    return model, tokenizer
+        return getattr(loading, name)
+    raise AttributeError(f"module 'entrenar' has no attribute {name!r}")

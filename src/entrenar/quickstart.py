@@ -24,10 +24,10 @@ from tokenizers import Tokenizer as Backend
 
 from entrenar.config import Recipe
 from entrenar.export import save_merged
-from entrenar.generate import generate
+from entrenar.generation.sampling import generate
 from entrenar.models.config import ModelConfig
 from entrenar.models.transformer import Transformer
-from entrenar.tokenizer import Tokenizer
+from entrenar.data.tokenizer import Tokenizer
 
 SPECIAL = ["<pad>", "<s>", "</s>", "<unk>"]
 CHARS = list("0123456789+=")

@@ -14,7 +14,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "data"))
 from tiny_chat_tokenizer import BOS, EOS, chat_backend, chat_tokenizer
 
-from entrenar.tokenizer import Tokenizer
+from entrenar.data.tokenizer import Tokenizer
 
 
 def build_chat_model(hf_folder) -> Path:

@@ -9,7 +9,7 @@ import pytest
 from cli_helpers import build_chat_model, run_cli, without_chat_template
 
 import entrenar
-from entrenar.generate import generate
+from entrenar.generation.sampling import generate
 
 CPU = ("--device", "cpu")
 

@@ -1,6 +1,6 @@
 """``entrenar eval`` and ``entrenar export`` pass their arguments to the library and print its result.
 
-The library sides (entrenar.evaluate, entrenar.export) are stood in for here; their own tests check the numbers.
+The library sides (entrenar.evaluation.loss, entrenar.export) are stood in for here; their own tests check the numbers.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from cli_helpers import build_chat_model, fake_module, run_cli
 
 from entrenar.errors import AdapterError, DataError
 from entrenar.models.transformer import Transformer
-from entrenar.tokenizer import Tokenizer
+from entrenar.data.tokenizer import Tokenizer
 
 
 @pytest.fixture
@@ -29,7 +29,7 @@ def test_eval_loads_the_model_and_prints_loss_and_perplexity(capsys, monkeypatch
         seen.update(model=model, tokenizer=tokenizer, args=(path, seq_len, batch_size, train_on, add_eos))
         return SimpleNamespace(loss=2.5, perplexity=math.exp(2.5), tokens=1234, examples=7)
 
-    fake_module(monkeypatch, "entrenar.evaluate", evaluate_file=evaluate_file)
+    fake_module(monkeypatch, "entrenar.evaluation.loss", evaluate_file=evaluate_file)
     data = tmp_path / "valid.jsonl"
     code, out, err = run_cli(capsys, "eval", chat_model, "--data", data, "--seq-len", 64, "--batch-size", 2,
                              "--train-on", "completion", "--device", "cpu")
@@ -46,7 +46,7 @@ def test_eval_data_error_is_one_line(capsys, monkeypatch, chat_model):
     def evaluate_file(model, tokenizer, path, *args, **kwargs):
         raise DataError(f"{path} line 3: invalid JSON")
 
-    fake_module(monkeypatch, "entrenar.evaluate", evaluate_file=evaluate_file)
+    fake_module(monkeypatch, "entrenar.evaluation.loss", evaluate_file=evaluate_file)
     code, out, err = run_cli(capsys, "eval", chat_model, "--data", "bad.jsonl")
     assert (code, out, err) == (2, "", "error: bad.jsonl line 3: invalid JSON\n")
 

@@ -1,5 +1,5 @@
 """``entrenar inspect``: architecture and parameter counts against transformers and PEFT, memory against
-``entrenar.memory``, the same answer for a folder and its GGUF file, and errors that name the file."""
+``entrenar.train.memory``, the same answer for a folder and its GGUF file, and errors that name the file."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import json
 import pytest
 from cli_helpers import run_cli
 
-from entrenar.memory import FUSED_LOSS_CHUNK, estimate_training_memory, format_estimates
+from entrenar.train.memory import FUSED_LOSS_CHUNK, estimate_training_memory, format_estimates
 from entrenar.models.hf import read_config
 
 
@@ -164,7 +164,7 @@ def test_cpu_flag_estimates_the_cpu_process(capsys, hf_folder):
 
 
 def test_nproc_and_parallel_give_the_per_device_estimate(capsys, hf_folder):
-    from entrenar.memory import per_device
+    from entrenar.train.memory import per_device
 
     folder, _ = hf_folder("llama")
     config = read_config(folder)

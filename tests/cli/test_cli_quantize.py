@@ -13,7 +13,7 @@ from cli_helpers import build_chat_model, run_cli
 
 import entrenar
 from entrenar.quant.int import QuantLinear
-from entrenar.quant.nf4 import NF4Linear
+from entrenar.quant.nf4.format import NF4Linear
 
 LINEARS = [f"model.layers.{i}.{p}" for i in range(2) for p in (
     "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",

@@ -8,7 +8,7 @@ import pytest
 
 from entrenar.cli.main import main
 from entrenar.config import load_recipe
-from entrenar.recipe_catalog import bundled_recipes, describe, find_recipe
+from entrenar.config.catalog import bundled_recipes, describe, find_recipe
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -61,7 +61,7 @@ def test_train_help_points_at_the_recipes_command(capsys):
 
 
 def test_a_checkout_recipe_never_hides_a_package_one(monkeypatch, tmp_path):
-    import entrenar.recipe_catalog as catalog
+    import entrenar.config.catalog as catalog
 
     (tmp_path / "quickstart.yaml").write_text("# an impostor\nmodel: {}\n")
     (tmp_path / "extra.yaml").write_text("# extra\n")

@@ -108,7 +108,7 @@ def test_chat_mask_equals_transformers_assistant_mask(backend, tokenizer):
 
 
 def test_chat_template_that_rewrites_earlier_turns_is_refused(backend):
-    from entrenar.tokenizer import Tokenizer
+    from entrenar.data.tokenizer import Tokenizer
 
     # Shows only the last assistant message in full: a prefix render is no prefix of the whole.
     template = ("{% for m in messages %}{{ m['role'] }}: "

@@ -11,7 +11,7 @@ import functools
 from tokenizers import Tokenizer as Backend
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
-from entrenar.tokenizer import Tokenizer
+from entrenar.data.tokenizer import Tokenizer
 
 BOS, EOS = "<|begin_of_text|>", "<|end_of_text|>"
 CORPUS = [

@@ -16,7 +16,7 @@ from dist_fixtures import shared  # noqa: E402, F401  (a fixture)
 from workers import launch, train_worker  # noqa: E402
 
 import entrenar  # noqa: E402
-from entrenar.lora import PEFT_PREFIX  # noqa: E402
+from entrenar.adapters.lora import PEFT_PREFIX  # noqa: E402
 from entrenar.train.checkpoint import is_sharded, latest_checkpoint  # noqa: E402
 
 pytestmark = pytest.mark.timeout(90)
@@ -92,7 +92,7 @@ def test_a_folder_saved_in_nf4_trains_sharded_as_on_one_process(shared):
     folder is kept): the other ranks build it from the file headers alone (no data read, nothing to check), rank 0
     reads it, FSDP shards its codes; 2 ranks give the losses and adapter of one process on the same folder."""
     from entrenar.quant.checkpoint import load_quantized, save_quantized
-    from entrenar.quant.nf4 import quantize_model_nf4
+    from entrenar.quant.nf4.format import quantize_model_nf4
 
     ws, recipes, _ = shared
     folder = ws / "model-nf4"

@@ -11,7 +11,7 @@ from entrenar.config import load_recipe
 from entrenar.distributed.parallelize import bucket_mb, choose_mode, refuse
 from entrenar.distributed.world import World
 from entrenar.errors import ConfigError
-from entrenar.memory import estimate_training_memory
+from entrenar.train.memory import estimate_training_memory
 
 TWO = World(rank=0, size=2, backend="nccl")
 
@@ -57,8 +57,8 @@ def test_ddp_buckets_hold_an_eighth_of_the_adapter_gradients_between_1_and_25_mi
 
 
 def test_nf4_experts_are_refused_under_fsdp_naming_the_module():
-    from entrenar.distributed.nf4 import shard_nf4_layers
-    from entrenar.quant.nf4_experts import NF4Experts
+    from entrenar.quant.nf4.sharding import shard_nf4_layers
+    from entrenar.quant.nf4.experts import NF4Experts
 
     model = torch.nn.Module()
     model.mlp = NF4Experts(2, 64, 64, torch.float32, "meta")

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from entrenar.distributed.checkpoint import load_sharded_checkpoint, save_sharded_checkpoint
+from entrenar.train.sharded_checkpoint import load_sharded_checkpoint, save_sharded_checkpoint
 from entrenar.distributed.world import SOLO
 from entrenar.errors import CheckpointError
 from entrenar.train.checkpoint import is_sharded, latest_checkpoint, load_checkpoint

@@ -14,7 +14,8 @@ import torch
 from entrenar.config import Recipe
 from entrenar.errors import ConfigError
 from entrenar.experiments import ablate as ab
-from entrenar.experiments import scratch, synth
+from entrenar.data import synth
+from entrenar.models import random_init as scratch
 from entrenar.models.transformer import Transformer
 
 MOE = {"model_type": "qwen3_moe", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,

@@ -11,7 +11,8 @@ import torch
 import entrenar
 from entrenar.config import Recipe, load_recipe
 from entrenar.errors import ConfigError
-from entrenar.experiments import arch, scratch
+from entrenar.models import random_init as scratch
+from entrenar.train import arch
 from entrenar.models.config import ModelConfig
 
 MOE = {"model_type": "qwen3_moe", "hidden_size": 32, "intermediate_size": 64, "moe_intermediate_size": 16,

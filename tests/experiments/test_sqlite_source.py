@@ -34,7 +34,7 @@ def test_rows_become_records_with_their_column_names(db):
 
 def test_a_null_text_is_a_record_error_that_skip_honours(db):
     from entrenar.data import tokenize_records
-    from entrenar.experiments.scratch import byte_tokenizer
+    from entrenar.models.random_init import byte_tokenizer
 
     records, _ = read_records(db, query="SELECT prompt || ifnull(answer, '') AS text, answer FROM logs ORDER BY id")
     nulls, _ = read_records(db, query="SELECT answer AS text FROM logs ORDER BY id")

@@ -16,7 +16,7 @@ import torch
 from entrenar.config import load_recipe
 from entrenar.data.sources import read_records
 from entrenar.errors import ConfigError
-from entrenar.experiments import synth
+from entrenar.data import synth
 
 
 def digest(source: str, seed: int = 0) -> str:
@@ -135,7 +135,7 @@ def test_a_run_from_scratch_resumes_exactly_and_its_checkpoints_load(tmp_path, m
 
 
 def test_synth_regression_feeds_the_regression_head(tmp_path):
-    from entrenar.experiments import scratch
+    from entrenar.models import random_init as scratch
     from entrenar.export import save_merged
     from entrenar.train.loop import train
 

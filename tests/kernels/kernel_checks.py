@@ -64,8 +64,8 @@ def lora_group(dtype: torch.dtype, device: str = "cpu", train_base: bool = False
     scalings), one with a bias; the plain layers and fused copies of them. ``nf4``: QLoRA, each base
     quantized to NF4 (frozen)."""
     from entrenar.kernels.lora_linear import FusedLoraLinear
-    from entrenar.lora import LoraLinear
-    from entrenar.quant.nf4 import NF4Linear
+    from entrenar.adapters.lora import LoraLinear
+    from entrenar.quant.nf4.format import NF4Linear
 
     torch.manual_seed(8)
     plain = []

@@ -15,11 +15,11 @@ from entrenar.kernels import (
     fused_linear_cross_entropy,
     remove_kernels,
 )
-from entrenar.lora import LoraConfig, LoraLinear, apply_lora, lora_parameters
+from entrenar.adapters.lora import LoraConfig, LoraLinear, apply_lora, lora_parameters
 from entrenar.models.config import ModelConfig
 from entrenar.models.transformer import Transformer
-from entrenar.quant.nf4 import quantize_model_nf4
-from entrenar.train.loss import chunked_cross_entropy
+from entrenar.quant.nf4.format import quantize_model_nf4
+from entrenar.models.loss import chunked_cross_entropy
 
 
 def _lora_model(device="cpu", dtype=torch.float32, nf4: bool = False, **shape) -> Transformer:

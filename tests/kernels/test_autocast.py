@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from entrenar.kernels.fused_linear_ce import fused_linear_cross_entropy
 from entrenar.kernels.lora_linear import lora_linear
-from entrenar.train.loss import token_cross_entropy
+from entrenar.models.loss import token_cross_entropy
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 

@@ -7,7 +7,7 @@ import torch
 from kernel_checks import DEVICE, assert_as_close, grads, leaf, needs_kernels
 
 from entrenar.kernels.fused_linear_ce import fused_linear_cross_entropy
-from entrenar.train.loss import IGNORE_INDEX, chunked_cross_entropy, token_cross_entropy
+from entrenar.models.loss import IGNORE_INDEX, chunked_cross_entropy, token_cross_entropy
 
 
 def _problem(device, b=2, t=37, h=64, v=5003):

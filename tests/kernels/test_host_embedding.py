@@ -13,7 +13,7 @@ from entrenar.kernels.host_embedding import (
     gather_rows,
     offload_embeddings,
 )
-from entrenar.lora import LoraConfig, apply_lora
+from entrenar.adapters.lora import LoraConfig, apply_lora
 from entrenar.models.config import ModelConfig
 from entrenar.models.transformer import Transformer
 

@@ -115,7 +115,7 @@ def test_apply_kernels_gives_grouped_experts_the_fused_steps_with_the_same_resul
 def test_lora_wrapped_experts_use_the_fused_steps_with_the_same_result():
     """LoRA on every expert (both stacks wrapped, PEFT's nesting): the wrappers answer the fused steps of the
     Experts inside, and the adapters' gradients equal the plain grouped path's."""
-    from entrenar.lora import LoraConfig, apply_lora
+    from entrenar.adapters.lora import LoraConfig, apply_lora
 
     plain = _moe_model(DEVICE)
     set_experts_implementation(plain, "grouped")

@@ -7,10 +7,10 @@ import torch
 from kernel_checks import DEVICE, needs_cuda, needs_kernels, rel_err
 
 from entrenar.kernels import FusedLoraLinear
-from entrenar.kernels import nf4 as nf4_kernel
+from entrenar.quant.nf4 import kernel as nf4_kernel
 from entrenar.kernels.lora_linear import lora_linear
-from entrenar.lora import LoraLinear
-from entrenar.quant.nf4 import (
+from entrenar.adapters.lora import LoraLinear
+from entrenar.quant.nf4.format import (
     NF4Linear,
     NF4Tensor,
     dequantize_nf4,
@@ -81,7 +81,7 @@ def test_cuda_dequantize_dispatches_to_the_kernel_and_a_large_weight_matches(mon
     def refuse(*args, **kwargs):
         raise AssertionError("CUDA tensors went through the PyTorch reference")
 
-    monkeypatch.setattr("entrenar.quant.nf4.dequantize_nf4_reference", refuse)
+    monkeypatch.setattr("entrenar.quant.nf4.format.dequantize_nf4_reference", refuse)
     assert_same_bits(layer.weight, want_bf16, "NF4Linear.weight on CUDA")
     assert_same_bits(dequantize_nf4(layer.quantized, torch.float16), want_fp16, "dequantize_nf4 to fp16 on CUDA")
 

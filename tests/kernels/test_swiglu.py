@@ -18,10 +18,10 @@ from entrenar.kernels.swiglu import (
     swiglu_lora_linear,
     swiglu_reference,
 )
-from entrenar.lora import LoraConfig, apply_lora
+from entrenar.adapters.lora import LoraConfig, apply_lora
 from entrenar.models.config import ModelConfig
 from entrenar.models.transformer import MLP
-from entrenar.quant.nf4 import quantize_model_nf4
+from entrenar.quant.nf4.format import quantize_model_nf4
 
 
 @needs_kernels

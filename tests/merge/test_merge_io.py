@@ -155,8 +155,8 @@ def test_gguf_input_and_output(tmp_path):
 
     import entrenar
     from entrenar.models.gguf import read_gguf
-    from entrenar.models.gguf_write import write_gguf
-    from entrenar.tokenizer import Tokenizer
+    from entrenar.export.gguf_write import write_gguf
+    from entrenar.data.tokenizer import Tokenizer
 
     tokenizer = Tokenizer(train_byte_level_tokenizer("gpt-2", vocab_size=300), eos_token="<|endoftext|>")
     for seed, name in enumerate(("a", "b")):

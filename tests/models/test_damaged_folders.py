@@ -178,7 +178,7 @@ def test_damaged_tokenizer_files_are_named(tmp_path, name):
 
     chat_tokenizer().save(tmp_path)
     (tmp_path / name).write_text("[" * 100_000 + "]" * 100_000)
-    from entrenar.tokenizer import Tokenizer
+    from entrenar.data.tokenizer import Tokenizer
 
     with pytest.raises(ModelError, match=rf"{name}: invalid JSON"):
         Tokenizer.from_folder(tmp_path)

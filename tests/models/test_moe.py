@@ -229,7 +229,7 @@ def test_sigmoid_grouped_router_from_config_matches_a_hand_computed_route():
 def test_a_sigmoid_model_from_scratch_saves_and_loads_back_with_its_selection_bias(tmp_path):
     import entrenar
     from entrenar.config import Recipe
-    from entrenar.experiments import scratch
+    from entrenar.models import random_init as scratch
     from entrenar.export import save_merged
 
     hf = {**ROUTED, "vocab_size": 259, "scoring_func": "sigmoid", "n_group": 2, "topk_group": 2,

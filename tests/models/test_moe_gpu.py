@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from entrenar.lora import LoraConfig, apply_lora
+from entrenar.adapters.lora import LoraConfig, apply_lora
 from entrenar.models.config import ModelConfig
 from entrenar.models.moe import grouped_mm_available, moe_blocks, set_experts_implementation
 from entrenar.models.transformer import Transformer

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from entrenar.kernels import apply_kernels
-from entrenar.lora import LoraConfig, apply_lora, lora_parameters
+from entrenar.adapters.lora import LoraConfig, apply_lora, lora_parameters
 from entrenar.models.config import ModelConfig
 from entrenar.models.transformer import Transformer
-from entrenar.quant.nf4 import quantize_model_nf4
+from entrenar.quant.nf4.format import quantize_model_nf4
 from entrenar.train.cuda_graph import GraphedMicroStep
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="offloading moves GPU memory to the CPU")

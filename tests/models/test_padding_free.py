@@ -8,9 +8,9 @@ import torch
 from entrenar.models.hf import load_hf
 from entrenar.data import Example, collate, num_target_tokens, packed_documents, padding_free
 from entrenar.data.tokenize import IGNORE_INDEX
-from entrenar.lora import LoraConfig, apply_lora
+from entrenar.adapters.lora import LoraConfig, apply_lora
 from entrenar.models.padding_free import Documents, documents_attention
-from entrenar.train.loss import token_cross_entropy
+from entrenar.models.loss import token_cross_entropy
 
 LENGTHS = [[9, 23, 5], [30], [1, 17, 12]]  # rows of documents; rows padded to 48
 

@@ -11,11 +11,11 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from entrenar.kernels import apply_kernels, norm_projections
-from entrenar.lora import LoraConfig, apply_lora, lora_parameters
+from entrenar.adapters.lora import LoraConfig, apply_lora, lora_parameters
 from entrenar.models.config import ModelConfig
 from entrenar.models.recompute import checkpointed, recomputing
 from entrenar.models.transformer import Transformer
-from entrenar.quant.nf4 import quantize_model_nf4
+from entrenar.quant.nf4.format import quantize_model_nf4
 
 CONFIG = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2)
 RANK = 4

@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from entrenar.kernels import apply_kernels
-from entrenar.lora import LoraConfig, apply_lora
+from entrenar.adapters.lora import LoraConfig, apply_lora
 from entrenar.models.config import ModelConfig
 from entrenar.models.transformer import Transformer
-from entrenar.models.weight_stream import stream_weights
-from entrenar.quant.nf4 import NF4Linear, quantize_model_nf4
+from entrenar.quant.nf4.streaming import stream_weights
+from entrenar.quant.nf4.format import NF4Linear, quantize_model_nf4
 
 
 def _qlora(layers: int = 3, kernels: bool = False) -> Transformer:
@@ -116,7 +116,7 @@ def test_nf4_buffers_kept_in_host_memory_stay_through_device_moves_and_quantize_
 
 
 def test_adapters_of_a_base_kept_in_host_memory_live_where_it_computes():
-    from entrenar.lora import LoraLinear
+    from entrenar.adapters.lora import LoraLinear
 
     base = NF4Linear(64, 48, bias=False, device="meta")
     base.keep_in_host_memory(quantize_on=torch.device("meta"))  # stands for the GPU the base computes on

@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from entrenar.kernels import apply_kernels
-from entrenar.lora import LoraConfig, apply_lora, lora_parameters
+from entrenar.adapters.lora import LoraConfig, apply_lora, lora_parameters
 from entrenar.models.config import ModelConfig
 from entrenar.models.transformer import Transformer
-from entrenar.models.weight_stream import stream_weights
-from entrenar.quant.nf4 import NF4Linear, quantize_model_nf4
+from entrenar.quant.nf4.streaming import stream_weights
+from entrenar.quant.nf4.format import NF4Linear, quantize_model_nf4
 from entrenar.train.cuda_graph import GraphedMicroStep
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="streams weights from CPU to GPU memory")
@@ -102,7 +102,7 @@ def test_a_model_loaded_for_streaming_never_holds_its_nf4_weights_on_the_gpu(tmp
     """Loaded inside nf4_in_host_memory, the NF4 buffers are in CPU memory from the start and quantized on the GPU
     a tensor at a time: the same codes as a GPU load, and the load's peak stays under the NF4 weights' size."""
     from entrenar.models.hf import load_hf, save_hf
-    from entrenar.models.weight_stream import nf4_in_host_memory
+    from entrenar.quant.nf4.streaming import nf4_in_host_memory
 
     torch.manual_seed(0)
     model = Transformer(ModelConfig(**{**CONFIG.__dict__, "num_layers": 24})).to(torch.bfloat16)  # weights >> one

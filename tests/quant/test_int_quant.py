@@ -257,7 +257,7 @@ def test_gguf_errors_name_the_tensor():
 
 
 def test_suggested_group_sizes_divide_every_width_whatever_size_was_asked():
-    from entrenar.quant.ptq import suggest_group_sizes
+    from entrenar.export.quantize import suggest_group_sizes
 
     assert suggest_group_sizes([128, 384], 7) == [64, 32, 16]  # a size below 16 was asked: the nearest that fit
     assert suggest_group_sizes([576, 1536], 128) == [64, 32, 16]  # SmolLM2's widths: 128 does not divide 576

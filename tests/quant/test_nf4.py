@@ -9,7 +9,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from entrenar.errors import QuantError
-from entrenar.quant.nf4 import (
+from entrenar.quant.nf4.format import (
     NF4_CODE,
     NF4Linear,
     dequantize_nf4,
@@ -174,7 +174,7 @@ def test_nf4_linear_saves_no_weight_sized_tensor_for_backward():
 
 
 def test_qlora_adapter_on_an_nf4_base_gets_the_gradients_of_the_dequantized_model():
-    from entrenar.lora import LoraLinear
+    from entrenar.adapters.lora import LoraLinear
 
     _, layer = _nf4_layer()
     lora = LoraLinear(layer, r=4, alpha=8)

@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from entrenar.errors import AdapterError
-from entrenar.lora import LoraConfig, apply_lora, merge_lora
+from entrenar.adapters.lora import LoraConfig, apply_lora, merge_lora
 from entrenar.models.hf import load_hf
 from entrenar.models.moe import moe_blocks
-from entrenar.quant.nf4 import dequantize_nf4, quantize_nf4
-from entrenar.quant.nf4_experts import NF4Experts, quantize_experts_nf4
+from entrenar.quant.nf4.format import dequantize_nf4, quantize_nf4
+from entrenar.quant.nf4.experts import NF4Experts, quantize_experts_nf4
 
 TARGETS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 

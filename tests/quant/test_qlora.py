@@ -8,10 +8,10 @@ import pytest
 import torch
 from torch import nn
 
-from entrenar.lora import LoraConfig, apply_lora, lora_parameters, merge_lora, unload_lora
+from entrenar.adapters.lora import LoraConfig, apply_lora, lora_parameters, merge_lora, unload_lora
 from entrenar.models.hf import load_hf
-from entrenar.quant.nf4 import NF4Linear, quantize_model_nf4
-from entrenar.surgery import replace_module
+from entrenar.quant.nf4.format import NF4Linear, quantize_model_nf4
+from entrenar.models.surgery import replace_module
 
 
 def test_streamed_nf4_load_equals_quantizing_after_load(hf_folder):
@@ -79,7 +79,7 @@ def test_adapters_on_a_quantized_base_are_built_without_dequantizing_it(hf_folde
     """LoRA reads the base's dtype and device from an empty tensor beside its codes: dequantizing every layer
     just to read them made an FSDP run's rank 0 spend minutes building a 70B NF4 base on its CPU."""
     from entrenar.quant import int as int_quant
-    from entrenar.quant import nf4
+    from entrenar.quant.nf4 import format as nf4
     from entrenar.quant.int import QuantLinear
 
     folder, _ = hf_folder("llama")

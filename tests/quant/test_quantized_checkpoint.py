@@ -14,15 +14,15 @@ from torch import nn
 import entrenar
 from entrenar import quickstart
 from entrenar.errors import ConfigError, ModelError, QuantError
-from entrenar.evaluate import evaluate_file
-from entrenar.lora import LoraConfig, apply_lora
+from entrenar.evaluation.loss import evaluate_file
+from entrenar.adapters.lora import LoraConfig, apply_lora
 from entrenar.models.config import ModelConfig
 from entrenar.models.hf import save_hf
 from entrenar.models.transformer import Transformer
 from entrenar.quant.checkpoint import load_quantized, quantization_config, save_quantized
 from entrenar.quant.int import QuantLinear, quantize_model_int
-from entrenar.quant.nf4 import NF4Linear, quantize_model_nf4
-from entrenar.quant.ptq import parse_method, quantize_model, quantize_pretrained
+from entrenar.quant.nf4.format import NF4Linear, quantize_model_nf4
+from entrenar.export.quantize import parse_method, quantize_model, quantize_pretrained
 from entrenar.quant.qat import QATConfig, convert_qat, prepare_qat
 
 LAYER = "model.layers.0.mlp.up_proj"  # in_features 64, out_features 128

@@ -29,7 +29,7 @@ def long_documents(ws) -> list[str]:
     from entrenar.models.config import ModelConfig
     from entrenar.models.hf import save_hf
     from entrenar.models.transformer import Transformer
-    from entrenar.tokenizer import Tokenizer
+    from entrenar.data.tokenizer import Tokenizer
 
     torch.manual_seed(0)
     config = ModelConfig(vocab_size=Tokenizer.from_folder(ws / "model").vocab_size, hidden_size=256, intermediate_size=512,

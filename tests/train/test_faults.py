@@ -12,6 +12,7 @@ from test_loop import losses, recipe_for
 
 import entrenar
 from entrenar.errors import DataError
+from entrenar.tasks import causal_lm
 from entrenar.train import loop
 from entrenar.train.faults import optimizer_step
 from entrenar.train.metrics import read_metrics
@@ -35,7 +36,7 @@ def poison_gradients(monkeypatch, steps: set[int]) -> None:
         model.model.norm.register_forward_hook(hook)
         return model, tokenizer
 
-    monkeypatch.setattr(loop.entrenar, "load", load)
+    monkeypatch.setattr(causal_lm, "load", load)
 
 
 def weights_are_finite(path) -> bool:

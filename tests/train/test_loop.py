@@ -123,7 +123,7 @@ def test_best_output_is_usable_and_pruning_drops_the_stale_best(workspace):
 
 
 def test_full_fine_tune_keeps_the_base_generation_config(workspace):
-    from entrenar.tokenizer import Tokenizer
+    from entrenar.data.tokenizer import Tokenizer
 
     (workspace / "model" / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 4], "top_p": 0.9}))
     result = train(recipe_for(workspace, "lora=null", "training.max_steps=2"), progress=False)

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from entrenar.data import IGNORE_INDEX, num_target_tokens
-from entrenar.train.loss import chunked_cross_entropy, token_cross_entropy
+from entrenar.models.loss import chunked_cross_entropy, token_cross_entropy
 
 V, H, T = 96, 32, 12
 

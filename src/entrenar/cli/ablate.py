@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--bias-update-rate: must be a positive number, got {args.bias_update_rate}")
     path = args.recipe
     if not Path(path).exists() and "/" not in path:  # `entrenar ablate ablate-moe-synth`: a bundled recipe
-        from entrenar.recipe_catalog import bundled_recipes
+        from entrenar.config.catalog import bundled_recipes
 
         path = {r.name: r.path for r in bundled_recipes()}.get(path.removesuffix(".yaml"), path)
     recipe = load_recipe(path, args.overrides)

@@ -51,8 +51,8 @@ def settings(args: argparse.Namespace, recipe: Recipe | None) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from entrenar.evaluate import evaluate_file
-    from entrenar.runs import resolve_model_and_adapter
+    from entrenar.evaluation.loss import evaluate_file
+    from entrenar.loading.runs import resolve_model_and_adapter
 
     source = resolve_model_and_adapter(args.model, args.adapter)
     chosen = settings(args, source.recipe)

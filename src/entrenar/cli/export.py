@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 
-from entrenar.cli.options import ADAPTER_HELP, DTYPES, MODEL_HELP
+from entrenar.cli.options import ADAPTER_HELP, DTYPE_CHOICES, MODEL_HELP
 
-GGUF_TYPES = ("f32", "f16", "q8_0", "q4_0")  # entrenar.models.gguf_write.GGUF_TYPES (not imported: keeps --help fast)
+GGUF_TYPES = ("f32", "f16", "q8_0", "q4_0")  # entrenar.export.gguf_write.GGUF_TYPES (not imported: keeps --help fast)
 
 
 def add_parser(commands: argparse._SubParsersAction, parents: list[argparse.ArgumentParser]) -> None:
@@ -24,7 +24,7 @@ def add_parser(commands: argparse._SubParsersAction, parents: list[argparse.Argu
     parser.add_argument("--merge", action="store_true", help="merge the adapter into the base weights")
     parser.add_argument("--gguf", choices=GGUF_TYPES, default=None,
                         help="also write a GGUF file of this type (implies --merge)")
-    parser.add_argument("--dtype", default=None, choices=[d for d in DTYPES if d != "auto"],
+    parser.add_argument("--dtype", default=None, choices=[d for d in DTYPE_CHOICES if d != "auto"],
                         help="dtype of the written weights (default: the input's stored dtype)")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace an earlier output in OUT (files export does not write are kept)")

@@ -10,7 +10,7 @@ from entrenar.cli.options import add_model_args, add_sampling_args, load_model
 from entrenar.cli.stream import stream_generate
 
 if TYPE_CHECKING:
-    from entrenar.tokenizer import Tokenizer
+    from entrenar.data.tokenizer import Tokenizer
 
 
 def add_parser(commands: argparse._SubParsersAction, parents: list[argparse.ArgumentParser]) -> None:

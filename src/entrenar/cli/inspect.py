@@ -12,6 +12,7 @@ from typing import Any
 
 import entrenar
 from entrenar.cli.options import positive_int
+from entrenar.device import DTYPES
 
 ARCHITECTURE_FIELDS = (
     "model_type", "num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
@@ -42,7 +43,7 @@ def add_parser(commands: argparse._SubParsersAction, parents: list[argparse.Argu
                         help="projections LoRA adapts (default all-linear)")
     parser.add_argument("--lora-experts", action="store_true",
                         help="MoE models: LoRA on every expert too, one adapter each (lora.target_parameters)")
-    parser.add_argument("--dtype", choices=tuple(entrenar.DTYPES), default="bf16", help="training dtype (default bf16)")
+    parser.add_argument("--dtype", choices=tuple(DTYPES), default="bf16", help="training dtype (default bf16)")
     parser.add_argument("--checkpointing", nargs="?", const=True, default=False, type=positive_int, metavar="N",
                         help="with activation checkpointing of every layer, or of N layers "
                              "(training.activation_checkpointing)")
@@ -71,7 +72,7 @@ def add_parser(commands: argparse._SubParsersAction, parents: list[argparse.Argu
 def parse_targets(text: str) -> str | list[str]:
     """'all-linear' or a comma-separated list of projection names, each checked."""
     from entrenar.errors import ConfigError
-    from entrenar.memory import LINEAR_NAMES
+    from entrenar.train.memory import LINEAR_NAMES
 
     if text == "all-linear":
         return text
@@ -84,9 +85,10 @@ def parse_targets(text: str) -> str | list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from entrenar import read_model_config, resolve_dtype
+    from entrenar.loading import read_model_config
+    from entrenar.device import resolve_dtype
     from entrenar.errors import ConfigError
-    from entrenar.memory import FUSED_LOSS_CHUNK, estimate_training_memory, format_estimates, per_device
+    from entrenar.train.memory import FUSED_LOSS_CHUNK, estimate_training_memory, format_estimates, per_device
 
     config = read_model_config(args.model)
     dtype_bytes = resolve_dtype(args.dtype, "cpu").itemsize

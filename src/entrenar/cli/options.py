@@ -7,12 +7,13 @@ from typing import TYPE_CHECKING
 
 import entrenar
 from entrenar.config import DEVICE_NAMES, is_device_name
+from entrenar.device import DTYPES
 
 if TYPE_CHECKING:
     from entrenar.models.transformer import Transformer
-    from entrenar.tokenizer import Tokenizer
+    from entrenar.data.tokenizer import Tokenizer
 
-DTYPES = ("auto", *entrenar.DTYPES)  # the names entrenar.load accepts
+DTYPE_CHOICES = ("auto", *DTYPES)  # the names entrenar.load accepts
 
 
 MODEL_HELP = ("Hugging Face model folder, .gguf file, or a training run: its folder, RUN/best or "
@@ -25,11 +26,11 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", metavar="MODEL", help=MODEL_HELP)
     parser.add_argument("--adapter", metavar="DIR", help=ADAPTER_HELP)
     parser.add_argument("--device", type=device, default="auto", help="auto (CUDA when available), cpu, cuda, cuda:N")
-    parser.add_argument("--dtype", default="auto", choices=DTYPES, help="weight dtype (auto: bf16 on CUDA, else fp32)")
+    parser.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help="weight dtype (auto: bf16 on CUDA, else fp32)")
 
 
 def add_sampling_args(parser: argparse.ArgumentParser, max_new_tokens: int) -> None:
-    """The arguments of ``entrenar.generate.generate``."""
+    """The arguments of ``entrenar.generation.sampling.generate``."""
     parser.add_argument("--max-new-tokens", type=int, default=max_new_tokens, metavar="N",
                         help=f"most tokens to generate (default {max_new_tokens})")
     parser.add_argument("--temperature", type=float, default=0.0, metavar="T",
@@ -41,8 +42,8 @@ def add_sampling_args(parser: argparse.ArgumentParser, max_new_tokens: int) -> N
 def load_model(args: argparse.Namespace, quantize: str | None = None) -> tuple[Transformer, Tokenizer]:
     """(model, tokenizer) as the model arguments say; a model without a tokenizer is a ModelError
     (every command that loads through here reads or writes text)."""
-    from entrenar import load, require_tokenizer
-    from entrenar.runs import resolve_model_and_adapter
+    from entrenar.loading import load, require_tokenizer
+    from entrenar.loading.runs import resolve_model_and_adapter
 
     base = resolve_model_and_adapter(args.model, args.adapter).model
     if base.is_dir() and not (base / "tokenizer.json").is_file():

@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
-from entrenar.cli.options import DTYPES, device, positive_int
+from entrenar.cli.options import DTYPE_CHOICES, device, positive_int
 
 if TYPE_CHECKING:
-    from entrenar.quant.ptq import QuantizeResult
+    from entrenar.export.quantize import QuantizeResult
 
 
 def add_parser(commands: argparse._SubParsersAction, parents: list[argparse.ArgumentParser]) -> None:
@@ -41,13 +41,13 @@ def add_parser(commands: argparse._SubParsersAction, parents: list[argparse.Argu
     parser.add_argument("--batch-size", type=positive_int, default=4, metavar="B",
                         help="with --data: sequences per batch (default 4)")
     parser.add_argument("--device", type=device, default="auto", help="auto (CUDA when available), cpu, cuda, cuda:N")
-    parser.add_argument("--dtype", default="auto", choices=DTYPES,
+    parser.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
                         help="dtype to load and compute in (auto: bf16 on CUDA, else fp32)")
     parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from entrenar.quant.ptq import quantize_pretrained
+    from entrenar.export.quantize import quantize_pretrained
 
     result = quantize_pretrained(
         args.model, args.output, args.method, group_size=args.group_size, symmetric=not args.asymmetric,

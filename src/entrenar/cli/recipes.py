@@ -18,7 +18,7 @@ def add_parser(commands: argparse._SubParsersAction, parents: list[argparse.Argu
 
 
 def run(args: argparse.Namespace) -> int:
-    from entrenar.recipe_catalog import bundled_recipes, find_recipe
+    from entrenar.config.catalog import bundled_recipes, find_recipe
 
     if args.name is not None:
         recipe = find_recipe(args.name)

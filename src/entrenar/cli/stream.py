@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, TextIO
 
 if TYPE_CHECKING:
     from entrenar.models.transformer import Transformer
-    from entrenar.tokenizer import Tokenizer
+    from entrenar.data.tokenizer import Tokenizer
 
 REPLACEMENT = "\ufffd"  # what a decoder gives for an incomplete UTF-8 sequence
 
@@ -52,7 +52,7 @@ def stream_generate(
     model: Transformer, tokenizer: Tokenizer, prompt_ids: list[int], args: argparse.Namespace, out: TextIO
 ) -> str:
     """Generate from ``prompt_ids`` with the sampling arguments, printing as it goes; returns the text."""
-    from entrenar.generate import generate
+    from entrenar.generation.sampling import generate
 
     stream = TokenStream(tokenizer, out)
     generate(

@@ -46,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
         if not path.is_file():
             raise CheckpointError(f"{args.resume}: no recipe.yaml there; is it a run folder?")
     if path is not None and not Path(path).exists() and "/" not in str(path):
-        from entrenar.recipe_catalog import bundled_recipes
+        from entrenar.config.catalog import bundled_recipes
 
         named = {r.name: r.path for r in bundled_recipes()}
         path = named.get(str(path).removesuffix(".yaml"), path)  # `entrenar train lora-llama`: a bundled recipe

@@ -13,7 +13,7 @@ import re
 from collections import Counter
 from pathlib import Path
 
-from entrenar import atomic
+from entrenar.io import atomic
 from entrenar.data.sources import ReadStats, Skip
 from entrenar.data.tokenize import TokenizeStats
 

@@ -11,7 +11,7 @@ so every later error can name the place to fix. Formats:
 - ``.txt``/``.md``: the whole file is one ``{"text": ...}`` record.
 - a folder: every file of a known format below it, in sorted path order.
 - ``.db``/``.sqlite``/``.sqlite3``: the rows of ``query`` (:mod:`entrenar.data.sqlite`; not read from folders).
-- ``synth:KIND:N[:SEED]``: generated records (:mod:`entrenar.experiments.synth`), ``seed`` when none is named.
+- ``synth:KIND:N[:SEED]``: generated records (:mod:`entrenar.data.synth`), ``seed`` when none is named.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import Any
 
 from entrenar.data.sqlite import is_sqlite, read_sqlite
 from entrenar.errors import ConfigError, DataError
-from entrenar.experiments.synth import is_synth
+from entrenar.data.synth import is_synth
 
 FORMATS = ("auto", "jsonl", "json", "csv", "parquet", "text")
 _EXTENSIONS = {
@@ -189,7 +189,7 @@ def _read_file(path: Path, format: str, seed: int = 0, query: str | None = None)
 
 
 def _read_synth(source: str, seed: int) -> Iterator[Record | Skip]:
-    from entrenar.experiments import synth
+    from entrenar.data import synth
 
     for index, fields in synth.records(synth.parse(source), seed):
         yield Record(fields, source, f"record {index}")

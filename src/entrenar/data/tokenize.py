@@ -34,7 +34,7 @@ from entrenar.data.templates import assistant_spans, render_chat
 from entrenar.errors import ConfigError, DataError
 
 if TYPE_CHECKING:
-    from entrenar.tokenizer import Tokenizer
+    from entrenar.data.tokenizer import Tokenizer
 
 IGNORE_INDEX = -100
 KINDS = ("auto", "text", "prompt_completion", "messages")

@@ -26,9 +26,10 @@ import torch
 from torch import nn
 
 from entrenar.distributed.materialize import full_state, materialize
-from entrenar.distributed.nf4 import scatter_nf4, shard_nf4_layers
+from entrenar.quant.nf4.sharding import scatter_nf4, shard_nf4_layers
 from entrenar.distributed.world import World
 from entrenar.errors import ConfigError
+from entrenar.loading import read_model_config
 
 MiB = 2**20
 # Fraction of device memory a replica may take for `parallel: auto` to pick DDP (the rest: allocator slack).
@@ -133,7 +134,7 @@ def bucket_mb(trainable_bytes: int) -> float:
 
 def choose(parallel: str, world: World, replica_bytes: float, device: torch.device) -> str:
     """``single`` for one process; otherwise ``training.parallel``, with ``auto`` meaning DDP when a replica
-    (weights, gradients, optimizer state, activations: :mod:`entrenar.memory`'s estimate) fits one device."""
+    (weights, gradients, optimizer state, activations: :mod:`entrenar.train.memory`'s estimate) fits one device."""
     if not world.distributed:
         return "single"
     if parallel != "auto":
@@ -177,16 +178,16 @@ def choose_mode(recipe: Any, world: World, device: torch.device) -> str:
     if not world.distributed or t.parallel != "auto" or device.type != "cuda":
         return choose(t.parallel, world, 0.0, device)
     import entrenar
-    from entrenar.memory import estimate_training_memory
+    from entrenar.train.memory import estimate_training_memory
 
-    from entrenar.memory import LINEAR_NAMES
+    from entrenar.train.memory import LINEAR_NAMES
 
     lora = recipe.lora
     method = "full" if lora is None else ("qlora" if lora.quantize_base else "lora")
     targets = "all-linear" if lora is None or isinstance(lora.target_modules, str) else \
         [n for n in lora.target_modules if n in LINEAR_NAMES]
     estimate = estimate_training_memory(
-        entrenar.read_model_config(recipe.model.path), method, t.batch_size, recipe.data.seq_len,
+        read_model_config(recipe.model.path), method, t.batch_size, recipe.data.seq_len,
         dtype_bytes=4 if t.precision == "fp32" else 2, lora_r=lora.r if lora else 16,
         lora_targets=targets,
         activation_checkpointing=t.activation_checkpointing, optimizer=recipe.optimizer.name)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from entrenar import atomic
+from entrenar.io import atomic
 from entrenar.evaluation import metrics as M
 
 BOOTSTRAP_SAMPLES = 1000

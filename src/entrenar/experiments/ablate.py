@@ -25,11 +25,13 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from entrenar import atomic
+from entrenar.io import atomic
 from entrenar.config import MoeSection, Recipe, load_recipe, recipe_changes
 from entrenar.errors import ConfigError
-from entrenar.experiments import scratch, synth
+from entrenar.data import synth
+from entrenar.models import random_init as scratch
 from entrenar.models.config import ModelConfig
+from entrenar.loading import load
 
 ARMS = ("moe", "moe-sigmoid", "dense")
 MATCHES = ("active", "total")
@@ -289,7 +291,7 @@ def routing_specialisation(model_dir: Path, recipe: Recipe, count: int = MI_RECO
     from entrenar.data.tokenize import IGNORE_INDEX
     from entrenar.models.moe import moe_blocks, router_of
 
-    model, tokenizer = entrenar.load(model_dir, dtype="float32", device=recipe.model.device)
+    model, tokenizer = load(model_dir, dtype="float32", device=recipe.model.device)
     model.eval()
     records = heldout_records(recipe, count)
     examples, _ = tokenize_records(records, tokenizer, recipe.data.seq_len, train_on="completion",

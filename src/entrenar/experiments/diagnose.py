@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from entrenar.device import resolve_device
 
 PRECISIONS = ("bf16", "fp16")
 # The verdict's thresholds (stated in every report and in docs/EXPERIMENTS.md).
@@ -132,7 +133,7 @@ def diagnose(recipe: Any, precision: str = "bf16") -> Report:
 
     if precision not in PRECISIONS:
         raise ConfigError(f"--precision: {precision!r} is not one of {', '.join(PRECISIONS)}")
-    device = entrenar.resolve_device(recipe.model.device)
+    device = resolve_device(recipe.model.device)
     if not _autocast_works(device, precision):
         raise ConfigError(f"--precision {precision}: this PyTorch has no {precision} autocast on {device.type}; "
                           "run it on a CUDA device")
@@ -310,9 +311,9 @@ def format_report(report: Report, top: int = TOP) -> str:
 def _forward_backward(model: nn.Module, task: Any, moe: Any, batch: dict, trainable: dict[str, nn.Parameter],
                       device: torch.device, precision: str, scale: float, seed: int) -> Pass:
     """One training micro-step's forward and backward (the loop's loss, unfused), gradients kept in fp32."""
-    from entrenar.evaluate import autocast_for
+    from entrenar.evaluation.loss import autocast_for
     from entrenar.models.moe import moe_blocks
-    from entrenar.train.loss import token_cross_entropy
+    from entrenar.models.loss import token_cross_entropy
 
     model.zero_grad(set_to_none=True)
     torch.manual_seed(seed)  # the same dropout masks in both passes

@@ -20,7 +20,7 @@ Triton, unusual shapes), so a model with kernels applied works everywhere.
 
 The loss is not a module: a training step calls
 :func:`fused_linear_cross_entropy` on ``model.hidden_states(...)`` and
-``model.lm_head.weight`` instead of :func:`entrenar.train.loss.chunked_cross_entropy`.
+``model.lm_head.weight`` instead of :func:`entrenar.models.loss.chunked_cross_entropy`.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from entrenar.kernels.norm_projections import FusedBlock
 from entrenar.kernels.rmsnorm import FusedRMSNorm, rms_norm
 from entrenar.kernels.rope import FusedRopeAttention, apply_rope
 from entrenar.kernels.swiglu import FusedMLP, swiglu
-from entrenar.lora import LoraLinear
+from entrenar.adapters.lora import LoraLinear
 from entrenar.models.moe import Experts, MoeBlock
 from entrenar.models.transformer import MLP, Attention, Block, RMSNorm
 

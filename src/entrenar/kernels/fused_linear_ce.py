@@ -9,8 +9,8 @@ gradients of the hidden states and the weight. All of this happens in
 forward; backward only scales the stored gradients by the incoming scalar.
 
 Without Triton (CPU) the same loop runs with the row pass in PyTorch.
-The specification is :func:`entrenar.train.loss.chunked_cross_entropy`
-(itself checked against :func:`entrenar.train.loss.token_cross_entropy`):
+The specification is :func:`entrenar.models.loss.chunked_cross_entropy`
+(itself checked against :func:`entrenar.models.loss.token_cross_entropy`):
 same contract, same rounding points (bf16 logits, fp32 softmax, bf16
 gradient of the logits, fp32 accumulation of the weight gradient).
 """
@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from entrenar.kernels._common import autocast_inputs, use_triton
-from entrenar.train.loss import IGNORE_INDEX, GradsInForward, chunked_cross_entropy
+from entrenar.models.loss import IGNORE_INDEX, GradsInForward, chunked_cross_entropy
 
 _BLOCK_V = 4096
 
@@ -150,7 +150,7 @@ def fused_linear_cross_entropy(
     in the model dtype. On the GPU each chunk's softmax runs in the Triton
     kernel; elsewhere in one ``log_softmax`` pass. Arguments the fused path
     does not take (mixed dtypes, wrong shapes) go to
-    :func:`entrenar.train.loss.chunked_cross_entropy`, which computes the same
+    :func:`entrenar.models.loss.chunked_cross_entropy`, which computes the same
     or names the problem.
     """
     (hidden, lm_head_weight), autocast_off = autocast_inputs(hidden, lm_head_weight)

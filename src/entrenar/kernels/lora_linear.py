@@ -1,6 +1,6 @@
 """LoRA layers and their frozen base projections as one autograd node with a hand-written backward.
 
-The plain :class:`entrenar.lora.LoraLinear` lets autograd save what each op
+The plain :class:`entrenar.adapters.lora.LoraLinear` lets autograd save what each op
 needs: an fp32 copy of the input per adapter (the adapters are fp32 on a bf16
 base, as in PEFT), ``A x``, and the fp32 sum. Here backward keeps only the
 input ``x`` in its own dtype (usually the very tensor another layer saves
@@ -21,7 +21,7 @@ Backward, with ``g_i`` the output gradients::
 
     dB_i = s_i g_i^T (A_i x)    u_i = s_i g_i B_i    dA_i = u_i^T x    dx = sum_i (g_i W_i + u_i A_i)
 
-A base weight is a tensor or, for QLoRA, an :class:`~entrenar.quant.nf4.NF4Tensor`:
+A base weight is a tensor or, for QLoRA, an :class:`~entrenar.quant.nf4.format.NF4Tensor`:
 its weight is dequantized in forward and again in backward (the Triton kernel
 on CUDA) and never kept between them, so the node holds no 16-bit copy of a
 4-bit base.
@@ -39,8 +39,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from entrenar.kernels._common import autocast_dtype, autocast_inputs
-from entrenar.lora import LoraLinear
-from entrenar.quant.nf4 import NF4Linear, NF4Tensor, dequantize_nf4
+from entrenar.adapters.lora import LoraLinear
+from entrenar.quant.nf4.format import NF4Linear, NF4Tensor, dequantize_nf4
 
 Weight = torch.Tensor | NF4Tensor  # a base weight as the node takes it
 
@@ -56,7 +56,7 @@ def save_bases(ctx, weights: Sequence[Weight], *tensors: torch.Tensor) -> None:
 
     Through ``save_for_backward``, not as ``ctx`` attributes: activation checkpointing drops what a node saves
     there until the rerun, so a checkpointed block does not keep a GPU copy of weights streamed in from CPU
-    memory (:mod:`entrenar.models.weight_stream`) between its forward and its backward.
+    memory (:mod:`entrenar.quant.nf4.streaming`) between its forward and its backward.
     """
     ctx.nf4_bases = [(w.shape, w.dtype, w.blocksize) if isinstance(w, NF4Tensor) else None for w in weights]
     parts = []
@@ -277,9 +277,9 @@ def lora_projections(
 ) -> tuple[torch.Tensor, ...]:
     """``F.linear(x, weights[i], biases[i]) + scalings[i] * B_i(A_i(x))`` for every ``i``, as one autograd node.
 
-    A weight may be an :class:`~entrenar.quant.nf4.NF4Tensor` (QLoRA): it is
+    A weight may be an :class:`~entrenar.quant.nf4.format.NF4Tensor` (QLoRA): it is
     dequantized to ``x``'s dtype where used, and a bias is cast to that dtype
-    as :class:`~entrenar.quant.nf4.NF4Linear` does.
+    as :class:`~entrenar.quant.nf4.format.NF4Linear` does.
     The adapter products run in ``compute_dtype``: by default the adapters'
     own dtype (fp32 on a bf16 base: the plain path's numerics). Passing the
     base dtype (bf16) runs them on the tensor cores with no fp32 copies of

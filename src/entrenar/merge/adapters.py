@@ -41,7 +41,7 @@ def is_adapter_folder(path: Path) -> bool:
 
 
 def _read(folder: Path) -> tuple[dict[str, Any], dict[str, tuple[torch.Tensor, torch.Tensor]], float]:
-    from entrenar.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFIX, read_adapter_config
+    from entrenar.adapters.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFIX, read_adapter_config
 
     cfg = read_adapter_config(folder)
     raw = json.loads((folder / ADAPTER_CONFIG).read_text())
@@ -64,7 +64,7 @@ def _read(folder: Path) -> tuple[dict[str, Any], dict[str, tuple[torch.Tensor, t
 
 def merge_adapters(cfg: MergeConfig, output: Path, dry_run: bool = False, seed: int | None = None) -> list[str]:
     """Merge the adapters ``cfg.models`` name into one PEFT adapter folder at ``output``; returns a summary."""
-    from entrenar.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFIX
+    from entrenar.adapters.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFIX
 
     if cfg.merge_method not in ADAPTER_METHODS:
         raise ConfigError(f"{cfg.source}: merging adapters supports {', '.join(ADAPTER_METHODS)}, not {cfg.merge_method}")
@@ -134,7 +134,7 @@ def merge_adapters(cfg: MergeConfig, output: Path, dry_run: bool = False, seed: 
     config = dict(inputs[0][1])
     config.update(r=r_out, lora_alpha=r_out, use_rslora=False, target_modules=sorted({m.rsplit(".", 1)[-1] for m in modules}),
                   rank_pattern={}, alpha_pattern={}, lora_dropout=config.get("lora_dropout", 0.0))
-    from entrenar.outputs import replace_files
+    from entrenar.io.outputs import replace_files
 
     with replace_files(output) as tmp:
         tmp.mkdir()

@@ -51,8 +51,8 @@ def write_tokenizer(plan, inputs: dict[str, Input], vocab, folder: Path) -> None
 
 def gguf_tokenizer_check(plan, inputs: dict[str, Input], vocab) -> None:
     """The merged model's tokenizer (its source's), checked as the GGUF writer will need it."""
-    from entrenar.models.gguf_write import check_gguf_tokenizer
-    from entrenar.tokenizer import Tokenizer
+    from entrenar.export.gguf_write import check_gguf_tokenizer
+    from entrenar.data.tokenizer import Tokenizer
 
     source = inputs[_tokenizer_ref(plan, vocab)]
     if isinstance(source, GGUFInput):

@@ -89,7 +89,7 @@ def merge(
     needs ``overwrite``; even then files the merge does not write are kept.
     """
     from entrenar.export import _check_output
-    from entrenar.outputs import check_output, replace_files
+    from entrenar.io.outputs import check_output, replace_files
     from entrenar.merge.card import model_card, write_tokenizer
 
     output = Path(output)
@@ -106,7 +106,7 @@ def merge(
     config = cfg0
     qtype = None
     if gguf is not None:
-        from entrenar.models.gguf_write import check_gguf_type
+        from entrenar.export.gguf_write import check_gguf_type
 
         qtype = check_gguf_type(gguf)
     plan, inputs, vocab = plan_merge(config)
@@ -179,8 +179,8 @@ def merge(
         for model in inputs.values():
             model.close()
     if qtype is not None:
-        from entrenar import load
-        from entrenar.models.gguf_write import write_gguf
+        from entrenar.loading import load
+        from entrenar.export.gguf_write import write_gguf
 
         model, tokenizer = load(output, dtype=plan.out_dtype if plan.out_dtype != torch.float64 else torch.float32,
                                 device="cpu")

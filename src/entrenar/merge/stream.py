@@ -272,7 +272,7 @@ class Input:
 
 class HFInput(Input):
     def __init__(self, folder: Path, reference: str) -> None:
-        from entrenar.hf_files import weight_files
+        from entrenar.io.hf_files import weight_files
 
         self.reference, self.folder = reference, folder
         path = folder / "config.json"
@@ -345,7 +345,7 @@ class AdapterInput(Input):
     def __init__(self, base: Input, adapter: Path, reference: str) -> None:
         from safetensors.torch import load_file
 
-        from entrenar.lora import ADAPTER_WEIGHTS, PEFT_PREFIX, read_adapter_config
+        from entrenar.adapters.lora import ADAPTER_WEIGHTS, PEFT_PREFIX, read_adapter_config
 
         self.base, self.reference, self.folder, self.config = base, reference, base.folder, base.config
         cfg = read_adapter_config(adapter)

@@ -42,7 +42,7 @@ if TYPE_CHECKING:
     from gguf import GGUFReader, ReaderTensor
 
     from entrenar.models.transformer import Transformer
-    from entrenar.tokenizer import Tokenizer
+    from entrenar.data.tokenizer import Tokenizer
 
 # GGUF architecture -> transformers model_type. llama.cpp stores Mistral under "llama".
 # Mixtral is "llama" with expert_count set; Qwen3-MoE is "qwen3moe".
@@ -179,7 +179,7 @@ class GGUFModel:
     @cached_property
     def tokenizer(self) -> Tokenizer:
         """The model's tokenizer rebuilt from the GGUF vocabulary (built on first use)."""
-        from entrenar.tokenizer import Tokenizer
+        from entrenar.data.tokenizer import Tokenizer
 
         m = self.metadata
         eos = m.get("tokenizer.ggml.eos_token_id")

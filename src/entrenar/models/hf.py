@@ -11,10 +11,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from entrenar import atomic
-from entrenar.finite import check_finite
+from entrenar.io import atomic
+from entrenar.io.finite import check_finite
 from entrenar.errors import ModelError
-from entrenar.hf_files import INDEX_NAME, SINGLE_NAME, read_json, weight_files  # noqa: F401 - re-exported
+from entrenar.io.hf_files import INDEX_NAME, SINGLE_NAME, read_json, weight_files  # noqa: F401 - re-exported
 from entrenar.models.config import ModelConfig, rope_inv_freq
 from entrenar.models.transformer import Transformer
 
@@ -208,17 +208,17 @@ def empty_model(
 
     `quantize="nf4"` makes every linear layer but the output head an empty NF4
     layer, filled as weights stream in (QLoRA's frozen base); inside
-    :func:`entrenar.models.weight_stream.nf4_in_host_memory`, those layers keep
+    :func:`entrenar.quant.nf4.streaming.nf4_in_host_memory`, those layers keep
     their buffers in CPU memory and quantize on `device`.
     """
     with torch.device("meta"):
         model = Transformer(config)
     if quantize == "nf4":
         from entrenar.models.moe import Experts
-        from entrenar.models.weight_stream import nf4_host_memory_requested
-        from entrenar.quant.nf4 import NF4Linear
-        from entrenar.quant.nf4_experts import NF4Experts
-        from entrenar.surgery import find_linears, replace_module
+        from entrenar.quant.nf4.streaming import nf4_host_memory_requested
+        from entrenar.quant.nf4.format import NF4Linear
+        from entrenar.quant.nf4.experts import NF4Experts
+        from entrenar.models.surgery import find_linears, replace_module
 
         host = nf4_host_memory_requested() and torch.device(device).type == "cuda"
         for name in find_linears(model, "all-linear"):

@@ -88,7 +88,7 @@ class Router(nn.Module):
         self.routed_scaling_factor = config.routed_scaling_factor
         self.weight = nn.Parameter(torch.empty(e, h))
         self.bias = nn.Parameter(torch.zeros(e)) if config.router_bias else None
-        self.in_features, self.out_features = h, e  # what a LoRA wrapper reads (entrenar.lora_experts)
+        self.in_features, self.out_features = h, e  # what a LoRA wrapper reads (entrenar.adapters.experts)
         # DeepSeek-V3 keeps its selection bias in the checkpoint; other families get one only when aux-loss-free
         # balancing is switched on for a run (enable_selection_bias), kept out of their saved folders.
         if self.scoring == "sigmoid":
@@ -163,7 +163,7 @@ class Experts(nn.Module):
         w = getattr(self, parameter)
         return w.shape, w.dtype, w.device
 
-    # Per-expert and grouped products; LoRA on experts (entrenar.lora_experts) overrides these four.
+    # Per-expert and grouped products; LoRA on experts (entrenar.adapters.experts) overrides these four.
     def gate_up(self, x: torch.Tensor, expert: int) -> torch.Tensor:
         return F.linear(x, self.gate_up_proj[expert])
 

@@ -1,4 +1,4 @@
-"""Quantization applied to a model from outside, through ``entrenar.surgery``.
+"""Quantization applied to a model from outside, through ``entrenar.models.surgery``.
 
 * ``nf4``: QLoRA's 4-bit NormalFloat, bit-compatible with bitsandbytes (frozen bases).
 * ``int``: post-training int8/int4 (per channel / group, min-max or percentile) and GGUF Q8_0/Q4_0 blocks.
@@ -17,7 +17,7 @@ from entrenar.quant.int import (
     quantize_q4_0,
     quantize_q8_0,
 )
-from entrenar.quant.nf4 import NF4Linear, NF4Tensor, dequantize_nf4, quantize_model_nf4, quantize_nf4
+from entrenar.quant.nf4.format import NF4Linear, NF4Tensor, dequantize_nf4, quantize_model_nf4, quantize_nf4
 from entrenar.quant.qat import FakeQuantLinear, QATConfig, convert_qat, fake_quant, prepare_qat
 
 __all__ = [

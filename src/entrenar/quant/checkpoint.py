@@ -1,7 +1,7 @@
 """Quantized model folders: a Hugging Face layout whose linear layers hold integer or NF4 codes.
 
     save_quantized(model, tokenizer, "out")   # after quantize_model_int / quantize_model_nf4 / convert_qat
-    model, tokenizer = entrenar.load("out")   # the same quantized modules, the same outputs
+    model, tokenizer = load("out")   # the same quantized modules, the same outputs
 
 A folder is ``config.json`` + safetensors + tokenizer files, like any model
 folder. ``config.json`` carries a ``quantization_config`` entry that says how
@@ -22,7 +22,7 @@ per byte at 4 bits and fewer), ``L.weight_scale`` (fp32 [rows, groups]),
 ``L.weight_zero`` (uint8, asymmetric only) and ``L.act_scale`` (fp32, static
 activation quantization only); NF4 layers ``L.weight_codes``,
 ``L.weight_absmax`` and, double-quantized, ``L.weight_absmax_scale`` and
-``L.weight_absmax_offset`` (see :mod:`entrenar.quant.nf4`); ``L.bias`` if any.
+``L.weight_absmax_offset`` (see :mod:`entrenar.quant.nf4.format`); ``L.bias`` if any.
 Everything else (embeddings, norms, the output head) is stored as usual.
 
 ``quant_method: "entrenar"`` is not a transformers method: transformers 5
@@ -41,15 +41,16 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from entrenar import atomic
+from entrenar.io import atomic
 from entrenar.errors import ModelError, QuantError
 from entrenar.quant.int import MAX_BITS, MIN_BITS, IntQuantTensor, QuantLinear, qrange
 from entrenar.quant.int import _unpack_codes as unpack_codes
-from entrenar.quant.nf4 import BLOCKSIZES, NF4Linear
+from entrenar.quant.nf4.format import BLOCKSIZES, NF4Linear
+from entrenar.loading import load
 
 if TYPE_CHECKING:
     from entrenar.models.transformer import Transformer
-    from entrenar.tokenizer import Tokenizer
+    from entrenar.data.tokenizer import Tokenizer
 
 QUANT_METHOD = "entrenar"
 FORMAT_VERSION = 1
@@ -98,7 +99,7 @@ def quantization_config(
     or when the other layers agree on one, it is described as a group layer,
     which is what it is, so the folder keeps one layout.
     """
-    from entrenar.lora import LoraLinear
+    from entrenar.adapters.lora import LoraLinear
 
     adapters = [n for n, m in model.named_modules() if isinstance(m, LoraLinear)]
     if adapters:
@@ -172,13 +173,13 @@ def save_qat_model(model: nn.Module, tokenizer: Tokenizer | None, folder: str | 
 
     Each fake-quantized layer is saved as the :class:`QuantLinear` that computes
     what it computes now. In LoRA-QAT the adapters stay out: the folder is the
-    integer base, and ``entrenar.load(folder, adapter=...)`` with the run's
+    integer base, and ``load(folder, adapter=...)`` with the run's
     adapter reproduces the trained model exactly (merging the adapter into
     integer weights would re-quantize, i.e. change, the model).
     """
-    from entrenar.lora import LoraLinear
+    from entrenar.adapters.lora import LoraLinear
     from entrenar.quant.qat import FakeQuantLinear, swapped
-    from entrenar.surgery import named_linears
+    from entrenar.models.surgery import named_linears
 
     replacements, cfg = {}, None
     for name, layer in named_linears(model):
@@ -288,7 +289,7 @@ def _skeleton(folder: Path, entry: dict[str, Any], dtype: torch.dtype, device: t
     from entrenar.models.config import rope_inv_freq
     from entrenar.models.hf import read_config
     from entrenar.models.transformer import Transformer
-    from entrenar.surgery import replace_module
+    from entrenar.models.surgery import replace_module
 
     from entrenar.models.hf import check_size, weight_files
 

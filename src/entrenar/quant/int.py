@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from entrenar.errors import QuantError
-from entrenar.surgery import Patterns, find_linears, replace_module
+from entrenar.models.surgery import Patterns, find_linears, replace_module
 
 Calibration = Literal["minmax", "percentile"]
 MIN_BITS, MAX_BITS = 2, 8

@@ -22,7 +22,7 @@ tensor / channel / group, recomputed every step and treated as a constant.
 :func:`prepare_qat` swaps ``nn.Linear`` layers for :class:`FakeQuantLinear` and
 :func:`convert_qat` swaps those for :class:`entrenar.quant.int.QuantLinear`
 holding the integer codes, which computes exactly what the fake-quantized
-model computed. LoRA-QAT: ``prepare_qat`` then ``entrenar.lora.apply_lora``
+model computed. LoRA-QAT: ``prepare_qat`` then ``entrenar.adapters.lora.apply_lora``
 wraps the fake-quant layers (frozen) with full-precision adapters; merging adds
 the update to the master weight, which is re-quantized on the next forward.
 
@@ -57,7 +57,7 @@ from entrenar.quant.int import (
     quantize_with_scale,
     round_to_grid,
 )
-from entrenar.surgery import Patterns, find_linears, replace_module
+from entrenar.models.surgery import Patterns, find_linears, replace_module
 
 if TYPE_CHECKING:
     from entrenar.config import QatSection

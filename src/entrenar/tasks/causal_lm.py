@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from entrenar.data import num_target_tokens
+from entrenar.loading import load
 
 
 @dataclass
@@ -21,7 +22,7 @@ class CausalLMTask:
 
     def load(self, path, dtype, device, quantize):
         import entrenar
-        from entrenar.experiments import scratch
+        from entrenar.models import random_init as scratch
 
         if scratch.is_random(self.recipe):  # model.init random: built from model.config, seeded
             if quantize is not None:
@@ -29,7 +30,7 @@ class CausalLMTask:
 
                 raise ConfigError("lora.quantize_base: a random-init model has no pretrained base to quantize")
             return scratch.build(self.recipe, dtype, device)
-        return entrenar.load(path, dtype=dtype, device=device, quantize=quantize)
+        return load(path, dtype=dtype, device=device, quantize=quantize)
 
     def prepare(self, model) -> None:
         """Nothing beyond what the adapters froze or left trainable."""

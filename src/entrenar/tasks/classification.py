@@ -29,6 +29,8 @@ from entrenar.data.sources import Skip
 from entrenar.errors import AdapterError, ConfigError, DataError, ModelError, QuantError
 from entrenar.evaluation import metrics as M
 from entrenar.models.classifier import CLASSIFIER_FILE, SequenceClassifier, from_backbone
+from entrenar.loading import load
+from entrenar.device import resolve_device, resolve_dtype
 
 # The scalar metrics each problem type reports (what task.metric may name, besides loss).
 METRICS = {
@@ -50,22 +52,22 @@ def load_classifier(path, adapter=None, dtype=None, device=None, quantize=None, 
     """``entrenar.load`` for classifiers: a ``*ForSequenceClassification`` folder, or a language model with a
     fresh head (``num_labels``), or a language model with a SEQ_CLS adapter (its head inside)."""
     import entrenar
-    from entrenar.lora import load_adapter
+    from entrenar.adapters.lora import load_adapter
     from entrenar.models.classifier import is_classifier_folder, load_classifier_folder, read_classifier_info
-    from entrenar.tokenizer import Tokenizer
+    from entrenar.data.tokenizer import Tokenizer
 
     path = Path(path)
-    device = entrenar.resolve_device(device)
+    device = resolve_device(device)
     if is_classifier_folder(path):
         if quantize is not None:
             raise QuantError(f"{path}: quantize={quantize!r} is for a language model's linear layers; load the "
                              "classifier unquantized")
-        model = load_classifier_folder(path, entrenar.resolve_dtype(dtype, device), device)
+        model = load_classifier_folder(path, resolve_dtype(dtype, device), device)
         tokenizer = Tokenizer.from_folder(path)
         if num_labels is not None and num_labels != model.num_labels:
             raise ModelError(f"{path}: the classifier has {model.num_labels} labels, num_labels={num_labels} was asked")
     else:
-        lm, tokenizer = entrenar.load(path, dtype=dtype, device=device, quantize=quantize)
+        lm, tokenizer = load(path, dtype=dtype, device=device, quantize=quantize)
         info = read_classifier_info(adapter) if adapter is not None else {}
         if adapter is not None:
             num_labels = _adapter_num_labels(adapter)
@@ -84,7 +86,7 @@ def load_classifier(path, adapter=None, dtype=None, device=None, quantize=None, 
 def _adapter_num_labels(adapter) -> int:
     from safetensors import safe_open
 
-    from entrenar.lora import ADAPTER_WEIGHTS, PEFT_PREFIX
+    from entrenar.adapters.lora import ADAPTER_WEIGHTS, PEFT_PREFIX
 
     with safe_open(str(Path(adapter) / ADAPTER_WEIGHTS), framework="pt") as f:
         for key in f.keys():
@@ -308,7 +310,7 @@ def loss_sum(logits: torch.Tensor, labels: torch.Tensor, problem_type: str, weig
 def predict_logits(model, examples: list[LabeledText], batch_size: int, pad_id: int,
                    precision: str = "fp32") -> np.ndarray:
     """Logits [N, num_labels] of ``examples`` in order (eval mode, autocast as training's precision)."""
-    from entrenar.evaluate import autocast_for
+    from entrenar.evaluation.loss import autocast_for
     from entrenar.models.transformer import compute_device
 
     device = compute_device(model)
@@ -405,7 +407,7 @@ class ClassificationTask:
                                       query=self.recipe.data.query)
             self.spec = label_spec(t, records, self.recipe.data.label_field)
             num = self.spec.num_labels
-        model, tokenizer = entrenar.load(path, dtype=dtype, device=device, quantize=quantize, task="classification",
+        model, tokenizer = load(path, dtype=dtype, device=device, quantize=quantize, task="classification",
                                          num_labels=num, pooling=t.pooling, seed=self.recipe.training.seed)
         self.spec = self.spec or label_spec(t)
         self.pad_id = _pad_id(tokenizer)
@@ -518,9 +520,9 @@ class ClassificationTask:
 
 def save_result(model, tokenizer, recipe, out_dir: Path, lora_config) -> Path:
     """The adapter with the head as PEFT saves it for SEQ_CLS (LoRA), or the whole classifier folder."""
-    from entrenar import atomic
+    from entrenar.io import atomic
     from entrenar.export import save_merged
-    from entrenar.lora import save_adapter
+    from entrenar.adapters.lora import save_adapter
     from entrenar.quant.qat import master_weights
 
     if lora_config is not None:
@@ -559,7 +561,7 @@ def calibrate(problem_type: str, logits: np.ndarray, targets: np.ndarray, thresh
 
 def update_classifier_file(folder: Path, values: dict) -> None:
     """Add ``values`` to classifier.json in a saved model or adapter folder."""
-    from entrenar import atomic
+    from entrenar.io import atomic
 
     path = Path(folder) / CLASSIFIER_FILE
     data = json.loads(path.read_text()) if path.is_file() else {}
@@ -597,7 +599,7 @@ def evaluate_file(model, tokenizer, path: str, output_dir: str | Path | None = N
 def predict_file(model, tokenizer, path: str, output: str | Path, text_field: str = "text", seq_len: int = 512,
                  batch_size: int = 8, fmt: str = "auto") -> int:
     """Write one JSON line per input text: predicted label(s) and calibrated probabilities (or values)."""
-    from entrenar import atomic
+    from entrenar.io import atomic
 
     spec = _spec_of(model)
     examples, _ = read_texts(path, tokenizer, None, text_field, seq_len=seq_len, fmt=fmt)

@@ -14,10 +14,10 @@ Layout under a run folder::
 
 A sharded (FSDP) run's checkpoint holds ``shards/`` (torch.distributed.checkpoint: each rank's shards of the
 weights and optimizer state) instead of the three model and optimizer files; see
-:mod:`entrenar.distributed.checkpoint`, which writes and reads it with the helpers here.
+:mod:`entrenar.train.sharded_checkpoint`, which writes and reads it with the helpers here.
 
 A checkpoint is built in a staging folder beside ``step-N``, fsynced, and renamed
-into place (:func:`entrenar.atomic.staged_folder`); the pointers are replaced
+into place (:func:`entrenar.io.atomic.staged_folder`); the pointers are replaced
 the same way. A crash at any moment leaves the previous checkpoint intact and
 ``latest`` naming it; a staging folder left by a hard kill is removed by the
 next save. Nothing is pickled.
@@ -40,8 +40,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, safe_open, save_file
 
-from entrenar import atomic
-from entrenar.finite import check_finite
+from entrenar.io import atomic
+from entrenar.io.finite import check_finite
 from entrenar.errors import CheckpointError
 
 FORMAT_VERSION = 1
@@ -480,7 +480,7 @@ def load_checkpoint(
     ckpt = _resolve(path_or_run_dir)
     if is_sharded(ckpt):
         raise CheckpointError(f"{ckpt}: a sharded checkpoint (torch.distributed.checkpoint, written by an FSDP run); "
-                              "read it with entrenar.distributed.checkpoint.load_sharded_checkpoint (entrenar train "
+                              "read it with entrenar.train.sharded_checkpoint.load_sharded_checkpoint (entrenar train "
                               "--resume does)")
     missing = [name for name in REQUIRED_FILES if not (ckpt / name).is_file()]
     if missing:

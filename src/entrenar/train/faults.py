@@ -7,7 +7,7 @@ to :class:`NonfiniteGuard` before ``optimizer.step``:
 
 - ``training.nonfinite: stop`` raises a DataError naming the step and the last
   checkpoint, which is good: no non-finite update was ever applied, and no
-  checkpoint holds a non-finite tensor (the save-time check of entrenar.finite);
+  checkpoint holds a non-finite tensor (the save-time check of entrenar.io.finite);
 - ``skip`` drops that step's update (no optimizer step, so Adam's moments and
   step count stay as they were; the data and the schedule move on), marks it in
   metrics.jsonl, and stops after ``training.max_skipped_steps`` skips in a row.

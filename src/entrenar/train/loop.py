@@ -40,26 +40,26 @@ from entrenar.data import (
 )
 from entrenar.data.report import data_notes, skipped_in_order, write_skipped
 from entrenar.distributed import steps as dist_steps
-from entrenar.distributed.checkpoint import load_sharded_checkpoint, save_sharded_checkpoint
+from entrenar.train.sharded_checkpoint import load_sharded_checkpoint, save_sharded_checkpoint
 from entrenar.distributed.consistency import check_replicas
 from entrenar.distributed.materialize import load_device as sharded_load_device
 from entrenar.distributed.parallelize import choose_mode, parallelize, refuse
 from entrenar.distributed.state import full_optimizer, full_params, main_writes
 from entrenar.distributed.world import join, leave, restarted
 from entrenar.errors import AdapterError, CheckpointError, ConfigError, DataError
-from entrenar.evaluate import EvalResult, autocast_for, eval_loss
-from entrenar.experiments import scratch
-from entrenar.experiments.arch import write_arch
+from entrenar.evaluation.loss import EvalResult, autocast_for, eval_loss
+from entrenar.models import random_init as scratch
+from entrenar.train.arch import write_arch
 from entrenar.export import save_merged
 from entrenar.kernels import apply_kernels, triton_available
 from entrenar.kernels.fused_linear_ce import fused_linear_cross_entropy
 from entrenar.kernels.host_embedding import HostEmbedding, offload_embeddings
-from entrenar.lora import LoraConfig, apply_lora, load_lora_state_dict, lora_layers, lora_state_dict, save_adapter
-from entrenar.memory import FUSED_LOSS_CHUNK, LINEAR_NAMES, GiB, estimate_training_memory
+from entrenar.adapters.lora import LoraConfig, apply_lora, load_lora_state_dict, lora_layers, lora_state_dict, save_adapter
+from entrenar.train.memory import FUSED_LOSS_CHUNK, LINEAR_NAMES, GiB, estimate_training_memory
 from entrenar.models.padding_free import rows_by_document
-from entrenar.models.weight_stream import nf4_in_host_memory, stream_weights
+from entrenar.quant.nf4.streaming import nf4_in_host_memory, stream_weights
 from entrenar.quant.checkpoint import save_qat_model
-from entrenar.quant.nf4 import NF4Linear
+from entrenar.quant.nf4.format import NF4Linear
 from entrenar.quant.qat import apply_qat_recipe, load_qat_state_dict, master_weights, qat_state_dict
 from entrenar.train.checkpoint import is_sharded, latest_checkpoint, load_checkpoint, save_checkpoint
 from entrenar.train.console import Console
@@ -67,11 +67,13 @@ from entrenar.train.cuda_graph import GraphedMicroStep
 from entrenar.train.determinism import deterministic_algorithms
 from entrenar.train.early_stopping import EarlyStopping
 from entrenar.train.faults import NonfiniteGuard, optimizer_step
-from entrenar.train.loss import token_cross_entropy
+from entrenar.models.loss import token_cross_entropy
 from entrenar.train.metrics import MetricsLogger, plot_loss_curve, tensorboard_writer_class
 from entrenar.train.moe import moe_training, plot_expert_load
 from entrenar.train.optim import build_optimizer, build_param_groups, lr_at, set_lr
 from entrenar.train.overlap import DeferredRead, overlap_unsupported, step_unless_nonfinite
+from entrenar.loading import recipe_model_config, require_tokenizer
+from entrenar.device import resolve_device, resolve_dtype
 
 RECIPE_FILE = "recipe.yaml"
 # Keys a resumed run may change: how long it runs, how often it reports, when it stops on faults or early.
@@ -123,7 +125,7 @@ def train(
 def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, progress: bool,
            console: Console) -> TrainResult:
     # Under torchrun: this process's rank and device (one per process); a restarted job resumes where it stopped.
-    world, rank_device = join(entrenar.resolve_device(recipe.model.device), recipe.training.dist_timeout_s)
+    world, rank_device = join(resolve_device(recipe.model.device), recipe.training.dist_timeout_s)
     if not world.is_main:
         console = Console(False)  # one voice: rank 0 prints for the job
     if not resume and not dry_run and restarted() and latest_checkpoint(Path(recipe.output.dir).absolute()):
@@ -146,7 +148,7 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
     console.recipe(recipe)
     if is_quickstart:
         world.main_only(quickstart.write_files, recipe)  # only once the recipe is known to be sound
-    context_notes = check_seq_len(recipe.data.seq_len, scratch.read_model_config(recipe)  # model.path or .config
+    context_notes = check_seq_len(recipe.data.seq_len, recipe_model_config(recipe)  # model.path or .config
                                   .max_position_embeddings, recipe.model.path or "model.config")  # before any weights
     if t.cpu_threads is not None:
         torch.set_num_threads(t.cpu_threads)
@@ -170,7 +172,7 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
     if weights_dtype == "auto" and load_device != device:
         # What the run's device gives (bf16 on a GPU), not the CPU that reads for it: an fp32 frozen base would
         # hold twice the memory of a one-GPU run in every shard.
-        weights_dtype = str(entrenar.resolve_dtype("auto", device)).removeprefix("torch.")
+        weights_dtype = str(resolve_dtype("auto", device)).removeprefix("torch.")
     if t.offload_weights is True and (device.type != "cuda" or mode != "single" or t.compile):
         raise ConfigError("training.offload_weights: the NF4 base weights stream to one CUDA device, block by "
                           f"block, outside torch.compile; this run is {mode} on {device}"
@@ -496,7 +498,7 @@ def build_model(recipe: Recipe, task, dtype: str, device: torch.device, quantize
     """(model, tokenizer) as the loop trains them: loaded by the task, QAT and LoRA applied, in train mode.
     Also what ``entrenar diagnose`` builds (entrenar.experiments.diagnose)."""
     model, tokenizer = task.load(recipe.model.path, dtype=dtype, device=device, quantize=quantize)
-    tokenizer = entrenar.require_tokenizer(tokenizer, recipe.model.path)  # the data needs one
+    tokenizer = require_tokenizer(tokenizer, recipe.model.path)  # the data needs one
     model.train()
     if recipe.qat is not None:
         apply_qat_recipe(model, recipe.qat)  # before LoRA, which then wraps the fake-quantized layers (LoRA-QAT)
@@ -602,7 +604,7 @@ def _offload_weights(recipe: Recipe, device: torch.device, mode: str) -> bool:
         return t.offload_weights
     return (device.type == "cuda" and mode == "single" and recipe.lora is not None
             and recipe.lora.quantize_base == "nf4" and t.activation_checkpointing is True and not t.compile
-            and not scratch.read_model_config(recipe).is_moe)  # NF4 experts load on the GPU, outside the stream
+            and not recipe_model_config(recipe).is_moe)  # NF4 experts load on the GPU, outside the stream
 
 
 def _row_layout(recipe: Recipe, model: torch.nn.Module, device: torch.device, task: str,

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from entrenar import atomic
+from entrenar.io import atomic
 from entrenar.errors import CheckpointError, ConfigError
 
 if TYPE_CHECKING:

@@ -34,10 +34,10 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from entrenar import atomic
-from entrenar.finite import check_finite
+from entrenar.io import atomic
+from entrenar.io.finite import check_finite
 from entrenar.errors import AdapterError
-from entrenar.surgery import ALL_LINEAR, find_linears, replace_module
+from entrenar.models.surgery import ALL_LINEAR, find_linears, replace_module
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -83,7 +83,7 @@ def lora_scaling(r: int, alpha: float, use_rslora: bool) -> float:
 
 @dataclass
 class LoraConfig:
-    """What to adapt and how. ``target_modules`` follows PEFT (see :mod:`entrenar.surgery`)."""
+    """What to adapt and how. ``target_modules`` follows PEFT (see :mod:`entrenar.models.surgery`)."""
 
     r: int = 8
     alpha: float = 16.0
@@ -92,12 +92,12 @@ class LoraConfig:
     use_rslora: bool = False
     bias: str = "none"
     # PEFT's target_parameters: stacked MoE expert weights (mlp.experts.gate_up_proj / down_proj), one adapter
-    # per expert (entrenar.lora_experts)
+    # per expert (entrenar.adapters.experts)
     target_parameters: list[str] | None = None
 
     def __post_init__(self) -> None:
         _check_hparams(self.r, self.alpha, self.dropout, "LoraConfig")
-        from entrenar.lora_experts import normalised_targets
+        from entrenar.adapters.experts import normalised_targets
 
         self.target_parameters = normalised_targets(self.target_parameters)
         if isinstance(self.target_modules, (list, tuple)):
@@ -209,7 +209,7 @@ class LoraLinear(nn.Module):
     touched only to merge.
     """
 
-    linear_like = True  # a target for entrenar.surgery, which will not look inside it
+    linear_like = True  # a target for entrenar.models.surgery, which will not look inside it
 
     def __init__(
         self, base_layer: nn.Module, r: int, alpha: float, dropout: float = 0.0, use_rslora: bool = False
@@ -375,7 +375,7 @@ def apply_lora(model: nn.Module, cfg: LoraConfig) -> list[str]:
 
 
 def _wrap_experts(model: nn.Module, cfg: LoraConfig) -> list[str]:
-    from entrenar.lora_experts import wrap_expert_parameters
+    from entrenar.adapters.experts import wrap_expert_parameters
 
     return wrap_expert_parameters(model, cfg.target_parameters, cfg.r, cfg.alpha, cfg.dropout, cfg.use_rslora)
 
@@ -489,7 +489,7 @@ def load_lora_state_dict(model: nn.Module, state: dict[str, torch.Tensor], sourc
 
 def _saved_target_modules(model: nn.Module, cfg: LoraConfig, wrapped: list[str]) -> list[str] | str:
     """``target_modules`` as written to disk; "all-linear" becomes the full names, as PEFT writes it."""
-    from entrenar.lora_experts import expert_lora_names
+    from entrenar.adapters.experts import expert_lora_names
 
     experts = set(expert_lora_names(model))
     selected = [n for n in find_linears(model, cfg.target_modules) if n not in experts]
@@ -605,7 +605,7 @@ def load_adapter(model: nn.Module, folder: str | os.PathLike) -> LoraConfig:
     except AdapterError as err:
         raise AdapterError(f"{folder}: {err}") from None
     saved = _saved_modules(model, folder, state, str(weights_path))
-    from entrenar.lora_experts import expected_expert_shapes
+    from entrenar.adapters.experts import expected_expert_shapes
 
     try:
         expert_shapes = expected_expert_shapes(model, cfg.target_parameters, cfg.r)

@@ -16,7 +16,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from entrenar import atomic
+from entrenar.io import atomic
 from entrenar.models.config import ModelConfig
 
 ARCH_FILE = "arch.json"

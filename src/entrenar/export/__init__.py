@@ -7,7 +7,7 @@
     export("runs/full-ft", None, "m.gguf", gguf="q8_0")   # a full fine-tune (or any model) without adapter
 
 ``base`` is a Hugging Face folder, a ``.gguf`` file or a training run (its
-folder, ``best/`` or ``checkpoints/step-N``, see :mod:`entrenar.runs`); a
+folder, ``best/`` or ``checkpoints/step-N``, see :mod:`entrenar.loading.runs`); a
 quantized GGUF base is dequantized on load, so the adapter is merged into
 floating-point weights. GGUF needs a merged model (llama.cpp runs plain
 weights), so asking for GGUF merges. Without an adapter the model is written
@@ -24,7 +24,7 @@ options, the inputs, and that the output can be written. An existing
 non-empty output needs ``overwrite=True`` (``--overwrite``); even then only
 the files an export writes are replaced (and files of an earlier export that
 this one does not write, such as old shards, removed): other files in the
-folder are kept (:mod:`entrenar.outputs`). An export never writes over its
+folder are kept (:mod:`entrenar.io.outputs`). An export never writes over its
 inputs: an output that is, or contains, the base model or the adapter is
 refused.
 """
@@ -37,14 +37,16 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from entrenar import atomic
-from entrenar.finite import check_finite
+from entrenar.io import atomic
+from entrenar.io.finite import check_finite
 from entrenar.errors import AdapterError, ConfigError, ModelError
+from entrenar.loading import load
+from entrenar.device import resolve_dtype
 
 if TYPE_CHECKING:
     from entrenar.models.transformer import Transformer
-    from entrenar.runs import ModelSource
-    from entrenar.tokenizer import Tokenizer
+    from entrenar.loading.runs import ModelSource
+    from entrenar.data.tokenizer import Tokenizer
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 _SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
@@ -62,14 +64,14 @@ def export(
     """Export ``model_path`` with ``adapter`` (a PEFT LoRA folder, or None); return the paths written.
 
     See the module docstring for what each combination writes. ``gguf`` is one
-    of :data:`entrenar.models.gguf_write.GGUF_TYPES`; with an ``output`` ending
+    of :data:`entrenar.export.gguf_write.GGUF_TYPES`; with an ``output`` ending
     in ``.gguf`` only that file is written, otherwise it goes to
     ``<output>/model-<gguf>.gguf`` beside the Hugging Face files.
     """
-    from entrenar.lora import ADAPTER_CONFIG
-    from entrenar.models.gguf_write import check_gguf_type
-    from entrenar.outputs import check_output
-    from entrenar.runs import resolve_model_and_adapter
+    from entrenar.adapters.lora import ADAPTER_CONFIG
+    from entrenar.export.gguf_write import check_gguf_type
+    from entrenar.io.outputs import check_output
+    from entrenar.loading.runs import resolve_model_and_adapter
 
     output = Path(output)
     qtype = check_gguf_type(gguf) if gguf is not None else None
@@ -81,7 +83,7 @@ def export(
     if dtype is not None:
         import entrenar
 
-        entrenar.resolve_dtype(dtype, "cpu")  # an unknown name fails now
+        resolve_dtype(dtype, "cpu")  # an unknown name fails now
     if not Path(model_path).exists():
         raise ModelError(f"{model_path}: no such model folder or GGUF file")
     source = resolve_model_and_adapter(model_path, adapter)
@@ -89,7 +91,7 @@ def export(
         what = f"is not an adapter folder (no {ADAPTER_CONFIG})" if source.adapter.exists() else "no such adapter folder"
         raise AdapterError(f"{source.adapter}: {what}")
     if qtype is not None and source.model.is_dir() and not (source.model / "tokenizer.json").is_file():
-        from entrenar import require_tokenizer
+        from entrenar.loading import require_tokenizer
 
         require_tokenizer(None, source.model)  # a GGUF file carries the vocabulary: say so before any work
     inputs = {"base model": source.model, "adapter": source.adapter, "checkpoint": source.checkpoint,
@@ -107,11 +109,11 @@ def export(
 
     model, tokenizer = load_merged(model_path, adapter, dtype)
     if gguf_only:
-        from entrenar.models.gguf_write import write_gguf
+        from entrenar.export.gguf_write import write_gguf
 
         output.parent.mkdir(parents=True, exist_ok=True)
         return [write_gguf(model, tokenizer, output, qtype, name=output.stem)]
-    from entrenar.outputs import replace_files
+    from entrenar.io.outputs import replace_files
 
     with replace_files(output) as target:
         written = save_merged(model, tokenizer, target, qtype, base=source.model, name=output.name)
@@ -131,8 +133,8 @@ def export_adapter(model_path: Path, adapter: Path, output: Path) -> Path:
     """
     from safetensors.torch import load_file
 
-    from entrenar import lora
-    from entrenar.outputs import replace_files
+    from entrenar.adapters import lora
+    from entrenar.io.outputs import replace_files
 
     skeleton = _meta_model(model_path)
     cfg = lora.load_adapter(skeleton, adapter)  # checks every tensor's name and shape against the base
@@ -151,8 +153,9 @@ def export_adapter(model_path: Path, adapter: Path, output: Path) -> Path:
 
 def _export_checkpoint_adapter(source: ModelSource, output: Path) -> Path:
     """A LoRA run's checkpoint as a PEFT adapter folder (its weights on the base, saved as the run saves them)."""
-    from entrenar import load, lora
-    from entrenar.outputs import replace_files
+    from entrenar.loading import load
+    from entrenar.adapters import lora
+    from entrenar.io.outputs import replace_files
     from entrenar.train.loop import _lora_config
 
     model, _ = load(source.checkpoint, device="cpu", dtype=stored_dtype(source.model))
@@ -186,22 +189,22 @@ def load_merged(
 ) -> tuple[Transformer, Tokenizer | None]:
     """The model with ``adapter`` (if any) merged in and the LoRA layers removed (a plain model), and its tokenizer.
 
-    ``model_path`` may be a run (:mod:`entrenar.runs`); ``dtype`` None keeps the input's stored dtype.
+    ``model_path`` may be a run (:mod:`entrenar.loading.runs`); ``dtype`` None keeps the input's stored dtype.
     """
     import entrenar
-    from entrenar.lora import lora_layers, unload_lora
-    from entrenar.runs import resolve_model_and_adapter
+    from entrenar.adapters.lora import lora_layers, unload_lora
+    from entrenar.loading.runs import resolve_model_and_adapter
 
     source = resolve_model_and_adapter(model_path, adapter)
     if source.model.suffix != ".gguf":
         _refuse_quantized_checkpoint(source.model)
     if dtype is not None:
-        torch_dtype = entrenar.resolve_dtype(dtype, "cpu")
+        torch_dtype = resolve_dtype(dtype, "cpu")
     elif source.checkpoint is not None and source.recipe is not None and source.recipe.lora is None:
         torch_dtype = _checkpoint_dtype(source.checkpoint)  # a full fine-tune's weights, as it trained them
     else:
         torch_dtype = stored_dtype(source.model)
-    model, tokenizer = entrenar.load(model_path, adapter=adapter, dtype=torch_dtype, device="cpu")
+    model, tokenizer = load(model_path, adapter=adapter, dtype=torch_dtype, device="cpu")
     if any(True for _ in lora_layers(model)):
         unload_lora(model, merge=True)
     return model, tokenizer
@@ -222,7 +225,7 @@ def save_merged(
     ``general.name`` (default: the folder's name). Without a tokenizer no
     tokenizer files are written.
     """
-    from entrenar.models.gguf_write import write_gguf
+    from entrenar.export.gguf_write import write_gguf
     from entrenar.models.hf import save_hf
 
     check_finite(model.state_dict(), output, ModelError)  # before the folder is staged or config.dtype changed

@@ -1,4 +1,4 @@
-"""NF4 dequantization in one pass (Triton), bit-identical to :func:`entrenar.quant.nf4.dequantize_nf4_reference`.
+"""NF4 dequantization in one pass (Triton), bit-identical to :func:`entrenar.quant.nf4.format.dequantize_nf4_reference`.
 
 QLoRA rebuilds every frozen weight from its 4-bit codes in each forward and
 backward, so this is pure memory traffic: read half a byte (plus about 1/64 of
@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 
 from entrenar.kernels._common import cdiv, interpreting, use_triton
-from entrenar.quant.nf4 import ABSMAX_BLOCKSIZE, NF4_CODE, NF4Tensor, dynamic_map
+from entrenar.quant.nf4.format import ABSMAX_BLOCKSIZE, NF4_CODE, NF4Tensor, dynamic_map
 
 _BYTES_PER_PROGRAM = 4096  # 8192 weights; with 4 warps, 32 code bytes per thread (fastest of a sweep on an H200)
 _NUM_WARPS = 4
@@ -145,7 +145,7 @@ def can_dequantize(q: NF4Tensor) -> bool:
 def dequantize_nf4_triton(q: NF4Tensor, dtype: torch.dtype | None = None) -> Tensor:
     """The weight ``q`` stands for, in ``dtype`` (default: its original dtype), computed by the Triton kernel.
 
-    Equal bit for bit to :func:`entrenar.quant.nf4.dequantize_nf4_reference`.
+    Equal bit for bit to :func:`entrenar.quant.nf4.format.dequantize_nf4_reference`.
     The result is a view of a buffer one element longer when the weight has an
     odd number of elements (the pad nibble's value is written there).
     """

@@ -215,7 +215,7 @@ def apply_checkpoint(model: torch.nn.Module, source: ModelSource) -> None:
 
     assert source.checkpoint is not None and source.recipe is not None
     if is_sharded(source.checkpoint):  # an FSDP run's: the shards joined in this process
-        from entrenar.distributed.checkpoint import read_model_tensors
+        from entrenar.train.sharded_checkpoint import read_model_tensors
 
         file = source.checkpoint / SHARDS_DIR
         named = [(file.name, name, tensor) for name, tensor in read_model_tensors(source.checkpoint).items()]
@@ -225,7 +225,7 @@ def apply_checkpoint(model: torch.nn.Module, source: ModelSource) -> None:
     if source.recipe.lora is None:
         load_state_into(model, named, str(source.checkpoint))
         return
-    from entrenar.lora import apply_lora, load_lora_state_dict
+    from entrenar.adapters.lora import apply_lora, load_lora_state_dict
     from entrenar.train.loop import _lora_config
 
     state = {name: tensor for _, name, tensor in named}

@@ -21,7 +21,8 @@ from tokenizers import decoders, models, pre_tokenizers
 from entrenar.errors import ConfigError, ModelError
 from entrenar.models.config import SUPPORTED_FAMILIES, ModelConfig, rope_inv_freq
 from entrenar.models.transformer import Transformer
-from entrenar.tokenizer import Tokenizer
+from entrenar.data.tokenizer import Tokenizer
+from entrenar.device import resolve_device, resolve_dtype
 
 BYTE_SPECIALS = ("<s>", "</s>", "<pad>")
 # config.json keys that do not change the model entrenar builds (transformers' runtime and training options).
@@ -115,11 +116,9 @@ def model_config(recipe: Any, tokenizer: Tokenizer | None = None) -> ModelConfig
 
 def build(recipe: Any, dtype: str | torch.dtype | None, device: str | torch.device) -> tuple[Transformer, Tokenizer]:
     """A randomly initialised model (drawn from ``training.seed`` on the CPU in fp32) and its tokenizer."""
-    import entrenar
-
     tokenizer = load_tokenizer(recipe)
     config = model_config(recipe, tokenizer)
-    device = entrenar.resolve_device(device)
+    device = resolve_device(device)
     generator_state = torch.random.get_rng_state()
     try:
         torch.manual_seed(recipe.training.seed)
@@ -127,22 +126,11 @@ def build(recipe: Any, dtype: str | torch.dtype | None, device: str | torch.devi
         model.reset_parameters()
     finally:
         torch.random.set_rng_state(generator_state)  # the run's own seeding is left as it was
-    model = model.to(dtype=entrenar.resolve_dtype(dtype, device), device=device)
+    model = model.to(dtype=resolve_dtype(dtype, device), device=device)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.inv_freq = rope_inv_freq(config).to(device)  # kept in fp32 whatever the weights' dtype
     return model.eval(), tokenizer
 
 
-
-def read_model_config(recipe: Any) -> ModelConfig:
-    """The recipe's ModelConfig without reading or drawing weights: from model.config or model.path."""
-    if is_random(recipe):
-        return model_config(recipe)
-    import entrenar
-
-    return entrenar.read_model_config(recipe.model.path)
-
-
-__all__ = ["BYTE_SPECIALS", "build", "byte_tokenizer", "is_random", "load_tokenizer", "model_config",
-           "read_model_config"]
+__all__ = ["BYTE_SPECIALS", "build", "byte_tokenizer", "is_random", "load_tokenizer", "model_config"]

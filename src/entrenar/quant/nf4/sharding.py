@@ -2,7 +2,7 @@
 
 FSDP2 shards parameters; an NF4 layer's packed codes and block scales are uint8/fp32 buffers that no gradient
 touches, which ``fully_shard`` would leave whole on every rank. :func:`shard_nf4_layers` replaces each
-:class:`~entrenar.quant.nf4.NF4Linear`, from outside, by a :class:`ShardedNF4Linear` holding this rank's
+:class:`~entrenar.quant.nf4.format.NF4Linear`, from outside, by a :class:`ShardedNF4Linear` holding this rank's
 contiguous chunk of each flat buffer (codes, absmax, absmax scales; the scalar offset is replicated), and
 :func:`scatter_nf4` sends every rank its chunks from rank 0 once the model is sharded. The forward all-gathers a
 layer's chunks and dequantizes them exactly as NF4Linear does; backward gathers again rather than keeping the
@@ -23,8 +23,8 @@ from torch.nn import functional as F
 
 from entrenar.distributed.world import World
 from entrenar.errors import ConfigError
-from entrenar.quant.nf4 import NF4Linear, NF4Tensor, dequantize_nf4
-from entrenar.surgery import replace_module
+from entrenar.quant.nf4.format import NF4Linear, NF4Tensor, dequantize_nf4
+from entrenar.models.surgery import replace_module
 
 _CHUNKED = ("weight_codes", "weight_absmax", "weight_absmax_scale")
 _OFFSET = "weight_absmax_offset"
@@ -113,7 +113,7 @@ class ShardedNF4Linear(nn.Module):
 def shard_nf4_layers(model: nn.Module, world: World) -> list[tuple[ShardedNF4Linear, dict[str, Tensor]]]:
     """Replace every NF4Linear of ``model`` by a ShardedNF4Linear (chunks not yet filled); with each, rank 0's
     whole buffers for :func:`scatter_nf4` (empty on the other ranks)."""
-    from entrenar.quant.nf4_experts import NF4Experts
+    from entrenar.quant.nf4.experts import NF4Experts
 
     experts = next((name for name, m in model.named_modules() if isinstance(m, NF4Experts)), None)
     if experts is not None:

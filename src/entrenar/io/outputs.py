@@ -6,7 +6,7 @@
     # each file written is moved into `out` over the file of that name; files of an earlier output of ours
     # that this one did not write (an old shard) are removed; every other file in `out` is kept
 
-A fresh output folder is renamed into place whole (as :func:`entrenar.atomic.staged_folder` does). Into an
+A fresh output folder is renamed into place whole (as :func:`entrenar.io.atomic.staged_folder` does). Into an
 existing folder each file is replaced atomically, weights first and ``config.json`` last, so a reader never
 sees a new config beside missing weights; a crash midway leaves a mix of old and new files of ours, never a
 half-written file, and never a user's file gone.
@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from entrenar import atomic
+from entrenar.io import atomic
 from entrenar.errors import ConfigError
 
 # Files a model, adapter or quantized folder written by entrenar may hold: what an earlier output of ours left.

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from entrenar.errors import AdapterError
-from entrenar.lora import LoraLinear, _check_hparams, adapter_dtype, lora_scaling
+from entrenar.adapters.lora import LoraLinear, _check_hparams, adapter_dtype, lora_scaling
 from entrenar.models.moe import Experts, Router, RoutingOps
 
 EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")
@@ -213,7 +213,7 @@ def find_expert_parameters(model: nn.Module, targets: list[str] | None) -> list[
 def wrap_expert_parameters(model: nn.Module, targets: list[str] | None, r: int, alpha: float, dropout: float,
                            use_rslora: bool) -> list[str]:
     """Put per-expert LoRA on the targeted expert parameters; return the wrapped module names (outer last)."""
-    from entrenar.surgery import replace_module
+    from entrenar.models.surgery import replace_module
 
     wrapped = []
     for name, parameter in find_expert_parameters(model, targets):

@@ -23,11 +23,12 @@ from torch import nn
 
 from entrenar.errors import ConfigError, QuantError
 from entrenar.quant.int import MAX_BITS, MIN_BITS, Calibration, LayerError, quantize_model_int, weight_error
-from entrenar.quant.nf4 import quantize_model_nf4
-from entrenar.surgery import ALL_LINEAR, find_linears
+from entrenar.quant.nf4.format import quantize_model_nf4
+from entrenar.models.surgery import ALL_LINEAR, find_linears
+from entrenar.loading import load, read_model_config
 
 if TYPE_CHECKING:
-    from entrenar.evaluate import EvalResult
+    from entrenar.evaluation.loss import EvalResult
 
 NF4_BLOCKSIZE = 64  # bitsandbytes' (and QLoRA's) default
 DEFAULT_PERCENTILE = 99.9
@@ -117,7 +118,7 @@ def quantize_model(
 def _check_paths(model_path: Path, output: Path, overwrite: bool) -> None:
     """Refuse an output that is, or contains, the input; an earlier output without ``overwrite``; an output
     that cannot be written (checked now, not after the model is read)."""
-    from entrenar.outputs import check_output
+    from entrenar.io.outputs import check_output
 
     src, out = model_path.resolve(), output.resolve()
     if out == src:
@@ -145,7 +146,7 @@ def check_shapes(model: nn.Module, method: str, group_size: int | None) -> None:
     size must divide every quantized layer's input width; the error names
     the first layer it does not fit and suggests sizes that fit them all.
     """
-    from entrenar.quant.nf4 import BLOCKSIZES
+    from entrenar.quant.nf4.format import BLOCKSIZES
 
     kind, bits = parse_method(method)
     if kind == "nf4":
@@ -218,14 +219,14 @@ def quantize_pretrained(
     model's folder holds bf16 embeddings. Settings, layer shapes and the
     output are all checked before the model is read; an existing non-empty
     output needs ``overwrite`` and keeps files that are not ours
-    (:mod:`entrenar.outputs`). The output may not be, or contain, the input.
+    (:mod:`entrenar.io.outputs`). The output may not be, or contain, the input.
     """
     import entrenar
     from entrenar.export import stored_dtype
     from entrenar.models.transformer import Transformer
-    from entrenar.outputs import replace_files
+    from entrenar.io.outputs import replace_files
     from entrenar.quant.checkpoint import is_quantized_folder, quantization_config, save_quantized
-    from entrenar.runs import resolve_model_and_adapter
+    from entrenar.loading.runs import resolve_model_and_adapter
 
     model_path, output = Path(model_path), Path(output)
     check_options(method, symmetric, calibration, percentile)  # bad settings fail before the model is read
@@ -233,18 +234,18 @@ def quantize_pretrained(
     if is_quantized_folder(model_path):
         raise QuantError(f"{model_path}: the model is already quantized; quantize the full-precision model instead")
     with torch.device("meta"):
-        check_shapes(Transformer(entrenar.read_model_config(model_path)), method, group_size)
+        check_shapes(Transformer(read_model_config(model_path)), method, group_size)
     source = resolve_model_and_adapter(model_path)
     if source.adapter is not None or source.checkpoint is not None:
         raise QuantError(f"{model_path}: is a LoRA run or checkpoint; export it merged first (entrenar export "
                          "--merge) and quantize that folder")
     keep_dtype = stored_dtype(source.model)
-    model, tokenizer = entrenar.load(model_path, dtype=dtype, device=device)
+    model, tokenizer = load(model_path, dtype=dtype, device=device)
 
     def evaluate() -> EvalResult | None:
         if data is None:
             return None
-        from entrenar.evaluate import evaluate_file
+        from entrenar.evaluation.loss import evaluate_file
 
         return evaluate_file(model, tokenizer, data, seq_len=seq_len, batch_size=batch_size)
 

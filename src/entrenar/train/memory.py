@@ -196,7 +196,7 @@ def estimate_training_memory(
     `entrenar train` runs on CUDA. `offload_embeddings` keeps a LoRA or QLoRA
     base's input-embedding table in CPU memory (not a tied one, which the
     output head needs; full fine-tuning trains it). `offload_weights` streams a
-    QLoRA base's NF4 block weights from CPU memory (:mod:`entrenar.models.weight_stream`):
+    QLoRA base's NF4 block weights from CPU memory (:mod:`entrenar.quant.nf4.streaming`):
     two blocks' are on the GPU at a time (the one running, the next one copied in).
     An MoE model (``config.num_experts``) counts every expert's weights, the activations of the k experts
     each token is routed to, and ``lora_target_parameters`` (per-expert adapters).
@@ -325,7 +325,7 @@ def per_device(estimate: MemoryEstimate, config: ModelConfig, nproc: int, parall
     root = config.vocab_size * config.hidden_size * (1 if config.tie_word_embeddings else 2) + config.hidden_size
     block = (config.num_parameters - root) // config.num_layers
     gathered = (root + 2 * block) * dtype_bytes
-    if estimate.method == "qlora":  # entrenar.distributed.nf4: blocks' norms and adapters are small beside these
+    if estimate.method == "qlora":  # entrenar.quant.nf4.sharding: blocks' norms and adapters are small beside these
         largest = config.hidden_size * config.intermediate_size
         gathered = root * dtype_bytes + largest * (NF4_BYTES_PER_PARAM + dtype_bytes)
     return MemoryEstimate(estimate.method, estimate.total_params, estimate.trainable_params,

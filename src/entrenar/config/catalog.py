@@ -22,7 +22,7 @@ class BundledRecipe:
 
 def checkout_recipes_dir() -> Path | None:
     """recipes/ of the source checkout entrenar runs from (src layout), or None for an installed package."""
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     folder = root / "recipes"
     return folder if (root / "pyproject.toml").is_file() and folder.is_dir() else None
 

@@ -13,8 +13,8 @@ import torch
 from entrenar.data import eval_batches, read_records, tokenize_records
 from entrenar.data.batching import Batch
 from entrenar.models.transformer import compute_device
-from entrenar.tokenizer import Tokenizer
-from entrenar.train.loss import token_cross_entropy
+from entrenar.data.tokenizer import Tokenizer
+from entrenar.models.loss import token_cross_entropy
 
 
 @dataclass

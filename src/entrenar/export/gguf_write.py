@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from entrenar import atomic, finite
+from entrenar.io import atomic, finite
 from entrenar.errors import ModelError, QuantError
 from entrenar.models.config import rope_inv_freq
 from entrenar.models.gguf import build_tokenizer, gguf_tensor_name
@@ -50,7 +50,7 @@ if TYPE_CHECKING:
     import tokenizers
 
     from entrenar.models.transformer import Transformer
-    from entrenar.tokenizer import Tokenizer
+    from entrenar.data.tokenizer import Tokenizer
 
 # The storage types offered for 2-D weights, by the names llama.cpp's tools use.
 GGUF_TYPES = ("f32", "f16", "q8_0", "q4_0")

@@ -11,7 +11,7 @@ optimizer state in DCP's format instead of three safetensors/JSON files::
         trainer.json       step, data position, global batch, world size...; written last
 
 No rank gathers anything: the cost of a save is each rank's shards, not the whole model. The folder is staged
-and renamed into place by rank 0 (:func:`entrenar.atomic.staged_folder`) once every rank's shards are written,
+and renamed into place by rank 0 (:func:`entrenar.io.atomic.staged_folder`) once every rank's shards are written,
 so a crash leaves the previous checkpoint as it was; ``output.dir`` must be a folder every rank sees.
 
 Loading reads DCP's metadata, checks names and shapes against the model, and lets DCP reshard: a checkpoint
@@ -31,11 +31,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from entrenar import atomic
+from entrenar.io import atomic
 from entrenar.distributed.world import World
 from entrenar.errors import CheckpointError, EntrenarError
-from entrenar.finite import first_nonfinite
+from entrenar.io.finite import first_nonfinite
 from entrenar.train import checkpoint as ckpt_files
+from entrenar.loading import load
 
 # Frozen parameters (a LoRA run's base) are the base model's: read again from model.path, not saved.
 _SAVE = {"ignore_frozen_params": True}
@@ -53,7 +54,7 @@ def _state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer, load: bool)
 
 def _quantized_base(model: nn.Module) -> set[str]:
     """The buffers of a QLoRA run's NF4 base: frozen as its weights are, quantized again from model.path."""
-    from entrenar.quant.nf4 import NF4Linear
+    from entrenar.quant.nf4.format import NF4Linear
 
     return {f"{name}.{b}" for name, module in model.named_modules() if isinstance(module, NF4Linear)
             for b, _ in module.named_buffers(recurse=False)}
@@ -193,7 +194,7 @@ def load_sharded_checkpoint(ckpt: str | os.PathLike, model: nn.Module, optimizer
 
 def read_model_tensors(ckpt: str | os.PathLike) -> dict[str, torch.Tensor]:
     """The saved model tensors of a sharded checkpoint, whole, in this one process (DCP joins the shards): what
-    ``entrenar.load(RUN/checkpoints/step-N)`` puts on the base model."""
+    ``load(RUN/checkpoints/step-N)`` puts on the base model."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 

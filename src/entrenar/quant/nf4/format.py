@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from entrenar.errors import QuantError
-from entrenar.surgery import Patterns, find_linears, replace_module
+from entrenar.models.surgery import Patterns, find_linears, replace_module
 
 # QLoRA's NF4 table (bitsandbytes ``get_4bit_type("nf4")``), sorted ascending.
 NF4_CODE = torch.tensor(
@@ -221,11 +221,11 @@ def nf4_absmax(q: NF4Tensor) -> Tensor:
 def dequantize_nf4(q: NF4Tensor, dtype: torch.dtype | None = None) -> Tensor:
     """The weight ``q`` stands for, in ``dtype`` (default: the dtype it was quantized from).
 
-    On CUDA with Triton installed a fused kernel (:mod:`entrenar.kernels.nf4`)
+    On CUDA with Triton installed a fused kernel (:mod:`entrenar.quant.nf4.kernel`)
     computes the same bits as :func:`dequantize_nf4_reference`, which runs everywhere else.
     """
     if q.codes.is_cuda:
-        from entrenar.kernels import nf4 as nf4_kernel
+        from entrenar.quant.nf4 import kernel as nf4_kernel
 
         if nf4_kernel.can_dequantize(q):
             return nf4_kernel.dequantize_nf4_triton(q, dtype)
@@ -340,7 +340,7 @@ class NF4Linear(nn.Module):
     def keep_in_host_memory(self, quantize_on: torch.device) -> None:
         """Keep the NF4 buffers in CPU memory through device moves (``.to``, ``to_empty``); weights loaded into
         them are quantized on ``quantize_on``. For a model whose blocks stream their weights to the GPU
-        (:mod:`entrenar.models.weight_stream`), loaded without ever holding them all there."""
+        (:mod:`entrenar.quant.nf4.streaming`), loaded without ever holding them all there."""
         for name, t in list(self._buffers.items()):
             if name.startswith("weight_") and t is not None and t.device.type != "cpu":
                 self._buffers[name] = torch.empty(t.shape, dtype=t.dtype, device="cpu")

@@ -16,7 +16,7 @@ blocks.
 
 What moves is the module's buffers, not what reads them: an ``NF4Linear``
 hands its current buffers to each product it starts
-(:attr:`entrenar.quant.nf4.NF4Linear.quantized`), so a product's backward
+(:attr:`entrenar.quant.nf4.format.NF4Linear.quantized`), so a product's backward
 keeps reading the copy it started with after the module's buffers point back
 to CPU memory. Everything is ordered on the streams (the compute stream waits
 for a copy before the block reads it; a copy's memory is taken on the compute
@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from entrenar.models.recompute import recomputing
-from entrenar.quant.nf4 import NF4Linear
+from entrenar.quant.nf4.format import NF4Linear
 
 _loading = threading.local()
 _BUFFERS = ("weight_codes", "weight_absmax", "weight_absmax_scale", "weight_absmax_offset")
@@ -44,7 +44,7 @@ _ALIGN = 256  # bytes: every buffer's view starts aligned for any dtype and for 
 @contextlib.contextmanager
 def nf4_in_host_memory(on: bool = True) -> Iterator[None]:
     """Models loaded inside keep their NF4 block weights in CPU memory from the start, quantized on the GPU one
-    tensor at a time (:meth:`entrenar.quant.nf4.NF4Linear.keep_in_host_memory`): a streamed model never holds
+    tensor at a time (:meth:`entrenar.quant.nf4.format.NF4Linear.keep_in_host_memory`): a streamed model never holds
     all of them on the GPU, not even while loading."""
     before, _loading.host = getattr(_loading, "host", False), on
     try:

@@ -787,7 +787,7 @@ def load_recipe(path: str | Path | None, overrides: Iterable[str] = ()) -> Recip
 
 def save_recipe(recipe: Recipe, path: str | Path) -> None:
     """Write the resolved recipe as YAML (atomically), so a resume can compare against it."""
-    from entrenar import atomic
+    from entrenar.io import atomic
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

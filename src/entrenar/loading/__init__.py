@@ -1,0 +1,180 @@
+"""Loading a model to use or train: a Hugging Face folder, a GGUF file, a quantized folder or a training run.
+
+``entrenar.load`` is :func:`load`; run folders resolve through :mod:`entrenar.loading.runs`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from entrenar.device import resolve_device, resolve_dtype
+from entrenar.models import random_init
+
+if TYPE_CHECKING:
+    import torch
+
+    from entrenar.data.tokenizer import Tokenizer
+    from entrenar.models.config import ModelConfig
+    from entrenar.models.transformer import Transformer
+
+__all__ = ["load", "read_model_config", "recipe_model_config", "require_tokenizer"]
+
+
+def read_model_config(path: str | Path) -> "ModelConfig":
+    """The ModelConfig of a Hugging Face folder, a GGUF file or a run's model, without reading any weights."""
+    from entrenar.errors import ModelError
+    from entrenar.models.config import ModelConfig
+    from entrenar.models.hf import read_config
+    from entrenar.loading.runs import resolve_model_and_adapter
+
+    path = resolve_model_and_adapter(path).model if Path(path).is_dir() else Path(path)
+    if path.suffix == ".gguf":
+        from entrenar.models.gguf import read_gguf  # maps tensor names and shapes; reads no tensor data
+
+        return ModelConfig.from_hf(read_gguf(path).hf_config, source=str(path))
+    if not path.exists():
+        raise ModelError(f"{path}: no such model folder or .gguf file")
+    if not path.is_dir():
+        raise ModelError(f"{path}: not a model folder or .gguf file")
+    return read_config(path)
+
+
+def _check_vocabulary(path: str | Path, model_vocab_size: int, tokenizer: "Tokenizer") -> None:
+    """Refuse a tokenizer with ids the model's embedding has no row for.
+
+    Without this, the first such id is an IndexError deep inside the embedding.
+    A tokenizer smaller than the embedding is fine: vocabularies are often
+    padded to a multiple of 64 or 128.
+    """
+    from entrenar.errors import ModelError
+
+    if tokenizer.vocab_size > model_vocab_size:
+        raise ModelError(
+            f"{path}: the tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size is "
+            f"{model_vocab_size}; ids from {model_vocab_size} up have no embedding (mismatched tokenizer and model files?)"
+        )
+
+
+def load(
+    path: str | Path,
+    adapter: str | Path | None = None,
+    dtype: "str | torch.dtype | None" = None,
+    device: "str | torch.device | None" = None,
+    quantize: str | None = None,
+    task: str | None = None,
+    num_labels: int | None = None,
+    pooling: str = "last",
+    seed: int = 0,
+) -> "tuple[Transformer, Tokenizer | None]":
+    """Load a model and its tokenizer from a Hugging Face folder, a GGUF file or a training run.
+
+    `adapter` is a PEFT-format LoRA adapter folder applied on top. `quantize="nf4"`
+    loads every linear layer but the output head straight into NF4 (QLoRA's
+    frozen base), one tensor at a time. A folder saved quantized (`entrenar
+    quantize`, a QAT run) loads into the same quantized layers. A run folder,
+    its `best/` or a `checkpoints/step-N` loads what it stands for
+    (:mod:`entrenar.loading.runs`). A folder without tokenizer.json (what
+    `save_pretrained` of a model alone writes) loads with tokenizer None; what
+    needs text asks for it with :func:`require_tokenizer`. The model is
+    returned in eval mode; call `.train()` to fine-tune it.
+
+    A transformers ``*ForSequenceClassification`` folder loads as a
+    :class:`~entrenar.models.classifier.SequenceClassifier` (``model(input_ids,
+    attention_mask)`` gives ``[batch, num_labels]`` logits), and so does an
+    adapter saved for ``task_type: SEQ_CLS``. ``task="classification"`` with
+    ``num_labels`` puts a fresh head (drawn from ``seed``, ``pooling`` last or
+    mean) on a language-model checkpoint or GGUF file.
+    """
+    if task not in (None, "causal_lm", "classification"):
+        from entrenar.errors import ConfigError
+
+        raise ConfigError(f"task {task!r} must be 'causal_lm' or 'classification'")
+    from entrenar.models import classifier as cls
+    from entrenar.loading.runs import apply_checkpoint, resolve_model_and_adapter
+
+    source = resolve_model_and_adapter(path, adapter)
+    if task == "classification" or (
+        task is None and (cls.is_classifier_folder(source.model) or _seq_cls_adapter(source.adapter))
+    ):
+        from entrenar.tasks.classification import load_classifier
+
+        return load_classifier(source.model, adapter=source.adapter, dtype=dtype, device=device, quantize=quantize,
+                               num_labels=num_labels, pooling=pooling, seed=seed)
+    model, tokenizer = _load_model(source.model, dtype, device, quantize)
+    if source.adapter is not None:
+        from entrenar.adapters.lora import load_adapter
+
+        load_adapter(model, source.adapter)
+    if source.checkpoint is not None:
+        apply_checkpoint(model, source)
+    return model.eval(), tokenizer
+
+
+def require_tokenizer(tokenizer: "Tokenizer | None", model_path: str | Path) -> "Tokenizer":
+    """``tokenizer``, or a ModelError naming the model folder when it has none (for what needs text)."""
+    from entrenar.errors import ModelError
+
+    if tokenizer is None:
+        raise ModelError(f"{model_path}: the model has no tokenizer (no tokenizer.json in the folder); copy the "
+                         "tokenizer files of the model it came from into it")
+    return tokenizer
+
+
+def _folder_tokenizer(path: Path) -> "Tokenizer | None":
+    from entrenar.data.tokenizer import Tokenizer
+
+    return Tokenizer.from_folder(path) if (path / "tokenizer.json").is_file() else None
+
+
+def _seq_cls_adapter(adapter: str | Path | None) -> bool:
+    """Whether ``adapter`` is a PEFT adapter saved for sequence classification (``task_type: SEQ_CLS``)."""
+    import json
+
+    if adapter is None or not (Path(adapter) / "adapter_config.json").is_file():
+        return False
+    try:
+        return json.loads((Path(adapter) / "adapter_config.json").read_text()).get("task_type") == "SEQ_CLS"
+    except (json.JSONDecodeError, AttributeError, UnicodeDecodeError):
+        return False
+
+
+def _load_model(
+    path: Path, dtype: "str | torch.dtype | None", device: "str | torch.device | None", quantize: str | None
+) -> "tuple[Transformer, Tokenizer | None]":
+    from entrenar.errors import ModelError, QuantError
+    from entrenar.models.hf import load_hf
+    from entrenar.quant.checkpoint import is_quantized_folder, load_quantized
+
+    path = Path(path)
+    device = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, device)
+    if path.suffix == ".gguf" and path.is_file():
+        from entrenar.models.gguf import load_gguf
+
+        model, tokenizer = load_gguf(path, dtype=torch_dtype, device=device, quantize=quantize)
+        _check_vocabulary(path, model.config.vocab_size, tokenizer)
+    elif is_quantized_folder(path):  # written by `entrenar quantize` or a QAT run: codes and scales as saved
+        if quantize is not None:
+            raise QuantError(f"{path}: the model is already quantized; load it without quantize={quantize!r}")
+        tokenizer = _folder_tokenizer(path)
+        if tokenizer is not None:
+            _check_vocabulary(path, read_model_config(path).vocab_size, tokenizer)  # before any weight is read
+        model = load_quantized(path, dtype=torch_dtype, device=device)
+    elif path.is_dir():
+        tokenizer = _folder_tokenizer(path)
+        if tokenizer is not None:
+            _check_vocabulary(path, read_model_config(path).vocab_size, tokenizer)
+        model = load_hf(path, dtype=torch_dtype, device=device, quantize=quantize)
+    elif not path.exists():
+        raise ModelError(f"{path}: no such model folder or .gguf file")
+    else:
+        raise ModelError(f"{path}: not a model folder or .gguf file")
+    return model, tokenizer
+
+
+def recipe_model_config(recipe: Any) -> ModelConfig:
+    """A recipe's ModelConfig without reading or drawing weights: from ``model.config`` (random init) or ``model.path``."""
+    if random_init.is_random(recipe):
+        return random_init.model_config(recipe)
+    return read_model_config(recipe.model.path)
