@@ -180,6 +180,17 @@ class LoraConfig:
             raise AdapterError(f"{source}: {err}") from None
 
 
+def lora_config_of(section: Any) -> LoraConfig | None:
+    """The LoraConfig a recipe's ``lora`` section stands for (None: full fine-tuning)."""
+    if section is None:
+        return None
+    targets = section.target_modules
+    return LoraConfig(r=section.r, alpha=section.alpha, dropout=section.dropout,
+                      target_modules=targets if isinstance(targets, str) else list(targets),
+                      use_rslora=section.use_rslora,
+                      target_parameters=list(section.target_parameters) if section.target_parameters else None)
+
+
 def adapter_dtype(base_dtype: torch.dtype) -> torch.dtype:
     """The dtype adapters get on a base of ``base_dtype`` (see the module docstring)."""
     if base_dtype.is_floating_point and base_dtype not in (torch.float16, torch.bfloat16):

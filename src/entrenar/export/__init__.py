@@ -156,11 +156,11 @@ def _export_checkpoint_adapter(source: ModelSource, output: Path) -> Path:
     from entrenar.loading import load
     from entrenar.adapters import lora
     from entrenar.io.outputs import replace_files
-    from entrenar.train.loop import _lora_config
+    from entrenar.adapters.lora import lora_config_of
 
     model, _ = load(source.checkpoint, device="cpu", dtype=stored_dtype(source.model))
     with replace_files(output) as target:
-        lora.save_adapter(model, target, _lora_config(source.recipe), base_model_name_or_path=str(source.model))
+        lora.save_adapter(model, target, lora_config_of(source.recipe.lora), base_model_name_or_path=str(source.model))
     return output
 
 

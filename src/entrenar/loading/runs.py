@@ -226,11 +226,11 @@ def apply_checkpoint(model: torch.nn.Module, source: ModelSource) -> None:
         load_state_into(model, named, str(source.checkpoint))
         return
     from entrenar.adapters.lora import apply_lora, load_lora_state_dict
-    from entrenar.train.loop import _lora_config
+    from entrenar.adapters.lora import lora_config_of
 
     state = {name: tensor for _, name, tensor in named}
     try:
-        apply_lora(model, _lora_config(source.recipe))
+        apply_lora(model, lora_config_of(source.recipe.lora))
     except AdapterError as e:
         raise AdapterError(f"{source.run_dir / RECIPE_FILE}: lora.target_modules: {e}") from None
     load_lora_state_dict(model, state, str(file))

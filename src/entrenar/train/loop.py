@@ -54,7 +54,7 @@ from entrenar.export import save_merged
 from entrenar.kernels import apply_kernels, triton_available
 from entrenar.kernels.fused_linear_ce import fused_linear_cross_entropy
 from entrenar.kernels.host_embedding import HostEmbedding, offload_embeddings
-from entrenar.adapters.lora import LoraConfig, apply_lora, load_lora_state_dict, lora_layers, lora_state_dict, save_adapter
+from entrenar.adapters.lora import apply_lora, lora_config_of, load_lora_state_dict, lora_layers, lora_state_dict, save_adapter
 from entrenar.train.memory import FUSED_LOSS_CHUNK, LINEAR_NAMES, GiB, estimate_training_memory
 from entrenar.models.padding_free import rows_by_document
 from entrenar.quant.nf4.streaming import nf4_in_host_memory, stream_weights
@@ -502,7 +502,7 @@ def build_model(recipe: Recipe, task, dtype: str, device: torch.device, quantize
     model.train()
     if recipe.qat is not None:
         apply_qat_recipe(model, recipe.qat)  # before LoRA, which then wraps the fake-quantized layers (LoRA-QAT)
-    lora_config = _lora_config(recipe)
+    lora_config = lora_config_of(recipe.lora)
     if lora_config is not None:
         try:
             apply_lora(model, lora_config)
@@ -676,19 +676,6 @@ def _seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def _targets(target_modules: str | tuple[str, ...]) -> str | list[str]:
-    return target_modules if isinstance(target_modules, str) else list(target_modules)
-
-
-def _lora_config(recipe: Recipe) -> LoraConfig | None:
-    lora = recipe.lora
-    if lora is None:
-        return None
-    return LoraConfig(r=lora.r, alpha=lora.alpha, dropout=lora.dropout,
-                      target_modules=_targets(lora.target_modules), use_rslora=lora.use_rslora,
-                      target_parameters=list(lora.target_parameters) if lora.target_parameters else None)
-
-
 def _examples(path: str, role: str, recipe: Recipe, tokenizer, skipped: list) -> tuple[list, list[str]]:
     """Masked examples of one data file, and notes on what was skipped, cut or odd (for the report); appends
     the skipped records to ``skipped``."""
@@ -763,10 +750,10 @@ def _save_result(model, tokenizer, recipe: Recipe, run_dir: Path) -> Path:
     if recipe.task.type == "classification":  # the head in the adapter as PEFT saves SEQ_CLS, or a classifier folder
         from entrenar.tasks.classification import save_result
 
-        return save_result(model, tokenizer, recipe, run_dir, _lora_config(recipe))
+        return save_result(model, tokenizer, recipe, run_dir, lora_config_of(recipe.lora))
     if recipe.lora is not None:
         out = run_dir / "adapter"
-        save_adapter(model, out, _lora_config(recipe), base_model_name_or_path=str(recipe.model.path))
+        save_adapter(model, out, lora_config_of(recipe.lora), base_model_name_or_path=str(recipe.model.path))
         return out
     out = run_dir / "model"
     base = Path(recipe.model.path) if recipe.model.path else None  # a random-init model has no base folder

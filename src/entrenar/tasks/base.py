@@ -1,0 +1,85 @@
+"""The Task protocol: what a batch is and how it is scored, the one seam between the Trainer and a task.
+
+The Trainer reads data, steps, evaluates, checkpoints and saves through these methods and never asks which
+task it runs. A new task (preference optimisation, RL) implements them; nothing in ``entrenar.train`` changes.
+
+The order the Trainer calls them in: ``load`` -> (QAT, LoRA) -> ``prepare`` -> ``read`` (train, validation) ->
+``stream`` -> per micro-batch ``num_targets`` and ``loss_sum`` -> per evaluation ``evaluate``, ``log_eval``,
+``eval_scalars`` -> ``save`` (``run/best/`` and the result) -> ``finish``. ``begin`` runs once before the first
+step of a fresh (not resumed) run.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    import torch
+
+    from entrenar.data.batching import BatchStream
+    from entrenar.data.sources import Skip
+    from entrenar.data.tokenizer import Tokenizer
+    from entrenar.train.metrics import MetricsLogger
+
+Batch = dict[str, Any]  # tensors (and a few ints), keyed as the task's stream lays them out
+SummaryRow = tuple[str, str]  # (label, value): a line of the run's summary
+
+
+class Task(Protocol):
+    """A training objective on the one loop."""
+
+    name: str  # "causal_lm", "classification": recorded, never branched on by the Trainer
+
+    def load(self, dtype: str, device: torch.device, quantize: str | None) -> tuple[torch.nn.Module, Tokenizer]:
+        """The model this task trains (the recipe's ``model`` section) and its tokenizer, before adapters."""
+        ...
+
+    def prepare(self, model: torch.nn.Module) -> None:
+        """After adapters are applied: make trainable what the task trains whole (a classifier's head)."""
+        ...
+
+    def head_state(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """Weights the task trains whole beside adapters, kept in checkpoints of a LoRA run (none for a LM)."""
+        ...
+
+    def read(self, path: str, role: str, tokenizer: Tokenizer, skipped: list[Skip]) -> tuple[list, list[str]]:
+        """(examples, notes) of one data file (``role``: train or validation); appends what was skipped."""
+        ...
+
+    def stream(self, examples: list, tokenizer: Tokenizer) -> tuple[BatchStream, list[str]]:
+        """The resumable stream of training batches over ``examples`` (after the validation split), and notes."""
+        ...
+
+    def num_targets(self, batch: Batch) -> float:
+        """How many targets a batch holds: the loss of a step is its summed loss over its targets."""
+        ...
+
+    def loss_sum(self, model: torch.nn.Module, batch: Batch) -> torch.Tensor:
+        """The summed loss of one micro-batch (on the device), through ``model``: the parallel wrapper."""
+        ...
+
+    def evaluate(self, model: torch.nn.Module, examples: list, tokenizer: Tokenizer) -> Any:
+        """A held-out evaluation of ``examples`` (bounded by training.eval_batches)."""
+        ...
+
+    def log_eval(self, metrics: MetricsLogger, step: int, result: Any) -> bool:
+        """Write an evaluation to the metrics; True when it is the best so far (run/best/ is then saved)."""
+        ...
+
+    def eval_scalars(self, result: Any) -> dict[str, float]:
+        """What early stopping and the console read of an evaluation, the headline first."""
+        ...
+
+    def save(self, model: torch.nn.Module, tokenizer: Tokenizer, folder: Path) -> Path:
+        """Write the trained result into ``folder`` (a run folder or its best/): the path written."""
+        ...
+
+    def begin(self, model: torch.nn.Module, tokenizer: Tokenizer) -> None:
+        """Once, before the first step of a fresh run (a baseline the summary compares with)."""
+        ...
+
+    def finish(self, model: torch.nn.Module, tokenizer: Tokenizer, validation: list, run_dir: Path, output: Path,
+               before: Any, after: Any) -> list[SummaryRow]:
+        """After the result is saved: what the task adds to the run (a report) and to its summary."""
+        ...
