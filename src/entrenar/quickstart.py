@@ -16,7 +16,9 @@ import json
 import random
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from tokenizers import Regex, decoders, models, pre_tokenizers, processors
@@ -27,6 +29,7 @@ from entrenar.export import save_merged
 from entrenar.generation.sampling import generate
 from entrenar.models.config import ModelConfig
 from entrenar.models.transformer import Transformer
+from entrenar.tasks.causal_lm import CausalLMTask
 from entrenar.data.tokenizer import Tokenizer
 
 SPECIAL = ["<pad>", "<s>", "</s>", "<unk>"]
@@ -120,3 +123,20 @@ def accuracy(model: Transformer, tokenizer: Tokenizer, validation_file: str | Pa
         ids = generate(model, tokenizer.encode(record["prompt"]), max_new_tokens=4, stop_ids=tokenizer.eos_ids)
         right += tokenizer.decode(ids) == record["completion"]
     return right / max(len(lines), 1)
+
+
+@dataclass
+class QuickstartTask(CausalLMTask):
+    """The quickstart's language modelling, with the held-out share of exact answers before and after."""
+
+    accuracy_before: float | None = None
+
+    def begin(self, model: Transformer, tokenizer: Tokenizer) -> None:
+        self.accuracy_before = accuracy(model, tokenizer, self.recipe.data.validation)
+
+    def finish(self, model: Transformer, tokenizer: Tokenizer, validation: list, run_dir: Path, output: Path,
+               before: Any, after: Any) -> list[tuple[str, str]]:
+        after_share = accuracy(model, tokenizer, self.recipe.data.validation)
+        shown = f"{self.accuracy_before:.1%} -> " if self.accuracy_before is not None else ""
+        return [*super().finish(model, tokenizer, validation, run_dir, output, before, after),
+                ("held-out acc.", f"{shown}{after_share:.1%} of unseen sums answered exactly")]

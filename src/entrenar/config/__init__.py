@@ -1066,3 +1066,13 @@ def _build_section(cls: type[_Section], value: Any, where: _Where) -> _Section:
         return cls(**value)
     except _BadValue as e:
         raise ConfigError(f"{where(e.key)}: {e}") from None
+
+# Keys a resumed run may change: how long it runs, how often it reports, when it stops on faults or early, and
+# how it runs (not what it computes).
+RESUMABLE_KEYS = ("training.max_steps", "training.eval_every", "training.log_every", "training.save_every",
+                  "training.keep_last", "training.eval_batches", "training.cpu_threads", "training.kernels",
+                  "training.compile", "training.nonfinite", "training.max_skipped_steps",
+                  "training.early_stopping", "training.parallel", "training.global_batch_size",
+                  "training.dist_timeout_s", "training.replica_check_every",
+                  "training.cuda_graphs", "training.overlap_steps", "training.deterministic",
+                  "training.offload_embeddings", "training.offload_weights", "data.padding_free")

@@ -128,7 +128,9 @@ def diagnose(recipe: Any, precision: str = "bf16") -> Report:
     from entrenar import tasks
     from entrenar.data import padding_free
     from entrenar.errors import ConfigError
-    from entrenar.train.loop import _seed_everything, build_data, build_model
+    from entrenar.train.loop import _seed_everything
+    from entrenar.train.prepare import build_model
+    from entrenar.train.run_data import read_data
     from entrenar.train.moe import moe_training
 
     if precision not in PRECISIONS:
@@ -143,8 +145,7 @@ def diagnose(recipe: Any, precision: str = "bf16") -> Report:
     quantize = recipe.lora.quantize_base if recipe.lora is not None else None
     model, tokenizer = build_model(recipe, task, "float32", device, quantize)  # fp32: a real reference pass
     moe = moe_training(model, recipe)  # records routing; its router losses are part of what a step trains
-    _, _, _, stream = build_data(recipe, task, tokenizer, skipped=[])
-    batch = next(stream)
+    batch = next(read_data(recipe, task, tokenizer).stream)
     if recipe.data.padding_free is True:
         batch = padding_free(batch)
     batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
@@ -313,7 +314,6 @@ def _forward_backward(model: nn.Module, task: Any, moe: Any, batch: dict, traina
     """One training micro-step's forward and backward (the loop's loss, unfused), gradients kept in fp32."""
     from entrenar.evaluation.loss import autocast_for
     from entrenar.models.moe import moe_blocks
-    from entrenar.models.loss import token_cross_entropy
 
     model.zero_grad(set_to_none=True)
     torch.manual_seed(seed)  # the same dropout masks in both passes
@@ -330,13 +330,7 @@ def _forward_backward(model: nn.Module, task: Any, moe: Any, batch: dict, traina
     hooks = [m.register_forward_hook(watch) for m in model.modules()]
     try:
         with autocast_for(device, precision):
-            if task.name == "causal_lm":
-                inputs = (batch["input_ids"], batch["position_ids"], batch.get("document_ids"))
-                layout = {"cu_seqlens": batch.get("cu_seqlens"), "max_seqlen": batch.get("max_seqlen")}
-                loss_sum = token_cross_entropy(model(*inputs, **layout), batch["labels"])[0]
-            else:
-                loss_sum = task.loss_sum(model, batch)
-            loss = loss_sum / batch["step_targets"]
+            loss = task.loss_sum(model, batch) / batch["step_targets"]  # the task's unfused loss (no kernels)
             routing = [(i, torch.cat([idx for _, idx in block.routing]).detach().clone())
                        for i, block in moe_blocks(model) if block.routing]
             total = loss + moe.router_loss(batch) if moe is not None else loss

@@ -27,6 +27,9 @@ from entrenar.kernels._common import autocast_inputs, use_triton
 from entrenar.models.loss import IGNORE_INDEX, GradsInForward, chunked_cross_entropy
 
 _BLOCK_V = 4096
+# Tokens per chunk of the fused output-projection loss, as training runs it: a 128k vocabulary's bf16 logits chunk
+# is then 0.25 GiB, at the speed of 4096-token chunks (docs/PERFORMANCE.md, fifth call set).
+FUSED_LOSS_CHUNK = 1024
 
 
 @functools.cache

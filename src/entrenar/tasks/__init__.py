@@ -1,25 +1,23 @@
-"""Tasks: what a batch means and how it is scored. The one training loop takes a task.
+"""Tasks: what a batch means and how it is scored. The one Trainer takes a task (:mod:`entrenar.tasks.base`).
 
-``for_recipe(recipe)`` gives :class:`~entrenar.tasks.causal_lm.CausalLMTask`
-(next-token loss, the default) or
-:class:`~entrenar.tasks.classification.ClassificationTask` (``task.type:
-classification``: a head on the decoder, CE / BCE / MSE, a report at the end).
+``for_recipe(recipe)`` gives :class:`~entrenar.tasks.causal_lm.CausalLMTask` (next-token loss, the default) or
+:class:`~entrenar.tasks.classification.ClassificationTask` (``task.type: classification``: a head on the
+decoder, CE / BCE / MSE, a report at the end).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from entrenar.config import Recipe
+from entrenar.tasks.base import Task
+from entrenar.tasks.causal_lm import CausalLMTask
+from entrenar.tasks.classification import ClassificationTask
 
 
-def for_recipe(recipe: Any) -> Any:
-    """The task object of a recipe's ``task`` section."""
+def for_recipe(recipe: Recipe, kernels: bool = False) -> Task:
+    """The task of a recipe's ``task`` section; ``kernels``: the plan's (the fused loss)."""
     if recipe.task.type == "classification":
-        from entrenar.tasks.classification import ClassificationTask
-
         return ClassificationTask(recipe)
-    from entrenar.tasks.causal_lm import CausalLMTask
-
-    return CausalLMTask(recipe)
+    return CausalLMTask(recipe, kernels=kernels)
 
 
-__all__ = ["for_recipe"]
+__all__ = ["Task", "for_recipe"]

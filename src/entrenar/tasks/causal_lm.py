@@ -1,50 +1,142 @@
-"""Causal language modelling: today's token loss, as the training loop has always scored it.
+"""Causal language modelling: next-token loss on the target tokens of packed rows.
 
-The loop keeps its own data reading, packing and fused loss for this task;
-this object answers only the questions a classification run answers
-differently (which model, what counts as a target, which evaluation is best).
+The default task. Its examples are tokenized records with -100 on the tokens that carry no loss
+(``data.train_on``); its batches are packed rows (or padded ones) from a resumable :class:`BatchStream`; its loss
+is the summed cross-entropy of the target tokens, through the output projection fused with the loss where the
+kernels are on (no ``[tokens, vocab]`` logits); its evaluation is the held-out loss and perplexity.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from entrenar.data import num_target_tokens
+import torch
+from torch import nn
+
+from entrenar.adapters.lora import lora_config_of, save_adapter
+from entrenar.config import Recipe
+from entrenar.data import BatchStream, eval_batches, num_target_tokens, read_records, tokenize_records
+from entrenar.data.report import data_notes, skipped_in_order
+from entrenar.data.sources import Skip
+from entrenar.data.tokenizer import Tokenizer
+from entrenar.errors import ConfigError, DataError
+from entrenar.evaluation.loss import EvalResult, eval_loss
+from entrenar.export import save_merged
+from entrenar.io.run_dir import ADAPTER_DIR, MODEL_DIR
+from entrenar.kernels.fused_linear_ce import FUSED_LOSS_CHUNK, fused_linear_cross_entropy
 from entrenar.loading import load
+from entrenar.models import random_init
+from entrenar.models.loss import token_cross_entropy
+from entrenar.quant.qat import master_weights
+from entrenar.tasks.base import Batch, SummaryRow
+
+if TYPE_CHECKING:
+    from entrenar.train.metrics import MetricsLogger
 
 
 @dataclass
 class CausalLMTask:
-    recipe: Any
+    recipe: Recipe
+    kernels: bool = False  # the plan's: the output projection fused with the loss when the head is plain
     name: str = "causal_lm"
+    _head: nn.Linear | None = field(default=None, repr=False)  # set by prepare() when the loss is fused
 
-    def load(self, path, dtype, device, quantize):
-        import entrenar
-        from entrenar.models import random_init as scratch
-
-        if scratch.is_random(self.recipe):  # model.init random: built from model.config, seeded
+    def load(self, dtype: str, device: torch.device, quantize: str | None) -> tuple[nn.Module, Tokenizer | None]:
+        """The recipe's model: a checkpoint, GGUF file or run (``model.path``), or drawn from ``model.config``."""
+        if random_init.is_random(self.recipe):
             if quantize is not None:
-                from entrenar.errors import ConfigError
-
                 raise ConfigError("lora.quantize_base: a random-init model has no pretrained base to quantize")
-            return scratch.build(self.recipe, dtype, device)
-        return load(path, dtype=dtype, device=device, quantize=quantize)
+            return random_init.build(self.recipe, dtype, device)
+        return load(self.recipe.model.path, dtype=dtype, device=device, quantize=quantize)
 
-    def prepare(self, model) -> None:
-        """Nothing beyond what the adapters froze or left trainable."""
+    def prepare(self, model: nn.Module) -> None:
+        """Nothing to make trainable beyond the adapters; the fused loss needs a plain output head."""
+        head = getattr(model, "lm_head", None)
+        self._head = head if self.kernels and type(head) is nn.Linear else None
 
-    def num_targets(self, batch) -> int:
+    def head_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        return {}
+
+    def read(self, path: str, role: str, tokenizer: Tokenizer, skipped: list[Skip]) -> tuple[list, list[str]]:
+        """Masked examples of one data file, and notes on what was skipped, cut or odd."""
+        d = self.recipe.data
+        records, read_stats = read_records(path, format=d.format, on_error=d.on_error, seed=self.recipe.training.seed,
+                                           query=d.query)  # synth: sources draw from the seed; SQLite runs the query
+        columns = {"text": d.text_field, "prompt": d.prompt_field, "completion": d.completion_field,
+                   "messages": d.messages_field}
+        try:
+            examples, stats = tokenize_records(records, tokenizer, d.seq_len, train_on=d.train_on, add_eos=d.add_eos,
+                                               columns=columns, on_error=d.on_error)
+        except DataError as e:
+            if str(e).startswith("no training examples"):
+                raise DataError(f"data.{role} ({path}): {str(e).replace('no training examples', 'no examples', 1)}"
+                                ) from None
+            raise
+        left_out = skipped_in_order(read_stats, stats)
+        skipped.extend(left_out)
+        notes = data_notes(f"data.{role}", left_out, stats)
+        if stats.truncated_examples:
+            notes.append(f"data.{role}: {stats.truncated_examples} example(s) cut to seq_len={d.seq_len} "
+                         f"({stats.truncated_tokens:,} tokens dropped)")
+        if stats.dropped_no_targets:
+            notes.append(f"data.{role}: {stats.dropped_no_targets} example(s) left out: nothing to train on within "
+                         "seq_len")
+        return examples, notes
+
+    def stream(self, examples: list, tokenizer: Tokenizer) -> tuple[BatchStream, list[str]]:
+        d, t = self.recipe.data, self.recipe.training
+        return BatchStream(examples, t.batch_size, d.seq_len, packing=d.packing, shuffle=d.shuffle, seed=t.seed,
+                           pad_id=tokenizer.pad_id or 0), []
+
+    def num_targets(self, batch: Batch) -> float:
         return num_target_tokens(batch)
 
-    def log_eval(self, metrics_log, step: int, result) -> bool:
-        """Log the held-out loss; True when it is the lowest so far."""
-        return metrics_log.log_eval(step, result.loss)
+    def loss_sum(self, model: Any, batch: Batch) -> torch.Tensor:
+        """Summed cross-entropy of the micro-batch's target tokens, through ``model`` (or its parallel wrapper)."""
+        inputs = (batch["input_ids"], batch["position_ids"], batch.get("document_ids"))
+        layout = {"cu_seqlens": batch.get("cu_seqlens"), "max_seqlen": batch.get("max_seqlen")}  # padding-free
+        if self._head is not None:  # never the full-vocabulary logits
+            hidden = model.hidden_states(*inputs, **layout)
+            return fused_linear_cross_entropy(hidden, self._head.weight, batch["labels"], FUSED_LOSS_CHUNK)[0]
+        return token_cross_entropy(model(*inputs, **layout), batch["labels"])[0]
 
-    def eval_scalars(self, result) -> dict[str, float]:
-        """What early stopping and the console read of an evaluation."""
+    def evaluate(self, model: nn.Module, examples: list, tokenizer: Tokenizer) -> EvalResult:
+        d, t = self.recipe.data, self.recipe.training
+        batches = eval_batches(examples, t.batch_size, d.seq_len, packing=d.packing, pad_id=tokenizer.pad_id or 0)
+        # Eager: the last batch is smaller and would make a compiled model recompile.
+        return eval_loss(model, batches, precision=t.precision, max_batches=t.eval_batches)
+
+    def log_eval(self, metrics: MetricsLogger, step: int, result: EvalResult) -> bool:
+        """Log the held-out loss; True when it is the lowest so far."""
+        return metrics.log_eval(step, result.loss)
+
+    def eval_scalars(self, result: EvalResult) -> dict[str, float]:
         return {"eval_loss": result.loss, "eval_ppl": result.perplexity}
 
-    def finish(self, model, validation, recipe, run_dir: Path, output: Path) -> list[tuple[str, str]]:
-        return []
+    def save(self, model: nn.Module, tokenizer: Tokenizer, folder: Path) -> Path:
+        """The adapter (PEFT format) of a LoRA run, or the whole model folder of a full fine-tune."""
+        recipe = self.recipe
+        if recipe.lora is not None:
+            out = folder / ADAPTER_DIR
+            save_adapter(model, out, lora_config_of(recipe.lora), base_model_name_or_path=str(recipe.model.path))
+            return out
+        out = folder / MODEL_DIR
+        base = Path(recipe.model.path) if recipe.model.path else None  # a random-init model has no base folder
+        with master_weights(model):  # QAT: the full-precision weights it trained, as a plain model folder
+            save_merged(model, tokenizer, out, base=base if base and base.is_dir() else None)  # keeps generation config
+        return out
+
+    def begin(self, model: nn.Module, tokenizer: Tokenizer) -> None:
+        """Nothing: the held-out loss before training is the baseline."""
+
+    def finish(self, model: nn.Module, tokenizer: Tokenizer, validation: list, run_dir: Path, output: Path,
+               before: EvalResult | None, after: EvalResult | None) -> list[SummaryRow]:
+        if before is None or after is None:
+            return []
+        return [("held-out loss", f"{before.loss:.4f} -> {after.loss:.4f} "
+                                  f"(perplexity {before.perplexity:.2f} -> {after.perplexity:.2f})")]
+
+
+__all__ = ["CausalLMTask"]

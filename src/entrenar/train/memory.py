@@ -24,14 +24,12 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 from entrenar.errors import ConfigError
+from entrenar.kernels.fused_linear_ce import FUSED_LOSS_CHUNK
 from entrenar.models.config import ModelConfig
 from entrenar.models.transformer import checkpointed_layer_indices, offloaded_layer_indices
 
 GiB = 2**30
 LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-# Tokens per chunk of the fused output-projection loss, as the training loop runs it: a 128k vocabulary's bf16
-# logits chunk is then 0.25 GiB, at the speed of 4096-token chunks (docs/PERFORMANCE.md, fifth call set).
-FUSED_LOSS_CHUNK = 1024
 # Resident memory of a process that has imported torch (2.13, CPU build) and entrenar, before any model: measured
 # 0.30 GiB (docs/PERFORMANCE.md, "CPU memory").
 CPU_RUNTIME_BYTES = 0.30 * GiB

@@ -116,7 +116,7 @@ def build_param_groups(
     return list(groups.values())
 
 
-def _use_fused(fused: str | bool, device: torch.device) -> bool:
+def use_fused(fused: str | bool, device: torch.device) -> bool:
     if fused == "auto":
         # Fused kernels exist on CPU too in recent torch, but CUDA is where they
         # pay off clearly; CPU keeps torch's default (foreach) implementation.
@@ -149,17 +149,17 @@ def build_optimizer(
     if not groups or not any(g["params"] for g in groups):
         raise ConfigError("the optimizer has no parameters to train")
     device = torch.device(device) if device is not None else next(p for g in groups for p in g["params"]).device
-    use_fused = _use_fused(fused, device)
+    fused_kernel = use_fused(fused, device)
     for group in groups:
         group["lr"] = lr * group.get("lr_scale", 1.0)
     kind = name.lower()
     try:
         if kind == "adamw":
-            return torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), eps=eps, fused=use_fused or None)
+            return torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), eps=eps, fused=fused_kernel or None)
         if kind == "sgd":
-            return torch.optim.SGD(groups, lr=lr, momentum=momentum, fused=use_fused or None)
+            return torch.optim.SGD(groups, lr=lr, momentum=momentum, fused=fused_kernel or None)
     except RuntimeError as e:
-        if use_fused:
+        if fused_kernel:
             raise ConfigError(f"optimizer.fused=true is not supported for these parameters on {device}: {e}") from None
         raise
     raise ConfigError(f"optimizer.name must be 'adamw' or 'sgd', got {name!r}")

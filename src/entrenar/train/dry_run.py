@@ -1,0 +1,51 @@
+"""What ``--dry-run`` prints: the model, data and step a run would train on, the plan's decisions and its memory."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from entrenar.config import Recipe
+from entrenar.train.memory import GiB, MemoryEstimate
+from entrenar.train.plan import RowLayout, RunPlan
+from entrenar.train.run_data import RunData
+
+CPU_ESTIMATE_NOTE = ("the peak resident memory of this process: measured peaks were within 25% of it "
+                     "(docs/PERFORMANCE.md, CPU memory); left out: loading (the file is mapped while the weights "
+                     "are converted; a GGUF is dequantized), evaluation, the OS page cache")
+
+
+def dry_run_report(recipe: Recipe, plan: RunPlan, rows: RowLayout, model: nn.Module, data: RunData,
+                   notes: list[str]) -> str:
+    """The report of a run that was built but not trained."""
+    total = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    t, d, estimate = recipe.training, recipe.data, plan.memory
+    tokens = sum(len(e) for e in data.examples)
+    return "\n".join([
+        f"dry run: recipe valid, model and data built, nothing trained ({recipe.output.dir})",
+        f"{'model':<22}{recipe.model.path} ({model.config.model_type}, {model.config.num_layers} layers)",
+        f"{'parameters':<22}{total:,} total, {trainable:,} trainable ({trainable / total:.2%})",
+        f"{'method':<22}{plan.method}",
+        f"{'train examples':<22}{len(data.examples):,} ({tokens:,} tokens)",
+        f"{'validation examples':<22}{len(data.validation):,}",
+        *[f"{'note':<22}{note}" for note in notes],
+        f"{'step':<22}{t.batch_size} x {d.seq_len} tokens x {plan.accumulation * plan.world_size} micro-batches, "
+        f"{t.max_steps} steps",
+        f"{'memory estimate':<22}{estimate.total / GiB:.2f} GiB (weights {estimate.weights / GiB:.2f}, "
+        f"grads {estimate.gradients / GiB:.2f}, optimizer {estimate.optimizer / GiB:.2f}, "
+        f"activations {estimate.activations / GiB:.2f}, logits {estimate.logits / GiB:.2f}{_cpu_terms(estimate)})",
+        *([f"{'':<22}{CPU_ESTIMATE_NOTE}"] if estimate.runtime else []),
+        "plan",
+        *[f"  {key:<30}{why}" for key, why in plan.describe()],
+        f"  {'data.padding_free':<30}{rows.reason}",
+    ])
+
+
+def _cpu_terms(estimate: MemoryEstimate) -> str:
+    if not estimate.runtime:
+        return ""
+    return (f", runtime {estimate.runtime / GiB:.2f}, autocast copies {estimate.casts / GiB:.2f}, "
+            f"allocator {estimate.allocator / GiB:.2f}")
+
+
+__all__ = ["CPU_ESTIMATE_NOTE", "dry_run_report"]

@@ -1,0 +1,364 @@
+"""The run plan: every ``auto`` setting resolved with its reason, every refusal decided, the memory estimated, once.
+
+    plan = plan_run(recipe, device, world, config)
+
+:func:`plan_run` is pure: it reads the recipe, the device this process trains on, the processes of the job and
+the model's config.json (no weights), and answers every question the rest of the run would otherwise ask
+again: which parallel mode, which weights dtype, whether kernels, CUDA graphs, step overlap and the three
+offloads are on, and what the run will hold in memory. ``--dry-run`` prints it (:meth:`RunPlan.describe`);
+:mod:`entrenar.train.prepare` and the Trainer only read it.
+
+Refusals live in one table, :data:`REFUSALS`: a combination this version does not run, each with the message a
+user sees. Two facts are known only later and are resolved by pure methods of the plan when they are:
+the layout of packed rows needs the examples' mean length (:meth:`RunPlan.rows`), and CUDA graphs need MoE
+layers that replay (:meth:`RunPlan.graphs`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from entrenar.config import Recipe
+from entrenar.data.batching import check_seq_len
+from entrenar.device import resolve_dtype
+from entrenar.distributed.materialize import load_device as sharded_load_device
+from entrenar.distributed.steps import accumulation as micro_batches_per_rank
+from entrenar.distributed.world import World
+from entrenar.errors import ConfigError
+from entrenar.kernels import triton_available
+from entrenar.models.config import ModelConfig
+from entrenar.models.padding_free import rows_by_document
+from entrenar.train.memory import FUSED_LOSS_CHUNK, LINEAR_NAMES, MemoryEstimate, estimate_training_memory
+from entrenar.train.optim import use_fused
+
+# Fraction of device memory a replica may take for `parallel: auto` to pick DDP (the rest: allocator slack).
+AUTO_DDP_FRACTION = 0.85
+
+
+@dataclass(frozen=True)
+class RowLayout:
+    """How packed causal-LM rows reach attention: one padding-free row of real tokens (``flat``), packed rows
+    read document by document (``by_document``: the variable-length kernel), or padded rows under a mask."""
+
+    flat: bool
+    by_document: bool
+    reason: str
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """What a run does, decided before anything is loaded. ``reasons`` says why each ``auto`` became what it is."""
+
+    device: torch.device  # this process's
+    mode: str  # single, ddp or fsdp
+    world_size: int
+    accumulation: int  # micro-batches per process and optimizer step
+    load_device: torch.device  # where the weights are read to (FSDP: rank 0's CPU, the meta device elsewhere)
+    weights_dtype: str  # what the weights are loaded as ("auto": the device's choice)
+    quantize: str | None  # lora.quantize_base
+    compute_dtype: torch.dtype  # what the products run in
+    kernels: bool
+    lora_compute_dtype: torch.dtype | None  # training.adapter_math: bf16 adapter products in the fused layer
+    offload_weights: bool
+    offload_embeddings: bool
+    cuda_graphs: bool  # if the MoE layers replay (:meth:`graphs`)
+    overlap: bool
+    compile: bool
+    loss_scaling: bool  # fp16's GradScaler
+    method: str  # full, lora or qlora
+    memory: MemoryEstimate
+    notes: tuple[str, ...] = ()  # for the summary (seq_len beyond the model's context)
+    reasons: tuple[tuple[str, str], ...] = ()
+    _recipe: Recipe | None = field(default=None, repr=False, compare=False)
+    _config: ModelConfig | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def rows_per_step(self) -> int:
+        """Rows of the global optimizer step, over every process."""
+        assert self._recipe is not None
+        return self._recipe.training.batch_size * self.accumulation * self.world_size
+
+    def rows(self, task: str, mean_example_tokens: float) -> RowLayout:
+        """``data.padding_free`` resolved once the examples are read. Causal-LM rows attend document by
+        document (the variable-length flash kernel on CUDA) instead of under a dense document mask, which keeps
+        SDPA off flash and computes the blocks across documents; on a CPU only where the documents outweigh
+        their calls (hidden size x mean example length, :func:`rows_by_document`). Padding-free rows: on a CPU
+        where rows attend by document, since nothing there gains from fixed shapes; off on a GPU, whose graphs
+        replay fixed rows."""
+        recipe, config = self._recipe, self._config
+        assert recipe is not None and config is not None
+        by_document = task == "causal_lm" and rows_by_document(
+            config.head_dim, self.device, self.compute_dtype, config.sliding_window, compiled=self.compile,
+            document_work=config.hidden_size * mean_example_tokens)
+        setting = recipe.data.padding_free
+        flat = setting if setting != "auto" else self.device.type == "cpu" and by_document
+        reason = "padding-free rows" if flat else ("packed rows, attention by document" if by_document
+                                                   else "rows under a document mask")
+        return RowLayout(flat=flat, by_document=by_document and not flat,
+                         reason=f"{reason} (data.padding_free: {setting})")
+
+    def graphs(self, moe_replays: bool) -> bool:
+        """``training.cuda_graphs`` once the MoE layers are built: a graph replays MoE layers only whose experts
+        run as one grouped bf16 product (``moe_replays``: no host read in the step)."""
+        assert self._recipe is not None
+        if self._recipe.training.cuda_graphs is True and not moe_replays:
+            raise ConfigError("training.cuda_graphs: a CUDA graph replays MoE layers whose experts run as one "
+                              "grouped bf16 product (moe.experts: auto or grouped, bf16 compute, full-precision "
+                              "experts); this run's loop over experts reads their token counts back every layer")
+        return self.cuda_graphs and moe_replays
+
+    def describe(self) -> list[tuple[str, str]]:
+        """(setting, what it became and why): what ``--dry-run`` prints under "plan"."""
+        return list(self.reasons)
+
+
+@dataclass(frozen=True)
+class _Facts:
+    """What the refusals and decisions read besides the recipe."""
+
+    recipe: Recipe
+    device: torch.device
+    world: World
+    mode: str = "single"
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A combination this version does not run: ``applies`` to the facts, and the message a user sees."""
+
+    key: str
+    applies: Callable[[_Facts], bool]
+    message: Callable[[_Facts], str]
+    needs_mode: bool = False  # checked once the parallel mode is chosen
+
+
+def _gpu_only(key: str, what: str) -> Refusal:
+    return Refusal(f"training.{key}", lambda f: getattr(f.recipe.training, key) not in (False, 0, "auto")
+                   and f.device.type != "cuda",
+                   lambda f: f"training.{key}: {what}; this run is on {f.device}")
+
+
+# Checked in order; the first that applies is raised. Pure recipe checks come first, then the device's, then
+# the parallel mode's (each needs the one before).
+REFUSALS: tuple[Refusal, ...] = (
+    Refusal("schedule.warmup_steps", lambda f: f.recipe.schedule.warmup_steps > f.recipe.training.max_steps,
+            lambda f: f"schedule.warmup_steps ({f.recipe.schedule.warmup_steps}) is longer than the run "
+                      f"(training.max_steps={f.recipe.training.max_steps}); shorten it too, e.g. --set "
+                      f"schedule.warmup_steps={f.recipe.training.max_steps // 10}"),
+    Refusal("training.early_stopping", lambda f: f.recipe.training.early_stopping is not None
+            and not f.recipe.training.eval_every,
+            lambda f: "training.early_stopping: needs evaluations during the run (training.eval_every > 0)"),
+    Refusal("training.precision", lambda f: f.recipe.training.precision == "fp16" and f.device.type != "cuda",
+            lambda f: "training.precision: fp16 needs a CUDA device (use bf16 or fp32 on the CPU)"),
+    _gpu_only("cuda_graphs", "CUDA graphs replay GPU launches"),
+    _gpu_only("offload_activations", "offloading moves activations from GPU to CPU memory"),
+    _gpu_only("offload_embeddings", "the table moves from GPU to CPU memory"),
+    Refusal("training.cuda_graphs", lambda f: f.mode != "single" and f.recipe.training.cuda_graphs is True,
+            lambda f: f"training.cuda_graphs: the gradient reduction of {f.mode} runs outside a captured graph; "
+                      f"turn cuda_graphs off to train on {f.world.size} processes", needs_mode=True),
+    Refusal("training.kernels", lambda f: f.mode == "fsdp" and f.recipe.training.kernels is True,
+            lambda f: "training.kernels: the fused kernels read weights outside the module's forward, which "
+                      "FSDP2 has not gathered; use training.kernels: false with parallel: fsdp", needs_mode=True),
+    Refusal("training.offload_embeddings", lambda f: f.mode == "fsdp" and f.recipe.training.offload_embeddings
+            is True, lambda f: "training.offload_embeddings: a host-memory table cannot be sharded; use "
+                               "training.parallel: ddp", needs_mode=True),
+    Refusal("training.offload_weights", lambda f: f.recipe.training.offload_weights is True
+            and (f.device.type != "cuda" or f.mode != "single" or f.recipe.training.compile),
+            lambda f: "training.offload_weights: the NF4 base weights stream to one CUDA device, block by block, "
+                      f"outside torch.compile; this run is {f.mode} on {f.device}"
+                      + (" with training.compile" if f.recipe.training.compile else ""), needs_mode=True),
+)
+
+
+def _refuse(facts: _Facts, needs_mode: bool) -> None:
+    """Raise the first refusal of the table that applies (those that need the mode, or those that do not)."""
+    for refusal in REFUSALS:
+        if refusal.needs_mode == needs_mode and refusal.applies(facts):
+            raise ConfigError(refusal.message(facts))
+
+
+def check_recipe(recipe: Recipe, device: torch.device, world: World) -> None:
+    """The refusals that need neither the model nor the parallel mode: checked before anything is written or
+    loaded (and again by :func:`plan_run`, which makes every check)."""
+    _refuse(_Facts(recipe, device, world), needs_mode=False)
+
+
+def plan_run(recipe: Recipe, device: torch.device, world: World, config: ModelConfig,
+             device_memory: int | None = None, triton: bool | None = None) -> RunPlan:
+    """Resolve ``recipe`` for this process (on ``device``, one of ``world``'s) and a model of ``config``.
+
+    ``device_memory`` (bytes; default: the CUDA device's) is what ``parallel: auto`` compares a replica with;
+    ``triton`` (default: whether Triton runs here) is what ``kernels: auto`` needs on CUDA."""
+    t, lora = recipe.training, recipe.lora
+    triton = triton_available() if triton is None else triton
+    check_recipe(recipe, device, world)
+    notes = tuple(check_seq_len(recipe.data.seq_len, config.max_position_embeddings, recipe.model.path
+                                or "model.config"))
+    reasons: list[tuple[str, str]] = []
+
+    method = "full" if lora is None else ("qlora" if lora.quantize_base else "lora")
+    replica = _decide(recipe, device, "ddp" if world.distributed else "single", config, triton, method)
+    mode = _choose_mode(t.parallel, world, device, replica.memory.total, device_memory)
+    reasons.append(("training.parallel", _mode_reason(t.parallel, mode, world, replica.memory.total)))
+    _refuse(_Facts(recipe, device, world, mode), needs_mode=True)
+    accumulation = micro_batches_per_rank(t.batch_size, t.grad_accum, t.global_batch_size, world.size)
+    decided = replica if mode == replica.mode else _decide(recipe, device, mode, config, triton, method)
+    reasons += decided.reasons
+
+    load_device = sharded_load_device(world) if mode == "fsdp" else device
+    weights_dtype = recipe.model.dtype
+    if weights_dtype == "auto" and lora is None:
+        weights_dtype = "float32"  # full fine-tuning keeps fp32 master weights; compute follows training.precision
+    if weights_dtype == "auto" and load_device != device:
+        # What the run's device gives (bf16 on a GPU), not the CPU that reads for it: an fp32 frozen base would
+        # hold twice the memory of a one-GPU run in every shard.
+        weights_dtype = str(resolve_dtype("auto", device)).removeprefix("torch.")
+    return RunPlan(
+        device=device, mode=mode, world_size=world.size, accumulation=accumulation, load_device=load_device,
+        weights_dtype=weights_dtype, quantize=lora.quantize_base if lora is not None else None,
+        compute_dtype=decided.compute_dtype, kernels=decided.kernels,
+        lora_compute_dtype=torch.bfloat16 if t.adapter_math == "bf16" else None,
+        offload_weights=decided.offload_weights, offload_embeddings=decided.offload_embeddings,
+        cuda_graphs=decided.cuda_graphs, overlap=decided.overlap, compile=t.compile,
+        loss_scaling=t.precision == "fp16", method=method, memory=decided.memory, notes=notes,
+        reasons=tuple(reasons), _recipe=recipe, _config=config)
+
+
+@dataclass(frozen=True)
+class _Decided:
+    """The decisions that depend on the parallel mode."""
+
+    mode: str
+    kernels: bool
+    offload_weights: bool
+    offload_embeddings: bool
+    cuda_graphs: bool
+    overlap: bool
+    compute_dtype: torch.dtype
+    memory: MemoryEstimate
+    reasons: list[tuple[str, str]]
+
+
+def _decide(recipe: Recipe, device: torch.device, mode: str, config: ModelConfig, triton: bool,
+            method: str) -> _Decided:
+    t, lora = recipe.training, recipe.lora
+    cuda, single, causal = device.type == "cuda", mode == "single", recipe.task.type == "causal_lm"
+    reasons: list[tuple[str, str]] = []
+
+    # auto on a CPU: the fused LoRA node and the chunked loss, in PyTorch (no full logits; docs/PERFORMANCE.md).
+    kernels = t.kernels is True or (t.kernels == "auto" and mode != "fsdp" and (device.type == "cpu"
+                                                                              or cuda and triton))
+    if t.adapter_math == "bf16" and not kernels:
+        raise ConfigError("training.adapter_math: bf16 adapter products run in the fused LoRA layer, and this run "
+                          "has no kernels (training.kernels: true, or auto on a CPU or on a CUDA device with Triton)")
+    reasons.append(("training.kernels", _auto(t.kernels, kernels, "fused kernels (Triton on CUDA, their PyTorch "
+                                                                  "paths on a CPU); off under FSDP")))
+
+    # The NF4 base streams from pinned CPU memory a block ahead: QLoRA Llama-8B shape 12.06k against 12.16k
+    # tokens/s at 3.27 against 6.41 GiB (H100, docs/PERFORMANCE.md). NF4 experts load outside the stream.
+    offload_weights = t.offload_weights if t.offload_weights != "auto" else (
+        cuda and single and lora is not None and lora.quantize_base == "nf4" and t.activation_checkpointing is True
+        and not t.compile and not config.is_moe)
+    reasons.append(("training.offload_weights", _auto(t.offload_weights, offload_weights,
+                                                      "QLoRA on one GPU with every layer checkpointed")))
+
+    # The run trades speed for memory already; the GPU reads a batch's rows over PCIe in well under a
+    # millisecond. A tied table is the output head's weight too, and a trained one cannot stay on the host.
+    offload_embeddings = t.offload_embeddings if t.offload_embeddings != "auto" else (
+        cuda and single and causal and lora is not None and t.activation_checkpointing is True and triton
+        and not config.tie_word_embeddings)
+    reasons.append(("training.offload_embeddings", _auto(t.offload_embeddings, offload_embeddings,
+                                                         "LoRA on one GPU with every layer checkpointed, untied")))
+
+    # Full fine-tuning measured no faster under graphs and 4 GiB heavier (docs/PERFORMANCE.md); QAT's step-size
+    # initialisation reads the device once, which a graph cannot.
+    cuda_graphs = t.cuda_graphs if t.cuda_graphs != "auto" else (
+        cuda and single and causal and recipe.data.packing and lora is not None and recipe.qat is None
+        and recipe.data.padding_free is not True and not t.compile and t.precision != "fp16")
+    reasons.append(("training.cuda_graphs", _auto(t.cuda_graphs, cuda_graphs,
+                                                  "LoRA on packed rows on one GPU, eager, bf16/fp32")))
+
+    unsupported = _overlap_unsupported(mode, t.precision == "fp16", use_fused(recipe.optimizer.fused, device))
+    if t.overlap_steps is True and unsupported is not None:
+        raise ConfigError(f"training.overlap_steps: {unsupported}")
+    overlap = unsupported is None and (t.overlap_steps is True or t.overlap_steps == "auto" and cuda)
+    reasons.append(("training.overlap_steps", _auto(t.overlap_steps, overlap, unsupported
+                                                    or "one CUDA device with a fused optimizer")))
+
+    compute_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(t.precision) or \
+        _weights_dtype(recipe, device, lora is None)
+    memory = _estimate(recipe, config, device, method, kernels, offload_weights, offload_embeddings)
+    return _Decided(mode, kernels, offload_weights, offload_embeddings, cuda_graphs, overlap, compute_dtype, memory,
+                    reasons)
+
+
+def _overlap_unsupported(mode: str, scaled: bool, fused: bool) -> str | None:
+    """Why this run cannot read a step's results while the next runs, or None when it can."""
+    if mode != "single":
+        return "several processes reduce the loss and gradients across ranks before each update"
+    if scaled:
+        return "fp16's GradScaler decides its skips on the host"
+    if not fused:
+        return "only a fused optimizer drops a non-finite update on the device (optimizer.fused)"
+    return None
+
+
+def _weights_dtype(recipe: Recipe, device: torch.device, full: bool) -> torch.dtype:
+    """The dtype the model's weights are held in on ``device``."""
+    dtype = recipe.model.dtype
+    return resolve_dtype("float32" if dtype == "auto" and full else dtype, device)
+
+
+def _estimate(recipe: Recipe, config: ModelConfig, device: torch.device, method: str, kernels: bool,
+              offload_weights: bool, offload_embeddings: bool) -> MemoryEstimate:
+    """The training memory of one process (:mod:`entrenar.train.memory`) with this plan's settings."""
+    t, lora = recipe.training, recipe.lora
+    targets: str | list[str] = "all-linear"
+    if lora is not None and not isinstance(lora.target_modules, str):
+        targets = sorted(set(lora.target_modules) & set(LINEAR_NAMES))
+    elif lora is not None and lora.target_modules != "all-linear":
+        targets = [name for name in LINEAR_NAMES if name in lora.target_modules]  # a regex: the names it spells
+    head_is_plain = recipe.task.type == "causal_lm" and (lora is None or "lm_head" not in lora.target_modules)
+    return estimate_training_memory(
+        config, method, t.batch_size, recipe.data.seq_len, dtype_bytes=2 if t.precision != "fp32" else 4,
+        param_bytes=_weights_dtype(recipe, device, lora is None).itemsize, lora_r=lora.r if lora else 16,
+        lora_targets=targets, lora_target_parameters=list(lora.target_parameters or []) if lora else [],
+        activation_checkpointing=t.activation_checkpointing, offload_activations=t.offload_activations,
+        offload_embeddings=offload_embeddings, offload_weights=offload_weights, optimizer=recipe.optimizer.name,
+        fused_loss_chunk=FUSED_LOSS_CHUNK if kernels and head_is_plain else None, kernels=kernels,
+        cpu=device.type == "cpu", lora_dropout=lora.dropout if lora else 0.0)
+
+
+def _choose_mode(parallel: str, world: World, device: torch.device, replica_bytes: float,
+                 device_memory: int | None) -> str:
+    """``single`` for one process; otherwise ``training.parallel``, with ``auto`` meaning DDP when a replica
+    (weights, gradients, optimizer state, activations) fits one device."""
+    if not world.distributed:
+        return "single"
+    if parallel != "auto":
+        return parallel
+    if device.type != "cuda":
+        return "ddp"  # CPU memory is the host's, shared by its ranks: sharding saves nothing per process
+    capacity = device_memory if device_memory is not None else torch.cuda.get_device_properties(device).total_memory
+    return "ddp" if replica_bytes <= AUTO_DDP_FRACTION * capacity else "fsdp"
+
+
+def _mode_reason(parallel: str, mode: str, world: World, replica_bytes: float) -> str:
+    if not world.distributed:
+        return f"{mode} (one process)"
+    if parallel != "auto":
+        return f"{mode} (as set)"
+    return f"{mode} (auto: a replica needs {replica_bytes / 2**30:.2f} GiB)"
+
+
+def _auto(setting: Any, value: bool, why: str) -> str:
+    """A decision's line: what it became, and why when ``auto`` decided it."""
+    word = "on" if value else "off"
+    return f"{word} (auto: {why})" if setting == "auto" else f"{word} (as set)"
+
+
+__all__ = ["REFUSALS", "Refusal", "RowLayout", "RunPlan", "check_recipe", "plan_run"]

@@ -1,0 +1,189 @@
+"""One optimizer step: its micro-batches' forward and backward, the clipped update, and the one read to the host.
+
+Two strategies, chosen by the plan (``training.overlap_steps``):
+
+- :class:`SyncSteps` reads each step's loss and gradient norm at once, checks them (``training.nonfinite``) and
+  only then applies the update;
+- :class:`OverlappedSteps` launches the update with a non-finite one dropped on the device, and reads the step
+  after the next step's micro-batches are queued, so the GPU always has work (:mod:`entrenar.train.overlap`).
+  Steps the host acts on at once (evaluation, checkpoint, the last) and those before the optimizer has state
+  are read at once, as :class:`SyncSteps` does.
+
+Gradient accumulation divides each micro-batch's summed loss by the targets of the whole global step, so a
+step over many micro-batches and processes has the gradient of one large batch.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from entrenar.data import BatchStream
+from entrenar.distributed import steps as dist_steps
+from entrenar.distributed.parallelize import Single
+from entrenar.distributed.world import World
+from entrenar.evaluation.loss import autocast_for
+from entrenar.tasks.base import Batch, Task
+from entrenar.train.cuda_graph import GraphedMicroStep
+from entrenar.train.faults import NonfiniteGuard, optimizer_step
+from entrenar.train.moe import MoeTraining
+from entrenar.train.overlap import DeferredRead, step_unless_nonfinite
+
+
+@dataclass
+class StepRecord:
+    """A step whose results reached the host: what its metrics line, the guard and the console read."""
+
+    step: int  # steps done, counting this one
+    lr: float
+    started: float  # perf_counter at its start
+    loss: float
+    grad_norm: float
+    tokens: int
+    flags: dict[str, Any] = field(default_factory=dict)  # skipped / scaler_skipped
+    moe_values: list[float] | None = None
+
+
+class MicroStep:
+    """Forward and backward of one micro-batch (replayed from a CUDA graph where the plan says so); its loss is
+    normalised over the whole step's targets."""
+
+    def __init__(self, task: Task, step_model: Single, moe: MoeTraining | None, device: torch.device,
+                 precision: str, scaler: torch.amp.GradScaler, trainable: list[torch.nn.Parameter],
+                 graphs: bool) -> None:
+        self.task, self.step_model, self.moe, self.device = task, step_model, moe, device
+        self.precision, self.scaler, self.graphs = precision, scaler, graphs
+        self.segments: int | None = None  # CUDA graphs' segment capacity, once the data position is known
+        self.run = GraphedMicroStep(self._forward_backward, trainable, capturable=self._fills_capacity) \
+            if graphs else self._forward_backward
+
+    def __call__(self, batch: Batch) -> torch.Tensor:
+        return self.run(batch)
+
+    def _forward_backward(self, batch: Batch) -> torch.Tensor:
+        with autocast_for(self.device, self.precision, cache=not self.graphs):
+            loss = self.task.loss_sum(self.step_model, batch) / batch["step_targets"]
+            total = loss + self.moe.router_loss(batch) if self.moe is not None else loss
+        self.scaler.scale(total).backward()
+        return loss.detach()
+
+    def _fills_capacity(self, batch: Batch) -> bool:
+        """Whether a micro-batch has the layout a CUDA graph may be captured with (packed rows padded to the
+        segment capacity, not a batch over it that kept its own)."""
+        cu = batch.get("cu_seqlens")
+        return cu is None or self.segments is None or len(cu) == self.segments + 1
+
+
+class SyncSteps:
+    """Each step read to the host, checked, then applied."""
+
+    def __init__(self, *, world: World, task: Task, stream: BatchStream, accumulation: int,
+                 layout: Callable[[Batch], Batch], micro_step: MicroStep, optimizer: torch.optim.Optimizer,
+                 scaler: torch.amp.GradScaler, guard: NonfiniteGuard, moe: MoeTraining | None,
+                 trainable: list[torch.nn.Parameter], max_grad_norm: float, device: torch.device,
+                 log: Callable[[StepRecord], None]) -> None:
+        self.world, self.task, self.stream, self.accumulation = world, task, stream, accumulation
+        self.layout, self.micro_step, self.optimizer, self.scaler = layout, micro_step, optimizer, scaler
+        self.guard, self.moe, self.trainable, self.device, self.log = guard, moe, trainable, device, log
+        self.max_norm = max_grad_norm if max_grad_norm > 0 else math.inf
+        self.keep_grads = micro_step.graphs  # a graph adds into gradients it holds: zeroed in place
+
+    def run(self, step: int, lr: float, acts: bool) -> StepRecord | None:
+        """Step ``step`` (0-based) at learning rate ``lr``; its record when its results were read now (always,
+        here), None when they come later. ``acts``: the host acts on this step (evaluation, checkpoint)."""
+        started = time.perf_counter()
+        loss, tokens = self._accumulate()
+        self._read_earlier()
+        self.scaler.unscale_(self.optimizer)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable, self.max_norm)  # the pre-clip norm
+        # The global step's loss on every rank, so every rank takes the same decision.
+        loss = self.world.all_sum(loss) / self.world.size
+        return self._apply(step + 1, lr, started, loss, grad_norm, tokens, acts)
+
+    def finish(self) -> None:
+        """Read whatever is still on its way (nothing, here)."""
+
+    def _accumulate(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's micro-batches of the step, forward and backward: (summed normalised loss, real tokens)."""
+        micro_batches = dist_steps.step_batches(self.stream, self.accumulation, self.world)
+        targets, tokens = dist_steps.step_counts(micro_batches, self.world, self.device,
+                                                 count_targets=self.task.num_targets)
+        loss = torch.zeros((), device=self.device)
+        for i, batch in enumerate(micro_batches):
+            batch = {k: _to(v, self.device) for k, v in self.layout(batch).items()}
+            # Over world.size: DDP and FSDP average the ranks' gradients, and the step needs their sum.
+            batch["step_targets"] = targets / self.world.size
+            with self.micro_step.step_model.sync(last=i == len(micro_batches) - 1):  # all-reduce once a step
+                loss += self.micro_step(batch)
+        return loss, tokens
+
+    def _read_earlier(self) -> None:
+        """Read a step launched before this one (overlap)."""
+
+    def _apply(self, done: int, lr: float, started: float, loss: torch.Tensor, grad_norm: torch.Tensor,
+               tokens: torch.Tensor, acts: bool) -> StepRecord | None:
+        # The step's one host read; a NaN/inf loss or gradient norm then stops the run, or drops this step's
+        # update (training.nonfinite), before the optimizer applies it.
+        loss_value, norm_value = float(loss), float(grad_norm)
+        flags = self.guard.check(done, loss_value, norm_value)
+        flags |= optimizer_step(self.scaler, self.optimizer, skip=bool(flags))  # fp16: the scaler's own skips
+        self.optimizer.zero_grad(set_to_none=not self.keep_grads)
+        # Router biases move only with an applied update (a skipped step leaves them too).
+        moe_values = self.moe.close_step(update="skipped" not in flags).tolist() if self.moe is not None else None
+        record = StepRecord(done, lr, started, loss_value, norm_value, int(tokens), flags, moe_values)
+        self.log(record)
+        return record
+
+
+@dataclass
+class _Launched:
+    """An overlapped step whose update is launched and whose results are on their way to the host."""
+
+    step: int
+    lr: float
+    started: float
+    read: DeferredRead
+
+
+class OverlappedSteps(SyncSteps):
+    """Steps the host need not act on are read after the next step's micro-batches are queued."""
+
+    pending: _Launched | None = None
+
+    def finish(self) -> None:
+        self._read_earlier()
+
+    def _read_earlier(self) -> None:
+        if self.pending is None:
+            return
+        p, self.pending = self.pending, None
+        values = p.read.values()
+        # Its update was already dropped on the device if non-finite; stop mode raises here, before this step's
+        # update is launched.
+        flags = self.guard.check(p.step, values[0], values[1])
+        self.log(StepRecord(p.step, p.lr, p.started, values[0], values[1], int(values[2]), flags,
+                            values[3:] if self.moe is not None else None))
+
+    def _apply(self, done: int, lr: float, started: float, loss: torch.Tensor, grad_norm: torch.Tensor,
+               tokens: torch.Tensor, acts: bool) -> StepRecord | None:
+        if acts or not self.optimizer.state:  # read now: the optimizer builds its state in its first step
+            return super()._apply(done, lr, started, loss, grad_norm, tokens, acts)
+        found = step_unless_nonfinite(self.optimizer, loss, grad_norm)
+        self.optimizer.zero_grad(set_to_none=not self.keep_grads)
+        values = [loss.double().reshape(1), grad_norm.double().reshape(1), tokens.double().reshape(1)]
+        if self.moe is not None:  # router biases move only with an applied update
+            values.append(self.moe.close_step(update=1.0 - found).double())
+        self.pending = _Launched(done, lr, started, DeferredRead(torch.cat(values)))
+        return None
+
+
+def _to(value: torch.Tensor | int, device: torch.device) -> torch.Tensor | int:
+    return value.to(device, non_blocking=True) if isinstance(value, torch.Tensor) else value
+
+
+__all__ = ["MicroStep", "OverlappedSteps", "StepRecord", "SyncSteps"]
