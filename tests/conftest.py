@@ -77,8 +77,9 @@ def tiny_llama():
 def crash_after_step(monkeypatch, recipe, step: int) -> None:
     """Run ``recipe`` and stop it as if killed right after ``step`` is logged (checkpoints as they were)."""
     from entrenar.train import loop
+    from entrenar.train.metrics import MetricsLogger
 
-    real_log_step = loop.MetricsLogger.log_step
+    real_log_step = MetricsLogger.log_step
 
     def crash(self, logged, *args, **kwargs):
         record = real_log_step(self, logged, *args, **kwargs)
@@ -87,7 +88,7 @@ def crash_after_step(monkeypatch, recipe, step: int) -> None:
         return record
 
     with monkeypatch.context() as patch:
-        patch.setattr(loop.MetricsLogger, "log_step", crash)
+        patch.setattr(MetricsLogger, "log_step", crash)
         with pytest.raises(KeyboardInterrupt):
             loop.train(recipe, progress=False)
 

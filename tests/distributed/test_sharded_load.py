@@ -46,7 +46,7 @@ def test_rank_1_builds_on_meta_holds_about_half_and_gets_a_plain_loads_weights(t
                               nproc_per_node=2)
     r = load_recipe(recipe)
     torch.manual_seed(r.training.seed)
-    from entrenar.train.loop import build_model
+    from entrenar.train.prepare import build_model
 
     plain, _ = build_model(r, tasks.for_recipe(r), "float32", torch.device("cpu"), None)
     expected = dict(plain.named_parameters())

@@ -108,7 +108,7 @@ def sharded_load_worker(recipe_path: str, overrides: list[str], quantize: str | 
     from entrenar.distributed.materialize import load_device
     from entrenar.distributed.parallelize import parallelize
     from entrenar.distributed.state import full_params
-    from entrenar.train.loop import build_model
+    from entrenar.train.prepare import build_model
 
     recipe = load_recipe(recipe_path, overrides)
     world, device = world_module.join(torch.device("cpu"), 30)

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from entrenar.train.metrics import MetricsLogger
 from entrenar.config import Recipe
 from entrenar.errors import ConfigError
 from entrenar.experiments import ablate as ab
@@ -205,7 +206,7 @@ def test_a_rerun_skips_finished_arms_and_resumes_an_interrupted_one(ablation, mo
     import shutil
 
     shutil.rmtree(dense)
-    real_log_step = loop.MetricsLogger.log_step
+    real_log_step = MetricsLogger.log_step
 
     def crash(self, step, *args, **kwargs):
         record = real_log_step(self, step, *args, **kwargs)
@@ -214,7 +215,7 @@ def test_a_rerun_skips_finished_arms_and_resumes_an_interrupted_one(ablation, mo
         return record
 
     with monkeypatch.context() as patch:
-        patch.setattr(loop.MetricsLogger, "log_step", crash)
+        patch.setattr(MetricsLogger, "log_step", crash)
         with pytest.raises(KeyboardInterrupt):
             ab.ablate(recipe(report.output.parent), output=report.output, mi_records=16)
     assert not (dense / "arm.json").exists() and (dense / "checkpoints" / "step-1").is_dir()

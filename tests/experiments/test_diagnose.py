@@ -25,7 +25,7 @@ from entrenar.models.config import ModelConfig
 from entrenar.models.hf import load_hf, save_hf
 from entrenar.models.moe import moe_blocks
 from entrenar.models.transformer import Transformer
-from entrenar.train.loop import build_data
+from entrenar.train.run_data import read_data
 from entrenar.models.loss import token_cross_entropy
 
 
@@ -53,8 +53,7 @@ def direct_gradients(ws, recipe, precision: str):
     torch.manual_seed(recipe.training.seed)
     model, tokenizer = entrenar.load(ws / "model", dtype="float32", device="cpu")
     model.train()
-    _, _, _, stream = build_data(recipe, tasks.for_recipe(recipe), tokenizer, skipped=[])
-    batch = next(stream)
+    batch = next(read_data(recipe, tasks.for_recipe(recipe), tokenizer).stream)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
     with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
         logits = model(batch["input_ids"], batch["position_ids"], batch.get("document_ids"))

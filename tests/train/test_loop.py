@@ -173,10 +173,10 @@ def test_kernels_and_the_fused_loss_give_the_plain_losses(workspace, precision, 
 def test_kernels_auto_takes_the_pytorch_paths_on_a_cpu(workspace, monkeypatch):
     """training.kernels: auto applies the kernels on a CPU too (their PyTorch paths: the fused LoRA node, the
     chunked loss); false leaves the model as it is."""
-    import entrenar.train.loop as loop
+    import entrenar.train.prepare as prepare
 
     applied = []
-    monkeypatch.setattr(loop, "apply_kernels", lambda model, **kwargs: applied.append(model))
+    monkeypatch.setattr(prepare, "apply_kernels", lambda model, **kwargs: applied.append(model))
     train(recipe_for(workspace), dry_run=True, progress=False)
     assert len(applied) == 1
     train(recipe_for(workspace, "training.kernels=false"), dry_run=True, progress=False)
@@ -239,38 +239,13 @@ def test_a_run_from_before_the_auto_defaults_resumes_under_them(workspace):
     assert [r["step"] for r in read_metrics(resumed.run_dir / "metrics.jsonl") if "loss" in r] == list(range(1, 7))
 
 
-def test_padding_free_auto_is_on_for_causal_lm_on_a_cpu_and_off_on_cuda(workspace, monkeypatch):
-    """data.padding_free: auto (the default) lays causal-LM batches out padding-free on a CPU (nothing there
-    gains from fixed rows) and leaves them padded on CUDA (graphs replay fixed rows); true and false are
-    obeyed as written."""
-    import entrenar.train.loop as loop
-    from entrenar.models.hf import load_hf
-    from entrenar.models.padding_free import CPU_DOCUMENTS_MIN_WORK, rows_by_document
-
-    recipe = recipe_for(workspace)
-    assert recipe.data.padding_free == "auto"
-    cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    model = load_hf(workspace / "model")  # hidden size 32: documents of 256 tokens reach the CPU rule's 8192
-    big, small = [[0] * 256] * 3, [[0] * 255, [0] * 256]  # mean lengths 256 and 255.5
-
-    def layout(recipe=recipe, device=cpu, task="causal_lm", examples=big):
-        return loop._row_layout(recipe, model, device, task, examples)
-
-    assert model.config.hidden_size * 256 == CPU_DOCUMENTS_MIN_WORK
-    assert layout() == (True, False) and not layout(device=cuda)[0]
-    assert layout(task="classification") == (False, False)
-    assert layout(recipe_for(workspace, "data.padding_free=false")) == (False, True)  # rows read as documents
-    assert layout(recipe_for(workspace, "training.compile=true")) == (False, False)  # would retrace
-    # Small documents: attending one at a time would cost more than a dense mask over padded rows.
-    assert layout(examples=small) == (False, False)
-    assert rows_by_document(8, cpu, torch.float32, document_work=576 * 59)  # the SmolLM2 chat recipe
-    assert not rows_by_document(8, cpu, torch.float32, document_work=128 * 12)  # the quickstart
-    assert layout(recipe_for(workspace, "data.padding_free=true"), cuda)[0]
-    flat = []
-    monkeypatch.setattr(loop, "padding_free", lambda batch: flat.append(1) or __import__(
-        "entrenar.data", fromlist=["padding_free"]).padding_free(batch))
+def test_the_default_cpu_run_lays_every_batch_out_padding_free(workspace, monkeypatch):
     import entrenar.models.padding_free as padding_free
+    import entrenar.train.trainer as trainer
 
+    flat = []
+    real = trainer.padding_free
+    monkeypatch.setattr(trainer, "padding_free", lambda batch: flat.append(1) or real(batch))
     monkeypatch.setattr(padding_free, "CPU_DOCUMENTS_MIN_WORK", 1)  # the workspace's model and sums are tiny
     train(recipe_for(workspace, "training.max_steps=2", "training.eval_every=0", "training.save_every=0"),
           progress=False)
@@ -283,10 +258,9 @@ def test_packed_rows_attend_document_by_document_on_a_cpu_with_the_mask_losses(w
     """On a CPU the loop hands packed rows over as documents (each attends on its own: explicit products in
     bf16, PyTorch's flash kernel in fp32); with that off they go through SDPA under a dense document mask:
     the same losses (bf16: within its noise)."""
-    import entrenar.models.transformer as transformer
-    import entrenar.train.loop as loop
-
     import entrenar.models.padding_free as padding_free
+    import entrenar.models.transformer as transformer
+    import entrenar.train.plan as plan
 
     monkeypatch.setattr(padding_free, "CPU_DOCUMENTS_MIN_WORK", 1)  # the workspace's model and sums are tiny
     seen = []
@@ -295,46 +269,12 @@ def test_packed_rows_attend_document_by_document_on_a_cpu_with_the_mask_losses(w
     common = ["lora.dropout=0", f"training.precision={precision}", "data.packing=true", "data.padding_free=false"]
     documents = train(recipe_for(workspace, *common, f"output.dir={workspace / 'd'}"), progress=False)
     assert seen, "packed rows did not reach the per-document attention"
-    monkeypatch.setattr(loop, "rows_by_document", lambda *a, **k: False)
+    monkeypatch.setattr(plan, "rows_by_document", lambda *a, **k: False)
     seen.clear()
     masked = train(recipe_for(workspace, *common, f"output.dir={workspace / 'm'}"), progress=False)
     assert not seen
     torch.testing.assert_close(torch.tensor(losses(documents.run_dir)), torch.tensor(losses(masked.run_dir)),
                                atol=tolerance, rtol=0)
-
-
-def test_offload_embeddings_auto_is_on_only_for_checkpointed_lora_on_one_gpu_with_untied_embeddings(workspace,
-                                                                                                   monkeypatch):
-    """training.offload_embeddings: auto (the default) keeps the frozen input table in CPU memory where a run
-    already trades speed for memory (every layer checkpointed), for LoRA/QLoRA of a causal LM on one CUDA
-    device, when the output head does not read the table; true and false are obeyed as written."""
-    import entrenar.train.loop as loop
-    from entrenar.models.hf import load_hf
-
-    monkeypatch.setattr(loop, "triton_available", lambda: True)
-    cuda = torch.device("cuda")
-    model = load_hf(workspace / "model")
-    model.model.embed_tokens.weight.requires_grad_(False)
-    checkpointed = recipe_for(workspace, "training.activation_checkpointing=true")
-    assert checkpointed.training.offload_embeddings == "auto"
-
-    def auto(recipe=checkpointed, device=cuda, mode="single", task="causal_lm", m=model):
-        return loop._offload_embeddings(recipe, m, device, mode, task)
-
-    assert auto()
-    assert not auto(recipe=recipe_for(workspace))  # not every layer checkpointed
-    assert not auto(recipe=recipe_for(workspace, "training.activation_checkpointing=1"))
-    assert not auto(device=torch.device("cpu")) and not auto(mode="ddp") and not auto(task="classification")
-    assert not auto(recipe=recipe_for(workspace, "training.activation_checkpointing=true", "lora=null"))
-    tied = load_hf(workspace / "model")
-    tied.lm_head.weight = tied.model.embed_tokens.weight
-    assert not auto(m=tied)
-    assert not auto(recipe=recipe_for(workspace, "training.activation_checkpointing=true",
-                                      "training.offload_embeddings=false"))
-    assert loop._offload_embeddings(recipe_for(workspace, "model.device=cuda", "training.offload_embeddings=true"),
-                                    model, cuda, "single", "causal_lm")
-    monkeypatch.setattr(loop, "triton_available", lambda: False)
-    assert not auto()
 
 
 def test_checkpointing_and_offload_settings_are_checked(workspace):
@@ -357,27 +297,6 @@ def test_offload_embeddings_settings_are_checked(workspace):
                   progress=False)
 
 
-def test_offload_weights_auto_is_on_only_for_fully_checkpointed_qlora_on_one_gpu(workspace):
-    """training.offload_weights: auto (the default) streams the NF4 base from CPU memory where every layer is
-    checkpointed (each block's weights are then read in forward and again in its rerun) on one CUDA device."""
-    import entrenar.train.loop as loop
-
-    cuda = torch.device("cuda")
-    qlora = recipe_for(workspace, "lora.quantize_base=nf4", "training.activation_checkpointing=true")
-    assert qlora.training.offload_weights == "auto"
-    assert loop._offload_weights(qlora, cuda, "single")
-    assert not loop._offload_weights(qlora, torch.device("cpu"), "single")
-    assert not loop._offload_weights(qlora, cuda, "fsdp")
-    assert not loop._offload_weights(recipe_for(workspace, "lora.quantize_base=nf4"), cuda, "single")
-    assert not loop._offload_weights(recipe_for(workspace, "training.activation_checkpointing=true"), cuda, "single")
-    assert not loop._offload_weights(recipe_for(workspace, "lora.quantize_base=nf4", "training.compile=true",
-                                                "training.activation_checkpointing=true"), cuda, "single")
-    assert not loop._offload_weights(recipe_for(workspace, "lora.quantize_base=nf4", "training.offload_weights=false",
-                                                "training.activation_checkpointing=true"), cuda, "single")
-    assert loop._offload_weights(recipe_for(workspace, "lora.quantize_base=nf4", "training.offload_weights=true",
-                                            "model.device=cuda"), cuda, "single")
-
-
 def test_offload_weights_settings_are_checked(workspace):
     with pytest.raises(ConfigError, match=r"training\.offload_weights.*no NF4 base"):
         recipe_for(workspace, "training.offload_weights=true", "model.device=cuda")
@@ -387,37 +306,6 @@ def test_offload_weights_settings_are_checked(workspace):
         with pytest.raises(ConfigError, match=r"training\.offload_weights: .* this run is single on cpu"):
             train(recipe_for(workspace, "training.offload_weights=true", "lora.quantize_base=nf4",
                              "model.device=auto"), dry_run=True, progress=False)
-
-
-@pytest.mark.parametrize("overrides,expected", [
-    ([], True),
-    (["training.cuda_graphs=false"], False),
-    (["data.padding_free=true"], False),  # a layout per batch
-    (["data.packing=false"], False),  # rows padded to the longest: shapes vary
-    (["training.compile=true"], False),
-    (["training.precision=fp16"], False),
-    (["lora=null"], False),  # full fine-tuning: no faster under graphs, and heavier
-    (["qat={bits: 4}"], False),  # LoRA-QAT: its step sizes initialise from a device read
-])
-def test_cuda_graphs_auto_turns_on_only_where_they_replay(workspace, overrides, expected):
-    from entrenar.train.loop import _cuda_graphs
-
-    recipe = recipe_for(workspace, "model.device=cuda", *overrides)
-    assert recipe.training.cuda_graphs == (False if "training.cuda_graphs=false" in overrides else "auto")
-    assert _cuda_graphs(recipe, torch.device("cuda"), "single", "causal_lm", moe_replays=True) is expected
-    if expected:  # and off on the CPU, on several processes, for a classifier and for MoE layers that cannot replay
-        assert not _cuda_graphs(recipe, torch.device("cpu"), "single", "causal_lm", moe_replays=True)
-        assert not _cuda_graphs(recipe, torch.device("cuda"), "ddp", "causal_lm", moe_replays=True)
-        assert not _cuda_graphs(recipe, torch.device("cuda"), "single", "classification", moe_replays=True)
-        assert not _cuda_graphs(recipe, torch.device("cuda"), "single", "causal_lm", moe_replays=False)
-
-
-def test_a_graph_is_captured_only_with_the_fixed_segment_layout():
-    from entrenar.train.loop import _fills_capacity
-
-    assert _fills_capacity({"input_ids": torch.zeros(2, 8)}, None)
-    assert _fills_capacity({"cu_seqlens": torch.zeros(17, dtype=torch.int32)}, 16)
-    assert not _fills_capacity({"cu_seqlens": torch.zeros(21, dtype=torch.int32)}, 16)  # over capacity: eager
 
 
 def test_cuda_graph_settings_are_checked(workspace):

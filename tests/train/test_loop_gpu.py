@@ -67,11 +67,11 @@ def test_padding_free_and_offload_on_cuda_give_the_padded_losses(workspace):
 def test_packed_rows_through_the_varlen_kernel_give_the_document_mask_losses(workspace, monkeypatch):
     """On CUDA in bf16 the loop hands packed rows to FlashAttention's varlen kernel as documents; with that
     off (monkeypatched) they go through SDPA with a dense document mask: the same losses within bf16 noise."""
-    import entrenar.train.loop as loop
+    import entrenar.train.plan as plan
 
     common = ["model.device=cuda", "training.precision=bf16", "lora.dropout=0", "training.cuda_graphs=false"]
     varlen = train(recipe_for(workspace, *common, f"output.dir={workspace / 'v'}"), progress=False)
-    monkeypatch.setattr(loop, "rows_by_document", lambda *a, **k: False)
+    monkeypatch.setattr(plan, "rows_by_document", lambda *a, **k: False)
     masked = train(recipe_for(workspace, *common, f"output.dir={workspace / 'm'}"), progress=False)
 
     def losses(run):
@@ -123,7 +123,7 @@ def test_offloaded_embeddings_give_the_losses_of_embeddings_on_the_gpu(workspace
 
 def test_overlapped_steps_on_cuda_give_the_losses_of_steps_read_at_once(workspace, monkeypatch):
     """Pinned-memory reads behind CUDA events: the metrics of the run that reads each step at once."""
-    from entrenar.train import loop
+    from entrenar.train import stepping
     from entrenar.train.overlap import DeferredRead
 
     reads = []
@@ -137,7 +137,7 @@ def test_overlapped_steps_on_cuda_give_the_losses_of_steps_read_at_once(workspac
               "training.cuda_graphs=false"]
     at_once = train(recipe_for(workspace, *common, "training.overlap_steps=false", f"output.dir={workspace / 'a'}"),
                     progress=False)
-    monkeypatch.setattr(loop, "DeferredRead", Counted)
+    monkeypatch.setattr(stepping, "DeferredRead", Counted)
     overlapped = train(recipe_for(workspace, *common, f"output.dir={workspace / 'o'}"), progress=False)  # auto: on
     assert reads == ["cuda"] * 3  # steps 2, 5 and 7 (1 precedes the optimizer's state; 3, 4, 6, 8 save or evaluate)
 
@@ -154,11 +154,11 @@ def test_streamed_nf4_weights_train_as_resident_ones(workspace, monkeypatch):
     common = ["model.device=cuda", "lora.dropout=0", "training.max_steps=6", "optimizer.lr=5e-3",
               "model.dtype=bfloat16", "lora.quantize_base=nf4", "training.activation_checkpointing=true",
               "training.cuda_graphs=false"]
-    import entrenar.train.loop as loop
+    import entrenar.train.prepare as prepare
 
     streams = []
-    real = loop.stream_weights
-    monkeypatch.setattr(loop, "stream_weights", lambda *a: streams.append(real(*a)) or streams[-1])
+    real = prepare.stream_weights
+    monkeypatch.setattr(prepare, "stream_weights", lambda *a: streams.append(real(*a)) or streams[-1])
     runs = [train(recipe_for(workspace, *common, f"training.offload_weights={on}", f"output.dir={workspace / on}"),
                   progress=False) for on in ("false", "true")]
     assert len(streams) == 1 and streams[0].blocks[0].host.is_pinned()  # the second run streamed, the first not

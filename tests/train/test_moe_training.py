@@ -238,12 +238,10 @@ def test_cuda_graphs_replay_moe_layers_with_the_eager_losses_and_diagnostics(wor
 
 def test_cuda_graphs_refuse_moe_experts_that_loop(workspace):
     """The per-expert loop reads token counts back in every layer, which no graph can replay: said, not hung."""
-    from entrenar.train.loop import _compute_dtype
-
     recipe = recipe_for(workspace, "moe.experts=loop")
     model = load_hf(workspace / "moe")
     moe = MoeTraining(model, recipe.moe)
-    assert not moe.replayable(torch.device("cpu"), _compute_dtype(model, "bf16"))
+    assert not moe.replayable(torch.device("cpu"), torch.bfloat16)
     if torch.cuda.is_available():
         assert not moe.replayable(torch.device("cuda"), torch.bfloat16)
         moe.blocks[0].experts.implementation = "grouped"

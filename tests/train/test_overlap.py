@@ -13,7 +13,7 @@ from test_faults import poison_gradients
 from test_loop import recipe_for
 
 from entrenar.errors import ConfigError, DataError
-from entrenar.train import loop
+from entrenar.train import loop, stepping
 from entrenar.train.metrics import read_metrics
 from entrenar.train.overlap import DeferredRead
 
@@ -35,7 +35,7 @@ def count_deferred_reads(monkeypatch) -> list:
             reads.append(values.shape)
             super().__init__(values)
 
-    monkeypatch.setattr(loop, "DeferredRead", Counted)
+    monkeypatch.setattr(stepping, "DeferredRead", Counted)
     return reads
 
 

@@ -32,6 +32,7 @@ from entrenar.errors import ConfigError
 from entrenar.kernels import triton_available
 from entrenar.models.config import ModelConfig
 from entrenar.models.padding_free import rows_by_document
+from entrenar.models.transformer import checkpointed_layer_indices, offloaded_layer_indices
 from entrenar.train.memory import FUSED_LOSS_CHUNK, LINEAR_NAMES, MemoryEstimate, estimate_training_memory
 from entrenar.train.optim import use_fused
 
@@ -196,6 +197,12 @@ def plan_run(recipe: Recipe, device: torch.device, world: World, config: ModelCo
     t, lora = recipe.training, recipe.lora
     triton = triton_available() if triton is None else triton
     check_recipe(recipe, device, world)
+    for key, layers in (("activation_checkpointing", checkpointed_layer_indices),
+                        ("offload_activations", offloaded_layer_indices)):
+        try:
+            layers(config.num_layers, getattr(t, key))
+        except ValueError as e:
+            raise ConfigError(f"training.{key}: {e}") from None
     notes = tuple(check_seq_len(recipe.data.seq_len, config.max_position_embeddings, recipe.model.path
                                 or "model.config"))
     reasons: list[tuple[str, str]] = []

@@ -59,7 +59,8 @@ class MicroStep:
         self.task, self.step_model, self.moe, self.device = task, step_model, moe, device
         self.precision, self.scaler, self.graphs = precision, scaler, graphs
         self.segments: int | None = None  # CUDA graphs' segment capacity, once the data position is known
-        self.run = GraphedMicroStep(self._forward_backward, trainable, capturable=self._fills_capacity) \
+        self.run = GraphedMicroStep(self._forward_backward, trainable,
+                                    capturable=lambda batch: fills_capacity(batch, self.segments)) \
             if graphs else self._forward_backward
 
     def __call__(self, batch: Batch) -> torch.Tensor:
@@ -72,11 +73,6 @@ class MicroStep:
         self.scaler.scale(total).backward()
         return loss.detach()
 
-    def _fills_capacity(self, batch: Batch) -> bool:
-        """Whether a micro-batch has the layout a CUDA graph may be captured with (packed rows padded to the
-        segment capacity, not a batch over it that kept its own)."""
-        cu = batch.get("cu_seqlens")
-        return cu is None or self.segments is None or len(cu) == self.segments + 1
 
 
 class SyncSteps:
@@ -182,8 +178,15 @@ class OverlappedSteps(SyncSteps):
         return None
 
 
+def fills_capacity(batch: Batch, segments: int | None) -> bool:
+    """Whether a micro-batch has the layout a CUDA graph may be captured with (packed rows padded to the segment
+    capacity, not a batch over it that kept its own)."""
+    cu = batch.get("cu_seqlens")
+    return cu is None or segments is None or len(cu) == segments + 1
+
+
 def _to(value: torch.Tensor | int, device: torch.device) -> torch.Tensor | int:
     return value.to(device, non_blocking=True) if isinstance(value, torch.Tensor) else value
 
 
-__all__ = ["MicroStep", "OverlappedSteps", "StepRecord", "SyncSteps"]
+__all__ = ["MicroStep", "OverlappedSteps", "StepRecord", "SyncSteps", "fills_capacity"]

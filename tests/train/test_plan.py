@@ -1,0 +1,186 @@
+"""The run plan: each auto setting resolved from the recipe, the device, the processes and config.json alone."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from entrenar.device import resolve_dtype
+from entrenar.distributed.world import World
+from entrenar.errors import ConfigError
+from entrenar.models.hf import read_config
+from entrenar.models.padding_free import CPU_DOCUMENTS_MIN_WORK, rows_by_document
+from entrenar.train.memory import estimate_training_memory
+from entrenar.train.plan import REFUSALS, plan_run
+from entrenar.train.stepping import fills_capacity
+from tests.train.test_loop import recipe_for
+
+CPU, CUDA = torch.device("cpu"), torch.device("cuda")
+ONE = World()
+
+
+def plan(workspace, *overrides, device=CPU, world=ONE, config=None, **kwargs):
+    recipe = recipe_for(workspace, *overrides)
+    kwargs = {"triton": True, "device_memory": 80 * 2**30, **kwargs}
+    return plan_run(recipe, device, world, config or read_config(workspace / "model"), **kwargs)
+
+
+def test_the_plan_is_pure_and_reads_no_weights(workspace):
+    (workspace / "model" / "model.safetensors").unlink()  # config.json is all it reads
+    assert plan(workspace) == plan(workspace)
+
+
+def test_kernels_auto_is_on_on_a_cpu_and_with_triton_on_cuda_never_under_fsdp(workspace):
+    assert plan(workspace).kernels and not plan(workspace, "training.kernels=false").kernels
+    assert plan(workspace, "model.device=cuda", device=CUDA).kernels
+    assert not plan(workspace, "model.device=cuda", device=CUDA, triton=False).kernels
+    with pytest.raises(ConfigError, match=r"training\.adapter_math: bf16 .* has no kernels"):
+        plan(workspace, "training.kernels=false", "training.adapter_math=bf16")
+
+
+def test_padding_free_auto_is_on_for_causal_lm_on_a_cpu_and_off_on_cuda(workspace):
+    """data.padding_free: auto lays causal-LM batches out padding-free on a CPU where documents are worth their
+    own attention call (hidden size x mean example length), and leaves them padded on CUDA (graphs replay fixed
+    rows); true and false are obeyed as written."""
+    config = read_config(workspace / "model")  # hidden size 32: documents of 256 tokens reach the CPU rule's 8192
+    assert config.hidden_size * 256 == CPU_DOCUMENTS_MIN_WORK
+
+    def rows(*overrides, device=CPU, task="causal_lm", mean=256.0):
+        r = plan(workspace, *overrides, device=device).rows(task, mean)
+        return r.flat, r.by_document
+
+    assert rows() == (True, False)
+    assert not rows("model.device=cuda", device=CUDA)[0]
+    assert rows(task="classification") == (False, False)
+    assert rows("data.padding_free=false") == (False, True)  # rows read as documents
+    assert rows("training.compile=true") == (False, False)  # would retrace
+    assert rows(mean=255.5) == (False, False)  # small documents: a dense mask costs less than a call each
+    assert rows("data.padding_free=true", "model.device=cuda", device=CUDA)[0]
+    assert rows_by_document(8, CPU, torch.float32, document_work=576 * 59)  # the SmolLM2 chat recipe
+    assert not rows_by_document(8, CPU, torch.float32, document_work=128 * 12)  # the quickstart
+
+
+def test_offload_embeddings_auto_is_on_only_for_checkpointed_lora_on_one_gpu_with_untied_embeddings(workspace):
+    """training.offload_embeddings: auto keeps the frozen input table in CPU memory where a run already trades
+    speed for memory (every layer checkpointed), for LoRA/QLoRA of a causal LM on one CUDA device, when the
+    output head does not read the table; true and false are obeyed as written."""
+    checkpointed = ("model.device=cuda", "training.activation_checkpointing=true")
+
+    def auto(*overrides, device=CUDA, world=ONE, **kwargs):
+        return plan(workspace, *overrides, device=device, world=world, **kwargs).offload_embeddings
+
+    assert auto(*checkpointed)
+    assert not auto("model.device=cuda")  # not every layer checkpointed
+    assert not auto("model.device=cuda", "training.activation_checkpointing=1")
+    assert not auto("training.activation_checkpointing=true", device=CPU)
+    assert not auto(*checkpointed, world=World(0, 2, 0, "nccl"))
+    assert not auto(*checkpointed, "task={type: classification, num_labels: 2}")
+    assert not auto(*checkpointed, "lora=null")
+    assert not auto(*checkpointed, config=dataclasses.replace(read_config(workspace / "model"),
+                                                              tie_word_embeddings=True))
+    assert not auto(*checkpointed, "training.offload_embeddings=false")
+    assert auto("model.device=cuda", "training.offload_embeddings=true")
+    assert not auto(*checkpointed, triton=False)
+
+
+def test_offload_weights_auto_is_on_only_for_fully_checkpointed_qlora_on_one_gpu(workspace):
+    """training.offload_weights: auto streams the NF4 base from CPU memory where every layer is checkpointed
+    (each block's weights are then read in forward and again in its rerun) on one CUDA device, eager."""
+    qlora = ("model.device=cuda", "lora.quantize_base=nf4", "training.activation_checkpointing=true")
+
+    def auto(*overrides, device=CUDA, world=ONE):
+        return plan(workspace, *overrides, device=device, world=world).offload_weights
+
+    assert auto(*qlora)
+    assert not auto("lora.quantize_base=nf4", "training.activation_checkpointing=true", device=CPU)
+    assert not auto(*qlora, "training.parallel=fsdp", "training.kernels=false", world=World(0, 2, 0, "nccl"))
+    assert not auto("model.device=cuda", "lora.quantize_base=nf4")
+    assert not auto("model.device=cuda", "training.activation_checkpointing=true")
+    assert not auto(*qlora, "training.compile=true")
+    assert not auto(*qlora, "training.offload_weights=false")
+    assert auto("model.device=cuda", "lora.quantize_base=nf4", "training.offload_weights=true")
+    with pytest.raises(ConfigError, match=r"training\.offload_weights: .* this run is single on cpu"):
+        plan(workspace, "training.offload_weights=true", "lora.quantize_base=nf4", "model.device=auto")
+
+
+@pytest.mark.parametrize("overrides,expected", [
+    ([], True),
+    (["training.cuda_graphs=false"], False),
+    (["data.padding_free=true"], False),  # a layout per batch
+    (["data.packing=false"], False),  # rows padded to the longest: shapes vary
+    (["training.compile=true"], False),
+    (["training.precision=fp16"], False),
+    (["lora=null"], False),  # full fine-tuning: no faster under graphs, and heavier
+    (["qat={bits: 4}"], False),  # LoRA-QAT: its step sizes initialise from a device read
+])
+def test_cuda_graphs_auto_turns_on_only_where_they_replay(workspace, overrides, expected):
+    p = plan(workspace, "model.device=cuda", *overrides, device=CUDA)
+    assert p.cuda_graphs is expected and p.graphs(moe_replays=True) is expected
+    if expected:  # and off on several processes, for a classifier and for MoE layers that cannot replay
+        assert not p.graphs(moe_replays=False)
+        assert not plan(workspace, "model.device=cuda", device=CUDA, world=World(0, 2, 0, "nccl")).cuda_graphs
+        assert not plan(workspace, "model.device=cuda", "task={type: classification, num_labels: 2}",
+                        device=CUDA).cuda_graphs
+    explicit = plan(workspace, "model.device=cuda", "training.cuda_graphs=true", device=CUDA)
+    with pytest.raises(ConfigError, match=r"training\.cuda_graphs: a CUDA graph replays MoE layers"):
+        explicit.graphs(moe_replays=False)
+
+
+def test_a_graph_is_captured_only_with_the_fixed_segment_layout():
+    assert fills_capacity({"input_ids": torch.zeros(2, 8)}, None)
+    assert fills_capacity({"cu_seqlens": torch.zeros(17, dtype=torch.int32)}, 16)
+    assert not fills_capacity({"cu_seqlens": torch.zeros(21, dtype=torch.int32)}, 16)  # over capacity: eager
+
+
+def test_overlap_auto_needs_one_gpu_and_a_fused_optimizer(workspace):
+    assert plan(workspace, "model.device=cuda", device=CUDA).overlap
+    assert not plan(workspace).overlap  # a CPU runs each step to its end anyway
+    assert not plan(workspace, "model.device=cuda", "optimizer.fused=false", device=CUDA).overlap
+    with pytest.raises(ConfigError, match=r"training\.overlap_steps: only a fused optimizer"):
+        plan(workspace, "model.device=cuda", "optimizer.fused=false", "training.overlap_steps=true", device=CUDA)
+    with pytest.raises(ConfigError, match=r"training\.overlap_steps: several processes"):
+        plan(workspace, "training.overlap_steps=true", world=World(0, 2, 0, "gloo"))
+
+
+def test_parallel_auto_weighs_the_replica_the_dry_run_prints(workspace):
+    """parallel: auto compares one replica's estimate, with the run's own kernels and offload settings, with
+    the device's memory: the same estimate ``--dry-run`` prints."""
+    two = World(0, 2, 0, "nccl")
+    ddp = plan(workspace, "model.device=cuda", device=CUDA, world=two, device_memory=80 * 2**30)
+    assert ddp.mode == "ddp"
+    assert ddp.memory.total < 0.85 * 80 * 2**30
+    fsdp = plan(workspace, "model.device=cuda", device=CUDA, world=two, device_memory=int(ddp.memory.total))
+    assert fsdp.mode == "fsdp" and not fsdp.kernels  # the fused kernels do not run under FSDP2
+    recipe = recipe_for(workspace, "model.device=cuda")
+    expected = estimate_training_memory(
+        read_config(workspace / "model"), "lora", 2, 32, dtype_bytes=4, param_bytes=resolve_dtype("auto", CUDA).itemsize, lora_r=4,
+        lora_targets="all-linear", activation_checkpointing=False, offload_activations=False,
+        optimizer="adamw", fused_loss_chunk=1024, kernels=True, lora_dropout=0.1)
+    assert recipe.training.precision == "fp32" and ddp.memory == expected
+    assert plan(workspace, "model.device=cuda", device=CUDA, world=two, device_memory=80 * 2**30).mode == "ddp"
+
+
+def test_refusals_are_one_table_each_with_its_message(workspace):
+    keys = [r.key for r in REFUSALS]
+    assert "schedule.warmup_steps" in keys and "training.precision" in keys
+    with pytest.raises(ConfigError, match=r"schedule\.warmup_steps \(2\) is longer than the run"):
+        plan(workspace, "training.max_steps=1")
+    with pytest.raises(ConfigError, match=r"training\.early_stopping: needs evaluations"):
+        plan(workspace, "training.eval_every=0", "training.early_stopping={patience: 2}")
+    with pytest.raises(ConfigError, match=r"training\.cuda_graphs: the gradient reduction of ddp"):
+        plan(workspace, "model.device=cuda", "training.cuda_graphs=true", "training.parallel=ddp", device=CUDA,
+             world=World(0, 2, 0, "nccl"))
+    with pytest.raises(ConfigError, match=r"training\.kernels: the fused kernels read weights"):
+        plan(workspace, "training.kernels=true", "training.parallel=fsdp", world=World(0, 2, 0, "gloo"))
+    with pytest.raises(ConfigError, match=r"training\.cuda_graphs: .* this run is on cpu"):
+        plan(workspace, "training.cuda_graphs=true", "model.device=auto")
+
+
+def test_the_dry_run_prints_each_decision_and_why(workspace):
+    from entrenar.train.loop import train
+
+    summary = train(recipe_for(workspace), dry_run=True, progress=False).summary
+    assert "training.kernels" in summary and "on (auto:" in summary
+    assert "training.cuda_graphs" in summary and "data.padding_free" in summary
