@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import types
-
 import pytest
 import torch
 
 from entrenar.config import load_recipe
-from entrenar.distributed.parallelize import bucket_mb, choose_mode, refuse
+from entrenar.distributed.parallelize import bucket_mb
 from entrenar.distributed.world import World
 from entrenar.errors import ConfigError
-from entrenar.train.memory import estimate_training_memory
+from entrenar.train.plan import plan_run
 
 TWO = World(rank=0, size=2, backend="nccl")
 
@@ -23,31 +21,34 @@ def recipe(ws, *overrides):
     return load_recipe(path, list(overrides))
 
 
-def test_auto_takes_ddp_when_the_estimated_replica_fits_the_device_else_fsdp(workspace, monkeypatch):
+def test_auto_takes_ddp_when_the_estimated_replica_fits_the_device_else_fsdp(workspace):
+    """parallel: auto weighs one replica (the plan's estimate, with the run's own settings) against the device."""
     from entrenar import read_model_config
 
-    full = recipe(workspace, "lora=null")
-    need = estimate_training_memory(read_model_config(workspace / "model"), "full", 2, 64, dtype_bytes=4).total
+    config = read_model_config(workspace / "model")
+    full = recipe(workspace, "lora=null", "model.device=cuda")
     cuda = torch.device("cuda", 0)
+    need = plan_run(full, cuda, TWO, config, device_memory=2**50, triton=True).memory.total
     for memory, mode in ((need / 0.85 + 1, "ddp"), (need / 0.85 - 1, "fsdp")):
-        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda _d, m=memory: types.SimpleNamespace(
-            total_memory=m))
-        assert choose_mode(full, TWO, cuda) == mode
-    assert choose_mode(full, TWO, torch.device("cpu")) == "ddp"  # the host's memory: sharding saves nothing
-    assert choose_mode(full, World(), cuda) == "single"
-    assert choose_mode(recipe(workspace, "training.parallel=fsdp"), TWO, torch.device("cpu")) == "fsdp"
+        assert plan_run(full, cuda, TWO, config, device_memory=int(memory), triton=True).mode == mode
+    cpu = torch.device("cpu")
+    assert plan_run(recipe(workspace, "lora=null"), cpu, TWO, config).mode == "ddp"  # the host's memory is shared
+    assert plan_run(full, cuda, World(), config, triton=True).mode == "single"
+    assert plan_run(recipe(workspace, "training.parallel=fsdp"), cpu, TWO, config).mode == "fsdp"
 
 
 def test_combinations_that_do_not_compose_are_refused_with_what_to_change(workspace):
-    t = recipe(workspace).training
-    refuse("ddp", t, TWO)
-    refuse("fsdp", t, TWO)  # QLoRA too: the NF4 base is sharded (test_fsdp.py)
+    from entrenar import read_model_config
+
+    config, cpu = read_model_config(workspace / "model"), torch.device("cpu")
+    plan_run(recipe(workspace, "training.parallel=ddp"), cpu, TWO, config)
+    plan_run(recipe(workspace, "training.parallel=fsdp"), cpu, TWO, config)  # QLoRA too: the NF4 base is sharded
     with pytest.raises(ConfigError, match="training.kernels: false with parallel: fsdp"):
-        refuse("fsdp", recipe(workspace, "training.kernels=true").training, TWO)
-    graphs = recipe(workspace, "training.cuda_graphs=true", "model.device=cuda").training
+        plan_run(recipe(workspace, "training.kernels=true", "training.parallel=fsdp"), cpu, TWO, config)
+    graphs = recipe(workspace, "training.cuda_graphs=true", "model.device=cuda", "training.parallel=ddp")
     with pytest.raises(ConfigError, match="turn cuda_graphs off to train on 2 processes"):
-        refuse("ddp", graphs, TWO)
-    refuse("single", graphs, World())
+        plan_run(graphs, torch.device("cuda", 0), TWO, config, triton=True)
+    plan_run(graphs, torch.device("cuda", 0), World(), config, triton=True)
 
 
 def test_ddp_buckets_hold_an_eighth_of_the_adapter_gradients_between_1_and_25_mib():

@@ -29,11 +29,8 @@ from entrenar.distributed.materialize import full_state, materialize
 from entrenar.quant.nf4.sharding import scatter_nf4, shard_nf4_layers
 from entrenar.distributed.world import World
 from entrenar.errors import ConfigError
-from entrenar.loading import read_model_config
 
 MiB = 2**20
-# Fraction of device memory a replica may take for `parallel: auto` to pick DDP (the rest: allocator slack).
-AUTO_DDP_FRACTION = 0.85
 
 
 class Single:
@@ -132,37 +129,8 @@ def bucket_mb(trainable_bytes: int) -> float:
     return float(min(25.0, max(1.0, trainable_bytes / 8 / MiB)))
 
 
-def choose(parallel: str, world: World, replica_bytes: float, device: torch.device) -> str:
-    """``single`` for one process; otherwise ``training.parallel``, with ``auto`` meaning DDP when a replica
-    (weights, gradients, optimizer state, activations: :mod:`entrenar.train.memory`'s estimate) fits one device."""
-    if not world.distributed:
-        return "single"
-    if parallel != "auto":
-        return parallel
-    if device.type != "cuda":
-        return "ddp"  # CPU memory is the host's, shared by its ranks: sharding saves nothing per process
-    capacity = torch.cuda.get_device_properties(device).total_memory
-    return "ddp" if replica_bytes <= AUTO_DDP_FRACTION * capacity else "fsdp"
-
-
-def refuse(mode: str, training: Any, world: World) -> None:
-    """Combinations this version does not run, each with what to change."""
-    if mode == "single":
-        return
-    if training.cuda_graphs is True:
-        raise ConfigError(f"training.cuda_graphs: the gradient reduction of {mode} runs outside a captured graph; "
-                          f"turn cuda_graphs off to train on {world.size} processes")
-    if mode == "fsdp":
-        if training.kernels is True:
-            raise ConfigError("training.kernels: the fused kernels read weights outside the module's forward, "
-                              "which FSDP2 has not gathered; use training.kernels: false with parallel: fsdp")
-        if training.offload_embeddings is True:
-            raise ConfigError("training.offload_embeddings: a host-memory table cannot be sharded; use "
-                              "training.parallel: ddp")
-
-
 def parallelize(model: nn.Module, mode: str, world: World, device: torch.device, precision: str = "fp32") -> Single:
-    """Wrap ``model`` for ``mode`` (``single``, ``ddp`` or ``fsdp``, from :func:`choose`)."""
+    """Wrap ``model`` for ``mode`` (``single``, ``ddp`` or ``fsdp``: the run plan's ``training.parallel``)."""
     if mode == "single":
         return Single(model)
     if mode == "ddp":
@@ -170,25 +138,3 @@ def parallelize(model: nn.Module, mode: str, world: World, device: torch.device,
     if mode == "fsdp":
         return Sharded(model, world, device, precision)
     raise ConfigError(f"training.parallel must be ddp, fsdp or auto, got {mode!r}")
-
-
-def choose_mode(recipe: Any, world: World, device: torch.device) -> str:
-    """The mode a run takes (:func:`choose`), estimating a replica's memory only when ``auto`` must decide."""
-    t = recipe.training
-    if not world.distributed or t.parallel != "auto" or device.type != "cuda":
-        return choose(t.parallel, world, 0.0, device)
-    import entrenar
-    from entrenar.train.memory import estimate_training_memory
-
-    from entrenar.train.memory import LINEAR_NAMES
-
-    lora = recipe.lora
-    method = "full" if lora is None else ("qlora" if lora.quantize_base else "lora")
-    targets = "all-linear" if lora is None or isinstance(lora.target_modules, str) else \
-        [n for n in lora.target_modules if n in LINEAR_NAMES]
-    estimate = estimate_training_memory(
-        read_model_config(recipe.model.path), method, t.batch_size, recipe.data.seq_len,
-        dtype_bytes=4 if t.precision == "fp32" else 2, lora_r=lora.r if lora else 16,
-        lora_targets=targets,
-        activation_checkpointing=t.activation_checkpointing, optimizer=recipe.optimizer.name)
-    return choose(t.parallel, world, estimate.total, device)

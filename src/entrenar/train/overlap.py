@@ -22,9 +22,6 @@ from __future__ import annotations
 
 import torch
 
-FOUND_INF_OPTIMIZERS = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)  # their fused kernels take found_inf
-
-
 class DeferredRead:
     """A device vector copied to host memory behind the work queued so far; :meth:`values` waits for that work
     only, not for what was queued after it."""
@@ -58,15 +55,4 @@ def step_unless_nonfinite(optimizer: torch.optim.Optimizer, loss: torch.Tensor, 
     return found
 
 
-def overlap_unsupported(optimizer: torch.optim.Optimizer, mode: str, scaled: bool) -> str | None:
-    """Why this run cannot overlap its steps, or None when it can."""
-    if mode != "single":
-        return "several processes reduce the loss and gradients across ranks before each update"
-    if scaled:
-        return "fp16's GradScaler decides its skips on the host"
-    if not isinstance(optimizer, FOUND_INF_OPTIMIZERS) or not all(g.get("fused") for g in optimizer.param_groups):
-        return "only a fused optimizer drops a non-finite update on the device (optimizer.fused)"
-    return None
-
-
-__all__ = ["DeferredRead", "overlap_unsupported", "step_unless_nonfinite"]
+__all__ = ["DeferredRead", "step_unless_nonfinite"]

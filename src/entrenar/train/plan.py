@@ -304,7 +304,8 @@ def _decide(recipe: Recipe, device: torch.device, mode: str, config: ModelConfig
 
 
 def _overlap_unsupported(mode: str, scaled: bool, fused: bool) -> str | None:
-    """Why this run cannot read a step's results while the next runs, or None when it can."""
+    """Why this run cannot read a step's results while the next runs, or None when it can. Both optimizers
+    (AdamW, SGD) take a ``found_inf`` flag in their fused kernels (:mod:`entrenar.train.overlap`)."""
     if mode != "single":
         return "several processes reduce the loss and gradients across ranks before each update"
     if scaled:
