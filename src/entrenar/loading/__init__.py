@@ -1,6 +1,7 @@
 """Loading a model to use or train: a Hugging Face folder, a GGUF file, a quantized folder or a training run.
 
-``entrenar.load`` is :func:`load`; run folders resolve through :mod:`entrenar.loading.runs`.
+``entrenar.load`` is :func:`load`; run folders resolve through :mod:`entrenar.loading.runs`, classifiers load
+through :mod:`entrenar.loading.classifier`.
 """
 
 from __future__ import annotations
@@ -97,10 +98,10 @@ def load(
     if task == "classification" or (
         task is None and (cls.is_classifier_folder(source.model) or _seq_cls_adapter(source.adapter))
     ):
-        from entrenar.tasks.classification import load_classifier
+        from entrenar.loading.classifier import load_classifier
 
-        return load_classifier(source.model, adapter=source.adapter, dtype=dtype, device=device, quantize=quantize,
-                               num_labels=num_labels, pooling=pooling, seed=seed)
+        return load_classifier(source.model, load, adapter=source.adapter, dtype=dtype, device=device,
+                               quantize=quantize, num_labels=num_labels, pooling=pooling, seed=seed)
     model, tokenizer = _load_model(source.model, dtype, device, quantize)
     if source.adapter is not None:
         from entrenar.adapters.lora import load_adapter

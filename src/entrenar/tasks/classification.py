@@ -26,11 +26,11 @@ import torch.nn.functional as F
 from entrenar.data import BatchStream, read_records
 from entrenar.data.batching import PAD_DOCUMENT
 from entrenar.data.sources import Skip
-from entrenar.errors import AdapterError, ConfigError, DataError, ModelError, QuantError
+from entrenar.errors import ConfigError, DataError
 from entrenar.evaluation import metrics as M
-from entrenar.models.classifier import CLASSIFIER_FILE, SequenceClassifier, from_backbone
+from entrenar.models.classifier import CLASSIFIER_FILE
 from entrenar.loading import load
-from entrenar.device import resolve_device, resolve_dtype
+from entrenar.loading.classifier import padding_id as _pad_id
 
 # The scalar metrics each problem type reports (what task.metric may name, besides loss).
 METRICS = {
@@ -42,64 +42,6 @@ METRICS = {
 HIGHER_IS_BETTER = {"accuracy", "macro_f1", "weighted_f1", "micro_f1", "mcc", "kappa", "r2", "spearman",
                     "subset_accuracy", "top2_accuracy", "top3_accuracy", "top5_accuracy"}
 LOWER_IS_BETTER = {"loss", "rmse", "mae", "ece", "mce", "brier", "log_loss", "hamming_loss"}
-
-
-# -- model -------------------------------------------------------------------------------------
-
-
-def load_classifier(path, adapter=None, dtype=None, device=None, quantize=None, num_labels=None, pooling="last",
-                    seed=0) -> tuple[SequenceClassifier, Any]:
-    """``entrenar.load`` for classifiers: a ``*ForSequenceClassification`` folder, or a language model with a
-    fresh head (``num_labels``), or a language model with a SEQ_CLS adapter (its head inside)."""
-    import entrenar
-    from entrenar.adapters.lora import load_adapter
-    from entrenar.models.classifier import is_classifier_folder, load_classifier_folder, read_classifier_info
-    from entrenar.data.tokenizer import Tokenizer
-
-    path = Path(path)
-    device = resolve_device(device)
-    if is_classifier_folder(path):
-        if quantize is not None:
-            raise QuantError(f"{path}: quantize={quantize!r} is for a language model's linear layers; load the "
-                             "classifier unquantized")
-        model = load_classifier_folder(path, resolve_dtype(dtype, device), device)
-        tokenizer = Tokenizer.from_folder(path)
-        if num_labels is not None and num_labels != model.num_labels:
-            raise ModelError(f"{path}: the classifier has {model.num_labels} labels, num_labels={num_labels} was asked")
-    else:
-        lm, tokenizer = load(path, dtype=dtype, device=device, quantize=quantize)
-        info = read_classifier_info(adapter) if adapter is not None else {}
-        if adapter is not None:
-            num_labels = _adapter_num_labels(adapter)
-            pooling = info.get("pooling", pooling)
-        if num_labels is None:
-            raise ConfigError(f"{path}: a language model needs num_labels to become a classifier")
-        model = from_backbone(lm, num_labels, pooling, seed)
-        model.info = info
-    if adapter is not None:
-        load_adapter(model, adapter)
-        model.info = {**model.info, **read_classifier_info(adapter)}
-    model.info.setdefault("pad_token_id", tokenizer.pad_id if tokenizer.pad_id is not None else _pad_id(tokenizer))
-    return model.eval(), tokenizer
-
-
-def _adapter_num_labels(adapter) -> int:
-    from safetensors import safe_open
-
-    from entrenar.adapters.lora import ADAPTER_WEIGHTS, PEFT_PREFIX
-
-    with safe_open(str(Path(adapter) / ADAPTER_WEIGHTS), framework="pt") as f:
-        for key in f.keys():
-            if key.removeprefix(PEFT_PREFIX).split(".")[0] == "score":
-                return int(f.get_slice(key).get_shape()[0])
-    raise AdapterError(f"{adapter}: a SEQ_CLS adapter without the 'score' head weight")
-
-
-def _pad_id(tokenizer) -> int:
-    """The id padding uses: the tokenizer's pad token, else its (first) EOS, else 0."""
-    if tokenizer.pad_id is not None:
-        return tokenizer.pad_id
-    return tokenizer.eos_ids[0] if tokenizer.eos_ids else 0
 
 
 # -- data --------------------------------------------------------------------------------------
