@@ -14,9 +14,10 @@ from typing import Any
 def for_recipe(recipe: Any) -> Any:
     """The task object of a recipe's ``task`` section."""
     if recipe.task.type == "classification":
-        from entrenar.tasks.classification import ClassificationTask
+        # TEMPORARY: the old train/loop.py's call forms; ClassificationTask (the protocol) once the Trainer lands.
+        from entrenar.tasks.classification.legacy import LoopClassificationTask
 
-        return ClassificationTask(recipe)
+        return LoopClassificationTask(recipe)
     from entrenar.tasks.causal_lm import CausalLMTask
 
     return CausalLMTask(recipe)

@@ -1,7 +1,9 @@
-"""Classification through the one training loop: LoRA, QLoRA, accumulation, exact resume, the report."""
+"""Classification through the one training loop (LoRA, QLoRA, accumulation, exact resume, the report), and
+ClassificationTask as the Task protocol has it."""
 
 from __future__ import annotations
 
+import inspect
 import json
 
 import pytest
@@ -12,8 +14,22 @@ from conftest import crash_after_step
 import entrenar
 from entrenar.config import load_recipe
 from entrenar.errors import ConfigError
+from entrenar.tasks.base import Task
+from entrenar.tasks.classification import ClassificationTask
 from entrenar.train.loop import train
 from entrenar.train.metrics import read_metrics
+
+
+def test_classification_task_has_every_protocol_method_with_its_parameters():
+    methods = [name for name, member in vars(Task).items() if not name.startswith("_") and callable(member)]
+    assert {"load", "read", "stream", "loss_sum", "evaluate", "save", "finish"} <= set(methods)
+    for name in methods:
+        ours = getattr(ClassificationTask, name, None)
+        assert callable(ours), f"ClassificationTask has no {name}()"
+        expected = list(inspect.signature(getattr(Task, name)).parameters)
+        assert list(inspect.signature(ours).parameters) == expected, name
+    for attribute in Task.__annotations__:  # name
+        assert hasattr(ClassificationTask(recipe=None), attribute), attribute
 
 
 def test_lora_run_trains_reports_and_resumes_exactly(workspace, monkeypatch):

@@ -1,5 +1,5 @@
-"""Sequence classification and regression as the training loop's task: a head on the decoder, CE / BCE / MSE,
-the best checkpoint by ``task.metric``, calibration and a report at the end."""
+"""Sequence classification and regression as a :class:`~entrenar.tasks.base.Task`: a head on the decoder,
+CE / BCE / MSE, the best checkpoint by ``task.metric``, calibration and a report at the end."""
 
 from __future__ import annotations
 
@@ -10,12 +10,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from entrenar.adapters.lora import lora_config_of
 from entrenar.data import read_records
 from entrenar.errors import ConfigError
 from entrenar.evaluation.report import build_report, write_report
 from entrenar.loading import load as load_model
 from entrenar.loading.classifier import padding_id
 from entrenar.models.classifier import SequenceClassifier
+from entrenar.tasks.base import SummaryRow
 from entrenar.tasks.classification.calibration import calibrate
 from entrenar.tasks.classification.data import (
     LabeledStream,
@@ -34,7 +36,7 @@ from entrenar.tasks.classification.evaluation import (
 )
 from entrenar.tasks.classification.labels import LabelSpec, label_spec
 from entrenar.tasks.classification.loss import loss_sum
-from entrenar.tasks.classification.saving import update_classifier_file
+from entrenar.tasks.classification.saving import save_result, update_classifier_file
 from entrenar.train.metrics import read_metrics
 
 if TYPE_CHECKING:
@@ -45,7 +47,7 @@ if TYPE_CHECKING:
 
 @dataclass
 class ClassificationTask:
-    """The task object the training loop asks what a batch means and how it is scored."""
+    """What a classification batch means and how it is scored, for the Trainer (the Task protocol)."""
 
     recipe: Any
     spec: LabelSpec | None = None
@@ -65,8 +67,7 @@ class ClassificationTask:
         t = self.recipe.task
         return t.metric or ("rmse" if t.problem_type == "regression" else "macro_f1")
 
-    def load(self, path: Any, dtype: str, device: torch.device,
-             quantize: str | None) -> tuple[SequenceClassifier, Tokenizer]:
+    def load(self, dtype: str, device: torch.device, quantize: str | None) -> tuple[SequenceClassifier, Tokenizer]:
         """A classifier on the recipe's ``model.path`` (a fresh head drawn from training.seed) and its tokenizer;
         the labels come from the recipe or, when it names neither them nor their number, the training data."""
         t, d = self.recipe.task, self.recipe.data
@@ -82,7 +83,7 @@ class ClassificationTask:
                                       query=d.query)
             self.spec = label_spec(t, records, d.label_field)
             num = self.spec.num_labels
-        model, tokenizer = load_model(path, dtype=dtype, device=device, quantize=quantize,
+        model, tokenizer = load_model(self.recipe.model.path, dtype=dtype, device=device, quantize=quantize,
                                       task="classification", num_labels=num, pooling=t.pooling,
                                       seed=self.recipe.training.seed)
         self.spec = self.spec or label_spec(t)
@@ -95,12 +96,16 @@ class ClassificationTask:
         """After adapters: the head is trained whole (PEFT's modules_to_save)."""
         model.score.weight.requires_grad_(True)
 
-    def examples(self, path: str, role: str, recipe: Any, tokenizer: Tokenizer,
-                 skipped: list[Skip] | None = None) -> tuple[list[LabeledText], list[str]]:
-        """The labeled texts of one data file and notes; bad labels name their file and line."""
-        return read_labeled(path, role, recipe, tokenizer, self.spec, skipped)
+    def head_state(self, model: SequenceClassifier) -> dict[str, torch.Tensor]:
+        """The head, trained whole beside a LoRA run's adapters, so its checkpoints keep it."""
+        return {"score.weight": model.score.weight}
 
-    def stream(self, examples: list[LabeledText], recipe: Any) -> tuple[LabeledStream, list[str]]:
+    def read(self, path: str, role: str, tokenizer: Tokenizer,
+             skipped: list[Skip]) -> tuple[list[LabeledText], list[str]]:
+        """The labeled texts of one data file and notes; bad labels name their file and line."""
+        return read_labeled(path, role, self.recipe, tokenizer, self.spec, skipped)
+
+    def stream(self, examples: list[LabeledText], tokenizer: Tokenizer) -> tuple[LabeledStream, list[str]]:
         """The training batches and a note on the class weights, counted on ``examples``: the rows trained on,
         after the validation split is taken out."""
         d, t = self.recipe.data, self.recipe.training
@@ -127,8 +132,10 @@ class ClassificationTask:
             weights = self._weight_tensor[device]
         return loss_sum(logits, batch["labels"], self.problem_type, weights, self.recipe.task.label_smoothing)
 
-    def evaluate(self, model: torch.nn.Module, examples: list[LabeledText], recipe: Any) -> ClassificationEval:
-        """Mean loss and metrics on ``examples``."""
+    def evaluate(self, model: torch.nn.Module, examples: list[LabeledText], tokenizer: Tokenizer) -> ClassificationEval:
+        """Mean loss and metrics on ``examples``, the first training.eval_batches batches of them when set."""
+        t = self.recipe.training
+        examples = examples[:t.eval_batches * t.batch_size] if t.eval_batches else examples
         logits = self._logits(model, examples)
         targets = targets_array(examples)
         thresholds = thresholds_of(self.recipe.task.threshold, self.spec.num_labels)
@@ -138,14 +145,14 @@ class ClassificationTask:
         count = len(examples) * (1 if self.problem_type == "single_label" else self.spec.num_labels)
         return ClassificationEval(loss=total / count, metrics=metrics, examples=len(examples))
 
-    def log_eval(self, metrics_log: MetricsLogger, step: int, result: ClassificationEval) -> bool:
+    def log_eval(self, metrics: MetricsLogger, step: int, result: ClassificationEval) -> bool:
         """Log the evaluation; True when it is the best so far by the recipe's metric."""
         if self.best is None:  # a resumed run: the best so far is in the metrics kept up to the resumed step
-            self.best, self.best_step = self._best_logged(metrics_log.path)
-        metrics_log.log_eval(step, result.loss)
+            self.best, self.best_step = self._best_logged(metrics.path)
+        metrics.log_eval(step, result.loss)
         value = result.loss if self.metric == "loss" else result.metrics[self.metric]
         scalars = {f"eval_{k}": v for k, v in result.metrics.items() if isinstance(v, float)}
-        metrics_log._write({"step": int(step), **scalars})
+        metrics._write({"step": int(step), **scalars})
         signed = metric_direction(self.metric) * value
         if self.best is not None and signed <= self.best:
             return False
@@ -159,8 +166,15 @@ class ClassificationTask:
         first = {key: scalars.pop(key)} if key in scalars else {}
         return {"eval_loss": result.loss, **first, **scalars}
 
-    def finish(self, model: SequenceClassifier, validation: list[LabeledText], recipe: Any, run_dir: Path,
-               output: Path) -> list[tuple[str, str]]:
+    def save(self, model: SequenceClassifier, tokenizer: Tokenizer, folder: Path) -> Path:
+        """The adapter with the head (LoRA), or the whole classifier folder, in ``folder``."""
+        return save_result(model, tokenizer, self.recipe, folder, lora_config_of(self.recipe.lora))
+
+    def begin(self, model: SequenceClassifier, tokenizer: Tokenizer) -> None:
+        """Nothing: the evaluation at step 0 is the baseline a classification run compares with."""
+
+    def finish(self, model: SequenceClassifier, tokenizer: Tokenizer, validation: list[LabeledText], run_dir: Path,
+               output: Path, before: ClassificationEval | None, after: ClassificationEval | None) -> list[SummaryRow]:
         """End of training: calibrate on validation, save the calibration with the model (``output``), write the
         report into ``run_dir``; the summary's rows."""
         if not validation:
