@@ -10,16 +10,15 @@ import pytest
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent / "tasks"))
-from conftest import make_workspace  # noqa: E402  (tests/conftest.py)
-from workers import launch, train_worker  # noqa: E402
+sys.path.insert(0, str(HERE.parent / "tasks" / "classification"))
+import classification_workspace as C  # the classification workspace's recipe (tests/tasks/classification)
+from conftest import make_workspace  # tests/conftest.py
+from workers import launch, train_worker
 
 pytestmark = pytest.mark.timeout(120)
 
 
 def test_two_processes_classify_as_one(tmp_path):
-    import test_classification_task as C  # the classification workspace's recipe (tests/tasks)
-
     ws = make_workspace(tmp_path)
     C.recipe_for(ws)
     recipe = str(ws / "recipe.yaml")

@@ -1,6 +1,7 @@
 """Loading a model to use or train: a Hugging Face folder, a GGUF file, a quantized folder or a training run.
 
-``entrenar.load`` is :func:`load`; run folders resolve through :mod:`entrenar.loading.runs`.
+``entrenar.load`` is :func:`load`; run folders resolve through :mod:`entrenar.loading.runs`, classifiers load
+through :mod:`entrenar.loading.classifier`.
 """
 
 from __future__ import annotations
@@ -21,16 +22,17 @@ if TYPE_CHECKING:
 __all__ = ["load", "read_model_config", "recipe_model_config", "require_tokenizer"]
 
 
-def read_model_config(path: str | Path) -> "ModelConfig":
+def read_model_config(path: str | Path) -> ModelConfig:
     """The ModelConfig of a Hugging Face folder, a GGUF file or a run's model, without reading any weights."""
     from entrenar.errors import ModelError
+    from entrenar.loading.runs import resolve_model_and_adapter
     from entrenar.models.config import ModelConfig
     from entrenar.models.hf import read_config
-    from entrenar.loading.runs import resolve_model_and_adapter
 
     path = resolve_model_and_adapter(path).model if Path(path).is_dir() else Path(path)
     if path.suffix == ".gguf":
-        from entrenar.models.gguf import read_gguf  # maps tensor names and shapes; reads no tensor data
+        # read_gguf maps tensor names and shapes; it reads no tensor data.
+        from entrenar.models.gguf import read_gguf
 
         return ModelConfig.from_hf(read_gguf(path).hf_config, source=str(path))
     if not path.exists():
@@ -40,7 +42,7 @@ def read_model_config(path: str | Path) -> "ModelConfig":
     return read_config(path)
 
 
-def _check_vocabulary(path: str | Path, model_vocab_size: int, tokenizer: "Tokenizer") -> None:
+def _check_vocabulary(path: str | Path, model_vocab_size: int, tokenizer: Tokenizer) -> None:
     """Refuse a tokenizer with ids the model's embedding has no row for.
 
     Without this, the first such id is an IndexError deep inside the embedding.
@@ -59,14 +61,14 @@ def _check_vocabulary(path: str | Path, model_vocab_size: int, tokenizer: "Token
 def load(
     path: str | Path,
     adapter: str | Path | None = None,
-    dtype: "str | torch.dtype | None" = None,
-    device: "str | torch.device | None" = None,
+    dtype: str | torch.dtype | None = None,
+    device: str | torch.device | None = None,
     quantize: str | None = None,
     task: str | None = None,
     num_labels: int | None = None,
     pooling: str = "last",
     seed: int = 0,
-) -> "tuple[Transformer, Tokenizer | None]":
+) -> tuple[Transformer, Tokenizer | None]:
     """Load a model and its tokenizer from a Hugging Face folder, a GGUF file or a training run.
 
     `adapter` is a PEFT-format LoRA adapter folder applied on top. `quantize="nf4"`
@@ -90,17 +92,17 @@ def load(
         from entrenar.errors import ConfigError
 
         raise ConfigError(f"task {task!r} must be 'causal_lm' or 'classification'")
-    from entrenar.models import classifier as cls
     from entrenar.loading.runs import apply_checkpoint, resolve_model_and_adapter
+    from entrenar.models import classifier as cls
 
     source = resolve_model_and_adapter(path, adapter)
     if task == "classification" or (
         task is None and (cls.is_classifier_folder(source.model) or _seq_cls_adapter(source.adapter))
     ):
-        from entrenar.tasks.classification import load_classifier
+        from entrenar.loading.classifier import load_classifier
 
-        return load_classifier(source.model, adapter=source.adapter, dtype=dtype, device=device, quantize=quantize,
-                               num_labels=num_labels, pooling=pooling, seed=seed)
+        return load_classifier(source.model, load, adapter=source.adapter, dtype=dtype, device=device,
+                               quantize=quantize, num_labels=num_labels, pooling=pooling, seed=seed)
     model, tokenizer = _load_model(source.model, dtype, device, quantize)
     if source.adapter is not None:
         from entrenar.adapters.lora import load_adapter
@@ -111,7 +113,7 @@ def load(
     return model.eval(), tokenizer
 
 
-def require_tokenizer(tokenizer: "Tokenizer | None", model_path: str | Path) -> "Tokenizer":
+def require_tokenizer(tokenizer: Tokenizer | None, model_path: str | Path) -> Tokenizer:
     """``tokenizer``, or a ModelError naming the model folder when it has none (for what needs text)."""
     from entrenar.errors import ModelError
 
@@ -121,7 +123,7 @@ def require_tokenizer(tokenizer: "Tokenizer | None", model_path: str | Path) -> 
     return tokenizer
 
 
-def _folder_tokenizer(path: Path) -> "Tokenizer | None":
+def _folder_tokenizer(path: Path) -> Tokenizer | None:
     from entrenar.data.tokenizer import Tokenizer
 
     return Tokenizer.from_folder(path) if (path / "tokenizer.json").is_file() else None
@@ -140,8 +142,8 @@ def _seq_cls_adapter(adapter: str | Path | None) -> bool:
 
 
 def _load_model(
-    path: Path, dtype: "str | torch.dtype | None", device: "str | torch.device | None", quantize: str | None
-) -> "tuple[Transformer, Tokenizer | None]":
+    path: Path, dtype: str | torch.dtype | None, device: str | torch.device | None, quantize: str | None
+) -> tuple[Transformer, Tokenizer | None]:
     from entrenar.errors import ModelError, QuantError
     from entrenar.models.hf import load_hf
     from entrenar.quant.checkpoint import is_quantized_folder, load_quantized

@@ -1,0 +1,39 @@
+"""``entrenar classify eval|predict`` on a trained classifier: the report, and predictions with the saved
+temperature applied; a bad label names its file and line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from classification_workspace import recipe_for, write_data
+
+import entrenar
+from entrenar.cli.main import main
+from entrenar.evaluation.metrics import softmax
+from entrenar.train.loop import train
+
+
+def test_classify_cli_eval_and_predict(workspace, tmp_path, capsys):
+    result = train(recipe_for(workspace, "training.max_steps=2", "training.eval_every=0"), progress=False)
+    data = write_data(workspace, "test.jsonl", n=10)
+    args = [str(workspace / "model"), "--adapter", str(result.output), "--data", str(data)]
+    assert main(["classify", "eval", *args, "--output", str(tmp_path / "rep")]) == 0
+    out = capsys.readouterr().out
+    assert "accuracy" in out and "ECE" in out and (tmp_path / "rep" / "report.md").is_file()
+
+    assert main(["classify", "predict", *args, "--output", str(tmp_path / "p.jsonl")]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "p.jsonl").read_text().splitlines()]
+    assert len(rows) == 10 and rows[0]["source"].endswith("test.jsonl line 1")
+    model, tokenizer = entrenar.load(workspace / "model", adapter=result.output, device="cpu")
+    with torch.no_grad():
+        logits = model(torch.tensor([tokenizer.encode("0+0")])).numpy()
+    probs = softmax(logits, model.info["temperature"])[0]  # the saved temperature is applied
+    assert rows[0]["probs"]["small"] == pytest.approx(probs[0], abs=1e-6)
+    assert rows[0]["label"] == ("small" if probs[0] > probs[1] else "big")
+
+    write_data(workspace, "bad.jsonl", n=3, bad="medium")
+    args[-1] = str(workspace / "bad.jsonl")
+    assert main(["classify", "eval", *args]) == 2
+    assert "bad.jsonl line 4: unknown label 'medium'" in capsys.readouterr().err
