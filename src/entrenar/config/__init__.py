@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from entrenar.config.recipe import (
     QUICKSTART,
+    RESUMABLE_KEYS,
     Recipe,
     load_recipe,
     recipe_changes,
@@ -41,6 +42,7 @@ __all__ = [
     "DEVICE_NAMES",
     "MAX_SEQ_LEN",
     "QUICKSTART",
+    "RESUMABLE_KEYS",
     "DataSection",
     "LoraSection",
     "ModelSection",

@@ -157,6 +157,14 @@ class Recipe:
         return _build(d, Where(source), default_name="run")
 
 
+RESUMABLE_KEYS: tuple[str, ...] = tuple(key for _, key in sorted(
+    (f.metadata["resumable"], f"{name}.{f.name}")
+    for name, cls in _SECTIONS.items() for f in fields(cls) if "resumable" in f.metadata
+))
+"""The dotted keys a ``--resume`` may change (a run's length, logging, saving, speed levers): the sections' fields
+marked ``resumable``, in the order they became resumable."""
+
+
 def load_recipe(path: str | Path | None, overrides: Iterable[str] = ()) -> Recipe:
     """Read a recipe file (``None``: the bundled quickstart) and apply ``--set`` overrides.
 

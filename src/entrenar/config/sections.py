@@ -1,6 +1,7 @@
 """The recipe's sections: frozen dataclasses whose fields each carry a default and a rule.
 
-The rules run whenever a section is built, from a file or in Python, so a section in hand is valid.
+The rules run whenever a section is built, from a file or in Python, so a section in hand is valid. A field a
+``--resume`` may change is marked ``resumable`` (``entrenar.config.RESUMABLE_KEYS``).
 """
 
 from __future__ import annotations
@@ -37,9 +38,10 @@ from entrenar.errors import ConfigError, EntrenarError
 MAX_SEQ_LEN = 2**22  # 4x the longest contexts models train at today; a row this long is 128 MiB of index tensors
 
 
-def setting(default: Any, rule: Rule) -> Any:
-    """A section field: its default and the rule its values must pass."""
-    metadata = {"rule": rule}
+def setting(default: Any, rule: Rule, *, resumable: int | None = None) -> Any:
+    """A section field: its default, the rule its values must pass and, for a key a ``--resume`` may change, its
+    place in ``RESUMABLE_KEYS`` (the order keys became resumable, which a refused resume lists)."""
+    metadata = {"rule": rule} if resumable is None else {"rule": rule, "resumable": resumable}
     if isinstance(default, dict):
         return field(default_factory=lambda: dict(default), metadata=metadata)
     return field(default=default, metadata=metadata)
@@ -130,7 +132,7 @@ class DataSection(_Section):
     # each batch as one row of its real tokens (no padding computed); auto: on a CPU for causal-LM training (no
     # fixed shapes to keep there, so padding is only work) unless the documents are too small to attend one by
     # one (hidden size x mean example length under 8192, the quickstart's case)
-    padding_free: str | bool = setting("auto", _choice("auto", True, False))
+    padding_free: str | bool = setting("auto", _choice("auto", True, False), resumable=22)
     add_eos: bool = setting(True, _boolean)
     on_error: str = setting("raise", _choice("raise", "skip"))
     shuffle: bool = setting(True, _boolean)
@@ -222,7 +224,7 @@ class TrainingSection(_Section):
     """Step counts, batch shape, precision, and how often to log, evaluate and save."""
 
     section: ClassVar[str] = "training"
-    max_steps: int = setting(1000, _integer(1))
+    max_steps: int = setting(1000, _integer(1), resumable=1)
     batch_size: int = setting(4, _integer(1))
     grad_accum: int = setting(1, _integer(1))
     max_grad_norm: float = setting(1.0, _number(0.0))
@@ -233,42 +235,42 @@ class TrainingSection(_Section):
     offload_activations: bool | int = setting(False, _offload_layers)
     # the frozen input-embedding table stays in pinned CPU memory, read by the GPU (LoRA/QLoRA on CUDA); auto: on
     # for a causal-LM LoRA/QLoRA run on one CUDA device with every layer checkpointed and untied embeddings
-    offload_embeddings: str | bool = setting("auto", _choice("auto", True, False))
+    offload_embeddings: str | bool = setting("auto", _choice("auto", True, False), resumable=20)
     # QLoRA: the blocks' NF4 base weights stay in pinned CPU memory, each block's copied to the GPU as it runs
     # (one CUDA device, quantize_base: nf4); auto: on when every layer is checkpointed, without compile
-    offload_weights: str | bool = setting("auto", _choice("auto", True, False))
-    compile: bool = setting(False, _boolean)
+    offload_weights: str | bool = setting("auto", _choice("auto", True, False), resumable=21)
+    compile: bool = setting(False, _boolean, resumable=9)
     # forward and backward of each micro-batch replayed from a CUDA graph (fixed shapes; not padding-free);
     # auto: on a single CUDA device for LoRA/QLoRA on packed causal-LM batches of a dense model (or an MoE one
     # whose experts run grouped in bf16), without compile or fp16
-    cuda_graphs: str | bool = setting("auto", _choice("auto", True, False))
+    cuda_graphs: str | bool = setting("auto", _choice("auto", True, False), resumable=17)
     # read each step's loss and norm while the GPU runs the next step's forward and backward (a non-finite
     # update is dropped on the device); auto: on one CUDA device with a fused optimizer and no fp16 scaler
-    overlap_steps: str | bool = setting("auto", _choice("auto", True, False))
-    kernels: str | bool = setting("auto", _choice("auto", True, False))  # auto: on CUDA when Triton imports, and on a CPU (PyTorch paths)
+    overlap_steps: str | bool = setting("auto", _choice("auto", True, False), resumable=18)
+    kernels: str | bool = setting("auto", _choice("auto", True, False), resumable=8)  # auto: on CUDA when Triton imports, and on a CPU (PyTorch paths)
     # LoRA adapter products in the fused layer: fp32 as PEFT runs them, or bf16 on the tensor cores (the adapter
     # weights and the optimizer stay fp32)
     adapter_math: str = setting("fp32", _choice("fp32", "bf16"))
     seed: int = setting(0, _integer(0, 2**32 - 1))  # numpy's seed range
     # the same bits on every rerun and resume on a GPU too: PyTorch's deterministic algorithms (an op without one
     # is refused, naming it) and a fixed cuBLAS workspace; a CPU run is deterministic either way
-    deterministic: bool = setting(False, _boolean)
-    eval_every: int = setting(0, _integer(0))
-    eval_batches: int | None = setting(None, _integer(1, nullable=True))
-    log_every: int = setting(10, _integer(1))
-    save_every: int = setting(0, _integer(0))
-    keep_last: int = setting(3, _integer(1))
-    cpu_threads: int | None = setting(None, _integer(1, nullable=True))  # None: torch's default
+    deterministic: bool = setting(False, _boolean, resumable=19)
+    eval_every: int = setting(0, _integer(0), resumable=2)
+    eval_batches: int | None = setting(None, _integer(1, nullable=True), resumable=6)
+    log_every: int = setting(10, _integer(1), resumable=3)
+    save_every: int = setting(0, _integer(0), resumable=4)
+    keep_last: int = setting(3, _integer(1), resumable=5)
+    cpu_threads: int | None = setting(None, _integer(1, nullable=True), resumable=7)  # None: torch's default
     # a step whose loss or gradient norm is NaN/inf: stop the run, or skip its update (at most max_skipped_steps in a row)
-    nonfinite: str = setting("stop", _choice("stop", "skip"))
-    max_skipped_steps: int = setting(5, _integer(1))
-    early_stopping: dict[str, Any] | None = setting(None, _early_stopping)  # None: off
+    nonfinite: str = setting("stop", _choice("stop", "skip"), resumable=10)
+    max_skipped_steps: int = setting(5, _integer(1), resumable=11)
+    early_stopping: dict[str, Any] | None = setting(None, _early_stopping, resumable=12)  # None: off
     # many processes (entrenar train --nproc-per-node N): ddp, fsdp, or auto (ddp when a replica fits one device)
-    parallel: str = setting("auto", _choice("auto", "ddp", "fsdp"))
+    parallel: str = setting("auto", _choice("auto", "ddp", "fsdp"), resumable=13)
     # rows per optimizer step over all processes; None: batch_size x grad_accum x processes (accumulation derived)
-    global_batch_size: int | None = setting(None, _integer(1, nullable=True))
-    dist_timeout_s: float = setting(300.0, _number(1.0))  # a collective waits this long for a dead or hung rank
-    replica_check_every: int = setting(50, _integer(0))  # steps between replica checks (and at the end); 0: never
+    global_batch_size: int | None = setting(None, _integer(1, nullable=True), resumable=14)
+    dist_timeout_s: float = setting(300.0, _number(1.0), resumable=15)  # a collective waits this long for a dead or hung rank
+    replica_check_every: int = setting(50, _integer(0), resumable=16)  # steps between replica checks (and at the end); 0: never
 
 
 @dataclass(frozen=True)

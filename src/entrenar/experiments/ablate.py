@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from entrenar.io import atomic
-from entrenar.config import MoeSection, Recipe, load_recipe, recipe_changes
+from entrenar.config import RESUMABLE_KEYS, MoeSection, Recipe, load_recipe, recipe_changes
 from entrenar.errors import ConfigError
 from entrenar.data import synth
 from entrenar.models import random_init as scratch
@@ -189,7 +189,7 @@ def _run_arm(arm: str, recipe: Recipe, run_dir: Path, progress: bool, say: Calla
              mi_records: int = MI_RECORDS) -> dict[str, Any]:
     """One arm's results: read from its arm.json when it finished before, else trained (or resumed) now."""
     from entrenar.train.checkpoint import latest_checkpoint
-    from entrenar.train.loop import RECIPE_FILE, RESUMABLE_CHANGES, train
+    from entrenar.train.loop import RECIPE_FILE, train
 
     done = run_dir / ARM_FILE
     if done.is_file():
@@ -197,7 +197,7 @@ def _run_arm(arm: str, recipe: Recipe, run_dir: Path, progress: bool, say: Calla
         if not changes:
             say(f"arm {arm}: finished earlier, skipped ({done})")
             return json.loads(done.read_text())
-        if not all(c.startswith(RESUMABLE_CHANGES) for c in changes):
+        if not all(c.startswith(RESUMABLE_KEYS) for c in changes):
             raise ConfigError(f"{run_dir}: arm {arm} was trained from another recipe ({'; '.join(changes[:3])}); "
                               "use another --output, or delete that folder to train it again")
         say(f"arm {arm}: finished earlier; continuing it ({'; '.join(changes[:3])})")  # e.g. more steps
