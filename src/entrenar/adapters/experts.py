@@ -14,8 +14,6 @@ Forward never builds an expert's full-size update: each expert's tokens go throu
 
 from __future__ import annotations
 
-import re
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -250,17 +248,6 @@ def expected_expert_shapes(model: nn.Module, targets: list[str] | None, r: int) 
 def expert_lora_names(model: nn.Module) -> list[str]:
     """Names of the expert and router LoRA wrappers, inner ones included (``...experts.base_layer``)."""
     return [n for n, m in model.named_modules() if isinstance(m, (LoraExpertWeights, LoraRouter))]
-
-
-def normalised_targets(targets: list[str] | str | None) -> list[str] | None:
-    if targets is None:
-        return None
-    if isinstance(targets, str):
-        targets = [targets]
-    bad = [t for t in targets if not isinstance(t, str) or not re.fullmatch(r"[\w.]+", t)]
-    if bad:
-        raise AdapterError(f"target_parameters must be parameter names such as 'mlp.experts.gate_up_proj', got {bad[0]!r}")
-    return list(targets)
 
 
 __all__ = ["EXPERT_PARAMETERS", "LoraExpertWeights", "LoraRouter", "expert_lora_names", "find_expert_parameters",

@@ -152,7 +152,8 @@ class DataSection(_Section):
 
 @dataclass(frozen=True)
 class LoraSection(_Section):
-    """Low-rank adapters; the recipe's ``lora: null`` means full fine-tuning instead."""
+    """Low-rank adapters; the recipe's ``lora: null`` means full fine-tuning instead. The one LoRA schema:
+    ``entrenar.adapters.lora.LoraConfig`` is this section with PEFT's conventions for Python callers."""
 
     section: ClassVar[str] = "lora"
     r: int = setting(8, _integer(1))
