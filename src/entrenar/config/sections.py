@@ -168,7 +168,8 @@ class LoraSection(_Section):
 @dataclass(frozen=True)
 class QatSection(_Section):
     """Quantization-aware training (fake-quantized linear layers); ``qat: null`` (the default) is off.
-    With ``lora`` set too it is LoRA-QAT: a frozen fake-quantized base under full-precision adapters."""
+    With ``lora`` set too it is LoRA-QAT: a frozen fake-quantized base under full-precision adapters. The one QAT
+    schema: ``entrenar.quant.qat.QATConfig`` is this section plus what only Python callers set."""
 
     section: ClassVar[str] = "qat"
     bits: int = setting(4, _integer(2, 8))
