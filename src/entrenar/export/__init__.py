@@ -39,6 +39,7 @@ import torch
 
 from entrenar.io import atomic
 from entrenar.io.finite import check_finite
+from entrenar.io.json_files import read_json_object
 from entrenar.errors import AdapterError, ConfigError, ModelError
 from entrenar.loading import load
 from entrenar.device import resolve_dtype
@@ -341,15 +342,8 @@ def _check_output(output: Path, inputs: dict[str, Path]) -> None:
 
 
 def _read_json(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        return {}
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise ModelError(f"{path} line {e.lineno}: invalid JSON: {e.msg}") from None
-    if not isinstance(data, dict):
-        raise ModelError(f"{path}: expected a JSON object, got {type(data).__name__}")
-    return data
+    """A JSON object file, or {} where there is none."""
+    return read_json_object(path) if path.is_file() else {}
 
 
 __all__ = ["export", "export_adapter", "load_merged", "save_merged", "stored_dtype"]

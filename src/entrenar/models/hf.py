@@ -14,7 +14,8 @@ from safetensors.torch import save_file
 from entrenar.io import atomic
 from entrenar.io.finite import check_finite
 from entrenar.errors import ModelError
-from entrenar.io.hf_files import INDEX_NAME, SINGLE_NAME, read_json, weight_files  # noqa: F401 - re-exported
+from entrenar.io.hf_files import INDEX_NAME, SINGLE_NAME, weight_files  # noqa: F401 - re-exported
+from entrenar.io.json_files import read_json
 from entrenar.models.config import ModelConfig, rope_inv_freq
 from entrenar.models.transformer import Transformer
 
