@@ -105,12 +105,6 @@ class QATConfig(QatSection):
     def _refusal(self, key: str, message: str) -> QuantError:
         return QuantError(message)
 
-    @classmethod
-    def from_section(cls, section: QatSection) -> QATConfig:
-        """The QATConfig a recipe's ``qat`` section describes, the library's defaults for the rest."""
-        shared = {f.name: getattr(section, f.name) for f in fields(QatSection) if f.name != "activations"}
-        return cls(**shared, act_bits=None if section.activations is False else section.activations)
-
 
 class _FakeQuant(torch.autograd.Function):
     """``clamp(round(x / s), qmin, qmax) * s`` with the selected backward rule."""
@@ -288,8 +282,12 @@ def convert_qat(model: nn.Module) -> list[str]:
 
 
 def qat_config(section: QatSection) -> QATConfig:
-    """The :class:`QATConfig` a recipe's ``qat`` section describes."""
-    return QATConfig.from_section(section)
+    """The :class:`QATConfig` a recipe's ``qat`` section describes: its values, the library's defaults for the
+    rest."""
+    if isinstance(section, QATConfig):
+        return section
+    shared = {f.name: getattr(section, f.name) for f in fields(QatSection) if f.name != "activations"}
+    return QATConfig(**shared, act_bits=None if section.activations is False else section.activations)
 
 
 def apply_qat_recipe(model: nn.Module, section: QatSection) -> list[str]:
