@@ -14,6 +14,8 @@ Forward never builds an expert's full-size update: each expert's tokens go throu
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -191,7 +193,7 @@ def _matches(module_name: str, parameter: str, target: str) -> bool:
     return full == target or full.endswith("." + target)
 
 
-def find_expert_parameters(model: nn.Module, targets: list[str] | None) -> list[tuple[str, str]]:
+def find_expert_parameters(model: nn.Module, targets: Sequence[str] | None) -> list[tuple[str, str]]:
     """(Experts module name, parameter) pairs that ``targets`` (PEFT's ``target_parameters``, names such as
     ``mlp.experts.gate_up_proj``) select. In module order, and within a module in its parameters' order
     (gate_up_proj, then down_proj) whatever order the targets are listed in, as PEFT nests them."""
@@ -208,7 +210,7 @@ def find_expert_parameters(model: nn.Module, targets: list[str] | None) -> list[
     return found
 
 
-def wrap_expert_parameters(model: nn.Module, targets: list[str] | None, r: int, alpha: float, dropout: float,
+def wrap_expert_parameters(model: nn.Module, targets: Sequence[str] | None, r: int, alpha: float, dropout: float,
                            use_rslora: bool) -> list[str]:
     """Put per-expert LoRA on the targeted expert parameters; return the wrapped module names (outer last)."""
     from entrenar.models.surgery import replace_module
@@ -226,7 +228,7 @@ def wrap_expert_parameters(model: nn.Module, targets: list[str] | None, r: int, 
     return wrapped
 
 
-def expected_expert_shapes(model: nn.Module, targets: list[str] | None, r: int) -> dict[str, tuple[int, ...]]:
+def expected_expert_shapes(model: nn.Module, targets: Sequence[str] | None, r: int) -> dict[str, tuple[int, ...]]:
     """The adapter tensors (model names) that ``wrap_expert_parameters`` with ``targets`` would make, and their
     shapes: the last parameter targeted on a module is its outermost wrapper."""
     pairs = find_expert_parameters(model, targets)

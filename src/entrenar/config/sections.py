@@ -327,20 +327,3 @@ _SECTIONS: dict[str, type[_Section]] = {
         MoeSection,
     )
 }
-
-
-_SECTIONS: dict[str, type[_Section]] = {
-    cls.section: cls
-    for cls in (
-        ModelSection,
-        DataSection,
-        LoraSection,
-        QatSection,
-        OptimizerSection,
-        ScheduleSection,
-        TrainingSection,
-        OutputSection,
-        TaskSection,
-        MoeSection,
-    )
-}
