@@ -55,10 +55,6 @@ def _plain_text(option: Any) -> str:
     return option if isinstance(option, str) else _show(option)
 
 
-
-# Rules: each takes a raw value and returns it normalized, or raises Reject.
-
-
 class Reject(Exception):
     """A value broke a rule; ``expected`` says what the rule allows."""
 
