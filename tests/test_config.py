@@ -10,6 +10,7 @@ import pytest
 import yaml
 
 from entrenar.config import (
+    RESUMABLE_KEYS,
     LoraSection,
     QatSection,
     ModelSection,
@@ -153,6 +154,23 @@ def test_recipe_changes_names_the_keys():
     assert "lora.r: 4 -> null" in changes and "lora.alpha: 8.0 -> null" in changes
     assert not any(c.startswith("model.") for c in changes)
     assert recipe_changes(a, a) == []
+
+
+# The tuple train/loop.py kept by hand (RESUMABLE_CHANGES) before the fields were marked: the same keys, in order.
+RESUMABLE_BEFORE = ("training.max_steps", "training.eval_every", "training.log_every", "training.save_every",
+                    "training.keep_last", "training.eval_batches", "training.cpu_threads", "training.kernels",
+                    "training.compile", "training.nonfinite", "training.max_skipped_steps",
+                    "training.early_stopping", "training.parallel", "training.global_batch_size",
+                    "training.dist_timeout_s", "training.replica_check_every",
+                    "training.cuda_graphs", "training.overlap_steps", "training.deterministic",
+                    "training.offload_embeddings", "training.offload_weights", "data.padding_free")
+
+
+def test_resumable_keys_are_the_marked_fields():
+    assert RESUMABLE_KEYS == RESUMABLE_BEFORE
+    for key in RESUMABLE_KEYS:  # each names a field of a section
+        section, name = key.split(".")
+        assert name in Recipe().to_dict()[section]
 
 
 # ---------------------------------------------------------------- overrides

@@ -1,4 +1,5 @@
-"""Which device and dtype a run or a load uses: one table of dtype names, one rule for ``auto``."""
+"""Which device and dtype a run or a load uses: one table of dtype names, one of safetensors' dtype codes, one
+rule for ``auto``."""
 
 from __future__ import annotations
 
@@ -6,10 +7,18 @@ import torch
 
 from entrenar.errors import ConfigError
 
-__all__ = ["DTYPES", "resolve_device", "resolve_dtype"]
+__all__ = ["DTYPES", "SAFETENSORS_DTYPES", "resolve_device", "resolve_dtype"]
 
 # The weight dtypes a user may name (library and CLI), each to its torch dtype's name; "auto" is handled apart.
 DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16"}
+
+# safetensors' dtype codes, those this PyTorch has (the float8 and wide unsigned types are recent); every reader
+# and writer of safetensors headers goes through this one table.
+SAFETENSORS_DTYPES: dict[str, torch.dtype] = {code: getattr(torch, name) for code, name in (
+    ("F64", "float64"), ("F32", "float32"), ("F16", "float16"), ("BF16", "bfloat16"), ("I64", "int64"),
+    ("I32", "int32"), ("I16", "int16"), ("I8", "int8"), ("U64", "uint64"), ("U32", "uint32"), ("U16", "uint16"),
+    ("U8", "uint8"), ("BOOL", "bool"), ("C64", "complex64"), ("F8_E4M3", "float8_e4m3fn"),
+    ("F8_E5M2", "float8_e5m2"), ("F8_E8M0", "float8_e8m0fnu")) if hasattr(torch, name)}
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, device: str | torch.device) -> torch.dtype:

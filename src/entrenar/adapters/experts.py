@@ -14,7 +14,7 @@ Forward never builds an expert's full-size update: each expert's tokens go throu
 
 from __future__ import annotations
 
-import re
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -193,7 +193,7 @@ def _matches(module_name: str, parameter: str, target: str) -> bool:
     return full == target or full.endswith("." + target)
 
 
-def find_expert_parameters(model: nn.Module, targets: list[str] | None) -> list[tuple[str, str]]:
+def find_expert_parameters(model: nn.Module, targets: Sequence[str] | None) -> list[tuple[str, str]]:
     """(Experts module name, parameter) pairs that ``targets`` (PEFT's ``target_parameters``, names such as
     ``mlp.experts.gate_up_proj``) select. In module order, and within a module in its parameters' order
     (gate_up_proj, then down_proj) whatever order the targets are listed in, as PEFT nests them."""
@@ -210,7 +210,7 @@ def find_expert_parameters(model: nn.Module, targets: list[str] | None) -> list[
     return found
 
 
-def wrap_expert_parameters(model: nn.Module, targets: list[str] | None, r: int, alpha: float, dropout: float,
+def wrap_expert_parameters(model: nn.Module, targets: Sequence[str] | None, r: int, alpha: float, dropout: float,
                            use_rslora: bool) -> list[str]:
     """Put per-expert LoRA on the targeted expert parameters; return the wrapped module names (outer last)."""
     from entrenar.models.surgery import replace_module
@@ -228,7 +228,7 @@ def wrap_expert_parameters(model: nn.Module, targets: list[str] | None, r: int, 
     return wrapped
 
 
-def expected_expert_shapes(model: nn.Module, targets: list[str] | None, r: int) -> dict[str, tuple[int, ...]]:
+def expected_expert_shapes(model: nn.Module, targets: Sequence[str] | None, r: int) -> dict[str, tuple[int, ...]]:
     """The adapter tensors (model names) that ``wrap_expert_parameters`` with ``targets`` would make, and their
     shapes: the last parameter targeted on a module is its outermost wrapper."""
     pairs = find_expert_parameters(model, targets)
@@ -250,17 +250,6 @@ def expected_expert_shapes(model: nn.Module, targets: list[str] | None, r: int) 
 def expert_lora_names(model: nn.Module) -> list[str]:
     """Names of the expert and router LoRA wrappers, inner ones included (``...experts.base_layer``)."""
     return [n for n, m in model.named_modules() if isinstance(m, (LoraExpertWeights, LoraRouter))]
-
-
-def normalised_targets(targets: list[str] | str | None) -> list[str] | None:
-    if targets is None:
-        return None
-    if isinstance(targets, str):
-        targets = [targets]
-    bad = [t for t in targets if not isinstance(t, str) or not re.fullmatch(r"[\w.]+", t)]
-    if bad:
-        raise AdapterError(f"target_parameters must be parameter names such as 'mlp.experts.gate_up_proj', got {bad[0]!r}")
-    return list(targets)
 
 
 __all__ = ["EXPERT_PARAMETERS", "LoraExpertWeights", "LoraRouter", "expert_lora_names", "find_expert_parameters",

@@ -24,16 +24,18 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from entrenar.config import LoraSection, Reject, setting
 from entrenar.io import atomic
 from entrenar.io.finite import check_finite
 from entrenar.errors import AdapterError
@@ -65,6 +67,7 @@ _UNSUPPORTED_PEFT_FIELDS = (
     "alora_invocation_tokens",
 )
 _VARIANT_INITS = ("mica",)  # init_lora_weights values that select a variant with its own forward
+_PARAMETER_NAME = re.compile(r"[\w.]+")
 
 
 def _check_hparams(r: Any, alpha: Any, dropout: Any, where: str) -> None:
@@ -81,47 +84,60 @@ def lora_scaling(r: int, alpha: float, use_rslora: bool) -> float:
     return alpha / math.sqrt(r) if use_rslora else alpha / r
 
 
-@dataclass
-class LoraConfig:
-    """What to adapt and how. ``target_modules`` follows PEFT (see :mod:`entrenar.models.surgery`)."""
+def _target_modules(value: Any) -> str | tuple[str, ...]:
+    """PEFT's ``target_modules``: 'all-linear' (any case), a regex over module names, or a list of names."""
+    if isinstance(value, str) and value:
+        return ALL_LINEAR if value.lower() == ALL_LINEAR else value
+    if isinstance(value, (list, tuple)) and value and all(isinstance(t, str) and t for t in value):
+        return tuple(value)
+    raise Reject("'all-linear', a regex or a non-empty list of module names")
 
-    r: int = 8
-    alpha: float = 16.0
-    dropout: float = 0.0
-    target_modules: list[str] | str = ALL_LINEAR
-    use_rslora: bool = False
-    bias: str = "none"
-    # PEFT's target_parameters: stacked MoE expert weights (mlp.experts.gate_up_proj / down_proj), one adapter
-    # per expert (entrenar.adapters.experts)
-    target_parameters: list[str] | None = None
 
-    def __post_init__(self) -> None:
-        _check_hparams(self.r, self.alpha, self.dropout, "LoraConfig")
-        from entrenar.adapters.experts import normalised_targets
+def _target_parameters(value: Any) -> tuple[str, ...] | None:
+    """PEFT's ``target_parameters``: null, or parameter names (one, or a list)."""
+    if value is None:
+        return None
+    names = [value] if isinstance(value, str) else value
+    expected = "null or parameter names such as 'mlp.experts.gate_up_proj'"
+    if not isinstance(names, (list, tuple)):
+        raise Reject(expected)
+    bad = [n for n in names if not isinstance(n, str) or not _PARAMETER_NAME.fullmatch(n)]
+    if bad:
+        raise Reject(expected, f" ({bad[0]!r} is not one)")
+    return tuple(names)
 
-        self.target_parameters = normalised_targets(self.target_parameters)
-        if isinstance(self.target_modules, (list, tuple)):
-            if not self.target_modules or not all(isinstance(t, str) and t for t in self.target_modules):
-                raise AdapterError(
-                    f"LoraConfig: target_modules must be a non-empty list of names, got {self.target_modules!r}"
-                )
-            self.target_modules = list(self.target_modules)
-        elif not isinstance(self.target_modules, str) or not self.target_modules:
-            raise AdapterError(
-                f"LoraConfig: target_modules must be 'all-linear', a regex or a list of names, got {self.target_modules!r}"
-            )
-        elif self.target_modules.lower() == ALL_LINEAR:
-            self.target_modules = ALL_LINEAR
-        if not isinstance(self.use_rslora, bool):
-            raise AdapterError(f"LoraConfig: use_rslora must be true or false, got {self.use_rslora!r}")
-        if self.bias != "none":
-            raise AdapterError(f"LoraConfig: bias must be 'none' (training biases is not supported), got {self.bias!r}")
+
+def _no_bias(value: Any) -> str:
+    if value == "none":
+        return value
+    raise Reject("'none' (training biases is not supported)")
+
+
+@dataclass(frozen=True)
+class LoraConfig(LoraSection):
+    """What to adapt and how: the recipe's ``lora`` section, with PEFT's conventions for Python callers.
+
+    One schema serves both (every field but ``bias`` is the section's, with its rules). What differs here:
+    ``target_modules`` defaults to ``"all-linear"`` and may be a regex, as in PEFT (a recipe without
+    ``target_modules`` adapts the attention projections); ``target_parameters`` takes PEFT's names (stacked MoE
+    experts, ``mlp.experts.gate_up_proj``, one adapter per expert: :mod:`entrenar.adapters.experts`); ``bias`` is
+    PEFT's and stays ``"none"``; errors are :class:`AdapterError`. ``quantize_base`` is for whoever loads the base
+    (QLoRA); adapters ignore it.
+    """
+
+    section: ClassVar[str] = "LoraConfig"
+    target_modules: str | tuple[str, ...] = setting(ALL_LINEAR, _target_modules)
+    target_parameters: tuple[str, ...] | None = setting(None, _target_parameters)
+    bias: str = setting("none", _no_bias)
+
+    def _refusal(self, key: str, message: str) -> AdapterError:
+        return AdapterError(message)
 
     @property
     def scaling(self) -> float:
         return lora_scaling(self.r, self.alpha, self.use_rslora)
 
-    def to_peft(self, target_modules: list[str] | str, base_model_name_or_path: str | None) -> dict[str, Any]:
+    def to_peft(self, target_modules: Sequence[str] | str, base_model_name_or_path: str | None) -> dict[str, Any]:
         """The ``adapter_config.json`` content PEFT expects (every field PEFT reads for plain LoRA)."""
         alpha = int(self.alpha) if float(self.alpha).is_integer() else self.alpha
         return {
@@ -133,7 +149,7 @@ class LoraConfig:
             "r": self.r,
             "lora_alpha": alpha,
             "lora_dropout": self.dropout,
-            "target_modules": target_modules,
+            "target_modules": target_modules if isinstance(target_modules, str) else list(target_modules),
             "use_rslora": self.use_rslora,
             "bias": self.bias,
             "fan_in_fan_out": False,
@@ -146,7 +162,7 @@ class LoraConfig:
             "layers_pattern": None,
             "rank_pattern": {},
             "alpha_pattern": {},
-            "target_parameters": self.target_parameters,
+            "target_parameters": None if self.target_parameters is None else list(self.target_parameters),
         }
 
     @classmethod
@@ -180,15 +196,12 @@ class LoraConfig:
             raise AdapterError(f"{source}: {err}") from None
 
 
-def lora_config_of(section: Any) -> LoraConfig | None:
-    """The LoraConfig a recipe's ``lora`` section stands for (None: full fine-tuning)."""
-    if section is None:
-        return None
-    targets = section.target_modules
-    return LoraConfig(r=section.r, alpha=section.alpha, dropout=section.dropout,
-                      target_modules=targets if isinstance(targets, str) else list(targets),
-                      use_rslora=section.use_rslora,
-                      target_parameters=list(section.target_parameters) if section.target_parameters else None)
+def lora_config_of(section: LoraSection | None) -> LoraConfig | None:
+    """The LoraConfig a recipe's ``lora`` section stands for (None: full fine-tuning): the section's values,
+    checked as a LoraConfig (PEFT's names for ``target_parameters``)."""
+    if section is None or isinstance(section, LoraConfig):
+        return section
+    return LoraConfig(**{f.name: getattr(section, f.name) for f in fields(section)})
 
 
 def adapter_dtype(base_dtype: torch.dtype) -> torch.dtype:
@@ -498,6 +511,10 @@ def load_lora_state_dict(model: nn.Module, state: dict[str, torch.Tensor], sourc
             layer.lora_B.weight.copy_(state[f"{name}.lora_B.weight"])
 
 
+def _as_written(targets: str | Sequence[str]) -> str | list[str]:
+    return targets if isinstance(targets, str) else list(targets)
+
+
 def _saved_target_modules(model: nn.Module, cfg: LoraConfig, wrapped: list[str]) -> list[str] | str:
     """``target_modules`` as written to disk; "all-linear" becomes the full names, as PEFT writes it."""
     from entrenar.adapters.experts import expert_lora_names
@@ -508,10 +525,10 @@ def _saved_target_modules(model: nn.Module, cfg: LoraConfig, wrapped: list[str])
     if sorted(selected) != sorted(wrapped):
         extra = sorted(set(selected) ^ set(wrapped))
         raise AdapterError(
-            f"LoraConfig.target_modules {cfg.target_modules!r} does not describe the model's LoRA layers "
+            f"LoraConfig.target_modules {_as_written(cfg.target_modules)!r} does not describe the model's LoRA layers "
             f"(they differ at {extra[0]!r}); pass the config the adapter was made with"
         )
-    return sorted(wrapped) if cfg.target_modules == ALL_LINEAR else cfg.target_modules
+    return sorted(wrapped) if cfg.target_modules == ALL_LINEAR else _as_written(cfg.target_modules)
 
 
 def save_adapter(

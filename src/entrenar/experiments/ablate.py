@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from entrenar.io import atomic
-from entrenar.config import MoeSection, Recipe, load_recipe, recipe_changes
+from entrenar.config import RESUMABLE_KEYS, MoeSection, Recipe, load_recipe, recipe_changes
 from entrenar.errors import ConfigError
 from entrenar.data import synth
 from entrenar.models import random_init as scratch
@@ -189,7 +189,6 @@ def _run_arm(arm: str, recipe: Recipe, run_dir: Path, progress: bool, say: Calla
              mi_records: int = MI_RECORDS) -> dict[str, Any]:
     """One arm's results: read from its arm.json when it finished before, else trained (or resumed) now."""
     from entrenar.train.checkpoint import latest_checkpoint
-    from entrenar.config import RESUMABLE_KEYS
     from entrenar.io.run_dir import RECIPE_FILE
     from entrenar.train.loop import train
 

@@ -39,9 +39,10 @@ import torch
 
 from entrenar.io import atomic
 from entrenar.io.finite import check_finite
+from entrenar.io.json_files import read_json_object
 from entrenar.errors import AdapterError, ConfigError, ModelError
 from entrenar.loading import load
-from entrenar.device import resolve_dtype
+from entrenar.device import SAFETENSORS_DTYPES, resolve_dtype
 
 if TYPE_CHECKING:
     from entrenar.models.transformer import Transformer
@@ -49,7 +50,7 @@ if TYPE_CHECKING:
     from entrenar.data.tokenizer import Tokenizer
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
-_SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+_WEIGHT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # what a stored weight dtype can be
 
 
 def export(
@@ -293,8 +294,8 @@ def _checkpoint_dtype(checkpoint: Path) -> torch.dtype:
     with safe_open(str(checkpoint / MODEL_FILE), framework="pt") as f:
         for name in f.keys():
             kind = f.get_slice(name).get_dtype()
-            if kind in _SAFETENSORS_DTYPES:
-                return _SAFETENSORS_DTYPES[kind]
+            if SAFETENSORS_DTYPES.get(kind) in _WEIGHT_DTYPES:
+                return SAFETENSORS_DTYPES[kind]
     return torch.float32
 
 
@@ -318,8 +319,8 @@ def stored_dtype(model_path: Path) -> torch.dtype:
     with safe_open(str(weight_files(model_path)[0]), framework="pt") as f:
         for name in f.keys():
             kind = f.get_slice(name).get_dtype()
-            if kind in _SAFETENSORS_DTYPES:
-                return _SAFETENSORS_DTYPES[kind]
+            if SAFETENSORS_DTYPES.get(kind) in _WEIGHT_DTYPES:
+                return SAFETENSORS_DTYPES[kind]
     return torch.float32
 
 
@@ -341,15 +342,8 @@ def _check_output(output: Path, inputs: dict[str, Path]) -> None:
 
 
 def _read_json(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        return {}
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise ModelError(f"{path} line {e.lineno}: invalid JSON: {e.msg}") from None
-    if not isinstance(data, dict):
-        raise ModelError(f"{path}: expected a JSON object, got {type(data).__name__}")
-    return data
+    """A JSON object file, or {} where there is none."""
+    return read_json_object(path) if path.is_file() else {}
 
 
 __all__ = ["export", "export_adapter", "load_merged", "save_merged", "stored_dtype"]

@@ -6,27 +6,13 @@ Kept apart from :mod:`entrenar.models.hf` so tools that only read tensors
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from entrenar.errors import ModelError
+from entrenar.io.json_files import read_json
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
-
-
-def read_json(path: Path) -> object:
-    """A JSON file's value; unreadable, non-UTF-8, invalid or absurdly nested JSON is a ModelError naming it."""
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise ModelError(f"{path} line {e.lineno}: invalid JSON: {e.msg}") from None
-    except UnicodeDecodeError as e:
-        raise ModelError(f"{path}: not UTF-8 text (byte {e.start}): not a JSON file") from None
-    except RecursionError:
-        raise ModelError(f"{path}: JSON nested too deeply to be a model file") from None
-    except ValueError as e:  # an integer of thousands of digits (Python's int-string limit)
-        raise ModelError(f"{path}: invalid JSON: {e}") from None
 
 
 def weight_files(folder: str | Path) -> list[Path]:

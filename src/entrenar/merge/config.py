@@ -31,7 +31,7 @@ from typing import Any
 
 import yaml
 
-from entrenar.config import load_yaml, read_yaml_text
+from entrenar.config import Where, key_lines, load_yaml, read_yaml_text
 from entrenar.errors import ConfigError
 from entrenar.merge.methods import METHODS, REQUIRED, RESCALE_NORMS
 
@@ -46,41 +46,6 @@ UNSUPPORTED = {
 DTYPES = {"float32": "float32", "fp32": "float32", "float16": "float16", "fp16": "float16",
           "bfloat16": "bfloat16", "bf16": "bfloat16", "float64": "float64"}
 CHAT_TEMPLATES = ("auto", "chatml")
-
-
-class Lines:
-    """Where each value was written: ``models[1].parameters.weight`` -> ``file line 7``."""
-
-    def __init__(self, source: str, lines: dict[str, int] | None = None) -> None:
-        self.source = source
-        self.lines = lines or {}
-
-    def __call__(self, path: str) -> str:
-        while path:
-            if path in self.lines:
-                return f"{self.source} line {self.lines[path]}"
-            cut = max(path.rfind("."), path.rfind("["))
-            path = path[:cut] if cut > 0 else ""
-        return self.source
-
-
-def _record_lines(node: yaml.Node, path: str, lines: dict[str, int]) -> None:
-    if isinstance(node, yaml.MappingNode):
-        seen: set[str] = set()
-        for key, value in node.value:
-            if not isinstance(key, yaml.ScalarNode):
-                continue
-            child = f"{path}.{key.value}" if path else key.value
-            if key.value in seen:
-                raise ConfigError(f"line {key.start_mark.line + 1}: duplicate key '{child}'")
-            seen.add(key.value)
-            lines[child] = key.start_mark.line + 1
-            _record_lines(value, child, lines)
-    elif isinstance(node, yaml.SequenceNode):
-        for i, item in enumerate(node.value):
-            child = f"{path}[{i}]"
-            lines[child] = item.start_mark.line + 1
-            _record_lines(item, child, lines)
 
 
 # -- parameter values -----------------------------------------------------------------
@@ -213,7 +178,7 @@ class MergeConfig:
     adapters: bool = False  # every model is a PEFT LoRA adapter folder: the output is one adapter
     source: str = "<config>"
     text: str = ""
-    lines: Lines = field(default_factory=lambda: Lines("<config>"))
+    lines: Where = field(default_factory=lambda: Where("<config>"))
 
     @property
     def spec(self):
@@ -239,7 +204,7 @@ class MergeConfig:
 def load_config(config: str | Path | dict[str, Any]) -> MergeConfig:
     """Read a merge config from a YAML file, YAML text, or an already-parsed dict."""
     if isinstance(config, dict):
-        return parse_config(config, Lines("<config>"), None, yaml.safe_dump(config, sort_keys=False))
+        return parse_config(config, Where("<config>"), None, yaml.safe_dump(config, sort_keys=False))
     path = Path(config)
     if "\n" not in str(config) and path.suffix in (".yaml", ".yml") or path.is_file():
         if not path.is_file():
@@ -250,15 +215,10 @@ def load_config(config: str | Path | dict[str, Any]) -> MergeConfig:
     raw, node = load_yaml(text, source)  # the recipe reader's checks: control characters, nesting, encoding
     if not isinstance(raw, dict):
         raise ConfigError(f"{source}: a merge config must be a mapping with merge_method and models or slices")
-    lines: dict[str, int] = {}
-    try:
-        _record_lines(node, "", lines)
-    except ConfigError as e:
-        raise ConfigError(f"{source} {e}") from None
-    return parse_config(raw, Lines(source, lines), root, text)
+    return parse_config(raw, Where(source, key_lines(node, source, sequences=True)), root, text)
 
 
-def parse_config(raw: dict[str, Any], lines: Lines, root: Path | None, text: str = "") -> MergeConfig:
+def parse_config(raw: dict[str, Any], lines: Where, root: Path | None, text: str = "") -> MergeConfig:
     for key in raw:
         if key in UNSUPPORTED:
             raise ConfigError(f"{lines(key)}: '{key}': {UNSUPPORTED[key]}")
@@ -328,13 +288,13 @@ def _all_adapters(models: Any, root: Path | None) -> bool:
                for p in paths)
 
 
-def _list(value: Any, key: str, lines: Lines) -> list[Any]:
+def _list(value: Any, key: str, lines: Where) -> list[Any]:
     if not isinstance(value, list) or not value:
         raise ConfigError(f"{lines(key)}: '{key}' must be a non-empty list")
     return value
 
 
-def _dtype(raw: dict[str, Any], key: str, lines: Lines) -> str | None:
+def _dtype(raw: dict[str, Any], key: str, lines: Where) -> str | None:
     value = raw.get(key)
     if value is None:
         return None
@@ -343,7 +303,7 @@ def _dtype(raw: dict[str, Any], key: str, lines: Lines) -> str | None:
     return DTYPES[value]
 
 
-def _parameters(value: Any, path: str, lines: Lines, spec, per_model: bool) -> dict[str, Any]:
+def _parameters(value: Any, path: str, lines: Where, spec, per_model: bool) -> dict[str, Any]:
     if value is None:
         return {}
     if not isinstance(value, dict):
@@ -370,7 +330,7 @@ def _parameters(value: Any, path: str, lines: Lines, spec, per_model: bool) -> d
     return dict(value)
 
 
-def _source(item: Any, path: str, lines: Lines, root: Path | None, spec, slice_ok: bool) -> Source:
+def _source(item: Any, path: str, lines: Where, root: Path | None, spec, slice_ok: bool) -> Source:
     allowed = ("model", "parameters", "layer_range") if slice_ok else ("model", "parameters")
     if isinstance(item, str):
         item = {"model": item}
@@ -390,7 +350,7 @@ def _source(item: Any, path: str, lines: Lines, root: Path | None, spec, slice_o
     return Source(ModelRef.parse(item["model"], lines(f"{path}.model"), root), params, layer_range, lines(path))
 
 
-def _slice(item: Any, path: str, lines: Lines, root: Path | None, spec) -> Slice:
+def _slice(item: Any, path: str, lines: Where, root: Path | None, spec) -> Slice:
     if not isinstance(item, dict) or "sources" not in item:
         raise ConfigError(f"{lines(path)}: each slice needs 'sources:'")
     for key in item:

@@ -29,14 +29,10 @@ from typing import Any, BinaryIO
 import numpy as np
 import torch
 
+from entrenar.device import SAFETENSORS_DTYPES
 from entrenar.errors import AdapterError, ModelError
 
-ST_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-}
-ST_NAMES = {v: k for k, v in ST_DTYPES.items()}
+_CODES = {dtype: code for code, dtype in SAFETENSORS_DTYPES.items()}
 INDEX_NAME = "model.safetensors.index.json"
 
 
@@ -71,10 +67,10 @@ class SafetensorsFile:
         self.data_start = 8 + length
         self.entries: dict[str, tuple[TensorInfo, int, int]] = {}
         for name, entry in header.items():
-            if entry.get("dtype") not in ST_DTYPES:
+            if entry.get("dtype") not in SAFETENSORS_DTYPES:
                 raise ModelError(f"{path}: tensor '{name}' has unsupported dtype {entry.get('dtype')!r}")
             start, end = entry["data_offsets"]
-            self.entries[name] = (TensorInfo(tuple(entry["shape"]), ST_DTYPES[entry["dtype"]]), start, end)
+            self.entries[name] = (TensorInfo(tuple(entry["shape"]), SAFETENSORS_DTYPES[entry["dtype"]]), start, end)
         self._file: BinaryIO | None = None
         self._map: mmap.mmap | None = None
         self._viewed: tuple[int, int] | None = None  # page range of the last view, dropped at the next
@@ -147,7 +143,7 @@ def _header(entries: Sequence[tuple[str, TensorInfo]], metadata: dict[str, str] 
     header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
     offset = 0
     for name, info in entries:
-        header[name] = {"dtype": ST_NAMES[info.dtype], "shape": list(info.shape),
+        header[name] = {"dtype": _CODES[info.dtype], "shape": list(info.shape),
                         "data_offsets": [offset, offset + info.nbytes]}
         offset += info.nbytes
     data = json.dumps(header, separators=(",", ":")).encode()

@@ -11,10 +11,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from entrenar.device import SAFETENSORS_DTYPES
 from entrenar.io import atomic
 from entrenar.io.finite import check_finite
 from entrenar.errors import ModelError
-from entrenar.io.hf_files import INDEX_NAME, SINGLE_NAME, read_json, weight_files  # noqa: F401 - re-exported
+from entrenar.io.hf_files import INDEX_NAME, SINGLE_NAME, weight_files  # noqa: F401 - re-exported
+from entrenar.io.json_files import read_json
 from entrenar.models.config import ModelConfig, rope_inv_freq
 from entrenar.models.transformer import Transformer
 
@@ -38,14 +40,6 @@ def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, str, torch.Tensor
             raise ModelError(f"{f}: cannot read safetensors file ({e})") from None
 
 
-# safetensors' dtype codes, those this PyTorch has (the float8 and wide unsigned types are recent).
-_SAFETENSORS_DTYPES = {code: getattr(torch, name) for code, name in (
-    ("F64", "float64"), ("F32", "float32"), ("F16", "float16"), ("BF16", "bfloat16"), ("I64", "int64"),
-    ("I32", "int32"), ("I16", "int16"), ("I8", "int8"), ("U64", "uint64"), ("U32", "uint32"), ("U16", "uint16"),
-    ("U8", "uint8"), ("BOOL", "bool"), ("C64", "complex64"), ("F8_E4M3", "float8_e4m3fn"),
-    ("F8_E5M2", "float8_e5m2"), ("F8_E8M0", "float8_e8m0fnu")) if hasattr(torch, name)}
-
-
 def header_tensors(files: list[Path]) -> Iterator[tuple[str, str, torch.Tensor]]:
     """As :func:`iter_safetensors`, with meta tensors of each tensor's shape and dtype: the headers only, no data
     read (a model built on the meta device checks its names, shapes and dtypes against the files)."""
@@ -54,7 +48,7 @@ def header_tensors(files: list[Path]) -> Iterator[tuple[str, str, torch.Tensor]]
             with safe_open(str(f), framework="pt") as reader:
                 for name in reader.keys():
                     piece = reader.get_slice(name)
-                    dtype = _SAFETENSORS_DTYPES.get(piece.get_dtype())
+                    dtype = SAFETENSORS_DTYPES.get(piece.get_dtype())
                     if dtype is None:
                         raise ModelError(f"{f}: tensor '{name}' has dtype {piece.get_dtype()}, which this PyTorch "
                                          "cannot hold")

@@ -38,13 +38,14 @@ import contextlib
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from dataclasses import dataclass, field, fields
+from typing import Literal
 
 import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from entrenar.config import QatSection
 from entrenar.errors import QuantError
 from entrenar.quant.int import (
     QuantLinear,
@@ -59,9 +60,6 @@ from entrenar.quant.int import (
 )
 from entrenar.models.surgery import Patterns, find_linears, replace_module
 
-if TYPE_CHECKING:
-    from entrenar.config import QatSection
-
 Backward = Literal["ste", "clipped_ste", "lsq", "ewgs"]
 Granularity = Literal["tensor", "channel", "group"]
 BACKWARDS = ("ste", "clipped_ste", "lsq", "ewgs")
@@ -69,16 +67,14 @@ GRANULARITIES = ("tensor", "channel", "group")
 MIN_STEP = 1e-8  # keeps a learned step positive; far below any useful step
 
 
-@dataclass
-class QATConfig:
-    """What to fake-quantize and how. ``group_size`` applies to ``granularity="group"``;
-    ``percentile`` (None: min-max) to the scale of the non-LSQ rules; ``act_bits`` turns
-    on per-tensor activation quantization (learned step with LSQ, batch absmax otherwise)."""
+@dataclass(frozen=True)
+class QATConfig(QatSection):
+    """What to fake-quantize and how: the recipe's ``qat`` section (one schema for both) plus what only Python
+    callers set. ``group_size`` applies to ``granularity="group"``; ``percentile`` (None: min-max) to the scale
+    of the non-LSQ rules; ``act_bits`` (the section's ``activations``, spelled as the library always has: None
+    is off) turns on per-tensor activation quantization (learned step with LSQ, batch absmax otherwise)."""
 
-    bits: int = 4
-    granularity: Granularity = "channel"
-    group_size: int = 128
-    backward: Backward = "ste"
+    activations: bool | int = field(default=False, init=False)  # from act_bits
     ewgs_delta: float = 1e-3
     percentile: float | None = None
     act_bits: int | None = None
@@ -103,6 +99,11 @@ class QATConfig:
                 raise QuantError("qat.percentile sets the scale of ste/clipped_ste/ewgs; lsq learns its step instead")
             if not 0 < self.percentile <= 100:
                 raise QuantError(f"qat.percentile must be in (0, 100], got {self.percentile}")
+        object.__setattr__(self, "activations", False if self.act_bits is None else self.act_bits)
+        super().__post_init__()  # the section's rules: a QATConfig is a valid qat section
+
+    def _refusal(self, key: str, message: str) -> QuantError:
+        return QuantError(message)
 
 
 class _FakeQuant(torch.autograd.Function):
@@ -281,15 +282,12 @@ def convert_qat(model: nn.Module) -> list[str]:
 
 
 def qat_config(section: QatSection) -> QATConfig:
-    """The :class:`QATConfig` a recipe's ``qat`` section describes (``activations``: False or a bit width)."""
-    acts = section.activations
-    return QATConfig(
-        bits=section.bits,
-        granularity=section.granularity,
-        group_size=section.group_size,
-        backward=section.backward,
-        act_bits=None if acts is False else acts,
-    )
+    """The :class:`QATConfig` a recipe's ``qat`` section describes: its values, the library's defaults for the
+    rest."""
+    if isinstance(section, QATConfig):
+        return section
+    shared = {f.name: getattr(section, f.name) for f in fields(QatSection) if f.name != "activations"}
+    return QATConfig(**shared, act_bits=None if section.activations is False else section.activations)
 
 
 def apply_qat_recipe(model: nn.Module, section: QatSection) -> list[str]:

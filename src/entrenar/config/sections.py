@@ -1,0 +1,329 @@
+"""The recipe's sections: frozen dataclasses whose fields each carry a default and a rule.
+
+The rules run whenever a section is built, from a file or in Python, so a section in hand is valid. A field a
+``--resume`` may change is marked ``resumable`` (``entrenar.config.RESUMABLE_KEYS``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar
+
+from entrenar.config.rules import (
+    Reject,
+    Rule,
+    _activation_bits,
+    _betas,
+    _boolean,
+    _checkpoint_layers,
+    _choice,
+    _class_weights,
+    _device,
+    _early_stopping,
+    _integer,
+    _labels,
+    _lr_scales,
+    _model_config,
+    _modules,
+    _number,
+    _offload_layers,
+    _parameter_names,
+    _show,
+    _text,
+    _threshold,
+)
+from entrenar.data.sqlite import check_query, is_sqlite
+from entrenar.errors import ConfigError, EntrenarError
+
+MAX_SEQ_LEN = 2**22  # 4x the longest contexts models train at today; a row this long is 128 MiB of index tensors
+
+
+def setting(default: Any, rule: Rule, *, resumable: int | None = None) -> Any:
+    """A section field: its default, the rule its values must pass and, for a key a ``--resume`` may change, its
+    place in ``RESUMABLE_KEYS`` (the order keys became resumable, which a refused resume lists)."""
+    metadata = {"rule": rule} if resumable is None else {"rule": rule, "resumable": resumable}
+    if isinstance(default, dict):
+        return field(default_factory=lambda: dict(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+class _BadValue(ConfigError):
+    """A ConfigError about one dotted key; loaders prefix it with where the key was written."""
+
+    def __init__(self, key: str, message: str) -> None:
+        super().__init__(message)
+        self.key = key
+
+
+@dataclass(frozen=True)
+class _Section:
+    """Checks and normalizes every field when built, so an instance is always valid.
+
+    ``section`` names the keys in errors (``'lora.r' must be ...``). A class built on a section for library
+    callers (``LoraConfig``, ``QATConfig``) may add fields without a rule, which it checks itself, and raise its
+    own kind of error through ``_refusal``.
+    """
+
+    section: ClassVar[str]
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            rule = f.metadata.get("rule")
+            if rule is None:
+                continue
+            value = getattr(self, f.name)
+            key = f"{self.section}.{f.name}"
+            try:
+                object.__setattr__(self, f.name, rule(value))
+            except Reject as r:
+                raise self._refusal(key, f"'{key}' must be {r.expected}, got {_show(value)}{r.hint}") from None
+
+    def _refusal(self, key: str, message: str) -> EntrenarError:
+        """The error for a value that broke its rule: a ConfigError the recipe loader places by ``key``."""
+        return _BadValue(key, message)
+
+
+@dataclass(frozen=True)
+class ModelSection(_Section):
+    """Which weights to load, in which dtype, on which device."""
+
+    section: ClassVar[str] = "model"
+    path: str | None = setting(None, _text(nullable=True))
+    dtype: str = setting("auto", _choice("auto", "float32", "bfloat16", "float16"))
+    device: str = setting("auto", _device)
+    init: str = setting("pretrained", _choice("pretrained", "random"))  # random: built from `config` (EXPERIMENTS.md)
+    config: dict[str, Any] | None = setting(None, _model_config)  # init random: a config.json-style mapping
+    tokenizer: str | None = setting(None, _text(nullable=True))  # init random: a tokenizer.json; null: byte-level
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.init == "random":
+            if self.config is None:
+                raise _BadValue("model.config", "'model.config' is required when 'model.init' is random (a "
+                                                "mapping of config.json keys: model_type, hidden_size, ...)")
+            if self.path is not None:
+                raise _BadValue("model.path", f"'model.path' must be null when 'model.init' is random (the model is "
+                                              f"built from model.config), got {_show(self.path)}")
+        else:
+            for key in ("config", "tokenizer"):
+                if getattr(self, key) is not None:
+                    raise _BadValue(f"model.{key}", f"'model.{key}' is for 'model.init: random'; a pretrained "
+                                                    "model takes both from model.path")
+
+
+@dataclass(frozen=True)
+class DataSection(_Section):
+    """Where the examples come from and how they become token sequences."""
+
+    section: ClassVar[str] = "data"
+    train: str | None = setting(None, _text(nullable=True))
+    validation: str | None = setting(None, _text(nullable=True))
+    validation_split: float = setting(0.0, _number(0.0, 0.5, high_open=True))
+    format: str = setting("auto", _choice("auto", "jsonl", "json", "csv", "parquet", "text"))
+    text_field: str = setting("text", _text())
+    prompt_field: str = setting("prompt", _text())
+    completion_field: str = setting("completion", _text())
+    messages_field: str = setting("messages", _text())
+    label_field: str = setting("label", _text())  # task.type classification: the label (name, id, list, number)
+    train_on: str = setting("all", _choice("all", "completion"))
+    # one input and one target at least; at most MAX_SEQ_LEN, and 8x the model's context (checked when it is loaded)
+    seq_len: int = setting(512, _integer(2, MAX_SEQ_LEN))
+    packing: bool = setting(True, _boolean)
+    # each batch as one row of its real tokens (no padding computed); auto: on a CPU for causal-LM training (no
+    # fixed shapes to keep there, so padding is only work) unless the documents are too small to attend one by
+    # one (hidden size x mean example length under 8192, the quickstart's case)
+    padding_free: str | bool = setting("auto", _choice("auto", True, False), resumable=22)
+    add_eos: bool = setting(True, _boolean)
+    on_error: str = setting("raise", _choice("raise", "skip"))
+    shuffle: bool = setting(True, _boolean)
+    query: str | None = setting(None, _text(nullable=True))  # a SQLite train/validation file: the SELECT giving its rows
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.query is not None:
+            try:
+                check_query(self.query)
+            except ConfigError as e:
+                raise _BadValue("data.query", str(e).replace("data.query", "'data.query'", 1)) from None
+            if not any(f is not None and is_sqlite(f) for f in (self.train, self.validation)):
+                raise _BadValue("data.query", f"'data.query' reads a SQLite file (.db, .sqlite, .sqlite3), and "
+                                              f"data.train is {_show(self.train)}")
+
+
+@dataclass(frozen=True)
+class LoraSection(_Section):
+    """Low-rank adapters; the recipe's ``lora: null`` means full fine-tuning instead. The one LoRA schema:
+    ``entrenar.adapters.lora.LoraConfig`` is this section with PEFT's conventions for Python callers."""
+
+    section: ClassVar[str] = "lora"
+    r: int = setting(8, _integer(1))
+    alpha: float = setting(16.0, _number(0.0, low_open=True))
+    dropout: float = setting(0.0, _number(0.0, 1.0, high_open=True))
+    target_modules: str | tuple[str, ...] = setting(("q_proj", "k_proj", "v_proj", "o_proj"), _modules)
+    target_parameters: tuple[str, ...] | None = setting(None, _parameter_names)  # MoE experts, e.g. [mlp.experts.gate_up_proj]
+    use_rslora: bool = setting(False, _boolean)
+    quantize_base: str | None = setting(None, _choice(None, "nf4"))
+
+
+@dataclass(frozen=True)
+class QatSection(_Section):
+    """Quantization-aware training (fake-quantized linear layers); ``qat: null`` (the default) is off.
+    With ``lora`` set too it is LoRA-QAT: a frozen fake-quantized base under full-precision adapters. The one QAT
+    schema: ``entrenar.quant.qat.QATConfig`` is this section plus what only Python callers set."""
+
+    section: ClassVar[str] = "qat"
+    bits: int = setting(4, _integer(2, 8))
+    granularity: str = setting("channel", _choice("tensor", "channel", "group"))
+    group_size: int = setting(128, _integer(1))
+    backward: str = setting("ste", _choice("ste", "clipped_ste", "lsq", "ewgs"))
+    activations: bool | int = setting(False, _activation_bits)
+
+
+@dataclass(frozen=True)
+class MoeSection(_Section):
+    """Router losses, balancing and diagnostics of mixture-of-experts models (ignored by dense models when left
+    at the defaults)."""
+
+    section: ClassVar[str] = "moe"
+    aux_loss: float = setting(0.0, _number(0.0))  # weight of the Switch load-balancing loss (0: off)
+    z_loss: float = setting(0.0, _number(0.0))  # weight of the ST-MoE router z-loss (0: off)
+    bias_update_rate: float = setting(0.0, _number(0.0))  # aux-loss-free balancing: per-expert bias step (0: off)
+    router_lr_scale: float = setting(1.0, _number(0.0, low_open=True))  # router learning rate multiplier
+    freeze_router: bool = setting(False, _boolean)  # full fine-tuning: keep the router weights as loaded
+    experts: str = setting("auto", _choice("auto", "loop", "grouped"))  # auto: one grouped product on CUDA
+    dead_after: int = setting(100, _integer(1))  # an expert with no tokens for this many steps counts as dead
+    collapse_entropy: float = setting(0.3, _number(0.0, 1.0))  # warn when a layer's normalised entropy falls below
+    collapse_share: float = setting(0.5, _number(0.0, 1.0))  # warn when one expert takes more than this share
+
+
+@dataclass(frozen=True)
+class OptimizerSection(_Section):
+    """The optimizer and its per-group learning-rate scales."""
+
+    section: ClassVar[str] = "optimizer"
+    name: str = setting("adamw", _choice("adamw", "sgd"))
+    lr: float = setting(2e-4, _number(0.0, low_open=True))
+    weight_decay: float = setting(0.0, _number(0.0))
+    betas: tuple[float, float] = setting((0.9, 0.999), _betas)
+    eps: float = setting(1e-8, _number(0.0, low_open=True))
+    momentum: float = setting(0.9, _number(0.0, 1.0, high_open=True))
+    fused: str | bool = setting("auto", _choice("auto", True, False))
+    lr_scale: dict[str, float] = setting({}, _lr_scales)
+
+
+@dataclass(frozen=True)
+class ScheduleSection(_Section):
+    """The learning-rate schedule: linear warmup, then the named shape."""
+
+    section: ClassVar[str] = "schedule"
+    name: str = setting("cosine", _choice("cosine", "linear", "constant"))
+    warmup_steps: int = setting(0, _integer(0))
+    min_lr_ratio: float = setting(0.1, _number(0.0, 1.0))
+
+
+@dataclass(frozen=True)
+class TrainingSection(_Section):
+    """Step counts, batch shape, precision, and how often to log, evaluate and save."""
+
+    section: ClassVar[str] = "training"
+    max_steps: int = setting(1000, _integer(1), resumable=1)
+    batch_size: int = setting(4, _integer(1))
+    grad_accum: int = setting(1, _integer(1))
+    max_grad_norm: float = setting(1.0, _number(0.0))
+    precision: str = setting("fp32", _choice("fp32", "bf16", "fp16"))
+    activation_checkpointing: bool | int | tuple[int, ...] = setting(False, _checkpoint_layers)
+    # what layers keep for backward waits in pinned CPU memory (a checkpointed layer: its input) (CUDA): every
+    # layer but the last (true), or the first N
+    offload_activations: bool | int = setting(False, _offload_layers)
+    # the frozen input-embedding table stays in pinned CPU memory, read by the GPU (LoRA/QLoRA on CUDA); auto: on
+    # for a causal-LM LoRA/QLoRA run on one CUDA device with every layer checkpointed and untied embeddings
+    offload_embeddings: str | bool = setting("auto", _choice("auto", True, False), resumable=20)
+    # QLoRA: the blocks' NF4 base weights stay in pinned CPU memory, each block's copied to the GPU as it runs
+    # (one CUDA device, quantize_base: nf4); auto: on when every layer is checkpointed, without compile
+    offload_weights: str | bool = setting("auto", _choice("auto", True, False), resumable=21)
+    compile: bool = setting(False, _boolean, resumable=9)
+    # forward and backward of each micro-batch replayed from a CUDA graph (fixed shapes; not padding-free);
+    # auto: on a single CUDA device for LoRA/QLoRA on packed causal-LM batches of a dense model (or an MoE one
+    # whose experts run grouped in bf16), without compile or fp16
+    cuda_graphs: str | bool = setting("auto", _choice("auto", True, False), resumable=17)
+    # read each step's loss and norm while the GPU runs the next step's forward and backward (a non-finite
+    # update is dropped on the device); auto: on one CUDA device with a fused optimizer and no fp16 scaler
+    overlap_steps: str | bool = setting("auto", _choice("auto", True, False), resumable=18)
+    kernels: str | bool = setting("auto", _choice("auto", True, False), resumable=8)  # auto: on CUDA when Triton imports, and on a CPU (PyTorch paths)
+    # LoRA adapter products in the fused layer: fp32 as PEFT runs them, or bf16 on the tensor cores (the adapter
+    # weights and the optimizer stay fp32)
+    adapter_math: str = setting("fp32", _choice("fp32", "bf16"))
+    seed: int = setting(0, _integer(0, 2**32 - 1))  # numpy's seed range
+    # the same bits on every rerun and resume on a GPU too: PyTorch's deterministic algorithms (an op without one
+    # is refused, naming it) and a fixed cuBLAS workspace; a CPU run is deterministic either way
+    deterministic: bool = setting(False, _boolean, resumable=19)
+    eval_every: int = setting(0, _integer(0), resumable=2)
+    eval_batches: int | None = setting(None, _integer(1, nullable=True), resumable=6)
+    log_every: int = setting(10, _integer(1), resumable=3)
+    save_every: int = setting(0, _integer(0), resumable=4)
+    keep_last: int = setting(3, _integer(1), resumable=5)
+    cpu_threads: int | None = setting(None, _integer(1, nullable=True), resumable=7)  # None: torch's default
+    # a step whose loss or gradient norm is NaN/inf: stop the run, or skip its update (at most max_skipped_steps in a row)
+    nonfinite: str = setting("stop", _choice("stop", "skip"), resumable=10)
+    max_skipped_steps: int = setting(5, _integer(1), resumable=11)
+    early_stopping: dict[str, Any] | None = setting(None, _early_stopping, resumable=12)  # None: off
+    # many processes (entrenar train --nproc-per-node N): ddp, fsdp, or auto (ddp when a replica fits one device)
+    parallel: str = setting("auto", _choice("auto", "ddp", "fsdp"), resumable=13)
+    # rows per optimizer step over all processes; None: batch_size x grad_accum x processes (accumulation derived)
+    global_batch_size: int | None = setting(None, _integer(1, nullable=True), resumable=14)
+    dist_timeout_s: float = setting(300.0, _number(1.0), resumable=15)  # a collective waits this long for a dead or hung rank
+    replica_check_every: int = setting(50, _integer(0), resumable=16)  # steps between replica checks (and at the end); 0: never
+
+
+@dataclass(frozen=True)
+class OutputSection(_Section):
+    """Where the run writes checkpoints, metrics and its resolved recipe."""
+
+    section: ClassVar[str] = "output"
+    name: str = setting("run", _text())
+    dir: str | None = setting(None, _text(nullable=True))  # None: runs/<name>
+    tensorboard: bool = setting(False, _boolean)  # also write TensorBoard event files (the `tensorboard` extra)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.dir is None:
+            object.__setattr__(self, "dir", f"runs/{self.name}")
+
+
+@dataclass(frozen=True)
+class TaskSection(_Section):
+    """What the run learns: next tokens (causal_lm) or a label per text (classification, entrenar.tasks)."""
+
+    section: ClassVar[str] = "task"
+    type: str = setting("causal_lm", _choice("causal_lm", "classification"))
+    problem_type: str = setting("single_label", _choice("single_label", "multi_label", "regression"))
+    labels: tuple[str, ...] | None = setting(None, _labels)  # names in class-id order; null: num_labels or from the data
+    num_labels: int | None = setting(None, _integer(1, nullable=True))
+    pooling: str = setting("last", _choice("last", "mean"))
+    class_weights: str | tuple[float, ...] = setting("none", _class_weights)
+    label_smoothing: float = setting(0.0, _number(0.0, 1.0, high_open=True))
+    threshold: str | float | tuple[float, ...] = setting("tune", _threshold)  # multi_label decision threshold(s)
+    metric: str | None = setting(None, _text(nullable=True))  # best checkpoint; null: macro_f1 (rmse for regression)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.labels is not None and self.num_labels is not None and self.num_labels != len(self.labels):
+            raise _BadValue("task.num_labels", f"'task.num_labels' is {self.num_labels} but 'task.labels' names "
+                                               f"{len(self.labels)}")
+
+
+_SECTIONS: dict[str, type[_Section]] = {
+    cls.section: cls
+    for cls in (
+        ModelSection,
+        DataSection,
+        LoraSection,
+        QatSection,
+        OptimizerSection,
+        ScheduleSection,
+        TrainingSection,
+        OutputSection,
+        TaskSection,
+        MoeSection,
+    )
+}
