@@ -173,3 +173,27 @@ def test_nproc_and_parallel_give_the_per_device_estimate(capsys, hf_folder):
     assert report["memory"]["estimates"]["full"] == expected.as_dict()
     assert expected.total < estimate_training_memory(config, "full").total
     assert (report["memory"]["nproc"], report["memory"]["parallel"]) == (4, "fsdp")
+
+
+def test_a_recipe_prints_the_plan_the_dry_run_prints_without_reading_weights(capsys, workspace):
+    """``entrenar inspect RECIPE`` is the plan of ``--dry-run`` without loading anything: each decision with its
+    rule and the memory estimate, for this machine or for a GPU it lacks."""
+    from entrenar.config import load_recipe
+    from entrenar.distributed.world import World
+    from entrenar.train.dry_run import plan_lines
+    from entrenar.train.loop import train
+    from entrenar.train.plan import plan_run
+
+    recipe_file = workspace / "r.yaml"
+    recipe_file.write_text(f"model: {{path: {workspace / 'model'}, device: cpu}}\n"
+                           f"data: {{train: {workspace / 'train.jsonl'}, seq_len: 32}}\nlora: {{r: 4}}\n"
+                           f"output: {{dir: {workspace / 'run'}}}\n")
+    dry = train(load_recipe(recipe_file), dry_run=True, progress=False).summary
+    (workspace / "model" / "model.safetensors").rename(workspace / "weights.bak")  # inspect reads config.json only
+    code, out, _ = run_cli(capsys, "inspect", recipe_file)
+    assert code == 0
+    planned = plan_lines(plan_run(load_recipe(recipe_file), __import__("torch").device("cpu"), World(),
+                                  read_config(workspace / "model")))
+    assert all(line in out for line in planned) and all(line in dry for line in planned)
+    code, out, _ = run_cli(capsys, "inspect", recipe_file, "--device", "cuda", "--nproc", "2", "--gpu-memory", "1")
+    assert code == 0 and "training.parallel             ddp (auto: a replica needs" in out

@@ -1,7 +1,8 @@
-"""``entrenar inspect``: a model's architecture, parameter counts and training-memory estimates.
+"""``entrenar inspect``: a model's architecture, parameter counts and training-memory estimates; or a recipe's plan.
 
 Reads only the config (config.json, or a GGUF file's metadata), never the weights,
-so it answers for a 70B model in a blink.
+so it answers for a 70B model in a blink. Given a recipe (a .yaml file) it prints the run plan instead: what
+each ``auto`` setting becomes on the device and why, and the memory estimate, as ``--dry-run`` does.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ def add_parser(commands: argparse._SubParsersAction, parents: list[argparse.Argu
         description="Show a model's architecture, parameter counts and estimated training memory "
                     "for full fine-tuning, LoRA and QLoRA. Reads the config only, not the weights.",
     )
-    parser.add_argument("model", metavar="MODEL", help="Hugging Face model folder, .gguf file or a training run")
+    parser.add_argument("model", metavar="MODEL|RECIPE",
+                        help="Hugging Face model folder, .gguf file or a training run; or a recipe (.yaml): its plan")
     parser.add_argument("--batch-size", type=positive_int, default=1, metavar="B",
                         help="sequences per step (default 1)")
     parser.add_argument("--seq-len", type=positive_int, default=2048, metavar="T",
@@ -66,6 +68,11 @@ def add_parser(commands: argparse._SubParsersAction, parents: list[argparse.Argu
     parser.add_argument("--parallel", choices=("ddp", "fsdp"), default="ddp",
                         help="with --nproc: ddp (a replica per device) or fsdp (sharded); training.parallel")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                        help="with a RECIPE: plan for this device (default: the recipe's model.device here)")
+    parser.add_argument("--gpu-memory", type=float, default=80.0, metavar="GiB",
+                        help="with a RECIPE planned for cuda on a machine without one: the device's memory "
+                             "(parallel: auto weighs a replica against it; default 80)")
     parser.set_defaults(run=run)
 
 
@@ -85,6 +92,8 @@ def parse_targets(text: str) -> str | list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if str(args.model).endswith((".yaml", ".yml")):
+        return run_recipe(args)
     from entrenar.loading import read_model_config
     from entrenar.device import resolve_dtype
     from entrenar.errors import ConfigError
@@ -185,3 +194,32 @@ def describe(a: dict[str, Any]) -> str:
         layers = a["moe_layers"]
         rows["moe layers"] = "all" if len(layers) == a["num_layers"] else f"{len(layers)}: {layers}"
     return "\n".join(f"  {name:<14}{value}" for name, value in rows.items())
+
+
+def run_recipe(args: argparse.Namespace) -> int:
+    """The plan of a recipe on ``--device`` with ``--nproc`` processes: no weights read, nothing trained."""
+    import torch
+
+    from entrenar.config import load_recipe
+    from entrenar.device import resolve_device
+    from entrenar.distributed.world import World
+    from entrenar.errors import ConfigError
+    from entrenar.loading import recipe_model_config
+    from entrenar.train.dry_run import plan_lines
+    from entrenar.train.plan import plan_run
+
+    recipe = load_recipe(args.model)
+    if recipe.model.path is None and recipe.model.init != "random":
+        raise ConfigError(f"{args.model}: the bundled quickstart generates its model when it runs; "
+                          "`entrenar train --dry-run` plans it")
+    device = torch.device(args.device) if args.device else resolve_device(recipe.model.device)
+    here = device.type != "cuda" or torch.cuda.is_available()  # else: planned for a GPU this machine lacks
+    world = World(size=args.nproc, backend=None if args.nproc == 1 else ("nccl" if device.type == "cuda" else "gloo"))
+    plan = plan_run(recipe, device, world, recipe_model_config(recipe),
+                    device_memory=None if here else int(args.gpu_memory * 2**30), triton=None if here else True)
+    print(f"{args.model}: {plan.method} on {device}, {args.nproc} process(es)"
+          + ("" if here else f" (planned for a {args.gpu_memory:g} GiB GPU with Triton; none here)"))
+    print("\n".join(plan_lines(plan)))
+    for note in plan.notes:
+        print(f"{'note':<22}{note}")
+    return 0

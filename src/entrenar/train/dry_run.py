@@ -19,7 +19,7 @@ def dry_run_report(recipe: Recipe, plan: RunPlan, rows: RowLayout, model: nn.Mod
     """The report of a run that was built but not trained."""
     total = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    t, d, estimate = recipe.training, recipe.data, plan.memory
+    t, d = recipe.training, recipe.data
     tokens = sum(len(e) for e in data.examples)
     return "\n".join([
         f"dry run: recipe valid, model and data built, nothing trained ({recipe.output.dir})",
@@ -31,14 +31,22 @@ def dry_run_report(recipe: Recipe, plan: RunPlan, rows: RowLayout, model: nn.Mod
         *[f"{'note':<22}{note}" for note in notes],
         f"{'step':<22}{t.batch_size} x {d.seq_len} tokens x {plan.accumulation * plan.world_size} micro-batches, "
         f"{t.max_steps} steps",
+        *plan_lines(plan),
+        f"  {'data.padding_free':<30}{rows.reason}",
+    ])
+
+
+def plan_lines(plan: RunPlan) -> list[str]:
+    """The memory estimate and each decision of the plan with its reason (``--dry-run``, ``entrenar inspect``)."""
+    estimate = plan.memory
+    return [
         f"{'memory estimate':<22}{estimate.total / GiB:.2f} GiB (weights {estimate.weights / GiB:.2f}, "
         f"grads {estimate.gradients / GiB:.2f}, optimizer {estimate.optimizer / GiB:.2f}, "
         f"activations {estimate.activations / GiB:.2f}, logits {estimate.logits / GiB:.2f}{_cpu_terms(estimate)})",
         *([f"{'':<22}{CPU_ESTIMATE_NOTE}"] if estimate.runtime else []),
         "plan",
         *[f"  {key:<30}{why}" for key, why in plan.describe()],
-        f"  {'data.padding_free':<30}{rows.reason}",
-    ])
+    ]
 
 
 def _cpu_terms(estimate: MemoryEstimate) -> str:
@@ -48,4 +56,4 @@ def _cpu_terms(estimate: MemoryEstimate) -> str:
             f"allocator {estimate.allocator / GiB:.2f}")
 
 
-__all__ = ["CPU_ESTIMATE_NOTE", "dry_run_report"]
+__all__ = ["CPU_ESTIMATE_NOTE", "dry_run_report", "plan_lines"]

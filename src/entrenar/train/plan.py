@@ -262,8 +262,8 @@ def _decide(recipe: Recipe, device: torch.device, mode: str, config: ModelConfig
     if t.adapter_math == "bf16" and not kernels:
         raise ConfigError("training.adapter_math: bf16 adapter products run in the fused LoRA layer, and this run "
                           "has no kernels (training.kernels: true, or auto on a CPU or on a CUDA device with Triton)")
-    reasons.append(("training.kernels", _auto(t.kernels, kernels, "fused kernels (Triton on CUDA, their PyTorch "
-                                                                  "paths on a CPU); off under FSDP")))
+    reasons.append(("training.kernels", _auto(t.kernels, kernels, "a CPU (their PyTorch paths) or CUDA with "
+                                                                  "Triton, without FSDP")))
 
     # The NF4 base streams from pinned CPU memory a block ahead: QLoRA Llama-8B shape 12.06k against 12.16k
     # tokens/s at 3.27 against 6.41 GiB (H100, docs/PERFORMANCE.md). NF4 experts load outside the stream.
@@ -293,8 +293,8 @@ def _decide(recipe: Recipe, device: torch.device, mode: str, config: ModelConfig
     if t.overlap_steps is True and unsupported is not None:
         raise ConfigError(f"training.overlap_steps: {unsupported}")
     overlap = unsupported is None and (t.overlap_steps is True or t.overlap_steps == "auto" and cuda)
-    reasons.append(("training.overlap_steps", _auto(t.overlap_steps, overlap, unsupported
-                                                    or "one CUDA device with a fused optimizer")))
+    reasons.append(("training.overlap_steps", f"off ({unsupported})" if unsupported and t.overlap_steps == "auto"
+                    else _auto(t.overlap_steps, overlap, "one CUDA device with a fused optimizer")))
 
     compute_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(t.precision) or \
         _weights_dtype(recipe, device, lora is None)
@@ -363,10 +363,11 @@ def _mode_reason(parallel: str, mode: str, world: World, replica_bytes: float) -
     return f"{mode} (auto: a replica needs {replica_bytes / 2**30:.2f} GiB)"
 
 
-def _auto(setting: Any, value: bool, why: str) -> str:
-    """A decision's line: what it became, and why when ``auto`` decided it."""
-    word = "on" if value else "off"
-    return f"{word} (auto: {why})" if setting == "auto" else f"{word} (as set)"
+def _auto(setting: Any, value: bool, rule: str) -> str:
+    """A decision's line: what it became, and the rule when ``auto`` decided it."""
+    if setting != "auto":
+        return f"{'on' if value else 'off'} (as set)"
+    return f"on (auto: {rule})" if value else f"off (auto: on only for {rule})"
 
 
 __all__ = ["REFUSALS", "Refusal", "RowLayout", "RunPlan", "check_recipe", "plan_run"]
