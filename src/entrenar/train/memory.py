@@ -209,24 +209,41 @@ def estimate_training_memory(
     if param_bytes is None:
         param_bytes = 4 if method == "full" else dtype_bytes
     states = 2 if optimizer == "adamw" else 1
+    trainable, weights, gradients, optimizer_bytes = _model_state(
+        config, method, param_bytes, states, lora_r, lora_targets, lora_target_parameters, offload_embeddings,
+        offload_weights)
+    tokens = batch_size * seq_len
+    activations, rebuilt = _activations(config, method, tokens, dtype_bytes, kernels, lora_r,
+                                        activation_checkpointing, offload_activations)
+    logits = _logits(config, tokens, dtype_bytes, fused_loss_chunk, rebuilt)
+    total = config.num_parameters
+    estimate = MemoryEstimate(method, total, trainable, weights, gradients, optimizer_bytes, activations, logits)
+    if cpu:
+        _add_cpu_terms(estimate, config, method, tokens, dtype_bytes, param_bytes, lora_targets, lora_dropout, kernels)
+    return estimate
+
+
+def _model_state(config: ModelConfig, method: str, param_bytes: int, states: int, lora_r: int,
+                 lora_targets: list[str] | str, lora_target_parameters: Sequence[str], offload_embeddings: bool,
+                 offload_weights: bool) -> tuple[int, float, float, float]:
+    """(trainable parameters, weights, gradients, optimizer state) in bytes on the device."""
     total = config.num_parameters
     linear = quantizable_params(config)
     if method == "full":
-        trainable = total
-        weights = total * param_bytes
-        gradients = trainable * param_bytes
-        optimizer_bytes = states * trainable * param_bytes
-    else:
-        trainable = lora_params(config, lora_r, lora_targets, lora_target_parameters)
-        base = (total - linear) * param_bytes + linear * (NF4_BYTES_PER_PARAM if method == "qlora" else param_bytes)
-        if offload_embeddings and not config.tie_word_embeddings:
-            base -= config.vocab_size * config.hidden_size * param_bytes
-        if offload_weights and method == "qlora" and not config.is_moe:
-            base -= linear * NF4_BYTES_PER_PARAM * max(config.num_layers - 2, 0) / config.num_layers
-        weights = base + trainable * 4  # adapters stay fp32
-        gradients = trainable * 4
-        optimizer_bytes = states * trainable * 4
-    tokens = batch_size * seq_len
+        return total, total * param_bytes, total * param_bytes, states * total * param_bytes
+    trainable = lora_params(config, lora_r, lora_targets, lora_target_parameters)
+    base = (total - linear) * param_bytes + linear * (NF4_BYTES_PER_PARAM if method == "qlora" else param_bytes)
+    if offload_embeddings and not config.tie_word_embeddings:
+        base -= config.vocab_size * config.hidden_size * param_bytes
+    if offload_weights and method == "qlora" and not config.is_moe:
+        base -= linear * NF4_BYTES_PER_PARAM * max(config.num_layers - 2, 0) / config.num_layers
+    return trainable, base + trainable * 4, trainable * 4, states * trainable * 4  # adapters stay fp32
+
+
+def _activations(config: ModelConfig, method: str, tokens: int, dtype_bytes: int, kernels: bool, lora_r: int,
+                 activation_checkpointing: bool | int | Sequence[int], offload_activations: bool | int
+                 ) -> tuple[float, float]:
+    """(activations kept for backward at the peak, the part of it a rebuilt checkpointed layer takes) in bytes."""
     per_layer = activation_bytes_per_token_layer(config, dtype_bytes, kernels, lora=method != "full")
     if config.is_moe:  # MoE and dense layers averaged; a rebuilt layer counts as the larger
         moe_layer = activation_bytes_per_token_layer(config, dtype_bytes, kernels, lora=method != "full", moe_layer=True)
@@ -240,12 +257,12 @@ def estimate_training_memory(
         per_layer += 7 * lora_r * 4
         rebuilt_layer += 7 * lora_r * 4
     n_layers = config.num_layers
+
     def clamped(layers):  # a layer count beyond the model means every layer
         return min(layers, n_layers) if isinstance(layers, int) and not isinstance(layers, bool) else layers
 
     recomputed_layers = set(checkpointed_layer_indices(n_layers, clamped(activation_checkpointing)))
     offloaded = set(offloaded_layer_indices(n_layers, clamped(offload_activations)))
-    recomputed = len(recomputed_layers)
     # A recomputed layer keeps only its input, and one of them at a time is rebuilt whole. An offloaded layer
     # keeps nothing on the GPU, but in backward one comes back ahead of the one that runs, and in forward the
     # copies of two may still be running: two offloaded layers' worth.
@@ -253,22 +270,23 @@ def estimate_training_memory(
     kept_whole = sum(i not in offloaded for i in whole) + min(sum(i in offloaded for i in whole), 2)
     kept_inputs = sum(i not in offloaded for i in recomputed_layers)
     activations = tokens * (kept_whole * per_layer + kept_inputs * config.hidden_size * dtype_bytes)
-    rebuilt = tokens * rebuilt_layer if recomputed else 0
+    rebuilt = tokens * rebuilt_layer if recomputed_layers else 0
     activations += rebuilt
     activations += tokens * config.hidden_size * (dtype_bytes + 4)  # final norm
+    return activations, rebuilt
+
+
+def _logits(config: ModelConfig, tokens: int, dtype_bytes: int, fused_loss_chunk: int | None, rebuilt: float
+            ) -> float:
+    """The loss's logits (and their gradient) in bytes at the peak."""
     if fused_loss_chunk:
         # The fused output-projection loss does all its work in forward: one chunk of logits (overwritten by
         # their gradient) at a time, and the hidden states' gradient kept for backward. The chunk is gone
         # before backward rebuilds a checkpointed layer, so only what it exceeds that layer by adds to the peak.
         chunk = min(tokens, fused_loss_chunk) * config.vocab_size * dtype_bytes
-        logits = tokens * config.hidden_size * dtype_bytes + max(0, chunk - rebuilt)
-    else:
-        # Logits in the model dtype, upcast to fp32 for the loss, and their gradient.
-        logits = tokens * config.vocab_size * (dtype_bytes + 4 + 4)
-    estimate = MemoryEstimate(method, total, trainable, weights, gradients, optimizer_bytes, activations, logits)
-    if cpu:
-        _add_cpu_terms(estimate, config, method, tokens, dtype_bytes, param_bytes, lora_targets, lora_dropout, kernels)
-    return estimate
+        return tokens * config.hidden_size * dtype_bytes + max(0, chunk - rebuilt)
+    # Logits in the model dtype, upcast to fp32 for the loss, and their gradient.
+    return tokens * config.vocab_size * (dtype_bytes + 4 + 4)
 
 
 def _add_cpu_terms(e: MemoryEstimate, config: ModelConfig, method: str, tokens: int, dtype_bytes: int,
