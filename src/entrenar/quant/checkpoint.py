@@ -1,7 +1,7 @@
 """Quantized model folders: a Hugging Face layout whose linear layers hold integer or NF4 codes.
 
     save_quantized(model, tokenizer, "out")   # after quantize_model_int / quantize_model_nf4 / convert_qat
-    model, tokenizer = load("out")   # the same quantized modules, the same outputs
+    model, tokenizer = entrenar.load("out")   # the same quantized modules, the same outputs
 
 A folder is ``config.json`` + safetensors + tokenizer files, like any model
 folder. ``config.json`` carries a ``quantization_config`` entry that says how
@@ -46,7 +46,6 @@ from entrenar.errors import ModelError, QuantError
 from entrenar.quant.int import MAX_BITS, MIN_BITS, IntQuantTensor, QuantLinear, qrange
 from entrenar.quant.int import _unpack_codes as unpack_codes
 from entrenar.quant.nf4.format import BLOCKSIZES, NF4Linear
-from entrenar.loading import load
 
 if TYPE_CHECKING:
     from entrenar.models.transformer import Transformer
