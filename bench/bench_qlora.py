@@ -80,6 +80,7 @@ from entrenar.train.memory import FUSED_LOSS_CHUNK, GiB, estimate_training_memor
 from entrenar.train.cuda_graph import GraphedMicroStep
 from entrenar.models.config import ModelConfig
 from entrenar.models.hf import empty_model
+from entrenar.quant.nf4.sinks import nf4_sinks
 from entrenar.quant.nf4.format import NF4Linear
 from entrenar.models.loss import chunked_cross_entropy, token_cross_entropy
 
@@ -205,7 +206,7 @@ def init_parameters(model: nn.Module) -> None:
 
 
 def build_entrenar(row: Row) -> nn.Module:
-    model = empty_model(CONFIG, torch.bfloat16, DEVICE, quantize="nf4" if row.base == "nf4" else None)
+    model = empty_model(CONFIG, torch.bfloat16, DEVICE, nf4_sinks if row.base == "nf4" else None)
     init_parameters(model)
     for name, layer in model.named_modules():
         if isinstance(layer, NF4Linear):  # quantized one layer at a time, as weights stream in

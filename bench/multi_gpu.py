@@ -66,13 +66,14 @@ def make_nf4_folder(shape: str, vocab: int, seq: int, tokenizer_dir: Path, folde
     import torch
 
     from entrenar.models.hf import empty_model
+    from entrenar.quant.nf4.sinks import nf4_sinks
     from entrenar.quant.checkpoint import save_quantized
     from entrenar.quant.nf4.format import NF4Linear
     from entrenar.data.tokenizer import Tokenizer
 
     dev = bench_e2e.device()
     config = bench_e2e.shape_config(shape, vocab, seq, tiny)
-    model = empty_model(config, torch.bfloat16, dev, quantize="nf4")
+    model = empty_model(config, torch.bfloat16, dev, nf4_sinks)
     gen = torch.Generator(dev).manual_seed(0)
     with torch.no_grad():
         for name, module in model.named_modules():
