@@ -1,12 +1,16 @@
-"""Which device and dtype a run or a load uses: one table of dtype names, one rule for ``auto``."""
+"""Which device and dtype a run or a load uses: one table of dtype names, one rule for ``auto``; and whether
+Triton kernels run on given tensors."""
 
 from __future__ import annotations
+
+import importlib.util
+import os
 
 import torch
 
 from entrenar.errors import ConfigError
 
-__all__ = ["DTYPES", "resolve_device", "resolve_dtype"]
+__all__ = ["DTYPES", "interpreting", "resolve_device", "resolve_dtype", "triton_available", "use_triton"]
 
 # The weight dtypes a user may name (library and CLI), each to its torch dtype's name; "auto" is handled apart.
 DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16"}
@@ -37,3 +41,30 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
         if resolved.index is not None and resolved.index >= torch.cuda.device_count():
             raise ConfigError(f"device '{device}': this machine has {torch.cuda.device_count()} CUDA device(s)")
     return resolved
+
+
+# ---------------------------------------------------------------- Triton
+
+# Triton is imported lazily, only when a kernel is first used on a tensor it can run on, so CPU-only installs never
+# need it. Looked up once, without importing triton; a constant is also what torch.compile wants to see. Here, below
+# both, because the fused kernels (entrenar.kernels) and NF4's dequantization kernel (entrenar.quant.nf4) ask.
+_TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
+
+
+def triton_available() -> bool:
+    """True if the ``triton`` package can be imported."""
+    return _TRITON_INSTALLED
+
+
+def interpreting() -> bool:
+    """True when Triton's CPU interpreter is switched on (``TRITON_INTERPRET=1``: slow; for tests without a GPU)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def use_triton(*tensors: torch.Tensor) -> bool:
+    """True if the Triton kernels can run on these tensors: CUDA tensors (or any, under the interpreter)."""
+    if not _TRITON_INSTALLED:
+        return False
+    if all(t.is_cuda for t in tensors):
+        return True
+    return not torch.compiler.is_compiling() and interpreting()
