@@ -44,7 +44,7 @@ from entrenar.errors import AdapterError, ConfigError, ModelError
 from entrenar.export.gguf_write import check_gguf_type, write_gguf
 from entrenar.io import atomic
 from entrenar.io.checkpoint_files import MODEL_FILE
-from entrenar.io.outputs import check_output, replace_files
+from entrenar.io.outputs import check_output, refuse_overlap, replace_files
 from entrenar.loading import load, require_tokenizer
 from entrenar.loading.runs import ModelSource, resolve_model_and_adapter
 from entrenar.models.config import ModelConfig
@@ -94,7 +94,7 @@ def export(
         require_tokenizer(None, source.model)  # a GGUF file carries the vocabulary: say so before any work
     inputs = {"base model": source.model, "adapter": source.adapter, "checkpoint": source.checkpoint,
               "model": Path(model_path)}
-    _check_output(output, {k: v for k, v in inputs.items() if v is not None})
+    refuse_overlap(output, {k: v for k, v in inputs.items() if v is not None})
     check_output(output, overwrite=overwrite, is_file=gguf_only)  # before minutes of loading and merging
     lora_checkpoint = source.checkpoint is not None and source.recipe is not None and source.recipe.lora is not None
     has_adapter = source.adapter is not None or lora_checkpoint
@@ -251,23 +251,6 @@ def stored_dtype(model_path: Path) -> torch.dtype:
             if kind in _SAFETENSORS_DTYPES:
                 return _SAFETENSORS_DTYPES[kind]
     return torch.float32
-
-
-# -- paths ------------------------------------------------------------------------
-
-
-def _check_output(output: Path, inputs: dict[str, Path]) -> None:
-    """Refuse outputs that would overwrite or delete an input."""
-    out = output.resolve()
-    for what, path in inputs.items():
-        src = path.resolve()
-        if out == src:
-            raise ConfigError(f"{output}: the output is the {what}; choose another path (an output never replaces "
-                              "an input)")
-        if out in src.parents:
-            raise ConfigError(f"{output}: the output contains the {what} ({path}); replacing it would delete it")
-        if src.is_dir() and src in out.parents:
-            raise ConfigError(f"{output}: the output is inside the {what} ({path}); choose a path outside it")
 
 
 __all__ = ["export", "export_adapter", "load_merged", "save_merged", "stored_dtype"]

@@ -29,8 +29,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from entrenar.errors import AdapterError, ConfigError
+from entrenar.io.outputs import replace_files
 from entrenar.merge import methods
-from entrenar.merge.config import MergeConfig
+from entrenar.merge.config import MergeConfig, evaluate_setting
 
 ADAPTER_METHODS = ("linear", "task_arithmetic", "ties", "dare_linear", "dare_ties", "breadcrumbs",
                    "breadcrumbs_ties", "della", "della_linear")
@@ -134,7 +135,6 @@ def merge_adapters(cfg: MergeConfig, output: Path, dry_run: bool = False, seed: 
     config = dict(inputs[0][1])
     config.update(r=r_out, lora_alpha=r_out, use_rslora=False, target_modules=sorted({m.rsplit(".", 1)[-1] for m in modules}),
                   rank_pattern={}, alpha_pattern={}, lora_dropout=config.get("lora_dropout", 0.0))
-    from entrenar.io.outputs import replace_files
 
     with replace_files(output) as tmp:
         tmp.mkdir()
@@ -160,8 +160,6 @@ def svd_factors(delta: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Ten
 
 
 def _value(own: dict[str, Any], shared: dict[str, Any], key: str, default: Any, tensor: str) -> Any:
-    from entrenar.merge.config import evaluate_setting
-
     for level in (own, shared):
         if key in level:
             value = evaluate_setting(level[key], tensor, 0.0)

@@ -7,6 +7,9 @@ import shutil
 from collections import Counter
 from pathlib import Path
 
+import tokenizers
+
+from entrenar.data.tokenizer import Tokenizer
 from entrenar.merge.config import ModelRef
 from entrenar.merge.stream import GGUFInput, Input
 
@@ -52,7 +55,6 @@ def write_tokenizer(plan, inputs: dict[str, Input], vocab, folder: Path) -> None
 def gguf_tokenizer_check(plan, inputs: dict[str, Input], vocab) -> None:
     """The merged model's tokenizer (its source's), checked as the GGUF writer will need it."""
     from entrenar.export.gguf_write import check_gguf_tokenizer
-    from entrenar.data.tokenizer import Tokenizer
 
     source = inputs[_tokenizer_ref(plan, vocab)]
     if isinstance(source, GGUFInput):
@@ -62,8 +64,6 @@ def gguf_tokenizer_check(plan, inputs: dict[str, Input], vocab) -> None:
 
 
 def _add_tokens(folder: Path, added: list[tuple[str, bool]]) -> None:
-    import tokenizers
-
     path = folder / "tokenizer.json"
     backend = tokenizers.Tokenizer.from_file(str(path))
     for token, special in added:

@@ -28,8 +28,10 @@ from typing import Any, BinaryIO
 
 import numpy as np
 import torch
+from safetensors.torch import load_file
 
 from entrenar.errors import AdapterError, ModelError
+from entrenar.io.hf_files import weight_files
 
 ST_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -272,8 +274,6 @@ class Input:
 
 class HFInput(Input):
     def __init__(self, folder: Path, reference: str) -> None:
-        from entrenar.io.hf_files import weight_files
-
         self.reference, self.folder = reference, folder
         path = folder / "config.json"
         if not path.is_file():
@@ -343,8 +343,6 @@ class AdapterInput(Input):
     """``base+adapter``: every weight a PEFT LoRA adapter targets comes back as ``W + scale * B @ A``."""
 
     def __init__(self, base: Input, adapter: Path, reference: str) -> None:
-        from safetensors.torch import load_file
-
         from entrenar.adapters.lora import ADAPTER_WEIGHTS, PEFT_PREFIX, read_adapter_config
 
         self.base, self.reference, self.folder, self.config = base, reference, base.folder, base.config
