@@ -1,14 +1,20 @@
 """Which device and dtype a run or a load uses: one table of dtype names, one rule for ``auto``; and whether
-Triton kernels run on given tensors."""
+Triton kernels run on given tensors.
+
+The CLI builds its ``--dtype`` choices from :data:`DTYPES` before it imports torch (``entrenar --help`` stays
+instant), so torch is imported by the functions that need it.
+"""
 
 from __future__ import annotations
 
 import importlib.util
 import os
-
-import torch
+from typing import TYPE_CHECKING
 
 from entrenar.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["DTYPES", "interpreting", "resolve_device", "resolve_dtype", "triton_available", "use_triton"]
 
@@ -18,6 +24,8 @@ DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16
 
 def resolve_dtype(dtype: str | torch.dtype | None, device: str | torch.device) -> torch.dtype:
     """None/'auto' means bf16 on a CUDA device that supports it, else fp32."""
+    import torch  # start-up time (the module docstring)
+
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype in (None, "auto"):
@@ -29,6 +37,9 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: str | torch.device) -
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
+    """None/'auto' means the CUDA device if there is one, else the CPU; a named device must exist here."""
+    import torch  # start-up time (the module docstring)
+
     if device in (None, "auto"):
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
@@ -63,6 +74,8 @@ def interpreting() -> bool:
 
 def use_triton(*tensors: torch.Tensor) -> bool:
     """True if the Triton kernels can run on these tensors: CUDA tensors (or any, under the interpreter)."""
+    import torch  # start-up time (the module docstring)
+
     if not _TRITON_INSTALLED:
         return False
     if all(t.is_cuda for t in tensors):
