@@ -194,8 +194,8 @@ def test_a_rerun_skips_finished_arms_and_resumes_an_interrupted_one(ablation, mo
 
     before = json.loads((report.output / "ablation.json").read_text())
     calls = []
-    real_train = loop.train
-    monkeypatch.setattr(loop, "train", lambda r, resume=None, **kw: calls.append(resume) or real_train(r, resume, **kw))
+    real_train = ab.train  # the loop's train, as the experiment calls it
+    monkeypatch.setattr(ab, "train", lambda r, resume=None, **kw: calls.append(resume) or real_train(r, resume, **kw))
     lines: list[str] = []
     again = ab.ablate(recipe(report.output.parent), output=report.output, say=lines.append, mi_records=16)
     assert calls == [] and all("finished earlier, skipped" in line for line in lines)

@@ -5,13 +5,12 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
-import entrenar
 from entrenar.config import DEVICE_NAMES, is_device_name
 from entrenar.device import DTYPES
 
 if TYPE_CHECKING:
-    from entrenar.models.transformer import Transformer
     from entrenar.data.tokenizer import Tokenizer
+    from entrenar.models.transformer import Transformer
 
 DTYPE_CHOICES = ("auto", *DTYPES)  # the names entrenar.load accepts
 

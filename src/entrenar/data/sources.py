@@ -25,9 +25,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from entrenar.data import synth
 from entrenar.data.sqlite import is_sqlite, read_sqlite
-from entrenar.errors import ConfigError, DataError
 from entrenar.data.synth import is_synth
+from entrenar.errors import ConfigError, DataError
 
 FORMATS = ("auto", "jsonl", "json", "csv", "parquet", "text")
 _EXTENSIONS = {
@@ -189,8 +190,6 @@ def _read_file(path: Path, format: str, seed: int = 0, query: str | None = None)
 
 
 def _read_synth(source: str, seed: int) -> Iterator[Record | Skip]:
-    from entrenar.data import synth
-
     for index, fields in synth.records(synth.parse(source), seed):
         yield Record(fields, source, f"record {index}")
 

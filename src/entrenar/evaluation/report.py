@@ -13,8 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
-from entrenar.io import atomic
 from entrenar.evaluation import metrics as M
+from entrenar.io import atomic
 
 BOOTSTRAP_SAMPLES = 1000
 

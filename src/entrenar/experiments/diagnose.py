@@ -24,7 +24,16 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from entrenar import tasks
+from entrenar.data import padding_free
 from entrenar.device import resolve_device
+from entrenar.errors import ConfigError
+from entrenar.evaluation.loss import autocast_for
+from entrenar.models.loss import token_cross_entropy
+from entrenar.models.moe import moe_blocks
+from entrenar.train.loop import _seed_everything, build_data, build_model
+from entrenar.train.moe import moe_training
 
 PRECISIONS = ("bf16", "fp16")
 # The verdict's thresholds (stated in every report and in docs/EXPERIMENTS.md).
@@ -124,13 +133,6 @@ THRESHOLDS_TEXT = (f"broken: any NaN/inf, or a gradient cosine < {BROKEN_COSINE}
 def diagnose(recipe: Any, precision: str = "bf16") -> Report:
     """Build the model and first batch of ``recipe`` as ``entrenar train`` would, run it in fp32 and in
     ``precision``, and compare (see the module docstring)."""
-    import entrenar
-    from entrenar import tasks
-    from entrenar.data import padding_free
-    from entrenar.errors import ConfigError
-    from entrenar.train.loop import _seed_everything, build_data, build_model
-    from entrenar.train.moe import moe_training
-
     if precision not in PRECISIONS:
         raise ConfigError(f"--precision: {precision!r} is not one of {', '.join(PRECISIONS)}")
     device = resolve_device(recipe.model.device)
@@ -311,10 +313,6 @@ def format_report(report: Report, top: int = TOP) -> str:
 def _forward_backward(model: nn.Module, task: Any, moe: Any, batch: dict, trainable: dict[str, nn.Parameter],
                       device: torch.device, precision: str, scale: float, seed: int) -> Pass:
     """One training micro-step's forward and backward (the loop's loss, unfused), gradients kept in fp32."""
-    from entrenar.evaluation.loss import autocast_for
-    from entrenar.models.moe import moe_blocks
-    from entrenar.models.loss import token_cross_entropy
-
     model.zero_grad(set_to_none=True)
     torch.manual_seed(seed)  # the same dropout masks in both passes
     first: list[str] = []

@@ -12,6 +12,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from entrenar.errors import ModelError
 
 SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
@@ -494,10 +496,8 @@ def _routing_from_hf(model_type: str, hf: dict[str, Any], moe: dict[str, Any], s
     return out
 
 
-def rope_inv_freq(config: ModelConfig) -> "torch.Tensor":  # noqa: F821
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     """Inverse RoPE frequencies [head_dim/2], with linear or llama3 scaling applied."""
-    import torch
-
     dim = config.head_dim
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     scaling = config.rope_scaling or {}

@@ -33,14 +33,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
-
-from entrenar.errors import ModelError
-
 import tokenizers
+import torch
 from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers, processors
 
 from entrenar.data.tokenizer import Tokenizer
+from entrenar.errors import ModelError
 from entrenar.models.config import ModelConfig
 from entrenar.models.hf import Sinks, empty_model, load_state_into
 

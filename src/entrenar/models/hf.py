@@ -11,9 +11,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from entrenar.errors import ModelError
 from entrenar.io import atomic
 from entrenar.io.finite import check_finite
-from entrenar.errors import ModelError
 from entrenar.io.hf_files import INDEX_NAME, SINGLE_NAME, read_json, weight_files  # noqa: F401 - re-exported
 from entrenar.models.config import ModelConfig, rope_inv_freq
 from entrenar.models.transformer import Transformer

@@ -17,9 +17,8 @@ from torch import nn
 from entrenar.models.config import ModelConfig, rope_inv_freq
 from entrenar.models.moe import Experts, MoeBlock, Router
 from entrenar.models.offload import ActivationOffload
-from entrenar.models.recompute import checkpointed
 from entrenar.models.padding_free import SDPA_HAS_GQA, Documents, documents_attention
-
+from entrenar.models.recompute import checkpointed
 
 
 class RMSNorm(nn.Module):

@@ -46,6 +46,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from entrenar.errors import QuantError
+from entrenar.models.surgery import Patterns, find_linears, replace_module
 from entrenar.quant.int import (
     QuantLinear,
     activation_scale,
@@ -57,7 +58,6 @@ from entrenar.quant.int import (
     quantize_with_scale,
     round_to_grid,
 )
-from entrenar.models.surgery import Patterns, find_linears, replace_module
 
 if TYPE_CHECKING:
     from entrenar.config import QatSection

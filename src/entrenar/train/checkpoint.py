@@ -42,21 +42,19 @@ from safetensors.torch import load_file, safe_open, save_file
 
 from entrenar.errors import CheckpointError
 from entrenar.io import atomic
-from entrenar.io.checkpoint_files import (
+from entrenar.io.checkpoint_files import (  # noqa: F401 - re-exported: the folder's names and readers live below
     CHECKPOINTS_DIR,
     MODEL_FILE,
     OPTIMIZER_JSON,
     OPTIMIZER_TENSORS,
     REQUIRED_FILES,
     RNG_FILE,
-    TRAINER_FILE,
-    is_sharded,
-    latest_checkpoint,
-)
-from entrenar.io.checkpoint_files import (  # noqa: F401 - re-exported: the folder's names and readers live below
     SHARDED_REQUIRED_FILES,
     SHARDS_DIR,
+    TRAINER_FILE,
     best_checkpoint,
+    is_sharded,
+    latest_checkpoint,
 )
 from entrenar.io.checkpoint_files import STEP_DIR as _STEP_DIR
 from entrenar.io.checkpoint_files import checkpoints_dir as _checkpoints_dir
