@@ -19,7 +19,8 @@ if TYPE_CHECKING:
 __all__ = ["DTYPES", "interpreting", "resolve_device", "resolve_dtype", "triton_available", "use_triton"]
 
 # The weight dtypes a user may name (library and CLI), each to its torch dtype's name; "auto" is handled apart.
-DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16"}
+DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16",
+          "fp16": "float16"}
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, device: str | torch.device) -> torch.dtype:

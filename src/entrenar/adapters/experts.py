@@ -258,7 +258,8 @@ def normalised_targets(targets: list[str] | str | None) -> list[str] | None:
         targets = [targets]
     bad = [t for t in targets if not isinstance(t, str) or not re.fullmatch(r"[\w.]+", t)]
     if bad:
-        raise AdapterError(f"target_parameters must be parameter names such as 'mlp.experts.gate_up_proj', got {bad[0]!r}")
+        raise AdapterError("target_parameters must be parameter names such as 'mlp.experts.gate_up_proj', "
+                           f"got {bad[0]!r}")
     return list(targets)
 
 

@@ -128,7 +128,8 @@ class LoraLinear(nn.Module):
         weight = self.base_layer.weight
         if not weight.is_floating_point():
             raise AdapterError(
-                f"cannot merge LoRA into a {type(self.base_layer).__name__} with {weight.dtype} weights; dequantize the base first"
+                f"cannot merge LoRA into a {type(self.base_layer).__name__} with {weight.dtype} weights; "
+                "dequantize the base first"
             )
         if not isinstance(weight, nn.Parameter):
             raise AdapterError(

@@ -105,7 +105,8 @@ class LoraConfig:
             self.target_modules = list(self.target_modules)
         elif not isinstance(self.target_modules, str) or not self.target_modules:
             raise AdapterError(
-                f"LoraConfig: target_modules must be 'all-linear', a regex or a list of names, got {self.target_modules!r}"
+                "LoraConfig: target_modules must be 'all-linear', a regex or a list of names, "
+                f"got {self.target_modules!r}"
             )
         elif self.target_modules.lower() == ALL_LINEAR:
             self.target_modules = ALL_LINEAR
@@ -401,7 +402,8 @@ def save_adapter(
     for name, layer in layers:
         if (layer.r, layer.alpha, layer.use_rslora) != (cfg.r, cfg.alpha, cfg.use_rslora):
             raise AdapterError(
-                f"{name} has r={layer.r}, alpha={layer.alpha}, use_rslora={layer.use_rslora} but the LoraConfig to save says "
+                f"{name} has r={layer.r}, alpha={layer.alpha}, use_rslora={layer.use_rslora} but the LoraConfig to "
+                "save says "
                 f"r={cfg.r}, alpha={cfg.alpha}, use_rslora={cfg.use_rslora}"
             )
     target_modules = _saved_target_modules(model, cfg, [name for name, _ in layers])
@@ -492,7 +494,7 @@ def load_adapter(model: nn.Module, folder: str | os.PathLike) -> LoraConfig:
     _wrap_experts(model, cfg)
     load_lora_state_dict(model, state, str(weights_path))
     with torch.no_grad():
-        for name, (param, tensor) in saved.items():
+        for param, tensor in saved.values():
             param.copy_(tensor)
     return cfg
 

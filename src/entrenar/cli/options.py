@@ -25,7 +25,8 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", metavar="MODEL", help=MODEL_HELP)
     parser.add_argument("--adapter", metavar="DIR", help=ADAPTER_HELP)
     parser.add_argument("--device", type=device, default="auto", help="auto (CUDA when available), cpu, cuda, cuda:N")
-    parser.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help="weight dtype (auto: bf16 on CUDA, else fp32)")
+    parser.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
+                        help="weight dtype (auto: bf16 on CUDA, else fp32)")
 
 
 def add_sampling_args(parser: argparse.ArgumentParser, max_new_tokens: int) -> None:

@@ -36,7 +36,8 @@ _EXTENSIONS = {
     ".parquet": "parquet", ".txt": "text", ".md": "text",
 }
 _MAX_REPORTED = 10
-_CSV_FIELD_LIMIT = 2**31 - 1  # the csv module's default (131,072 characters) refuses long texts; C long is 32-bit on Windows
+# The csv module's default field limit (131,072 characters) refuses long texts; C long is 32-bit on Windows.
+_CSV_FIELD_LIMIT = 2**31 - 1
 _DEEP = 100  # a nesting depth no record needs, used to point at where a too-deeply nested document goes wrong
 
 
@@ -281,7 +282,7 @@ def _problem_line(text: str, error: Exception) -> int | None:
             elif char in "]}":
                 depth -= 1
         return None
-    found = re.search(r"\d{%d,}" % (sys.get_int_max_str_digits() + 1), text)
+    found = re.search(r"\d{%d,}" % (sys.get_int_max_str_digits() + 1), text)  # noqa: UP031 - braces of a regex
     return text.count("\n", 0, found.start()) + 1 if found else None
 
 

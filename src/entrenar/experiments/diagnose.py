@@ -125,7 +125,8 @@ def thresholds() -> dict[str, float]:
             "routing_divergent": ROUTING_DIVERGENT}
 
 
-THRESHOLDS_TEXT = (f"broken: any NaN/inf, or a gradient cosine < {BROKEN_COSINE}; suspect: a cosine < {SUSPECT_COSINE}, "
+THRESHOLDS_TEXT = (f"broken: any NaN/inf, or a gradient cosine < {BROKEN_COSINE}; "
+                   f"suspect: a cosine < {SUSPECT_COSINE}, "
                    f"a relative difference > {SUSPECT_REL_DIFF}, or > {ROUTING_DIVERGENT:.0%} of a layer's tokens "
                    "changing experts; ok otherwise")
 
@@ -380,7 +381,8 @@ def _autocast_works(device: torch.device, precision: str) -> bool:
     dtype = torch.bfloat16 if precision == "bf16" else torch.float16
     try:
         with torch.autocast(device_type=device.type, dtype=dtype):
-            return torch.nn.functional.linear(torch.ones(1, 2, device=device), torch.ones(2, 2, device=device)).dtype == dtype
+            product = torch.nn.functional.linear(torch.ones(1, 2, device=device), torch.ones(2, 2, device=device))
+            return product.dtype == dtype
     except (RuntimeError, AssertionError):
         return False
 

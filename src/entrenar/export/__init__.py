@@ -88,7 +88,8 @@ def export(
         raise ModelError(f"{model_path}: no such model folder or GGUF file")
     source = resolve_model_and_adapter(model_path, adapter)
     if source.adapter is not None and not (source.adapter / lora.ADAPTER_CONFIG).is_file():
-        what = f"is not an adapter folder (no {lora.ADAPTER_CONFIG})" if source.adapter.exists() else "no such adapter folder"
+        what = (f"is not an adapter folder (no {lora.ADAPTER_CONFIG})" if source.adapter.exists()
+                else "no such adapter folder")
         raise AdapterError(f"{source.adapter}: {what}")
     if qtype is not None and source.model.is_dir() and not (source.model / "tokenizer.json").is_file():
         require_tokenizer(None, source.model)  # a GGUF file carries the vocabulary: say so before any work
@@ -144,7 +145,8 @@ def _export_checkpoint_adapter(source: ModelSource, output: Path) -> Path:
     """A LoRA run's checkpoint as a PEFT adapter folder (its weights on the base, saved as the run saves them)."""
     model, _ = load(source.checkpoint, device="cpu", dtype=stored_dtype(source.model))
     with replace_files(output) as target:
-        lora.save_adapter(model, target, lora.lora_config_of(source.recipe.lora), base_model_name_or_path=str(source.model))
+        lora.save_adapter(model, target, lora.lora_config_of(source.recipe.lora),
+                          base_model_name_or_path=str(source.model))
     return output
 
 

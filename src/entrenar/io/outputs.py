@@ -1,4 +1,5 @@
-"""Output folders of ``export``, ``quantize`` and ``merge``: checked before any heavy work, never emptied of a user's files.
+"""Output folders of ``export``, ``quantize`` and ``merge``: checked before any heavy work, never emptied of a user's
+files.
 
     refuse_overlap(out, {"base model": base})  # an output never replaces, deletes or sits inside an input
     check_output(out, overwrite=False)        # refuses a non-empty folder; fails now if `out` cannot be written
@@ -107,9 +108,8 @@ def replace_files(output: str | os.PathLike) -> Iterator[Path]:
         _fsync_files(target)
         for name in sorted(names, key=lambda n: (n in _LAST, _LAST.index(n) if n in _LAST else 0, n)):
             source, dest = target / name, output / name
-            if source.is_dir():
-                if dest.is_dir() and not dest.is_symlink():
-                    shutil.rmtree(dest)
+            if source.is_dir() and dest.is_dir() and not dest.is_symlink():
+                shutil.rmtree(dest)
             os.replace(source, dest)
         atomic.fsync_dir(output)
         for old in output.iterdir():

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 __all__ = ["load", "read_model_config", "recipe_model_config", "require_tokenizer"]
 
 
-def read_model_config(path: str | Path) -> "ModelConfig":
+def read_model_config(path: str | Path) -> ModelConfig:
     """The ModelConfig of a Hugging Face folder, a GGUF file or a run's model, without reading any weights."""
     path = resolve_model_and_adapter(path).model if Path(path).is_dir() else Path(path)
     if path.suffix == ".gguf":  # read_gguf maps tensor names and shapes; reads no tensor data
@@ -42,7 +42,7 @@ def read_model_config(path: str | Path) -> "ModelConfig":
     return read_config(path)
 
 
-def _check_vocabulary(path: str | Path, model_vocab_size: int, tokenizer: "Tokenizer") -> None:
+def _check_vocabulary(path: str | Path, model_vocab_size: int, tokenizer: Tokenizer) -> None:
     """Refuse a tokenizer with ids the model's embedding has no row for.
 
     Without this, the first such id is an IndexError deep inside the embedding.
@@ -52,21 +52,22 @@ def _check_vocabulary(path: str | Path, model_vocab_size: int, tokenizer: "Token
     if tokenizer.vocab_size > model_vocab_size:
         raise ModelError(
             f"{path}: the tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size is "
-            f"{model_vocab_size}; ids from {model_vocab_size} up have no embedding (mismatched tokenizer and model files?)"
+            f"{model_vocab_size}; ids from {model_vocab_size} up have no embedding "
+            "(mismatched tokenizer and model files?)"
         )
 
 
 def load(
     path: str | Path,
     adapter: str | Path | None = None,
-    dtype: "str | torch.dtype | None" = None,
-    device: "str | torch.device | None" = None,
+    dtype: str | torch.dtype | None = None,
+    device: str | torch.device | None = None,
     quantize: str | None = None,
     task: str | None = None,
     num_labels: int | None = None,
     pooling: str = "last",
     seed: int = 0,
-) -> "tuple[Transformer, Tokenizer | None]":
+) -> tuple[Transformer, Tokenizer | None]:
     """Load a model and its tokenizer from a Hugging Face folder, a GGUF file or a training run.
 
     `adapter` is a PEFT-format LoRA adapter folder applied on top. `quantize="nf4"`
@@ -104,7 +105,7 @@ def load(
     return model.eval(), tokenizer
 
 
-def require_tokenizer(tokenizer: "Tokenizer | None", model_path: str | Path) -> "Tokenizer":
+def require_tokenizer(tokenizer: Tokenizer | None, model_path: str | Path) -> Tokenizer:
     """``tokenizer``, or a ModelError naming the model folder when it has none (for what needs text)."""
     if tokenizer is None:
         raise ModelError(f"{model_path}: the model has no tokenizer (no tokenizer.json in the folder); copy the "
@@ -112,7 +113,7 @@ def require_tokenizer(tokenizer: "Tokenizer | None", model_path: str | Path) -> 
     return tokenizer
 
 
-def _folder_tokenizer(path: Path) -> "Tokenizer | None":
+def _folder_tokenizer(path: Path) -> Tokenizer | None:
     return Tokenizer.from_folder(path) if (path / "tokenizer.json").is_file() else None
 
 
@@ -127,8 +128,8 @@ def _seq_cls_adapter(adapter: str | Path | None) -> bool:
 
 
 def _load_model(
-    path: Path, dtype: "str | torch.dtype | None", device: "str | torch.device | None", quantize: str | None
-) -> "tuple[Transformer, Tokenizer | None]":
+    path: Path, dtype: str | torch.dtype | None, device: str | torch.device | None, quantize: str | None
+) -> tuple[Transformer, Tokenizer | None]:
     path = Path(path)
     device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, device)
@@ -155,7 +156,8 @@ def _load_model(
 
 
 def recipe_model_config(recipe: Any) -> ModelConfig:
-    """A recipe's ModelConfig without reading or drawing weights: from ``model.config`` (random init) or ``model.path``."""
+    """A recipe's ModelConfig without reading or drawing weights: from ``model.config`` (random init) or
+    ``model.path``."""
     if random_init.is_random(recipe):
         return random_init.model_config(recipe)
     return read_model_config(recipe.model.path)

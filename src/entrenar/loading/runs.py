@@ -67,8 +67,8 @@ def run_folder_of(path: str | Path) -> tuple[Path, str] | None:
     """(run folder, what ``path`` is in it) when ``path`` is a run, its ``best/``, a checkpoint, or an output.
 
     The kinds: "run", "best", "checkpoint", "adapter", "model" (``adapter/``, ``model/`` or ``quantized/``
-    of the run, ``adapter/`` or ``model/`` of its ``best/``). Only these positions count, so a model folder that happens to sit beside some
-    ``recipe.yaml`` is not mistaken for a run.
+    of the run, ``adapter/`` or ``model/`` of its ``best/``). Only these positions count, so a model folder that
+    happens to sit beside some ``recipe.yaml`` is not mistaken for a run.
     """
     path = Path(path)
     if is_run_folder(path):

@@ -68,7 +68,8 @@ def merge_adapters(cfg: MergeConfig, output: Path, dry_run: bool = False, seed: 
     from entrenar.adapters.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFIX
 
     if cfg.merge_method not in ADAPTER_METHODS:
-        raise ConfigError(f"{cfg.source}: merging adapters supports {', '.join(ADAPTER_METHODS)}, not {cfg.merge_method}")
+        raise ConfigError(f"{cfg.source}: merging adapters supports {', '.join(ADAPTER_METHODS)}, "
+                          f"not {cfg.merge_method}")
     if cfg.models is None:
         raise ConfigError(f"{cfg.source}: merging adapters takes models:, not slices:")
     spec = cfg.spec
@@ -96,7 +97,8 @@ def merge_adapters(cfg: MergeConfig, output: Path, dry_run: bool = False, seed: 
     for module, (n_out, n_in) in modules.items():
         weights, densities, gammas, epsilons = [], [], [], []
         for src, _, _, _ in inputs:
-            p = {k: _value(src.parameters, cfg.parameters, k, d, f"{module}.weight") for k, d in spec.tensor_params.items()}
+            p = {k: _value(src.parameters, cfg.parameters, k, d, f"{module}.weight")
+                 for k, d in spec.tensor_params.items()}
             if p.get("weight") is methods.REQUIRED:
                 raise ConfigError(f"{src.where}: {src.model} needs the parameter 'weight'")
             weights.append(float(p["weight"]))
@@ -133,7 +135,8 @@ def merge_adapters(cfg: MergeConfig, output: Path, dry_run: bool = False, seed: 
         tensors[f"{PEFT_PREFIX}{module}.lora_B.weight"] = b_new.to(out_dtype).contiguous()
 
     config = dict(inputs[0][1])
-    config.update(r=r_out, lora_alpha=r_out, use_rslora=False, target_modules=sorted({m.rsplit(".", 1)[-1] for m in modules}),
+    config.update(r=r_out, lora_alpha=r_out, use_rslora=False,
+                  target_modules=sorted({m.rsplit(".", 1)[-1] for m in modules}),
                   rank_pattern={}, alpha_pattern={}, lora_dropout=config.get("lora_dropout", 0.0))
 
     with replace_files(output) as tmp:

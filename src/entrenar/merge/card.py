@@ -16,7 +16,8 @@ from entrenar.merge.stream import GGUFInput, Input
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "chat_template.jinja", "vocab.json", "merges.txt", "added_tokens.json")
 CHATML = (
-    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 
@@ -29,7 +30,8 @@ def _tokenizer_ref(plan, vocab) -> str:
 
 
 def write_tokenizer(plan, inputs: dict[str, Input], vocab, folder: Path) -> None:
-    """Copy the tokenizer files of the tokenizer's source (adding a union's tokens), the chat template, generation config."""
+    """Copy the tokenizer files of the tokenizer's source (adding a union's tokens), the chat template and the
+    generation config."""
     source = inputs[_tokenizer_ref(plan, vocab)]
     if isinstance(source, GGUFInput):
         source.gguf.tokenizer.save(folder)

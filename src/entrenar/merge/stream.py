@@ -18,6 +18,7 @@ Inputs (:func:`open_input`):
 
 from __future__ import annotations
 
+import contextlib
 import json
 import mmap
 import struct
@@ -135,10 +136,8 @@ class SafetensorsFile:
     def close(self) -> None:
         if self._map is not None:
             self._drop_view()
-            try:
+            with contextlib.suppress(BufferError):  # a view is still alive: the map closes when it is collected
                 self._map.close()
-            except BufferError:  # a view is still alive: the map closes when it is collected
-                pass
             self._map = None
         if self._file is not None:
             self._file.close()
@@ -177,7 +176,8 @@ class ShardedWriter:
             self.shards[-1].append((name, info))
             size += info.nbytes
         n = len(self.shards)
-        self.names = ["model.safetensors"] if n == 1 else [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+        self.names = (["model.safetensors"] if n == 1
+                      else [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)])
         self._order = [(s, name, info) for s, shard in enumerate(self.shards) for name, info in shard]
         self._next = 0
         self._file: BinaryIO | None = None
@@ -197,7 +197,8 @@ class ShardedWriter:
         written = 0
         for part in parts:
             if tuple(part.shape[1:]) != info.shape[1:] or part.dtype != info.dtype:
-                raise ModelError(f"output tensor {name}: planned {info.shape} {info.dtype}, got {tuple(part.shape)} {part.dtype}")
+                raise ModelError(f"output tensor {name}: planned {info.shape} {info.dtype}, "
+                                 f"got {tuple(part.shape)} {part.dtype}")
             self._file.write(part.contiguous().reshape(-1).view(torch.uint8).numpy().data)
             written += part.numel() * part.element_size()
         if written != info.nbytes:
@@ -418,4 +419,5 @@ def open_input(path: Path, adapter: Path | None = None, reference: str | None = 
     return model
 
 
-__all__ = ["AdapterInput", "GGUFInput", "HFInput", "Input", "SafetensorsFile", "ShardedWriter", "TensorInfo", "open_input"]
+__all__ = ["AdapterInput", "GGUFInput", "HFInput", "Input", "SafetensorsFile", "ShardedWriter", "TensorInfo",
+           "open_input"]

@@ -178,11 +178,13 @@ def load_state_into(model: torch.nn.Module, tensors: Iterator[tuple[str, str, to
         if name not in params:
             if name.endswith("rotary_emb.inv_freq"):
                 continue  # older checkpoints store RoPE buffers; we compute them
-            raise ModelError(f"{source}/{file_name}: tensor '{name}' does not belong to a {model.config.model_type} model of this shape")
+            raise ModelError(f"{source}/{file_name}: tensor '{name}' does not belong to a "
+                             f"{model.config.model_type} model of this shape")
         target = params[name]
         if tuple(tensor.shape) != tuple(target.shape):
             raise ModelError(
-                f"{source}/{file_name}: tensor '{name}' has shape {tuple(tensor.shape)}, the model expects {tuple(target.shape)}"
+                f"{source}/{file_name}: tensor '{name}' has shape {tuple(tensor.shape)}, "
+                f"the model expects {tuple(target.shape)}"
             )
         with torch.no_grad():
             target.copy_(tensor)
@@ -191,7 +193,8 @@ def load_state_into(model: torch.nn.Module, tensors: Iterator[tuple[str, str, to
     missing = [n for n in expected if n not in seen and not (n in tied and any(t in seen for t in tied))]
     # A stacked expert tensor that came piece by piece: name the pieces that never came.
     missing = [m for n in missing
-               for m in ([d for d, (p, _, _) in pieces.items() if p == n and d not in seen] if n in pieces_left else [n])]
+               for m in ([d for d, (p, _, _) in pieces.items() if p == n and d not in seen]
+                         if n in pieces_left else [n])]
     if missing:
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
         raise ModelError(f"{source}: missing tensors {', '.join(missing[:5])}{more}")

@@ -1,6 +1,7 @@
-"""A model as a Hugging Face folder to use elsewhere: weights, config (with the dtype saved), tokenizer, generation config.
+"""A model as a Hugging Face folder to use elsewhere: weights, config (with the dtype saved), tokenizer and
+generation config.
 
-    save_model_folder(model, tokenizer, "out", base=Path("base-model"))   # what training, the quickstart and export write
+    save_model_folder(model, tokenizer, Path("out"), base=Path("base-model"))   # training, quickstart, export
 
 What a run writes at its end and what ``entrenar export`` writes are the same folder; export adds a GGUF file in it
 (:func:`entrenar.export.save_merged`), so the folder is written here, below both.

@@ -27,8 +27,8 @@ Everything else (embeddings, norms, the output head) is stored as usual.
 
 ``quant_method: "entrenar"`` is not a transformers method: transformers 5
 loads such a folder with the quantized layers freshly initialised (and says
-so in its load report), so read it with ``entrenar.load``. Loading checks every tensor's name, shape, dtype and range against the
-config, so a truncated or edited file is a :class:`QuantError` naming the
+so in its load report), so read it with ``entrenar.load``. Loading checks every tensor's name, shape, dtype and
+range against the config, so a truncated or edited file is a :class:`QuantError` naming the
 tensor and file, never a model that computes garbage.
 """
 
@@ -124,7 +124,7 @@ def quantization_config(
             if d.get("granularity") == "channel" and layers[name].in_features == group_size:
                 d.update(granularity="group", group_size=group_size)
     first, layout = next(iter(layers)), described[next(iter(layers))]
-    for name, layer in layers.items():
+    for name in layers:
         other = described[name]
         if other != layout:
             diff = next(k for k in _LAYOUT_KEYS if other.get(k) != layout.get(k))

@@ -37,7 +37,7 @@ class NF4Experts(Experts):
             self.add_module(str(e), expert)
 
     @classmethod
-    def from_experts(cls, experts: Experts, blocksize: int = 64, double_quant: bool = True) -> "NF4Experts":
+    def from_experts(cls, experts: Experts, blocksize: int = 64, double_quant: bool = True) -> NF4Experts:
         """Quantize a full-precision ``Experts`` module."""
         w = experts.gate_up_proj
         out = cls(experts.num_experts, experts.hidden_size, experts.intermediate_size, w.dtype, w.device,

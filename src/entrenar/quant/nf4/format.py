@@ -322,7 +322,8 @@ class NF4Linear(nn.Module):
     def load_full_weight(self, w: Tensor, name: str = "weight") -> None:
         """Quantize a full-precision weight into this layer's buffers (streamed loading: one tensor at a time)."""
         if tuple(w.shape) != (self.out_features, self.in_features):
-            raise QuantError(f"{name}: shape {tuple(w.shape)} does not fit NF4Linear({self.in_features} -> {self.out_features})")
+            raise QuantError(f"{name}: shape {tuple(w.shape)} does not fit "
+                             f"NF4Linear({self.in_features} -> {self.out_features})")
         if w.is_meta or self.weight_codes.is_meta:
             return  # a model built on the meta device: the shape is all there is to check
         device = self.quantize_on or self.weight_codes.device
