@@ -11,8 +11,9 @@ import pytest
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tasks"))
-from conftest import make_workspace  # noqa: E402  (tests/conftest.py)
 from workers import launch, train_worker  # noqa: E402
+
+from conftest import make_workspace  # noqa: E402  (tests/conftest.py)
 
 pytestmark = pytest.mark.timeout(120)
 

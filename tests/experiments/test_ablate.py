@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from entrenar.config import Recipe
+from entrenar.data import synth
 from entrenar.errors import ConfigError
 from entrenar.experiments import ablate as ab
-from entrenar.data import synth
 from entrenar.models import random_init as scratch
 from entrenar.models.transformer import Transformer
 
@@ -247,7 +247,8 @@ def test_routing_specialisation_is_measured_with_the_model_as_trained(ablation):
     want = {layer: [[0] * 4 for _ in range(4)] for layer, _ in moe_blocks(model)}
     for x, r in zip(examples, records):
         seen = {}
-        hooks = [router_of(b).register_forward_hook(lambda m, i, o, layer=layer: seen.__setitem__(layer, o[2]))
+        hooks = [router_of(b).register_forward_hook(
+                     lambda m, i, o, layer=layer, seen=seen: seen.__setitem__(layer, o[2]))
                  for layer, b in moe_blocks(model)]
         with torch.no_grad():
             model(torch.tensor([x.input_ids]))  # one record alone: no padding

@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from entrenar.kernels import apply_kernels
 from entrenar.adapters.lora import LoraConfig, apply_lora, lora_parameters
+from entrenar.kernels import apply_kernels
 from entrenar.models.config import ModelConfig
 from entrenar.models.transformer import Transformer
+from entrenar.quant.nf4.format import NF4Linear, quantize_model_nf4
 from entrenar.quant.nf4.sinks import nf4_sinks
 from entrenar.quant.nf4.streaming import stream_weights
-from entrenar.quant.nf4.format import NF4Linear, quantize_model_nf4
 from entrenar.train.cuda_graph import GraphedMicroStep
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="streams weights from CPU to GPU memory")

@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from entrenar.errors import AdapterError
 from entrenar.adapters.lora import LoraConfig, apply_lora, merge_lora
+from entrenar.errors import AdapterError
 from entrenar.models.hf import load_hf
-from entrenar.quant.nf4.sinks import nf4_sinks
 from entrenar.models.moe import moe_blocks
-from entrenar.quant.nf4.format import dequantize_nf4, quantize_nf4
 from entrenar.quant.nf4.experts import NF4Experts, quantize_experts_nf4
+from entrenar.quant.nf4.format import dequantize_nf4, quantize_nf4
+from entrenar.quant.nf4.sinks import nf4_sinks
 
 TARGETS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 

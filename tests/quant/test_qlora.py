@@ -11,9 +11,9 @@ from torch import nn
 import entrenar
 from entrenar.adapters.lora import LoraConfig, apply_lora, lora_parameters, merge_lora, unload_lora
 from entrenar.models.hf import load_hf
-from entrenar.quant.nf4.sinks import nf4_sinks
-from entrenar.quant.nf4.format import NF4Linear, quantize_model_nf4
 from entrenar.models.surgery import replace_module
+from entrenar.quant.nf4.format import NF4Linear, quantize_model_nf4
+from entrenar.quant.nf4.sinks import nf4_sinks
 
 
 def test_streamed_nf4_load_equals_quantizing_after_load(hf_folder):
@@ -81,8 +81,8 @@ def test_adapters_on_a_quantized_base_are_built_without_dequantizing_it(hf_folde
     """LoRA reads the base's dtype and device from an empty tensor beside its codes: dequantizing every layer
     just to read them made an FSDP run's rank 0 spend minutes building a 70B NF4 base on its CPU."""
     from entrenar.quant import int as int_quant
-    from entrenar.quant.nf4 import format as nf4
     from entrenar.quant.int import QuantLinear
+    from entrenar.quant.nf4 import format as nf4
 
     folder, _ = hf_folder("llama")
     model = load_hf(folder, sinks=nf4_sinks, dtype=torch.bfloat16)
