@@ -19,6 +19,7 @@ from entrenar.device import interpreting, triton_available, use_triton
 __all__ = ["autocast_dtype", "autocast_inputs", "call_op", "cdiv", "interpreting", "next_power_of_2",
            "triton_available", "use_triton"]
 
+
 def next_power_of_2(n: int) -> int:
     return 1 << (max(1, n) - 1).bit_length()
 
