@@ -49,13 +49,13 @@ def build_row(row: str, folder: Path, recipe):
             return loss.detach()
     else:
         from entrenar import tasks
+        from entrenar.data import padding_free
         from entrenar.evaluation.loss import autocast_for
         from entrenar.kernels import apply_kernels
         from entrenar.kernels.fused_linear_ce import fused_linear_cross_entropy
-        from entrenar.train.memory import FUSED_LOSS_CHUNK
-        from entrenar.train.loop import build_model
-        from entrenar.data import padding_free
         from entrenar.models.loss import token_cross_entropy
+        from entrenar.train.loop import build_model
+        from entrenar.train.memory import FUSED_LOSS_CHUNK
 
         model, _ = build_model(recipe, tasks.for_recipe(recipe), "float32", torch.device("cpu"), None)
         kernels = row.startswith("entk")

@@ -201,8 +201,8 @@ def make_model_folder(shape: str, vocab: int, seq: int, tokenizer_dir: Path, fol
 def recipe_for(case: dict, folder: Path, text: Path, run_dir: Path, fast: bool) -> dict:
     """The recipe a user would write for the case (fast: plus the documented fast settings)."""
     training = {"max_steps": case["steps"], "batch_size": case["batch"], "grad_accum": 1, "max_grad_norm": 1.0,
-                "precision": case.get("precision", "bf16"), "activation_checkpointing": case["ckpt"], "kernels": "auto", "seed": 0,
-                "eval_every": 0, "save_every": 0, "log_every": 1}
+                "precision": case.get("precision", "bf16"), "activation_checkpointing": case["ckpt"], "kernels": "auto",
+                "seed": 0, "eval_every": 0, "save_every": 0, "log_every": 1}
     if fast:
         training.update(case["fast"])
         if device() == "cpu" and training.get("adapter_math") == "bf16":

@@ -76,7 +76,8 @@ def write_checkpoint(folder: Path, seed: int, layers: int, hidden: int, inter: i
 def config_for(method: str, a: Path, b: Path) -> dict:
     if method == "linear":
         return {"merge_method": "linear", "dtype": "bfloat16",
-                "models": [{"model": str(a), "parameters": {"weight": 0.5}}, {"model": str(b), "parameters": {"weight": 0.5}}]}
+                "models": [{"model": str(a), "parameters": {"weight": 0.5}},
+                           {"model": str(b), "parameters": {"weight": 0.5}}]}
     return {"merge_method": method, "base_model": str(a), "dtype": "bfloat16",
             "models": [{"model": str(b), "parameters": {"weight": 1.0, "density": 0.5}}]}
 
@@ -105,7 +106,8 @@ def main() -> None:
     parser.add_argument("--methods", default="linear,ties,dare_ties")
     parser.add_argument("--mergekit", default=None, metavar="PATH", help="mergekit-yaml executable to compare with")
     parser.add_argument("--threads", type=int, default=None, help="OMP/torch threads for both tools (default: all)")
-    parser.add_argument("--repeat", type=int, default=1, help="runs of each tool per method, alternating (medians reported)")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="runs of each tool per method, alternating (medians reported)")
     parser.add_argument("--workdir", default=None, help="where the checkpoints go (default: a temp folder)")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "merge.json"))
     args = parser.parse_args()
@@ -123,9 +125,9 @@ def main() -> None:
     for method in args.methods.split(","):
         cfg = work / f"{method}.yml"
         cfg.write_text(json.dumps(config_for(method, a, b)))  # JSON is YAML
-        tools = [("entrenar", work / f"out-entrenar-{method}", [sys.executable, "-m", "entrenar.cli.main", "merge", str(cfg),
-                                                                 "--output", str(work / f"out-entrenar-{method}"), "--quiet",
-                                                                 "--seed", "0"])]
+        tools = [("entrenar", work / f"out-entrenar-{method}",
+                  [sys.executable, "-m", "entrenar.cli.main", "merge", str(cfg),
+                   "--output", str(work / f"out-entrenar-{method}"), "--quiet", "--seed", "0"])]
         if args.mergekit:
             tools.append(("mergekit", work / f"out-mergekit-{method}",
                           [args.mergekit, str(cfg), str(work / f"out-mergekit-{method}"), "--no-copy-tokenizer",
@@ -135,7 +137,8 @@ def main() -> None:
                 shutil.rmtree(out, ignore_errors=True)  # each run writes a fresh folder
                 result = measure(cmd, env)
                 rows.append({"method": method, "tool": tool, "run": run, **result})
-                print(f"{method:10s} {tool:9s} run {run}  wall {result['seconds']:7.1f} s  CPU {result['cpu_seconds']:7.1f} s  "
+                print(f"{method:10s} {tool:9s} run {run}  wall {result['seconds']:7.1f} s  "
+                      f"CPU {result['cpu_seconds']:7.1f} s  "
                       f"peak RSS {result['peak_rss_gib']:.2f} GiB", flush=True)
         medians = {tool: {key: statistics.median(r[key] for r in rows if r["method"] == method and r["tool"] == tool)
                           for key in ("seconds", "cpu_seconds", "peak_rss_gib")} for tool, _, _ in tools}

@@ -76,12 +76,13 @@ import torch
 from torch import nn
 
 from entrenar.adapters.lora import LoraConfig, apply_lora
-from entrenar.train.memory import FUSED_LOSS_CHUNK, GiB, estimate_training_memory
-from entrenar.train.cuda_graph import GraphedMicroStep
 from entrenar.models.config import ModelConfig
 from entrenar.models.hf import empty_model
-from entrenar.quant.nf4.format import NF4Linear
 from entrenar.models.loss import chunked_cross_entropy, token_cross_entropy
+from entrenar.quant.nf4.format import NF4Linear
+from entrenar.quant.nf4.sinks import nf4_sinks
+from entrenar.train.cuda_graph import GraphedMicroStep
+from entrenar.train.memory import FUSED_LOSS_CHUNK, GiB, estimate_training_memory
 
 BATCH, SEQ, LORA_R, LORA_ALPHA, LR = 2, 2048, 16, 32, 1e-4
 CHUNK = 1024  # tokens per logits chunk in the chunked / fused losses
@@ -205,7 +206,7 @@ def init_parameters(model: nn.Module) -> None:
 
 
 def build_entrenar(row: Row) -> nn.Module:
-    model = empty_model(CONFIG, torch.bfloat16, DEVICE, quantize="nf4" if row.base == "nf4" else None)
+    model = empty_model(CONFIG, torch.bfloat16, DEVICE, nf4_sinks if row.base == "nf4" else None)
     init_parameters(model)
     for name, layer in model.named_modules():
         if isinstance(layer, NF4Linear):  # quantized one layer at a time, as weights stream in
@@ -375,7 +376,8 @@ def replay_timeline(replay: Callable[[], object]) -> dict:
         torch.cuda.synchronize()
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
-        trace = json.load(open(f.name))
+        with open(f.name) as saved:
+            trace = json.load(saved)
     events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
     copies_ms = sum(e["dur"] for e in events if e.get("cat") == "gpu_memcpy") / 1e3
     # Kernels only: copies run beside them on their own engines (offloaded activations).
@@ -392,7 +394,8 @@ def replay_timeline(replay: Callable[[], object]) -> dict:
     buckets = {"<2us": (0, 2), "2-5us": (2, 5), "5-20us": (5, 20), "20-100us": (20, 100), ">=100us": (100, 1e12)}
     return {"replay_ms_events": start.elapsed_time(end), "span_ms": (reach - ops[0][0]) / 1e3,
             "busy_ms": busy / 1e3, "device_ops": len(ops), "copies_ms": copies_ms,
-            "gaps": {k: [sum(1 for g in gaps if lo <= g[0] < hi), round(sum(g[0] for g in gaps if lo <= g[0] < hi) / 1e3, 3)]
+            "gaps": {k: [sum(1 for g in gaps if lo <= g[0] < hi),
+                         round(sum(g[0] for g in gaps if lo <= g[0] < hi) / 1e3, 3)]
                      for k, (lo, hi) in buckets.items()},
             "largest_gaps_us": [(round(g[0], 1), g[1][:70], g[2][:70]) for g in sorted(gaps, reverse=True)[:12]]}
 
@@ -416,7 +419,7 @@ def run_row(name: str, row: Row, batches: list[torch.Tensor], profile: bool) -> 
     torch.cuda.reset_peak_memory_stats()
 
     def forward_backward(inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-        loss = step(model, inputs["ids"])
+        loss = step(model, inputs["ids"])  # noqa: F821 - bound when called (pyflakes sees the later `del model`)
         loss.backward()
         return loss.detach()
 
@@ -445,7 +448,7 @@ def run_row(name: str, row: Row, batches: list[torch.Tensor], profile: bool) -> 
             result.profile = {"error": f"{type(err).__name__}: {err}"[:300]}
         if row.cuda_graph:
             try:
-                result.profile["graph_replay"] = replay_timeline(lambda: run({"ids": batches[0]}))
+                result.profile["graph_replay"] = replay_timeline(lambda: run({"ids": batches[0]}))  # noqa: F821
             except Exception as err:
                 result.profile["graph_replay"] = {"error": f"{type(err).__name__}: {err}"[:300]}
     del model, opt, params, loss, run
@@ -494,7 +497,8 @@ def print_report(results: list[Result], est: dict) -> None:
             print(f"profile {r.row}: {r.profile['ms_total']:.1f} ms of kernels ({kinds})")
         replay = (r.profile or {}).get("graph_replay")
         if replay and "span_ms" in replay:
-            print(f"  graph replay {r.row}: {replay['replay_ms_events']:.1f} ms (events), span {replay['span_ms']:.1f}, "
+            print(f"  graph replay {r.row}: {replay['replay_ms_events']:.1f} ms (events), "
+                  f"span {replay['span_ms']:.1f}, "
                   f"busy {replay['busy_ms']:.1f}, copies {replay['copies_ms']:.1f}, {replay['device_ops']} kernels, "
                   f"gaps [count, ms] {replay['gaps']}")
 

@@ -53,8 +53,8 @@ import os
 import platform
 import statistics
 import sys
-import types
 import time
+import types
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -64,11 +64,11 @@ import torch
 from torch import nn
 
 from entrenar.adapters.lora import LoraConfig, apply_lora
-from entrenar.train.memory import FUSED_LOSS_CHUNK
 from entrenar.models.config import ModelConfig
+from entrenar.models.loss import chunked_cross_entropy
 from entrenar.models.transformer import Transformer
 from entrenar.train.cuda_graph import GraphedMicroStep
-from entrenar.models.loss import chunked_cross_entropy
+from entrenar.train.memory import FUSED_LOSS_CHUNK
 
 LOSS_CHUNK = FUSED_LOSS_CHUNK  # tokens per chunk of the kernels rows' fused loss (--loss-chunk)
 
@@ -193,7 +193,8 @@ def make_batches(n: int, batch: int, seq: int, vocab: int, device: str, seed: in
 def make_document_batches(n: int, batch: int, seq: int, vocab: int, device: str, padding_free: bool,
                           seed: int = 1234) -> list[dict]:
     """Rows packed by entrenar's BatchStream with random documents of 64-1024 tokens (labels = inputs)."""
-    from entrenar.data import BatchStream, Example, padding_free as flatten
+    from entrenar.data import BatchStream, Example
+    from entrenar.data import padding_free as flatten
 
     g = torch.Generator().manual_seed(seed)
     examples = []
@@ -398,7 +399,7 @@ def run_row(case_name: str, case: Case, row: str, device: str, dtype: torch.dtyp
     graphed_step = None
     if graphed:
         def forward_backward(inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-            loss = step_loss(model, inputs["ids"])
+            loss = step_loss(model, inputs["ids"])  # noqa: F821 - bound when called (pyflakes sees `del model`)
             loss.backward()
             return loss.detach()
 

@@ -82,7 +82,7 @@ def peak_rss(args: list[str], env: dict) -> tuple[int, float, str]:
 
 def estimate(args: list[str], env: dict) -> tuple[float, str]:
     out = subprocess.run(args + ["--dry-run"], capture_output=True, text=True, env=env, check=True).stdout
-    line = next(l for l in out.splitlines() if l.startswith("memory estimate"))
+    line = next(text for text in out.splitlines() if text.startswith("memory estimate"))
     return float(re.search(r"([\d.]+) GiB", line).group(1)) * 2**30, line
 
 

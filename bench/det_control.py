@@ -18,10 +18,10 @@ sys.path[:0] = ["tests", "tests/train"]  # the GPU test's workspace and recipe, 
 
 
 def main() -> None:
-    from conftest import make_workspace
     from test_deterministic_gpu import adapters, long_documents, records, same
     from test_loop import recipe_for
 
+    from conftest import make_workspace
     from entrenar.train.loop import train
 
     p = argparse.ArgumentParser()

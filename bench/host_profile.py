@@ -14,9 +14,8 @@ import pstats
 import sys
 import time
 
-import torch
-
 import bench_qlora as bq
+import torch
 
 
 def main() -> None:

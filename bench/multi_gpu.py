@@ -65,14 +65,15 @@ def make_nf4_folder(shape: str, vocab: int, seq: int, tokenizer_dir: Path, folde
         return folder
     import torch
 
+    from entrenar.data.tokenizer import Tokenizer
     from entrenar.models.hf import empty_model
     from entrenar.quant.checkpoint import save_quantized
     from entrenar.quant.nf4.format import NF4Linear
-    from entrenar.data.tokenizer import Tokenizer
+    from entrenar.quant.nf4.sinks import nf4_sinks
 
     dev = bench_e2e.device()
     config = bench_e2e.shape_config(shape, vocab, seq, tiny)
-    model = empty_model(config, torch.bfloat16, dev, quantize="nf4")
+    model = empty_model(config, torch.bfloat16, dev, nf4_sinks)
     gen = torch.Generator(dev).manual_seed(0)
     with torch.no_grad():
         for name, module in model.named_modules():
@@ -170,7 +171,8 @@ def scaling(args, recipe: Path, work: Path) -> list[dict]:
         if row["status"] == "ok" and results and results[0].get("status") == "ok":
             base = results[0]
             row["efficiency"] = round(row["tokens_per_s"] / (base["tokens_per_s"] / base["gpus"] * n), 3)
-            row["efficiency_median"] = round(row["tokens_per_s_median"] / (base["tokens_per_s_median"] / base["gpus"] * n), 3)
+            per_gpu = base["tokens_per_s_median"] / base["gpus"]
+            row["efficiency_median"] = round(row["tokens_per_s_median"] / (per_gpu * n), 3)
         print(json.dumps({k: v for k, v in row.items() if k != "losses"}), flush=True)
         results.append({"parallel": args.parallel, **row})
     return results
@@ -217,7 +219,8 @@ def weights(run_dir: Path) -> dict:
 
 def compare(a: dict, b: dict) -> dict:
     if a.keys() != b.keys():
-        return {"same_names": False, "only_a": sorted(a.keys() - b.keys())[:5], "only_b": sorted(b.keys() - a.keys())[:5]}
+        return {"same_names": False, "only_a": sorted(a.keys() - b.keys())[:5],
+                "only_b": sorted(b.keys() - a.keys())[:5]}
     worst = max(((a[k].float() - b[k].float()).abs().max().item(), k) for k in a)
     scale = max(a[k].float().abs().max().item() for k in a)
     return {"same_names": True, "tensors": len(a), "bitwise_equal": all(a[k].equal(b[k]) for k in a),

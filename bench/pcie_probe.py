@@ -84,7 +84,8 @@ def main(argv: list[str] | None = None) -> None:
         to_cpu(3 * args.reps)  # longer than the products: they run beside copies throughout
     beside = _timed(matmuls)
     flops = products * 2 * 8192**3
-    result.update(matmul_tflops_alone=flops / (alone / 1e3) / 1e12, matmul_tflops_beside_copies=flops / (beside / 1e3) / 1e12,
+    result.update(matmul_tflops_alone=flops / (alone / 1e3) / 1e12,
+                  matmul_tflops_beside_copies=flops / (beside / 1e3) / 1e12,
                   device=torch.cuda.get_device_name(), torch=torch.__version__)
     print(json.dumps(result, indent=1))
     with open(args.out, "w") as f:

@@ -31,11 +31,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--trace", default="", help="write a Chrome trace here")
     args = p.parse_args(argv)
 
-    import torch
+    from bench_e2e import CASES, make_model_folder, recipe_for
     from torch.optim.optimizer import register_optimizer_step_post_hook
     from torch.profiler import ProfilerActivity, profile, schedule
 
-    from bench_e2e import CASES, make_model_folder, recipe_for
     from entrenar.config import load_recipe
     from entrenar.train.loop import train
 

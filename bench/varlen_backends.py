@@ -40,7 +40,8 @@ def document_lengths(text: str, tokenizer: str, limit: int = 4000) -> list[int]:
 
 
 def pack(lengths: list[int], rows: int, row_len: int, rng: random.Random) -> list[int]:
-    """Segment lengths over ``rows`` rows read end to end: documents best-fit into rows, each row's rest a padding run."""
+    """Segment lengths over ``rows`` rows read end to end: documents best-fit into rows, each row's rest a padding
+    run."""
     fill = [[] for _ in range(rows)]
     pool = [min(n, row_len) for n in rng.sample(lengths, len(lengths))]
     for n in pool:
@@ -86,7 +87,8 @@ def main() -> None:
     p.add_argument("--row-len", type=int, default=2048)
     p.add_argument("--capacity", type=int, default=0, help="graph layout's segment count (0: 1.25x the batch's)")
     p.add_argument("--cudnn-ragged", action="store_true",
-                   help="also aten._cudnn_attention_forward with cum_seq (torch 2.11: rebuilds its plan every call, 50-80 ms, "
+                   help="also aten._cudnn_attention_forward with cum_seq (torch 2.11: rebuilds its plan every call, "
+                        "50-80 ms, "
                         "and its backward's gradients are wrong)")
     p.add_argument("--capture", action="store_true", help="also time forward and backward replayed from a CUDA graph")
     p.add_argument("--out", default="")
@@ -116,7 +118,8 @@ def main() -> None:
     mask_ms = median_ms(lambda: create_block_mask(document_causal, args.rows, None, args.row_len, args.row_len,
                                                   device="cuda"), reps=10, warmup=2)
     print(f"block mask: {block_mask.sparsity():.1f}% sparse, built in {mask_ms:.2f} ms", flush=True)
-    results = {"block_mask_sparsity": block_mask.sparsity(), "block_mask_ms": mask_ms, "segments": segments, "capacity": capacity, "torch": torch.__version__,
+    results = {"block_mask_sparsity": block_mask.sparsity(), "block_mask_ms": mask_ms, "segments": segments,
+               "capacity": capacity, "torch": torch.__version__,
                "cudnn": torch.backends.cudnn.version(), "gpu": torch.cuda.get_device_name(), "rows": []}
 
     for shape, (hq, hk, d) in SHAPES.items():

@@ -11,7 +11,8 @@ import torch
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # inherited by subprocesses the tests start
 torch.set_num_threads(1)
 
-TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            vocab_size=128)
 
 # family name -> (config class name, model class name, extra config kwargs)
 FAMILIES = {
@@ -124,10 +125,12 @@ def make_workspace(tmp_path):
 
 # MoE families: (config class name, model class name, extra config kwargs); small enough for CPU tests.
 MOE_FAMILIES = {
-    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32)),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM",
+                dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32)),
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
-                  dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
-                       norm_topk_prob=False, num_hidden_layers=3, mlp_only_layers=[0])),
+                  dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                       shared_expert_intermediate_size=48, norm_topk_prob=False, num_hidden_layers=3,
+                       mlp_only_layers=[0])),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
                   dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=32, norm_topk_prob=True,
                        num_hidden_layers=3, decoder_sparse_step=2)),

@@ -13,11 +13,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "data"))
 from tiny_chat_tokenizer import CHATML, chat_backend, chat_tokenizer
 
 from entrenar.data import tokenize_records
+from entrenar.data.tokenizer import Tokenizer
 from entrenar.evaluation.loss import evaluate_file
 from entrenar.models.config import ModelConfig
-from entrenar.models.transformer import Transformer
-from entrenar.data.tokenizer import Tokenizer
 from entrenar.models.loss import token_cross_entropy
+from entrenar.models.transformer import Transformer
 
 CONVERSATIONS = [
     [{"role": "user", "content": "What is the capital of France?"}, {"role": "assistant", "content": "Paris."}],

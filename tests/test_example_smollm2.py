@@ -83,7 +83,8 @@ def _read_jsonl(path: Path) -> list[dict]:
 
 
 def test_wheel_conversations_become_alternating_messages_without_duplicates_or_trailing_user_turns(tmp_path, capsys):
-    corpus = _wheel(tmp_path, {"english/sample.yml": SAMPLE, "french/other.yml": "conversations:\n- - Salut\n  - Salut\n"})
+    corpus = _wheel(tmp_path, {"english/sample.yml": SAMPLE,
+                               "french/other.yml": "conversations:\n- - Salut\n  - Salut\n"})
     code = prep.main(["--corpus", str(corpus), "--out", str(tmp_path / "out"), "--validation-fraction", "0",
                       "--on-error", "skip"])
     assert code == 0

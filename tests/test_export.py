@@ -17,9 +17,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import entrenar
+from entrenar.adapters.lora import LoraConfig, apply_lora, lora_layers, save_adapter
 from entrenar.errors import AdapterError, ConfigError, ModelError, QuantError
 from entrenar.export import export
-from entrenar.adapters.lora import LoraConfig, apply_lora, lora_layers, save_adapter
 from entrenar.export.gguf_write import write_gguf
 from entrenar.models.hf import load_hf
 

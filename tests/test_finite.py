@@ -6,11 +6,11 @@ import pytest
 import torch
 
 import entrenar
-from entrenar.io import finite
+from entrenar.adapters.lora import LoraConfig, apply_lora, save_adapter
 from entrenar.errors import AdapterError, CheckpointError, ModelError
 from entrenar.export import save_merged
-from entrenar.adapters.lora import LoraConfig, apply_lora, save_adapter
 from entrenar.export.gguf_write import write_gguf
+from entrenar.io import finite
 from entrenar.models.hf import save_hf
 from entrenar.train.checkpoint import latest_checkpoint, save_checkpoint
 
@@ -37,8 +37,8 @@ def test_model_writers_refuse_nan_weights_and_write_nothing(workspace):
     writers = [lambda: save_hf(model, out / "hf"), lambda: save_merged(model, tokenizer, out / "merged"),
                lambda: write_gguf(model, tokenizer, out / "m.gguf", "f16")]
     for write, target in zip(writers, ["hf", "merged", "m.gguf"]):
-        with pytest.raises(ModelError, match=rf"^{out / target}: tensor '{BAD}' holds 1 non-finite value\(s\) \(NaN/inf\); nothing was "
-                                             "written"):
+        with pytest.raises(ModelError, match=rf"^{out / target}: tensor '{BAD}' holds 1 non-finite value\(s\) "
+                                             r"\(NaN/inf\); nothing was written"):
             write()
         assert not out.exists() or list(out.iterdir()) == []
 

@@ -15,8 +15,14 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from conftest import FAMILIES, make_hf_model
 from gguf import GGMLQuantizationType as Q
+
+import entrenar
+from conftest import FAMILIES, make_hf_model
+from entrenar.data.tokenizer import Tokenizer
+from entrenar.errors import ModelError
+from entrenar.models.config import ModelConfig
+from entrenar.models.gguf import llama3_rope_scaling_from_divisors, load_gguf, read_gguf, unpermute_rope_rows
 from gguf_fixtures import (
     SAMPLE_TEXTS,
     USER_TOKEN,
@@ -28,12 +34,6 @@ from gguf_fixtures import (
     train_byte_level_tokenizer,
     write_gguf,
 )
-
-import entrenar
-from entrenar.errors import ModelError
-from entrenar.models.config import ModelConfig
-from entrenar.models.gguf import llama3_rope_scaling_from_divisors, load_gguf, read_gguf, unpermute_rope_rows
-from entrenar.data.tokenizer import Tokenizer
 
 SPECIAL_IDS = {"bos": 1, "eos": 2, "pad": 2}  # <|im_start|>, <|im_end|>, as SmolLM2's file says
 CHAT_TEMPLATE = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gguf_fixtures import byte_level_vocab, train_byte_level_tokenizer, write_moe_gguf
 
 from conftest import make_hf_model
 from entrenar.models.gguf import load_gguf, read_gguf
 from entrenar.models.moe import moe_blocks
+from gguf_fixtures import byte_level_vocab, train_byte_level_tokenizer, write_moe_gguf
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])

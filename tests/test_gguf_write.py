@@ -15,19 +15,19 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from conftest import make_hf_model
 from gguf import GGMLQuantizationType as Q
-from gguf_fixtures import SAMPLE_TEXTS, permute, train_byte_level_tokenizer
 
 import entrenar
-from entrenar.errors import ModelError, QuantError
+from conftest import make_hf_model
 from entrenar.adapters.lora import LoraConfig, apply_lora
+from entrenar.data.tokenizer import Tokenizer
+from entrenar.errors import ModelError, QuantError
+from entrenar.export.gguf_write import permute_rope_rows, tokenizer_metadata, write_gguf
 from entrenar.models.config import ModelConfig
 from entrenar.models.gguf import read_gguf, unpermute_rope_rows
-from entrenar.export.gguf_write import permute_rope_rows, tokenizer_metadata, write_gguf
 from entrenar.models.hf import load_hf
 from entrenar.quant.int import dequantize_q4_0, dequantize_q8_0, quantize_q4_0, quantize_q8_0
-from entrenar.data.tokenizer import Tokenizer
+from gguf_fixtures import SAMPLE_TEXTS, permute, train_byte_level_tokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "data"))
 from tiny_chat_tokenizer import BOS, CHATML, EOS, chat_backend, chat_tokenizer  # noqa: E402

@@ -23,7 +23,8 @@ def test_a_tokenizer_larger_than_the_vocabulary_is_a_model_error(hf_folder):
         entrenar.load(folder, device="cpu")
     message = str(err.value)
     assert message.startswith(f"{folder}: ")
-    assert f"the tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size is {tokenizer.vocab_size - 5}" in message
+    assert (f"the tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size is "
+            f"{tokenizer.vocab_size - 5}") in message
 
 
 def test_a_padded_vocabulary_loads_and_every_token_embeds(hf_folder):

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import conftest
-
 import copy
 import math
 
@@ -11,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from entrenar.errors import AdapterError
+import conftest
 from entrenar.adapters.lora import (
     LoraConfig,
     LoraLinear,
@@ -24,6 +22,7 @@ from entrenar.adapters.lora import (
     unload_lora,
     unmerge_lora,
 )
+from entrenar.errors import AdapterError
 
 transformers = pytest.importorskip("transformers")
 

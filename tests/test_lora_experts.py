@@ -7,8 +7,15 @@ import json
 import pytest
 import torch
 
-from entrenar.adapters.lora import LoraConfig, apply_lora, load_adapter, lora_state_dict, merge_lora, save_adapter, unload_lora
 from entrenar.adapters.experts import LoraExpertWeights
+from entrenar.adapters.lora import (
+    LoraConfig,
+    apply_lora,
+    load_adapter,
+    lora_state_dict,
+    save_adapter,
+    unload_lora,
+)
 from entrenar.models.hf import load_hf
 from entrenar.models.moe import set_experts_implementation
 

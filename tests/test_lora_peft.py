@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import conftest
-
 import copy
 import json
 import warnings
@@ -14,8 +12,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+import conftest
 from entrenar.adapters import lora
-from entrenar.errors import AdapterError
 from entrenar.adapters.lora import (
     LoraConfig,
     apply_lora,
@@ -23,6 +21,7 @@ from entrenar.adapters.lora import (
     lora_layers,
     save_adapter,
 )
+from entrenar.errors import AdapterError
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")

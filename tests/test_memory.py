@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from entrenar.train.memory import NF4_BYTES_PER_PARAM, estimate_training_memory, lora_params
 from entrenar.models.config import ModelConfig
 from entrenar.models.transformer import Transformer
+from entrenar.train.memory import NF4_BYTES_PER_PARAM, estimate_training_memory, lora_params
 
 CONFIG = ModelConfig(vocab_size=256, hidden_size=128, intermediate_size=352, num_layers=3, num_heads=4,
                      num_kv_heads=2, qk_norm=True, model_type="qwen3")
@@ -60,8 +60,8 @@ LLAMA = CONFIG.replace(qk_norm=False, model_type="llama")
 
 
 def _lora_with_kernels(config: ModelConfig, dtype: torch.dtype, checkpointing: bool) -> Transformer:
-    from entrenar.kernels import apply_kernels
     from entrenar.adapters.lora import LoraConfig, apply_lora
+    from entrenar.kernels import apply_kernels
 
     model = Transformer(config).to(dtype)
     model.reset_parameters()

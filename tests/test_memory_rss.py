@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from entrenar.train.memory import GiB, estimate_training_memory
 from entrenar.models.config import ModelConfig
+from entrenar.train.memory import GiB, estimate_training_memory
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 # Wide enough that the step (logits, activations, autocast copies), not the runtime, is most of the peak.

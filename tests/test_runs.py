@@ -22,14 +22,14 @@ IDS = torch.tensor([[3, 7, 11, 2, 5]])
 
 
 def make_run(ws, *overrides):
-    text = f"""
-model: {{path: model, device: cpu}}
-data: {{train: train.jsonl, seq_len: 32, validation_split: 0.2, train_on: completion, add_eos: false}}
-lora: {{r: 4, alpha: 8, dropout: 0.0, target_modules: all-linear}}
-optimizer: {{lr: 1.0e-2}}
-schedule: {{warmup_steps: 1}}
-training: {{max_steps: 4, batch_size: 2, eval_every: 2, save_every: 2, log_every: 1}}
-output: {{dir: runs}}
+    text = """
+model: {path: model, device: cpu}
+data: {train: train.jsonl, seq_len: 32, validation_split: 0.2, train_on: completion, add_eos: false}
+lora: {r: 4, alpha: 8, dropout: 0.0, target_modules: all-linear}
+optimizer: {lr: 1.0e-2}
+schedule: {warmup_steps: 1}
+training: {max_steps: 4, batch_size: 2, eval_every: 2, save_every: 2, log_every: 1}
+output: {dir: runs}
 """
     (ws / "recipe.yaml").write_text(text)  # beside model/: a project folder, not a run
     cwd = os.getcwd()

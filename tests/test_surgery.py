@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import conftest
-
 import pytest
 from torch import nn
 
+import conftest
 from entrenar.errors import AdapterError, ModelError
 from entrenar.models.surgery import find_linears, is_linear, named_linears, replace_module
 

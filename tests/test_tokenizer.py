@@ -8,8 +8,8 @@ import pytest
 from tokenizers import Tokenizer as Backend
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
-from entrenar.errors import DataError, ModelError
 from entrenar.data.tokenizer import Tokenizer
+from entrenar.errors import DataError, ModelError
 
 SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
 CORPUS = [

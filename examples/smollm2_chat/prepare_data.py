@@ -71,7 +71,8 @@ def read_corpus(path: str | Path, language: str = "english") -> list[tuple[str, 
             found = sorted(p for p in path.iterdir() if p.suffix in YAML_SUFFIXES)
         files = [(f"{p.parent.name}/{p.name}", p.read_bytes()) for p in found]
     elif path.exists():
-        raise DataError(f"{path}: not a zip/wheel or a folder (pass the chatterbot-corpus wheel or its extracted folder)")
+        raise DataError(f"{path}: not a zip/wheel or a folder "
+                        "(pass the chatterbot-corpus wheel or its extracted folder)")
     else:
         raise DataError(f"{path}: no such file or folder")
     if not files:
@@ -230,7 +231,8 @@ def prepare(corpus: str | Path, out: str | Path, *, language: str = "english", v
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--corpus", required=True, help="chatterbot-corpus wheel/zip, or the folder it was extracted to")
+    parser.add_argument("--corpus", required=True,
+                        help="chatterbot-corpus wheel/zip, or the folder it was extracted to")
     parser.add_argument("--out", required=True, help="folder for train.jsonl and validation.jsonl")
     parser.add_argument("--language", default="english", help="corpus language folder (default: english)")
     parser.add_argument("--validation-fraction", type=float, default=0.1, help="share of conversations held out")

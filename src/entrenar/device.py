@@ -1,28 +1,32 @@
-"""Which device and dtype a run or a load uses: one table of dtype names, one of safetensors' dtype codes, one
-rule for ``auto``."""
+"""Which device and dtype a run or a load uses: one table of dtype names, one rule for ``auto``; and whether
+Triton kernels run on given tensors.
+
+The CLI builds its ``--dtype`` choices from :data:`DTYPES` before it imports torch (``entrenar --help`` stays
+instant), so torch is imported by the functions that need it.
+"""
 
 from __future__ import annotations
 
-import torch
+import importlib.util
+import os
+from typing import TYPE_CHECKING
 
 from entrenar.errors import ConfigError
 
-__all__ = ["DTYPES", "SAFETENSORS_DTYPES", "resolve_device", "resolve_dtype"]
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["DTYPES", "interpreting", "resolve_device", "resolve_dtype", "triton_available", "use_triton"]
 
 # The weight dtypes a user may name (library and CLI), each to its torch dtype's name; "auto" is handled apart.
-DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16"}
-
-# safetensors' dtype codes, those this PyTorch has (the float8 and wide unsigned types are recent); every reader
-# and writer of safetensors headers goes through this one table.
-SAFETENSORS_DTYPES: dict[str, torch.dtype] = {code: getattr(torch, name) for code, name in (
-    ("F64", "float64"), ("F32", "float32"), ("F16", "float16"), ("BF16", "bfloat16"), ("I64", "int64"),
-    ("I32", "int32"), ("I16", "int16"), ("I8", "int8"), ("U64", "uint64"), ("U32", "uint32"), ("U16", "uint16"),
-    ("U8", "uint8"), ("BOOL", "bool"), ("C64", "complex64"), ("F8_E4M3", "float8_e4m3fn"),
-    ("F8_E5M2", "float8_e5m2"), ("F8_E8M0", "float8_e8m0fnu")) if hasattr(torch, name)}
+DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16",
+          "fp16": "float16"}
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, device: str | torch.device) -> torch.dtype:
     """None/'auto' means bf16 on a CUDA device that supports it, else fp32."""
+    import torch  # start-up time (the module docstring)
+
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype in (None, "auto"):
@@ -34,6 +38,9 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: str | torch.device) -
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
+    """None/'auto' means the CUDA device if there is one, else the CPU; a named device must exist here."""
+    import torch  # start-up time (the module docstring)
+
     if device in (None, "auto"):
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
@@ -46,3 +53,32 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
         if resolved.index is not None and resolved.index >= torch.cuda.device_count():
             raise ConfigError(f"device '{device}': this machine has {torch.cuda.device_count()} CUDA device(s)")
     return resolved
+
+
+# ---------------------------------------------------------------- Triton
+
+# Triton is imported lazily, only when a kernel is first used on a tensor it can run on, so CPU-only installs never
+# need it. Looked up once, without importing triton; a constant is also what torch.compile wants to see. Here, below
+# both, because the fused kernels (entrenar.kernels) and NF4's dequantization kernel (entrenar.quant.nf4) ask.
+_TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
+
+
+def triton_available() -> bool:
+    """True if the ``triton`` package can be imported."""
+    return _TRITON_INSTALLED
+
+
+def interpreting() -> bool:
+    """True when Triton's CPU interpreter is switched on (``TRITON_INTERPRET=1``: slow; for tests without a GPU)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def use_triton(*tensors: torch.Tensor) -> bool:
+    """True if the Triton kernels can run on these tensors: CUDA tensors (or any, under the interpreter)."""
+    import torch  # start-up time (the module docstring)
+
+    if not _TRITON_INSTALLED:
+        return False
+    if all(t.is_cuda for t in tensors):
+        return True
+    return not torch.compiler.is_compiling() and interpreting()

@@ -25,7 +25,7 @@ from tokenizers import Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as Backend
 
 from entrenar.config import Recipe
-from entrenar.export import save_merged
+from entrenar.models.saving import save_model_folder
 from entrenar.generation.sampling import generate
 from entrenar.models.config import ModelConfig
 from entrenar.models.transformer import Transformer
@@ -111,7 +111,7 @@ def write_files(recipe: Recipe) -> None:
     train, held_out = sums(recipe.training.seed)
     _write_jsonl(Path(recipe.data.train), train)
     _write_jsonl(Path(recipe.data.validation), held_out)
-    save_merged(model, tokenizer, model_dir)  # last, and whole: its config.json marks the files complete
+    save_model_folder(model, tokenizer, model_dir)  # last, and whole: its config.json marks the files complete
 
 
 def accuracy(model: Transformer, tokenizer: Tokenizer, validation_file: str | Path, limit: int = 200) -> float:

@@ -8,7 +8,6 @@ import shutil
 import subprocess
 import sys
 
-
 from entrenar.train.metrics import read_metrics
 
 

@@ -12,9 +12,9 @@ from types import SimpleNamespace
 import pytest
 from cli_helpers import build_chat_model, fake_module, run_cli
 
+from entrenar.data.tokenizer import Tokenizer
 from entrenar.errors import AdapterError, DataError
 from entrenar.models.transformer import Transformer
-from entrenar.data.tokenizer import Tokenizer
 
 
 @pytest.fixture

@@ -1,4 +1,5 @@
-"""``entrenar generate``: what it prints is ``entrenar.generation.sampling.generate``'s output, decoded, as it streams."""
+"""``entrenar generate``: what it prints is ``entrenar.generation.sampling.generate``'s output, decoded, as it
+streams."""
 
 from __future__ import annotations
 
@@ -11,9 +12,9 @@ import torch
 from cli_helpers import build_chat_model, run_cli, without_chat_template
 
 import entrenar
+from entrenar.adapters.lora import LoraConfig, apply_lora, save_adapter
 from entrenar.cli.stream import TokenStream
 from entrenar.generation.sampling import generate
-from entrenar.adapters.lora import LoraConfig, apply_lora, save_adapter
 
 PROMPT = "The quick brown fox"
 CPU = ("--device", "cpu")  # the reference runs on CPU in fp32; so must the command, GPU or not

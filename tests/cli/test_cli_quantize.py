@@ -152,9 +152,8 @@ def test_a_layer_as_wide_as_one_group_keeps_the_folders_one_layout(capsys, model
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_unquantized_weights_keep_the_inputs_dtype_and_the_folder_shrinks(capsys, hf_folder, tmp_path, dtype):
-    from safetensors.torch import load_file
-
     from cli_helpers import chat_tokenizer
+    from safetensors.torch import load_file
 
     folder, hf = hf_folder("llama", vocab_size=chat_tokenizer().vocab_size)
     hf.to(dtype).save_pretrained(folder)

@@ -14,8 +14,8 @@ from tiny_chat_tokenizer import BOS, CHATML, EOS, chat_backend, chat_tokenizer
 from entrenar.data.report import data_notes, skipped_in_order, write_skipped
 from entrenar.data.sources import read_records
 from entrenar.data.tokenize import tokenize_record, tokenize_records
-from entrenar.errors import DataError
 from entrenar.data.tokenizer import Tokenizer
+from entrenar.errors import DataError
 
 DEEP = "[" * 5000 + "]" * 5000
 LONG_INT = "9" * (sys.get_int_max_str_digits() + 1)

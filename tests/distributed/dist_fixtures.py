@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from conftest import make_workspace  # noqa: E402  (tests/conftest.py)
 from workers import train_worker  # noqa: E402
+
+from conftest import make_workspace  # noqa: E402  (tests/conftest.py)
 
 
 def write_recipe(ws: Path, method: str = "lora") -> str:

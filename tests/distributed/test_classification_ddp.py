@@ -15,6 +15,8 @@ import classification_workspace as C  # the classification workspace's recipe (t
 from conftest import make_workspace  # tests/conftest.py
 from workers import launch, train_worker
 
+from conftest import make_workspace  # noqa: E402  (tests/conftest.py)
+
 pytestmark = pytest.mark.timeout(120)
 
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_data_parallel import assert_same_run, weights  # noqa: E402
 from dist_fixtures import shared  # noqa: E402, F401  (a fixture)
+from test_data_parallel import assert_same_run, weights  # noqa: E402
 from workers import launch, train_worker  # noqa: E402
 
 import entrenar  # noqa: E402
@@ -60,10 +60,11 @@ def test_sharded_checkpoints_resume_on_another_world_size_as_an_uninterrupted_ru
 def test_a_qlora_base_is_sharded_and_trains_as_on_one_process_resuming_across_world_sizes(shared):
     """QLoRA under FSDP: each rank keeps half of every NF4 layer's codes (gathered, they are a plain load's);
     2 ranks -> 1 plain process gives the losses and adapter of one uninterrupted process."""
+    from workers import sharded_load_worker
+
     from entrenar import tasks
     from entrenar.config import load_recipe
     from entrenar.train.loop import build_model
-    from workers import sharded_load_worker
 
     ws, recipes, _ = shared
     recipe, nf4 = recipes["lora"], ["lora.quantize_base=nf4"]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 
-import pytest
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 from torch.distributed.run import config_from_args, parse_args
 

@@ -58,8 +58,8 @@ def test_ddp_buckets_hold_an_eighth_of_the_adapter_gradients_between_1_and_25_mi
 
 
 def test_nf4_experts_are_refused_under_fsdp_naming_the_module():
-    from entrenar.quant.nf4.sharding import shard_nf4_layers
     from entrenar.quant.nf4.experts import NF4Experts
+    from entrenar.quant.nf4.sharding import shard_nf4_layers
 
     model = torch.nn.Module()
     model.mlp = NF4Experts(2, 64, 64, torch.float32, "meta")

@@ -9,10 +9,10 @@ import pytest
 import torch
 from torch import nn
 
-from entrenar.train.sharded_checkpoint import load_sharded_checkpoint, save_sharded_checkpoint
 from entrenar.distributed.world import SOLO
 from entrenar.errors import CheckpointError
 from entrenar.train.checkpoint import is_sharded, latest_checkpoint, load_checkpoint
+from entrenar.train.sharded_checkpoint import load_sharded_checkpoint, save_sharded_checkpoint
 
 
 def model_and_optimizer(seed: int = 0, width: int = 6) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -59,7 +59,8 @@ def test_a_failed_write_leaves_the_previous_checkpoint_and_no_partial_folder(tmp
 
     def failing_save(state, checkpoint_id, **_):
         os.makedirs(checkpoint_id)
-        open(os.path.join(checkpoint_id, "__0_0.distcp"), "wb").write(b"half")
+        with open(os.path.join(checkpoint_id, "__0_0.distcp"), "wb") as half:
+            half.write(b"half")
         raise OSError("No space left on device")
 
     monkeypatch.setattr(dcp, "save", failing_save)

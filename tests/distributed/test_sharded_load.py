@@ -14,8 +14,8 @@ from dist_fixtures import write_recipe  # noqa: E402
 from workers import sharded_load_worker  # noqa: E402
 
 from entrenar import quickstart, tasks  # noqa: E402
-from entrenar.distributed.launch import launch_function  # noqa: E402
 from entrenar.config import load_recipe  # noqa: E402
+from entrenar.distributed.launch import launch_function  # noqa: E402
 from entrenar.models.config import ModelConfig  # noqa: E402
 from entrenar.models.hf import save_hf  # noqa: E402
 from entrenar.models.transformer import Transformer  # noqa: E402

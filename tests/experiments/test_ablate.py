@@ -13,9 +13,9 @@ import torch
 
 from entrenar.train.metrics import MetricsLogger
 from entrenar.config import Recipe
+from entrenar.data import synth
 from entrenar.errors import ConfigError
 from entrenar.experiments import ablate as ab
-from entrenar.data import synth
 from entrenar.models import random_init as scratch
 from entrenar.models.transformer import Transformer
 
@@ -195,8 +195,8 @@ def test_a_rerun_skips_finished_arms_and_resumes_an_interrupted_one(ablation, mo
 
     before = json.loads((report.output / "ablation.json").read_text())
     calls = []
-    real_train = loop.train
-    monkeypatch.setattr(loop, "train", lambda r, resume=None, **kw: calls.append(resume) or real_train(r, resume, **kw))
+    real_train = ab.train  # the loop's train, as the experiment calls it
+    monkeypatch.setattr(ab, "train", lambda r, resume=None, **kw: calls.append(resume) or real_train(r, resume, **kw))
     lines: list[str] = []
     again = ab.ablate(recipe(report.output.parent), output=report.output, say=lines.append, mi_records=16)
     assert calls == [] and all("finished earlier, skipped" in line for line in lines)
@@ -248,7 +248,8 @@ def test_routing_specialisation_is_measured_with_the_model_as_trained(ablation):
     want = {layer: [[0] * 4 for _ in range(4)] for layer, _ in moe_blocks(model)}
     for x, r in zip(examples, records):
         seen = {}
-        hooks = [router_of(b).register_forward_hook(lambda m, i, o, layer=layer: seen.__setitem__(layer, o[2]))
+        hooks = [router_of(b).register_forward_hook(
+                     lambda m, i, o, layer=layer, seen=seen: seen.__setitem__(layer, o[2]))
                  for layer, b in moe_blocks(model)]
         with torch.no_grad():
             model(torch.tensor([x.input_ids]))  # one record alone: no padding

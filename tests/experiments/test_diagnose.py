@@ -26,7 +26,6 @@ from entrenar.models.hf import load_hf, save_hf
 from entrenar.models.moe import moe_blocks
 from entrenar.models.transformer import Transformer
 from entrenar.train.run_data import read_data
-from entrenar.models.loss import token_cross_entropy
 
 
 def recipe_for(ws, model="model", *overrides):

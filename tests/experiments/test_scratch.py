@@ -12,8 +12,8 @@ import entrenar
 from entrenar.config import Recipe, load_recipe
 from entrenar.errors import ConfigError
 from entrenar.models import random_init as scratch
-from entrenar.train import arch
 from entrenar.models.config import ModelConfig
+from entrenar.train import arch
 
 MOE = {"model_type": "qwen3_moe", "hidden_size": 32, "intermediate_size": 64, "moe_intermediate_size": 16,
        "num_experts": 4, "num_experts_per_tok": 2, "num_hidden_layers": 2, "num_attention_heads": 2,

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from entrenar.config import load_recipe
+from entrenar.data import synth
 from entrenar.data.sources import read_records
 from entrenar.errors import ConfigError
-from entrenar.data import synth
 
 
 def digest(source: str, seed: int = 0) -> str:
@@ -102,9 +102,8 @@ def test_a_tiny_moe_trains_from_scratch_on_the_mixture(tmp_path):
 
 
 def test_a_run_from_scratch_resumes_exactly_and_its_checkpoints_load(tmp_path, monkeypatch):
-    from conftest import crash_after_step
-
     import entrenar
+    from conftest import crash_after_step
     from entrenar.train.loop import train
     from entrenar.train.metrics import read_metrics
 
@@ -135,8 +134,8 @@ def test_a_run_from_scratch_resumes_exactly_and_its_checkpoints_load(tmp_path, m
 
 
 def test_synth_regression_feeds_the_regression_head(tmp_path):
-    from entrenar.models import random_init as scratch
     from entrenar.export import save_merged
+    from entrenar.models import random_init as scratch
     from entrenar.train.loop import train
 
     base = tmp_path / "base"

@@ -63,8 +63,8 @@ def lora_group(dtype: torch.dtype, device: str = "cpu", train_base: bool = False
     """Three LoRA layers reading one input (as q, k, v), of different widths and ranks (so different
     scalings), one with a bias; the plain layers and fused copies of them. ``nf4``: QLoRA, each base
     quantized to NF4 (frozen)."""
-    from entrenar.kernels.lora_linear import FusedLoraLinear
     from entrenar.adapters.lora import LoraLinear
+    from entrenar.kernels.lora_linear import FusedLoraLinear
     from entrenar.quant.nf4.format import NF4Linear
 
     torch.manual_seed(8)

@@ -8,6 +8,7 @@ import pytest
 import torch
 from kernel_checks import assert_as_close, needs_cuda, rel_err
 
+from entrenar.adapters.lora import LoraConfig, LoraLinear, apply_lora, lora_parameters
 from entrenar.errors import ConfigError
 from entrenar.kernels import (
     KERNELS,
@@ -15,11 +16,10 @@ from entrenar.kernels import (
     fused_linear_cross_entropy,
     remove_kernels,
 )
-from entrenar.adapters.lora import LoraConfig, LoraLinear, apply_lora, lora_parameters
 from entrenar.models.config import ModelConfig
+from entrenar.models.loss import chunked_cross_entropy
 from entrenar.models.transformer import Transformer
 from entrenar.quant.nf4.format import quantize_model_nf4
-from entrenar.models.loss import chunked_cross_entropy
 
 
 def _lora_model(device="cpu", dtype=torch.float32, nf4: bool = False, **shape) -> Transformer:

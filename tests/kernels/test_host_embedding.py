@@ -7,13 +7,13 @@ import torch
 from kernel_checks import DEVICE, needs_cuda, needs_kernels
 from torch import nn
 
+from entrenar.adapters.lora import LoraConfig, apply_lora
 from entrenar.errors import ConfigError
 from entrenar.kernels.host_embedding import (
     HostEmbedding,
     gather_rows,
     offload_embeddings,
 )
-from entrenar.adapters.lora import LoraConfig, apply_lora
 from entrenar.models.config import ModelConfig
 from entrenar.models.transformer import Transformer
 

@@ -13,8 +13,8 @@ import torch
 from kernel_checks import assert_as_close, lora_group, needs_cuda, rel_err
 from torch import nn
 
-from entrenar.kernels.lora_linear import FusedLoraLinear, project_together
 from entrenar.adapters.lora import LoraLinear
+from entrenar.kernels.lora_linear import FusedLoraLinear, project_together
 
 
 def _pair(dtype: torch.dtype, bias: bool = True, dropout: float = 0.0, device: str = "cpu"):

@@ -45,7 +45,8 @@ def test_routed_swiglu_matches_the_specification(dtype, width):
 def test_routed_swiglu_of_bf16_rows_and_fp32_weights_matches_the_specification():
     """An fp32 model under autocast: the grouped products give bf16 rows, the routing weights stay fp32."""
     torch.manual_seed(0)
-    gu0, dh, s0 = torch.randn(19, 96, device=DEVICE) * 3, torch.randn(19, 48, device=DEVICE), torch.rand(19, device=DEVICE)
+    gu0, dh = torch.randn(19, 96, device=DEVICE) * 3, torch.randn(19, 48, device=DEVICE)
+    s0 = torch.rand(19, device=DEVICE)
     gu, s = leaf(gu0, torch.bfloat16), leaf(s0)
     gur, sr = leaf(gu0, torch.bfloat16), leaf(s0)
     gu64, s64 = leaf(gu0.bfloat16(), torch.float64), leaf(s0, torch.float64)

@@ -6,10 +6,10 @@ import pytest
 import torch
 from kernel_checks import DEVICE, needs_cuda, needs_kernels, rel_err
 
-from entrenar.kernels import FusedLoraLinear
-from entrenar.quant.nf4 import kernel as nf4_kernel
-from entrenar.kernels.lora_linear import lora_linear
 from entrenar.adapters.lora import LoraLinear
+from entrenar.kernels import FusedLoraLinear
+from entrenar.kernels.lora_linear import lora_linear
+from entrenar.quant.nf4 import kernel as nf4_kernel
 from entrenar.quant.nf4.format import (
     NF4Linear,
     NF4Tensor,

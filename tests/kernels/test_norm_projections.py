@@ -105,8 +105,8 @@ def test_autocast_or_a_norm_of_another_dtype_than_the_input_does_not_fit():
 
 def test_block_runs_the_plain_way_where_the_node_does_not_fit():
     """A merged adapter: the fused block must give what the plain block gives."""
-    from entrenar.kernels import apply_kernels
     from entrenar.adapters.lora import LoraConfig, apply_lora
+    from entrenar.kernels import apply_kernels
     from entrenar.models.config import ModelConfig
     from entrenar.models.transformer import Transformer
 
@@ -128,8 +128,8 @@ def test_block_runs_the_plain_way_where_the_node_does_not_fit():
 
 def test_qlora_model_runs_every_block_through_the_nodes_and_matches_the_plain_model(monkeypatch):
     """NF4 bases (QLoRA) share the norm-and-projections nodes as 16-bit ones do: same loss, same adapter grads."""
-    from entrenar.kernels import apply_kernels, norm_projections
     from entrenar.adapters.lora import LoraConfig, apply_lora, lora_parameters
+    from entrenar.kernels import apply_kernels, norm_projections
     from entrenar.models.config import ModelConfig
     from entrenar.models.transformer import Transformer
     from entrenar.quant.nf4.format import quantize_model_nf4

@@ -9,6 +9,7 @@ import pytest
 import torch
 from kernel_checks import DEVICE, assert_as_close, grads, leaf, needs_kernels
 
+from entrenar.adapters.lora import LoraConfig, apply_lora
 from entrenar.kernels import apply_kernels
 from entrenar.kernels.swiglu import (
     FusedMLP,
@@ -18,7 +19,6 @@ from entrenar.kernels.swiglu import (
     swiglu_lora_linear,
     swiglu_reference,
 )
-from entrenar.adapters.lora import LoraConfig, apply_lora
 from entrenar.models.config import ModelConfig
 from entrenar.models.transformer import MLP
 from entrenar.quant.nf4.format import quantize_model_nf4

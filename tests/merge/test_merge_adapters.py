@@ -14,6 +14,7 @@ from entrenar.merge.adapters import svd_factors
 def adapters(tmp_path):
     """A tiny Llama and two PEFT adapters on it (different ranks, targets and scales); returns (base, [a, b])."""
     import peft
+
     from conftest import make_hf_model
 
     base = make_hf_model("llama")
@@ -37,8 +38,8 @@ def deltas(folder):
     cfg = json.loads((folder / "adapter_config.json").read_text())
     scale = cfg["lora_alpha"] / cfg["r"]
     sd = load_file(folder / "adapter_model.safetensors")
-    return {k.removeprefix("base_model.model.").removesuffix(".lora_A.weight"): scale * (sd[k.replace("lora_A", "lora_B")] @ sd[k])
-            for k in sd if "lora_A" in k}
+    return {k.removeprefix("base_model.model.").removesuffix(".lora_A.weight"):
+            scale * (sd[k.replace("lora_A", "lora_B")] @ sd[k]) for k in sd if "lora_A" in k}
 
 
 def peft_delta(base, adapter, module):

@@ -35,7 +35,8 @@ chat_template: chatml
     assert [s.model.text for s in cfg.models] == ["a", "base+adapter"]
     assert str(cfg.models[1].model.adapter) == "adapter" and str(cfg.models[1].model.path) == "base"
     assert cfg.parameters == {"normalize": False, "lambda": 1.5, "int8_mask": True}
-    assert (cfg.dtype, cfg.out_dtype, cfg.tokenizer_source, cfg.chat_template) == ("bfloat16", "float16", "union", "chatml")
+    assert (cfg.dtype, cfg.out_dtype, cfg.tokenizer_source, cfg.chat_template) == (
+        "bfloat16", "float16", "union", "chatml")
     assert [r.text for r in cfg.references()] == ["base", "a", "base+adapter"]
 
 

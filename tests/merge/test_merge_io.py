@@ -9,10 +9,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from conftest import make_hf_model
 from entrenar.errors import ConfigError, ModelError
 from entrenar.merge import merge
 from entrenar.merge import methods as M
-from conftest import make_hf_model
 
 
 @pytest.fixture
@@ -151,12 +151,11 @@ def test_model_plus_adapter_equals_peft_merge(models, tmp_path):
 
 
 def test_gguf_input_and_output(tmp_path):
-    from gguf_fixtures import train_byte_level_tokenizer
-
     import entrenar
-    from entrenar.models.gguf import read_gguf
-    from entrenar.export.gguf_write import write_gguf
     from entrenar.data.tokenizer import Tokenizer
+    from entrenar.export.gguf_write import write_gguf
+    from entrenar.models.gguf import read_gguf
+    from gguf_fixtures import train_byte_level_tokenizer
 
     tokenizer = Tokenizer(train_byte_level_tokenizer("gpt-2", vocab_size=300), eos_token="<|endoftext|>")
     for seed, name in enumerate(("a", "b")):
@@ -202,7 +201,8 @@ def test_different_vocabularies_are_refused_then_handled_by_union(models, tmp_pa
     cfg = {"merge_method": "task_arithmetic", "base_model": str(models["base"]),
            "models": [{"model": str(tmp_path / "big"), "parameters": {"weight": 1.0}},
                       {"model": str(models["a"]), "parameters": {"weight": 1.0}}]}
-    with pytest.raises(ModelError, match=r"model.embed_tokens.weight has different shapes: .*\[18, 64\].*tokenizer_source"):
+    with pytest.raises(ModelError,
+                       match=r"model.embed_tokens.weight has different shapes: .*\[18, 64\].*tokenizer_source"):
         plan_merge(cfg)
 
     out = tmp_path / "union"
@@ -287,8 +287,9 @@ def test_different_architectures_are_refused_before_reading_weights(models, tmp_
     plan_merge({"merge_method": "linear", "models": [{"model": str(models["a"]), "parameters": {"weight": 1}},
                                                     {"model": str(models["b"]), "parameters": {"weight": 1}}]})
     with pytest.raises(ModelError, match="differ in intermediate_size"):
-        plan_merge({"merge_method": "linear", "models": [{"model": str(models["a"]), "parameters": {"weight": 1}},
-                                                        {"model": str(tmp_path / "narrow"), "parameters": {"weight": 1}}]})
+        plan_merge({"merge_method": "linear",
+                    "models": [{"model": str(models["a"]), "parameters": {"weight": 1}},
+                               {"model": str(tmp_path / "narrow"), "parameters": {"weight": 1}}]})
 
 
 def test_mapped_row_views_equal_plain_reads(tmp_path):

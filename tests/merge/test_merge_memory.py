@@ -23,7 +23,8 @@ def write_checkpoint(folder: Path, seed: int) -> int:
                   num_key_value_heads=4, vocab_size=VOCAB, tie_word_embeddings=False, rms_norm_eps=1e-5)
     (folder / "config.json").write_text(json.dumps(config))
     kv = HIDDEN // 4
-    shapes = {"model.embed_tokens.weight": (VOCAB, HIDDEN), "lm_head.weight": (VOCAB, HIDDEN), "model.norm.weight": (HIDDEN,)}
+    shapes = {"model.embed_tokens.weight": (VOCAB, HIDDEN), "lm_head.weight": (VOCAB, HIDDEN),
+              "model.norm.weight": (HIDDEN,)}
     for i in range(LAYERS):
         p = f"model.layers.{i}."
         shapes |= {p + "self_attn.q_proj.weight": (HIDDEN, HIDDEN), p + "self_attn.k_proj.weight": (kv, HIDDEN),

@@ -6,9 +6,9 @@ import json
 
 import pytest
 import torch
-from conftest import FAMILIES, TINY
 
 import entrenar
+from conftest import FAMILIES, TINY
 from entrenar import quickstart
 from entrenar.errors import ModelError
 from entrenar.models.classifier import SequenceClassifier, load_classifier_folder
@@ -79,7 +79,8 @@ def test_entrenar_load_recognises_the_folder_and_round_trips_through_save(tmp_pa
     ids[mask == 0] = PAD
     ids[(mask == 1) & (ids == PAD)] = 5
     with torch.no_grad():
-        torch.testing.assert_close(model(ids, mask), back(input_ids=ids, attention_mask=mask).logits, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(model(ids, mask), back(input_ids=ids, attention_mask=mask).logits,
+                                   atol=1e-5, rtol=1e-5)
 
 
 def test_fresh_head_on_a_language_model_is_seeded_and_shares_the_backbone(hf_folder):

@@ -73,7 +73,8 @@ def test_missing_and_unexpected_tensors_are_named(hf_folder):
     _rewrite(folder, lambda s: s.pop("model.layers.0.self_attn.k_proj.weight"))
     with pytest.raises(ModelError, match=r"missing tensors model\.layers\.0\.self_attn\.k_proj\.weight"):
         load_hf(folder)
-    _rewrite(folder, lambda s: s.__setitem__("model.layers.0.self_attn.k_proj.weight", torch.zeros(32, 64)) or s.__setitem__("vision.patch", torch.zeros(1)))
+    _rewrite(folder, lambda s: s.__setitem__("model.layers.0.self_attn.k_proj.weight", torch.zeros(32, 64))
+             or s.__setitem__("vision.patch", torch.zeros(1)))
     with pytest.raises(ModelError, match=r"'vision\.patch' does not belong"):
         load_hf(folder)
 
@@ -81,7 +82,8 @@ def test_missing_and_unexpected_tensors_are_named(hf_folder):
 def test_unknown_family_and_corrupt_files(hf_folder, tmp_path):
     folder, _ = hf_folder("llama")
     config = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({**config, "model_type": "gpt_neox", "architectures": ["GPTNeoXForCausalLM"]}))
+    (folder / "config.json").write_text(json.dumps({**config, "model_type": "gpt_neox",
+                                                    "architectures": ["GPTNeoXForCausalLM"]}))
     with pytest.raises(ModelError, match=r"unknown model family 'gpt_neox'.*supported: llama, mistral, qwen2, qwen3"):
         load_hf(folder)
     (folder / "config.json").write_text("{\n  \"model_type\": \"llama\",\n  oops\n}")

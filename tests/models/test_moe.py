@@ -43,7 +43,8 @@ def test_sigmoid_grouped_routing_equals_deepseek_v3():
     assert torch.equal(i, ref_i)
     torch.testing.assert_close(w, ref_w, atol=1e-6, rtol=0)
     # The bias selects but does not weigh: the weights are the plain sigmoid scores of the chosen experts.
-    torch.testing.assert_close(w, torch.sigmoid(logits).gather(1, i) / torch.sigmoid(logits).gather(1, i).sum(-1, keepdim=True) * 2.5)
+    chosen = torch.sigmoid(logits).gather(1, i)
+    torch.testing.assert_close(w, chosen / chosen.sum(-1, keepdim=True) * 2.5)
 
 
 def test_softmax_over_topk_logits_equals_gpt_oss():
@@ -229,8 +230,8 @@ def test_sigmoid_grouped_router_from_config_matches_a_hand_computed_route():
 def test_a_sigmoid_model_from_scratch_saves_and_loads_back_with_its_selection_bias(tmp_path):
     import entrenar
     from entrenar.config import Recipe
-    from entrenar.models import random_init as scratch
     from entrenar.export import save_merged
+    from entrenar.models import random_init as scratch
 
     hf = {**ROUTED, "vocab_size": 259, "scoring_func": "sigmoid", "n_group": 2, "topk_group": 2,
           "n_shared_experts": 1}

@@ -8,10 +8,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from conftest import MOE_FAMILIES
 from entrenar.models.hf import load_hf, save_hf
 from entrenar.models.moe import MoeBlock, moe_blocks, set_experts_implementation
-
-from conftest import MOE_FAMILIES
 from models.test_parity import shifted_ce
 
 NAMES = list(MOE_FAMILIES)
@@ -37,7 +36,8 @@ def test_logits_loss_and_gradients_match_transformers(hf_folder, family):
     ours = dict(model.named_parameters())
     assert set(ours) == set(ref_grads)  # the same parameter names as transformers' modules
     for name, p in ours.items():
-        torch.testing.assert_close(p.grad, ref_grads[name], atol=1e-5, rtol=1e-4, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(p.grad, ref_grads[name], atol=1e-5, rtol=1e-4,
+                                   msg=lambda m, name=name: f"{name}: {m}")
 
 
 def test_dense_layers_follow_the_config(hf_folder):

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from entrenar.kernels import apply_kernels
 from entrenar.adapters.lora import LoraConfig, apply_lora, lora_parameters
+from entrenar.kernels import apply_kernels
 from entrenar.models.config import ModelConfig
 from entrenar.models.transformer import Transformer
 from entrenar.quant.nf4.format import quantize_model_nf4

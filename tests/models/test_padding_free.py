@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from entrenar.models.hf import load_hf
+from entrenar.adapters.lora import LoraConfig, apply_lora
 from entrenar.data import Example, collate, num_target_tokens, packed_documents, padding_free
 from entrenar.data.tokenize import IGNORE_INDEX
-from entrenar.adapters.lora import LoraConfig, apply_lora
-from entrenar.models.padding_free import Documents, documents_attention
+from entrenar.models.hf import load_hf
 from entrenar.models.loss import token_cross_entropy
+from entrenar.models.padding_free import Documents
 
 LENGTHS = [[9, 23, 5], [30], [1, 17, 12]]  # rows of documents; rows padded to 48
 

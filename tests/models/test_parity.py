@@ -6,9 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from entrenar.models.hf import load_hf
-
 from conftest import FAMILIES
+from entrenar.models.hf import load_hf
 
 FAMILY_NAMES = list(FAMILIES)
 
@@ -39,7 +38,8 @@ def test_logits_loss_and_gradients_match_transformers(hf_folder, family):
     ref_grads = {n: p.grad for n, p in ref.named_parameters()}
     for name, p in model.named_parameters():
         assert p.grad is not None, name
-        torch.testing.assert_close(p.grad, ref_grads[name], atol=1e-5, rtol=1e-4, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(p.grad, ref_grads[name], atol=1e-5, rtol=1e-4,
+                                   msg=lambda m, name=name: f"{name}: {m}")
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])

@@ -10,8 +10,8 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from entrenar.kernels import apply_kernels, norm_projections
 from entrenar.adapters.lora import LoraConfig, apply_lora, lora_parameters
+from entrenar.kernels import apply_kernels, norm_projections
 from entrenar.models.config import ModelConfig
 from entrenar.models.recompute import checkpointed, recomputing
 from entrenar.models.transformer import Transformer

@@ -10,12 +10,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from entrenar.kernels import apply_kernels
 from entrenar.adapters.lora import LoraConfig, apply_lora
+from entrenar.kernels import apply_kernels
 from entrenar.models.config import ModelConfig
 from entrenar.models.transformer import Transformer
-from entrenar.quant.nf4.streaming import stream_weights
 from entrenar.quant.nf4.format import NF4Linear, quantize_model_nf4
+from entrenar.quant.nf4.streaming import stream_weights
 
 
 def _qlora(layers: int = 3, kernels: bool = False) -> Transformer:

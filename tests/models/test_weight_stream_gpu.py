@@ -5,12 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from entrenar.kernels import apply_kernels
 from entrenar.adapters.lora import LoraConfig, apply_lora, lora_parameters
+from entrenar.kernels import apply_kernels
 from entrenar.models.config import ModelConfig
 from entrenar.models.transformer import Transformer
-from entrenar.quant.nf4.streaming import stream_weights
 from entrenar.quant.nf4.format import NF4Linear, quantize_model_nf4
+from entrenar.quant.nf4.sinks import nf4_sinks
+from entrenar.quant.nf4.streaming import stream_weights
 from entrenar.train.cuda_graph import GraphedMicroStep
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="streams weights from CPU to GPU memory")
@@ -110,7 +111,7 @@ def test_a_model_loaded_for_streaming_never_holds_its_nf4_weights_on_the_gpu(tmp
     save_hf(model, tmp_path / "m")
     torch.cuda.reset_peak_memory_stats()
     start = torch.cuda.memory_allocated()
-    resident = load_hf(tmp_path / "m", torch.bfloat16, "cuda", quantize="nf4")
+    resident = load_hf(tmp_path / "m", torch.bfloat16, "cuda", sinks=nf4_sinks)
     resident_bytes = torch.cuda.memory_allocated() - start
     codes = {n: b.cpu() for n, b in resident.named_buffers() if "weight_" in n}
     del resident
@@ -118,7 +119,7 @@ def test_a_model_loaded_for_streaming_never_holds_its_nf4_weights_on_the_gpu(tmp
     torch.cuda.reset_peak_memory_stats()
     start = torch.cuda.memory_allocated()
     with nf4_in_host_memory():
-        held = load_hf(tmp_path / "m", torch.bfloat16, "cuda", quantize="nf4")
+        held = load_hf(tmp_path / "m", torch.bfloat16, "cuda", sinks=nf4_sinks)
     held_bytes = torch.cuda.memory_allocated() - start
     assert held_bytes < resident_bytes - 0.9 * sum(c.numel() * c.element_size() for c in codes.values())
     assert torch.cuda.max_memory_allocated() - start < resident_bytes / 2  # the peak: one tensor's quantization

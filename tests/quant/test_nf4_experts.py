@@ -6,12 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from entrenar.errors import AdapterError
 from entrenar.adapters.lora import LoraConfig, apply_lora, merge_lora
+from entrenar.errors import AdapterError
 from entrenar.models.hf import load_hf
 from entrenar.models.moe import moe_blocks
-from entrenar.quant.nf4.format import dequantize_nf4, quantize_nf4
 from entrenar.quant.nf4.experts import NF4Experts, quantize_experts_nf4
+from entrenar.quant.nf4.format import dequantize_nf4, quantize_nf4
+from entrenar.quant.nf4.sinks import nf4_sinks
 
 TARGETS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 
@@ -20,7 +21,7 @@ TARGETS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 def test_streamed_nf4_experts_compute_with_the_dequantized_weights(hf_folder, family):
     folder, _ = hf_folder(family)
     full = load_hf(folder).eval()
-    streamed = load_hf(folder, quantize="nf4").eval()
+    streamed = load_hf(folder, sinks=nf4_sinks).eval()
     blocks = moe_blocks(streamed)
     assert blocks and all(isinstance(b.experts, NF4Experts) for _, b in blocks)
     # Each expert's projection is bitsandbytes-style NF4 of the checkpoint's tensor.
@@ -49,7 +50,7 @@ def test_streamed_nf4_experts_compute_with_the_dequantized_weights(hf_folder, fa
 
 def test_qlora_adapters_on_nf4_experts_get_gradients_and_refuse_to_merge(hf_folder):
     folder, _ = hf_folder("qwen3_moe")
-    model = load_hf(folder, quantize="nf4")
+    model = load_hf(folder, sinks=nf4_sinks)
     apply_lora(model, LoraConfig(r=2, alpha=4, target_modules=["q_proj"], target_parameters=TARGETS))
     with torch.no_grad():
         for n, p in model.named_parameters():

@@ -10,8 +10,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from entrenar.errors import QuantError
 from entrenar.adapters.lora import LoraConfig, apply_lora, lora_parameters, merge_lora, unload_lora
+from entrenar.errors import QuantError
 from entrenar.quant.int import QuantLinear, quantize_model_int
 from entrenar.quant.qat import FakeQuantLinear, QATConfig, convert_qat, fake_quant, prepare_qat
 

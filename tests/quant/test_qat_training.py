@@ -7,9 +7,9 @@ import json
 
 import pytest
 import torch
-from conftest import crash_after_step
 
 import entrenar
+from conftest import crash_after_step
 from entrenar import quickstart
 from entrenar.config import load_recipe
 from entrenar.errors import ConfigError, QuantError
@@ -62,8 +62,8 @@ def test_qat_run_resumes_exactly_and_its_integer_model_computes_what_it_trained(
     # The integer model (LoRA-QAT: the integer base with the run's adapter) reproduces the trained logits.
     adapter = straight.output if method == "lora-qat" else None
     model, _ = entrenar.load(straight.quantized, adapter=adapter, device="cpu")
-    assert isinstance(model.model.layers[0].mlp.down_proj.base_layer if adapter else model.model.layers[0].mlp.down_proj,
-                      QuantLinear)
+    down_proj = model.model.layers[0].mlp.down_proj
+    assert isinstance(down_proj.base_layer if adapter else down_proj, QuantLinear)
     with torch.no_grad():
         assert torch.equal(model(ids), trained["logits"])
         run_model, _ = entrenar.load(straight.run_dir, device="cpu")  # the run folder stands for the same pair

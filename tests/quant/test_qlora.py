@@ -8,15 +8,17 @@ import pytest
 import torch
 from torch import nn
 
+import entrenar
 from entrenar.adapters.lora import LoraConfig, apply_lora, lora_parameters, merge_lora, unload_lora
 from entrenar.models.hf import load_hf
-from entrenar.quant.nf4.format import NF4Linear, quantize_model_nf4
 from entrenar.models.surgery import replace_module
+from entrenar.quant.nf4.format import NF4Linear, quantize_model_nf4
+from entrenar.quant.nf4.sinks import nf4_sinks
 
 
 def test_streamed_nf4_load_equals_quantizing_after_load(hf_folder):
     folder, _ = hf_folder("qwen2")
-    streamed = load_hf(folder, quantize="nf4")
+    streamed = load_hf(folder, sinks=nf4_sinks)
     reference = load_hf(folder)
     quantize_model_nf4(reference)
     assert isinstance(streamed.model.layers[1].mlp.down_proj, NF4Linear)
@@ -30,7 +32,7 @@ def test_streamed_nf4_load_equals_quantizing_after_load(hf_folder):
 
 def test_adapter_gradients_equal_those_on_the_dequantized_base(hf_folder):
     folder, _ = hf_folder("llama")
-    qlora = load_hf(folder, quantize="nf4")
+    qlora = load_hf(folder, sinks=nf4_sinks)
     dequantized = copy.deepcopy(qlora)
     for name, module in list(dequantized.named_modules()):
         if isinstance(module, NF4Linear):
@@ -52,7 +54,7 @@ def test_adapter_gradients_equal_those_on_the_dequantized_base(hf_folder):
 
 def test_merged_qlora_model_is_16_bit_with_the_same_output(hf_folder):
     folder, _ = hf_folder("qwen3")
-    model = load_hf(folder, dtype=torch.bfloat16, quantize="nf4")
+    model = load_hf(folder, dtype=torch.bfloat16, sinks=nf4_sinks)
     apply_lora(model, LoraConfig(r=4, alpha=8, target_modules=["q_proj", "down_proj"]))
     for p in lora_parameters(model):
         nn.init.normal_(p, std=0.05)
@@ -72,18 +74,18 @@ def test_unknown_base_quantization_is_refused(hf_folder):
 
     folder, _ = hf_folder("llama")
     with pytest.raises(ModelError, match="unknown base quantization 'nf2'"):
-        load_hf(folder, quantize="nf2")
+        entrenar.load(folder, quantize="nf2")
 
 
 def test_adapters_on_a_quantized_base_are_built_without_dequantizing_it(hf_folder, monkeypatch):
     """LoRA reads the base's dtype and device from an empty tensor beside its codes: dequantizing every layer
     just to read them made an FSDP run's rank 0 spend minutes building a 70B NF4 base on its CPU."""
     from entrenar.quant import int as int_quant
-    from entrenar.quant.nf4 import format as nf4
     from entrenar.quant.int import QuantLinear
+    from entrenar.quant.nf4 import format as nf4
 
     folder, _ = hf_folder("llama")
-    model = load_hf(folder, quantize="nf4", dtype=torch.bfloat16)
+    model = load_hf(folder, sinks=nf4_sinks, dtype=torch.bfloat16)
     q_proj = model.model.layers[0].self_attn.q_proj
     replace_module(model, "model.layers.0.self_attn.q_proj",
                    QuantLinear.from_linear(q_proj.to_linear(), name="q_proj.weight", bits=8))
@@ -96,6 +98,6 @@ def test_adapters_on_a_quantized_base_are_built_without_dequantizing_it(hf_folde
     names = apply_lora(model, LoraConfig(r=4, alpha=8, target_modules="all-linear"))
     assert len(names) == 7 * model.config.num_layers
     # The device comes from the codes: a base built on the meta device (an FSDP rank) gets adapters there.
-    skeleton = load_hf(folder, quantize="nf4", dtype=torch.bfloat16, device="meta")
+    skeleton = load_hf(folder, sinks=nf4_sinks, dtype=torch.bfloat16, device="meta")
     apply_lora(skeleton, LoraConfig(r=4, alpha=8, target_modules="all-linear"))
     assert {p.device.type for p in skeleton.parameters()} == {"meta"}

@@ -13,16 +13,16 @@ from torch import nn
 
 import entrenar
 from entrenar import quickstart
+from entrenar.adapters.lora import LoraConfig, apply_lora
 from entrenar.errors import ConfigError, ModelError, QuantError
 from entrenar.evaluation.loss import evaluate_file
-from entrenar.adapters.lora import LoraConfig, apply_lora
+from entrenar.export.quantize import parse_method, quantize_model, quantize_pretrained
 from entrenar.models.config import ModelConfig
 from entrenar.models.hf import save_hf
 from entrenar.models.transformer import Transformer
 from entrenar.quant.checkpoint import load_quantized, quantization_config, save_quantized
 from entrenar.quant.int import QuantLinear, quantize_model_int
 from entrenar.quant.nf4.format import NF4Linear, quantize_model_nf4
-from entrenar.export.quantize import parse_method, quantize_model, quantize_pretrained
 from entrenar.quant.qat import QATConfig, convert_qat, prepare_qat
 
 LAYER = "model.layers.0.mlp.up_proj"  # in_features 64, out_features 128
@@ -65,8 +65,8 @@ LAYOUTS = {
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-@pytest.mark.parametrize("family", [{}, {"tie_word_embeddings": True, "qkv_bias": True, "o_bias": True, "mlp_bias": True}],
-                         ids=["llama", "tied-bias"])
+@pytest.mark.parametrize("family", [{}, {"tie_word_embeddings": True, "qkv_bias": True, "o_bias": True,
+                                         "mlp_bias": True}], ids=["llama", "tied-bias"])
 def test_every_layout_loads_back_into_the_same_modules_with_identical_logits(tmp_path, layout, family):
     model = tiny_model(**family)
     LAYOUTS[layout](model)
@@ -106,7 +106,8 @@ def test_config_json_describes_the_layers(tmp_path):
     }
     tensors = load_file(tmp_path / "q" / "model.safetensors")
     assert tensors[f"{LAYER}.weight_codes"].shape == (128, 32) and tensors[f"{LAYER}.weight_codes"].dtype == torch.uint8
-    assert tensors[f"{LAYER}.weight_scale"].shape == (128, 2) and tensors[f"{LAYER}.weight_scale"].dtype == torch.float32
+    scale = tensors[f"{LAYER}.weight_scale"]
+    assert scale.shape == (128, 2) and scale.dtype == torch.float32
     assert tensors[f"{LAYER}.weight_zero"].shape == (128, 2)
     assert f"{LAYER}.weight" not in tensors and "lm_head.weight" in tensors
     assert (tmp_path / "q" / "tokenizer.json").is_file()

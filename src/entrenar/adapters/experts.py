@@ -20,9 +20,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from entrenar.adapters.layer import LoraLinear, adapter_dtype, check_hparams, lora_scaling
 from entrenar.errors import AdapterError
-from entrenar.adapters.lora import LoraLinear, _check_hparams, adapter_dtype, lora_scaling
 from entrenar.models.moe import Experts, Router, RoutingOps
+from entrenar.models.surgery import replace_module
 
 EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")
 
@@ -43,7 +44,7 @@ class LoraExpertWeights(LoraLinear):
     def __init__(self, base_layer: nn.Module, parameter: str, r: int, alpha: float, dropout: float = 0.0,
                  use_rslora: bool = False) -> None:
         nn.Module.__init__(self)
-        _check_hparams(r, alpha, dropout, "LoraExpertWeights")
+        check_hparams(r, alpha, dropout, "LoraExpertWeights")
         if parameter not in EXPERT_PARAMETERS:
             raise AdapterError(f"expert LoRA targets {', '.join(EXPERT_PARAMETERS)}, not {parameter!r}")
         experts = _experts_of(base_layer)
@@ -213,8 +214,6 @@ def find_expert_parameters(model: nn.Module, targets: Sequence[str] | None) -> l
 def wrap_expert_parameters(model: nn.Module, targets: Sequence[str] | None, r: int, alpha: float, dropout: float,
                            use_rslora: bool) -> list[str]:
     """Put per-expert LoRA on the targeted expert parameters; return the wrapped module names (outer last)."""
-    from entrenar.models.surgery import replace_module
-
     wrapped = []
     for name, parameter in find_expert_parameters(model, targets):
         # A module already wrapped for the other parameter is wrapped again (PEFT's nesting): the new wrapper

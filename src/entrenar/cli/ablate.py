@@ -4,6 +4,7 @@ and write a report comparing them."""
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 
 def add_parser(commands: argparse._SubParsersAction, parents: list[argparse.ArgumentParser]) -> None:
@@ -33,8 +34,6 @@ def add_parser(commands: argparse._SubParsersAction, parents: list[argparse.Argu
 
 
 def run(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from entrenar.config import load_recipe
     from entrenar.errors import ConfigError
     from entrenar.experiments.ablate import parse_arms

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 
 
 def add_parser(commands: argparse._SubParsersAction, parents: list[argparse.ArgumentParser]) -> None:
@@ -41,8 +42,6 @@ def run(args: argparse.Namespace) -> int:
 
     report = diagnose(recipe, args.precision)
     if args.json:
-        import json
-
         print(json.dumps(report.to_dict(), indent=2))
     else:
         print(format_report(report, top=args.top))

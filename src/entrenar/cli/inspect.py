@@ -198,26 +198,12 @@ def describe(a: dict[str, Any]) -> str:
 
 def run_recipe(args: argparse.Namespace) -> int:
     """The plan of a recipe on ``--device`` with ``--nproc`` processes: no weights read, nothing trained."""
-    import torch
-
     from entrenar.config import load_recipe
-    from entrenar.device import resolve_device
-    from entrenar.distributed.world import World
-    from entrenar.errors import ConfigError
-    from entrenar.loading import recipe_model_config
     from entrenar.train.dry_run import plan_lines
-    from entrenar.train.plan import plan_run
+    from entrenar.train.plan import plan_for
 
-    recipe = load_recipe(args.model)
-    if recipe.model.path is None and recipe.model.init != "random":
-        raise ConfigError(f"{args.model}: the bundled quickstart generates its model when it runs; "
-                          "`entrenar train --dry-run` plans it")
-    device = torch.device(args.device) if args.device else resolve_device(recipe.model.device)
-    here = device.type != "cuda" or torch.cuda.is_available()  # else: planned for a GPU this machine lacks
-    world = World(size=args.nproc, backend=None if args.nproc == 1 else ("nccl" if device.type == "cuda" else "gloo"))
-    plan = plan_run(recipe, device, world, recipe_model_config(recipe),
-                    device_memory=None if here else int(args.gpu_memory * 2**30), triton=None if here else True)
-    print(f"{args.model}: {plan.method} on {device}, {args.nproc} process(es)"
+    plan, here = plan_for(load_recipe(args.model), args.device, args.nproc, args.gpu_memory)
+    print(f"{args.model}: {plan.method} on {plan.device}, {args.nproc} process(es)"
           + ("" if here else f" (planned for a {args.gpu_memory:g} GiB GPU with Triton; none here)"))
     print("\n".join(plan_lines(plan)))
     for note in plan.notes:

@@ -20,8 +20,10 @@ def add_parser(commands: argparse._SubParsersAction, parents: list[argparse.Argu
     parser.add_argument("--overwrite", action="store_true",
                         help="replace an earlier output in DIR (files the merge does not write are kept)")
     parser.add_argument("--gguf", default=None, metavar="TYPE", help="also write OUT/model-TYPE.gguf (f16, q8_0, ...)")
-    parser.add_argument("--seed", type=int, default=None, help="seed of the random methods (DARE, DELLA); default: the config's, else 0")
-    parser.add_argument("--max-shard-size", default="5GB", metavar="SIZE", help="largest safetensors shard (default 5GB)")
+    parser.add_argument("--seed", type=int, default=None,
+                        help="seed of the random methods (DARE, DELLA); default: the config's, else 0")
+    parser.add_argument("--max-shard-size", default="5GB", metavar="SIZE",
+                        help="largest safetensors shard (default 5GB)")
     parser.add_argument("--quiet", action="store_true", help="no progress line")
     parser.set_defaults(run=run)
 
@@ -53,7 +55,8 @@ def run(args: argparse.Namespace) -> int:
         if done == total or done % 8 == 0:
             print(f"\rmerged {done}/{total} tensors", end="\n" if done == total else "", file=sys.stderr, flush=True)
 
-    plan = merge(args.config, args.output, dry_run=args.dry_run, gguf=args.gguf, seed=args.seed, overwrite=args.overwrite,
+    plan = merge(args.config, args.output, dry_run=args.dry_run, gguf=args.gguf, seed=args.seed,
+                 overwrite=args.overwrite,
                  max_shard_bytes=parse_size(args.max_shard_size),
                  progress=None if args.quiet or args.dry_run else progress)
     if isinstance(plan, list):  # adapters merged into one adapter

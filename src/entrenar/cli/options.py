@@ -5,13 +5,12 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
-import entrenar
 from entrenar.config import DEVICE_NAMES, is_device_name
 from entrenar.device import DTYPES
 
 if TYPE_CHECKING:
-    from entrenar.models.transformer import Transformer
     from entrenar.data.tokenizer import Tokenizer
+    from entrenar.models.transformer import Transformer
 
 DTYPE_CHOICES = ("auto", *DTYPES)  # the names entrenar.load accepts
 
@@ -26,7 +25,8 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", metavar="MODEL", help=MODEL_HELP)
     parser.add_argument("--adapter", metavar="DIR", help=ADAPTER_HELP)
     parser.add_argument("--device", type=device, default="auto", help="auto (CUDA when available), cpu, cuda, cuda:N")
-    parser.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help="weight dtype (auto: bf16 on CUDA, else fp32)")
+    parser.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
+                        help="weight dtype (auto: bf16 on CUDA, else fp32)")
 
 
 def add_sampling_args(parser: argparse.ArgumentParser, max_new_tokens: int) -> None:

@@ -12,8 +12,8 @@ import argparse
 from typing import TYPE_CHECKING, TextIO
 
 if TYPE_CHECKING:
-    from entrenar.models.transformer import Transformer
     from entrenar.data.tokenizer import Tokenizer
+    from entrenar.models.transformer import Transformer
 
 REPLACEMENT = "\ufffd"  # what a decoder gives for an incomplete UTF-8 sequence
 

@@ -32,7 +32,7 @@ from entrenar.config.rules import (
     _text,
     _threshold,
 )
-from entrenar.data.sqlite import check_query, is_sqlite
+from entrenar.io.sqlite import check_query, is_sqlite
 from entrenar.errors import ConfigError, EntrenarError
 
 MAX_SEQ_LEN = 2**22  # 4x the longest contexts models train at today; a row this long is 128 MiB of index tensors

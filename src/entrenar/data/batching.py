@@ -146,7 +146,7 @@ def _segment_starts(documents: torch.Tensor) -> torch.Tensor:
     return starts
 
 
-def segment_capacity(stream: "BatchStream", batches: int = 32, margin: float = 1.25) -> int:
+def segment_capacity(stream: BatchStream, batches: int = 32, margin: float = 1.25) -> int:
     """How many segments :func:`packed_documents` should make room for under CUDA graphs: the most in the
     stream's next ``batches`` batches, with a margin, to a multiple of 16 (the stream is left where it was)."""
     state = stream.state_dict()

@@ -13,9 +13,9 @@ import re
 from collections import Counter
 from pathlib import Path
 
-from entrenar.io import atomic
 from entrenar.data.sources import ReadStats, Skip
 from entrenar.data.tokenize import TokenizeStats
+from entrenar.io import atomic
 
 SKIPPED_FILE = "skipped.jsonl"
 

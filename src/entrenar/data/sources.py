@@ -10,7 +10,7 @@ so every later error can name the place to fix. Formats:
 - ``.parquet``: one record per row (needs ``pyarrow``: ``pip install entrenar[parquet]``).
 - ``.txt``/``.md``: the whole file is one ``{"text": ...}`` record.
 - a folder: every file of a known format below it, in sorted path order.
-- ``.db``/``.sqlite``/``.sqlite3``: the rows of ``query`` (:mod:`entrenar.data.sqlite`; not read from folders).
+- ``.db``/``.sqlite``/``.sqlite3``: the rows of ``query`` (:mod:`entrenar.io.sqlite`; not read from folders).
 - ``synth:KIND:N[:SEED]``: generated records (:mod:`entrenar.data.synth`), ``seed`` when none is named.
 """
 
@@ -25,9 +25,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from entrenar.data.sqlite import is_sqlite, read_sqlite
-from entrenar.errors import ConfigError, DataError
+from entrenar.data import synth
+from entrenar.io.sqlite import is_sqlite, read_sqlite
 from entrenar.data.synth import is_synth
+from entrenar.errors import ConfigError, DataError
 
 FORMATS = ("auto", "jsonl", "json", "csv", "parquet", "text")
 _EXTENSIONS = {
@@ -35,7 +36,8 @@ _EXTENSIONS = {
     ".parquet": "parquet", ".txt": "text", ".md": "text",
 }
 _MAX_REPORTED = 10
-_CSV_FIELD_LIMIT = 2**31 - 1  # the csv module's default (131,072 characters) refuses long texts; C long is 32-bit on Windows
+# The csv module's default field limit (131,072 characters) refuses long texts; C long is 32-bit on Windows.
+_CSV_FIELD_LIMIT = 2**31 - 1
 _DEEP = 100  # a nesting depth no record needs, used to point at where a too-deeply nested document goes wrong
 
 
@@ -189,8 +191,6 @@ def _read_file(path: Path, format: str, seed: int = 0, query: str | None = None)
 
 
 def _read_synth(source: str, seed: int) -> Iterator[Record | Skip]:
-    from entrenar.data import synth
-
     for index, fields in synth.records(synth.parse(source), seed):
         yield Record(fields, source, f"record {index}")
 
@@ -282,7 +282,7 @@ def _problem_line(text: str, error: Exception) -> int | None:
             elif char in "]}":
                 depth -= 1
         return None
-    found = re.search(r"\d{%d,}" % (sys.get_int_max_str_digits() + 1), text)
+    found = re.search(r"\d{%d,}" % (sys.get_int_max_str_digits() + 1), text)  # noqa: UP031 - braces of a regex
     return text.count("\n", 0, found.start()) + 1 if found else None
 
 

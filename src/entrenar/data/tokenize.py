@@ -247,7 +247,8 @@ def _detect_kind(fields: Mapping[str, Any], names: Mapping[str, str], where: str
     if names["text"] in fields:
         return "text"
     wanted = f"'{names['text']}', '{names['prompt']}'+'{names['completion']}' or '{names['messages']}'"
-    raise RecordError("no known fields", f"{where}: record has none of the fields {wanted} (it has {sorted(fields)[:10]})")
+    raise RecordError("no known fields",
+                      f"{where}: record has none of the fields {wanted} (it has {sorted(fields)[:10]})")
 
 
 def _string_field(fields: Mapping[str, Any], name: str, where: str) -> str:
@@ -264,7 +265,8 @@ def _messages_field(fields: Mapping[str, Any], name: str, where: str) -> list[di
         raise RecordError("missing field", f"{where}: missing field '{name}' (the record has {sorted(fields)[:10]})")
     messages = fields[name]
     if not isinstance(messages, list) or not messages:
-        raise RecordError("bad messages", f"{where}: field '{name}' must be a non-empty list of {{role, content}} objects")
+        raise RecordError("bad messages",
+                          f"{where}: field '{name}' must be a non-empty list of {{role, content}} objects")
     for i, message in enumerate(messages):
         if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
             raise RecordError("bad messages", f"{where}: {name}[{i}] must be an object with a string 'role'")

@@ -87,7 +87,8 @@ def launch_function(fn: Callable[..., Any], args: Sequence[Any] = (), start_meth
     parsed = parse_args([*torchrun_args(**options), "unused"])
     config, _, _ = config_from_args(parsed)
     extra = {"shutdown_timeout": shutdown_timeout} if "shutdown_timeout" in {f.name for f in fields(config)} else {}
-    config = replace(config, start_method=start_method, monitor_interval=monitor_interval, **extra)  # torch < 2.12: none
+    # torch < 2.12 has no shutdown_timeout: extra is empty there
+    config = replace(config, start_method=start_method, monitor_interval=monitor_interval, **extra)
     return _run(config, _Recording(fn), list(args))
 
 

@@ -12,9 +12,10 @@ import torch
 
 from entrenar.data import eval_batches, read_records, tokenize_records
 from entrenar.data.batching import Batch
-from entrenar.models.transformer import compute_device
 from entrenar.data.tokenizer import Tokenizer
+from entrenar.errors import ModelError
 from entrenar.models.loss import token_cross_entropy
+from entrenar.models.transformer import compute_device
 
 
 @dataclass
@@ -78,8 +79,6 @@ def evaluate_file(
     """Loss and perplexity of `model` on a data file, masked as training would mask it (`add_eos` as the
     recipe's data.add_eos: whether each text example ends with EOS; `columns` as its data.*_field keys)."""
     if tokenizer is None:
-        from entrenar.errors import ModelError
-
         raise ModelError("the model was loaded without a tokenizer (no tokenizer.json in its folder); "
                          "evaluating a data file needs one")
     records, _ = read_records(path, format=fmt)

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
-from entrenar.io import atomic
 from entrenar.evaluation import metrics as M
+from entrenar.io import atomic
 
 BOOTSTRAP_SAMPLES = 1000
 
@@ -57,7 +57,8 @@ def build_report(problem_type: str, logits: np.ndarray, targets: np.ndarray, lab
         report["metrics"] = calibrated
         report["uncalibrated"] = {k: raw[k] for k in ("accuracy", "ece", "mce", "brier", "log_loss")}
         report["reliability"] = {k: v.tolist() for k, v in M.calibration_bins(targets, M.softmax(logits, t)).items()}
-        report["reliability_uncalibrated"] = {k: v.tolist() for k, v in M.calibration_bins(targets, M.softmax(logits)).items()}
+        report["reliability_uncalibrated"] = {k: v.tolist()
+                                              for k, v in M.calibration_bins(targets, M.softmax(logits)).items()}
     elif problem_type == "multi_label":
         th = np.asarray(calibration.get("thresholds", np.full(logits.shape[1], 0.5)))
         report["metrics"] = M.multi_label(targets, M.sigmoid(logits), th)
@@ -70,7 +71,8 @@ def build_report(problem_type: str, logits: np.ndarray, targets: np.ndarray, lab
 def _markdown(report: dict) -> str:
     m, labels = report["metrics"], report["labels"]
     lines = [f"# Classification report ({report['problem_type']})", "",
-             f"{report['examples']} examples: {report['source']}", "", "| metric | value | 95% CI |", "| --- | --- | --- |"]
+             f"{report['examples']} examples: {report['source']}", "", "| metric | value | 95% CI |",
+             "| --- | --- | --- |"]
     for name, v in report["headline"].items():
         lines.append(f"| {name} | {v['value']:.4f} | [{v['ci'][0]:.4f}, {v['ci'][1]:.4f}] |")
     scalars = {k: v for k, v in m.items() if isinstance(v, float) and k not in report["headline"]}
@@ -80,9 +82,11 @@ def _markdown(report: dict) -> str:
         lines += ["", f"## Calibration ({report['ece_bins']} equal-width confidence bins)", "",
                   f"Temperature {t:.4f} (fitted on validation). Accuracy is unchanged by it.", "",
                   "| | ECE | MCE | Brier | log loss |", "| --- | --- | --- | --- | --- |",
-                  f"| before (T=1) | {raw['ece']:.4f} | {raw['mce']:.4f} | {raw['brier']:.4f} | {raw['log_loss']:.4f} |",
+                  f"| before (T=1) | {raw['ece']:.4f} | {raw['mce']:.4f} | {raw['brier']:.4f} "
+                  f"| {raw['log_loss']:.4f} |",
                   f"| after (T={t:.3g}) | {m['ece']:.4f} | {m['mce']:.4f} | {m['brier']:.4f} | {m['log_loss']:.4f} |",
-                  "", "## Per class", "", "| label | precision | recall | F1 | support |", "| --- | --- | --- | --- | --- |"]
+                  "", "## Per class", "", "| label | precision | recall | F1 | support |",
+                  "| --- | --- | --- | --- | --- |"]
         pc = m["per_class"]
         for i, name in enumerate(labels):
             lines.append(f"| {name} | {pc['precision'][i]:.4f} | {pc['recall'][i]:.4f} | {pc['f1'][i]:.4f} | "
@@ -120,7 +124,8 @@ def _plots(report: dict, folder: Path) -> list[Path]:
     normalised = counts / np.maximum(counts.sum(1, keepdims=True), 1)
     fig = figure(figsize=(4 + 1.2 * len(labels), 2 + 0.6 * len(labels)))
     axes = fig.subplots(1, 2)
-    for ax, values, title, fmt in ((axes[0], counts, "counts", "{:.0f}"), (axes[1], normalised, "normalised by true class", "{:.2f}")):
+    for ax, values, title, fmt in ((axes[0], counts, "counts", "{:.0f}"),
+                                   (axes[1], normalised, "normalised by true class", "{:.2f}")):
         ax.imshow(values, cmap="Blues")
         ax.set_title(title)
         ax.set_xticks(range(len(labels)), labels, rotation=45, ha="right")
@@ -142,7 +147,8 @@ def _plots(report: dict, folder: Path) -> list[Path]:
     for key, label, offset in (("reliability_uncalibrated", "T=1", -0.25), ("reliability", "calibrated", 0.25)):
         b = report[key]
         used = np.array(b["count"]) > 0
-        ax.bar(centers[used] + offset / bins, np.array(b["accuracy"])[used], width=0.5 / bins, label=f"accuracy ({label})")
+        ax.bar(centers[used] + offset / bins, np.array(b["accuracy"])[used], width=0.5 / bins,
+               label=f"accuracy ({label})")
     ax.plot([0, 1], [0, 1], "k--", linewidth=1, label="perfect calibration")
     ax.set_xlabel(f"confidence ({bins} equal-width bins)")
     ax.set_ylabel("accuracy")

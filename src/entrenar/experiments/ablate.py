@@ -25,13 +25,21 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from entrenar.io import atomic
+import torch
+
 from entrenar.config import RESUMABLE_KEYS, MoeSection, Recipe, load_recipe, recipe_changes
+from entrenar.data import synth, tokenize_records
+from entrenar.data.tokenize import IGNORE_INDEX
 from entrenar.errors import ConfigError
-from entrenar.data import synth
+from entrenar.io import atomic
+from entrenar.io.run_dir import RECIPE_FILE
+from entrenar.loading import load
 from entrenar.models import random_init as scratch
 from entrenar.models.config import ModelConfig
-from entrenar.loading import load
+from entrenar.models.moe import moe_blocks, router_of
+from entrenar.train.checkpoint import latest_checkpoint
+from entrenar.train.loop import train
+from entrenar.train.metrics import read_metrics, smooth
 
 ARMS = ("moe", "moe-sigmoid", "dense")
 MATCHES = ("active", "total")
@@ -188,10 +196,6 @@ def ablate(
 def _run_arm(arm: str, recipe: Recipe, run_dir: Path, progress: bool, say: Callable[[str], None],
              mi_records: int = MI_RECORDS) -> dict[str, Any]:
     """One arm's results: read from its arm.json when it finished before, else trained (or resumed) now."""
-    from entrenar.train.checkpoint import latest_checkpoint
-    from entrenar.io.run_dir import RECIPE_FILE
-    from entrenar.train.loop import train
-
     done = run_dir / ARM_FILE
     if done.is_file():
         changes = _changes(recipe, run_dir / RECIPE_FILE)
@@ -221,8 +225,6 @@ def _changes(recipe: Recipe, saved: Path) -> list[str]:
 
 def arm_record(run_dir: Path, recipe: Recipe, eval_loss: float | None, mi_records: int = MI_RECORDS) -> dict[str, Any]:
     """What the report keeps of a finished arm: losses, throughput, parameters, router state, specialisation."""
-    from entrenar.train.metrics import read_metrics
-
     records = read_metrics(run_dir / "metrics.jsonl")
     steps = [r for r in records if r.get("loss") is not None]
     evals = [r for r in records if r.get("eval_loss") is not None]
@@ -285,13 +287,6 @@ def routing_specialisation(model_dir: Path, recipe: Recipe, count: int = MI_RECO
     Every (token, slot) of the top-k counts once in the table of sub-task x expert; ``all`` counts every token of
     the record (prompt, answer, EOS), ``answer`` only the answer tokens (after the operator, where the sub-task is
     known from the text)."""
-    import torch
-
-    import entrenar
-    from entrenar.data import tokenize_records
-    from entrenar.data.tokenize import IGNORE_INDEX
-    from entrenar.models.moe import moe_blocks, router_of
-
     model, tokenizer = load(model_dir, dtype="float32", device=recipe.model.device)
     model.eval()
     records = heldout_records(recipe, count)
@@ -414,7 +409,6 @@ def plot_curves(report: Ablation, out_png: Path) -> Path | None:
         warnings.warn("matplotlib is not installed (pip install 'entrenar[plot]'): ablation plot skipped",
                       stacklevel=2)
         return None
-    from entrenar.train.metrics import smooth
 
     fig = Figure(figsize=(7, 4.2), dpi=90)
     FigureCanvasAgg(fig)

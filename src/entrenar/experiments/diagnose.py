@@ -4,7 +4,7 @@
     print(format_report(report))
 
 The model and the first training batch are the ones ``entrenar train`` would build (the loop's
-``build_model`` and ``build_data``), with the weights read in fp32 so the reference pass is a real fp32
+``build_model`` and ``read_data``), with the weights read in fp32 so the reference pass is a real fp32
 pass; the low-precision pass runs the same weights under autocast, as the loop's ``autocast_for`` does
 (the matrix products then see the same bf16 values a bf16-stored model holds). Both passes draw the same
 dropout masks. fp16 scales the loss as the loop's GradScaler does (from 2**16, halved while the gradients
@@ -24,7 +24,17 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from entrenar import tasks
+from entrenar.data import padding_free
 from entrenar.device import resolve_device
+from entrenar.errors import ConfigError
+from entrenar.evaluation.loss import autocast_for
+from entrenar.models.moe import moe_blocks
+from entrenar.train.loop import _seed_everything
+from entrenar.train.moe import moe_training
+from entrenar.train.prepare import build_model
+from entrenar.train.run_data import read_data
 
 PRECISIONS = ("bf16", "fp16")
 # The verdict's thresholds (stated in every report and in docs/EXPERIMENTS.md).
@@ -116,7 +126,8 @@ def thresholds() -> dict[str, float]:
             "routing_divergent": ROUTING_DIVERGENT}
 
 
-THRESHOLDS_TEXT = (f"broken: any NaN/inf, or a gradient cosine < {BROKEN_COSINE}; suspect: a cosine < {SUSPECT_COSINE}, "
+THRESHOLDS_TEXT = (f"broken: any NaN/inf, or a gradient cosine < {BROKEN_COSINE}; "
+                   f"suspect: a cosine < {SUSPECT_COSINE}, "
                    f"a relative difference > {SUSPECT_REL_DIFF}, or > {ROUTING_DIVERGENT:.0%} of a layer's tokens "
                    "changing experts; ok otherwise")
 
@@ -124,15 +135,6 @@ THRESHOLDS_TEXT = (f"broken: any NaN/inf, or a gradient cosine < {BROKEN_COSINE}
 def diagnose(recipe: Any, precision: str = "bf16") -> Report:
     """Build the model and first batch of ``recipe`` as ``entrenar train`` would, run it in fp32 and in
     ``precision``, and compare (see the module docstring)."""
-    import entrenar
-    from entrenar import tasks
-    from entrenar.data import padding_free
-    from entrenar.errors import ConfigError
-    from entrenar.train.loop import _seed_everything
-    from entrenar.train.prepare import build_model
-    from entrenar.train.run_data import read_data
-    from entrenar.train.moe import moe_training
-
     if precision not in PRECISIONS:
         raise ConfigError(f"--precision: {precision!r} is not one of {', '.join(PRECISIONS)}")
     device = resolve_device(recipe.model.device)
@@ -312,9 +314,6 @@ def format_report(report: Report, top: int = TOP) -> str:
 def _forward_backward(model: nn.Module, task: Any, moe: Any, batch: dict, trainable: dict[str, nn.Parameter],
                       device: torch.device, precision: str, scale: float, seed: int) -> Pass:
     """One training micro-step's forward and backward (the loop's loss, unfused), gradients kept in fp32."""
-    from entrenar.evaluation.loss import autocast_for
-    from entrenar.models.moe import moe_blocks
-
     model.zero_grad(set_to_none=True)
     torch.manual_seed(seed)  # the same dropout masks in both passes
     first: list[str] = []
@@ -376,7 +375,8 @@ def _autocast_works(device: torch.device, precision: str) -> bool:
     dtype = torch.bfloat16 if precision == "bf16" else torch.float16
     try:
         with torch.autocast(device_type=device.type, dtype=dtype):
-            return torch.nn.functional.linear(torch.ones(1, 2, device=device), torch.ones(2, 2, device=device)).dtype == dtype
+            product = torch.nn.functional.linear(torch.ones(1, 2, device=device), torch.ones(2, 2, device=device))
+            return product.dtype == dtype
     except (RuntimeError, AssertionError):
         return False
 

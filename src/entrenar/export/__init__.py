@@ -31,25 +31,32 @@ refused.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
 
-from entrenar.io import atomic
-from entrenar.io.finite import check_finite
-from entrenar.io.json_files import read_json_object
+from entrenar.adapters import lora
+from entrenar.device import resolve_dtype
 from entrenar.errors import AdapterError, ConfigError, ModelError
-from entrenar.loading import load
-from entrenar.device import SAFETENSORS_DTYPES, resolve_dtype
+from entrenar.export.gguf_write import check_gguf_type, write_gguf
+from entrenar.io import atomic
+from entrenar.io.checkpoint_files import MODEL_FILE
+from entrenar.io.outputs import check_output, refuse_overlap, replace_files
+from entrenar.loading import load, require_tokenizer
+from entrenar.loading.runs import ModelSource, resolve_model_and_adapter
+from entrenar.models.config import ModelConfig
+from entrenar.models.gguf import read_gguf
+from entrenar.models.hf import read_config, weight_files
+from entrenar.models.saving import prepare_for_saving, read_json_object, write_model_files
+from entrenar.models.transformer import Transformer
+from entrenar.io.safetensors_dtypes import SAFETENSORS_DTYPES
 
 if TYPE_CHECKING:
-    from entrenar.models.transformer import Transformer
-    from entrenar.loading.runs import ModelSource
     from entrenar.data.tokenizer import Tokenizer
 
-_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 _WEIGHT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # what a stored weight dtype can be
 
 
@@ -69,11 +76,6 @@ def export(
     in ``.gguf`` only that file is written, otherwise it goes to
     ``<output>/model-<gguf>.gguf`` beside the Hugging Face files.
     """
-    from entrenar.adapters.lora import ADAPTER_CONFIG
-    from entrenar.export.gguf_write import check_gguf_type
-    from entrenar.io.outputs import check_output
-    from entrenar.loading.runs import resolve_model_and_adapter
-
     output = Path(output)
     qtype = check_gguf_type(gguf) if gguf is not None else None
     gguf_only = output.suffix == ".gguf"
@@ -82,22 +84,19 @@ def export(
             f"{output}: the output is a .gguf file but no GGUF type was given (gguf=/--gguf: f16, q8_0, ...)"
         )
     if dtype is not None:
-        import entrenar
-
         resolve_dtype(dtype, "cpu")  # an unknown name fails now
     if not Path(model_path).exists():
         raise ModelError(f"{model_path}: no such model folder or GGUF file")
     source = resolve_model_and_adapter(model_path, adapter)
-    if source.adapter is not None and not (source.adapter / ADAPTER_CONFIG).is_file():
-        what = f"is not an adapter folder (no {ADAPTER_CONFIG})" if source.adapter.exists() else "no such adapter folder"
+    if source.adapter is not None and not (source.adapter / lora.ADAPTER_CONFIG).is_file():
+        what = (f"is not an adapter folder (no {lora.ADAPTER_CONFIG})" if source.adapter.exists()
+                else "no such adapter folder")
         raise AdapterError(f"{source.adapter}: {what}")
     if qtype is not None and source.model.is_dir() and not (source.model / "tokenizer.json").is_file():
-        from entrenar.loading import require_tokenizer
-
         require_tokenizer(None, source.model)  # a GGUF file carries the vocabulary: say so before any work
     inputs = {"base model": source.model, "adapter": source.adapter, "checkpoint": source.checkpoint,
               "model": Path(model_path)}
-    _check_output(output, {k: v for k, v in inputs.items() if v is not None})
+    refuse_overlap(output, {k: v for k, v in inputs.items() if v is not None})
     check_output(output, overwrite=overwrite, is_file=gguf_only)  # before minutes of loading and merging
     lora_checkpoint = source.checkpoint is not None and source.recipe is not None and source.recipe.lora is not None
     has_adapter = source.adapter is not None or lora_checkpoint
@@ -110,12 +109,8 @@ def export(
 
     model, tokenizer = load_merged(model_path, adapter, dtype)
     if gguf_only:
-        from entrenar.export.gguf_write import write_gguf
-
         output.parent.mkdir(parents=True, exist_ok=True)
         return [write_gguf(model, tokenizer, output, qtype, name=output.stem)]
-    from entrenar.io.outputs import replace_files
-
     with replace_files(output) as target:
         written = save_merged(model, tokenizer, target, qtype, base=source.model, name=output.name)
     return [output / p.relative_to(target) if p != target else output for p in written]
@@ -132,11 +127,6 @@ def export_adapter(model_path: Path, adapter: Path, output: Path) -> Path:
     stored dtype; its config is rewritten in full (``target_modules``
     expanded from "all-linear", every field PEFT reads).
     """
-    from safetensors.torch import load_file
-
-    from entrenar.adapters import lora
-    from entrenar.io.outputs import replace_files
-
     skeleton = _meta_model(model_path)
     cfg = lora.load_adapter(skeleton, adapter)  # checks every tensor's name and shape against the base
     weights = adapter / lora.ADAPTER_WEIGHTS
@@ -146,7 +136,7 @@ def export_adapter(model_path: Path, adapter: Path, output: Path) -> Path:
             getattr(layer, part).to_empty(device="cpu").to(state[f"{name}.{part}.weight"].dtype)
     lora.load_lora_state_dict(skeleton, state, str(weights))
 
-    base_name = _read_json(adapter / lora.ADAPTER_CONFIG).get("base_model_name_or_path") or str(model_path)
+    base_name = read_json_object(adapter / lora.ADAPTER_CONFIG).get("base_model_name_or_path") or str(model_path)
     with replace_files(output) as target:
         lora.save_adapter(skeleton, target, cfg, base_model_name_or_path=base_name)
     return output
@@ -154,29 +144,18 @@ def export_adapter(model_path: Path, adapter: Path, output: Path) -> Path:
 
 def _export_checkpoint_adapter(source: ModelSource, output: Path) -> Path:
     """A LoRA run's checkpoint as a PEFT adapter folder (its weights on the base, saved as the run saves them)."""
-    from entrenar.loading import load
-    from entrenar.adapters import lora
-    from entrenar.io.outputs import replace_files
-    from entrenar.adapters.lora import lora_config_of
-
     model, _ = load(source.checkpoint, device="cpu", dtype=stored_dtype(source.model))
     with replace_files(output) as target:
-        lora.save_adapter(model, target, lora_config_of(source.recipe.lora), base_model_name_or_path=str(source.model))
+        lora.save_adapter(model, target, lora.lora_config_of(source.recipe.lora),
+                          base_model_name_or_path=str(source.model))
     return output
 
 
 def _meta_model(model_path: Path) -> Transformer:
     """The base's architecture with no storage (meta device): enough to check an adapter's shapes."""
-    from entrenar.models.config import ModelConfig
-    from entrenar.models.transformer import Transformer
-
     if model_path.suffix == ".gguf":
-        from entrenar.models.gguf import read_gguf
-
         config = ModelConfig.from_hf(read_gguf(model_path).hf_config, source=str(model_path))
     else:
-        from entrenar.models.hf import read_config
-
         config = read_config(model_path)
     with torch.device("meta"):
         return Transformer(config)
@@ -192,10 +171,6 @@ def load_merged(
 
     ``model_path`` may be a run (:mod:`entrenar.loading.runs`); ``dtype`` None keeps the input's stored dtype.
     """
-    import entrenar
-    from entrenar.adapters.lora import lora_layers, unload_lora
-    from entrenar.loading.runs import resolve_model_and_adapter
-
     source = resolve_model_and_adapter(model_path, adapter)
     if source.model.suffix != ".gguf":
         _refuse_quantized_checkpoint(source.model)
@@ -206,8 +181,8 @@ def load_merged(
     else:
         torch_dtype = stored_dtype(source.model)
     model, tokenizer = load(model_path, adapter=adapter, dtype=torch_dtype, device="cpu")
-    if any(True for _ in lora_layers(model)):
-        unload_lora(model, merge=True)
+    if any(True for _ in lora.lora_layers(model)):
+        lora.unload_lora(model, merge=True)
     return model, tokenizer
 
 
@@ -221,27 +196,17 @@ def save_merged(
 ) -> list[Path]:
     """Write a Hugging Face folder (weights, config, tokenizer, generation config) and optionally a GGUF in it.
 
-    ``model.config`` gets the dtype the weights are saved in (``dtype`` in
-    config.json), which transformers 5 loads them as. ``name`` is the GGUF's
-    ``general.name`` (default: the folder's name). Without a tokenizer no
-    tokenizer files are written.
+    The folder is :func:`entrenar.models.saving.save_model_folder`'s (``model.config`` gets the dtype the weights
+    are saved in, which transformers 5 loads them as; without a tokenizer no tokenizer files are written), with
+    ``model-<qtype>.gguf`` beside its files when ``qtype`` is given. ``name`` is the GGUF's ``general.name``
+    (default: the folder's name).
     """
-    from entrenar.export.gguf_write import write_gguf
-    from entrenar.models.hf import save_hf
-
-    check_finite(model.state_dict(), output, ModelError)  # before the folder is staged or config.dtype changed
-    dtype = next(model.parameters()).dtype
-    extra = {k: v for k, v in model.config.extra.items() if k != "torch_dtype"}
-    model.config = model.config.replace(extra={**extra, "dtype": _DTYPE_NAMES.get(dtype, str(dtype))})
-    generation = _generation_config(tokenizer, base)
+    generation = prepare_for_saving(model, tokenizer, output, base)
     written = [output]
     if qtype is not None and tokenizer is None:
         raise ModelError(f"{output}: a GGUF file needs the model's tokenizer, and the model has none")
     with atomic.staged_folder(output) as target:
-        save_hf(model, target)
-        if tokenizer is not None:
-            tokenizer.save(target)
-        (target / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+        write_model_files(model, tokenizer, target, generation)
         if qtype is not None:
             file_name = f"model-{qtype}.gguf"
             write_gguf(model, tokenizer, target / file_name, qtype, name=name or output.name)
@@ -249,32 +214,9 @@ def save_merged(
     return written
 
 
-def _generation_config(tokenizer: Tokenizer | None, base: Path | None) -> dict[str, Any]:
-    """The base's generation_config.json (sampling defaults) with the tokenizer's special ids.
-
-    Several end-of-sequence ids (Llama 3 Instruct stops on three) are written
-    as a list, which is how transformers and entrenar's tokenizer read them.
-    """
-    config: dict[str, Any] = {}
-    if base is not None and base.is_dir():
-        config = _read_json(base / "generation_config.json")
-    if tokenizer is None:
-        config.pop("transformers_version", None)
-        return config
-    eos = tokenizer.eos_ids
-    if tokenizer.bos_id is not None:
-        config["bos_token_id"] = tokenizer.bos_id
-    if eos:
-        config["eos_token_id"] = eos[0] if len(eos) == 1 else eos
-    if "pad_token" in tokenizer.special_tokens:
-        config["pad_token_id"] = tokenizer.pad_id
-    config.pop("transformers_version", None)
-    return config
-
-
 def _refuse_quantized_checkpoint(folder: Path) -> None:
     """A checkpoint saved quantized (bitsandbytes, GPTQ, AWQ...) has no float weights to merge into."""
-    config = _read_json(folder / "config.json")
+    config = read_json_object(folder / "config.json")
     quant = config.get("quantization_config")
     if quant:
         method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else quant
@@ -287,10 +229,6 @@ def _refuse_quantized_checkpoint(folder: Path) -> None:
 
 def _checkpoint_dtype(checkpoint: Path) -> torch.dtype:
     """The floating dtype of a training checkpoint's weights."""
-    from safetensors import safe_open
-
-    from entrenar.train.checkpoint import MODEL_FILE
-
     with safe_open(str(checkpoint / MODEL_FILE), framework="pt") as f:
         for name in f.keys():
             kind = f.get_slice(name).get_dtype()
@@ -302,8 +240,6 @@ def _checkpoint_dtype(checkpoint: Path) -> torch.dtype:
 def stored_dtype(model_path: Path) -> torch.dtype:
     """The floating dtype the base's weights are stored in (see the module docstring)."""
     if model_path.suffix == ".gguf":
-        from entrenar.models.gguf import read_gguf
-
         kinds = {
             kind
             for name, kind in read_gguf(model_path).quant_types().items()
@@ -312,38 +248,12 @@ def stored_dtype(model_path: Path) -> torch.dtype:
         if kinds == {"F32"}:
             return torch.float32
         return torch.bfloat16 if kinds == {"BF16"} else torch.float16
-    from safetensors import safe_open
-
-    from entrenar.models.hf import weight_files
-
     with safe_open(str(weight_files(model_path)[0]), framework="pt") as f:
         for name in f.keys():
             kind = f.get_slice(name).get_dtype()
             if SAFETENSORS_DTYPES.get(kind) in _WEIGHT_DTYPES:
                 return SAFETENSORS_DTYPES[kind]
     return torch.float32
-
-
-# -- paths ------------------------------------------------------------------------
-
-
-def _check_output(output: Path, inputs: dict[str, Path]) -> None:
-    """Refuse outputs that would overwrite or delete an input."""
-    out = output.resolve()
-    for what, path in inputs.items():
-        src = path.resolve()
-        if out == src:
-            raise ConfigError(f"{output}: the output is the {what}; choose another path (an output never replaces "
-                              "an input)")
-        if out in src.parents:
-            raise ConfigError(f"{output}: the output contains the {what} ({path}); replacing it would delete it")
-        if src.is_dir() and src in out.parents:
-            raise ConfigError(f"{output}: the output is inside the {what} ({path}); choose a path outside it")
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    """A JSON object file, or {} where there is none."""
-    return read_json_object(path) if path.is_file() else {}
 
 
 __all__ = ["export", "export_adapter", "load_merged", "save_merged", "stored_dtype"]

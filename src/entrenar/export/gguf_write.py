@@ -39,8 +39,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from entrenar.io import atomic, finite
 from entrenar.errors import ModelError, QuantError
+from entrenar.io import atomic, finite
 from entrenar.models.config import rope_inv_freq
 from entrenar.models.gguf import build_tokenizer, gguf_tensor_name
 from entrenar.quant.int import check_finite, quantize_q4_0, quantize_q8_0
@@ -49,8 +49,8 @@ if TYPE_CHECKING:
     import gguf
     import tokenizers
 
-    from entrenar.models.transformer import Transformer
     from entrenar.data.tokenizer import Tokenizer
+    from entrenar.models.transformer import Transformer
 
 # The storage types offered for 2-D weights, by the names llama.cpp's tools use.
 GGUF_TYPES = ("f32", "f16", "q8_0", "q4_0")

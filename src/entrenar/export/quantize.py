@@ -22,10 +22,16 @@ import torch
 from torch import nn
 
 from entrenar.errors import ConfigError, QuantError
-from entrenar.quant.int import MAX_BITS, MIN_BITS, Calibration, LayerError, quantize_model_int, weight_error
-from entrenar.quant.nf4.format import quantize_model_nf4
-from entrenar.models.surgery import ALL_LINEAR, find_linears
+from entrenar.evaluation.loss import evaluate_file
+from entrenar.export import stored_dtype
+from entrenar.io.outputs import check_output, replace_files
 from entrenar.loading import load, read_model_config
+from entrenar.loading.runs import resolve_model_and_adapter
+from entrenar.models.surgery import ALL_LINEAR, find_linears
+from entrenar.models.transformer import Transformer
+from entrenar.quant.checkpoint import is_quantized_folder, quantization_config, save_quantized
+from entrenar.quant.int import MAX_BITS, MIN_BITS, Calibration, LayerError, quantize_model_int, weight_error
+from entrenar.quant.nf4.format import BLOCKSIZES, quantize_model_nf4
 
 if TYPE_CHECKING:
     from entrenar.evaluation.loss import EvalResult
@@ -118,8 +124,6 @@ def quantize_model(
 def _check_paths(model_path: Path, output: Path, overwrite: bool) -> None:
     """Refuse an output that is, or contains, the input; an earlier output without ``overwrite``; an output
     that cannot be written (checked now, not after the model is read)."""
-    from entrenar.io.outputs import check_output
-
     src, out = model_path.resolve(), output.resolve()
     if out == src:
         raise ConfigError(f"{output}: the output is the input model; choose another folder (quantize never "
@@ -146,8 +150,6 @@ def check_shapes(model: nn.Module, method: str, group_size: int | None) -> None:
     size must divide every quantized layer's input width; the error names
     the first layer it does not fit and suggests sizes that fit them all.
     """
-    from entrenar.quant.nf4.format import BLOCKSIZES
-
     kind, bits = parse_method(method)
     if kind == "nf4":
         if group_size is not None and group_size not in BLOCKSIZES:
@@ -221,13 +223,6 @@ def quantize_pretrained(
     output needs ``overwrite`` and keeps files that are not ours
     (:mod:`entrenar.io.outputs`). The output may not be, or contain, the input.
     """
-    import entrenar
-    from entrenar.export import stored_dtype
-    from entrenar.models.transformer import Transformer
-    from entrenar.io.outputs import replace_files
-    from entrenar.quant.checkpoint import is_quantized_folder, quantization_config, save_quantized
-    from entrenar.loading.runs import resolve_model_and_adapter
-
     model_path, output = Path(model_path), Path(output)
     check_options(method, symmetric, calibration, percentile)  # bad settings fail before the model is read
     _check_paths(model_path, output, overwrite)
@@ -245,8 +240,6 @@ def quantize_pretrained(
     def evaluate() -> EvalResult | None:
         if data is None:
             return None
-        from entrenar.evaluation.loss import evaluate_file
-
         return evaluate_file(model, tokenizer, data, seq_len=seq_len, batch_size=batch_size)
 
     before = evaluate()

@@ -10,7 +10,8 @@ from entrenar.errors import ConfigError
 from entrenar.models.transformer import KVCache, Transformer, compute_device
 
 
-def sample_next(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None = None) -> int:
+def sample_next(logits: torch.Tensor, temperature: float, top_p: float,
+                generator: torch.Generator | None = None) -> int:
     """Pick the next token id from one row of logits [vocab]."""
     if temperature <= 0:
         return int(logits.argmax())

@@ -167,7 +167,7 @@ def apply_umask(folder: str | os.PathLike) -> None:
     would otherwise carry those modes into the user's folder.
     """
     mask = umask()
-    for root, dirs, files in os.walk(folder):
+    for root, _dirs, files in os.walk(folder):
         os.chmod(root, 0o777 & ~mask)
         for name in files:
             path = os.path.join(root, name)

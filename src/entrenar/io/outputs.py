@@ -1,5 +1,7 @@
-"""Output folders of ``export`` and ``quantize``: checked before any heavy work, never emptied of a user's files.
+"""Output folders of ``export``, ``quantize`` and ``merge``: checked before any heavy work, never emptied of a user's
+files.
 
+    refuse_overlap(out, {"base model": base})  # an output never replaces, deletes or sits inside an input
     check_output(out, overwrite=False)        # refuses a non-empty folder; fails now if `out` cannot be written
     with replace_files(out) as target:        # fill `target` (a fresh folder named like `out`)
         save_something(target)
@@ -23,8 +25,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from entrenar.io import atomic
 from entrenar.errors import ConfigError
+from entrenar.io import atomic
 
 # Files a model, adapter or quantized folder written by entrenar may hold: what an earlier output of ours left.
 OUR_FILES = re.compile(
@@ -106,9 +108,8 @@ def replace_files(output: str | os.PathLike) -> Iterator[Path]:
         _fsync_files(target)
         for name in sorted(names, key=lambda n: (n in _LAST, _LAST.index(n) if n in _LAST else 0, n)):
             source, dest = target / name, output / name
-            if source.is_dir():
-                if dest.is_dir() and not dest.is_symlink():
-                    shutil.rmtree(dest)
+            if source.is_dir() and dest.is_dir() and not dest.is_symlink():
+                shutil.rmtree(dest)
             os.replace(source, dest)
         atomic.fsync_dir(output)
         for old in output.iterdir():
@@ -129,4 +130,18 @@ def _fsync_files(folder: Path) -> None:
                 os.close(fd)
 
 
-__all__ = ["OUR_FILES", "check_output", "check_writable", "replace_files"]
+def refuse_overlap(output: Path, inputs: dict[str, Path]) -> None:
+    """Refuse an output that would overwrite, delete or sit inside an input (``inputs``: what -> path)."""
+    out = output.resolve()
+    for what, path in inputs.items():
+        src = path.resolve()
+        if out == src:
+            raise ConfigError(f"{output}: the output is the {what}; choose another path (an output never replaces "
+                              "an input)")
+        if out in src.parents:
+            raise ConfigError(f"{output}: the output contains the {what} ({path}); replacing it would delete it")
+        if src.is_dir() and src in out.parents:
+            raise ConfigError(f"{output}: the output is inside the {what} ({path}); choose a path outside it")
+
+
+__all__ = ["OUR_FILES", "check_output", "check_writable", "refuse_overlap", "replace_files"]

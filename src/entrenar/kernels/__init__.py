@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from entrenar.adapters.lora import LoraLinear
 from entrenar.errors import ConfigError
 from entrenar.kernels._common import triton_available
 from entrenar.kernels.fused_linear_ce import fused_linear_cross_entropy
@@ -37,7 +38,6 @@ from entrenar.kernels.norm_projections import FusedBlock
 from entrenar.kernels.rmsnorm import FusedRMSNorm, rms_norm
 from entrenar.kernels.rope import FusedRopeAttention, apply_rope
 from entrenar.kernels.swiglu import FusedMLP, swiglu
-from entrenar.adapters.lora import LoraLinear
 from entrenar.models.moe import Experts, MoeBlock
 from entrenar.models.transformer import MLP, Attention, Block, RMSNorm
 

@@ -1,41 +1,23 @@
-"""When the Triton path may run, shared by every kernel file.
+"""What every kernel file shares: when the Triton path may run, launch arithmetic, autocast at a fused node's door.
 
 Triton is imported lazily, only when a kernel is first used on a tensor it can
 run on, so CPU-only installs never need it. ``TRITON_INTERPRET=1`` lets the
 kernels run on CPU tensors through Triton's interpreter (slow; for tests and
-debugging without a GPU).
+debugging without a GPU). When Triton runs is :mod:`entrenar.device`'s answer (NF4's kernel in
+:mod:`entrenar.quant.nf4`, below the kernels, asks too); it is re-exported here for the kernel files.
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib.util
-import os
 from collections.abc import Callable
 
 import torch
 
-# Looked up once, without importing triton; a constant is also what torch.compile wants to see.
-_TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
+from entrenar.device import interpreting, triton_available, use_triton
 
-
-def triton_available() -> bool:
-    """True if the ``triton`` package can be imported."""
-    return _TRITON_INSTALLED
-
-
-def interpreting() -> bool:
-    """True when Triton's CPU interpreter is switched on (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-def use_triton(*tensors: torch.Tensor) -> bool:
-    """True if the Triton kernels can run on these tensors: CUDA tensors (or any, under the interpreter)."""
-    if not _TRITON_INSTALLED:
-        return False
-    if all(t.is_cuda for t in tensors):
-        return True
-    return not torch.compiler.is_compiling() and interpreting()
+__all__ = ["autocast_dtype", "autocast_inputs", "call_op", "cdiv", "interpreting", "next_power_of_2",
+           "triton_available", "use_triton"]
 
 
 def next_power_of_2(n: int) -> int:

@@ -38,8 +38,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from entrenar.kernels._common import autocast_dtype, autocast_inputs
 from entrenar.adapters.lora import LoraLinear
+from entrenar.kernels._common import autocast_dtype, autocast_inputs
 from entrenar.quant.nf4.format import NF4Linear, NF4Tensor, dequantize_nf4
 
 Weight = torch.Tensor | NF4Tensor  # a base weight as the node takes it

@@ -152,7 +152,8 @@ def swiglu_backward(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> t
     return swiglu_backward_reference(dy, gate, up)
 
 
-def _swiglu_backward_as_autograd(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _swiglu_backward_as_autograd(dy: torch.Tensor, gate: torch.Tensor,
+                                 up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """What PyTorch's autograd computes for ``silu(gate) * up`` in 16 bits (transformers' MLP under autocast), bit
     for bit: each op works in fp32 inside and rounds its output. On a CPU that is four passes over 16-bit tensors
     where the fp32 reference makes five fp32 copies and a dozen fp32 passes (9% of a SmolLM2-135M bf16 step)."""

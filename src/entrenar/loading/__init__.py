@@ -6,17 +6,27 @@ through :mod:`entrenar.loading.classifier`.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from entrenar.adapters.lora import load_adapter
+from entrenar.data.tokenizer import Tokenizer
 from entrenar.device import resolve_device, resolve_dtype
+from entrenar.errors import ConfigError, ModelError, QuantError
+from entrenar.loading.classifier import load_classifier
+from entrenar.loading.runs import apply_checkpoint, resolve_model_and_adapter
+from entrenar.models import classifier as cls
 from entrenar.models import random_init
+from entrenar.models.config import ModelConfig
+from entrenar.models.gguf import load_gguf, read_gguf
+from entrenar.models.hf import load_hf, read_config
+from entrenar.quant.checkpoint import is_quantized_folder, load_quantized
+from entrenar.quant.nf4.sinks import base_sinks
 
 if TYPE_CHECKING:
     import torch
 
-    from entrenar.data.tokenizer import Tokenizer
-    from entrenar.models.config import ModelConfig
     from entrenar.models.transformer import Transformer
 
 __all__ = ["load", "read_model_config", "recipe_model_config", "require_tokenizer"]
@@ -24,16 +34,8 @@ __all__ = ["load", "read_model_config", "recipe_model_config", "require_tokenize
 
 def read_model_config(path: str | Path) -> ModelConfig:
     """The ModelConfig of a Hugging Face folder, a GGUF file or a run's model, without reading any weights."""
-    from entrenar.errors import ModelError
-    from entrenar.loading.runs import resolve_model_and_adapter
-    from entrenar.models.config import ModelConfig
-    from entrenar.models.hf import read_config
-
     path = resolve_model_and_adapter(path).model if Path(path).is_dir() else Path(path)
-    if path.suffix == ".gguf":
-        # read_gguf maps tensor names and shapes; it reads no tensor data.
-        from entrenar.models.gguf import read_gguf
-
+    if path.suffix == ".gguf":  # read_gguf maps tensor names and shapes; reads no tensor data
         return ModelConfig.from_hf(read_gguf(path).hf_config, source=str(path))
     if not path.exists():
         raise ModelError(f"{path}: no such model folder or .gguf file")
@@ -49,12 +51,11 @@ def _check_vocabulary(path: str | Path, model_vocab_size: int, tokenizer: Tokeni
     A tokenizer smaller than the embedding is fine: vocabularies are often
     padded to a multiple of 64 or 128.
     """
-    from entrenar.errors import ModelError
-
     if tokenizer.vocab_size > model_vocab_size:
         raise ModelError(
             f"{path}: the tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size is "
-            f"{model_vocab_size}; ids from {model_vocab_size} up have no embedding (mismatched tokenizer and model files?)"
+            f"{model_vocab_size}; ids from {model_vocab_size} up have no embedding "
+            "(mismatched tokenizer and model files?)"
         )
 
 
@@ -89,24 +90,15 @@ def load(
     mean) on a language-model checkpoint or GGUF file.
     """
     if task not in (None, "causal_lm", "classification"):
-        from entrenar.errors import ConfigError
-
         raise ConfigError(f"task {task!r} must be 'causal_lm' or 'classification'")
-    from entrenar.loading.runs import apply_checkpoint, resolve_model_and_adapter
-    from entrenar.models import classifier as cls
-
     source = resolve_model_and_adapter(path, adapter)
     if task == "classification" or (
         task is None and (cls.is_classifier_folder(source.model) or _seq_cls_adapter(source.adapter))
     ):
-        from entrenar.loading.classifier import load_classifier
-
         return load_classifier(source.model, load, adapter=source.adapter, dtype=dtype, device=device,
                                quantize=quantize, num_labels=num_labels, pooling=pooling, seed=seed)
     model, tokenizer = _load_model(source.model, dtype, device, quantize)
     if source.adapter is not None:
-        from entrenar.adapters.lora import load_adapter
-
         load_adapter(model, source.adapter)
     if source.checkpoint is not None:
         apply_checkpoint(model, source)
@@ -115,8 +107,6 @@ def load(
 
 def require_tokenizer(tokenizer: Tokenizer | None, model_path: str | Path) -> Tokenizer:
     """``tokenizer``, or a ModelError naming the model folder when it has none (for what needs text)."""
-    from entrenar.errors import ModelError
-
     if tokenizer is None:
         raise ModelError(f"{model_path}: the model has no tokenizer (no tokenizer.json in the folder); copy the "
                          "tokenizer files of the model it came from into it")
@@ -124,15 +114,11 @@ def require_tokenizer(tokenizer: Tokenizer | None, model_path: str | Path) -> To
 
 
 def _folder_tokenizer(path: Path) -> Tokenizer | None:
-    from entrenar.data.tokenizer import Tokenizer
-
     return Tokenizer.from_folder(path) if (path / "tokenizer.json").is_file() else None
 
 
 def _seq_cls_adapter(adapter: str | Path | None) -> bool:
     """Whether ``adapter`` is a PEFT adapter saved for sequence classification (``task_type: SEQ_CLS``)."""
-    import json
-
     if adapter is None or not (Path(adapter) / "adapter_config.json").is_file():
         return False
     try:
@@ -144,17 +130,11 @@ def _seq_cls_adapter(adapter: str | Path | None) -> bool:
 def _load_model(
     path: Path, dtype: str | torch.dtype | None, device: str | torch.device | None, quantize: str | None
 ) -> tuple[Transformer, Tokenizer | None]:
-    from entrenar.errors import ModelError, QuantError
-    from entrenar.models.hf import load_hf
-    from entrenar.quant.checkpoint import is_quantized_folder, load_quantized
-
     path = Path(path)
     device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, device)
     if path.suffix == ".gguf" and path.is_file():
-        from entrenar.models.gguf import load_gguf
-
-        model, tokenizer = load_gguf(path, dtype=torch_dtype, device=device, quantize=quantize)
+        model, tokenizer = load_gguf(path, dtype=torch_dtype, device=device, sinks=base_sinks(quantize))
         _check_vocabulary(path, model.config.vocab_size, tokenizer)
     elif is_quantized_folder(path):  # written by `entrenar quantize` or a QAT run: codes and scales as saved
         if quantize is not None:
@@ -167,7 +147,7 @@ def _load_model(
         tokenizer = _folder_tokenizer(path)
         if tokenizer is not None:
             _check_vocabulary(path, read_model_config(path).vocab_size, tokenizer)
-        model = load_hf(path, dtype=torch_dtype, device=device, quantize=quantize)
+        model = load_hf(path, dtype=torch_dtype, device=device, sinks=base_sinks(quantize))
     elif not path.exists():
         raise ModelError(f"{path}: no such model folder or .gguf file")
     else:
@@ -176,7 +156,8 @@ def _load_model(
 
 
 def recipe_model_config(recipe: Any) -> ModelConfig:
-    """A recipe's ModelConfig without reading or drawing weights: from ``model.config`` (random init) or ``model.path``."""
+    """A recipe's ModelConfig without reading or drawing weights: from ``model.config`` (random init) or
+    ``model.path``."""
     if random_init.is_random(recipe):
         return random_init.model_config(recipe)
     return read_model_config(recipe.model.path)

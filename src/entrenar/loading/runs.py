@@ -29,12 +29,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from entrenar.adapters.lora import apply_lora, load_lora_state_dict, lora_config_of
+from entrenar.config import Recipe, load_recipe
 from entrenar.errors import AdapterError, EntrenarError, ModelError
+from entrenar.io.checkpoint_files import MODEL_FILE, SHARDS_DIR, is_sharded, read_model_tensors
+from entrenar.models.hf import iter_safetensors, load_state_into
 
 if TYPE_CHECKING:
     import torch
-
-    from entrenar.config import Recipe
 
 RECIPE_FILE = "recipe.yaml"
 METRICS_FILE = "metrics.jsonl"
@@ -65,8 +67,8 @@ def run_folder_of(path: str | Path) -> tuple[Path, str] | None:
     """(run folder, what ``path`` is in it) when ``path`` is a run, its ``best/``, a checkpoint, or an output.
 
     The kinds: "run", "best", "checkpoint", "adapter", "model" (``adapter/``, ``model/`` or ``quantized/``
-    of the run, ``adapter/`` or ``model/`` of its ``best/``). Only these positions count, so a model folder that happens to sit beside some
-    ``recipe.yaml`` is not mistaken for a run.
+    of the run, ``adapter/`` or ``model/`` of its ``best/``). Only these positions count, so a model folder that
+    happens to sit beside some ``recipe.yaml`` is not mistaken for a run.
     """
     path = Path(path)
     if is_run_folder(path):
@@ -95,8 +97,6 @@ def is_run_folder(folder: Path) -> bool:
 
 def read_run_recipe(run_dir: Path) -> Recipe:
     """The recipe a run saved (its resolved recipe.yaml)."""
-    from entrenar.config import load_recipe
-
     try:
         return load_recipe(run_dir / RECIPE_FILE)
     except EntrenarError as e:
@@ -201,8 +201,6 @@ def resolve_model_and_adapter(model: str | Path, adapter: str | Path | None = No
 
 
 def _check_checkpoint(checkpoint: Path) -> None:
-    from entrenar.train.checkpoint import MODEL_FILE, is_sharded
-
     if not (checkpoint / MODEL_FILE).is_file() and not is_sharded(checkpoint):
         raise ModelError(f"{checkpoint}: no {MODEL_FILE} (an incomplete checkpoint?)")
 
@@ -210,13 +208,8 @@ def _check_checkpoint(checkpoint: Path) -> None:
 def apply_checkpoint(model: torch.nn.Module, source: ModelSource) -> None:
     """Put a checkpoint's trainable state on ``model`` (loaded from ``source.model``): a LoRA run's adapter
     (wrapping the layers its recipe names), or a full fine-tune's weights. Every name and shape is checked."""
-    from entrenar.models.hf import iter_safetensors, load_state_into
-    from entrenar.train.checkpoint import MODEL_FILE, SHARDS_DIR, is_sharded
-
     assert source.checkpoint is not None and source.recipe is not None
     if is_sharded(source.checkpoint):  # an FSDP run's: the shards joined in this process
-        from entrenar.train.sharded_checkpoint import read_model_tensors
-
         file = source.checkpoint / SHARDS_DIR
         named = [(file.name, name, tensor) for name, tensor in read_model_tensors(source.checkpoint).items()]
     else:
@@ -225,9 +218,6 @@ def apply_checkpoint(model: torch.nn.Module, source: ModelSource) -> None:
     if source.recipe.lora is None:
         load_state_into(model, named, str(source.checkpoint))
         return
-    from entrenar.adapters.lora import apply_lora, load_lora_state_dict
-    from entrenar.adapters.lora import lora_config_of
-
     state = {name: tensor for _, name, tensor in named}
     try:
         apply_lora(model, lora_config_of(source.recipe.lora))

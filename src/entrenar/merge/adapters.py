@@ -29,8 +29,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from entrenar.errors import AdapterError, ConfigError
+from entrenar.io.outputs import replace_files
 from entrenar.merge import methods
-from entrenar.merge.config import MergeConfig
+from entrenar.merge.config import MergeConfig, evaluate_setting
 
 ADAPTER_METHODS = ("linear", "task_arithmetic", "ties", "dare_linear", "dare_ties", "breadcrumbs",
                    "breadcrumbs_ties", "della", "della_linear")
@@ -67,7 +68,8 @@ def merge_adapters(cfg: MergeConfig, output: Path, dry_run: bool = False, seed: 
     from entrenar.adapters.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFIX
 
     if cfg.merge_method not in ADAPTER_METHODS:
-        raise ConfigError(f"{cfg.source}: merging adapters supports {', '.join(ADAPTER_METHODS)}, not {cfg.merge_method}")
+        raise ConfigError(f"{cfg.source}: merging adapters supports {', '.join(ADAPTER_METHODS)}, "
+                          f"not {cfg.merge_method}")
     if cfg.models is None:
         raise ConfigError(f"{cfg.source}: merging adapters takes models:, not slices:")
     spec = cfg.spec
@@ -95,7 +97,8 @@ def merge_adapters(cfg: MergeConfig, output: Path, dry_run: bool = False, seed: 
     for module, (n_out, n_in) in modules.items():
         weights, densities, gammas, epsilons = [], [], [], []
         for src, _, _, _ in inputs:
-            p = {k: _value(src.parameters, cfg.parameters, k, d, f"{module}.weight") for k, d in spec.tensor_params.items()}
+            p = {k: _value(src.parameters, cfg.parameters, k, d, f"{module}.weight")
+                 for k, d in spec.tensor_params.items()}
             if p.get("weight") is methods.REQUIRED:
                 raise ConfigError(f"{src.where}: {src.model} needs the parameter 'weight'")
             weights.append(float(p["weight"]))
@@ -132,9 +135,9 @@ def merge_adapters(cfg: MergeConfig, output: Path, dry_run: bool = False, seed: 
         tensors[f"{PEFT_PREFIX}{module}.lora_B.weight"] = b_new.to(out_dtype).contiguous()
 
     config = dict(inputs[0][1])
-    config.update(r=r_out, lora_alpha=r_out, use_rslora=False, target_modules=sorted({m.rsplit(".", 1)[-1] for m in modules}),
+    config.update(r=r_out, lora_alpha=r_out, use_rslora=False,
+                  target_modules=sorted({m.rsplit(".", 1)[-1] for m in modules}),
                   rank_pattern={}, alpha_pattern={}, lora_dropout=config.get("lora_dropout", 0.0))
-    from entrenar.io.outputs import replace_files
 
     with replace_files(output) as tmp:
         tmp.mkdir()
@@ -160,8 +163,6 @@ def svd_factors(delta: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Ten
 
 
 def _value(own: dict[str, Any], shared: dict[str, Any], key: str, default: Any, tensor: str) -> Any:
-    from entrenar.merge.config import evaluate_setting
-
     for level in (own, shared):
         if key in level:
             value = evaluate_setting(level[key], tensor, 0.0)

@@ -125,7 +125,8 @@ def streamable(pt: PlannedTensor, spec_name: str, inputs: dict[str, Input], alig
     return True
 
 
-def merge_blocks(pt: PlannedTensor, cfg, inputs: dict[str, Input], reader: BlockReader) -> Iterator[torch.Tensor] | None:
+def merge_blocks(pt: PlannedTensor, cfg, inputs: dict[str, Input],
+                 reader: BlockReader) -> Iterator[torch.Tensor] | None:
     """``pt``'s output row blocks in its dtype, or None when this tensor must be merged whole (a missed bracket)."""
     shape = pt.info.shape
     spans = row_spans(shape[0], math.prod(shape[1:]))
@@ -179,7 +180,8 @@ class _Task:
 
     @property
     def first_pass(self) -> bool:
-        return self.sparsifier == "magnitude" or (self.sparsifier == "random" and self.rescale not in (None, "inverse_density"))
+        return self.sparsifier == "magnitude" or (
+            self.sparsifier == "random" and self.rescale not in (None, "inverse_density"))
 
 
 def _prepare(pt: PlannedTensor, cfg, spans, read) -> list[_Task] | None:

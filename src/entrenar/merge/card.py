@@ -7,13 +7,17 @@ import shutil
 from collections import Counter
 from pathlib import Path
 
+import tokenizers
+
+from entrenar.data.tokenizer import Tokenizer
 from entrenar.merge.config import ModelRef
 from entrenar.merge.stream import GGUFInput, Input
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "chat_template.jinja", "vocab.json", "merges.txt", "added_tokens.json")
 CHATML = (
-    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 
@@ -26,7 +30,8 @@ def _tokenizer_ref(plan, vocab) -> str:
 
 
 def write_tokenizer(plan, inputs: dict[str, Input], vocab, folder: Path) -> None:
-    """Copy the tokenizer files of the tokenizer's source (adding a union's tokens), the chat template, generation config."""
+    """Copy the tokenizer files of the tokenizer's source (adding a union's tokens), the chat template and the
+    generation config."""
     source = inputs[_tokenizer_ref(plan, vocab)]
     if isinstance(source, GGUFInput):
         source.gguf.tokenizer.save(folder)
@@ -52,7 +57,6 @@ def write_tokenizer(plan, inputs: dict[str, Input], vocab, folder: Path) -> None
 def gguf_tokenizer_check(plan, inputs: dict[str, Input], vocab) -> None:
     """The merged model's tokenizer (its source's), checked as the GGUF writer will need it."""
     from entrenar.export.gguf_write import check_gguf_tokenizer
-    from entrenar.data.tokenizer import Tokenizer
 
     source = inputs[_tokenizer_ref(plan, vocab)]
     if isinstance(source, GGUFInput):
@@ -62,8 +66,6 @@ def gguf_tokenizer_check(plan, inputs: dict[str, Input], vocab) -> None:
 
 
 def _add_tokens(folder: Path, added: list[tuple[str, bool]]) -> None:
-    import tokenizers
-
     path = folder / "tokenizer.json"
     backend = tokenizers.Tokenizer.from_file(str(path))
     for token, special in added:

@@ -87,7 +87,8 @@ def slerp(t: float, v0: Tensor, v1: Tensor, dot_threshold: float = 0.9995, eps: 
     return s0 * v0 + s1 * v1
 
 
-def nuslerp(t: float, v0: Tensor, v1: Tensor, row_wise: bool = False, flatten: bool = True, eps: float = 1e-8) -> Tensor:
+def nuslerp(t: float, v0: Tensor, v1: Tensor, row_wise: bool = False, flatten: bool = True,
+            eps: float = 1e-8) -> Tensor:
     """Slerp over the whole tensor (``flatten``), or over each row (``row_wise``) or column independently.
 
     Each vector pair that is (nearly) colinear (|sin θ| < eps) is lerped instead.
@@ -317,7 +318,7 @@ def della_magprune(
         return delta
     if density <= 0:
         return torch.zeros_like(delta)
-    if not (0 < density - epsilon and density + epsilon < 1):
+    if not (density - epsilon > 0 and density + epsilon < 1):
         raise ConfigError(f"della: epsilon={epsilon} must keep density ± epsilon in (0, 1) (density={density})")
     rows = delta.reshape(1, -1) if delta.dim() < 2 else delta.reshape(delta.shape[0], -1)
     n = rows.shape[1]

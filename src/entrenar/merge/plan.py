@@ -26,9 +26,11 @@ from entrenar.merge.stream import Input, TensorInfo
 
 LAYER = re.compile(r"^(?P<prefix>.*?\blayers\.)(?P<index>\d+)(?P<suffix>\..+)$")
 VOCAB_TENSORS = ("model.embed_tokens.weight", "lm_head.weight")
-_TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
+_TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+                 "float64": torch.float64}
 # Config fields that must agree for tensors to line up (the layer count is checked per slice).
-_ARCH_FIELDS = ("model_type", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim")
+_ARCH_FIELDS = ("model_type", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+                "head_dim")
 
 
 @dataclass
@@ -64,7 +66,8 @@ class Plan:
             f"base_model: {self.base_ref if cfg.base_model else '(none)'}",
             "inputs:",
             *[f"  {line}" for line in self.inputs],
-            f"output: {len(self.tensors)} tensors, {total / 2**30:.2f} GiB in {str(self.out_dtype).removeprefix('torch.')}, "
+            f"output: {len(self.tensors)} tensors, {total / 2**30:.2f} GiB in "
+            f"{str(self.out_dtype).removeprefix('torch.')}, "
             f"{self.out_config.get('num_hidden_layers')} layers, vocab_size {self.out_config.get('vocab_size')}",
         ]
         if cfg.parameters:
@@ -76,7 +79,8 @@ class Plan:
                 lines.append(f"  ... {len(self.tensors) - 10} more")
                 continue
             src = ", ".join(
-                r + (f":{n}" if n != t.name else "") + "".join(f" {k}={_short(v)}" for k, v in p.items() if v is not None)
+                r + (f":{n}" if n != t.name else "")
+                + "".join(f" {k}={_short(v)}" for k, v in p.items() if v is not None)
                 for (r, n), p in zip(t.sources, t.model_params)
             )
             base = f" (base {t.base[0]})" if t.base else ""
@@ -133,9 +137,9 @@ def build_plan(cfg: MergeConfig, inputs: dict[str, Input], vocab_rows: int | Non
         n_layers = _layers(inputs[base_ref])
         sources = list(cfg.models)
         base = cfg.base_model
-        if base is not None and base.text not in [s.model.text for s in sources]:
-            if spec.base == "required" or spec.name == "nuslerp":
-                sources.append(Source(base, {}, None, cfg.lines("base_model")))
+        if (base is not None and base.text not in [s.model.text for s in sources]
+                and (spec.base == "required" or spec.name == "nuslerp")):
+            sources.append(Source(base, {}, None, cfg.lines("base_model")))
         slices = [(sources, base, {}, [(0, n_layers)] * len(sources))]
         for s in sources:
             if _layers(inputs[s.model.text]) != n_layers:
@@ -150,8 +154,10 @@ def build_plan(cfg: MergeConfig, inputs: dict[str, Input], vocab_rows: int | Non
             for s in sl.sources:
                 have = _layers(inputs[s.model.text])
                 if s.layer_range[1] > have:
-                    raise ConfigError(f"{s.where}: layer_range {list(s.layer_range)} goes past {s.model}'s {have} layers")
-            slices.append((sl.sources, sl.base_model or cfg.base_model, sl.parameters, [s.layer_range for s in sl.sources]))
+                    raise ConfigError(f"{s.where}: layer_range {list(s.layer_range)} goes past {s.model}'s "
+                                      f"{have} layers")
+            slices.append((sl.sources, sl.base_model or cfg.base_model, sl.parameters,
+                           [s.layer_range for s in sl.sources]))
 
     base_input = inputs[base_ref]
     out_config = dict(base_input.config)
@@ -192,7 +198,8 @@ def build_plan(cfg: MergeConfig, inputs: dict[str, Input], vocab_rows: int | Non
             for key, default in spec.tensor_params.items():
                 value = _param(key, default, in_name, t, s.parameters, slice_params, cfg.parameters)
                 if value is REQUIRED:
-                    raise ConfigError(f"{s.where}: {s.model} needs the parameter '{key}' for {spec.name} (tensor {in_name})")
+                    raise ConfigError(f"{s.where}: {s.model} needs the parameter '{key}' for {spec.name} "
+                                      f"(tensor {in_name})")
                 mp[key] = value
             model_params.append(mp)
         params = {}
@@ -206,15 +213,17 @@ def build_plan(cfg: MergeConfig, inputs: dict[str, Input], vocab_rows: int | Non
         if vocab and vocab_rows is not None:
             shape = (vocab_rows, *next(iter(shapes))[1:])
         elif len(shapes) > 1:
-            what = ", ".join(f"{r} {list(inputs[r].tensors()[n].shape)}" for r, n in sources + ([base_loc] if base_loc else []))
-            hint = ("; the vocabularies differ: set tokenizer_source (base, union or a model) to map embeddings by token"
-                    if vocab else "")
+            what = ", ".join(f"{r} {list(inputs[r].tensors()[n].shape)}"
+                             for r, n in sources + ([base_loc] if base_loc else []))
+            hint = ("; the vocabularies differ: set tokenizer_source (base, union or a model) to map embeddings by "
+                    "token" if vocab else "")
             raise ModelError(f"{cfg.source}: tensor {out_name} has different shapes: {what}{hint}")
         else:
             shape = next(iter(shapes))
         stored_dtype = inputs[(base_loc or sources[0])[0]].tensors()[(base_loc or sources[0])[1]].dtype
         dtype = out_dtype if stored_dtype.is_floating_point else stored_dtype
-        plan.append(PlannedTensor(out_name, TensorInfo(tuple(shape), dtype), sources, base_loc, params, model_params, t, vocab))
+        plan.append(PlannedTensor(out_name, TensorInfo(tuple(shape), dtype), sources, base_loc, params, model_params,
+                                  t, vocab))
 
     first_sources, first_base, first_params, _ = slices[0]
     for name in pre:

@@ -22,10 +22,14 @@ from typing import Any
 import torch
 
 from entrenar.errors import ConfigError, EntrenarError
+from entrenar.io.outputs import check_output, refuse_overlap, replace_files
 from entrenar.merge import blockwise, methods
+from entrenar.merge.adapters import merge_adapters
+from entrenar.merge.card import gguf_tokenizer_check, model_card, write_tokenizer
 from entrenar.merge.config import MergeConfig, load_config
 from entrenar.merge.plan import Plan, PlannedTensor, build_plan
 from entrenar.merge.stream import Input, ShardedWriter, open_input
+from entrenar.merge.tokens import align_vocabularies
 
 DEFAULT_SHARD_BYTES = 5 * 2**30
 _TORCH = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
@@ -49,8 +53,6 @@ def open_inputs(cfg: MergeConfig) -> dict[str, Input]:
 
 def plan_merge(config: str | Path | dict[str, Any] | MergeConfig) -> tuple[Plan, dict[str, Input], Any]:
     """Parse the config, open the inputs, align vocabularies and plan; reads no weights."""
-    from entrenar.merge.tokens import align_vocabularies
-
     cfg = config if isinstance(config, MergeConfig) else load_config(config)
     inputs = open_inputs(cfg)
     try:
@@ -88,18 +90,12 @@ def merge(
     seed for the random methods (DARE, DELLA). An existing non-empty ``output``
     needs ``overwrite``; even then files the merge does not write are kept.
     """
-    from entrenar.export import _check_output
-    from entrenar.io.outputs import check_output, replace_files
-    from entrenar.merge.card import model_card, write_tokenizer
-
     output = Path(output)
     cfg0 = config if isinstance(config, MergeConfig) else load_config(config)
     if cfg0.adapters:
-        from entrenar.merge.adapters import merge_adapters
-
         if gguf is not None:
             raise ConfigError(f"{cfg0.source}: --gguf needs a merged model; merging adapters writes an adapter")
-        _check_output(output, {f"adapter {i}": p for i, p in enumerate(_input_paths(cfg0).values(), 1)})
+        refuse_overlap(output, {f"adapter {i}": p for i, p in enumerate(_input_paths(cfg0).values(), 1)})
         if not dry_run:
             check_output(output, overwrite)
         return merge_adapters(cfg0, output, dry_run=dry_run, seed=seed)
@@ -114,10 +110,8 @@ def merge(
     if seed is not None:
         cfg.seed = seed
     try:
-        _check_output(output, {f"input {i}": p for i, p in enumerate(_input_paths(cfg).values(), 1)})
+        refuse_overlap(output, {f"input {i}": p for i, p in enumerate(_input_paths(cfg).values(), 1)})
         if qtype is not None:  # before any tensor is merged: the GGUF writer must be able to describe it
-            from entrenar.merge.card import gguf_tokenizer_check
-
             gguf_tokenizer_check(plan, inputs, vocab)
         if dry_run:
             return plan
@@ -179,8 +173,8 @@ def merge(
         for model in inputs.values():
             model.close()
     if qtype is not None:
-        from entrenar.loading import load
         from entrenar.export.gguf_write import write_gguf
+        from entrenar.loading import load
 
         model, tokenizer = load(output, dtype=plan.out_dtype if plan.out_dtype != torch.float64 else torch.float32,
                                 device="cpu")

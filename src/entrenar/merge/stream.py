@@ -18,6 +18,7 @@ Inputs (:func:`open_input`):
 
 from __future__ import annotations
 
+import contextlib
 import json
 import mmap
 import struct
@@ -28,9 +29,11 @@ from typing import Any, BinaryIO
 
 import numpy as np
 import torch
+from safetensors.torch import load_file
 
-from entrenar.device import SAFETENSORS_DTYPES
+from entrenar.io.safetensors_dtypes import SAFETENSORS_DTYPES
 from entrenar.errors import AdapterError, ModelError
+from entrenar.io.hf_files import weight_files
 
 _CODES = {dtype: code for code, dtype in SAFETENSORS_DTYPES.items()}
 INDEX_NAME = "model.safetensors.index.json"
@@ -129,10 +132,8 @@ class SafetensorsFile:
     def close(self) -> None:
         if self._map is not None:
             self._drop_view()
-            try:
+            with contextlib.suppress(BufferError):  # a view is still alive: the map closes when it is collected
                 self._map.close()
-            except BufferError:  # a view is still alive: the map closes when it is collected
-                pass
             self._map = None
         if self._file is not None:
             self._file.close()
@@ -171,7 +172,8 @@ class ShardedWriter:
             self.shards[-1].append((name, info))
             size += info.nbytes
         n = len(self.shards)
-        self.names = ["model.safetensors"] if n == 1 else [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+        self.names = (["model.safetensors"] if n == 1
+                      else [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)])
         self._order = [(s, name, info) for s, shard in enumerate(self.shards) for name, info in shard]
         self._next = 0
         self._file: BinaryIO | None = None
@@ -191,7 +193,8 @@ class ShardedWriter:
         written = 0
         for part in parts:
             if tuple(part.shape[1:]) != info.shape[1:] or part.dtype != info.dtype:
-                raise ModelError(f"output tensor {name}: planned {info.shape} {info.dtype}, got {tuple(part.shape)} {part.dtype}")
+                raise ModelError(f"output tensor {name}: planned {info.shape} {info.dtype}, "
+                                 f"got {tuple(part.shape)} {part.dtype}")
             self._file.write(part.contiguous().reshape(-1).view(torch.uint8).numpy().data)
             written += part.numel() * part.element_size()
         if written != info.nbytes:
@@ -268,8 +271,6 @@ class Input:
 
 class HFInput(Input):
     def __init__(self, folder: Path, reference: str) -> None:
-        from entrenar.io.hf_files import weight_files
-
         self.reference, self.folder = reference, folder
         path = folder / "config.json"
         if not path.is_file():
@@ -339,8 +340,6 @@ class AdapterInput(Input):
     """``base+adapter``: every weight a PEFT LoRA adapter targets comes back as ``W + scale * B @ A``."""
 
     def __init__(self, base: Input, adapter: Path, reference: str) -> None:
-        from safetensors.torch import load_file
-
         from entrenar.adapters.lora import ADAPTER_WEIGHTS, PEFT_PREFIX, read_adapter_config
 
         self.base, self.reference, self.folder, self.config = base, reference, base.folder, base.config
@@ -416,4 +415,5 @@ def open_input(path: Path, adapter: Path | None = None, reference: str | None = 
     return model
 
 
-__all__ = ["AdapterInput", "GGUFInput", "HFInput", "Input", "SafetensorsFile", "ShardedWriter", "TensorInfo", "open_input"]
+__all__ = ["AdapterInput", "GGUFInput", "HFInput", "Input", "SafetensorsFile", "ShardedWriter", "TensorInfo",
+           "open_input"]

@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import tokenizers
 import torch
 
 from entrenar.errors import ModelError
@@ -30,8 +31,6 @@ from entrenar.merge.stream import GGUFInput, Input
 
 def input_vocabulary(model: Input):
     """(tokenizers.Tokenizer, token -> id) of an input, from its tokenizer.json or GGUF metadata."""
-    import tokenizers
-
     if isinstance(model, GGUFInput):
         backend = model.gguf.tokenizer.backend
     else:

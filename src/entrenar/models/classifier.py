@@ -23,6 +23,7 @@ from torch import nn
 
 from entrenar.errors import ModelError
 from entrenar.models.config import ModelConfig, rope_inv_freq
+from entrenar.models.hf import iter_safetensors, load_state_into, read_config, weight_files
 from entrenar.models.transformer import Transformer
 
 POOLINGS = ("last", "mean")
@@ -121,8 +122,6 @@ def hf_num_labels(hf: dict) -> int:
 
 def load_classifier_folder(folder: str | Path, dtype: torch.dtype, device: str | torch.device) -> SequenceClassifier:
     """A transformers ``*ForSequenceClassification`` folder (or one entrenar saved) as a classifier."""
-    from entrenar.models.hf import iter_safetensors, load_state_into, read_config, weight_files
-
     folder = Path(folder)
     config = read_config(folder)
     hf = json.loads((folder / "config.json").read_text())

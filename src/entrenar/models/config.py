@@ -12,6 +12,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from entrenar.errors import ModelError
 
 SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
@@ -78,7 +80,8 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.head_dim is None:
             self.head_dim = self.hidden_size // self.num_heads
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                     "head_dim"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ModelError(f"model config: '{name}' must be a positive integer, got {value!r}")
@@ -109,7 +112,8 @@ class ModelConfig:
         rope_type = (self.rope_scaling or {}).get("rope_type", "default")
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise ModelError(
-                f"model config: rope scaling '{rope_type}' is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
+                f"model config: rope scaling '{rope_type}' is not supported "
+                f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
             )
 
     @property
@@ -163,7 +167,7 @@ class ModelConfig:
         return self._parameter_counts()[1]
 
     @classmethod
-    def from_hf(cls, hf: dict[str, Any], source: str = "config.json") -> "ModelConfig":
+    def from_hf(cls, hf: dict[str, Any], source: str = "config.json") -> ModelConfig:
         """Build from a transformers config.json dict (v4 or v5 style).
 
         Every value is checked for its type and range, so a damaged config.json
@@ -288,7 +292,8 @@ class ModelConfig:
                 raise ModelError("qwen2 checkpoints always have q/k/v biases and no o_proj bias")
         else:
             if self.qkv_bias != self.o_bias:
-                raise ModelError(f"{self.model_type} has one attention_bias flag for q/k/v/o; got qkv={self.qkv_bias} o={self.o_bias}")
+                raise ModelError(f"{self.model_type} has one attention_bias flag for q/k/v/o; "
+                                 f"got qkv={self.qkv_bias} o={self.o_bias}")
             hf["attention_bias"] = self.qkv_bias
         if self.model_type in ("llama", "mistral"):
             hf["mlp_bias"] = self.mlp_bias
@@ -303,7 +308,8 @@ class ModelConfig:
         kind = self.model_type
         if kind not in MOE_FAMILIES:
             if self.num_experts:
-                raise ModelError(f"{kind} checkpoints have no mixture-of-experts layers; use one of {', '.join(MOE_FAMILIES)}")
+                raise ModelError(f"{kind} checkpoints have no mixture-of-experts layers; "
+                                 f"use one of {', '.join(MOE_FAMILIES)}")
             return {}
         hf: dict[str, Any] = {"num_experts_per_tok": self.num_experts_per_tok}
         hf["num_local_experts" if kind in ("mixtral", "qwen3_moe") else "num_experts"] = self.num_experts
@@ -337,7 +343,7 @@ class ModelConfig:
             hf["n_shared_experts"] = self.shared_expert_intermediate_size // self.expert_intermediate_size
         return hf
 
-    def replace(self, **changes: Any) -> "ModelConfig":
+    def replace(self, **changes: Any) -> ModelConfig:
         return dataclasses.replace(self, **changes)
 
 
@@ -494,10 +500,8 @@ def _routing_from_hf(model_type: str, hf: dict[str, Any], moe: dict[str, Any], s
     return out
 
 
-def rope_inv_freq(config: ModelConfig) -> "torch.Tensor":  # noqa: F821
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     """Inverse RoPE frequencies [head_dim/2], with linear or llama3 scaling applied."""
-    import torch
-
     dim = config.head_dim
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     scaling = config.rope_scaling or {}

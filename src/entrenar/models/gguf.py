@@ -33,16 +33,19 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import tokenizers
 import torch
+from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers, processors
 
+from entrenar.data.tokenizer import Tokenizer
 from entrenar.errors import ModelError
+from entrenar.models.config import ModelConfig
+from entrenar.models.hf import Sinks, empty_model, load_state_into
 
 if TYPE_CHECKING:
-    import tokenizers
     from gguf import GGUFReader, ReaderTensor
 
     from entrenar.models.transformer import Transformer
-    from entrenar.data.tokenizer import Tokenizer
 
 # GGUF architecture -> transformers model_type. llama.cpp stores Mistral under "llama".
 # Mixtral is "llama" with expert_count set; Qwen3-MoE is "qwen3moe".
@@ -179,8 +182,6 @@ class GGUFModel:
     @cached_property
     def tokenizer(self) -> Tokenizer:
         """The model's tokenizer rebuilt from the GGUF vocabulary (built on first use)."""
-        from entrenar.data.tokenizer import Tokenizer
-
         m = self.metadata
         eos = m.get("tokenizer.ggml.eos_token_id")
         extra_eos = [m[k] for k in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id") if k in m]
@@ -235,18 +236,16 @@ def read_gguf(path: str | Path) -> GGUFModel:
 
 
 def load_gguf(
-    path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", quantize: str | None = None
+    path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", sinks: Sinks | None = None
 ) -> tuple[Transformer, Tokenizer]:
-    """A native ``Transformer`` and its ``Tokenizer`` from a GGUF file, loaded tensor by tensor."""
-    from entrenar.models.config import ModelConfig
-    from entrenar.models.hf import empty_model, load_state_into
-
+    """A native ``Transformer`` and its ``Tokenizer`` from a GGUF file, loaded tensor by tensor; ``sinks`` as in
+    :func:`entrenar.models.hf.empty_model` (an NF4 base: :func:`entrenar.quant.nf4.sinks.nf4_sinks`)."""
     gguf_model = read_gguf(path)
     config = ModelConfig.from_hf(gguf_model.hf_config, source=str(gguf_model.path))
-    if quantize is not None and config.is_moe:
+    if sinks is not None and config.is_moe:
         raise ModelError(f"{gguf_model.path}: an NF4 base of an MoE GGUF file is not supported (its experts are "
                          "stacked); load the Hugging Face folder for QLoRA")
-    model = empty_model(config, dtype, device, quantize)
+    model = empty_model(config, dtype, device, sinks)
     name = gguf_model.path.name
     load_state_into(model, ((name, n, t) for n, t in gguf_model.tensors(dtype)), str(gguf_model.path.parent))
     return model, gguf_model.tokenizer
@@ -592,7 +591,6 @@ def build_tokenizer(metadata: dict[str, Any], path: Path | str = "<gguf>") -> to
 def _byte_level_bpe(
     metadata: dict[str, Any], tokens: list[str], types: list[int], path: Path | str
 ) -> tokenizers.Tokenizer:
-    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
     pre = metadata.get("tokenizer.ggml.pre", "default")
     family = _PRE_TOKENIZERS.get(pre)
@@ -611,7 +609,8 @@ def _byte_level_bpe(
         if not sep or " " in right:
             raise ModelError(f"{path}: tokenizer.ggml.merges[{n}] = {merge!r} is not two tokens separated by one space")
         pairs.append((left, right))
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=pairs, ignore_merges=family == "llama3", fuse_unk=False))
+    backend = tokenizers.Tokenizer(
+        tokenizers.models.BPE(vocab=vocab, merges=pairs, ignore_merges=family == "llama3", fuse_unk=False))
 
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     if family == "gpt2":
@@ -637,7 +636,6 @@ def _byte_level_bpe(
 def _sentencepiece_bpe(
     metadata: dict[str, Any], tokens: list[str], types: list[int], path: Path | str
 ) -> tokenizers.Tokenizer:
-    from tokenizers import Tokenizer, decoders, models, normalizers
 
     scores = metadata.get("tokenizer.ggml.scores")
     if scores is None or len(scores) != len(tokens):
@@ -649,7 +647,8 @@ def _sentencepiece_bpe(
         merges = _merges_from_scores(tokens, scores, types)
     unk_id = metadata.get("tokenizer.ggml.unknown_token_id")
     unk = tokens[unk_id] if unk_id is not None else None
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token=unk, byte_fallback=True, fuse_unk=True))
+    backend = tokenizers.Tokenizer(
+        tokenizers.models.BPE(vocab=vocab, merges=merges, unk_token=unk, byte_fallback=True, fuse_unk=True))
     # Like llama.cpp (and HF's "legacy" Llama tokenizer), the space prefix goes before
     # every piece of text, including text right after a special token.
     add_prefix = metadata.get("tokenizer.ggml.add_space_prefix", True)
@@ -677,7 +676,6 @@ def _merges_from_scores(tokens: list[str], scores: list[float], types: list[int]
 
 
 def _add_special_tokens(backend: tokenizers.Tokenizer, tokens: list[str], types: list[int]) -> None:
-    from tokenizers import AddedToken
 
     special = [
         AddedToken(t, special=True, normalized=False)
@@ -699,7 +697,6 @@ def _set_post_processor(
 
     Without a flag, llama.cpp adds BOS for SentencePiece vocabularies; for
     byte-level ones we follow transformers' GPT-2 convention (no BOS)."""
-    from tokenizers import processors
 
     add_bos = metadata.get("tokenizer.ggml.add_bos_token", kind == "llama")
     add_eos = metadata.get("tokenizer.ggml.add_eos_token", False)

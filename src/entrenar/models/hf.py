@@ -4,21 +4,26 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from entrenar.device import SAFETENSORS_DTYPES
+from entrenar.errors import ModelError
 from entrenar.io import atomic
 from entrenar.io.finite import check_finite
-from entrenar.errors import ModelError
 from entrenar.io.hf_files import INDEX_NAME, SINGLE_NAME, weight_files  # noqa: F401 - re-exported
 from entrenar.io.json_files import read_json
+from entrenar.io.safetensors_dtypes import SAFETENSORS_DTYPES
 from entrenar.models.config import ModelConfig, rope_inv_freq
 from entrenar.models.transformer import Transformer
+
+# Replaces layers of a model still on the meta device (given the weights' dtype and device) by the layers its
+# weights stream into, such as NF4 layers that quantize them as they arrive.
+Sinks = Callable[[Transformer, torch.dtype, str | torch.device], None]
+
 
 def read_config(folder: str | Path) -> ModelConfig:
     path = Path(folder) / "config.json"
@@ -167,11 +172,13 @@ def load_state_into(model: torch.nn.Module, tensors: Iterator[tuple[str, str, to
         if name not in params:
             if name.endswith("rotary_emb.inv_freq"):
                 continue  # older checkpoints store RoPE buffers; we compute them
-            raise ModelError(f"{source}/{file_name}: tensor '{name}' does not belong to a {model.config.model_type} model of this shape")
+            raise ModelError(f"{source}/{file_name}: tensor '{name}' does not belong to a "
+                             f"{model.config.model_type} model of this shape")
         target = params[name]
         if tuple(tensor.shape) != tuple(target.shape):
             raise ModelError(
-                f"{source}/{file_name}: tensor '{name}' has shape {tuple(tensor.shape)}, the model expects {tuple(target.shape)}"
+                f"{source}/{file_name}: tensor '{name}' has shape {tuple(tensor.shape)}, "
+                f"the model expects {tuple(target.shape)}"
             )
         with torch.no_grad():
             target.copy_(tensor)
@@ -180,7 +187,8 @@ def load_state_into(model: torch.nn.Module, tensors: Iterator[tuple[str, str, to
     missing = [n for n in expected if n not in seen and not (n in tied and any(t in seen for t in tied))]
     # A stacked expert tensor that came piece by piece: name the pieces that never came.
     missing = [m for n in missing
-               for m in ([d for d, (p, _, _) in pieces.items() if p == n and d not in seen] if n in pieces_left else [n])]
+               for m in ([d for d, (p, _, _) in pieces.items() if p == n and d not in seen]
+                         if n in pieces_left else [n])]
     if missing:
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
         raise ModelError(f"{source}: missing tensors {', '.join(missing[:5])}{more}")
@@ -196,38 +204,18 @@ def _copy_checked(target: torch.Tensor, tensor: torch.Tensor, where: str, name: 
 
 
 def empty_model(
-    config: ModelConfig, dtype: torch.dtype, device: str | torch.device, quantize: str | None = None
+    config: ModelConfig, dtype: torch.dtype, device: str | torch.device, sinks: Sinks | None = None
 ) -> Transformer:
     """A model with allocated but uninitialised weights (no wasted random init for big models).
 
-    `quantize="nf4"` makes every linear layer but the output head an empty NF4
-    layer, filled as weights stream in (QLoRA's frozen base); inside
-    :func:`entrenar.quant.nf4.streaming.nf4_in_host_memory`, those layers keep
-    their buffers in CPU memory and quantize on `device`.
+    ``sinks(model, dtype, device)`` replaces layers of the model while it is still on the meta device by the
+    layers the weights stream into: :func:`entrenar.quant.nf4.sinks.nf4_sinks` makes every linear layer but the
+    output head an empty NF4 layer (QLoRA's frozen base). The model itself knows nothing of quantization.
     """
     with torch.device("meta"):
         model = Transformer(config)
-    if quantize == "nf4":
-        from entrenar.models.moe import Experts
-        from entrenar.quant.nf4.streaming import nf4_host_memory_requested
-        from entrenar.quant.nf4.format import NF4Linear
-        from entrenar.quant.nf4.experts import NF4Experts
-        from entrenar.models.surgery import find_linears, replace_module
-
-        host = nf4_host_memory_requested() and torch.device(device).type == "cuda"
-        for name in find_linears(model, "all-linear"):
-            linear = model.get_submodule(name)
-            layer = NF4Linear(linear.in_features, linear.out_features, linear.bias is not None, dtype=dtype,
-                              device="meta" if host else device)
-            if host:
-                layer.keep_in_host_memory(quantize_on=device)
-            replace_module(model, name, layer)
-        for name in [n for n, m in model.named_modules() if type(m) is Experts]:
-            experts = model.get_submodule(name)
-            replace_module(model, name, NF4Experts(experts.num_experts, experts.hidden_size,
-                                                   experts.intermediate_size, dtype=dtype, device=device))
-    elif quantize is not None:
-        raise ModelError(f"unknown base quantization '{quantize}' (supported: nf4)")
+    if sinks is not None:
+        sinks(model, dtype, device)
     # Cast on the meta device first: allocating in fp32 and casting after held both copies at once, twice
     # the bf16 weights at load (27.9 GiB for a Llama-8B shape whose weights are 14 GiB).
     model = model.to(dtype).to_empty(device=device)
@@ -273,16 +261,17 @@ def load_hf(
     folder: str | Path,
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
-    quantize: str | None = None,
+    sinks: Sinks | None = None,
 ) -> Transformer:
-    """Load a Hugging Face checkpoint folder into a native model (optionally with an NF4 base)."""
+    """Load a Hugging Face checkpoint folder into a native model; ``sinks`` as in :func:`empty_model` (an NF4
+    base: :func:`entrenar.quant.nf4.sinks.nf4_sinks`)."""
     folder = Path(folder)
     if not folder.exists():
         raise ModelError(f"{folder}: no such model folder")
     config = read_config(folder)
     files = weight_files(folder)
     check_size(config, files, str(folder))
-    model = empty_model(config, dtype, device, quantize)
+    model = empty_model(config, dtype, device, sinks)
     meta = torch.device(device).type == "meta"  # the structure only (an FSDP rank that receives its shards)
     load_state_into(model, (header_tensors if meta else iter_safetensors)(files), str(folder))
     return model

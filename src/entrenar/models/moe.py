@@ -283,7 +283,8 @@ class MoeBlock(nn.Module):
         self.experts = Experts(config.num_experts, config.hidden_size, config.expert_intermediate_size)
         if config.shared_expert_intermediate_size:
             self.shared_expert = dense_mlp(config, config.shared_expert_intermediate_size)
-            self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False) if config.shared_expert_gate else None
+            self.shared_expert_gate = (nn.Linear(config.hidden_size, 1, bias=False) if config.shared_expert_gate
+                                       else None)
         else:
             self.shared_expert = None
         # Routing of recent forwards, [(logits [N, E] fp32, indices [N, k])], while recording is on.
@@ -322,6 +323,7 @@ def moe_blocks(model: nn.Module) -> list[tuple[int, MoeBlock]]:
 def set_experts_implementation(model: nn.Module, implementation: str) -> None:
     """How every expert stack of ``model`` runs: ``loop``, ``grouped`` or ``auto`` (grouped on CUDA)."""
     if implementation not in EXPERTS_IMPLEMENTATIONS:
-        raise ValueError(f"experts implementation must be one of {', '.join(EXPERTS_IMPLEMENTATIONS)}, got {implementation!r}")
+        raise ValueError(f"experts implementation must be one of {', '.join(EXPERTS_IMPLEMENTATIONS)}, "
+                         f"got {implementation!r}")
     for _, block in moe_blocks(model):
         block.experts.implementation = implementation

@@ -74,7 +74,8 @@ def documents_attention(
 # On a CPU each document attends in its own calls, whose fixed cost (about 0.4 ms a document and layer, forward
 # and backward) a document's products must outweigh: per-document attention and padding-free batches are taken
 # when hidden size x mean example length reaches this. Measured: the quickstart (128 x 12 tokens) ran 2x slower
-# by document; the SmolLM2 chat recipe (576 x 59) 2.9x faster, with padding-free rows; bench_e2e's CPU case (576 x 215) 1.3x.
+# by document; the SmolLM2 chat recipe (576 x 59) 2.9x faster, with padding-free rows; bench_e2e's CPU case
+# (576 x 215) 1.3x.
 CPU_DOCUMENTS_MIN_WORK = 8192
 
 
@@ -106,7 +107,8 @@ def _varlen_fits(q: torch.Tensor, k: torch.Tensor, documents: Documents, window:
     return window is None or documents.max_len <= window or "window_size" in _VARLEN_PARAMS
 
 
-def _varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Documents, window: int | None) -> torch.Tensor:
+def _varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Documents,
+            window: int | None) -> torch.Tensor:
     extra = {}
     if "window_size" in _VARLEN_PARAMS:
         # (left, right): keys in [i - left, i]; the model's window counts the query itself.
@@ -125,7 +127,8 @@ def _varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Docume
     return _varlen_attn(q.contiguous(), k.contiguous(), v.contiguous(), cu, cu, n, n, **extra)
 
 
-def _per_document(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Documents, window: int | None) -> torch.Tensor:
+def _per_document(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Documents,
+                  window: int | None) -> torch.Tensor:
     groups = q.shape[1] // k.shape[1]
     bounds = documents.bounds()
     pieces = []

@@ -18,11 +18,11 @@ import torch
 from tokenizers import Tokenizer as Backend
 from tokenizers import decoders, models, pre_tokenizers
 
+from entrenar.data.tokenizer import Tokenizer
+from entrenar.device import resolve_device, resolve_dtype
 from entrenar.errors import ConfigError, ModelError
 from entrenar.models.config import SUPPORTED_FAMILIES, ModelConfig, rope_inv_freq
 from entrenar.models.transformer import Transformer
-from entrenar.data.tokenizer import Tokenizer
-from entrenar.device import resolve_device, resolve_dtype
 
 BYTE_SPECIALS = ("<s>", "</s>", "<pad>")
 # config.json keys that do not change the model entrenar builds (transformers' runtime and training options).

@@ -55,7 +55,8 @@ def named_linears(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
 
 
 def _output_head_names(model: nn.Module, linears: dict[str, nn.Module]) -> set[str]:
-    """Names of the output head: ``lm_head`` (``score`` on a classifier) and whatever HF's ``get_output_embeddings()`` returns."""
+    """Names of the output head: ``lm_head`` (``score`` on a classifier) and whatever HF's
+    ``get_output_embeddings()`` returns."""
     heads = {name for name in linears if name.rsplit(".", 1)[-1] in (OUTPUT_HEAD_NAME, CLASSIFIER_HEAD_NAME)}
     get_head = getattr(model, "get_output_embeddings", None)
     head = get_head() if callable(get_head) else None

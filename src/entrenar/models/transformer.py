@@ -17,9 +17,8 @@ from torch import nn
 from entrenar.models.config import ModelConfig, rope_inv_freq
 from entrenar.models.moe import Experts, MoeBlock, Router
 from entrenar.models.offload import ActivationOffload
-from entrenar.models.recompute import checkpointed
 from entrenar.models.padding_free import SDPA_HAS_GQA, Documents, documents_attention
-
+from entrenar.models.recompute import checkpointed
 
 
 class RMSNorm(nn.Module):
@@ -42,7 +41,8 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+               sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q and k [B, H, T, D] by position; cos/sin are [B, T, D]."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin

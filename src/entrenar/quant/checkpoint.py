@@ -1,7 +1,7 @@
 """Quantized model folders: a Hugging Face layout whose linear layers hold integer or NF4 codes.
 
     save_quantized(model, tokenizer, "out")   # after quantize_model_int / quantize_model_nf4 / convert_qat
-    model, tokenizer = load("out")   # the same quantized modules, the same outputs
+    model, tokenizer = entrenar.load("out")   # the same quantized modules, the same outputs
 
 A folder is ``config.json`` + safetensors + tokenizer files, like any model
 folder. ``config.json`` carries a ``quantization_config`` entry that says how
@@ -27,8 +27,8 @@ Everything else (embeddings, norms, the output head) is stored as usual.
 
 ``quant_method: "entrenar"`` is not a transformers method: transformers 5
 loads such a folder with the quantized layers freshly initialised (and says
-so in its load report), so read it with ``entrenar.load``. Loading checks every tensor's name, shape, dtype and range against the
-config, so a truncated or edited file is a :class:`QuantError` naming the
+so in its load report), so read it with ``entrenar.load``. Loading checks every tensor's name, shape, dtype and
+range against the config, so a truncated or edited file is a :class:`QuantError` naming the
 tensor and file, never a model that computes garbage.
 """
 
@@ -41,15 +41,19 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from entrenar.io import atomic
+from entrenar.adapters.lora import LoraLinear
 from entrenar.errors import ModelError, QuantError
+from entrenar.io import atomic
+from entrenar.models.config import rope_inv_freq
+from entrenar.models.hf import check_size, header_tensors, iter_safetensors, read_config, save_hf, weight_files
+from entrenar.models.surgery import named_linears, replace_module
+from entrenar.models.transformer import Transformer
 from entrenar.quant.int import MAX_BITS, MIN_BITS, IntQuantTensor, QuantLinear, qrange
 from entrenar.quant.int import _unpack_codes as unpack_codes
 from entrenar.quant.nf4.format import BLOCKSIZES, NF4Linear
-from entrenar.loading import load
+from entrenar.quant.qat import FakeQuantLinear, swapped
 
 if TYPE_CHECKING:
-    from entrenar.models.transformer import Transformer
     from entrenar.data.tokenizer import Tokenizer
 
 QUANT_METHOD = "entrenar"
@@ -99,8 +103,6 @@ def quantization_config(
     or when the other layers agree on one, it is described as a group layer,
     which is what it is, so the folder keeps one layout.
     """
-    from entrenar.adapters.lora import LoraLinear
-
     adapters = [n for n, m in model.named_modules() if isinstance(m, LoraLinear)]
     if adapters:
         raise QuantError(
@@ -122,7 +124,7 @@ def quantization_config(
             if d.get("granularity") == "channel" and layers[name].in_features == group_size:
                 d.update(granularity="group", group_size=group_size)
     first, layout = next(iter(layers)), described[next(iter(layers))]
-    for name, layer in layers.items():
+    for name in layers:
         other = described[name]
         if other != layout:
             diff = next(k for k in _LAYOUT_KEYS if other.get(k) != layout.get(k))
@@ -153,8 +155,6 @@ def save_quantized(
     interrupted save leaves the previous folder (or none), never half of one.
     ``group_size``: see :func:`quantization_config`.
     """
-    from entrenar.models.hf import save_hf
-
     folder = Path(folder)
     entry = quantization_config(model, info, group_size)
     with atomic.staged_folder(folder) as target:
@@ -177,10 +177,6 @@ def save_qat_model(model: nn.Module, tokenizer: Tokenizer | None, folder: str | 
     adapter reproduces the trained model exactly (merging the adapter into
     integer weights would re-quantize, i.e. change, the model).
     """
-    from entrenar.adapters.lora import LoraLinear
-    from entrenar.quant.qat import FakeQuantLinear, swapped
-    from entrenar.models.surgery import named_linears
-
     replacements, cfg = {}, None
     for name, layer in named_linears(model):
         base = layer.base_layer if isinstance(layer, LoraLinear) else layer
@@ -286,13 +282,6 @@ def _empty_layer(linear: nn.Linear, entry: dict[str, Any], dtype: torch.dtype, d
 
 def _skeleton(folder: Path, entry: dict[str, Any], dtype: torch.dtype, device: torch.device) -> Transformer:
     """The model with its quantized layers in place and nothing loaded yet."""
-    from entrenar.models.config import rope_inv_freq
-    from entrenar.models.hf import read_config
-    from entrenar.models.transformer import Transformer
-    from entrenar.models.surgery import replace_module
-
-    from entrenar.models.hf import check_size, weight_files
-
     config = read_config(folder)
     check_size(config, weight_files(folder), str(folder))  # before a damaged config allocates its size
     with torch.device("meta"):
@@ -352,8 +341,6 @@ def load_quantized(
     ``dtype`` is the compute dtype: unquantized weights and biases are cast to
     it and quantized weights dequantize to it; codes and fp32 scales load as stored.
     """
-    from entrenar.models.hf import header_tensors, iter_safetensors, weight_files
-
     folder, device = Path(folder), torch.device(device)
     entry = read_quantization_config(folder)
     if entry is None:

@@ -47,6 +47,7 @@ from torch.nn import functional as F
 
 from entrenar.config import QatSection
 from entrenar.errors import QuantError
+from entrenar.models.surgery import Patterns, find_linears, replace_module
 from entrenar.quant.int import (
     QuantLinear,
     activation_scale,
@@ -58,7 +59,6 @@ from entrenar.quant.int import (
     quantize_with_scale,
     round_to_grid,
 )
-from entrenar.models.surgery import Patterns, find_linears, replace_module
 
 Backward = Literal["ste", "clipped_ste", "lsq", "ewgs"]
 Granularity = Literal["tensor", "channel", "group"]

@@ -23,7 +23,7 @@ from entrenar.data.sources import Skip
 from entrenar.data.tokenizer import Tokenizer
 from entrenar.errors import ConfigError, DataError
 from entrenar.evaluation.loss import EvalResult, eval_loss
-from entrenar.export import save_merged
+from entrenar.models.saving import save_model_folder
 from entrenar.io.run_dir import ADAPTER_DIR, MODEL_DIR
 from entrenar.kernels.fused_linear_ce import FUSED_LOSS_CHUNK, fused_linear_cross_entropy
 from entrenar.loading import load
@@ -125,7 +125,7 @@ class CausalLMTask:
         out = folder / MODEL_DIR
         base = Path(recipe.model.path) if recipe.model.path else None  # a random-init model has no base folder
         with master_weights(model):  # QAT: the full-precision weights it trained, as a plain model folder
-            save_merged(model, tokenizer, out, base=base if base and base.is_dir() else None)  # keeps generation config
+            save_model_folder(model, tokenizer, out, base=base if base and base.is_dir() else None)  # keeps generation config
         return out
 
     def begin(self, model: nn.Module, tokenizer: Tokenizer) -> None:

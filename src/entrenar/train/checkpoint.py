@@ -40,22 +40,30 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, safe_open, save_file
 
-from entrenar.io import atomic
-from entrenar.io.finite import check_finite
 from entrenar.errors import CheckpointError
+from entrenar.io import atomic
+from entrenar.io.checkpoint_files import (  # noqa: F401 - re-exported: the folder's names and readers live below
+    CHECKPOINTS_DIR,
+    MODEL_FILE,
+    OPTIMIZER_JSON,
+    OPTIMIZER_TENSORS,
+    REQUIRED_FILES,
+    RNG_FILE,
+    SHARDED_REQUIRED_FILES,
+    SHARDS_DIR,
+    TRAINER_FILE,
+    best_checkpoint,
+    is_sharded,
+    latest_checkpoint,
+)
+from entrenar.io.checkpoint_files import STEP_DIR as _STEP_DIR
+from entrenar.io.checkpoint_files import checkpoints_dir as _checkpoints_dir
+from entrenar.io.checkpoint_files import is_complete as _is_complete
+from entrenar.io.checkpoint_files import read_pointer as _read_pointer
+from entrenar.io.checkpoint_files import step_dirs as _step_dirs
+from entrenar.io.finite import check_finite
 
 FORMAT_VERSION = 1
-CHECKPOINTS_DIR = "checkpoints"
-MODEL_FILE = "model.safetensors"
-OPTIMIZER_TENSORS = "optimizer.safetensors"
-OPTIMIZER_JSON = "optimizer.json"
-RNG_FILE = "rng.safetensors"
-TRAINER_FILE = "trainer.json"
-REQUIRED_FILES = (MODEL_FILE, OPTIMIZER_TENSORS, OPTIMIZER_JSON, RNG_FILE, TRAINER_FILE)
-SHARDS_DIR = "shards"  # a sharded checkpoint's torch.distributed.checkpoint folder
-SHARDED_REQUIRED_FILES = (f"{SHARDS_DIR}/.metadata", RNG_FILE, TRAINER_FILE)
-
-_STEP_DIR = re.compile(r"^step-(\d+)$")
 # A staging folder of atomic.staged_folder for a checkpoint (removed once the process that made it is gone).
 _LEFTOVER_DIR = re.compile(r"^\.(step-\d+)\..+" + re.escape(atomic.TEMP_SUFFIX) + "$")
 # Group keys that describe this process's optimizer implementation, not training state.
@@ -68,22 +76,6 @@ _IMPLEMENTATION_KEYS = ("fused", "foreach", "capturable", "differentiable")
 def _write_pointer(path: Path, target: str) -> None:
     """Atomically make the text file ``path`` name ``target``."""
     atomic.write_text(path, target + "\n")
-
-
-def _read_pointer(path: Path, instead: str) -> str | None:
-    """The ``step-N`` a pointer file names; None if there is no such file. A damaged pointer (not UTF-8, not a
-    ``step-N``) warns, saying what is used ``instead``, and reads as None."""
-    try:
-        name = path.read_text(encoding="utf-8").strip()
-    except FileNotFoundError:
-        return None
-    except (UnicodeDecodeError, OSError) as e:
-        warnings.warn(f"{path}: unreadable pointer ({e}); {instead}", stacklevel=3)
-        return None
-    if not _STEP_DIR.match(name):
-        warnings.warn(f"{path}: does not name a checkpoint ({name[:40]!r}); {instead}", stacklevel=3)
-        return None
-    return name
 
 
 def _read_json(path: Path) -> Any:
@@ -290,50 +282,7 @@ def _restore_rng(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None
     random.setstate((py["version"], tuple(py["state"]), py["gauss_next"]))
 
 
-# ---------------------------------------------------------------- finding checkpoints
-
-
-def _checkpoints_dir(run_dir: str | os.PathLike) -> Path:
-    return Path(run_dir) / CHECKPOINTS_DIR
-
-
-def _is_complete(ckpt: Path) -> bool:
-    return any(all((ckpt / name).is_file() for name in files) for files in (REQUIRED_FILES, SHARDED_REQUIRED_FILES))
-
-
-def is_sharded(ckpt: str | os.PathLike) -> bool:
-    """Whether ``ckpt`` is a sharded checkpoint (torch.distributed.checkpoint), written by an FSDP run."""
-    return (Path(ckpt) / SHARDED_REQUIRED_FILES[0]).is_file()
-
-
-def _step_dirs(ckpts: Path) -> list[tuple[int, Path]]:
-    if not ckpts.is_dir():
-        return []
-    found = [(int(m.group(1)), d) for d in ckpts.iterdir() if d.is_dir() and (m := _STEP_DIR.match(d.name))]
-    return sorted(found)
-
-
-def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
-    """The checkpoint ``latest`` names, or else the highest complete ``step-N``; None if there is none.
-
-    Temporary folders of an interrupted save and folders missing a file are ignored.
-    """
-    ckpts = _checkpoints_dir(run_dir)
-    name = _read_pointer(ckpts / "latest", instead="using the newest complete checkpoint instead")
-    if name is not None and _is_complete(ckpts / name):
-        return ckpts / name
-    complete = [d for _, d in _step_dirs(ckpts) if _is_complete(d)]
-    if name is not None and complete:
-        warnings.warn(f"{ckpts / 'latest'} names {name}, which is not a complete checkpoint; using "
-                      f"{complete[-1].name}, the newest complete one", stacklevel=2)
-    return complete[-1] if complete else None
-
-
-def best_checkpoint(run_dir: str | os.PathLike) -> Path | None:
-    """The checkpoint last passed to :func:`mark_best`, if it still exists complete."""
-    ckpts = _checkpoints_dir(run_dir)
-    name = _read_pointer(ckpts / "best", instead="no checkpoint is marked best")
-    return ckpts / name if name is not None and _is_complete(ckpts / name) else None
+# ---------------------------------------------------------------- marking the best
 
 
 def mark_best(run_dir: str | os.PathLike, step: int) -> Path:

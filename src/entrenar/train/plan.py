@@ -24,12 +24,13 @@ import torch
 
 from entrenar.config import Recipe
 from entrenar.data.batching import check_seq_len
-from entrenar.device import resolve_dtype
+from entrenar.device import resolve_device, resolve_dtype
 from entrenar.distributed.materialize import load_device as sharded_load_device
 from entrenar.distributed.steps import accumulation as micro_batches_per_rank
 from entrenar.distributed.world import World
 from entrenar.errors import ConfigError
 from entrenar.kernels import triton_available
+from entrenar.loading import recipe_model_config
 from entrenar.models.config import ModelConfig
 from entrenar.models.padding_free import rows_by_document
 from entrenar.models.transformer import checkpointed_layer_indices, offloaded_layer_indices
@@ -186,6 +187,23 @@ def check_recipe(recipe: Recipe, device: torch.device, world: World) -> None:
     """The refusals that need neither the model nor the parallel mode: checked before anything is written or
     loaded (and again by :func:`plan_run`, which makes every check)."""
     _refuse(_Facts(recipe, device, world), needs_mode=False)
+
+
+def plan_for(recipe: Recipe, device: str | None = None, processes: int = 1, gpu_memory_gib: float = 80.0
+             ) -> tuple[RunPlan, bool]:
+    """The plan of ``recipe`` on ``device`` ("cpu", "cuda"; default the recipe's ``model.device`` here) with
+    ``processes`` processes, reading config.json only: what ``entrenar inspect RECIPE`` prints. A CUDA device this
+    machine lacks is planned as a ``gpu_memory_gib`` GPU with Triton; the second value says whether the device
+    is here."""
+    if recipe.model.path is None and recipe.model.init != "random":
+        raise ConfigError("the bundled quickstart generates its model when it runs; `entrenar train --dry-run` "
+                          "plans it")
+    where = torch.device(device) if device else resolve_device(recipe.model.device)
+    here = where.type != "cuda" or torch.cuda.is_available()
+    backend = None if processes == 1 else ("nccl" if where.type == "cuda" else "gloo")
+    plan = plan_run(recipe, where, World(size=processes, backend=backend), recipe_model_config(recipe),
+                    device_memory=None if here else int(gpu_memory_gib * 2**30), triton=None if here else True)
+    return plan, here
 
 
 def plan_run(recipe: Recipe, device: torch.device, world: World, config: ModelConfig,
@@ -370,4 +388,4 @@ def _auto(setting: Any, value: bool, rule: str) -> str:
     return f"on (auto: {rule})" if value else f"off (auto: on only for {rule})"
 
 
-__all__ = ["REFUSALS", "Refusal", "RowLayout", "RunPlan", "check_recipe", "plan_run"]
+__all__ = ["REFUSALS", "Refusal", "RowLayout", "RunPlan", "check_recipe", "plan_for", "plan_run"]

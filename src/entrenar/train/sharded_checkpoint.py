@@ -22,21 +22,22 @@ pickled: DCP's tensor files are raw bytes, and its metadata is read by DCP's own
 from __future__ import annotations
 
 import os
-import warnings
-from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from entrenar.io import atomic
 from entrenar.distributed.world import World
 from entrenar.errors import CheckpointError, EntrenarError
+from entrenar.io import atomic
+from entrenar.io.checkpoint_files import first_line as _first_line
+from entrenar.io.checkpoint_files import one_process_ok as _one_process_ok
+from entrenar.io.checkpoint_files import saved_entries as _saved_entries
 from entrenar.io.finite import first_nonfinite
 from entrenar.train import checkpoint as ckpt_files
-from entrenar.loading import load
+from entrenar.quant.nf4.format import NF4Linear
 
 # Frozen parameters (a LoRA run's base) are the base model's: read again from model.path, not saved.
 _SAVE = {"ignore_frozen_params": True}
@@ -54,8 +55,6 @@ def _state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer, load: bool)
 
 def _quantized_base(model: nn.Module) -> set[str]:
     """The buffers of a QLoRA run's NF4 base: frozen as its weights are, quantized again from model.path."""
-    from entrenar.quant.nf4.format import NF4Linear
-
     return {f"{name}.{b}" for name, module in model.named_modules() if isinstance(module, NF4Linear)
             for b, _ in module.named_buffers(recurse=False)}
 
@@ -83,14 +82,6 @@ def _check_finite(state: dict[str, Any], where: Path, world: World) -> None:
         name, count = found[0]
         raise CheckpointError(f"{where}: tensor {name!r} holds {count:,} non-finite value(s) (NaN/inf); nothing was "
                               "written (weights that diverged in training: lower optimizer.lr; see training.nonfinite)")
-
-
-@contextmanager
-def _one_process_ok() -> Iterator[None]:
-    """DCP warns that it assumes one process whenever there is no process group, even when asked to (no_dist)."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=r"torch\.distributed is (disabled, )?unavailable or uninitialized")
-        yield
 
 
 def save_sharded_checkpoint(run_dir: str | os.PathLike, step: int, model: nn.Module,
@@ -125,21 +116,6 @@ def save_sharded_checkpoint(run_dir: str | os.PathLike, step: int, model: nn.Mod
             return ckpt_files.publish(final, keep_last, best)
 
         return Path(world.main_only(finish))
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[-1][:300] if text else type(error).__name__
-
-
-def _saved_entries(shards: Path) -> dict[str, Any]:
-    """DCP's metadata of a checkpoint: each saved entry's dotted name and its (tensor) metadata."""
-    from torch.distributed.checkpoint import FileSystemReader
-
-    try:
-        return dict(FileSystemReader(str(shards)).read_metadata().state_dict_metadata)
-    except Exception as e:
-        raise CheckpointError(f"{shards}: unreadable checkpoint metadata ({_first_line(e)})") from None
 
 
 def _check_names(saved: dict[str, Any], model_state: dict[str, Any], shards: Path) -> None:
@@ -190,21 +166,3 @@ def load_sharded_checkpoint(ckpt: str | os.PathLike, model: nn.Module, optimizer
     if rng is not None:
         ckpt_files.restore_rng(rng)
     return trainer_state
-
-
-def read_model_tensors(ckpt: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """The saved model tensors of a sharded checkpoint, whole, in this one process (DCP joins the shards): what
-    ``load(RUN/checkpoints/step-N)`` puts on the base model."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    shards = Path(ckpt) / ckpt_files.SHARDS_DIR
-    state = {name: torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
-             for name, entry in _saved_entries(shards).items()
-             if name.startswith("model.") and isinstance(entry, TensorStorageMetadata)}
-    try:
-        with _one_process_ok():
-            dcp.load(state, checkpoint_id=shards, no_dist=True)
-    except Exception as e:
-        raise CheckpointError(f"{shards}: cannot read the shards ({_first_line(e)})") from None
-    return {name[len("model."):]: tensor for name, tensor in state.items()}

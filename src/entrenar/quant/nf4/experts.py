@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from entrenar.models.moe import Experts
+from entrenar.models.surgery import replace_module
 from entrenar.quant.nf4.format import NF4Linear
 
 
@@ -36,7 +37,7 @@ class NF4Experts(Experts):
             self.add_module(str(e), expert)
 
     @classmethod
-    def from_experts(cls, experts: Experts, blocksize: int = 64, double_quant: bool = True) -> "NF4Experts":
+    def from_experts(cls, experts: Experts, blocksize: int = 64, double_quant: bool = True) -> NF4Experts:
         """Quantize a full-precision ``Experts`` module."""
         w = experts.gate_up_proj
         out = cls(experts.num_experts, experts.hidden_size, experts.intermediate_size, w.dtype, w.device,
@@ -79,8 +80,6 @@ class NF4Experts(Experts):
 
 def quantize_experts_nf4(model: nn.Module) -> list[str]:
     """Replace every ``Experts`` module of ``model`` by its NF4 version; return their names."""
-    from entrenar.models.surgery import replace_module
-
     names = [n for n, m in model.named_modules() if type(m) is Experts]
     for name in names:
         replace_module(model, name, NF4Experts.from_experts(model.get_submodule(name)))

@@ -27,54 +27,15 @@ from torch.nn import functional as F
 
 from entrenar.errors import QuantError
 from entrenar.models.surgery import Patterns, find_linears, replace_module
+from entrenar.quant.nf4 import kernel as nf4_kernel
+from entrenar.quant.nf4.tables import ABSMAX_BLOCKSIZE, NF4_CODE, dynamic_map
 
-# QLoRA's NF4 table (bitsandbytes ``get_4bit_type("nf4")``), sorted ascending.
-NF4_CODE = torch.tensor(
-    [
-        -1.0,
-        -0.6961928009986877,
-        -0.5250730514526367,
-        -0.39491748809814453,
-        -0.28444138169288635,
-        -0.18477343022823334,
-        -0.09105003625154495,
-        0.0,
-        0.07958029955625534,
-        0.16093020141124725,
-        0.24611230194568634,
-        0.33791524171829224,
-        0.44070982933044434,
-        0.5626170039176941,
-        0.7229568362236023,
-        1.0,
-    ],
-    dtype=torch.float32,
-)
 # Values above bound[i-1] and up to bound[i] take code i (ties go to the lower code).
 _NF4_BOUNDS = (NF4_CODE[:-1] + NF4_CODE[1:]) / 2
 
 BLOCKSIZES = (32, 64, 128, 256, 512, 1024, 2048, 4096)
-ABSMAX_BLOCKSIZE = 256
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _LUT_SIZE = 65536  # grid points of bitsandbytes' CPU 8-bit quantizer
-
-
-@functools.cache
-def dynamic_map() -> Tensor:
-    """The signed 8-bit dynamic quantization map (Dettmers 2015; bitsandbytes ``create_dynamic_map()``).
-
-    With 7 exponent levels, level ``i`` holds ``2**i`` evenly spaced magnitudes in
-    ``10**(i-6) * [0.1, 1]`` (midpoints of a linspace), mirrored for negatives;
-    0 and 1 complete the 256 values.
-    """
-    values: list[float] = []
-    for i in range(7):
-        edges = torch.linspace(0.1, 1, 2**i + 1, dtype=torch.float32)
-        mids = (edges[:-1] + edges[1:]) / 2.0
-        decade = 10 ** (i - 6)
-        values += (decade * mids).tolist() + (-decade * mids).tolist()
-    values += [0.0, 1.0]
-    return torch.tensor(sorted(values), dtype=torch.float32)
 
 
 @dataclass
@@ -224,11 +185,8 @@ def dequantize_nf4(q: NF4Tensor, dtype: torch.dtype | None = None) -> Tensor:
     On CUDA with Triton installed a fused kernel (:mod:`entrenar.quant.nf4.kernel`)
     computes the same bits as :func:`dequantize_nf4_reference`, which runs everywhere else.
     """
-    if q.codes.is_cuda:
-        from entrenar.quant.nf4 import kernel as nf4_kernel
-
-        if nf4_kernel.can_dequantize(q):
-            return nf4_kernel.dequantize_nf4_triton(q, dtype)
+    if q.codes.is_cuda and nf4_kernel.can_dequantize(q):
+        return nf4_kernel.dequantize_nf4_triton(q, dtype)
     return dequantize_nf4_reference(q, dtype)
 
 
@@ -364,7 +322,8 @@ class NF4Linear(nn.Module):
     def load_full_weight(self, w: Tensor, name: str = "weight") -> None:
         """Quantize a full-precision weight into this layer's buffers (streamed loading: one tensor at a time)."""
         if tuple(w.shape) != (self.out_features, self.in_features):
-            raise QuantError(f"{name}: shape {tuple(w.shape)} does not fit NF4Linear({self.in_features} -> {self.out_features})")
+            raise QuantError(f"{name}: shape {tuple(w.shape)} does not fit "
+                             f"NF4Linear({self.in_features} -> {self.out_features})")
         if w.is_meta or self.weight_codes.is_meta:
             return  # a model built on the meta device: the shape is all there is to check
         device = self.quantize_on or self.weight_codes.device

@@ -29,12 +29,16 @@ with NF4 weights: it calls this kernel in forward and again in backward.
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
-from entrenar.kernels._common import cdiv, interpreting, use_triton
-from entrenar.quant.nf4.format import ABSMAX_BLOCKSIZE, NF4_CODE, NF4Tensor, dynamic_map
+from entrenar.device import interpreting, use_triton
+from entrenar.quant.nf4.tables import ABSMAX_BLOCKSIZE, NF4_CODE, dynamic_map
+
+if TYPE_CHECKING:
+    from entrenar.quant.nf4.format import NF4Tensor
 
 _BYTES_PER_PROGRAM = 4096  # 8192 weights; with 4 warps, 32 code bytes per thread (fastest of a sweep on an H200)
 _NUM_WARPS = 4
@@ -107,14 +111,14 @@ def launch(
     n_bytes = codes.numel()
     half = blocksize // 2
     rows = max(1, (bytes_per_program or _BYTES_PER_PROGRAM) // half)
-    n_blocks = cdiv(n_bytes, half)
+    n_blocks = -(-n_bytes // half)
     nf4, dmap = _tables(codes.device)
     double_quant = absmax_scale is not None
     # Unused pointers (no double quantization) get a harmless stand-in; the kernel never reads them.
     scale = absmax_scale if double_quant else absmax
     offset = absmax_offset if double_quant else absmax
     round_by_bits = out.dtype == torch.bfloat16 and interpreting() and not codes.is_cuda
-    return _kernel()[(cdiv(n_blocks, rows),)](
+    return _kernel()[(-(-n_blocks // rows),)](
         codes, absmax, dmap, scale, offset, nf4, out.view(_PAIR_DTYPE[out.dtype]), n_bytes, n_blocks,
         HALF=half, ROWS=rows, SCALE_GROUP=ABSMAX_BLOCKSIZE, DOUBLE_QUANT=double_quant, OUT_KIND=_OUT_KIND[out.dtype],
         ROUND_BY_BITS=round_by_bits, num_warps=num_warps or _NUM_WARPS, enable_fp_fusion=False,

@@ -16,15 +16,20 @@ checkpoints (a resumed run quantizes it again from ``model.path``).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from entrenar.distributed.world import World
 from entrenar.errors import ConfigError
-from entrenar.quant.nf4.format import NF4Linear, NF4Tensor, dequantize_nf4
 from entrenar.models.surgery import replace_module
+from entrenar.quant.nf4.experts import NF4Experts
+from entrenar.quant.nf4.format import NF4Linear, NF4Tensor, dequantize_nf4
+
+if TYPE_CHECKING:  # a type only: quant sits below distributed
+    from entrenar.distributed.world import World
 
 _CHUNKED = ("weight_codes", "weight_absmax", "weight_absmax_scale")
 _OFFSET = "weight_absmax_offset"
@@ -113,8 +118,6 @@ class ShardedNF4Linear(nn.Module):
 def shard_nf4_layers(model: nn.Module, world: World) -> list[tuple[ShardedNF4Linear, dict[str, Tensor]]]:
     """Replace every NF4Linear of ``model`` by a ShardedNF4Linear (chunks not yet filled); with each, rank 0's
     whole buffers for :func:`scatter_nf4` (empty on the other ranks)."""
-    from entrenar.quant.nf4.experts import NF4Experts
-
     experts = next((name for name, m in model.named_modules() if isinstance(m, NF4Experts)), None)
     if experts is not None:
         # Each rank runs only the experts its tokens are routed to: their gathers would not match across ranks.

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from entrenar.adapters.lora import LoraConfig, save_adapter
-from entrenar.export import save_merged
+from entrenar.models.saving import save_model_folder
 from entrenar.io import atomic
 from entrenar.models.classifier import CLASSIFIER_FILE, SequenceClassifier
 from entrenar.quant.qat import master_weights
@@ -29,7 +29,7 @@ def save_result(model: SequenceClassifier, tokenizer: Tokenizer, recipe: Any, ou
         return out
     out = out_dir / "model"
     with master_weights(model):
-        save_merged(model, tokenizer, out)
+        save_model_folder(model, tokenizer, out)
     return out
 
 
