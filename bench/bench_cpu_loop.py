@@ -52,10 +52,9 @@ def build_row(row: str, folder: Path, recipe):
         from entrenar.data import padding_free
         from entrenar.evaluation.loss import autocast_for
         from entrenar.kernels import apply_kernels
-        from entrenar.kernels.fused_linear_ce import fused_linear_cross_entropy
+        from entrenar.kernels.fused_linear_ce import FUSED_LOSS_CHUNK, fused_linear_cross_entropy
         from entrenar.models.loss import token_cross_entropy
         from entrenar.train.loop import build_model
-        from entrenar.train.memory import FUSED_LOSS_CHUNK
 
         model, _ = build_model(recipe, tasks.for_recipe(recipe), "float32", torch.device("cpu"), None)
         kernels = row.startswith("entk")

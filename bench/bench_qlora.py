@@ -76,13 +76,14 @@ import torch
 from torch import nn
 
 from entrenar.adapters.lora import LoraConfig, apply_lora
+from entrenar.kernels.fused_linear_ce import FUSED_LOSS_CHUNK
 from entrenar.models.config import ModelConfig
 from entrenar.models.hf import empty_model
 from entrenar.models.loss import chunked_cross_entropy, token_cross_entropy
 from entrenar.quant.nf4.format import NF4Linear
 from entrenar.quant.nf4.sinks import nf4_sinks
 from entrenar.train.cuda_graph import GraphedMicroStep
-from entrenar.train.memory import FUSED_LOSS_CHUNK, GiB, estimate_training_memory
+from entrenar.train.memory import GiB, estimate_training_memory
 
 BATCH, SEQ, LORA_R, LORA_ALPHA, LR = 2, 2048, 16, 32, 1e-4
 CHUNK = 1024  # tokens per logits chunk in the chunked / fused losses

@@ -64,11 +64,11 @@ import torch
 from torch import nn
 
 from entrenar.adapters.lora import LoraConfig, apply_lora
+from entrenar.kernels.fused_linear_ce import FUSED_LOSS_CHUNK
 from entrenar.models.config import ModelConfig
 from entrenar.models.loss import chunked_cross_entropy
 from entrenar.models.transformer import Transformer
 from entrenar.train.cuda_graph import GraphedMicroStep
-from entrenar.train.memory import FUSED_LOSS_CHUNK
 
 LOSS_CHUNK = FUSED_LOSS_CHUNK  # tokens per chunk of the kernels rows' fused loss (--loss-chunk)
 

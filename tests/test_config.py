@@ -12,8 +12,8 @@ import yaml
 from entrenar.config import (
     RESUMABLE_KEYS,
     LoraSection,
-    QatSection,
     ModelSection,
+    QatSection,
     Recipe,
     TrainingSection,
     load_recipe,

@@ -25,12 +25,12 @@ from tokenizers import Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as Backend
 
 from entrenar.config import Recipe
-from entrenar.models.saving import save_model_folder
+from entrenar.data.tokenizer import Tokenizer
 from entrenar.generation.sampling import generate
 from entrenar.models.config import ModelConfig
+from entrenar.models.saving import save_model_folder
 from entrenar.models.transformer import Transformer
 from entrenar.tasks.causal_lm import CausalLMTask
-from entrenar.data.tokenizer import Tokenizer
 
 SPECIAL = ["<pad>", "<s>", "</s>", "<unk>"]
 CHARS = list("0123456789+=")

@@ -8,8 +8,9 @@ import json
 import pytest
 from cli_helpers import run_cli
 
-from entrenar.train.memory import FUSED_LOSS_CHUNK, estimate_training_memory, format_estimates
+from entrenar.kernels.fused_linear_ce import FUSED_LOSS_CHUNK
 from entrenar.models.hf import read_config
+from entrenar.train.memory import estimate_training_memory, format_estimates
 
 
 def inspect_json(capsys, *argv) -> dict:

@@ -12,10 +12,9 @@ HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tasks" / "classification"))
 import classification_workspace as C  # the classification workspace's recipe (tests/tasks/classification)
-from conftest import make_workspace  # tests/conftest.py
 from workers import launch, train_worker
 
-from conftest import make_workspace  # noqa: E402  (tests/conftest.py)
+from conftest import make_workspace  # tests/conftest.py  # noqa: E402  (tests/conftest.py)
 
 pytestmark = pytest.mark.timeout(120)
 

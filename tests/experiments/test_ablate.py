@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from entrenar.train.metrics import MetricsLogger
 from entrenar.config import Recipe
 from entrenar.data import synth
 from entrenar.errors import ConfigError
 from entrenar.experiments import ablate as ab
 from entrenar.models import random_init as scratch
 from entrenar.models.transformer import Transformer
+from entrenar.train.metrics import MetricsLogger
 
 MOE = {"model_type": "qwen3_moe", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
        "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16, "num_experts": 4,
@@ -191,7 +191,6 @@ def test_the_table_counts_every_routed_slot_of_the_held_out_tokens(ablation):
 
 def test_a_rerun_skips_finished_arms_and_resumes_an_interrupted_one(ablation, monkeypatch):
     report, _ = ablation
-    from entrenar.train import loop
 
     before = json.loads((report.output / "ablation.json").read_text())
     calls = []

@@ -12,8 +12,8 @@ from test_loop import recipe_for
 
 from entrenar.errors import ConfigError
 from entrenar.train import loop
-from entrenar.train.metrics import read_metrics
 from entrenar.train.determinism import deterministic_algorithms
+from entrenar.train.metrics import read_metrics
 
 
 def test_the_mode_holds_for_the_run_and_the_callers_setting_comes_back(workspace, monkeypatch):
@@ -50,10 +50,9 @@ def test_an_op_without_a_deterministic_version_is_a_config_error_naming_it():
     torch.use_deterministic_algorithms(True, warn_only=True)
     try:
         with pytest.raises(ConfigError, match=r"training\.deterministic: some_op_cuda has no deterministic "
-                                              r"implementation on this device"):
-            with deterministic_algorithms(True):
-                raise RuntimeError("some_op_cuda does not have a deterministic implementation, but you set "
-                                   "'torch.use_deterministic_algorithms(True)'.")
+                                              r"implementation on this device"), deterministic_algorithms(True):
+            raise RuntimeError("some_op_cuda does not have a deterministic implementation, but you set "
+                               "'torch.use_deterministic_algorithms(True)'.")
         assert torch.are_deterministic_algorithms_enabled() and torch.is_deterministic_algorithms_warn_only_enabled()
         with pytest.raises(RuntimeError, match="unrelated"), deterministic_algorithms(True):
             raise RuntimeError("unrelated")

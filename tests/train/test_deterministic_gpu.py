@@ -10,10 +10,10 @@ import json
 
 import pytest
 import torch
-from conftest import crash_after_step
 from safetensors.torch import load_file
 from test_loop import recipe_for
 
+from conftest import crash_after_step
 from entrenar.train.loop import train
 from entrenar.train.metrics import read_metrics
 
@@ -26,10 +26,10 @@ COMMON = ["model.device=cuda", "model.dtype=bfloat16", "lora.dropout=0", "data.s
 
 def long_documents(ws) -> list[str]:
     """Overrides that train a wider model (head size 64) on ~900-token documents in the workspace."""
+    from entrenar.data.tokenizer import Tokenizer
     from entrenar.models.config import ModelConfig
     from entrenar.models.hf import save_hf
     from entrenar.models.transformer import Transformer
-    from entrenar.data.tokenizer import Tokenizer
 
     torch.manual_seed(0)
     config = ModelConfig(vocab_size=Tokenizer.from_folder(ws / "model").vocab_size, hidden_size=256, intermediate_size=512,

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from conftest import crash_after_step
 from test_loop import losses, recipe_for
 
+from conftest import crash_after_step
 from entrenar.config import Recipe
 from entrenar.errors import ConfigError
 from entrenar.train.early_stopping import EarlyStopping

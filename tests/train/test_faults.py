@@ -6,11 +6,11 @@ import json
 
 import pytest
 import torch
-from conftest import crash_after_step
 from safetensors.torch import load_file
 from test_loop import losses, recipe_for
 
 import entrenar
+from conftest import crash_after_step
 from entrenar.errors import DataError
 from entrenar.tasks import causal_lm
 from entrenar.train import loop

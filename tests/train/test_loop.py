@@ -6,8 +6,8 @@ import json
 
 import pytest
 import torch
-from conftest import crash_after_step
 
+from conftest import crash_after_step
 from entrenar.config import load_recipe
 from entrenar.errors import AdapterError, CheckpointError, ConfigError, DataError
 from entrenar.train.loop import train

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_loop import recipe_for
 
 from entrenar.train.loop import train
 from entrenar.train.metrics import read_metrics
-
-from test_loop import recipe_for
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

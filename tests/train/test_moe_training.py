@@ -7,8 +7,8 @@ import math
 
 import pytest
 import torch
-from conftest import crash_after_step
 
+from conftest import crash_after_step
 from entrenar.config import MoeSection, load_recipe
 from entrenar.errors import ConfigError
 from entrenar.models.config import ModelConfig

@@ -6,6 +6,7 @@ import dataclasses
 
 import pytest
 import torch
+from tests.train.test_loop import recipe_for
 
 from entrenar.device import resolve_dtype
 from entrenar.distributed.world import World
@@ -15,7 +16,6 @@ from entrenar.models.padding_free import CPU_DOCUMENTS_MIN_WORK, rows_by_documen
 from entrenar.train.memory import estimate_training_memory
 from entrenar.train.plan import REFUSALS, plan_run
 from entrenar.train.stepping import fills_capacity
-from tests.train.test_loop import recipe_for
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 ONE = World()

@@ -11,7 +11,6 @@ import argparse
 import json
 from typing import Any
 
-import entrenar
 from entrenar.cli.options import positive_int
 from entrenar.device import DTYPES
 
@@ -94,10 +93,11 @@ def parse_targets(text: str) -> str | list[str]:
 def run(args: argparse.Namespace) -> int:
     if str(args.model).endswith((".yaml", ".yml")):
         return run_recipe(args)
-    from entrenar.loading import read_model_config
     from entrenar.device import resolve_dtype
     from entrenar.errors import ConfigError
-    from entrenar.train.memory import FUSED_LOSS_CHUNK, estimate_training_memory, format_estimates, per_device
+    from entrenar.kernels.fused_linear_ce import FUSED_LOSS_CHUNK
+    from entrenar.loading import read_model_config
+    from entrenar.train.memory import estimate_training_memory, format_estimates, per_device
 
     config = read_model_config(args.model)
     dtype_bytes = resolve_dtype(args.dtype, "cpu").itemsize

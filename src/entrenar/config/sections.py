@@ -32,8 +32,8 @@ from entrenar.config.rules import (
     _text,
     _threshold,
 )
-from entrenar.io.sqlite import check_query, is_sqlite
 from entrenar.errors import ConfigError, EntrenarError
+from entrenar.io.sqlite import check_query, is_sqlite
 
 MAX_SEQ_LEN = 2**22  # 4x the longest contexts models train at today; a row this long is 128 MiB of index tensors
 

@@ -26,9 +26,9 @@ from pathlib import Path
 from typing import Any
 
 from entrenar.data import synth
-from entrenar.io.sqlite import is_sqlite, read_sqlite
 from entrenar.data.synth import is_synth
 from entrenar.errors import ConfigError, DataError
+from entrenar.io.sqlite import is_sqlite, read_sqlite
 
 FORMATS = ("auto", "jsonl", "json", "csv", "parquet", "text")
 _EXTENSIONS = {

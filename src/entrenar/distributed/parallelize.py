@@ -26,9 +26,9 @@ import torch
 from torch import nn
 
 from entrenar.distributed.materialize import full_state, materialize
-from entrenar.quant.nf4.sharding import scatter_nf4, shard_nf4_layers
 from entrenar.distributed.world import World
 from entrenar.errors import ConfigError
+from entrenar.quant.nf4.sharding import scatter_nf4, shard_nf4_layers
 
 MiB = 2**20
 

@@ -45,6 +45,7 @@ from entrenar.export.gguf_write import check_gguf_type, write_gguf
 from entrenar.io import atomic
 from entrenar.io.checkpoint_files import MODEL_FILE
 from entrenar.io.outputs import check_output, refuse_overlap, replace_files
+from entrenar.io.safetensors_dtypes import SAFETENSORS_DTYPES
 from entrenar.loading import load, require_tokenizer
 from entrenar.loading.runs import ModelSource, resolve_model_and_adapter
 from entrenar.models.config import ModelConfig
@@ -52,7 +53,6 @@ from entrenar.models.gguf import read_gguf
 from entrenar.models.hf import read_config, weight_files
 from entrenar.models.saving import prepare_for_saving, read_json_object, write_model_files
 from entrenar.models.transformer import Transformer
-from entrenar.io.safetensors_dtypes import SAFETENSORS_DTYPES
 
 if TYPE_CHECKING:
     from entrenar.data.tokenizer import Tokenizer

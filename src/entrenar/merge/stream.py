@@ -31,9 +31,9 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
-from entrenar.io.safetensors_dtypes import SAFETENSORS_DTYPES
 from entrenar.errors import AdapterError, ModelError
 from entrenar.io.hf_files import weight_files
+from entrenar.io.safetensors_dtypes import SAFETENSORS_DTYPES
 
 _CODES = {dtype: code for code, dtype in SAFETENSORS_DTYPES.items()}
 INDEX_NAME = "model.safetensors.index.json"

@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from entrenar.errors import ModelError
-from entrenar.io.json_files import read_json_object as read_object
 from entrenar.io import atomic
 from entrenar.io.finite import check_finite
+from entrenar.io.json_files import read_json_object as read_object
 from entrenar.models.hf import save_hf
 
 if TYPE_CHECKING:

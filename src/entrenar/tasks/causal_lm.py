@@ -23,12 +23,12 @@ from entrenar.data.sources import Skip
 from entrenar.data.tokenizer import Tokenizer
 from entrenar.errors import ConfigError, DataError
 from entrenar.evaluation.loss import EvalResult, eval_loss
-from entrenar.models.saving import save_model_folder
 from entrenar.io.run_dir import ADAPTER_DIR, MODEL_DIR
 from entrenar.kernels.fused_linear_ce import FUSED_LOSS_CHUNK, fused_linear_cross_entropy
 from entrenar.loading import load
 from entrenar.models import random_init
 from entrenar.models.loss import token_cross_entropy
+from entrenar.models.saving import save_model_folder
 from entrenar.quant.qat import master_weights
 from entrenar.tasks.base import Batch, SummaryRow
 

@@ -24,7 +24,6 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 from entrenar.errors import ConfigError
-from entrenar.kernels.fused_linear_ce import FUSED_LOSS_CHUNK
 from entrenar.models.config import ModelConfig
 from entrenar.models.transformer import checkpointed_layer_indices, offloaded_layer_indices
 

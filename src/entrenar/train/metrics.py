@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from entrenar.io import atomic
 from entrenar.errors import CheckpointError, ConfigError
+from entrenar.io import atomic
 
 if TYPE_CHECKING:
     from typing_extensions import Self

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+
 class DeferredRead:
     """A device vector copied to host memory behind the work queued so far; :meth:`values` waits for that work
     only, not for what was queued after it."""

@@ -30,11 +30,12 @@ from entrenar.distributed.steps import accumulation as micro_batches_per_rank
 from entrenar.distributed.world import World
 from entrenar.errors import ConfigError
 from entrenar.kernels import triton_available
+from entrenar.kernels.fused_linear_ce import FUSED_LOSS_CHUNK
 from entrenar.loading import recipe_model_config
 from entrenar.models.config import ModelConfig
 from entrenar.models.padding_free import rows_by_document
 from entrenar.models.transformer import checkpointed_layer_indices, offloaded_layer_indices
-from entrenar.train.memory import FUSED_LOSS_CHUNK, LINEAR_NAMES, MemoryEstimate, estimate_training_memory
+from entrenar.train.memory import LINEAR_NAMES, MemoryEstimate, estimate_training_memory
 from entrenar.train.optim import use_fused
 
 # Fraction of device memory a replica may take for `parallel: auto` to pick DDP (the rest: allocator slack).

@@ -36,8 +36,8 @@ from entrenar.io.checkpoint_files import first_line as _first_line
 from entrenar.io.checkpoint_files import one_process_ok as _one_process_ok
 from entrenar.io.checkpoint_files import saved_entries as _saved_entries
 from entrenar.io.finite import first_nonfinite
-from entrenar.train import checkpoint as ckpt_files
 from entrenar.quant.nf4.format import NF4Linear
+from entrenar.train import checkpoint as ckpt_files
 
 # Frozen parameters (a LoRA run's base) are the base model's: read again from model.path, not saved.
 _SAVE = {"ignore_frozen_params": True}

@@ -9,9 +9,9 @@ import json
 import pytest
 import torch
 from classification_workspace import losses, recipe_for
-from conftest import crash_after_step
 
 import entrenar
+from conftest import crash_after_step
 from entrenar.config import load_recipe
 from entrenar.errors import ConfigError
 from entrenar.tasks.base import Task

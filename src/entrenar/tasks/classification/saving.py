@@ -8,9 +8,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from entrenar.adapters.lora import LoraConfig, save_adapter
-from entrenar.models.saving import save_model_folder
 from entrenar.io import atomic
 from entrenar.models.classifier import CLASSIFIER_FILE, SequenceClassifier
+from entrenar.models.saving import save_model_folder
 from entrenar.quant.qat import master_weights
 
 if TYPE_CHECKING:
