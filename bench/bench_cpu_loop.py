@@ -54,7 +54,7 @@ def build_row(row: str, folder: Path, recipe):
         from entrenar.kernels import apply_kernels
         from entrenar.kernels.fused_linear_ce import FUSED_LOSS_CHUNK, fused_linear_cross_entropy
         from entrenar.models.loss import token_cross_entropy
-        from entrenar.train.loop import build_model
+        from entrenar.train.prepare import build_model
 
         model, _ = build_model(recipe, tasks.for_recipe(recipe), "float32", torch.device("cpu"), None)
         kernels = row.startswith("entk")

@@ -64,7 +64,7 @@ def test_a_qlora_base_is_sharded_and_trains_as_on_one_process_resuming_across_wo
 
     from entrenar import tasks
     from entrenar.config import load_recipe
-    from entrenar.train.loop import build_model
+    from entrenar.train.prepare import build_model
 
     ws, recipes, _ = shared
     recipe, nf4 = recipes["lora"], ["lora.quantize_base=nf4"]

@@ -51,9 +51,9 @@ def diverging_worker(recipe_path: str, overrides: list[str], at_step: int) -> No
 
 def dying_worker(recipe_path: str, overrides: list[str], at_step: int) -> float | None:
     """Train, with rank 1 exiting hard right after logging ``at_step`` on the first attempt only."""
-    from entrenar.train import loop
+    from entrenar.train.metrics import MetricsLogger
 
-    real_log_step = loop.MetricsLogger.log_step
+    real_log_step = MetricsLogger.log_step
 
     def log_step(self, step, *args, **kwargs):
         record = real_log_step(self, step, *args, **kwargs)
@@ -61,7 +61,7 @@ def dying_worker(recipe_path: str, overrides: list[str], at_step: int) -> float 
             os._exit(17)  # no cleanup, no error file: as a crash or the OOM killer would leave it
         return record
 
-    loop.MetricsLogger.log_step = log_step
+    MetricsLogger.log_step = log_step
     return train_worker(recipe_path, overrides)
 
 

@@ -14,7 +14,7 @@ from entrenar import quickstart
 from entrenar.config import load_recipe
 from entrenar.errors import ConfigError, QuantError
 from entrenar.quant.int import QuantLinear
-from entrenar.train import loop
+from entrenar.train import trainer
 from entrenar.train.loop import train
 from entrenar.train.metrics import read_metrics
 
@@ -45,7 +45,7 @@ def test_qat_run_resumes_exactly_and_its_integer_model_computes_what_it_trained(
     overrides = ["lora={r: 4, alpha: 8, target_modules: all-linear}"] if method == "lora-qat" else []
     ids = torch.randint(0, quickstart.build_tokenizer().vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
     trained = {}
-    real_save = loop.save_qat_model
+    real_save = trainer.save_qat_model
 
     def save_and_remember_logits(model, tokenizer, folder):
         model.eval()
@@ -53,7 +53,7 @@ def test_qat_run_resumes_exactly_and_its_integer_model_computes_what_it_trained(
             trained["logits"] = model(ids)
         return real_save(model, tokenizer, folder)
 
-    monkeypatch.setattr(loop, "save_qat_model", save_and_remember_logits)
+    monkeypatch.setattr(trainer, "save_qat_model", save_and_remember_logits)
     straight = train(recipe_for(workspace, *overrides, f"output.dir={workspace / 'straight'}"), progress=False)
     expected = losses(straight.run_dir)
     assert len(expected) == STEPS and len(set(expected)) == STEPS

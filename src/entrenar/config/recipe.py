@@ -56,6 +56,14 @@ def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return flat
 
 
+# Training settings that only mean something on a GPU, and what each does: a recipe that names the CPU refuses them
+# here; the run plan refuses them on whatever device model.device resolves to, in the same words.
+GPU_ONLY = {"offload_activations": "moves activations from GPU to CPU memory",
+            "offload_embeddings": "moves the embedding table from GPU to CPU memory",
+            "offload_weights": "moves the NF4 base weights from GPU to CPU memory",
+            "cuda_graphs": "replays GPU launches"}
+
+
 @dataclass(frozen=True)
 class Recipe:
     """A whole run. ``lora=None`` means full fine-tuning; ``qat=None`` no quantization-aware training."""
@@ -103,10 +111,7 @@ class Recipe:
                 "(QAT fake-quantizes full-precision weights; LoRA-QAT is 'qat' with a plain 'lora' section)",
             )
         if self.model.device == "cpu":  # settings that only mean something on a GPU, asked for explicitly
-            for key, what in (("offload_activations", "moves activations from GPU to CPU memory"),
-                              ("offload_embeddings", "moves the embedding table from GPU to CPU memory"),
-                              ("offload_weights", "moves the NF4 base weights from GPU to CPU memory"),
-                              ("cuda_graphs", "replays GPU launches")):
+            for key, what in GPU_ONLY.items():
                 if getattr(self.training, key) not in (False, 0, "auto"):  # true, or a layer count
                     raise _BadValue(f"training.{key}", f"'training.{key}' {what}; model.device is 'cpu'")
         if self.training.offload_embeddings is True and self.lora is None:

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from entrenar.config import Recipe
+from entrenar.config.recipe import GPU_ONLY
 from entrenar.data.batching import check_seq_len
 from entrenar.device import resolve_device, resolve_dtype
 from entrenar.distributed.materialize import load_device as sharded_load_device
@@ -139,10 +140,11 @@ class Refusal:
     needs_mode: bool = False  # checked once the parallel mode is chosen
 
 
-def _gpu_only(key: str, what: str) -> Refusal:
+def _gpu_only(key: str) -> Refusal:
+    """A GPU-only setting asked for on another device, in the recipe's words (:data:`GPU_ONLY`)."""
     return Refusal(f"training.{key}", lambda f: getattr(f.recipe.training, key) not in (False, 0, "auto")
                    and f.device.type != "cuda",
-                   lambda f: f"training.{key}: {what}; this run is on {f.device}")
+                   lambda f: f"training.{key}: {GPU_ONLY[key]}; this run is on {f.device}")
 
 
 # Checked in order; the first that applies is raised. Pure recipe checks come first, then the device's, then
@@ -157,9 +159,9 @@ REFUSALS: tuple[Refusal, ...] = (
             lambda f: "training.early_stopping: needs evaluations during the run (training.eval_every > 0)"),
     Refusal("training.precision", lambda f: f.recipe.training.precision == "fp16" and f.device.type != "cuda",
             lambda f: "training.precision: fp16 needs a CUDA device (use bf16 or fp32 on the CPU)"),
-    _gpu_only("cuda_graphs", "CUDA graphs replay GPU launches"),
-    _gpu_only("offload_activations", "offloading moves activations from GPU to CPU memory"),
-    _gpu_only("offload_embeddings", "the table moves from GPU to CPU memory"),
+    _gpu_only("cuda_graphs"),
+    _gpu_only("offload_activations"),
+    _gpu_only("offload_embeddings"),
     Refusal("training.cuda_graphs", lambda f: f.mode != "single" and f.recipe.training.cuda_graphs is True,
             lambda f: f"training.cuda_graphs: the gradient reduction of {f.mode} runs outside a captured graph; "
                       f"turn cuda_graphs off to train on {f.world.size} processes", needs_mode=True),
