@@ -11,10 +11,17 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import torch
 
 from entrenar.device import interpreting, triton_available, use_triton
+
+if TYPE_CHECKING:
+    from typing_extensions import TypeVarTuple, Unpack
+
+    Ts = TypeVarTuple("Ts")
+R = TypeVar("R")
 
 __all__ = ["autocast_dtype", "autocast_inputs", "call_op", "cdiv", "interpreting", "next_power_of_2",
            "triton_available", "use_triton"]
@@ -34,7 +41,7 @@ def autocast_dtype(t: torch.Tensor) -> torch.dtype | None:
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
 
 
-def autocast_inputs(*tensors: object) -> tuple[tuple[object, ...], contextlib.AbstractContextManager]:
+def autocast_inputs(*tensors: Unpack[Ts]) -> tuple[tuple[Unpack[Ts]], contextlib.AbstractContextManager]:
     """Do at the door of a hand-written autograd path what autocast would do inside it.
 
     Under autocast, floating inputs are cast to its dtype and the path runs
@@ -46,12 +53,14 @@ def autocast_inputs(*tensors: object) -> tuple[tuple[object, ...], contextlib.Ab
     dtype = None if first is None else autocast_dtype(first)
     if dtype is None:
         return tensors, contextlib.nullcontext()
+    assert first is not None  # it gave the dtype
     castable = (torch.float32, torch.float16, torch.bfloat16)  # as autocast: float64 stays float64
-    cast = tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.dtype in castable else t for t in tensors)
-    return cast, torch.autocast(first.device.type, enabled=False)
+    casted = tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.dtype in castable else t for t in tensors)
+    # A tensor comes out a tensor, anything else as it went in.
+    return cast("tuple[Unpack[Ts]]", casted), torch.autocast(first.device.type, enabled=False)
 
 
-def call_op(op: Callable, impl: Callable, *args: object) -> object:
+def call_op(op: Callable[..., Any], impl: Callable[..., R], *args: object) -> R:
     """``op(*args)``, a registered custom op, where something must see it as one op: under ``torch.compile``,
     or when autograd records the call (grad mode on and an input requiring grad). Elsewhere ``impl(*args)``,
     the op's own implementation, directly: the dispatcher's Python layers around a custom op cost host time

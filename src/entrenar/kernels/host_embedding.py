@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 from types import SimpleNamespace
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -113,8 +114,8 @@ def offload_embeddings(model: nn.Module) -> int:
     GPU with Triton. ``model.to(device)`` later brings the table back (the
     layer then reads it as a plain embedding).
     """
-    embedding = model.model.embed_tokens
-    weight = embedding.weight
+    embedding = cast(nn.Module, cast(nn.Module, model.model).embed_tokens)
+    weight = cast(torch.Tensor, embedding.weight)
     name = "model.embed_tokens.weight"
     if type(embedding) not in (nn.Embedding, HostEmbedding):
         raise ConfigError(f"{name}: the input embeddings are a {type(embedding).__name__}, not an nn.Embedding")

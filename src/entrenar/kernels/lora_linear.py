@@ -33,6 +33,7 @@ The products are plain PyTorch (cuBLAS), so this runs on any device and
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TypeGuard, cast
 
 import torch
 import torch.nn.functional as F
@@ -59,7 +60,7 @@ def save_bases(ctx, weights: Sequence[Weight], *tensors: torch.Tensor) -> None:
     memory (:mod:`entrenar.quant.nf4.streaming`) between its forward and its backward.
     """
     ctx.nf4_bases = [(w.shape, w.dtype, w.blocksize) if isinstance(w, NF4Tensor) else None for w in weights]
-    parts = []
+    parts: list[torch.Tensor | None] = []  # absmax_scale and absmax_offset are None without double quantization
     for w in weights:
         parts += [w.codes, w.absmax, w.absmax_scale, w.absmax_offset] if isinstance(w, NF4Tensor) else [w]
     ctx.save_for_backward(*tensors, *parts)
@@ -288,7 +289,7 @@ def lora_projections(
     """
     n = len(weights)
     compute_dtype = adapter_compute_dtype(x, lora_a[0], compute_dtype)
-    (x, *bases), autocast_off = autocast_inputs(x, *weights, *biases)
+    (x, *bases), autocast_off = autocast_inputs(x, *(*weights, *biases))  # one unpack: mypy matches no more to *Ts
     with autocast_off:
         return _LoraProjections.apply(x, n, *bases, *lora_a, *lora_b, tuple(float(s) for s in scalings),
                                       compute_dtype)
@@ -307,7 +308,7 @@ def lora_linear(
     return lora_projections(x, [weight], [bias], [lora_a], [lora_b], [scaling], compute_dtype)[0]
 
 
-def _runs_fused(layer: nn.Module) -> bool:
+def _runs_fused(layer: nn.Module) -> TypeGuard[FusedLoraLinear]:
     """A LoRA layer whose forward is :func:`lora_linear`: a plain linear or NF4 base, unmerged, no active dropout."""
     return (
         isinstance(layer, FusedLoraLinear) and type(layer.base_layer) in (nn.Linear, NF4Linear) and not layer.merged
@@ -317,16 +318,17 @@ def _runs_fused(layer: nn.Module) -> bool:
 
 def _base_weight(layer: FusedLoraLinear) -> Weight:
     base = layer.base_layer
-    return base.quantized if isinstance(base, NF4Linear) else base.weight
+    return base.quantized if isinstance(base, NF4Linear) else cast(torch.Tensor, base.weight)
 
 
 def _compute_dtype(layer: FusedLoraLinear) -> torch.dtype:
     return layer.lora_compute_dtype or layer.lora_A.weight.dtype
 
 
-def fusable(layers: Sequence[nn.Module]) -> bool:
+def fusable(layers: Sequence[nn.Module]) -> TypeGuard[Sequence[FusedLoraLinear]]:
     """True if these layers can run as one :func:`lora_projections` node (same adapter compute dtype)."""
-    return all(_runs_fused(layer) for layer in layers) and len({_compute_dtype(layer) for layer in layers}) == 1
+    return (all(_runs_fused(layer) for layer in layers)
+            and len({_compute_dtype(cast(FusedLoraLinear, layer)) for layer in layers}) == 1)
 
 
 def node_arguments(layers: Sequence[FusedLoraLinear]) -> tuple:

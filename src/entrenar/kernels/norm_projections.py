@@ -22,12 +22,14 @@ and the SwiGLU product before it: that rerun's output is thrown away.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import cast
 
 import torch
 from torch import nn
 
 from entrenar.kernels._common import autocast_inputs
 from entrenar.kernels.lora_linear import (
+    FusedLoraLinear,
     adapter_compute_dtype,
     adapter_gradients,
     adapters_in,
@@ -43,7 +45,7 @@ from entrenar.kernels.rmsnorm import rms_norm_and_rstd, rms_norm_backward
 from entrenar.kernels.swiglu import FusedMLP
 from entrenar.models.padding_free import Documents
 from entrenar.models.recompute import recomputing
-from entrenar.models.transformer import Block, KVCache, RMSNorm
+from entrenar.models.transformer import MLP, Block, KVCache, RMSNorm
 
 
 class _NormLoraProjections(torch.autograd.Function):
@@ -96,7 +98,7 @@ def norm_lora_projections(
     input in backward instead of keeping it. ``h`` and ``norm_weight`` share a dtype (see :func:`fits`)."""
     n = len(weights)
     compute_dtype = adapter_compute_dtype(h, lora_a[0], compute_dtype)
-    (h, norm_weight, *bases), autocast_off = autocast_inputs(h, norm_weight, *weights, *biases)
+    (h, norm_weight, *bases), autocast_off = autocast_inputs(h, norm_weight, *(*weights, *biases))  # one unpack
     with autocast_off:
         return _NormLoraProjections.apply(h, norm_weight, float(eps), n, *bases, *lora_a, *lora_b,
                                           tuple(float(s) for s in scalings), compute_dtype)
@@ -125,7 +127,8 @@ def norm_then_project(
     else ``project(norm(h))`` (the module's own projections of those layers)."""
     if not fits(h, norm, layers):
         return project(norm(h))
-    return norm_lora_projections(h, norm.weight, norm.eps, *node_arguments(layers))
+    rms = cast(RMSNorm, norm)  # fits() checked
+    return norm_lora_projections(h, rms.weight, rms.eps, *node_arguments(cast(Sequence[FusedLoraLinear], layers)))
 
 
 class FusedBlock(Block):
@@ -140,7 +143,7 @@ class FusedBlock(Block):
         mask: torch.Tensor | Documents | None,
         cache: KVCache | None = None,
     ) -> torch.Tensor:
-        attn, mlp = self.self_attn, self.mlp
+        attn, mlp = self.self_attn, cast(MLP, self.mlp)  # dense: apply_kernels keeps MoE blocks plain
         q, k, v = norm_then_project(x, self.input_layernorm, (attn.q_proj, attn.k_proj, attn.v_proj), attn.project)
         x = x + attn.attend(q, k, v, cos, sin, mask, cache)
         gate, up = norm_then_project(x, self.post_attention_layernorm, (mlp.gate_proj, mlp.up_proj), mlp.project)

@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import functools
 from types import SimpleNamespace
+from typing import cast
 
 import torch
 import torch.nn.functional as F
 
 from entrenar.kernels._common import autocast_inputs, call_op, cdiv, use_triton
 from entrenar.kernels.lora_linear import (
+    FusedLoraLinear,
     Weight,
     adapter_compute_dtype,
     adapter_gradients,
@@ -238,13 +240,14 @@ class FusedMLP(MLP):
     """
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return project_together(x, (self.gate_proj, self.up_proj))
+        return cast(tuple[torch.Tensor, torch.Tensor], project_together(x, (self.gate_proj, self.up_proj)))
 
     def combine(self, gate: torch.Tensor, up: torch.Tensor, output_needed: bool = True) -> torch.Tensor:
         """``down(silu(gate) * up)``; ``output_needed=False``: see :func:`swiglu_lora_linear` (a hint, ignored
         where the down projection is not a fused LoRA layer)."""
         down = self.down_proj
         if fusable([down]):
-            (weight,), (bias,), (lora_a,), (lora_b,), (scaling,), compute_dtype = node_arguments([down])
+            (weight,), (bias,), (lora_a,), (lora_b,), (scaling,), compute_dtype = node_arguments(
+                [cast(FusedLoraLinear, down)])
             return swiglu_lora_linear(gate, up, weight, bias, lora_a, lora_b, scaling, compute_dtype, output_needed)
         return down(swiglu(gate, up))

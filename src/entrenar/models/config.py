@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, TypedDict, overload
 
 import torch
 
@@ -136,6 +136,7 @@ class ModelConfig:
     def _parameter_counts(self) -> tuple[int, int]:
         """(total, active per token): an MoE layer's token uses num_experts_per_tok of its experts."""
         h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
+        assert d is not None  # __post_init__ filled it in
         q, kv = self.num_heads * d, self.num_kv_heads * d
         attn = h * q + 2 * h * kv + q * h
         norm_dims = (q + kv) if self.qk_norm_full else 2 * d
@@ -185,7 +186,7 @@ class ModelConfig:
                 + f"; supported: {', '.join(SUPPORTED_FAMILIES)}"
             )
         read = _Reader(hf, source)
-        required = {
+        required: _RequiredSizes = {
             "vocab_size": read.size("vocab_size", required=True),
             "hidden_size": read.size("hidden_size", required=True),
             "intermediate_size": read.size("intermediate_size", required=True),
@@ -204,6 +205,7 @@ class ModelConfig:
             rope.pop("rope_theta")
         else:
             rope_theta = read.number("rope_theta", default=10000.0, positive=True)
+        scaling: dict[str, Any] | None  # None: RoPE unscaled
         scaling = {k: v for k, v in {**legacy, **rope}.items() if k != "rope_theta"}
         if "type" in scaling and "rope_type" not in scaling:
             scaling["rope_type"] = scaling.pop("type")
@@ -354,6 +356,16 @@ MAX_DIM = 2**22
 MAX_LAYERS = 4096
 
 
+class _RequiredSizes(TypedDict):
+    """The sizes every config.json must give, under ModelConfig's names."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+
+
 def _json_type(value: Any) -> str:
     names = {dict: "an object", list: "a list", str: "a string", bool: "true/false", type(None): "null"}
     return names.get(type(value), "a number")
@@ -367,6 +379,18 @@ class _Reader:
 
     def _bad(self, key: str, expected: str) -> ModelError:
         return ModelError(f"{self.source}: '{self.prefix}{key}' must be {expected}, got {self.data.get(key)!r}"[:400])
+
+    @overload
+    def size(self, key: str, required: Literal[True], nullable: Literal[False] = False, default: int | None = None,
+             limit: int | None = MAX_DIM) -> int: ...
+
+    @overload
+    def size(self, key: str, required: bool = False, nullable: Literal[False] = False, *, default: int,
+             limit: int | None = MAX_DIM) -> int: ...
+
+    @overload
+    def size(self, key: str, required: bool = False, nullable: bool = False, default: int | None = None,
+             limit: int | None = MAX_DIM) -> int | None: ...
 
     def size(self, key: str, required: bool = False, nullable: bool = False, default: int | None = None,
              limit: int | None = MAX_DIM) -> int | None:
@@ -409,6 +433,12 @@ class _Reader:
         if value is not None and not isinstance(value, dict):
             raise self._bad(key, "an object or null")
         return value
+
+    @overload
+    def token_ids(self, key: str, single: Literal[True]) -> int | None: ...
+
+    @overload
+    def token_ids(self, key: str, single: bool = False) -> int | list[int] | None: ...
 
     def token_ids(self, key: str, single: bool = False) -> int | list[int] | None:
         value = self.data.get(key)
@@ -494,6 +524,7 @@ def _routing_from_hf(model_type: str, hf: dict[str, Any], moe: dict[str, Any], s
             raise ModelError(f"{source}: 'n_shared_experts' is DeepSeek's; qwen2_moe gives its (gated) shared "
                              "expert as shared_expert_intermediate_size")
         count = read.size("n_shared_experts", limit=4096)
+        assert count is not None  # the key holds a truthy value, and None is refused
         width = moe.get("moe_intermediate_size") or hf["intermediate_size"]
         out["shared_expert_intermediate_size"] = count * int(width)
         out["shared_expert_gate"] = False
@@ -503,6 +534,7 @@ def _routing_from_hf(model_type: str, hf: dict[str, Any], moe: dict[str, Any], s
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     """Inverse RoPE frequencies [head_dim/2], with linear or llama3 scaling applied."""
     dim = config.head_dim
+    assert dim is not None  # ModelConfig.__post_init__ filled it in
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     scaling = config.rope_scaling or {}
     kind = scaling.get("rope_type", "default")

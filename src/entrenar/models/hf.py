@@ -6,6 +6,7 @@ import json
 import math
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 from safetensors import safe_open
@@ -130,13 +131,14 @@ def load_state_into(model: torch.nn.Module, tensors: Iterator[tuple[str, str, to
     weight as it streams past and quantizes it, so the whole model never exists
     in 16-bit.
     """
-    params = dict(model.named_parameters(remove_duplicate=False))
+    params: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
     # A selection bias the checkpoint keeps (DeepSeek-V3's e_score_correction_bias) loads like a parameter.
     params.update((n, b) for n, b in model.named_buffers() if n.endswith("e_score_correction_bias"))
     sinks = {f"{n}.weight": m for n, m in model.named_modules() if hasattr(m, "load_full_weight")}
     tied = {n for n, p in params.items() if any(p is q for m, q in params.items() if m != n)}
-    pieces = expert_checkpoint_names(model.config) if hasattr(model, "config") else {}
-    stacked = stacked_expert_names(model.config) if hasattr(model, "config") else {}
+    config = cast(ModelConfig, model.config) if hasattr(model, "config") else None
+    pieces = expert_checkpoint_names(config) if config is not None else {}
+    stacked = stacked_expert_names(config) if config is not None else {}
     # NF4 experts take each expert's tensors as sinks named mlp.experts.{e}.{gate,up,down}_proj (Mixtral's
     # w1/w3/w2 renamed to them); the stacked parameters they replace are not expected.
     renamed = {disk: _sink_name(disk) for disk in pieces if _sink_name(disk) in sinks}
@@ -173,7 +175,7 @@ def load_state_into(model: torch.nn.Module, tensors: Iterator[tuple[str, str, to
             if name.endswith("rotary_emb.inv_freq"):
                 continue  # older checkpoints store RoPE buffers; we compute them
             raise ModelError(f"{source}/{file_name}: tensor '{name}' does not belong to a "
-                             f"{model.config.model_type} model of this shape")
+                             f"{cast(ModelConfig, model.config).model_type} model of this shape")
         target = params[name]
         if tuple(tensor.shape) != tuple(target.shape):
             raise ModelError(
@@ -309,8 +311,10 @@ def save_hf(
     state = expert_checkpoint_state(model.config, state)
     with atomic.staged_folder(folder) as tmp:
         # A classifier writes its *ForSequenceClassification config and classifier.json.
-        config = model.hf_config() if hasattr(model, "hf_config") else model.config.to_hf()
-        extra_files = {**(model.saved_files() if hasattr(model, "saved_files") else {}), **(extra_files or {})}
+        config = (cast(Callable[[], dict[str, Any]], model.hf_config)() if hasattr(model, "hf_config")
+                  else model.config.to_hf())
+        own_files = cast(Callable[[], dict[str, str]], model.saved_files)() if hasattr(model, "saved_files") else {}
+        extra_files = {**own_files, **(extra_files or {})}
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         shards = _shards(state, max_shard_bytes)
         if len(shards) == 1:

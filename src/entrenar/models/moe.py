@@ -23,7 +23,7 @@ router losses and diagnostics are computed outside the model (``entrenar.moe``).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import torch
 import torch.nn.functional as F
@@ -78,6 +78,8 @@ REFERENCE_ROUTING_OPS = RoutingOps(routed_swiglu_reference, gather_sum_reference
 class Router(nn.Module):
     """Scores N experts per token and picks k: returns (logits [N, E] fp32, weights [N, k], indices [N, k])."""
 
+    e_score_correction_bias: torch.Tensor | None  # a buffer
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         e, h = config.num_experts, config.hidden_size
@@ -101,6 +103,7 @@ class Router(nn.Module):
         if self.e_score_correction_bias is None:
             self.register_buffer("e_score_correction_bias", torch.zeros(self.num_experts, device=self.weight.device),
                                  persistent=False)
+        assert self.e_score_correction_bias is not None  # registered above
         return self.e_score_correction_bias
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
@@ -281,6 +284,7 @@ class MoeBlock(nn.Module):
         self.num_experts, self.top_k = config.num_experts, config.num_experts_per_tok
         self.gate = Router(config)
         self.experts = Experts(config.num_experts, config.hidden_size, config.expert_intermediate_size)
+        self.shared_expert: nn.Module | None
         if config.shared_expert_intermediate_size:
             self.shared_expert = dense_mlp(config, config.shared_expert_intermediate_size)
             self.shared_expert_gate = (nn.Linear(config.hidden_size, 1, bias=False) if config.shared_expert_gate
@@ -317,7 +321,8 @@ def router_of(block: MoeBlock) -> Router:
 
 def moe_blocks(model: nn.Module) -> list[tuple[int, MoeBlock]]:
     """(layer index, block) of every MoE layer of a decoder."""
-    return [(i, layer.mlp) for i, layer in enumerate(model.model.layers) if isinstance(layer.mlp, MoeBlock)]
+    layers = cast(nn.ModuleList, cast(nn.Module, model.model).layers)
+    return [(i, layer.mlp) for i, layer in enumerate(layers) if isinstance(layer.mlp, MoeBlock)]
 
 
 def set_experts_implementation(model: nn.Module, implementation: str) -> None:

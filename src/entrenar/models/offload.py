@@ -48,6 +48,7 @@ class _Entry:
     """One storage saved in a block: its pinned copy, and its GPU bytes while they are needed."""
 
     __slots__ = ("group", "host", "gpu", "unpacks", "__weakref__")
+    gpu: torch.Tensor | None  # None while only the pinned copy holds the bytes
 
     def __init__(self, group: _Group, host: torch.Tensor, gpu: torch.Tensor) -> None:
         self.group, self.host, self.gpu, self.unpacks = group, host, gpu, 0
@@ -149,6 +150,7 @@ class _Forward:
         copy_stream.wait_stream(stream)
         with torch.cuda.stream(copy_stream):
             for entry in entries:
+                assert entry.gpu is not None  # allocated above
                 entry.gpu.copy_(entry.host, non_blocking=True)
             group.loaded = torch.cuda.Event()
             group.loaded.record(copy_stream)
@@ -172,12 +174,14 @@ def _unpack(saved: torch.Tensor | _Saved) -> torch.Tensor:
         entry.gpu.copy_(entry.host, non_blocking=True)
     else:
         forward.load(group)
+        assert group.loaded is not None  # load() recorded it
         stream.wait_event(group.loaded)
         group.waited = True
         ahead = forward.previous(group)
         if ahead is not None:
             forward.load(ahead)
     gpu = entry.gpu
+    assert gpu is not None  # copied back above, or kept since the pack
     entry.unpacks -= 1
     if entry.unpacks <= 0:
         entry.gpu = None  # autograd holds what it unpacked for as long as it needs it
@@ -229,8 +233,9 @@ class ActivationOffload:
             stream = self._streams[device] = torch.cuda.Stream(device)
         return stream
 
-    def forward(self, model: nn.Module, device: torch.device, shared: Iterable[torch.Tensor | None] = ()) -> _Forward:
-        """A forward pass of ``model`` on ``device``; ``shared`` tensors (used by every block) stay on the GPU."""
+    def forward(self, model: nn.Module, device: torch.device, shared: Iterable[object] = ()) -> _Forward:
+        """A forward pass of ``model`` on ``device``; the tensors among ``shared`` (used by every block) stay on the
+        GPU."""
         self._static = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
         keep = {t.untyped_storage().data_ptr() for t in shared if isinstance(t, torch.Tensor)}
         return _Forward(self, device, keep)

@@ -22,13 +22,16 @@ explicit products instead (:mod:`entrenar.models.cpu_attention`).
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
 
 from entrenar.models.cpu_attention import EXPLICIT_LAYER_BUDGET, explicit_causal_attention, explicit_fits
 
+_varlen_attn: Callable[..., torch.Tensor | tuple[torch.Tensor, torch.Tensor]] | None
 try:
     from torch.nn.attention.varlen import varlen_attn as _varlen_attn
 except ImportError:  # torch < 2.9
@@ -109,7 +112,7 @@ def _varlen_fits(q: torch.Tensor, k: torch.Tensor, documents: Documents, window:
 
 def _varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Documents,
             window: int | None) -> torch.Tensor:
-    extra = {}
+    extra: dict[str, Any] = {}  # the keywords this torch's varlen_attn takes
     if "window_size" in _VARLEN_PARAMS:
         # (left, right): keys in [i - left, i]; the model's window counts the query itself.
         extra["window_size"] = (window - 1 if window is not None else -1, 0)
@@ -124,7 +127,9 @@ def _varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Docume
             groups = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     cu, n = documents.cu_seqlens, documents.max_len
-    return _varlen_attn(q.contiguous(), k.contiguous(), v.contiguous(), cu, cu, n, n, **extra)
+    assert _varlen_attn is not None  # _varlen_fits checked
+    # Without return_aux, varlen_attn returns the output alone.
+    return cast(torch.Tensor, _varlen_attn(q.contiguous(), k.contiguous(), v.contiguous(), cu, cu, n, n, **extra))
 
 
 def _per_document(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Documents,
@@ -142,7 +147,7 @@ def _per_document(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: 
             kept += qi.shape[0] * n * n
             pieces.append(explicit_causal_attention(qi, ki, vi).transpose(0, 1))
             continue
-        extra = {}
+        extra: dict[str, Any] = {}  # enable_gqa only where this torch's SDPA takes it
         if groups > 1 and SDPA_HAS_GQA:
             extra["enable_gqa"] = True
         elif groups > 1:

@@ -60,9 +60,11 @@ class KVCache:
         return 0 if self.keys[0] is None else self.keys[0].shape[2]
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.keys[layer] is not None:
-            k = torch.cat([self.keys[layer], k], dim=2)
-            v = torch.cat([self.values[layer], v], dim=2)
+        past_k, past_v = self.keys[layer], self.values[layer]
+        if past_k is not None:
+            assert past_v is not None  # keys and values are set together
+            k = torch.cat([past_k, k], dim=2)
+            v = torch.cat([past_v, v], dim=2)
         self.keys[layer], self.values[layer] = k, v
         return k, v
 
@@ -75,6 +77,7 @@ class Attention(nn.Module):
         super().__init__()
         self.layer_idx = layer_idx
         h, d = config.hidden_size, config.head_dim
+        assert d is not None  # ModelConfig.__post_init__ filled it in
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, d
         self.q_proj = nn.Linear(h, config.num_heads * d, bias=config.qkv_bias)
         self.k_proj = nn.Linear(h, config.num_kv_heads * d, bias=config.qkv_bias)
@@ -197,6 +200,8 @@ class Decoder(nn.Module):
 class Transformer(nn.Module):
     """A Llama-family causal language model returning logits [batch, seq, vocab]."""
 
+    inv_freq: torch.Tensor  # a buffer
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
@@ -217,8 +222,9 @@ class Transformer(nn.Module):
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(module.weight, mean=0.0, std=std)
-                if getattr(module, "bias", None) is not None:
-                    nn.init.zeros_(module.bias)
+                bias = getattr(module, "bias", None)  # an nn.Embedding has none
+                if bias is not None:
+                    nn.init.zeros_(bias)
             elif isinstance(module, Router):
                 nn.init.normal_(module.weight, mean=0.0, std=std)
                 if module.bias is not None:
@@ -291,6 +297,7 @@ class Transformer(nn.Module):
             position_ids = torch.arange(past, past + t, device=input_ids.device).expand(b, t)
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rope(position_ids, x.dtype)
+        mask: torch.Tensor | Documents | None
         if cu_seqlens is not None:  # a padding-free row, or packed rows read end to end
             if max_seqlen is None:
                 max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
