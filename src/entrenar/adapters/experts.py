@@ -74,8 +74,8 @@ class LoraExpertWeights(LoraLinear):
     def weight(self) -> torch.Tensor:  # what lora.py's generic checks read
         return getattr(_experts_of(self), self.parameter)
 
-    # The Experts interface, delegated to the base with this wrapper's update added. Not LoraLinear's forward
-    # (x -> y): a wrapper of experts takes the routing too, where its base is called.
+    # The Experts interface, delegated to the base with this wrapper's update added. Experts' forward
+    # (x, indices, weights), not LoraLinear's (x): the MoE block routes tokens through it.
     forward = Experts.forward  # type: ignore[assignment]
     use_grouped = Experts.use_grouped
 

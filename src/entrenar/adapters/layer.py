@@ -131,7 +131,7 @@ class LoraLinear(nn.Module):
             # A quantized base (NF4, int) computes `weight` on the fly, so adding to it would be lost:
             # merging dequantizes the base into a plain frozen Linear first, as a merged export needs.
             self.base_layer = cast(_Dequantizable, self.base_layer).to_linear().requires_grad_(False)
-        weight = cast(torch.Tensor, self.base_layer.weight)  # a linear-like base: a tensor
+        weight = cast(torch.Tensor, self.base_layer.weight)  # a linear-like base's weight is a tensor
         if not weight.is_floating_point():
             raise AdapterError(
                 f"cannot merge LoRA into a {type(self.base_layer).__name__} with {weight.dtype} weights; "
