@@ -15,6 +15,7 @@ Forward never builds an expert's full-size update: each expert's tokens go throu
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -30,7 +31,7 @@ EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")
 
 def _experts_of(module: nn.Module) -> Experts:
     while not isinstance(module, Experts):
-        module = module.base_layer
+        module = cast(nn.Module, module.base_layer)
     return module
 
 
@@ -41,6 +42,8 @@ class LoraExpertWeights(LoraLinear):
     interface (forward, per-expert and grouped products), adding its update to its own projection.
     """
 
+    base_layer: Experts | LoraExpertWeights
+
     def __init__(self, base_layer: nn.Module, parameter: str, r: int, alpha: float, dropout: float = 0.0,
                  use_rslora: bool = False) -> None:
         nn.Module.__init__(self)
@@ -49,7 +52,7 @@ class LoraExpertWeights(LoraLinear):
             raise AdapterError(f"expert LoRA targets {', '.join(EXPERT_PARAMETERS)}, not {parameter!r}")
         experts = _experts_of(base_layer)
         shape, weight_dtype, device = experts.weight_info(parameter)
-        self.base_layer, self.parameter = base_layer, parameter
+        self.base_layer, self.parameter = cast("Experts | LoraExpertWeights", base_layer), parameter
         self.num_experts = experts.num_experts
         self.out_features, self.in_features = shape[1], shape[2]
         self.r, self.alpha, self.use_rslora = r, alpha, use_rslora
@@ -71,8 +74,9 @@ class LoraExpertWeights(LoraLinear):
     def weight(self) -> torch.Tensor:  # what lora.py's generic checks read
         return getattr(_experts_of(self), self.parameter)
 
-    # The Experts interface, delegated to the base with this wrapper's update added.
-    forward = Experts.forward
+    # The Experts interface, delegated to the base with this wrapper's update added. Experts' forward
+    # (x, indices, weights), not LoraLinear's (x): the MoE block routes tokens through it.
+    forward = Experts.forward  # type: ignore[assignment]
     use_grouped = Experts.use_grouped
 
     @property
@@ -171,8 +175,9 @@ class LoraRouter(LoraLinear):
     """A router whose logits get a LoRA update: PEFT's ``target_parameters: [mlp.gate.weight]`` (a 2-D
     ParamWrapper, ``lora_A`` [r, H], ``lora_B`` [E, r]). Routing then follows the adapted logits."""
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        router = self.base_layer
+    # A router's forward, not LoraLinear's: (logits, weights, indices), as the MoE block calls its router.
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # type: ignore[override]
+        router = cast(Router, self.base_layer)
         logits = router.logits(x)
         if not self.merged:
             h = self.lora_dropout(x.to(self.lora_A.weight.dtype))
@@ -231,16 +236,16 @@ def expected_expert_shapes(model: nn.Module, targets: Sequence[str] | None, r: i
     """The adapter tensors (model names) that ``wrap_expert_parameters`` with ``targets`` would make, and their
     shapes: the last parameter targeted on a module is its outermost wrapper."""
     pairs = find_expert_parameters(model, targets)
-    shapes = {}
+    shapes: dict[str, tuple[int, ...]] = {}
     for i, (name, parameter) in enumerate(pairs):
         later = sum(1 for n, _ in pairs[i + 1:] if n == name)
         prefix = name + ".base_layer" * later
         if parameter == "weight":  # a router: one plain adapter
-            out_features, in_features = model.get_submodule(name).weight.shape
+            out_features, in_features = cast(Router, model.get_submodule(name)).weight.shape
             shapes[f"{prefix}.lora_A.weight"] = (r, in_features)
             shapes[f"{prefix}.lora_B.weight"] = (out_features, r)
             continue
-        e, out_features, in_features = model.get_submodule(name).weight_info(parameter)[0]
+        e, out_features, in_features = cast(Experts, model.get_submodule(name)).weight_info(parameter)[0]
         shapes[f"{prefix}.lora_A.weight"] = (r * e, in_features)
         shapes[f"{prefix}.lora_B.weight"] = (out_features, r * e)
     return shapes

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Protocol, cast
 
 import torch
 from torch import nn
@@ -52,6 +52,12 @@ def weight_spec(layer: nn.Module) -> torch.Tensor | None:
         return torch.empty(0, dtype=dtype, device=getattr(layer, "quantize_on", None) or codes.device)
     weight = getattr(layer, "weight", None)
     return weight if isinstance(weight, torch.Tensor) else None
+
+
+class _Dequantizable(Protocol):
+    """A quantized linear layer (NF4, int) that computes its ``weight``: it dequantizes into a plain layer."""
+
+    def to_linear(self) -> nn.Linear: ...
 
 
 class LoraLinear(nn.Module):
@@ -124,8 +130,8 @@ class LoraLinear(nn.Module):
         if not isinstance(self.base_layer.weight, nn.Parameter) and hasattr(self.base_layer, "to_linear"):
             # A quantized base (NF4, int) computes `weight` on the fly, so adding to it would be lost:
             # merging dequantizes the base into a plain frozen Linear first, as a merged export needs.
-            self.base_layer = self.base_layer.to_linear().requires_grad_(False)
-        weight = self.base_layer.weight
+            self.base_layer = cast(_Dequantizable, self.base_layer).to_linear().requires_grad_(False)
+        weight = cast(torch.Tensor, self.base_layer.weight)  # a linear-like base's weight is a tensor
         if not weight.is_floating_point():
             raise AdapterError(
                 f"cannot merge LoRA into a {type(self.base_layer).__name__} with {weight.dtype} weights; "
@@ -141,14 +147,16 @@ class LoraLinear(nn.Module):
     def merge(self) -> None:
         """Fold the update into the base weight; forward then skips the adapter."""
         if not self.merged:
-            self._base_weight().add_(self.delta_weight().to(self.base_layer.weight.device))
+            weight = self._base_weight()
+            weight.add_(self.delta_weight().to(weight.device))
             self.merged = True
 
     @torch.no_grad()
     def unmerge(self) -> None:
         """Take a merged update back out of the base weight."""
         if self.merged:
-            self._base_weight().sub_(self.delta_weight().to(self.base_layer.weight.device))
+            weight = self._base_weight()
+            weight.sub_(self.delta_weight().to(weight.device))
             self.merged = False
 
     def extra_repr(self) -> str:

@@ -27,7 +27,7 @@ import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import torch
 from safetensors import SafetensorError
@@ -272,7 +272,9 @@ def _wrap_experts(model: nn.Module, cfg: LoraConfig) -> list[str]:
 
 def lora_parameters(model: nn.Module) -> list[nn.Parameter]:
     """The adapter parameters (A and B of every LoRA layer), for the optimizer."""
-    return [p for _, layer in _require_lora(model) for p in (layer.lora_A.weight, layer.lora_B.weight)]
+    layers = _require_lora(model)
+    # nn.Linear's stubs type its weight as a Tensor; it is a Parameter
+    return [cast(nn.Parameter, p) for _, layer in layers for p in (layer.lora_A.weight, layer.lora_B.weight)]
 
 
 def merge_lora(model: nn.Module) -> list[str]:
@@ -331,7 +333,7 @@ def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _expected_shapes(model: nn.Module, names: Sequence[str], r: int) -> dict[str, tuple[int, ...]]:
-    shapes = {}
+    shapes: dict[str, tuple[int, ...]] = {}
     for name in names:
         layer = model.get_submodule(name)
         in_features, out_features = getattr(layer, "in_features", None), getattr(layer, "out_features", None)

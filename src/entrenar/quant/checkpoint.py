@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -51,7 +51,7 @@ from entrenar.models.transformer import Transformer
 from entrenar.quant.int import MAX_BITS, MIN_BITS, IntQuantTensor, QuantLinear, qrange
 from entrenar.quant.int import _unpack_codes as unpack_codes
 from entrenar.quant.nf4.format import BLOCKSIZES, NF4Linear
-from entrenar.quant.qat import FakeQuantLinear, swapped
+from entrenar.quant.qat import FakeQuantLinear, QATConfig, swapped
 
 if TYPE_CHECKING:
     from entrenar.data.tokenizer import Tokenizer
@@ -67,7 +67,7 @@ _LAYOUT_KEYS = ("method", "bits", "symmetric", "granularity", "group_size", "act
 # ---------------------------------------------------------------- describing a quantized model
 
 
-def _describe(layer: nn.Module) -> dict[str, Any]:
+def _describe(layer: QuantLinear | NF4Linear) -> dict[str, Any]:
     """The layout of one quantized layer, in the words of ``quantization_config``."""
     if isinstance(layer, NF4Linear):
         return {"method": "nf4", "bits": 4, "blocksize": layer.blocksize,
@@ -177,7 +177,8 @@ def save_qat_model(model: nn.Module, tokenizer: Tokenizer | None, folder: str | 
     adapter reproduces the trained model exactly (merging the adapter into
     integer weights would re-quantize, i.e. change, the model).
     """
-    replacements, cfg = {}, None
+    replacements: dict[str, nn.Module] = {}
+    cfg: QATConfig | None = None
     for name, layer in named_linears(model):
         base = layer.base_layer if isinstance(layer, LoraLinear) else layer
         if isinstance(base, FakeQuantLinear):
@@ -187,7 +188,8 @@ def save_qat_model(model: nn.Module, tokenizer: Tokenizer | None, folder: str | 
     if cfg is None:
         raise QuantError(f"{type(model).__name__} has no fake-quantized layers; call prepare_qat first")
     with swapped(model, replacements):
-        return save_quantized(model, tokenizer, folder, info={"source": "qat", "backward": cfg.backward})
+        return save_quantized(cast(Transformer, model), tokenizer, folder,
+                              info={"source": "qat", "backward": cfg.backward})
 
 
 # ---------------------------------------------------------------- reading
@@ -320,6 +322,7 @@ def _check_values(name: str, layer: nn.Module, entry: dict[str, Any], origin: di
             if t is not None and t.is_floating_point() and not torch.isfinite(t).all():
                 raise fail(buffer, "holds NaN/inf values")
         return
+    layer = cast(QuantLinear, layer)  # _skeleton builds every other quantized layer as one
     for buffer in ("weight_scale", "act_scale"):
         t = getattr(layer, buffer)
         if t is not None and not (torch.isfinite(t).all() and (t > 0).all()):

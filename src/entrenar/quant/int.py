@@ -257,6 +257,10 @@ class QuantLinear(nn.Module):
     """
 
     linear_like = True
+    weight_codes: Tensor
+    weight_scale: Tensor
+    weight_zero: Tensor | None
+    act_scale: Tensor | None
 
     def __init__(
         self,

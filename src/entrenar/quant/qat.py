@@ -36,10 +36,10 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
-from typing import Literal
+from typing import Literal, cast
 
 import torch
 from torch import Tensor, nn
@@ -49,6 +49,7 @@ from entrenar.config import QatSection
 from entrenar.errors import QuantError
 from entrenar.models.surgery import Patterns, find_linears, replace_module
 from entrenar.quant.int import (
+    Calibration,
     QuantLinear,
     activation_scale,
     calibrate,
@@ -166,6 +167,7 @@ class FakeQuantLinear(nn.Module):
     """
 
     linear_like = True
+    act_step_initialized: Tensor
 
     def __init__(self, linear: nn.Linear, cfg: QATConfig, name: str = "weight"):
         super().__init__()
@@ -204,24 +206,25 @@ class FakeQuantLinear(nn.Module):
         if self.cfg.backward == "lsq":
             return self.weight_step.clamp(min=MIN_STEP)
         groups = group_view(self.weight.detach(), *self.scale_shape)
-        calibration = "minmax" if self.cfg.percentile is None else "percentile"
+        calibration: Calibration = "minmax" if self.cfg.percentile is None else "percentile"
         scale, _ = calibrate(groups, self.cfg.bits, True, calibration, self.cfg.percentile or 100.0)
         return scale.to(self.weight.dtype)
 
     def fake_weight(self) -> Tensor:
         groups = group_view(self.weight, *self.scale_shape)
         c = self.cfg
-        w_q = fake_quant(
-            groups, self.weight_scale().unsqueeze(-1), c.bits, c.backward, c.ewgs_delta, self.weight_grad_scale
-        )
+        rule = cast(Backward, c.backward)  # QATConfig refuses any other
+        w_q = fake_quant(groups, self.weight_scale().unsqueeze(-1), c.bits, rule, c.ewgs_delta, self.weight_grad_scale)
         return w_q.reshape(self.weight.shape)
 
     def activation_scale(self, x: Tensor) -> Tensor:
+        bits = self.cfg.act_bits
+        assert bits is not None  # called only when activations are quantized
         if self.cfg.backward != "lsq":
-            return activation_scale(x, self.cfg.act_bits)
+            return activation_scale(x, bits)
         if not self.act_step_initialized:
             with torch.no_grad():  # LSQ's init from the first batch the layer sees
-                self.act_step.fill_(2 * x.abs().mean().item() / math.sqrt(qrange(self.cfg.act_bits, True)[1]))
+                self.act_step.fill_(2 * x.abs().mean().item() / math.sqrt(qrange(bits, True)[1]))
                 self.act_step_initialized.fill_(True)
         return self.act_step.clamp(min=MIN_STEP)
 
@@ -229,7 +232,8 @@ class FakeQuantLinear(nn.Module):
         if self.cfg.act_bits is not None:
             scale = self.activation_scale(x)
             grad_scale = 1.0 / math.sqrt(x.shape[-1] * qrange(self.cfg.act_bits, True)[1])  # N: features per token
-            x = fake_quant(x, scale, self.cfg.act_bits, self.cfg.backward, self.cfg.ewgs_delta, grad_scale)
+            rule = cast(Backward, self.cfg.backward)  # QATConfig refuses any other
+            x = fake_quant(x, scale, self.cfg.act_bits, rule, self.cfg.ewgs_delta, grad_scale)
         return F.linear(x, self.fake_weight(), self.bias)
 
     @torch.no_grad()
@@ -274,7 +278,7 @@ def convert_qat(model: nn.Module) -> list[str]:
     if not names:
         raise QuantError(f"{type(model).__name__} has no fake-quantized layers; call prepare_qat first")
     for name in names:
-        replace_module(model, name, model.get_submodule(name).to_quant_linear())
+        replace_module(model, name, cast(FakeQuantLinear, model.get_submodule(name)).to_quant_linear())
     return names
 
 
@@ -334,7 +338,7 @@ def load_qat_state_dict(model: nn.Module, state: dict[str, Tensor], source: str 
 
 
 @contextmanager
-def swapped(model: nn.Module, replacements: dict[str, nn.Module]) -> Iterator[nn.Module]:
+def swapped(model: nn.Module, replacements: Mapping[str, nn.Module]) -> Iterator[nn.Module]:
     """``model`` with the named submodules replaced for the duration of the block, then put back."""
     originals = {}
     try:

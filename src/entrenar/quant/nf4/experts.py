@@ -8,6 +8,8 @@ time (the loop): the grouped product needs the dense stacks.
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import nn
 
@@ -44,35 +46,41 @@ class NF4Experts(Experts):
                   blocksize, double_quant)
         i = experts.intermediate_size
         for e in range(experts.num_experts):
-            expert = out.expert(e)
-            expert.gate_proj.load_full_weight(w[e, :i].detach(), f"experts.{e}.gate_proj")
-            expert.up_proj.load_full_weight(w[e, i:].detach(), f"experts.{e}.up_proj")
-            expert.down_proj.load_full_weight(experts.down_proj[e].detach(), f"experts.{e}.down_proj")
+            out._projection(e, "gate_proj").load_full_weight(w[e, :i].detach(), f"experts.{e}.gate_proj")
+            out._projection(e, "up_proj").load_full_weight(w[e, i:].detach(), f"experts.{e}.up_proj")
+            out._projection(e, "down_proj").load_full_weight(experts.down_proj[e].detach(), f"experts.{e}.down_proj")
         return out
 
     def expert(self, e: int) -> nn.Module:
-        return self._modules[str(e)]
+        module = self._modules[str(e)]
+        assert module is not None  # __init__ adds every expert
+        return module
+
+    def _projection(self, e: int, name: str) -> NF4Linear:
+        """Expert ``e``'s ``gate_proj``, ``up_proj`` or ``down_proj``."""
+        return cast(NF4Linear, getattr(self.expert(e), name))
 
     def weight_info(self, parameter: str) -> tuple[torch.Size, torch.dtype, torch.device]:
         h, i, e = self.hidden_size, self.intermediate_size, self.num_experts
         shape = (e, 2 * i, h) if parameter == "gate_up_proj" else (e, h, i)
-        return torch.Size(shape), self.dtype, self.expert(0).gate_proj.weight_codes.device
+        return torch.Size(shape), self.dtype, self._projection(0, "gate_proj").weight_codes.device
 
+    # Dequantized on every access, for inspection and merged exports, where Experts stores parameters: mypy refuses
+    # a read-only property over a writable attribute, but nothing assigns these on an NF4Experts.
     @property
-    def gate_up_proj(self) -> torch.Tensor:  # dequantized, for inspection and merged exports
-        return torch.stack([torch.cat([self.expert(e).gate_proj.weight, self.expert(e).up_proj.weight])
+    def gate_up_proj(self) -> torch.Tensor:  # type: ignore[override]
+        return torch.stack([torch.cat([self._projection(e, "gate_proj").weight, self._projection(e, "up_proj").weight])
                             for e in range(self.num_experts)])
 
     @property
-    def down_proj(self) -> torch.Tensor:
-        return torch.stack([self.expert(e).down_proj.weight for e in range(self.num_experts)])
+    def down_proj(self) -> torch.Tensor:  # type: ignore[override]
+        return torch.stack([self._projection(e, "down_proj").weight for e in range(self.num_experts)])
 
     def gate_up(self, x: torch.Tensor, expert: int) -> torch.Tensor:
-        module = self.expert(expert)
-        return torch.cat([module.gate_proj(x), module.up_proj(x)], dim=-1)
+        return torch.cat([self._projection(expert, "gate_proj")(x), self._projection(expert, "up_proj")(x)], dim=-1)
 
     def down(self, h: torch.Tensor, expert: int) -> torch.Tensor:
-        return self.expert(expert).down_proj(h)
+        return self._projection(expert, "down_proj")(h)
 
     def use_grouped(self, x: torch.Tensor) -> bool:
         return False
@@ -82,5 +90,5 @@ def quantize_experts_nf4(model: nn.Module) -> list[str]:
     """Replace every ``Experts`` module of ``model`` by its NF4 version; return their names."""
     names = [n for n, m in model.named_modules() if type(m) is Experts]
     for name in names:
-        replace_module(model, name, NF4Experts.from_experts(model.get_submodule(name)))
+        replace_module(model, name, NF4Experts.from_experts(cast(Experts, model.get_submodule(name))))
     return names

@@ -176,6 +176,7 @@ def nf4_absmax(q: NF4Tensor) -> Tensor:
     """The fp32 absmax of every block (decompressed when double-quantized)."""
     if not q.double_quant:
         return q.absmax
+    assert q.absmax_scale is not None and q.absmax_offset is not None  # both set when double-quantized
     return dequantize_blockwise_8bit(q.absmax, q.absmax_scale) + q.absmax_offset
 
 
@@ -237,6 +238,10 @@ class NF4Linear(nn.Module):
     """
 
     linear_like = True
+    weight_codes: Tensor
+    weight_absmax: Tensor
+    weight_absmax_scale: Tensor | None
+    weight_absmax_offset: Tensor | None
 
     def __init__(
         self,
@@ -295,7 +300,7 @@ class NF4Linear(nn.Module):
             layer.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
         return layer
 
-    def keep_in_host_memory(self, quantize_on: torch.device) -> None:
+    def keep_in_host_memory(self, quantize_on: torch.device | str) -> None:
         """Keep the NF4 buffers in CPU memory through device moves (``.to``, ``to_empty``); weights loaded into
         them are quantized on ``quantize_on``. For a model whose blocks stream their weights to the GPU
         (:mod:`entrenar.quant.nf4.streaming`), loaded without ever holding them all there."""
@@ -331,6 +336,9 @@ class NF4Linear(nn.Module):
         self.weight_codes.copy_(q.codes)
         self.weight_absmax.copy_(q.absmax)
         if q.double_quant:
+            # quantized with double_quant because this layer holds the scale and offset buffers
+            assert self.weight_absmax_scale is not None and self.weight_absmax_offset is not None
+            assert q.absmax_scale is not None and q.absmax_offset is not None
             self.weight_absmax_scale.copy_(q.absmax_scale)
             self.weight_absmax_offset.copy_(q.absmax_offset)
 

@@ -97,8 +97,9 @@ class ShardedNF4Linear(nn.Module):
     @property
     def quantized(self) -> NF4Tensor:
         """The whole quantized weight, gathered from every rank (a collective)."""
-        return NF4Tensor(self._gathered("weight_codes"), self._gathered("weight_absmax"),
-                         self._gathered("weight_absmax_scale"), getattr(self, _OFFSET),
+        codes, absmax = self._gathered("weight_codes"), self._gathered("weight_absmax")
+        assert codes is not None and absmax is not None  # only the double-quant scale may be None
+        return NF4Tensor(codes, absmax, self._gathered("weight_absmax_scale"), getattr(self, _OFFSET),
                          torch.Size((self.out_features, self.in_features)), self.dtype, self.blocksize)
 
     @property

@@ -8,7 +8,10 @@ device and call ``sinks(model, dtype, device)`` before any weight is read; the m
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
+from torch import nn
 
 from entrenar.errors import ModelError
 from entrenar.models.hf import Sinks
@@ -28,14 +31,14 @@ def nf4_sinks(model: Transformer, dtype: torch.dtype, device: str | torch.device
     keep their buffers in CPU memory and quantize on ``device``."""
     host = nf4_host_memory_requested() and torch.device(device).type == "cuda"
     for name in find_linears(model, "all-linear"):
-        linear = model.get_submodule(name)
+        linear = cast(nn.Linear, model.get_submodule(name))  # the loader's model: plain linear layers
         layer = NF4Linear(linear.in_features, linear.out_features, linear.bias is not None, dtype=dtype,
                           device="meta" if host else device)
         if host:
             layer.keep_in_host_memory(quantize_on=device)
         replace_module(model, name, layer)
     for name in [n for n, m in model.named_modules() if type(m) is Experts]:
-        experts = model.get_submodule(name)
+        experts = cast(Experts, model.get_submodule(name))
         replace_module(model, name, NF4Experts(experts.num_experts, experts.hidden_size,
                                                experts.intermediate_size, dtype=dtype, device=device))
 

@@ -29,12 +29,16 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
 
 from entrenar.models.recompute import recomputing
 from entrenar.quant.nf4.format import NF4Linear
+
+if TYPE_CHECKING:
+    from entrenar.models.transformer import Transformer
 
 _loading = threading.local()
 _BUFFERS = ("weight_codes", "weight_absmax", "weight_absmax_scale", "weight_absmax_offset")
@@ -62,7 +66,7 @@ class _Block:
     """One block's NF4 buffers: where each lies in the block's flat pinned buffer, and that buffer."""
 
     def __init__(self, block: nn.Module) -> None:
-        self.layout: list[tuple[nn.Module, str, int, int, torch.dtype, torch.Size]] = []
+        self.layout: list[tuple[NF4Linear, str, int, int, torch.dtype, torch.Size]] = []
         size = 0
         for module in block.modules():
             if not isinstance(module, NF4Linear):
@@ -78,6 +82,7 @@ class _Block:
         self.host = torch.empty(size, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
         for module, name, offset, nbytes, _, _ in self.layout:
             source = module._buffers[name]
+            assert source is not None  # the layout holds only the buffers that are set
             self.host[offset:offset + nbytes].copy_(source.reshape(-1).view(torch.uint8))
             module.quantize_on = module.quantize_on or source.device  # a later .to() leaves the buffers here
         self.point_to(self.host)
@@ -168,6 +173,7 @@ class WeightStream:
         backward used). Never reusing them keeps a CUDA graph's reads inside memory its capture allocated."""
         for _, done, compute in self._pending.values():
             if done is not None:  # its memory may be taken again only once the copy into it is done
+                assert compute is not None  # _fetch records the two together
                 compute.wait_event(done)
         self._pending.clear()
         for j in list(self._installed):
@@ -188,7 +194,8 @@ def _needs_grad(values: tuple) -> bool:
 def stream_weights(model: nn.Module, device: torch.device) -> WeightStream | None:
     """Keep ``model``'s NF4 block weights in pinned CPU memory and stream them to ``device`` block by block
     (``training.offload_weights``); None when its blocks hold no NF4 layer."""
-    blocks = list(model.model.layers)
+    transformer = cast("Transformer", model)  # the blocks and their checkpointing are a Transformer's
+    blocks = list(transformer.model.layers)
     if not any(isinstance(m, NF4Linear) for b in blocks for m in b.modules()):
         return None
-    return WeightStream(blocks, device, lambda i: i in model.checkpointed_layers)
+    return WeightStream(blocks, device, lambda i: i in transformer.checkpointed_layers)
