@@ -86,9 +86,11 @@ def launch_function(fn: Callable[..., Any], args: Sequence[Any] = (), start_meth
     _quiet()
     parsed = parse_args([*torchrun_args(**options), "unused"])
     config, _, _ = config_from_args(parsed)
-    extra = {"shutdown_timeout": shutdown_timeout} if "shutdown_timeout" in {f.name for f in fields(config)} else {}
-    # torch < 2.12 has no shutdown_timeout: extra is empty there
-    config = replace(config, start_method=start_method, monitor_interval=monitor_interval, **extra)
+    if "shutdown_timeout" in {f.name for f in fields(config)}:
+        config = replace(config, start_method=start_method, monitor_interval=monitor_interval,
+                         shutdown_timeout=shutdown_timeout)
+    else:  # torch < 2.12 has no shutdown_timeout
+        config = replace(config, start_method=start_method, monitor_interval=monitor_interval)
     return _run(config, _Recording(fn), list(args))
 
 

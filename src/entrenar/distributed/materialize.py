@@ -17,7 +17,7 @@ group; the other ranks hold their shards only (1/world of the model, plus one te
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -50,11 +50,13 @@ def materialize(model: nn.Module, state: dict[str, torch.Tensor] | None, world: 
     """
     if state is None:
         return
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, ValueType, set_model_state_dict
 
     if any(p.is_meta for p in model.parameters()):
         model.to_empty(device=device)
-    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    # torch takes dict[str, ValueType], which (dict being invariant) a dict of tensors does not match
+    full = cast(dict[str, ValueType], state)
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     state.clear()  # rank 0: the whole tensors go once the shards hold them
     with torch.no_grad():
         for module in model.modules():

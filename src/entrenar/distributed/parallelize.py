@@ -19,8 +19,9 @@ tokens over ``world.size``, so the sum of what they average is the one-process g
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -45,7 +46,8 @@ class Single:
         return self.model(*args, **kwargs)
 
     def hidden_states(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        return self.model.hidden_states(*args, **kwargs)
+        forward = cast(Callable[..., torch.Tensor], self.model.hidden_states)  # a method, not a Tensor or Module
+        return forward(*args, **kwargs)
 
     def sync(self, last: bool) -> AbstractContextManager:
         return nullcontext()
@@ -111,7 +113,7 @@ class Sharded(Single):
         compute = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
         # All-gathers in the compute dtype (half the traffic of fp32 master weights); gradients reduced in fp32.
         policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
-        layers = list(model.model.layers)
+        layers = list(cast(nn.ModuleList, cast(nn.Module, model.model).layers))  # the decoder's blocks
         nf4 = shard_nf4_layers(model, world)  # a QLoRA base: each rank keeps its chunks (before the state below)
         state = full_state(model, world)  # rank 0's whole tensors; the other ranks built the model on meta
         for i, block in enumerate(layers):

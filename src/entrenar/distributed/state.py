@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -64,7 +64,7 @@ def full_params(model: nn.Module, write_back: bool = False, trainable_only: bool
         for module, name, param in swapped:
             module._parameters[name] = param
     if write_back:
-        from torch.distributed.tensor import distribute_tensor
+        from torch.distributed.tensor import DTensor, distribute_tensor
 
         done: set[int] = set()
         with torch.no_grad():
@@ -73,7 +73,8 @@ def full_params(model: nn.Module, write_back: bool = False, trainable_only: bool
                     continue
                 done.add(id(param))
                 whole = full[id(param)].detach().to(param.device, param.dtype)
-                param.to_local().copy_(distribute_tensor(whole, param.device_mesh, param.placements).to_local())
+                shard = cast(DTensor, param)  # only sharded parameters were swapped
+                shard.to_local().copy_(distribute_tensor(whole, shard.device_mesh, shard.placements).to_local())
 
 
 class _FullOptimizer:
@@ -91,8 +92,8 @@ class _FullOptimizer:
                           for i, s in state["state"].items()}
         return state
 
-    def state_dict(self) -> dict:
-        return self._full
+    def state_dict(self) -> dict | None:
+        return self._full  # None on a view made to load into (gather=False)
 
     def load_state_dict(self, state: dict) -> None:
         from torch.distributed.tensor import distribute_tensor

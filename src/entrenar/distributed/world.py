@@ -126,10 +126,9 @@ def join(device: torch.device, timeout_s: float) -> tuple[World, torch.device]:
     else:
         raise ConfigError(f"model.device: distributed training runs on CUDA (NCCL) or the CPU (gloo), not {device}")
     if not dist.is_initialized():
-        options = {"device_id": device} if backend == "nccl" else {}
         timeout = timedelta(seconds=timeout_s)
         dist.init_process_group(backend, timeout=timeout, store=_store(size, timeout), rank=rank, world_size=size,
-                                **options)
+                                device_id=device if backend == "nccl" else None)
         _opened.append(True)
     if dist.get_world_size() != size or dist.get_rank() != rank:
         raise ConfigError(f"the process group ({dist.get_rank()} of {dist.get_world_size()}) does not match "

@@ -116,6 +116,7 @@ def dense_config(recipe: Recipe, match: str = "active") -> tuple[dict[str, Any],
         raise ConfigError(f"model.config: {moe.model_type} has no dense family of the same attention in entrenar "
                           f"(the dense arm needs one of {', '.join(DENSE_FAMILY)})")
     target = moe.num_active_parameters if match == "active" else moe.num_parameters
+    assert recipe.model.config is not None  # check_recipe: a random-init model built from model.config
     hf = {k: v for k, v in recipe.model.config.items() if k not in _MOE_KEYS}
     hf["model_type"] = family
 
@@ -148,6 +149,7 @@ def arm_recipe(recipe: Recipe, arm: str, run_dir: Path, match: str = "active",
     if arm == "moe":
         return replace(recipe, output=out)
     if arm == "moe-sigmoid":
+        assert recipe.model.config is not None  # an ablated recipe builds its MoE model from model.config
         config = {**recipe.model.config, "scoring_func": "sigmoid"}
         rate = bias_update_rate or recipe.moe.bias_update_rate or BIAS_UPDATE_RATE
         moe = replace(recipe.moe, aux_loss=0.0, bias_update_rate=rate)
@@ -187,7 +189,8 @@ def ablate(
              "num_experts_per_tok": config.num_experts_per_tok, "arms": list(arms),
              "bias_update_rate": recipes["moe-sigmoid"].moe.bias_update_rate if "moe-sigmoid" in arms else None}
     report = Ablation(out, results, matched, setup)
-    if not synth.is_synth(recipe.data.train) or synth.parse(recipe.data.train).kind != "mixture":
+    data = recipe.data.train
+    if data is None or not synth.is_synth(data) or synth.parse(data).kind != "mixture":
         report.notes.append("routing specialisation is measured on synth:mixture data only (its hidden sub-task)")
     report.files = write_report(report)
     return report
@@ -249,7 +252,8 @@ def arm_record(run_dir: Path, recipe: Recipe, eval_loss: float | None, mi_record
         record["router"] = {layer: {"entropy_norm": d["entropy_norm"], "imbalance": d["imbalance"], "dead": d["dead"]}
                             for layer, d in layers.items()}
         record["router_entropy_norm"] = sum(d["entropy_norm"] for d in layers.values()) / len(layers)
-    if arch["moe"] and synth.is_synth(recipe.data.train) and synth.parse(recipe.data.train).kind == "mixture":
+    data = recipe.data.train
+    if arch["moe"] and data is not None and synth.is_synth(data) and synth.parse(data).kind == "mixture":
         record["specialisation"] = routing_specialisation(run_dir / "model", recipe, mi_records)
     return record
 
@@ -276,6 +280,7 @@ def mutual_information(table: Sequence[Sequence[float]]) -> tuple[float, float]:
 
 def heldout_records(recipe: Recipe, count: int = MI_RECORDS) -> list[dict[str, Any]]:
     """``count`` synth:mixture records the run never saw: the ones after data.train's last, from its seed."""
+    assert recipe.data.train is not None  # a synth:mixture source
     spec = synth.parse(recipe.data.train)
     seed = recipe.training.seed if spec.seed is None else spec.seed
     return [synth.mixture_record(seed, spec.count + i) for i in range(count)]
@@ -288,6 +293,7 @@ def routing_specialisation(model_dir: Path, recipe: Recipe, count: int = MI_RECO
     the record (prompt, answer, EOS), ``answer`` only the answer tokens (after the operator, where the sub-task is
     known from the text)."""
     model, tokenizer = load(model_dir, dtype="float32", device=recipe.model.device)
+    assert tokenizer is not None  # a run saves the tokenizer it trained with beside its model
     model.eval()
     records = heldout_records(recipe, count)
     examples, _ = tokenize_records(records, tokenizer, recipe.data.seq_len, train_on="completion",

@@ -31,6 +31,7 @@ from entrenar.device import resolve_device
 from entrenar.errors import ConfigError
 from entrenar.evaluation.loss import autocast_for
 from entrenar.models.moe import moe_blocks
+from entrenar.tasks.base import Batch
 from entrenar.train.loop import _seed_everything
 from entrenar.train.moe import moe_training
 from entrenar.train.prepare import build_model
@@ -147,7 +148,7 @@ def diagnose(recipe: Any, precision: str = "bf16") -> Report:
     quantize = recipe.lora.quantize_base if recipe.lora is not None else None
     model, tokenizer = build_model(recipe, task, "float32", device, quantize)  # fp32: a real reference pass
     moe = moe_training(model, recipe)  # records routing; its router losses are part of what a step trains
-    batch = next(read_data(recipe, task, tokenizer).stream)
+    batch: Batch = next(read_data(recipe, task, tokenizer).stream)  # padding_free adds int entries
     if recipe.data.padding_free is True:
         batch = padding_free(batch)
     batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}

@@ -109,6 +109,7 @@ def export(
 
     model, tokenizer = load_merged(model_path, adapter, dtype)
     if gguf_only:
+        assert qtype is not None and tokenizer is not None  # both refused above when missing
         output.parent.mkdir(parents=True, exist_ok=True)
         return [write_gguf(model, tokenizer, output, qtype, name=output.stem)]
     with replace_files(output) as target:
@@ -144,10 +145,12 @@ def export_adapter(model_path: Path, adapter: Path, output: Path) -> Path:
 
 def _export_checkpoint_adapter(source: ModelSource, output: Path) -> Path:
     """A LoRA run's checkpoint as a PEFT adapter folder (its weights on the base, saved as the run saves them)."""
+    assert source.checkpoint is not None and source.recipe is not None  # only a LoRA run's checkpoint comes here
     model, _ = load(source.checkpoint, device="cpu", dtype=stored_dtype(source.model))
     with replace_files(output) as target:
-        lora.save_adapter(model, target, lora.lora_config_of(source.recipe.lora),
-                          base_model_name_or_path=str(source.model))
+        cfg = lora.lora_config_of(source.recipe.lora)
+        assert cfg is not None  # the run has a lora section
+        lora.save_adapter(model, target, cfg, base_model_name_or_path=str(source.model))
     return output
 
 
@@ -165,7 +168,7 @@ def _meta_model(model_path: Path) -> Transformer:
 
 
 def load_merged(
-    model_path: Path, adapter: Path | None, dtype: str | torch.dtype | None = None
+    model_path: str | Path, adapter: str | Path | None, dtype: str | torch.dtype | None = None
 ) -> tuple[Transformer, Tokenizer | None]:
     """The model with ``adapter`` (if any) merged in and the LoRA layers removed (a plain model), and its tokenizer.
 
@@ -208,6 +211,7 @@ def save_merged(
     with atomic.staged_folder(output) as target:
         write_model_files(model, tokenizer, target, generation)
         if qtype is not None:
+            assert tokenizer is not None  # refused above
             file_name = f"model-{qtype}.gguf"
             write_gguf(model, tokenizer, target / file_name, qtype, name=name or output.name)
             written.append(output / file_name)

@@ -133,6 +133,7 @@ def _plan(model: Transformer, qtype: str) -> list[_Entry]:
     from gguf import GGMLQuantizationType as Q
 
     config = model.config
+    assert config.head_dim is not None  # ModelConfig.__post_init__ fills it in
     entries = []
     if (config.rope_scaling or {}).get("rope_type") == "llama3":
         entries.append(_Entry(_ROPE_FREQS, None, (config.head_dim // 2,), Q.F32))
@@ -203,6 +204,7 @@ def _add_architecture(writer: gguf.GGUFWriter, model: Transformer, arch: str, qt
     from gguf import GGML_QUANT_VERSION, LlamaFileType, RopeScalingType
 
     c = model.config
+    assert c.head_dim is not None  # ModelConfig.__post_init__ fills it in
     writer.add_type("model")
     if name:
         writer.add_name(name)

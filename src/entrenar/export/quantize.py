@@ -16,7 +16,7 @@ import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -30,8 +30,16 @@ from entrenar.loading.runs import resolve_model_and_adapter
 from entrenar.models.surgery import ALL_LINEAR, find_linears
 from entrenar.models.transformer import Transformer
 from entrenar.quant.checkpoint import is_quantized_folder, quantization_config, save_quantized
-from entrenar.quant.int import MAX_BITS, MIN_BITS, Calibration, LayerError, quantize_model_int, weight_error
-from entrenar.quant.nf4.format import BLOCKSIZES, quantize_model_nf4
+from entrenar.quant.int import (
+    MAX_BITS,
+    MIN_BITS,
+    Calibration,
+    LayerError,
+    QuantLinear,
+    quantize_model_int,
+    weight_error,
+)
+from entrenar.quant.nf4.format import BLOCKSIZES, NF4Linear, quantize_model_nf4
 
 if TYPE_CHECKING:
     from entrenar.evaluation.loss import EvalResult
@@ -109,9 +117,9 @@ def quantize_model(
     check_shapes(model, method, group_size)
     if kind == "nf4":
         names = find_linears(model, ALL_LINEAR)
-        originals = {name: model.get_submodule(name) for name in names}
+        originals = {name: cast(nn.Linear, model.get_submodule(name)) for name in names}
         quantize_model_nf4(model, ALL_LINEAR, blocksize=group_size or NF4_BLOCKSIZE)
-        errors = [weight_error(originals[n].weight, model.get_submodule(n).weight, n) for n in names]
+        errors = [weight_error(originals[n].weight, cast(NF4Linear, model.get_submodule(n)).weight, n) for n in names]
         return errors, {"source": "ptq"}
     errors = quantize_model_int(model, ALL_LINEAR, bits=bits, group_size=group_size, symmetric=symmetric,
                                 calibration=calibration, percentile=percentile)
@@ -156,7 +164,7 @@ def check_shapes(model: nn.Module, method: str, group_size: int | None) -> None:
             raise QuantError(f"nf4 block size {group_size} is not supported (choose one of "
                              f"{', '.join(map(str, BLOCKSIZES))}; default {NF4_BLOCKSIZE})")
         return
-    widths = {name: model.get_submodule(name).in_features for name in find_linears(model, ALL_LINEAR)}
+    widths = {name: cast(nn.Linear, model.get_submodule(name)).in_features for name in find_linears(model, ALL_LINEAR)}
     if bits <= 4:
         odd = [(n, w) for n, w in widths.items() if w % 2]
         if odd:
@@ -193,7 +201,7 @@ def _weight_bytes(model: nn.Module, names: list[str], itemsize: int | None = Non
         if isinstance(layer, nn.Linear):
             total += layer.weight.numel() * (itemsize or layer.weight.element_size())
         else:
-            total += layer.quantized.nbytes
+            total += cast("QuantLinear | NF4Linear", layer).quantized.nbytes
     return total
 
 

@@ -92,7 +92,8 @@ def merge_adapters(cfg: MergeConfig, output: Path, dry_run: bool = False, seed: 
         return summary
     seed = cfg.seed if seed is None else seed
     dtype = next(iter(inputs[0][2].values()))[0].dtype
-    out_dtype = getattr(torch, cfg.out_dtype or cfg.dtype) if (cfg.out_dtype or cfg.dtype) else dtype
+    dtype_name = cfg.out_dtype or cfg.dtype
+    out_dtype = getattr(torch, dtype_name) if dtype_name else dtype
     tensors: dict[str, torch.Tensor] = {}
     for module, (n_out, n_in) in modules.items():
         weights, densities, gammas, epsilons = [], [], [], []
@@ -118,8 +119,8 @@ def merge_adapters(cfg: MergeConfig, output: Path, dry_run: bool = False, seed: 
         else:
             deltas = []
             for _, _, pairs, scale in inputs:
-                a, b = pairs.get(module, (None, None))
-                deltas.append(torch.zeros(n_out, n_in) if a is None else scale * (b.float() @ a.float()))
+                pair = pairs.get(module)
+                deltas.append(torch.zeros(n_out, n_in) if pair is None else scale * (pair[1].float() @ pair[0].float()))
             zero = torch.zeros(n_out, n_in)
             if spec.name == "linear":
                 merged = methods.linear(deltas, weights, normalize=bool(_global(cfg, "normalize", True, module)))

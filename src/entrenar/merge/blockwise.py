@@ -222,6 +222,7 @@ def _prepare(pt: PlannedTensor, cfg, spans, read) -> list[_Task] | None:
                 task.above += int(np.count_nonzero(a > hi))
                 task.candidates.append(a[(a >= lo) & (a <= hi)])
             else:
+                assert task.rescale is not None  # first_pass: random with a norm to rescale by
                 keep = (torch.rand(delta.numel(), generator=task.generator) < task.density).view(delta.shape)
                 task.before.append(methods.norm_parts(delta, task.rescale))
                 np.multiply(delta.numpy(), keep.numpy(), out=delta.numpy())  # = delta.mul_(keep), faster
@@ -237,6 +238,7 @@ def _prepare(pt: PlannedTensor, cfg, spans, read) -> list[_Task] | None:
             task.threshold = float(np.partition(values, values.size - r)[values.size - r])
             task.ties = task.k - task.above - int(np.count_nonzero(values > task.threshold))
         elif task.first_pass:
+            assert task.rescale is not None  # first_pass: random with a norm to rescale by
             before = methods.finish_norm(task.before, task.rescale)
             task.scale = methods.rescale_factor(before, methods.finish_norm(task.after, task.rescale))
             task.before = task.after = []

@@ -152,6 +152,12 @@ class Source:
     layer_range: tuple[int, int] | None = None
     where: str = ""
 
+    @property
+    def slice_range(self) -> tuple[int, int]:
+        """``layer_range`` of a source under ``slices:``, where parsing requires one."""
+        assert self.layer_range is not None, f"{self.where}: a slice source without layer_range"
+        return self.layer_range
+
 
 @dataclass
 class Slice:
@@ -342,9 +348,10 @@ def _source(item: Any, path: str, lines: Where, root: Path | None, spec, slice_o
     layer_range = None
     if slice_ok:
         lr = item.get("layer_range")
-        if (not isinstance(lr, list) or len(lr) != 2 or not all(isinstance(x, int) and not isinstance(x, bool) for x in lr)
-                or not 0 <= lr[0] < lr[1]):
-            raise ConfigError(f"{lines(f'{path}.layer_range')}: layer_range must be [start, end) with 0 <= start < end, got {lr!r}")
+        if (not isinstance(lr, list) or len(lr) != 2
+                or not all(isinstance(x, int) and not isinstance(x, bool) for x in lr) or not 0 <= lr[0] < lr[1]):
+            raise ConfigError(f"{lines(f'{path}.layer_range')}: layer_range must be [start, end) "
+                              f"with 0 <= start < end, got {lr!r}")
         layer_range = (lr[0], lr[1])
     params = _parameters(item.get("parameters"), f"{path}.parameters", lines, spec, per_model=True)
     return Source(ModelRef.parse(item["model"], lines(f"{path}.model"), root), params, layer_range, lines(path))
@@ -357,12 +364,14 @@ def _slice(item: Any, path: str, lines: Where, root: Path | None, spec) -> Slice
         if key in UNSUPPORTED:
             raise ConfigError(f"{lines(f'{path}.{key}')}: {UNSUPPORTED[key]}")
         if key not in ("sources", "parameters", "base_model"):
-            raise ConfigError(f"{lines(f'{path}.{key}')}: unknown key '{key}' (allowed: sources, parameters, base_model)")
+            raise ConfigError(f"{lines(f'{path}.{key}')}: unknown key '{key}' "
+                              "(allowed: sources, parameters, base_model)")
     sources = [_source(s, f"{path}.sources[{i}]", lines, root, spec, slice_ok=True)
                for i, s in enumerate(_list(item["sources"], f"{path}.sources", lines))]
-    lengths = {s.layer_range[1] - s.layer_range[0] for s in sources}
+    lengths = {s.slice_range[1] - s.slice_range[0] for s in sources}
     if len(lengths) > 1:
-        raise ConfigError(f"{lines(path)}: all sources of a slice must span the same number of layers, got {sorted(lengths)}")
+        raise ConfigError(f"{lines(path)}: all sources of a slice must span the same number of layers, "
+                          f"got {sorted(lengths)}")
     base = ModelRef.parse(item["base_model"], lines(f"{path}.base_model"), root) if item.get("base_model") else None
     params = _parameters(item.get("parameters"), f"{path}.parameters", lines, spec, per_model=False)
     return Slice(sources, params, base, lines(path))
@@ -371,8 +380,11 @@ def _slice(item: Any, path: str, lines: Where, root: Path | None, spec) -> Slice
 def _check_structure(cfg: MergeConfig) -> None:
     """Method-level rules that need no weights: base presence, model counts, required parameters."""
     spec, lines = cfg.spec, cfg.lines
-    groups = [(cfg.models, cfg.base_model, lines("models"))] if cfg.models is not None else [
-        (sl.sources, sl.base_model or cfg.base_model, sl.where) for sl in cfg.slices]
+    if cfg.models is not None:
+        groups = [(cfg.models, cfg.base_model, lines("models"))]
+    else:
+        assert cfg.slices is not None  # exactly one of models and slices is set
+        groups = [(sl.sources, sl.base_model or cfg.base_model, sl.where) for sl in cfg.slices]
     for sources, base, where in groups:
         names = [s.model.text for s in sources]
         others = [n for n in names if base is None or n != base.text]
@@ -381,20 +393,26 @@ def _check_structure(cfg: MergeConfig) -> None:
         if spec.base == "required" and base is None:
             raise ConfigError(f"{lines.source}: merge_method {spec.name} needs base_model")
         if spec.name == "passthrough" and len(sources) != 1:
-            raise ConfigError(f"{where}: passthrough takes exactly one source per slice (or one model), got {len(sources)}")
+            raise ConfigError(f"{where}: passthrough takes exactly one source per slice (or one model), "
+                              f"got {len(sources)}")
         if spec.name == "slerp" and len(others) != 1:
-            raise ConfigError(f"{where}: slerp merges base_model with exactly one other model, got {len(others)} others")
+            raise ConfigError(f"{where}: slerp merges base_model with exactly one other model, "
+                              f"got {len(others)} others")
         if spec.name == "nuslerp" and len(others) != 2:
-            raise ConfigError(f"{where}: nuslerp merges exactly two models (plus an optional base_model), got {len(others)}")
+            raise ConfigError(f"{where}: nuslerp merges exactly two models (plus an optional base_model), "
+                              f"got {len(others)}")
         if spec.name == "model_stock" and len(others) < 2:
-            raise ConfigError(f"{where}: model_stock needs at least two models besides base_model, got {len(others)}")
+            raise ConfigError(f"{where}: model_stock needs at least two models besides base_model, "
+                              f"got {len(others)}")
         if cfg.slices is not None and spec.base == "required" and base is not None and base.text not in names:
             raise ConfigError(f"{where}: base_model {base.text} must be one of the slice's sources")
         if len(set(names)) != len(names):
             raise ConfigError(f"{where}: a model is listed twice")
     for key, default in spec.global_params.items():
-        if default is REQUIRED and key not in cfg.parameters and not any(key in sl.parameters for sl in cfg.slices or []):
-            raise ConfigError(f"{lines.source}: merge_method {spec.name} needs the parameter '{key}' (under parameters:)")
+        if (default is REQUIRED and key not in cfg.parameters
+                and not any(key in sl.parameters for sl in cfg.slices or [])):
+            raise ConfigError(f"{lines.source}: merge_method {spec.name} needs the parameter '{key}' "
+                              "(under parameters:)")
 
 
 __all__ = ["MergeConfig", "ModelRef", "Slice", "Source", "evaluate_setting", "load_config", "parse_config"]

@@ -376,10 +376,13 @@ def task_arithmetic_family(
         if recipe.sparsifier == "magnitude":
             d = magnitude(d, densities[i], rescale, inplace=True)  # d is ours: x - base, or x itself
         elif recipe.sparsifier == "random":
+            assert generators is not None  # the caller makes them for every random sparsifier
             d = random_drop(d, densities[i], generators[i], rescale, inplace=True)
         elif recipe.sparsifier == "magnitude_outliers":
+            assert gammas is not None
             d = magnitude_outliers(d, densities[i], gammas[i], rescale)
         elif recipe.sparsifier == "della":
+            assert epsilons is not None and generators is not None
             d = della_magprune(d, densities[i], epsilons[i], generators[i], rescale)
         if float(weights[i]) != 1.0:
             d.mul_(float(weights[i]))
@@ -397,6 +400,7 @@ def combine_task_vectors(
     Elementwise (the sign election too), so a tensor merged by row blocks gets the
     same bits as merged whole. ``deltas`` are modified and the list emptied.
     """
+    divisor: Tensor | float
     if consensus:
         votes = torch.zeros_like(base)
         for d in deltas:

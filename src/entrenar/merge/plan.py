@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from entrenar.errors import ConfigError, ModelError
-from entrenar.merge.config import MergeConfig, Source, evaluate_setting
+from entrenar.merge.config import MergeConfig, ModelRef, Source, evaluate_setting
 from entrenar.merge.methods import REQUIRED
 from entrenar.merge.stream import Input, TensorInfo
 
@@ -132,7 +132,9 @@ def build_plan(cfg: MergeConfig, inputs: dict[str, Input], vocab_rows: int | Non
     """
     check_architectures(cfg, inputs)
     spec = cfg.spec
+    slices: list[tuple[list[Source], ModelRef | None, dict[str, Any], list[tuple[int, int]]]]
     if cfg.slices is None:
+        assert cfg.models is not None  # exactly one of models and slices is set
         base_ref = cfg.base_model.text if cfg.base_model else cfg.models[0].model.text
         n_layers = _layers(inputs[base_ref])
         sources = list(cfg.models)
@@ -153,11 +155,11 @@ def build_plan(cfg: MergeConfig, inputs: dict[str, Input], vocab_rows: int | Non
         for sl in cfg.slices:
             for s in sl.sources:
                 have = _layers(inputs[s.model.text])
-                if s.layer_range[1] > have:
-                    raise ConfigError(f"{s.where}: layer_range {list(s.layer_range)} goes past {s.model}'s "
+                if s.slice_range[1] > have:
+                    raise ConfigError(f"{s.where}: layer_range {list(s.slice_range)} goes past {s.model}'s "
                                       f"{have} layers")
             slices.append((sl.sources, sl.base_model or cfg.base_model, sl.parameters,
-                           [s.layer_range for s in sl.sources]))
+                           [s.slice_range for s in sl.sources]))
 
     base_input = inputs[base_ref]
     out_config = dict(base_input.config)
@@ -268,6 +270,7 @@ def _layer_suffixes(layer_names: list[str]) -> list[tuple[str, str]]:
     out = []
     for name in layer_names:
         m = LAYER.match(name)
+        assert m is not None  # layer_names are the names LAYER matches
         if m.group("index") == "0":
             out.append((m.group("prefix"), m.group("suffix")))
     return out

@@ -77,7 +77,7 @@ def merge(
     overwrite: bool = False,
     max_shard_bytes: int = DEFAULT_SHARD_BYTES,
     progress: Callable[[int, int, str], None] | None = None,
-) -> Plan:
+) -> Plan | list[str]:
     """Merge as ``config`` (mergekit YAML: a path, YAML text or a dict) says into the Hugging Face folder ``output``.
 
     When every model is a PEFT LoRA adapter folder the output is one merged
@@ -176,9 +176,9 @@ def merge(
         from entrenar.export.gguf_write import write_gguf
         from entrenar.loading import load
 
-        model, tokenizer = load(output, dtype=plan.out_dtype if plan.out_dtype != torch.float64 else torch.float32,
-                                device="cpu")
-        write_gguf(model, tokenizer, output / f"model-{qtype}.gguf", qtype, name=output.name)
+        merged, tokenizer = load(output, dtype=plan.out_dtype if plan.out_dtype != torch.float64 else torch.float32,
+                                 device="cpu")
+        write_gguf(merged, tokenizer, output / f"model-{qtype}.gguf", qtype, name=output.name)
     return plan
 
 
@@ -215,7 +215,9 @@ def merge_tensor(pt: PlannedTensor, read: Callable[[str, str], torch.Tensor], cf
     xs = [read(ref, name) for ref, name in pt.sources]
     base = read(*pt.base) if pt.base else None
     p, mp = pt.params, pt.model_params
-    if not (xs[0] if xs else base).is_floating_point():  # integer buffers are copied from the base/first model
+    first = xs[0] if xs else base
+    assert first is not None  # a planned tensor has at least one input
+    if not first.is_floating_point():  # integer buffers are copied from the base/first model
         return base if base is not None else xs[0]
     name = spec.name
     if name == "linear":
@@ -223,6 +225,7 @@ def merge_tensor(pt: PlannedTensor, read: Callable[[str, str], torch.Tensor], cf
     if name == "passthrough":
         return methods.passthrough(xs[0], mp[0].get("scale"))
     if name == "slerp":
+        assert base is not None  # slerp requires base_model (checked with the config)
         return methods.slerp(float(p["t"]), base, xs[0])
     if name == "nuslerp":
         t = methods.nuslerp_t([m["weight"] for m in mp])
@@ -230,6 +233,7 @@ def merge_tensor(pt: PlannedTensor, read: Callable[[str, str], torch.Tensor], cf
         if base is None:
             return methods.nuslerp(t, xs[0], xs[1], **kw)
         return base + methods.nuslerp(t, xs[0] - base, xs[1] - base, **kw)
+    assert base is not None  # model_stock and the task-arithmetic methods require base_model
     if name == "model_stock":
         return methods.model_stock(base, xs, filter_wise=bool(p["filter_wise"]))
     if not xs:

@@ -19,6 +19,7 @@ Inputs (:func:`open_input`):
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import mmap
 import struct
@@ -74,7 +75,7 @@ class SafetensorsFile:
                 raise ModelError(f"{path}: tensor '{name}' has unsupported dtype {entry.get('dtype')!r}")
             start, end = entry["data_offsets"]
             self.entries[name] = (TensorInfo(tuple(entry["shape"]), SAFETENSORS_DTYPES[entry["dtype"]]), start, end)
-        self._file: BinaryIO | None = None
+        self._file: io.BufferedReader | None = None
         self._map: mmap.mmap | None = None
         self._viewed: tuple[int, int] | None = None  # page range of the last view, dropped at the next
 
@@ -98,7 +99,7 @@ class SafetensorsFile:
         nbytes = (stop - start) * row
         buffer = torch.empty(nbytes, dtype=torch.uint8) if out is None else out[:nbytes]
         self._file.seek(self.data_start + begin + start * row)
-        if self._file.readinto(buffer.numpy()) != nbytes:
+        if self._file.readinto(buffer.numpy().data) != nbytes:
             raise ModelError(f"{self.path}: tensor '{name}' is truncated")
         shape = (stop - start, *info.shape[1:]) if info.shape else ()
         return buffer.view(info.dtype).reshape(shape)
@@ -126,6 +127,7 @@ class SafetensorsFile:
 
     def _drop_view(self) -> None:
         if self._viewed is not None and self._viewed[1] > 0 and hasattr(mmap, "MADV_DONTNEED"):  # not on Windows
+            assert self._map is not None  # _viewed is set only once the file is mapped
             self._map.madvise(mmap.MADV_DONTNEED, *self._viewed)
         self._viewed = None
 
@@ -190,6 +192,7 @@ class ShardedWriter:
             raise RuntimeError(f"tensor {name} written out of order (expected {expected})")
         if shard != self._shard:
             self._open(shard)
+        assert self._file is not None  # _open made the shard's file
         written = 0
         for part in parts:
             if tuple(part.shape[1:]) != info.shape[1:] or part.dtype != info.dtype:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import cast
 
 import tokenizers
 import torch
@@ -63,7 +64,7 @@ class VocabAlignment:
             aligned[(ref, name)] = x[idx.clamp(min=0)] * have.unsqueeze(-1).to(x.dtype)
             present[(ref, name)] = have
         base_key = next((k for k in refs if k[0] == self.base_ref), None)
-        count = sum(h.to(torch.float32) for h in present.values()).unsqueeze(-1)
+        count = cast(torch.Tensor, sum(h.to(torch.float32) for h in present.values())).unsqueeze(-1)  # refs not empty
         mean = sum(aligned.values()) / count.clamp(min=1)
         fill = mean
         if base_key is not None:
