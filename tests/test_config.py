@@ -342,8 +342,10 @@ def test_fp16_on_cpu_is_an_error(tmp_path):
 
 
 def test_validation_file_and_split_conflict(tmp_path):
-    path = write(tmp_path, BASE.replace("  train: data/train.jsonl", "  train: t\n  validation: v\n  validation_split: 0.1"))
-    assert error_of(path) == f"{path} line 6: 'data.validation_split' must be 0 when 'data.validation' names a file, got 0.1"
+    path = write(tmp_path, BASE.replace("  train: data/train.jsonl",
+                                        "  train: t\n  validation: v\n  validation_split: 0.1"))
+    assert error_of(path) == (f"{path} line 6: 'data.validation_split' must be 0 when 'data.validation' names a "
+                              "file, got 0.1")
 
 
 def test_sections_validate_when_built_in_python():

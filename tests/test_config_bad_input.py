@@ -44,7 +44,8 @@ def test_yaml_that_breaks_pyyaml_or_python_is_a_config_error_with_its_line(tmp_p
 
 def test_overrides_that_break_yaml_name_the_override(tmp_path):
     assert error_of(None, ["model.path=" + "[" * 100]) == (
-        "--set model.path=" + "[" * 66 + "...: the value is not valid YAML (column 33): nested more than 32 levels deep")
+        "--set model.path=" + "[" * 66
+        + "...: the value is not valid YAML (column 33): nested more than 32 levels deep")
     assert error_of(None, ["data.train=a\x00"]) == (
         "--set data.train=a\\x00: the value is not valid YAML (column 2): character U+0000 is not allowed "
         "(YAML forbids control characters)")

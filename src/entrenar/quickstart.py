@@ -100,6 +100,8 @@ def resolve(recipe: Recipe, run_dir: Path, dry_run: bool = False) -> Recipe:
 
 def write_files(recipe: Recipe) -> None:
     """Generate the base model and the data a resolved quickstart recipe points at, once."""
+    # resolve() named them
+    assert recipe.model.path is not None and recipe.data.train is not None and recipe.data.validation is not None
     model_dir = Path(recipe.model.path)
     if (model_dir / "config.json").is_file():
         return
@@ -131,12 +133,18 @@ class QuickstartTask(CausalLMTask):
 
     accuracy_before: float | None = None
 
+    @property
+    def _validation_file(self) -> str:
+        """The held-out sums (:func:`resolve` names them)."""
+        assert self.recipe.data.validation is not None
+        return self.recipe.data.validation
+
     def begin(self, model: Transformer, tokenizer: Tokenizer) -> None:
-        self.accuracy_before = accuracy(model, tokenizer, self.recipe.data.validation)
+        self.accuracy_before = accuracy(model, tokenizer, self._validation_file)
 
     def finish(self, model: Transformer, tokenizer: Tokenizer, validation: list, run_dir: Path, output: Path,
                before: Any, after: Any) -> list[tuple[str, str]]:
-        after_share = accuracy(model, tokenizer, self.recipe.data.validation)
+        after_share = accuracy(model, tokenizer, self._validation_file)
         shown = f"{self.accuracy_before:.1%} -> " if self.accuracy_before is not None else ""
         return [*super().finish(model, tokenizer, validation, run_dir, output, before, after),
                 ("held-out acc.", f"{shown}{after_share:.1%} of unseen sums answered exactly")]

@@ -11,8 +11,8 @@ import pytest
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tasks" / "classification"))
-import classification_workspace as C  # the classification workspace's recipe (tests/tasks/classification)
-from workers import launch, train_worker
+import classification_workspace as C  # noqa: E402 - found through sys.path above (tests/tasks/classification)
+from workers import launch, train_worker  # noqa: E402 - found through sys.path above
 
 from conftest import make_workspace  # tests/conftest.py  # noqa: E402  (tests/conftest.py)
 

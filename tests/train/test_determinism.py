@@ -36,9 +36,9 @@ def test_the_mode_holds_for_the_run_and_the_callers_setting_comes_back(workspace
 
 def test_a_cublas_workspace_that_is_not_deterministic_is_refused_by_name(monkeypatch):
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":0:0")
-    with pytest.raises(ConfigError, match=r"CUBLAS_WORKSPACE_CONFIG=:0:0 in the environment .* :4096:8"):
-        with deterministic_algorithms(True):
-            pass
+    with pytest.raises(ConfigError, match=r"CUBLAS_WORKSPACE_CONFIG=:0:0 in the environment .* :4096:8"), \
+            deterministic_algorithms(True):
+        pass
     assert not torch.are_deterministic_algorithms_enabled()
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")
     with deterministic_algorithms(True):

@@ -32,16 +32,17 @@ def long_documents(ws) -> list[str]:
     from entrenar.models.transformer import Transformer
 
     torch.manual_seed(0)
-    config = ModelConfig(vocab_size=Tokenizer.from_folder(ws / "model").vocab_size, hidden_size=256, intermediate_size=512,
-                         num_layers=2, num_heads=4, num_kv_heads=2, max_position_embeddings=2048, model_type="llama")
+    config = ModelConfig(vocab_size=Tokenizer.from_folder(ws / "model").vocab_size, hidden_size=256,
+                         intermediate_size=512, num_layers=2, num_heads=4, num_kv_heads=2,
+                         max_position_embeddings=2048, model_type="llama")
     model = Transformer(config)
     model.reset_parameters()
     save_hf(model, ws / "wide")
     Tokenizer.from_folder(ws / "model").save(ws / "wide")
     with open(ws / "long.jsonl", "w") as f:
         for a in range(40):
-            f.write(json.dumps({"prompt": f"{a}=", "completion": "".join(str((a * 7 + i * i) % 10) for i in range(900))})
-                    + "\n")
+            completion = "".join(str((a * 7 + i * i) % 10) for i in range(900))
+            f.write(json.dumps({"prompt": f"{a}=", "completion": completion}) + "\n")
     return [f"model.path={ws / 'wide'}", f"data.train={ws / 'long.jsonl'}", *COMMON]
 
 

@@ -46,7 +46,8 @@ def test_bad_settings_name_the_key(value, problem):
 def test_an_unknown_metric_and_a_run_without_evaluations_are_refused(workspace):
     with pytest.raises(ConfigError, match=r"early_stopping: needs evaluations during the run"):
         train(recipe_for(workspace, "training.eval_every=0", "training.early_stopping={patience: 2}"), progress=False)
-    with pytest.raises(ConfigError, match=r"'eval_f1' is not a metric this run evaluates \(it has: eval_loss, eval_ppl"):
+    with pytest.raises(ConfigError,
+                       match=r"'eval_f1' is not a metric this run evaluates \(it has: eval_loss, eval_ppl"):
         train(recipe_for(workspace, "training.early_stopping={metric: eval_f1}"), progress=False)
 
 

@@ -61,7 +61,7 @@ def test_stop_names_the_step_and_a_last_good_checkpoint_that_resumes(workspace, 
     assert not (run / "checkpoints" / f"step-{bad_step}").exists()
     assert weights_are_finite(run / "checkpoints" / f"step-{good}" / "model.safetensors")
     result = loop.train(recipe, resume=True, progress=False)  # the named checkpoint resumes
-    assert result.steps == 8 and all(l is not None for l in losses(run))
+    assert result.steps == 8 and all(loss is not None for loss in losses(run))
     assert weights_are_finite(run / "checkpoints" / "step-8" / "model.safetensors")
 
 

@@ -100,7 +100,8 @@ def test_refusals_name_the_problem(workspace):
 def test_a_warmup_longer_than_the_run_is_refused_before_anything_is_built(workspace):
     from entrenar.errors import ConfigError
 
-    with pytest.raises(ConfigError, match=r"schedule\.warmup_steps \(20\) is longer than the run \(training\.max_steps=8\)"):
+    with pytest.raises(ConfigError,
+                       match=r"schedule\.warmup_steps \(20\) is longer than the run \(training\.max_steps=8\)"):
         train(recipe_for(workspace, "schedule.warmup_steps=20"), progress=False)
     assert not (workspace / "run").exists()
 
@@ -278,7 +279,8 @@ def test_packed_rows_attend_document_by_document_on_a_cpu_with_the_mask_losses(w
 
 
 def test_checkpointing_and_offload_settings_are_checked(workspace):
-    with pytest.raises(ConfigError, match=r"training\.activation_checkpointing: cannot checkpoint 5 layers of a 2-layer"):
+    with pytest.raises(ConfigError,
+                       match=r"training\.activation_checkpointing: cannot checkpoint 5 layers of a 2-layer"):
         train(recipe_for(workspace, "training.activation_checkpointing=5"), dry_run=True, progress=False)
     with pytest.raises(ConfigError, match=r"training\.activation_checkpointing: layer indices \[2\]"):
         train(recipe_for(workspace, "training.activation_checkpointing=[0, 2]"), dry_run=True, progress=False)

@@ -51,8 +51,8 @@ def test_adamw_is_fused_on_cuda(workspace):
 def test_padding_free_and_offload_on_cuda_give_the_padded_losses(workspace):
     """FlashAttention's varlen kernel over a padding-free row, with checkpointed inputs offloaded to the CPU,
     against padded packed rows with a document mask (SDPA): the same losses within bf16 noise."""
-    common = ["model.device=cuda", "training.precision=bf16", "lora.dropout=0", "training.activation_checkpointing=true",
-              "training.cuda_graphs=false"]
+    common = ["model.device=cuda", "training.precision=bf16", "lora.dropout=0",
+              "training.activation_checkpointing=true", "training.cuda_graphs=false"]
     padded = train(recipe_for(workspace, *common, f"output.dir={workspace / 'p'}"), progress=False)
     flat = train(recipe_for(workspace, *common, "data.padding_free=true", "training.offload_activations=true",
                             f"output.dir={workspace / 'f'}"), progress=False)

@@ -39,8 +39,8 @@ def test_every_skipped_record_is_listed_in_the_run_folder_and_counted_in_the_sum
     lines[20] = '{"prompt": "' + "[" * 3000  # cut short: invalid JSON
     (workspace / "bad.jsonl").write_text("\n".join(lines) + "\n")
     (workspace / "val.jsonl").write_text('{"prompt": "1+2=", "completion": "3"}\n{"text": null}\n')
-    recipe = recipe_for(workspace, f"data.train={workspace / 'bad.jsonl'}", f"data.validation={workspace / 'val.jsonl'}",
-                        "data.on_error=skip")
+    recipe = recipe_for(workspace, f"data.train={workspace / 'bad.jsonl'}",
+                        f"data.validation={workspace / 'val.jsonl'}", "data.on_error=skip")
     result = train(recipe, progress=False)
     rows = [json.loads(line) for line in (result.run_dir / "skipped.jsonl").read_text().splitlines()]
     bad, val = str(workspace / "bad.jsonl"), str(workspace / "val.jsonl")
@@ -49,7 +49,8 @@ def test_every_skipped_record_is_listed_in_the_run_folder_and_counted_in_the_sum
         (val, 2, "field not a string")]
     assert f"data.train: 3 malformed record(s) skipped (2 invalid JSON, 1 field not a string); first: {bad} line 2: " \
            "invalid JSON" in result.summary
-    assert f"data.validation: 1 malformed record(s) skipped (1 field not a string); first: {val} line 2" in result.summary
+    assert (f"data.validation: 1 malformed record(s) skipped (1 field not a string); first: {val} line 2"
+            in result.summary)
 
 
 def test_a_clean_run_writes_no_skipped_file(workspace):

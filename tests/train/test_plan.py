@@ -155,7 +155,8 @@ def test_parallel_auto_weighs_the_replica_the_dry_run_prints(workspace):
     assert fsdp.mode == "fsdp" and not fsdp.kernels  # the fused kernels do not run under FSDP2
     recipe = recipe_for(workspace, "model.device=cuda")
     expected = estimate_training_memory(
-        read_config(workspace / "model"), "lora", 2, 32, dtype_bytes=4, param_bytes=resolve_dtype("auto", CUDA).itemsize, lora_r=4,
+        read_config(workspace / "model"), "lora", 2, 32, dtype_bytes=4,
+        param_bytes=resolve_dtype("auto", CUDA).itemsize, lora_r=4,
         lora_targets="all-linear", activation_checkpointing=False, offload_activations=False,
         optimizer="adamw", fused_loss_chunk=1024, kernels=True, lora_dropout=0.1)
     assert recipe.training.precision == "fp32" and ddp.memory == expected

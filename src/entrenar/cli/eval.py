@@ -57,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
     source = resolve_model_and_adapter(args.model, args.adapter)
     chosen = settings(args, source.recipe)
     model, tokenizer = load_model(args, quantize=source.quantize_base)  # a QLoRA run is measured on its NF4 base
-    extra = {}
+    extra: dict[str, Any] = {}  # evaluate_file's keyword arguments
     if source.recipe is not None:  # read the file as training read it: its format and field names
         d = source.recipe.data
         extra = {"fmt": d.format, "columns": {"text": d.text_field, "prompt": d.prompt_field,

@@ -187,10 +187,11 @@ def describe(a: dict[str, Any]) -> str:
     }
     if a.get("num_experts"):
         shared = a["shared_expert_intermediate_size"]
+        gated = " (gated)" if shared and a["shared_expert_gate"] else ""
         rows["experts"] = (f"{a['num_experts']} x intermediate {a['expert_intermediate_size']}, "
                            f"{a['num_experts_per_tok']} per token, {a['router_scoring']} routing"
                            f"{', top-k renormalised' if a['norm_topk_prob'] else ''}"
-                           + (f", shared expert {shared}{' (gated)' if a['shared_expert_gate'] else ''}" if shared else ""))
+                           + (f", shared expert {shared}{gated}" if shared else ""))
         layers = a["moe_layers"]
         rows["moe layers"] = "all" if len(layers) == a["num_layers"] else f"{len(layers)}: {layers}"
     return "\n".join(f"  {name:<14}{value}" for name, value in rows.items())

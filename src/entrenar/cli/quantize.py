@@ -88,7 +88,8 @@ def report(result: QuantizeResult) -> str:
 def _size(n: float) -> str:
     if n < 1024:
         return f"{n:.0f} B"
-    for unit in ("KiB", "MiB", "GiB"):
+    for unit in ("KiB", "MiB"):
         n /= 1024
-        if n < 1024 or unit == "GiB":
+        if n < 1024:
             return f"{n:.1f} {unit}"
+    return f"{n / 1024:.1f} GiB"

@@ -216,6 +216,7 @@ def _parse(text: str, source: str) -> tuple[dict[str, Any], Where]:
     if raw is None:
         raise ConfigError(f"{source}: the recipe is empty (expected sections: {', '.join(_SECTIONS)})")
     if not isinstance(raw, dict):
+        assert node is not None  # a document that is not empty has a node
         raise ConfigError(
             f"{source} line {node.start_mark.line + 1}: the top level must be a mapping of sections "
             f"({', '.join(_SECTIONS)}), got {_show(raw)}"

@@ -92,9 +92,8 @@ def _integer(low: int, high: int | None = None, *, nullable: bool = False) -> Ru
     def rule(value: Any) -> int | None:
         if value is None and nullable:
             return None
-        if isinstance(value, int) and not isinstance(value, bool):
-            if value >= low and (high is None or value <= high):
-                return value
+        if isinstance(value, int) and not isinstance(value, bool) and value >= low and (high is None or value <= high):
+            return value
         raise Reject(expected)
 
     return rule
@@ -196,9 +195,9 @@ def _parameter_names(value: Any) -> tuple[str, ...] | None:
 def _betas(value: Any) -> tuple[float, float]:
     expected = "a list of two numbers in [0, 1)"
     if isinstance(value, (list, tuple)) and len(value) == 2:
-        pair = [_as_number(v) for v in value]
-        if all(b is not None and 0.0 <= b < 1.0 for b in pair):
-            return (pair[0], pair[1])
+        first, second = (_as_number(v) for v in value)
+        if first is not None and second is not None and 0.0 <= first < 1.0 and 0.0 <= second < 1.0:
+            return (first, second)
     raise Reject(expected)
 
 
@@ -239,7 +238,8 @@ def _checkpoint_layers(value: Any) -> bool | int | tuple[int, ...]:
         return value
     if isinstance(value, int) and value >= 0:
         return value
-    if isinstance(value, (list, tuple)) and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value):
+    if isinstance(value, (list, tuple)) and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
+                                                for v in value):
         if len(set(value)) == len(value):
             return tuple(value)
         raise Reject(expected, " (each index once)")
@@ -309,7 +309,8 @@ def _labels(value: Any) -> tuple[str, ...] | None:
 def _class_weights(value: Any) -> str | tuple[float, ...]:
     if isinstance(value, str) and value in ("none", "inverse_freq", "sqrt_inverse", "auto"):
         return value
-    if isinstance(value, (list, tuple)) and value and all(_as_number(v) is not None and _as_number(v) >= 0 for v in value):
+    if isinstance(value, (list, tuple)) and value and all(
+            (number := _as_number(v)) is not None and number >= 0 for v in value):
         return tuple(float(v) for v in value)
     raise Reject("none, inverse_freq, sqrt_inverse, auto or a list of non-negative weights")
 

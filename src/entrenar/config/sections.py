@@ -136,7 +136,8 @@ class DataSection(_Section):
     add_eos: bool = setting(True, _boolean)
     on_error: str = setting("raise", _choice("raise", "skip"))
     shuffle: bool = setting(True, _boolean)
-    query: str | None = setting(None, _text(nullable=True))  # a SQLite train/validation file: the SELECT giving its rows
+    # a SQLite train/validation file: the SELECT giving its rows
+    query: str | None = setting(None, _text(nullable=True))
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -160,7 +161,8 @@ class LoraSection(_Section):
     alpha: float = setting(16.0, _number(0.0, low_open=True))
     dropout: float = setting(0.0, _number(0.0, 1.0, high_open=True))
     target_modules: str | tuple[str, ...] = setting(("q_proj", "k_proj", "v_proj", "o_proj"), _modules)
-    target_parameters: tuple[str, ...] | None = setting(None, _parameter_names)  # MoE experts, e.g. [mlp.experts.gate_up_proj]
+    # MoE experts, e.g. [mlp.experts.gate_up_proj]
+    target_parameters: tuple[str, ...] | None = setting(None, _parameter_names)
     use_rslora: bool = setting(False, _boolean)
     quantize_base: str | None = setting(None, _choice(None, "nf4"))
 
@@ -249,7 +251,8 @@ class TrainingSection(_Section):
     # read each step's loss and norm while the GPU runs the next step's forward and backward (a non-finite
     # update is dropped on the device); auto: on one CUDA device with a fused optimizer and no fp16 scaler
     overlap_steps: str | bool = setting("auto", _choice("auto", True, False), resumable=18)
-    kernels: str | bool = setting("auto", _choice("auto", True, False), resumable=8)  # auto: on CUDA when Triton imports, and on a CPU (PyTorch paths)
+    # auto: on CUDA when Triton imports, and on a CPU (PyTorch paths)
+    kernels: str | bool = setting("auto", _choice("auto", True, False), resumable=8)
     # LoRA adapter products in the fused layer: fp32 as PEFT runs them, or bf16 on the tensor cores (the adapter
     # weights and the optimizer stay fp32)
     adapter_math: str = setting("fp32", _choice("fp32", "bf16"))
@@ -263,7 +266,8 @@ class TrainingSection(_Section):
     save_every: int = setting(0, _integer(0), resumable=4)
     keep_last: int = setting(3, _integer(1), resumable=5)
     cpu_threads: int | None = setting(None, _integer(1, nullable=True), resumable=7)  # None: torch's default
-    # a step whose loss or gradient norm is NaN/inf: stop the run, or skip its update (at most max_skipped_steps in a row)
+    # a step whose loss or gradient norm is NaN/inf: stop the run, or skip its update (at most max_skipped_steps
+    # in a row)
     nonfinite: str = setting("stop", _choice("stop", "skip"), resumable=10)
     max_skipped_steps: int = setting(5, _integer(1), resumable=11)
     early_stopping: dict[str, Any] | None = setting(None, _early_stopping, resumable=12)  # None: off
@@ -271,8 +275,10 @@ class TrainingSection(_Section):
     parallel: str = setting("auto", _choice("auto", "ddp", "fsdp"), resumable=13)
     # rows per optimizer step over all processes; None: batch_size x grad_accum x processes (accumulation derived)
     global_batch_size: int | None = setting(None, _integer(1, nullable=True), resumable=14)
-    dist_timeout_s: float = setting(300.0, _number(1.0), resumable=15)  # a collective waits this long for a dead or hung rank
-    replica_check_every: int = setting(50, _integer(0), resumable=16)  # steps between replica checks (and at the end); 0: never
+    # a collective waits this long for a dead or hung rank
+    dist_timeout_s: float = setting(300.0, _number(1.0), resumable=15)
+    # steps between replica checks (and at the end); 0: never
+    replica_check_every: int = setting(50, _integer(0), resumable=16)
 
 
 @dataclass(frozen=True)
@@ -281,7 +287,7 @@ class OutputSection(_Section):
 
     section: ClassVar[str] = "output"
     name: str = setting("run", _text())
-    dir: str | None = setting(None, _text(nullable=True))  # None: runs/<name>
+    dir: str = setting(None, _text(nullable=True))  # None given: runs/<name>, set in __post_init__
     tensorboard: bool = setting(False, _boolean)  # also write TensorBoard event files (the `tensorboard` extra)
 
     def __post_init__(self) -> None:
@@ -297,7 +303,8 @@ class TaskSection(_Section):
     section: ClassVar[str] = "task"
     type: str = setting("causal_lm", _choice("causal_lm", "classification"))
     problem_type: str = setting("single_label", _choice("single_label", "multi_label", "regression"))
-    labels: tuple[str, ...] | None = setting(None, _labels)  # names in class-id order; null: num_labels or from the data
+    # names in class-id order; null: num_labels or from the data
+    labels: tuple[str, ...] | None = setting(None, _labels)
     num_labels: int | None = setting(None, _integer(1, nullable=True))
     pooling: str = setting("last", _choice("last", "mean"))
     class_weights: str | tuple[float, ...] = setting("none", _class_weights)

@@ -168,7 +168,8 @@ def _scalar_problem(root: yaml.Node, error: Exception) -> _YamlProblem:
             except (ValueError, OverflowError, TypeError, yaml.YAMLError) as e:
                 mark = node.start_mark
                 if "integer string conversion" in str(e):  # Python's guard against quadratic int parsing
-                    problem = f"an integer of {len(node.value):,} digits is too long (at most {sys.get_int_max_str_digits()})"
+                    problem = (f"an integer of {len(node.value):,} digits is too long "
+                               f"(at most {sys.get_int_max_str_digits()})")
                 else:
                     problem = f"cannot read {_show(node.value)} as {node.tag.rsplit(':', 1)[-1]}: {str(e)[:200]}"
                 return _YamlProblem(problem, mark.line + 1, mark.column + 1)

@@ -34,7 +34,8 @@ padding).
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -287,15 +288,17 @@ class BatchStream:
         for _ in range(batches * self.batch_size):
             self._next_row()
 
-    def state_dict(self) -> dict[str, int]:
-        """Where the stream is, as JSON-able ints (with the dataset size and seed, checked on load)."""
-        state = {"epoch": self.epoch, "position": self.position, "num_examples": len(self.examples), "seed": self.seed}
+    def state_dict(self) -> dict[str, int | str]:
+        """Where the stream is, as JSON-able ints (with the dataset size and seed, checked on load; the packer)."""
+        state: dict[str, int | str] = {"epoch": self.epoch, "position": self.position,
+                                       "num_examples": len(self.examples), "seed": self.seed}
         if self.packer == "best_fit":
             state.update(packer="best_fit", row=self.row)
         return state
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        """Continue from ``state``; refuses a state taken over different data or another seed."""
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from ``state`` (as a checkpoint's JSON holds it); refuses a state taken over different data or
+        another seed."""
         try:
             epoch, position = int(state["epoch"]), int(state["position"])
         except (KeyError, TypeError, ValueError) as e:

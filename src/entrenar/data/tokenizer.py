@@ -260,7 +260,7 @@ def _apply_add_special_flags(backend: tokenizers.Tokenizer, config: Mapping[str,
         return
     single = " ".join([f"{bos}:0"] * add_bos + ["$A:0"] + [f"{eos}:0"] * add_eos)
     pair = single + " " + " ".join([f"{bos}:1"] * add_bos + ["$B:1"] + [f"{eos}:1"] * add_eos)
-    special = [(t, backend.token_to_id(t)) for t, on in ((bos, add_bos), (eos, add_eos)) if on]
+    special = [(t, backend.token_to_id(t)) for t, on in ((bos, add_bos), (eos, add_eos)) if on and t is not None]
     for token, token_id in special:
         if token_id is None:
             raise ModelError(f"tokenizer_config.json: special token {token!r} is not in tokenizer.json's vocabulary")

@@ -160,7 +160,7 @@ def _fsync_tree(folder: Path) -> None:
         fsync_dir(root)
 
 
-def apply_umask(folder: str | os.PathLike) -> None:
+def apply_umask(folder: str | os.PathLike[str]) -> None:
     """Give a staged tree the modes the umask gives new files and folders.
 
     Writers that stage through temporary files of their own (safetensors' ``save_file`` leaves ``0o600``)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 from entrenar.adapters.lora import load_adapter
 from entrenar.data.tokenizer import Tokenizer
@@ -27,6 +27,7 @@ from entrenar.quant.nf4.sinks import base_sinks
 if TYPE_CHECKING:
     import torch
 
+    from entrenar.models.classifier import SequenceClassifier
     from entrenar.models.transformer import Transformer
 
 __all__ = ["load", "read_model_config", "recipe_model_config", "require_tokenizer"]
@@ -57,6 +58,35 @@ def _check_vocabulary(path: str | Path, model_vocab_size: int, tokenizer: Tokeni
             f"{model_vocab_size}; ids from {model_vocab_size} up have no embedding "
             "(mismatched tokenizer and model files?)"
         )
+
+
+@overload
+def load(
+    path: str | Path,
+    adapter: str | Path | None = None,
+    dtype: str | torch.dtype | None = None,
+    device: str | torch.device | None = None,
+    quantize: str | None = None,
+    *,
+    task: Literal["classification"],
+    num_labels: int | None = None,
+    pooling: str = "last",
+    seed: int = 0,
+) -> tuple[SequenceClassifier, Tokenizer]: ...
+
+
+@overload
+def load(
+    path: str | Path,
+    adapter: str | Path | None = None,
+    dtype: str | torch.dtype | None = None,
+    device: str | torch.device | None = None,
+    quantize: str | None = None,
+    task: str | None = None,
+    num_labels: int | None = None,
+    pooling: str = "last",
+    seed: int = 0,
+) -> tuple[Transformer, Tokenizer | None]: ...
 
 
 def load(
@@ -105,7 +135,7 @@ def load(
     return model.eval(), tokenizer
 
 
-def require_tokenizer(tokenizer: Tokenizer | None, model_path: str | Path) -> Tokenizer:
+def require_tokenizer(tokenizer: Tokenizer | None, model_path: str | Path | None) -> Tokenizer:
     """``tokenizer``, or a ModelError naming the model folder when it has none (for what needs text)."""
     if tokenizer is None:
         raise ModelError(f"{model_path}: the model has no tokenizer (no tokenizer.json in the folder); copy the "
@@ -133,6 +163,7 @@ def _load_model(
     path = Path(path)
     device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, device)
+    tokenizer: Tokenizer | None
     if path.suffix == ".gguf" and path.is_file():
         model, tokenizer = load_gguf(path, dtype=torch_dtype, device=device, sinks=base_sinks(quantize))
         _check_vocabulary(path, model.config.vocab_size, tokenizer)

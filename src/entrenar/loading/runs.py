@@ -36,6 +36,8 @@ from entrenar.io.checkpoint_files import MODEL_FILE, SHARDS_DIR, is_sharded, rea
 from entrenar.models.hf import iter_safetensors, load_state_into
 
 if TYPE_CHECKING:
+    from collections.abc import Iterator
+
     import torch
 
 RECIPE_FILE = "recipe.yaml"
@@ -208,10 +210,11 @@ def _check_checkpoint(checkpoint: Path) -> None:
 def apply_checkpoint(model: torch.nn.Module, source: ModelSource) -> None:
     """Put a checkpoint's trainable state on ``model`` (loaded from ``source.model``): a LoRA run's adapter
     (wrapping the layers its recipe names), or a full fine-tune's weights. Every name and shape is checked."""
-    assert source.checkpoint is not None and source.recipe is not None
+    assert source.checkpoint is not None and source.recipe is not None and source.run_dir is not None
+    named: Iterator[tuple[str, str, torch.Tensor]]
     if is_sharded(source.checkpoint):  # an FSDP run's: the shards joined in this process
         file = source.checkpoint / SHARDS_DIR
-        named = [(file.name, name, tensor) for name, tensor in read_model_tensors(source.checkpoint).items()]
+        named = ((file.name, name, tensor) for name, tensor in read_model_tensors(source.checkpoint).items())
     else:
         file = source.checkpoint / MODEL_FILE
         named = iter_safetensors([file])
@@ -220,7 +223,9 @@ def apply_checkpoint(model: torch.nn.Module, source: ModelSource) -> None:
         return
     state = {name: tensor for _, name, tensor in named}
     try:
-        apply_lora(model, lora_config_of(source.recipe.lora))
+        lora = lora_config_of(source.recipe.lora)
+        assert lora is not None  # of a lora section
+        apply_lora(model, lora)
     except AdapterError as e:
         raise AdapterError(f"{source.run_dir / RECIPE_FILE}: lora.target_modules: {e}") from None
     load_lora_state_dict(model, state, str(file))

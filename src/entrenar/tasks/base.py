@@ -12,7 +12,7 @@ step of a fresh (not resumed) run.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 if TYPE_CHECKING:
     import torch
@@ -20,26 +20,30 @@ if TYPE_CHECKING:
     from entrenar.data.batching import BatchStream
     from entrenar.data.sources import Skip
     from entrenar.data.tokenizer import Tokenizer
+    from entrenar.models.transformer import Transformer
     from entrenar.train.metrics import MetricsLogger
 
 Batch = dict[str, Any]  # tensors (and a few ints), keyed as the task's stream lays them out
 SummaryRow = tuple[str, str]  # (label, value): a line of the run's summary
 
+ModelT = TypeVar("ModelT", bound="Transformer")  # the model a task loads: a decoder, or a classifier on one
 
-class Task(Protocol):
-    """A training objective on the one loop."""
+
+class Task(Protocol[ModelT]):
+    """A training objective on the one loop, over the model it loads (``Task`` alone: any task)."""
 
     name: str  # "causal_lm", "classification": recorded, never branched on by the Trainer
 
-    def load(self, dtype: str, device: torch.device, quantize: str | None) -> tuple[torch.nn.Module, Tokenizer]:
-        """The model this task trains (the recipe's ``model`` section) and its tokenizer, before adapters."""
+    def load(self, dtype: str, device: torch.device, quantize: str | None) -> tuple[ModelT, Tokenizer | None]:
+        """The model this task trains (the recipe's ``model`` section) and its tokenizer (None: the folder has
+        none), before adapters."""
         ...
 
-    def prepare(self, model: torch.nn.Module) -> None:
+    def prepare(self, model: ModelT) -> None:
         """After adapters are applied: make trainable what the task trains whole (a classifier's head)."""
         ...
 
-    def head_state(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    def head_state(self, model: ModelT) -> dict[str, torch.Tensor]:
         """Weights the task trains whole beside adapters, kept in checkpoints of a LoRA run (none for a LM)."""
         ...
 
@@ -55,11 +59,12 @@ class Task(Protocol):
         """How many targets a batch holds: the loss of a step is its summed loss over its targets."""
         ...
 
-    def loss_sum(self, model: torch.nn.Module, batch: Batch) -> torch.Tensor:
-        """The summed loss of one micro-batch (on the device), through ``model``: the parallel wrapper."""
+    def loss_sum(self, model: Any, batch: Batch) -> torch.Tensor:
+        """The summed loss of one micro-batch (on the device), through ``model``: the model or its parallel wrapper
+        (:class:`~entrenar.distributed.parallelize.Single`), called as the model is and with ``hidden_states``."""
         ...
 
-    def evaluate(self, model: torch.nn.Module, examples: list, tokenizer: Tokenizer) -> Any:
+    def evaluate(self, model: ModelT, examples: list, tokenizer: Tokenizer) -> Any:
         """A held-out evaluation of ``examples`` (bounded by training.eval_batches)."""
         ...
 
@@ -71,15 +76,15 @@ class Task(Protocol):
         """What early stopping and the console read of an evaluation, the headline first."""
         ...
 
-    def save(self, model: torch.nn.Module, tokenizer: Tokenizer, folder: Path) -> Path:
+    def save(self, model: ModelT, tokenizer: Tokenizer, folder: Path) -> Path:
         """Write the trained result into ``folder`` (a run folder or its best/): the path written."""
         ...
 
-    def begin(self, model: torch.nn.Module, tokenizer: Tokenizer) -> None:
+    def begin(self, model: ModelT, tokenizer: Tokenizer) -> None:
         """Once, before the first step of a fresh run (a baseline the summary compares with)."""
         ...
 
-    def finish(self, model: torch.nn.Module, tokenizer: Tokenizer, validation: list, run_dir: Path, output: Path,
+    def finish(self, model: ModelT, tokenizer: Tokenizer, validation: list, run_dir: Path, output: Path,
                before: Any, after: Any) -> list[SummaryRow]:
         """After the result is saved: what the task adds to the run (a report) and to its summary."""
         ...

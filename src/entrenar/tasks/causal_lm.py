@@ -29,6 +29,7 @@ from entrenar.loading import load
 from entrenar.models import random_init
 from entrenar.models.loss import token_cross_entropy
 from entrenar.models.saving import save_model_folder
+from entrenar.models.transformer import Transformer
 from entrenar.quant.qat import master_weights
 from entrenar.tasks.base import Batch, SummaryRow
 
@@ -43,20 +44,22 @@ class CausalLMTask:
     name: str = "causal_lm"
     _head: nn.Linear | None = field(default=None, repr=False)  # set by prepare() when the loss is fused
 
-    def load(self, dtype: str, device: torch.device, quantize: str | None) -> tuple[nn.Module, Tokenizer | None]:
+    def load(self, dtype: str, device: torch.device, quantize: str | None) -> tuple[Transformer, Tokenizer | None]:
         """The recipe's model: a checkpoint, GGUF file or run (``model.path``), or drawn from ``model.config``."""
         if random_init.is_random(self.recipe):
             if quantize is not None:
                 raise ConfigError("lora.quantize_base: a random-init model has no pretrained base to quantize")
             return random_init.build(self.recipe, dtype, device)
-        return load(self.recipe.model.path, dtype=dtype, device=device, quantize=quantize)
+        path = self.recipe.model.path
+        assert path is not None  # a pretrained recipe names it (Recipe checks; the quickstart resolves its own)
+        return load(path, dtype=dtype, device=device, quantize=quantize)
 
-    def prepare(self, model: nn.Module) -> None:
+    def prepare(self, model: Transformer) -> None:
         """Nothing to make trainable beyond the adapters; the fused loss needs a plain output head."""
         head = getattr(model, "lm_head", None)
         self._head = head if self.kernels and type(head) is nn.Linear else None
 
-    def head_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
+    def head_state(self, model: Transformer) -> dict[str, torch.Tensor]:
         return {}
 
     def read(self, path: str, role: str, tokenizer: Tokenizer, skipped: list[Skip]) -> tuple[list, list[str]]:
@@ -102,7 +105,7 @@ class CausalLMTask:
             return fused_linear_cross_entropy(hidden, self._head.weight, batch["labels"], FUSED_LOSS_CHUNK)[0]
         return token_cross_entropy(model(*inputs, **layout), batch["labels"])[0]
 
-    def evaluate(self, model: nn.Module, examples: list, tokenizer: Tokenizer) -> EvalResult:
+    def evaluate(self, model: Transformer, examples: list, tokenizer: Tokenizer) -> EvalResult:
         d, t = self.recipe.data, self.recipe.training
         batches = eval_batches(examples, t.batch_size, d.seq_len, packing=d.packing, pad_id=tokenizer.pad_id or 0)
         # Eager: the last batch is smaller and would make a compiled model recompile.
@@ -115,23 +118,25 @@ class CausalLMTask:
     def eval_scalars(self, result: EvalResult) -> dict[str, float]:
         return {"eval_loss": result.loss, "eval_ppl": result.perplexity}
 
-    def save(self, model: nn.Module, tokenizer: Tokenizer, folder: Path) -> Path:
+    def save(self, model: Transformer, tokenizer: Tokenizer, folder: Path) -> Path:
         """The adapter (PEFT format) of a LoRA run, or the whole model folder of a full fine-tune."""
         recipe = self.recipe
-        if recipe.lora is not None:
+        lora = lora_config_of(recipe.lora)
+        if lora is not None:
             out = folder / ADAPTER_DIR
-            save_adapter(model, out, lora_config_of(recipe.lora), base_model_name_or_path=str(recipe.model.path))
+            save_adapter(model, out, lora, base_model_name_or_path=str(recipe.model.path))
             return out
         out = folder / MODEL_DIR
         base = Path(recipe.model.path) if recipe.model.path else None  # a random-init model has no base folder
         with master_weights(model):  # QAT: the full-precision weights it trained, as a plain model folder
-            save_model_folder(model, tokenizer, out, base=base if base and base.is_dir() else None)  # keeps generation config
+            # base: its generation config is kept
+            save_model_folder(model, tokenizer, out, base=base if base and base.is_dir() else None)
         return out
 
-    def begin(self, model: nn.Module, tokenizer: Tokenizer) -> None:
+    def begin(self, model: Transformer, tokenizer: Tokenizer) -> None:
         """Nothing: the held-out loss before training is the baseline."""
 
-    def finish(self, model: nn.Module, tokenizer: Tokenizer, validation: list, run_dir: Path, output: Path,
+    def finish(self, model: Transformer, tokenizer: Tokenizer, validation: list, run_dir: Path, output: Path,
                before: EvalResult | None, after: EvalResult | None) -> list[SummaryRow]:
         if before is None or after is None:
             return []

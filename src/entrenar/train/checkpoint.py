@@ -33,7 +33,7 @@ import shutil
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -218,7 +218,9 @@ def _capture_rng() -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         for i, state in enumerate(torch.cuda.get_rng_state_all()):
             tensors[f"torch_cuda.{i}"] = state
-    kind, keys, pos, has_gauss, cached_gaussian = np.random.get_state()
+    # The legacy tuple (legacy=True, the default); numpy's stubs give the union with the dict form.
+    legacy = cast("tuple[str, np.ndarray, int, int, float]", np.random.get_state())
+    kind, keys, pos, has_gauss, cached_gaussian = legacy
     tensors["numpy_keys"] = torch.from_numpy(keys.astype(np.int64))
     version, internal, gauss_next = random.getstate()
     metadata = {
@@ -441,7 +443,7 @@ def load_checkpoint(
     optimizer_state = _saved_optimizer_state(ckpt, optimizer) if optimizer is not None else None
     rng = _read_rng(ckpt / RNG_FILE) if restore_rng else None
 
-    if optimizer_state is not None:
+    if optimizer is not None and optimizer_state is not None:
         try:
             optimizer.load_state_dict(optimizer_state)
         except (ValueError, KeyError, RuntimeError) as e:

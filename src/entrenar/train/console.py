@@ -56,7 +56,7 @@ class Console:
             parts.append("update skipped by the fp16 scaler")
         self.say("  ".join(parts))
 
-    def evaluation(self, step: int, scalars: dict[str, float | None], best: bool, note: str = "") -> None:
+    def evaluation(self, step: int, scalars: Mapping[str, float | None], best: bool, note: str = "") -> None:
         """One line per evaluation (a task's eval scalars: eval_loss first), with or without a progress bar."""
         shown = [f"{name} {value:.4f}" if isinstance(value, float) else f"{name} {value}"
                  for name, value in list(scalars.items())[:6]]

@@ -62,8 +62,10 @@ class GraphedMicroStep:
         for name, tensor in inputs.items():
             if isinstance(tensor, torch.Tensor):
                 self.inputs[name].copy_(tensor)
-        self.graph.replay()
-        return self.loss.clone()  # the next replay overwrites the graph's own
+        graph, loss = self.graph, self.loss
+        assert graph is not None and loss is not None  # captured above or by an earlier call
+        graph.replay()
+        return loss.clone()  # the next replay overwrites the graph's own
 
     def _same_layout(self, inputs: dict[str, torch.Tensor]) -> bool:
         def same(t, mine) -> bool:  # a Python number (a kernel's launch size) is baked into the graph

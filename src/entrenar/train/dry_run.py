@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from torch import nn
-
 from entrenar.config import Recipe
+from entrenar.models.transformer import Transformer
 from entrenar.train.memory import GiB, MemoryEstimate
 from entrenar.train.plan import RowLayout, RunPlan
 from entrenar.train.run_data import RunData
@@ -14,7 +13,7 @@ CPU_ESTIMATE_NOTE = ("the peak resident memory of this process: measured peaks w
                      "are converted; a GGUF is dequantized), evaluation, the OS page cache")
 
 
-def dry_run_report(recipe: Recipe, plan: RunPlan, rows: RowLayout, model: nn.Module, data: RunData,
+def dry_run_report(recipe: Recipe, plan: RunPlan, rows: RowLayout, model: Transformer, data: RunData,
                    notes: list[str]) -> str:
     """The report of a run that was built but not trained."""
     total = sum(p.numel() for p in model.parameters())

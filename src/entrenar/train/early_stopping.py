@@ -39,7 +39,7 @@ class EarlyStopping:
             raise ConfigError(f"training.early_stopping.metric: {name!r} is not a metric this run evaluates "
                               f"(it has: {', '.join(sorted(metrics))})")
         value = metrics[name]
-        if value is not None and math.isfinite(value) and self._improves(value):
+        if value is not None and math.isfinite(value) and self._improves(value, self.config):
             self.best, self.best_step, self.bad_evals = value, step, 0
             return False
         self.bad_evals += 1
@@ -52,11 +52,11 @@ class EarlyStopping:
                        f"{name} was not finite for {self.bad_evals} evaluation(s)")
         return True
 
-    def _improves(self, value: float) -> bool:
+    def _improves(self, value: float, config: dict[str, Any]) -> bool:
         if self.best is None:
             return True
-        delta = self.config["min_delta"]
-        return value < self.best - delta if self.config["mode"] == "min" else value > self.best + delta
+        delta = config["min_delta"]
+        return value < self.best - delta if config["mode"] == "min" else value > self.best + delta
 
     def state_dict(self) -> dict[str, Any]:
         return {"best": self.best, "best_step": self.best_step, "bad_evals": self.bad_evals}

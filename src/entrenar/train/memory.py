@@ -78,8 +78,10 @@ def lora_params(config: ModelConfig, r: int, targets: list[str] | str, target_pa
     names = LINEAR_NAMES if targets == "all-linear" else list(targets)
     unknown = [n for n in names if n not in LINEAR_NAMES]
     if unknown:
-        raise ConfigError(f"LoRA targets {unknown} are not projections of this model (known: {', '.join(LINEAR_NAMES)})")
-    dense, shared = linear_shapes(config), linear_shapes(config.replace(intermediate_size=max(1, config.shared_expert_intermediate_size)))
+        raise ConfigError(f"LoRA targets {unknown} are not projections of this model "
+                          f"(known: {', '.join(LINEAR_NAMES)})")
+    dense = linear_shapes(config)
+    shared = linear_shapes(config.replace(intermediate_size=max(1, config.shared_expert_intermediate_size)))
     total = 0
     for layer in range(config.num_layers):
         moe = config.is_moe_layer(layer)
@@ -104,7 +106,8 @@ def lora_params(config: ModelConfig, r: int, targets: list[str] | str, target_pa
 def quantizable_params(config: ModelConfig) -> int:
     """Weights NF4 replaces in a QLoRA base: attention and dense MLP projections, MoE layers' experts, shared
     experts and shared-expert gates. Routers stay in the compute dtype."""
-    attention = sum(a * b for n, (a, b) in linear_shapes(config).items() if n.endswith(("q_proj", "k_proj", "v_proj", "o_proj")))
+    attention = sum(a * b for n, (a, b) in linear_shapes(config).items()
+                    if n.endswith(("q_proj", "k_proj", "v_proj", "o_proj")))
     h = config.hidden_size
     total = config.num_layers * attention
     for layer in range(config.num_layers):
@@ -245,7 +248,8 @@ def _activations(config: ModelConfig, method: str, tokens: int, dtype_bytes: int
     """(activations kept for backward at the peak, the part of it a rebuilt checkpointed layer takes) in bytes."""
     per_layer = activation_bytes_per_token_layer(config, dtype_bytes, kernels, lora=method != "full")
     if config.is_moe:  # MoE and dense layers averaged; a rebuilt layer counts as the larger
-        moe_layer = activation_bytes_per_token_layer(config, dtype_bytes, kernels, lora=method != "full", moe_layer=True)
+        moe_layer = activation_bytes_per_token_layer(config, dtype_bytes, kernels, lora=method != "full",
+                                                     moe_layer=True)
         n_moe = len(config.moe_layers)
         rebuilt_layer = max(per_layer, moe_layer)
         per_layer = (n_moe * moe_layer + (config.num_layers - n_moe) * per_layer) / config.num_layers
@@ -339,7 +343,7 @@ def per_device(estimate: MemoryEstimate, config: ModelConfig, nproc: int, parall
         return estimate
     root = config.vocab_size * config.hidden_size * (1 if config.tie_word_embeddings else 2) + config.hidden_size
     block = (config.num_parameters - root) // config.num_layers
-    gathered = (root + 2 * block) * dtype_bytes
+    gathered: float = (root + 2 * block) * dtype_bytes
     if estimate.method == "qlora":  # entrenar.quant.nf4.sharding: blocks' norms and adapters are small beside these
         largest = config.hidden_size * config.intermediate_size
         gathered = root * dtype_bytes + largest * (NF4_BYTES_PER_PARAM + dtype_bytes)

@@ -123,7 +123,8 @@ class MoeTraining:
         if self.section.router_lr_scale == 1.0 or not self.router_trainable:
             return dict(scales)
         if ROUTER_PATTERN in scales:
-            raise ConfigError(f"optimizer.lr_scale names the router ('{ROUTER_PATTERN}'); set moe.router_lr_scale instead")
+            raise ConfigError(f"optimizer.lr_scale names the router ('{ROUTER_PATTERN}'); "
+                              "set moe.router_lr_scale instead")
         return {**scales, ROUTER_PATTERN: self.section.router_lr_scale}
 
     def router_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -174,10 +175,10 @@ class MoeTraining:
                 for bias, load in zip(self.biases, self._counts):
                     nudge = rate * torch.sign(load.mean() - load)
                     bias += nudge if update is True else nudge * update
-        values = [self._counts.flatten(), self._entropy, self._tokens, self._losses]
+        parts = [self._counts.flatten(), self._entropy, self._tokens, self._losses]
         if self.biases:  # after the nudge: what the next step selects with
-            values.append(torch.stack([b.abs().max() for b in self.biases]).max().reshape(1))
-        values = torch.cat(values)
+            parts.append(torch.stack([b.abs().max() for b in self.biases]).max().reshape(1))
+        values = torch.cat(parts)
         for t in (self._counts, self._entropy, self._tokens, self._losses):
             t.zero_()
         return values

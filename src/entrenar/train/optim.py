@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Mapping
+from typing import cast
 
 import torch
 from torch import nn
@@ -155,7 +156,8 @@ def build_optimizer(
     kind = name.lower()
     try:
         if kind == "adamw":
-            return torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), eps=eps, fused=fused_kernel or None)
+            return torch.optim.AdamW(groups, lr=lr, betas=cast("tuple[float, float]", tuple(betas)), eps=eps,
+                                     fused=fused_kernel or None)  # two betas: the recipe checks
         if kind == "sgd":
             return torch.optim.SGD(groups, lr=lr, momentum=momentum, fused=fused_kernel or None)
     except RuntimeError as e:

@@ -48,11 +48,12 @@ def step_unless_nonfinite(optimizer: torch.optim.Optimizer, loss: torch.Tensor, 
     (moments, step count and weights untouched, as if the step were not taken); returns that decision as a
     float flag on the device (1.0: dropped)."""
     found = (~torch.isfinite(loss) | ~torch.isfinite(grad_norm)).to(torch.float32)
-    optimizer.found_inf = found
+    # What GradScaler sets on a fused optimizer for its step; torch's stubs do not declare the attribute.
+    optimizer.found_inf = found  # type: ignore[attr-defined]
     try:
         optimizer.step()
     finally:
-        del optimizer.found_inf  # a later eager step must not inherit the flag
+        del optimizer.found_inf  # type: ignore[attr-defined]  # a later eager step must not inherit the flag
     return found
 
 

@@ -99,7 +99,7 @@ class RunPlan:
             config.head_dim, self.device, self.compute_dtype, config.sliding_window, compiled=self.compile,
             document_work=config.hidden_size * mean_example_tokens)
         setting = recipe.data.padding_free
-        flat = setting if setting != "auto" else self.device.type == "cpu" and by_document
+        flat = setting if isinstance(setting, bool) else self.device.type == "cpu" and by_document
         reason = "padding-free rows" if flat else ("packed rows, attention by document" if by_document
                                                    else "rows under a document mask")
         return RowLayout(flat=flat, by_document=by_document and not flat,
@@ -288,7 +288,7 @@ def _decide(recipe: Recipe, device: torch.device, mode: str, config: ModelConfig
 
     # The NF4 base streams from pinned CPU memory a block ahead: QLoRA Llama-8B shape 12.06k against 12.16k
     # tokens/s at 3.27 against 6.41 GiB (H100, docs/PERFORMANCE.md). NF4 experts load outside the stream.
-    offload_weights = t.offload_weights if t.offload_weights != "auto" else (
+    offload_weights = t.offload_weights if isinstance(t.offload_weights, bool) else (
         cuda and single and lora is not None and lora.quantize_base == "nf4" and t.activation_checkpointing is True
         and not t.compile and not config.is_moe)
     reasons.append(("training.offload_weights", _auto(t.offload_weights, offload_weights,
@@ -296,7 +296,7 @@ def _decide(recipe: Recipe, device: torch.device, mode: str, config: ModelConfig
 
     # The run trades speed for memory already; the GPU reads a batch's rows over PCIe in well under a
     # millisecond. A tied table is the output head's weight too, and a trained one cannot stay on the host.
-    offload_embeddings = t.offload_embeddings if t.offload_embeddings != "auto" else (
+    offload_embeddings = t.offload_embeddings if isinstance(t.offload_embeddings, bool) else (
         cuda and single and causal and lora is not None and t.activation_checkpointing is True and triton
         and not config.tie_word_embeddings)
     reasons.append(("training.offload_embeddings", _auto(t.offload_embeddings, offload_embeddings,
@@ -304,7 +304,7 @@ def _decide(recipe: Recipe, device: torch.device, mode: str, config: ModelConfig
 
     # Full fine-tuning measured no faster under graphs and 4 GiB heavier (docs/PERFORMANCE.md); QAT's step-size
     # initialisation reads the device once, which a graph cannot.
-    cuda_graphs = t.cuda_graphs if t.cuda_graphs != "auto" else (
+    cuda_graphs = t.cuda_graphs if isinstance(t.cuda_graphs, bool) else (
         cuda and single and causal and recipe.data.packing and lora is not None and recipe.qat is None
         and recipe.data.padding_free is not True and not t.compile and t.precision != "fp16")
     reasons.append(("training.cuda_graphs", _auto(t.cuda_graphs, cuda_graphs,

@@ -33,6 +33,7 @@ from entrenar.errors import AdapterError, ConfigError
 from entrenar.kernels import apply_kernels
 from entrenar.kernels.host_embedding import offload_embeddings
 from entrenar.loading import require_tokenizer
+from entrenar.models.transformer import Transformer
 from entrenar.quant.nf4.streaming import nf4_in_host_memory, stream_weights
 from entrenar.quant.qat import apply_qat_recipe
 from entrenar.tasks.base import Task
@@ -44,21 +45,21 @@ from entrenar.train.plan import RunPlan
 class Prepared:
     """The model as the Trainer steps it."""
 
-    model: nn.Module  # the plain model (eval, saving, checkpoints read and write it)
+    model: Transformer  # the plain model (eval, saving, checkpoints read and write it)
     step_model: Single  # what the micro-step calls: the model, or its DDP/FSDP wrapper
     moe: MoeTraining | None  # router losses, balancing and diagnostics (None for a dense model)
     cuda_graphs: bool  # resolved with the built MoE layers (:meth:`RunPlan.graphs`)
     trainable: list[nn.Parameter]
 
 
-def load_model(recipe: Recipe, task: Task, plan: RunPlan) -> tuple[nn.Module, Tokenizer]:
+def load_model(recipe: Recipe, task: Task, plan: RunPlan) -> tuple[Transformer, Tokenizer]:
     """:func:`build_model` as the plan says: its dtype, device and quantization."""
     with nf4_in_host_memory(plan.offload_weights):  # a streamed base is never all on the GPU, not even loading
         return build_model(recipe, task, plan.weights_dtype, plan.load_device, plan.quantize)
 
 
 def build_model(recipe: Recipe, task: Task, dtype: str, device: torch.device, quantize: str | None
-                ) -> tuple[nn.Module, Tokenizer]:
+                ) -> tuple[Transformer, Tokenizer]:
     """(model, tokenizer) as the run trains them: loaded by the task (steps 1-2 above), in train mode. Also what
     ``entrenar diagnose`` builds."""
     model, tokenizer = task.load(dtype, device, quantize)
@@ -76,7 +77,7 @@ def build_model(recipe: Recipe, task: Task, dtype: str, device: torch.device, qu
     return model, tokenizer
 
 
-def prepare(model: nn.Module, recipe: Recipe, plan: RunPlan, world: World) -> Prepared:
+def prepare(model: Transformer, recipe: Recipe, plan: RunPlan, world: World) -> Prepared:
     """Steps 3-9 above, as the plan decided them."""
     t = recipe.training
     if plan.offload_embeddings:

@@ -29,6 +29,7 @@ def read_data(recipe: Recipe, task: Task, tokenizer: Tokenizer) -> RunData:
     """Read, tokenize and split the recipe's data as ``task`` lays it out."""
     d, t = recipe.data, recipe.training
     skipped: list[Skip] = []
+    assert d.train is not None  # a recipe that trains names it (Recipe checks; the quickstart resolves its own)
     examples, notes = task.read(d.train, "train", tokenizer, skipped)
     if d.validation:
         validation, validation_notes = task.read(d.validation, "validation", tokenizer, skipped)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 from torch import nn
@@ -39,9 +39,18 @@ from entrenar.io.finite import first_nonfinite
 from entrenar.quant.nf4.format import NF4Linear
 from entrenar.train import checkpoint as ckpt_files
 
+
 # Frozen parameters (a LoRA run's base) are the base model's: read again from model.path, not saved.
-_SAVE = {"ignore_frozen_params": True}
-_LOAD = {"ignore_frozen_params": True, "strict": False}  # strict would ask for the frozen ones; names checked here
+class _Options(TypedDict, total=False):
+    """The StateDictOptions fields set here."""
+
+    ignore_frozen_params: bool
+    strict: bool
+
+
+_SAVE: _Options = {"ignore_frozen_params": True}
+# strict would ask for the frozen ones; names are checked here
+_LOAD: _Options = {"ignore_frozen_params": True, "strict": False}
 
 
 def _state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer, load: bool) -> dict[str, Any]:

@@ -110,8 +110,8 @@ class SyncSteps:
         targets, tokens = dist_steps.step_counts(micro_batches, self.world, self.device,
                                                  count_targets=self.task.num_targets)
         loss = torch.zeros((), device=self.device)
-        for i, batch in enumerate(micro_batches):
-            batch = {k: _to(v, self.device) for k, v in self.layout(batch).items()}
+        for i, micro_batch in enumerate(micro_batches):
+            batch = {k: _to(v, self.device) for k, v in self.layout(micro_batch).items()}
             # Over world.size: DDP and FSDP average the ranks' gradients, and the step needs their sum.
             batch["step_targets"] = targets / self.world.size
             with self.micro_step.step_model.sync(last=i == len(micro_batches) - 1):  # all-reduce once a step

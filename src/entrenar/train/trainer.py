@@ -9,6 +9,7 @@ and checkpoint.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -76,14 +77,8 @@ class Trainer:
         self.early_stopping = EarlyStopping(t.early_stopping)
         self.micro_step = MicroStep(task, prepared.step_model, self.moe, plan.device, t.precision, self.scaler,
                                     prepared.trainable, prepared.cuda_graphs)
-        strategy = OverlappedSteps if plan.overlap else SyncSteps
-        self.steps = strategy(world=world, task=task, stream=data.stream, accumulation=plan.accumulation,
-                              layout=self._layout, micro_step=self.micro_step, optimizer=self.optimizer,
-                              scaler=self.scaler, guard=self.guard, moe=self.moe, trainable=prepared.trainable,
-                              max_grad_norm=t.max_grad_norm, device=plan.device, log=self._log_step)
+        self.trainable = prepared.trainable
         self.start_step, self.resumed = 0, False
-        self.metrics: MetricsLogger | None = None
-        self.bar: Any = None
         self._last_read = time.perf_counter()  # overlapped steps are timed between consecutive reads
         self._last_checkpoint: Path | None = None
 
@@ -133,43 +128,53 @@ class Trainer:
         """Train from :attr:`start_step` to ``training.max_steps`` (or an early stop), save, summarise."""
         self._write_run_files()
         t = self.recipe.training
-        self.metrics = MetricsLogger(self.run.root, resume_step=self.start_step if self.resumed else None,
-                                     tensorboard=self.recipe.output.tensorboard,
-                                     write=self.world.is_main)  # rank 0 writes; the others keep the same counts
-        with self.metrics:  # the metrics file is closed however the run ends
-            before = self._begin() if self.start_step == 0 else None
+        metrics = MetricsLogger(self.run.root, resume_step=self.start_step if self.resumed else None,
+                                tensorboard=self.recipe.output.tensorboard,
+                                write=self.world.is_main)  # rank 0 writes; the others keep the same counts
+        with metrics:  # the metrics file is closed however the run ends
+            before = self._begin(metrics) if self.start_step == 0 else None
             if self.world.distributed and self.world.is_main:
                 print(dist_steps.describe(self.plan.mode, self.world, t.batch_size, self.plan.accumulation,
                                           self.recipe.data.seq_len), flush=True)
             with tqdm(total=t.max_steps, initial=self.start_step, unit="step", dynamic_ncols=True,
-                      disable=not self.progress or not self.world.is_main) as self.bar:
-                final_loss, after = self._loop()
-            return self._finish(before, after, final_loss)
+                      disable=not self.progress or not self.world.is_main) as bar:
+                final_loss, after = self._loop(metrics, bar)
+            return self._finish(metrics, before, after, final_loss)
 
-    def _begin(self) -> EvalResult | None:
+    def _begin(self, metrics: MetricsLogger) -> EvalResult | None:
         """The evaluation before training (the baseline and the first best), then the task's own baseline."""
         if self.progress:  # without a bar, evaluate() says it
             self.console.say("evaluating before training ...")
         before = self.evaluate()
         if before is not None:
-            self.task.log_eval(self.metrics, 0, before)
+            self.task.log_eval(metrics, 0, before)
             scalars = self.task.eval_scalars(before)
             self.early_stopping.update(0, scalars)
             self.console.evaluation(0, scalars, best=True)
         self.task.begin(self.model, self.tokenizer)
         return before
 
-    def _loop(self) -> tuple[float | None, Any]:
+    def _steps(self, log: Callable[[StepRecord], None]) -> SyncSteps:
+        """The plan's step strategy; ``log`` takes each step whose results reached the host."""
+        strategy = OverlappedSteps if self.plan.overlap else SyncSteps
+        return strategy(world=self.world, task=self.task, stream=self.data.stream, accumulation=self.plan.accumulation,
+                        layout=self._layout, micro_step=self.micro_step, optimizer=self.optimizer,
+                        scaler=self.scaler, guard=self.guard, moe=self.moe, trainable=self.trainable,
+                        max_grad_norm=self.recipe.training.max_grad_norm, device=self.plan.device, log=log)
+
+    def _loop(self, metrics: MetricsLogger, bar: tqdm) -> tuple[float | None, Any]:
         """The steps; (the last step's loss, the last evaluation) when they end."""
         t, sched, o = self.recipe.training, self.recipe.schedule, self.recipe.optimizer
-        final_loss, after = None, None
+        steps = self._steps(lambda record: self._log_step(record, metrics, bar))
+        final_loss: float | None = None
+        after = None
         for step in range(self.start_step, t.max_steps):
             lr = lr_at(step, o.lr, sched.warmup_steps, t.max_steps, sched.name, sched.min_lr_ratio)
             set_lr(self.optimizer, lr)
             done = step + 1
             evaluates = bool(t.eval_every and done % t.eval_every == 0) or done == t.max_steps
             saves = bool(t.save_every and done % t.save_every == 0) or done == t.max_steps
-            record = self.steps.run(step, lr, acts=evaluates or saves)
+            record = steps.run(step, lr, acts=evaluates or saves)
             if record is None:  # overlapped: read during the next step
                 continue
             final_loss = record.loss
@@ -177,31 +182,31 @@ class Trainer:
                 check_replicas(self.model, self.optimizer, self.world, done)  # every rank holds the same weights
             stop = False
             if evaluates:
-                after, stop = self._evaluate_at(done)
-            if saves or stop:
-                if self._last_checkpoint is None or self._last_checkpoint.name != f"step-{done}":
-                    self._last_checkpoint = self.checkpoint(done)
+                after, stop = self._evaluate_at(done, metrics, bar)
+            if (saves or stop) and (self._last_checkpoint is None or self._last_checkpoint.name != f"step-{done}"):
+                self._last_checkpoint = self.checkpoint(done)
             if stop:
                 break
-        self.steps.finish()
+        steps.finish()
         return final_loss, after
 
-    def _log_step(self, record: StepRecord) -> None:
+    def _log_step(self, record: StepRecord, metrics: MetricsLogger, bar: tqdm) -> None:
         """The metrics line, warnings and progress of a step whose results were read to the host."""
         now = time.perf_counter()
         elapsed, self._last_read = now - max(record.started, self._last_read), now
         max_steps, done = self.recipe.training.max_steps, record.step
-        moe_record, warnings = self.moe.diagnose(done, record.moe_values) if self.moe is not None else (None, [])
+        moe_record, warnings = self.moe.diagnose(done, record.moe_values) \
+            if self.moe is not None and record.moe_values is not None else (None, [])
         extra = {"moe": moe_record} if moe_record is not None else {}
         extra.update(dist_steps.peak_memory(self.world, self.plan.device))  # each rank's, in a distributed run
-        line = self.metrics.log_step(done, record.loss, record.grad_norm, record.lr, record.tokens,
-                                     step_time_s=elapsed, flags=record.flags, extra=extra)
+        line = metrics.log_step(done, record.loss, record.grad_norm, record.lr, record.tokens,
+                                step_time_s=elapsed, flags=record.flags, extra=extra)
         for warning in warnings:
-            self.bar.write(warning)
-        self.bar.update(1)
+            bar.write(warning)
+        bar.update(1)
         log_every = self.recipe.training.log_every
         if done % log_every == 0 or done == max_steps:
-            self.bar.set_postfix(loss=f"{record.loss:.4f}", lr=f"{record.lr:.2e}")
+            bar.set_postfix(loss=f"{record.loss:.4f}", lr=f"{record.lr:.2e}")
         if done % log_every == 0 or done == max_steps or "skipped" in record.flags:
             self.console.step(line, max_steps)  # --no-progress: a line every log_every steps
 
@@ -215,16 +220,16 @@ class Trainer:
             self.console.say(f"evaluating on {len(self.data.validation):,} validation examples ...")
         return self.task.evaluate(self.model, self.data.validation, self.tokenizer)
 
-    def _evaluate_at(self, done: int) -> tuple[Any, bool]:
+    def _evaluate_at(self, done: int, metrics: MetricsLogger, bar: tqdm) -> tuple[Any, bool]:
         """Evaluate after step ``done``; save run/best/ (and its checkpoint) when it is the best so far.
         Returns (the evaluation, whether early stopping says stop)."""
-        self.bar.set_description("evaluating")
+        bar.set_description("evaluating")
         result = self.evaluate()
-        self.bar.set_description(None)
+        bar.set_description(None)
         if result is None:
             return None, False
         # Rank 0 decides (it alone reads and writes the metrics), so every rank saves alike.
-        is_best = self.world.all_gather(self.task.log_eval(self.metrics, done, result))[0]
+        is_best = self.world.all_gather(self.task.log_eval(metrics, done, result))[0]
         scalars = self.task.eval_scalars(result)  # before the checkpoints below, which carry its counter
         stop = self.early_stopping.update(done, scalars)
         self.console.evaluation(done, scalars, is_best, self.early_stopping.reason or "")
@@ -237,7 +242,8 @@ class Trainer:
         """Save a checkpoint of step ``step`` (rank 0 writes whole tensors; under FSDP each rank its shards)."""
         t, world = self.recipe.training, self.world
         state: dict[str, Any] = {"data": self.data.stream.state_dict(), "recipe": self.recipe.to_dict(),
-                                 "nonfinite": self.guard.state_dict(), "early_stopping": self.early_stopping.state_dict(),
+                                 "nonfinite": self.guard.state_dict(),
+                                 "early_stopping": self.early_stopping.state_dict(),
                                  "global_batch": self.plan.rows_per_step, "world_size": world.size}
         if self.scaler.is_enabled():
             state["grad_scaler"] = self.scaler.state_dict()
@@ -255,7 +261,7 @@ class Trainer:
         return main_writes(self.world, self.model, self.task.save, self.model, self.tokenizer, folder,
                            trainable_only=self.recipe.lora is not None)  # an adapter: no base gathered
 
-    def _finish(self, before: Any, after: Any, final_loss: float | None) -> TrainResult:
+    def _finish(self, metrics: MetricsLogger, before: Any, after: Any, final_loss: float | None) -> TrainResult:
         """Save the result (and a QAT run's integer model), plot, and summarise."""
         if after is None:
             after = self.evaluate()
@@ -263,7 +269,7 @@ class Trainer:
         output = self._save_result(self.run.root)
         quantized = (main_writes(self.world, self.model, save_qat_model, self.model, self.tokenizer,
                                  self.run.quantized) if self.recipe.qat is not None else None)
-        metrics, main = self.metrics, self.world.main_only
+        main = self.world.main_only
         main(plot_loss_curve, metrics.path, self.run.loss_curve)
         if self.moe is not None:
             main(plot_expert_load, metrics.path, self.run.expert_load)

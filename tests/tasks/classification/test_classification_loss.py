@@ -16,7 +16,8 @@ def test_loss_equals_transformers(problem_type, num_labels):
     config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
                                       num_key_value_heads=2, vocab_size=64, num_labels=num_labels, pad_token_id=0,
                                       problem_type={"single_label": "single_label_classification",
-                                                    "multi_label": "multi_label_classification"}.get(problem_type, "regression"))
+                                                    "multi_label": "multi_label_classification"}.get(problem_type,
+                                                                                                     "regression"))
     hf = transformers.LlamaForSequenceClassification(config).eval()
     ids = torch.randint(1, 64, (5, 7))
     if problem_type == "single_label":

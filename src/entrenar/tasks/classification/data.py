@@ -9,7 +9,7 @@ never packed.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
@@ -125,7 +125,7 @@ def collate(examples: list[LabeledText], pad_id: int, problem_type: str,
     input_ids, mask = pad_rows(examples, pad_id)
     if problem_type == "single_label":
         labels = torch.tensor([e.target for e in examples], dtype=torch.long)
-        row_weight = torch.tensor([weights[e.target] if weights else 1.0 for e in examples])
+        row_weight = torch.tensor([weights[cast(int, e.target)] if weights else 1.0 for e in examples])  # a class id
     else:
         labels = torch.tensor([e.target for e in examples], dtype=torch.float32)
         row_weight = torch.full((n,), float(labels.shape[1]))

@@ -67,6 +67,12 @@ class ClassificationTask:
         t = self.recipe.task
         return t.metric or ("rmse" if t.problem_type == "regression" else "macro_f1")
 
+    @property
+    def _labels(self) -> LabelSpec:
+        """The labels, known once :meth:`load` ran (the Trainer calls it first)."""
+        assert self.spec is not None
+        return self.spec
+
     def load(self, dtype: str, device: torch.device, quantize: str | None) -> tuple[SequenceClassifier, Tokenizer]:
         """A classifier on the recipe's ``model.path`` (a fresh head drawn from training.seed) and its tokenizer;
         the labels come from the recipe or, when it names neither them nor their number, the training data."""
@@ -103,7 +109,7 @@ class ClassificationTask:
     def read(self, path: str, role: str, tokenizer: Tokenizer,
              skipped: list[Skip]) -> tuple[list[LabeledText], list[str]]:
         """The labeled texts of one data file and notes; bad labels name their file and line."""
-        return read_labeled(path, role, self.recipe, tokenizer, self.spec, skipped)
+        return read_labeled(path, role, self.recipe, tokenizer, self._labels, skipped)
 
     def stream(self, examples: list[LabeledText], tokenizer: Tokenizer) -> tuple[LabeledStream, list[str]]:
         """The training batches and a note on the class weights, counted on ``examples``: the rows trained on,
@@ -111,7 +117,7 @@ class ClassificationTask:
         d, t = self.recipe.data, self.recipe.training
         notes = []
         if self.problem_type == "single_label":
-            self.weights = class_weights(self.recipe.task.class_weights, examples, self.spec.num_labels)
+            self.weights = class_weights(self.recipe.task.class_weights, examples, self._labels.num_labels)
             if self.weights is not None:
                 notes.append("class weights: " + ", ".join(f"{w:.3g}" for w in self.weights))
         stream = LabeledStream(examples, t.batch_size, d.seq_len, shuffle=d.shuffle, seed=t.seed, pad_id=self.pad_id,
@@ -122,7 +128,8 @@ class ClassificationTask:
         """Rows weighted by their class weight (single_label), label entries otherwise."""
         return float(batch["row_weight"].sum())
 
-    def loss_sum(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    def loss_sum(self, model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Summed loss of the micro-batch, through ``model`` (the classifier or its parallel wrapper)."""
         logits = model(batch["input_ids"], batch["attention_mask"])
         weights = None
         if self.weights is not None:
@@ -132,17 +139,18 @@ class ClassificationTask:
             weights = self._weight_tensor[device]
         return loss_sum(logits, batch["labels"], self.problem_type, weights, self.recipe.task.label_smoothing)
 
-    def evaluate(self, model: torch.nn.Module, examples: list[LabeledText], tokenizer: Tokenizer) -> ClassificationEval:
+    def evaluate(self, model: SequenceClassifier, examples: list[LabeledText],
+                 tokenizer: Tokenizer) -> ClassificationEval:
         """Mean loss and metrics on ``examples``, the first training.eval_batches batches of them when set."""
         t = self.recipe.training
         examples = examples[:t.eval_batches * t.batch_size] if t.eval_batches else examples
         logits = self._logits(model, examples)
         targets = targets_array(examples)
-        thresholds = thresholds_of(self.recipe.task.threshold, self.spec.num_labels)
+        thresholds = thresholds_of(self.recipe.task.threshold, self._labels.num_labels)
         metrics = score(self.problem_type, logits, targets, thresholds=thresholds)
         labels = torch.as_tensor(targets, dtype=torch.long if self.problem_type == "single_label" else torch.float32)
         total = float(loss_sum(torch.as_tensor(logits), labels, self.problem_type))
-        count = len(examples) * (1 if self.problem_type == "single_label" else self.spec.num_labels)
+        count = len(examples) * (1 if self.problem_type == "single_label" else self._labels.num_labels)
         return ClassificationEval(loss=total / count, metrics=metrics, examples=len(examples))
 
     def log_eval(self, metrics: MetricsLogger, step: int, result: ClassificationEval) -> bool:
@@ -197,7 +205,7 @@ class ClassificationTask:
         return [*best, ("report", str(run_dir / "report.md")),
                 *[(name, f"{v['value']:.4f} [{v['ci'][0]:.4f}, {v['ci'][1]:.4f}]") for name, v in headline.items()]]
 
-    def _logits(self, model: torch.nn.Module, examples: list[LabeledText]) -> np.ndarray:
+    def _logits(self, model: SequenceClassifier, examples: list[LabeledText]) -> np.ndarray:
         """Logits of ``examples`` in batches of training.batch_size, under training's precision."""
         t = self.recipe.training
         return predict_logits(model, examples, t.batch_size, self.pad_id, t.precision)
