@@ -265,3 +265,11 @@ def _apply_add_special_flags(backend: tokenizers.Tokenizer, config: Mapping[str,
         if token_id is None:
             raise ModelError(f"tokenizer_config.json: special token {token!r} is not in tokenizer.json's vocabulary")
     backend.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=special)
+
+
+def require_tokenizer(tokenizer: Tokenizer | None, model_path: str | Path | None) -> Tokenizer:
+    """``tokenizer``, or a ModelError naming the model folder when it has none (for what needs text)."""
+    if tokenizer is None:
+        raise ModelError(f"{model_path}: the model has no tokenizer (no tokenizer.json in the folder); copy the "
+                         "tokenizer files of the model it came from into it")
+    return tokenizer

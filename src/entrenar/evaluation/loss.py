@@ -66,7 +66,7 @@ def eval_loss(
 
 def evaluate_file(
     model: torch.nn.Module,
-    tokenizer: Tokenizer,
+    tokenizer: Tokenizer | None,
     path: str | Path,
     seq_len: int = 512,
     batch_size: int = 4,

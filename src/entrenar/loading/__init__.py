@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, overload
 
 from entrenar.adapters.lora import load_adapter
-from entrenar.data.tokenizer import Tokenizer
+from entrenar.data.tokenizer import Tokenizer, require_tokenizer
 from entrenar.device import resolve_device, resolve_dtype
 from entrenar.errors import ConfigError, ModelError, QuantError
 from entrenar.loading.classifier import load_classifier
@@ -133,14 +133,6 @@ def load(
     if source.checkpoint is not None:
         apply_checkpoint(model, source)
     return model.eval(), tokenizer
-
-
-def require_tokenizer(tokenizer: Tokenizer | None, model_path: str | Path | None) -> Tokenizer:
-    """``tokenizer``, or a ModelError naming the model folder when it has none (for what needs text)."""
-    if tokenizer is None:
-        raise ModelError(f"{model_path}: the model has no tokenizer (no tokenizer.json in the folder); copy the "
-                         "tokenizer files of the model it came from into it")
-    return tokenizer
 
 
 def _folder_tokenizer(path: Path) -> Tokenizer | None:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from safetensors import safe_open
 
 from entrenar.adapters.lora import ADAPTER_WEIGHTS, PEFT_PREFIX, load_adapter
-from entrenar.data.tokenizer import Tokenizer
+from entrenar.data.tokenizer import Tokenizer, require_tokenizer
 from entrenar.device import resolve_device, resolve_dtype
 from entrenar.errors import AdapterError, ConfigError, ModelError, QuantError
 from entrenar.models.classifier import (
@@ -55,7 +55,8 @@ def load_classifier(path: str | Path, load_backbone: LoadLanguageModel, adapter:
         if num_labels is not None and num_labels != model.num_labels:
             raise ModelError(f"{path}: the classifier has {model.num_labels} labels, num_labels={num_labels} was asked")
     else:
-        lm, tokenizer = load_backbone(path, dtype=dtype, device=device, quantize=quantize)
+        lm, backbone_tokenizer = load_backbone(path, dtype=dtype, device=device, quantize=quantize)
+        tokenizer = require_tokenizer(backbone_tokenizer, path)  # its pad id is the classifier's
         info = read_classifier_info(adapter) if adapter is not None else {}
         if adapter is not None:
             num_labels = adapter_num_labels(adapter)

@@ -11,7 +11,7 @@ import tokenizers
 
 from entrenar.data.tokenizer import Tokenizer
 from entrenar.merge.config import ModelRef
-from entrenar.merge.stream import GGUFInput, Input
+from entrenar.merge.stream import GGUFInput, Input, underlying
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "chat_template.jinja", "vocab.json", "merges.txt", "added_tokens.json")
@@ -32,10 +32,11 @@ def _tokenizer_ref(plan, vocab) -> str:
 def write_tokenizer(plan, inputs: dict[str, Input], vocab, folder: Path) -> None:
     """Copy the tokenizer files of the tokenizer's source (adding a union's tokens), the chat template and the
     generation config."""
-    source = inputs[_tokenizer_ref(plan, vocab)]
+    source = underlying(inputs[_tokenizer_ref(plan, vocab)])
     if isinstance(source, GGUFInput):
         source.gguf.tokenizer.save(folder)
     else:
+        assert source.folder is not None  # a folder input: GGUF handled above, adapters unwrapped
         for name in TOKENIZER_FILES:
             if (source.folder / name).is_file():
                 shutil.copyfile(source.folder / name, folder / name)
@@ -84,8 +85,10 @@ def _add_tokens(folder: Path, added: list[tuple[str, bool]]) -> None:
 
 
 def _template_of(model: Input) -> str | None:
+    model = underlying(model)
     if isinstance(model, GGUFInput):
         return model.gguf.chat_template
+    assert model.folder is not None  # a folder input: GGUF handled above, adapters unwrapped
     if (model.folder / "chat_template.jinja").is_file():
         return (model.folder / "chat_template.jinja").read_text()
     path = model.folder / "tokenizer_config.json"

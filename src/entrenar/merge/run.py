@@ -174,11 +174,12 @@ def merge(
             model.close()
     if qtype is not None:
         from entrenar.export.gguf_write import write_gguf
-        from entrenar.loading import load
+        from entrenar.loading import load, require_tokenizer
 
         merged, tokenizer = load(output, dtype=plan.out_dtype if plan.out_dtype != torch.float64 else torch.float32,
                                  device="cpu")
-        write_gguf(merged, tokenizer, output / f"model-{qtype}.gguf", qtype, name=output.name)
+        write_gguf(merged, require_tokenizer(tokenizer, output), output / f"model-{qtype}.gguf", qtype,
+                   name=output.name)
     return plan
 
 

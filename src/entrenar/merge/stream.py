@@ -399,6 +399,13 @@ class AdapterInput(Input):
         self.base.close()
 
 
+def underlying(model: Input) -> Input:
+    """The model a ``base+adapter`` input wraps: its tokenizer, chat template and generation files are the base's."""
+    while isinstance(model, AdapterInput):
+        model = model.base
+    return model
+
+
 def open_input(path: Path, adapter: Path | None = None, reference: str | None = None) -> Input:
     """An :class:`Input` for a folder or .gguf file, with ``adapter`` merged into it as it is read."""
     reference = reference or str(path)

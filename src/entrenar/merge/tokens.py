@@ -27,14 +27,16 @@ import torch
 
 from entrenar.errors import ModelError
 from entrenar.merge.config import MergeConfig, ModelRef
-from entrenar.merge.stream import GGUFInput, Input
+from entrenar.merge.stream import GGUFInput, Input, underlying
 
 
 def input_vocabulary(model: Input):
     """(tokenizers.Tokenizer, token -> id) of an input, from its tokenizer.json or GGUF metadata."""
+    model = underlying(model)
     if isinstance(model, GGUFInput):
         backend = model.gguf.tokenizer.backend
     else:
+        assert model.folder is not None  # a folder input: GGUF handled above, adapters unwrapped
         path = model.folder / "tokenizer.json"
         if not path.is_file():
             raise ModelError(f"{model.reference}: no tokenizer.json; tokenizer_source needs each input's tokenizer")

@@ -64,6 +64,7 @@ class MemoryEstimate:
 def linear_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
     """(in_features, out_features) of each projection of one layer."""
     h, i, d = config.hidden_size, config.intermediate_size, config.head_dim
+    assert d is not None  # ModelConfig derives it when config.json has none
     q, kv = config.num_heads * d, config.num_kv_heads * d
     return {
         "q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
@@ -139,6 +140,7 @@ def activation_bytes_per_token_layer(config: ModelConfig, dtype_bytes: int, kern
     and the expert's output; plus what its shared expert keeps.
     """
     h, i, d = config.hidden_size, config.intermediate_size, config.head_dim
+    assert d is not None  # ModelConfig derives it when config.json has none
     q, kv = config.num_heads * d, config.num_kv_heads * d
     attention = (q + 2 * kv + q) * dtype_bytes + config.num_heads * 4  # q, k, v, output; log-sum-exp
     if config.qk_norm:

@@ -94,7 +94,7 @@ class RunPlan:
         where rows attend by document, since nothing there gains from fixed shapes; off on a GPU, whose graphs
         replay fixed rows."""
         recipe, config = self._recipe, self._config
-        assert recipe is not None and config is not None
+        assert recipe is not None and config is not None and config.head_dim is not None  # set by ModelConfig
         by_document = task == "causal_lm" and rows_by_document(
             config.head_dim, self.device, self.compute_dtype, config.sliding_window, compiled=self.compile,
             document_work=config.hidden_size * mean_example_tokens)

@@ -8,6 +8,7 @@ never packed.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
@@ -17,6 +18,7 @@ import torch
 from entrenar.data import BatchStream, read_records
 from entrenar.data.batching import PAD_DOCUMENT
 from entrenar.data.sources import Skip
+from entrenar.data.tokenize import Example
 from entrenar.errors import ConfigError, DataError
 from entrenar.tasks.classification.labels import LabelSpec
 
@@ -138,10 +140,12 @@ class LabeledStream(BatchStream):
 
     def __init__(self, examples: list[LabeledText], batch_size: int, seq_len: int, *, shuffle: bool, seed: int,
                  pad_id: int, problem_type: str, weights: list[float] | None) -> None:
-        super().__init__(examples, batch_size, seq_len, packing=False, shuffle=shuffle, seed=seed, pad_id=pad_id,
-                         pad_to="longest")
+        # BatchStream orders rows by their lengths alone; only its own __next__ reads Example fields, and this
+        # class replaces it: the casts say so.
+        super().__init__(cast(Sequence[Example], examples), batch_size, seq_len, packing=False, shuffle=shuffle,
+                         seed=seed, pad_id=pad_id, pad_to="longest")
         self.problem_type, self.weights = problem_type, weights
 
     def __next__(self) -> dict[str, torch.Tensor]:
-        rows = [self._next_row()[0] for _ in range(self.batch_size)]
+        rows = [cast(LabeledText, self._next_row()[0]) for _ in range(self.batch_size)]
         return collate(rows, self.pad_id, self.problem_type, self.weights)
