@@ -16,8 +16,7 @@ from pathlib import Path
 from entrenar.data.sources import ReadStats, Skip
 from entrenar.data.tokenize import TokenizeStats
 from entrenar.io import atomic
-
-SKIPPED_FILE = "skipped.jsonl"
+from entrenar.io.run_dir import SKIPPED_FILE
 
 
 def skipped_in_order(read: ReadStats, tokenized: TokenizeStats) -> list[Skip]:

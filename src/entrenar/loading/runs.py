@@ -33,6 +33,7 @@ from entrenar.adapters.lora import apply_lora, load_lora_state_dict, lora_config
 from entrenar.config import Recipe, load_recipe
 from entrenar.errors import AdapterError, EntrenarError, ModelError
 from entrenar.io.checkpoint_files import MODEL_FILE, SHARDS_DIR, is_sharded, read_model_tensors
+from entrenar.io.run_dir import ADAPTER_DIR, BEST_DIR, METRICS_FILE, MODEL_DIR, QUANTIZED_DIR, RECIPE_FILE
 from entrenar.models.hf import iter_safetensors, load_state_into
 
 if TYPE_CHECKING:
@@ -40,9 +41,6 @@ if TYPE_CHECKING:
 
     import torch
 
-RECIPE_FILE = "recipe.yaml"
-METRICS_FILE = "metrics.jsonl"
-ADAPTER_DIR, MODEL_DIR, BEST_DIR, QUANTIZED_DIR = "adapter", "model", "best", "quantized"
 _STEP = re.compile(r"step-\d+")
 
 

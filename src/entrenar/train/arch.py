@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from entrenar.io import atomic
+from entrenar.io.run_dir import ARCH_FILE
 from entrenar.models.config import ModelConfig
 
-ARCH_FILE = "arch.json"
 # Fields that do not define the function: how weights were first drawn, which ids the data uses, loose extras.
 _NOT_ARCHITECTURE = ("initializer_range", "bos_token_id", "eos_token_id", "pad_token_id", "extra")
 

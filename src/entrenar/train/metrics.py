@@ -30,11 +30,11 @@ import torch
 
 from entrenar.errors import CheckpointError, ConfigError
 from entrenar.io import atomic
+from entrenar.io.run_dir import METRICS_FILE
 
 if TYPE_CHECKING:
     from typing_extensions import Self
 
-METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
 
 

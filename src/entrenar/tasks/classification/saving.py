@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from entrenar.adapters.lora import LoraConfig, save_adapter
 from entrenar.io import atomic
+from entrenar.io.run_dir import ADAPTER_DIR, MODEL_DIR
 from entrenar.models.classifier import CLASSIFIER_FILE, SequenceClassifier
 from entrenar.models.saving import save_model_folder
 from entrenar.quant.qat import master_weights
@@ -22,12 +23,12 @@ def save_result(model: SequenceClassifier, tokenizer: Tokenizer, recipe: Any, ou
     """The adapter with the head as PEFT saves it for SEQ_CLS (LoRA), or the whole classifier folder: the path
     written in ``out_dir``."""
     if lora_config is not None:
-        out = out_dir / "adapter"
+        out = out_dir / ADAPTER_DIR
         save_adapter(model, out, lora_config, base_model_name_or_path=str(recipe.model.path),
                      modules_to_save=["score"], task_type="SEQ_CLS")
         atomic.write_text(out / CLASSIFIER_FILE, model.saved_files()[CLASSIFIER_FILE])
         return out
-    out = out_dir / "model"
+    out = out_dir / MODEL_DIR
     with master_weights(model):
         save_model_folder(model, tokenizer, out)
     return out
