@@ -37,14 +37,6 @@ class RunDir:
         return self.root / RECIPE_FILE
 
     @property
-    def metrics(self) -> Path:
-        return self.root / METRICS_FILE
-
-    @property
-    def checkpoints(self) -> Path:
-        return self.root / CHECKPOINTS_DIR
-
-    @property
     def best(self) -> Path:
         return self.root / BEST_DIR
 
@@ -59,10 +51,6 @@ class RunDir:
     @property
     def expert_load(self) -> Path:
         return self.root / EXPERT_LOAD
-
-    def result(self, folder: Path, adapter: bool) -> Path:
-        """Where a result saved into ``folder`` (the run or its best/) goes: adapter/ or model/."""
-        return folder / (ADAPTER_DIR if adapter else MODEL_DIR)
 
 
 __all__ = ["ADAPTER_DIR", "ARCH_FILE", "BEST_DIR", "CHECKPOINTS_DIR", "METRICS_FILE", "MODEL_DIR", "QUANTIZED_DIR",

@@ -44,7 +44,7 @@ def plan_lines(plan: RunPlan) -> list[str]:
         f"activations {estimate.activations / GiB:.2f}, logits {estimate.logits / GiB:.2f}{_cpu_terms(estimate)})",
         *([f"{'':<22}{CPU_ESTIMATE_NOTE}"] if estimate.runtime else []),
         "plan",
-        *[f"  {key:<30}{why}" for key, why in plan.describe()],
+        *[f"  {key:<30}{why}" for key, why in plan.reasons],
     ]
 
 

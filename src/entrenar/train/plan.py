@@ -5,7 +5,7 @@
 :func:`plan_run` is pure: it reads the recipe, the device this process trains on, the processes of the job and
 the model's config.json (no weights), and answers every question the rest of the run would otherwise ask
 again: which parallel mode, which weights dtype, whether kernels, CUDA graphs, step overlap and the three
-offloads are on, and what the run will hold in memory. ``--dry-run`` prints it (:meth:`RunPlan.describe`);
+offloads are on, and what the run will hold in memory. ``--dry-run`` prints it (``RunPlan.reasons``);
 :mod:`entrenar.train.prepare` and the Trainer only read it.
 
 Refusals live in one table, :data:`REFUSALS`: a combination this version does not run, each with the message a
@@ -115,9 +115,6 @@ class RunPlan:
                               "experts); this run's loop over experts reads their token counts back every layer")
         return self.cuda_graphs and moe_replays
 
-    def describe(self) -> list[tuple[str, str]]:
-        """(setting, what it became and why): what ``--dry-run`` prints under "plan"."""
-        return list(self.reasons)
 
 
 @dataclass(frozen=True)
