@@ -32,6 +32,7 @@ from entrenar.config.rules import (
     _text,
     _threshold,
 )
+from entrenar.data.formats import DATA_FORMATS
 from entrenar.errors import ConfigError, EntrenarError
 from entrenar.io.sqlite import check_query, is_sqlite
 
@@ -119,7 +120,9 @@ class DataSection(_Section):
     train: str | None = setting(None, _text(nullable=True))
     validation: str | None = setting(None, _text(nullable=True))
     validation_split: float = setting(0.0, _number(0.0, 0.5, high_open=True))
-    format: str = setting("auto", _choice("auto", "jsonl", "json", "csv", "parquet", "text"))
+    # a record format (alpaca, sharegpt, messages, prompt_completion, text; auto: each record by its keys) or a
+    # file format forcing the reader (jsonl, json, csv, parquet; otherwise from the extension): entrenar.data.formats
+    format: str = setting("auto", _choice(*DATA_FORMATS))
     text_field: str = setting("text", _text())
     prompt_field: str = setting("prompt", _text())
     completion_field: str = setting("completion", _text())

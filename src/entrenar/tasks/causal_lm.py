@@ -18,6 +18,7 @@ from torch import nn
 from entrenar.adapters.lora import lora_config_of, save_adapter
 from entrenar.config import Recipe
 from entrenar.data import BatchStream, eval_batches, num_target_tokens, read_records, tokenize_records
+from entrenar.data.formats import split_format
 from entrenar.data.report import data_notes, skipped_in_order
 from entrenar.data.sources import Skip
 from entrenar.data.tokenizer import Tokenizer
@@ -65,12 +66,15 @@ class CausalLMTask:
     def read(self, path: str, role: str, tokenizer: Tokenizer, skipped: list[Skip]) -> tuple[list, list[str]]:
         """Masked examples of one data file, and notes on what was skipped, cut or odd."""
         d = self.recipe.data
-        records, read_stats = read_records(path, format=d.format, on_error=d.on_error, seed=self.recipe.training.seed,
+        file_format, record_format = split_format(d.format)
+        records, read_stats = read_records(path, format=file_format, on_error=d.on_error,
+                                           seed=self.recipe.training.seed,
                                            query=d.query)  # synth: sources draw from the seed; SQLite runs the query
         columns = {"text": d.text_field, "prompt": d.prompt_field, "completion": d.completion_field,
                    "messages": d.messages_field}
         try:
-            examples, stats = tokenize_records(records, tokenizer, d.seq_len, train_on=d.train_on, add_eos=d.add_eos,
+            examples, stats = tokenize_records(records, tokenizer, d.seq_len, kind=record_format, train_on=d.train_on,
+                                               add_eos=d.add_eos,
                                                columns=columns, on_error=d.on_error)
         except DataError as e:
             if str(e).startswith("no training examples"):

@@ -17,6 +17,7 @@ import torch
 
 from entrenar.data import BatchStream, read_records
 from entrenar.data.batching import PAD_DOCUMENT
+from entrenar.data.formats import split_format
 from entrenar.data.sources import Skip
 from entrenar.data.tokenize import Example
 from entrenar.errors import ConfigError, DataError
@@ -44,7 +45,7 @@ def read_labeled(path: str, role: str, recipe: Any, tokenizer: Tokenizer, spec: 
     """The labeled texts of one data file, read as the recipe's data section says, and notes on what was skipped
     or cut (every skipped record is also appended to ``skipped_out``, for the run's skipped.jsonl)."""
     d = recipe.data
-    return read_texts(path, tokenizer, spec, d.text_field, d.label_field, d.seq_len, d.format, d.on_error,
+    return read_texts(path, tokenizer, spec, d.text_field, d.label_field, d.seq_len, split_format(d.format)[0], d.on_error,
                       f"data.{role}", skipped_out, seed=recipe.training.seed, query=d.query)
 
 

@@ -12,6 +12,7 @@ import torch
 
 from entrenar.adapters.lora import lora_config_of
 from entrenar.data import read_records
+from entrenar.data.formats import split_format
 from entrenar.errors import ConfigError
 from entrenar.evaluation.report import build_report, write_report
 from entrenar.loading import load as load_model
@@ -85,7 +86,7 @@ class ClassificationTask:
         names = list(t.labels) if t.labels else None
         num = len(names) if names else (t.num_labels or (1 if t.problem_type == "regression" else None))
         if num is None:  # collected from the training data
-            records, _ = read_records(d.train, format=d.format, on_error=d.on_error, seed=self.recipe.training.seed,
+            records, _ = read_records(d.train, format=split_format(d.format)[0], on_error=d.on_error, seed=self.recipe.training.seed,
                                       query=d.query)
             self.spec = label_spec(t, records, d.label_field)
             num = self.spec.num_labels
