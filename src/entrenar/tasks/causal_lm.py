@@ -63,10 +63,12 @@ class CausalLMTask:
     def head_state(self, model: Transformer) -> dict[str, torch.Tensor]:
         return {}
 
-    def read(self, path: str, role: str, tokenizer: Tokenizer, skipped: list[Skip]) -> tuple[list, list[str]]:
-        """Masked examples of one data file, and notes on what was skipped, cut or odd."""
+    def read(self, path: str, role: str, tokenizer: Tokenizer, skipped: list[Skip],
+             format: str | None = None) -> tuple[list, list[str]]:
+        """Masked examples of one data file (in ``format``, default data.format), and notes on what was skipped,
+        cut or odd."""
         d = self.recipe.data
-        file_format, record_format = split_format(d.format)
+        file_format, record_format = split_format(format or d.format)
         records, read_stats = read_records(path, format=file_format, on_error=d.on_error,
                                            seed=self.recipe.training.seed,
                                            query=d.query)  # synth: sources draw from the seed; SQLite runs the query

@@ -107,10 +107,11 @@ class ClassificationTask:
         """The head, trained whole beside a LoRA run's adapters, so its checkpoints keep it."""
         return {"score.weight": model.score.weight}
 
-    def read(self, path: str, role: str, tokenizer: Tokenizer,
-             skipped: list[Skip]) -> tuple[list[LabeledText], list[str]]:
-        """The labeled texts of one data file and notes; bad labels name their file and line."""
-        return read_labeled(path, role, self.recipe, tokenizer, self._labels, skipped)
+    def read(self, path: str, role: str, tokenizer: Tokenizer, skipped: list[Skip],
+             format: str | None = None) -> tuple[list[LabeledText], list[str]]:
+        """The labeled texts of one data file (read as ``format``, default data.format) and notes; bad labels name
+        their file and line."""
+        return read_labeled(path, role, self.recipe, tokenizer, self._labels, skipped, format=format)
 
     def stream(self, examples: list[LabeledText], tokenizer: Tokenizer) -> tuple[LabeledStream, list[str]]:
         """The training batches and a note on the class weights, counted on ``examples``: the rows trained on,
