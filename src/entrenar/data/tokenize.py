@@ -14,6 +14,9 @@ Three kinds of record:
   prefix by prefix (``templates.assistant_spans``), and tokens whose text
   starts inside a span are trained.
 
+Alpaca and ShareGPT records (``kind``, the recipe's ``data.format``) are first converted to one of these
+(:mod:`entrenar.data.formats`), so they are masked exactly as ``messages`` or prompt/completion records are.
+
 Labels are aligned with ``input_ids`` (the loss shifts them). ``add_eos``
 appends EOS to text and completion examples; chat templates write their own
 end-of-turn tokens.
