@@ -132,3 +132,10 @@ def test_the_recipe_names_record_formats_and_file_formats():
         assert Recipe.from_dict({"data": {"format": name}}).data.format == name
     with pytest.raises(ConfigError, match="did you mean 'sharegpt'"):
         Recipe.from_dict({"data": {"format": "sharegtp"}})
+
+
+def test_the_recipe_and_the_data_layer_name_the_same_formats():
+    from entrenar.config.rules import DATA_FORMATS as RECIPE_NAMES
+    from entrenar.data.formats import DATA_FORMATS
+
+    assert RECIPE_NAMES == DATA_FORMATS

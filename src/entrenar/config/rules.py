@@ -15,8 +15,13 @@ from typing import Any
 
 import yaml
 
-from entrenar.data.formats import DATA_FORMATS
 from entrenar.errors import ConfigError
+
+# data.format: the record formats of entrenar.data.formats, and the file formats that force a reader. Spelled here
+# too, since importing entrenar.data would load torch for `entrenar --help` (tests/data/test_data_formats.py checks
+# they agree).
+DATA_FORMATS = ("auto", "alpaca", "sharegpt", "messages", "prompt_completion", "text", "jsonl", "json", "csv",
+                "parquet")
 
 
 def _unknown(at: str, dotted: str, key: Any, allowed: list[str]) -> ConfigError:

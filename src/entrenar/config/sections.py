@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
 from entrenar.config.rules import (
+    DATA_FORMATS,
     Reject,
     Rule,
     _activation_bits,
@@ -34,7 +35,6 @@ from entrenar.config.rules import (
     _threshold,
     _train_files,
 )
-from entrenar.data.formats import DATA_FORMATS
 from entrenar.errors import ConfigError, EntrenarError
 from entrenar.io.sqlite import check_query, is_sqlite
 
