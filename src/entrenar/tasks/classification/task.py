@@ -86,7 +86,8 @@ class ClassificationTask:
         names = list(t.labels) if t.labels else None
         num = len(names) if names else (t.num_labels or (1 if t.problem_type == "regression" else None))
         if num is None:  # collected from the training data
-            records, _ = read_records(d.train, format=split_format(d.format)[0], on_error=d.on_error,
+            records, _ = read_records([path for path, _, _ in d.sources()], format=split_format(d.format)[0],
+                                      on_error=d.on_error,
                                       seed=self.recipe.training.seed, query=d.query)
             self.spec = label_spec(t, records, d.label_field)
             num = self.spec.num_labels
