@@ -42,7 +42,7 @@ from entrenar.adapters import lora
 from entrenar.device import resolve_dtype
 from entrenar.errors import AdapterError, ConfigError, ModelError
 from entrenar.export.gguf_write import check_gguf_type, write_gguf
-from entrenar.io import atomic
+from entrenar.io import atomic, hub
 from entrenar.io.checkpoint_files import MODEL_FILE
 from entrenar.io.outputs import check_output, refuse_overlap, replace_files
 from entrenar.io.safetensors_dtypes import SAFETENSORS_DTYPES
@@ -85,7 +85,8 @@ def export(
         )
     if dtype is not None:
         resolve_dtype(dtype, "cpu")  # an unknown name fails now
-    if not Path(model_path).exists():
+    model_path = hub.resolve(model_path)  # a Hub id: its cached snapshot
+    if not model_path.exists():
         raise ModelError(f"{model_path}: no such model folder or GGUF file")
     source = resolve_model_and_adapter(model_path, adapter)
     if source.adapter is not None and not (source.adapter / lora.ADAPTER_CONFIG).is_file():
