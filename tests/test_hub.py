@@ -187,6 +187,35 @@ def test_a_revision_other_than_main(tiny, cache, tmp_path):
         commit, hub.resolve(tiny).name}
 
 
+def test_an_adapter_on_a_revision_names_it_as_peft_does(tiny, cache, tmp_path):
+    import peft
+
+    from entrenar.adapters.lora import LoraConfig, apply_lora, save_adapter
+
+    newer = make_workspace(tmp_path / "ws2")
+    torch.manual_seed(4)
+    model, tokenizer = entrenar.load(newer / "model", device="cpu")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    from entrenar.models.hf import save_hf
+
+    save_hf(model, tmp_path / "v2")
+    tokenizer.save(tmp_path / "v2")
+    publish(cache, tiny, tmp_path / "v2", ref="v2")
+    cfg = LoraConfig(r=2, alpha=4, target_modules=["q_proj"])
+    model, _ = entrenar.load(f"{tiny}@v2", device="cpu")
+    apply_lora(model, cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_()
+    save_adapter(model, tmp_path / "adapter", cfg, base_model_name_or_path=f"{tiny}@v2")
+    read = peft.PeftConfig.from_pretrained(tmp_path / "adapter")
+    assert (read.base_model_name_or_path, read.revision) == (tiny, "v2")
+    assert torch.equal(logits(tmp_path / "adapter"), logits(tmp_path / "v2", adapter=tmp_path / "adapter"))
+
+
 def test_merge_inputs_and_base_model_by_id(cache, tmp_path, capsys):
     from entrenar import quickstart
 
@@ -254,3 +283,57 @@ def test_names_written_as_paths_are_not_ids(cache):
     for name in ("./org/name", "/abs/org/name", "~/org/name", "folder", "models/file.gguf"):
         assert hub.parse_hub_id(name) is None
     assert hub.parse_hub_id("org/name-GGUF/sub/m-Q4_K.gguf@v1") == hub.HubId("org/name-GGUF", "v1", "sub/m-Q4_K.gguf")
+
+
+@pytest.mark.parametrize(("recipe", "repo", "family"), [
+    ("lora-llama", "meta-llama/Llama-3.2-1B", "llama"),
+    ("moe-qwen3-lora", "Qwen/Qwen3-30B-A3B", "qwen3_moe"),
+])
+def test_the_bundled_recipes_run_by_the_hub_ids_they_name(cache, tmp_path, capsys, recipe, repo, family):
+    """A tiny model of the same family stands in for the named one in the cache; the recipe runs as shipped."""
+    from entrenar import quickstart
+    from entrenar.config import load_recipe
+
+    root = Path(__file__).resolve().parents[1] / "recipes" / f"{recipe}.yaml"
+    assert load_recipe(root).model.path == repo
+    tokenizer = quickstart.build_tokenizer()
+    make_hf_model(family, vocab_size=tokenizer.vocab_size).save_pretrained(tmp_path / "tiny")
+    tokenizer.save(tmp_path / "tiny")
+    publish(cache, repo, tmp_path / "tiny")
+    shutil.copy(make_workspace(tmp_path / "ws") / "train.jsonl", "train.jsonl")
+    small = ["data.train=train.jsonl", "data.seq_len=32", "training.max_steps=1", "training.batch_size=2",
+             "training.grad_accum=1", "training.precision=fp32", "schedule.warmup_steps=0", "model.device=cpu",
+             "model.dtype=float32", "output.dir=runs/x"]
+    code, _, err = run_cli(capsys, "train", root, "--no-progress", *(a for s in small for a in ("--set", s)))
+    assert code == 0, err
+    adapter = json.loads(Path("runs/x/adapter/adapter_config.json").read_text())
+    assert adapter["base_model_name_or_path"] == repo
+
+
+def test_inspect_and_quantize_by_id(tiny, capsys):
+    local = snapshot(tiny)
+    code, out, err = run_cli(capsys, "inspect", tiny)
+    assert code == 0, err
+    assert out.replace(tiny, "M") == run_cli(capsys, "inspect", local)[1].replace(str(local), "M")
+    for name, model in (("by-id", tiny), ("by-path", local)):
+        code, _, err = run_cli(capsys, "quantize", model, "--method", "int8", "--output", name)
+        assert code == 0, err
+    by_id, by_path = load_file("by-id/model.safetensors"), load_file("by-path/model.safetensors")
+    assert by_id.keys() == by_path.keys() and all(torch.equal(by_id[k], by_path[k]) for k in by_id)
+
+
+def test_one_gguf_file_of_a_repository(cache, tmp_path):
+    from gguf_fixtures import byte_level_vocab, train_byte_level_tokenizer, write_gguf
+
+    tokenizer = train_byte_level_tokenizer("smollm")
+    vocab_size = tokenizer.get_vocab_size() + 15
+    model = make_hf_model("llama", vocab_size=vocab_size)
+    (tmp_path / "repo").mkdir()
+    write_gguf(tmp_path / "repo" / "tiny-F32.gguf", model, vocab=byte_level_vocab(tokenizer, vocab_size),
+               special_ids={"bos": 1, "eos": 2})
+    publish(cache, "org/tiny-GGUF", tmp_path / "repo")
+    found = try_to_load_from_cache("org/tiny-GGUF", "tiny-F32.gguf")
+    assert hub.resolve("org/tiny-GGUF/tiny-F32.gguf") == Path(found)
+    assert torch.equal(logits("org/tiny-GGUF/tiny-F32.gguf"), logits(tmp_path / "repo" / "tiny-F32.gguf"))
+    with pytest.raises(ModelError, match="no file other.gguf in the snapshot .*HF_HUB_OFFLINE"):
+        hub.resolve("org/tiny-GGUF/other.gguf")

@@ -138,7 +138,10 @@ def export_adapter(model_path: Path, adapter: Path, output: Path) -> Path:
             getattr(layer, part).to_empty(device="cpu").to(state[f"{name}.{part}.weight"].dtype)
     lora.load_lora_state_dict(skeleton, state, str(weights))
 
-    base_name = read_json_object(adapter / lora.ADAPTER_CONFIG).get("base_model_name_or_path") or str(model_path)
+    config = read_json_object(adapter / lora.ADAPTER_CONFIG)
+    base_name = config.get("base_model_name_or_path") or str(model_path)
+    if isinstance(config.get("revision"), str) and config["revision"]:
+        base_name = f"{base_name}@{config['revision']}"  # save_adapter writes it back as PEFT's "revision"
     with replace_files(output) as target:
         lora.save_adapter(skeleton, target, cfg, base_model_name_or_path=base_name)
     return output

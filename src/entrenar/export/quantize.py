@@ -24,6 +24,7 @@ from torch import nn
 from entrenar.errors import ConfigError, QuantError
 from entrenar.evaluation.loss import evaluate_file
 from entrenar.export import stored_dtype
+from entrenar.io import hub
 from entrenar.io.outputs import check_output, replace_files
 from entrenar.loading import load, read_model_config
 from entrenar.loading.runs import resolve_model_and_adapter
@@ -231,7 +232,7 @@ def quantize_pretrained(
     output needs ``overwrite`` and keeps files that are not ours
     (:mod:`entrenar.io.outputs`). The output may not be, or contain, the input.
     """
-    model_path, output = Path(model_path), Path(output)
+    model_path, output = hub.resolve(model_path), Path(output)  # a Hub id: its cached snapshot
     check_options(method, symmetric, calibration, percentile)  # bad settings fail before the model is read
     _check_paths(model_path, output, overwrite)
     if is_quantized_folder(model_path):

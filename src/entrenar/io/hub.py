@@ -21,6 +21,17 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from huggingface_hub import constants, snapshot_download
+from huggingface_hub.utils import (  # where huggingface_hub 0.24 (our floor) to 2.x export them
+    GatedRepoError,
+    HfHubHTTPError,
+    HFValidationError,
+    LocalEntryNotFoundError,
+    RepositoryNotFoundError,
+    RevisionNotFoundError,
+    validate_repo_id,
+)
+
 from entrenar.errors import ModelError
 
 # What entrenar reads of a model or adapter repository; weights in pickles (pytorch_model.bin) are never loaded.
@@ -56,8 +67,6 @@ def _malformed(text: str, why: str) -> ModelError:
 def parse_hub_id(text: str) -> HubId | None:
     """The Hub id ``text`` spells, or None when it is written as a local path (absolute, ``./``, ``~``, one part,
     or ``folder/file.gguf``). A name that is neither (``a/b/c/d``, ``org/name@``) is a ModelError saying why."""
-    from huggingface_hub.utils import HFValidationError, validate_repo_id
-
     if text.startswith(("/", ".", "~")) or "\\" in text or re.match(r"[A-Za-z]:", text):
         return None
     name, at, revision = text.partition("@")
@@ -83,18 +92,28 @@ def parse_hub_id(text: str) -> HubId | None:
 def hub_cache() -> Path:
     """The Hub cache folder huggingface_hub uses (``HF_HUB_CACHE``, else ``$HF_HOME/hub``, else
     ``~/.cache/huggingface/hub``, as read when huggingface_hub was imported)."""
-    from huggingface_hub import constants
-
     return Path(constants.HF_HUB_CACHE).expanduser()
 
 
 def is_offline() -> bool:
     """Whether the Hub must not be asked: ``HF_HUB_OFFLINE`` (or ``TRANSFORMERS_OFFLINE``) now or when
     huggingface_hub was imported."""
-    from huggingface_hub import constants
-
     env = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE") or ""
     return bool(constants.HF_HUB_OFFLINE) or env.strip().lower() in _TRUE
+
+
+def split_revision(name: str | None) -> tuple[str | None, str | None]:
+    """``(name, None)``, or ``(org/name, revision)`` for a Hub id written ``org/name@revision`` that is no local
+    path: how PEFT's adapter_config.json names a base (``base_model_name_or_path``, ``revision``)."""
+    if name is None or "@" not in name or Path(name).expanduser().exists():
+        return name, None
+    try:
+        hub_id = parse_hub_id(name)
+    except ModelError:
+        return name, None
+    if hub_id is None or hub_id.file is not None:
+        return name, None
+    return hub_id.repo, hub_id.revision
 
 
 _resolved: dict[tuple[HubId, Path, bool], Path] = {}  # one look-up on the Hub per id and process
@@ -126,16 +145,6 @@ def fetch(hub_id: HubId) -> Path:
     key = (hub_id, cache, offline)
     if key in _resolved and _resolved[key].exists():
         return _resolved[key]
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.utils import (  # where huggingface_hub 0.24 (our floor) to 2.x export them
-        GatedRepoError,
-        HfHubHTTPError,
-        HFValidationError,
-        LocalEntryNotFoundError,
-        RepositoryNotFoundError,
-        RevisionNotFoundError,
-    )
-
     revision = hub_id.revision or "main"
     named = f"{hub_id} (revision {revision})"
     get = f"hf download {hub_id.repo}" + (f" {hub_id.file}" if hub_id.file else "") + (
@@ -165,9 +174,10 @@ def fetch(hub_id: HubId) -> Path:
         raise ModelError(f"{named}: cannot be fetched from the Hugging Face Hub into {cache}: {e}") from None
     path = folder / hub_id.file if hub_id.file else folder
     if not path.exists():
-        raise ModelError(f"{named}: the repository has no file {hub_id.file} (cached at {folder})")
+        raise ModelError(f"{named}: no file {hub_id.file} in the snapshot {folder}" + (
+            "; HF_HUB_OFFLINE is set, so only files already cached are seen" if offline else ""))
     _resolved[key] = path
     return path
 
 
-__all__ = ["ALLOW_PATTERNS", "HubId", "fetch", "hub_cache", "is_offline", "parse_hub_id", "resolve"]
+__all__ = ["ALLOW_PATTERNS", "HubId", "fetch", "hub_cache", "is_offline", "parse_hub_id", "resolve", "split_revision"]
