@@ -337,3 +337,14 @@ def test_one_gguf_file_of_a_repository(cache, tmp_path):
     assert torch.equal(logits("org/tiny-GGUF/tiny-F32.gguf"), logits(tmp_path / "repo" / "tiny-F32.gguf"))
     with pytest.raises(ModelError, match="no file other.gguf in the snapshot .*HF_HUB_OFFLINE"):
         hub.resolve("org/tiny-GGUF/other.gguf")
+
+
+def test_a_random_init_models_tokenizer_by_id(tiny):
+    from types import SimpleNamespace
+
+    from entrenar.data.tokenizer import Tokenizer
+    from entrenar.models.random_init import load_tokenizer
+
+    by_id = load_tokenizer(SimpleNamespace(model=SimpleNamespace(tokenizer=tiny)))
+    assert by_id.encode("12+7=") == Tokenizer.from_folder(snapshot(tiny)).encode("12+7=")
+    assert by_id.vocab_size == Tokenizer.from_folder(snapshot(tiny)).vocab_size
