@@ -348,3 +348,10 @@ def test_a_random_init_models_tokenizer_by_id(tiny):
     by_id = load_tokenizer(SimpleNamespace(model=SimpleNamespace(tokenizer=tiny)))
     assert by_id.encode("12+7=") == Tokenizer.from_folder(snapshot(tiny)).encode("12+7=")
     assert by_id.vocab_size == Tokenizer.from_folder(snapshot(tiny)).vocab_size
+
+
+def test_a_missing_folder_inside_a_local_folder_is_not_asked_of_the_hub(cache, tmp_path, monkeypatch):
+    (tmp_path / "runs").mkdir()
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(hub, "fetch", lambda hub_id: pytest.fail(f"asked the Hub for {hub_id}"))
+    assert hub.resolve("runs/my-rn") == Path("runs/my-rn")  # a typo of runs/my-run: "no such model folder" follows

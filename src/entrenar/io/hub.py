@@ -132,8 +132,8 @@ def resolve(reference: str | os.PathLike[str], revision: str | None = None) -> P
     if path.exists():
         return path
     hub_id = parse_hub_id(text)
-    if hub_id is None:
-        return path
+    if hub_id is None or Path(hub_id.repo.split("/")[0]).expanduser().is_dir():
+        return path  # written as a path, or in a local folder (`runs/my-rn`): a typo there is not a Hub id
     if revision and not hub_id.revision:
         hub_id = HubId(hub_id.repo, revision, hub_id.file)
     return fetch(hub_id)
