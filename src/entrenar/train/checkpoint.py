@@ -20,7 +20,9 @@ A checkpoint is built in a staging folder beside ``step-N``, fsynced, and rename
 into place (:func:`entrenar.io.atomic.staged_folder`); the pointers are replaced
 the same way. A crash at any moment leaves the previous checkpoint intact and
 ``latest`` naming it; a staging folder left by a hard kill is removed by the
-next save. Nothing is pickled.
+next save. Pruning renames an old checkpoint out of the ``step-N`` namespace
+before deleting its files, so a kill mid-rotation never leaves a ``step-N``
+that looks like a checkpoint but lacks one. Nothing is pickled.
 """
 
 from __future__ import annotations
@@ -309,7 +311,7 @@ def _prune(ckpts: Path, keep_last: int | None, protected: set[str]) -> None:
     keep = {d.name for _, d in steps[-keep_last:]} | protected
     for _, d in steps:
         if d.name not in keep:
-            shutil.rmtree(d)
+            atomic.remove_folder(d)
 
 
 def save_checkpoint(
