@@ -347,16 +347,29 @@ def test_deeply_nested_json_and_a_cut_rng_state_name_the_file(tmp_path: Path) ->
     (path / "optimizer.json").write_bytes(good_optimizer)
 
     rng_file = path / "rng.safetensors"
-    with safe_open_metadata(rng_file) as metadata:
+    good_rng = rng_file.read_bytes()
+    damages = {  # a cut-short state, and whole states of the wrong shape (a TypeError inside numpy before)
+        "torch_cpu": (lambda t: t[:100].clone(), r"'torch_cpu' is torch.uint8 of shape \[100\], a generator state "
+                                                r"is torch.uint8 of shape \[\d+\]"),
+        "numpy_keys": (lambda t: t.reshape(624, 1).clone(), r"'numpy_keys' is torch.int64 of shape \[624, 1\]"),
+    }
+    for name, (damage, message) in damages.items():
+        with safe_open_metadata(rng_file) as metadata:
+            tensors = load_file(str(rng_file))
+            tensors[name] = damage(tensors[name])
+            save_file(tensors, str(rng_file), metadata=metadata)
+        opt = _optimizer(_model(), "adamw")
+        before = torch.get_rng_state()
+        with pytest.raises(CheckpointError, match=r"step-1/rng.safetensors: tensor " + message):
+            load_checkpoint(path, opt)
+        assert torch.equal(torch.get_rng_state(), before) and opt.state_dict()["state"] == {}  # nothing restored
+        rng_file.write_bytes(good_rng)
+    with safe_open_metadata(rng_file) as metadata:  # metadata of the wrong types
         tensors = load_file(str(rng_file))
-        tensors["torch_cpu"] = tensors["torch_cpu"][:100].clone()
-        save_file(tensors, str(rng_file), metadata=metadata)
-    opt = _optimizer(_model(), "adamw")
-    before = torch.get_rng_state()
-    with pytest.raises(CheckpointError, match=r"step-1/rng.safetensors: tensor 'torch_cpu' is torch.uint8 with 100 "
-                                              r"values, a generator state needs torch.uint8 with \d+"):
-        load_checkpoint(path, opt)
-    assert torch.equal(torch.get_rng_state(), before) and opt.state_dict()["state"] == {}  # nothing restored
+        save_file(tensors, str(rng_file), metadata={**metadata, "numpy": json.dumps(
+            {"kind": "MT19937", "pos": [1], "has_gauss": 0, "cached_gaussian": 0.0})})
+    with pytest.raises(CheckpointError, match=r"step-1/rng.safetensors: RNG metadata 'python_random' or 'numpy'"):
+        load_checkpoint(path, _optimizer(_model(), "adamw"))
 
 
 class safe_open_metadata:

@@ -246,15 +246,28 @@ def _read_rng(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         raise CheckpointError(f"{path}: tensor 'torch_cpu' or 'numpy_keys' is missing")
     # Sizes the generators need, checked here so a cut-short state fails before anything is restored.
     expected = {"torch_cpu": (torch.uint8, torch.get_rng_state().numel()), "numpy_keys": (torch.int64, 624)}
+    expected |= {name: (torch.uint8, tensors[name].numel()) for name in tensors if name.startswith("torch_cuda.")}
     for name, (dtype, numel) in expected.items():
-        if tensors[name].dtype != dtype or tensors[name].numel() != numel:
-            raise CheckpointError(f"{path}: tensor {name!r} is {tensors[name].dtype} with {tensors[name].numel()} "
-                                  f"values, a generator state needs {dtype} with {numel}; the file is damaged")
-    py, np_meta = meta["python_random"], meta["numpy"]
-    if (not isinstance(py, dict) or not isinstance(py.get("state"), list) or len(py["state"]) != 625
-            or not isinstance(np_meta, dict) or not {"kind", "pos", "has_gauss", "cached_gaussian"} <= np_meta.keys()):
+        tensor = tensors[name]
+        if tensor.dtype != dtype or tensor.dim() != 1 or tensor.numel() != numel:
+            raise CheckpointError(f"{path}: tensor {name!r} is {tensor.dtype} of shape {list(tensor.shape)}, a "
+                                  f"generator state is {dtype} of shape [{numel}]; the file is damaged")
+    if not _rng_meta_ok(meta["python_random"], meta["numpy"]):
         raise CheckpointError(f"{path}: RNG metadata 'python_random' or 'numpy' is damaged")
     return tensors, meta
+
+
+def _rng_meta_ok(py: Any, np_meta: Any) -> bool:
+    """Whether the Python and numpy generator states have the fields and types their setters take."""
+    def is_int(value: Any) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool)
+
+    return (isinstance(py, dict) and is_int(py.get("version")) and isinstance(py.get("state"), list)
+            and len(py["state"]) == 625 and all(is_int(v) and 0 <= v < 2**32 for v in py["state"])
+            and (py.get("gauss_next") is None or isinstance(py["gauss_next"], float))
+            and isinstance(np_meta, dict) and np_meta.get("kind") == "MT19937"
+            and is_int(np_meta.get("pos")) and 0 <= np_meta["pos"] <= 624 and is_int(np_meta.get("has_gauss"))
+            and isinstance(np_meta.get("cached_gaussian"), (int, float)))
 
 
 def _restore_rng(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
