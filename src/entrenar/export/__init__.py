@@ -237,11 +237,21 @@ def _refuse_quantized_checkpoint(folder: Path) -> None:
 
 def _checkpoint_dtype(checkpoint: Path) -> torch.dtype:
     """The floating dtype of a training checkpoint's weights."""
-    with safe_open(str(checkpoint / MODEL_FILE), framework="pt") as f:
-        for name in f.keys():
-            kind = f.get_slice(name).get_dtype()
-            if SAFETENSORS_DTYPES.get(kind) in _WEIGHT_DTYPES:
-                return SAFETENSORS_DTYPES[kind]
+    return _first_weight_dtype(checkpoint / MODEL_FILE)
+
+
+def _first_weight_dtype(file: Path) -> torch.dtype:
+    """The dtype of the first floating weight in a safetensors file's header (float32 if none)."""
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                kind = f.get_slice(name).get_dtype()
+                if SAFETENSORS_DTYPES.get(kind) in _WEIGHT_DTYPES:
+                    return SAFETENSORS_DTYPES[kind]
+    except OSError:
+        raise
+    except Exception as e:  # safetensors raises its own error types for a damaged header
+        raise ModelError(f"{file}: cannot read safetensors file ({e})") from None
     return torch.float32
 
 
@@ -256,12 +266,7 @@ def stored_dtype(model_path: Path) -> torch.dtype:
         if kinds == {"F32"}:
             return torch.float32
         return torch.bfloat16 if kinds == {"BF16"} else torch.float16
-    with safe_open(str(weight_files(model_path)[0]), framework="pt") as f:
-        for name in f.keys():
-            kind = f.get_slice(name).get_dtype()
-            if SAFETENSORS_DTYPES.get(kind) in _WEIGHT_DTYPES:
-                return SAFETENSORS_DTYPES[kind]
-    return torch.float32
+    return _first_weight_dtype(weight_files(model_path)[0])
 
 
 __all__ = ["export", "export_adapter", "load_merged", "save_merged", "stored_dtype"]

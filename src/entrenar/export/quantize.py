@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import re
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -262,6 +263,10 @@ def quantize_pretrained(
     layout_group = group_size if parse_method(method)[0] == "int" else None
     with replace_files(output) as target:
         save_quantized(model, tokenizer, target, info=info, group_size=layout_group)
+    if tokenizer is None:
+        warnings.warn(f"{output}: written without a tokenizer, as {model_path} has none; eval, generate, chat and "
+                      "training need one: copy the tokenizer files (tokenizer.json, tokenizer_config.json) of the "
+                      "model it came from into it", stacklevel=2)
     return QuantizeResult(output=output, method=method, layers=errors, bytes_before=bytes_before,
                           bytes_after=_weight_bytes(model, names), before=before, after=after,
                           config=quantization_config(model, info, layout_group),
