@@ -17,8 +17,10 @@ import errno
 import os
 import re
 import sys
+import warnings
 from collections.abc import Sequence
 from importlib import import_module
+from typing import TextIO
 
 from entrenar import __version__
 from entrenar.distributed.launch import rank_prefix, report_worker_error
@@ -53,6 +55,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as stop:  # --help, --version and usage errors: argparse's own code
         return stop.code if isinstance(stop.code, int) else int(stop.code is not None)
     debug = getattr(args, "debug", False)
+    shown = warnings.showwarning
+    if not debug:
+        warnings.showwarning = _show_note
     try:
         return args.run(args)
     except BrokenPipeError:  # `entrenar inspect ... | head`: the reader left; stop quietly, as `cat` does
@@ -92,6 +97,21 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"error: {rank_prefix()}{message}", file=sys.stderr)
             return 2
         return _internal(bug)
+    finally:
+        warnings.showwarning = shown
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_default_showwarning = warnings.showwarning
+
+
+def _show_note(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+               file: TextIO | None = None, line: str | None = None) -> None:
+    """entrenar's own warnings are notes to the user: one line, no source location (--debug shows Python's form)."""
+    if not os.path.abspath(filename).startswith(_PACKAGE_DIR + os.sep):
+        _default_showwarning(message, category, filename, lineno, file, line)
+        return
+    print(f"note: {rank_prefix()}{message}", file=file or sys.stderr)
 
 
 def out_of_memory_message(error: Exception) -> str:

@@ -24,6 +24,7 @@ from entrenar.data.sources import Skip
 from entrenar.data.tokenizer import Tokenizer
 from entrenar.errors import ConfigError, DataError
 from entrenar.evaluation.loss import EvalResult, eval_loss
+from entrenar.io import hub
 from entrenar.io.run_dir import ADAPTER_DIR, MODEL_DIR
 from entrenar.kernels.fused_linear_ce import FUSED_LOSS_CHUNK, fused_linear_cross_entropy
 from entrenar.loading import load
@@ -133,7 +134,7 @@ class CausalLMTask:
             save_adapter(model, out, lora, base_model_name_or_path=str(recipe.model.path))
             return out
         out = folder / MODEL_DIR
-        base = Path(recipe.model.path) if recipe.model.path else None  # a random-init model has no base folder
+        base = hub.resolve(recipe.model.path) if recipe.model.path else None  # a random-init model has none
         with master_weights(model):  # QAT: the full-precision weights it trained, as a plain model folder
             # base: its generation config is kept
             save_model_folder(model, tokenizer, out, base=base if base and base.is_dir() else None)

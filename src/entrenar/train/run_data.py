@@ -11,7 +11,8 @@ from entrenar.data.mix import mix, weighted
 from entrenar.data.sources import Skip
 from entrenar.data.synth import is_synth
 from entrenar.data.tokenizer import Tokenizer
-from entrenar.errors import ConfigError, DataError
+from entrenar.errors import ConfigError, DataError, ModelError
+from entrenar.io import hub
 from entrenar.tasks.base import Task
 
 # What a run without held-out examples says at the start and in --dry-run.
@@ -34,16 +35,25 @@ class RunData:
 
 def check_paths(recipe: Recipe) -> None:
     """Every file the recipe names besides the model exists (the training files, the validation file, a random
-    model's tokenizer): checked before anything is loaded, so a typo costs no model load. Synthetic sources
-    (``synth:``) are not files."""
+    model's tokenizer unless it is a Hub id): checked before anything is loaded, so a typo costs no model load.
+    Synthetic sources (``synth:``) are not files."""
     d, m = recipe.data, recipe.model
     named = [("data.train" if isinstance(d.train, str) else f"data.train[{i}].path", path)
              for i, (path, _, _) in enumerate(d.sources())]
-    named += [(key, path) for key, path in (("data.validation", d.validation), ("model.tokenizer", m.tokenizer))
-              if path is not None]
+    named += [("data.validation", d.validation)] if d.validation is not None else []
+    named += [("model.tokenizer", m.tokenizer)] if m.tokenizer is not None and _local(m.tokenizer) else []
     for key, path in named:
         if not is_synth(path) and not Path(path).exists():
             raise DataError(f"{key}: no such file or folder: {path}")
+
+
+def _local(name: str) -> bool:
+    """Whether ``name`` means a local path (as :func:`entrenar.io.hub.resolve` decides), not a Hub id."""
+    try:
+        hub_id = hub.parse_hub_id(name)
+    except ModelError:  # neither a path that exists nor an id: the loader says why
+        return False
+    return hub_id is None or Path(hub_id.repo.split("/")[0]).expanduser().is_dir()
 
 
 def read_data(recipe: Recipe, task: Task, tokenizer: Tokenizer) -> RunData:
