@@ -163,3 +163,16 @@ def test_a_run_without_held_out_examples_says_nothing_will_be_evaluated(workspac
     result = train(recipe, dry_run=True, progress=False, verbose=True)
     assert "validation examples   0 (nothing will be evaluated" in result.summary
     assert "validation examples 0: nothing will be evaluated" in capsys.readouterr().out
+
+
+def test_a_random_models_tokenizer_file_is_checked_first_but_a_hub_id_is_left_to_the_loader(workspace):
+    from entrenar.train.run_data import check_paths
+
+    def recipe(tokenizer):
+        return Recipe.from_dict({"model": {"init": "random", "config": {"model_type": "llama"}, "tokenizer": tokenizer},
+                                 "data": {"train": str(workspace / "train.jsonl")}})
+
+    missing = workspace / "tokenizer.json"
+    with pytest.raises(DataError, match=re.escape(f"model.tokenizer: no such file or folder: {missing}")):
+        check_paths(recipe(str(missing)))
+    check_paths(recipe("HuggingFaceTB/SmolLM2-135M"))  # resolved (or refused, naming the id) when loading
