@@ -17,6 +17,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -196,7 +197,7 @@ class MlflowTracker:
 
 class WandbTracker:
     """A Weights & Biases run (``mode: offline`` needs no network: ``wandb sync`` uploads it later): the recipe as
-    its config, each line's numbers at its step, the run folder's files saved with the run."""
+    its config, each line's numbers at its step, copies of the run folder's files saved with the run."""
 
     def __init__(self, settings: dict[str, Any], run_name: str, resume_step: int | None = None) -> None:
         wandb = _wandb()
@@ -214,8 +215,9 @@ class WandbTracker:
         self.run.log(metrics, step=step)  # an evaluation at the step of a train line joins that line's row
 
     def log_artifacts(self, paths: Sequence[Path]) -> None:
-        for path in paths:
-            self.run.save(str(path), base_path=str(path.parent), policy="now")
+        for path in paths:  # copied: W&B would link to them, and an offline run is uploaded later, maybe elsewhere
+            copy = shutil.copy2(path, Path(self.run.dir) / path.name)
+            self.run.save(str(copy), base_path=self.run.dir, policy="now")
 
     def close(self, ok: bool = True) -> None:
         self.run.finish(exit_code=0 if ok else 1)
