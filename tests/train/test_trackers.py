@@ -16,7 +16,7 @@ from test_loop import recipe_for
 
 from conftest import make_workspace
 from entrenar.cli.main import main
-from entrenar.config import load_recipe
+from entrenar.config import Recipe, load_recipe
 from entrenar.errors import ConfigError
 from entrenar.train.loop import train
 from entrenar.train.metrics import read_metrics
@@ -178,3 +178,45 @@ def test_the_mlflow_store_is_the_recipes_then_the_environments_then_mlruns_here(
     assert mlflow_tracking_uri(None) == "http://tracker:5000"
     for uri in ("https://host/mlflow", "databricks", "file:///tmp/x"):
         assert mlflow_tracking_uri(uri) == uri
+
+
+def test_a_run_that_stops_with_an_error_ends_failed_and_a_resumed_one_says_from_where(tmp_path, monkeypatch):
+    pytest.importorskip("mlflow")
+    from mlflow.tracking import MlflowClient
+
+    from entrenar.train.metrics import MetricsLogger
+
+    settings = {"tracking_uri": str(tmp_path / "store"), "experiment": "e", "run_name": None}
+    with pytest.raises(KeyboardInterrupt), MetricsLogger(tmp_path, trackers=[MlflowTracker(settings, "r")]) as logger:
+        logger.log_step(1, 2.5, 0.5, 1e-3, tokens=10, step_time_s=0.1)
+        raise KeyboardInterrupt
+    with MetricsLogger(tmp_path, resume_step=1, trackers=[MlflowTracker(settings, "r", resume_step=1)]) as logger:
+        logger.log_step(2, 2.0, 0.5, 1e-3, tokens=10, step_time_s=0.1)
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    client = MlflowClient((tmp_path / "store").as_uri())
+    runs = client.search_runs([client.get_experiment_by_name("e").experiment_id], order_by=["attributes.start_time"])
+    assert [(r.info.status, r.data.tags.get("entrenar.resumed_from_step")) for r in runs] == [
+        ("FAILED", None), ("FINISHED", "1")]
+    assert [[(m.step, m.value) for m in client.get_metric_history(r.info.run_id, "train/loss")] for r in runs] == [
+        [(1, 2.5)], [(2, 2.0)]]
+
+
+def test_a_tracker_that_cannot_start_names_its_key_and_closes_those_started(tmp_path, monkeypatch):
+    pytest.importorskip("mlflow")
+    from entrenar.train.trackers import WandbTracker, open_trackers
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("api_key not configured (no-tty)")
+
+    monkeypatch.setattr(WandbTracker, "__init__", refuse)
+    recipe = Recipe.from_dict({"model": {"path": "m"}, "data": {"train": "t.jsonl"},
+                               "output": {"mlflow": str(tmp_path / "store"), "wandb": True}})
+    with pytest.raises(ConfigError, match=r"^output\.wandb: the tracker could not start a run: RuntimeError: "
+                                          r"api_key not configured \(no-tty\)$"):
+        open_trackers(recipe, tmp_path / "run")
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient((tmp_path / "store").as_uri())
+    [run] = client.search_runs([client.get_experiment_by_name("Default").experiment_id])
+    assert run.info.status == "FAILED"

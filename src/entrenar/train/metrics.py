@@ -208,7 +208,13 @@ class MetricsLogger:
             self._file.close()
         trackers, self.trackers = self.trackers, []
         for tracker in trackers:
-            tracker.close(ok)
+            try:
+                tracker.close(ok)
+            except Exception as error:
+                if ok:
+                    raise
+                # the error that stopped the run is the one to report
+                warnings.warn(f"{type(tracker).__name__} could not close its run: {error}", stacklevel=2)
 
     def __enter__(self) -> Self:
         return self

@@ -227,18 +227,22 @@ def open_trackers(recipe: Recipe, run_dir: Path, resume_step: int | None = None)
     """The trackers ``recipe.output`` asks for, each with a run named after the run folder (unless its section
     names one) and the recipe logged; a tracker that cannot start closes those already started."""
     output, name = recipe.output, Path(run_dir).name
-    starts: list[Any] = []
+    starts: list[tuple[str, Any]] = []
     if output.tensorboard:
-        starts.append(lambda: TensorBoardTracker(run_dir, resume_step))
+        starts.append(("output.tensorboard", lambda: TensorBoardTracker(run_dir, resume_step)))
     if output.mlflow is not None:
-        starts.append(lambda: MlflowTracker(output.mlflow, name, resume_step))
+        starts.append(("output.mlflow", lambda: MlflowTracker(output.mlflow, name, resume_step)))
     if output.wandb is not None:
-        starts.append(lambda: WandbTracker(output.wandb, name, resume_step))
+        starts.append(("output.wandb", lambda: WandbTracker(output.wandb, name, resume_step)))
     trackers: list[Tracker] = []
     try:
-        for start in starts:
-            trackers.append(start())
-            trackers[-1].log_params(recipe.to_dict())
+        for key, start in starts:
+            try:
+                trackers.append(start())
+                trackers[-1].log_params(recipe.to_dict())
+            except Exception as error:  # a server that refuses, W&B online without a login...
+                raise ConfigError(f"{key}: the tracker could not start a run: {type(error).__name__}: {error}") \
+                    from error
     except BaseException:
         for tracker in trackers:
             tracker.close(ok=False)
