@@ -77,8 +77,8 @@ class MetricsLogger:
     ``resume_step=N`` keeps the lines with ``step <= N`` (rewritten atomically,
     byte for byte) and carries on from them: elapsed time, total tokens and the
     best eval loss continue where step N left them. ``clock`` is injectable for
-    tests. ``trackers`` (:func:`~entrenar.train.trackers.open_trackers`) get each line's numbers, ``log_artifacts``'
-    files, and are closed with the logger: with an error or interrupt as FAILED.
+    tests. ``trackers`` (:func:`~entrenar.train.trackers.open_trackers`) get each line's numbers and the files
+    given to :meth:`log_artifacts`, and are closed with the logger (as failed after an error or an interrupt).
     """
 
     def __init__(
