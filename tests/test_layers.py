@@ -79,6 +79,8 @@ OPTIONAL_OR_SLOW: dict[str, str] = {
     "matplotlib": "optional extra `plot`",
     "pyarrow": "optional extra `parquet`",
     "torch.utils.tensorboard": "optional extra `tensorboard`",
+    "mlflow": "optional extra `mlflow` (mlflow-skinny)",
+    "wandb": "optional extra `wandb`",
     "torch.distributed": "absent from some torch builds; its launcher, FSDP, DTensor and DCP take seconds to import",
     "torch.nn.parallel": "DDP: only a multi-process run needs it",
     "gguf": "about 0.1 s to import (numpy tables); only GGUF files need it",

@@ -70,6 +70,24 @@ def test_two_processes_train_as_one_and_resume_across_world_sizes(shared, method
     assert_same_run(one_two, one)
 
 
+def test_only_rank_0_logs_to_the_trackers(shared, monkeypatch):
+    """Two processes, one MLflow run: rank 0's, with the losses of metrics.jsonl (which only rank 0 writes)."""
+    pytest.importorskip("mlflow")
+    from mlflow.tracking import MlflowClient
+
+    ws, recipes, _ = shared
+    run, store = ws / "tracked", ws / "mlruns"
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("MLFLOW_EXPERIMENT_NAME", raising=False)
+    launch(train_worker, recipes["lora"], [f"output.dir={run}", "training.max_steps=2", f"output.mlflow={store}"])
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # reading the folder store the run wrote
+    client = MlflowClient(store.as_uri())
+    [tracked] = client.search_runs([client.get_experiment_by_name("Default").experiment_id])
+    history = client.get_metric_history(tracked.info.run_id, "train/loss")
+    assert sorted((m.step, m.value) for m in history) == [
+        (r["step"], r["loss"]) for r in read_metrics(run / "metrics.jsonl") if "loss" in r]
+
+
 def test_a_diverged_replica_stops_the_run_naming_step_and_tensor(shared):
     ws, recipes, _ = shared
     with pytest.raises(DistributedError, match=r"step 2: replicas diverged; '.*lora_A.*' differs on rank\(s\) 1"):

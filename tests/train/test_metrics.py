@@ -190,12 +190,15 @@ def _scalars(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
 
 def test_tensorboard_gets_the_numbers_of_metrics_jsonl_and_drops_them_after_a_resumed_step(tmp_path: Path) -> None:
     pytest.importorskip("tensorboard")
-    with MetricsLogger(tmp_path, tensorboard=True) as logger:
+    from entrenar.train.trackers import TensorBoardTracker
+
+    with MetricsLogger(tmp_path, trackers=[TensorBoardTracker(tmp_path)]) as logger:
         for step in range(1, 5):
             logger.log_step(step, 3.0 - 0.25 * step, 0.5 * step, 1e-3 * step, tokens=100, step_time_s=0.5,
                             flags={"skipped": "x"} if step == 2 else None)
         logger.log_eval(4, 2.0)
-    with MetricsLogger(tmp_path, resume_step=2, tensorboard=True) as logger:  # crashed after 4, resumed from 2
+    resumed = TensorBoardTracker(tmp_path, resume_step=2)  # crashed after 4, resumed from 2
+    with MetricsLogger(tmp_path, resume_step=2, trackers=[resumed]) as logger:
         for step in (3, 4):
             logger.log_step(step, 9.0 + step, 0.1, 2e-3, tokens=100, step_time_s=0.5)
     lines = read_metrics(tmp_path / "metrics.jsonl")
@@ -208,7 +211,7 @@ def test_tensorboard_gets_the_numbers_of_metrics_jsonl_and_drops_them_after_a_re
 
 def test_tensorboard_missing_is_a_config_error(monkeypatch: pytest.MonkeyPatch) -> None:
     from entrenar.errors import ConfigError
-    from entrenar.train.metrics import tensorboard_writer_class
+    from entrenar.train.trackers import tensorboard_writer_class
 
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
     with pytest.raises(ConfigError, match=r"output\.tensorboard: needs the tensorboard package \(pip install "

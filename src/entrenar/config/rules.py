@@ -375,3 +375,39 @@ def _epochs(value: Any) -> float | None:
     if number is None or number <= 0:
         raise Reject("a number > 0 or null")
     return number
+
+
+def _tracker(what: str, keys: tuple[str, ...], choices: dict[str, tuple[str, ...]] | None = None) -> Rule:
+    """An experiment tracker (output.mlflow, output.wandb): false or null (off), true (the tracker's defaults), a
+    string (the first key: a tracking URI, a project) or a mapping of ``keys``, each a non-empty string or null.
+    Normalized to None or a mapping with every key."""
+    expected = f"false, true, {what}, or a mapping {{{', '.join(keys)}}}"
+    choices = choices or {}
+
+    def rule(value: Any) -> dict[str, str | None] | None:
+        if value is None or value is False:
+            return None
+        if value is True:
+            value = {}
+        elif isinstance(value, str) and value.strip():
+            value = {keys[0]: value}
+        if not isinstance(value, dict):
+            raise Reject(expected)
+        for key in value:
+            if key not in keys:
+                close = _closest(key, list(keys))
+                hint = f"; did you mean '{close}'?" if close else ""
+                raise Reject(expected, f" (unknown key {_show(key)}{hint})")
+        for key, setting in value.items():
+            if setting is not None and not (isinstance(setting, str) and setting.strip()):
+                raise Reject(expected, f" ({key} must be a non-empty string or null, got {_show(setting)})")
+            if setting is not None and key in choices and setting not in choices[key]:
+                raise Reject(expected, f" ({key} must be one of: {', '.join(choices[key])}, got {_show(setting)})")
+        return {key: value.get(key) for key in keys}
+
+    return rule
+
+
+_mlflow = _tracker("a tracking URI or folder", ("tracking_uri", "experiment", "run_name"))
+_wandb = _tracker("a project name", ("project", "entity", "run_name", "mode", "dir"),
+                  {"mode": ("online", "offline")})

@@ -25,6 +25,7 @@ from entrenar.config.rules import (
     _integer,
     _labels,
     _lr_scales,
+    _mlflow,
     _model_config,
     _modules,
     _number,
@@ -34,6 +35,7 @@ from entrenar.config.rules import (
     _text,
     _threshold,
     _train_files,
+    _wandb,
 )
 from entrenar.errors import ConfigError, EntrenarError
 from entrenar.io.sqlite import check_query, is_sqlite
@@ -316,6 +318,9 @@ class OutputSection(_Section):
     name: str = setting("run", _text())
     dir: str = setting(None, _text(nullable=True))  # None given: runs/<name>, set in __post_init__
     tensorboard: bool = setting(False, _boolean)  # also write TensorBoard event files (the `tensorboard` extra)
+    # also log to MLflow / Weights & Biases (the `mlflow`, `wandb` extras; entrenar.train.trackers): null or a mapping
+    mlflow: dict[str, str | None] | None = setting(None, _mlflow)  # {tracking_uri, experiment, run_name}
+    wandb: dict[str, str | None] | None = setting(None, _wandb)  # {project, entity, run_name, mode, dir}
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -28,11 +28,11 @@ from entrenar.train.checkpoint import latest_checkpoint
 from entrenar.train.console import Console
 from entrenar.train.determinism import deterministic_algorithms
 from entrenar.train.dry_run import dry_run_report
-from entrenar.train.metrics import tensorboard_writer_class
 from entrenar.train.plan import check_recipe, plan_run
 from entrenar.train.prepare import load_model, prepare
 from entrenar.train.resume import recipe_for_resume, run_folder
 from entrenar.train.run_data import NO_VALIDATION, check_paths, read_data
+from entrenar.train.trackers import check_trackers
 from entrenar.train.trainer import Trainer, TrainResult
 
 
@@ -73,8 +73,7 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
     if checkpoint is not None:
         recipe = recipe_for_resume(recipe, run)
     check_recipe(recipe, device, world)  # what needs no model: refused before anything is written or loaded
-    if recipe.output.tensorboard:
-        tensorboard_writer_class()  # a missing package is found now, not after loading the model
+    check_trackers(recipe.output)  # a missing tracker package is found now, not after loading the model
     console.recipe(recipe)
     if is_quickstart:
         world.main_only(quickstart.write_files, recipe)  # only once the recipe is known to be sound

@@ -9,10 +9,9 @@ lines: ``{"step", "eval_loss", "eval_ppl"}``. Non-finite numbers are written as
 counts, and must be the same count its checkpoints use, since resuming at
 step N drops every line after N.
 
-With ``tensorboard=True`` the same numbers also go to TensorBoard event files
-in ``<run>/tensorboard/`` (the standard SummaryWriter; ``pip install
-'entrenar[tensorboard]'``), tagged ``train/loss``, ``train/lr``,
-``train/grad_norm``, ``train/tokens_per_s``, ``eval/loss``, ``eval/ppl``.
+The same numbers, at the same steps, also go to the experiment trackers the logger is given (TensorBoard,
+MLflow, Weights & Biases: :mod:`entrenar.train.trackers`), tagged ``train/loss``, ``train/lr``,
+``train/grad_norm``, ``train/tokens_per_s``, ``eval/loss``, ``eval/ppl``...
 """
 
 from __future__ import annotations
@@ -28,24 +27,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from entrenar.errors import CheckpointError, ConfigError
+from entrenar.errors import CheckpointError
 from entrenar.io import atomic
 from entrenar.io.run_dir import METRICS_FILE
+from entrenar.train.trackers import Tracker, scalars
 
 if TYPE_CHECKING:
     from typing_extensions import Self
-
-TENSORBOARD_DIR = "tensorboard"
-
-
-def tensorboard_writer_class() -> type:
-    """torch's SummaryWriter, or a ConfigError saying how to install what it needs."""
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:
-        raise ConfigError("output.tensorboard: needs the tensorboard package (pip install 'entrenar[tensorboard]'), "
-                          "or set output.tensorboard: false") from None
-    return SummaryWriter
 
 
 def _number(value: Any) -> float | None:
@@ -89,7 +77,8 @@ class MetricsLogger:
     ``resume_step=N`` keeps the lines with ``step <= N`` (rewritten atomically,
     byte for byte) and carries on from them: elapsed time, total tokens and the
     best eval loss continue where step N left them. ``clock`` is injectable for
-    tests; ``tensorboard`` also writes TensorBoard event files.
+    tests. ``trackers`` (:func:`~entrenar.train.trackers.open_trackers`) get each line's numbers and the files
+    given to :meth:`log_artifacts`, and are closed with the logger (as failed after an error or an interrupt).
     """
 
     def __init__(
@@ -97,8 +86,8 @@ class MetricsLogger:
         run_dir: str | os.PathLike,
         resume_step: int | None = None,
         clock: Callable[[], float] = time.monotonic,
-        tensorboard: bool = False,
         write: bool = True,
+        trackers: Sequence[Tracker] = (),
     ) -> None:
         self.path = Path(run_dir) / METRICS_FILE
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -119,13 +108,7 @@ class MetricsLogger:
             atomic.write_bytes(self.path, b"".join(line + b"\n" for line in kept))  # a crash leaves the old file whole
             self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (held open until close())
         self._start = self._last = clock()
-        self._tensorboard = None
-        if tensorboard and write:
-            # purge_step: events after the resumed step are dropped, as the JSONL lines are.
-            purge = resume_step + 1 if resume_step is not None else None
-            self._tensorboard = tensorboard_writer_class()(log_dir=str(self.path.parent / TENSORBOARD_DIR),
-                                                           purge_step=purge)
-
+        self.trackers = list(trackers) if write else []  # the other ranks of a distributed run log nowhere
 
     def _absorb(self, record: dict) -> None:
         if "loss" in record:
@@ -145,11 +128,10 @@ class MetricsLogger:
             return
         self._file.write(json.dumps(record, allow_nan=False) + "\n")
         self._file.flush()
-        if self._tensorboard is not None:
-            prefix = "eval" if any(key.startswith("eval_") for key in record) else "train"
-            for key, value in record.items():
-                if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
-                    self._tensorboard.add_scalar(f"{prefix}/{key.removeprefix('eval_')}", value, record["step"])
+        if self.trackers:
+            numbers = scalars(record)
+            for tracker in self.trackers:
+                tracker.log_metrics(numbers, record["step"])
 
     def log_step(
         self,
@@ -216,17 +198,29 @@ class MetricsLogger:
             extra=extra,
         )
 
-    def close(self) -> None:
+    def log_artifacts(self, paths: Sequence[Path]) -> None:
+        """Hand the run folder's files (:func:`~entrenar.train.trackers.run_artifacts`) to the trackers."""
+        for tracker in self.trackers:
+            tracker.log_artifacts(paths)
+
+    def close(self, ok: bool = True) -> None:
         if self._file is not None:
             self._file.close()
-        if self._tensorboard is not None:
-            self._tensorboard.close()
+        trackers, self.trackers = self.trackers, []
+        for tracker in trackers:
+            try:
+                tracker.close(ok)
+            except Exception as error:
+                if ok:
+                    raise
+                # the error that stopped the run is the one to report
+                warnings.warn(f"{type(tracker).__name__} could not close its run: {error}", stacklevel=2)
 
     def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        self.close(ok=exc_type is None)
 
 
 def format_duration(seconds: float) -> str:

@@ -43,6 +43,7 @@ from entrenar.train.resume import check_trainer_state, load_trainable_state, tra
 from entrenar.train.run_data import RunData
 from entrenar.train.sharded_checkpoint import load_sharded_checkpoint, save_sharded_checkpoint
 from entrenar.train.stepping import MicroStep, OverlappedSteps, StepRecord, SyncSteps
+from entrenar.train.trackers import open_trackers, run_artifacts
 
 
 @dataclass
@@ -128,10 +129,12 @@ class Trainer:
         """Train from :attr:`start_step` to ``training.max_steps`` (or an early stop), save, summarise."""
         self._write_run_files()
         t = self.recipe.training
-        metrics = MetricsLogger(self.run.root, resume_step=self.start_step if self.resumed else None,
-                                tensorboard=self.recipe.output.tensorboard,
+        resume_step = self.start_step if self.resumed else None
+        metrics = MetricsLogger(self.run.root, resume_step=resume_step,
                                 write=self.world.is_main)  # rank 0 writes; the others keep the same counts
-        with metrics:  # the metrics file is closed however the run ends
+        with metrics:  # the metrics file and the trackers are closed however the run ends
+            if self.world.is_main:  # TensorBoard, MLflow, W&B: one voice for the job, as metrics.jsonl
+                metrics.trackers = open_trackers(self.recipe, self.run.root, resume_step)
             before = self._begin(metrics) if self.start_step == 0 else None
             if self.world.distributed and self.world.is_main:
                 print(dist_steps.describe(self.plan.mode, self.world, t.batch_size, self.plan.accumulation,
@@ -283,6 +286,7 @@ class Trainer:
             rows.append(("quantized", str(quantized)))
         rows += self.task.finish(self.model, self.tokenizer, self.data.validation, self.run.root, output, before,
                                  after)
+        metrics.log_artifacts(run_artifacts(self.run.root))  # rank 0's trackers: the plots and report, now written
         summary = metrics.summary(checkpoint=self._last_checkpoint or latest_checkpoint(self.run.root), extra=rows)
         return TrainResult(run_dir=self.run.root, steps=metrics.last_step or 0, summary=summary,
                            final_loss=final_loss, eval_before=before, eval_after=after,
