@@ -352,3 +352,46 @@ def write_moe_gguf(path: str | Path, model: torch.nn.Module, qtype: Q = Q.F32, *
           "expert_feed_forward_length": ("uint32", moe_intermediate)}
     raw = {name: value for name, value in raw.items() if name not in kwargs.get("skip", ())}
     return write_gguf(path, Dense(), qtype=qtype, raw=raw, extra_kv=kv, **kwargs)
+
+
+def train_sentencepiece_tokenizer(folder: Path, dummy_prefix: bool = True) -> tuple[tokenizers.Tokenizer, Any]:
+    """A SentencePiece BPE model with byte fallback, and its tokenizer.json as Llama 2 and Mistral ship it.
+
+    sentencepiece trains ``folder/tokenizer.model`` (control tokens [INST] and
+    [/INST], a user-defined <think>); transformers converts it (vocabulary,
+    merges, added tokens); the normalizer is then the one Llama 2's and
+    Mistral's tokenizer.json have (Gemma's, without the "\u2581" prefix, when
+    ``dummy_prefix`` is off), and BOS is prepended. Returns the tokenizers
+    backend and the ``SentencePieceProcessor``, the reference it must match.
+    """
+    import sentencepiece as spm
+    from transformers import LlamaTokenizer
+
+    folder.mkdir(parents=True, exist_ok=True)
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(_CORPUS_LINES * 20),
+        model_prefix=str(folder / "tokenizer"),
+        model_type="bpe",
+        vocab_size=420,
+        byte_fallback=True,
+        split_digits=True,
+        normalization_rule_name="identity",
+        remove_extra_whitespaces=False,
+        add_dummy_prefix=dummy_prefix,
+        allow_whitespace_only_pieces=True,
+        character_coverage=0.995,
+        control_symbols=["[INST]", "[/INST]"],
+        user_defined_symbols=["<think>"],
+        unk_id=0,
+        bos_id=1,
+        eos_id=2,
+        minloglevel=2,
+    )
+    backend = LlamaTokenizer.from_pretrained(folder, legacy=True).backend_tokenizer
+    prefix = [normalizers.Prepend("\u2581")] if dummy_prefix else []
+    backend.normalizer = normalizers.Sequence([*prefix, normalizers.Replace(" ", "\u2581")])
+    backend.pre_tokenizer = None
+    backend.post_processor = tokenizers.processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 1)]
+    )
+    return backend, spm.SentencePieceProcessor(model_file=str(folder / "tokenizer.model"))

@@ -27,7 +27,7 @@ from entrenar.models.config import ModelConfig
 from entrenar.models.gguf import read_gguf, unpermute_rope_rows
 from entrenar.models.hf import load_hf
 from entrenar.quant.int import dequantize_q4_0, dequantize_q8_0, quantize_q4_0, quantize_q8_0
-from gguf_fixtures import SAMPLE_TEXTS, permute, train_byte_level_tokenizer
+from gguf_fixtures import SAMPLE_TEXTS, permute, train_byte_level_tokenizer, train_sentencepiece_tokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "data"))
 from tiny_chat_tokenizer import BOS, CHATML, EOS, chat_backend, chat_tokenizer  # noqa: E402
@@ -252,6 +252,173 @@ def test_transformers_loads_the_f16_file(native, tmp_path):
             assert theirs_ids == tok.encode(text, add_special_tokens=False), text
 
 
+# -- SentencePiece-style and character-level vocabularies ------------------------
+
+SP_VOCAB = 440  # the SentencePiece tokenizer has 420 tokens; 420-439 become [PADn] rows
+
+
+def plain_texts() -> list[str]:
+    """SAMPLE_TEXTS without the chat tokens, which are no tokens of the SentencePiece vocabulary."""
+    return [text for text in SAMPLE_TEXTS if "<|" not in text]
+
+
+@pytest.mark.parametrize("dummy_prefix", [True, False], ids=["llama2-mistral", "gemma-no-prefix"])
+def test_sentencepiece_tokenizer_is_written_as_llama_cpp_reads_it(native, tmp_path, dummy_prefix):
+    backend, sp = train_sentencepiece_tokenizer(tmp_path / "sp", dummy_prefix)
+    tok = Tokenizer(backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>", chat_template=CHATML)
+    for text in plain_texts():  # the fixture is the tokenizer sentencepiece defines
+        assert tok.encode(text, add_special_tokens=False) == sp.encode(text), text
+    model, _ = native("llama", vocab_size=SP_VOCAB)
+    path = write_gguf(model, tok, tmp_path / "m.gguf", "f16")
+
+    # llama.cpp's reader: the converter's SentencePiece fields, types as sentencepiece gives them.
+    fields = gguf.GGUFReader(path).fields
+    pieces = [sp.id_to_piece(i) for i in range(sp.vocab_size())]
+    kinds = [
+        gguf.TokenType.UNKNOWN if sp.is_unknown(i) else gguf.TokenType.CONTROL if sp.is_control(i)
+        else gguf.TokenType.BYTE if sp.is_byte(i) else gguf.TokenType.USER_DEFINED if pieces[i] == "<think>"
+        else gguf.TokenType.NORMAL
+        for i in range(sp.vocab_size())
+    ]  # fmt: skip
+    n = sp.vocab_size()
+    assert fields["tokenizer.ggml.model"].contents() == "llama"
+    assert fields["tokenizer.ggml.tokens"].contents() == pieces + [f"[PAD{i}]" for i in range(n, SP_VOCAB)]
+    assert fields["tokenizer.ggml.token_type"].contents() == kinds + [gguf.TokenType.UNUSED] * (SP_VOCAB - n)
+    assert kinds.count(gguf.TokenType.BYTE) == 256
+    assert fields["tokenizer.ggml.scores"].types == [gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.FLOAT32]
+    assert len(fields["tokenizer.ggml.scores"].contents()) == SP_VOCAB
+    assert "tokenizer.ggml.merges" not in fields  # llama.cpp merges SentencePiece tokens by score
+    expected = {
+        "tokenizer.ggml.bos_token_id": sp.bos_id(),
+        "tokenizer.ggml.eos_token_id": sp.eos_id(),
+        "tokenizer.ggml.unknown_token_id": sp.unk_id(),
+        "tokenizer.ggml.add_bos_token": True,
+        "tokenizer.ggml.add_eos_token": False,
+        "tokenizer.ggml.add_space_prefix": dummy_prefix,
+        "tokenizer.chat_template": CHATML,
+    }
+    assert {k: fields[k].contents() for k in expected} == expected
+
+    # The vocabulary read back (merges recovered from the scores, as llama.cpp merges) gives the same ids.
+    back = read_gguf(path).tokenizer
+    texts = [*plain_texts(), "[INST] What is 2+2?[/INST] <think>four</think> 4</s>", " [INST]x"]
+    for text in texts:
+        for add in (True, False):
+            assert back.encode(text, add) == tok.encode(text, add), text
+    if dummy_prefix:
+        # transformers reads no add_space_prefix (it always prefixes a SentencePiece vocabulary) and, through
+        # its Metaspace pre-tokenizer, adds no prefix to text that starts with a space, as llama.cpp does.
+        from transformers import AutoTokenizer
+
+        theirs = AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
+        for text in plain_texts():
+            if not text[:1].isspace():
+                assert theirs(text, add_special_tokens=False)["input_ids"] == tok.encode(text, False), text
+
+
+def test_sentencepiece_ids_survive_a_round_trip_through_transformers_and_logits_match(native, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    backend, _ = train_sentencepiece_tokenizer(tmp_path / "sp")
+    tok = Tokenizer(backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    model, _ = native("llama", vocab_size=SP_VOCAB)
+    path = write_gguf(model, tok, tmp_path / "m.gguf", "f32")
+    theirs = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name).eval()
+    ids = torch.tensor([tok.encode(SAMPLE_TEXTS[0])])
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(ids).logits, model(ids), atol=1e-4, rtol=0)
+
+
+def test_metaspace_tokenizer_that_llama_cpp_would_prefix_differently_is_refused(native, tmp_path):
+    """transformers' own LlamaTokenizer puts no "▁" before text that starts with a space; sentencepiece
+    (and llama.cpp, which follows it) does, so writing it would change the ids of such text."""
+    from transformers import LlamaTokenizer
+
+    _, sp = train_sentencepiece_tokenizer(tmp_path / "sp")
+    backend = LlamaTokenizer.from_pretrained(tmp_path / "sp").backend_tokenizer
+    tok = Tokenizer(backend, eos_token="</s>", unk_token="<unk>")
+    assert tok.encode(" a", False) != sp.encode(" a")  # the difference the refusal is about
+    model, _ = native("llama", vocab_size=SP_VOCAB)
+    with pytest.raises(ModelError, match="refusing to write a GGUF whose tokenizer differs.*Metaspace"):
+        write_gguf(model, tok, tmp_path / "m.gguf")
+    assert not (tmp_path / "m.gguf").exists()
+
+
+def test_bpe_with_byte_fallback_whose_merges_llama_cpp_cannot_follow_is_refused(native, tmp_path):
+    """llama.cpp joins any two adjacent tokens that form a token, best score first: with "abc" = "a" + "bc"
+    not a merge, "abc" stays ["a", "bc"] in the tokenizer and would become ["abc"] in llama.cpp."""
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import models
+
+    vocab = {"<unk>": 0, "a": 1, "b": 2, "c": 3, "bc": 4, "ab": 5, "abc": 6}
+    merges = [("b", "c"), ("a", "b"), ("ab", "c")]
+    backend = Backend(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True))
+    assert backend.encode("abc").tokens == ["a", "bc"]
+    model, _ = native("llama")
+    with pytest.raises(ModelError, match="token 'abc' is 'a' \\+ 'bc', a pair the tokenizer never merges"):
+        write_gguf(model, Tokenizer(backend, unk_token="<unk>"), tmp_path / "m.gguf")
+
+
+@pytest.mark.parametrize("kind, message", [
+    ("unigram", "does not support Unigram tokenizers"),
+    ("words", "WordLevel tokenizer has tokens of several characters \\(such as 'hello'\\)"),
+    ("wordpiece", "does not support WordPiece tokenizers"),
+])  # fmt: skip
+def test_vocabularies_llama_cpp_cannot_reproduce_are_refused_by_name(native, tmp_path, kind, message):
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import models
+
+    backend = Backend({
+        "unigram": lambda: models.Unigram([("<unk>", 0.0), ("a", -1.0), ("b", -2.0)], unk_id=0),
+        "words": lambda: models.WordLevel({"<unk>": 0, "hello": 1, "a": 2}, unk_token="<unk>"),
+        "wordpiece": lambda: models.WordPiece({"[UNK]": 0, "a": 1, "##b": 2}, unk_token="[UNK]"),
+    }[kind]())  # fmt: skip
+    model, _ = native("llama")
+    with pytest.raises(ModelError, match=message):
+        write_gguf(model, Tokenizer(backend), tmp_path / "m.gguf")
+    assert not (tmp_path / "m.gguf").exists()
+
+
+def test_quickstart_full_fine_tune_exports_to_gguf_with_its_tokenizer(tmp_path, monkeypatch):
+    """The quickstart's character-level WordLevel vocabulary, as a SentencePiece vocabulary without the space
+    prefix: each character one token, so llama.cpp reproduces it on the text the model knows."""
+    from entrenar import quickstart
+    from entrenar.config import load_recipe
+    from entrenar.export import export
+    from entrenar.train.loop import train
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(quickstart, "accuracy", lambda *args, **kwargs: 0.0)  # 400 greedy answers: not the subject
+    steps = ["training.max_steps=2", "training.eval_every=0", "training.save_every=0", "schedule.warmup_steps=1"]
+    run = train(load_recipe(None, steps), progress=False).run_dir
+    original, tok = entrenar.load(run, device="cpu")
+    with pytest.warns(UserWarning, match="no byte-fallback tokens.*'0123456789\\+='"):
+        (path,) = export(run, None, tmp_path / "quickstart.gguf", gguf="f32")
+
+    fields = gguf.GGUFReader(path).fields
+    assert fields["general.architecture"].contents() == "llama"
+    assert fields["tokenizer.ggml.model"].contents() == "llama"
+    assert fields["tokenizer.ggml.tokens"].contents() == [tok.backend.id_to_token(i) for i in range(tok.vocab_size)]
+    assert fields["tokenizer.ggml.token_type"].contents() == [3, 3, 3, 2] + [1] * 12  # <pad> <s> </s> <unk>
+    assert fields["tokenizer.ggml.add_space_prefix"].contents() is False
+    assert fields["tokenizer.ggml.add_bos_token"].contents() is True
+
+    loaded, back = entrenar.load(path, device="cpu")
+    texts = ["47+38=85", "0123456789+=", "9+9=18</s>", "<s>1+1=2</s><pad><pad>", ""]
+    for text in texts:
+        for add in (True, False):
+            assert back.encode(text, add) == tok.encode(text, add), text
+    ids = torch.tensor([tok.encode("47+38=")])
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids), original(ids), atol=1e-5, rtol=0)
+
+    from transformers import AutoTokenizer
+
+    theirs = AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
+    for text in texts[:3]:
+        assert theirs(text)["input_ids"] == tok.encode(text), text
+
+
 def logits_of(model, ids):
     with torch.no_grad():
         return model(ids)
@@ -271,16 +438,6 @@ def test_tokenizer_larger_than_the_embedding_is_refused(native, tmp_path):
     model, tok = native("llama", vocab_size=256)
     with pytest.raises(ModelError, match="300 tokens but the model's embedding only 256 rows"):
         write_gguf(model, tok, tmp_path / "m.gguf")
-
-
-def test_sentencepiece_style_tokenizer_is_refused(native, tmp_path):
-    from tokenizers import Tokenizer as Backend
-    from tokenizers import models
-
-    model, _ = native("llama")
-    backend = Backend(models.BPE(vocab={"<unk>": 0, "a": 1}, merges=[], unk_token="<unk>", byte_fallback=True))
-    with pytest.raises(ModelError, match="byte-level BPE.*BPE with byte fallback"):
-        write_gguf(model, Tokenizer(backend), tmp_path / "m.gguf")
 
 
 def test_unknown_pre_tokenizer_is_refused(native, tmp_path):

@@ -11,16 +11,23 @@ The inverse of :mod:`entrenar.models.gguf`, written the way llama.cpp's
   the chosen type: F32, F16, or ggml's Q8_0/Q4_0 blocks from
   :mod:`entrenar.quant.int` (a weight whose rows do not split into 32-value
   blocks falls back to F16, as the converter does);
-* the tokenizer as ``tokenizer.ggml.*`` lists: byte-level BPE ("gpt2") tokens,
-  token types, merges and the name of llama.cpp's pre-tokenizer, special ids,
-  BOS/EOS flags and the chat template.
+* the tokenizer as ``tokenizer.ggml.*`` lists, special ids, BOS/EOS flags and
+  the chat template: byte-level BPE (Llama 3, Qwen, SmolLM) as llama.cpp's
+  "gpt2" vocabulary (tokens, token types, merges and the name of its
+  pre-tokenizer); BPE with byte fallback (Llama 2, Mistral, Gemma as
+  ``tokenizer.json`` has them) and character-level WordLevel (the quickstart's)
+  as its SentencePiece "llama" vocabulary (tokens, scores, token types with
+  ``<0x..>`` byte tokens as BYTE, and whether a space is prefixed).
 
 llama.cpp names a pre-tokenizer rather than storing it, so the name is chosen
 by behaviour: the one whose normalizer and pre-tokenizer split a set of probe
-texts exactly as the model's tokenizer does. The tokenizer that
-:mod:`entrenar.models.gguf` rebuilds from the written lists must then encode
-the probes to the same ids, or the export is refused rather than shipped with
-a tokenizer that silently differs.
+texts exactly as the model's tokenizer does; likewise the space prefix of a
+SentencePiece vocabulary. Its scores are chosen so that llama.cpp, which joins
+the adjacent pair of best score, merges in the BPE model's order. The
+tokenizer that :mod:`entrenar.models.gguf` rebuilds from the written lists
+(which tokenizes as llama.cpp does) must then encode the probes to the same
+ids, or the export is refused rather than shipped with a tokenizer that
+silently differs. Unigram and WordPiece tokenizers are refused by name.
 
 Tensors are converted and written one at a time, so peak memory is the model
 plus one converted tensor. The file is written beside its target and renamed
@@ -30,6 +37,7 @@ into place.
 from __future__ import annotations
 
 import json
+import re
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -58,7 +66,9 @@ _ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3
 _ROPE_FREQS = "rope_freqs.weight"
 
 # llama.cpp token types (gguf.TokenType).
-_NORMAL, _CONTROL, _USER_DEFINED, _UNUSED = 1, 3, 4, 5
+_NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
+# SentencePiece's byte-fallback tokens.
+_BYTE_TOKEN = re.compile("<0x[0-9A-F]{2}>")
 # Byte-level pre-tokenizers llama.cpp knows, tried in this order (the reader knows how to build each).
 _PRE_TOKENIZERS = ("gpt-2", "smollm", "llama-bpe", "qwen2")
 # Texts on which the pre-tokenizers above differ: contractions, digit runs, unicode
@@ -240,55 +250,80 @@ def _add_architecture(writer: gguf.GGUFWriter, model: Transformer, arch: str, qt
         )
 
 
-def check_gguf_tokenizer(tokenizer: Tokenizer) -> None:
-    """Refuse, before any work, a tokenizer the GGUF writer cannot describe (it writes byte-level BPE)."""
-    model_json = json.loads(tokenizer.backend.to_str())["model"]
-    if model_json.get("type") != "BPE" or model_json.get("byte_fallback"):
-        kind = f"{model_json.get('type')}" + (" with byte fallback" if model_json.get("byte_fallback") else "")
+def _vocabulary_kind(model_json: dict[str, Any]) -> str:
+    """llama.cpp's ``tokenizer.ggml.model`` for a ``tokenizers`` model: "gpt2" or "llama", else a ModelError."""
+    kind = model_json.get("type")
+    if kind == "BPE":
+        return "llama" if model_json.get("byte_fallback") else "gpt2"
+    if kind == "WordLevel":
+        return "llama"
+    if kind == "Unigram":
         raise ModelError(
-            f"GGUF export supports byte-level BPE tokenizers (Llama 3, Qwen, SmolLM); this one is {kind} "
-            "(SentencePiece-style tokenizers are not supported yet)"
+            "GGUF export does not support Unigram tokenizers: llama.cpp's SentencePiece vocabulary ('llama') "
+            "merges pieces by score, while a Unigram model picks the most probable segmentation, so the file "
+            "would tokenize differently (supported: byte-level BPE, BPE with byte fallback, character-level WordLevel)"
         )
+    raise ModelError(
+        f"GGUF export does not support {kind} tokenizers "
+        "(supported: byte-level BPE, BPE with byte fallback, character-level WordLevel)"
+    )
+
+
+def check_gguf_tokenizer(tokenizer: Tokenizer) -> None:
+    """Refuse, before any work, a tokenizer whose kind the GGUF writer cannot describe.
+
+    Byte-level BPE (Llama 3, Qwen, SmolLM) is written as llama.cpp's "gpt2"
+    vocabulary; BPE with byte fallback (Llama 2, Mistral, Gemma as converted to
+    ``tokenizer.json``) and character-level WordLevel (the quickstart's) as its
+    SentencePiece "llama" vocabulary. Whether a tokenizer of a supported kind
+    is reproduced exactly is checked when its metadata is built.
+    """
+    _vocabulary_kind(json.loads(tokenizer.backend.to_str())["model"])
 
 
 def tokenizer_metadata(tokenizer: Tokenizer, n_vocab: int) -> dict[str, Any]:
-    """The ``tokenizer.ggml.*`` metadata of a byte-level BPE tokenizer, as the GGUF reader reads it.
+    """The ``tokenizer.ggml.*`` metadata of ``tokenizer``, as the GGUF reader reads it.
 
     Ids between the tokenizer's vocabulary and the model's ``n_vocab`` (padding
     rows of the embedding) become ``[PADn]`` tokens of type UNUSED, as in
-    llama.cpp's converter.
+    llama.cpp's converter. The tokenizer that :mod:`entrenar.models.gguf`
+    rebuilds from the metadata must encode a set of probe texts to the same ids
+    as ``tokenizer``, or the export is refused.
     """
     backend = tokenizer.backend
     if tokenizer.vocab_size > n_vocab:
         raise ModelError(
             f"the tokenizer has {tokenizer.vocab_size} tokens but the model's embedding only {n_vocab} rows"
         )
-    check_gguf_tokenizer(tokenizer)
     model_json = json.loads(backend.to_str())["model"]
+    kind = _vocabulary_kind(model_json)
     by_id = {i: t for t, i in backend.get_vocab(with_added_tokens=True).items()}
     added = backend.get_added_tokens_decoder()
+    specials = {name: backend.token_to_id(token) for name, token in tokenizer.special_tokens.items()}
+    unk_id = specials.get("unk_token")
+    if unk_id is None and model_json.get("unk_token") is not None:
+        unk_id = backend.token_to_id(model_json["unk_token"])
     tokens, types = [], []
     for i in range(n_vocab):
         if i not in by_id:
             tokens.append(f"[PAD{i}]")
             types.append(_UNUSED)
+        elif kind == "llama" and i == unk_id:
+            tokens.append(by_id[i])
+            types.append(_UNKNOWN)
+        elif i in added:
+            tokens.append(by_id[i])
+            types.append(_CONTROL if added[i].special else _USER_DEFINED)
         else:
             tokens.append(by_id[i])
-            types.append((_CONTROL if added[i].special else _USER_DEFINED) if i in added else _NORMAL)
-    merges = []
-    for n, merge in enumerate(model_json.get("merges") or []):
-        pair = merge.split(" ") if isinstance(merge, str) else list(merge)
-        if len(pair) != 2 or not all(pair):
-            raise ModelError(f"tokenizer merge {n} ({merge!r}) is not two tokens without spaces; GGUF cannot store it")
-        merges.append(" ".join(pair))
+            byte = kind == "llama" and model_json.get("byte_fallback") and _BYTE_TOKEN.fullmatch(by_id[i])
+            types.append(_BYTE if byte else _NORMAL)
 
     meta: dict[str, Any] = {
-        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.model": kind,
         "tokenizer.ggml.tokens": tokens,
         "tokenizer.ggml.token_type": types,
-        "tokenizer.ggml.merges": merges,
     }
-    specials = {name: backend.token_to_id(token) for name, token in tokenizer.special_tokens.items()}
     eos_ids = tokenizer.eos_ids
     ids = {
         "tokenizer.ggml.bos_token_id": tokenizer.bos_id,
@@ -297,7 +332,7 @@ def tokenizer_metadata(tokenizer: Tokenizer, n_vocab: int) -> dict[str, Any]:
         "tokenizer.ggml.eot_token_id": eos_ids[1] if len(eos_ids) > 1 else None,
         "tokenizer.ggml.eom_token_id": eos_ids[2] if len(eos_ids) > 2 else None,
         "tokenizer.ggml.padding_token_id": specials.get("pad_token"),
-        "tokenizer.ggml.unknown_token_id": specials.get("unk_token"),
+        "tokenizer.ggml.unknown_token_id": unk_id,
     }
     if len(eos_ids) > 3:
         warnings.warn(f"GGUF stores three end-of-sequence ids; {eos_ids[3:]} are left out", stacklevel=2)
@@ -307,11 +342,114 @@ def tokenizer_metadata(tokenizer: Tokenizer, n_vocab: int) -> dict[str, Any]:
         meta["tokenizer.ggml.bos_token_id"] = added_bos
     meta["tokenizer.ggml.add_bos_token"] = added_bos is not None
     meta["tokenizer.ggml.add_eos_token"] = add_eos
-    meta["tokenizer.ggml.pre"] = _pre_tokenizer_name(backend)
-    _check_rebuilt_tokenizer(backend, build_tokenizer(meta, "<gguf being written>"))
+    if kind == "gpt2":
+        meta["tokenizer.ggml.merges"] = _merges(model_json)
+        meta["tokenizer.ggml.pre"] = _pre_tokenizer_name(backend)
+        _check_rebuilt_tokenizer(backend, build_tokenizer(meta, "<gguf being written>"), _PROBES)
+    else:
+        meta["tokenizer.ggml.pre"] = "default"
+        meta["tokenizer.ggml.scores"] = _sentencepiece_scores(model_json, tokens, types)
+        meta["tokenizer.ggml.add_space_prefix"] = _space_prefix(backend, meta)
     if tokenizer.chat_template is not None:
         meta["tokenizer.chat_template"] = tokenizer.chat_template
     return meta
+
+
+def _merges(model_json: dict[str, Any]) -> list[str]:
+    """A BPE model's merges as GGUF stores them: the two tokens separated by one space."""
+    merges = []
+    for n, merge in enumerate(model_json.get("merges") or []):
+        pair = merge.split(" ") if isinstance(merge, str) else list(merge)
+        if len(pair) != 2 or not all(pair):
+            raise ModelError(f"tokenizer merge {n} ({merge!r}) is not two tokens without spaces; GGUF cannot store it")
+        merges.append(" ".join(pair))
+    return merges
+
+
+def _sentencepiece_scores(model_json: dict[str, Any], tokens: list[str], types: list[int]) -> list[float]:
+    """Token scores under which llama.cpp's SentencePiece tokenizer merges as the model does.
+
+    llama.cpp starts from characters and repeatedly joins the adjacent pair
+    whose concatenation is a token, best score first. That reproduces BPE when
+    the score of a token falls with the rank of the merge that makes it and
+    every pair of tokens that concatenates to a token is one of the merges (as
+    in a tokenizer converted from SentencePiece); a WordLevel vocabulary is
+    reproduced when it has no token of two or more characters to merge into.
+    Anything else is refused, naming a token llama.cpp would form differently.
+    """
+    vocab = {t: i for i, (t, kind) in enumerate(zip(tokens, types)) if kind == _NORMAL}
+    if model_json["type"] == "WordLevel":
+        long = next((t for t in vocab if len(t) > 1), None)
+        if long is not None:
+            raise ModelError(
+                f"the WordLevel tokenizer has tokens of several characters (such as {long!r}); llama.cpp builds "
+                "such tokens by joining smaller ones, which a word-level vocabulary lacks, so it cannot be written "
+                "as GGUF (character-level WordLevel vocabularies can)"
+            )
+        return [0.0 if kind == _NORMAL else -1000.0 for kind in types]
+    rank: dict[str, int] = {}
+    pairs = set()
+    for n, merge in enumerate(_merges(model_json)):
+        left, right = merge.split(" ")
+        pairs.add((left, right))
+        rank.setdefault(left + right, n)
+    for token in vocab:
+        for cut in range(1, len(token)):
+            left, right = token[:cut], token[cut:]
+            if left in vocab and right in vocab and (left, right) not in pairs:
+                raise ModelError(
+                    f"token {token!r} is {left!r} + {right!r}, a pair the tokenizer never merges; llama.cpp's "
+                    "SentencePiece tokenizer joins any two tokens that form a token, so it would tokenize "
+                    "differently (a BPE tokenizer converted from SentencePiece has every such merge)"
+                )
+    # Merged tokens score -rank; the rest (characters, bytes, special and padding tokens) below them all.
+    floor = -float(len(pairs) + 1)
+    return [-float(rank[t]) if t in rank and kind == _NORMAL else floor for t, kind in zip(tokens, types)]
+
+
+def _space_prefix(backend: tokenizers.Tokenizer, meta: dict[str, Any]) -> bool:
+    """``tokenizer.ggml.add_space_prefix``: whether text gets a leading "\u2581", found by encoding probes both ways.
+
+    A vocabulary without byte-fallback tokens is probed only with text made of
+    its own characters: llama.cpp cannot tokenize any other character.
+    """
+    probes: tuple[str, ...] = _PROBES
+    if sum(kind == _BYTE for kind in meta["tokenizer.ggml.token_type"]) < 256:
+        alphabet = [t for t, kind in zip(meta["tokenizer.ggml.tokens"], meta["tokenizer.ggml.token_type"])
+                    if kind == _NORMAL and len(t) == 1]
+        warnings.warn(
+            "the tokenizer has no byte-fallback tokens (<0x00>..<0xFF>): llama.cpp cannot tokenize text with "
+            f"characters outside its vocabulary ({''.join(alphabet)!r}), which this tokenizer maps to its "
+            "unknown token",
+            stacklevel=3,
+        )
+        allowed = set(alphabet) | ({" "} if "\u2581" in alphabet else set())
+        probes = (
+            "".join(alphabet),
+            "".join(reversed(alphabet)),
+            "".join(alphabet[i % len(alphabet)] for i in range(0, 7 * len(alphabet), 3)) if alphabet else "",
+            *("".join(c for c in text if c in allowed) for text in _PROBES),
+        )
+    errors = []
+    for prefix in (True, False):
+        candidate = {**meta, "tokenizer.ggml.add_space_prefix": prefix}
+        try:
+            _check_rebuilt_tokenizer(backend, build_tokenizer(candidate, "<gguf being written>"), probes)
+        except ModelError as e:
+            errors.append(e)
+            continue
+        return prefix
+    hint = ""
+    if '"Metaspace"' in json.dumps(json.loads(backend.to_str())["pre_tokenizer"]):
+        hint = (
+            "; a Metaspace pre-tokenizer adds no '\u2581' to text that starts with a space (nor, with "
+            "prepend_scheme 'first', after a special token), which llama.cpp does"
+        )
+    raise ModelError(
+        f"{errors[0]} (with and without llama.cpp's space prefix); llama.cpp's SentencePiece tokenizer turns "
+        "spaces into '\u2581', adds one in front of the text and after every special token when the prefix is "
+        f"on, and normalizes nothing else{hint}"
+    )
 
 
 def _added_special_tokens(tokenizer: Tokenizer) -> tuple[int | None, bool]:
@@ -356,9 +494,11 @@ def _pre_tokenizer_name(backend: tokenizers.Tokenizer) -> str:
     )
 
 
-def _check_rebuilt_tokenizer(original: tokenizers.Tokenizer, rebuilt: tokenizers.Tokenizer) -> None:
+def _check_rebuilt_tokenizer(
+    original: tokenizers.Tokenizer, rebuilt: tokenizers.Tokenizer, probes: tuple[str, ...]
+) -> None:
     specials = "".join(t.content for t in original.get_added_tokens_decoder().values())
-    for text in (*_PROBES, specials + _PROBES[0] + specials):
+    for text in (*probes, specials + probes[0] + specials):
         for add in (False, True):
             ours = original.encode(text, add_special_tokens=add).ids
             theirs = rebuilt.encode(text, add_special_tokens=add).ids
@@ -373,8 +513,13 @@ def _add_tokenizer(writer: gguf.GGUFWriter, meta: dict[str, Any], chat_templates
     writer.add_tokenizer_model(meta["tokenizer.ggml.model"])
     writer.add_tokenizer_pre(meta["tokenizer.ggml.pre"])
     writer.add_token_list(meta["tokenizer.ggml.tokens"])
+    if "tokenizer.ggml.scores" in meta:
+        writer.add_token_scores(meta["tokenizer.ggml.scores"])
     writer.add_token_types(meta["tokenizer.ggml.token_type"])
-    writer.add_token_merges(meta["tokenizer.ggml.merges"])
+    if "tokenizer.ggml.merges" in meta:
+        writer.add_token_merges(meta["tokenizer.ggml.merges"])
+    if "tokenizer.ggml.add_space_prefix" in meta:
+        writer.add_add_space_prefix(meta["tokenizer.ggml.add_space_prefix"])
     for key, add in (
         ("bos_token_id", writer.add_bos_token_id),
         ("eos_token_id", writer.add_eos_token_id),
