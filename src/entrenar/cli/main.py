@@ -18,6 +18,7 @@ import errno
 import os
 import re
 import sys
+import warnings
 from collections.abc import Sequence
 from importlib import import_module
 
@@ -69,7 +70,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return stop.code if isinstance(stop.code, int) else int(stop.code is not None)
     debug = getattr(args, "debug", False)
     try:
-        return args.run(args)
+        return _run(args, debug)
     except BrokenPipeError:  # `entrenar inspect ... | head`: the reader left; stop quietly, as `cat` does
         _silence_stdout()
         return 0
@@ -107,6 +108,20 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"error: {rank_prefix()}{message}", file=sys.stderr)
             return 2
         return _internal(bug)
+
+
+def _run(args: argparse.Namespace, debug: bool) -> int:
+    """The command, each warning it raises printed as one ``warning: ...`` line (Python's own form with --debug)."""
+    with warnings.catch_warnings():  # restores the caller's warning settings afterwards
+        if not debug:
+            warnings.showwarning = _one_line_warning
+        code: int = args.run(args)
+        return code
+
+
+def _one_line_warning(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+                      file: object = None, line: str | None = None) -> None:
+    print(f"warning: {message}", file=sys.stderr)
 
 
 def out_of_memory_message(error: Exception) -> str:
