@@ -78,7 +78,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if debug:
             raise
         if not report_worker_error(error, user_error=True):  # a worker of `train --nproc-per-node`: its launcher prints
-            print(f"error: {rank_prefix()}{error}", file=sys.stderr)
+            print(f"error: {rank_prefix()}{error.cli or error}", file=sys.stderr)
         return 2
     except OSError as error:
         if debug:
