@@ -7,7 +7,6 @@ comment as its description, and prints one by name, ready to copy and edit.
 from __future__ import annotations
 
 import difflib
-
 import importlib.resources
 from dataclasses import dataclass
 from pathlib import Path

@@ -42,13 +42,14 @@ def eval_rules(
 ) -> EvalRules:
     """The rules for scoring a data file: each setting given (not None), else the run's ``recipe``, else
     :data:`DEFAULTS`; a recipe also brings its data.format and field names (the file is read as training read it)."""
-    given = {"seq_len": seq_len, "train_on": train_on, "add_eos": add_eos}
-    chosen = {key: value if value is not None else (getattr(recipe.data, key) if recipe is not None
-                                                    else DEFAULTS[key])
-              for key, value in given.items()}
     if recipe is None:
-        return EvalRules(**chosen)
+        return EvalRules(seq_len=DEFAULTS["seq_len"] if seq_len is None else seq_len,
+                         train_on=DEFAULTS["train_on"] if train_on is None else train_on,
+                         add_eos=DEFAULTS["add_eos"] if add_eos is None else add_eos)
     d = recipe.data
     columns = {"text": d.text_field, "prompt": d.prompt_field, "completion": d.completion_field,
                "messages": d.messages_field}
-    return EvalRules(**chosen, fmt=d.format, columns=columns, from_recipe=True)
+    return EvalRules(seq_len=d.seq_len if seq_len is None else seq_len,
+                     train_on=d.train_on if train_on is None else train_on,
+                     add_eos=d.add_eos if add_eos is None else add_eos,
+                     fmt=d.format, columns=columns, from_recipe=True)

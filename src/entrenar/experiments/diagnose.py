@@ -32,6 +32,7 @@ from entrenar.device import resolve_device
 from entrenar.errors import ConfigError
 from entrenar.evaluation.loss import autocast_for
 from entrenar.models.moe import moe_blocks
+from entrenar.models.transformer import Transformer
 from entrenar.tasks.base import Batch
 from entrenar.train.loop import _seed_everything
 from entrenar.train.moe import moe_training
@@ -143,7 +144,7 @@ def slow_note(device: torch.device, precision: str) -> str | None:
     return None
 
 
-def describe_model(recipe: Any, model: nn.Module) -> str:
+def describe_model(recipe: Any, model: Transformer) -> str:
     """What the report calls the model: its path, or for ``model.init: random`` what was built."""
     if recipe.model.path is not None:
         return str(recipe.model.path)

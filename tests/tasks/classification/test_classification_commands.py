@@ -49,5 +49,6 @@ def test_a_classification_summary_prints_no_perplexity(workspace):
     best = next(line for line in result.summary.splitlines() if line.startswith("best eval"))
     evals = [r for r in read_metrics(result.run_dir / "metrics.jsonl") if "eval_loss" in r]
     loss = min(r["eval_loss"] for r in evals)
-    assert best.split(None, 2)[2] == f"loss {loss:.4f} at step {next(r['step'] for r in evals if r['eval_loss'] == loss)}"
+    step = next(r["step"] for r in evals if r["eval_loss"] == loss)
+    assert best.split(None, 2)[2] == f"loss {loss:.4f} at step {step}"
     assert "ppl" not in result.summary and "accuracy" in result.summary
