@@ -9,6 +9,8 @@ import torch
 
 # Tiny models gain nothing from a second thread, and on a shared 2-core machine threads contend badly.
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # inherited by subprocesses the tests start
+# No test asks the Hugging Face Hub: a Hub id resolves from a cache the test writes (tests/io/test_hub.py), or not.
+os.environ["HF_HUB_OFFLINE"] = "1"
 torch.set_num_threads(1)
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

@@ -346,7 +346,7 @@ def test_an_adapter_on_another_base_of_the_same_shapes_warns_naming_both(base, t
     code = main(["generate", str(tmp_path / "other"), "--adapter", str(tmp_path / "ad"), "--prompt", "w1 w2",
                  "--max-new-tokens", "1", "--device", "cpu"])
     err = capsys.readouterr().err
-    assert code == 0 and [line for line in err.splitlines() if "trained on" in line] == [f"warning: {message}"]
+    assert code == 0 and [line for line in err.splitlines() if "trained on" in line] == [f"note: {message}"]
 
     # The Hub id of the same base, beside the Hub cache's snapshot folder of it: the same base.
     config = tmp_path / "ad" / "adapter_config.json"

@@ -113,7 +113,7 @@ def fit_warmup(recipe: Recipe) -> tuple[Recipe, str | None]:
 def write_files(recipe: Recipe) -> None:
     """Generate the base model and the data a resolved quickstart recipe points at, once."""
     # resolve() named them
-    assert recipe.model.path is not None and recipe.data.train is not None and recipe.data.validation is not None
+    assert recipe.model.path is not None and isinstance(recipe.data.train, str) and recipe.data.validation is not None
     model_dir = Path(recipe.model.path)
     if (model_dir / "config.json").is_file():
         return

@@ -190,3 +190,23 @@ def test_an_earlier_output_needs_overwrite_and_other_files_stay(capsys, model, t
     assert (code, err) == (0, "")
     assert (out_dir / "notes.txt").read_text() == "mine"
     assert json.loads((out_dir / "config.json").read_text())["quantization_config"]["method"] == "nf4"
+
+
+@pytest.mark.parametrize("damage", ["truncated", "random bytes"])
+def test_a_damaged_weights_file_is_named_not_an_internal_error(capsys, hf_folder, tmp_path, damage):
+    folder, _ = hf_folder()
+    weights = folder / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2] if damage == "truncated" else bytes(range(256)) * (len(data) // 256))
+    code, out, err = run_cli(capsys, "quantize", folder, "--method", "nf4", "--output", tmp_path / "q")
+    assert (code, out) == (2, "")
+    assert err.startswith(f"error: {weights}: cannot read safetensors file (") and "bug" not in err
+    assert not (tmp_path / "q").exists()
+
+
+def test_a_folder_without_a_tokenizer_is_quantized_with_a_note_saying_so(capsys, hf_folder, tmp_path):
+    folder, _ = hf_folder()
+    code, _, err = run_cli(capsys, "quantize", folder, "--method", "int8", "--output", tmp_path / "q")
+    assert code == 0
+    assert err.startswith(f"note: {tmp_path / 'q'}: written without a tokenizer, as {folder} has none;")
+    assert len(err.splitlines()) == 1  # one line: no Python source location

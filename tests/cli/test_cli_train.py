@@ -91,5 +91,5 @@ def test_bad_value_in_the_file_names_its_line(capsys, calls, tmp_path):
     path.write_text(RECIPE.replace("max_steps: 10", "max_steps: ten"))
     assert main(["train", str(path)]) == 2
     assert capsys.readouterr().err == (
-        f"error: {path} line 6: 'training.max_steps' must be an integer > 0, got 'ten'\n"
+        f"error: {path} line 6: 'training.max_steps' must be an integer > 0 or null, got 'ten'\n"
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import random
 from pathlib import Path
 
@@ -346,16 +347,29 @@ def test_deeply_nested_json_and_a_cut_rng_state_name_the_file(tmp_path: Path) ->
     (path / "optimizer.json").write_bytes(good_optimizer)
 
     rng_file = path / "rng.safetensors"
-    with safe_open_metadata(rng_file) as metadata:
+    good_rng = rng_file.read_bytes()
+    damages = {  # a cut-short state, and whole states of the wrong shape (a TypeError inside numpy before)
+        "torch_cpu": (lambda t: t[:100].clone(), r"'torch_cpu' is torch.uint8 of shape \[100\], a generator state "
+                                                r"is torch.uint8 of shape \[\d+\]"),
+        "numpy_keys": (lambda t: t.reshape(624, 1).clone(), r"'numpy_keys' is torch.int64 of shape \[624, 1\]"),
+    }
+    for name, (damage, message) in damages.items():
+        with safe_open_metadata(rng_file) as metadata:
+            tensors = load_file(str(rng_file))
+            tensors[name] = damage(tensors[name])
+            save_file(tensors, str(rng_file), metadata=metadata)
+        opt = _optimizer(_model(), "adamw")
+        before = torch.get_rng_state()
+        with pytest.raises(CheckpointError, match=r"step-1/rng.safetensors: tensor " + message):
+            load_checkpoint(path, opt)
+        assert torch.equal(torch.get_rng_state(), before) and opt.state_dict()["state"] == {}  # nothing restored
+        rng_file.write_bytes(good_rng)
+    with safe_open_metadata(rng_file) as metadata:  # metadata of the wrong types
         tensors = load_file(str(rng_file))
-        tensors["torch_cpu"] = tensors["torch_cpu"][:100].clone()
-        save_file(tensors, str(rng_file), metadata=metadata)
-    opt = _optimizer(_model(), "adamw")
-    before = torch.get_rng_state()
-    with pytest.raises(CheckpointError, match=r"step-1/rng.safetensors: tensor 'torch_cpu' is torch.uint8 with 100 "
-                                              r"values, a generator state needs torch.uint8 with \d+"):
-        load_checkpoint(path, opt)
-    assert torch.equal(torch.get_rng_state(), before) and opt.state_dict()["state"] == {}  # nothing restored
+        save_file(tensors, str(rng_file), metadata={**metadata, "numpy": json.dumps(
+            {"kind": "MT19937", "pos": [1], "has_gauss": 0, "cached_gaussian": 0.0})})
+    with pytest.raises(CheckpointError, match=r"step-1/rng.safetensors: RNG metadata 'python_random' or 'numpy'"):
+        load_checkpoint(path, _optimizer(_model(), "adamw"))
 
 
 class safe_open_metadata:
@@ -396,3 +410,73 @@ def test_saves_clean_stale_staging_left_by_a_killed_save(tmp_path: Path) -> None
     _save(tmp_path, 2, model, opt, best=True)
     assert sorted(p.name for p in ckpts.iterdir()) == sorted(["best", "latest", "step-1", "step-2", alive.name,
                                                               mine.name])
+
+
+_BOUNDARIES = ("replace", "rename", "unlink", "rmdir", "mkdir", "fsync")  # os calls between which a kill can land
+
+
+def _save_killed_at(run: Path, boundary: int, step: int, model: nn.Module, opt: torch.optim.Optimizer) -> bool:
+    """Save ``step`` (keep_last=1, so the rotation deletes the previous one) in a forked child that dies
+    (os._exit, as a kill -9 would: no cleanup runs) just before its ``boundary``-th file-system call.
+    True if the save finished before reaching that call."""
+    pid = os.fork()
+    if pid == 0:  # the child: count the calls, die at the chosen one
+        count = [0]
+
+        def dying(real):
+            def call(*args, **kwargs):
+                count[0] += 1
+                if count[0] == boundary:
+                    os._exit(9)
+                return real(*args, **kwargs)
+            return call
+
+        for name in _BOUNDARIES:
+            setattr(os, name, dying(getattr(os, name)))
+        try:
+            _save(run, step, model, opt, keep_last=1)
+        except BaseException:
+            os._exit(1)
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    code = os.waitstatus_to_exitcode(status)
+    assert code in (0, 9), f"the save failed in the child (exit {code}) at boundary {boundary}"
+    return code == 0
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_kill_at_any_file_boundary_of_a_rotation_leaves_only_whole_checkpoints(tmp_path: Path) -> None:
+    model = _model()
+    opt = _optimizer(model, "adamw")
+    for boundary in range(1, 200):
+        run = tmp_path / f"kill-{boundary}"
+        _save(run, 2, model, opt, keep_last=1)
+        finished = _save_killed_at(run, boundary, 3, model, opt)
+        ckpts = run / "checkpoints"
+        steps = [d for d in ckpts.iterdir() if d.name.startswith("step-")]
+        assert steps and all((d / f).is_file() for d in steps
+                             for f in ckpt_mod.REQUIRED_FILES), (boundary, sorted(p.name for p in ckpts.iterdir()))
+        latest = latest_checkpoint(run)
+        assert latest is not None and latest.name in ("step-2", "step-3")
+        load_checkpoint(run, _optimizer(_model(), "adamw"))  # what resume would read is whole
+        _save(run, 4, model, opt, keep_last=1)  # the next save cleans whatever the kill left
+        assert sorted(p.name for p in ckpts.iterdir()) == ["latest", "step-4"]
+        if finished:
+            break
+    else:
+        raise AssertionError("the save never finished: the boundary count is wrong")
+    assert boundary > 10  # the kill landed between every pair of file-system calls of a whole save
+
+
+def test_resume_names_and_removes_incomplete_checkpoint_folders(tmp_path: Path) -> None:
+    from entrenar.train.resume import run_folder
+
+    model = _model()
+    opt = _optimizer(model, "sgd")
+    _save(tmp_path, 1, model, opt)
+    broken = _save(tmp_path, 2, model, opt)
+    (broken / "model.safetensors").unlink()  # as an older version's killed rotation could leave it
+    with pytest.warns(UserWarning, match=r"removed 1 incomplete checkpoint folder\(s\) \(step-2\)"):
+        _, ckpt = run_folder(None, tmp_path, dry_run=False)  # type: ignore[arg-type]
+    assert ckpt == tmp_path / "checkpoints" / "step-1"
+    assert not broken.exists()

@@ -45,7 +45,7 @@ from entrenar.adapters.layer import (  # noqa: F401 - re-exported: the layer is 
 )
 from entrenar.config import LoraSection, Reject, setting
 from entrenar.errors import AdapterError
-from entrenar.io import atomic
+from entrenar.io import atomic, hub
 from entrenar.io.finite import check_finite
 from entrenar.models.surgery import ALL_LINEAR, find_linears, replace_module
 
@@ -134,11 +134,12 @@ class LoraConfig(LoraSection):
     def to_peft(self, target_modules: Sequence[str] | str, base_model_name_or_path: str | None) -> dict[str, Any]:
         """The ``adapter_config.json`` content PEFT expects (every field PEFT reads for plain LoRA)."""
         alpha = int(self.alpha) if float(self.alpha).is_integer() else self.alpha
+        base, revision = hub.split_revision(base_model_name_or_path)  # PEFT reads an id's revision on its own
         return {
             "peft_type": "LORA",
             "task_type": "CAUSAL_LM",
-            "base_model_name_or_path": base_model_name_or_path,
-            "revision": None,
+            "base_model_name_or_path": base,
+            "revision": revision,
             "inference_mode": True,
             "r": self.r,
             "lora_alpha": alpha,

@@ -34,7 +34,8 @@ def add_parser(commands: argparse._SubParsersAction, parents: list[argparse.Argu
                     "for full fine-tuning, LoRA and QLoRA. Reads the config only, not the weights.",
     )
     parser.add_argument("model", metavar="MODEL|RECIPE",
-                        help="Hugging Face model folder, .gguf file or a training run; or a recipe (.yaml): its plan")
+                        help="Hugging Face model folder, .gguf file, training run or Hub id (org/name[@revision]); "
+                             "or a recipe (.yaml): its plan")
     parser.add_argument("--batch-size", type=positive_int, default=1, metavar="B",
                         help="sequences per step (default 1)")
     parser.add_argument("--seq-len", type=positive_int, default=2048, metavar="T",

@@ -21,6 +21,7 @@ import sys
 import warnings
 from collections.abc import Sequence
 from importlib import import_module
+from typing import TextIO
 
 from entrenar import __version__
 from entrenar.distributed.launch import rank_prefix, report_worker_error
@@ -69,8 +70,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as stop:  # --help, --version and usage errors: argparse's own code
         return stop.code if isinstance(stop.code, int) else int(stop.code is not None)
     debug = getattr(args, "debug", False)
+    shown = warnings.showwarning
+    if not debug:
+        warnings.showwarning = _show_note
     try:
-        return _run(args, debug)
+        return args.run(args)
     except BrokenPipeError:  # `entrenar inspect ... | head`: the reader left; stop quietly, as `cat` does
         _silence_stdout()
         return 0
@@ -108,20 +112,21 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"error: {rank_prefix()}{message}", file=sys.stderr)
             return 2
         return _internal(bug)
+    finally:
+        warnings.showwarning = shown
 
 
-def _run(args: argparse.Namespace, debug: bool) -> int:
-    """The command, each warning it raises printed as one ``warning: ...`` line (Python's own form with --debug)."""
-    with warnings.catch_warnings():  # restores the caller's warning settings afterwards
-        if not debug:
-            warnings.showwarning = _one_line_warning
-        code: int = args.run(args)
-        return code
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_default_showwarning = warnings.showwarning
 
 
-def _one_line_warning(message: Warning | str, category: type[Warning], filename: str, lineno: int,
-                      file: object = None, line: str | None = None) -> None:
-    print(f"warning: {message}", file=sys.stderr)
+def _show_note(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+               file: TextIO | None = None, line: str | None = None) -> None:
+    """entrenar's own warnings are notes to the user: one line, no source location (--debug shows Python's form)."""
+    if not os.path.abspath(filename).startswith(_PACKAGE_DIR + os.sep):
+        _default_showwarning(message, category, filename, lineno, file, line)
+        return
+    print(f"note: {rank_prefix()}{message}", file=file or sys.stderr)
 
 
 def out_of_memory_message(error: Exception) -> str:

@@ -15,9 +15,11 @@ if TYPE_CHECKING:
 DTYPE_CHOICES = ("auto", *DTYPES)  # the names entrenar.load accepts
 
 
-MODEL_HELP = ("Hugging Face model folder, .gguf file, or a training run: its folder, RUN/best or "
-              "RUN/checkpoints/step-N (a LoRA run brings its base model and adapter)")
-ADAPTER_HELP = "LoRA adapter folder (PEFT format), or a LoRA run's folder, RUN/best or RUN/checkpoints/step-N"
+MODEL_HELP = ("Hugging Face model folder, .gguf file, a training run: its folder, RUN/best or "
+              "RUN/checkpoints/step-N (a LoRA run brings its base model and adapter), or a Hub id "
+              "org/name[@revision] (from the Hugging Face cache, downloaded once)")
+ADAPTER_HELP = ("LoRA adapter folder (PEFT format) or Hub id, or a LoRA run's folder, RUN/best or "
+                "RUN/checkpoints/step-N")
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:

@@ -19,7 +19,8 @@ def add_parser(commands: argparse._SubParsersAction, parents: list[argparse.Argu
                     "entrenar loads back. Prints each layer's error and, with --data, the perplexity change.",
     )
     parser.add_argument("model", metavar="MODEL",
-                        help="Hugging Face model folder, .gguf file, or a full fine-tune's run folder")
+                        help="Hugging Face model folder, .gguf file, a full fine-tune's run folder, or a Hub id "
+                             "(org/name[@revision])")
     parser.add_argument("--method", required=True, metavar="METHOD",
                         help="nf4 (QLoRA's 4-bit NormalFloat), int8 or int4 (also int2 to int7)")
     parser.add_argument("--output", required=True, metavar="DIR", help="folder to write (never the input)")

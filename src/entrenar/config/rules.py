@@ -17,6 +17,12 @@ import yaml
 
 from entrenar.errors import ConfigError
 
+# data.format: the record formats of entrenar.data.formats, and the file formats that force a reader. Spelled here
+# too, since importing entrenar.data would load torch for `entrenar --help` (tests/data/test_data_formats.py checks
+# they agree).
+DATA_FORMATS = ("auto", "alpaca", "sharegpt", "messages", "prompt_completion", "text", "jsonl", "json", "csv",
+                "parquet")
+
 
 def _unknown(at: str, dotted: str, key: Any, allowed: list[str]) -> ConfigError:
     close = _closest(key, allowed)
@@ -325,3 +331,47 @@ def _threshold(value: Any) -> str | float | tuple[float, ...]:
             (n := _as_number(v)) is not None and 0.0 < n < 1.0 for v in value):
         return tuple(float(v) for v in value)
     raise Reject("'tune', a probability in (0, 1), or a list of them (one per label)")
+
+
+def _train_files(value: Any) -> str | tuple[dict[str, Any], ...] | None:
+    """data.train: one file or folder, or a list of them to mix, each a path or ``{path, weight, format}`` (weight:
+    how many times its examples come in an epoch, default 1; format: its data.format, default the section's)."""
+    expected = "a file or folder, or a non-empty list of them (paths or {path, weight, format} mappings)"
+    if value is None:
+        return None
+    if isinstance(value, str) and value.strip():
+        return value
+    if not isinstance(value, (list, tuple)) or not value:
+        raise Reject(expected)
+    files = []
+    for item in value:
+        if isinstance(item, str) and item.strip():
+            item = {"path": item}
+        if not isinstance(item, dict):
+            raise Reject(expected, f" ({_show(item)} is neither)")
+        unknown = [k for k in item if k not in ("path", "weight", "format")]
+        if unknown:
+            raise Reject(expected, f" (unknown key {_show(unknown[0])}; an entry has path, weight, format)")
+        path = item.get("path")
+        if not isinstance(path, str) or not path.strip():
+            raise Reject(expected, f" (an entry without a path: {_show(item)})")
+        weight = _as_number(item.get("weight", 1.0))
+        if weight is None or weight <= 0:
+            raise Reject(expected, f" (the weight of {path} must be a number > 0, got {_show(item.get('weight'))})")
+        format = item.get("format")
+        if format is not None and format not in DATA_FORMATS:
+            close = _closest(format, list(DATA_FORMATS))
+            raise Reject(expected, f" (the format of {path} must be one of {', '.join(DATA_FORMATS)}, got "
+                                   f"{_show(format)}{f'; did you mean {close!r}?' if close else ''})")
+        files.append({"path": path, "weight": weight, "format": format})
+    return tuple(files)
+
+
+def _epochs(value: Any) -> float | None:
+    """training.epochs: null (the run's length is training.max_steps) or a number of passes > 0 (1.5 is allowed)."""
+    if value is None:
+        return None
+    number = _as_number(value)
+    if number is None or number <= 0:
+        raise Reject("a number > 0 or null")
+    return number

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
 from entrenar.config.rules import (
+    DATA_FORMATS,
     Reject,
     Rule,
     _activation_bits,
@@ -20,6 +21,7 @@ from entrenar.config.rules import (
     _class_weights,
     _device,
     _early_stopping,
+    _epochs,
     _integer,
     _labels,
     _lr_scales,
@@ -31,10 +33,12 @@ from entrenar.config.rules import (
     _show,
     _text,
     _threshold,
+    _train_files,
 )
 from entrenar.errors import ConfigError, EntrenarError
 from entrenar.io.sqlite import check_query, is_sqlite
 
+DEFAULT_MAX_STEPS = 1000  # training.max_steps when neither it nor training.epochs is set
 MAX_SEQ_LEN = 2**22  # 4x the longest contexts models train at today; a row this long is 128 MiB of index tensors
 
 
@@ -116,10 +120,13 @@ class DataSection(_Section):
     """Where the examples come from and how they become token sequences."""
 
     section: ClassVar[str] = "data"
-    train: str | None = setting(None, _text(nullable=True))
+    # a file or folder, or a list to mix: [{path: a.jsonl, weight: 2, format: alpaca}, b.jsonl] (sources())
+    train: str | tuple[dict[str, Any], ...] | None = setting(None, _train_files)
     validation: str | None = setting(None, _text(nullable=True))
     validation_split: float = setting(0.0, _number(0.0, 0.5, high_open=True))
-    format: str = setting("auto", _choice("auto", "jsonl", "json", "csv", "parquet", "text"))
+    # a record format (alpaca, sharegpt, messages, prompt_completion, text; auto: each record by its keys) or a
+    # file format forcing the reader (jsonl, json, csv, parquet; otherwise from the extension): entrenar.data.formats
+    format: str = setting("auto", _choice(*DATA_FORMATS))
     text_field: str = setting("text", _text())
     prompt_field: str = setting("prompt", _text())
     completion_field: str = setting("completion", _text())
@@ -146,9 +153,17 @@ class DataSection(_Section):
                 check_query(self.query)
             except ConfigError as e:
                 raise _BadValue("data.query", str(e).replace("data.query", "'data.query'", 1)) from None
-            if not any(f is not None and is_sqlite(f) for f in (self.train, self.validation)):
+            if not any(is_sqlite(f) for f in [*(s[0] for s in self.sources()), self.validation] if f is not None):
                 raise _BadValue("data.query", f"'data.query' reads a SQLite file (.db, .sqlite, .sqlite3), and "
                                               f"data.train is {_show(self.train)}")
+
+    def sources(self) -> list[tuple[str, float, str]]:
+        """The training files as ``(path, weight, data.format)``: one of weight 1, or the list to mix."""
+        if self.train is None:
+            return []
+        if isinstance(self.train, str):
+            return [(self.train, 1.0, self.format)]
+        return [(f["path"], f["weight"], f["format"] or self.format) for f in self.train]
 
 
 @dataclass(frozen=True)
@@ -228,7 +243,10 @@ class TrainingSection(_Section):
     """Step counts, batch shape, precision, and how often to log, evaluate and save."""
 
     section: ClassVar[str] = "training"
-    max_steps: int = setting(1000, _integer(1), resumable=1)
+    # the run's length in optimizer steps (1000 when neither this nor epochs is set)
+    max_steps: int = setting(None, _integer(1, nullable=True), resumable=1)
+    # or in passes over the training examples, resolved into steps once the data is read (RunPlan.steps)
+    epochs: float | None = setting(None, _epochs, resumable=23)
     batch_size: int = setting(4, _integer(1))
     grad_accum: int = setting(1, _integer(1))
     max_grad_norm: float = setting(1.0, _number(0.0))
@@ -279,6 +297,15 @@ class TrainingSection(_Section):
     dist_timeout_s: float = setting(300.0, _number(1.0), resumable=15)
     # steps between replica checks (and at the end); 0: never
     replica_check_every: int = setting(50, _integer(0), resumable=16)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.epochs is not None and self.max_steps is not None:
+            raise _BadValue("training.epochs", f"'training.epochs' ({self.epochs:g}) and 'training.max_steps' "
+                                               f"({self.max_steps}) are both set; a run's length is one of them "
+                                               "(set the other to null)")
+        if self.epochs is None and self.max_steps is None:
+            object.__setattr__(self, "max_steps", DEFAULT_MAX_STEPS)
 
 
 @dataclass(frozen=True)

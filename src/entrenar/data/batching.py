@@ -284,6 +284,18 @@ class BatchStream:
             width = max(len(row[0]) for row in rows)
         return collate(rows, width, self.pad_id)
 
+    def rows_per_epoch(self) -> int:
+        """Rows one pass over the examples makes (each example once): packed as this stream packs its first
+        epoch, or one example a row unpacked. What ``training.epochs`` counts in."""
+        if not self.packing:
+            return len(self.examples)
+        fresh = BatchStream(self.examples, 1, self.seq_len, packing=True, shuffle=self.shuffle, seed=self.seed)
+        rows = 0
+        while fresh.epoch == 0:
+            fresh._next_row()
+            rows += 1
+        return rows
+
     def skip(self, batches: int) -> None:
         """Move past ``batches`` batches without building them (another rank's share of a step)."""
         for _ in range(batches * self.batch_size):

@@ -14,6 +14,9 @@ Three kinds of record:
   prefix by prefix (``templates.assistant_spans``), and tokens whose text
   starts inside a span are trained.
 
+Alpaca and ShareGPT records (``kind``, the recipe's ``data.format``) are first converted to one of these
+(:mod:`entrenar.data.formats`), so they are masked exactly as ``messages`` or prompt/completion records are.
+
 Labels are aligned with ``input_ids`` (the loss shifts them). ``add_eos``
 appends EOS to text and completion examples; chat templates write their own
 end-of-turn tokens.
@@ -29,6 +32,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from entrenar.data import formats
+from entrenar.data.formats import RecordError
 from entrenar.data.sources import Record, Skip
 from entrenar.data.templates import assistant_spans, render_chat
 from entrenar.errors import ConfigError, DataError
@@ -37,19 +42,13 @@ if TYPE_CHECKING:
     from entrenar.data.tokenizer import Tokenizer
 
 IGNORE_INDEX = -100
-KINDS = ("auto", "text", "prompt_completion", "messages")
+KINDS = ("auto", *formats.RECORD_FORMATS)  # formats by name (:mod:`entrenar.data.formats`)
 TRAIN_ON = ("all", "completion")
 _MAX_REPORTED = 10
+# A plain-text record has no prompt to mask: under train_on completion every token of it is trained.
+PLAIN_UNDER_COMPLETION = "plain text under train_on: completion (no prompt to mask: every token trained)"
 # Roles the common chat templates know (OpenAI's, Llama 3's ipython, the older function); others are likely typos.
 KNOWN_ROLES = frozenset({"system", "user", "assistant", "tool", "developer", "function", "ipython"})
-
-
-class RecordError(DataError):
-    """A record that cannot become an example; ``reason`` is the short kind skip reports count by."""
-
-    def __init__(self, reason: str, message: str) -> None:
-        super().__init__(message)
-        self.reason = reason
 
 
 @dataclass(frozen=True)
@@ -126,11 +125,16 @@ def _tokenize(fields: Mapping[str, Any], where: str, tokenizer: Tokenizer, kind:
         present = [shown[k] for k, fs in (("messages", ["messages"]), ("prompt_completion", ["prompt", "completion"]),
                                           ("text", ["text"])) if any(names[f] in fields for f in fs)]
         if len(present) > 1:
-            suspicions.append(f"both {' and '.join(present)} ({shown[kind]} used)")
+            suspicions.append(f"both {' and '.join(present)} ({shown.get(kind, kind)} used)")
+    else:
+        formats.check_keys(fields, kind, names, where)
+    kind, fields = formats.standardize(fields, kind, names, where, tokenizer.chat_template is not None)
     if kind == "text":
         text = _string_field(fields, names["text"], where)
         if not text.strip():
             suspicions.append("empty text")
+        if train_on == "completion":
+            suspicions.append(PLAIN_UNDER_COMPLETION)
         ids = _encode(tokenizer, text, True, where, names["text"])
         ids = _with_eos(ids, tokenizer, add_eos, where)
         return Example(ids, list(ids), where), suspicions
@@ -180,6 +184,7 @@ def tokenize_records(
         raise ConfigError(f"data kind {kind!r} is not one of {', '.join(KINDS)}")
     if train_on not in TRAIN_ON:
         raise ConfigError(f"train_on {train_on!r} is not one of {', '.join(TRAIN_ON)}")
+    plain_file: str | None = None  # the first file with a plain-text record under train_on completion
     for index, record in enumerate(records):
         if not isinstance(record, Record):
             record = Record(dict(record), "records", f"item {index}")
@@ -195,6 +200,7 @@ def tokenize_records(
             continue
         for suspicion in suspicions:
             stats.suspect(suspicion, record.where)
+        plain_file = plain_file or (record.file if PLAIN_UNDER_COMPLETION in suspicions else None)
         if len(example) > seq_len:
             stats.truncated_examples += 1
             stats.truncated_tokens += len(example) - seq_len
@@ -206,6 +212,12 @@ def tokenize_records(
         stats.tokens += len(example)
         stats.target_tokens += example.num_targets
     stats.examples = len(examples)
+    plain = stats.suspicious.get(PLAIN_UNDER_COMPLETION, (0, ""))[0]
+    if plain and plain == stats.examples + stats.dropped_no_targets:
+        raise ConfigError(f"data.train_on: completion masks prompts, and the records of {plain_file} "
+                          "are plain text (data.format: text) with no prompt to mask, so every token would be "
+                          "trained; set data.train_on: all, or give records with a prompt (prompt_completion, "
+                          "alpaca, messages, sharegpt)")
     if not examples:
         raise DataError(
             f"no training examples left after tokenization ({stats.skipped} skipped, "
@@ -240,13 +252,11 @@ def _valid_text(text: str, where: str, name: str) -> str:
 
 
 def _detect_kind(fields: Mapping[str, Any], names: Mapping[str, str], where: str) -> str:
-    if names["messages"] in fields:
-        return "messages"
-    if names["prompt"] in fields or names["completion"] in fields:
-        return "prompt_completion"
-    if names["text"] in fields:
-        return "text"
-    wanted = f"'{names['text']}', '{names['prompt']}'+'{names['completion']}' or '{names['messages']}'"
+    found = formats.detect(fields, names)
+    if found is not None:
+        return found
+    wanted = (f"'{names['text']}', '{names['prompt']}'+'{names['completion']}' or '{names['messages']}' (nor "
+              "'conversations' of sharegpt, 'instruction'+'output' of alpaca)")
     raise RecordError("no known fields",
                       f"{where}: record has none of the fields {wanted} (it has {sorted(fields)[:10]})")
 

@@ -12,6 +12,7 @@ import torch
 
 from entrenar.data import eval_batches, read_records, tokenize_records
 from entrenar.data.batching import Batch
+from entrenar.data.formats import DATA_FORMATS, split_format
 from entrenar.data.tokenizer import Tokenizer
 from entrenar.errors import ModelError
 from entrenar.models.loss import token_cross_entropy
@@ -81,8 +82,10 @@ def evaluate_file(
     if tokenizer is None:
         raise ModelError("the model was loaded without a tokenizer (no tokenizer.json in its folder); "
                          "evaluating a data file needs one")
-    records, _ = read_records(path, format=fmt)
-    examples, _ = tokenize_records(records, tokenizer, seq_len, train_on=train_on, add_eos=add_eos, columns=columns)
+    file_format, kind = split_format(fmt) if fmt in DATA_FORMATS else (fmt, "auto")  # data.format, or a file format
+    records, _ = read_records(path, format=file_format)
+    examples, _ = tokenize_records(records, tokenizer, seq_len, kind=kind, train_on=train_on, add_eos=add_eos,
+                                   columns=columns)
     pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else 0  # neither pad nor EOS; pads carry no loss
     batches = eval_batches(examples, batch_size, seq_len, packing=True, pad_id=pad_id)
     result = eval_loss(model, batches, precision=precision)

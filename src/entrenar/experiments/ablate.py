@@ -189,7 +189,7 @@ def ablate(
              "num_experts_per_tok": config.num_experts_per_tok, "arms": list(arms),
              "bias_update_rate": recipes["moe-sigmoid"].moe.bias_update_rate if "moe-sigmoid" in arms else None}
     report = Ablation(out, results, matched, setup)
-    data = recipe.data.train
+    data = recipe.data.train if isinstance(recipe.data.train, str) else None  # a mix of files is no synth source
     if data is None or not synth.is_synth(data) or synth.parse(data).kind != "mixture":
         report.notes.append("routing specialisation is measured on synth:mixture data only (its hidden sub-task)")
     report.files = write_report(report)
@@ -252,7 +252,7 @@ def arm_record(run_dir: Path, recipe: Recipe, eval_loss: float | None, mi_record
         record["router"] = {layer: {"entropy_norm": d["entropy_norm"], "imbalance": d["imbalance"], "dead": d["dead"]}
                             for layer, d in layers.items()}
         record["router_entropy_norm"] = sum(d["entropy_norm"] for d in layers.values()) / len(layers)
-    data = recipe.data.train
+    data = recipe.data.train if isinstance(recipe.data.train, str) else None  # a mix of files is no synth source
     if arch["moe"] and data is not None and synth.is_synth(data) and synth.parse(data).kind == "mixture":
         record["specialisation"] = routing_specialisation(run_dir / "model", recipe, mi_records)
     return record
@@ -280,7 +280,7 @@ def mutual_information(table: Sequence[Sequence[float]]) -> tuple[float, float]:
 
 def heldout_records(recipe: Recipe, count: int = MI_RECORDS) -> list[dict[str, Any]]:
     """``count`` synth:mixture records the run never saw: the ones after data.train's last, from its seed."""
-    assert recipe.data.train is not None  # a synth:mixture source
+    assert isinstance(recipe.data.train, str)  # a synth:mixture source
     spec = synth.parse(recipe.data.train)
     seed = recipe.training.seed if spec.seed is None else spec.seed
     return [synth.mixture_record(seed, spec.count + i) for i in range(count)]

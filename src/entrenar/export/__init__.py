@@ -42,7 +42,7 @@ from entrenar.adapters import lora
 from entrenar.device import resolve_dtype
 from entrenar.errors import AdapterError, ConfigError, ModelError
 from entrenar.export.gguf_write import check_gguf_type, write_gguf
-from entrenar.io import atomic
+from entrenar.io import atomic, hub
 from entrenar.io.checkpoint_files import MODEL_FILE
 from entrenar.io.outputs import check_output, refuse_overlap, replace_files
 from entrenar.io.safetensors_dtypes import SAFETENSORS_DTYPES
@@ -85,7 +85,8 @@ def export(
         )
     if dtype is not None:
         resolve_dtype(dtype, "cpu")  # an unknown name fails now
-    if not Path(model_path).exists():
+    model_path = hub.resolve(model_path)  # a Hub id: its cached snapshot
+    if not model_path.exists():
         raise ModelError(f"{model_path}: no such model folder or GGUF file")
     source = resolve_model_and_adapter(model_path, adapter)
     if source.adapter is not None and not (source.adapter / lora.ADAPTER_CONFIG).is_file():
@@ -137,7 +138,10 @@ def export_adapter(model_path: Path, adapter: Path, output: Path) -> Path:
             getattr(layer, part).to_empty(device="cpu").to(state[f"{name}.{part}.weight"].dtype)
     lora.load_lora_state_dict(skeleton, state, str(weights))
 
-    base_name = read_json_object(adapter / lora.ADAPTER_CONFIG).get("base_model_name_or_path") or str(model_path)
+    config = read_json_object(adapter / lora.ADAPTER_CONFIG)
+    base_name = config.get("base_model_name_or_path") or str(model_path)
+    if isinstance(config.get("revision"), str) and config["revision"]:
+        base_name = f"{base_name}@{config['revision']}"  # save_adapter writes it back as PEFT's "revision"
     with replace_files(output) as target:
         lora.save_adapter(skeleton, target, cfg, base_model_name_or_path=base_name)
     return output
@@ -233,11 +237,21 @@ def _refuse_quantized_checkpoint(folder: Path) -> None:
 
 def _checkpoint_dtype(checkpoint: Path) -> torch.dtype:
     """The floating dtype of a training checkpoint's weights."""
-    with safe_open(str(checkpoint / MODEL_FILE), framework="pt") as f:
-        for name in f.keys():
-            kind = f.get_slice(name).get_dtype()
-            if SAFETENSORS_DTYPES.get(kind) in _WEIGHT_DTYPES:
-                return SAFETENSORS_DTYPES[kind]
+    return _first_weight_dtype(checkpoint / MODEL_FILE)
+
+
+def _first_weight_dtype(file: Path) -> torch.dtype:
+    """The dtype of the first floating weight in a safetensors file's header (float32 if none)."""
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                kind = f.get_slice(name).get_dtype()
+                if SAFETENSORS_DTYPES.get(kind) in _WEIGHT_DTYPES:
+                    return SAFETENSORS_DTYPES[kind]
+    except OSError:
+        raise
+    except Exception as e:  # safetensors raises its own error types for a damaged header
+        raise ModelError(f"{file}: cannot read safetensors file ({e})") from None
     return torch.float32
 
 
@@ -252,12 +266,7 @@ def stored_dtype(model_path: Path) -> torch.dtype:
         if kinds == {"F32"}:
             return torch.float32
         return torch.bfloat16 if kinds == {"BF16"} else torch.float16
-    with safe_open(str(weight_files(model_path)[0]), framework="pt") as f:
-        for name in f.keys():
-            kind = f.get_slice(name).get_dtype()
-            if SAFETENSORS_DTYPES.get(kind) in _WEIGHT_DTYPES:
-                return SAFETENSORS_DTYPES[kind]
-    return torch.float32
+    return _first_weight_dtype(weight_files(model_path)[0])
 
 
 __all__ = ["export", "export_adapter", "load_merged", "save_merged", "stored_dtype"]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import re
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -25,6 +26,7 @@ from entrenar.errors import ConfigError, QuantError
 from entrenar.evaluation.loss import evaluate_file
 from entrenar.evaluation.rules import EvalRules, eval_rules
 from entrenar.export import stored_dtype
+from entrenar.io import hub
 from entrenar.io.outputs import check_output, replace_files
 from entrenar.loading import load, read_model_config
 from entrenar.loading.runs import resolve_model_and_adapter
@@ -239,7 +241,7 @@ def quantize_pretrained(
     output needs ``overwrite`` and keeps files that are not ours
     (:mod:`entrenar.io.outputs`). The output may not be, or contain, the input.
     """
-    model_path, output = Path(model_path), Path(output)
+    model_path, output = hub.resolve(model_path), Path(output)  # a Hub id: its cached snapshot
     check_options(method, symmetric, calibration, percentile)  # bad settings fail before the model is read
     _check_paths(model_path, output, overwrite)
     if is_quantized_folder(model_path):
@@ -270,6 +272,10 @@ def quantize_pretrained(
     layout_group = group_size if parse_method(method)[0] == "int" else None
     with replace_files(output) as target:
         save_quantized(model, tokenizer, target, info=info, group_size=layout_group)
+    if tokenizer is None:
+        warnings.warn(f"{output}: written without a tokenizer, as {model_path} has none; eval, generate, chat and "
+                      "training need one: copy the tokenizer files (tokenizer.json, tokenizer_config.json) of the "
+                      "model it came from into it", stacklevel=2)
     return QuantizeResult(output=output, method=method, layers=errors, bytes_before=bytes_before,
                           bytes_after=_weight_bytes(model, names), before=before, after=after,
                           config=quantization_config(model, info, layout_group),

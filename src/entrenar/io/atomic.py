@@ -83,6 +83,19 @@ def remove_stale_temps(target: str | os.PathLike) -> None:
                 entry.unlink(missing_ok=True)
 
 
+def remove_folder(folder: str | os.PathLike) -> None:
+    """Delete ``folder`` so that a kill at any moment leaves it whole or gone, never half-deleted.
+
+    It is first renamed to a temporary sibling (out of its name's namespace; removed by the next write
+    beside it if this process dies), the rename is made durable, and only then are its files deleted.
+    """
+    folder = Path(folder)
+    doomed = folder.parent / f"{temp_prefix(folder)}removed{TEMP_SUFFIX}"
+    os.replace(folder, doomed)
+    fsync_dir(folder.parent)
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
 def fsync_dir(folder: str | os.PathLike) -> None:
     """Make renames and new entries in ``folder`` durable (a no-op where folders cannot be opened, e.g. Windows)."""
     try:
@@ -209,5 +222,5 @@ def staged_folder(target: str | os.PathLike) -> Iterator[Path]:
         shutil.rmtree(staging, ignore_errors=True)
 
 
-__all__ = ["apply_umask", "fsync_dir", "is_stale_temp", "remove_stale_temps", "staged_folder", "temp_file",
-           "temp_prefix", "umask", "write_bytes", "write_file", "write_text"]
+__all__ = ["apply_umask", "fsync_dir", "is_stale_temp", "remove_folder", "remove_stale_temps", "staged_folder",
+           "temp_file", "temp_prefix", "umask", "write_bytes", "write_file", "write_text"]

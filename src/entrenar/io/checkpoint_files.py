@@ -81,6 +81,12 @@ def step_dirs(ckpts: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
+def incomplete_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
+    """The ``step-N`` folders of a run that lack a file of a checkpoint (left by a kill in an older version's
+    rotation, or by hand); resuming skips them."""
+    return [d for _, d in step_dirs(checkpoints_dir(run_dir)) if not is_complete(d)]
+
+
 def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
     """The checkpoint ``latest`` names, or else the highest complete ``step-N``; None if there is none.
 

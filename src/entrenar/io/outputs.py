@@ -108,7 +108,7 @@ def replace_files(output: str | os.PathLike) -> Iterator[Path]:
         for name in sorted(names, key=lambda n: (n in _LAST, _LAST.index(n) if n in _LAST else 0, n)):
             source, dest = target / name, output / name
             if source.is_dir() and dest.is_dir() and not dest.is_symlink():
-                shutil.rmtree(dest)
+                atomic.remove_folder(dest)
             os.replace(source, dest)
         atomic.fsync_dir(output)
         for old in output.iterdir():

@@ -35,8 +35,9 @@ __all__ = ["load", "read_model_config", "recipe_model_config", "require_tokenize
 
 
 def read_model_config(path: str | Path) -> ModelConfig:
-    """The ModelConfig of a Hugging Face folder, a GGUF file or a run's model, without reading any weights."""
-    path = resolve_model_and_adapter(path).model if Path(path).is_dir() else Path(path)
+    """The ModelConfig of a Hugging Face folder, a GGUF file, a run's model or a Hub id's cached snapshot (fetched
+    first when not cached: its weights come too, so the load that follows needs no network), reading no weights."""
+    path = resolve_model_and_adapter(path).model
     if path.suffix == ".gguf":  # read_gguf maps tensor names and shapes; reads no tensor data
         return ModelConfig.from_hf(read_gguf(path).hf_config, source=str(path))
     if not path.exists():
@@ -101,14 +102,16 @@ def load(
     pooling: str = "last",
     seed: int = 0,
 ) -> tuple[Transformer, Tokenizer | None]:
-    """Load a model and its tokenizer from a Hugging Face folder, a GGUF file or a training run.
+    """Load a model and its tokenizer from a Hugging Face folder, a GGUF file, a training run or a Hub id.
 
     `adapter` is a PEFT-format LoRA adapter folder applied on top. `quantize="nf4"`
     loads every linear layer but the output head straight into NF4 (QLoRA's
     frozen base), one tensor at a time. A folder saved quantized (`entrenar
     quantize`, a QAT run) loads into the same quantized layers. A run folder,
     its `best/` or a `checkpoints/step-N` loads what it stands for
-    (:mod:`entrenar.loading.runs`). A folder without tokenizer.json (what
+    (:mod:`entrenar.loading.runs`). A name that is not a local path and spells a Hugging Face Hub id
+    (``org/name``, ``org/name@revision``, ``org/name/file.gguf``; the same for ``adapter``) loads the cached
+    snapshot, fetched first when the Hub is reachable (:mod:`entrenar.io.hub`). A folder without tokenizer.json (what
     `save_pretrained` of a model alone writes) loads with tokenizer None; what
     needs text asks for it with :func:`require_tokenizer`. The model is
     returned in eval mode; call `.train()` to fine-tune it. An `adapter` whose

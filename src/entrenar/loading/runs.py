@@ -15,7 +15,10 @@ Every command that takes a model or an adapter (eval, generate, chat, export, qu
   recipe's base model; a full fine-tune's weights) on the recipe's base model;
 * an adapter folder given as the model (``RUN/adapter``): its base is the run's model, or else the local
   folder its ``adapter_config.json`` names as ``base_model_name_or_path``;
-* anything else: a model folder or GGUF file, as it is.
+* anything else: a model folder or GGUF file, as it is; a name that is not a local path and spells a Hugging
+  Face Hub id (``org/name``, ``org/name@revision``, ``org/name/file.gguf``) is the cached snapshot of that model
+  or adapter (:mod:`entrenar.io.hub`), fetched first when the Hub is reachable. A run's ``model.path`` and an
+  adapter's ``base_model_name_or_path`` may be Hub ids too.
 
 The run's recipe comes along (:attr:`ModelSource.recipe`), so ``entrenar eval`` can mask and end examples as
 training did (``data.train_on``, ``data.add_eos``, ``data.seq_len``).
@@ -32,6 +35,7 @@ from typing import TYPE_CHECKING
 from entrenar.adapters.lora import apply_lora, load_lora_state_dict, lora_config_of
 from entrenar.config import Recipe, load_recipe
 from entrenar.errors import AdapterError, EntrenarError, ModelError
+from entrenar.io import hub
 from entrenar.io.checkpoint_files import MODEL_FILE, SHARDS_DIR, is_sharded, read_model_tensors
 from entrenar.io.run_dir import ADAPTER_DIR, BEST_DIR, METRICS_FILE, MODEL_DIR, QUANTIZED_DIR, RECIPE_FILE
 from entrenar.models.hf import iter_safetensors, load_state_into
@@ -105,7 +109,7 @@ def read_run_recipe(run_dir: Path) -> Recipe:
 
 def base_model_path(recipe: Recipe, run_dir: Path) -> Path:
     """The recipe's ``model.path``; a relative one is tried from here, then from each folder above the run
-    (training ran from one of them)."""
+    (training ran from one of them), then as a Hub id."""
     if recipe.model.init == "random" and recipe.lora is None:  # a checkpoint holds every weight: any folder of
         if (run_dir / MODEL_DIR / "config.json").is_file():    # the architecture is its base, the run's model/ one
             return run_dir / MODEL_DIR
@@ -119,18 +123,35 @@ def base_model_path(recipe: Recipe, run_dir: Path) -> Path:
     for folder in run_dir.absolute().parents:
         if (folder / path).exists():
             return folder / path
+    try:
+        hub_id = hub.parse_hub_id(recipe.model.path)
+    except ModelError:
+        hub_id = None
+    if hub_id is not None:
+        return hub.fetch(hub_id)
     raise ModelError(f"{run_dir / RECIPE_FILE}: the base model {path} (model.path) is not found from here or "
                      f"from any folder above the run")
 
 
 def _adapter_base(adapter: Path) -> Path | None:
-    """The local base model an adapter's config names, if it exists."""
+    """The base model an adapter's config names (``base_model_name_or_path``, at ``revision`` when set): a local
+    path that exists, or the cached snapshot of a Hub id; None when it names neither."""
     try:
-        name = json.loads((adapter / "adapter_config.json").read_text(encoding="utf-8")).get(
-            "base_model_name_or_path")
+        config = json.loads((adapter / "adapter_config.json").read_text(encoding="utf-8"))
+        name, revision = config.get("base_model_name_or_path"), config.get("revision")
     except (OSError, ValueError, AttributeError, RecursionError):
         return None
-    return Path(name) if isinstance(name, str) and name and Path(name).exists() else None
+    if not isinstance(name, str) or not name:
+        return None
+    if Path(name).exists():
+        return Path(name)
+    try:
+        hub_id = hub.parse_hub_id(name)
+    except ModelError:
+        return None
+    if hub_id is None:
+        return None
+    return hub.resolve(name, revision if isinstance(revision, str) else None)
 
 
 def _base_name(path: str | Path) -> str:
@@ -199,8 +220,9 @@ def _in_run(run_dir: Path, kind: str, path: Path) -> tuple[Path, Path | None, Pa
 
 
 def resolve_model_and_adapter(model: str | Path, adapter: str | Path | None = None) -> ModelSource:
-    """What ``model`` (and ``adapter``) stand for; see the module docstring. Checks paths, reads no weights."""
-    model = Path(model)
+    """What ``model`` (and ``adapter``) stand for; see the module docstring. Checks paths, reads no weights
+    (a Hub id not yet cached is downloaded)."""
+    model = hub.resolve(model)
     found = run_folder_of(model)
     recipe_run: Path | None = found[0] if found else None
     if found is not None and found[1] != "model":  # a run's model/ is a plain model folder, with the run's recipe
@@ -209,7 +231,7 @@ def resolve_model_and_adapter(model: str | Path, adapter: str | Path | None = No
         base = _adapter_base(model)
         if base is None:
             raise ModelError(f"{model}: is an adapter folder, and its adapter_config.json names no local base "
-                             "model; pass the base model as MODEL and this folder as --adapter")
+                             "model or Hub id; pass the base model as MODEL and this folder as --adapter")
         model_path, run_adapter, checkpoint = base, model, None
     else:
         model_path, run_adapter, checkpoint = model, None, None
@@ -218,7 +240,7 @@ def resolve_model_and_adapter(model: str | Path, adapter: str | Path | None = No
         if run_adapter is not None or checkpoint is not None:
             raise AdapterError(f"--adapter {adapter}: {model} already brings its adapter (a LoRA run or "
                                "checkpoint); pass the base model as MODEL, or leave --adapter out")
-        adapter = Path(adapter)
+        adapter = hub.resolve(adapter)
         found_adapter = run_folder_of(adapter)
         if found_adapter is not None:
             run_dir, kind = found_adapter

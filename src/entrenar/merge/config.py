@@ -32,7 +32,8 @@ from typing import Any
 import yaml
 
 from entrenar.config import Where, key_lines, load_yaml, read_yaml_text
-from entrenar.errors import ConfigError
+from entrenar.errors import ConfigError, ModelError
+from entrenar.io import hub
 from entrenar.merge.methods import METHODS, REQUIRED, RESCALE_NORMS
 
 TOP_KEYS = ("merge_method", "base_model", "models", "slices", "parameters", "dtype", "out_dtype",
@@ -117,7 +118,8 @@ def _leaves(setting: Any) -> list[Any]:
 
 @dataclass
 class ModelRef:
-    """An input: a Hugging Face folder or .gguf file, optionally ``+`` a PEFT LoRA adapter folder."""
+    """An input: a Hugging Face folder or .gguf file, optionally ``+`` a PEFT LoRA adapter folder; either may be a
+    Hub id (``org/name``, ``org/name@revision``, as mergekit writes them)."""
 
     text: str
     path: Path
@@ -127,20 +129,25 @@ class ModelRef:
     @classmethod
     def parse(cls, text: Any, where: str, root: Path | None) -> ModelRef:
         if not isinstance(text, str) or not text.strip():
-            raise ConfigError(f"{where}: a model must be a path (a Hugging Face folder or .gguf file), got {text!r}")
+            raise ConfigError(f"{where}: a model must be a path (a Hugging Face folder or .gguf file) or a Hub id "
+                              f"(org/name), got {text!r}")
         model, _, adapter = text.strip().partition("+")
-        return cls(text.strip(), _resolve(model, root), _resolve(adapter, root) if adapter else None, where)
+        try:
+            return cls(text.strip(), _resolve(model, root), _resolve(adapter, root) if adapter else None, where)
+        except ModelError as e:
+            raise ModelError(f"{where}: {e}") from None
 
     def __str__(self) -> str:
         return self.text
 
 
 def _resolve(text: str, root: Path | None) -> Path:
-    """A path as written; relative ones that do not exist from here are tried beside the config file."""
+    """A path as written; relative ones that do not exist from here are tried beside the config file, then as a
+    Hub id (``org/name[@revision]``: the cached snapshot, fetched first when the Hub is reachable)."""
     path = Path(text).expanduser()
     if not path.is_absolute() and not path.exists() and root is not None and (root / path).exists():
         return root / path
-    return path
+    return hub.resolve(text)
 
 
 @dataclass
@@ -290,8 +297,14 @@ def _all_adapters(models: Any, root: Path | None) -> bool:
     if not isinstance(models, list) or not models:
         return False
     paths = [m.get("model") if isinstance(m, dict) else m for m in models]
-    return all(isinstance(p, str) and "+" not in p and (_resolve(p, root) / "adapter_config.json").is_file()
-               for p in paths)
+    return all(isinstance(p, str) and "+" not in p and _is_adapter(p, root) for p in paths)
+
+
+def _is_adapter(text: str, root: Path | None) -> bool:
+    try:
+        return (_resolve(text, root) / "adapter_config.json").is_file()
+    except ModelError:
+        return False  # reported where the model is parsed, with its line
 
 
 def _list(value: Any, key: str, lines: Where) -> list[Any]:

@@ -11,7 +11,6 @@ The tokenizer is ``model.tokenizer`` (a ``tokenizer.json``), or a byte-level one
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -21,6 +20,7 @@ from tokenizers import decoders, models, pre_tokenizers
 from entrenar.data.tokenizer import Tokenizer
 from entrenar.device import resolve_device, resolve_dtype
 from entrenar.errors import ConfigError, ModelError
+from entrenar.io import hub
 from entrenar.models.config import SUPPORTED_FAMILIES, ModelConfig, rope_inv_freq
 from entrenar.models.transformer import Transformer
 
@@ -68,11 +68,15 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 
 def load_tokenizer(recipe: Any) -> Tokenizer:
-    """``model.tokenizer`` (a tokenizer.json file, or a folder holding one), or the byte-level fallback."""
+    """``model.tokenizer`` (a tokenizer.json file, a folder holding one, or a Hub id: its cached snapshot), or
+    the byte-level fallback."""
     path = recipe.model.tokenizer
     if path is None:
         return byte_tokenizer()
-    path = Path(path)
+    try:
+        path = hub.resolve(path)
+    except ModelError as e:
+        raise ConfigError(f"model.tokenizer: {e}") from None
     if path.is_dir():
         return Tokenizer.from_folder(path)
     if not path.is_file():

@@ -48,8 +48,10 @@ class Task(Protocol[ModelT]):
         """Weights the task trains whole beside adapters, kept in checkpoints of a LoRA run (none for a LM)."""
         ...
 
-    def read(self, path: str, role: str, tokenizer: Tokenizer, skipped: list[Skip]) -> tuple[list, list[str]]:
-        """(examples, notes) of one data file (``role``: train or validation); appends what was skipped."""
+    def read(self, path: str, role: str, tokenizer: Tokenizer, skipped: list[Skip],
+             format: str | None = None) -> tuple[list, list[str]]:
+        """(examples, notes) of one data file (``role``: train or validation); appends what was skipped.
+        ``format``: the file's data.format where a mix names one (default: the recipe's)."""
         ...
 
     def stream(self, examples: list, tokenizer: Tokenizer) -> tuple[BatchStream, list[str]]:

@@ -18,11 +18,13 @@ from torch import nn
 from entrenar.adapters.lora import lora_config_of, save_adapter
 from entrenar.config import Recipe
 from entrenar.data import BatchStream, eval_batches, num_target_tokens, read_records, tokenize_records
+from entrenar.data.formats import split_format
 from entrenar.data.report import data_notes, skipped_in_order
 from entrenar.data.sources import Skip
 from entrenar.data.tokenizer import Tokenizer
 from entrenar.errors import ConfigError, DataError
 from entrenar.evaluation.loss import EvalResult, eval_loss
+from entrenar.io import hub
 from entrenar.io.run_dir import ADAPTER_DIR, MODEL_DIR
 from entrenar.kernels.fused_linear_ce import FUSED_LOSS_CHUNK, fused_linear_cross_entropy
 from entrenar.loading import load
@@ -63,15 +65,20 @@ class CausalLMTask:
     def head_state(self, model: Transformer) -> dict[str, torch.Tensor]:
         return {}
 
-    def read(self, path: str, role: str, tokenizer: Tokenizer, skipped: list[Skip]) -> tuple[list, list[str]]:
-        """Masked examples of one data file, and notes on what was skipped, cut or odd."""
+    def read(self, path: str, role: str, tokenizer: Tokenizer, skipped: list[Skip],
+             format: str | None = None) -> tuple[list, list[str]]:
+        """Masked examples of one data file (in ``format``, default data.format), and notes on what was skipped,
+        cut or odd."""
         d = self.recipe.data
-        records, read_stats = read_records(path, format=d.format, on_error=d.on_error, seed=self.recipe.training.seed,
+        file_format, record_format = split_format(format or d.format)
+        records, read_stats = read_records(path, format=file_format, on_error=d.on_error,
+                                           seed=self.recipe.training.seed,
                                            query=d.query)  # synth: sources draw from the seed; SQLite runs the query
         columns = {"text": d.text_field, "prompt": d.prompt_field, "completion": d.completion_field,
                    "messages": d.messages_field}
         try:
-            examples, stats = tokenize_records(records, tokenizer, d.seq_len, train_on=d.train_on, add_eos=d.add_eos,
+            examples, stats = tokenize_records(records, tokenizer, d.seq_len, kind=record_format, train_on=d.train_on,
+                                               add_eos=d.add_eos,
                                                columns=columns, on_error=d.on_error)
         except DataError as e:
             if str(e).startswith("no training examples"):
@@ -128,7 +135,7 @@ class CausalLMTask:
             save_adapter(model, out, lora, base_model_name_or_path=str(recipe.model.path))
             return out
         out = folder / MODEL_DIR
-        base = Path(recipe.model.path) if recipe.model.path else None  # a random-init model has no base folder
+        base = hub.resolve(recipe.model.path) if recipe.model.path else None  # a random-init model has none
         with master_weights(model):  # QAT: the full-precision weights it trained, as a plain model folder
             # base: its generation config is kept
             save_model_folder(model, tokenizer, out, base=base if base and base.is_dir() else None)

@@ -20,7 +20,9 @@ A checkpoint is built in a staging folder beside ``step-N``, fsynced, and rename
 into place (:func:`entrenar.io.atomic.staged_folder`); the pointers are replaced
 the same way. A crash at any moment leaves the previous checkpoint intact and
 ``latest`` naming it; a staging folder left by a hard kill is removed by the
-next save. Nothing is pickled.
+next save. Pruning renames an old checkpoint out of the ``step-N`` namespace
+before deleting its files, so a kill mid-rotation never leaves a ``step-N``
+that looks like a checkpoint but lacks one. Nothing is pickled.
 """
 
 from __future__ import annotations
@@ -244,15 +246,28 @@ def _read_rng(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         raise CheckpointError(f"{path}: tensor 'torch_cpu' or 'numpy_keys' is missing")
     # Sizes the generators need, checked here so a cut-short state fails before anything is restored.
     expected = {"torch_cpu": (torch.uint8, torch.get_rng_state().numel()), "numpy_keys": (torch.int64, 624)}
+    expected |= {name: (torch.uint8, tensors[name].numel()) for name in tensors if name.startswith("torch_cuda.")}
     for name, (dtype, numel) in expected.items():
-        if tensors[name].dtype != dtype or tensors[name].numel() != numel:
-            raise CheckpointError(f"{path}: tensor {name!r} is {tensors[name].dtype} with {tensors[name].numel()} "
-                                  f"values, a generator state needs {dtype} with {numel}; the file is damaged")
-    py, np_meta = meta["python_random"], meta["numpy"]
-    if (not isinstance(py, dict) or not isinstance(py.get("state"), list) or len(py["state"]) != 625
-            or not isinstance(np_meta, dict) or not {"kind", "pos", "has_gauss", "cached_gaussian"} <= np_meta.keys()):
+        tensor = tensors[name]
+        if tensor.dtype != dtype or tensor.dim() != 1 or tensor.numel() != numel:
+            raise CheckpointError(f"{path}: tensor {name!r} is {tensor.dtype} of shape {list(tensor.shape)}, a "
+                                  f"generator state is {dtype} of shape [{numel}]; the file is damaged")
+    if not _rng_meta_ok(meta["python_random"], meta["numpy"]):
         raise CheckpointError(f"{path}: RNG metadata 'python_random' or 'numpy' is damaged")
     return tensors, meta
+
+
+def _rng_meta_ok(py: Any, np_meta: Any) -> bool:
+    """Whether the Python and numpy generator states have the fields and types their setters take."""
+    def is_int(value: Any) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool)
+
+    return (isinstance(py, dict) and is_int(py.get("version")) and isinstance(py.get("state"), list)
+            and len(py["state"]) == 625 and all(is_int(v) and 0 <= v < 2**32 for v in py["state"])
+            and (py.get("gauss_next") is None or isinstance(py["gauss_next"], float))
+            and isinstance(np_meta, dict) and np_meta.get("kind") == "MT19937"
+            and is_int(np_meta.get("pos")) and 0 <= np_meta["pos"] <= 624 and is_int(np_meta.get("has_gauss"))
+            and isinstance(np_meta.get("cached_gaussian"), (int, float)))
 
 
 def _restore_rng(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
@@ -309,7 +324,7 @@ def _prune(ckpts: Path, keep_last: int | None, protected: set[str]) -> None:
     keep = {d.name for _, d in steps[-keep_last:]} | protected
     for _, d in steps:
         if d.name not in keep:
-            shutil.rmtree(d)
+            atomic.remove_folder(d)
 
 
 def save_checkpoint(

@@ -6,7 +6,7 @@ from entrenar.config import Recipe
 from entrenar.models.transformer import Transformer
 from entrenar.train.memory import GiB, MemoryEstimate
 from entrenar.train.plan import RowLayout, RunPlan
-from entrenar.train.run_data import RunData
+from entrenar.train.run_data import NO_VALIDATION, RunData
 
 CPU_ESTIMATE_NOTE = ("the peak resident memory of this process: measured peaks were within 25% of it "
                      "(docs/PERFORMANCE.md, CPU memory); left out: loading (the file is mapped while the weights "
@@ -26,7 +26,7 @@ def dry_run_report(recipe: Recipe, plan: RunPlan, rows: RowLayout, model: Transf
         f"{'parameters':<22}{total:,} total, {trainable:,} trainable ({trainable / total:.2%})",
         f"{'method':<22}{plan.method}",
         f"{'train examples':<22}{len(data.examples):,} ({tokens:,} tokens)",
-        f"{'validation examples':<22}{len(data.validation):,}",
+        f"{'validation examples':<22}{len(data.validation):,}" + ("" if data.validation else f" ({NO_VALIDATION})"),
         *[f"{'note':<22}{note}" for note in notes],
         f"{'step':<22}{t.batch_size} x {d.seq_len} tokens x {plan.accumulation * plan.world_size} micro-batches, "
         f"{t.max_steps} steps",

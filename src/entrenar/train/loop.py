@@ -12,6 +12,7 @@ an uninterrupted run would have.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from pathlib import Path
 
@@ -31,7 +32,7 @@ from entrenar.train.metrics import tensorboard_writer_class
 from entrenar.train.plan import check_recipe, plan_run
 from entrenar.train.prepare import load_model, prepare
 from entrenar.train.resume import recipe_for_resume, run_folder
-from entrenar.train.run_data import read_data
+from entrenar.train.run_data import NO_VALIDATION, check_paths, read_data
 from entrenar.train.trainer import Trainer, TrainResult
 
 
@@ -83,6 +84,8 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
     console.recipe(recipe)
     if is_quickstart:
         world.main_only(quickstart.write_files, recipe)  # only once the recipe is known to be sound
+    else:
+        check_paths(recipe)  # a missing data file is found before the model loads
     plan = plan_run(recipe, device, world, recipe_model_config(recipe))  # config.json only, no weights
     if recipe.training.cpu_threads is not None:
         torch.set_num_threads(recipe.training.cpu_threads)
@@ -93,8 +96,17 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
     console.say(f"loading {recipe.model.path or 'a random model (model.config)'} on {plan.load_device} ...")
     model, tokenizer = load_model(recipe, task, plan)
     prepared = prepare(model, recipe, plan, world)
-    console.say(f"reading and tokenizing {recipe.data.train} ...")
+    console.say(f"reading and tokenizing {', '.join(path for path, _, _ in recipe.data.sources())} ...")
     data = read_data(recipe, task, tokenizer)
+    if recipe.training.epochs is not None:  # the run's length in steps, now that the data is read
+        steps, line = plan.steps(data.stream.rows_per_epoch())
+        recipe = dataclasses.replace(recipe, training=dataclasses.replace(recipe.training, epochs=None,
+                                                                          max_steps=steps))
+        check_recipe(recipe, device, world)  # schedule.warmup_steps against the steps
+        console.say(line)
+        data.notes.insert(0, line)
+    if not data.validation:
+        console.say(f"validation examples 0: {NO_VALIDATION}")
     rows = plan.rows(task.name, data.mean_example_tokens)
     trainer = Trainer(recipe, plan, rows, world, task, run, prepared, tokenizer, data, console, progress)
     if dry_run:  # the optimizer is built: a setting it refuses is found too

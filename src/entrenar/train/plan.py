@@ -16,6 +16,7 @@ layers that replay (:meth:`RunPlan.graphs`).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -105,6 +106,17 @@ class RunPlan:
         return RowLayout(flat=flat, by_document=by_document and not flat,
                          reason=f"{reason} (data.padding_free: {setting})")
 
+    def steps(self, epoch_rows: int) -> tuple[int, str]:
+        """``training.epochs`` resolved once the data is read: ``ceil(epochs x epoch_rows / rows_per_step)``
+        optimizer steps (at least one), and the line that says so. An epoch is one pass over the training
+        examples as the stream lays them out (``epoch_rows``: packed rows, or one example a row), by the whole
+        job: every process together sees each example once."""
+        assert self._recipe is not None and self._recipe.training.epochs is not None
+        epochs = self._recipe.training.epochs
+        steps = max(1, math.ceil(epochs * epoch_rows / self.rows_per_step))
+        return steps, (f"epochs {epochs:g} = {steps:,} steps ({epoch_rows:,} rows an epoch, {self.rows_per_step:,} "
+                       "rows a step)")
+
     def graphs(self, moe_replays: bool) -> bool:
         """``training.cuda_graphs`` once the MoE layers are built: a graph replays MoE layers only whose experts
         run as one grouped bf16 product (``moe_replays``: no host read in the step)."""
@@ -147,7 +159,8 @@ def _gpu_only(key: str) -> Refusal:
 # Checked in order; the first that applies is raised. Pure recipe checks come first, then the device's, then
 # the parallel mode's (each needs the one before).
 REFUSALS: tuple[Refusal, ...] = (
-    Refusal("schedule.warmup_steps", lambda f: f.recipe.schedule.warmup_steps > f.recipe.training.max_steps,
+    Refusal("schedule.warmup_steps", lambda f: f.recipe.training.max_steps is not None  # epochs: once resolved
+            and f.recipe.schedule.warmup_steps > f.recipe.training.max_steps,
             lambda f: f"schedule.warmup_steps ({f.recipe.schedule.warmup_steps}) is longer than the run "
                       f"(training.max_steps={f.recipe.training.max_steps}); shorten it too, e.g. --set "
                       f"schedule.warmup_steps={f.recipe.training.max_steps // 10}"),

@@ -7,7 +7,9 @@ so a resumed run repeats the uninterrupted run's losses bit for bit.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +19,8 @@ from torch import nn
 from entrenar.adapters.lora import load_lora_state_dict, lora_state_dict
 from entrenar.config import RESUMABLE_KEYS, Recipe, load_recipe, recipe_changes
 from entrenar.errors import CheckpointError
+from entrenar.io import atomic
+from entrenar.io.checkpoint_files import CHECKPOINTS_DIR, incomplete_checkpoints
 from entrenar.io.run_dir import RunDir
 from entrenar.quant.qat import load_qat_state_dict, qat_state_dict
 from entrenar.tasks.base import Task
@@ -28,6 +32,7 @@ def run_folder(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool) 
     # Absolute, so paths the run records (the quickstart's) hold from any working directory.
     root = (Path(resume) if isinstance(resume, (str, Path)) else Path(recipe.output.dir)).absolute()
     if resume:
+        _remove_incomplete(root)
         ckpt = latest_checkpoint(root)
         if ckpt is None:
             raise CheckpointError(f"{root}: no checkpoint to resume from")
@@ -36,6 +41,18 @@ def run_folder(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool) 
         raise CheckpointError(f"{root} already holds a run with checkpoints; pass --resume to continue it, "
                               "or set output.dir to a new folder")
     return RunDir(root), None
+
+
+def _remove_incomplete(root: Path) -> None:
+    """Name and delete the ``step-N`` folders that are not whole checkpoints, so none is mistaken for one later."""
+    broken = incomplete_checkpoints(root)
+    for folder in broken:
+        with contextlib.suppress(FileNotFoundError):  # another rank of the run removed it first
+            atomic.remove_folder(folder)
+    if broken:
+        names = ", ".join(folder.name for folder in broken)
+        warnings.warn(f"{root / CHECKPOINTS_DIR}: removed {len(broken)} incomplete checkpoint folder(s) ({names}); "
+                      "a checkpoint folder lacking its files cannot be resumed from", stacklevel=3)
 
 
 def recipe_for_resume(recipe: Recipe, run: RunDir) -> Recipe:

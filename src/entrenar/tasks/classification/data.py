@@ -17,6 +17,7 @@ import torch
 
 from entrenar.data import BatchStream, read_records
 from entrenar.data.batching import PAD_DOCUMENT
+from entrenar.data.formats import split_format
 from entrenar.data.sources import Skip
 from entrenar.data.tokenize import Example
 from entrenar.errors import ConfigError, DataError
@@ -40,11 +41,13 @@ class LabeledText:
 
 
 def read_labeled(path: str, role: str, recipe: Any, tokenizer: Tokenizer, spec: LabelSpec,
-                 skipped_out: list[Skip] | None = None) -> tuple[list[LabeledText], list[str]]:
+                 skipped_out: list[Skip] | None = None, format: str | None = None
+                 ) -> tuple[list[LabeledText], list[str]]:
     """The labeled texts of one data file, read as the recipe's data section says, and notes on what was skipped
     or cut (every skipped record is also appended to ``skipped_out``, for the run's skipped.jsonl)."""
     d = recipe.data
-    return read_texts(path, tokenizer, spec, d.text_field, d.label_field, d.seq_len, d.format, d.on_error,
+    file_format = split_format(format or d.format)[0]
+    return read_texts(path, tokenizer, spec, d.text_field, d.label_field, d.seq_len, file_format, d.on_error,
                       f"data.{role}", skipped_out, seed=recipe.training.seed, query=d.query)
 
 

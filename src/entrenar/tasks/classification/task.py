@@ -12,6 +12,7 @@ import torch
 
 from entrenar.adapters.lora import lora_config_of
 from entrenar.data import read_records
+from entrenar.data.formats import split_format
 from entrenar.errors import ConfigError
 from entrenar.evaluation.report import build_report, write_report
 from entrenar.loading import load as load_model
@@ -86,8 +87,9 @@ class ClassificationTask:
         names = list(t.labels) if t.labels else None
         num = len(names) if names else (t.num_labels or (1 if t.problem_type == "regression" else None))
         if num is None:  # collected from the training data
-            records, _ = read_records(d.train, format=d.format, on_error=d.on_error, seed=self.recipe.training.seed,
-                                      query=d.query)
+            records, _ = read_records([path for path, _, _ in d.sources()], format=split_format(d.format)[0],
+                                      on_error=d.on_error,
+                                      seed=self.recipe.training.seed, query=d.query)
             self.spec = label_spec(t, records, d.label_field)
             num = self.spec.num_labels
         model, tokenizer = load_model(self.recipe.model.path, dtype=dtype, device=device, quantize=quantize,
@@ -107,10 +109,11 @@ class ClassificationTask:
         """The head, trained whole beside a LoRA run's adapters, so its checkpoints keep it."""
         return {"score.weight": model.score.weight}
 
-    def read(self, path: str, role: str, tokenizer: Tokenizer,
-             skipped: list[Skip]) -> tuple[list[LabeledText], list[str]]:
-        """The labeled texts of one data file and notes; bad labels name their file and line."""
-        return read_labeled(path, role, self.recipe, tokenizer, self._labels, skipped)
+    def read(self, path: str, role: str, tokenizer: Tokenizer, skipped: list[Skip],
+             format: str | None = None) -> tuple[list[LabeledText], list[str]]:
+        """The labeled texts of one data file (read as ``format``, default data.format) and notes; bad labels name
+        their file and line."""
+        return read_labeled(path, role, self.recipe, tokenizer, self._labels, skipped, format=format)
 
     def stream(self, examples: list[LabeledText], tokenizer: Tokenizer) -> tuple[LabeledStream, list[str]]:
         """The training batches and a note on the class weights, counted on ``examples``: the rows trained on,
