@@ -313,7 +313,7 @@ def test_an_existing_output_needs_overwrite_and_keeps_the_users_files(base, adap
     notes = tmp_path / "notes"
     notes.mkdir()
     (notes / "todo.txt").write_text("keep me")
-    with pytest.raises(ConfigError, match="notes: the folder exists and is not empty; pass --overwrite"):
+    with pytest.raises(ConfigError, match="notes: the folder exists and is not empty; pass overwrite=True to"):
         export(base, adapter, notes, merge=True)
     assert snapshot(notes) == {"todo.txt": b"keep me"}
 
@@ -332,7 +332,7 @@ def test_an_existing_output_needs_overwrite_and_keeps_the_users_files(base, adap
 
     gguf_file = tmp_path / "m.gguf"
     export(base, adapter, gguf_file, gguf="f16")
-    with pytest.raises(ConfigError, match="m.gguf: the file exists; pass --overwrite"):
+    with pytest.raises(ConfigError, match="m.gguf: the file exists; pass overwrite=True to replace it"):
         export(base, adapter, gguf_file, gguf="f16")
     assert export(base, adapter, gguf_file, gguf="f16", overwrite=True) == [gguf_file]
 

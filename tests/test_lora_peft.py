@@ -315,3 +315,44 @@ def test_peft_adapter_on_a_tied_head_works_unmerged_and_refuses_to_merge(tmp_pat
         lora.merge_lora(model)
     assert not any(layer.merged for _, layer in lora_layers(model))  # nothing merged, not even q_proj
     assert torch.equal(model.model.embed_tokens.weight, embeddings)
+
+
+def test_an_adapter_on_another_base_of_the_same_shapes_warns_naming_both(base, tmp_path, capsys):
+    """PEFT writes the base it trained on into adapter_config.json; loading the adapter on another base of the
+    same shapes (an instruct tune and its base model, say) warns once, naming both, and still loads it. The same
+    base by another spelling (its Hub id beside the Hub cache's snapshot folder) is no mismatch."""
+    import shutil
+
+    entrenar = pytest.importorskip("entrenar")
+    from entrenar.cli.main import main
+
+    save_tiny_model_folder(base, tmp_path / "base")
+    hf_base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base")
+    peft.get_peft_model(hf_base, peft.LoraConfig(r=4, target_modules=["q_proj"])).save_pretrained(tmp_path / "ad")
+    named = json.loads((tmp_path / "ad" / "adapter_config.json").read_text())["base_model_name_or_path"]
+    assert Path(named) == tmp_path / "base"  # what PEFT records
+    shutil.copytree(tmp_path / "base", tmp_path / "other")  # same shapes, another model
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the base it names: no warning
+        entrenar.load(tmp_path / "base", adapter=tmp_path / "ad", device="cpu")
+    with pytest.warns(UserWarning) as caught:
+        ours, _ = entrenar.load(tmp_path / "other", adapter=tmp_path / "ad", device="cpu")
+    assert len(list(lora_layers(ours))) == 2  # loaded all the same
+    message = str(caught[0].message)
+    assert f"trained on {named} " in message and f"applied to {tmp_path / 'other'}" in message
+
+    # the CLI: one line
+    code = main(["generate", str(tmp_path / "other"), "--adapter", str(tmp_path / "ad"), "--prompt", "w1 w2",
+                 "--max-new-tokens", "1", "--device", "cpu"])
+    err = capsys.readouterr().err
+    assert code == 0 and [line for line in err.splitlines() if "trained on" in line] == [f"note: {message}"]
+
+    # The Hub id of the same base, beside the Hub cache's snapshot folder of it: the same base.
+    config = tmp_path / "ad" / "adapter_config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "base_model_name_or_path": "org/base"}))
+    snapshot = tmp_path / "hub" / "models--org--base" / "snapshots" / "0123abc"
+    shutil.copytree(tmp_path / "base", snapshot)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        entrenar.load(snapshot, adapter=tmp_path / "ad", device="cpu")

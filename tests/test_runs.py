@@ -170,3 +170,27 @@ def test_a_full_fine_tune_and_its_checkpoints_export_to_gguf(workspace, capsys, 
     assert run_cli(capsys, "export", run / "checkpoints" / "step-2", "--output", folder)[0] == 0
     assert json.loads((folder / "config.json").read_text())["dtype"] == "float32"  # as it trained, not fp16
     torch.testing.assert_close(logits(folder), logits(run / "checkpoints" / "step-2"), atol=0, rtol=0)
+
+
+def test_quantize_data_of_a_run_scores_as_eval_does(workspace, capsys, tmp_path):
+    """``quantize --data`` on a full fine-tune's run reports, before quantizing, the perplexity ``entrenar eval``
+    reports for the same run and data (the run's train_on, add_eos and seq_len, not 512 tokens of everything)."""
+    run = make_run(workspace, "lora=null")
+    data = workspace / "train.jsonl"
+    code, out, err = run_cli(capsys, "eval", run, "--data", data, "--device", "cpu")
+    assert (code, err) == (0, "")
+    eval_loss, eval_ppl = out.splitlines()[1].split()[1:4:2]
+
+    code, out, err = run_cli(capsys, "quantize", run, "--method", "int8", "--data", data, "--device", "cpu",
+                             "--output", tmp_path / "q")
+    assert (code, err) == (0, "")
+    assert f"using the run's recipe ({run}/recipe.yaml): seq_len 32, train_on completion, add_eos false" in out
+    line = next(x for x in out.splitlines() if x.startswith("perplexity "))
+    assert line.split()[1] == eval_ppl and line.split("; loss ")[1].split()[0] == eval_loss
+
+    # Flags override the recipe exactly as eval's do.
+    code, out, _ = run_cli(capsys, "eval", run, "--data", data, "--train-on", "all", "--eos", "--device", "cpu")
+    eval_ppl = out.splitlines()[1].split()[3]
+    code, out, _ = run_cli(capsys, "quantize", run, "--method", "int8", "--data", data, "--train-on", "all",
+                           "--eos", "--device", "cpu", "--output", tmp_path / "q", "--overwrite")
+    assert code == 0 and next(x for x in out.splitlines() if x.startswith("perplexity ")).split()[1] == eval_ppl

@@ -24,7 +24,7 @@ import torch
 from tokenizers import Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as Backend
 
-from entrenar.config import Recipe
+from entrenar.config import Recipe, load_recipe
 from entrenar.data.tokenizer import Tokenizer
 from entrenar.generation.sampling import generate
 from entrenar.models.config import ModelConfig
@@ -96,6 +96,18 @@ def resolve(recipe: Recipe, run_dir: Path, dry_run: bool = False) -> Recipe:
     model = dataclasses.replace(recipe.model, path=str(root / "base-model"))
     data = dataclasses.replace(recipe.data, train=str(root / "train.jsonl"), validation=str(root / "validation.jsonl"))
     return dataclasses.replace(recipe, model=model, data=data)
+
+
+def fit_warmup(recipe: Recipe) -> tuple[Recipe, str | None]:
+    """The quickstart shortened to fewer steps than its own warmup (``--set training.max_steps=5``) warms up
+    for a tenth of the run instead, with a line saying so; a warmup the user set is theirs (the plan refuses it)."""
+    warmup, steps = recipe.schedule.warmup_steps, recipe.training.max_steps
+    if warmup <= steps or warmup != load_recipe(None).schedule.warmup_steps:
+        return recipe, None
+    fitted = steps // 10
+    note = (f"quickstart: warmup shortened from {warmup} to {fitted} steps to fit training.max_steps={steps} "
+            f"(--set schedule.warmup_steps=N to choose)")
+    return dataclasses.replace(recipe, schedule=dataclasses.replace(recipe.schedule, warmup_steps=fitted)), note
 
 
 def write_files(recipe: Recipe) -> None:

@@ -76,3 +76,14 @@ def test_ctrl_c_stops_a_reply_and_drops_its_turn(capsys, monkeypatch, chat_model
     assert code == 0 and "reply stopped" in err
     alone = reply(chat_model, [{"role": "user", "content": "the lazy dog"}], 10)
     assert out == f"\n{alone}\n"  # the second turn does not see the first
+
+
+def test_slash_commands_never_reach_the_model(capsys, monkeypatch, chat_model):
+    """/help answers itself, an unknown /word is named (with the close command), /quit quits; // sends a message
+    that begins with a slash."""
+    code, out, err = chat(capsys, monkeypatch, chat_model, "/help\n/rest\n//etc\n/quit\nignored\n")
+    assert code == 0
+    assert out == reply(chat_model, [{"role": "user", "content": "/etc"}], 10) + "\n"  # one turn only
+    help_line, unknown = err.splitlines()
+    assert "/reset clears the conversation" in help_line and "/quit" in help_line
+    assert unknown.startswith("unknown command /rest; did you mean /reset?")

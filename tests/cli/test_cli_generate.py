@@ -112,3 +112,14 @@ def test_stream_never_prints_a_broken_character(text):
     assert not any("\ufffd" in chunk for chunk in chunks)
     if not text.isascii():  # the case that matters: single tokens here are parts of characters
         assert any("\ufffd" in tokenizer.decode([token]) for token in ids)
+
+
+def test_prompt_dash_reads_standard_input(capsys, monkeypatch, chat_model):
+    """``--prompt -``: the prompt is stdin less its final newline (what ``echo ... |`` adds); empty stdin is an
+    error before the model loads."""
+    monkeypatch.setattr("sys.stdin", io.StringIO(PROMPT + "\n"))
+    code, out, err = run_cli(capsys, "generate", chat_model, "--prompt", "-", "--max-new-tokens", 20, *CPU)
+    assert (code, err) == (0, "") and out == reference(chat_model, max_new_tokens=20) + "\n"
+    monkeypatch.setattr("sys.stdin", io.StringIO(""))
+    code, out, err = run_cli(capsys, "generate", tmp := chat_model / "missing", "--prompt", "-")
+    assert (code, out) == (2, "") and err.startswith("error: --prompt -: standard input is empty") and not tmp.exists()

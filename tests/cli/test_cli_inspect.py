@@ -198,3 +198,19 @@ def test_a_recipe_prints_the_plan_the_dry_run_prints_without_reading_weights(cap
     assert all(line in out for line in planned) and all(line in dry for line in planned)
     code, out, _ = run_cli(capsys, "inspect", recipe_file, "--device", "cuda", "--nproc", "2", "--gpu-memory", "1")
     assert code == 0 and "training.parallel             ddp (auto: a replica needs" in out
+
+
+def test_seq_len_beyond_the_models_context_is_noted(capsys, hf_folder):
+    """--seq-len above max_position_embeddings (transformers' config) gets the note training gives; above 8x,
+    the refusal training gives, as a note; within the context, nothing."""
+    folder, hf_model = hf_folder("llama")
+    context = hf_model.config.max_position_embeddings
+    code, out, _ = run_cli(capsys, "inspect", folder, "--seq-len", context + 1)
+    assert code == 0
+    assert out.splitlines()[-1] == (f"note: --seq-len={context + 1:,} is beyond the context of {folder} "
+                                    f"({context:,} tokens, max_position_embeddings): positions past it are "
+                                    "extrapolated")
+    assert inspect_json(capsys, folder, "--seq-len", 8 * context + 1)["notes"][0].endswith(
+        f"use at most {8 * context:,}; entrenar train refuses this length")
+    code, out, _ = run_cli(capsys, "inspect", folder, "--seq-len", context)
+    assert "note:" not in out and inspect_json(capsys, folder, "--seq-len", context)["notes"] == []

@@ -58,6 +58,16 @@ def test_usage_errors_exit_2(capsys, argv):
     assert "usage: entrenar" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv, wrong, meant", [
+    (["trian"], "trian", "train"),  # a command
+    (["classify", "evl"], "evl", "eval"),  # a subcommand
+    (["eval", "m", "--data", "d", "--train-on", "complete"], "complete", "completion"),  # a --choice
+])
+def test_a_misspelt_name_from_a_fixed_set_gets_did_you_mean(capsys, argv, wrong, meant):
+    assert main(argv) == 2
+    assert f"invalid choice: {wrong!r}; did you mean {meant!r}? (choose from " in capsys.readouterr().err
+
+
 def test_user_error_is_one_line_without_traceback(capsys, monkeypatch):
     error = ConfigError("data.train: no such file x.jsonl")
     fake_module(monkeypatch, "entrenar.train.loop", train=failing_train(error))

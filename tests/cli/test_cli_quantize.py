@@ -183,7 +183,8 @@ def test_an_earlier_output_needs_overwrite_and_other_files_stay(capsys, model, t
     assert run_cli(capsys, "quantize", model, "--method", "int8", "--output", out_dir, "--device", "cpu")[0] == 0
     (out_dir / "notes.txt").write_text("mine")
     code, out, err = run_cli(capsys, "quantize", model, "--method", "nf4", "--output", out_dir, "--device", "cpu")
-    assert (code, out) == (2, "") and "the folder exists and is not empty; pass --overwrite" in err
+    assert (code, out) == (2, "") and "the folder exists and is not empty; pass --overwrite to replace" in err
+    assert "overwrite=True" not in err  # the command line's spelling only
     code, _, err = run_cli(capsys, "quantize", model, "--method", "nf4", "--output", out_dir, "--device", "cpu",
                            "--overwrite")
     assert (code, err) == (0, "")

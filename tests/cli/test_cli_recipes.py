@@ -40,7 +40,7 @@ def test_prints_a_recipe_by_name_with_or_without_yaml(capsys):
 def test_an_unknown_name_is_one_error_line_naming_the_known_ones(capsys):
     assert main(["recipes", "lora-lama"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: no bundled recipe named 'lora-lama'") and "lora-llama" in err
+    assert err.startswith("error: no bundled recipe named 'lora-lama'; did you mean 'lora-llama'? (bundled: ")
     assert err.count("\n") == 1
 
 

@@ -253,3 +253,47 @@ def test_fp16_halves_the_loss_scale_while_only_the_gradients_overflow(workspace,
     assert scales == [1.0] + [2.0 ** e for e in range(16, 9, -1)]  # fp32, then GradScaler's 2**16 halved to 2**10
     assert report.loss_scale == 1024 and report.verdict == "ok"
     assert "1024 (halved from GradScaler's 65536" in format_report(report)
+
+
+def test_a_random_init_recipe_is_named_by_what_was_built_and_each_pass_is_told(workspace, capsys):
+    """``model.init: random`` has no path: the report says what the model is (from the built model's config,
+    as transformers reads the recipe's config.json keys), and stderr tells each pass as it starts."""
+    import transformers
+
+    path = workspace / "random.yaml"
+    path.write_text(f"""
+model:
+  init: random
+  device: cpu
+  config: {{model_type: llama, hidden_size: 32, intermediate_size: 64, num_hidden_layers: 2,
+           num_attention_heads: 4, num_key_value_heads: 2, vocab_size: 300}}
+data: {{train: {workspace / 'train.jsonl'}, seq_len: 32, train_on: completion, packing: false}}
+training: {{max_steps: 4, batch_size: 2}}
+output: {{dir: {workspace / 'run'}}}
+""")
+    hf = transformers.LlamaConfig(**load_recipe(path).model.config)
+    assert main(["diagnose", str(path), "--top", "1"]) == 0
+    out, err = capsys.readouterr()
+    model_line = next(line for line in out.splitlines() if line.startswith("model "))
+    assert "None" not in model_line
+    assert model_line.split(None, 1)[1] == (
+        f"random-init {hf.model_type}, hidden {hf.hidden_size}, "
+        f"{hf.num_hidden_layers} layers, vocab {hf.vocab_size} (model.config) on cpu")
+    assert err.splitlines() == ["fp32 forward and backward on cpu ...", "bf16 forward and backward on cpu ..."]
+
+
+def test_fp16_on_a_cpu_says_it_is_slow_before_it_starts(workspace, monkeypatch):
+    """fp16 on a CPU is emulated: the first thing said is why it is slow and what to use instead."""
+    import entrenar.experiments.diagnose as diagnose_module
+
+    heard: list[str] = []
+
+    def stop(*args):
+        raise KeyboardInterrupt  # nothing to compute: what was said before the first pass is the point
+
+    monkeypatch.setattr(diagnose_module, "_autocast_works", lambda device, precision: True)
+    monkeypatch.setattr(diagnose_module, "_forward_backward", stop)
+    with pytest.raises(KeyboardInterrupt):
+        diagnose(recipe_for(workspace), "fp16", say=heard.append)
+    assert heard[0].startswith("diagnose: fp16 on a CPU is emulated in software and slow")
+    assert "--precision bf16" in heard[0] and heard[1] == "fp32 forward and backward on cpu ..."

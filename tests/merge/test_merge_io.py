@@ -306,3 +306,18 @@ def test_mapped_row_views_equal_plain_reads(tmp_path):
         assert bytes(view) == f.read_rows(name, *rows).reshape(-1).view(torch.uint8).numpy().tobytes(), (name, rows)
     del view
     f.close()
+
+
+def test_merge_progress_in_a_log_is_whole_lines(models, tmp_path, capsys):
+    """stderr is no terminal here (as in a log file or CI): progress comes as newline-ended lines, no ``\\r``."""
+    from entrenar.cli.main import main
+
+    cfg = tmp_path / "m.yaml"
+    cfg.write_text(f"merge_method: linear\nmodels:\n  - model: {models['a']}\n    parameters: {{weight: 1}}\n"
+                   f"  - model: {models['b']}\n    parameters: {{weight: 1}}\n")
+    assert main(["merge", str(cfg), "--output", str(tmp_path / "o")]) == 0
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("merged ")]
+    assert "\r" not in err and 2 <= len(lines) <= 11
+    total = lines[-1].split()[1].split("/")[1]
+    assert lines[-1] == f"merged {total}/{total} tensors"

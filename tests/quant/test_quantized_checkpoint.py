@@ -333,7 +333,7 @@ def test_quantize_pretrained_never_touches_its_input(model_folder, tmp_path):
         quantize_pretrained(model_folder, tmp_path, "int8", device="cpu")
     (tmp_path / "notes").mkdir()
     (tmp_path / "notes" / "todo.txt").write_text("keep me")
-    with pytest.raises(ConfigError, match="notes: the folder exists and is not empty; pass --overwrite"):
+    with pytest.raises(ConfigError, match="notes: the folder exists and is not empty; pass overwrite=True to"):
         quantize_pretrained(model_folder, tmp_path / "notes", "int8", device="cpu")
     with pytest.raises(QuantError, match="group size 48 does not divide"):
         quantize_pretrained(model_folder, tmp_path / "out", "int4", group_size=48, device="cpu")

@@ -319,3 +319,37 @@ def test_cuda_graph_settings_are_checked(workspace):
         with pytest.raises(ConfigError, match=r"training\.cuda_graphs: .* this run is on cpu"):
             train(recipe_for(workspace, "training.cuda_graphs=true", "model.device=auto"), dry_run=True,
                   progress=False)
+
+
+def test_the_quickstart_shortened_below_its_warmup_fits_the_warmup_and_says_so(tmp_path, capsys):
+    """``entrenar train --set training.max_steps=5`` on the quickstart: its 30 warmup steps become a tenth of
+    the run, in one line, instead of a refusal; a warmup the user set is still refused."""
+    from entrenar.config import load_recipe
+    from entrenar.errors import ConfigError
+
+    recipe = load_recipe(None, ["training.max_steps=5", f"output.dir={tmp_path / 'run'}"])
+    result = train(recipe, dry_run=True, verbose=True)
+    out = capsys.readouterr().out
+    assert "quickstart: warmup shortened from 30 to 0 steps to fit training.max_steps=5" in out
+    assert "warmup_steps: 0" in out and result.summary
+    with pytest.raises(ConfigError, match=r"warmup_steps \(7\) is longer than the run .* --set schedule\."):
+        train(load_recipe(None, ["training.max_steps=5", "schedule.warmup_steps=7",
+                                 f"output.dir={tmp_path / 'run'}"]), dry_run=True, progress=False)
+
+
+def test_train_in_python_is_quiet_unless_verbose_and_a_log_gets_whole_lines(workspace, capsys, monkeypatch):
+    """``train()`` draws no bar unless ``verbose=True`` (even at a terminal); verbose where stderr is no terminal
+    (a log file, CI), progress comes as newline-ended step lines, never a bar's ``\\r``."""
+    from entrenar.train import loop
+
+    few = ("training.max_steps=2", "schedule.warmup_steps=1", "training.eval_every=0", "training.save_every=0")
+    monkeypatch.setattr(loop, "interactive", lambda stream=None: True, raising=False)  # as at a terminal
+    capsys.readouterr()
+    train(recipe_for(workspace, *few, f"output.dir={workspace / 'quiet'}"))
+    assert capsys.readouterr() == ("", "")
+    monkeypatch.undo()  # capsys: not a terminal
+    train(recipe_for(workspace, *few, f"output.dir={workspace / 'log'}"), verbose=True)
+    out, err = capsys.readouterr()
+    assert "\r" not in out + err
+    assert [line.split("  ")[0] for line in out.splitlines() if line.startswith("step ") and "/" in line] == \
+        ["step 1/2", "step 2/2"]

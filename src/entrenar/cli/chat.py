@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import sys
 
 from entrenar.cli.generate import chat_ids, require_chat_template
@@ -10,7 +11,16 @@ from entrenar.cli.options import add_model_args, add_sampling_args, load_model
 from entrenar.cli.stream import stream_generate
 
 HELP = ("type a message; Ctrl-C stops a reply (the turn is dropped), /reset clears the conversation, "
-        "/exit (or end of input) quits")
+        "/exit or /quit (or end of input) quits, /help says this; start a message with // to send one that "
+        "begins with /")
+COMMANDS = ("/help", "/reset", "/exit", "/quit")
+
+
+def unknown_command(word: str) -> str:
+    """What chat says to a ``/word`` it does not know (instead of sending it to the model)."""
+    close = difflib.get_close_matches(word, COMMANDS, n=1)
+    hint = f"; did you mean {close[0]}?" if close else ""
+    return f"unknown command {word}{hint} (commands: {', '.join(COMMANDS)}; // sends a message that starts with /)"
 
 
 def add_parser(commands: argparse._SubParsersAction, parents: list[argparse.ArgumentParser]) -> None:
@@ -39,12 +49,18 @@ def run(args: argparse.Namespace) -> int:
         if not line:  # end of input
             break
         text = line.rstrip("\n")
-        if text.strip() == "/exit":
-            break
-        if text.strip() == "/reset":
-            messages = list(opening)
-            if interactive:
-                print("(conversation cleared)", file=sys.stderr)
+        if text.startswith("//"):
+            text = text[1:]  # a message that begins with "/", sent as typed less one slash
+        elif text.strip().startswith("/"):
+            command = text.split()[0]
+            if command in ("/exit", "/quit"):
+                break
+            if command == "/reset":
+                messages = list(opening)
+                if interactive:
+                    print("(conversation cleared)", file=sys.stderr)
+            else:
+                print(HELP if command == "/help" else unknown_command(command), file=sys.stderr)
             continue
         if not text.strip():
             continue

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 
 def add_parser(commands: argparse._SubParsersAction, parents: list[argparse.ArgumentParser]) -> None:
@@ -40,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
     recipe = load_recipe(args.recipe, args.overrides)  # before importing torch: a bad recipe fails at once
     from entrenar.experiments.diagnose import diagnose, format_report
 
-    report = diagnose(recipe, args.precision)
+    report = diagnose(recipe, args.precision, say=lambda text: print(text, file=sys.stderr, flush=True))
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))
     else:

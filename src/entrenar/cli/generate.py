@@ -20,7 +20,8 @@ def add_parser(commands: argparse._SubParsersAction, parents: list[argparse.Argu
                     "Stops at the tokenizer's end-of-sequence tokens.",
     )
     add_model_args(parser)
-    parser.add_argument("--prompt", required=True, metavar="TEXT", help="the text to continue")
+    parser.add_argument("--prompt", required=True, metavar="TEXT",
+                        help="the text to continue; - reads it from standard input (its final newline dropped)")
     parser.add_argument("--chat", action="store_true",
                         help="send the prompt as a user message through the model's chat template")
     add_sampling_args(parser, max_new_tokens=64)
@@ -28,6 +29,8 @@ def add_parser(commands: argparse._SubParsersAction, parents: list[argparse.Argu
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.prompt == "-":  # before the model loads: a pipe's text, or the user's typing up to Ctrl-D
+        args.prompt = read_stdin_prompt()
     model, tokenizer = load_model(args)
     if args.chat:
         prompt_ids = chat_ids(tokenizer, [{"role": "user", "content": args.prompt}], args.model)
@@ -36,6 +39,17 @@ def run(args: argparse.Namespace) -> int:
     stream_generate(model, tokenizer, prompt_ids, args, sys.stdout)
     print()
     return 0
+
+
+def read_stdin_prompt() -> str:
+    """``--prompt -``: the prompt is standard input, less the one newline that ends a file or ``echo``."""
+    from entrenar.errors import ConfigError
+
+    text = sys.stdin.read()
+    text = text[:-2] if text.endswith("\r\n") else text[:-1] if text.endswith("\n") else text
+    if not text:
+        raise ConfigError("--prompt -: standard input is empty; pipe the prompt in, or give it as --prompt TEXT")
+    return text
 
 
 def require_chat_template(tokenizer: Tokenizer, model_path: str) -> None:

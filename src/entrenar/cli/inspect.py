@@ -123,6 +123,7 @@ def run(args: argparse.Namespace) -> int:
         architecture.update({name: getattr(config, name) for name in MOE_FIELDS})
     total, trainable = estimates[0].total_params, estimates[1].trainable_params
     active = config.num_active_parameters
+    notes = seq_len_notes(args.seq_len, config.max_position_embeddings, str(args.model))
 
     if args.json:
         report: dict[str, Any] = {
@@ -131,6 +132,7 @@ def run(args: argparse.Namespace) -> int:
             "parameters": {"total": total, "active_per_token": active, "lora_trainable": trainable},
             "memory": {**settings, "dtype": args.dtype, "nproc": args.nproc, "parallel": args.parallel,
                        "estimates": {e.method: e.as_dict() for e in estimates}},
+            "notes": notes,
         }
         print(json.dumps(report, indent=2))
         return 0
@@ -153,7 +155,20 @@ def run(args: argparse.Namespace) -> int:
           f"{', resident memory of a CPU process (fp32 weights)' if args.cpu else ''}"
           f"{per_device_text(args.nproc, args.parallel)}:")
     print(format_estimates(estimates))
+    for note in notes:
+        print(f"note: {note}")
     return 0
+
+
+def seq_len_notes(seq_len: int, context: int, model: str) -> list[str]:
+    """What ``--seq-len`` above the model's context means for a run (the notes, or the refusal, train gives)."""
+    from entrenar.data.batching import check_seq_len
+    from entrenar.errors import ConfigError
+
+    try:
+        return check_seq_len(seq_len, context, model, key="--seq-len")
+    except ConfigError as refusal:
+        return [f"{refusal}; entrenar train refuses this length"]
 
 
 def per_device_text(nproc: int, parallel: str) -> str:

@@ -13,6 +13,7 @@ read-only or full file system, or bad arguments), 130 interrupted, 1 a bug in en
 from __future__ import annotations
 
 import argparse
+import difflib
 import errno
 import os
 import re
@@ -30,13 +31,27 @@ COMMANDS = ("train", "inspect", "generate", "eval", "chat", "export", "quantize"
             "recipes", "diagnose", "ablate")  # modules of entrenar.cli
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse with "did you mean" for a name from a fixed set (a command, a --choice): ``entrenar trian``.
+    Subcommand parsers are made of the same class."""
+
+    def _check_value(self, action: argparse.Action, value: object) -> None:
+        if action.choices is not None and value not in action.choices and isinstance(value, str):
+            close = difflib.get_close_matches(value, [str(c) for c in action.choices], n=1)
+            if close:
+                choices = ", ".join(map(repr, action.choices))
+                raise argparse.ArgumentError(action, f"invalid choice: {value!r}; did you mean {close[0]!r}? "
+                                                     f"(choose from {choices})")
+        super()._check_value(action, value)
+
+
 def build_parser() -> argparse.ArgumentParser:
     # --debug is accepted before or after the command; SUPPRESS keeps a subcommand's
     # unset default from overwriting a --debug given before it.
     debug = argparse.ArgumentParser(add_help=False)
     debug.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                        help="show the full traceback of any error")
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="entrenar", parents=[debug],
         description="Fine-tune transformer language models: LoRA/QLoRA, quantization, merging.",
     )
@@ -67,7 +82,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if debug:
             raise
         if not report_worker_error(error, user_error=True):  # a worker of `train --nproc-per-node`: its launcher prints
-            print(f"error: {rank_prefix()}{error}", file=sys.stderr)
+            print(f"error: {rank_prefix()}{error.cli or error}", file=sys.stderr)
         return 2
     except OSError as error:
         if debug:

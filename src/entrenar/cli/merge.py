@@ -47,13 +47,18 @@ def parse_size(text: str) -> int:
 def run(args: argparse.Namespace) -> int:
     from entrenar.errors import ConfigError
     from entrenar.merge import merge
+    from entrenar.train.console import interactive
 
     if args.config is None:
         raise ConfigError("entrenar merge: give a CONFIG file (mergekit YAML)")
 
+    live = interactive(sys.stderr)  # a terminal: one line redrawn; a log: a whole line every tenth of the way
+
     def progress(done: int, total: int, name: str) -> None:
-        if done == total or done % 8 == 0:
+        if live and (done == total or done % 8 == 0):
             print(f"\rmerged {done}/{total} tensors", end="\n" if done == total else "", file=sys.stderr, flush=True)
+        elif not live and (done == total or done * 10 // total != (done - 1) * 10 // total):
+            print(f"merged {done}/{total} tensors", file=sys.stderr, flush=True)
 
     plan = merge(args.config, args.output, dry_run=args.dry_run, gguf=args.gguf, seed=args.seed,
                  overwrite=args.overwrite,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
+from entrenar.cli.eval import add_eval_args
 from entrenar.cli.options import DTYPE_CHOICES, device, positive_int
 
 if TYPE_CHECKING:
@@ -36,11 +37,10 @@ def add_parser(commands: argparse._SubParsersAction, parents: list[argparse.Argu
                         help="integer methods: scale from each group's range, or from a percentile of it")
     parser.add_argument("--percentile", type=float, default=None, metavar="P",
                         help="with --calibration percentile: the percentile in (0, 100] (default 99.9)")
-    parser.add_argument("--data", metavar="FILE", help="measure perplexity on this data file before and after")
-    parser.add_argument("--seq-len", type=positive_int, default=512, metavar="T",
-                        help="with --data: tokens per sequence (default 512)")
-    parser.add_argument("--batch-size", type=positive_int, default=4, metavar="B",
-                        help="with --data: sequences per batch (default 4)")
+    parser.add_argument("--data", metavar="FILE",
+                        help="measure perplexity on this data file before and after, as entrenar eval does (a "
+                             "run folder's recipe gives seq_len, train_on, add_eos and field names)")
+    add_eval_args(parser, when="with --data: ")
     parser.add_argument("--device", type=device, default="auto", help="auto (CUDA when available), cpu, cuda, cuda:N")
     parser.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
                         help="dtype to load and compute in (auto: bf16 on CUDA, else fp32)")
@@ -53,7 +53,8 @@ def run(args: argparse.Namespace) -> int:
     result = quantize_pretrained(
         args.model, args.output, args.method, group_size=args.group_size, symmetric=not args.asymmetric,
         calibration=args.calibration, percentile=args.percentile, data=args.data, dtype=args.dtype,
-        device=args.device, seq_len=args.seq_len, batch_size=args.batch_size, overwrite=args.overwrite,
+        device=args.device, seq_len=args.seq_len, batch_size=args.batch_size, train_on=args.train_on,
+        add_eos=args.add_eos, overwrite=args.overwrite,
     )
     print(report(result))
     return 0
@@ -69,6 +70,8 @@ def report(result: QuantizeResult) -> str:
     lines.append(f"{len(result.layers)} layers: mean relative error {mean:.3e}, worst {worst.rel_frobenius:.3e} "
                  f"({worst.name})")
     if result.before is not None and result.after is not None:
+        if result.rules is not None and result.rules.from_recipe:
+            lines.append(f"using the run's recipe ({result.run_dir}/recipe.yaml): {result.rules.describe()}")
         b, a = result.before, result.after
         change = a.perplexity - b.perplexity
         lines.append(f"perplexity {b.perplexity:.3f} -> {a.perplexity:.3f} ({change:+.3f}, "

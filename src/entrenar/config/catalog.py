@@ -6,6 +6,7 @@ comment as its description, and prints one by name, ready to copy and edit.
 
 from __future__ import annotations
 
+import difflib
 import importlib.resources
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,5 +68,8 @@ def find_recipe(name: str) -> BundledRecipe:
     for recipe in recipes:
         if recipe.name == stem:
             return recipe
-    known = ", ".join(r.name for r in recipes)
-    raise ConfigError(f"no bundled recipe named {name!r} (bundled: {known}; `entrenar recipes` lists them)")
+    names = [r.name for r in recipes]
+    close = difflib.get_close_matches(stem, names, n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    raise ConfigError(f"no bundled recipe named {name!r}{hint} (bundled: {', '.join(names)}; `entrenar recipes` "
+                      "lists them)")

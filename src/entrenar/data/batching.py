@@ -48,15 +48,16 @@ Batch = dict[str, torch.Tensor]
 CONTEXT_FACTOR = 8  # seq_len may exceed the model's context this many times (context extension), no more
 
 
-def check_seq_len(seq_len: int, context: int, model: str = "the model") -> list[str]:
+def check_seq_len(seq_len: int, context: int, model: str = "the model", key: str = "data.seq_len") -> list[str]:
     """Notes on ``seq_len`` against the model's context (``max_position_embeddings``): one note above it,
     a ``ConfigError`` above ``CONTEXT_FACTOR`` times it (a row that long is memory spent on nothing the model
-    was made for, and packing short examples into it repeats them many times over)."""
+    was made for, and packing short examples into it repeats them many times over). ``key``: what the user
+    set (``--seq-len`` on the command line)."""
     if seq_len > CONTEXT_FACTOR * context:
-        raise ConfigError(f"'data.seq_len' is {seq_len:,}, more than {CONTEXT_FACTOR}x the context of {model} "
+        raise ConfigError(f"'{key}' is {seq_len:,}, more than {CONTEXT_FACTOR}x the context of {model} "
                           f"({context:,} tokens, max_position_embeddings); use at most {CONTEXT_FACTOR * context:,}")
     if seq_len > context:
-        return [f"data.seq_len={seq_len:,} is beyond the context of {model} ({context:,} tokens, "
+        return [f"{key}={seq_len:,} is beyond the context of {model} ({context:,} tokens, "
                 "max_position_embeddings): positions past it are extrapolated"]
     return []
 

@@ -19,6 +19,7 @@ gradients; and a verdict by the thresholds below (docs/EXPERIMENTS.md).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -31,6 +32,7 @@ from entrenar.device import resolve_device
 from entrenar.errors import ConfigError
 from entrenar.evaluation.loss import autocast_for
 from entrenar.models.moe import moe_blocks
+from entrenar.models.transformer import Transformer
 from entrenar.tasks.base import Batch
 from entrenar.train.loop import _seed_everything
 from entrenar.train.moe import moe_training
@@ -133,15 +135,38 @@ THRESHOLDS_TEXT = (f"broken: any NaN/inf, or a gradient cosine < {BROKEN_COSINE}
                    "changing experts; ok otherwise")
 
 
-def diagnose(recipe: Any, precision: str = "bf16") -> Report:
+def slow_note(device: torch.device, precision: str) -> str | None:
+    """Why a diagnosis will be slow, said before it starts: fp16 on a CPU has no hardware arithmetic, so PyTorch
+    emulates it (minutes where bf16 or fp32 take seconds)."""
+    if precision == "fp16" and device.type == "cpu":
+        return ("diagnose: fp16 on a CPU is emulated in software and slow (minutes even for a small model); "
+                "--precision bf16 is the CPU's fast low precision, and fp16 is best diagnosed on a CUDA device")
+    return None
+
+
+def describe_model(recipe: Any, model: Transformer) -> str:
+    """What the report calls the model: its path, or for ``model.init: random`` what was built."""
+    if recipe.model.path is not None:
+        return str(recipe.model.path)
+    c = model.config
+    return (f"random-init {c.model_type}, hidden {c.hidden_size}, {c.num_layers} layers, vocab {c.vocab_size:,} "
+            "(model.config)")
+
+
+def diagnose(recipe: Any, precision: str = "bf16", say: Callable[[str], None] | None = None) -> Report:
     """Build the model and first batch of ``recipe`` as ``entrenar train`` would, run it in fp32 and in
-    ``precision``, and compare (see the module docstring)."""
+    ``precision``, and compare (see the module docstring). ``say`` (the CLI: a line on stderr) is told what is
+    slow before it starts and each pass as it begins."""
     if precision not in PRECISIONS:
         raise ConfigError(f"--precision: {precision!r} is not one of {', '.join(PRECISIONS)}")
     device = resolve_device(recipe.model.device)
     if not _autocast_works(device, precision):
         raise ConfigError(f"--precision {precision}: this PyTorch has no {precision} autocast on {device.type}; "
                           "run it on a CUDA device")
+    tell = say or (lambda text: None)
+    note = slow_note(device, precision)
+    if note:
+        tell(note)
     t = recipe.training
     _seed_everything(t.seed)
     task = tasks.for_recipe(recipe)
@@ -156,6 +181,8 @@ def diagnose(recipe: Any, precision: str = "bf16") -> Report:
     trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
 
     def run(pass_precision: str, scale: float) -> Pass:
+        tell(f"{pass_precision} forward and backward" + (f" (loss scale {scale:g})" if scale != 1.0 else "")
+             + f" on {device} ...")
         return _forward_backward(model, task, moe, batch, trainable, device, pass_precision, scale, t.seed)
 
     reference = run("fp32", 1.0)
@@ -165,7 +192,7 @@ def diagnose(recipe: Any, precision: str = "bf16") -> Report:
     documents = batch.get("document_ids")
     mask = None if documents is None or task.name != "causal_lm" else documents >= 0
     rows, tokens = batch["input_ids"].shape[0], batch["input_ids"].numel()
-    return compare(reference, low, mask, model=str(recipe.model.path), device=str(device),
+    return compare(reference, low, mask, model=describe_model(recipe, model), device=str(device),
                    batch={"rows": rows, "tokens": tokens, "targets": int(batch["step_targets"])})
 
 

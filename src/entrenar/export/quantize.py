@@ -24,6 +24,7 @@ from torch import nn
 
 from entrenar.errors import ConfigError, QuantError
 from entrenar.evaluation.loss import evaluate_file
+from entrenar.evaluation.rules import EvalRules, eval_rules
 from entrenar.export import stored_dtype
 from entrenar.io import hub
 from entrenar.io.outputs import check_output, replace_files
@@ -65,6 +66,8 @@ class QuantizeResult:
     disk_before: int = 0  # bytes on disk of the input (folder or GGUF file) and of the written folder
     disk_after: int = 0
     dtype: str = ""  # the dtype the unquantized weights (embeddings, norms, the head) are stored in
+    rules: EvalRules | None = None  # how ``data`` was scored (with ``data``)
+    run_dir: Path | None = None  # the run whose recipe gave those rules
 
 
 def parse_method(method: str) -> tuple[str, int]:
@@ -218,14 +221,19 @@ def quantize_pretrained(
     data: str | Path | None = None,
     dtype: str | torch.dtype | None = None,
     device: str | torch.device | None = None,
-    seq_len: int = 512,
+    seq_len: int | None = None,
     batch_size: int = 4,
     overwrite: bool = False,
+    train_on: str | None = None,
+    add_eos: bool | None = None,
 ) -> QuantizeResult:
     """Load ``model_path``, quantize it (:func:`quantize_model`) and write it to ``output``.
 
     With ``data`` (a data file as ``entrenar eval`` takes it), the loss and
-    perplexity are measured before and after, on the same batches. ``dtype``
+    perplexity are measured before and after, on the same batches, by eval's
+    rules (:func:`entrenar.evaluation.rules.eval_rules`): ``seq_len``,
+    ``train_on`` and ``add_eos`` when given, else a run folder's recipe (its
+    field names too), else eval's defaults. ``dtype``
     is the dtype to load and compute in; what stays unquantized (embeddings,
     norms, the output head) is stored in the input's own dtype, so a bf16
     model's folder holds bf16 embeddings. Settings, layer shapes and the
@@ -245,12 +253,13 @@ def quantize_pretrained(
         raise QuantError(f"{model_path}: is a LoRA run or checkpoint; export it merged first (entrenar export "
                          "--merge) and quantize that folder")
     keep_dtype = stored_dtype(source.model)
+    rules = eval_rules(source.recipe, seq_len, train_on, add_eos)
     model, tokenizer = load(model_path, dtype=dtype, device=device)
 
     def evaluate() -> EvalResult | None:
         if data is None:
             return None
-        return evaluate_file(model, tokenizer, data, seq_len=seq_len, batch_size=batch_size)
+        return evaluate_file(model, tokenizer, data, batch_size=batch_size, **rules.kwargs())
 
     before = evaluate()
     names = find_linears(model, ALL_LINEAR)
@@ -271,4 +280,5 @@ def quantize_pretrained(
                           bytes_after=_weight_bytes(model, names), before=before, after=after,
                           config=quantization_config(model, info, layout_group),
                           disk_before=disk_size(source.model), disk_after=disk_size(output),
-                          dtype=str(keep_dtype).removeprefix("torch."))
+                          dtype=str(keep_dtype).removeprefix("torch."),
+                          rules=rules if data is not None else None, run_dir=source.run_dir)

@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from entrenar.errors import ConfigError
+from entrenar.errors import ConfigError, OutputExistsError
 from entrenar.io import atomic
 
 # Files a model, adapter or quantized folder written by entrenar may hold: what an earlier output of ours left.
@@ -52,15 +52,14 @@ def check_output(output: str | os.PathLike, overwrite: bool = False, is_file: bo
             if not output.is_file():
                 raise ConfigError(f"{output}: exists and is not a file")
             if not overwrite:
-                raise ConfigError(f"{output}: the file exists; pass --overwrite (overwrite=True) to replace it, "
-                                  "or choose a new path")
+                raise OutputExistsError(f"{output}: the file exists; pass {{fix}} to replace it, or choose a new path")
         else:
             if not output.is_dir():
                 raise ConfigError(f"{output}: exists and is not a folder")
             if any(output.iterdir()) and not overwrite:
-                raise ConfigError(
-                    f"{output}: the folder exists and is not empty; pass --overwrite (overwrite=True) to replace "
-                    "the files this command writes (other files in it are kept), or choose a new folder"
+                raise OutputExistsError(
+                    f"{output}: the folder exists and is not empty; pass {{fix}} to replace the files this "
+                    "command writes (other files in it are kept), or choose a new folder"
                 )
     folder = output if output.is_dir() and not is_file else output.parent
     while not folder.exists() and folder != folder.parent:

@@ -7,6 +7,7 @@ through :mod:`entrenar.loading.classifier`.
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, overload
 
@@ -15,7 +16,7 @@ from entrenar.data.tokenizer import Tokenizer, require_tokenizer
 from entrenar.device import resolve_device, resolve_dtype
 from entrenar.errors import ConfigError, ModelError, QuantError
 from entrenar.loading.classifier import load_classifier
-from entrenar.loading.runs import apply_checkpoint, resolve_model_and_adapter
+from entrenar.loading.runs import adapter_base_mismatch, apply_checkpoint, resolve_model_and_adapter, run_folder_of
 from entrenar.models import classifier as cls
 from entrenar.models import random_init
 from entrenar.models.config import ModelConfig
@@ -113,7 +114,9 @@ def load(
     snapshot, fetched first when the Hub is reachable (:mod:`entrenar.io.hub`). A folder without tokenizer.json (what
     `save_pretrained` of a model alone writes) loads with tokenizer None; what
     needs text asks for it with :func:`require_tokenizer`. The model is
-    returned in eval mode; call `.train()` to fine-tune it.
+    returned in eval mode; call `.train()` to fine-tune it. An `adapter` whose
+    adapter_config.json names another base model than `path` is applied with
+    a UserWarning naming both (:func:`~entrenar.loading.runs.adapter_base_mismatch`).
 
     A transformers ``*ForSequenceClassification`` folder loads as a
     :class:`~entrenar.models.classifier.SequenceClassifier` (``model(input_ids,
@@ -125,6 +128,8 @@ def load(
     if task not in (None, "causal_lm", "classification"):
         raise ConfigError(f"task {task!r} must be 'causal_lm' or 'classification'")
     source = resolve_model_and_adapter(path, adapter)
+    if adapter is not None and source.adapter is not None:
+        _note_other_base(source.adapter, source.model)
     if task == "classification" or (
         task is None and (cls.is_classifier_folder(source.model) or _seq_cls_adapter(source.adapter))
     ):
@@ -136,6 +141,17 @@ def load(
     if source.checkpoint is not None:
         apply_checkpoint(model, source)
     return model.eval(), tokenizer
+
+
+def _note_other_base(adapter: Path, model: Path) -> None:
+    """Warn when an adapter given beside a model names another base (PEFT loads it silently); one run's own
+    pair (its quantized/ folder with its adapter/) is its own business."""
+    runs = run_folder_of(adapter), run_folder_of(model)
+    if runs[0] is not None and runs[1] is not None and runs[0][0] == runs[1][0]:
+        return
+    note = adapter_base_mismatch(adapter, model)
+    if note is not None:
+        warnings.warn(note, stacklevel=3)
 
 
 def _folder_tokenizer(path: Path) -> Tokenizer | None:

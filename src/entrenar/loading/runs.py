@@ -154,6 +154,41 @@ def _adapter_base(adapter: Path) -> Path | None:
     return hub.resolve(name, revision if isinstance(revision, str) else None)
 
 
+def _base_name(path: str | Path) -> str:
+    """What a base model is called, to compare an adapter's base with a model: the folder's name (a Hub cache
+    snapshot's repository name, ``models--org--name/snapshots/<rev>``), a Hub id's name, a GGUF file's stem."""
+    p = Path(str(path).rstrip("/\\"))
+    if p.parent.name == "snapshots" and p.parent.parent.name.startswith("models--"):
+        return p.parent.parent.name.split("--")[-1].lower()
+    return (p.stem if p.suffix.lower() == ".gguf" else p.name).lower()
+
+
+def adapter_base_mismatch(adapter: Path, model: Path) -> str | None:
+    """A one-line note when ``adapter``'s adapter_config.json names a base model (``base_model_name_or_path``)
+    other than ``model``, the one it is being applied to; None when it names none or the same one.
+
+    The same one: the same folder, or the same name (a folder's name, a Hub id's, a Hub cache snapshot's; a GGUF
+    file's stem starting with it, as ``SmolLM2-135M-Instruct.Q4_1.gguf`` for ``HuggingFaceTB/SmolLM2-135M-Instruct``).
+    Shapes are not compared here: a base of other shapes is refused when the tensors are checked. Configs are not
+    either: a base and its instruct tune share theirs, and an adapter of one means little on the other."""
+    try:
+        name = json.loads((adapter / "adapter_config.json").read_text(encoding="utf-8")).get(
+            "base_model_name_or_path")
+    except (OSError, ValueError, AttributeError, RecursionError):
+        return None
+    if not isinstance(name, str) or not name.strip():
+        return None
+    named = Path(name)
+    if named.exists() and named.resolve() == model.resolve():
+        return None
+    wanted, have = _base_name(name), _base_name(model)
+    if wanted == have or (model.suffix.lower() == ".gguf" and have.startswith(wanted)):
+        return None
+    return (f"{adapter}: this adapter was trained on {name} (adapter_config.json, base_model_name_or_path) and is "
+            f"applied to {model}; the shapes fit, but an adapter means little on another base (ignore this if "
+            f"{model.name} is a copy of {name})")
+
+
 def _in_run(run_dir: Path, kind: str, path: Path) -> tuple[Path, Path | None, Path | None]:
     """(model, adapter, checkpoint) that ``path`` of the given kind stands for in the run."""
     recipe = read_run_recipe(run_dir)

@@ -33,6 +33,7 @@ class Task(Protocol[ModelT]):
     """A training objective on the one loop, over the model it loads (``Task`` alone: any task)."""
 
     name: str  # "causal_lm", "classification": recorded, never branched on by the Trainer
+    perplexity: bool  # exp(eval loss) means something (a language model's loss per token): the summary shows it
 
     def load(self, dtype: str, device: torch.device, quantize: str | None) -> tuple[ModelT, Tokenizer | None]:
         """The model this task trains (the recipe's ``model`` section) and its tokenizer (None: the folder has

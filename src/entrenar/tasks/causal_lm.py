@@ -44,6 +44,7 @@ class CausalLMTask:
     recipe: Recipe
     kernels: bool = False  # the plan's: the output projection fused with the loss when the head is plain
     name: str = "causal_lm"
+    perplexity: bool = True
     _head: nn.Linear | None = field(default=None, repr=False)  # set by prepare() when the loss is fused
 
     def load(self, dtype: str, device: torch.device, quantize: str | None) -> tuple[Transformer, Tokenizer | None]:

@@ -7,11 +7,14 @@ prints nothing: only ``entrenar train`` turns it on.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TextIO
 
 import yaml
+from tqdm import autonotebook
 from tqdm.auto import tqdm
+from tqdm.std import tqdm as terminal_tqdm
 
 from entrenar.config import Recipe
 
@@ -23,6 +26,15 @@ def compact_yaml(recipe: Recipe) -> str:
         text = yaml.safe_dump({section: values}, default_flow_style=True, sort_keys=False, width=110).strip()
         lines.append(text[1:-1] if text.startswith("{") else text)  # drop the outer braces: a block of sections
     return "\n".join(lines)
+
+
+def interactive(stream: TextIO | None = None) -> bool:
+    """Whether progress may be drawn in place: ``stream`` (default stderr) is a terminal, or tqdm draws notebook
+    widgets. Elsewhere (a log file, a pipe, CI) a bar's carriage returns run its updates into one line, so
+    progress is told in whole lines instead."""
+    stream = sys.stderr if stream is None else stream
+    isatty = getattr(stream, "isatty", None)
+    return bool(isatty is not None and isatty()) or autonotebook.tqdm is not terminal_tqdm
 
 
 class Console:
@@ -64,4 +76,4 @@ class Console:
         self.say(text + (f"  {note}" if note else ""))
 
 
-__all__ = ["Console", "compact_yaml"]
+__all__ = ["Console", "compact_yaml", "interactive"]

@@ -25,7 +25,7 @@ from entrenar.device import resolve_device
 from entrenar.distributed.world import join, leave, restarted
 from entrenar.loading import recipe_model_config
 from entrenar.train.checkpoint import latest_checkpoint
-from entrenar.train.console import Console
+from entrenar.train.console import Console, interactive
 from entrenar.train.determinism import deterministic_algorithms
 from entrenar.train.dry_run import dry_run_report
 from entrenar.train.plan import check_recipe, plan_run
@@ -40,19 +40,22 @@ def train(
     recipe: Recipe,
     resume: str | Path | bool | None = None,
     dry_run: bool = False,
-    progress: bool = True,
+    progress: bool | None = None,
     verbose: bool = False,
 ) -> TrainResult:
     """Run (or resume, or dry-run) the training described by `recipe`.
 
-    ``verbose`` prints the resolved recipe, what the run is doing and each
-    evaluation (and, with ``progress=False``, a line every training.log_every
-    steps), as ``entrenar train`` does.
+    Quiet unless asked: ``verbose`` prints the resolved recipe, what the run
+    is doing and each evaluation, as ``entrenar train`` does; ``progress``
+    (default: as ``verbose``) draws a progress bar where stderr is a terminal
+    (or a notebook), and elsewhere, verbose, a line every training.log_every
+    steps, as with ``progress=False``.
     """
+    bar = (verbose if progress is None else progress) and interactive()
     threads = torch.get_num_threads()
     try:
         with deterministic_algorithms(recipe.training.deterministic):  # a resume keeps what this recipe says
-            return _train(recipe, resume, dry_run, progress, Console(verbose, log_lines=not progress))
+            return _train(recipe, resume, dry_run, bar, Console(verbose, log_lines=not bar))
     finally:
         leave()  # the process group of a distributed run, if this run opened one
         torch.set_num_threads(threads)  # training.cpu_threads applies to the run, not to the caller's process
@@ -70,6 +73,9 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
     is_quickstart = quickstart.is_quickstart(recipe, run.root)
     if is_quickstart:
         recipe = quickstart.resolve(recipe, run.root, dry_run)  # a dry run's files go to a temporary folder
+        recipe, note = quickstart.fit_warmup(recipe)
+        if note:
+            console.say(note)
     if checkpoint is not None:
         recipe = recipe_for_resume(recipe, run)
     check_recipe(recipe, device, world)  # what needs no model: refused before anything is written or loaded

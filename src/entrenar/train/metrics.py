@@ -186,7 +186,8 @@ class MetricsLogger:
         self.best_eval = (int(step), loss)
         return True
 
-    def summary(self, checkpoint: str | os.PathLike | None = None, extra: Sequence[tuple[str, str]] = ()) -> str:
+    def summary(self, checkpoint: str | os.PathLike | None = None, extra: Sequence[tuple[str, str]] = (),
+                perplexity: bool = True) -> str:
         """The closing summary of this run so far (see :func:`summary`)."""
         return summary(
             steps=self.last_step or 0,
@@ -196,6 +197,7 @@ class MetricsLogger:
             checkpoint=checkpoint,
             best_eval=self.best_eval,
             extra=extra,
+            perplexity=perplexity,
         )
 
     def log_artifacts(self, paths: Sequence[Path]) -> None:
@@ -242,8 +244,10 @@ def summary(
     checkpoint: str | os.PathLike | None = None,
     best_eval: tuple[int, float] | None = None,
     extra: Sequence[tuple[str, str]] = (),
+    perplexity: bool = True,
 ) -> str:
-    """Format the end-of-training summary, one aligned ``key  value`` row per fact (``extra`` rows last)."""
+    """Format the end-of-training summary, one aligned ``key  value`` row per fact (``extra`` rows last);
+    ``perplexity``: the best eval loss's exp beside it (a language model's; not a classifier's)."""
     rows = [("steps", f"{steps:,}"), ("time", format_duration(elapsed_s))]
     if final_loss is not None:
         rows.append(("final loss", f"{final_loss:.4f}"))
@@ -252,8 +256,8 @@ def summary(
         rows.append(("throughput", f"{rate} ({tokens:,} tokens)"))
     if best_eval is not None:
         step, loss = best_eval
-        ppl = math.exp(loss) if loss < 700 else math.inf
-        rows.append(("best eval", f"loss {loss:.4f} (ppl {ppl:.2f}) at step {step:,}"))
+        ppl = f" (ppl {math.exp(loss) if loss < 700 else math.inf:.2f})" if perplexity else ""
+        rows.append(("best eval", f"loss {loss:.4f}{ppl} at step {step:,}"))
     if checkpoint is not None:
         rows.append(("checkpoint", str(checkpoint)))
     rows.extend(extra)

@@ -287,7 +287,8 @@ class Trainer:
         rows += self.task.finish(self.model, self.tokenizer, self.data.validation, self.run.root, output, before,
                                  after)
         metrics.log_artifacts(run_artifacts(self.run.root))  # rank 0's trackers: the plots and report, now written
-        summary = metrics.summary(checkpoint=self._last_checkpoint or latest_checkpoint(self.run.root), extra=rows)
+        summary = metrics.summary(checkpoint=self._last_checkpoint or latest_checkpoint(self.run.root), extra=rows,
+                                  perplexity=self.task.perplexity)
         return TrainResult(run_dir=self.run.root, steps=metrics.last_step or 0, summary=summary,
                            final_loss=final_loss, eval_before=before, eval_after=after,
                            checkpoint=latest_checkpoint(self.run.root), output=output, quantized=quantized)

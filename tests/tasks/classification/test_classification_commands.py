@@ -37,3 +37,18 @@ def test_classify_cli_eval_and_predict(workspace, tmp_path, capsys):
     args[-1] = str(workspace / "bad.jsonl")
     assert main(["classify", "eval", *args]) == 2
     assert "bad.jsonl line 4: unknown label 'medium'" in capsys.readouterr().err
+
+
+def test_a_classification_summary_prints_no_perplexity(workspace):
+    """exp(label cross-entropy) is no perplexity: the summary's best-eval row gives the loss and the task's
+    metrics rows, with no ppl (a language model's summary keeps it)."""
+    from entrenar.train.metrics import read_metrics
+
+    result = train(recipe_for(workspace, "training.max_steps=2", "training.eval_every=2", "training.save_every=0"),
+                   progress=False)
+    best = next(line for line in result.summary.splitlines() if line.startswith("best eval"))
+    evals = [r for r in read_metrics(result.run_dir / "metrics.jsonl") if "eval_loss" in r]
+    loss = min(r["eval_loss"] for r in evals)
+    step = next(r["step"] for r in evals if r["eval_loss"] == loss)
+    assert best.split(None, 2)[2] == f"loss {loss:.4f} at step {step}"
+    assert "ppl" not in result.summary and "accuracy" in result.summary

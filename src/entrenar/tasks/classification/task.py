@@ -57,6 +57,7 @@ class ClassificationTask:
     best: float | None = None  # the best evaluation so far, by task.metric, signed so that higher is better
     best_step: int | None = None
     name: str = "classification"
+    perplexity: bool = False  # exp(cross-entropy over labels) is no perplexity; the metrics rows say how it did
     _weight_tensor: dict = field(default_factory=dict)
 
     @property
