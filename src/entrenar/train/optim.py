@@ -317,9 +317,9 @@ class LRSchedule:
         """One line on what a resume at ``step`` did to this schedule (``resumed``): the old and new length, the lr
         of the last step taken and of the next one, and the other choices."""
         last = f"{self.lr(step - 1):.2e} at step {step}, " if step > 0 else ""
-        others = ", ".join(f"{name}: {_EXTEND_MEANS[name]}" for name in ON_EXTEND if name != on_extend)
+        others = "".join(f"; or {name}: {_EXTEND_MEANS[name]}" for name in ON_EXTEND if name != on_extend)
         return (f"training.max_steps {self.horizon} -> {resumed.horizon}: lr {last}{resumed.lr(step):.2e} at step "
-                f"{step + 1} (schedule.on_extend: {on_extend}, {_EXTEND_MEANS[on_extend]}; or {others})")
+                f"{step + 1} (schedule.on_extend: {on_extend}, {_EXTEND_MEANS[on_extend]}{others})")
 
     def state_dict(self) -> list[dict[str, Any]]:
         """The segments, for trainer.json."""
