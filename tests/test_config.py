@@ -163,7 +163,8 @@ RESUMABLE_BEFORE = ("training.max_steps", "training.eval_every", "training.log_e
                     "training.early_stopping", "training.parallel", "training.global_batch_size",
                     "training.dist_timeout_s", "training.replica_check_every",
                     "training.cuda_graphs", "training.overlap_steps", "training.deterministic",
-                    "training.offload_embeddings", "training.offload_weights", "data.padding_free")
+                    "training.offload_embeddings", "training.offload_weights", "data.padding_free",
+                    "schedule.on_extend")
 
 
 def test_resumable_keys_are_the_marked_fields():
@@ -320,7 +321,8 @@ def test_top_level_must_be_a_mapping(tmp_path):
     assert "the recipe is empty" in error_of(write(tmp_path, "# nothing\n"))
     path = write(tmp_path, BASE + "schedule: cosine\n")
     assert error_of(path) == (
-        f"{path} line 9: 'schedule' must be a mapping of keys (name, warmup_steps, min_lr_ratio), got 'cosine'"
+        f"{path} line 9: 'schedule' must be a mapping of keys (name, warmup_steps, min_lr_ratio, on_extend), "
+        "got 'cosine'"
     )
 
 

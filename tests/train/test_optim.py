@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from entrenar.errors import ConfigError
-from entrenar.train.optim import build_optimizer, build_param_groups, lr_at, set_lr
+from entrenar.errors import CheckpointError, ConfigError
+from entrenar.train.optim import LRSchedule, build_optimizer, build_param_groups, lr_at, set_lr
 
 
 class ToyRMSNorm(nn.Module):
@@ -200,6 +200,37 @@ def test_schedule_errors(kwargs: dict, match: str) -> None:
     args = {"step": 0, "base_lr": 1.0, "warmup_steps": 2, "max_steps": 10} | kwargs
     with pytest.raises(ConfigError, match=match):
         lr_at(**args)
+
+
+@pytest.mark.parametrize("kind", ["cosine", "linear", "constant"])
+def test_a_schedule_of_one_length_is_lr_at_to_the_bit(kind: str) -> None:
+    """A run that never changes its length keeps the learning rates (and so the losses) of lr_at exactly."""
+    schedule = LRSchedule.of(3e-4, 5, 40, kind, 0.1)
+    assert [schedule.lr(s) for s in range(45)] == [lr_at(s, 3e-4, 5, 40, kind, 0.1) for s in range(45)]
+    assert schedule.resumed(17, 40, "rescale", 3e-4, 5) is schedule  # the same length: nothing changes
+
+
+def test_an_extended_linear_schedule_continues_rewarms_or_rescales() -> None:
+    base, floor = 1.0, 0.2
+    schedule = LRSchedule.of(base, 2, 10, "linear", 0.2)
+    old = [lr_at(s, base, 2, 10, "linear", 0.2) for s in range(10)]
+    resumed = {how: schedule.resumed(6, 20, how, base, 2) for how in ("continue", "rewarm", "rescale")}
+    by_hand = {
+        "continue": [floor + (old[6] - floor) * (1 - (s - 6) / 14) for s in range(6, 20)],
+        "rewarm": [base / 3, 2 * base / 3] + [floor + (base - floor) * (1 - (s - 8) / 12) for s in range(8, 20)],
+        "rescale": [floor + (base - floor) * (1 - (s - 2) / 18) for s in range(6, 20)],
+    }
+    for how, expected in by_hand.items():
+        lrs = [resumed[how].lr(s) for s in range(20)]
+        assert lrs[6:] == pytest.approx(expected, rel=1e-12), how  # the steps before 6 were taken already
+        assert lrs[19] > floor and resumed[how].lr(20) == pytest.approx(floor)
+    # Interrupted during warmup: continue finishes the warmup and decays over the new length (as rescale does).
+    assert schedule.resumed(1, 20, "continue", base, 2) == schedule.resumed(1, 20, "rescale", base, 2)
+    # The segments round-trip through trainer.json; a damaged list is refused naming the file.
+    twice = resumed["continue"].resumed(12, 30, "rewarm", base, 2)
+    assert LRSchedule("linear", floor, ()).load_state_dict(twice.state_dict(), "t.json") == twice
+    with pytest.raises(CheckpointError, match=r"t\.json: 'schedule' must be a list of segments"):
+        LRSchedule("linear", floor, ()).load_state_dict([{"start": 0, "end": "9"}], "t.json")
 
 
 def test_qat_step_sizes_are_never_decayed():

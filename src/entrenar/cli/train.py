@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
+import sys
 from pathlib import Path
 
 
@@ -53,11 +55,28 @@ def run(args: argparse.Namespace) -> int:
     if args.nproc_per_node is not None:
         return _launch(args)
     from entrenar.train.loop import train
+    from entrenar.train.resume import Interrupted
 
-    result = train(recipe, resume=args.resume, dry_run=args.dry_run, progress=not args.no_progress, verbose=True)
+    try:
+        result = train(recipe, resume=args.resume, dry_run=args.dry_run, progress=not args.no_progress,
+                       verbose=True)
+    except Interrupted as stop:
+        if getattr(args, "debug", False):
+            raise
+        if os.environ.get("RANK", "0") == "0":
+            print(stop.describe(_command(args, stop.run_dir), _command(args, None)), file=sys.stderr)
+        return 130
     if os.environ.get("RANK", "0") == "0":  # a distributed run's summary comes from rank 0 alone
         print(result.summary)
     return 0
+
+
+def _command(args: argparse.Namespace, resume: Path | None) -> str:
+    """This command as the user gave it (recipe and overrides), resuming ``resume`` (None: starting again)."""
+    argv = ["entrenar", "train", *([args.recipe] if args.recipe else [])]
+    for item in args.overrides:
+        argv += ["--set", item]
+    return shlex.join([*argv, *(["--resume", str(resume)] if resume is not None else [])])
 
 
 def _launch(args: argparse.Namespace) -> int:

@@ -238,6 +238,10 @@ class ScheduleSection(_Section):
     name: str = setting("cosine", _choice("cosine", "linear", "constant"))
     warmup_steps: int = setting(0, _integer(0))
     min_lr_ratio: float = setting(0.1, _number(0.0, 1.0))
+    # a resume that changes training.max_steps: continue (the lr goes on from where it is, decaying to the floor at
+    # the new end: no jump), rewarm (a new warmup, then decay over the rest) or rescale (the schedule recomputed
+    # over the new length, as Hugging Face Trainer does: the lr jumps back up the curve)
+    on_extend: str = setting("continue", _choice("continue", "rewarm", "rescale"), resumable=23)
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ kernels are on (no ``[tokens, vocab]`` logits); its evaluation is the held-out l
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -25,7 +26,7 @@ from entrenar.data.tokenizer import Tokenizer
 from entrenar.errors import ConfigError, DataError
 from entrenar.evaluation.loss import EvalResult, eval_loss
 from entrenar.io import hub
-from entrenar.io.run_dir import ADAPTER_DIR, MODEL_DIR
+from entrenar.io.run_dir import ADAPTER_DIR, METRICS_FILE, MODEL_DIR
 from entrenar.kernels.fused_linear_ce import FUSED_LOSS_CHUNK, fused_linear_cross_entropy
 from entrenar.loading import load
 from entrenar.models import random_init
@@ -34,6 +35,7 @@ from entrenar.models.saving import save_model_folder
 from entrenar.models.transformer import Transformer
 from entrenar.quant.qat import master_weights
 from entrenar.tasks.base import Batch, SummaryRow
+from entrenar.train.metrics import read_metrics
 
 if TYPE_CHECKING:
     from entrenar.train.metrics import MetricsLogger
@@ -146,10 +148,22 @@ class CausalLMTask:
 
     def finish(self, model: Transformer, tokenizer: Tokenizer, validation: list, run_dir: Path, output: Path,
                before: EvalResult | None, after: EvalResult | None) -> list[SummaryRow]:
-        if before is None or after is None:
+        if after is None:
             return []
-        return [("held-out loss", f"{before.loss:.4f} -> {after.loss:.4f} "
-                                  f"(perplexity {before.perplexity:.2f} -> {after.perplexity:.2f})")]
+        # A resumed run evaluated before training in its first part: the metrics kept up to the resumed step say how.
+        baseline = (before.loss, before.perplexity) if before is not None else _logged_baseline(run_dir)
+        if baseline is None:
+            return []
+        return [("held-out loss", f"{baseline[0]:.4f} -> {after.loss:.4f} "
+                                  f"(perplexity {baseline[1]:.2f} -> {after.perplexity:.2f})")]
+
+
+def _logged_baseline(run_dir: Path) -> tuple[float, float] | None:
+    """(loss, perplexity) of the evaluation before training, as the run's metrics.jsonl logged it (None: none was)."""
+    path = run_dir / METRICS_FILE
+    logged = [r["eval_loss"] for r in read_metrics(path) if r.get("step") == 0 and r.get("eval_loss") is not None] \
+        if path.is_file() else []
+    return (logged[0], math.exp(min(logged[0], 700.0))) if logged else None  # as eval_loss computes it
 
 
 __all__ = ["CausalLMTask"]

@@ -30,7 +30,7 @@ from entrenar.train.determinism import deterministic_algorithms
 from entrenar.train.dry_run import dry_run_report
 from entrenar.train.plan import check_recipe, plan_run
 from entrenar.train.prepare import load_model, prepare
-from entrenar.train.resume import recipe_for_resume, run_folder
+from entrenar.train.resume import Interrupted, check_resume, recipe_for_resume, run_folder, run_root
 from entrenar.train.run_data import NO_VALIDATION, check_paths, read_data
 from entrenar.train.trackers import check_trackers
 from entrenar.train.trainer import Trainer, TrainResult
@@ -50,12 +50,22 @@ def train(
     (default: as ``verbose``) draws a progress bar where stderr is a terminal
     (or a notebook), and elsewhere, verbose, a line every training.log_every
     steps, as with ``progress=False``.
+
+    ``resume`` on a run that has finished returns a result whose summary says there is nothing to do, and writes
+    nothing. Ctrl-C raises :class:`~entrenar.train.resume.Interrupted` (a ``KeyboardInterrupt``), which names the
+    last checkpoint and the call that continues from it.
     """
     bar = (verbose if progress is None else progress) and interactive()
     threads = torch.get_num_threads()
     try:
         with deterministic_algorithms(recipe.training.deterministic):  # a resume keeps what this recipe says
             return _train(recipe, resume, dry_run, bar, Console(verbose, log_lines=not bar))
+    except KeyboardInterrupt as stop:
+        if dry_run or isinstance(stop, Interrupted):
+            raise
+        root = run_root(recipe, resume)
+        raise Interrupted(root, latest_checkpoint(root), recipe.training.save_every).with_traceback(
+            stop.__traceback__) from None
     finally:
         leave()  # the process group of a distributed run, if this run opened one
         torch.set_num_threads(threads)  # training.cpu_threads applies to the run, not to the caller's process
@@ -79,6 +89,10 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
     if checkpoint is not None:
         recipe = recipe_for_resume(recipe, run)
     check_recipe(recipe, device, world)  # what needs no model: refused before anything is written or loaded
+    if checkpoint is not None:
+        step, nothing_to_do = check_resume(run, checkpoint, recipe)
+        if nothing_to_do is not None:
+            return TrainResult(run_dir=run.root, steps=step, summary=nothing_to_do, checkpoint=checkpoint)
     check_trackers(recipe.output)  # a missing tracker package is found now, not after loading the model
     console.recipe(recipe)
     if is_quickstart:

@@ -7,20 +7,24 @@ Three pieces the training loop composes:
   parameter names so a run can be inspected and a checkpoint checked.
 * ``build_optimizer`` makes a ``torch.optim`` optimizer from those groups.
 * ``lr_at`` gives the learning rate of one optimizer step and ``set_lr`` writes
-  it into every group, scaled by the group's ``lr_scale``.
+  it into every group, scaled by the group's ``lr_scale``. ``LRSchedule`` is
+  the same curve as a value a checkpoint keeps, with the segment a resume that
+  changes the run's length adds (``schedule.on_extend``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from collections.abc import Mapping
-from typing import cast
+from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 from torch import nn
 
-from entrenar.errors import ConfigError
+from entrenar.errors import CheckpointError, ConfigError
 
 _NORM_TYPES: tuple[type[nn.Module], ...] = (
     nn.LayerNorm,
@@ -207,15 +211,134 @@ def lr_at(
     if not 0.0 <= min_lr_ratio <= 1.0:
         raise ConfigError(f"schedule.min_lr_ratio must be in [0, 1], got {min_lr_ratio}")
 
-    if step < warmup_steps:
-        return base_lr * (step + 1) / (warmup_steps + 1)
+    return _curve(step, base_lr, warmup_steps, max_steps, schedule, min_lr_ratio * base_lr)
+
+
+def _curve(step: int, peak: float, warmup: int, span: int, schedule: str, floor: float) -> float:
+    """:func:`lr_at`'s formulas with ``step`` and ``span`` counted from a segment's first step."""
+    if step < warmup:
+        return peak * (step + 1) / (warmup + 1)
     if schedule == "constant":
-        return base_lr
-    progress = min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))
-    floor = min_lr_ratio * base_lr
+        return peak
+    progress = min(1.0, (step - warmup) / max(1, span - warmup))
     if schedule == "cosine":
-        return floor + (base_lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
-    return floor + (base_lr - floor) * (1.0 - progress)
+        return floor + (peak - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    return floor + (peak - floor) * (1.0 - progress)
+
+
+ON_EXTEND = ("continue", "rewarm", "rescale")
+_EXTEND_MEANS = {
+    "continue": "decays on from there to the floor at the new end",
+    "rewarm": "a new warmup, then decay over the added steps",
+    "rescale": "the schedule recomputed over the new length",
+}
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A stretch of the schedule from step ``start`` (0-based): ``warmup`` steps of linear warmup to ``peak``,
+    then the schedule's shape from ``peak`` down to the floor, reached at step ``end``."""
+
+    start: int
+    end: int
+    peak: float
+    warmup: int
+
+
+@dataclass(frozen=True)
+class LRSchedule:
+    """The learning rate of every step of a run, as its checkpoints keep it.
+
+    A run whose length never changed has one segment, the recipe's warmup and decay over
+    ``training.max_steps`` (:func:`lr_at`, to the bit). A resume that changes ``training.max_steps`` changes the
+    curve from the resumed step on as ``schedule.on_extend`` says (:meth:`resumed`), and the checkpoints carry
+    the result, so a later resume continues that curve instead of recomputing it from the recipe.
+    """
+
+    shape: str
+    floor: float
+    segments: tuple[Segment, ...]
+
+    @classmethod
+    def of(cls, base_lr: float, warmup_steps: int, max_steps: int, shape: str = "cosine",
+           min_lr_ratio: float = 0.0) -> LRSchedule:
+        """The schedule of a fresh run: :func:`lr_at` with these arguments (checked as it checks them)."""
+        lr_at(0, base_lr, warmup_steps, max_steps, shape, min_lr_ratio)
+        return cls(shape, min_lr_ratio * base_lr, (Segment(0, max_steps, base_lr, warmup_steps),))
+
+    @property
+    def horizon(self) -> int:
+        """The step count the schedule decays over: the run's training.max_steps when it was last set."""
+        return self.segments[-1].end
+
+    def lr(self, step: int) -> float:
+        """Learning rate of optimizer step ``step`` (0-based)."""
+        segment = next(s for s in reversed(self.segments) if s.start <= step or s is self.segments[0])
+        return _curve(step - segment.start, segment.peak, segment.warmup, segment.end - segment.start, self.shape,
+                      self.floor)
+
+    def resumed(self, step: int, max_steps: int, on_extend: str, base_lr: float, warmup_steps: int) -> LRSchedule:
+        """The schedule of a run resumed at ``step`` with ``max_steps`` (the same schedule if its length is the
+        horizon).
+
+        * ``continue``: the next step gets the lr the old schedule gave it, and the decay goes on from there to the
+          floor at ``max_steps`` (still in warmup: the warmup finishes, then the decay spans the new length). No
+          jump. Refused when that lr is 0 (a cosine or linear decay to ``min_lr_ratio: 0`` that has ended): the
+          added steps would change nothing.
+        * ``rewarm``: ``warmup_steps`` of warmup to ``base_lr`` from ``step``, then decay to the floor at
+          ``max_steps`` (a warm restart).
+        * ``rescale``: the current segment recomputed over ``max_steps``, as if the run had been this long from its
+          start (or its last rewarm): what Hugging Face Trainer does; the lr jumps if the decay had begun.
+        """
+        if max_steps == self.horizon:
+            return self
+        if on_extend not in ON_EXTEND:
+            raise ConfigError(f"schedule.on_extend must be one of {ON_EXTEND}, got {on_extend!r}")
+        last = self.segments[-1]
+        kept = tuple(s for s in self.segments if s.start < step) or self.segments[:1]
+        if on_extend == "rescale" or (on_extend == "continue" and step < last.start + last.warmup):
+            return dataclasses.replace(self, segments=(*self.segments[:-1], dataclasses.replace(last, end=max_steps)))
+        if on_extend == "continue":
+            lr = self.lr(step)
+            if lr == 0.0:
+                raise ConfigError(
+                    f"schedule.on_extend: continue keeps the learning rate where the run left it at step {step}, "
+                    "and that is 0 (schedule.min_lr_ratio: 0): the added steps would not change the weights; "
+                    "set schedule.on_extend to rewarm (a new warmup and decay) or rescale")
+            return dataclasses.replace(self, segments=(*kept, Segment(step, max_steps, lr, 0)))
+        if warmup_steps > max_steps - step:
+            raise ConfigError(
+                f"schedule.on_extend: rewarm: the new warmup (schedule.warmup_steps={warmup_steps}) is longer than "
+                f"the {max_steps - step} step(s) left after step {step}; raise training.max_steps to at least "
+                f"{step + warmup_steps}")
+        return dataclasses.replace(self, segments=(*kept, Segment(step, max_steps, base_lr, warmup_steps)))
+
+    def describe_change(self, resumed: LRSchedule, step: int, on_extend: str) -> str:
+        """One line on what a resume at ``step`` did to this schedule (``resumed``): the old and new length, the lr
+        of the last step taken and of the next one, and the other choices."""
+        last = f"{self.lr(step - 1):.2e} at step {step}, " if step > 0 else ""
+        others = "".join(f"; or {name}: {_EXTEND_MEANS[name]}" for name in ON_EXTEND if name != on_extend)
+        return (f"training.max_steps {self.horizon} -> {resumed.horizon}: lr {last}{resumed.lr(step):.2e} at step "
+                f"{step + 1} (schedule.on_extend: {on_extend}, {_EXTEND_MEANS[on_extend]}{others})")
+
+    def state_dict(self) -> list[dict[str, Any]]:
+        """The segments, for trainer.json."""
+        return [dataclasses.asdict(s) for s in self.segments]
+
+    def load_state_dict(self, state: Any, where: str) -> LRSchedule:
+        """This schedule's shape and floor with a checkpoint's segments (:meth:`state_dict`); ``where`` names the
+        file in errors."""
+        keys = [f.name for f in dataclasses.fields(Segment)]
+
+        def valid(segment: Any) -> bool:
+            return isinstance(segment, dict) and sorted(segment) == sorted(keys) and all(
+                isinstance(value, int if key != "peak" else (int, float)) and not isinstance(value, bool)
+                for key, value in segment.items())
+
+        if not isinstance(state, list) or not state or not all(valid(s) for s in state):
+            raise CheckpointError(f"{where}: 'schedule' must be a list of segments with the keys "
+                                  f"{', '.join(keys)}, got {state!r}")
+        return dataclasses.replace(self, segments=tuple(Segment(**s) for s in state))
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:

@@ -36,10 +36,10 @@ from entrenar.train.early_stopping import EarlyStopping
 from entrenar.train.faults import NonfiniteGuard
 from entrenar.train.metrics import MetricsLogger, plot_loss_curve
 from entrenar.train.moe import plot_expert_load
-from entrenar.train.optim import build_optimizer, build_param_groups, lr_at, set_lr
+from entrenar.train.optim import LRSchedule, build_optimizer, build_param_groups, set_lr
 from entrenar.train.plan import RowLayout, RunPlan
 from entrenar.train.prepare import Prepared
-from entrenar.train.resume import check_trainer_state, load_trainable_state, trainable_state
+from entrenar.train.resume import check_trainer_state, load_trainable_state, resumed_schedule, trainable_state
 from entrenar.train.run_data import RunData
 from entrenar.train.sharded_checkpoint import load_sharded_checkpoint, save_sharded_checkpoint
 from entrenar.train.stepping import MicroStep, OverlappedSteps, StepRecord, SyncSteps
@@ -80,6 +80,9 @@ class Trainer:
                                     prepared.trainable, prepared.cuda_graphs)
         self.trainable = prepared.trainable
         self.start_step, self.resumed = 0, False
+        sched = recipe.schedule
+        self.schedule = LRSchedule.of(o.lr, sched.warmup_steps, t.max_steps, sched.name, sched.min_lr_ratio)
+        self.schedule_change: str | None = None  # a resume that changed the run's length: how the lr goes on
         self._last_read = time.perf_counter()  # overlapped steps are timed between consecutive reads
         self._last_checkpoint: Path | None = None
 
@@ -98,6 +101,9 @@ class Trainer:
                     expected_model_state=trainable_state(model, self.recipe, self.task))
                 load_trainable_state(model, self.recipe, self.task, model_state, str(checkpoint))
         self.start_step = check_trainer_state(state, checkpoint, t.max_steps, self.scaler.is_enabled())
+        self.schedule, self.schedule_change = resumed_schedule(state, self.recipe, checkpoint)
+        if self.schedule_change is not None:
+            self.console.say(self.schedule_change)
         self.data.stream.load_state_dict(state["data"])
         dist_steps.check_resume(state, checkpoint, self.plan.rows_per_step)
         if self.scaler.is_enabled():
@@ -167,12 +173,12 @@ class Trainer:
 
     def _loop(self, metrics: MetricsLogger, bar: tqdm) -> tuple[float | None, Any]:
         """The steps; (the last step's loss, the last evaluation) when they end."""
-        t, sched, o = self.recipe.training, self.recipe.schedule, self.recipe.optimizer
+        t = self.recipe.training
         steps = self._steps(lambda record: self._log_step(record, metrics, bar))
         final_loss: float | None = None
         after = None
         for step in range(self.start_step, t.max_steps):
-            lr = lr_at(step, o.lr, sched.warmup_steps, t.max_steps, sched.name, sched.min_lr_ratio)
+            lr = self.schedule.lr(step)
             set_lr(self.optimizer, lr)
             done = step + 1
             evaluates = bool(t.eval_every and done % t.eval_every == 0) or done == t.max_steps
@@ -247,7 +253,8 @@ class Trainer:
         state: dict[str, Any] = {"data": self.data.stream.state_dict(), "recipe": self.recipe.to_dict(),
                                  "nonfinite": self.guard.state_dict(),
                                  "early_stopping": self.early_stopping.state_dict(),
-                                 "global_batch": self.plan.rows_per_step, "world_size": world.size}
+                                 "global_batch": self.plan.rows_per_step, "world_size": world.size,
+                                 "schedule": self.schedule.state_dict()}
         if self.scaler.is_enabled():
             state["grad_scaler"] = self.scaler.state_dict()
         if self.moe is not None:
@@ -279,6 +286,8 @@ class Trainer:
         rows = [("output", str(output)), *[("note", note) for note in [*self.plan.notes, *self.data.notes]]]
         if self.early_stopping.reason is not None and (metrics.last_step or 0) < self.recipe.training.max_steps:
             rows.append(("stopped early", self.early_stopping.reason))
+        if self.schedule_change is not None:
+            rows.append(("schedule", self.schedule_change))
         if self.guard.total:
             rows.append(("skipped steps", f"{self.guard.total} update(s) dropped for NaN/inf "
                                           "(training.nonfinite: skip); see 'skipped' in metrics.jsonl"))
