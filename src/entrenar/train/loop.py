@@ -41,24 +41,27 @@ def train(
     dry_run: bool = False,
     progress: bool = True,
     verbose: bool = False,
+    force: bool = False,
 ) -> TrainResult:
     """Run (or resume, or dry-run) the training described by `recipe`.
 
     ``verbose`` prints the resolved recipe, what the run is doing and each
     evaluation (and, with ``progress=False``, a line every training.log_every
-    steps), as ``entrenar train`` does.
+    steps), as ``entrenar train`` does. A run whose memory estimate is above
+    what the device has available is refused (a ``ConfigError`` naming both
+    and what would lower it) unless ``force``.
     """
     threads = torch.get_num_threads()
     try:
         with deterministic_algorithms(recipe.training.deterministic):  # a resume keeps what this recipe says
-            return _train(recipe, resume, dry_run, progress, Console(verbose, log_lines=not progress))
+            return _train(recipe, resume, dry_run, progress, Console(verbose, log_lines=not progress), force)
     finally:
         leave()  # the process group of a distributed run, if this run opened one
         torch.set_num_threads(threads)  # training.cpu_threads applies to the run, not to the caller's process
 
 
 def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, progress: bool,
-           console: Console) -> TrainResult:
+           console: Console, force: bool = False) -> TrainResult:
     # Under torchrun: this process's rank and device (one per process); a restarted job resumes where it stopped.
     world, device = join(resolve_device(recipe.model.device), recipe.training.dist_timeout_s)
     if not world.is_main:
@@ -77,7 +80,7 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
     console.recipe(recipe)
     if is_quickstart:
         world.main_only(quickstart.write_files, recipe)  # only once the recipe is known to be sound
-    plan = plan_run(recipe, device, world, recipe_model_config(recipe))  # config.json only, no weights
+    plan = plan_run(recipe, device, world, recipe_model_config(recipe), force=force)  # config.json, no weights
     if recipe.training.cpu_threads is not None:
         torch.set_num_threads(recipe.training.cpu_threads)
     _seed_everything(recipe.training.seed)
