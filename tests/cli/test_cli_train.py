@@ -97,13 +97,15 @@ def test_bad_value_in_the_file_names_its_line(capsys, calls, tmp_path):
 
 
 def test_a_run_that_does_not_fit_exits_2_with_the_numbers_and_force_trains_it(capsys, monkeypatch, workspace):
-    import entrenar.train.plan as plan_module
     from cli_helpers import run_cli
+
+    import entrenar.train.plan as plan_module
 
     monkeypatch.setattr(plan_module, "available_memory", lambda device: (2**20, "MemAvailable in /proc/meminfo"))
     recipe = workspace / "recipe.yaml"
-    recipe.write_text(f"model: {{path: {workspace / 'model'}, device: cpu}}\ndata: {{train: {workspace / 'train.jsonl'}, "
-                      f"seq_len: 32, validation_split: 0}}\ntraining: {{max_steps: 2, batch_size: 2, save_every: 0}}\n"
+    recipe.write_text(f"model: {{path: {workspace / 'model'}, device: cpu}}\n"
+                      f"data: {{train: {workspace / 'train.jsonl'}, seq_len: 32, validation_split: 0}}\n"
+                      f"training: {{max_steps: 2, batch_size: 2, save_every: 0}}\n"
                       f"output: {{dir: {workspace / 'run'}}}\n")
     for dry in (["--dry-run"], []):
         code, out, err = run_cli(capsys, "train", recipe, "--no-progress", *dry)

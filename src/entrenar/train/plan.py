@@ -9,7 +9,8 @@ offloads are on, and what the run will hold in memory. ``--dry-run`` prints it (
 :mod:`entrenar.train.prepare` and the Trainer only read it.
 
 Refusals live in one table, :data:`REFUSALS`: a combination this version does not run, each with the message a
-user sees; the last of them compares the memory estimate with what the device has free (``force`` goes on anyway). Two facts are known only later and are resolved by pure methods of the plan when they are:
+user sees; the last of them compares the memory estimate with what the device has free (``force`` goes on
+anyway). Two facts are known only later and are resolved by pure methods of the plan when they are:
 the layout of packed rows needs the examples' mean length (:meth:`RunPlan.rows`), and CUDA graphs need MoE
 layers that replay (:meth:`RunPlan.graphs`).
 """
@@ -37,7 +38,7 @@ from entrenar.loading import recipe_model_config
 from entrenar.models.config import ModelConfig
 from entrenar.models.padding_free import rows_by_document
 from entrenar.models.transformer import checkpointed_layer_indices, offloaded_layer_indices
-from entrenar.train.memory import GiB, LINEAR_NAMES, MemoryEstimate, estimate_training_memory
+from entrenar.train.memory import LINEAR_NAMES, GiB, MemoryEstimate, estimate_training_memory
 from entrenar.train.optim import use_fused
 
 # Fraction of device memory a replica may take for `parallel: auto` to pick DDP (the rest: allocator slack).
