@@ -16,7 +16,8 @@ from entrenar.errors import ConfigError
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["DTYPES", "interpreting", "resolve_device", "resolve_dtype", "triton_available", "use_triton"]
+__all__ = ["DTYPES", "available_memory", "interpreting", "resolve_device", "resolve_dtype", "triton_available",
+           "use_triton"]
 
 # The weight dtypes a user may name (library and CLI), each to its torch dtype's name; "auto" is handled apart.
 DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16",
@@ -53,6 +54,39 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
         if resolved.index is not None and resolved.index >= torch.cuda.device_count():
             raise ConfigError(f"device '{device}': this machine has {torch.cuda.device_count()} CUDA device(s)")
     return resolved
+
+
+def available_memory(device: torch.device) -> tuple[int, str] | None:
+    """(bytes a new process could take on ``device`` now, where the number comes from), or None where this system
+    does not say. CUDA: the device's free memory; a CPU: the kernel's ``MemAvailable`` (what can be allocated
+    without swapping), or what a cgroup v2 memory limit leaves when that is less."""
+    import torch  # start-up time (the module docstring)
+
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            return None
+        free, _ = torch.cuda.mem_get_info(device)
+        return free, f"free on {device} (torch.cuda.mem_get_info)"
+    if device.type != "cpu":
+        return None
+    found = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    found = int(line.split()[1]) * 1024, "MemAvailable in /proc/meminfo"
+    except OSError:
+        pass
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        with open("/sys/fs/cgroup/memory.current") as f:
+            used = int(f.read())
+    except (OSError, ValueError):
+        return found
+    if limit != "max" and (found is None or int(limit) - used < found[0]):
+        return max(int(limit) - used, 0), "the cgroup's memory.max less memory.current"
+    return found
 
 
 # ---------------------------------------------------------------- Triton

@@ -26,8 +26,9 @@ def calls(monkeypatch):
     """Replace ``entrenar.train.loop.train`` with one that records its arguments."""
     seen: list[dict] = []
 
-    def train(recipe, resume=None, dry_run=False, progress=True, verbose=False):
-        seen.append({"recipe": recipe, "resume": resume, "dry_run": dry_run, "progress": progress, "verbose": verbose})
+    def train(recipe, resume=None, dry_run=False, progress=True, verbose=False, force=False):
+        seen.append({"recipe": recipe, "resume": resume, "dry_run": dry_run, "progress": progress, "verbose": verbose,
+                     "force": force})
         summary = "dry run: would train" if dry_run else f"trained {recipe.training.max_steps} steps"
         return SimpleNamespace(run_dir=Path(recipe.output.dir), summary=summary)
 
@@ -93,3 +94,29 @@ def test_bad_value_in_the_file_names_its_line(capsys, calls, tmp_path):
     assert capsys.readouterr().err == (
         f"error: {path} line 6: 'training.max_steps' must be an integer > 0 or null, got 'ten'\n"
     )
+
+
+def test_a_run_that_does_not_fit_exits_2_with_the_numbers_and_force_trains_it(capsys, monkeypatch, workspace):
+    from cli_helpers import run_cli
+
+    import entrenar.train.plan as plan_module
+
+    monkeypatch.setattr(plan_module, "available_memory", lambda device: (2**20, "MemAvailable in /proc/meminfo"))
+    recipe = workspace / "recipe.yaml"
+    recipe.write_text(f"model: {{path: {workspace / 'model'}, device: cpu}}\n"
+                      f"data: {{train: {workspace / 'train.jsonl'}, seq_len: 32, validation_split: 0}}\n"
+                      f"training: {{max_steps: 2, batch_size: 2, save_every: 0}}\n"
+                      f"output: {{dir: {workspace / 'run'}}}\n")
+    for dry in (["--dry-run"], []):
+        code, out, err = run_cli(capsys, "train", recipe, "--no-progress", *dry)
+        assert code == 2 and "Traceback" not in err
+        assert "error: memory: the run needs about" in err and "cpu has 0.00 GiB available (MemAvailable" in err
+        assert not (workspace / "run" / "metrics.jsonl").exists()  # refused before training
+    code, out, err = run_cli(capsys, "train", recipe, "--no-progress", "--force")
+    assert code == 0 and (workspace / "run" / "metrics.jsonl").is_file()
+
+
+def test_force_reaches_train(calls, recipe_file):
+    main(["train", str(recipe_file), "--force"])
+    main(["train", str(recipe_file)])
+    assert [c["force"] for c in calls] == [True, False]

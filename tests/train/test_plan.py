@@ -23,7 +23,8 @@ ONE = World()
 
 def plan(workspace, *overrides, device=CPU, world=ONE, config=None, **kwargs):
     recipe = recipe_for(workspace, *overrides)
-    kwargs = {"triton": True, "device_memory": 80 * 2**30, **kwargs}
+    # what this machine has free changes from call to call: fixed here, probed where a test says available=None
+    kwargs = {"triton": True, "device_memory": 80 * 2**30, "available": (64 * 2**30, "the tests' machine"), **kwargs}
     return plan_run(recipe, device, world, config or read_config(workspace / "model"), **kwargs)
 
 
@@ -185,3 +186,37 @@ def test_the_dry_run_prints_each_decision_and_why(workspace):
     summary = train(recipe_for(workspace), dry_run=True, progress=False).summary
     assert "training.kernels" in summary and "on (auto:" in summary
     assert "training.cuda_graphs" in summary and "data.padding_free" in summary
+
+
+def test_a_run_above_the_available_memory_is_refused_with_both_numbers_and_the_levers(workspace, monkeypatch):
+    import entrenar.train.plan as plan_module
+
+    monkeypatch.setattr(plan_module, "available_memory", lambda device: (2**20, "a test's probe"))
+    needed = plan(workspace, available=None, force=True).memory.total
+    with pytest.raises(ConfigError) as refused:
+        plan(workspace, available=None)
+    message = str(refused.value)
+    assert f"needs about {needed / 2**30:.2f} GiB" in message and "has 0.00 GiB available (a test's probe)" in message
+    assert "training.batch_size=1" in message and "data.seq_len" in message and "--force" in message
+    assert "QLoRA" in message and "offload_activations" not in message  # a GPU lever, not this CPU run's
+    forced = plan(workspace, available=None, force=True)
+    assert dict(forced.reasons)["memory"].startswith("does not fit") and forced.memory_available == 2**20
+    # CUDA: the device's free memory (torch's mem_get_info), and GPU levers among the advice
+    from entrenar.device import available_memory
+
+    with monkeypatch.context() as m:
+        m.setattr(torch.cuda, "is_available", lambda: True)
+        m.setattr(torch.cuda, "mem_get_info", lambda device: (2**10, 80 * 2**30))
+        free = available_memory(CUDA)
+    assert free == (2**10, "free on cuda (torch.cuda.mem_get_info)")
+    with pytest.raises(ConfigError, match=r"cuda has 0\.00 GiB available .*offload_activations: true"):
+        plan(workspace, "model.device=cuda", device=CUDA, available=free)
+
+
+def test_a_small_run_fits_the_memory_this_machine_has(workspace):
+    from entrenar.device import available_memory
+
+    probe = available_memory(CPU)
+    assert probe is not None and probe[0] > 0  # Linux says (MemAvailable)
+    reason = dict(plan(workspace, available=None).reasons)["memory"]
+    assert reason.startswith("fits:") and "GiB available" in reason

@@ -25,6 +25,8 @@ def add_parser(commands: argparse._SubParsersAction, parents: list[argparse.Argu
                         help="check the recipe, model and data and report what would run, without training")
     parser.add_argument("--no-progress", action="store_true",
                         help="no progress bar: a log line every training.log_every steps instead")
+    parser.add_argument("--force", action="store_true",
+                        help="start even when the memory estimate is above what the device has available")
     dist = parser.add_argument_group("distributed (torchrun's launcher; see docs/DISTRIBUTED.md)")
     dist.add_argument("--nproc-per-node", type=int, metavar="N",
                       help="start N processes on this host, one per device (gloo on the CPU, NCCL on CUDA)")
@@ -59,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         result = train(recipe, resume=args.resume, dry_run=args.dry_run, progress=not args.no_progress,
-                       verbose=True)
+                       verbose=True, force=args.force)
     except Interrupted as stop:
         if getattr(args, "debug", False):
             raise
@@ -96,7 +98,7 @@ def _launch(args: argparse.Namespace) -> int:
     elif args.resume:
         argv += ["--resume", str(args.resume)]
     argv += [flag for flag, on in (("--dry-run", args.dry_run), ("--no-progress", args.no_progress),
-                                   ("--debug", getattr(args, "debug", False))) if on]
+                                   ("--force", args.force), ("--debug", getattr(args, "debug", False))) if on]
     launch_command(argv, nproc_per_node=args.nproc_per_node, nnodes=args.nnodes, node_rank=args.node_rank,
                    rdzv_endpoint=args.rdzv_endpoint, max_restarts=args.max_restarts)
     return 0

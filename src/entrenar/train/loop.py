@@ -42,6 +42,7 @@ def train(
     dry_run: bool = False,
     progress: bool | None = None,
     verbose: bool = False,
+    force: bool = False,
 ) -> TrainResult:
     """Run (or resume, or dry-run) the training described by `recipe`.
 
@@ -54,12 +55,15 @@ def train(
     ``resume`` on a run that has finished returns a result whose summary says there is nothing to do, and writes
     nothing. Ctrl-C raises :class:`~entrenar.train.resume.Interrupted` (a ``KeyboardInterrupt``), which names the
     last checkpoint and the call that continues from it.
+
+    A run whose memory estimate is above what the device has available is refused (a ``ConfigError``
+    naming both and what would lower it) unless ``force``.
     """
     bar = (verbose if progress is None else progress) and interactive()
     threads = torch.get_num_threads()
     try:
         with deterministic_algorithms(recipe.training.deterministic):  # a resume keeps what this recipe says
-            return _train(recipe, resume, dry_run, bar, Console(verbose, log_lines=not bar))
+            return _train(recipe, resume, dry_run, bar, Console(verbose, log_lines=not bar), force)
     except KeyboardInterrupt as stop:
         if dry_run or isinstance(stop, Interrupted):
             raise
@@ -72,7 +76,7 @@ def train(
 
 
 def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, progress: bool,
-           console: Console) -> TrainResult:
+           console: Console, force: bool = False) -> TrainResult:
     # Under torchrun: this process's rank and device (one per process); a restarted job resumes where it stopped.
     world, device = join(resolve_device(recipe.model.device), recipe.training.dist_timeout_s)
     if not world.is_main:
@@ -99,7 +103,7 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
         world.main_only(quickstart.write_files, recipe)  # only once the recipe is known to be sound
     else:
         check_paths(recipe)  # a missing data file is found before the model loads
-    plan = plan_run(recipe, device, world, recipe_model_config(recipe))  # config.json only, no weights
+    plan = plan_run(recipe, device, world, recipe_model_config(recipe), force=force)  # config.json, no weights
     if recipe.training.cpu_threads is not None:
         torch.set_num_threads(recipe.training.cpu_threads)
     _seed_everything(recipe.training.seed)

@@ -9,7 +9,8 @@ offloads are on, and what the run will hold in memory. ``--dry-run`` prints it (
 :mod:`entrenar.train.prepare` and the Trainer only read it.
 
 Refusals live in one table, :data:`REFUSALS`: a combination this version does not run, each with the message a
-user sees. Two facts are known only later and are resolved by pure methods of the plan when they are:
+user sees; the last of them compares the memory estimate with what the device has free (``force`` goes on
+anyway). Two facts are known only later and are resolved by pure methods of the plan when they are:
 the layout of packed rows needs the examples' mean length (:meth:`RunPlan.rows`), and CUDA graphs need MoE
 layers that replay (:meth:`RunPlan.graphs`).
 """
@@ -17,6 +18,7 @@ layers that replay (:meth:`RunPlan.graphs`).
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,7 +28,7 @@ import torch
 from entrenar.config import Recipe
 from entrenar.config.recipe import GPU_ONLY
 from entrenar.data.batching import check_seq_len
-from entrenar.device import resolve_device, resolve_dtype
+from entrenar.device import available_memory, resolve_device, resolve_dtype
 from entrenar.distributed.materialize import load_device as sharded_load_device
 from entrenar.distributed.steps import accumulation as micro_batches_per_rank
 from entrenar.distributed.world import World
@@ -37,7 +39,7 @@ from entrenar.loading import recipe_model_config
 from entrenar.models.config import ModelConfig
 from entrenar.models.padding_free import rows_by_document
 from entrenar.models.transformer import checkpointed_layer_indices, offloaded_layer_indices
-from entrenar.train.memory import LINEAR_NAMES, MemoryEstimate, estimate_training_memory
+from entrenar.train.memory import LINEAR_NAMES, GiB, MemoryEstimate, estimate_training_memory
 from entrenar.train.optim import use_fused
 
 # Fraction of device memory a replica may take for `parallel: auto` to pick DDP (the rest: allocator slack).
@@ -76,6 +78,8 @@ class RunPlan:
     loss_scaling: bool  # fp16's GradScaler
     method: str  # full, lora or qlora
     memory: MemoryEstimate
+    # Bytes free on the device when planned (None: not known here); a reading of the machine, not a decision.
+    memory_available: int | None = field(default=None, compare=False)
     notes: tuple[str, ...] = ()  # for the summary (seq_len beyond the model's context)
     reasons: tuple[tuple[str, str], ...] = ()
     _recipe: Recipe | None = field(default=None, repr=False, compare=False)
@@ -137,6 +141,16 @@ class _Facts:
     device: torch.device
     world: World
     mode: str = "single"
+    memory: MemoryEstimate | None = None  # the plan's estimate, once the decisions that change it are made
+    available: tuple[int, str] | None = None  # bytes free on the device, and where the number comes from
+    force: bool = False  # `entrenar train --force`: start even when the estimate is above what is free
+
+    @property
+    def needed(self) -> float:
+        """Bytes the run's processes on this device need: on a CPU, every local process's share of the host."""
+        assert self.memory is not None
+        sharing = int(os.environ.get("LOCAL_WORLD_SIZE", self.world.size)) if self.device.type == "cpu" else 1
+        return self.memory.total * sharing
 
 
 @dataclass(frozen=True)
@@ -147,6 +161,7 @@ class Refusal:
     applies: Callable[[_Facts], bool]
     message: Callable[[_Facts], str]
     needs_mode: bool = False  # checked once the parallel mode is chosen
+    needs_memory: bool = False  # checked last, on the plan's memory estimate
 
 
 def _gpu_only(key: str) -> Refusal:
@@ -186,13 +201,40 @@ REFUSALS: tuple[Refusal, ...] = (
             lambda f: "training.offload_weights: the NF4 base weights stream to one CUDA device, block by block, "
                       f"outside torch.compile; this run is {f.mode} on {f.device}"
                       + (" with training.compile" if f.recipe.training.compile else ""), needs_mode=True),
+    Refusal("memory", lambda f: not f.force and f.available is not None and f.needed > f.available[0],
+            lambda f: _memory_refusal(f), needs_mode=True, needs_memory=True),
 )
 
 
-def _refuse(facts: _Facts, needs_mode: bool) -> None:
-    """Raise the first refusal of the table that applies (those that need the mode, or those that do not)."""
+def _memory_refusal(f: _Facts) -> str:
+    """The estimate, what is free, and the settings of this run that would lower the estimate."""
+    assert f.memory is not None and f.available is not None
+    t, lora, e = f.recipe.training, f.recipe.lora, f.memory
+    levers = []
+    if t.batch_size > 1:
+        levers.append(f"a smaller micro-batch (training.batch_size={max(1, t.batch_size // 2)}, with "
+                      f"training.grad_accum to keep the batch)")
+    levers.append(f"a shorter data.seq_len (now {f.recipe.data.seq_len})")
+    if t.activation_checkpointing is not True and e.activations + e.logits > 0.1 * e.total:
+        levers.append("training.activation_checkpointing: true")
+    if f.device.type == "cuda" and not t.offload_activations:
+        levers.append("training.offload_activations: true")
+    if lora is None:
+        levers.append("LoRA (a lora: section) instead of full fine-tuning")
+    if lora is not None and not lora.quantize_base:
+        levers.append("QLoRA (lora.quantize_base: nf4)")
+    sharing = f.needed / e.total
+    processes = f" for {sharing:.0f} processes on this host" if sharing > 1 else ""
+    return (f"memory: the run needs about {f.needed / GiB:.2f} GiB{processes} (its memory estimate) and "
+            f"{f.device} has {f.available[0] / GiB:.2f} GiB available ({f.available[1]}); lower it with "
+            f"{'; '.join(levers)}; or pass --force (train(..., force=True)) to start anyway")
+
+
+def _refuse(facts: _Facts, needs_mode: bool, needs_memory: bool = False) -> None:
+    """Raise the first refusal of the table that applies (those that need the mode, or those that do not; those
+    that need the memory estimate)."""
     for refusal in REFUSALS:
-        if refusal.needs_mode == needs_mode and refusal.applies(facts):
+        if refusal.needs_mode == needs_mode and refusal.needs_memory == needs_memory and refusal.applies(facts):
             raise ConfigError(refusal.message(facts))
 
 
@@ -207,24 +249,29 @@ def plan_for(recipe: Recipe, device: str | None = None, processes: int = 1, gpu_
     """The plan of ``recipe`` on ``device`` ("cpu", "cuda"; default the recipe's ``model.device`` here) with
     ``processes`` processes, reading config.json only: what ``entrenar inspect RECIPE`` prints. A CUDA device this
     machine lacks is planned as a ``gpu_memory_gib`` GPU with Triton; the second value says whether the device
-    is here."""
+    is here. A run that does not fit is planned all the same (its ``memory`` line says so)."""
     if recipe.model.path is None and recipe.model.init != "random":
         raise ConfigError("the bundled quickstart generates its model when it runs; `entrenar train --dry-run` "
                           "plans it")
     where = torch.device(device) if device else resolve_device(recipe.model.device)
     here = where.type != "cuda" or torch.cuda.is_available()
     backend = None if processes == 1 else ("nccl" if where.type == "cuda" else "gloo")
+    memory = None if here else (int(gpu_memory_gib * 2**30), f"a {gpu_memory_gib:g} GiB GPU, as planned")
     plan = plan_run(recipe, where, World(size=processes, backend=backend), recipe_model_config(recipe),
-                    device_memory=None if here else int(gpu_memory_gib * 2**30), triton=None if here else True)
+                    device_memory=None if here else int(gpu_memory_gib * 2**30), triton=None if here else True,
+                    available=memory, force=True)
     return plan, here
 
 
 def plan_run(recipe: Recipe, device: torch.device, world: World, config: ModelConfig,
-             device_memory: int | None = None, triton: bool | None = None) -> RunPlan:
+             device_memory: int | None = None, triton: bool | None = None,
+             available: tuple[int, str] | None = None, force: bool = False) -> RunPlan:
     """Resolve ``recipe`` for this process (on ``device``, one of ``world``'s) and a model of ``config``.
 
     ``device_memory`` (bytes; default: the CUDA device's) is what ``parallel: auto`` compares a replica with;
-    ``triton`` (default: whether Triton runs here) is what ``kernels: auto`` needs on CUDA."""
+    ``triton`` (default: whether Triton runs here) is what ``kernels: auto`` needs on CUDA. ``available`` (bytes,
+    and where the number comes from; default: :func:`~entrenar.device.available_memory` of ``device``) is what
+    the memory estimate must fit in, or the run is refused unless ``force``."""
     t, lora = recipe.training, recipe.lora
     triton = triton_available() if triton is None else triton
     check_recipe(recipe, device, world)
@@ -246,6 +293,10 @@ def plan_run(recipe: Recipe, device: torch.device, world: World, config: ModelCo
     accumulation = micro_batches_per_rank(t.batch_size, t.grad_accum, t.global_batch_size, world.size)
     decided = replica if mode == replica.mode else _decide(recipe, device, mode, config, triton, method)
     reasons += decided.reasons
+    available = available if available is not None else available_memory(device)
+    facts = _Facts(recipe, device, world, mode, decided.memory, available, force)
+    reasons.append(("memory", _memory_reason(facts)))
+    _refuse(facts, needs_mode=True, needs_memory=True)
 
     load_device = sharded_load_device(world) if mode == "fsdp" else device
     weights_dtype = recipe.model.dtype
@@ -262,7 +313,8 @@ def plan_run(recipe: Recipe, device: torch.device, world: World, config: ModelCo
         lora_compute_dtype=torch.bfloat16 if t.adapter_math == "bf16" else None,
         offload_weights=decided.offload_weights, offload_embeddings=decided.offload_embeddings,
         cuda_graphs=decided.cuda_graphs, overlap=decided.overlap, compile=t.compile,
-        loss_scaling=t.precision == "fp16", method=method, memory=decided.memory, notes=notes,
+        loss_scaling=t.precision == "fp16", method=method, memory=decided.memory,
+        memory_available=available[0] if available else None, notes=notes,
         reasons=tuple(reasons), _recipe=recipe, _config=config)
 
 
@@ -384,6 +436,17 @@ def _choose_mode(parallel: str, world: World, device: torch.device, replica_byte
         return "ddp"  # CPU memory is the host's, shared by its ranks: sharding saves nothing per process
     capacity = device_memory if device_memory is not None else torch.cuda.get_device_properties(device).total_memory
     return "ddp" if replica_bytes <= AUTO_DDP_FRACTION * capacity else "fsdp"
+
+
+def _memory_reason(f: _Facts) -> str:
+    """The memory decision's line: the estimate against what the device has free."""
+    if f.available is None:
+        return f"not checked ({f.device} does not say how much memory is free)"
+    needed, free = f.needed / GiB, f.available[0] / GiB
+    if f.needed <= f.available[0]:
+        return f"fits: {needed:.2f} GiB needed, {free:.2f} GiB available ({f.available[1]})"
+    return (f"does not fit: {needed:.2f} GiB needed, {free:.2f} GiB available ({f.available[1]}); `entrenar train` "
+            "refuses it unless --force")
 
 
 def _mode_reason(parallel: str, mode: str, world: World, replica_bytes: float) -> str:
