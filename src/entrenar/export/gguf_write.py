@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from entrenar.errors import ModelError, QuantError
+from entrenar.export.gguf_meta import GeneralMetadata
 from entrenar.export.gguf_quants import FILE_TYPES, quantize_k, tensor_types
 from entrenar.io import atomic, finite
 from entrenar.models.config import rope_inv_freq
@@ -203,14 +204,34 @@ def _tensors(model: Transformer, plan: list[_Entry], arch: str) -> Iterator[np.n
 # -- metadata -----------------------------------------------------------------
 
 
-def _add_architecture(writer: gguf.GGUFWriter, model: Transformer, arch: str, qtype: str, name: str | None) -> None:
+def _add_general(writer: gguf.GGUFWriter, name: str | None, general: GeneralMetadata | None) -> None:
+    """``general.name`` and the model-describing keys carried over from the input, with their stored types."""
+    from gguf import GGUFValueType
+
+    name = name or (general.name if general is not None else None)
+    if name:
+        writer.add_name(name)
+    for key, (value, kind) in (general.keys if general is not None else {}).items():
+        if kind is None:  # from a Hugging Face folder: strings and lists of strings
+            if isinstance(value, list):
+                writer.add_array(key, value)
+            else:
+                writer.add_string(key, str(value))
+        else:
+            vtype, sub = kind
+            writer.add_key_value(key, value, vtype, sub_type=sub if vtype == GGUFValueType.ARRAY else None)
+
+
+def _add_architecture(
+    writer: gguf.GGUFWriter, model: Transformer, arch: str, qtype: str, name: str | None,
+    general: GeneralMetadata | None = None,
+) -> None:
     from gguf import GGML_QUANT_VERSION, LlamaFileType, RopeScalingType
 
     c = model.config
     assert c.head_dim is not None  # ModelConfig.__post_init__ fills it in
     writer.add_type("model")
-    if name:
-        writer.add_name(name)
+    _add_general(writer, name, general)
     file_type = {
         "f32": LlamaFileType.ALL_F32,
         "f16": LlamaFileType.MOSTLY_F16,
@@ -403,12 +424,18 @@ def _add_tokenizer(writer: gguf.GGUFWriter, meta: dict[str, Any], chat_templates
 
 
 def write_gguf(
-    model: Transformer, tokenizer: Tokenizer, path: str | Path, qtype: str = "f16", name: str | None = None
+    model: Transformer,
+    tokenizer: Tokenizer,
+    path: str | Path,
+    qtype: str = "f16",
+    name: str | None = None,
+    general: GeneralMetadata | None = None,
 ) -> Path:
     """Write ``model`` (a plain, merged :class:`Transformer`) and ``tokenizer`` as a GGUF file at ``path``.
 
-    ``qtype`` is the storage type of 2-D weights (:data:`GGUF_TYPES`); ``name``
-    becomes ``general.name``. Everything is checked before the file is
+    ``qtype`` is the file type (:data:`GGUF_TYPES`); ``name`` becomes
+    ``general.name`` (default: ``general.name`` of ``general``, the
+    model-describing metadata from :func:`entrenar.export.gguf_meta.describe`). Everything is checked before the file is
     created, and the file appears under ``path`` only once complete.
     """
     from gguf import GGUFWriter
@@ -425,7 +452,7 @@ def write_gguf(
 
     def write(tmp: Path) -> None:
         writer = GGUFWriter(tmp, arch)
-        _add_architecture(writer, model, arch, qtype, name)
+        _add_architecture(writer, model, arch, qtype, name, general)
         _add_tokenizer(writer, meta, tokenizer.chat_templates)
         for entry in plan:
             shape, dtype = entry.byte_shape()
