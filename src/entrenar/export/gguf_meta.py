@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 # general.* keys that describe the file, not the model: the writer sets them.
 _FILE_KEYS = ("general.architecture", "general.type", "general.file_type", "general.quantization_version",
               "general.alignment", "general.name", "general.quantized_by")  # fmt: skip
@@ -53,8 +55,6 @@ def _gguf_general(path: Path) -> tuple[str | None, dict[str, tuple[Any, Any]]]:
 
 def _front_matter(readme: Path) -> dict[str, Any]:
     """The YAML front matter of a model card, or {} if there is none (or it is not a mapping)."""
-    import yaml
-
     try:
         text = readme.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError):
