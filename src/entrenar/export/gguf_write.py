@@ -8,9 +8,10 @@ The inverse of :mod:`entrenar.models.gguf`, written the way llama.cpp's
   ``rope_freqs.weight`` tensor of per-frequency divisors, linear scaling as keys;
 * tensors under llama.cpp's names, q_proj/k_proj rows permuted for ``llama``
   (interleaved RoPE pairs), 1-D tensors (norms, biases) in F32, 2-D weights in
-  the chosen type: F32, F16, or ggml's Q8_0/Q4_0 blocks from
-  :mod:`entrenar.quant.int` (a weight whose rows do not split into 32-value
-  blocks falls back to F16, as the converter does);
+  the type llama-quantize gives them for the file type
+  (:func:`entrenar.export.gguf_quants.tensor_types`): Q8_0/Q4_0 blocks from
+  :mod:`entrenar.quant.int`, k-quants from :mod:`entrenar.export.gguf_quants`,
+  Q4_1/Q5_0/Q5_1 from the gguf package;
 * the tokenizer as ``tokenizer.ggml.*`` lists: byte-level BPE ("gpt2") tokens,
   token types, merges and the name of llama.cpp's pre-tokenizer, special ids,
   BOS/EOS flags and the chat template.
