@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import gguf
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -206,7 +207,59 @@ def test_output_ending_in_gguf_writes_only_that_file(base, adapter, tmp_path):
     out = tmp_path / "tiny-q8.gguf"
     assert export(base, adapter, out, merge=True, gguf="q8_0") == [out]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter", "base", "tiny-q8.gguf"]
-    assert gguf.GGUFReader(out).fields["general.name"].contents() == "tiny-q8"
+    # named after the base and the adapter (a folder named "adapter" by the folder it is in), not the output
+    assert gguf.GGUFReader(out).fields["general.name"].contents() == f"base + {tmp_path.name}"
+
+
+DESCRIBED = {"general.license": "apache-2.0", "general.organization": "TinyOrg", "general.basename": "tiny",
+             "general.size_label": "1M", "general.finetune": "Instruct", "general.languages": ["en", "fr"],
+             "general.tags": ["text-generation"]}  # fmt: skip
+
+
+def test_gguf_export_carries_the_inputs_description_and_is_named_after_base_and_adapter(base, tmp_path):
+    from gguf import GGUFWriter
+
+    # A GGUF input as llama.cpp's converter writes one: its general.* keys, written here by gguf's own writer.
+    model, tokenizer = entrenar.load(base, device="cpu")
+    plain = write_gguf(model, tokenizer, tmp_path / "plain.gguf", "f16")
+    source = tmp_path / "Tiny-1M-Instruct.gguf"
+    reader = gguf.GGUFReader(plain)
+    writer = GGUFWriter(source, "llama")
+    writer.add_name("Tiny 1M Instruct")
+    for key, value in DESCRIBED.items():
+        writer.add_array(key, value) if isinstance(value, list) else writer.add_string(key, value)
+    for key, f in reader.fields.items():
+        if not key.startswith(("general.", "GGUF.")):
+            sub = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
+            writer.add_key_value(key, f.contents(), f.types[0], sub_type=sub)
+    for t in reader.tensors:
+        writer.add_tensor(t.name, np.array(t.data), raw_shape=tuple(int(x) for x in reversed(t.shape)),
+                          raw_dtype=t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    adapter = make_adapter(base, tmp_path / "my-run" / "adapter")
+    out = tmp_path / "export-q8_0"
+    export(source, adapter, out, gguf="q8_0")
+    fields = gguf.GGUFReader(out / "model-q8_0.gguf").fields
+    assert fields["general.name"].contents() == "Tiny 1M Instruct + my-run"
+    for key, value in DESCRIBED.items():
+        assert fields[key].contents() == value, key
+    assert fields["general.file_type"].contents() == gguf.LlamaFileType.MOSTLY_Q8_0  # the writer's, not the input's
+
+
+def test_gguf_export_of_a_hf_folder_takes_license_and_languages_from_its_model_card(base, adapter, tmp_path):
+    config = json.loads((base / "config.json").read_text())
+    (base / "config.json").write_text(json.dumps({**config, "_name_or_path": "TinyOrg/Tiny-1M"}))
+    (base / "README.md").write_text("---\nlicense: mit\nlanguage:\n- en\n- de\n---\n# Tiny\n")
+    out = export(base, adapter, tmp_path / "x.gguf", gguf="f16")[0]
+    fields = gguf.GGUFReader(out).fields
+    assert fields["general.name"].contents() == f"Tiny-1M + {tmp_path.name}"
+    assert fields["general.license"].contents() == "mit"
+    assert fields["general.languages"].contents() == ["en", "de"]
+    assert fields["general.organization"].contents() == "TinyOrg"
 
 
 def test_gguf_base_is_dequantized_then_merged(base, adapter, tmp_path):

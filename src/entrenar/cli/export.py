@@ -6,7 +6,8 @@ import argparse
 
 from entrenar.cli.options import ADAPTER_HELP, DTYPE_CHOICES, MODEL_HELP
 
-GGUF_TYPES = ("f32", "f16", "q8_0", "q4_0")  # entrenar.export.gguf_write.GGUF_TYPES (not imported: keeps --help fast)
+# entrenar.export.gguf_write.GGUF_TYPES (not imported: keeps --help fast)
+GGUF_TYPES = ("f32", "f16", "q8_0", "q6_k", "q5_k_m", "q4_k_m", "q4_1", "q4_0")
 
 
 def add_parser(commands: argparse._SubParsersAction, parents: list[argparse.ArgumentParser]) -> None:

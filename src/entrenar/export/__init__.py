@@ -41,6 +41,7 @@ from safetensors.torch import load_file
 from entrenar.adapters import lora
 from entrenar.device import resolve_dtype
 from entrenar.errors import AdapterError, ConfigError, ModelError
+from entrenar.export.gguf_meta import GeneralMetadata, describe
 from entrenar.export.gguf_write import check_gguf_type, write_gguf
 from entrenar.io import atomic, hub
 from entrenar.io.checkpoint_files import MODEL_FILE
@@ -109,12 +110,14 @@ def export(
         return [_export_checkpoint_adapter(source, output)]
 
     model, tokenizer = load_merged(model_path, adapter, dtype)
+    # general.name: the base model's name and the adapter's or run's, not the output's
+    general = describe(source.model, source.adapter, source.run_dir) if qtype is not None else None
     if gguf_only:
         assert qtype is not None and tokenizer is not None  # both refused above when missing
         output.parent.mkdir(parents=True, exist_ok=True)
-        return [write_gguf(model, tokenizer, output, qtype, name=output.stem)]
+        return [write_gguf(model, tokenizer, output, qtype, general=general)]
     with replace_files(output) as target:
-        written = save_merged(model, tokenizer, target, qtype, base=source.model, name=output.name)
+        written = save_merged(model, tokenizer, target, qtype, base=source.model, general=general)
     return [output / p.relative_to(target) if p != target else output for p in written]
 
 
@@ -200,13 +203,14 @@ def save_merged(
     qtype: str | None = None,
     base: Path | None = None,
     name: str | None = None,
+    general: GeneralMetadata | None = None,
 ) -> list[Path]:
     """Write a Hugging Face folder (weights, config, tokenizer, generation config) and optionally a GGUF in it.
 
     The folder is :func:`entrenar.models.saving.save_model_folder`'s (``model.config`` gets the dtype the weights
     are saved in, which transformers 5 loads them as; without a tokenizer no tokenizer files are written), with
     ``model-<qtype>.gguf`` beside its files when ``qtype`` is given. ``name`` is the GGUF's ``general.name``
-    (default: the folder's name).
+    (default: ``general``'s name, else the folder's), ``general`` the model-describing metadata it carries.
     """
     generation = prepare_for_saving(model, tokenizer, output, base)
     written = [output]
@@ -217,7 +221,8 @@ def save_merged(
         if qtype is not None:
             assert tokenizer is not None  # refused above
             file_name = f"model-{qtype}.gguf"
-            write_gguf(model, tokenizer, target / file_name, qtype, name=name or output.name)
+            default = None if general is not None and general.name else output.name
+            write_gguf(model, tokenizer, target / file_name, qtype, name=name or default, general=general)
             written.append(output / file_name)
     return written
 

@@ -8,9 +8,10 @@ The inverse of :mod:`entrenar.models.gguf`, written the way llama.cpp's
   ``rope_freqs.weight`` tensor of per-frequency divisors, linear scaling as keys;
 * tensors under llama.cpp's names, q_proj/k_proj rows permuted for ``llama``
   (interleaved RoPE pairs), 1-D tensors (norms, biases) in F32, 2-D weights in
-  the chosen type: F32, F16, or ggml's Q8_0/Q4_0 blocks from
-  :mod:`entrenar.quant.int` (a weight whose rows do not split into 32-value
-  blocks falls back to F16, as the converter does);
+  the type llama-quantize gives them for the file type
+  (:func:`entrenar.export.gguf_quants.tensor_types`): Q8_0/Q4_0 blocks from
+  :mod:`entrenar.quant.int`, k-quants from :mod:`entrenar.export.gguf_quants`,
+  Q4_1/Q5_0/Q5_1 from the gguf package;
 * the tokenizer as ``tokenizer.ggml.*`` lists, special ids, BOS/EOS flags and
   the chat template: byte-level BPE (Llama 3, Qwen, SmolLM) as llama.cpp's
   "gpt2" vocabulary (tokens, token types, merges and the name of its
@@ -48,6 +49,8 @@ import numpy as np
 import torch
 
 from entrenar.errors import ModelError, QuantError
+from entrenar.export.gguf_meta import GeneralMetadata
+from entrenar.export.gguf_quants import FILE_TYPES, quantize_k, tensor_types
 from entrenar.io import atomic, finite
 from entrenar.models.config import rope_inv_freq
 from entrenar.models.gguf import build_tokenizer, gguf_tensor_name
@@ -60,8 +63,8 @@ if TYPE_CHECKING:
     from entrenar.data.tokenizer import Tokenizer
     from entrenar.models.transformer import Transformer
 
-# The storage types offered for 2-D weights, by the names llama.cpp's tools use.
-GGUF_TYPES = ("f32", "f16", "q8_0", "q4_0")
+# The file types offered, by the names llama.cpp's tools use; each tensor's type follows llama-quantize's rules.
+GGUF_TYPES = tuple(FILE_TYPES)
 _ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 _ROPE_FREQS = "rope_freqs.weight"
 
@@ -131,15 +134,12 @@ class _Entry:
         return (*self.shape[:-1], self.shape[-1] // block * size), np.dtype(np.uint8)
 
 
-def _storage(qtype: str) -> gguf.GGMLQuantizationType:
-    from gguf import GGMLQuantizationType as Q
-
-    return {"f32": Q.F32, "f16": Q.F16, "q8_0": Q.Q8_0, "q4_0": Q.Q4_0}[qtype]
-
-
 def _plan(model: Transformer, qtype: str) -> list[_Entry]:
-    """Every tensor of the file in the converter's order: rope_freqs first, then the state dict's."""
-    from gguf import GGML_QUANT_SIZES
+    """Every tensor of the file in the converter's order: rope_freqs first, then the state dict's.
+
+    2-D weights get the type llama-quantize gives them in a ``qtype`` file
+    (:func:`entrenar.export.gguf_quants.tensor_types`), 1-D tensors F32.
+    """
     from gguf import GGMLQuantizationType as Q
 
     config = model.config
@@ -147,7 +147,7 @@ def _plan(model: Transformer, qtype: str) -> list[_Entry]:
     entries = []
     if (config.rope_scaling or {}).get("rope_type") == "llama3":
         entries.append(_Entry(_ROPE_FREQS, None, (config.head_dim // 2,), Q.F32))
-    target = _storage(qtype)
+    named = []
     for hf_name, tensor in model.state_dict().items():
         if hf_name == "lm_head.weight" and config.tie_word_embeddings:
             continue  # llama.cpp reads a missing output.weight as tied to token_embd
@@ -158,11 +158,10 @@ def _plan(model: Transformer, qtype: str) -> list[_Entry]:
                 f"tensor '{hf_name}' has no llama.cpp name; only a plain model can be written as GGUF "
                 "(merge LoRA adapters and convert quantized layers first)"
             ) from None
-        shape = tuple(tensor.shape)
-        kind = target if len(shape) == 2 else Q.F32
-        if kind not in (Q.F32, Q.F16) and shape[-1] % GGML_QUANT_SIZES[kind][0]:
-            kind = Q.F16  # rows that do not split into blocks stay F16, as in convert_hf_to_gguf.py
-        entries.append(_Entry(gguf_name, hf_name, shape, kind))
+        named.append((gguf_name, hf_name, tuple(tensor.shape)))
+    types = tensor_types(qtype, [(g, shape) for g, _, shape in named])
+    for gguf_name, hf_name, shape in named:
+        entries.append(_Entry(gguf_name, hf_name, shape, Q[types[gguf_name]] if gguf_name in types else Q.F32))
     return entries
 
 
@@ -193,7 +192,13 @@ def _encode(entry: _Entry, tensor: torch.Tensor, arch: str, model: Transformer) 
         return half.numpy()
     if entry.kind == Q.Q8_0:
         return quantize_q8_0(w, name)
-    return quantize_q4_0(w, name)
+    if entry.kind == Q.Q4_0:
+        return quantize_q4_0(w, name)
+    if entry.kind in (Q.Q4_K, Q.Q5_K, Q.Q6_K):
+        return quantize_k(w.numpy(), entry.kind.name)
+    from gguf.quants import quantize  # Q4_1, Q5_0, Q5_1: the gguf package's ports of ggml's reference
+
+    return quantize(w.numpy(), entry.kind)
 
 
 def _tensors(model: Transformer, plan: list[_Entry], arch: str) -> Iterator[np.ndarray]:
@@ -210,19 +215,43 @@ def _tensors(model: Transformer, plan: list[_Entry], arch: str) -> Iterator[np.n
 # -- metadata -----------------------------------------------------------------
 
 
-def _add_architecture(writer: gguf.GGUFWriter, model: Transformer, arch: str, qtype: str, name: str | None) -> None:
+def _add_general(writer: gguf.GGUFWriter, name: str | None, general: GeneralMetadata | None) -> None:
+    """``general.name`` and the model-describing keys carried over from the input, with their stored types."""
+    from gguf import GGUFValueType
+
+    name = name or (general.name if general is not None else None)
+    if name:
+        writer.add_name(name)
+    for key, (value, kind) in (general.keys if general is not None else {}).items():
+        if kind is None:  # from a Hugging Face folder: strings and lists of strings
+            if isinstance(value, list):
+                writer.add_array(key, value)
+            else:
+                writer.add_string(key, str(value))
+        else:
+            vtype, sub = kind
+            writer.add_key_value(key, value, vtype, sub_type=sub if vtype == GGUFValueType.ARRAY else None)
+
+
+def _add_architecture(
+    writer: gguf.GGUFWriter, model: Transformer, arch: str, qtype: str, name: str | None,
+    general: GeneralMetadata | None = None,
+) -> None:
     from gguf import GGML_QUANT_VERSION, LlamaFileType, RopeScalingType
 
     c = model.config
     assert c.head_dim is not None  # ModelConfig.__post_init__ fills it in
     writer.add_type("model")
-    if name:
-        writer.add_name(name)
+    _add_general(writer, name, general)
     file_type = {
         "f32": LlamaFileType.ALL_F32,
         "f16": LlamaFileType.MOSTLY_F16,
         "q8_0": LlamaFileType.MOSTLY_Q8_0,
         "q4_0": LlamaFileType.MOSTLY_Q4_0,
+        "q4_1": LlamaFileType.MOSTLY_Q4_1,
+        "q4_k_m": LlamaFileType.MOSTLY_Q4_K_M,
+        "q5_k_m": LlamaFileType.MOSTLY_Q5_K_M,
+        "q6_k": LlamaFileType.MOSTLY_Q6_K,
     }[qtype]
     writer.add_file_type(int(file_type))
     writer.add_quantization_version(GGML_QUANT_VERSION)
@@ -551,12 +580,18 @@ def _add_tokenizer(writer: gguf.GGUFWriter, meta: dict[str, Any], chat_templates
 
 
 def write_gguf(
-    model: Transformer, tokenizer: Tokenizer, path: str | Path, qtype: str = "f16", name: str | None = None
+    model: Transformer,
+    tokenizer: Tokenizer,
+    path: str | Path,
+    qtype: str = "f16",
+    name: str | None = None,
+    general: GeneralMetadata | None = None,
 ) -> Path:
     """Write ``model`` (a plain, merged :class:`Transformer`) and ``tokenizer`` as a GGUF file at ``path``.
 
-    ``qtype`` is the storage type of 2-D weights (:data:`GGUF_TYPES`); ``name``
-    becomes ``general.name``. Everything is checked before the file is
+    ``qtype`` is the file type (:data:`GGUF_TYPES`); ``name`` becomes
+    ``general.name`` (default: ``general.name`` of ``general``, the
+    model-describing metadata from :func:`entrenar.export.gguf_meta.describe`). Everything is checked before the file is
     created, and the file appears under ``path`` only once complete.
     """
     from gguf import GGUFWriter
@@ -573,7 +608,7 @@ def write_gguf(
 
     def write(tmp: Path) -> None:
         writer = GGUFWriter(tmp, arch)
-        _add_architecture(writer, model, arch, qtype, name)
+        _add_architecture(writer, model, arch, qtype, name, general)
         _add_tokenizer(writer, meta, tokenizer.chat_templates)
         for entry in plan:
             shape, dtype = entry.byte_shape()
