@@ -82,8 +82,9 @@ def recipe_for_resume(recipe: Recipe, run: RunDir) -> Recipe:
                                schedule=dataclasses.replace(saved.schedule, **allowed("schedule")))
 
 
-def check_trainer_state(state: dict, checkpoint: Path, max_steps: int, needs_scaler: bool) -> int:
-    """The step a checkpoint was taken at, after checking trainer.json holds what resuming needs."""
+def check_trainer_state(state: dict, checkpoint: Path, max_steps: int | None, needs_scaler: bool) -> int:
+    """The step a checkpoint was taken at, after checking trainer.json holds what resuming needs (and, with
+    ``max_steps``, that the run is not already past it)."""
     step, data = state.get("step"), state.get("data")
     where = checkpoint / "trainer.json"
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
@@ -92,7 +93,7 @@ def check_trainer_state(state: dict, checkpoint: Path, max_steps: int, needs_sca
         raise CheckpointError(f"{where}: 'data' (the data stream position) is missing or not a mapping")
     if needs_scaler and not isinstance(state.get("grad_scaler"), dict):
         raise CheckpointError(f"{where}: 'grad_scaler' is missing; it is needed to resume fp16 training")
-    if step > max_steps:
+    if max_steps is not None and step > max_steps:
         raise CheckpointError(f"{checkpoint} is at step {step}, past training.max_steps={max_steps}; "
                               f"resume with --set training.max_steps={step} or more")
     return step
@@ -120,6 +121,8 @@ def check_resume(run: RunDir, checkpoint: Path, recipe: Recipe) -> tuple[int, st
     ``schedule.on_extend`` is found now). Returns the checkpoint's step and, when the run has finished (its last
     step, or an early stop, checkpointed and its result saved after it), why there is nothing to do."""
     state = read_trainer_state(checkpoint)
+    if recipe.training.max_steps is None:  # training.epochs: the length is known once the data is read, and the
+        return check_trainer_state(state, checkpoint, None, needs_scaler=False), None  # Trainer checks it then
     step = check_trainer_state(state, checkpoint, recipe.training.max_steps, needs_scaler=False)
     resumed_schedule(state, recipe, checkpoint)
     stopping = recipe.training.early_stopping
