@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -23,57 +24,87 @@ PROBE = ("import json,resource,subprocess,sys;"
          "print(json.dumps([p.returncode,p.stderr[-2000:],resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss]))")
 
 
-@pytest.fixture(scope="module")
-def model_folder(tmp_path_factory) -> Path:
+# SmolLM2-135M's block and vocabulary (recipes/smollm2-lora-chat.yaml), with 6 of its 30 layers to stay quick.
+SMOLLM2_SHAPED = ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=6, num_heads=9,
+                             num_kv_heads=3, tie_word_embeddings=True, model_type="llama")
+SMOLLM2_SETTINGS = ["lora.r=16", "lora.alpha=32", "lora.dropout=0.05", "lora.target_modules=all-linear",
+                    "training.precision=bf16", "model.dtype=float32"]
+
+
+def model_folder(tmp_path: Path, config: ModelConfig) -> Path:
     from entrenar import quickstart
     from entrenar.models.hf import save_hf
     from entrenar.models.transformer import Transformer
 
-    folder = tmp_path_factory.mktemp("rss")
     torch.manual_seed(0)
-    model = Transformer(CONFIG)
+    model = Transformer(config)
     model.reset_parameters()
-    save_hf(model, folder / "model")
-    quickstart.build_tokenizer().save(folder / "model")
-    with open(folder / "train.jsonl", "w") as f:
+    save_hf(model, tmp_path / "model")
+    quickstart.build_tokenizer().save(tmp_path / "model")
+    with open(tmp_path / "train.jsonl", "w") as f:
         for a in range(60):  # long records: every packed sequence is full
             f.write(json.dumps({"prompt": f"{a}+{a % 9}=" * 20, "completion": str(a + a % 9) * 40}) + "\n")
-    return folder
+    return tmp_path
 
 
-def peak_rss(folder: Path, sets: list[str]) -> int:
-    """ru_maxrss in bytes of one `entrenar train` process, measured from a parent started for it alone."""
+def peak_rss(argv: list[str]) -> int:
+    """ru_maxrss in bytes of one `entrenar` process, measured from a parent started for it alone."""
+    env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-c", PROBE, sys.executable, "-m", "entrenar.cli", *argv],
+                          capture_output=True, text=True, env=env, timeout=600, check=True)
+    rc, stderr, kib = json.loads(done.stdout)
+    assert rc == 0, stderr
+    return kib * 1024
+
+
+def dry_run_estimate(argv: list[str]) -> float:
+    """The memory estimate (bytes) the dry run of the same command prints: the number the plan refuses by."""
+    env = {**os.environ, "PYTHONPATH": str(SRC)}
+    out = subprocess.run([sys.executable, "-m", "entrenar.cli", *argv, "--dry-run"], capture_output=True, text=True,
+                         env=env, timeout=300, check=True).stdout
+    match = re.search(r"memory estimate\s+([\d.]+) GiB", out)
+    assert match, out
+    return float(match.group(1)) * GiB
+
+
+def recipe_args(folder: Path, sets: list[str]) -> list[str]:
     recipe = folder / "recipe.yaml"
     recipe.write_text(f"model: {{path: {folder / 'model'}, device: cpu}}\n"
                       # full rows, as the estimate counts them (padding-free rows run fewer positions)
                       f"data: {{train: {folder / 'train.jsonl'}, seq_len: 256, validation_split: 0, "
                       "padding_free: false}\n"
                       "training: {max_steps: 2, batch_size: 4, save_every: 0, eval_every: 0, cpu_threads: 1}\n")
-    args = [a for kv in [*sets, f"output.dir={folder / 'run'}-{len(sets)}"] for a in ("--set", kv)]
-    env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-c", PROBE, sys.executable, "-m", "entrenar.cli", "train", str(recipe),
-                           "--no-progress", *args], capture_output=True, text=True, env=env, timeout=300, check=True)
-    rc, stderr, kib = json.loads(done.stdout)
-    assert rc == 0, stderr
-    return kib * 1024
+    return ["train", str(recipe), "--no-progress",
+            *[a for kv in [*sets, f"output.dir={folder / 'run'}"] for a in ("--set", kv)]]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method, sets", [
-    ("lora", ["lora.r=16", "lora.dropout=0.05", "lora.target_modules=all-linear", "training.precision=bf16"]),
-    ("full", ["lora=null", "training.precision=fp32"]),
+@pytest.mark.parametrize("config, sets", [
+    pytest.param(CONFIG, ["lora.r=16", "lora.dropout=0.05", "lora.target_modules=all-linear",
+                          "training.precision=bf16"], id="lora-bf16"),
+    pytest.param(CONFIG, ["lora=null", "training.precision=fp32"], id="full-fp32"),
+    pytest.param(SMOLLM2_SHAPED, SMOLLM2_SETTINGS, id="smollm2-shaped-recipe"),
 ])
-def test_cpu_estimate_within_25_percent_of_peak_rss(model_folder, method, sets):
-    measured = peak_rss(model_folder, sets)
-    lora = method == "lora"
-    est = estimate_training_memory(CONFIG, method, 4, 256, dtype_bytes=2 if lora else 4, param_bytes=4,
-                                   lora_targets="all-linear", lora_dropout=0.05 if lora else 0.0, cpu=True)
-    gpu_view = estimate_training_memory(CONFIG, method, 4, 256, dtype_bytes=2 if lora else 4, param_bytes=4,
-                                        lora_targets="all-linear")
-    assert est.total - est.runtime > 0.5 * est.total  # the model's terms, not the runtime constant, are tested
-    print(f"{method}: estimate {est.total / GiB:.3f} GiB, peak RSS {measured / GiB:.3f} GiB")
-    assert abs(est.total - measured) / measured < 0.25, (est.as_dict(), measured / GiB)
-    assert abs(gpu_view.total - measured) / measured > 0.25  # what the GPU count leaves out is worth modelling
+def test_the_plans_cpu_estimate_is_within_25_percent_of_peak_rss(tmp_path, config, sets):
+    argv = recipe_args(model_folder(tmp_path, config), sets)
+    estimate, measured = dry_run_estimate(argv), peak_rss(argv)
+    print(f"{sets}: estimate {estimate / GiB:.3f} GiB, peak RSS {measured / GiB:.3f} GiB")
+    assert abs(estimate - measured) / measured < 0.25, (estimate / GiB, measured / GiB)
+
+
+@pytest.mark.slow
+def test_the_quickstarts_cpu_estimate_is_within_25_percent_of_peak_rss(tmp_path):
+    argv = ["train", "--no-progress", "--set", f"output.dir={tmp_path / 'run'}", "--set", "training.max_steps=3"]
+    estimate, measured = dry_run_estimate(argv), peak_rss(argv)
+    assert abs(estimate - measured) / measured < 0.25, (estimate / GiB, measured / GiB)
+
+
+def test_what_a_gpu_count_leaves_out_is_worth_modelling_on_a_cpu():
+    args = dict(lora_targets="all-linear", dtype_bytes=2, param_bytes=4)
+    cpu = estimate_training_memory(SMOLLM2_SHAPED, "lora", 4, 256, lora_dropout=0.05, cpu=True, **args)
+    gpu_view = estimate_training_memory(SMOLLM2_SHAPED, "lora", 4, 256, **args)
+    assert cpu.total - cpu.runtime > 0.5 * cpu.total  # the model's terms, not the runtime constant, dominate
+    assert cpu.total > 1.25 * gpu_view.total
 
 
 def test_the_cpu_dry_run_prints_the_cpu_estimate_of_its_recipe(workspace):

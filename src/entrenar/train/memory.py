@@ -224,6 +224,12 @@ def estimate_training_memory(
     estimate = MemoryEstimate(method, total, trainable, weights, gradients, optimizer_bytes, activations, logits)
     if cpu:
         _add_cpu_terms(estimate, config, method, tokens, dtype_bytes, param_bytes, lora_targets, lora_dropout, kernels)
+        if fused_loss_chunk:
+            # The fused loss's PyTorch path (a CPU's) holds its chunk's logits upcast to fp32 and their fp32
+            # log-probabilities beside the chunk itself, at the end of forward, when every activation is alive.
+            chunk = min(tokens, fused_loss_chunk) * config.vocab_size
+            estimate.logits += chunk * ((4 if dtype_bytes < 4 else 0) + 4)
+            estimate.allocator = CPU_ALLOCATOR_SLACK * (estimate.activations + estimate.logits + estimate.casts)
     return estimate
 
 

@@ -420,8 +420,9 @@ def _estimate(recipe: Recipe, config: ModelConfig, device: torch.device, method:
         lora_targets=targets, lora_target_parameters=list(lora.target_parameters or []) if lora else [],
         activation_checkpointing=t.activation_checkpointing, offload_activations=t.offload_activations,
         offload_embeddings=offload_embeddings, offload_weights=offload_weights, optimizer=recipe.optimizer.name,
-        fused_loss_chunk=FUSED_LOSS_CHUNK if kernels and head_is_plain else None, kernels=kernels,
-        cpu=device.type == "cpu", lora_dropout=lora.dropout if lora else 0.0)
+        fused_loss_chunk=FUSED_LOSS_CHUNK if kernels and head_is_plain else None,
+        # On a CPU the kernels run their PyTorch specifications, which save what eager PyTorch saves.
+        kernels=kernels and device.type != "cpu", cpu=device.type == "cpu", lora_dropout=lora.dropout if lora else 0.0)
 
 
 def _choose_mode(parallel: str, world: World, device: torch.device, replica_bytes: float,
