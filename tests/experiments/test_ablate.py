@@ -293,3 +293,10 @@ def test_without_matplotlib_the_report_is_written_and_says_why_there_is_no_plot(
     assert [f.name for f in files] == ["ablation.json", "ablation.md"] and not (tmp_path / "ablation_loss.png").exists()
     text = (tmp_path / "ablation.md").read_text()
     assert "Note: no plot: matplotlib is not installed (pip install 'entrenar[plot]')." in text
+
+
+def test_an_epochs_recipe_is_described_by_its_epochs_not_none_steps():
+    from entrenar.experiments.ablate import _length
+
+    assert _length({"max_steps": None, "epochs": 2.0}) == "2 epoch(s)"
+    assert _length({"max_steps": 300, "epochs": None}) == "300 steps"

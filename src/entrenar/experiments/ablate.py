@@ -184,7 +184,8 @@ def ablate(
     t = recipe.training
     setup = {"data": recipe.data.train, "validation": recipe.data.validation or
              (f"{recipe.data.validation_split:g} of data.train" if recipe.data.validation_split else None),
-             "seed": t.seed, "max_steps": t.max_steps, "batch_size": t.batch_size, "seq_len": recipe.data.seq_len,
+             "seed": t.seed, "max_steps": t.max_steps, "epochs": t.epochs, "batch_size": t.batch_size,
+             "seq_len": recipe.data.seq_len,
              "model_type": config.model_type, "num_experts": config.num_experts,
              "num_experts_per_tok": config.num_experts_per_tok, "arms": list(arms),
              "bias_update_rate": recipes["moe-sigmoid"].moe.bias_update_rate if "moe-sigmoid" in arms else None}
@@ -359,12 +360,19 @@ def _num(value: float | None, digits: int = 4) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
+def _length(setup: dict[str, Any]) -> str:
+    """How long each arm trained: its steps, or the epochs a recipe gave instead."""
+    if setup.get("max_steps") is None and setup.get("epochs") is not None:
+        return f"{setup['epochs']:g} epoch(s)"
+    return f"{setup['max_steps']} steps"
+
+
 def format_markdown(report: Ablation) -> str:
     """The report as Markdown: setup, one row per arm, the dense match, routing specialisation per layer."""
     s = report.setup
     lines = ["# Ablation", "",
              f"{s['model_type']}, {s['num_experts']} experts, top-{s['num_experts_per_tok']}; data {s['data']} "
-             f"(held out: {s['validation'] or 'none'}); seed {s['seed']}, {s['max_steps']} steps of "
+             f"(held out: {s['validation'] or 'none'}); seed {s['seed']}, {_length(s)} of "
              f"{s['batch_size']} x {s['seq_len']} tokens.", "",
              "| arm | parameters | active | train loss | held-out loss | tokens/s | router entropy | load max/mean "
              "| MI (bits) | MI / H(task) |",
