@@ -16,6 +16,7 @@ from entrenar.data.sources import read_records
 from entrenar.data.tokenize import tokenize_record, tokenize_records
 from entrenar.data.tokenizer import Tokenizer
 from entrenar.errors import DataError
+from entrenar.tasks.classification.data import read_texts
 
 DEEP = "[" * 5000 + "]" * 5000
 LONG_INT = "9" * (sys.get_int_max_str_digits() + 1)
@@ -192,11 +193,23 @@ def test_a_byte_order_mark_inside_a_csv_or_text_file_is_refused(tmp_path, tokeni
     records, read = read_records(path, on_error="skip")
     assert [r.fields["text"] for r in records] == ["fox", "dog"]  # the first BOM is the file's own, stripped
     assert [(s.line, s.reason) for s in read.skipped_records] == [(3, "byte-order mark")]
+    header = tmp_path / "header.csv"
+    header.write_text("text,co\ufeffmpletion\nfox,a\n")
+    with pytest.raises(DataError, match=re.escape(f"{header} line 1: a byte-order mark (U+FEFF) inside the header")):
+        read_records(header, on_error="skip")  # no column can be named right: the whole file
     text = tmp_path / "joined.txt"
     text.write_bytes(b"\xef\xbb\xbfhello\n\xef\xbb\xbfworld\n")
     with pytest.raises(DataError, match=re.escape(f"{text}: field 'text' holds a byte-order mark (U+FEFF) at "
                                                   "character 6")):
         read_and_tokenize(text, tokenizer)
+
+
+def test_a_lone_surrogate_in_a_csv_file_names_the_line(tmp_path):
+    path = tmp_path / "train.csv"
+    path.write_bytes("text\nfox\na\ud800b\n".encode("utf-8", "surrogatepass"))  # as a careless writer leaves it
+    for on_error in ("raise", "skip"):  # a CSV row may span lines: the reader cannot find the next one safely
+        with pytest.raises(DataError, match="^" + re.escape(f"{path} line 3: not UTF-8 text")):
+            read_records(path, on_error=on_error)
 
 
 def test_a_csv_field_with_nul_is_taken_and_noted(tmp_path, tokenizer):
@@ -272,8 +285,6 @@ def test_fuzzed_data_files_give_records_or_a_data_error(tmp_path, tokenizer):
 
 
 def test_a_classification_text_is_checked_as_a_causal_one(tmp_path, tokenizer):
-    from entrenar.tasks.classification.data import read_texts  # a task above data: the same check of its text
-
     path = tmp_path / "texts.jsonl"
     path.write_text(lines('{"text": "fox"}', '{"text": "a\\ud800"}', '{"text": "b\\ufeff"}'))
     with pytest.raises(DataError, match="^" + re.escape(f"{path} line 2: field 'text' is not valid Unicode text")):

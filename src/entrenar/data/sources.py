@@ -356,6 +356,9 @@ def _read_csv(path: Path) -> Iterator[Record | Skip]:
                 return
             if len(set(header)) != len(header) or any(not name for name in header):
                 raise DataError(f"{path} line 1: header must name every column once, got {header}")
+            if any("\ufeff" in name for name in header):
+                raise DataError(f"{path} line 1: a byte-order mark (U+FEFF) inside the header, which belongs only "
+                                f"at the start of the file: {header}")
             end_line = reader.line_num
             for row in reader:
                 start_line, end_line = end_line + 1, reader.line_num
@@ -379,13 +382,25 @@ def _read_csv(path: Path) -> Iterator[Record | Skip]:
                                f"row has {len(row)} fields, header has {len(header)}")
                     continue
                 yield Record(dict(zip(header, row, strict=True)), str(path), location)
-    except UnicodeDecodeError as e:
-        raise DataError(f"{path}: not UTF-8 text: {e}") from e
+    except UnicodeDecodeError as e:  # the stream decodes in chunks: find the line again
+        bad = _first_bad_line(path)
+        raise DataError(f"{path}{f' line {bad}' if bad else ''}: not UTF-8 text: {e}") from e
     except csv.Error as e:
         line = f" line {reader.line_num}" if reader is not None and reader.line_num else ""
         raise DataError(f"{path}{line}: malformed CSV: {e}") from e
     finally:
         csv.field_size_limit(limit)
+
+
+def _first_bad_line(path: Path) -> int | None:
+    """The first line of a file that is not UTF-8 (a lone surrogate written as bytes is not)."""
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, start=1):
+            try:
+                raw.decode("utf-8")
+            except UnicodeDecodeError:
+                return number
+    return None
 
 
 class _Lines:

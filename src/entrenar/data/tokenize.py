@@ -22,8 +22,10 @@ appends EOS to text and completion examples; chat templates write their own
 end-of-turn tokens.
 
 Records that are legal but likely mistakes (empty text or completion, an
-unknown chat role, null content, fields of two kinds in one record) are taken
-as written and counted by kind in ``TokenizeStats.suspicious``.
+unknown chat role, null content, two assistant turns in a row, a NUL character,
+fields of two kinds in one record) are taken as written and counted by kind in
+``TokenizeStats.suspicious``. Text a tokenizer would get with a lone surrogate or
+a byte-order mark inside is refused (:func:`check_text`).
 """
 
 from __future__ import annotations
