@@ -16,6 +16,7 @@ from entrenar.data.sources import read_records
 from entrenar.data.tokenize import tokenize_record, tokenize_records
 from entrenar.data.tokenizer import Tokenizer
 from entrenar.errors import DataError
+from entrenar.tasks.classification.data import read_texts
 
 DEEP = "[" * 5000 + "]" * 5000
 LONG_INT = "9" * (sys.get_int_max_str_digits() + 1)
@@ -47,7 +48,17 @@ def read_and_tokenize(path, tokenizer, on_error="raise"):
      "messages[0].content must be a string, got list"),
     ('{"messages": [{"role": "user", "content": "\\udfff"}, {"role": "assistant", "content": "x"}]}',
      "invalid text", "field 'messages' is not valid Unicode text"),
-], ids=["deep", "long-int", "surrogate", "int-completion", "null-text", "list-content", "surrogate-chat"])
+    ('{"messages": [{"role": "us\\ud800er", "content": "q"}, {"role": "assistant", "content": "x"}]}',
+     "invalid text", r"field 'messages' is not valid Unicode text: \ud800 at character 14 is a lone surrogate"),
+    ('{"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "\\udc00"}]}',
+     "invalid text", r"field 'messages' is not valid Unicode text: \udc00"),
+    ('{"instruction": "\\ud800", "output": "x"}', "invalid text", "field 'messages' is not valid Unicode text"),
+    ('\ufeff{"text": "joined"}', "byte-order mark",
+     "a byte-order mark (U+FEFF) starts the line, which belongs only at the start of a file"),
+    ('{"text": "a\\ufeffb"}', "byte-order mark", "field 'text' holds a byte-order mark (U+FEFF) at character 1"),
+    ('{"prompt": "p", "completion": "\ufeff"}', "byte-order mark", "field 'completion' holds a byte-order mark"),
+], ids=["deep", "long-int", "surrogate", "int-completion", "null-text", "list-content", "surrogate-chat",
+        "surrogate-role", "surrogate-sharegpt", "surrogate-alpaca", "bom-line", "bom-escaped", "bom-raw"])
 def test_each_bad_record_is_one_error_naming_file_and_line_or_a_counted_skip(tmp_path, tokenizer, bad, reason,
                                                                               message):
     path = tmp_path / "train.jsonl"
@@ -122,19 +133,28 @@ def test_likely_mistakes_are_taken_and_counted_by_kind_with_the_first_place(tmp_
         json.dumps({"text": "t", "prompt": "p", "completion": "c"}),              # 5: two kinds
         json.dumps({"messages": [{"role": "system", "content": None}, *chat]}),   # 6: null content
         json.dumps({"text": ""}),                                                 # 7: empty text again
+        json.dumps({"messages": [{"role": "USER", "content": "q"}, chat[1]]}),    # 8: a role in capitals
+        json.dumps({"messages": [*chat, chat[1]]}),                               # 9: two assistant turns
+        json.dumps({"prompt": "p", "completion": "a\x00b"}),                      # 10: NUL
+        json.dumps({"messages": [{"role": "hacker", "content": "q"}, *chat]}),    # 11: unknown role
     ))
     lenient = Tokenizer(chat_backend(), bos_token=BOS, eos_token=EOS,  # a template that takes null content
                         chat_template=CHATML.replace("m['content']", "(m['content'] or '')"))
     examples, read, stats = read_and_tokenize(path, lenient)
-    assert len(examples) == 7  # taken as written
+    assert len(examples) == 11  # taken as written
     assert stats.suspicious == {
         "empty text": (2, f"{path} line 2"),
         "empty completion": (1, f"{path} line 3"),
         "unknown chat role 'bot'": (1, f"{path} line 4"),
         "both 'prompt'/'completion' and 'text' ('prompt'/'completion' used)": (1, f"{path} line 5"),
         "null message content": (1, f"{path} line 6"),
+        "unknown chat role 'USER' (roles are case-sensitive: 'user'?)": (1, f"{path} line 8"),
+        "two assistant turns in a row": (1, f"{path} line 9"),
+        "NUL character (U+0000) in text": (1, f"{path} line 10"),
+        "unknown chat role 'hacker'": (1, f"{path} line 11"),
     }
     (note,) = data_notes("data.train", [], stats)
+    assert f"1 with two assistant turns in a row (first: {path} line 9)" in note
     assert note.startswith("data.train: taken as written, but likely mistakes: 2 with empty text "
                            f"(first: {path} line 2); 1 with empty completion")
 
@@ -142,8 +162,62 @@ def test_likely_mistakes_are_taken_and_counted_by_kind_with_the_first_place(tmp_
 def test_a_chat_template_that_fails_on_a_record_is_a_data_error(tokenizer):
     # ChatML's `m['content'] + '<|im_end|>'` is a TypeError in the template when content is null.
     record = {"messages": [{"role": "user", "content": None}, {"role": "assistant", "content": "x"}]}
-    with pytest.raises(DataError, match="the chat template failed on it: TypeError"):
+    with pytest.raises(DataError, match=r"the chat template failed on it: TypeError.*\(content of message 0 is null\)"):
         tokenize_record(record, tokenizer)
+
+
+def test_a_csv_quote_never_closed_is_refused_where_it_opened(tmp_path, tokenizer):
+    path = tmp_path / "train.csv"
+    path.write_text('text,completion\nfox,a\n"two\nlines",b\ndog,"never closed\ncat,c\nowl,d\n')
+    with pytest.raises(DataError, match="^" + re.escape(f"{path} line 5: a quote opened here is never closed, so "
+                                                        "its field runs to the end of the file (line 7)")):
+        read_records(path)
+    records, read = read_records(path, on_error="skip")  # the rows before it are kept; the rest are lost with it
+    assert [r.fields["text"] for r in records] == ["fox", "two\nlines"]
+    assert [(s.line, s.reason) for s in read.skipped_records] == [(5, "unclosed quote")]
+    opens_later = tmp_path / "later.csv"  # the open quote is in the row's second field, on its second line
+    opens_later.write_text('text,completion\nfox,a\n"two\nlines","open\nrest\n')
+    with pytest.raises(DataError, match=re.escape(f"{opens_later} line 4: a quote opened here is never closed")):
+        read_records(opens_later)
+    closed = tmp_path / "closed.csv"  # a quoted last field over several lines, closed: read as it always was
+    closed.write_text('text,completion\nfox,"a ""b""\nc"\n')
+    records, _ = read_records(closed)
+    assert records[0].fields == {"text": "fox", "completion": 'a "b"\nc'}
+
+
+def test_a_byte_order_mark_inside_a_csv_or_text_file_is_refused(tmp_path, tokenizer):
+    path = tmp_path / "joined.csv"
+    path.write_bytes(b"\xef\xbb\xbftext\nfox\n\xef\xbb\xbftext\ndog\n")  # two files with BOMs joined by cat
+    with pytest.raises(DataError, match="^" + re.escape(f"{path} line 3: a byte-order mark (U+FEFF) inside")):
+        read_records(path)
+    records, read = read_records(path, on_error="skip")
+    assert [r.fields["text"] for r in records] == ["fox", "dog"]  # the first BOM is the file's own, stripped
+    assert [(s.line, s.reason) for s in read.skipped_records] == [(3, "byte-order mark")]
+    header = tmp_path / "header.csv"
+    header.write_text("text,co\ufeffmpletion\nfox,a\n")
+    with pytest.raises(DataError, match=re.escape(f"{header} line 1: a byte-order mark (U+FEFF) inside the header")):
+        read_records(header, on_error="skip")  # no column can be named right: the whole file
+    text = tmp_path / "joined.txt"
+    text.write_bytes(b"\xef\xbb\xbfhello\n\xef\xbb\xbfworld\n")
+    with pytest.raises(DataError, match=re.escape(f"{text}: field 'text' holds a byte-order mark (U+FEFF) at "
+                                                  "character 6")):
+        read_and_tokenize(text, tokenizer)
+
+
+def test_a_lone_surrogate_in_a_csv_file_names_the_line(tmp_path):
+    path = tmp_path / "train.csv"
+    path.write_bytes("text\nfox\na\ud800b\n".encode("utf-8", "surrogatepass"))  # as a careless writer leaves it
+    for on_error in ("raise", "skip"):  # a CSV row may span lines: the reader cannot find the next one safely
+        with pytest.raises(DataError, match="^" + re.escape(f"{path} line 3: not UTF-8 text")):
+            read_records(path, on_error=on_error)
+
+
+def test_a_csv_field_with_nul_is_taken_and_noted(tmp_path, tokenizer):
+    path = tmp_path / "train.csv"
+    path.write_text("text\nfox\na\x00b\n")
+    examples, read, stats = read_and_tokenize(path, tokenizer)
+    assert len(examples) == 2
+    assert stats.suspicious == {"NUL character (U+0000) in text": (1, f"{path} line 3")}
 
 
 # -- fuzzing: mutated data files give records or one DataError, never anything else -----------------------------
@@ -208,3 +282,16 @@ def test_fuzzed_data_files_give_records_or_a_data_error(tmp_path, tokenizer):
                 outcomes["error"] += 1
             # anything else fails the test, with the file to reproduce it
     assert outcomes["ok"] > 50 and outcomes["error"] > 50  # the fuzzing reaches both outcomes
+
+
+def test_a_classification_text_is_checked_as_a_causal_one(tmp_path, tokenizer):
+    path = tmp_path / "texts.jsonl"
+    path.write_text(lines('{"text": "fox"}', '{"text": "a\\ud800"}', '{"text": "b\\ufeff"}'))
+    with pytest.raises(DataError, match="^" + re.escape(f"{path} line 2: field 'text' is not valid Unicode text")):
+        read_texts(str(path), tokenizer, None)
+    skipped = []
+    examples, notes = read_texts(str(path), tokenizer, None, on_error="skip", skipped_out=skipped)
+    assert len(examples) == 1
+    assert [(s.line, s.message.split(": ", 1)[1][:40]) for s in skipped] == [
+        (2, "field 'text' is not valid Unicode text: "), (3, "field 'text' holds a byte-order mark (U+")]
+    assert notes[0].startswith("data: 2 record(s) skipped")

@@ -224,6 +224,10 @@ def _read_jsonl(path: Path) -> Iterator[Record | Skip]:
                 continue
             if not line.strip():
                 continue
+            if line.startswith("\ufeff"):  # the start of a file's line 1 is stripped above: this one was joined on
+                yield _bad(path, location, "byte-order mark", "a byte-order mark (U+FEFF) starts the line, which "
+                           "belongs only at the start of a file: files joined together?")
+                continue
             try:
                 value = json.loads(line.rstrip("\r\n"))  # an error's column counts within the line
             except (ValueError, RecursionError) as e:
@@ -344,30 +348,95 @@ def _read_csv(path: Path) -> Iterator[Record | Skip]:
     reader = None
     try:
         with open(path, encoding="utf-8-sig", newline="") as f:
-            reader = csv.reader(f)
+            lines = _Lines(f)
+            reader = csv.reader(lines)
             header = next(reader, None)
+            lines.taken = []
             if header is None:
                 return
             if len(set(header)) != len(header) or any(not name for name in header):
                 raise DataError(f"{path} line 1: header must name every column once, got {header}")
+            if any("\ufeff" in name for name in header):
+                raise DataError(f"{path} line 1: a byte-order mark (U+FEFF) inside the header, which belongs only "
+                                f"at the start of the file: {header}")
             end_line = reader.line_num
             for row in reader:
                 start_line, end_line = end_line + 1, reader.line_num
+                taken, lines.taken = lines.taken, []
                 location = f"line {start_line}"
                 if not row:
+                    continue
+                opened = _unclosed_quote(taken, row)
+                if opened is not None:
+                    where = start_line + "".join(taken).count("\n", 0, opened)
+                    yield _bad(path, f"line {where}", "unclosed quote",
+                               f"a quote opened here is never closed, so its field runs to the end of the file "
+                               f"(line {end_line}) and takes every row after it")
+                    continue
+                if any("\ufeff" in value for value in row):
+                    yield _bad(path, location, "byte-order mark", "a byte-order mark (U+FEFF) inside the file, "
+                               "which belongs only at its start: files joined together?")
                     continue
                 if len(row) != len(header):
                     yield _bad(path, location, "wrong number of fields",
                                f"row has {len(row)} fields, header has {len(header)}")
                     continue
                 yield Record(dict(zip(header, row, strict=True)), str(path), location)
-    except UnicodeDecodeError as e:
-        raise DataError(f"{path}: not UTF-8 text: {e}") from e
+    except UnicodeDecodeError as e:  # the stream decodes in chunks: find the line again
+        bad = _first_bad_line(path)
+        raise DataError(f"{path}{f' line {bad}' if bad else ''}: not UTF-8 text: {e}") from e
     except csv.Error as e:
         line = f" line {reader.line_num}" if reader is not None and reader.line_num else ""
         raise DataError(f"{path}{line}: malformed CSV: {e}") from e
     finally:
         csv.field_size_limit(limit)
+
+
+def _first_bad_line(path: Path) -> int | None:
+    """The first line of a file that is not UTF-8 (a lone surrogate written as bytes is not)."""
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, start=1):
+            try:
+                raw.decode("utf-8")
+            except UnicodeDecodeError:
+                return number
+    return None
+
+
+class _Lines:
+    """The lines of a text file, keeping those the csv reader took since the caller last emptied ``taken``."""
+
+    def __init__(self, file: Iterator[str]) -> None:
+        self.file = file
+        self.taken: list[str] = []
+
+    def __iter__(self) -> _Lines:
+        return self
+
+    def __next__(self) -> str:
+        line = next(self.file)
+        self.taken.append(line)
+        return line
+
+
+def _unclosed_quote(taken: list[str], row: list[str]) -> int | None:
+    """Where in a CSV row's text (the lines it was read from) a quoted field opens that never closes, or None.
+
+    The csv module reads such a field to the end of the file without a word; its strict mode says "unexpected
+    end of data" instead, so the row is read again strictly (only rows with a quote in them).
+    """
+    if not any('"' in line for line in taken):
+        return None
+    try:
+        for _ in csv.reader(taken, strict=True):
+            pass
+    except csv.Error as e:
+        if "unexpected end of data" not in str(e):
+            return None  # another oddity that the lenient reading took as csv always has
+        text = "".join(taken)
+        opened = len(text) - len(row[-1].replace('"', '""')) - 1  # the open field is the row's last, to the end
+        return opened if 0 <= opened < len(text) and text[opened] == '"' else 0
+    return None
 
 
 def _read_parquet(path: Path) -> Iterator[Record | Skip]:

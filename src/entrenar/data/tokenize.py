@@ -22,8 +22,10 @@ appends EOS to text and completion examples; chat templates write their own
 end-of-turn tokens.
 
 Records that are legal but likely mistakes (empty text or completion, an
-unknown chat role, null content, fields of two kinds in one record) are taken
-as written and counted by kind in ``TokenizeStats.suspicious``.
+unknown chat role, null content, two assistant turns in a row, a NUL character,
+fields of two kinds in one record) are taken as written and counted by kind in
+``TokenizeStats.suspicious``. Text a tokenizer would get with a lone surrogate or
+a byte-order mark inside is refused (:func:`check_text`).
 """
 
 from __future__ import annotations
@@ -133,6 +135,7 @@ def _tokenize(fields: Mapping[str, Any], where: str, tokenizer: Tokenizer, kind:
         text = _string_field(fields, names["text"], where)
         if not text.strip():
             suspicions.append("empty text")
+        suspicions += _nul(text)
         if train_on == "completion":
             suspicions.append(PLAIN_UNDER_COMPLETION)
         ids = _encode(tokenizer, text, True, where, names["text"])
@@ -143,15 +146,21 @@ def _tokenize(fields: Mapping[str, Any], where: str, tokenizer: Tokenizer, kind:
         completion_text = _string_field(fields, names["completion"], where)
         if not completion_text.strip():
             suspicions.append("empty completion")
+        suspicions += _nul(fields[names["prompt"]] + completion_text)
         completion = _encode(tokenizer, completion_text, False, where, names["completion"])
         completion = _with_eos(completion, tokenizer, add_eos, where)
         prompt_labels = [IGNORE_INDEX] * len(prompt) if train_on == "completion" else list(prompt)
         return Example(prompt + completion, prompt_labels + completion, where), suspicions
     messages = _messages_field(fields, names["messages"], where)
     for role in sorted({m["role"] for m in messages} - KNOWN_ROLES):
-        suspicions.append(f"unknown chat role {role[:40]!r}")
+        # Templates compare roles as written: 'USER' is not 'user'.
+        hint = f" (roles are case-sensitive: {role.lower()!r}?)" if role.lower() in KNOWN_ROLES else ""
+        suspicions.append(f"unknown chat role {role[:40]!r}{hint}")
     if any(m.get("content") is None for m in messages):
         suspicions.append("null message content")
+    if any(a["role"] == b["role"] == "assistant" for a, b in zip(messages, messages[1:], strict=False)):
+        suspicions.append("two assistant turns in a row")
+    suspicions += _nul("".join(m["content"] for m in messages if isinstance(m.get("content"), str)))
     return _tokenize_chat(messages, tokenizer, train_on, where), suspicions
 
 
@@ -237,18 +246,32 @@ def _columns(columns: Mapping[str, str] | None) -> dict[str, str]:
 
 
 def _encode(tokenizer: Tokenizer, text: str, add_special_tokens: bool, where: str, name: str) -> list[int]:
-    return tokenizer.encode(_valid_text(text, where, name), add_special_tokens=add_special_tokens)
+    return tokenizer.encode(check_text(text, where, name), add_special_tokens=add_special_tokens)
 
 
-def _valid_text(text: str, where: str, name: str) -> str:
-    """``text`` if it is Unicode a tokenizer can take; a lone surrogate (JSON's "\\ud800" read alone) is not."""
+def check_text(text: str, where: str, name: str) -> str:
+    """``text`` if a tokenizer may take it as written, else a ``RecordError`` naming ``where`` and field ``name``.
+
+    A lone surrogate (JSON's ``"\\ud800"`` read alone) is not Unicode a tokenizer can take; a byte-order mark
+    (U+FEFF) inside text is almost always two files joined together (a BOM belongs only at a file's very start,
+    where readers strip it) and would be trained on as a token."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
         raise RecordError("invalid text", f"{where}: field '{name}' is not valid Unicode text: "
                                           f"{ascii(text[e.start])[1:-1]} at character {e.start} is a lone "
                                           "surrogate") from None
+    bom = text.find("\ufeff")
+    if bom >= 0:
+        raise RecordError("byte-order mark", f"{where}: field '{name}' holds a byte-order mark (U+FEFF) at "
+                                             f"character {bom}, which belongs only at the start of a file: "
+                                             "files joined together?")
     return text
+
+
+def _nul(text: str) -> list[str]:
+    """The likely mistake of a NUL character in text (legal, but a sign of binary data or a broken export)."""
+    return ["NUL character (U+0000) in text"] if "\x00" in text else []
 
 
 def _detect_kind(fields: Mapping[str, Any], names: Mapping[str, str], where: str) -> str:
@@ -286,6 +309,12 @@ def _messages_field(fields: Mapping[str, Any], name: str, where: str) -> list[di
     return [dict(m) for m in messages]
 
 
+def _null_content(messages: Sequence[Mapping[str, Any]]) -> str:
+    """Where a conversation has null content, said after a template's error (the usual cause of it)."""
+    nulls = [i for i, m in enumerate(messages) if m.get("content") is None]
+    return f" (content of message {', '.join(map(str, nulls))} is null)" if nulls else ""
+
+
 def _with_eos(ids: list[int], tokenizer: Tokenizer, add_eos: bool, where: str) -> list[int]:
     if not add_eos:
         return ids
@@ -304,7 +333,7 @@ def _tokenize_chat(messages: Sequence[Mapping[str, Any]], tokenizer: Tokenizer, 
         try:
             text = render_chat(template, messages, False, tokenizer.special_tokens, where)
         except DataError as e:
-            raise RecordError("chat template rejected it", str(e)) from None
+            raise RecordError("chat template rejected it", str(e) + _null_content(messages)) from None
         # The template writes BOS itself where the model wants one, as in transformers.
         ids = _encode(tokenizer, text, False, where, "messages")
         return Example(ids, list(ids), where)
@@ -316,8 +345,8 @@ def _tokenize_chat(messages: Sequence[Mapping[str, Any]], tokenizer: Tokenizer, 
     except RecordError:
         raise
     except DataError as e:
-        raise RecordError("chat template rejected it", str(e)) from None
-    ids, offsets = tokenizer.encode_with_offsets(_valid_text(text, where, "messages"), add_special_tokens=False)
+        raise RecordError("chat template rejected it", str(e) + _null_content(messages)) from None
+    ids, offsets = tokenizer.encode_with_offsets(check_text(text, where, "messages"), add_special_tokens=False)
     labels = [IGNORE_INDEX] * len(ids)
     span = 0
     for i, (start, _end) in enumerate(offsets):

@@ -19,7 +19,7 @@ from entrenar.data import BatchStream, read_records
 from entrenar.data.batching import PAD_DOCUMENT
 from entrenar.data.formats import split_format
 from entrenar.data.sources import Skip
-from entrenar.data.tokenize import Example
+from entrenar.data.tokenize import Example, check_text
 from entrenar.errors import ConfigError, DataError
 from entrenar.tasks.classification.labels import LabelSpec
 
@@ -66,6 +66,7 @@ def read_texts(path: str, tokenizer: Tokenizer, spec: LabelSpec | None, text_fie
             text = fields.get(text_field)
             if not isinstance(text, str) or not text.strip():
                 raise DataError(f"{record.where}: field '{text_field}' must be non-empty text")
+            check_text(text, record.where, text_field)  # no lone surrogate, no byte-order mark inside
             target: Any = None
             if spec is not None:
                 if label_field not in fields:
