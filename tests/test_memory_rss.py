@@ -24,8 +24,9 @@ PROBE = ("import json,resource,subprocess,sys;"
          "print(json.dumps([p.returncode,p.stderr[-2000:],resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss]))")
 
 
-# SmolLM2-135M's block and vocabulary (recipes/smollm2-lora-chat.yaml), with 6 of its 30 layers to stay quick.
-SMOLLM2_SHAPED = ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=6, num_heads=9,
+# SmolLM2-135M's block (recipes/smollm2-lora-chat.yaml), with 3 of its 30 layers and a sixth of its vocabulary:
+# bf16 products run emulated on CPUs without AVX-512 BF16, where its full output layer takes minutes a step.
+SMOLLM2_SHAPED = ModelConfig(vocab_size=8192, hidden_size=576, intermediate_size=1536, num_layers=3, num_heads=9,
                              num_kv_heads=3, tie_word_embeddings=True, model_type="llama")
 SMOLLM2_SETTINGS = ["lora.r=16", "lora.alpha=32", "lora.dropout=0.05", "lora.target_modules=all-linear",
                     "training.precision=bf16", "model.dtype=float32"]
@@ -80,10 +81,9 @@ def recipe_args(folder: Path, sets: list[str]) -> list[str]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("config, sets", [
-    pytest.param(CONFIG, ["lora.r=16", "lora.dropout=0.05", "lora.target_modules=all-linear",
-                          "training.precision=bf16"], id="lora-bf16"),
     pytest.param(CONFIG, ["lora=null", "training.precision=fp32"], id="full-fp32"),
-    pytest.param(SMOLLM2_SHAPED, SMOLLM2_SETTINGS, id="smollm2-shaped-recipe"),
+    pytest.param(SMOLLM2_SHAPED, [*SMOLLM2_SETTINGS, "data.seq_len=128", "training.max_steps=1"],
+                 id="smollm2-shaped-recipe"),
 ])
 def test_the_plans_cpu_estimate_is_within_25_percent_of_peak_rss(tmp_path, config, sets):
     argv = recipe_args(model_folder(tmp_path, config), sets)
