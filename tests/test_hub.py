@@ -165,17 +165,23 @@ def test_an_adapter_by_id(tiny, cache, tmp_path):
     assert torch.equal(logits("org/tiny-lora"), expected)  # alone: its base is the id its config names
 
 
-def test_a_revision_other_than_main(tiny, cache, tmp_path):
+def perturbed_copy(tmp_path, seed: int) -> Path:
+    """tmp_path/v2: a model of the workspace's shape with other weights, and its tokenizer (a later revision)."""
+    from entrenar.models.hf import save_hf
+
     newer = make_workspace(tmp_path / "ws2")
-    torch.manual_seed(3)
+    torch.manual_seed(seed)
     model, tokenizer = entrenar.load(newer / "model", device="cpu")
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.1)
-    from entrenar.models.hf import save_hf
-
     save_hf(model, tmp_path / "v2")
     tokenizer.save(tmp_path / "v2")
+    return tmp_path / "v2"
+
+
+def test_a_revision_other_than_main(tiny, cache, tmp_path):
+    perturbed_copy(tmp_path, seed=3)
     commit = publish(cache, tiny, tmp_path / "v2", ref="v2")
     main, v2 = logits(tiny), logits(tmp_path / "v2")
     assert not torch.equal(main, v2)
@@ -192,16 +198,7 @@ def test_an_adapter_on_a_revision_names_it_as_peft_does(tiny, cache, tmp_path):
 
     from entrenar.adapters.lora import LoraConfig, apply_lora, save_adapter
 
-    newer = make_workspace(tmp_path / "ws2")
-    torch.manual_seed(4)
-    model, tokenizer = entrenar.load(newer / "model", device="cpu")
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.1)
-    from entrenar.models.hf import save_hf
-
-    save_hf(model, tmp_path / "v2")
-    tokenizer.save(tmp_path / "v2")
+    perturbed_copy(tmp_path, seed=4)
     publish(cache, tiny, tmp_path / "v2", ref="v2")
     cfg = LoraConfig(r=2, alpha=4, target_modules=["q_proj"])
     model, _ = entrenar.load(f"{tiny}@v2", device="cpu")

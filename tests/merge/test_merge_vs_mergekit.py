@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -51,6 +52,16 @@ CASES = {
 }
 
 
+def merged_by_both(cfg: dict, tmp_path: Path) -> tuple[dict, dict]:
+    """The tensors entrenar's merge and mergekit-yaml write for one config: (ours, theirs)."""
+    (tmp_path / "c.yml").write_text(yaml.safe_dump(cfg))
+    run = subprocess.run([MERGEKIT, str(tmp_path / "c.yml"), str(tmp_path / "mk"), "--no-copy-tokenizer"],
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+    merge(cfg, tmp_path / "ours")
+    return load_file(tmp_path / "ours" / "model.safetensors"), load_file(tmp_path / "mk" / "model.safetensors")
+
+
 @pytest.mark.parametrize("method", list(CASES))
 def test_matches_mergekit(inputs, tmp_path, method):
     case = CASES[method]
@@ -60,13 +71,7 @@ def test_matches_mergekit(inputs, tmp_path, method):
         cfg["base_model"] = str(inputs / "base")
     if "parameters" in case:
         cfg["parameters"] = case["parameters"]
-    (tmp_path / "c.yml").write_text(yaml.safe_dump(cfg))
-    run = subprocess.run([MERGEKIT, str(tmp_path / "c.yml"), str(tmp_path / "mk"), "--no-copy-tokenizer"],
-                         capture_output=True, text=True)
-    assert run.returncode == 0, run.stderr[-2000:]
-    merge(cfg, tmp_path / "ours")
-    theirs = load_file(tmp_path / "mk" / "model.safetensors")
-    ours = load_file(tmp_path / "ours" / "model.safetensors")
+    ours, theirs = merged_by_both(cfg, tmp_path)
     assert set(ours) == set(theirs)
     for name in theirs:
         assert torch.allclose(ours[name], theirs[name], rtol=1e-5, atol=1e-6), name
@@ -101,13 +106,7 @@ def test_bf16_ties_is_more_accurate_than_mergekit(tmp_path):
 
     make_bf16_inputs(tmp_path, hidden=512, intermediate=4096)
     cfg = ties_config(tmp_path)
-    (tmp_path / "c.yml").write_text(yaml.safe_dump(cfg))
-    run = subprocess.run([MERGEKIT, str(tmp_path / "c.yml"), str(tmp_path / "mk"), "--no-copy-tokenizer"],
-                         capture_output=True, text=True)
-    assert run.returncode == 0, run.stderr[-2000:]
-    merge(cfg, tmp_path / "ours")
-    theirs = load_file(tmp_path / "mk" / "model.safetensors")
-    ours = load_file(tmp_path / "ours" / "model.safetensors")
+    ours, theirs = merged_by_both(cfg, tmp_path)
     matrices = [n for n in ours if ours[n].dim() == 2]
     ulps = torch.cat([bf16_ulps(ours[n], theirs[n]).reshape(-1) for n in matrices])
     mine, mk = accuracy(ours, tmp_path), accuracy(theirs, tmp_path)
