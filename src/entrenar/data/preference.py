@@ -194,10 +194,14 @@ def _tokenize(record: Record, tokenizer: Tokenizer, record_kind: str, kind: str,
     prompt, chosen, rejected = _split_prompt(fields, names, where)
     _check_side(chosen, where, names["chosen"])
     _check_side(rejected, where, names["rejected"])
+    if kind == "unpaired":  # each half on its own, as TRL tokenizes the unpaired data set
+        halves = []
+        for name, side, desirable in ((names["chosen"], chosen, True), (names["rejected"], rejected, False)):
+            ids, (side_ids,) = _tokenize_prompt_and(tokenizer, prompt, {name: side}, where, names["prompt"])
+            halves.append(UnpairedExample(ids, side_ids, desirable, where))
+        return halves
     ids, (chosen_ids, rejected_ids) = _tokenize_prompt_and(
         tokenizer, prompt, {names["chosen"]: chosen, names["rejected"]: rejected}, where, names["prompt"])
-    if kind == "unpaired":
-        return [UnpairedExample(ids, chosen_ids, True, where), UnpairedExample(ids, rejected_ids, False, where)]
     return [PreferencePair(ids, chosen_ids, rejected_ids, where)]
 
 
