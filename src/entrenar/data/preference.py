@@ -195,7 +195,7 @@ def _tokenize(record: Record, tokenizer: Tokenizer, record_kind: str, kind: str,
     _check_side(chosen, where, names["chosen"])
     _check_side(rejected, where, names["rejected"])
     if kind == "unpaired":  # each half on its own, as TRL tokenizes the unpaired data set
-        halves = []
+        halves: list[PreferenceExample] = []
         for name, side, desirable in ((names["chosen"], chosen, True), (names["rejected"], rejected, False)):
             ids, (side_ids,) = _tokenize_prompt_and(tokenizer, prompt, {name: side}, where, names["prompt"])
             halves.append(UnpairedExample(ids, side_ids, desirable, where))
