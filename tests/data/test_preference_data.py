@@ -78,10 +78,11 @@ def trl_prepare():
     from trl import DPOTrainer, KTOTrainer
 
     hf = PreTrainedTokenizerFast(tokenizer_object=chat_backend(), bos_token=BOS, eos_token=EOS, chat_template=CHATML)
-    args = types.SimpleNamespace(dataset_num_proc=None, max_length=None, truncation_mode="keep_start")
-    trainer = types.SimpleNamespace(_tokenizer=hf, calculate_KL=False)
-
-    def prepare(records, kto=False):
+    def prepare(records, kto=False, kl_batch=None):
+        args = types.SimpleNamespace(dataset_num_proc=None, max_length=None, truncation_mode="keep_start",
+                                     per_device_train_batch_size=kl_batch)
+        trainer = types.SimpleNamespace(_tokenizer=hf, calculate_KL=kl_batch is not None, desirable_weight=1.0,
+                                        undesirable_weight=1.0)
         cls = KTOTrainer if kto else DPOTrainer
         return list(cls._prepare_dataset(trainer, Dataset.from_list(records), hf, args, "train"))
 
@@ -109,6 +110,24 @@ def test_unpaired_tokenize_as_trl_kto_trainer(tmp_path, tokenizer, trl_prepare):
     key = sorted((e.prompt, e.completion, e.desirable) for e in split)
     assert key == sorted((r["prompt_ids"], r["completion_ids"], r["label"]) for r in trl_prepare(PAIRS, kto=True))
     assert [e.desirable for e in split] == [True, False] * len(PAIRS)  # a pair's halves stay neighbours
+
+
+def test_kl_sequences_are_trl_kto_mismatched_pairs(tmp_path, tokenizer, trl_prepare):
+    """KTO's KL estimate: example k's prompt with example k-1's completion within a batch, as TRL rotates them
+    within each batch of per_device_train_batch_size (in data order: our unshuffled batches)."""
+    records = UNPAIRED + [{"prompt": p["prompt"], "completion": p["chosen"], "label": bool(i % 2)}
+                          for i, p in enumerate(PAIRS)]
+    examples, _, _ = read(write_jsonl(tmp_path / "u.jsonl", records), tokenizer)
+    reference = trl_prepare(records, kto=True, kl_batch=2)
+    batches = preference_eval_batches(examples, batch_size=2, seq_len=128, packing=True, pad_id=0, kl=True)
+    kl = []
+    for batch in batches:
+        found = sequences_of(batch)
+        n = batch["kl_offset"]
+        assert batch["num_sequences"] == 2 * n and batch["desirable"].shape == (n,)
+        kl += [found[n + k] for k in range(n)]
+    assert [tokens for tokens, _ in kl] == [r["prompt_ids"] + r["KL_completion_ids"] for r in reference]
+    assert [labels for _, labels in kl] == [[M] * len(r["prompt_ids"]) + r["KL_completion_ids"] for r in reference]
 
 
 def test_padded_batch_equals_trl_collator(tmp_path, tokenizer, trl_prepare):
