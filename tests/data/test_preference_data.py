@@ -118,8 +118,8 @@ def test_kl_sequences_are_trl_kto_mismatched_pairs(tmp_path, tokenizer, trl_prep
     records = UNPAIRED + [{"prompt": p["prompt"], "completion": p["chosen"], "label": bool(i % 2)}
                           for i, p in enumerate(PAIRS)]
     examples, _, _ = read(write_jsonl(tmp_path / "u.jsonl", records), tokenizer)
-    reference = trl_prepare(records, kto=True, kl_batch=2)
-    batches = preference_eval_batches(examples, batch_size=2, seq_len=128, packing=True, pad_id=0, kl=True)
+    reference = trl_prepare(records, kto=True, kl_batch=3)
+    batches = preference_eval_batches(examples, batch_size=3, seq_len=128, packing=True, pad_id=0, kl=True)
     kl = []
     for batch in batches:
         found = sequences_of(batch)
