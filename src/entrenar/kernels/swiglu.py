@@ -240,7 +240,7 @@ class FusedMLP(MLP):
     """
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return cast(tuple[torch.Tensor, torch.Tensor], project_together(x, (self.gate_proj, self.up_proj)))
+        return self.split(project_together(x, self.projections))
 
     def combine(self, gate: torch.Tensor, up: torch.Tensor, output_needed: bool = True) -> torch.Tensor:
         """``down(silu(gate) * up)``; ``output_needed=False``: see :func:`swiglu_lora_linear` (a hint, ignored
