@@ -196,3 +196,40 @@ def check_kernels_keep_logits(folder: Path) -> None:
     assert grads[0].keys() == grads[1].keys()
     for name in grads[0]:
         torch.testing.assert_close(grads[1][name], grads[0][name], atol=1e-6, rtol=1e-4)
+
+
+def check_gguf_load(tmp: Path, config_cls: str, model_cls: str, config: dict[str, Any],
+                    extra_kv: dict[str, tuple[str, Any]] | None = None, raw: dict[str, Any] | None = None,
+                    seq_len: int = 12) -> nn.Module:
+    """A tiny GGUF file written with the gguf package as llama.cpp's converter lays the family out
+    (tests/gguf_fixtures.py; ``extra_kv``/``raw``: the family's own metadata and tensors): ``entrenar.load``
+    gives transformers' logits. Returns the loaded model."""
+    from gguf_fixtures import byte_level_vocab, train_byte_level_tokenizer, write_gguf
+
+    tokenizer = train_byte_level_tokenizer("smollm")
+    vocab_size = tokenizer.get_vocab_size() + 15
+    torch.manual_seed(0)
+    ref = getattr(transformers, model_cls)(getattr(transformers, config_cls)(vocab_size=vocab_size, **config)).eval()
+    perturb(ref)
+    path = write_gguf(tmp / "model.gguf", ref, vocab=byte_level_vocab(tokenizer, vocab_size),
+                      special_ids={"bos": 1, "eos": 2, "pad": 2}, extra_kv=extra_kv, raw=raw)
+    model, _ = entrenar.load(path, dtype="float32", device="cpu")
+    ids = torch.randint(0, vocab_size, (2, seq_len), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids), ref(ids).logits, atol=1e-4, rtol=0)
+    return model
+
+
+def check_gguf_export_refused(model: nn.Module, tmp: Path) -> None:
+    """The GGUF exporter names the family it cannot write and leaves no file."""
+    import pytest
+
+    from entrenar.data.tokenizer import Tokenizer
+    from entrenar.errors import ModelError
+    from entrenar.export.gguf_write import write_gguf
+    from gguf_fixtures import train_byte_level_tokenizer
+
+    tokenizer = Tokenizer(train_byte_level_tokenizer("smollm"))
+    with pytest.raises(ModelError, match=f"GGUF files of {model.config.model_type} models is not supported"):
+        write_gguf(model, tokenizer, tmp / "out.gguf")
+    assert not (tmp / "out.gguf").exists()

@@ -7,6 +7,8 @@ import pytest
 import torch
 from family_checks import (
     check_adapters_cross_load,
+    check_gguf_export_refused,
+    check_gguf_load,
     check_kernels_keep_logits,
     check_logits,
     check_lora_step_matches_peft,
@@ -104,3 +106,12 @@ def test_training_task_passes_the_scaling_to_the_fused_loss(granite):
     with torch.no_grad():
         fused = task.loss_sum(model, batch)
         torch.testing.assert_close(fused, token_cross_entropy(model(ids), ids)[0], atol=1e-4, rtol=1e-6)
+
+
+def test_gguf_as_llama_cpp_writes_granite_loads_with_transformers_logits(tmp_path):
+    """llama.cpp's granite layout: Llama's tensors with q/k rows permuted, the multipliers as granite.*_scale."""
+    extra_kv = {"embedding_scale": ("float32", 6.0), "residual_scale": ("float32", 0.3),
+                "attention.scale": ("float32", 0.05), "logit_scale": ("float32", 4.0)}
+    model = check_gguf_load(tmp_path, "GraniteConfig", "GraniteForCausalLM", SHAPE, extra_kv)
+    assert model.config.logits_scaling == 4.0
+    check_gguf_export_refused(model, tmp_path)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 from family_checks import (
     check_adapters_cross_load,
+    check_gguf_export_refused,
+    check_gguf_load,
     check_kernels_keep_logits,
     check_logits,
     check_lora_step_matches_peft,
@@ -71,3 +73,11 @@ def test_kernels_leave_post_norm_blocks_plain(olmo2):
     changed = apply_kernels(model)
     assert changed and not any(isinstance(m, FusedBlock) for m in model.modules())
     check_kernels_keep_logits(olmo2[0])
+
+
+def test_gguf_as_llama_cpp_writes_olmo2_loads_with_transformers_logits(tmp_path):
+    """llama.cpp's olmo2 layout: post_attention_norm and post_ffw_norm, whole-projection attn_q_norm/attn_k_norm,
+    q/k rows not permuted (NeoX RoPE)."""
+    model = check_gguf_load(tmp_path, "Olmo2Config", "Olmo2ForCausalLM", SHAPE)
+    assert model.config.post_norm
+    check_gguf_export_refused(model, tmp_path)

@@ -9,6 +9,8 @@ import pytest
 import torch
 from family_checks import (
     check_adapters_cross_load,
+    check_gguf_export_refused,
+    check_gguf_load,
     check_kernels_keep_logits,
     check_logits,
     check_lora_step_matches_peft,
@@ -134,3 +136,24 @@ def test_bad_longrope_factors_are_named():
     hf["rope_scaling"] = {"type": "longrope", "short_factor": "x", "long_factor": [2.0] * 8}
     with pytest.raises(ModelError, match="config.json: 'rope_scaling.short_factor'"):
         ModelConfig.from_hf(hf)
+
+
+def test_gguf_as_llama_cpp_writes_phi3_loads_with_transformers_logits(tmp_path):
+    """llama.cpp's phi3 layout: fused attn_qkv and ffn_up, rope.dimension_count for the rotated dims, longrope as
+    rope_factors_long/short tensors with the original context and attention factor in the metadata."""
+    import math
+
+    import numpy as np
+    from gguf import GGMLQuantizationType as Q
+
+    scaling = LONGROPE["rope_scaling"]
+    orig, context = LONGROPE["original_max_position_embeddings"], LONGROPE["max_position_embeddings"]
+    extra_kv = {"rope.dimension_count": ("uint32", 8), "rope.scaling.original_context_length": ("uint32", orig),
+                "rope.scaling.attn_factor": ("float32", math.sqrt(1 + math.log(context / orig) / math.log(orig))),
+                "attention.sliding_window": ("uint32", 0)}
+    raw = {f"rope_factors_{kind}.weight": (np.array(scaling[f"{kind}_factor"], dtype=np.float32), Q.F32)
+           for kind in ("long", "short")}
+    model = check_gguf_load(tmp_path, "Phi3Config", "Phi3ForCausalLM", {**SHAPE, **LONGROPE}, extra_kv, raw,
+                            seq_len=40)
+    assert model.config.fused_qkv and model.config.rope_scaling["rope_type"] == "longrope"
+    check_gguf_export_refused(model, tmp_path)
