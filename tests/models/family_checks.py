@@ -233,3 +233,20 @@ def check_gguf_export_refused(model: nn.Module, tmp: Path) -> None:
     with pytest.raises(ModelError, match=f"GGUF files of {model.config.model_type} models is not supported"):
         write_gguf(model, tokenizer, tmp / "out.gguf")
     assert not (tmp / "out.gguf").exists()
+
+
+def check_dry_run_notes(folder: Path, tmp: Path, *expected: str) -> None:
+    """The plan a LoRA recipe on the checkpoint prints (``--dry-run``, ``inspect``) says what the kernels do with
+    the family's flags."""
+    from entrenar.config import load_recipe
+    from entrenar.train.dry_run import plan_lines
+    from entrenar.train.plan import plan_for
+
+    (tmp / "train.jsonl").write_text('{"text": "hello"}\n')
+    recipe = tmp / "recipe.yaml"
+    recipe.write_text(f"model: {{path: {folder}, device: cpu}}\ndata: {{train: {tmp / 'train.jsonl'}, seq_len: 32}}\n"
+                      f"lora: {{r: 4}}\noutput: {{dir: {tmp / 'run'}}}\n")
+    plan, _ = plan_for(load_recipe(recipe))
+    kernels = next(line for line in plan_lines(plan) if "training.kernels" in line)
+    for text in expected:
+        assert text in kernels, kernels

@@ -7,6 +7,7 @@ import pytest
 import torch
 from family_checks import (
     check_adapters_cross_load,
+    check_dry_run_notes,
     check_gguf_export_refused,
     check_gguf_load,
     check_kernels_keep_logits,
@@ -115,3 +116,8 @@ def test_gguf_as_llama_cpp_writes_granite_loads_with_transformers_logits(tmp_pat
     model = check_gguf_load(tmp_path, "GraniteConfig", "GraniteForCausalLM", SHAPE, extra_kv)
     assert model.config.logits_scaling == 4.0
     check_gguf_export_refused(model, tmp_path)
+
+
+def test_dry_run_says_what_the_kernels_do(granite, tmp_path):
+    check_dry_run_notes(granite[0], tmp_path, "logits divided by 4 inside the fused loss",
+                        "multipliers: applied around the fused nodes")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 from family_checks import (
     check_adapters_cross_load,
+    check_dry_run_notes,
     check_gguf_export_refused,
     check_gguf_load,
     check_kernels_keep_logits,
@@ -81,3 +82,7 @@ def test_gguf_as_llama_cpp_writes_olmo2_loads_with_transformers_logits(tmp_path)
     model = check_gguf_load(tmp_path, "Olmo2Config", "Olmo2ForCausalLM", SHAPE)
     assert model.config.post_norm
     check_gguf_export_refused(model, tmp_path)
+
+
+def test_dry_run_says_what_the_kernels_do(olmo2, tmp_path):
+    check_dry_run_notes(olmo2[0], tmp_path, "post-norm blocks: the norm-in-projection node stays off")

@@ -9,6 +9,7 @@ import pytest
 import torch
 from family_checks import (
     check_adapters_cross_load,
+    check_dry_run_notes,
     check_gguf_export_refused,
     check_gguf_load,
     check_kernels_keep_logits,
@@ -157,3 +158,34 @@ def test_gguf_as_llama_cpp_writes_phi3_loads_with_transformers_logits(tmp_path):
                             seq_len=40)
     assert model.config.fused_qkv and model.config.rope_scaling["rope_type"] == "longrope"
     check_gguf_export_refused(model, tmp_path)
+
+
+def test_dry_run_says_what_the_kernels_do(phi3, tmp_path):
+    check_dry_run_notes(phi3[0], tmp_path, "fused qkv_proj/gate_up_proj")
+
+
+def test_the_recipes_default_targets_adapt_qkv_proj_and_o_proj(phi3, tmp_path):
+    """A recipe without target_modules adapts the attention projections: on Phi-3, qkv_proj and o_proj (the names
+    q_proj/k_proj/v_proj do not exist there), written so that peft loads the adapter with equal logits."""
+    import json
+
+    peft = pytest.importorskip("peft")
+    from entrenar.adapters.lora import apply_lora, lora_config_of, save_adapter
+    from entrenar.config.sections import LoraSection
+
+    folder, ref = phi3
+    model = load_hf(folder).eval()
+    cfg = lora_config_of(LoraSection())
+    names = apply_lora(model, cfg)
+    assert {name.rsplit(".", 1)[-1] for name in names} == {"qkv_proj", "o_proj"}
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.normal_(0, 0.1)
+    save_adapter(model, tmp_path / "adapter", cfg)
+    assert json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["target_modules"] == [
+        "qkv_proj", "o_proj"]
+    theirs = peft.PeftModel.from_pretrained(copy.deepcopy(ref), tmp_path / "adapter").eval()
+    ids = torch.randint(0, 128, (1, 9))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids), theirs(ids).logits, atol=1e-4, rtol=0)
