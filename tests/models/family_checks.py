@@ -200,10 +200,10 @@ def check_kernels_keep_logits(folder: Path) -> None:
 
 def check_gguf_load(tmp: Path, config_cls: str, model_cls: str, config: dict[str, Any],
                     extra_kv: dict[str, tuple[str, Any]] | None = None, raw: dict[str, Any] | None = None,
-                    seq_len: int = 12) -> nn.Module:
+                    seq_len: int = 12) -> tuple[nn.Module, Any]:
     """A tiny GGUF file written with the gguf package as llama.cpp's converter lays the family out
     (tests/gguf_fixtures.py; ``extra_kv``/``raw``: the family's own metadata and tensors): ``entrenar.load``
-    gives transformers' logits. Returns the loaded model."""
+    gives transformers' logits. Returns the loaded model and tokenizer."""
     from gguf_fixtures import byte_level_vocab, train_byte_level_tokenizer, write_gguf
 
     tokenizer = train_byte_level_tokenizer("smollm")
@@ -213,26 +213,32 @@ def check_gguf_load(tmp: Path, config_cls: str, model_cls: str, config: dict[str
     perturb(ref)
     path = write_gguf(tmp / "model.gguf", ref, vocab=byte_level_vocab(tokenizer, vocab_size),
                       special_ids={"bos": 1, "eos": 2, "pad": 2}, extra_kv=extra_kv, raw=raw)
-    model, _ = entrenar.load(path, dtype="float32", device="cpu")
+    model, loaded_tokenizer = entrenar.load(path, dtype="float32", device="cpu")
     ids = torch.randint(0, vocab_size, (2, seq_len), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         torch.testing.assert_close(model(ids), ref(ids).logits, atol=1e-4, rtol=0)
-    return model
+    return model, loaded_tokenizer
 
 
-def check_gguf_export_refused(model: nn.Module, tmp: Path) -> None:
-    """The GGUF exporter names the family it cannot write and leaves no file."""
-    import pytest
+def check_gguf_export_round_trip(model: nn.Module, tokenizer: Any, tmp: Path) -> None:
+    """``entrenar export`` to GGUF (F32) writes the family under llama.cpp's architecture and tensor names (the gguf
+    package's table for the architecture) and reads back with equal logits."""
+    import gguf
 
-    from entrenar.data.tokenizer import Tokenizer
-    from entrenar.errors import ModelError
     from entrenar.export.gguf_write import write_gguf
-    from gguf_fixtures import train_byte_level_tokenizer
 
-    tokenizer = Tokenizer(train_byte_level_tokenizer("smollm"))
-    with pytest.raises(ModelError, match=f"GGUF files of {model.config.model_type} models is not supported"):
-        write_gguf(model, tokenizer, tmp / "out.gguf")
-    assert not (tmp / "out.gguf").exists()
+    path = write_gguf(model, tokenizer, tmp / "exported.gguf", qtype="f32")
+    reader = gguf.GGUFReader(path)
+    arch_name = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+    arch = next(a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == arch_name)
+    assert arch_name == {"phi3": "phi3", "olmo2": "olmo2", "granite": "granite"}[model.config.model_type]
+    known = {gguf.TENSOR_NAMES[t].format(bid=i) + suffix for t in gguf.MODEL_TENSORS[arch]
+             for i in range(model.config.num_layers) for suffix in (".weight", ".bias")}
+    assert {t.name for t in reader.tensors} <= known
+    back, _ = entrenar.load(path, dtype="float32", device="cpu")
+    ids = torch.randint(0, model.config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        torch.testing.assert_close(back(ids), model(ids), atol=1e-5, rtol=0)
 
 
 def check_dry_run_notes(folder: Path, tmp: Path, *expected: str) -> None:

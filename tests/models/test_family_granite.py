@@ -8,7 +8,7 @@ import torch
 from family_checks import (
     check_adapters_cross_load,
     check_dry_run_notes,
-    check_gguf_export_refused,
+    check_gguf_export_round_trip,
     check_gguf_load,
     check_kernels_keep_logits,
     check_logits,
@@ -113,9 +113,9 @@ def test_gguf_as_llama_cpp_writes_granite_loads_with_transformers_logits(tmp_pat
     """llama.cpp's granite layout: Llama's tensors with q/k rows permuted, the multipliers as granite.*_scale."""
     extra_kv = {"embedding_scale": ("float32", 6.0), "residual_scale": ("float32", 0.3),
                 "attention.scale": ("float32", 0.05), "logit_scale": ("float32", 4.0)}
-    model = check_gguf_load(tmp_path, "GraniteConfig", "GraniteForCausalLM", SHAPE, extra_kv)
+    model, tokenizer = check_gguf_load(tmp_path, "GraniteConfig", "GraniteForCausalLM", SHAPE, extra_kv)
     assert model.config.logits_scaling == 4.0
-    check_gguf_export_refused(model, tmp_path)
+    check_gguf_export_round_trip(model, tokenizer, tmp_path)
 
 
 def test_dry_run_says_what_the_kernels_do(granite, tmp_path):

@@ -7,7 +7,7 @@ import pytest
 from family_checks import (
     check_adapters_cross_load,
     check_dry_run_notes,
-    check_gguf_export_refused,
+    check_gguf_export_round_trip,
     check_gguf_load,
     check_kernels_keep_logits,
     check_logits,
@@ -79,9 +79,9 @@ def test_kernels_leave_post_norm_blocks_plain(olmo2):
 def test_gguf_as_llama_cpp_writes_olmo2_loads_with_transformers_logits(tmp_path):
     """llama.cpp's olmo2 layout: post_attention_norm and post_ffw_norm, whole-projection attn_q_norm/attn_k_norm,
     q/k rows not permuted (NeoX RoPE)."""
-    model = check_gguf_load(tmp_path, "Olmo2Config", "Olmo2ForCausalLM", SHAPE)
+    model, tokenizer = check_gguf_load(tmp_path, "Olmo2Config", "Olmo2ForCausalLM", SHAPE)
     assert model.config.post_norm
-    check_gguf_export_refused(model, tmp_path)
+    check_gguf_export_round_trip(model, tokenizer, tmp_path)
 
 
 def test_dry_run_says_what_the_kernels_do(olmo2, tmp_path):

@@ -10,7 +10,7 @@ import torch
 from family_checks import (
     check_adapters_cross_load,
     check_dry_run_notes,
-    check_gguf_export_refused,
+    check_gguf_export_round_trip,
     check_gguf_load,
     check_kernels_keep_logits,
     check_logits,
@@ -154,10 +154,10 @@ def test_gguf_as_llama_cpp_writes_phi3_loads_with_transformers_logits(tmp_path):
                 "attention.sliding_window": ("uint32", 0)}
     raw = {f"rope_factors_{kind}.weight": (np.array(scaling[f"{kind}_factor"], dtype=np.float32), Q.F32)
            for kind in ("long", "short")}
-    model = check_gguf_load(tmp_path, "Phi3Config", "Phi3ForCausalLM", {**SHAPE, **LONGROPE}, extra_kv, raw,
+    model, tokenizer = check_gguf_load(tmp_path, "Phi3Config", "Phi3ForCausalLM", {**SHAPE, **LONGROPE}, extra_kv, raw,
                             seq_len=40)
     assert model.config.fused_qkv and model.config.rope_scaling["rope_type"] == "longrope"
-    check_gguf_export_refused(model, tmp_path)
+    check_gguf_export_round_trip(model, tokenizer, tmp_path)
 
 
 def test_dry_run_says_what_the_kernels_do(phi3, tmp_path):

@@ -121,13 +121,13 @@ def hf_tensor_name(gguf_name: str, arch: str | None = None) -> str | None:
     return None
 
 
-def gguf_tensor_name(hf_name: str) -> str:
-    """The llama.cpp name of a Hugging Face tensor name (inverse of ``hf_tensor_name``)."""
+def gguf_tensor_name(hf_name: str, arch: str | None = None) -> str:
+    """The llama.cpp name of a Hugging Face tensor name in architecture ``arch`` (inverse of ``hf_tensor_name``)."""
     for gguf_name, name in _GLOBAL_NAMES.items():
         if name == hf_name:
             return gguf_name
     layer, _, suffix = hf_name.removeprefix("model.layers.").partition(".")
-    for gguf_suffix, name in _LAYER_NAMES.items():
+    for gguf_suffix, name in [*_ARCH_LAYER_NAMES.get(arch or "", {}).items(), *_LAYER_NAMES.items()]:
         if name == suffix and layer.isdigit():
             return f"blk.{layer}.{gguf_suffix}"
     raise KeyError(hf_name)
