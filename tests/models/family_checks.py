@@ -256,3 +256,21 @@ def check_dry_run_notes(folder: Path, tmp: Path, *expected: str) -> None:
     kernels = next(line for line in plan_lines(plan) if "training.kernels" in line)
     for text in expected:
         assert text in kernels, kernels
+
+
+def check_inspect(capsys: Any, folder: Path, ref: nn.Module, targets: list[str]) -> None:
+    """``entrenar inspect FOLDER --json``: the parameter count is transformers', the LoRA count peft's."""
+    import json
+
+    import peft
+
+    from entrenar.cli.main import main
+
+    capsys.readouterr()
+    code = main(["inspect", str(folder), "--json", "--lora-r", "4", "--lora-targets", ",".join(targets)])
+    out, _ = capsys.readouterr()
+    assert code == 0
+    report = json.loads(out)
+    assert report["parameters"]["total"] == sum(p.numel() for p in ref.parameters())
+    theirs = peft.get_peft_model(copy.deepcopy(ref), peft.LoraConfig(r=4, target_modules=targets))
+    assert report["parameters"]["lora_trainable"] == sum(p.numel() for p in theirs.parameters() if p.requires_grad)

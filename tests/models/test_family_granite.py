@@ -10,6 +10,7 @@ from family_checks import (
     check_dry_run_notes,
     check_gguf_export_round_trip,
     check_gguf_load,
+    check_inspect,
     check_kernels_keep_logits,
     check_logits,
     check_lora_step_matches_peft,
@@ -121,3 +122,7 @@ def test_gguf_as_llama_cpp_writes_granite_loads_with_transformers_logits(tmp_pat
 def test_dry_run_says_what_the_kernels_do(granite, tmp_path):
     check_dry_run_notes(granite[0], tmp_path, "logits divided by 4 inside the fused loss",
                         "multipliers: applied around the fused nodes")
+
+
+def test_inspect_counts_parameters_as_transformers_and_peft(granite, capsys):
+    check_inspect(capsys, granite[0], granite[1], ["q_proj", "v_proj", "up_proj"])

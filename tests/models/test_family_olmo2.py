@@ -9,6 +9,7 @@ from family_checks import (
     check_dry_run_notes,
     check_gguf_export_round_trip,
     check_gguf_load,
+    check_inspect,
     check_kernels_keep_logits,
     check_logits,
     check_lora_step_matches_peft,
@@ -86,3 +87,7 @@ def test_gguf_as_llama_cpp_writes_olmo2_loads_with_transformers_logits(tmp_path)
 
 def test_dry_run_says_what_the_kernels_do(olmo2, tmp_path):
     check_dry_run_notes(olmo2[0], tmp_path, "post-norm blocks: the norm-in-projection node stays off")
+
+
+def test_inspect_counts_parameters_as_transformers_and_peft(olmo2, capsys):
+    check_inspect(capsys, olmo2[0], olmo2[1], ["q_proj", "k_proj", "down_proj"])

@@ -12,6 +12,7 @@ from family_checks import (
     check_dry_run_notes,
     check_gguf_export_round_trip,
     check_gguf_load,
+    check_inspect,
     check_kernels_keep_logits,
     check_logits,
     check_lora_step_matches_peft,
@@ -189,3 +190,7 @@ def test_the_recipes_default_targets_adapt_qkv_proj_and_o_proj(phi3, tmp_path):
     ids = torch.randint(0, 128, (1, 9))
     with torch.no_grad():
         torch.testing.assert_close(model(ids), theirs(ids).logits, atol=1e-4, rtol=0)
+
+
+def test_inspect_counts_parameters_as_transformers_and_peft(phi3, capsys):
+    check_inspect(capsys, phi3[0], phi3[1], ["qkv_proj", "gate_up_proj"])
