@@ -114,6 +114,12 @@ def test_kernels_cover_the_fused_projections(phi3):
     check_kernels_keep_logits(phi3[0])
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_kernels_on_fused_halves_and_partial_rotary(phi3_longrope):
+    """Triton's RoPE on the rotated dims only and SwiGLU on the (strided) halves of gate_up_proj."""
+    check_kernels_keep_logits(phi3_longrope[0], device="cuda", atol=1e-4)
+
+
 def test_inspect_estimates_name_the_fused_projections(phi3):
     from entrenar.loading import read_model_config
     from entrenar.train.memory import lora_params
