@@ -73,6 +73,15 @@ def test_longrope_and_partial_rotary_match_transformers(phi3_longrope, seq_len):
     check_logits(model, ref, seq_len)
 
 
+def test_sliding_window_matches_transformers(tmp_path):
+    """Phi-3-mini's sliding window, on rows longer than it (padded and not)."""
+    folder, ref = make_checkpoint(tmp_path / "model", "Phi3Config", "Phi3ForCausalLM", **SHAPE, sliding_window=6)
+    model = load_hf(folder).eval()
+    assert model.config.sliding_window == 6
+    check_logits(model, ref, 20)
+    check_padded_batch(model, ref, lengths=(17, 11))
+
+
 def test_longrope_factors_matter(phi3_longrope):
     """The long factors are read: swapping them for the short ones changes long rows (the test can fail)."""
     folder, ref = phi3_longrope

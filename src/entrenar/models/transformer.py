@@ -319,12 +319,13 @@ class Transformer(nn.Module):
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
     def _longrope_long(self, device: torch.device) -> torch.Tensor:
-        """LongRoPE's long-context frequencies in fp32 (a plain attribute: no cast with the weights' dtype)."""
-        long = self.__dict__.get("_longrope_long_inv_freq")
-        if long is None or long.device != device:
-            long = longrope_inv_freq(self.config, long=True).to(device)
-            self.__dict__["_longrope_long_inv_freq"] = long
-        return long
+        """LongRoPE's long-context frequencies in fp32, kept for this config and device (a plain attribute: not
+        cast with the weights' dtype)."""
+        cached = self.__dict__.get("_longrope_long_inv_freq")
+        if cached is None or cached[0] is not self.config or cached[1].device != device:
+            cached = (self.config, longrope_inv_freq(self.config, long=True).to(device))
+            self.__dict__["_longrope_long_inv_freq"] = cached
+        return cached[1]
 
     def attention_mask(
         self, t: int, document_ids: torch.Tensor | None, device: torch.device, past: int = 0
