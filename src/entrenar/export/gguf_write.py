@@ -54,6 +54,7 @@ from entrenar.export.gguf_quants import FILE_TYPES, quantize_k, tensor_types
 from entrenar.io import atomic, finite
 from entrenar.models.config import rope_inv_freq
 from entrenar.models.gguf import build_tokenizer, gguf_tensor_name
+from entrenar.models.rope_scaling import rope_attention_scaling
 from entrenar.quant.int import check_finite, quantize_q4_0, quantize_q8_0
 
 if TYPE_CHECKING:
@@ -295,8 +296,6 @@ def _add_architecture(
 
 def _add_family(writer: gguf.GGUFWriter, model: Transformer, arch: str) -> None:
     """Phi-3's longrope keys and Granite's multipliers, under the names convert_hf_to_gguf.py writes."""
-    from entrenar.models.rope_scaling import rope_attention_scaling
-
     c = model.config
     rope = c.rope_scaling or {}
     if rope.get("rope_type") == "longrope":
