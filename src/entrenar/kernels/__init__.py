@@ -73,6 +73,8 @@ def apply_kernels(
         fused = by_class.get(type(module))
         if fused is FusedBlock and isinstance(module.mlp, MoeBlock):
             fused = None  # the fused block runs a dense MLP's projections; an MoE layer keeps its own forward
+        if fused is FusedBlock and module.post_norm:
+            fused = None  # OLMo 2: no norm feeds the projections, so there is nothing to fuse; the plain forward
         if fused is not None:
             module.__class__ = fused
             changed.append(name)

@@ -15,8 +15,10 @@ from typing import Any, Literal, TypedDict, overload
 import torch
 
 from entrenar.errors import ModelError
+from entrenar.models.rope_scaling import check_longrope, longrope_inv_freq
 
-SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe",
+                      "phi3", "olmo2", "granite")
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 _ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
@@ -27,9 +29,12 @@ _ARCHITECTURES = {
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "olmoe": "OlmoeForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "olmo2": "Olmo2ForCausalLM",
+    "granite": "GraniteForCausalLM",
 }
 ROUTER_SCORINGS = ("softmax", "softmax_topk", "sigmoid")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 
 
 @dataclass
@@ -70,6 +75,15 @@ class ModelConfig:
     decoder_sparse_step: int = 1  # Qwen-MoE: layer i is MoE when (i + 1) % step == 0
     mlp_only_layers: tuple[int, ...] = ()  # Qwen-MoE: layers that keep a dense MLP
     sliding_window: int | None = None
+    # Phi-3 / Phi-4, OLMo 2, Granite
+    fused_qkv: bool = False  # Phi-3: q, k, v as one qkv_proj [q + 2 kv, hidden] (the checkpoint's module)
+    fused_gate_up: bool = False  # Phi-3: gate and up as one gate_up_proj [2 intermediate, hidden], gate rows first
+    partial_rotary_factor: float = 1.0  # RoPE turns the first head_dim * this dims of each head; the rest pass
+    post_norm: bool = False  # OLMo 2: no norm before attention/MLP; their outputs are normed before the residual
+    embedding_multiplier: float = 1.0  # Granite: embeddings multiplied by this
+    residual_multiplier: float = 1.0  # Granite: attention and MLP outputs multiplied by this before the residual
+    attention_multiplier: float | None = None  # Granite: the attention-score scale (None: 1/sqrt(head_dim))
+    logits_scaling: float = 1.0  # Granite: logits divided by this
     initializer_range: float = 0.02
     model_type: str = "llama"
     bos_token_id: int | list[int] | None = None
@@ -109,12 +123,21 @@ class ModelConfig:
                                  f"with topk_group={self.topk_group}")
             if self.n_group > 1 and self.num_experts_per_tok > self.topk_group * (self.num_experts // self.n_group):
                 raise ModelError("model config: num_experts_per_tok exceeds the experts of the kept groups")
+        if not 0 < self.partial_rotary_factor <= 1 or int(self.head_dim * self.partial_rotary_factor) % 2:
+            raise ModelError(f"model config: partial_rotary_factor {self.partial_rotary_factor} must be in (0, 1] "
+                             f"and turn an even number of head_dim's {self.head_dim} dims")
+        if self.fused_qkv and (self.qkv_bias or self.qk_norm):
+            raise ModelError("model config: a fused qkv_proj (Phi-3) has no q/k/v biases or q/k norms")
         rope_type = (self.rope_scaling or {}).get("rope_type", "default")
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise ModelError(
                 f"model config: rope scaling '{rope_type}' is not supported "
                 f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
             )
+        if rope_type == "longrope":
+            check_longrope(self.rope_scaling or {}, "model config")
+            longrope_inv_freq(self, long=True)  # the factor counts checked against the rotated dims
+            longrope_inv_freq(self, long=False)
 
     @property
     def is_moe(self) -> bool:
@@ -209,6 +232,9 @@ class ModelConfig:
         scaling = {k: v for k, v in {**legacy, **rope}.items() if k != "rope_theta"}
         if "type" in scaling and "rope_type" not in scaling:
             scaling["rope_type"] = scaling.pop("type")
+        partial_rotary = _partial_rotary_factor(hf, scaling, source)
+        if model_type == "phi3":
+            _phi3_rope(hf, scaling)
         if scaling.get("rope_type", "default") == "default":
             scaling = None
         else:
@@ -226,6 +252,7 @@ class ModelConfig:
             "max_position_embeddings", "tie_word_embeddings", "attention_bias", "mlp_bias", "sliding_window",
             "use_sliding_window", "initializer_range", "model_type", "bos_token_id", "eos_token_id", "pad_token_id",
             "architectures", "hidden_act", *_MOE_KEYS, *(_ROUTING_KEYS if model_type in MOE_FAMILIES else ()),
+            *_FAMILY_KEYS,
         }
         if model_type == "qwen2_moe":
             attention_bias = bool(hf.get("qkv_bias", True))
@@ -242,11 +269,13 @@ class ModelConfig:
                 qkv_bias=model_type == "qwen2" or attention_bias,
                 o_bias=model_type not in ("qwen2", "qwen2_moe") and attention_bias,
                 mlp_bias=read.flag("mlp_bias"),
-                qk_norm=model_type in ("qwen3", "qwen3_moe", "olmoe"),
-                qk_norm_full=model_type == "olmoe",
+                qk_norm=model_type in ("qwen3", "qwen3_moe", "olmoe", "olmo2"),
+                qk_norm_full=model_type in ("olmoe", "olmo2"),
                 clip_qkv=read.number("clip_qkv", positive=True) if hf.get("clip_qkv") is not None else None,
                 **moe,
                 sliding_window=sliding,
+                partial_rotary_factor=partial_rotary,
+                **_family_flags(model_type, read),
                 initializer_range=0.02 if hf.get("initializer_range") is None else read.number("initializer_range"),
                 model_type=model_type,
                 bos_token_id=read.token_ids("bos_token_id"),
@@ -297,12 +326,38 @@ class ModelConfig:
                 raise ModelError(f"{self.model_type} has one attention_bias flag for q/k/v/o; "
                                  f"got qkv={self.qkv_bias} o={self.o_bias}")
             hf["attention_bias"] = self.qkv_bias
-        if self.model_type in ("llama", "mistral"):
+        if self.model_type in ("llama", "mistral", "granite"):
             hf["mlp_bias"] = self.mlp_bias
+        hf.update(self._family_to_hf(rope_parameters))
         if self.model_type in ("mistral", "mixtral") or self.sliding_window:
             hf["sliding_window"] = self.sliding_window
         if self.model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
             hf["use_sliding_window"] = self.sliding_window is not None
+        return hf
+
+    def _family_to_hf(self, rope_parameters: dict[str, Any]) -> dict[str, Any]:
+        """The keys of Phi-3's, OLMo 2's and Granite's config.json beyond Llama's; the flags another family's
+        config.json cannot say are refused rather than dropped."""
+        kind, hf = self.model_type, {}
+        own = {"fused_qkv": kind == "phi3", "fused_gate_up": kind == "phi3", "post_norm": kind == "olmo2"}
+        wrong = [name for name, value in own.items() if getattr(self, name) != value]
+        if kind != "granite" and (self.embedding_multiplier != 1 or self.residual_multiplier != 1
+                                  or self.attention_multiplier is not None or self.logits_scaling != 1):
+            wrong.append("Granite's multipliers")
+        if kind != "phi3" and self.partial_rotary_factor != 1:
+            wrong.append("partial_rotary_factor")
+        if wrong:
+            raise ModelError(f"{kind} checkpoints cannot hold {', '.join(wrong)} as set")
+        if kind == "phi3":
+            hf["partial_rotary_factor"] = rope_parameters["partial_rotary_factor"] = self.partial_rotary_factor
+            if "original_max_position_embeddings" in rope_parameters:
+                hf["original_max_position_embeddings"] = rope_parameters["original_max_position_embeddings"]
+        if kind == "granite":
+            assert self.head_dim is not None  # __post_init__ filled it in
+            hf.update(embedding_multiplier=self.embedding_multiplier, residual_multiplier=self.residual_multiplier,
+                      attention_multiplier=(self.head_dim ** -0.5 if self.attention_multiplier is None
+                                            else self.attention_multiplier),
+                      logits_scaling=self.logits_scaling)
         return hf
 
     def _moe_to_hf(self) -> dict[str, Any]:
@@ -460,6 +515,9 @@ def _check_rope_scaling(scaling: dict[str, Any], source: str) -> None:
         raise ModelError(
             f"{source}: rope scaling {kind!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
         )
+    if kind == "longrope":
+        check_longrope(scaling, source)
+        return
     keys = {"linear": ("factor",),
             "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}[kind]
     read = _Reader(scaling, source, "rope_scaling.")
@@ -468,6 +526,47 @@ def _check_rope_scaling(scaling: dict[str, Any], source: str) -> None:
     if kind == "llama3" and scaling["low_freq_factor"] == scaling["high_freq_factor"]:
         raise ModelError(f"{source}: 'rope_scaling.low_freq_factor' and 'high_freq_factor' must differ "
                          f"(both {scaling['low_freq_factor']})")
+
+
+# Phi-3 / Phi-4, OLMo 2 and Granite
+_FAMILY_KEYS = ("original_max_position_embeddings", "partial_rotary_factor", "embedding_multiplier",
+                "residual_multiplier", "attention_multiplier", "logits_scaling")
+
+
+def _partial_rotary_factor(hf: dict[str, Any], scaling: dict[str, Any], source: str) -> float:
+    """The share of each head RoPE turns (Phi-3 keeps it in rope_parameters, older files at the top level);
+    taken out of ``scaling`` so a default RoPE stays unscaled."""
+    where = scaling if "partial_rotary_factor" in scaling else hf
+    prefix = "rope_parameters." if where is scaling else ""
+    factor = 1.0
+    if where.get("partial_rotary_factor") is not None:
+        factor = _Reader(where, source, prefix).number("partial_rotary_factor", positive=True)
+    scaling.pop("partial_rotary_factor", None)
+    return factor
+
+
+def _phi3_rope(hf: dict[str, Any], scaling: dict[str, Any]) -> None:
+    """Phi-3's RoPE keys as transformers reads them: old names of longrope ("su", "yarn") and the
+    pre-training context at the top level of config.json."""
+    if scaling.get("rope_type") in ("su", "yarn"):
+        scaling["rope_type"] = "longrope"
+    if scaling.get("rope_type") == "longrope" and "original_max_position_embeddings" not in scaling:
+        scaling["original_max_position_embeddings"] = hf.get("original_max_position_embeddings", 4096)
+
+
+def _family_flags(model_type: str, read: _Reader) -> dict[str, Any]:
+    """ModelConfig's flags of Phi-3 / Phi-4 (fused projections), OLMo 2 (post-norm) and Granite (multipliers)."""
+    if model_type == "phi3":
+        return {"fused_qkv": True, "fused_gate_up": True}
+    if model_type == "olmo2":
+        return {"post_norm": True}
+    if model_type != "granite":
+        return {}
+    flags: dict[str, Any] = {key: read.number(key, default=1.0, positive=True)
+                             for key in ("embedding_multiplier", "residual_multiplier", "logits_scaling")}
+    if read.data.get("attention_multiplier") is not None:
+        flags["attention_multiplier"] = read.number("attention_multiplier", positive=True)
+    return flags
 
 
 _MOE_KEYS = ("num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
@@ -533,12 +632,14 @@ def _routing_from_hf(model_type: str, hf: dict[str, Any], moe: dict[str, Any], s
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     """Inverse RoPE frequencies [head_dim/2], with linear or llama3 scaling applied."""
-    dim = config.head_dim
-    assert dim is not None  # ModelConfig.__post_init__ filled it in
+    assert config.head_dim is not None  # ModelConfig.__post_init__ filled it in
+    dim = int(config.head_dim * config.partial_rotary_factor)  # the rotated dims (Phi-3's partial rotary)
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     scaling = config.rope_scaling or {}
     kind = scaling.get("rope_type", "default")
-    if kind == "linear":
+    if kind == "longrope":  # the short-context frequencies; Transformer.rope picks the long ones past the context
+        inv_freq = longrope_inv_freq(config, long=False)
+    elif kind == "linear":
         inv_freq = inv_freq / float(scaling["factor"])
     elif kind == "llama3":
         # Llama 3.1: low frequencies are slowed by `factor`, high ones kept,

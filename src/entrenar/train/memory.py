@@ -28,7 +28,10 @@ from entrenar.models.config import ModelConfig
 from entrenar.models.transformer import checkpointed_layer_indices, offloaded_layer_indices
 
 GiB = 2**30
-LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# The projections of a layer, by any family's names (Phi-3 fuses q/k/v into qkv_proj and gate/up into gate_up_proj).
+LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj",
+                "gate_up_proj")
+_MLP_NAMES = ("gate_proj", "up_proj", "down_proj", "gate_up_proj")
 # Resident memory of a process that has imported torch (2.13, CPU build) and entrenar, before any model: measured
 # 0.30 GiB (docs/PERFORMANCE.md, "CPU memory").
 CPU_RUNTIME_BYTES = 0.30 * GiB
@@ -62,26 +65,26 @@ class MemoryEstimate:
 
 
 def linear_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
-    """(in_features, out_features) of each projection of one layer."""
+    """(in_features, out_features) of each projection of one layer (Phi-3's fused ones under their names)."""
     h, i, d = config.hidden_size, config.intermediate_size, config.head_dim
     assert d is not None  # ModelConfig derives it when config.json has none
     q, kv = config.num_heads * d, config.num_kv_heads * d
-    return {
-        "q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-        "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h),
-    }
+    attention = {"qkv_proj": (h, q + 2 * kv)} if config.fused_qkv else {
+        "q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv)}
+    mlp = {"gate_up_proj": (h, 2 * i)} if config.fused_gate_up else {"gate_proj": (h, i), "up_proj": (h, i)}
+    return {**attention, "o_proj": (q, h), **mlp, "down_proj": (i, h)}
 
 
 def lora_params(config: ModelConfig, r: int, targets: list[str] | str, target_parameters: Sequence[str] = ()) -> int:
     """Adapter parameters: r * (in + out) for every targeted projection of every layer. In an MoE layer the
     MLP projections are its shared expert's (none without one); ``target_parameters`` (``gate_up_proj``,
     ``down_proj``) add one adapter per expert of every MoE layer."""
-    names = LINEAR_NAMES if targets == "all-linear" else list(targets)
-    unknown = [n for n in names if n not in LINEAR_NAMES]
+    dense = linear_shapes(config)
+    names = list(dense) if targets == "all-linear" else list(targets)
+    unknown = [n for n in names if n not in dense]
     if unknown:
         raise ConfigError(f"LoRA targets {unknown} are not projections of this model "
-                          f"(known: {', '.join(LINEAR_NAMES)})")
-    dense = linear_shapes(config)
+                          f"(known: {', '.join(dense)})")
     shared = linear_shapes(config.replace(intermediate_size=max(1, config.shared_expert_intermediate_size)))
     total = 0
     for layer in range(config.num_layers):
@@ -107,8 +110,7 @@ def lora_params(config: ModelConfig, r: int, targets: list[str] | str, target_pa
 def quantizable_params(config: ModelConfig) -> int:
     """Weights NF4 replaces in a QLoRA base: attention and dense MLP projections, MoE layers' experts, shared
     experts and shared-expert gates. Routers stay in the compute dtype."""
-    attention = sum(a * b for n, (a, b) in linear_shapes(config).items()
-                    if n.endswith(("q_proj", "k_proj", "v_proj", "o_proj")))
+    attention = sum(a * b for n, (a, b) in linear_shapes(config).items() if n not in _MLP_NAMES)
     h = config.hidden_size
     total = config.num_layers * attention
     for layer in range(config.num_layers):
@@ -312,7 +314,7 @@ def _add_cpu_terms(e: MemoryEstimate, config: ModelConfig, method: str, tokens: 
         linear = 0 if method == "qlora" else config.num_layers * sum(a * b for a, b in shapes.values())
         e.casts = (linear + head) * dtype_bytes
     if method != "full" and not kernels:
-        names = LINEAR_NAMES if targets == "all-linear" else [n for n in targets if n in LINEAR_NAMES]
+        names = list(shapes) if targets == "all-linear" else [n for n in targets if n in shapes]
         widths = config.num_layers * sum(shapes[n][0] for n in names)
         # fp32 adapters under autocast: lora_A gets its own bf16 copy of the projection's input. Dropout on the CPU
         # multiplies by a noise tensor of the fp32 adapter input's dtype and keeps it for backward (not a bool mask).

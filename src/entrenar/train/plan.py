@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from entrenar.adapters.lora import family_targets
 from entrenar.config import Recipe
 from entrenar.config.recipe import GPU_ONLY
 from entrenar.data.batching import check_seq_len
@@ -34,6 +35,7 @@ from entrenar.distributed.steps import accumulation as micro_batches_per_rank
 from entrenar.distributed.world import World
 from entrenar.errors import ConfigError
 from entrenar.kernels import triton_available
+from entrenar.kernels.coverage import family_notes
 from entrenar.kernels.fused_linear_ce import FUSED_LOSS_CHUNK
 from entrenar.loading import recipe_model_config
 from entrenar.models.config import ModelConfig
@@ -346,7 +348,8 @@ def _decide(recipe: Recipe, device: torch.device, mode: str, config: ModelConfig
         raise ConfigError("training.adapter_math: bf16 adapter products run in the fused LoRA layer, and this run "
                           "has no kernels (training.kernels: true, or auto on a CPU or on a CUDA device with Triton)")
     reasons.append(("training.kernels", _auto(t.kernels, kernels, "a CPU (their PyTorch paths) or CUDA with "
-                                                                  "Triton, without FSDP")))
+                                                                  "Triton, without FSDP")
+                    + "".join(f"; {note}" for note in (family_notes(config) if kernels else []))))
 
     # The NF4 base streams from pinned CPU memory a block ahead: QLoRA Llama-8B shape 12.06k against 12.16k
     # tokens/s at 3.27 against 6.41 GiB (H100, docs/PERFORMANCE.md). NF4 experts load outside the stream.
@@ -409,10 +412,11 @@ def _estimate(recipe: Recipe, config: ModelConfig, device: torch.device, method:
     """The training memory of one process (:mod:`entrenar.train.memory`) with this plan's settings."""
     t, lora = recipe.training, recipe.lora
     targets: str | list[str] = "all-linear"
-    if lora is not None and not isinstance(lora.target_modules, str):
-        targets = sorted(set(lora.target_modules) & set(LINEAR_NAMES))
-    elif lora is not None and lora.target_modules != "all-linear":
-        targets = [name for name in LINEAR_NAMES if name in lora.target_modules]  # a regex: the names it spells
+    chosen = family_targets(lora.target_modules, config.fused_qkv) if lora is not None else "all-linear"
+    if not isinstance(chosen, str):
+        targets = sorted(set(chosen) & set(LINEAR_NAMES))
+    elif chosen != "all-linear":
+        targets = [name for name in LINEAR_NAMES if name in chosen]  # a regex: the names it spells
     head_is_plain = recipe.task.type == "causal_lm" and (lora is None or "lm_head" not in lora.target_modules)
     return estimate_training_memory(
         config, method, t.batch_size, recipe.data.seq_len, dtype_bytes=2 if t.precision != "fp32" else 4,
