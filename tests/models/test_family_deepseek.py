@@ -63,3 +63,109 @@ def test_logits_of_padded_batches_match_transformers(deepseek_folder, variant):
         ours = model(ids)
     torch.testing.assert_close(ours[0], expected[0], atol=1e-4, rtol=0)
     torch.testing.assert_close(ours[1, :13], expected[1, :13], atol=1e-4, rtol=0)
+
+
+def test_loss_gradients_match_transformers(deepseek_folder):
+    from models.test_parity import shifted_ce
+
+    folder, ref = deepseek_folder()
+    model = load_hf(folder)
+    torch.manual_seed(2)
+    ids = torch.randint(3, 128, (2, 16))
+    ref_out = ref(ids, labels=ids)
+    loss = shifted_ce(model(ids), ids)
+    torch.testing.assert_close(loss, ref_out.loss, atol=1e-5, rtol=0)
+    ref_out.loss.backward()
+    loss.backward()
+    ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+    ours = dict(model.named_parameters())
+    assert set(ours) == set(ref_grads)  # transformers' module names
+    for name, p in ours.items():
+        torch.testing.assert_close(p.grad, ref_grads[name], atol=1e-5, rtol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_save_round_trip_in_the_checkpoint_layout(deepseek_folder, tmp_path):
+    import json
+
+    import transformers
+    from safetensors import safe_open
+
+    from entrenar.models.hf import save_hf
+
+    folder, ref = deepseek_folder(q_lora_rank=None)
+    out = save_hf(load_hf(folder), tmp_path / "saved")
+    with safe_open(str(folder / "model.safetensors"), "pt") as a, safe_open(str(out / "model.safetensors"), "pt") as b:
+        assert sorted(a.keys()) == sorted(b.keys())
+        for key in a.keys():
+            torch.testing.assert_close(a.get_tensor(key), b.get_tensor(key), atol=0, rtol=0, msg=key)
+    saved, original = json.loads((out / "config.json").read_text()), json.loads((folder / "config.json").read_text())
+    for key in ("kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "n_group",
+                "topk_group", "routed_scaling_factor", "n_shared_experts", "n_routed_experts", "first_k_dense_replace",
+                "moe_intermediate_size", "rope_interleave", "norm_topk_prob"):
+        assert saved[key] == original[key], key
+    back = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    ids = torch.randint(3, 128, (1, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(back(ids).logits, ref(ids).logits, atol=1e-5, rtol=0)
+
+
+def test_padding_free_rows_equal_each_document_alone(deepseek_folder):
+    """Documents end to end in one row with cu_seqlens, in fp32 and in bf16 on the CPU (its explicit products,
+    where values are narrower than queries), against each document run alone."""
+    folder, _ = deepseek_folder()
+    lengths = [7, 12, 5]
+    torch.manual_seed(3)
+    docs = [torch.randint(3, 128, (1, n)) for n in lengths]
+    row = torch.cat(docs, dim=1)
+    cu = torch.tensor([0, 7, 19, 24], dtype=torch.int32)
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    for dtype, atol in ((torch.float32, 1e-5), (torch.bfloat16, 3e-2)):
+        model = load_hf(folder, dtype=dtype).eval()
+        with torch.no_grad():
+            packed = model(row, position_ids=positions, cu_seqlens=cu)
+            alone = torch.cat([model(d) for d in docs], dim=1)
+        torch.testing.assert_close(packed.float(), alone.float(), atol=atol, rtol=0)
+
+
+def test_cached_generation_equals_the_full_forward(deepseek_folder):
+    from entrenar.models.transformer import KVCache
+
+    folder, ref = deepseek_folder()
+    model = load_hf(folder).eval()
+    ids = torch.randint(3, 128, (2, 10))
+    with torch.no_grad():
+        full = model(ids)
+        cache = KVCache(model.config.num_layers)
+        steps = [model(ids[:, :6], cache=cache)] + [model(ids[:, i:i + 1], cache=cache) for i in range(6, 10)]
+        torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=0)
+        assert cache.keys[0].shape[-1] == 16  # the latent is cached, not the expanded keys
+        generated = ref.generate(ids[:1, :5], max_new_tokens=4, do_sample=False)
+    from entrenar.generation.sampling import generate
+
+    assert generate(model, ids[0, :5].tolist(), max_new_tokens=4) == generated[0, 5:].tolist()
+
+
+def test_varlen_kernel_gets_values_padded_to_the_query_head_size(monkeypatch):
+    """FlashAttention's variable-length kernel takes one head size: MLA's narrower values are zero-padded for it
+    and the output cut back (a stand-in kernel here, which refuses unequal sizes as FlashAttention does)."""
+    import torch.nn.functional as F
+
+    from entrenar.models import padding_free
+
+    def fake_varlen(q, k, v, cu_q, cu_k, max_q, max_k, **kwargs):
+        assert q.shape[-1] == k.shape[-1] == v.shape[-1], "FlashAttention needs one head size"
+        bounds = cu_q.tolist()
+        return torch.cat([F.scaled_dot_product_attention(*(x[s:e].transpose(0, 1) for x in (q, k, v)),
+                                                         is_causal=True).transpose(0, 1)
+                          for s, e in zip(bounds[:-1], bounds[1:])])
+
+    monkeypatch.setattr(padding_free, "_varlen_attn", fake_varlen)
+    monkeypatch.setattr(padding_free, "_varlen_fits", lambda *args: True)
+    torch.manual_seed(4)
+    q, k = torch.randn(1, 4, 11, 24), torch.randn(1, 4, 11, 24)
+    v = torch.randn(1, 4, 11, 12)
+    documents = padding_free.Documents(torch.tensor([0, 5, 11], dtype=torch.int32), 6)
+    out = padding_free.documents_attention(q, k, v, documents)
+    monkeypatch.undo()
+    torch.testing.assert_close(out, padding_free.documents_attention(q, k, v, documents), atol=1e-6, rtol=0)
+    assert out.shape == (1, 11, 4, 12)
