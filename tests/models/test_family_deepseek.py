@@ -169,3 +169,49 @@ def test_varlen_kernel_gets_values_padded_to_the_query_head_size(monkeypatch):
     monkeypatch.undo()
     torch.testing.assert_close(out, padding_free.documents_attention(q, k, v, documents), atol=1e-6, rtol=0)
     assert out.shape == (1, 11, 4, 12)
+
+
+MLA_TARGETS = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
+
+
+def test_lora_on_the_latent_projections_against_peft(deepseek_folder, tmp_path):
+    """PEFT's adapter on the MLA projections (by their real names) loads in entrenar; one training step's adapter
+    gradients equal PEFT's; entrenar's saved adapter loads in peft with equal logits."""
+    import peft
+
+    from entrenar.adapters.lora import load_adapter, lora_layers, save_adapter
+    from models.test_parity import shifted_ce
+
+    folder, ref = deepseek_folder()
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=MLA_TARGETS, lora_dropout=0.0, task_type="CAUSAL_LM")
+    theirs = peft.get_peft_model(ref, config)
+    generator = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, p in theirs.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=generator) * 0.1)
+    theirs.save_pretrained(tmp_path / "peft")
+    ours = load_hf(folder)
+    cfg = load_adapter(ours, tmp_path / "peft")
+    adapted = {name.rsplit(".", 1)[-1] for name, _ in lora_layers(ours)}
+    assert adapted == set(MLA_TARGETS)
+    ids = torch.randint(3, 128, (2, 14))
+    theirs.train()
+    ours.train()
+    ref_loss = theirs(input_ids=ids, labels=ids).loss
+    loss = shifted_ce(ours(ids), ids)
+    torch.testing.assert_close(loss, ref_loss, atol=1e-5, rtol=0)
+    ref_loss.backward()
+    loss.backward()
+    ref_grads = {n.removeprefix("base_model.model.").replace(".default", ""): p.grad
+                 for n, p in theirs.named_parameters() if "lora_" in n}
+    our_grads = {n: p.grad for n, p in ours.named_parameters() if "lora_" in n}
+    assert set(our_grads) == set(ref_grads) and len(our_grads) == 2 * len(MLA_TARGETS) * 3
+    for name, grad in our_grads.items():
+        torch.testing.assert_close(grad, ref_grads[name], atol=1e-5, rtol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
+
+    save_adapter(ours, tmp_path / "ours", cfg)
+    back = peft.PeftModel.from_pretrained(make_deepseek(), tmp_path / "ours").eval()
+    ours.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(back(input_ids=ids).logits, ours(ids), atol=1e-5, rtol=0)
