@@ -215,3 +215,46 @@ def test_lora_on_the_latent_projections_against_peft(deepseek_folder, tmp_path):
     ours.eval()
     with torch.no_grad():
         torch.testing.assert_close(back(input_ids=ids).logits, ours(ids), atol=1e-5, rtol=0)
+
+
+def test_qlora_nf4_base_loads_and_trains_through_the_latent_projections(deepseek_folder):
+    """The NF4 base streams in (every MLA projection and expert stack quantized, as quantizing after load does);
+    adapters on the MLA projections get the gradients they get on the dequantized base."""
+    import copy
+
+    from torch import nn
+
+    from entrenar.adapters.lora import LoraConfig, apply_lora, lora_parameters
+    from entrenar.models.surgery import replace_module
+    from entrenar.quant.nf4.format import NF4Linear, quantize_model_nf4
+    from entrenar.quant.nf4.sinks import nf4_sinks
+
+    folder, _ = deepseek_folder()
+    qlora = load_hf(folder, sinks=nf4_sinks)
+    reference = load_hf(folder)
+    quantize_model_nf4(reference)
+    attention = qlora.model.layers[1].self_attn
+    assert all(isinstance(getattr(attention, n), NF4Linear) for n in MLA_TARGETS)
+    assert type(qlora.model.layers[1].mlp.experts).__name__ == "NF4Experts"
+    for layer, ref_layer in zip(qlora.model.layers, reference.model.layers):
+        ours, theirs = layer.self_attn.state_dict(), ref_layer.self_attn.state_dict()
+        assert ours.keys() == theirs.keys()
+        for name in ours:
+            assert torch.equal(ours[name], theirs[name]), name
+    dequantized = copy.deepcopy(qlora)
+    for name, module in list(dequantized.named_modules()):
+        if isinstance(module, NF4Linear):
+            replace_module(dequantized, name, module.to_linear())
+    ids = torch.randint(3, 128, (2, 12))
+    grads = []
+    for model in (qlora, dequantized):
+        torch.manual_seed(3)
+        apply_lora(model, LoraConfig(r=4, alpha=8, target_modules=MLA_TARGETS))
+        for p in lora_parameters(model):
+            if p.abs().sum() == 0:
+                nn.init.normal_(p, std=0.05)
+        model(ids).float().logsumexp(-1).mean().backward()
+        grads.append({n: p.grad for n, p in model.named_parameters() if p.requires_grad})
+    assert grads[0].keys() == grads[1].keys() and len(grads[0]) == 2 * 5 * 3
+    for name in grads[0]:
+        torch.testing.assert_close(grads[0][name], grads[1][name], atol=1e-5, rtol=1e-4)
