@@ -258,3 +258,36 @@ def test_qlora_nf4_base_loads_and_trains_through_the_latent_projections(deepseek
     assert grads[0].keys() == grads[1].keys() and len(grads[0]) == 2 * 5 * 3
     for name in grads[0]:
         torch.testing.assert_close(grads[0][name], grads[1][name], atol=1e-5, rtol=1e-4)
+
+
+def test_estimates_count_mla_parameters_and_saved_activations(deepseek_folder):
+    """``inspect``'s numbers: the parameter count equals transformers' model's; the activations MLA saves for
+    backward (measured through autograd's saved-tensor hooks); the LoRA and NF4 counts equal the modules'. equal the estimate, with and without the low-rank
+    query. The CPU's SDPA keeps its [T, T] probabilities where memory-efficient attention keeps a log-sum-exp:
+    that one term is swapped."""
+    from entrenar.adapters.lora import LoraConfig, apply_lora, lora_parameters
+    from entrenar.train.memory import lora_params, mla_activation_bytes, quantizable_params
+
+    for q_lora_rank in (24, None):
+        folder, ref = deepseek_folder(q_lora_rank=q_lora_rank)
+        model = load_hf(folder)
+        config = model.config
+        assert config.num_parameters == sum(p.numel() for p in ref.parameters())
+        adapted = load_hf(folder)
+        apply_lora(adapted, LoraConfig(r=4, alpha=8, target_modules="all-linear"))
+        assert lora_params(config, 4, "all-linear") == sum(p.numel() for p in lora_parameters(adapted))
+        assert quantizable_params(config) == sum(  # every matrix but the embeddings, head and routers
+            p.numel() for n, p in ref.named_parameters()
+            if p.dim() > 1 and not n.endswith(("embed_tokens.weight", "lm_head.weight", "gate.weight")))
+        t = 32
+        x = torch.randn(1, t, config.hidden_size, requires_grad=True)
+        cos, sin = model.rope(torch.arange(t)[None], x.dtype)
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda s: saved.append(s) or s, lambda s: s):
+            model.model.layers[0].self_attn(x, cos, sin, None)
+        skip = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        skip |= {s.untyped_storage().data_ptr() for s in (x, cos, sin)}
+        storages = {s.untyped_storage().data_ptr(): s.untyped_storage().nbytes() for s in saved
+                    if s.untyped_storage().data_ptr() not in skip and s.shape[-2:] != (t, t)}
+        assert sum(storages.values()) / t == mla_activation_bytes(config, 4) - config.num_heads * 4
+

@@ -39,7 +39,7 @@ from entrenar.loading import recipe_model_config
 from entrenar.models.config import ModelConfig
 from entrenar.models.padding_free import rows_by_document
 from entrenar.models.transformer import checkpointed_layer_indices, offloaded_layer_indices
-from entrenar.train.memory import LINEAR_NAMES, GiB, MemoryEstimate, estimate_training_memory
+from entrenar.train.memory import PROJECTION_NAMES, GiB, MemoryEstimate, estimate_training_memory
 from entrenar.train.optim import use_fused
 
 # Fraction of device memory a replica may take for `parallel: auto` to pick DDP (the rest: allocator slack).
@@ -410,9 +410,9 @@ def _estimate(recipe: Recipe, config: ModelConfig, device: torch.device, method:
     t, lora = recipe.training, recipe.lora
     targets: str | list[str] = "all-linear"
     if lora is not None and not isinstance(lora.target_modules, str):
-        targets = sorted(set(lora.target_modules) & set(LINEAR_NAMES))
+        targets = sorted(set(lora.target_modules) & set(PROJECTION_NAMES))
     elif lora is not None and lora.target_modules != "all-linear":
-        targets = [name for name in LINEAR_NAMES if name in lora.target_modules]  # a regex: the names it spells
+        targets = [name for name in PROJECTION_NAMES if name in lora.target_modules]  # a regex: the names it spells
     head_is_plain = recipe.task.type == "causal_lm" and (lora is None or "lm_head" not in lora.target_modules)
     return estimate_training_memory(
         config, method, t.batch_size, recipe.data.seq_len, dtype_bytes=2 if t.precision != "fp32" else 4,
