@@ -291,3 +291,41 @@ def test_estimates_count_mla_parameters_and_saved_activations(deepseek_folder):
                     if s.untyped_storage().data_ptr() not in skip and s.shape[-2:] != (t, t)}
         assert sum(storages.values()) / t == mla_activation_bytes(config, 4) - config.num_heads * 4
 
+
+
+def test_kernels_leave_mla_blocks_plain_and_the_plan_says_so(deepseek_folder, workspace):
+    """The fused kernels keep the model's numbers (MLA blocks are not given the norm-inside-LoRA fused block,
+    whose forward calls q/k/v projections MLA has not), and the plan's reason for training.kernels names what
+    they leave to PyTorch."""
+    from tests.train.test_loop import recipe_for
+
+    from entrenar.adapters.lora import LoraConfig, apply_lora, lora_parameters
+    from entrenar.distributed.world import World
+    from entrenar.kernels import apply_kernels
+    from entrenar.models.hf import read_config
+    from entrenar.models.transformer import Block
+    from entrenar.train.plan import plan_run
+
+    folder, _ = deepseek_folder()
+    ids = torch.randint(3, 128, (2, 12))
+    results = []
+    for kernels in (False, True):
+        model = load_hf(folder)
+        torch.manual_seed(0)
+        apply_lora(model, LoraConfig(r=4, alpha=8, target_modules="all-linear"))
+        for p in lora_parameters(model):
+            torch.nn.init.normal_(p, std=0.05)
+        if kernels:
+            apply_kernels(model)
+            assert all(type(layer) is Block for layer in model.model.layers)
+        logits = model(ids)
+        logits.float().logsumexp(-1).mean().backward()
+        results.append((logits.detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}))
+    torch.testing.assert_close(results[1][0], results[0][0], atol=1e-5, rtol=0)
+    for name, grad in results[0][1].items():
+        torch.testing.assert_close(results[1][1][name], grad, atol=1e-5, rtol=1e-4)
+
+    plan = plan_run(recipe_for(workspace), torch.device("cpu"), World(), read_config(folder), triton=True,
+                    device_memory=80 * 2**30, available=(64 * 2**30, "the tests' machine"))
+    reason = dict(plan.reasons)["training.kernels"]
+    assert plan.kernels and "multi-head latent attention runs its PyTorch path" in reason

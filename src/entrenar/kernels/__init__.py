@@ -71,8 +71,9 @@ def apply_kernels(
     changed = []
     for name, module in model.named_modules():
         fused = by_class.get(type(module))
-        if fused is FusedBlock and isinstance(module.mlp, MoeBlock):
-            fused = None  # the fused block runs a dense MLP's projections; an MoE layer keeps its own forward
+        if fused is FusedBlock and (isinstance(module.mlp, MoeBlock) or not isinstance(module.self_attn, Attention)):
+            # the fused block runs a dense MLP's and q/k/v's projections; an MoE or MLA layer keeps its own forward
+            fused = None
         if fused is not None:
             module.__class__ = fused
             changed.append(name)

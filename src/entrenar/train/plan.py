@@ -101,7 +101,8 @@ class RunPlan:
         recipe, config = self._recipe, self._config
         assert recipe is not None and config is not None and config.head_dim is not None  # set by ModelConfig
         by_document = task == "causal_lm" and rows_by_document(
-            config.head_dim, self.device, self.compute_dtype, config.sliding_window, compiled=self.compile,
+            config.qk_head_dim if config.is_mla else config.head_dim, self.device, self.compute_dtype,
+            config.sliding_window, compiled=self.compile,
             document_work=config.hidden_size * mean_example_tokens)
         setting = recipe.data.padding_free
         flat = setting if isinstance(setting, bool) else self.device.type == "cpu" and by_document
@@ -346,7 +347,7 @@ def _decide(recipe: Recipe, device: torch.device, mode: str, config: ModelConfig
         raise ConfigError("training.adapter_math: bf16 adapter products run in the fused LoRA layer, and this run "
                           "has no kernels (training.kernels: true, or auto on a CPU or on a CUDA device with Triton)")
     reasons.append(("training.kernels", _auto(t.kernels, kernels, "a CPU (their PyTorch paths) or CUDA with "
-                                                                  "Triton, without FSDP")))
+                                                                  "Triton, without FSDP") + _mla_kernels(config, kernels)))
 
     # The NF4 base streams from pinned CPU memory a block ahead: QLoRA Llama-8B shape 12.06k against 12.16k
     # tokens/s at 3.27 against 6.41 GiB (H100, docs/PERFORMANCE.md). NF4 experts load outside the stream.
@@ -456,6 +457,14 @@ def _mode_reason(parallel: str, mode: str, world: World, replica_bytes: float) -
     if parallel != "auto":
         return f"{mode} (as set)"
     return f"{mode} (auto: a replica needs {replica_bytes / 2**30:.2f} GiB)"
+
+
+def _mla_kernels(config: ModelConfig, kernels: bool) -> str:
+    """What the kernels leave to PyTorch in a model with multi-head latent attention (DeepSeek-V3)."""
+    if not (kernels and config.is_mla):
+        return ""
+    return ("; multi-head latent attention runs its PyTorch path: the RoPE kernel and the norm-inside-LoRA block "
+            "fusion do not cover it (RMSNorm, SwiGLU, LoRA, MoE routing and the fused loss do)")
 
 
 def _auto(setting: Any, value: bool, rule: str) -> str:
