@@ -329,3 +329,108 @@ def test_kernels_leave_mla_blocks_plain_and_the_plan_says_so(deepseek_folder, wo
                     device_memory=80 * 2**30, available=(64 * 2**30, "the tests' machine"))
     reason = dict(plan.reasons)["training.kernels"]
     assert plan.kernels and "multi-head latent attention runs its PyTorch path" in reason
+
+
+def write_deepseek_gguf(path, model, vocab, split_kv_b: bool = True, gating: int | None = 2, skip=()):
+    """A transformers DeepSeek-V3 model as llama.cpp's convert_hf_to_gguf.py (DeepseekV2Model) writes it: MLA as
+    MQA metadata, kv_b_proj split into attn_k_b (transposed per head) and attn_v_b (or kept whole, as older
+    converters did), experts stacked, the correction bias as exp_probs_b.bias; names from gguf's own map."""
+    import gguf
+
+    c = model.config
+    arch = gguf.MODEL_ARCH.DEEPSEEK2
+    w = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[arch])
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(1)
+    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_expert_count(c.n_routed_experts)
+    w.add_expert_used_count(c.num_experts_per_tok)
+    w.add_expert_group_count(c.n_group)
+    w.add_expert_group_used_count(c.topk_group)
+    if gating is not None:
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType(gating))
+    w.add_leading_dense_block_count(c.first_k_dense_replace)
+    w.add_vocab_size(c.vocab_size)
+    if c.q_lora_rank is not None:
+        w.add_q_lora_rank(c.q_lora_rank)
+    w.add_kv_lora_rank(c.kv_lora_rank)
+    w.add_key_length(c.kv_lora_rank + c.qk_rope_head_dim)
+    w.add_value_length(c.kv_lora_rank)
+    w.add_key_length_mla(c.qk_nope_head_dim + c.qk_rope_head_dim)
+    w.add_value_length_mla(c.v_head_dim)
+    w.add_expert_feed_forward_length(c.moe_intermediate_size)
+    w.add_expert_shared_count(c.n_shared_experts)
+    w.add_expert_weights_scale(c.routed_scaling_factor)
+    if c.norm_topk_prob:
+        w.add_expert_weights_norm(True)
+    w.add_rope_dimension_count(c.qk_rope_head_dim)
+    w.add_tokenizer_model(vocab["model"])
+    w.add_tokenizer_pre("smollm")
+    w.add_token_list(vocab["tokens"])
+    w.add_token_types(vocab["types"])
+    w.add_token_merges(vocab["merges"])
+    names = gguf.get_tensor_name_map(arch, c.num_hidden_layers)
+    for name, t in model.state_dict().items():
+        data = t.detach().float()
+        layer = name.split(".")[2] if name.startswith("model.layers.") else None
+        pieces = {name: data}
+        if name.endswith("mlp.experts.gate_up_proj"):
+            gate, up = data.chunk(2, dim=1)
+            pieces = {name.replace("gate_up_proj", "gate_proj.weight"): gate,
+                      name.replace("gate_up_proj", "up_proj.weight"): up}
+        elif name.endswith("mlp.experts.down_proj"):
+            pieces = {name + ".weight": data}
+        elif name.endswith("e_score_correction_bias"):
+            pieces = {name.replace("e_score_correction_bias", "e_score_correction.bias"): data}
+        elif name.endswith("kv_b_proj.weight") and split_kv_b:
+            kv_b = data.view(c.num_attention_heads, c.qk_nope_head_dim + c.v_head_dim, -1)
+            k_b, v_b = kv_b.split([c.qk_nope_head_dim, c.v_head_dim], dim=1)
+            pieces = {f"model.layers.{layer}.self_attn.k_b_proj.weight": k_b.transpose(1, 2),
+                      f"model.layers.{layer}.self_attn.v_b_proj.weight": v_b}
+        for hf_name, tensor in pieces.items():
+            gguf_name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+            assert gguf_name is not None, hf_name
+            if gguf_name not in skip:
+                w.add_tensor(gguf_name, tensor.contiguous().numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.mark.parametrize("split_kv_b", [True, False], ids=["k_b-v_b", "kv_b"])
+def test_gguf_as_llama_cpp_writes_it_loads_with_transformers_logits(tmp_path, split_kv_b):
+    import entrenar
+    from gguf_fixtures import byte_level_vocab, train_byte_level_tokenizer
+
+    tokenizer = train_byte_level_tokenizer("smollm", vocab_size=300)
+    vocab_size = tokenizer.get_vocab_size()
+    ref = make_deepseek(vocab_size=vocab_size, q_lora_rank=None if split_kv_b else 24)
+    path = write_deepseek_gguf(tmp_path / "ds.gguf", ref, byte_level_vocab(tokenizer, vocab_size), split_kv_b)
+    model, _ = entrenar.load(str(path))
+    assert model.config.model_type == "deepseek_v3" and model.config.rope_interleave
+    ids = torch.randint(0, vocab_size, (2, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids), ref(ids).logits, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(gating=None), r"expert_gating_func is None: only DeepSeek-V3's sigmoid"),
+    (dict(skip=("blk.1.attn_v_b.weight",)), r"blk\.1\.attn_v_b\.weight"),
+])
+def test_bad_deepseek_gguf_is_refused_naming_what(tmp_path, change, message):
+    from entrenar.errors import ModelError
+    from entrenar.models.gguf import read_gguf
+    from gguf_fixtures import byte_level_vocab, train_byte_level_tokenizer
+
+    tokenizer = train_byte_level_tokenizer("smollm", vocab_size=300)
+    ref = make_deepseek(vocab_size=tokenizer.get_vocab_size())
+    path = write_deepseek_gguf(tmp_path / "ds.gguf", ref, byte_level_vocab(tokenizer, ref.config.vocab_size), **change)
+    with pytest.raises(ModelError, match=message):
+        read_gguf(path)
