@@ -434,3 +434,69 @@ def test_bad_deepseek_gguf_is_refused_naming_what(tmp_path, change, message):
     path = write_deepseek_gguf(tmp_path / "ds.gguf", ref, byte_level_vocab(tokenizer, ref.config.vocab_size), **change)
     with pytest.raises(ModelError, match=message):
         read_gguf(path)
+
+
+def test_sigmoid_balance_loss_is_deepseek_v3s_complementary_loss():
+    """With sigmoid routing the Switch-style loss reads each token's normalised sigmoid scores, as DeepSeek-V3's
+    complementary balance loss does (eq. 17-20: f_i = E / (k T) * count_i, P_i = mean of s_i / sum_j s_j),
+    which it equals times k over one sequence; softmax probabilities would give another number."""
+    from entrenar.train.moe import load_balancing_loss
+
+    torch.manual_seed(0)
+    e, k, t = 8, 3, 11
+    logits = torch.randn(t, e) * 2
+    indices = (logits.sigmoid() + torch.randn(e) * 0.3).topk(k, dim=-1).indices  # picked with a selection bias
+    scores = logits.sigmoid()
+    f = e / (k * t) * torch.zeros(e).scatter_add_(0, indices.reshape(-1), torch.ones(t * k))
+    p = (scores / scores.sum(dim=-1, keepdim=True)).mean(dim=0)
+    deepseek = (f * p).sum()
+    ours = load_balancing_loss([(logits, indices)], e, scoring="sigmoid")
+    torch.testing.assert_close(ours, k * deepseek, atol=1e-6, rtol=0)
+    assert not torch.allclose(load_balancing_loss([(logits, indices)], e), ours, atol=1e-3)
+
+
+def test_full_fine_tuning_nudges_the_checkpoints_own_correction_bias(tmp_path, workspace):
+    """moe.bias_update_rate moves DeepSeek-V3's own e_score_correction_bias (aux-loss-free balancing); the saved
+    folder keeps it where transformers reads it, and the aux loss trains the router through the sigmoid scores."""
+    import json
+
+    import transformers
+    from safetensors import safe_open
+
+    from entrenar import quickstart
+    from entrenar.config import load_recipe
+    from entrenar.train.loop import train
+
+    tokenizer = quickstart.build_tokenizer()
+    ref = make_deepseek(vocab_size=tokenizer.vocab_size, eos_token_id=None, pad_token_id=None, bos_token_id=None)
+    ref.save_pretrained(tmp_path / "ds")
+    tokenizer.save(tmp_path / "ds")
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"""
+model: {{path: {tmp_path / 'ds'}, device: cpu}}
+data: {{train: {workspace / 'train.jsonl'}, seq_len: 32, train_on: completion}}
+lora: null
+optimizer: {{lr: 1.0e-3}}
+training: {{max_steps: 2, batch_size: 2, log_every: 1, save_every: 2}}
+moe: {{aux_loss: 0.01, bias_update_rate: 0.01}}
+output: {{dir: {tmp_path / 'run'}}}
+""")
+    result = train(load_recipe(recipe, []), progress=False)
+    records = [r for r in read_metrics_of(result.run_dir) if "loss" in r]
+    assert len(records) == 2 and records[0]["moe"]["aux_loss"] > 0
+    state = json.loads((result.checkpoint / "trainer.json").read_text())["moe"]
+    before = ref.model.layers[1].mlp.gate.e_score_correction_bias
+    moved = torch.tensor(state["bias"][0])
+    assert (moved - before).abs().max() == pytest.approx(0.02, abs=1e-6)  # two steps of +-0.01
+    folder = result.run_dir / "model"  # the run's final model, in the checkpoint's layout
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        saved = f.get_tensor("model.layers.1.mlp.gate.e_score_correction_bias")
+    torch.testing.assert_close(saved, moved, atol=0, rtol=0)
+    back = transformers.AutoModelForCausalLM.from_pretrained(folder)
+    torch.testing.assert_close(back.model.layers[1].mlp.gate.e_score_correction_bias, moved, atol=0, rtol=0)
+
+
+def read_metrics_of(run_dir):
+    from entrenar.train.metrics import read_metrics
+
+    return read_metrics(run_dir / "metrics.jsonl")
