@@ -297,7 +297,7 @@ class MoeBlock(nn.Module):
         self.routing: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     @property
-    def shared_expert(self) -> nn.Module | None:
+    def shared_mlp(self) -> nn.Module | None:
         """The shared expert(s) (an MLP), under the family's name, or None."""
         return self._modules.get(self.shared_expert_name)
 
@@ -309,8 +309,9 @@ class MoeBlock(nn.Module):
         if self.record_routing and torch.is_grad_enabled() and not recomputing():
             self.routing.append((logits, indices))
         out = self.experts(flat, indices, weights)
-        if self.shared_expert is not None:
-            shared = self.shared_expert(flat)
+        shared_mlp = self.shared_mlp
+        if shared_mlp is not None:
+            shared = shared_mlp(flat)
             if self.shared_expert_gate is not None:
                 shared = torch.sigmoid(self.shared_expert_gate(flat)) * shared
             out = out + shared
