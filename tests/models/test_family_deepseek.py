@@ -261,10 +261,10 @@ def test_qlora_nf4_base_loads_and_trains_through_the_latent_projections(deepseek
 
 
 def test_estimates_count_mla_parameters_and_saved_activations(deepseek_folder):
-    """``inspect``'s numbers: the parameter count equals transformers' model's; the activations MLA saves for
-    backward (measured through autograd's saved-tensor hooks); the LoRA and NF4 counts equal the modules'. equal the estimate, with and without the low-rank
-    query. The CPU's SDPA keeps its [T, T] probabilities where memory-efficient attention keeps a log-sum-exp:
-    that one term is swapped."""
+    """``inspect``'s numbers: the parameter count equals transformers' model's; the LoRA and NF4 counts equal the
+    modules'; the activations MLA saves for backward (measured through autograd's saved-tensor hooks) equal the
+    estimate, with and without the low-rank query. The CPU's SDPA keeps its [T, T] probabilities where
+    memory-efficient attention keeps a log-sum-exp: that one term is swapped."""
     from entrenar.adapters.lora import LoraConfig, apply_lora, lora_parameters
     from entrenar.train.memory import lora_params, mla_activation_bytes, quantizable_params
 
@@ -282,8 +282,8 @@ def test_estimates_count_mla_parameters_and_saved_activations(deepseek_folder):
         t = 32
         x = torch.randn(1, t, config.hidden_size, requires_grad=True)
         cos, sin = model.rope(torch.arange(t)[None], x.dtype)
-        saved = []
-        with torch.autograd.graph.saved_tensors_hooks(lambda s: saved.append(s) or s, lambda s: s):
+        saved: list[torch.Tensor] = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda s, kept=saved: kept.append(s) or s, lambda s: s):
             model.model.layers[0].self_attn(x, cos, sin, None)
         skip = {p.untyped_storage().data_ptr() for p in model.parameters()}
         skip |= {s.untyped_storage().data_ptr() for s in (x, cos, sin)}

@@ -45,7 +45,7 @@ from entrenar.kernels.rmsnorm import rms_norm_and_rstd, rms_norm_backward
 from entrenar.kernels.swiglu import FusedMLP
 from entrenar.models.padding_free import Documents
 from entrenar.models.recompute import recomputing
-from entrenar.models.transformer import MLP, Block, KVCache, RMSNorm
+from entrenar.models.transformer import MLP, Attention, Block, KVCache, RMSNorm
 
 
 class _NormLoraProjections(torch.autograd.Function):
@@ -143,7 +143,8 @@ class FusedBlock(Block):
         mask: torch.Tensor | Documents | None,
         cache: KVCache | None = None,
     ) -> torch.Tensor:
-        attn, mlp = self.self_attn, cast(MLP, self.mlp)  # dense: apply_kernels keeps MoE blocks plain
+        # dense, q/k/v attention: apply_kernels keeps MoE and MLA blocks plain
+        attn, mlp = cast(Attention, self.self_attn), cast(MLP, self.mlp)
         q, k, v = norm_then_project(x, self.input_layernorm, (attn.q_proj, attn.k_proj, attn.v_proj), attn.project)
         x = x + attn.attend(q, k, v, cos, sin, mask, cache)
         gate, up = norm_then_project(x, self.post_attention_layernorm, (mlp.gate_proj, mlp.up_proj), mlp.project)

@@ -188,7 +188,8 @@ def expected_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
                           "mlp.experts.down_proj": (e, h, ie)})
             if config["n_shared_experts"]:
                 s = ie * config["n_shared_experts"]
-                layer.update({"mlp.shared_experts.gate_proj.weight": (s, h), "mlp.shared_experts.up_proj.weight": (s, h),
+                layer.update({"mlp.shared_experts.gate_proj.weight": (s, h),
+                              "mlp.shared_experts.up_proj.weight": (s, h),
                               "mlp.shared_experts.down_proj.weight": (h, s)})
         shapes.update({f"model.layers.{n}.{k}": shape for k, shape in layer.items()})
     return shapes

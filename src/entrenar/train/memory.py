@@ -177,7 +177,7 @@ def activation_bytes_per_token_layer(config: ModelConfig, dtype_bytes: int, kern
     return norms + attention + (2 * h + 3 * i) * dtype_bytes  # + normed inputs, gate, up, the down input
 
 
-def mla_activation_bytes(config: ModelConfig, dtype_bytes: int) -> float:
+def mla_activation_bytes(config: ModelConfig, dtype_bytes: int) -> int:
     """Bytes multi-head latent attention (models/mla.py) saves for one token, its input aside: for the key/value
     latent, ``kv_a_proj_with_mqa``'s output (the norm reads its latent part), the norm's fp32 upcast (below fp32)
     and 1/rms, the normed latent and its scaled copy ``kv_b_proj`` reads; the same for the query latent when

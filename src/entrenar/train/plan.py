@@ -347,7 +347,8 @@ def _decide(recipe: Recipe, device: torch.device, mode: str, config: ModelConfig
         raise ConfigError("training.adapter_math: bf16 adapter products run in the fused LoRA layer, and this run "
                           "has no kernels (training.kernels: true, or auto on a CPU or on a CUDA device with Triton)")
     reasons.append(("training.kernels", _auto(t.kernels, kernels, "a CPU (their PyTorch paths) or CUDA with "
-                                                                  "Triton, without FSDP") + _mla_kernels(config, kernels)))
+                                                                  "Triton, without FSDP")
+                    + _mla_kernels(config, kernels)))
 
     # The NF4 base streams from pinned CPU memory a block ahead: QLoRA Llama-8B shape 12.06k against 12.16k
     # tokens/s at 3.27 against 6.41 GiB (H100, docs/PERFORMANCE.md). NF4 experts load outside the stream.
