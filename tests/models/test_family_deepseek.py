@@ -500,3 +500,43 @@ def read_metrics_of(run_dir):
     from entrenar.train.metrics import read_metrics
 
     return read_metrics(run_dir / "metrics.jsonl")
+
+
+def test_multi_token_prediction_layers_of_released_checkpoints_are_skipped(deepseek_folder):
+    """DeepSeek-V3's released folders carry num_nextn_predict_layers extra layers after the last one (its MTP
+    module); transformers skips them on load, and so does entrenar; a layer past those is still an error."""
+    from safetensors.torch import load_file, save_file
+
+    from entrenar.errors import ModelError
+
+    folder, ref = deepseek_folder()
+    state = load_file(str(folder / "model.safetensors"))
+    state.update({k.replace("model.layers.2.", "model.layers.3."): v.clone() for k, v in state.items()
+                  if k.startswith("model.layers.2.")})
+    state["model.layers.3.eh_proj.weight"] = torch.zeros(64, 128)
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    ids = torch.randint(3, 128, (1, 9))
+    with torch.no_grad():
+        torch.testing.assert_close(load_hf(folder)(ids), ref(ids).logits, atol=1e-4, rtol=0)
+    state["model.layers.4.input_layernorm.weight"] = torch.ones(64)
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ModelError, match=r"model\.layers\.4\.input_layernorm\.weight"):
+        load_hf(folder)
+
+
+def test_yarn_softmax_scale_is_transformers():
+    """MLA's softmax scale with YaRN's mscale_all_dim (what queries are multiplied by before SDPA), against
+    transformers' DeepseekV3Attention.scaling."""
+    from types import SimpleNamespace
+
+    import transformers
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention
+
+    from entrenar.models.mla import softmax_scale
+
+    yarn = {"rope_type": "yarn", "factor": 40.0, "mscale": 1.0, "mscale_all_dim": 0.707,
+            "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1, "rope_theta": 10000.0}
+    config = transformers.DeepseekV3Config(**{**DEEPSEEK, "rope_parameters": yarn, "max_position_embeddings": 163840})
+    ours = softmax_scale(SimpleNamespace(qk_head_dim=24, rope_scaling=yarn))  # type: ignore[arg-type]
+    assert ours == pytest.approx(DeepseekV3Attention(config, 0).scaling, rel=1e-12)
+    assert ours != pytest.approx(24 ** -0.5)
