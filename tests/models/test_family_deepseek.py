@@ -540,3 +540,27 @@ def test_yarn_softmax_scale_is_transformers():
     ours = softmax_scale(SimpleNamespace(qk_head_dim=24, rope_scaling=yarn))  # type: ignore[arg-type]
     assert ours == pytest.approx(DeepseekV3Attention(config, 0).scaling, rel=1e-12)
     assert ours != pytest.approx(24 ** -0.5)
+
+
+def test_classification_head_equals_transformers(tmp_path):
+    """DeepseekV3ForSequenceClassification (left padding: the last real token is the last column) loads as the
+    classifier over the same decoder, with transformers' logits."""
+    import transformers
+
+    from entrenar.models.classifier import load_classifier_folder
+
+    torch.manual_seed(0)
+    config = transformers.DeepseekV3Config(**{**DEEPSEEK, "num_labels": 3, "pad_token_id": 0})
+    ref = transformers.DeepseekV3ForSequenceClassification(config).eval()
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_(torch.randn_like(p) * 0.1)
+    ref.save_pretrained(tmp_path)
+    ours = load_classifier_folder(tmp_path, torch.float32, "cpu").eval()
+    ids = torch.randint(3, 128, (3, 9))
+    mask = torch.ones_like(ids)
+    ids[1, :4], mask[1, :4] = 0, 0
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids, mask), ref(input_ids=ids, attention_mask=mask).logits, atol=1e-5,
+                                   rtol=1e-5)
