@@ -23,6 +23,7 @@ MOE_FIELDS = (
     "num_experts", "num_experts_per_tok", "expert_intermediate_size", "shared_expert_intermediate_size",
     "shared_expert_gate", "router_scoring", "norm_topk_prob", "moe_layers",
 )
+MLA_FIELDS = ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "v_head_dim")
 METHODS = ("full", "lora", "qlora")
 EXPERT_TARGETS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 
@@ -79,15 +80,15 @@ def add_parser(commands: argparse._SubParsersAction, parents: list[argparse.Argu
 def parse_targets(text: str) -> str | list[str]:
     """'all-linear' or a comma-separated list of projection names, each checked."""
     from entrenar.errors import ConfigError
-    from entrenar.train.memory import LINEAR_NAMES
+    from entrenar.train.memory import PROJECTION_NAMES
 
     if text == "all-linear":
         return text
     names = list(dict.fromkeys(name.strip() for name in text.split(",") if name.strip()))
-    unknown = [name for name in names if name not in LINEAR_NAMES]
+    unknown = [name for name in names if name not in PROJECTION_NAMES]
     if not names or unknown:
         raise ConfigError(f"--lora-targets: unknown projection {', '.join(map(repr, unknown)) or repr(text)} "
-                          f"(allowed: all-linear or a comma-separated list of {', '.join(LINEAR_NAMES)})")
+                          f"(allowed: all-linear or a comma-separated list of {', '.join(PROJECTION_NAMES)})")
     return names
 
 
@@ -121,6 +122,8 @@ def run(args: argparse.Namespace) -> int:
     architecture = {name: getattr(config, name) for name in ARCHITECTURE_FIELDS}
     if config.is_moe:
         architecture.update({name: getattr(config, name) for name in MOE_FIELDS})
+    if config.is_mla:
+        architecture.update({name: getattr(config, name) for name in MLA_FIELDS})
     total, trainable = estimates[0].total_params, estimates[1].trainable_params
     active = config.num_active_parameters
     notes = seq_len_notes(args.seq_len, config.max_position_embeddings, str(args.model))
@@ -201,6 +204,10 @@ def describe(a: dict[str, Any]) -> str:
         "tied embed.": "yes" if a["tie_word_embeddings"] else "no",
         "variant": ", ".join(flags) or "plain",
     }
+    if a.get("kv_lora_rank"):
+        q = "q_proj" if a["q_lora_rank"] is None else f"q rank {a['q_lora_rank']}"
+        rows["heads"] = (f"{a['num_heads']} (multi-head latent attention: kv rank {a['kv_lora_rank']}, {q}; "
+                         f"qk {a['qk_nope_head_dim']} + rope {a['head_dim']}, v {a['v_head_dim']})")
     if a.get("num_experts"):
         shared = a["shared_expert_intermediate_size"]
         gated = " (gated)" if shared and a["shared_expert_gate"] else ""

@@ -21,6 +21,9 @@ def family_notes(config: ModelConfig) -> list[str]:
                      "the norms run the rms_norm kernel")
     if config.residual_multiplier != 1.0 or config.embedding_multiplier != 1.0:
         notes.append("embedding/residual multipliers: applied around the fused nodes")
+    if config.is_mla:
+        notes.append("multi-head latent attention runs its PyTorch path: the RoPE kernel and the norm-inside-LoRA "
+                     "block fusion do not cover it (RMSNorm, SwiGLU, LoRA, MoE routing and the fused loss do)")
     if config.logits_scaling != 1.0:
         notes.append(f"logits divided by {config.logits_scaling:g} inside the fused loss")
     return notes

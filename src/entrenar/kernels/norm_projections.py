@@ -47,7 +47,7 @@ from entrenar.kernels.rmsnorm import rms_norm_and_rstd, rms_norm_backward
 from entrenar.kernels.swiglu import FusedMLP
 from entrenar.models.padding_free import Documents
 from entrenar.models.recompute import recomputing
-from entrenar.models.transformer import MLP, Block, KVCache, RMSNorm
+from entrenar.models.transformer import MLP, Attention, Block, KVCache, RMSNorm
 
 
 class _NormLoraProjections(torch.autograd.Function):
@@ -145,8 +145,9 @@ class FusedBlock(Block):
         mask: torch.Tensor | Documents | None,
         cache: KVCache | None = None,
     ) -> torch.Tensor:
-        attn, mlp = self.self_attn, cast(MLP, self.mlp)  # dense: apply_kernels keeps MoE blocks plain
-        m = self.residual_multiplier  # Granite's; 1 elsewhere (apply_kernels keeps post-norm blocks plain)
+        # dense, q/k/v attention: apply_kernels keeps MoE, MLA and post-norm blocks plain
+        attn, mlp = cast(Attention, self.self_attn), cast(MLP, self.mlp)
+        m = self.residual_multiplier  # Granite's; 1 elsewhere
         q, k, v = attn.split(norm_then_project(x, self.input_layernorm, attn.projections,
                                                partial(project_together, layers=attn.projections)))
         out = attn.attend(q, k, v, cos, sin, mask, cache)

@@ -39,6 +39,7 @@ from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers,
 
 from entrenar.data.tokenizer import Tokenizer
 from entrenar.errors import ModelError
+from entrenar.models import gguf_deepseek
 from entrenar.models.config import ModelConfig
 from entrenar.models.hf import Sinks, empty_model, load_state_into
 
@@ -49,7 +50,7 @@ if TYPE_CHECKING:
 
 # GGUF architecture -> transformers model_type. llama.cpp stores Mistral under "llama".
 # Mixtral is "llama" with expert_count set; Qwen3-MoE is "qwen3moe".
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "phi3", "olmo2", "granite")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "phi3", "olmo2", "granite", "deepseek2")
 _HF_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
@@ -60,6 +61,7 @@ _HF_ARCHITECTURES = {
     "phi3": "Phi3ForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
     "granite": "GraniteForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
 }
 
 # GGUF tensor name -> HF name. "{i}" is the layer index.
@@ -101,6 +103,7 @@ _ARCH_LAYER_NAMES = {
     "olmo2": {"post_attention_norm.weight": "post_attention_layernorm.weight",
               "post_ffw_norm.weight": "post_feedforward_layernorm.weight"},
 }
+_LAYER_NAMES.update(gguf_deepseek.LAYER_NAMES)  # DeepSeek-V3's (llama.cpp's deepseek2) MLA and shared experts
 # Read into the config, not part of the state dict.
 _ROPE_FREQS = "rope_freqs.weight"
 _LONGROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")  # Phi-3's longrope
@@ -166,14 +169,17 @@ class GGUFModel:
 
     def tensor_names(self) -> list[str]:
         """HF names of the weights in the file, in file order."""
-        return list(self._tensors)
+        return list(dict.fromkeys(gguf_deepseek.joined_name(n) or n for n in self._tensors))
 
     def quant_types(self) -> dict[str, str]:
         """HF name -> GGML storage type (e.g. ``"Q4_K"``, ``"F32"``)."""
-        return {name: t.tensor_type.name for name, t in self._tensors.items()}
+        return {gguf_deepseek.joined_name(name) or name: t.tensor_type.name for name, t in self._tensors.items()}
 
     def tensor(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """One weight by its HF name, dequantized to ``dtype``, q/k rows in HF order."""
+        halves = [f"{name.removesuffix('.weight')}.{h}" for h in ("k_b", "v_b")]
+        if name not in self._tensors and all(h in self._tensors for h in halves):  # DeepSeek's split kv_b_proj
+            return gguf_deepseek.join_kv_b(*(self.tensor(h, dtype) for h in halves))
         if name not in self._tensors:
             raise ModelError(f"{self.path}: no tensor '{name}' (the file has {len(self._tensors)} tensors)")
         t = self._tensors[name]
@@ -187,7 +193,7 @@ class GGUFModel:
 
     def tensors(self, dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield ``(hf_name, tensor)`` one tensor at a time, layer by layer."""
-        for name in self._tensors:
+        for name in self.tensor_names():
             yield name, self.tensor(name, dtype)
 
     def state_dict(self, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
@@ -320,6 +326,8 @@ def build_hf_config(metadata: dict[str, Any], tensors: dict[str, ReaderTensor], 
         raise ModelError(
             f"{path}: GGUF architecture '{arch}' is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
         )
+    if arch == gguf_deepseek.ARCH:
+        return gguf_deepseek.hf_config(metadata, tensors, path)
 
     def get(key: str, default: Any = ...) -> Any:
         full = f"{arch}.{key}"
@@ -527,13 +535,16 @@ def _map_tensors(
             )
         mapped[hf_name] = t
     for hf_name in expected:
-        if hf_name not in mapped and not (hf_name == "lm_head.weight" and config["tie_word_embeddings"]):
+        if hf_name not in mapped and not (hf_name == "lm_head.weight" and config["tie_word_embeddings"]) \
+                and not gguf_deepseek.other_layout_present(hf_name, mapped):
             raise ModelError(f"{path}: tensor '{gguf_tensor_name(hf_name)}' ({hf_name}) is missing")
     return mapped
 
 
 def _expected_shapes(config: dict[str, Any], arch: str) -> dict[str, tuple[int, ...]]:
     """HF name -> torch shape of every weight a model of this config has."""
+    if arch == gguf_deepseek.ARCH:
+        return gguf_deepseek.expected_shapes(config)
     h, i, d = config["hidden_size"], config["intermediate_size"], config["head_dim"]
     q, kv = config["num_attention_heads"] * d, config["num_key_value_heads"] * d
     shapes: dict[str, tuple[int, ...]] = {

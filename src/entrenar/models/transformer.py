@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from entrenar.models.config import ModelConfig, rope_inv_freq
+from entrenar.models.mla import LatentAttention
 from entrenar.models.moe import Experts, MoeBlock, Router
 from entrenar.models.offload import ActivationOffload
 from entrenar.models.padding_free import SDPA_HAS_GQA, Documents, documents_attention
@@ -219,7 +220,8 @@ class Block(nn.Module):
         self.post_norm = config.post_norm
         if not config.post_norm:
             self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, layer_idx)
+        self.self_attn: nn.Module = (LatentAttention(config, layer_idx, RMSNorm) if config.is_mla
+                                     else Attention(config, layer_idx))
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         if config.post_norm:  # OLMo 2: post_attention_layernorm norms the attention output, this the MLP's
             self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)

@@ -32,6 +32,9 @@ GiB = 2**30
 LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj",
                 "gate_up_proj")
 _MLP_NAMES = ("gate_proj", "up_proj", "down_proj", "gate_up_proj")
+# Multi-head latent attention's projections (DeepSeek-V3), besides q_proj and o_proj.
+MLA_LINEAR_NAMES = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
+PROJECTION_NAMES = LINEAR_NAMES + MLA_LINEAR_NAMES  # what LoRA targets may name, in some family
 # Resident memory of a process that has imported torch (2.13, CPU build) and entrenar, before any model: measured
 # 0.30 GiB (docs/PERFORMANCE.md, "CPU memory").
 CPU_RUNTIME_BYTES = 0.30 * GiB
@@ -68,11 +71,27 @@ def linear_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
     """(in_features, out_features) of each projection of one layer (Phi-3's fused ones under their names)."""
     h, i, d = config.hidden_size, config.intermediate_size, config.head_dim
     assert d is not None  # ModelConfig derives it when config.json has none
+    mlp = {"gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+    if config.is_mla:
+        return {**mla_linear_shapes(config), **mlp}
     q, kv = config.num_heads * d, config.num_kv_heads * d
     attention = {"qkv_proj": (h, q + 2 * kv)} if config.fused_qkv else {
         "q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv)}
-    mlp = {"gate_up_proj": (h, 2 * i)} if config.fused_gate_up else {"gate_proj": (h, i), "up_proj": (h, i)}
-    return {**attention, "o_proj": (q, h), **mlp, "down_proj": (i, h)}
+    if config.fused_gate_up:
+        mlp = {"gate_up_proj": (h, 2 * i), "down_proj": (i, h)}
+    return {**attention, "o_proj": (q, h), **mlp}
+
+
+def mla_linear_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
+    """(in_features, out_features) of multi-head latent attention's projections (models/mla.py)."""
+    h, heads, rank, rope = config.hidden_size, config.num_heads, config.kv_lora_rank, config.head_dim
+    assert rope is not None  # ModelConfig derives it when config.json has none
+    qk = heads * config.qk_head_dim
+    q = ({"q_proj": (h, qk)} if config.q_lora_rank is None
+         else {"q_a_proj": (h, config.q_lora_rank), "q_b_proj": (config.q_lora_rank, qk)})
+    return {**q, "kv_a_proj_with_mqa": (h, rank + rope),
+            "kv_b_proj": (rank, heads * (config.qk_nope_head_dim + config.v_head_dim)),
+            "o_proj": (heads * config.v_head_dim, h)}
 
 
 def lora_params(config: ModelConfig, r: int, targets: list[str] | str, target_parameters: Sequence[str] = ()) -> int:
@@ -145,6 +164,8 @@ def activation_bytes_per_token_layer(config: ModelConfig, dtype_bytes: int, kern
     assert d is not None  # ModelConfig derives it when config.json has none
     q, kv = config.num_heads * d, config.num_kv_heads * d
     attention = (q + 2 * kv + q) * dtype_bytes + config.num_heads * 4  # q, k, v, output; log-sum-exp
+    if config.is_mla:
+        attention = mla_activation_bytes(config, dtype_bytes)
     if config.qk_norm:
         attention += (q + kv) * (dtype_bytes + 4)
     if moe_layer:
@@ -160,6 +181,25 @@ def activation_bytes_per_token_layer(config: ModelConfig, dtype_bytes: int, kern
     if lora:
         return norms + attention + 2 * i * dtype_bytes
     return norms + attention + (2 * h + 3 * i) * dtype_bytes  # + normed inputs, gate, up, the down input
+
+
+def mla_activation_bytes(config: ModelConfig, dtype_bytes: int) -> int:
+    """Bytes multi-head latent attention (models/mla.py) saves for one token, its input aside: for the key/value
+    latent, ``kv_a_proj_with_mqa``'s output (the norm reads its latent part), the norm's fp32 upcast (below fp32)
+    and 1/rms, the normed latent and its scaled copy ``kv_b_proj`` reads; the same for the query latent when
+    ``q_lora_rank`` is set; q and k (``qk_head_dim`` a head), v and the output (``v_head_dim``) and the fp32
+    log-sum-exp of memory-efficient attention. RoPE keeps nothing per layer (cos/sin are shared)."""
+    assert config.head_dim is not None  # ModelConfig derives it when config.json has none
+    heads, rank = config.num_heads, config.kv_lora_rank
+    upcast = 4 if dtype_bytes < 4 else 0
+
+    def norm(width: int, source: int) -> int:  # the projection output it reads, upcast, 1/rms, normed, scaled
+        return source * dtype_bytes + width * upcast + 4 + 2 * width * dtype_bytes
+
+    total = norm(rank, rank + config.head_dim)
+    if config.q_lora_rank is not None:
+        total += norm(config.q_lora_rank, config.q_lora_rank)
+    return total + 2 * heads * (config.qk_head_dim + config.v_head_dim) * dtype_bytes + heads * 4
 
 
 def estimate_training_memory(

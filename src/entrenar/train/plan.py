@@ -41,7 +41,7 @@ from entrenar.loading import recipe_model_config
 from entrenar.models.config import ModelConfig
 from entrenar.models.padding_free import rows_by_document
 from entrenar.models.transformer import checkpointed_layer_indices, offloaded_layer_indices
-from entrenar.train.memory import LINEAR_NAMES, GiB, MemoryEstimate, estimate_training_memory
+from entrenar.train.memory import PROJECTION_NAMES, GiB, MemoryEstimate, estimate_training_memory
 from entrenar.train.optim import use_fused
 
 # Fraction of device memory a replica may take for `parallel: auto` to pick DDP (the rest: allocator slack).
@@ -103,7 +103,8 @@ class RunPlan:
         recipe, config = self._recipe, self._config
         assert recipe is not None and config is not None and config.head_dim is not None  # set by ModelConfig
         by_document = task == "causal_lm" and rows_by_document(
-            config.head_dim, self.device, self.compute_dtype, config.sliding_window, compiled=self.compile,
+            config.qk_head_dim if config.is_mla else config.head_dim, self.device, self.compute_dtype,
+            config.sliding_window, compiled=self.compile,
             document_work=config.hidden_size * mean_example_tokens)
         setting = recipe.data.padding_free
         flat = setting if isinstance(setting, bool) else self.device.type == "cpu" and by_document
@@ -414,9 +415,9 @@ def _estimate(recipe: Recipe, config: ModelConfig, device: torch.device, method:
     targets: str | list[str] = "all-linear"
     chosen = family_targets(lora.target_modules, config.fused_qkv) if lora is not None else "all-linear"
     if not isinstance(chosen, str):
-        targets = sorted(set(chosen) & set(LINEAR_NAMES))
+        targets = sorted(set(chosen) & set(PROJECTION_NAMES))
     elif chosen != "all-linear":
-        targets = [name for name in LINEAR_NAMES if name in chosen]  # a regex: the names it spells
+        targets = [name for name in PROJECTION_NAMES if name in chosen]  # a regex: the names it spells
     head_is_plain = recipe.task.type == "causal_lm" and (lora is None or "lm_head" not in lora.target_modules)
     return estimate_training_memory(
         config, method, t.batch_size, recipe.data.seq_len, dtype_bytes=2 if t.precision != "fp32" else 4,
@@ -460,6 +461,7 @@ def _mode_reason(parallel: str, mode: str, world: World, replica_bytes: float) -
     if parallel != "auto":
         return f"{mode} (as set)"
     return f"{mode} (auto: a replica needs {replica_bytes / 2**30:.2f} GiB)"
+
 
 
 def _auto(setting: Any, value: bool, rule: str) -> str:
