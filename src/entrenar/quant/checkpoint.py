@@ -51,7 +51,7 @@ from entrenar.models.transformer import Transformer
 from entrenar.quant.int import MAX_BITS, MIN_BITS, IntQuantTensor, QuantLinear, qrange
 from entrenar.quant.int import _unpack_codes as unpack_codes
 from entrenar.quant.nf4.format import BLOCKSIZES, NF4Linear
-from entrenar.quant.qat import FakeQuantLinear, QATConfig, swapped
+from entrenar.quant.qat import FakeQuantLinear, QATConfig, QuantizedLoraLinear, merged_quant_layers, swapped
 
 if TYPE_CHECKING:
     from entrenar.data.tokenizer import Tokenizer
@@ -172,24 +172,30 @@ def save_qat_model(model: nn.Module, tokenizer: Tokenizer | None, folder: str | 
     """Write the integer model a QAT run trained, leaving ``model`` as it is.
 
     Each fake-quantized layer is saved as the :class:`QuantLinear` that computes
-    what it computes now. In LoRA-QAT the adapters stay out: the folder is the
+    what it computes now. With ``qat.quantize_lora`` each adapted layer is saved merged, ``Q(W + BA)``, which is
+    what it trained. Otherwise, in LoRA-QAT the adapters stay out: the folder is the
     integer base, and ``load(folder, adapter=...)`` with the run's
     adapter reproduces the trained model exactly (merging the adapter into
     integer weights would re-quantize, i.e. change, the model).
     """
     replacements: dict[str, nn.Module] = {}
     cfg: QATConfig | None = None
+    merged = merged_quant_layers(model)
     for name, layer in named_linears(model):
         base = layer.base_layer if isinstance(layer, LoraLinear) else layer
-        if isinstance(base, FakeQuantLinear):
+        if isinstance(layer, QuantizedLoraLinear):  # qat.quantize_lora: Q(W + BA) is what was trained
+            replacements[name], cfg = merged[name], cast(FakeQuantLinear, base).cfg
+        elif isinstance(base, FakeQuantLinear):
             replacements[name], cfg = base.to_quant_linear(), base.cfg
         elif base is not layer:
             replacements[name] = base
     if cfg is None:
         raise QuantError(f"{type(model).__name__} has no fake-quantized layers; call prepare_qat first")
     with swapped(model, replacements):
-        return save_quantized(cast(Transformer, model), tokenizer, folder,
-                              info={"source": "qat", "backward": cfg.backward})
+        info = {"source": "qat", "backward": cfg.backward}
+        if cfg.quantize_lora:
+            info["lora"] = "merged"  # the adapter is inside the integer weights: load this folder without it
+        return save_quantized(cast(Transformer, model), tokenizer, folder, info=info)
 
 
 # ---------------------------------------------------------------- reading
