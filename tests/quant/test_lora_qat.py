@@ -190,3 +190,12 @@ def test_quantize_lora_refuses_dropout_and_a_recipe_without_lora(workspace):
         recipe_for(workspace, "qat.quantize_lora=true", "lora.dropout=0.1")
     with pytest.raises(ConfigError, match=r"'qat\.quantize_lora' quantizes the adapters with their base"):
         recipe_for(workspace, "qat.quantize_lora=true", "lora=null")
+
+
+def test_an_nf4_base_with_qat_is_refused_with_the_reason_and_the_alternatives(workspace):
+    with pytest.raises(ConfigError) as refused:
+        recipe_for(workspace, "lora.quantize_base=nf4")
+    message = str(refused.value)
+    assert "'lora.quantize_base' must be null when 'qat' is set" in message
+    assert "QLoRA trains the adapters against the very base they ship with" in message
+    assert "quantize twice" in message and "entrenar inspect MODEL --qat BITS" in message

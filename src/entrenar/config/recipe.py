@@ -108,7 +108,11 @@ class Recipe:
             raise _BadValue(
                 "lora.quantize_base",
                 f"'lora.quantize_base' must be null when 'qat' is set, got {_show(self.lora.quantize_base)} "
-                "(QAT fake-quantizes full-precision weights; LoRA-QAT is 'qat' with a plain 'lora' section)",
+                "(QAT fake-quantizes full-precision weights; LoRA-QAT is 'qat' with a plain 'lora' section). An "
+                "NF4 base is quantized and frozen already: QLoRA trains the adapters against the very base they "
+                "ship with, which is what QAT buys, and rounding it again to an integer grid would quantize twice "
+                "and export a re-quantization. For an integer model train LoRA-QAT on the 16-bit base (memory: "
+                "entrenar inspect MODEL --qat BITS); for the least memory, QLoRA without qat",
             )
         if self.qat is not None:
             self._check_qat()
