@@ -181,6 +181,8 @@ def test_without_quantize_lora_the_merged_integer_model_is_reported_against_the_
     result = train(recipe_for(workspace), progress=False)
     line = next(line for line in result.summary.splitlines() if "merged integer" in line)
     assert "unmerged" in line and "re-quantized" in line
+    size = (result.quantized / "model.safetensors").stat().st_size / 2**20
+    assert f"{result.quantized} (3-bit codes; weights {size:.2f} MiB on disk)" in result.summary
     loaded, _ = entrenar.load(result.quantized, adapter=result.output, device="cpu")
     assert isinstance(loaded.get_submodule(LAYER), LoraLinear)
 

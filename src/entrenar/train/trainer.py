@@ -310,7 +310,10 @@ class Trainer:
             rows.append(("skipped steps", f"{self.guard.total} update(s) dropped for NaN/inf "
                                           "(training.nonfinite: skip); see 'skipped' in metrics.jsonl"))
         if quantized is not None:
-            rows.append(("quantized", str(quantized)))
+            size = sum(f.stat().st_size for f in quantized.glob("*.safetensors")) / 2**20
+            qat = self.recipe.qat
+            assert qat is not None
+            rows.append(("quantized", f"{quantized} ({qat.bits}-bit codes; weights {size:.2f} MiB on disk)"))
             rows += self._merged_report(after)
         rows += self.task.finish(self.model, self.tokenizer, self.data.validation, self.run.root, output, before,
                                  after)
