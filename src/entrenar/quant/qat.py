@@ -491,9 +491,9 @@ def save_quantizer_state(model: nn.Module, folder: str | os.PathLike) -> Path | 
     return path
 
 
-def load_quantizer_state(model: nn.Module, folder: str | os.PathLike) -> Path | None:
-    """Read :func:`save_quantizer_state`'s file from ``folder`` into ``model``'s fake-quant layers; return it (None
-    when the model has no quantizer state). Its layout must be the model's, and every tensor must fit."""
+def _read_quantizer_state(model: nn.Module, folder: str | os.PathLike) -> tuple[Path, dict[str, Tensor]] | None:
+    """:func:`save_quantizer_state`'s file in ``folder``, read and its layout checked against ``model``'s (None when
+    the model has no quantizer state to load)."""
     expected = qat_state_dict(model)
     if not expected:
         return None
@@ -510,17 +510,31 @@ def load_quantizer_state(model: nn.Module, folder: str | os.PathLike) -> Path | 
     if saved_layout != _layout(model):
         raise QuantError(f"{path}: the steps were learned for qat {saved_layout}, the model is prepared with "
                          f"{_layout(model)}")
+    return path, state
+
+
+def _load_read_state(model: nn.Module, read: tuple[Path, dict[str, Tensor]] | None) -> Path | None:
+    if read is None:
+        return None
+    path, state = read
     rest = load_qat_state_dict(model, state, str(path))
     if rest:
         raise QuantError(f"{path}: tensor {next(iter(rest))!r} belongs to no fake-quant layer of the model")
     return path
 
 
+def load_quantizer_state(model: nn.Module, folder: str | os.PathLike) -> Path | None:
+    """Read :func:`save_quantizer_state`'s file from ``folder`` into ``model``'s fake-quant layers; return it (None
+    when the model has no quantizer state). Its layout must be the model's, and every tensor must fit."""
+    return _load_read_state(model, _read_quantizer_state(model, folder))
+
+
 def load_qat_adapter(model: nn.Module, folder: str | os.PathLike) -> LoraConfig:
     """Apply a LoRA-QAT run's adapter to a model :func:`prepare_qat` made (as the run did), with its learned
     quantizer steps: the model then computes what the run trained."""
+    read = _read_quantizer_state(model, folder)  # checked before the model is touched
     cfg = load_adapter(model, folder)
-    load_quantizer_state(model, folder)
+    _load_read_state(model, read)
     layout = _layout(model)
     if layout is not None and layout["quantize_lora"]:
         quantize_lora_layers(model)
