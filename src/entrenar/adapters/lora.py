@@ -251,7 +251,7 @@ def _wrap(model: nn.Module, names: Sequence[str], cfg: LoraConfig) -> None:
         try:
             layers[name] = LoraLinear(model.get_submodule(name), cfg.r, cfg.alpha, cfg.dropout, cfg.use_rslora)
         except AdapterError as err:
-            raise AdapterError(f"{name}: {err}") from None
+            raise type(err)(f"{name}: {err}") from None
     model.requires_grad_(False)  # the new adapters are not in the model yet and stay trainable
     for name, layer in layers.items():
         replace_module(model, name, layer)

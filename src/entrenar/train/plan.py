@@ -78,7 +78,7 @@ class RunPlan:
     overlap: bool
     compile: bool
     loss_scaling: bool  # fp16's GradScaler
-    method: str  # full, lora or qlora
+    method: str  # full, lora, qlora, qat or lora-qat
     memory: MemoryEstimate
     # Bytes free on the device when planned (None: not known here); a reading of the machine, not a decision.
     memory_available: int | None = field(default=None, compare=False)
@@ -289,6 +289,8 @@ def plan_run(recipe: Recipe, device: torch.device, world: World, config: ModelCo
     reasons: list[tuple[str, str]] = []
 
     method = "full" if lora is None else ("qlora" if lora.quantize_base else "lora")
+    if recipe.qat is not None:
+        method = "qat" if lora is None else "lora-qat"
     replica = _decide(recipe, device, "ddp" if world.distributed else "single", config, triton, method)
     mode = _choose_mode(t.parallel, world, device, replica.memory.total, device_memory)
     reasons.append(("training.parallel", _mode_reason(t.parallel, mode, world, replica.memory.total)))
@@ -427,7 +429,17 @@ def _estimate(recipe: Recipe, config: ModelConfig, device: torch.device, method:
         offload_embeddings=offload_embeddings, offload_weights=offload_weights, optimizer=recipe.optimizer.name,
         fused_loss_chunk=FUSED_LOSS_CHUNK if kernels and head_is_plain else None,
         # On a CPU the kernels run their PyTorch specifications, which save what eager PyTorch saves.
-        kernels=kernels and device.type != "cpu", cpu=device.type == "cpu", lora_dropout=lora.dropout if lora else 0.0)
+        kernels=kernels and device.type != "cpu", cpu=device.type == "cpu", lora_dropout=lora.dropout if lora else 0.0,
+        **_qat_settings(recipe))
+
+
+def _qat_settings(recipe: Recipe) -> dict[str, Any]:
+    """The estimate's QAT arguments from the recipe's ``qat`` section (none without one)."""
+    qat = recipe.qat
+    if qat is None:
+        return {}
+    return {"qat_group_size": qat.group_size if qat.granularity == "group" else None,
+            "qat_activations": qat.activations is not False}
 
 
 def _choose_mode(parallel: str, world: World, device: torch.device, replica_bytes: float,

@@ -28,6 +28,7 @@ from entrenar.distributed.world import World
 from entrenar.evaluation.loss import EvalResult
 from entrenar.io.run_dir import RunDir
 from entrenar.quant.checkpoint import save_qat_model
+from entrenar.quant.qat import merged_quant_layers, save_quantizer_state, swapped
 from entrenar.tasks.base import Batch, Task
 from entrenar.train.arch import write_arch
 from entrenar.train.checkpoint import is_sharded, latest_checkpoint, load_checkpoint, save_checkpoint
@@ -70,8 +71,9 @@ class Trainer:
         self.console, self.progress = console, progress
         t, o = recipe.training, recipe.optimizer
         lr_scale = self.moe.lr_scale(o.lr_scale) if self.moe is not None else o.lr_scale
-        self.optimizer = build_optimizer(build_param_groups(self.model, o.weight_decay, lr_scale), o.name, o.lr,
-                                         o.betas, o.eps, o.momentum, o.fused, plan.device)
+        step_lr = recipe.qat.scale_lr if recipe.qat is not None and recipe.qat.scale_lr is not None else o.lr
+        groups = build_param_groups(self.model, o.weight_decay, lr_scale, step_lr_scale=step_lr / o.lr)
+        self.optimizer = build_optimizer(groups, o.name, o.lr, o.betas, o.eps, o.momentum, o.fused, plan.device)
         self.scaler = torch.amp.GradScaler(plan.device.type, enabled=plan.loss_scaling)
         self.guard = NonfiniteGuard(t.nonfinite, t.max_skipped_steps, run.root,
                                     scaler_handles_grads=self.scaler.is_enabled())
@@ -286,6 +288,20 @@ class Trainer:
             rows.append(("peak memory", ", ".join(f"rank {r} {gb:.2f} GB" for r, gb in enumerate(self._peak_ranks))))
         return rows
 
+    def _merged_report(self, unmerged: Any) -> list[tuple[str, str]]:
+        """LoRA-QAT: the held-out loss of the merged integer model ``Q(W + BA)`` against the unmerged pair the run
+        saved (``quantized/`` with ``adapter/``). With ``qat.quantize_lora`` the two are the same model."""
+        loss = getattr(unmerged, "loss", None)
+        if self.recipe.lora is None or loss is None or self.plan.mode == "fsdp":  # FSDP: sharded weights
+            return []
+        with swapped(self.model, merged_quant_layers(self.model)):
+            merged = self.evaluate()
+        change = merged.loss - loss
+        what = ("what quantized/ holds" if self.recipe.qat is not None and self.recipe.qat.quantize_lora
+                else "re-quantized; quantized/ with adapter/ is the unmerged model")
+        return [("merged integer", f"held-out loss {merged.loss:.4f} against {loss:.4f} unmerged "
+                                   f"({change:+.4f}; Q(W + BA), {what})")]
+
     def _save_result(self, folder: Path) -> Path:
         return main_writes(self.world, self.model, self.task.save, self.model, self.tokenizer, folder,
                            trainable_only=self.recipe.lora is not None)  # an adapter: no base gathered
@@ -298,6 +314,8 @@ class Trainer:
         output = self._save_result(self.run.root)
         quantized = (main_writes(self.world, self.model, save_qat_model, self.model, self.tokenizer,
                                  self.run.quantized) if self.recipe.qat is not None else None)
+        if self.recipe.qat is not None and self.recipe.lora is not None:  # the adapter's base learned its steps
+            main_writes(self.world, self.model, save_quantizer_state, self.model, output)
         main = self.world.main_only
         main(plot_loss_curve, metrics.path, self.run.loss_curve)
         if self.moe is not None:
@@ -311,7 +329,11 @@ class Trainer:
             rows.append(("skipped steps", f"{self.guard.total} update(s) dropped for NaN/inf "
                                           "(training.nonfinite: skip); see 'skipped' in metrics.jsonl"))
         if quantized is not None:
-            rows.append(("quantized", str(quantized)))
+            size = sum(f.stat().st_size for f in quantized.glob("*.safetensors")) / 2**20
+            qat = self.recipe.qat
+            assert qat is not None
+            rows.append(("quantized", f"{quantized} ({qat.bits}-bit codes; weights {size:.2f} MiB on disk)"))
+            rows += self._merged_report(after)
         rows += self._distributed_rows()
         rows += self.task.finish(self.model, self.tokenizer, self.data.validation, self.run.root, output, before,
                                  after)
