@@ -209,3 +209,25 @@ def test_the_recipes_default_targets_adapt_qkv_proj_and_o_proj(phi3, tmp_path):
 
 def test_inspect_counts_parameters_as_transformers_and_peft(phi3, capsys):
     check_inspect(capsys, phi3[0], phi3[1], ["qkv_proj", "gate_up_proj"])
+
+
+@pytest.mark.parametrize("left", [False, True], ids=["right-padded", "left-padded"])
+def test_classifier_matches_transformers(tmp_path, left):
+    """Phi3ForSequenceClassification: the fused backbone under a classification head, padded rows."""
+    import transformers
+    from family_checks import perturb
+
+    from entrenar.models.classifier import load_classifier_folder
+
+    torch.manual_seed(0)
+    ref = transformers.Phi3ForSequenceClassification(transformers.Phi3Config(
+        vocab_size=128, num_labels=3, **{**SHAPE, **LONGROPE})).eval()
+    perturb(ref)
+    ref.save_pretrained(tmp_path)
+    ours = load_classifier_folder(tmp_path, torch.float32, "cpu").eval()
+    ids = torch.randint(1, 128, (2, 20), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    pad = slice(0, 8) if left else slice(12, 20)
+    ids[1, pad], mask[1, pad] = 0, 0
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids, mask), ref(input_ids=ids, attention_mask=mask).logits, atol=1e-4, rtol=0)
