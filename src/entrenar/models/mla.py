@@ -17,6 +17,7 @@ padding-free documents, the CPU's explicit products) computes it unchanged.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +25,9 @@ from torch import nn
 
 from entrenar.models.config import ModelConfig
 from entrenar.models.padding_free import Documents, documents_attention
+
+if TYPE_CHECKING:
+    from entrenar.models.transformer import KVCache
 
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
@@ -95,7 +99,7 @@ class LatentAttention(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         mask: torch.Tensor | Documents | None,
-        cache: object | None = None,
+        cache: KVCache | None = None,
     ) -> torch.Tensor:
         b, t, _ = x.shape
         heads = self.num_heads
@@ -110,7 +114,7 @@ class LatentAttention(nn.Module):
         q_rope = q_rope * cos + _rotate_half(q_rope) * sin
         k_rope = k_rope * cos + _rotate_half(k_rope) * sin
         if cache is not None and not isinstance(mask, Documents):
-            latent, k_rope = cache.update(self.layer_idx, latent, k_rope)  # type: ignore[attr-defined]
+            latent, k_rope = cache.update(self.layer_idx, latent, k_rope)
         s = latent.shape[2]
         kv = self.kv_b_proj(latent).view(b, s, heads, self.nope_dim + self.v_dim).transpose(1, 2)
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
