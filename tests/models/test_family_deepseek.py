@@ -567,3 +567,16 @@ def test_classification_head_equals_transformers(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(ours(ids, mask), ref(input_ids=ids, attention_mask=mask).logits, atol=1e-5,
                                    rtol=1e-5)
+
+
+def test_gguf_export_is_refused_naming_the_family(deepseek_folder, tmp_path):
+    """Writing DeepSeek GGUF files is not supported (entrenar's writer covers dense families): one clear error
+    naming the family, and no file left behind."""
+    from entrenar import quickstart
+    from entrenar.errors import ModelError
+    from entrenar.export.gguf_write import write_gguf
+
+    folder, _ = deepseek_folder()
+    with pytest.raises(ModelError, match="deepseek_v3 models is not supported"):
+        write_gguf(load_hf(folder), quickstart.build_tokenizer(), tmp_path / "out.gguf")
+    assert not (tmp_path / "out.gguf").exists()

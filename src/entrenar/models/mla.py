@@ -36,15 +36,19 @@ def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
-def softmax_scale(config: ModelConfig) -> float:
-    """MLA's softmax scale: ``qk_head_dim ** -0.5``, times ``yarn_mscale(factor, mscale_all_dim) ** 2`` when RoPE
-    is scaled and the config gives ``mscale_all_dim`` (transformers' ``yarn_apply_mscale``)."""
-    scale = config.qk_head_dim ** -0.5
+def softmax_temperature(config: ModelConfig) -> float:
+    """What MLA's softmax scale multiplies ``qk_head_dim ** -0.5`` by: ``yarn_mscale(factor, mscale_all_dim) ** 2``
+    when RoPE is scaled and the config gives ``mscale_all_dim`` (transformers' ``yarn_apply_mscale``), else 1."""
     scaling = config.rope_scaling or {}
     if scaling.get("rope_type", "default") != "default" and scaling.get("mscale_all_dim"):
         m = yarn_mscale(float(scaling["factor"]), float(scaling["mscale_all_dim"]))
-        scale *= m * m
-    return scale
+        return m * m
+    return 1.0
+
+
+def softmax_scale(config: ModelConfig) -> float:
+    """MLA's softmax scale: ``qk_head_dim ** -0.5`` times :func:`softmax_temperature`."""
+    return config.qk_head_dim ** -0.5 * softmax_temperature(config)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -84,7 +88,7 @@ class LatentAttention(nn.Module):
         self.o_proj = nn.Linear(heads * self.v_dim, h, bias=config.o_bias)
         self.interleave = config.rope_interleave
         # What SDPA's default scale (1/sqrt(qk)) is multiplied by: 1 unless YaRN's mscale applies.
-        self.query_scale = softmax_scale(config) * math.sqrt(qk)
+        self.query_scale = softmax_temperature(config)
         self.sliding_window = config.sliding_window
 
     def queries(self, x: torch.Tensor) -> torch.Tensor:
