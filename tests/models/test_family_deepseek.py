@@ -111,7 +111,7 @@ def test_save_round_trip_in_the_checkpoint_layout(deepseek_folder, tmp_path):
 
 def test_padding_free_rows_equal_each_document_alone(deepseek_folder):
     """Documents end to end in one row with cu_seqlens, in fp32 and in bf16 on the CPU (its explicit products,
-    where values are narrower than queries), against each document run alone."""
+    where values are narrower than queries), and packed under a document mask, against each document alone."""
     folder, _ = deepseek_folder()
     lengths = [7, 12, 5]
     torch.manual_seed(3)
@@ -119,12 +119,15 @@ def test_padding_free_rows_equal_each_document_alone(deepseek_folder):
     row = torch.cat(docs, dim=1)
     cu = torch.tensor([0, 7, 19, 24], dtype=torch.int32)
     positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    document_ids = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])[None]
     for dtype, atol in ((torch.float32, 1e-5), (torch.bfloat16, 3e-2)):
         model = load_hf(folder, dtype=dtype).eval()
         with torch.no_grad():
             packed = model(row, position_ids=positions, cu_seqlens=cu)
             alone = torch.cat([model(d) for d in docs], dim=1)
+            masked = model(row, position_ids=positions, document_ids=document_ids)  # packed rows, a document mask
         torch.testing.assert_close(packed.float(), alone.float(), atol=atol, rtol=0)
+        torch.testing.assert_close(masked.float(), alone.float(), atol=atol, rtol=0)
 
 
 def test_cached_generation_equals_the_full_forward(deepseek_folder):
@@ -564,3 +567,16 @@ def test_classification_head_equals_transformers(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(ours(ids, mask), ref(input_ids=ids, attention_mask=mask).logits, atol=1e-5,
                                    rtol=1e-5)
+
+
+def test_gguf_export_is_refused_naming_the_family(deepseek_folder, tmp_path):
+    """Writing DeepSeek GGUF files is not supported (entrenar's writer covers dense families): one clear error
+    naming the family, and no file left behind."""
+    from entrenar import quickstart
+    from entrenar.errors import ModelError
+    from entrenar.export.gguf_write import write_gguf
+
+    folder, _ = deepseek_folder()
+    with pytest.raises(ModelError, match="deepseek_v3 models is not supported"):
+        write_gguf(load_hf(folder), quickstart.build_tokenizer(), tmp_path / "out.gguf")
+    assert not (tmp_path / "out.gguf").exists()

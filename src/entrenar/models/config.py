@@ -165,12 +165,6 @@ class ModelConfig:
         return self.qk_nope_head_dim + self.head_dim
 
     @property
-    def value_head_dim(self) -> int:
-        """A value head's size (MLA's v_head_dim; head_dim otherwise)."""
-        assert self.head_dim is not None  # __post_init__ filled it in
-        return self.v_head_dim if self.is_mla else self.head_dim
-
-    @property
     def expert_intermediate_size(self) -> int:
         return self.moe_intermediate_size or self.intermediate_size
 

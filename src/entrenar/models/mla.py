@@ -17,6 +17,7 @@ padding-free documents, the CPU's explicit products) computes it unchanged.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +26,9 @@ from torch import nn
 from entrenar.models.config import ModelConfig
 from entrenar.models.padding_free import Documents, documents_attention
 
+if TYPE_CHECKING:
+    from entrenar.models.transformer import KVCache
+
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     """YaRN's attention temperature ``0.1 * mscale * ln(factor) + 1`` (1 for ``factor <= 1``), as DeepSeek's code
@@ -32,15 +36,19 @@ def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
-def softmax_scale(config: ModelConfig) -> float:
-    """MLA's softmax scale: ``qk_head_dim ** -0.5``, times ``yarn_mscale(factor, mscale_all_dim) ** 2`` when RoPE
-    is scaled and the config gives ``mscale_all_dim`` (transformers' ``yarn_apply_mscale``)."""
-    scale = config.qk_head_dim ** -0.5
+def softmax_temperature(config: ModelConfig) -> float:
+    """What MLA's softmax scale multiplies ``qk_head_dim ** -0.5`` by: ``yarn_mscale(factor, mscale_all_dim) ** 2``
+    when RoPE is scaled and the config gives ``mscale_all_dim`` (transformers' ``yarn_apply_mscale``), else 1."""
     scaling = config.rope_scaling or {}
     if scaling.get("rope_type", "default") != "default" and scaling.get("mscale_all_dim"):
         m = yarn_mscale(float(scaling["factor"]), float(scaling["mscale_all_dim"]))
-        scale *= m * m
-    return scale
+        return m * m
+    return 1.0
+
+
+def softmax_scale(config: ModelConfig) -> float:
+    """MLA's softmax scale: ``qk_head_dim ** -0.5`` times :func:`softmax_temperature`."""
+    return config.qk_head_dim ** -0.5 * softmax_temperature(config)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -80,7 +88,7 @@ class LatentAttention(nn.Module):
         self.o_proj = nn.Linear(heads * self.v_dim, h, bias=config.o_bias)
         self.interleave = config.rope_interleave
         # What SDPA's default scale (1/sqrt(qk)) is multiplied by: 1 unless YaRN's mscale applies.
-        self.query_scale = softmax_scale(config) * math.sqrt(qk)
+        self.query_scale = softmax_temperature(config)
         self.sliding_window = config.sliding_window
 
     def queries(self, x: torch.Tensor) -> torch.Tensor:
@@ -95,7 +103,7 @@ class LatentAttention(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         mask: torch.Tensor | Documents | None,
-        cache: object | None = None,
+        cache: KVCache | None = None,
     ) -> torch.Tensor:
         b, t, _ = x.shape
         heads = self.num_heads
@@ -110,7 +118,7 @@ class LatentAttention(nn.Module):
         q_rope = q_rope * cos + _rotate_half(q_rope) * sin
         k_rope = k_rope * cos + _rotate_half(k_rope) * sin
         if cache is not None and not isinstance(mask, Documents):
-            latent, k_rope = cache.update(self.layer_idx, latent, k_rope)  # type: ignore[attr-defined]
+            latent, k_rope = cache.update(self.layer_idx, latent, k_rope)
         s = latent.shape[2]
         kv = self.kv_b_proj(latent).view(b, s, heads, self.nope_dim + self.v_dim).transpose(1, 2)
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)

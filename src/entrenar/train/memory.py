@@ -179,7 +179,7 @@ def activation_bytes_per_token_layer(config: ModelConfig, dtype_bytes: int, kern
         norms = 2 * (h * dtype_bytes + h * 4 + 4)  # input, fp32 upcast, rms
         return norms + attention + h * dtype_bytes + (h + 4 * i) * dtype_bytes
     norms = 2 * (h * dtype_bytes + 4)  # input, 1/rms
-    if lora:
+    if lora and not config.is_mla:  # an MLA block keeps the plain block: no norm inside the LoRA node
         return norms + attention + 2 * i * dtype_bytes
     return norms + attention + (2 * h + 3 * i) * dtype_bytes  # + normed inputs, gate, up, the down input
 
