@@ -115,6 +115,9 @@ class CausalLMTask:
             return fused_linear_cross_entropy(hidden, self._head.weight, batch["labels"], FUSED_LOSS_CHUNK)[0]
         return token_cross_entropy(model(*inputs, **layout), batch["labels"])[0]
 
+    def step_metrics(self) -> dict[str, torch.Tensor]:
+        return {}  # the loss is the step's metric
+
     def evaluate(self, model: Transformer, examples: list, tokenizer: Tokenizer) -> EvalResult:
         d, t = self.recipe.data, self.recipe.training
         batches = eval_batches(examples, t.batch_size, d.seq_len, packing=d.packing, pad_id=tokenizer.pad_id or 0)

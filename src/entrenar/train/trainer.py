@@ -206,7 +206,8 @@ class Trainer:
         max_steps, done = self.recipe.training.max_steps, record.step
         moe_record, warnings = self.moe.diagnose(done, record.moe_values) \
             if self.moe is not None and record.moe_values is not None else (None, [])
-        extra = {"moe": moe_record} if moe_record is not None else {}
+        extra: dict[str, Any] = {"moe": moe_record} if moe_record is not None else {}
+        extra.update(record.metrics)  # the task's own (a preference task's rewards/chosen...), as it names them
         extra.update(dist_steps.peak_memory(self.world, self.plan.device))  # each rank's, in a distributed run
         line = metrics.log_step(done, record.loss, record.grad_norm, record.lr, record.tokens,
                                 step_time_s=elapsed, flags=record.flags, extra=extra)

@@ -4,3 +4,7 @@
 * :mod:`.logprobs`: the completion log-probabilities of a batch's sequences, chunk by chunk from the hidden states;
 * :mod:`.task`: :class:`PreferenceTask`, the Task protocol (:mod:`entrenar.tasks.base`).
 """
+
+from entrenar.tasks.preference.task import ACCURACY, PreferenceEval, PreferenceTask, reference_of
+
+__all__ = ["ACCURACY", "PreferenceEval", "PreferenceTask", "reference_of"]
