@@ -148,6 +148,10 @@ class DataSection(_Section):
     shuffle: bool = setting(True, _boolean)
     # a SQLite train/validation file: the SELECT giving its rows
     query: str | None = setting(None, _text(nullable=True))
+    # task.type preference: the fields of the preferred and dispreferred completions (TRL's names); the prompt is
+    # prompt_field, KTO's completion and label completion_field and label_field
+    chosen_field: str = setting("chosen", _text())
+    rejected_field: str = setting("rejected", _text())
 
     def __post_init__(self) -> None:
         super().__post_init__()

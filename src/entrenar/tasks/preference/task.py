@@ -116,7 +116,8 @@ class PreferenceTask(CausalLMTask):
         """Pairs (or KTO's unpaired examples) of one data file, as TRL's formats hold them."""
         d = self.recipe.data
         file_format, _ = split_format(format or d.format)
-        columns = {"prompt": d.prompt_field, "completion": d.completion_field, "label": d.label_field}
+        columns = {"prompt": d.prompt_field, "chosen": d.chosen_field, "rejected": d.rejected_field,
+                   "completion": d.completion_field, "label": d.label_field}
         examples, left_out, notes = read_preference_file(
             path, tokenizer, seq_len=d.seq_len, kind="unpaired" if self.recipe.task.loss == "kto" else "pairs",
             columns=columns, on_error=d.on_error, seed=self.recipe.training.seed, query=d.query, format=file_format,
