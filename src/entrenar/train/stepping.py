@@ -143,7 +143,7 @@ class SyncSteps:
         # Router biases move only with an applied update (a skipped step leaves them too).
         moe_values = self.moe.close_step(update="skipped" not in flags).tolist() if self.moe is not None else None
         record = StepRecord(done, lr, started, loss_value, norm_value, int(tokens), flags, moe_values,
-                            {k: float(v) for k, v in self.metrics.items()})
+                            _finite(self.metrics))
         self.log(record)
         return record
 
@@ -177,7 +177,7 @@ class OverlappedSteps(SyncSteps):
         flags = self.guard.check(p.step, values[0], values[1])
         k = 3 + len(p.metrics)
         self.log(StepRecord(p.step, p.lr, p.started, values[0], values[1], int(values[2]), flags,
-                            values[k:] if self.moe is not None else None, dict(zip(p.metrics, values[3:k]))))
+                            values[k:] if self.moe is not None else None, _finite(dict(zip(p.metrics, values[3:k])))))
 
     def _apply(self, done: int, lr: float, started: float, loss: torch.Tensor, grad_norm: torch.Tensor,
                tokens: torch.Tensor, acts: bool) -> StepRecord | None:
@@ -198,6 +198,11 @@ def fills_capacity(batch: Batch, segments: int | None) -> bool:
     capacity, not a batch over it that kept its own)."""
     cu = batch.get("cu_seqlens")
     return cu is None or segments is None or len(cu) == segments + 1
+
+
+def _finite(metrics: dict[str, Any]) -> dict[str, float]:
+    """A task's step metrics as numbers, without those that are not finite (nothing counted in the step)."""
+    return {k: x for k, x in ((k, float(v)) for k, v in metrics.items()) if math.isfinite(x)}
 
 
 def _to(value: torch.Tensor | int, device: torch.device) -> torch.Tensor | int:

@@ -80,7 +80,8 @@ class _Sums:
         self.sums[name] = (total + values.sum(), count + values.numel())
 
     def means(self) -> dict[str, torch.Tensor]:
-        means = {name: total / count.clamp(min=1) for name, (total, count) in self.sums.items()}
+        # NaN where nothing was counted (a KTO micro-batch without undesirable examples): left out when logged
+        means = {name: total / count for name, (total, count) in self.sums.items()}
         if "rewards/chosen" in means and "rewards/rejected" in means and "rewards/margins" not in means:
             means["rewards/margins"] = means["rewards/chosen"] - means["rewards/rejected"]  # KTO's, as TRL's
         return means
@@ -241,32 +242,42 @@ class PreferenceTask(CausalLMTask):
                 count += len(batch["example_index"])
         finally:
             model.train(was_training)
-        metrics = {k: float(v) for k, v in sums.means().items()}
+        metrics = {k: float(v) for k, v in sums.means().items() if bool(torch.isfinite(v))}
         return PreferenceEval(loss=float(total) / max(count, 1), metrics=metrics, examples=count)
 
     def log_eval(self, metrics: MetricsLogger, step: int, result: PreferenceEval) -> bool:
         """Log the evaluation with TRL's names; True when its preference accuracy is the best so far (ties: the
         lower loss)."""
         if self._best is None:  # a resumed run: the best so far is in the metrics kept up to the resumed step
-            self._best = _best_logged(metrics.path)
+            self._best = _best_logged(metrics.path, self.recipe.task.loss == "kto")
         metrics.log_eval(step, result.loss)
         metrics._write({"step": int(step), **{f"eval_{k}": v for k, v in result.metrics.items()}})
-        score = (result.accuracy, -result.loss)
+        score = self._score(result)
         if score != score or (self._best is not None and score <= self._best):  # NaN: never the best
             return False
         self._best = score
         return True
 
+    def _score(self, result: PreferenceEval) -> tuple[float, float]:
+        """What picks the best evaluation, higher better: the preference accuracy, then the lower loss (KTO, whose
+        examples are unpaired: the lower loss)."""
+        if self.recipe.task.loss == "kto":
+            return -result.loss, 0.0
+        return result.accuracy, -result.loss
+
     def eval_scalars(self, result: PreferenceEval) -> dict[str, float]:
-        """The loss, then the preference accuracy, then the other metrics (``eval_`` prefixed, as TRL)."""
-        rest = {f"eval_{k}": v for k, v in result.metrics.items() if k != ACCURACY}
-        return {"eval_loss": result.loss, f"eval_{ACCURACY}": result.accuracy, **rest}
+        """The loss, then the preference accuracy (pairs), then the other metrics (``eval_`` prefixed, as TRL)."""
+        return {"eval_loss": result.loss, **{f"eval_{k}": v for k, v in sorted(
+            result.metrics.items(), key=lambda item: item[0] != ACCURACY)}}
 
     def finish(self, model: Transformer, tokenizer: Tokenizer, validation: list, run_dir: Path, output: Path,
                before: PreferenceEval | None, after: PreferenceEval | None) -> list[SummaryRow]:
         """The held-out preference accuracy and margin before and after training."""
         if after is None:
             return []
+        if self.recipe.task.loss == "kto":
+            return [("held-out KTO loss", (f"{before.loss:.4f} -> " if before is not None else "") + f"{after.loss:.4f}"
+                     + f" (margin {after.metrics.get('rewards/margins', 0.0):+.4f})")]
         start = (before.accuracy, before.metrics.get("rewards/margins", 0.0)) if before is not None \
             else _logged_start(run_dir)
         now = f"{after.accuracy:.3f} (margin {after.metrics.get('rewards/margins', 0.0):+.4f})"
@@ -282,10 +293,13 @@ def _plain_head(model: Any) -> nn.Module | None:
     return head if type(head) is nn.Linear else None
 
 
-def _best_logged(path: Path) -> tuple[float, float] | None:
-    """(accuracy, -loss) of the best evaluation a run's metrics.jsonl logged (None: none yet)."""
+def _best_logged(path: Path, by_loss: bool) -> tuple[float, float] | None:
+    """The score (:meth:`PreferenceTask._score`) of the best evaluation a run's metrics.jsonl logged (None: none
+    yet)."""
     records = read_metrics(path) if path.is_file() else []
     losses = {r["step"]: r["eval_loss"] for r in records if r.get("eval_loss") is not None}
+    if by_loss:
+        return max(((-loss, 0.0) for loss in losses.values()), default=None)
     scores = [(r[f"eval_{ACCURACY}"], -losses.get(r["step"], 0.0)) for r in records
               if r.get(f"eval_{ACCURACY}") is not None]
     return max(scores) if scores else None
