@@ -194,10 +194,14 @@ def _tokenize(record: Record, tokenizer: Tokenizer, record_kind: str, kind: str,
     prompt, chosen, rejected = _split_prompt(fields, names, where)
     _check_side(chosen, where, names["chosen"])
     _check_side(rejected, where, names["rejected"])
+    if kind == "unpaired":  # each half on its own, as TRL tokenizes the unpaired data set
+        halves: list[PreferenceExample] = []
+        for name, side, desirable in ((names["chosen"], chosen, True), (names["rejected"], rejected, False)):
+            ids, (side_ids,) = _tokenize_prompt_and(tokenizer, prompt, {name: side}, where, names["prompt"])
+            halves.append(UnpairedExample(ids, side_ids, desirable, where))
+        return halves
     ids, (chosen_ids, rejected_ids) = _tokenize_prompt_and(
         tokenizer, prompt, {names["chosen"]: chosen, names["rejected"]: rejected}, where, names["prompt"])
-    if kind == "unpaired":
-        return [UnpairedExample(ids, chosen_ids, True, where), UnpairedExample(ids, rejected_ids, False, where)]
     return [PreferencePair(ids, chosen_ids, rejected_ids, where)]
 
 
@@ -357,16 +361,27 @@ class _Cuts:
 
 
 def collate_preference(examples: Sequence[PreferenceExample], indices: Sequence[int], seq_len: int, *,
-                       packing: bool = True, pad_id: int = 0, pad_to: str = "seq_len") -> PreferenceBatch:
+                       packing: bool = True, pad_id: int = 0, pad_to: str = "seq_len",
+                       kl: bool = False) -> PreferenceBatch:
     """The micro-batch of ``examples[i]`` for ``i`` in ``indices``: each sequence (prompt + one completion) one
     document, packed best-fit into rows of ``seq_len`` or one a padded row (to ``seq_len``, or to the longest
-    with ``pad_to="longest"``)."""
+    with ``pad_to="longest"``).
+
+    ``kl`` (unpaired examples, KTO's KL estimate): after the n sequences of the examples come n mismatched ones,
+    sequence n + k being example k's prompt with example k-1's completion (example 0 with the last one's), cut at
+    the end to ``seq_len``: TRL's ``KL_completion_ids``, rotated by one within a batch. ``kl_offset`` = n then
+    names the first of them."""
     sequences: list[Example] = []
     for i in indices:
         example = examples[i]
         for completion in example.sequences():
-            sequences.append(Example(example.prompt + completion,
-                                     [IGNORE_INDEX] * len(example.prompt) + list(completion), example.origin))
+            sequences.append(_sequence(example.prompt, completion, seq_len, example.origin))
+    if kl:
+        units = [examples[i] for i in indices]
+        if not all(isinstance(e, UnpairedExample) for e in units):
+            raise ConfigError("kl: the mismatched sequences of KTO's KL estimate are made from unpaired examples")
+        for k, example in enumerate(units):
+            sequences.append(_sequence(example.prompt, units[k - 1].sequences()[0], seq_len, example.origin))
     if packing:
         rows = best_fit([len(s) for s in sequences], seq_len)
     else:
@@ -385,7 +400,16 @@ def collate_preference(examples: Sequence[PreferenceExample], indices: Sequence[
     unpaired = [examples[i] for i in indices if isinstance(examples[i], UnpairedExample)]
     if unpaired:
         batch["desirable"] = torch.tensor([e.desirable for e in unpaired if isinstance(e, UnpairedExample)])
+    if kl:
+        batch["kl_offset"] = len(indices)
     return batch
+
+
+def _sequence(prompt: list[int], completion: Sequence[int], seq_len: int, origin: str) -> Example:
+    """Prompt + completion as one document, loss on the completion; cut at the end to ``seq_len`` (only a KL
+    sequence can be longer: the others were cut when read)."""
+    completion = list(completion[:seq_len - len(prompt)])
+    return Example(prompt + completion, [IGNORE_INDEX] * len(prompt) + completion, origin)
 
 
 def _check_examples(examples: Sequence[PreferenceExample], seq_len: int) -> None:
@@ -424,12 +448,15 @@ class PreferenceStream:
         seed: int = 0,
         pad_id: int = 0,
         pad_to: str = "seq_len",
+        kl: bool = False,
     ) -> None:
         if batch_size < 1 or seq_len < 2:
             raise ConfigError(f"batch_size must be >= 1 and seq_len >= 2, got {batch_size} and {seq_len}")
         if pad_to not in ("seq_len", "longest"):
             raise ConfigError(f"pad_to {pad_to!r} must be 'seq_len' or 'longest'")
         _check_examples(examples, seq_len)
+        if kl and not isinstance(examples[0], UnpairedExample):
+            raise ConfigError("kl: the mismatched sequences of KTO's KL estimate are made from unpaired examples")
         self.examples = examples
         self.batch_size = batch_size
         self.seq_len = seq_len
@@ -438,6 +465,7 @@ class PreferenceStream:
         self.seed = seed
         self.pad_id = pad_id
         self.pad_to = pad_to
+        self.kl = kl
         self.epoch = 0
         self.position = 0
         self._order = self._epoch_order(0)
@@ -463,7 +491,7 @@ class PreferenceStream:
 
     def __next__(self) -> PreferenceBatch:
         return collate_preference(self.examples, self._take(self.batch_size), self.seq_len, packing=self.packing,
-                                  pad_id=self.pad_id, pad_to=self.pad_to)
+                                  pad_id=self.pad_id, pad_to=self.pad_to, kl=self.kl)
 
     def rows_per_epoch(self) -> int:
         """Units (pairs or unpaired examples) of one epoch: what ``batch_size`` counts, so ``training.epochs``
@@ -498,13 +526,13 @@ class PreferenceStream:
 
 
 def preference_eval_batches(examples: Sequence[PreferenceExample], batch_size: int, seq_len: int, *,
-                            packing: bool = True, pad_id: int = 0) -> list[PreferenceBatch]:
+                            packing: bool = True, pad_id: int = 0, kl: bool = False) -> list[PreferenceBatch]:
     """Every example once, in order, ``batch_size`` a micro-batch (the last may hold fewer): held-out evaluation."""
     if batch_size < 1:
         raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
     _check_examples(examples, seq_len)
     return [collate_preference(examples, range(start, min(start + batch_size, len(examples))), seq_len,
-                               packing=packing, pad_id=pad_id)
+                               packing=packing, pad_id=pad_id, kl=kl)
             for start in range(0, len(examples), batch_size)]
 
 
