@@ -83,7 +83,7 @@ task: {{{settings}}}
     steps = []
     for step in range(STEPS):
         batch = collate_preference(examples, range(step * per_batch, (step + 1) * per_batch), 32,
-                                   packing=packing)
+                                   packing=packing, kl=loss == "kto")
         value = preference.loss_sum(Single(model), batch) / preference.num_targets(batch)
         value.backward()
         optimizer.step()

@@ -19,8 +19,6 @@ from entrenar.data.tokenize import IGNORE_INDEX
 from entrenar.kernels.token_logprobs import TOKEN_LOGPROBS_CHUNK, token_logprobs
 from entrenar.tasks.base import Batch
 
-REFERENCES = ("auto", "adapters_off", "copy", "precomputed")
-
 
 def _targets(batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
     """Next-token targets and the sequence each belongs to, flattened [N] (each row's last position: none)."""
@@ -56,36 +54,4 @@ def sequence_logprobs(model: Any, batch: Batch, head: nn.Module | None,
     return sums, tokens
 
 
-def mismatched_batch(batch: Batch) -> Batch:
-    """KTO's KL batch: sequence i's prompt followed by sequence i-1's completion (TRL's +1 cycle of the
-    completions within a batch), one padded row each, from the tokens of ``batch`` whatever its layout."""
-    ids, labels, owners = batch["input_ids"].reshape(-1), batch["labels"].reshape(-1), batch["sequence_ids"]
-    owners = owners.reshape(-1)
-    n = int(batch["num_sequences"])
-    prompts, completions = [], []
-    for i in range(n):
-        mine = owners == i
-        tokens, marked = ids[mine], labels[mine] != IGNORE_INDEX
-        first = int(marked.nonzero()[0]) if bool(marked.any()) else len(tokens)
-        prompts.append(tokens[:first])
-        completions.append(tokens[first:])
-    rows = [torch.cat([prompts[i], completions[(i - 1) % n]]) for i in range(n)]
-    width = max(len(r) for r in rows)
-    shape = (n, width)
-    out = {"input_ids": torch.zeros(shape, dtype=torch.long, device=ids.device),
-           "labels": torch.full(shape, IGNORE_INDEX, dtype=torch.long, device=ids.device),
-           "position_ids": torch.zeros(shape, dtype=torch.long, device=ids.device),
-           "document_ids": torch.full(shape, -1, dtype=torch.long, device=ids.device),
-           "sequence_ids": torch.full(shape, -1, dtype=torch.long, device=ids.device), "num_sequences": n}
-    for i, row in enumerate(rows):
-        k, p = len(row), len(prompts[i])
-        out["input_ids"][i, :k] = row
-        out["labels"][i, p:k] = row[p:]
-        out["labels"][i, 0] = IGNORE_INDEX
-        out["position_ids"][i, :k] = torch.arange(k, device=ids.device)
-        out["document_ids"][i, :k] = 0
-        out["sequence_ids"][i, :k] = i
-    return out
-
-
-__all__ = ["REFERENCES", "mismatched_batch", "sequence_logprobs"]
+__all__ = ["sequence_logprobs"]

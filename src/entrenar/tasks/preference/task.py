@@ -34,7 +34,7 @@ from entrenar.models.transformer import Transformer, compute_device
 from entrenar.tasks.base import Batch, SummaryRow
 from entrenar.tasks.causal_lm import CausalLMTask
 from entrenar.tasks.preference import losses as L
-from entrenar.tasks.preference.logprobs import mismatched_batch, sequence_logprobs
+from entrenar.tasks.preference.logprobs import sequence_logprobs
 from entrenar.train.metrics import read_metrics
 
 if TYPE_CHECKING:
@@ -129,7 +129,7 @@ class PreferenceTask(CausalLMTask):
     def stream(self, examples: list, tokenizer: Tokenizer) -> tuple[Any, list[str]]:
         d, t = self.recipe.data, self.recipe.training
         return PreferenceStream(examples, t.batch_size, d.seq_len, packing=d.packing, shuffle=d.shuffle,
-                                seed=t.seed, pad_id=tokenizer.pad_id or 0), []
+                                seed=t.seed, pad_id=tokenizer.pad_id or 0, kl=self.recipe.task.loss == "kto"), []
 
     def num_targets(self, batch: Batch) -> float:
         """Pairs (or KTO examples): the loss of a step is the mean over its pairs."""
@@ -161,7 +161,7 @@ class PreferenceTask(CausalLMTask):
         logps, tokens = sequence_logprobs(model, batch, self._head)
         ref = self._reference_logprobs(batch)
         if task.loss == "kto":
-            return self._kto(model, batch, logps, ref, sums)
+            return self._kto(batch, logps, ref, sums)
         chosen, rejected = logps[0::2], logps[1::2]
         if task.loss == "dpo":
             assert ref is not None
@@ -186,18 +186,16 @@ class PreferenceTask(CausalLMTask):
         sums.add("logps/rejected", rejected)
         return per_pair
 
-    def _kto(self, model: Any, batch: Batch, logps: torch.Tensor, ref: tuple[torch.Tensor, torch.Tensor] | None,
+    def _kto(self, batch: Batch, logps: torch.Tensor, ref: tuple[torch.Tensor, torch.Tensor] | None,
              sums: _Sums) -> torch.Tensor:
         task = self.recipe.task
         assert ref is not None
         desirable = batch["desirable"].to(logps.device).bool()
-        mismatched = mismatched_batch(batch)
-        with torch.no_grad():
-            kl_logps, _ = sequence_logprobs(model, mismatched, self._head)
-        with self._as_reference() as reference:
-            ref_kl_logps, _ = sequence_logprobs(reference, mismatched, _plain_head(reference))
-        z = L.kto_reference_point(kl_logps, ref_kl_logps)
-        per_example, cr, rr = L.kto(logps, ref[0], desirable, z, task.beta, task.desirable_weight,
+        # The batch's mismatched sequences (after its n examples: prompt k with completion k-1) estimate z.
+        n = int(batch["kl_offset"])
+        z = L.kto_reference_point(logps[n:].detach(), ref[0][n:])
+        logps = logps[:n]
+        per_example, cr, rr = L.kto(logps, ref[0][:n], desirable, z, task.beta, task.desirable_weight,
                                     task.undesirable_weight)
         sums.add("kl", z)
         sums.add("rewards/chosen", cr)
@@ -221,7 +219,7 @@ class PreferenceTask(CausalLMTask):
         """Mean loss and TRL's metrics over held-out pairs (the first training.eval_batches micro-batches)."""
         d, t = self.recipe.data, self.recipe.training
         batches = preference_eval_batches(examples, t.batch_size, d.seq_len, packing=d.packing,
-                                          pad_id=tokenizer.pad_id or 0)
+                                          pad_id=tokenizer.pad_id or 0, kl=self.recipe.task.loss == "kto")
         return self.evaluate_batches(model, batches[:t.eval_batches] if t.eval_batches else batches)
 
     @torch.no_grad()
