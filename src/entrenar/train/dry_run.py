@@ -41,7 +41,8 @@ def plan_lines(plan: RunPlan) -> list[str]:
     return [
         f"{'memory estimate':<22}{estimate.total / GiB:.2f} GiB (weights {estimate.weights / GiB:.2f}, "
         f"grads {estimate.gradients / GiB:.2f}, optimizer {estimate.optimizer / GiB:.2f}, "
-        f"activations {estimate.activations / GiB:.2f}, logits {estimate.logits / GiB:.2f}{_cpu_terms(estimate)})",
+        f"activations {estimate.activations / GiB:.2f}, logits {estimate.logits / GiB:.2f}"
+        f"{f', reference copy {estimate.reference / GiB:.2f}' if estimate.reference else ''}{_cpu_terms(estimate)})",
         *([f"{'':<22}{CPU_ESTIMATE_NOTE}"] if estimate.runtime else []),
         "plan",
         *[f"  {key:<30}{why}" for key, why in plan.reasons],
