@@ -387,8 +387,8 @@ class TaskSection(_Section):
                 raise _BadValue(f"task.{key}", f"'task.{key}' applies to task.loss {' or '.join(losses)}; "
                                                f"task.loss {self.loss} does not use it (remove it)")
         if self.label_smoothing >= 0.5:
-            raise _BadValue("task.label_smoothing", f"'task.label_smoothing' must be in [0, 0.5) for a preference "
-                                                    f"loss (the chance a label is flipped), got {self.label_smoothing:g}")
+            raise _BadValue("task.label_smoothing", "'task.label_smoothing' must be in [0, 0.5) for a preference loss "
+                                                    f"(the chance a label is flipped), got {self.label_smoothing:g}")
         if self.loss in ("simpo", "orpo") and self.reference != "auto":
             raise _BadValue("task.reference", f"'task.reference' is {self.reference} but task.loss {self.loss} is "
                                               "reference-free (no reference model); remove task.reference")
