@@ -12,7 +12,7 @@ from entrenar.adapters.switch import adapters_off
 from entrenar.config import load_recipe
 from entrenar.data.preference import PreferencePair, collate_preference
 from entrenar.distributed.parallelize import Single
-from entrenar.errors import AdapterError, ConfigError
+from entrenar.errors import AdapterError, CheckpointError, ConfigError
 from entrenar.loading import load
 from entrenar.tasks import for_recipe
 from entrenar.tasks.preference import PreferenceTask, reference_of
@@ -166,3 +166,54 @@ def test_nonsense_settings_are_refused_naming_the_key(tmp_path, hf_folder, overr
     folder, _ = hf_folder("llama")
     with pytest.raises(ConfigError, match=message):
         _recipe(tmp_path, folder, *overrides, lora=lora)
+
+
+def test_precomputed_reference_equals_a_frozen_copy_and_is_reused(hf_folder, tmp_path):
+    """Full fine-tuning: the table computed once from the starting weights gives the copy's loss; a second run in
+    the folder reuses it; a model that left its starting weights without a table is refused."""
+    folder, _ = hf_folder("llama")
+    pairs = _pairs()
+    batch = collate_preference(pairs, range(4), 32)
+
+    def task_for(reference):
+        recipe = _recipe(tmp_path, folder, f"task.reference={reference}", f"output.dir={tmp_path / 'run'}",
+                         lora=False)
+        model, _ = load(folder, dtype="float32", device="cpu")
+        task = PreferenceTask(recipe)
+        task.prepare(model)
+        task._read.extend(pairs)
+        task.stream(pairs, SimpleTokenizer())
+        return task, model
+
+    def move(model):  # the policy leaves its starting weights (the same way both times)
+        torch.manual_seed(5)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * 0.01)
+
+    copied, model = task_for("copy")
+    move(model)  # the copy stays where it started
+    expected = copied.loss_sum(Single(model), batch)
+
+    fresh, model = task_for("precomputed")
+    path = tmp_path / "run" / "reference_logps.safetensors"
+    fresh._precomputed()
+    assert path.is_file()
+    move(model)
+    torch.testing.assert_close(fresh.loss_sum(Single(model), batch), expected, rtol=1e-5, atol=1e-6)
+
+    stamp = path.stat().st_mtime_ns
+    again, _ = task_for("precomputed")
+    again._precomputed()
+    assert path.stat().st_mtime_ns == stamp  # reused, not recomputed
+
+    path.unlink()
+    resumed, model = task_for("precomputed")
+    with torch.no_grad():
+        next(model.parameters()).add_(1.0)  # what a resume's checkpoint does to the weights
+    with pytest.raises(CheckpointError, match="left its starting weights"):
+        resumed._precomputed()
+
+
+class SimpleTokenizer:
+    pad_id = 0

@@ -389,6 +389,10 @@ class TaskSection(_Section):
         if self.label_smoothing >= 0.5:
             raise _BadValue("task.label_smoothing", "'task.label_smoothing' must be in [0, 0.5) for a preference loss "
                                                     f"(the chance a label is flipped), got {self.label_smoothing:g}")
+        if self.loss == "kto" and self.reference == "precomputed":
+            raise _BadValue("task.reference", "'task.reference' precomputed cannot serve task.loss kto: its KL "
+                                              "estimate pairs each prompt with another example's completion of the "
+                                              "same micro-batch, which changes with the order (use copy)")
         if self.loss in ("simpo", "orpo") and self.reference != "auto":
             raise _BadValue("task.reference", f"'task.reference' is {self.reference} but task.loss {self.loss} is "
                                               "reference-free (no reference model); remove task.reference")

@@ -28,6 +28,7 @@ from entrenar.data.formats import split_format
 from entrenar.data.preference import PreferenceStream, preference_eval_batches, read_preference_file
 from entrenar.data.sources import Skip
 from entrenar.data.tokenizer import Tokenizer
+from entrenar.errors import CheckpointError
 from entrenar.evaluation.loss import autocast_for
 from entrenar.io.run_dir import METRICS_FILE
 from entrenar.models.transformer import Transformer, compute_device
@@ -35,6 +36,13 @@ from entrenar.tasks.base import Batch, SummaryRow
 from entrenar.tasks.causal_lm import CausalLMTask
 from entrenar.tasks.preference import losses as L
 from entrenar.tasks.preference.logprobs import sequence_logprobs
+from entrenar.tasks.preference.precomputed import (
+    REFERENCE_FILE,
+    examples_fingerprint,
+    read_table,
+    weights_fingerprint,
+    write_table,
+)
 from entrenar.train.metrics import read_metrics
 
 if TYPE_CHECKING:
@@ -97,6 +105,12 @@ class PreferenceTask(CausalLMTask):
     _reference: nn.Module | None = field(default=None, repr=False)  # a frozen copy (task.reference: copy)
     _step: _Sums = field(default_factory=_Sums, repr=False)
     _best: tuple[float, float] | None = field(default=None, repr=False)  # (accuracy, -loss) of the best evaluation
+    # task.reference precomputed: every example read, the starting weights' fingerprint, the table and its rows
+    _read: list = field(default_factory=list, repr=False)
+    _start: str | None = field(default=None, repr=False)
+    _table: torch.Tensor | None = field(default=None, repr=False)
+    _rows: dict[int, int] = field(default_factory=dict, repr=False)
+    _train: list = field(default_factory=list, repr=False)
 
     # -- model ------------------------------------------------------------------------------------------
 
@@ -107,8 +121,8 @@ class PreferenceTask(CausalLMTask):
         reference, _ = reference_of(self.recipe)
         if reference == "copy":
             self._reference = copy.deepcopy(model).requires_grad_(False).eval()
-        elif reference == "precomputed":
-            raise NotImplementedError("task.reference: precomputed")  # pragma: no cover (refused by check)
+        elif reference == "precomputed":  # the starting weights, before a resume loads a checkpoint's
+            self._start = weights_fingerprint(model)
 
     # -- data -------------------------------------------------------------------------------------------
 
@@ -124,10 +138,12 @@ class PreferenceTask(CausalLMTask):
             columns=columns, on_error=d.on_error, seed=self.recipe.training.seed, query=d.query, format=file_format,
             key=f"data.{role}")
         skipped.extend(left_out)
+        self._read.extend(examples)
         return list(examples), notes
 
     def stream(self, examples: list, tokenizer: Tokenizer) -> tuple[Any, list[str]]:
         d, t = self.recipe.data, self.recipe.training
+        self._train = examples
         return PreferenceStream(examples, t.batch_size, d.seq_len, packing=d.packing, shuffle=d.shuffle,
                                 seed=t.seed, pad_id=tokenizer.pad_id or 0, kl=self.recipe.task.loss == "kto"), []
 
@@ -149,17 +165,63 @@ class PreferenceTask(CausalLMTask):
             else:
                 yield self._reference
 
-    def _reference_logprobs(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def _reference_logprobs(self, batch: Batch, examples: list) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The reference's (sums, tokens) of the batch's sequences; ``examples``: the list its example_index
+        points into."""
         if self.recipe.task.loss in L.REFERENCE_FREE:
             return None
+        if reference_of(self.recipe)[0] == "precomputed":
+            table = self._precomputed()
+            rows = [self._rows[id(examples[i])] for i in batch["example_index"].tolist()]
+            return table[rows].to(batch["input_ids"].device).reshape(-1), torch.empty(0)
         with self._as_reference() as reference:
             return sequence_logprobs(reference, batch, _plain_head(reference))
 
-    def _losses(self, model: Any, batch: Batch, sums: _Sums) -> torch.Tensor:
-        """The per-pair (per-example) losses of a batch, their metrics added to ``sums``."""
+    def _precomputed(self) -> torch.Tensor:
+        """The reference table of every example read: from the run folder when its fingerprints match, else
+        computed now with the starting weights (refused when the model has left them: a resumed run)."""
+        if self._table is not None:
+            return self._table
+        assert self._model is not None and self._start is not None  # prepare() ran
+        path = Path(self.recipe.output.dir).absolute() / REFERENCE_FILE
+        data = examples_fingerprint(self._read)
+        table = read_table(path, data, self._start)
+        if table is None:
+            if weights_fingerprint(self._model) != self._start:
+                raise CheckpointError(f"{path}: the reference log-probabilities of this run are missing or were "
+                                      "computed for other data or weights, and the model has left its starting "
+                                      "weights (a resumed run); start the run again, or use task.reference: copy")
+            table = self._compute_table()
+            write_table(path, table, data, self._start)
+        self._table = table.to(compute_device(self._model))
+        self._rows = {id(e): i for i, e in enumerate(self._read)}
+        return self._table
+
+    @torch.no_grad()
+    def _compute_table(self) -> torch.Tensor:
+        """[examples read, 2]: each pair's summed (chosen, rejected) log-probabilities under the model now."""
+        assert self._model is not None
+        d, t = self.recipe.data, self.recipe.training
+        model, device = self._model, compute_device(self._model)
+        table = torch.zeros(len(self._read), 2, dtype=torch.float32)
+        was_training = model.training
+        model.eval()
+        try:
+            for batch in preference_eval_batches(self._read, t.batch_size, d.seq_len, packing=d.packing):
+                batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+                with autocast_for(device, t.precision):
+                    sums, _ = sequence_logprobs(model, batch, self._head)
+                table[batch["example_index"].cpu()] = sums.reshape(-1, 2).float().cpu()
+        finally:
+            model.train(was_training)
+        return table
+
+    def _losses(self, model: Any, batch: Batch, sums: _Sums, examples: list) -> torch.Tensor:
+        """The per-pair (per-example) losses of a batch, their metrics added to ``sums``; ``examples``: the list
+        the batch's example_index points into."""
         task = self.recipe.task
         logps, tokens = sequence_logprobs(model, batch, self._head)
-        ref = self._reference_logprobs(batch)
+        ref = self._reference_logprobs(batch, examples)
         if task.loss == "kto":
             return self._kto(batch, logps, ref, sums)
         chosen, rejected = logps[0::2], logps[1::2]
@@ -206,7 +268,7 @@ class PreferenceTask(CausalLMTask):
 
     def loss_sum(self, model: Any, batch: Batch) -> torch.Tensor:
         """The summed loss of the micro-batch's pairs (or KTO examples), through ``model`` or its wrapper."""
-        return self._losses(model, batch, self._step).sum()
+        return self._losses(model, batch, self._step, self._train).sum()
 
     def step_metrics(self) -> dict[str, torch.Tensor]:
         """TRL's metrics of the step's micro-batches (means over its pairs)."""
@@ -220,11 +282,11 @@ class PreferenceTask(CausalLMTask):
         d, t = self.recipe.data, self.recipe.training
         batches = preference_eval_batches(examples, t.batch_size, d.seq_len, packing=d.packing,
                                           pad_id=tokenizer.pad_id or 0, kl=self.recipe.task.loss == "kto")
-        return self.evaluate_batches(model, batches[:t.eval_batches] if t.eval_batches else batches)
+        return self.evaluate_batches(model, batches[:t.eval_batches] if t.eval_batches else batches, examples)
 
     @torch.no_grad()
-    def evaluate_batches(self, model: Transformer, batches: list[Batch]) -> PreferenceEval:
-        """:meth:`evaluate` over batches already laid out (``entrenar eval`` reads its own file)."""
+    def evaluate_batches(self, model: Transformer, batches: list[Batch], examples: list) -> PreferenceEval:
+        """:meth:`evaluate` over batches of ``examples`` already laid out."""
         if self._model is None:
             self.prepare(model)
         device = compute_device(model)
@@ -235,7 +297,7 @@ class PreferenceTask(CausalLMTask):
             for batch in batches:
                 batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
                 with autocast_for(device, self.recipe.training.precision):
-                    per_pair = self._losses(model, batch, sums)
+                    per_pair = self._losses(model, batch, sums, examples)
                 total += per_pair.double().sum()
                 count += len(batch["example_index"])
         finally:
