@@ -6,7 +6,7 @@ from entrenar.config import Recipe
 from entrenar.models.transformer import Transformer
 from entrenar.train.memory import GiB, MemoryEstimate
 from entrenar.train.plan import RowLayout, RunPlan
-from entrenar.train.run_data import NO_VALIDATION, RunData
+from entrenar.train.run_data import NO_VALIDATION, RunData, example_tokens
 
 CPU_ESTIMATE_NOTE = ("the peak resident memory of this process: measured peaks were within 25% of it "
                      "(docs/PERFORMANCE.md, CPU memory); left out: loading (the file is mapped while the weights "
@@ -19,7 +19,7 @@ def dry_run_report(recipe: Recipe, plan: RunPlan, rows: RowLayout, model: Transf
     total = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     t, d = recipe.training, recipe.data
-    tokens = sum(len(e) for e in data.examples)
+    tokens = sum(example_tokens(e) for e in data.examples)
     return "\n".join([
         f"dry run: recipe valid, model and data built, nothing trained ({recipe.output.dir})",
         f"{'model':<22}{recipe.model.path} ({model.config.model_type}, {model.config.num_layers} layers)",

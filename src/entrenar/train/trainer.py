@@ -85,6 +85,8 @@ class Trainer:
         self.schedule_change: str | None = None  # a resume that changed the run's length: how the lr goes on
         self._last_read = time.perf_counter()  # overlapped steps are timed between consecutive reads
         self._last_checkpoint: Path | None = None
+        self._replicas_checked: list[int] = []  # the steps whose replica check passed (a distributed run's)
+        self._peak_ranks: list[float] | None = None  # each rank's peak memory (GB) at the last logged line
 
     # -- setup --------------------------------------------------------------------------------------------
 
@@ -189,6 +191,7 @@ class Trainer:
             final_loss = record.loss
             if t.replica_check_every and (done % t.replica_check_every == 0 or done == t.max_steps):
                 check_replicas(self.model, self.optimizer, self.world, done)  # every rank holds the same weights
+                self._replicas_checked.append(done)
             stop = False
             if evaluates:
                 after, stop = self._evaluate_at(done, metrics, bar)
@@ -208,13 +211,16 @@ class Trainer:
             if self.moe is not None and record.moe_values is not None else (None, [])
         extra: dict[str, Any] = {"moe": moe_record} if moe_record is not None else {}
         extra.update(record.metrics)  # the task's own (a preference task's rewards/chosen...), as it names them
-        extra.update(dist_steps.peak_memory(self.world, self.plan.device))  # each rank's, in a distributed run
+        log_every = self.recipe.training.log_every
+        if done % log_every == 0 or done == max_steps:  # a collective and a host read: on logged lines only
+            peaks = dist_steps.peak_memory(self.world, self.plan.device)  # each rank's, in a distributed run
+            extra.update(peaks)
+            self._peak_ranks = peaks.get("peak_mem_gb_ranks", self._peak_ranks)
         line = metrics.log_step(done, record.loss, record.grad_norm, record.lr, record.tokens,
                                 step_time_s=elapsed, flags=record.flags, extra=extra)
         for warning in warnings:
             bar.write(warning)
         bar.update(1)
-        log_every = self.recipe.training.log_every
         if done % log_every == 0 or done == max_steps:
             bar.set_postfix(loss=f"{record.loss:.4f}", lr=f"{record.lr:.2e}")
         if done % log_every == 0 or done == max_steps or "skipped" in record.flags:
@@ -268,6 +274,19 @@ class Trainer:
                                    trainable_state(self.model, self.recipe, self.task),
                                    full_optimizer(self.optimizer), state, t.keep_last, best=best)
 
+    def _distributed_rows(self) -> list[tuple[str, str]]:
+        """A distributed run's replica check and each rank's peak memory, for the summary (none on one process)."""
+        if not self.world.distributed:
+            return []
+        checked = self._replicas_checked
+        rows = [("replica check", f"identical on {self.world.size} ranks at {len(checked)} check(s), steps "
+                                  f"{checked[0]:,}-{checked[-1]:,}" if checked else
+                 "not run (training.replica_check_every: 0)" if not self.recipe.training.replica_check_every else
+                 "not reached in this run's steps")]
+        if self._peak_ranks is not None:
+            rows.append(("peak memory", ", ".join(f"rank {r} {gb:.2f} GB" for r, gb in enumerate(self._peak_ranks))))
+        return rows
+
     def _save_result(self, folder: Path) -> Path:
         return main_writes(self.world, self.model, self.task.save, self.model, self.tokenizer, folder,
                            trainable_only=self.recipe.lora is not None)  # an adapter: no base gathered
@@ -294,6 +313,7 @@ class Trainer:
                                           "(training.nonfinite: skip); see 'skipped' in metrics.jsonl"))
         if quantized is not None:
             rows.append(("quantized", str(quantized)))
+        rows += self._distributed_rows()
         rows += self.task.finish(self.model, self.tokenizer, self.data.validation, self.run.root, output, before,
                                  after)
         metrics.log_artifacts(run_artifacts(self.run.root))  # rank 0's trackers: the plots and report, now written
