@@ -25,10 +25,11 @@ def ws(tmp_path_factory):
     from conftest import make_workspace
 
     root = make_workspace(tmp_path_factory.mktemp("pref"))
-    with open(root / "pairs.jsonl", "w") as f:
-        for a in range(24):
-            f.write(json.dumps({"prompt": f"{a}+{a % 7}=", "chosen": str(a + a % 7), "rejected": str(a * 3 + 1)})
-                    + "\n")
+    for name, numbers in (("pairs.jsonl", range(24)), ("held_out.jsonl", range(30, 36))):
+        with open(root / name, "w") as f:
+            for a in numbers:
+                f.write(json.dumps({"prompt": f"{a}+{a % 7}=", "chosen": str(a + a % 7), "rejected": str(a * 3 + 1)})
+                        + "\n")
     return root
 
 
@@ -48,7 +49,8 @@ output: {{dir: {ws / name}}}
 
 
 def test_dpo_through_entrenar_train_logs_trl_metrics_and_keeps_the_best(ws, capsys):
-    path, _ = recipe_for(ws, "dpo")
+    path, _ = recipe_for(ws, "dpo", f"data.validation={ws / 'held_out.jsonl'}", "data.validation_split=0")
+    path.write_text(path.read_text().replace("validation_split: 0.25", f"validation: {ws / 'held_out.jsonl'}"))
     assert main(["train", str(path), "--no-progress"]) == 0
     out = capsys.readouterr().out
     assert "held-out preference accuracy" in out
@@ -110,3 +112,28 @@ def test_full_fine_tune_with_a_precomputed_reference_resumes_exactly(ws, monkeyp
     got = [r["loss"] for r in read_metrics(resumed.run_dir / "metrics.jsonl") if "loss" in r]
     assert got == pytest.approx(expected, rel=1e-6)
     assert table.stat().st_mtime_ns == stamp  # the table was reused, not recomputed with trained weights
+
+
+def test_entrenar_eval_on_preference_data_reports_the_runs_last_evaluation(ws, capsys):
+    """`entrenar eval RUN --data held_out.jsonl`: the run's task settings, its adapter against its base, and the
+    numbers the run's last evaluation of the same file logged."""
+    run = ws / "dpo"
+    if not (run / "adapter").is_dir():
+        pytest.skip("needs the DPO run of the test above")
+    capsys.readouterr()
+    assert main(["eval", str(run), "--data", str(ws / "held_out.jsonl"), "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "using the run's task settings" in out and "(6 pairs)" in out
+    last = [r for r in read_metrics(run / "metrics.jsonl") if "eval_rewards/accuracies" in r][-1]
+    printed = dict(zip(out.split()[::2], out.split()[1::2]))
+    for name in TRL_NAMES:
+        assert float(printed[name]) == pytest.approx(last[f"eval_{name}"], abs=1e-4), name
+
+
+def test_entrenar_eval_of_a_full_model_needs_its_reference(ws, capsys):
+    assert main(["eval", str(ws / "model"), "--data", str(ws / "held_out.jsonl"), "--loss", "dpo",
+                 "--device", "cpu"]) == 2
+    assert "compares the model with a reference" in capsys.readouterr().err
+    assert main(["eval", str(ws / "model"), "--data", str(ws / "held_out.jsonl"), "--loss", "simpo",
+                 "--device", "cpu"]) == 0
+    assert "rewards/accuracies" in capsys.readouterr().out
