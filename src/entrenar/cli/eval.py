@@ -4,6 +4,7 @@ preference metrics TRL logs (held-out accuracy, margins, rewards)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from typing import TYPE_CHECKING
 
 from entrenar.cli.options import add_model_args, load_model, positive_int
@@ -73,8 +74,6 @@ def run(args: argparse.Namespace) -> int:
 
 def _preference(args: argparse.Namespace, source: ModelSource) -> int:
     """The preference metrics of the model (and adapter) on ``--data``."""
-    import dataclasses
-
     from entrenar.config.sections import TaskSection
     from entrenar.loading import load
     from entrenar.tasks.preference import evaluate_preference_file
