@@ -137,3 +137,14 @@ def test_entrenar_eval_of_a_full_model_needs_its_reference(ws, capsys):
     assert main(["eval", str(ws / "model"), "--data", str(ws / "held_out.jsonl"), "--loss", "simpo",
                  "--device", "cpu"]) == 0
     assert "rewards/accuracies" in capsys.readouterr().out
+
+
+def test_a_frozen_copy_under_fsdp_is_refused(ws):
+    from entrenar.errors import ConfigError
+    from entrenar.train.plan import plan_for
+
+    _, recipe = recipe_for(ws, "fsdp", "training.parallel=fsdp", lora=False)
+    with pytest.raises(ConfigError, match="frozen copy is not sharded under FSDP"):
+        plan_for(recipe, device="cuda", processes=2)
+    plan_for(load_recipe(ws / "fsdp.yaml", ["training.parallel=fsdp", "task.reference=precomputed"]),
+             device="cuda", processes=2)

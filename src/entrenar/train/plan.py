@@ -386,6 +386,9 @@ def _decide(recipe: Recipe, device: torch.device, mode: str, config: ModelConfig
     memory = _estimate(recipe, config, device, method, kernels, offload_weights, offload_embeddings)
     if recipe.task.type == "preference":  # the reference model, and what it costs
         reference, why = reference_of(recipe)
+        if reference == "copy" and mode == "fsdp":  # the copy is made before sharding: a whole model per rank
+            raise ConfigError("task.reference: a frozen copy is not sharded under FSDP (each rank would hold the "
+                              "whole model); use task.reference: precomputed, or LoRA (adapters_off)")
         reasons.append(("task.reference", f"{reference} ({why})"))
         if reference == "copy":
             memory = dataclasses.replace(memory, reference=memory.weights)
