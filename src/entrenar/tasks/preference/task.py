@@ -97,11 +97,16 @@ class _Sums:
 
 
 @dataclass
-class PreferenceTask(CausalLMTask):
-    """The Task protocol for preference optimisation; ``load`` and ``save`` are the language model's."""
+class PreferenceTask:
+    """The Task protocol for preference optimisation; ``load`` and ``save`` are the language model's
+    (:class:`~entrenar.tasks.causal_lm.CausalLMTask`'s, which it holds)."""
 
+    recipe: Recipe
+    kernels: bool = False  # the plan's; log-probabilities are chunked either way
     name: str = "preference"
     perplexity: bool = False
+    _lm: CausalLMTask = field(init=False, repr=False)
+    _head: nn.Linear | None = field(default=None, repr=False)
     _model: nn.Module | None = field(default=None, repr=False)
     _reference: nn.Module | None = field(default=None, repr=False)  # a frozen copy (task.reference: copy)
     _step: _Sums = field(default_factory=_Sums, repr=False)
@@ -113,7 +118,24 @@ class PreferenceTask(CausalLMTask):
     _rows: dict[int, int] = field(default_factory=dict, repr=False)
     _train: list = field(default_factory=list, repr=False)
 
+    def __post_init__(self) -> None:
+        self._lm = CausalLMTask(self.recipe, kernels=self.kernels)
+
     # -- model ------------------------------------------------------------------------------------------
+
+    def load(self, dtype: str, device: torch.device, quantize: str | None) -> tuple[Transformer, Tokenizer | None]:
+        """The recipe's model, as a language-model run loads it."""
+        return self._lm.load(dtype, device, quantize)
+
+    def save(self, model: Transformer, tokenizer: Tokenizer, folder: Path) -> Path:
+        """The adapter (LoRA) or the whole model folder, as a language-model run saves it."""
+        return self._lm.save(model, tokenizer, folder)
+
+    def head_state(self, model: Transformer) -> dict[str, torch.Tensor]:
+        return {}
+
+    def begin(self, model: Transformer, tokenizer: Tokenizer) -> None:
+        """Nothing: the evaluation before training is the baseline."""
 
     def prepare(self, model: Transformer) -> None:
         """The output head the log-probabilities are gathered through, and the reference model."""
@@ -347,11 +369,11 @@ class PreferenceTask(CausalLMTask):
         return [("held-out preference accuracy", f"{start[0]:.3f} (margin {start[1]:+.4f}) -> {now}")]
 
 
-def _plain_head(model: Any) -> nn.Module | None:
+def _plain_head(model: Any) -> nn.Linear | None:
     """A model's output head when it is a plain ``nn.Linear`` (log-probabilities chunk by chunk through its
     weight); None: a LoRA'd head, read through the model's logits."""
     head = getattr(model, "lm_head", None)
-    return head if type(head) is nn.Linear else None
+    return head if isinstance(head, nn.Linear) and type(head) is nn.Linear else None
 
 
 def _best_logged(path: Path, by_loss: bool) -> tuple[float, float] | None:
