@@ -217,3 +217,18 @@ def test_precomputed_reference_equals_a_frozen_copy_and_is_reused(hf_folder, tmp
 
 class SimpleTokenizer:
     pad_id = 0
+
+
+def test_padding_free_layout_keeps_the_sequences_and_the_loss(lora_model, tmp_path):
+    """The Trainer's padding-free layout (data.padding_free) lays sequence_ids out as the tokens, so the loss over one
+    row of real tokens is the packed batch's."""
+    from entrenar.data import padding_free
+
+    folder, model, _ = lora_model
+    task = PreferenceTask(_recipe(tmp_path, folder))
+    task.prepare(model)
+    batch = collate_preference(_pairs(), range(4), 32, packing=True)
+    flat = padding_free(batch)
+    assert flat["sequence_ids"].shape == flat["input_ids"].shape and flat["num_sequences"] == 8
+    torch.testing.assert_close(task.loss_sum(Single(model), flat), task.loss_sum(Single(model), batch),
+                               rtol=1e-5, atol=1e-6)
