@@ -24,6 +24,8 @@ DATA_FORMATS = ("auto", "alpaca", "sharegpt", "messages", "prompt_completion", "
                 "parquet")
 
 
+PREFERENCE_LOSSES = ("dpo", "ipo", "simpo", "orpo", "kto")  # task.loss (entrenar.tasks.preference.losses)
+
 def _unknown(at: str, dotted: str, key: Any, allowed: list[str]) -> ConfigError:
     close = _closest(key, allowed)
     hint = f"; did you mean '{close}'?" if close else ""

@@ -138,3 +138,15 @@ def chunked_cross_entropy(
         return GradsInForward.apply(flat, lm_head_weight, targets, chunk_size, _chunk_loss_and_grads), n_tokens
     loss_sum, _, _ = _chunk_loss_and_grads(flat, lm_head_weight, targets, chunk_size, False, False)
     return loss_sum, n_tokens
+
+
+def token_logprobs_reference(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """``log p(label)`` of each row of ``hidden`` [N, H] under the head ``weight`` [V, H], as fp32 [N]; 0 where the
+    label is ``IGNORE_INDEX``. Labels are next-token targets, already shifted.
+
+    The specification of :func:`entrenar.kernels.token_logprobs.token_logprobs` (``log_softmax`` and ``gather`` over
+    the full ``[N, V]`` logits; the kernel never holds them)."""
+    valid = labels != IGNORE_INDEX
+    logits = (hidden @ weight.T).float()
+    picked = torch.log_softmax(logits, dim=-1).gather(1, torch.where(valid, labels, 0).unsqueeze(1)).squeeze(1)
+    return picked * valid

@@ -118,6 +118,9 @@ class CausalLMTask:
                                               self._logits_scaling)[0]
         return token_cross_entropy(model(*inputs, **layout), batch["labels"])[0]
 
+    def step_metrics(self) -> dict[str, torch.Tensor]:
+        return {}  # the loss is the step's metric
+
     def evaluate(self, model: Transformer, examples: list, tokenizer: Tokenizer) -> EvalResult:
         d, t = self.recipe.data, self.recipe.training
         batches = eval_batches(examples, t.batch_size, d.seq_len, packing=d.packing, pad_id=tokenizer.pad_id or 0)

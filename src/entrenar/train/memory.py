@@ -58,11 +58,12 @@ class MemoryEstimate:
     casts: float = 0.0  # CPU only: autocast's lower-precision copies of the weights, kept for backward
     allocator: float = 0.0  # CPU only: freed step memory the C allocator keeps (fitted, not derived)
     fake_quant: float = 0.0  # QAT: the fake-quantized weights (and inputs) kept for backward, one layer's temporaries
+    reference: float = 0.0  # preference optimisation: a frozen copy of the model as the reference (task.reference)
 
     @property
     def total(self) -> float:
         return (self.weights + self.gradients + self.optimizer + self.activations + self.logits + self.runtime
-                + self.casts + self.allocator + self.fake_quant)
+                + self.casts + self.allocator + self.fake_quant + self.reference)
 
     def as_dict(self) -> dict:
         return {**asdict(self), "total": self.total}

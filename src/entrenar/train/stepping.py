@@ -47,6 +47,7 @@ class StepRecord:
     tokens: int
     flags: dict[str, Any] = field(default_factory=dict)  # skipped / scaler_skipped
     moe_values: list[float] | None = None
+    metrics: dict[str, float] = field(default_factory=dict)  # the task's own (Task.step_metrics), ranks' mean
 
 
 class MicroStep:
@@ -88,12 +89,14 @@ class SyncSteps:
         self.guard, self.moe, self.trainable, self.device, self.log = guard, moe, trainable, device, log
         self.max_norm = max_grad_norm if max_grad_norm > 0 else math.inf
         self.keep_grads = micro_step.graphs  # a graph adds into gradients it holds: zeroed in place
+        self.metrics: dict[str, torch.Tensor] = {}  # the task's metrics of the step being applied
 
     def run(self, step: int, lr: float, acts: bool) -> StepRecord | None:
         """Step ``step`` (0-based) at learning rate ``lr``; its record when its results were read now (always,
         here), None when they come later. ``acts``: the host acts on this step (evaluation, checkpoint)."""
         started = time.perf_counter()
         loss, tokens = self._accumulate()
+        self.metrics = self._task_metrics()
         self._read_earlier()
         self.scaler.unscale_(self.optimizer)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable, self.max_norm)  # the pre-clip norm
@@ -118,6 +121,14 @@ class SyncSteps:
                 loss += self.micro_step(batch)
         return loss, tokens
 
+    def _task_metrics(self) -> dict[str, torch.Tensor]:
+        """The task's metrics of this step's micro-batches, averaged over the ranks (on the device: no read)."""
+        metrics = self.task.step_metrics()
+        if not metrics:
+            return {}
+        values = self.world.all_sum(torch.stack([v.detach().float().reshape(()) for v in metrics.values()]))
+        return dict(zip(metrics, values / self.world.size, strict=True))
+
     def _read_earlier(self) -> None:
         """Read a step launched before this one (overlap)."""
 
@@ -131,7 +142,8 @@ class SyncSteps:
         self.optimizer.zero_grad(set_to_none=not self.keep_grads)
         # Router biases move only with an applied update (a skipped step leaves them too).
         moe_values = self.moe.close_step(update="skipped" not in flags).tolist() if self.moe is not None else None
-        record = StepRecord(done, lr, started, loss_value, norm_value, int(tokens), flags, moe_values)
+        record = StepRecord(done, lr, started, loss_value, norm_value, int(tokens), flags, moe_values,
+                            _finite(self.metrics))
         self.log(record)
         return record
 
@@ -144,6 +156,7 @@ class _Launched:
     lr: float
     started: float
     read: DeferredRead
+    metrics: tuple[str, ...] = ()  # the task's metric names, read after loss, norm and tokens
 
 
 class OverlappedSteps(SyncSteps):
@@ -162,8 +175,9 @@ class OverlappedSteps(SyncSteps):
         # Its update was already dropped on the device if non-finite; stop mode raises here, before this step's
         # update is launched.
         flags = self.guard.check(p.step, values[0], values[1])
+        k = 3 + len(p.metrics)
         self.log(StepRecord(p.step, p.lr, p.started, values[0], values[1], int(values[2]), flags,
-                            values[3:] if self.moe is not None else None))
+                            values[k:] if self.moe is not None else None, _finite(dict(zip(p.metrics, values[3:k])))))
 
     def _apply(self, done: int, lr: float, started: float, loss: torch.Tensor, grad_norm: torch.Tensor,
                tokens: torch.Tensor, acts: bool) -> StepRecord | None:
@@ -171,10 +185,11 @@ class OverlappedSteps(SyncSteps):
             return super()._apply(done, lr, started, loss, grad_norm, tokens, acts)
         found = step_unless_nonfinite(self.optimizer, loss, grad_norm)
         self.optimizer.zero_grad(set_to_none=not self.keep_grads)
-        values = [loss.double().reshape(1), grad_norm.double().reshape(1), tokens.double().reshape(1)]
+        values = [loss.double().reshape(1), grad_norm.double().reshape(1), tokens.double().reshape(1),
+                  *[v.double().reshape(1) for v in self.metrics.values()]]
         if self.moe is not None:  # router biases move only with an applied update
             values.append(self.moe.close_step(update=1.0 - found).double())
-        self.pending = _Launched(done, lr, started, DeferredRead(torch.cat(values)))
+        self.pending = _Launched(done, lr, started, DeferredRead(torch.cat(values)), tuple(self.metrics))
         return None
 
 
@@ -183,6 +198,11 @@ def fills_capacity(batch: Batch, segments: int | None) -> bool:
     capacity, not a batch over it that kept its own)."""
     cu = batch.get("cu_seqlens")
     return cu is None or segments is None or len(cu) == segments + 1
+
+
+def _finite(metrics: dict[str, Any]) -> dict[str, float]:
+    """A task's step metrics as numbers, without those that are not finite (nothing counted in the step)."""
+    return {k: x for k, x in ((k, float(v)) for k, v in metrics.items()) if math.isfinite(x)}
 
 
 def _to(value: torch.Tensor | int, device: torch.device) -> torch.Tensor | int:

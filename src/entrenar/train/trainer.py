@@ -211,7 +211,8 @@ class Trainer:
         max_steps, done = self.recipe.training.max_steps, record.step
         moe_record, warnings = self.moe.diagnose(done, record.moe_values) \
             if self.moe is not None and record.moe_values is not None else (None, [])
-        extra = {"moe": moe_record} if moe_record is not None else {}
+        extra: dict[str, Any] = {"moe": moe_record} if moe_record is not None else {}
+        extra.update(record.metrics)  # the task's own (a preference task's rewards/chosen...), as it names them
         log_every = self.recipe.training.log_every
         if done % log_every == 0 or done == max_steps:  # a collective and a host read: on logged lines only
             peaks = dist_steps.peak_memory(self.world, self.plan.device)  # each rank's, in a distributed run

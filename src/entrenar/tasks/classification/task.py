@@ -143,6 +143,9 @@ class ClassificationTask:
             weights = self._weight_tensor[device]
         return loss_sum(logits, batch["labels"], self.problem_type, weights, self.recipe.task.label_smoothing)
 
+    def step_metrics(self) -> dict[str, torch.Tensor]:
+        return {}  # the loss is the step's metric
+
     def evaluate(self, model: SequenceClassifier, examples: list[LabeledText],
                  tokenizer: Tokenizer) -> ClassificationEval:
         """Mean loss and metrics on ``examples``, the first training.eval_batches batches of them when set."""
