@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from entrenar.models.config import ModelConfig, rope_inv_freq
+from entrenar.models.cpu_attention import capped_attention
 from entrenar.models.moe import Experts, MoeBlock, Router
 from entrenar.models.offload import ActivationOffload
 from entrenar.models.padding_free import SDPA_HAS_GQA, Documents, documents_attention
@@ -34,6 +35,26 @@ class RMSNorm(nn.Module):
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(dtype)
+
+
+class OffsetRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: times ``1 + weight``, all in fp32 before the cast back (the weight is stored as
+    Gemma's checkpoints hold it, zeros for the identity). A subclass, so the fused RMSNorm kernels leave it alone."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x32 * (1.0 + self.weight.float())).to(x.dtype)
+
+
+def norm_class(config: ModelConfig) -> type[RMSNorm]:
+    """The RMSNorm of ``config``'s family."""
+    return OffsetRMSNorm if config.norm_unit_offset else RMSNorm
+
+
+def soft_cap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """``cap * tanh(x / cap)`` (Gemma's logit soft-capping); ``x`` itself when ``cap`` is None."""
+    return x if cap is None else torch.tanh(x / cap) * cap
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -86,12 +107,17 @@ class Attention(nn.Module):
         if config.qk_norm:
             # OLMoE normalises the whole q (k) projection, the Qwen3 families each head.
             full = config.qk_norm_full
-            self.q_norm = RMSNorm(config.num_heads * d if full else d, config.rms_norm_eps)
-            self.k_norm = RMSNorm(config.num_kv_heads * d if full else d, config.rms_norm_eps)
+            norm = norm_class(config)
+            self.q_norm = norm(config.num_heads * d if full else d, config.rms_norm_eps)
+            self.k_norm = norm(config.num_kv_heads * d if full else d, config.rms_norm_eps)
         self.qk_norm = config.qk_norm
         self.qk_norm_full = config.qk_norm_full
         self.clip_qkv = config.clip_qkv
-        self.sliding_window = config.sliding_window
+        self.sliding_window = config.layer_window(layer_idx)
+        # Gemma: the scale of q k^T (None: SDPA's 1/sqrt(head_dim)) and the soft cap of the scores.
+        scale = None if config.query_pre_attn_scalar is None else config.query_pre_attn_scalar ** -0.5
+        self.scale = None if scale == d ** -0.5 else scale
+        self.softcap = config.attn_logit_softcapping
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k and v of ``x``, before the heads are split; fused kernels run the three as one node."""
@@ -131,9 +157,13 @@ class Attention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         q, k = self.rotate(q, k, cos.to(q.dtype), sin.to(q.dtype))
         if isinstance(mask, Documents):  # a padding-free row
-            return self.o_proj(documents_attention(q, k, v, mask, self.sliding_window).reshape(b, t, -1))
+            y = documents_attention(q, k, v, mask, self.sliding_window, scale=self.scale, softcap=self.softcap)
+            return self.o_proj(y.reshape(b, t, -1))
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v)
+        if self.softcap is not None:  # SDPA cannot cap the scores: explicit products
+            y = capped_attention(q, k, v, mask, self.scale, self.softcap)
+            return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
         groups = self.num_heads // self.num_kv_heads
         extra = {}
         if groups > 1:
@@ -141,6 +171,8 @@ class Attention(nn.Module):
                 extra["enable_gqa"] = True
             else:
                 k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        if self.scale is not None:
+            extra["scale"] = self.scale
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, **extra)
         return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
 
@@ -167,13 +199,27 @@ class MLP(nn.Module):
         return self.combine(*self.project(x))
 
 
+class GatedMLP(MLP):
+    """``down(act(gate(x)) * up(x))`` with a gate activation other than SiLU (Gemma: GELU, tanh approximation).
+    A subclass, so the fused SwiGLU kernels leave it alone."""
+
+    def __init__(self, config: ModelConfig, intermediate_size: int | None = None) -> None:
+        super().__init__(config, intermediate_size)
+        self.approximate = "tanh" if config.hidden_act == "gelu_pytorch_tanh" else "none"
+
+    def combine(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.gelu(gate, approximate=self.approximate) * up)
+
+
 class Block(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        norm = norm_class(config)
+        self.input_layernorm = norm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config, layer_idx)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MoeBlock(config, MLP) if config.is_moe_layer(layer_idx) else MLP(config)
+        self.post_attention_layernorm = norm(config.hidden_size, config.rms_norm_eps)
+        mlp = MLP if config.hidden_act == "silu" else GatedMLP
+        self.mlp = MoeBlock(config, mlp) if config.is_moe_layer(layer_idx) else mlp(config)
 
     def forward(
         self,
@@ -187,14 +233,37 @@ class Block(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+class SandwichBlock(Block):
+    """Gemma's block: a norm before and after attention and before and after the MLP (``post_attention_layernorm``
+    normalises the attention's output here). A subclass, so the fused block kernels leave it alone."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__(config, layer_idx)
+        norm = norm_class(config)
+        self.pre_feedforward_layernorm = norm(config.hidden_size, config.rms_norm_eps)
+        self.post_feedforward_layernorm = norm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor | Documents | None,
+        cache: KVCache | None = None,
+    ) -> torch.Tensor:
+        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, mask, cache))
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+
+
 class Decoder(nn.Module):
     """Embeddings, blocks and the final norm (Hugging Face's `model.` prefix)."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(Block(config, i) for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        block = SandwichBlock if config.sandwich_norms else Block
+        self.layers = nn.ModuleList(block(config, i) for i in range(config.num_layers))
+        self.norm = norm_class(config)(config.hidden_size, config.rms_norm_eps)
 
 
 class Transformer(nn.Module):
@@ -232,6 +301,8 @@ class Transformer(nn.Module):
             elif isinstance(module, Experts):
                 nn.init.normal_(module.gate_up_proj, mean=0.0, std=std)
                 nn.init.normal_(module.down_proj, mean=0.0, std=std)
+            elif isinstance(module, OffsetRMSNorm):
+                nn.init.zeros_(module.weight)  # 1 + weight: the identity
             elif isinstance(module, RMSNorm):
                 nn.init.ones_(module.weight)
         self.inv_freq = rope_inv_freq(self.config).to(self.inv_freq.device)
@@ -250,16 +321,21 @@ class Transformer(nn.Module):
         self.offloaded_layers = set(offloaded_layer_indices(self.config.num_layers, layers))
         self.activation_offload = ActivationOffload() if self.offloaded_layers else None
 
-    def rope(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = position_ids[..., None].float() * self.inv_freq.float()
+    def rope(self, position_ids: torch.Tensor, dtype: torch.dtype,
+             local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        # The sliding layers' own base (Gemma 3) is computed here, not kept: every loader sets inv_freq alone.
+        inv_freq = rope_inv_freq(self.config, local=True).to(self.inv_freq.device) if local else self.inv_freq
+        freqs = position_ids[..., None].float() * inv_freq.float()
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
     def attention_mask(
-        self, t: int, document_ids: torch.Tensor | None, device: torch.device, past: int = 0
+        self, t: int, document_ids: torch.Tensor | None, device: torch.device, past: int = 0,
+        window: int | None | bool = True,
     ) -> torch.Tensor | None:
-        """Boolean mask [B or 1, 1, T, past+T], or None for the plain causal case (fast SDPA path)."""
-        window = self.config.sliding_window
+        """Boolean mask [B or 1, 1, T, past+T], or None for the plain causal case (fast SDPA path);
+        ``window``: the layers' sliding window (True: the config's)."""
+        window = self.config.sliding_window if window is True else window or None
         if past == 0 and document_ids is None and (window is None or t <= window):
             return None
         q_pos = torch.arange(past, past + t, device=device)[:, None]
@@ -296,6 +372,8 @@ class Transformer(nn.Module):
         if position_ids is None:
             position_ids = torch.arange(past, past + t, device=input_ids.device).expand(b, t)
         x = self.model.embed_tokens(input_ids)
+        if self.config.scale_embeddings:  # sqrt(hidden) rounded to the model dtype first, as Gemma's checkpoints
+            x = x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)
         cos, sin = self.rope(position_ids, x.dtype)
         mask: torch.Tensor | Documents | None
         if cu_seqlens is not None:  # a padding-free row, or packed rows read end to end
@@ -304,11 +382,16 @@ class Transformer(nn.Module):
             mask = Documents(cu_seqlens.to(device=input_ids.device, dtype=torch.int32), max_seqlen)
         else:
             mask = self.attention_mask(t, document_ids, input_ids.device, past)
+        # Models whose layers differ (Gemma: sliding and global layers, Gemma 3's two RoPE bases) get each
+        # layer's mask and rotation; the others share the ones above.
+        inputs = self._layer_inputs(position_ids, document_ids, past, (cos, sin, mask), x)
         training = torch.is_grad_enabled()
         offload = None
         if self.activation_offload is not None and training and x.is_cuda:
-            offload = self.activation_offload.forward(self, x.device, shared=(cos, sin, mask))
+            shared = {id(y): y for layer_input in inputs for y in layer_input}
+            offload = self.activation_offload.forward(self, x.device, shared=tuple(shared.values()))
         for i, layer in enumerate(self.model.layers):
+            cos, sin, mask = inputs[i] if len(inputs) > 1 else inputs[0]
             with offload.block(i) if offload is not None and i in self.offloaded_layers else contextlib.nullcontext():
                 if i in self.checkpointed_layers and training:
                     x = checkpointed(layer, x, cos, sin, mask)
@@ -317,6 +400,26 @@ class Transformer(nn.Module):
             if offload is not None:
                 offload.layer_done(i)
         return self.model.norm(x)
+
+    def _layer_inputs(
+        self, position_ids: torch.Tensor, document_ids: torch.Tensor | None, past: int,
+        shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor | Documents | None], x: torch.Tensor,
+    ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | Documents | None]]:
+        """(cos, sin, mask) of each layer, or ``[shared]`` when every layer takes the config's."""
+        c = self.config
+        if c.layer_types is None and c.rope_local_theta is None:
+            return [shared]
+        cos, sin, mask = shared
+        local = self.rope(position_ids, x.dtype, local=True) if c.rope_local_theta is not None else (cos, sin)
+        masks: dict[int | None, torch.Tensor | Documents | None] = {}
+        out = []
+        for i in range(c.num_layers):
+            window = c.layer_window(i)
+            if window not in masks:
+                masks[window] = mask if isinstance(mask, Documents) else self.attention_mask(
+                    x.shape[1], document_ids, x.device, past, window=window or False)
+            out.append((*(local if c.layer_uses_local_rope(i) else (cos, sin)), masks[window]))
+        return out
 
     def forward(
         self,
@@ -330,7 +433,7 @@ class Transformer(nn.Module):
     ) -> torch.Tensor:
         hidden = self.hidden_states(input_ids, position_ids, document_ids, cache,
                                     cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
-        return self.lm_head(hidden)
+        return soft_cap(self.lm_head(hidden), self.config.final_logit_softcapping)
 
 
 def compute_device(model: nn.Module) -> torch.device:

@@ -1,0 +1,185 @@
+"""Gemma 2 and Gemma 3 (text) as flags of the one decoder, against transformers' own classes.
+
+The tiny checkpoints are written by transformers (Gemma2ForCausalLM, Gemma3ForCausalLM) with every norm and the
+embeddings perturbed, soft caps small enough to bite, a query_pre_attn_scalar unlike head_dim, a sliding window
+shorter than the sequences and (Gemma 3) a linear-scaled global RoPE beside the local base.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from entrenar.models.hf import load_hf, save_hf
+
+GEMMA = {
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(
+        attn_logit_softcapping=2.0, final_logit_softcapping=3.0,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
+    "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        final_logit_softcapping=3.0,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 100_000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 50.0}})),
+}
+FAMILIES = list(GEMMA)
+VOCAB = 96
+WINDOW = 5
+
+
+def make_gemma(family: str, seed: int = 0, **overrides):
+    """A tiny random transformers Gemma in fp32 eval mode, norms perturbed so (1 + w) and each norm matters."""
+    import transformers
+
+    config_cls, model_cls, extra = GEMMA[family]
+    torch.manual_seed(seed)
+    config = getattr(transformers, config_cls)(**{
+        **dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=80, num_hidden_layers=3, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24, sliding_window=WINDOW,
+               initializer_range=0.2, pad_token_id=0),
+        **extra, **overrides})
+    model = getattr(transformers, model_cls)(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_(torch.randn_like(p) * 0.3)
+    return model
+
+
+@pytest.fixture(params=FAMILIES)
+def gemma(request, tmp_path):
+    """(family, folder written by transformers, the transformers model)."""
+    ref = make_gemma(request.param)
+    folder = tmp_path / request.param
+    ref.save_pretrained(folder)
+    return request.param, folder, ref
+
+
+def test_config_reads_the_gemma_flags(gemma):
+    family, folder, ref = gemma
+    config = load_hf(folder).config
+    assert config.model_type == family
+    assert config.scale_embeddings and config.norm_unit_offset and config.sandwich_norms
+    assert config.hidden_act == "gelu_pytorch_tanh" and config.query_pre_attn_scalar == 24
+    assert config.layer_types == tuple(ref.config.layer_types)
+    assert config.tie_word_embeddings
+    assert config.final_logit_softcapping == 3.0
+    if family == "gemma2":
+        assert config.attn_logit_softcapping == 2.0 and config.rope_local_theta is None
+    else:
+        assert config.attn_logit_softcapping is None and config.qk_norm and not config.qk_norm_full
+        assert config.rope_local_theta == 50.0 and config.rope_theta == 100_000.0
+        assert config.rope_scaling == {"rope_type": "linear", "factor": 2.0}
+    # The parameter count inspect and the plan estimate from agrees with the model's.
+    assert config.num_parameters == sum(p.numel() for p in ref.parameters())
+
+
+def test_logits_loss_and_gradients_match_transformers(gemma):
+    family, folder, ref = gemma
+    model = load_hf(folder).eval()
+    torch.manual_seed(1)
+    ids = torch.randint(1, VOCAB, (2, 3 * WINDOW + 2))  # longer than the sliding window
+    labels = ids.clone()
+    labels[:, :3] = -100
+    out = ref(ids, labels=labels)
+    logits = model(ids)
+    torch.testing.assert_close(logits, out.logits, atol=1e-4, rtol=0)
+    loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
+    torch.testing.assert_close(loss, out.loss, atol=1e-5, rtol=0)
+    out.loss.backward()
+    loss.backward()
+    ref_grads = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, ref_grads[name].grad, atol=1e-5, rtol=1e-4,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_each_flag_matters(gemma):
+    """The soft caps, the window and the local RoPE base change the logits: the parity above can fail."""
+    family, folder, ref = gemma
+    model = load_hf(folder).eval()
+    ids = torch.randint(1, VOCAB, (1, 3 * WINDOW))
+    with torch.no_grad():
+        base = model(ids)
+        changes = {"final_logit_softcapping": None, "sliding_window": None,
+                   "query_pre_attn_scalar": 16}
+        if family == "gemma2":
+            changes["attn_logit_softcapping"] = None
+        else:
+            changes["rope_local_theta"] = None
+        for key, value in changes.items():
+            other = type(model)(model.config.replace(**{key: value}))
+            other.load_state_dict(model.state_dict())
+            assert (other(ids) - base).abs().max() > 1e-3, key
+
+
+def test_padded_batch_matches_transformers(gemma):
+    """Right padding with transformers' attention mask: the real positions' logits agree."""
+    family, folder, ref = gemma
+    model = load_hf(folder).eval()
+    torch.manual_seed(2)
+    n = 3 * WINDOW
+    ids = torch.randint(1, VOCAB, (2, n))
+    ids[1, n - 4:] = 0
+    attention = torch.ones_like(ids)
+    attention[1, n - 4:] = 0
+    with torch.no_grad():
+        expected = ref(ids, attention_mask=attention).logits
+        got = model(ids)
+    torch.testing.assert_close(got[0], expected[0], atol=1e-4, rtol=0)
+    torch.testing.assert_close(got[1, : n - 4], expected[1, : n - 4], atol=1e-4, rtol=0)
+
+
+def test_padding_free_and_packed_rows_equal_each_document_alone(gemma):
+    """Documents read end to end (cu_seqlens) and packed rows (document_ids) give each document the logits it gets
+    alone, the sliding window counted within each document."""
+    family, folder, _ = gemma
+    model = load_hf(folder).eval()
+    torch.manual_seed(3)
+    lengths = [2 * WINDOW + 1, 3, WINDOW + 2]
+    docs = [torch.randint(1, VOCAB, (1, n)) for n in lengths]
+    row = torch.cat(docs, dim=1)
+    position_ids = torch.cat([torch.arange(n) for n in lengths])[None]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    document_ids = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])[None]
+    with torch.no_grad():
+        alone = torch.cat([model(d) for d in docs], dim=1)
+        free = model(row, position_ids=position_ids, cu_seqlens=cu)
+        packed = model(row, position_ids=position_ids, document_ids=document_ids)
+    torch.testing.assert_close(free, alone, atol=1e-5, rtol=0)
+    torch.testing.assert_close(packed, alone, atol=1e-5, rtol=0)
+
+
+def test_generation_cache_matches_a_full_forward(gemma):
+    """KV-cache decoding past the window gives the logits of a full forward (the windowed mask with a past)."""
+    family, folder, _ = gemma
+    model = load_hf(folder).eval()
+    from entrenar.models.transformer import KVCache
+
+    ids = torch.randint(1, VOCAB, (1, 2 * WINDOW + 3))
+    with torch.no_grad():
+        full = model(ids)
+        cache = KVCache(model.config.num_layers)
+        steps = [model(ids[:, :4], cache=cache)]
+        for i in range(4, ids.shape[1]):
+            steps.append(model(ids[:, i : i + 1], cache=cache))
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=0)
+
+
+def test_save_in_the_checkpoint_layout_loads_in_transformers(gemma, tmp_path):
+    """Norm weights are saved as Gemma holds them (w of 1 + w): transformers loads our folder to equal logits."""
+    import transformers
+
+    family, folder, ref = gemma
+    model = load_hf(folder)
+    with torch.no_grad():
+        model.model.norm.weight.add_(0.5)  # a change transformers must see as it is
+    out = save_hf(model, tmp_path / "saved")
+    back = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(back).__name__ == type(ref).__name__
+    assert back.config.layer_types == ref.config.layer_types
+    ids = torch.randint(1, VOCAB, (2, 2 * WINDOW + 1))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids), back(ids).logits, atol=1e-4, rtol=0)
+    torch.testing.assert_close(back.model.norm.weight, ref.model.norm.weight + 0.5)
