@@ -183,3 +183,46 @@ def test_save_in_the_checkpoint_layout_loads_in_transformers(gemma, tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(model(ids), back(ids).logits, atol=1e-4, rtol=0)
     torch.testing.assert_close(back.model.norm.weight, ref.model.norm.weight + 0.5)
+
+
+def test_lora_step_gradients_equal_peft_s_through_the_fused_soft_capped_loss(gemma, tmp_path):
+    """PEFT's adapter on transformers' Gemma and the same adapter on ours: equal loss and LoRA gradients, ours
+    through the training path's fused loss (final-logit soft-capping inside it) on a padded, masked batch."""
+    import copy
+
+    import peft
+
+    from entrenar.adapters.lora import load_adapter, lora_layers
+    from entrenar.kernels.fused_linear_ce import fused_linear_cross_entropy
+
+    family, folder, ref = gemma
+    theirs = peft.get_peft_model(copy.deepcopy(ref), peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    generator = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for name, p in theirs.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=generator) * 0.1)
+    theirs.save_pretrained(tmp_path / "adapter")
+    model = load_hf(folder)
+    load_adapter(model, tmp_path / "adapter")
+    assert len(list(lora_layers(model))) == 7 * model.config.num_layers
+
+    ids = torch.randint(1, VOCAB, (2, 2 * WINDOW + 3))
+    labels = ids.clone()
+    labels[:, :2] = -100
+    labels[1, -3:] = -100
+    expected = theirs(input_ids=ids, labels=labels).loss
+    expected.backward()
+    hidden = model.hidden_states(ids)
+    loss_sum, n = fused_linear_cross_entropy(hidden, model.lm_head.weight, labels, chunk_size=7,
+                                             softcap=model.config.final_logit_softcapping)
+    loss = loss_sum / n
+    loss.backward()
+    torch.testing.assert_close(loss, expected, atol=1e-5, rtol=0)
+    theirs_grads = {n.replace("base_model.model.", "").replace(".default", ""): p.grad
+                    for n, p in theirs.named_parameters() if "lora_" in n}
+    ours = {n: p.grad for n, p in model.named_parameters() if "lora_" in n}
+    assert ours.keys() == theirs_grads.keys()
+    for name, grad in ours.items():
+        torch.testing.assert_close(grad, theirs_grads[name], atol=1e-5, rtol=1e-4,
+                                   msg=lambda m, name=name: f"{name}: {m}")

@@ -63,6 +63,7 @@ class CausalLMTask:
         """Nothing to make trainable beyond the adapters; the fused loss needs a plain output head."""
         head = getattr(model, "lm_head", None)
         self._head = head if self.kernels and type(head) is nn.Linear else None
+        self._softcap = getattr(model.config, "final_logit_softcapping", None)  # Gemma: inside the fused loss
 
     def head_state(self, model: Transformer) -> dict[str, torch.Tensor]:
         return {}
@@ -112,7 +113,8 @@ class CausalLMTask:
         layout = {"cu_seqlens": batch.get("cu_seqlens"), "max_seqlen": batch.get("max_seqlen")}  # padding-free
         if self._head is not None:  # never the full-vocabulary logits
             hidden = model.hidden_states(*inputs, **layout)
-            return fused_linear_cross_entropy(hidden, self._head.weight, batch["labels"], FUSED_LOSS_CHUNK)[0]
+            return fused_linear_cross_entropy(hidden, self._head.weight, batch["labels"], FUSED_LOSS_CHUNK,
+                                              softcap=self._softcap)[0]
         return token_cross_entropy(model(*inputs, **layout), batch["labels"])[0]
 
     def evaluate(self, model: Transformer, examples: list, tokenizer: Tokenizer) -> EvalResult:
