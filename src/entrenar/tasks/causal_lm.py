@@ -48,6 +48,7 @@ class CausalLMTask:
     name: str = "causal_lm"
     perplexity: bool = True
     _head: nn.Linear | None = field(default=None, repr=False)  # set by prepare() when the loss is fused
+    _softcap: float | None = field(default=None, repr=False)  # the model's final-logit soft cap (Gemma)
 
     def load(self, dtype: str, device: torch.device, quantize: str | None) -> tuple[Transformer, Tokenizer | None]:
         """The recipe's model: a checkpoint, GGUF file or run (``model.path``), or drawn from ``model.config``."""
