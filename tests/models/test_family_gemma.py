@@ -247,3 +247,139 @@ def test_the_causal_lm_task_s_fused_loss_soft_caps_as_the_plain_one(gemma):
         assert (task._head is not None) == kernels
         losses.append(task.loss_sum(model, batch))
     torch.testing.assert_close(losses[0], losses[1], atol=1e-4, rtol=1e-6)
+
+
+def write_llama_cpp_gguf(path, ref, vocab) -> None:
+    """``ref`` as convert_hf_to_gguf.py lays a Gemma 2/3 out: the gguf package's tensor names for the
+    architecture, every norm weight stored plus one, no output tensor for a tied head, the metadata it writes
+    (no query_pre_attn_scalar, no layer pattern, no local RoPE base: llama.cpp fixes those)."""
+    import gguf
+
+    c = ref.config
+    arch = gguf.MODEL_ARCH.GEMMA2 if c.model_type == "gemma2" else gguf.MODEL_ARCH.GEMMA3
+    w = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[arch])
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_key_length(c.head_dim)
+    w.add_value_length(c.head_dim)
+    w.add_sliding_window(c.sliding_window)
+    w.add_final_logit_softcapping(c.final_logit_softcapping)
+    if c.model_type == "gemma2":
+        w.add_attn_logit_softcapping(c.attn_logit_softcapping)
+    else:
+        full = c.rope_parameters["full_attention"]
+        w.add_rope_freq_base(full["rope_theta"])
+        if full.get("rope_type") == "linear":
+            w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            w.add_rope_scaling_factor(full["factor"])
+    w.add_tokenizer_model(vocab["model"])
+    w.add_tokenizer_pre("default")
+    w.add_token_list(vocab["tokens"])
+    w.add_token_types(vocab["types"])
+    w.add_token_merges(vocab["merges"])
+    names = gguf.get_tensor_name_map(arch, c.num_hidden_layers)
+    for name, t in ref.state_dict().items():
+        if name == "lm_head.weight":
+            continue
+        data = t.detach().float() + (1 if name.endswith("norm.weight") else 0)
+        w.add_tensor(names.get_name(name, try_suffixes=(".weight",)), data.numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_entrenar_load_of_a_llama_cpp_gguf_gives_transformers_logits(family, tmp_path):
+    """Layers as llama.cpp fixes them: Gemma 2 every 2nd global, Gemma 3 every 6th with local base 10000, and
+    query_pre_attn_scalar = head_dim (these are not 27B shapes)."""
+    import entrenar
+    from gguf_fixtures import byte_level_vocab, train_byte_level_tokenizer
+
+    tokenizer = train_byte_level_tokenizer("smollm")
+    vocab_size = tokenizer.get_vocab_size() + 5
+    pattern = 2 if family == "gemma2" else 6
+    layers = 7 if family == "gemma3_text" else 3
+    layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
+    overrides: dict = dict(vocab_size=vocab_size, query_pre_attn_scalar=16, num_hidden_layers=layers,
+                           layer_types=layer_types)
+    if family == "gemma3_text":
+        overrides["rope_parameters"] = {"full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                           "rope_theta": 100_000.0},
+                                        "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}}
+    ref = make_gemma(family, **overrides)
+    path = tmp_path / f"{family}.gguf"
+    write_llama_cpp_gguf(path, ref, byte_level_vocab(tokenizer, vocab_size))
+    model, _ = entrenar.load(path, device="cpu")
+    assert model.config.layer_types == tuple(layer_types)
+    ids = torch.randint(1, vocab_size, (2, 3 * WINDOW), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids), ref(ids).logits, atol=1e-4, rtol=0)
+
+
+def test_inspect_counts_parameters_as_transformers_and_peft(gemma, capsys):
+    """``entrenar inspect`` estimates from the config: totals and LoRA's trainable count equal the real models'."""
+    import json
+
+    from peft import LoraConfig, get_peft_model
+
+    from entrenar.cli.main import main
+
+    family, folder, ref = gemma
+    capsys.readouterr()
+    assert main(["inspect", str(folder), "--lora-r", "4", "--lora-targets", "all-linear", "--json"]) == 0
+    out = capsys.readouterr().out
+    report = json.loads(out)
+    assert report["architecture"]["model_type"] == family
+    assert report["parameters"]["total"] == sum(p.numel() for p in ref.parameters())
+    peft_model = get_peft_model(ref, LoraConfig(r=4, target_modules="all-linear"))
+    assert report["parameters"]["lora_trainable"] == sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
+
+
+def test_qlora_nf4_base_loads_and_trains(gemma):
+    """Every projection in NF4 (the head stays plain), logits near the full-precision ones, and a LoRA step runs
+    through the soft caps to finite gradients."""
+    import entrenar
+    from entrenar.adapters.lora import LoraConfig, apply_lora, lora_parameters
+
+    family, folder, ref = gemma
+    model, _ = entrenar.load(folder, quantize="nf4", dtype="float32", device="cpu")
+    quantized = [n for n, m in model.named_modules() if type(m).__name__.startswith("NF4")]
+    assert len(quantized) == 7 * model.config.num_layers
+    ids = torch.randint(1, VOCAB, (2, 2 * WINDOW + 1))
+    with torch.no_grad():
+        full = ref(ids).logits
+        got = model(ids)
+    assert torch.corrcoef(torch.stack([got.flatten(), full.flatten()]))[0, 1] > 0.9
+    apply_lora(model, LoraConfig(r=4, alpha=8, target_modules="all-linear"))
+    model.train()
+    loss = F.cross_entropy(model(ids)[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+    loss.backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in lora_parameters(model))
+
+
+def test_classification_head_matches_transformers(gemma):
+    """A fresh classification head on the Gemma backbone: transformers' *ForSequenceClassification with the same
+    head gives the same logits on a right-padded batch (last real token pooled, no soft cap on the scores)."""
+    import transformers
+
+    from entrenar.models.classifier import from_backbone
+
+    family, folder, _ = gemma
+    ours = from_backbone(load_hf(folder), num_labels=3).eval()
+    cls = getattr(transformers, "Gemma2ForSequenceClassification" if family == "gemma2"
+                  else "Gemma3TextForSequenceClassification")
+    theirs = cls.from_pretrained(folder, num_labels=3).eval()
+    with torch.no_grad():
+        theirs.score.weight.copy_(ours.score.weight)
+    ids = torch.randint(1, VOCAB, (2, 2 * WINDOW + 2))
+    mask = torch.ones_like(ids)
+    ids[1, -3:], mask[1, -3:] = 0, 0
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids, mask), theirs(input_ids=ids, attention_mask=mask).logits,
+                                   atol=1e-4, rtol=0)

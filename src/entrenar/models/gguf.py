@@ -49,7 +49,7 @@ if TYPE_CHECKING:
 
 # GGUF architecture -> transformers model_type. llama.cpp stores Mistral under "llama".
 # Mixtral is "llama" with expert_count set; Qwen3-MoE is "qwen3moe".
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma2", "gemma3")
 _HF_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
@@ -57,7 +57,23 @@ _HF_ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
 }
+# Gemma's norms as llama.cpp names them (its ffn_norm is the norm before the MLP, as Llama's, but
+# post_attention_layernorm is Gemma's norm of the attention output). convert_hf_to_gguf.py stores every Gemma norm
+# weight plus one (the 1 + w of Gemma's RMSNorm): read back minus one.
+_GEMMA_ARCHITECTURES = ("gemma2", "gemma3")
+_GEMMA_LAYER_NAMES = {
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}
+# llama.cpp (llama-model.cpp) fixes what Gemma's GGUF files do not say: every 2nd (Gemma 2) or 6th (Gemma 3) layer
+# global, Gemma 3's sliding layers at RoPE base 10000, and the attention scale 1/sqrt(hidden / heads) for the 27B
+# models (46 and 62 layers), 1/sqrt(head_dim) for the others.
+_GEMMA_GLOBAL_EVERY = {"gemma2": 2, "gemma3": 6}
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 
 # GGUF tensor name -> HF name. "{i}" is the layer index.
 _GLOBAL_NAMES = {
@@ -95,24 +111,27 @@ _LAYER_NAMES = {
 _ROPE_FREQS = "rope_freqs.weight"
 
 
-def hf_tensor_name(gguf_name: str) -> str | None:
-    """The Hugging Face name of a llama.cpp tensor name, or None if it is not one we know."""
+def hf_tensor_name(gguf_name: str, arch: str | None = None) -> str | None:
+    """The Hugging Face name of a llama.cpp tensor name (of a file of GGUF architecture ``arch``), or None if it
+    is not one we know."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     prefix, _, rest = gguf_name.partition(".")
     layer, _, suffix = rest.partition(".")
-    if prefix == "blk" and layer.isdigit() and suffix in _LAYER_NAMES:
-        return f"model.layers.{int(layer)}.{_LAYER_NAMES[suffix]}"
+    names = {**_LAYER_NAMES, **_GEMMA_LAYER_NAMES} if arch in _GEMMA_ARCHITECTURES else _LAYER_NAMES
+    if prefix == "blk" and layer.isdigit() and suffix in names:
+        return f"model.layers.{int(layer)}.{names[suffix]}"
     return None
 
 
-def gguf_tensor_name(hf_name: str) -> str:
+def gguf_tensor_name(hf_name: str, arch: str | None = None) -> str:
     """The llama.cpp name of a Hugging Face tensor name (inverse of ``hf_tensor_name``)."""
     for gguf_name, name in _GLOBAL_NAMES.items():
         if name == hf_name:
             return gguf_name
     layer, _, suffix = hf_name.removeprefix("model.layers.").partition(".")
-    for gguf_suffix, name in _LAYER_NAMES.items():
+    names = {**_LAYER_NAMES, **_GEMMA_LAYER_NAMES} if arch in _GEMMA_ARCHITECTURES else _LAYER_NAMES
+    for gguf_suffix, name in names.items():
         if name == suffix and layer.isdigit():
             return f"blk.{layer}.{gguf_suffix}"
     raise KeyError(hf_name)
@@ -163,6 +182,8 @@ class GGUFModel:
             raise ModelError(f"{self.path}: no tensor '{name}' (the file has {len(self._tensors)} tensors)")
         t = self._tensors[name]
         w = _dequantize(t, self.path).to(dtype)
+        if self.metadata["general.architecture"] in _GEMMA_ARCHITECTURES and name.endswith("norm.weight"):
+            w = w - 1  # stored as 1 + w (see _GEMMA_LAYER_NAMES)
         if self.metadata["general.architecture"] == "llama":
             if name.endswith("self_attn.q_proj.weight") or name.endswith("self_attn.q_proj.bias"):
                 w = unpermute_rope_rows(w, self.hf_config["num_attention_heads"])
@@ -341,7 +362,7 @@ def build_hf_config(metadata: dict[str, Any], tensors: dict[str, ReaderTensor], 
         raise ModelError(f"{path}: {arch}.vocab_size is {vocab} but token_embd.weight has {embed_rows} rows")
     rope_theta = get("rope.freq_base", 10000.0)
 
-    model_type = {"qwen3moe": "qwen3_moe"}.get(arch, arch)
+    model_type = {"qwen3moe": "qwen3_moe", "gemma3": "gemma3_text"}.get(arch, arch)
     name = f"{metadata.get('general.name', '')} {metadata.get('general.basename', '')}".lower()
     if arch == "llama" and experts:
         model_type = "mixtral"
@@ -376,6 +397,8 @@ def build_hf_config(metadata: dict[str, Any], tensors: dict[str, ReaderTensor], 
     }
     if model_type == "mistral":
         config["sliding_window"] = None  # llama.cpp keeps no sliding window for Mistral
+    if arch in _GEMMA_ARCHITECTURES:
+        config.update(_gemma_config(arch, config, get))
     if experts:
         # llama.cpp renormalises the chosen experts' weights for both (Mixtral always does; Qwen3-MoE's
         # released models set norm_topk_prob), unless expert_weights_norm says otherwise.
@@ -386,6 +409,27 @@ def build_hf_config(metadata: dict[str, Any], tensors: dict[str, ReaderTensor], 
         else:
             config["moe_intermediate_size"] = get("expert_feed_forward_length")
     return config
+
+
+def _gemma_config(arch: str, config: dict[str, Any], get: Any) -> dict[str, Any]:
+    """config.json's Gemma keys from a llama.cpp gemma2/gemma3 file, filled in as llama.cpp does (see
+    _GEMMA_GLOBAL_EVERY)."""
+    layers = config["num_hidden_layers"]
+    every = _GEMMA_GLOBAL_EVERY[arch]
+    window = get("attention.sliding_window", 4096 if arch == "gemma2" else ...)
+    scalar = config["hidden_size"] // config["num_attention_heads"] if layers == _GEMMA_27B_LAYERS[arch] \
+        else config["head_dim"]
+    out: dict[str, Any] = {
+        "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": scalar,
+        "final_logit_softcapping": get("final_logit_softcapping", None),
+        "attn_logit_softcapping": get("attn_logit_softcapping", None) if arch == "gemma2" else None,
+        "sliding_window": window,
+        "layer_types": ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(layers)],
+    }
+    if arch == "gemma3":
+        out["rope_local_base_freq"] = 10_000.0
+    return out
 
 
 def _rope_scaling(
@@ -468,7 +512,7 @@ def _map_tensors(
     for gguf_name, t in tensors.items():
         if gguf_name == _ROPE_FREQS:
             continue
-        hf_name = hf_tensor_name(gguf_name)
+        hf_name = hf_tensor_name(gguf_name, arch)
         if hf_name is None or hf_name not in expected:
             raise ModelError(f"{path}: unexpected tensor '{gguf_name}' for a {arch} model of this configuration")
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
@@ -479,7 +523,7 @@ def _map_tensors(
         mapped[hf_name] = t
     for hf_name in expected:
         if hf_name not in mapped and not (hf_name == "lm_head.weight" and config["tie_word_embeddings"]):
-            raise ModelError(f"{path}: tensor '{gguf_tensor_name(hf_name)}' ({hf_name}) is missing")
+            raise ModelError(f"{path}: tensor '{gguf_tensor_name(hf_name, arch)}' ({hf_name}) is missing")
     return mapped
 
 
@@ -515,8 +559,10 @@ def _expected_shapes(config: dict[str, Any], arch: str) -> dict[str, tuple[int, 
             layer["self_attn.o_proj.bias"] = (h,)
         if config["mlp_bias"]:
             layer.update({"mlp.gate_proj.bias": (i,), "mlp.up_proj.bias": (i,), "mlp.down_proj.bias": (h,)})
-        if arch in ("qwen3", "qwen3moe"):
+        if arch in ("qwen3", "qwen3moe", "gemma3"):
             layer.update({"self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,)})
+        if arch in _GEMMA_ARCHITECTURES:
+            layer.update({"pre_feedforward_layernorm.weight": (h,), "post_feedforward_layernorm.weight": (h,)})
         if config.get("num_experts"):  # every layer of these files is an MoE layer
             e, ie = config["num_experts"], config.get("moe_intermediate_size") or i
             for name in ("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"):
