@@ -7,11 +7,17 @@ shorter than the sequences and (Gemma 3) a linear-scaled global RoPE beside the 
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from entrenar.models.hf import load_hf, save_hf
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "data"))
+from tiny_chat_tokenizer import chat_tokenizer  # noqa: E402
 
 GEMMA = {
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(
@@ -383,3 +389,67 @@ def test_classification_head_matches_transformers(gemma):
     with torch.no_grad():
         torch.testing.assert_close(ours(ids, mask), theirs(input_ids=ids, attention_mask=mask).logits,
                                    atol=1e-4, rtol=0)
+
+
+def llama_cpp_shaped(family: str, **overrides):
+    """A tiny Gemma as llama.cpp lays the architecture out (its layer pattern, local RoPE base, attention scale)."""
+    layers = 7 if family == "gemma3_text" else 3
+    every = 6 if family == "gemma3_text" else 2
+    extra: dict = dict(num_hidden_layers=layers, query_pre_attn_scalar=16,
+                       layer_types=["sliding_attention" if (i + 1) % every else "full_attention"
+                                    for i in range(layers)])
+    if family == "gemma3_text":
+        extra["rope_parameters"] = {"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 100_000.0},
+                                    "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}}
+    return make_gemma(family, **{**extra, **overrides})
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_gguf_export_is_laid_out_as_llama_cpp_s_and_loads_back(family, tmp_path):
+    """write_gguf of a Gemma: the gguf package's tensor names for gemma2/gemma3, norms stored plus one, the window
+    and soft caps in the metadata; entrenar.load of the file gives transformers' logits."""
+    import gguf
+
+    import entrenar
+    from entrenar.export.gguf_write import write_gguf
+
+    tokenizer = chat_tokenizer()
+    ref = llama_cpp_shaped(family, vocab_size=320)
+    ref.save_pretrained(tmp_path / "hf")
+    path = write_gguf(load_hf(tmp_path / "hf"), tokenizer, tmp_path / "m.gguf", "f32")
+
+    reader = gguf.GGUFReader(path)
+    arch = gguf.MODEL_ARCH.GEMMA2 if family == "gemma2" else gguf.MODEL_ARCH.GEMMA3
+    arch_name = gguf.MODEL_ARCH_NAMES[arch]
+    names = gguf.get_tensor_name_map(arch, ref.config.num_hidden_layers)
+    stored = {t.name: torch.from_numpy(t.data.copy()).reshape([int(d) for d in reversed(t.shape.tolist())])
+              for t in reader.tensors}
+    expected = {names.get_name(n, try_suffixes=(".weight",)): t + (1 if n.endswith("norm.weight") else 0)
+                for n, t in ref.state_dict().items() if n != "lm_head.weight"}
+    assert stored.keys() == expected.keys()
+    for name, tensor in expected.items():
+        torch.testing.assert_close(stored[name], tensor.detach(), msg=name)
+    fields = reader.fields
+    assert int(fields[f"{arch_name}.attention.sliding_window"].contents()) == WINDOW
+    assert fields[f"{arch_name}.final_logit_softcapping"].contents() == pytest.approx(3.0)
+    model, _ = entrenar.load(path, device="cpu")
+    ids = torch.randint(1, 300, (2, 3 * WINDOW), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids), ref(ids).logits, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("change", ["layer_types", "query_pre_attn_scalar", "rope_local_theta"])
+def test_gguf_export_refuses_what_llama_cpp_would_run_otherwise(change, tmp_path):
+    """llama.cpp fixes Gemma 3's layer pattern, local RoPE base and attention scale: a model that differs is
+    refused by name, and no file is written."""
+    from entrenar.errors import ModelError
+    from entrenar.export.gguf_write import write_gguf
+
+    ref = llama_cpp_shaped("gemma3_text", vocab_size=320)
+    ref.save_pretrained(tmp_path / "hf")
+    model = load_hf(tmp_path / "hf")
+    value = {"layer_types": ("full_attention",) * 7, "query_pre_attn_scalar": 24.0, "rope_local_theta": 50.0}[change]
+    model.config = model.config.replace(**{change: value})
+    with pytest.raises(ModelError, match=f"gemma3_text model with {change}=.*llama.cpp's gemma3"):
+        write_gguf(model, chat_tokenizer(), tmp_path / "m.gguf", "f32")
+    assert not (tmp_path / "m.gguf").exists()

@@ -65,7 +65,8 @@ if TYPE_CHECKING:
 
 # The file types offered, by the names llama.cpp's tools use; each tensor's type follows llama-quantize's rules.
 GGUF_TYPES = tuple(FILE_TYPES)
-_ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+_ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
+                  "gemma2": "gemma2", "gemma3_text": "gemma3"}
 _ROPE_FREQS = "rope_freqs.weight"
 
 # llama.cpp token types (gguf.TokenType).
@@ -144,6 +145,7 @@ def _plan(model: Transformer, qtype: str) -> list[_Entry]:
 
     config = model.config
     assert config.head_dim is not None  # ModelConfig.__post_init__ fills it in
+    arch = _ARCHITECTURES.get(config.model_type)
     entries = []
     if (config.rope_scaling or {}).get("rope_type") == "llama3":
         entries.append(_Entry(_ROPE_FREQS, None, (config.head_dim // 2,), Q.F32))
@@ -152,7 +154,7 @@ def _plan(model: Transformer, qtype: str) -> list[_Entry]:
         if hf_name == "lm_head.weight" and config.tie_word_embeddings:
             continue  # llama.cpp reads a missing output.weight as tied to token_embd
         try:
-            gguf_name = gguf_tensor_name(hf_name)
+            gguf_name = gguf_tensor_name(hf_name, arch)
         except KeyError:
             raise ModelError(
                 f"tensor '{hf_name}' has no llama.cpp name; only a plain model can be written as GGUF "
@@ -178,6 +180,8 @@ def _encode(entry: _Entry, tensor: torch.Tensor, arch: str, model: Transformer) 
     name = entry.hf_name or entry.gguf_name
     w = tensor.detach().to("cpu", torch.float32)
     check_finite(w, name)
+    if arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):
+        w = w + 1  # convert_hf_to_gguf.py stores Gemma's norms as the 1 + w they multiply by
     if arch == "llama" and entry.hf_name is not None:
         if ".self_attn.q_proj." in entry.hf_name:
             w = permute_rope_rows(w, model.config.num_heads)
@@ -271,12 +275,42 @@ def _add_architecture(
     if rope.get("rope_type") == "linear":
         writer.add_rope_scaling_type(RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(float(rope["factor"]))
-    if c.sliding_window is not None and c.sliding_window < c.max_position_embeddings:
+    if arch in ("gemma2", "gemma3"):
+        _add_gemma(writer, model, arch)
+    elif c.sliding_window is not None and c.sliding_window < c.max_position_embeddings:
         warnings.warn(
             f"{c.model_type} sliding window ({c.sliding_window} tokens) is not written: llama.cpp's {arch} "
             "architecture attends to the whole context, so outputs differ beyond the window",
             stacklevel=3,
         )
+
+
+def _check_gemma(model: Transformer, arch: str) -> None:
+    """Refuse a Gemma model llama.cpp would run otherwise than it was trained: llama.cpp fixes the layer pattern
+    (every 2nd / 6th layer global), Gemma 3's local RoPE base (10000), the attention scale (1/sqrt(head_dim), or
+    1/sqrt(hidden / heads) for the 27B shapes) and, for Gemma 2, a head tied to the embeddings."""
+    from entrenar.models.gguf import gemma_layout
+
+    c = model.config
+    expected = gemma_layout(arch, c.num_layers, c.hidden_size, c.num_heads, c.head_dim or 0)
+    theirs = {"layer_types": c.layer_types, "query_pre_attn_scalar": float(c.query_pre_attn_scalar or c.head_dim or 0),
+              "rope_local_theta": c.rope_local_theta if arch == "gemma3" else None,
+              "tie_word_embeddings": c.tie_word_embeddings if arch == "gemma2" else True}
+    for key, value in expected.items():
+        if theirs[key] != value:
+            raise ModelError(f"a {c.model_type} model with {key}={theirs[key]!r} cannot be written as GGUF: "
+                             f"llama.cpp's {arch} architecture assumes {value!r}")
+
+
+def _add_gemma(writer: gguf.GGUFWriter, model: Transformer, arch: str) -> None:
+    """The keys convert_hf_to_gguf.py writes for Gemma 2/3: the window and the soft caps."""
+    c = model.config
+    if c.sliding_window is not None:
+        writer.add_sliding_window(c.sliding_window)
+    if c.final_logit_softcapping is not None:
+        writer.add_final_logit_softcapping(c.final_logit_softcapping)
+    if c.attn_logit_softcapping is not None:
+        writer.add_attn_logit_softcapping(c.attn_logit_softcapping)
 
 
 def _vocabulary_kind(model_json: dict[str, Any]) -> str:
@@ -601,8 +635,10 @@ def write_gguf(
     if model.config.model_type not in _ARCHITECTURES:
         raise ModelError(f"writing GGUF files of {model.config.model_type} models is not supported "
                          f"(supported: {', '.join(_ARCHITECTURES)})")
-    finite.check_finite(model.state_dict(), path, ModelError)
     arch = _ARCHITECTURES[model.config.model_type]
+    if arch in ("gemma2", "gemma3"):
+        _check_gemma(model, arch)
+    finite.check_finite(model.state_dict(), path, ModelError)
     plan = _plan(model, qtype)
     meta = tokenizer_metadata(tokenizer, model.config.vocab_size)
 

@@ -411,24 +411,33 @@ def build_hf_config(metadata: dict[str, Any], tensors: dict[str, ReaderTensor], 
     return config
 
 
+def gemma_layout(arch: str, layers: int, hidden: int, heads: int, head_dim: int) -> dict[str, Any]:
+    """What llama.cpp assumes of a gemma2/gemma3 file of this shape, under ModelConfig's names (see
+    _GEMMA_GLOBAL_EVERY); GGUF export refuses a model that differs."""
+    every = _GEMMA_GLOBAL_EVERY[arch]
+    return {
+        "layer_types": tuple("sliding_attention" if (i + 1) % every else "full_attention" for i in range(layers)),
+        "query_pre_attn_scalar": float(hidden // heads if layers == _GEMMA_27B_LAYERS[arch] else head_dim),
+        "rope_local_theta": 10_000.0 if arch == "gemma3" else None,
+        "tie_word_embeddings": True,  # Gemma 2's llama.cpp graph has no output tensor; Gemma 3's may
+    }
+
+
 def _gemma_config(arch: str, config: dict[str, Any], get: Any) -> dict[str, Any]:
     """config.json's Gemma keys from a llama.cpp gemma2/gemma3 file, filled in as llama.cpp does (see
     _GEMMA_GLOBAL_EVERY)."""
-    layers = config["num_hidden_layers"]
-    every = _GEMMA_GLOBAL_EVERY[arch]
-    window = get("attention.sliding_window", 4096 if arch == "gemma2" else ...)
-    scalar = config["hidden_size"] // config["num_attention_heads"] if layers == _GEMMA_27B_LAYERS[arch] \
-        else config["head_dim"]
+    layout = gemma_layout(arch, config["num_hidden_layers"], config["hidden_size"], config["num_attention_heads"],
+                          config["head_dim"])
     out: dict[str, Any] = {
         "hidden_activation": "gelu_pytorch_tanh",
-        "query_pre_attn_scalar": scalar,
+        "query_pre_attn_scalar": layout["query_pre_attn_scalar"],
         "final_logit_softcapping": get("final_logit_softcapping", None),
         "attn_logit_softcapping": get("attn_logit_softcapping", None) if arch == "gemma2" else None,
-        "sliding_window": window,
-        "layer_types": ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(layers)],
+        "sliding_window": get("attention.sliding_window", 4096 if arch == "gemma2" else ...),
+        "layer_types": list(layout["layer_types"]),
     }
     if arch == "gemma3":
-        out["rope_local_base_freq"] = 10_000.0
+        out["rope_local_base_freq"] = layout["rope_local_theta"]
     return out
 
 
