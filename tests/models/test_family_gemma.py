@@ -453,3 +453,46 @@ def test_gguf_export_refuses_what_llama_cpp_would_run_otherwise(change, tmp_path
     with pytest.raises(ModelError, match=f"gemma3_text model with {change}=.*llama.cpp's gemma3"):
         write_gguf(model, chat_tokenizer(), tmp_path / "m.gguf", "f32")
     assert not (tmp_path / "m.gguf").exists()
+
+
+def test_fused_kernels_leave_gemma_s_own_modules_to_pytorch(gemma):
+    """apply_kernels swaps only the plain classes: Gemma's (1 + w) norms, GELU gate and sandwich blocks keep their
+    PyTorch forwards (the RMSNorm/SwiGLU/block kernels compute Llama's), attention gets the RoPE kernel, and the
+    logits stay transformers'."""
+    from entrenar.kernels import apply_kernels
+    from entrenar.models.transformer import Attention, GatedMLP, OffsetRMSNorm, SandwichBlock
+
+    family, folder, ref = gemma
+    model = load_hf(folder).eval()
+    changed = apply_kernels(model)
+    kinds = {type(m) for n, m in model.named_modules() if n in changed}
+    assert kinds and all(issubclass(k, Attention) for k in kinds)
+    assert all(type(m) in (OffsetRMSNorm, GatedMLP, SandwichBlock) for m in model.modules()
+               if isinstance(m, (OffsetRMSNorm, GatedMLP, SandwichBlock)))
+    ids = torch.randint(1, VOCAB, (2, 2 * WINDOW))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids), ref(ids).logits, atol=1e-4, rtol=0)
+
+
+def test_gemma3_with_vision_is_refused_by_name():
+    from entrenar.errors import ModelError
+    from entrenar.models.config import ModelConfig
+
+    with pytest.raises(ModelError, match="Gemma3ForConditionalGeneration.*gemma3_text"):
+        ModelConfig.from_hf({"model_type": "gemma3", "text_config": {"hidden_size": 8}}, "x/config.json")
+
+
+def test_damaged_gemma_keys_name_the_file_and_key(gemma):
+    import json
+
+    from entrenar.errors import ModelError
+    from entrenar.models.config import ModelConfig
+
+    _, folder, _ = gemma
+    hf = json.loads((folder / "config.json").read_text())
+    for key, value, message in [("layer_types", ["sliding_attention"], "layer_types"),
+                                ("hidden_activation", "relu", "hidden_activation"),
+                                ("final_logit_softcapping", -1.0, "final_logit_softcapping"),
+                                ("use_bidirectional_attention", True, "use_bidirectional_attention")]:
+        with pytest.raises(ModelError, match=f"cfg.json.*{message}"):
+            ModelConfig.from_hf({**hf, key: value}, "cfg.json")

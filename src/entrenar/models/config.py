@@ -224,6 +224,10 @@ class ModelConfig:
         if not isinstance(hf, dict):
             raise ModelError(f"{source}: expected a JSON object, got {_json_type(hf)}")
         model_type = hf.get("model_type")
+        if model_type == "gemma3" and isinstance(hf.get("text_config"), dict):
+            raise ModelError(f"{source}: Gemma 3 with its vision tower (Gemma3ForConditionalGeneration) is not "
+                             "supported; entrenar trains Gemma 3 text models (model_type gemma3_text, "
+                             "Gemma3ForCausalLM)")
         if model_type not in SUPPORTED_FAMILIES:
             archs = hf.get("architectures")
             raise ModelError(
