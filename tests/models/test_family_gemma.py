@@ -342,6 +342,10 @@ def test_inspect_counts_parameters_as_transformers_and_peft(gemma, capsys):
     out = capsys.readouterr().out
     report = json.loads(out)
     assert report["architecture"]["model_type"] == family
+    assert report["architecture"]["layer_types"] == ref.config.layer_types
+    assert report["architecture"]["final_logit_softcapping"] == 3.0
+    assert main(["inspect", str(folder)]) == 0
+    assert "soft caps: " in capsys.readouterr().out
     assert report["parameters"]["total"] == sum(p.numel() for p in ref.parameters())
     peft_model = get_peft_model(ref, LoraConfig(r=4, target_modules="all-linear"))
     assert report["parameters"]["lora_trainable"] == sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
