@@ -500,3 +500,38 @@ def test_damaged_gemma_keys_name_the_file_and_key(gemma):
                                 ("use_bidirectional_attention", True, "use_bidirectional_attention")]:
         with pytest.raises(ModelError, match=f"cfg.json.*{message}"):
             ModelConfig.from_hf({**hf, key: value}, "cfg.json")
+
+
+@pytest.mark.parametrize("family, keys", [
+    ("gemma2", {}),
+    ("gemma3_text", {}),
+    # the Hub's older Gemma 3 configs: a pattern, rope_theta and rope_local_base_freq, rope_scaling for global layers
+    ("gemma3_text", {"sliding_window_pattern": 3, "rope_theta": 200_000.0, "rope_local_base_freq": 77.0,
+                     "rope_scaling": {"rope_type": "linear", "factor": 4.0}, "query_pre_attn_scalar": 32}),
+])
+def test_configs_that_leave_keys_out_read_as_transformers_reads_them(family, keys):
+    """What config.json leaves out takes transformers 5.24's defaults (soft caps, head_dim 256, window 4096, tied
+    head, the layer pattern, the RoPE bases)."""
+    import transformers
+
+    from entrenar.models.config import ModelConfig
+
+    minimal = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=7, num_attention_heads=4,
+                   num_key_value_heads=2, **keys)
+    theirs = getattr(transformers, GEMMA[family][0])(**minimal)
+    ours = ModelConfig.from_hf({"model_type": family, **minimal})
+    assert ours.layer_types == tuple(theirs.layer_types)
+    assert (ours.head_dim, ours.sliding_window, ours.tie_word_embeddings) == (
+        theirs.head_dim, theirs.sliding_window, theirs.tie_word_embeddings)
+    assert (ours.attn_logit_softcapping if family == "gemma2" else None) == (
+        theirs.attn_logit_softcapping if family == "gemma2" else None)
+    assert (ours.final_logit_softcapping, ours.query_pre_attn_scalar) == (
+        theirs.final_logit_softcapping, theirs.query_pre_attn_scalar)
+    rope = theirs.rope_parameters
+    if family == "gemma2":
+        assert ours.rope_theta == rope["rope_theta"] and ours.rope_local_theta is None
+    else:
+        assert ours.rope_theta == rope["full_attention"]["rope_theta"]
+        assert ours.rope_local_theta == rope["sliding_attention"]["rope_theta"]
+        scaling = {k: v for k, v in rope["full_attention"].items() if k != "rope_theta"}
+        assert (ours.rope_scaling or {"rope_type": "default"}) == scaling

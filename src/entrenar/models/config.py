@@ -676,7 +676,7 @@ def _gemma_from_hf(model_type: str, hf: dict[str, Any], num_layers: int, read: _
         raise read._bad("hidden_activation", f"one of {', '.join(HIDDEN_ACTS)}")
 
     def cap(key: str, default: float | None) -> float | None:
-        return read.number(key, positive=True) if hf.get(key, default) is not None else None
+        return read.number(key, default=default, positive=True) if hf.get(key, default) is not None else None
 
     layer_types = hf.get("layer_types")
     if layer_types is None:
