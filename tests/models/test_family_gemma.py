@@ -535,3 +535,25 @@ def test_configs_that_leave_keys_out_read_as_transformers_reads_them(family, key
         assert ours.rope_local_theta == rope["sliding_attention"]["rope_theta"]
         scaling = {k: v for k, v in rope["full_attention"].items() if k != "rope_theta"}
         assert (ours.rope_scaling or {"rope_type": "default"}) == scaling
+
+
+def test_our_adapter_loads_in_peft_with_equal_logits(gemma, tmp_path):
+    import peft
+
+    from entrenar.adapters.lora import LoraConfig, apply_lora, lora_layers, save_adapter
+
+    family, folder, ref = gemma
+    model = load_hf(folder).eval()
+    cfg = LoraConfig(r=4, alpha=8, target_modules="all-linear")
+    apply_lora(model, cfg)
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for _, layer in lora_layers(model):
+            layer.lora_B.weight.copy_(torch.randn(layer.lora_B.weight.shape, generator=generator) * 0.1)
+    save_adapter(model, tmp_path / "adapter", cfg)
+    theirs = peft.PeftModel.from_pretrained(ref, tmp_path / "adapter").eval()
+    ids = torch.randint(1, VOCAB, (2, 2 * WINDOW + 1))
+    with torch.no_grad():
+        expected = theirs(input_ids=ids).logits
+        assert (expected - make_gemma(family)(ids).logits).abs().max() > 1e-3  # the adapter changes the logits
+        torch.testing.assert_close(model(ids), expected, atol=1e-4, rtol=0)
