@@ -323,11 +323,20 @@ class Transformer(nn.Module):
 
     def rope(self, position_ids: torch.Tensor, dtype: torch.dtype,
              local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        # The sliding layers' own base (Gemma 3) is computed here, not kept: every loader sets inv_freq alone.
-        inv_freq = rope_inv_freq(self.config, local=True).to(self.inv_freq.device) if local else self.inv_freq
+        inv_freq = self._local_inv_freq() if local else self.inv_freq
         freqs = position_ids[..., None].float() * inv_freq.float()
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def _local_inv_freq(self) -> torch.Tensor:
+        """The sliding layers' inverse frequencies (Gemma 3's own base), kept beside ``inv_freq`` on its device.
+        Not a buffer: every loader sets ``inv_freq`` alone, and this follows it (and the config) when first used."""
+        key = (self.inv_freq.device, self.config.rope_local_theta, self.config.head_dim)
+        cached = self.__dict__.get("_local_rope")
+        if cached is None or cached[0] != key:
+            cached = (key, rope_inv_freq(self.config, local=True).to(self.inv_freq.device))
+            self.__dict__["_local_rope"] = cached
+        return cached[1]
 
     def attention_mask(
         self, t: int, document_ids: torch.Tensor | None, device: torch.device, past: int = 0,
