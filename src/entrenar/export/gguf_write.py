@@ -53,7 +53,7 @@ from entrenar.export.gguf_meta import GeneralMetadata
 from entrenar.export.gguf_quants import FILE_TYPES, quantize_k, tensor_types
 from entrenar.io import atomic, finite
 from entrenar.models.config import rope_inv_freq
-from entrenar.models.gguf import build_tokenizer, gguf_tensor_name
+from entrenar.models.gguf import build_tokenizer, gemma_layout, gguf_tensor_name
 from entrenar.quant.int import check_finite, quantize_q4_0, quantize_q8_0
 
 if TYPE_CHECKING:
@@ -289,8 +289,6 @@ def _check_gemma(model: Transformer, arch: str) -> None:
     """Refuse a Gemma model llama.cpp would run otherwise than it was trained: llama.cpp fixes the layer pattern
     (every 2nd / 6th layer global), Gemma 3's local RoPE base (10000), the attention scale (1/sqrt(head_dim), or
     1/sqrt(hidden / heads) for the 27B shapes) and, for Gemma 2, a head tied to the embeddings."""
-    from entrenar.models.gguf import gemma_layout
-
     c = model.config
     expected = gemma_layout(arch, c.num_layers, c.hidden_size, c.num_heads, c.head_dim or 0)
     theirs = {"layer_types": c.layer_types, "query_pre_attn_scalar": float(c.query_pre_attn_scalar or c.head_dim or 0),

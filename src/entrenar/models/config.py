@@ -2,7 +2,9 @@
 
 Llama 2/3, Mistral, Qwen2/2.5, Qwen3 and SmolLM differ only in a handful of
 flags (biases, q/k norms, RoPE scaling, tied embeddings), so one dataclass and
-one model implementation cover them all, as in litgpt.
+one model implementation cover them all, as in litgpt. Gemma 2 and Gemma 3 (text)
+are a few flags more (scaled embeddings, (1 + w) norms, sandwich norms, a GELU gate,
+soft caps, per-layer sliding windows and RoPE bases).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import torch
 from entrenar.errors import ModelError
 
 SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe",
-                      *("gemma2", "gemma3_text"))
+                      "gemma2", "gemma3_text")
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 _ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
