@@ -557,3 +557,24 @@ def test_our_adapter_loads_in_peft_with_equal_logits(gemma, tmp_path):
         expected = theirs(input_ids=ids).logits
         assert (expected - make_gemma(family)(ids).logits).abs().max() > 1e-3  # the adapter changes the logits
         torch.testing.assert_close(model(ids), expected, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("seq_len", [48, 160])
+def test_activation_estimate_within_10_percent_of_saved_tensors(family, dtype, seq_len):
+    """The plan's and inspect's activation estimate against what autograd keeps: Gemma's four eager norms, and
+    Gemma 2's explicit soft-capped attention, whose probabilities grow with the square of the sequence."""
+    from entrenar.models.config import ModelConfig
+    from entrenar.models.transformer import Transformer
+    from entrenar.train.memory import estimate_training_memory
+    from test_memory import measured_saved_bytes
+
+    config = ModelConfig.from_hf(dict(model_type=family, vocab_size=256, hidden_size=128, intermediate_size=352,
+                                      num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                                      head_dim=32, sliding_window=16, query_pre_attn_scalar=32))
+    model = Transformer(config).to(dtype)
+    model.reset_parameters()
+    measured = measured_saved_bytes(model, torch.randint(0, 256, (2, seq_len)))
+    est = estimate_training_memory(config, "full", 2, seq_len, dtype_bytes=dtype.itemsize)
+    assert abs(est.activations - measured) / measured < 0.10, (est.activations, measured)
