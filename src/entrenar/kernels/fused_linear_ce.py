@@ -121,16 +121,16 @@ def _loss_and_grads(
     for start in range(0, n, chunk_size):
         h = hidden[start : start + chunk_size]
         logits = h @ weight.T  # [chunk, V] in the model dtype
-        capped = None
+        capped = None  # tanh(logits / c) in fp32: one more [chunk, V] block, the only one the cap adds
         if softcap is not None:
-            capped = torch.tanh(logits.float() / softcap)
-            logits.copy_(capped * softcap)
+            capped = logits.to(torch.float32, copy=True).div_(softcap).tanh_()
+            logits.copy_(capped).mul_(softcap)
         grad_logits = rows(
             logits, targets[start : start + chunk_size], loss_rows[start : start + chunk_size],
             need_hidden or need_weight,
         )
         if capped is not None and (need_hidden or need_weight):
-            grad_logits = (grad_logits.float() * (1 - capped.square_())).to(logits.dtype)
+            grad_logits.mul_(capped.square_().neg_().add_(1))  # computed in fp32, stored in the chunk's dtype
         if grad_hidden is not None:
             torch.mm(grad_logits, weight, out=grad_hidden[start : start + chunk_size])
         if need_weight:

@@ -319,7 +319,9 @@ def _logits(config: ModelConfig, tokens: int, dtype_bytes: int, fused_loss_chunk
         # The fused output-projection loss does all its work in forward: one chunk of logits (overwritten by
         # their gradient) at a time, and the hidden states' gradient kept for backward. The chunk is gone
         # before backward rebuilds a checkpointed layer, so only what it exceeds that layer by adds to the peak.
-        chunk = min(tokens, fused_loss_chunk) * config.vocab_size * dtype_bytes
+        # A final soft cap (Gemma) keeps tanh of the chunk's logits in fp32 beside them.
+        chunk = min(tokens, fused_loss_chunk) * config.vocab_size * (dtype_bytes + 4 * bool(
+            config.final_logit_softcapping))
         return tokens * config.hidden_size * dtype_bytes + max(0, chunk - rebuilt)
     # Logits in the model dtype, upcast to fp32 for the loss, and their gradient.
     return tokens * config.vocab_size * (dtype_bytes + 4 + 4)
