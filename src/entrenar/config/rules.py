@@ -179,6 +179,24 @@ def _device(value: Any) -> str:
     raise Reject(f"one of: {DEVICE_NAMES}")
 
 
+_SCHEMA = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def _attach(value: Any) -> dict[str, str] | None:
+    """data.attach: null, or ``{schema: FILE}`` of SQLite files attached read-only beside data.train's."""
+    expected = "null or a mapping {schema name: SQLite file} (e.g. {outcomes: outcomes.db})"
+    if value is None:
+        return None
+    if not isinstance(value, dict) or not value:
+        raise Reject(expected)
+    for name, path in value.items():
+        if not isinstance(name, str) or not _SCHEMA.fullmatch(name) or name.lower() in ("main", "temp"):
+            raise Reject(expected, f" (schema name {_show(name)} must be an SQL identifier other than main and temp)")
+        if not isinstance(path, str) or not path.strip():
+            raise Reject(expected, f" ({name} must name a file, got {_show(path)})")
+    return dict(value)
+
+
 def _modules(value: Any) -> str | tuple[str, ...]:
     expected = "'all-linear' or a non-empty list of module names"
     if value == "all-linear":

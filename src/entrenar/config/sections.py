@@ -14,6 +14,7 @@ from entrenar.config.rules import (
     Reject,
     Rule,
     _activation_bits,
+    _attach,
     _betas,
     _boolean,
     _checkpoint_layers,
@@ -147,9 +148,14 @@ class DataSection(_Section):
     shuffle: bool = setting(True, _boolean)
     # a SQLite train/validation file: the SELECT giving its rows
     query: str | None = setting(None, _text(nullable=True))
+    # more SQLite files attached read-only to data.train's, by schema name: {outcomes: outcomes.db}
+    attach: dict[str, str] | None = setting(None, _attach)
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.attach is not None and self.query is None:
+            raise _BadValue("data.attach", "'data.attach' attaches SQLite files for 'data.query' to join; set "
+                                           "data.query too")
         if self.query is not None:
             try:
                 check_query(self.query)

@@ -89,7 +89,7 @@ class ClassificationTask:
         if num is None:  # collected from the training data
             records, _ = read_records([path for path, _, _ in d.sources()], format=split_format(d.format)[0],
                                       on_error=d.on_error,
-                                      seed=self.recipe.training.seed, query=d.query)
+                                      seed=self.recipe.training.seed, query=d.query, attach=d.attach)
             self.spec = label_spec(t, records, d.label_field)
             num = self.spec.num_labels
         model, tokenizer = load_model(self.recipe.model.path, dtype=dtype, device=device, quantize=quantize,
