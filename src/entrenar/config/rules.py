@@ -132,6 +132,16 @@ def _number(
     return rule
 
 
+def _seconds_or_null(value: Any) -> float | None:
+    """A duration of at least one second, or null (off)."""
+    if value is None:
+        return None
+    number = _as_number(value)
+    if number is None or number < 1:
+        raise Reject("a number of seconds >= 1, or null (off)")
+    return number
+
+
 def _choice(*options: str | bool | None) -> Rule:
     expected = "one of: " + ", ".join(_plain_text(o) for o in options)
 

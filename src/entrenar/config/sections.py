@@ -32,6 +32,7 @@ from entrenar.config.rules import (
     _number,
     _offload_layers,
     _parameter_names,
+    _seconds_or_null,
     _show,
     _text,
     _threshold,
@@ -309,6 +310,11 @@ class TrainingSection(_Section):
     dist_timeout_s: float = setting(300.0, _number(1.0), resumable=15)
     # steps between replica checks (and at the end); 0: never
     replica_check_every: int = setting(50, _integer(0), resumable=16)
+    # a rank of a job entrenar launched that stays this long in one phase of a step is stopped and named (then
+    # restarted with --max-restarts); null: only dist_timeout_s. Loading, evaluation, checkpoints and the first
+    # steps get stall_startup_s (distributed/watchdog.py)
+    stall_timeout_s: float | None = setting(30.0, _seconds_or_null, resumable=24)
+    stall_startup_s: float = setting(600.0, _number(1.0), resumable=24)
 
     def __post_init__(self) -> None:
         super().__post_init__()
