@@ -17,7 +17,8 @@ from entrenar.errors import ConfigError
 from entrenar.evaluation.report import build_report, write_report
 from entrenar.loading import load as load_model
 from entrenar.loading.classifier import padding_id
-from entrenar.models.classifier import SequenceClassifier
+from entrenar.models import random_init
+from entrenar.models.classifier import SequenceClassifier, from_backbone
 from entrenar.tasks.base import SummaryRow
 from entrenar.tasks.classification.calibration import calibrate
 from entrenar.tasks.classification.data import (
@@ -76,7 +77,8 @@ class ClassificationTask:
         return self.spec
 
     def load(self, dtype: str, device: torch.device, quantize: str | None) -> tuple[SequenceClassifier, Tokenizer]:
-        """A classifier on the recipe's ``model.path`` (a fresh head drawn from training.seed) and its tokenizer;
+        """A classifier on the recipe's ``model.path`` or a random-init ``model.config`` (a fresh head drawn from
+        training.seed) and its tokenizer;
         the labels come from the recipe or, when it names neither them nor their number, the training data."""
         t, d = self.recipe.task, self.recipe.data
         if self.metric != "loss" and self.metric not in METRICS[t.problem_type]:
@@ -92,9 +94,15 @@ class ClassificationTask:
                                       seed=self.recipe.training.seed, query=d.query, attach=d.attach)
             self.spec = label_spec(t, records, d.label_field)
             num = self.spec.num_labels
-        model, tokenizer = load_model(self.recipe.model.path, dtype=dtype, device=device, quantize=quantize,
-                                      task="classification", num_labels=num, pooling=t.pooling,
-                                      seed=self.recipe.training.seed)
+        if random_init.is_random(self.recipe):  # a decoder drawn from model.config, a head on it (from scratch)
+            if quantize is not None:
+                raise ConfigError("lora.quantize_base: a random-init model has no pretrained base to quantize")
+            lm, tokenizer = random_init.build(self.recipe, dtype, device)
+            model = from_backbone(lm, num, t.pooling, seed=self.recipe.training.seed)
+        else:
+            model, tokenizer = load_model(self.recipe.model.path, dtype=dtype, device=device, quantize=quantize,
+                                          task="classification", num_labels=num, pooling=t.pooling,
+                                          seed=self.recipe.training.seed)
         self.spec = self.spec or label_spec(t)
         self.pad_id = padding_id(tokenizer)
         model.info.update(labels=self.spec.names or [str(i) for i in range(num)], problem_type=t.problem_type,
