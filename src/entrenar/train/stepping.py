@@ -48,6 +48,7 @@ class StepRecord:
     tokens: int
     flags: dict[str, Any] = field(default_factory=dict)  # skipped / scaler_skipped
     moe_values: list[float] | None = None
+    task_values: list[float] | None = None  # the task's per-step counts over all ranks (a classifier's correct, total)
 
 
 class MicroStep:
@@ -102,7 +103,7 @@ class SyncSteps:
         watchdog.beat("collective", step + 1)
         # The global step's loss on every rank, so every rank takes the same decision.
         loss = self.world.all_sum(loss) / self.world.size
-        return self._apply(step + 1, lr, started, loss, grad_norm, tokens, acts)
+        return self._apply(step + 1, lr, started, loss, grad_norm, tokens, acts, self._task_counts())
 
     def finish(self) -> None:
         """Read whatever is still on its way (nothing, here)."""
@@ -122,11 +123,18 @@ class SyncSteps:
                 loss += self.micro_step(batch)
         return loss, tokens
 
+    def _task_counts(self) -> torch.Tensor | None:
+        """The task's counts of this step (``take_step_counts``, e.g. a classifier's correct and total), summed
+        over the ranks on the device; None for a task that counts nothing."""
+        take = getattr(self.task, "take_step_counts", None)
+        counts = take() if take is not None else None
+        return self.world.all_sum(counts) if counts is not None else None
+
     def _read_earlier(self) -> None:
         """Read a step launched before this one (overlap)."""
 
     def _apply(self, done: int, lr: float, started: float, loss: torch.Tensor, grad_norm: torch.Tensor,
-               tokens: torch.Tensor, acts: bool) -> StepRecord | None:
+               tokens: torch.Tensor, acts: bool, task_counts: torch.Tensor | None = None) -> StepRecord | None:
         # The step's one host read; a NaN/inf loss or gradient norm then stops the run, or drops this step's
         # update (training.nonfinite), before the optimizer applies it.
         loss_value, norm_value = float(loss), float(grad_norm)
@@ -135,7 +143,8 @@ class SyncSteps:
         self.optimizer.zero_grad(set_to_none=not self.keep_grads)
         # Router biases move only with an applied update (a skipped step leaves them too).
         moe_values = self.moe.close_step(update="skipped" not in flags).tolist() if self.moe is not None else None
-        record = StepRecord(done, lr, started, loss_value, norm_value, int(tokens), flags, moe_values)
+        record = StepRecord(done, lr, started, loss_value, norm_value, int(tokens), flags, moe_values,
+                            task_counts.tolist() if task_counts is not None else None)
         self.log(record)
         return record
 
@@ -148,6 +157,7 @@ class _Launched:
     lr: float
     started: float
     read: DeferredRead
+    task_read: DeferredRead | None = None
 
 
 class OverlappedSteps(SyncSteps):
@@ -167,18 +177,20 @@ class OverlappedSteps(SyncSteps):
         # update is launched.
         flags = self.guard.check(p.step, values[0], values[1])
         self.log(StepRecord(p.step, p.lr, p.started, values[0], values[1], int(values[2]), flags,
-                            values[3:] if self.moe is not None else None))
+                            values[3:] if self.moe is not None else None,
+                            p.task_read.values() if p.task_read is not None else None))
 
     def _apply(self, done: int, lr: float, started: float, loss: torch.Tensor, grad_norm: torch.Tensor,
-               tokens: torch.Tensor, acts: bool) -> StepRecord | None:
+               tokens: torch.Tensor, acts: bool, task_counts: torch.Tensor | None = None) -> StepRecord | None:
         if acts or not self.optimizer.state:  # read now: the optimizer builds its state in its first step
-            return super()._apply(done, lr, started, loss, grad_norm, tokens, acts)
+            return super()._apply(done, lr, started, loss, grad_norm, tokens, acts, task_counts)
         found = step_unless_nonfinite(self.optimizer, loss, grad_norm)
         self.optimizer.zero_grad(set_to_none=not self.keep_grads)
         values = [loss.double().reshape(1), grad_norm.double().reshape(1), tokens.double().reshape(1)]
         if self.moe is not None:  # router biases move only with an applied update
             values.append(self.moe.close_step(update=1.0 - found).double())
-        self.pending = _Launched(done, lr, started, DeferredRead(torch.cat(values)))
+        self.pending = _Launched(done, lr, started, DeferredRead(torch.cat(values)),
+                                 DeferredRead(task_counts) if task_counts is not None else None)
         return None
 
 

@@ -210,6 +210,8 @@ class Trainer:
             if self.moe is not None and record.moe_values is not None else (None, [])
         extra = {"moe": moe_record} if moe_record is not None else {}
         extra.update(dist_steps.peak_memory(self.world, self.plan.device))  # each rank's, in a distributed run
+        if record.task_values is not None:  # a task that counts per step (a classifier: train_accuracy)
+            extra.update(self.task.step_metrics(record.task_values))  # type: ignore[attr-defined]
         line = metrics.log_step(done, record.loss, record.grad_norm, record.lr, record.tokens,
                                 step_time_s=elapsed, flags=record.flags, extra=extra)
         for warning in warnings:

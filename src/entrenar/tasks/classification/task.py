@@ -60,6 +60,7 @@ class ClassificationTask:
     name: str = "classification"
     perplexity: bool = False  # exp(cross-entropy over labels) is no perplexity; the metrics rows say how it did
     _weight_tensor: dict = field(default_factory=dict)
+    _step_counts: torch.Tensor | None = field(default=None, repr=False)  # (correct, total) of this step so far
 
     @property
     def problem_type(self) -> str:
@@ -143,6 +144,7 @@ class ClassificationTask:
     def loss_sum(self, model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Summed loss of the micro-batch, through ``model`` (the classifier or its parallel wrapper)."""
         logits = model(batch["input_ids"], batch["attention_mask"])
+        self._count_correct(logits.detach(), batch["labels"])
         weights = None
         if self.weights is not None:
             device = logits.device
@@ -150,6 +152,26 @@ class ClassificationTask:
                 self._weight_tensor[device] = torch.tensor(self.weights, dtype=torch.float32, device=device)
             weights = self._weight_tensor[device]
         return loss_sum(logits, batch["labels"], self.problem_type, weights, self.recipe.task.label_smoothing)
+
+    def _count_correct(self, logits: torch.Tensor, labels: torch.Tensor) -> None:
+        """Add a training micro-batch's correct predictions to the step's count, on the device (no host read):
+        rows whose top class is the label, or for multi_label the label entries on the right side of 0.5."""
+        if self.problem_type == "regression":
+            return
+        right = logits.argmax(-1) == labels if self.problem_type == "single_label" else (logits > 0) == (labels > 0.5)
+        counts = torch.stack([right.sum().float(), torch.tensor(float(right.numel()), device=logits.device)])
+        self._step_counts = counts if self._step_counts is None else self._step_counts + counts
+
+    def take_step_counts(self) -> torch.Tensor | None:
+        """(correct, total) of the training micro-batches since the last call, on the device (None: no count,
+        for regression); the step sums it over the ranks before :meth:`step_metrics` reads it."""
+        counts, self._step_counts = self._step_counts, None
+        return counts
+
+    def step_metrics(self, values: list[float]) -> dict[str, float]:
+        """A step's metrics.jsonl fields from its summed counts: ``train_accuracy``."""
+        correct, total = values
+        return {"train_accuracy": round(correct / total, 6)} if total else {}
 
     def evaluate(self, model: SequenceClassifier, examples: list[LabeledText],
                  tokenizer: Tokenizer) -> ClassificationEval:
