@@ -21,6 +21,7 @@ from workers import (  # noqa: E402
     dying_worker,
     free_port,
     launch,
+    mixed_device_worker,
     stalling_worker,
     train_worker,
 )
@@ -122,6 +123,13 @@ def test_a_stopped_rank_is_found_within_its_bound_named_and_the_job_restarts(sha
     assert stall.detected_at - float(stamp.read_text()) < 3.0 + 2.0
     assert "rank(s) 0 waited for it" in stall.message or not stall.waiting
     assert_same_run(run, reference["lora"])
+
+
+def test_ranks_that_resolved_different_device_types_are_refused_together(shared):
+    ws, recipes, _ = shared
+    with pytest.raises(DistributedError, match=r"^rank [01]: model.device: the ranks of this job resolved to "
+                                               r"different device types \(rank 0 cpu, rank 1 xpu\)"):
+        launch(mixed_device_worker, recipes["lora"], [f"output.dir={ws / 'mixed'}"])
 
 
 def test_a_dead_rank_is_reported_once_with_its_exit_code(shared):

@@ -87,6 +87,16 @@ def stalling_worker(recipe_path: str, overrides: list[str], at_step: int, stamp:
     return train_worker(recipe_path, overrides)
 
 
+def mixed_device_worker(recipe_path: str, overrides: list[str]) -> float | None:
+    """Train, with rank 1 resolving model.device to an Intel GPU (as a host with another accelerator would):
+    the ranks must refuse together before any process group opens."""
+    import entrenar.train.loop as loop
+
+    if os.environ["RANK"] == "1":
+        loop.resolve_device = lambda device: torch.device("xpu")
+    return train_worker(recipe_path, overrides)
+
+
 def main_only_worker() -> tuple[str, str]:
     """World.main_only on 2 ranks: rank 0's result reaches both; rank 0's error is raised on both."""
     import entrenar.distributed.world as world_module

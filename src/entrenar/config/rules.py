@@ -174,8 +174,9 @@ def _text(*, nullable: bool = False) -> Rule:
     return rule
 
 
-_DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
-DEVICE_NAMES = "auto, cpu, cuda, cuda:N"
+# cuda is NVIDIA's CUDA and AMD's ROCm alike (PyTorch names both so); xpu: Intel GPUs; mps: Apple's Metal.
+_DEVICE = re.compile(r"auto|cpu|mps|(cuda|xpu)(:\d+)?")
+DEVICE_NAMES = "auto, cpu, cuda, cuda:N, xpu, xpu:N, mps"
 
 
 def is_device_name(value: Any) -> bool:
