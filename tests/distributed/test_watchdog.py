@@ -22,10 +22,12 @@ def test_a_phase_may_take_the_startup_bound_then_the_steady_one_or_four_slowest_
     clock = iter(float(t) for t in range(0, 10_000, 1))
     monkeypatch.setattr(watchdog.time, "time", lambda: next(clock))
     beat.beat("loading")
+    beat.flush()
     assert json.loads((tmp_path / "rank-3.json").read_text())["limit_s"] == 600.0
     limits = []
     for step in range(1, 5):
         beat.beat("data", step)
+        beat.flush()
         limits.append(json.loads((tmp_path / "rank-3.json").read_text())["limit_s"])
     assert limits == [600.0, 600.0, 30.0, 30.0]  # the first two steps a process runs are its warm-up
     assert beat.limit("checkpoint") == 600.0 and beat.limit("evaluation") == 600.0
@@ -34,6 +36,7 @@ def test_a_phase_may_take_the_startup_bound_then_the_steady_one_or_four_slowest_
     beat.configure(None, 600.0)  # stall_timeout_s: null: no heartbeats
     (tmp_path / "rank-3.json").unlink()
     beat.beat("data", 5)
+    beat.flush()
     assert not (tmp_path / "rank-3.json").exists()
 
 
@@ -50,6 +53,10 @@ def test_the_stopped_rank_is_blamed_killed_and_reported_as_the_root_cause(tmp_pa
     waiting, stopped = (subprocess.Popen(["sleep", "60"]) for _ in range(2))
     try:
         stopped.send_signal(signal.SIGSTOP)
+        for _ in range(200):  # the signal is delivered asynchronously
+            if watchdog._state(stopped.pid) == "T":
+                break
+            time.sleep(0.01)
         now = time.time()
         heartbeat(tmp_path, 0, waiting.pid, "collective", 4, now - 6, 12, tmp_path / "error-0.json")
         heartbeat(tmp_path, 1, stopped.pid, "data", 4, now - 7, 11, tmp_path / "error-1.json")

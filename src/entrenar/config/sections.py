@@ -314,7 +314,7 @@ class TrainingSection(_Section):
     # restarted with --max-restarts); null: only dist_timeout_s. Loading, evaluation, checkpoints and the first
     # steps get stall_startup_s (distributed/watchdog.py)
     stall_timeout_s: float | None = setting(30.0, _seconds_or_null, resumable=24)
-    stall_startup_s: float = setting(600.0, _number(1.0), resumable=24)
+    stall_startup_s: float = setting(1800.0, _number(1.0), resumable=24)
 
     def __post_init__(self) -> None:
         super().__post_init__()

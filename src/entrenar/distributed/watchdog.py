@@ -41,18 +41,26 @@ from typing import Any
 
 HEARTBEAT_ENV = "ENTRENAR_HEARTBEAT_DIR"  # set by the launcher for its workers: where they write heartbeats
 WARMUP_STEPS = 2  # steps a process runs under the startup bound
+WRITE_INTERVAL_S = 0.25  # how often a worker's heartbeat thread writes a changed phase
 SLOW_STEP_FACTOR = 4.0  # a steady phase may take this many times the slowest step seen
 STEP_PHASES = ("data", "forward/backward", "collective")
 PHASES = ("loading", *STEP_PHASES, "evaluation", "checkpoint")
 
 
 class Heartbeat:
-    """This worker's heartbeat file (a no-op outside a job entrenar launched, or before :meth:`configure`)."""
+    """This worker's heartbeat file (a no-op outside a job entrenar launched, or before :meth:`configure`).
+
+    :meth:`beat` only records the phase in memory (a dict built: microseconds on the training thread); a daemon
+    thread writes it to the file every :data:`WRITE_INTERVAL_S` when it changed. The record holds when the phase
+    began, so a writer a little late still tells the truth, and a stopped process stops both threads."""
 
     def __init__(self) -> None:
         self.path: Path | None = None
+        self._record: dict[str, Any] | None = None
+        self._written: dict[str, Any] | None = None
+        self._writer: threading.Thread | None = None
         self.steady_s: float | None = None
-        self.startup_s = 600.0
+        self.startup_s = 1800.0
         self.count = 0  # phases begun: ranks run the same phases in the same order
         self.steps_done = 0  # steps begun by this process
         self.step_began: float | None = None
@@ -67,6 +75,10 @@ class Heartbeat:
         self.steady_s, self.startup_s = steady_s, startup_s
         self.count = self.steps_done = 0
         self.step_began, self.slowest_step = None, 0.0
+        self._record = self._written = None
+        if self.path is not None and self._writer is None:
+            self._writer = threading.Thread(target=self._write_often, name="entrenar-heartbeat", daemon=True)
+            self._writer.start()
 
     def beat(self, phase: str, step: int | None = None) -> None:
         """This rank now begins ``phase`` (one of :data:`PHASES`) of step ``step`` (1-based), if a step's."""
@@ -81,16 +93,28 @@ class Heartbeat:
         elif phase not in STEP_PHASES:
             self.step_began = None  # evaluation and checkpoints are not part of a step's time
         self.count += 1
-        record = {"rank": int(os.environ["RANK"]), "pid": os.getpid(), "phase": phase, "step": step, "since": now,
-                  "limit_s": self.limit(phase), "count": self.count,
-                  "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0),
-                  "error_file": os.environ.get("TORCHELASTIC_ERROR_FILE")}
-        partial = self.path.with_suffix(".tmp")
+        self._record = {"rank": int(os.environ["RANK"]), "pid": os.getpid(), "phase": phase, "step": step,
+                        "since": now, "limit_s": self.limit(phase), "count": self.count,
+                        "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0),
+                        "error_file": os.environ.get("TORCHELASTIC_ERROR_FILE")}
+
+    def flush(self) -> None:
+        """Write the latest phase to the file now, if it changed since the last write."""
+        record, path = self._record, self.path
+        if record is None or path is None or record is self._written:
+            return
+        partial = path.with_suffix(".tmp")
         try:
             partial.write_text(json.dumps(record), encoding="utf-8")
-            os.replace(partial, self.path)  # the watchdog reads a whole record or the previous one
+            os.replace(partial, path)  # the watchdog reads a whole record or the previous one
+            self._written = record
         except OSError:
             pass  # a heartbeat is advice: never fail training for it
+
+    def _write_often(self) -> None:
+        while True:
+            time.sleep(WRITE_INTERVAL_S)
+            self.flush()
 
     def limit(self, phase: str) -> float:
         """Seconds ``phase`` may last now."""
