@@ -31,7 +31,9 @@ from entrenar.config.rules import (
     _modules,
     _number,
     _offload_layers,
+    _optional_number,
     _parameter_names,
+    _qat_modules,
     _seconds_or_null,
     _show,
     _text,
@@ -203,6 +205,13 @@ class QatSection(_Section):
     group_size: int = setting(128, _integer(1))
     backward: str = setting("ste", _choice("ste", "clipped_ste", "lsq", "ewgs"))
     activations: bool | int = setting(False, _activation_bits)
+    # lsq: the learning rate of the learned step sizes (their own optimizer group, no weight decay, the lr
+    # schedule's shape); null: optimizer.lr. Under LoRA the steps train too (LoRA-QAT: 1e-3 against 1e-4)
+    scale_lr: float | None = setting(None, _optional_number(0.0, low_open=True))
+    # the layers fake-quantized: all-linear (every linear layer but lm_head), lora (the adapted ones), or names
+    target_modules: str | tuple[str, ...] = setting("all-linear", _qat_modules)
+    # LoRA-QAT: fake-quantize W + BA as one weight, so the merged integer export is what was trained
+    quantize_lora: bool = setting(False, _boolean)
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -45,6 +45,7 @@ from entrenar.errors import CheckpointError, ConfigError, DataError
 
 PAD_DOCUMENT = -1
 Batch = dict[str, torch.Tensor]
+ExampleT = TypeVar("ExampleT")
 CONTEXT_FACTOR = 8  # seq_len may exceed the model's context this many times (context extension), no more
 
 
@@ -162,6 +163,24 @@ def segment_capacity(stream: BatchStream, batches: int = 32, margin: float = 1.2
 PACK_WINDOW = 512  # examples a shuffled stream packs best-fit at a time
 
 
+def best_fit(lengths: Sequence[int], capacity: int) -> list[list[int]]:
+    """Rows of item positions, each item placed in turn (in the given order) in the row it leaves the least room
+    in; rows in the order they were opened. Items are at most ``capacity`` long."""
+    rows: list[list[int]] = []
+    room: list[tuple[int, int]] = []  # (tokens left, row index), sorted
+    for index, n in enumerate(lengths):  # in the given order: sorting by length would give rows of like examples
+        at = bisect.bisect_left(room, (n, -1))
+        if at < len(room):  # the fullest row it still fits in
+            left, r = room.pop(at)
+        else:
+            left, r = capacity, len(rows)
+            rows.append([])
+        rows[r].append(index)
+        if left - n > 0:
+            bisect.insort(room, (left - n, r))
+    return rows
+
+
 class BatchStream:
     """An endless, deterministic stream of batches over ``examples``, epoch after epoch.
 
@@ -235,19 +254,7 @@ class BatchStream:
     def _window_rows(self) -> list[list[int]]:
         """The best-fit rows (example indices) of the window starting at ``position`` in this epoch's order."""
         window = [int(i) for i in self._order[self.position:self.position + PACK_WINDOW]]
-        rows: list[list[int]] = []
-        room: list[tuple[int, int]] = []  # (tokens left, row index), sorted
-        for index in window:  # in the epoch's order: sorting by length would give rows of like examples
-            n = len(self.examples[index])
-            at = bisect.bisect_left(room, (n, -1))
-            if at < len(room):  # the fullest row it still fits in
-                left, r = room.pop(at)
-            else:
-                left, r = self.seq_len, len(rows)
-                rows.append([])
-            rows[r].append(index)
-            if left - n > 0:
-                bisect.insort(room, (left - n, r))
+        rows = [[window[i] for i in row] for row in best_fit([len(self.examples[i]) for i in window], self.seq_len)]
         order = np.random.default_rng([self.seed, self.epoch, self.position]).permutation(len(rows))
         return [rows[int(i)] for i in order]
 
@@ -340,9 +347,10 @@ class BatchStream:
 
 
 def split_validation(
-    examples: Sequence[Example], fraction: float, seed: int = 0
-) -> tuple[list[Example], list[Example]]:
-    """Split off a random ``fraction`` of examples (at least one when > 0) for validation: ``(train, validation)``."""
+    examples: Sequence[ExampleT], fraction: float, seed: int = 0
+) -> tuple[list[ExampleT], list[ExampleT]]:
+    """Split off a random ``fraction`` of examples (at least one when > 0) for validation: ``(train, validation)``.
+    Any kind of example: language-model examples, preference pairs, unpaired examples."""
     if not 0.0 <= fraction < 1.0:
         raise ConfigError(f"validation fraction must be in [0, 1), got {fraction}")
     if fraction == 0.0:

@@ -144,9 +144,10 @@ def _fused(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chu
 
 
 def fused_linear_cross_entropy(
-    hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.Tensor, chunk_size: int = 1024
+    hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.Tensor, chunk_size: int = 1024,
+    logits_scaling: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``token_cross_entropy(hidden @ lm_head_weight.T, labels)`` as ``(loss_sum, n_tokens)``, fused.
+    """``token_cross_entropy(hidden @ lm_head_weight.T / logits_scaling, labels)`` as ``(loss_sum, n_tokens)``, fused.
 
     ``hidden`` [B, T, H], ``lm_head_weight`` [V, H], ``labels`` [B, T] unshifted
     with -100 for no loss. Memory holds one [chunk_size, V] block of logits
@@ -154,8 +155,11 @@ def fused_linear_cross_entropy(
     kernel; elsewhere in one ``log_softmax`` pass. Arguments the fused path
     does not take (mixed dtypes, wrong shapes) go to
     :func:`entrenar.models.loss.chunked_cross_entropy`, which computes the same
-    or names the problem.
+    or names the problem. ``logits_scaling`` (Granite's) divides the logits: the hidden states are divided
+    before the projection, the same product.
     """
+    if logits_scaling != 1.0:
+        hidden = hidden / logits_scaling
     (hidden, lm_head_weight), autocast_off = autocast_inputs(hidden, lm_head_weight)
     with autocast_off:
         return _fused_or_chunked(hidden, lm_head_weight, labels, chunk_size)

@@ -32,7 +32,8 @@ def explicit_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n: int, win
 
 def explicit_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Causal attention of one document: q ``[Hq, n, D]``, k and v ``[Hk, n, D]`` (``Hq`` a multiple of
-    ``Hk``: query head ``h`` reads key/value head ``h // (Hq / Hk)``, as SDPA's ``enable_gqa``) -> ``[Hq, n, D]``."""
+    ``Hk``: query head ``h`` reads key/value head ``h // (Hq / Hk)``, as SDPA's ``enable_gqa``) -> ``[Hq, n, Dv]``
+    (``Dv``: v's head size, which may differ from q's, as under MLA)."""
     return _ExplicitCausal.apply(q.contiguous(), k.contiguous(), v.contiguous())
 
 
@@ -53,7 +54,7 @@ class _ExplicitCausal(torch.autograd.Function):
             p = _causal_probabilities(q, k).to(q.dtype)
             out = torch.bmm(p, v)  # [Hk, groups x n, D]
         ctx.save_for_backward(q, k, v, p, out)
-        return out.view(q.shape)
+        return out.view(*q.shape[:2], v.shape[-1])  # values may be narrower than queries (MLA's v_head_dim)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

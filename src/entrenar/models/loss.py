@@ -110,17 +110,21 @@ class GradsInForward(torch.autograd.Function):
 
 
 def chunked_cross_entropy(
-    hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.Tensor, chunk_size: int = 4096
+    hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.Tensor, chunk_size: int = 4096,
+    logits_scaling: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``token_cross_entropy(hidden @ lm_head_weight.T, labels)`` without full logits.
+    """``token_cross_entropy(hidden @ lm_head_weight.T / logits_scaling, labels)`` without full logits.
 
     ``hidden`` [B, T, H] are the final normed hidden states, ``lm_head_weight``
     is [V, H]. Logits are formed ``chunk_size`` tokens at a time, in forward and
     in backward, so memory holds at most [chunk_size, V] logits (in fp32) plus
     the gradients. Same return contract as :func:`token_cross_entropy`. This is
-    the PyTorch reference for the fused kernel.
+    the PyTorch reference for the fused kernel. ``logits_scaling`` (Granite's) divides the logits, as
+    ``hidden / logits_scaling`` does before the projection.
     """
     _check_shapes("hidden", hidden, labels)
+    if logits_scaling != 1.0:
+        hidden = hidden / logits_scaling
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
     if lm_head_weight.ndim != 2 or lm_head_weight.shape[1] != hidden.shape[-1]:

@@ -69,9 +69,15 @@ def documents_attention(
     """
     b, t = q.shape[0], q.shape[2]
     q, k, v = (x.transpose(1, 2).reshape(b * t, x.shape[1], x.shape[3]) for x in (q, k, v))  # [N, H, D]
-    if _varlen_fits(q, k, documents, window):
-        return _varlen(q, k, v, documents, window).view(b, t, *q.shape[1:])
-    return _per_document(q, k, v, documents, window).view(b, t, *q.shape[1:])
+    out_shape = (b, t, q.shape[1], v.shape[-1])  # values may be narrower than queries (MLA's v_head_dim)
+    if _varlen_fits(q, k, documents, window, v.shape[-1]):
+        if v.shape[-1] != q.shape[-1]:
+            # FlashAttention's kernel takes one head size for q, k and v: zero columns added to the values add
+            # zero columns to the output, which are cut off again.
+            return _varlen(q, k, F.pad(v, (0, q.shape[-1] - v.shape[-1])), documents,
+                           window)[..., :v.shape[-1]].reshape(out_shape)
+        return _varlen(q, k, v, documents, window).view(out_shape)
+    return _per_document(q, k, v, documents, window).view(out_shape)
 
 
 # On a CPU each document attends in its own calls, whose fixed cost (about 0.4 ms a document and layer, forward
@@ -101,10 +107,10 @@ def varlen_available(head_dim: int, device: torch.device, window: int | None = N
             and (window is None or "window_size" in _VARLEN_PARAMS))
 
 
-def _varlen_fits(q: torch.Tensor, k: torch.Tensor, documents: Documents, window: int | None) -> bool:
+def _varlen_fits(q: torch.Tensor, k: torch.Tensor, documents: Documents, window: int | None, v_dim: int = 0) -> bool:
     if _varlen_attn is None or not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16):
         return False
-    if q.shape[-1] % 8 or q.shape[-1] > 256:
+    if q.shape[-1] % 8 or q.shape[-1] > 256 or q.shape[-1] < v_dim:
         return False
     # Without window_size (older torch) the kernel is only causal: a window that cuts a document needs the fallback.
     return window is None or documents.max_len <= window or "window_size" in _VARLEN_PARAMS

@@ -15,10 +15,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from entrenar.models.config import ModelConfig, rope_inv_freq
+from entrenar.models.mla import LatentAttention
 from entrenar.models.moe import Experts, MoeBlock, Router
 from entrenar.models.offload import ActivationOffload
 from entrenar.models.padding_free import SDPA_HAS_GQA, Documents, documents_attention
 from entrenar.models.recompute import checkpointed
+from entrenar.models.rope_scaling import longrope_inv_freq, longrope_select, rope_attention_scaling
 
 
 class RMSNorm(nn.Module):
@@ -79,9 +81,13 @@ class Attention(nn.Module):
         h, d = config.hidden_size, config.head_dim
         assert d is not None  # ModelConfig.__post_init__ filled it in
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, d
-        self.q_proj = nn.Linear(h, config.num_heads * d, bias=config.qkv_bias)
-        self.k_proj = nn.Linear(h, config.num_kv_heads * d, bias=config.qkv_bias)
-        self.v_proj = nn.Linear(h, config.num_kv_heads * d, bias=config.qkv_bias)
+        self.fused_qkv = config.fused_qkv
+        if config.fused_qkv:  # Phi-3's one projection, rows q then k then v
+            self.qkv_proj = nn.Linear(h, (config.num_heads + 2 * config.num_kv_heads) * d, bias=config.qkv_bias)
+        else:
+            self.q_proj = nn.Linear(h, config.num_heads * d, bias=config.qkv_bias)
+            self.k_proj = nn.Linear(h, config.num_kv_heads * d, bias=config.qkv_bias)
+            self.v_proj = nn.Linear(h, config.num_kv_heads * d, bias=config.qkv_bias)
         self.o_proj = nn.Linear(config.num_heads * d, h, bias=config.o_bias)
         if config.qk_norm:
             # OLMoE normalises the whole q (k) projection, the Qwen3 families each head.
@@ -92,10 +98,27 @@ class Attention(nn.Module):
         self.qk_norm_full = config.qk_norm_full
         self.clip_qkv = config.clip_qkv
         self.sliding_window = config.sliding_window
+        # Granite's attention_multiplier replaces SDPA's 1/sqrt(head_dim): q is scaled by their ratio.
+        multiplier = config.attention_multiplier
+        self.q_scale = 1.0 if multiplier is None else multiplier * d ** 0.5
+
+    @property
+    def projections(self) -> tuple[nn.Module, ...]:
+        """The layers that make q, k and v: three, or Phi-3's one ``qkv_proj``."""
+        return (self.qkv_proj,) if self.fused_qkv else (self.q_proj, self.k_proj, self.v_proj)
+
+    def split(self, outputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k and v from the outputs of :attr:`projections`."""
+        if not self.fused_qkv:
+            q, k, v = outputs
+            return q, k, v
+        kv = self.num_kv_heads * self.head_dim
+        q, k, v = outputs[0].split([self.num_heads * self.head_dim, kv, kv], dim=-1)
+        return q, k, v
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k and v of ``x``, before the heads are split; fused kernels run the three as one node."""
-        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        return self.split([layer(x) for layer in self.projections])
 
     def forward(
         self,
@@ -129,7 +152,14 @@ class Attention(nn.Module):
         if self.qk_norm and not self.qk_norm_full:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        q, k = self.rotate(q, k, cos.to(q.dtype), sin.to(q.dtype))
+        rotary = cos.shape[-1]
+        if rotary < self.head_dim:  # partial rotary: the last dims of each head pass unturned
+            q_rot, k_rot = self.rotate(q[..., :rotary], k[..., :rotary], cos.to(q.dtype), sin.to(q.dtype))
+            q, k = torch.cat([q_rot, q[..., rotary:]], dim=-1), torch.cat([k_rot, k[..., rotary:]], dim=-1)
+        else:
+            q, k = self.rotate(q, k, cos.to(q.dtype), sin.to(q.dtype))
+        if self.q_scale != 1.0:
+            q = q * self.q_scale
         if isinstance(mask, Documents):  # a padding-free row
             return self.o_proj(documents_attention(q, k, v, mask, self.sliding_window).reshape(b, t, -1))
         if cache is not None:
@@ -151,13 +181,30 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig, intermediate_size: int | None = None) -> None:
         super().__init__()
         h, i = config.hidden_size, intermediate_size or config.intermediate_size
-        self.gate_proj = nn.Linear(h, i, bias=config.mlp_bias)
-        self.up_proj = nn.Linear(h, i, bias=config.mlp_bias)
+        self.fused_gate_up = config.fused_gate_up
+        if config.fused_gate_up:  # Phi-3's one projection, gate rows first
+            self.gate_up_proj = nn.Linear(h, 2 * i, bias=config.mlp_bias)
+        else:
+            self.gate_proj = nn.Linear(h, i, bias=config.mlp_bias)
+            self.up_proj = nn.Linear(h, i, bias=config.mlp_bias)
         self.down_proj = nn.Linear(i, h, bias=config.mlp_bias)
+
+    @property
+    def projections(self) -> tuple[nn.Module, ...]:
+        """The layers that make gate and up: two, or Phi-3's one ``gate_up_proj``."""
+        return (self.gate_up_proj,) if self.fused_gate_up else (self.gate_proj, self.up_proj)
+
+    def split(self, outputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """gate and up from the outputs of :attr:`projections`."""
+        if not self.fused_gate_up:
+            gate, up = outputs
+            return gate, up
+        gate, up = outputs[0].chunk(2, dim=-1)
+        return gate, up
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """gate and up of ``x``; fused kernels run the two as one node."""
-        return self.gate_proj(x), self.up_proj(x)
+        return self.split([layer(x) for layer in self.projections])
 
     def combine(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         """``down(silu(gate) * up)``."""
@@ -170,10 +217,16 @@ class MLP(nn.Module):
 class Block(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, layer_idx)
+        self.post_norm = config.post_norm
+        if not config.post_norm:
+            self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn: nn.Module = (LatentAttention(config, layer_idx, RMSNorm) if config.is_mla
+                                     else Attention(config, layer_idx))
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        if config.post_norm:  # OLMo 2: post_attention_layernorm norms the attention output, this the MLP's
+            self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MoeBlock(config, MLP) if config.is_moe_layer(layer_idx) else MLP(config)
+        self.residual_multiplier = config.residual_multiplier
 
     def forward(
         self,
@@ -183,8 +236,14 @@ class Block(nn.Module):
         mask: torch.Tensor | Documents | None,
         cache: KVCache | None = None,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        if self.post_norm:
+            x = x + self.post_attention_layernorm(self.self_attn(x, cos, sin, mask, cache))
+            return x + self.post_feedforward_layernorm(self.mlp(x))
+        m = self.residual_multiplier
+        attn = self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
+        x = x + (attn if m == 1.0 else attn * m)
+        out = self.mlp(self.post_attention_layernorm(x))
+        return x + (out if m == 1.0 else out * m)
 
 
 class Decoder(nn.Module):
@@ -251,9 +310,24 @@ class Transformer(nn.Module):
         self.activation_offload = ActivationOffload() if self.offloaded_layers else None
 
     def rope(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = position_ids[..., None].float() * self.inv_freq.float()
+        inv_freq = self.inv_freq.float()
+        if (self.config.rope_scaling or {}).get("rope_type") == "longrope":
+            inv_freq = longrope_select(self.config, position_ids, inv_freq, self._longrope_long(inv_freq.device))
+        freqs = position_ids[..., None].float() * inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)
+        scale = rope_attention_scaling(self.config)
+        if scale != 1.0:
+            return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
         return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def _longrope_long(self, device: torch.device) -> torch.Tensor:
+        """LongRoPE's long-context frequencies in fp32, kept for this config and device (a plain attribute: not
+        cast with the weights' dtype)."""
+        cached = self.__dict__.get("_longrope_long_inv_freq")
+        if cached is None or cached[0] is not self.config or cached[1].device != device:
+            cached = (self.config, longrope_inv_freq(self.config, long=True).to(device))
+            self.__dict__["_longrope_long_inv_freq"] = cached
+        return cached[1]
 
     def attention_mask(
         self, t: int, document_ids: torch.Tensor | None, device: torch.device, past: int = 0
@@ -296,6 +370,8 @@ class Transformer(nn.Module):
         if position_ids is None:
             position_ids = torch.arange(past, past + t, device=input_ids.device).expand(b, t)
         x = self.model.embed_tokens(input_ids)
+        if self.config.embedding_multiplier != 1.0:  # Granite
+            x = x * self.config.embedding_multiplier
         cos, sin = self.rope(position_ids, x.dtype)
         mask: torch.Tensor | Documents | None
         if cu_seqlens is not None:  # a padding-free row, or packed rows read end to end
@@ -330,7 +406,8 @@ class Transformer(nn.Module):
     ) -> torch.Tensor:
         hidden = self.hidden_states(input_ids, position_ids, document_ids, cache,
                                     cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
-        return self.lm_head(hidden)
+        logits = self.lm_head(hidden)
+        return logits if self.config.logits_scaling == 1.0 else logits / self.config.logits_scaling  # Granite
 
 
 def compute_device(model: nn.Module) -> torch.device:

@@ -79,7 +79,8 @@ def train(
 def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, progress: bool,
            console: Console, force: bool = False) -> TrainResult:
     # Under torchrun: this process's rank and device (one per process); a restarted job resumes where it stopped.
-    world, device = join(resolve_device(recipe.model.device), recipe.training.dist_timeout_s)
+    world, device = join(resolve_device(recipe.model.device), recipe.training.dist_timeout_s,
+                         group_for_one=recipe.training.parallel != "auto")
     watchdog.configure(recipe.training.stall_timeout_s, recipe.training.stall_startup_s)  # under entrenar's launcher
     watchdog.beat("loading")
     if not world.is_main:
