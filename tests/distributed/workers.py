@@ -86,6 +86,7 @@ def stalling_worker(recipe_path: str, overrides: list[str], at_step: int, stamp:
     def log_step(self, step, *args, **kwargs):
         record = real_log_step(self, step, *args, **kwargs)
         if step == at_step and os.environ["RANK"] == "1" and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0":
+            time.sleep(0.5)  # past the heartbeat thread's next write (every 0.25 s): the stop finds it up to date
             with open(stamp, "w") as f:
                 f.write(repr(time.time()))
             os.kill(os.getpid(), signal.SIGSTOP)
