@@ -101,9 +101,16 @@ class SyncSteps:
         self.scaler.unscale_(self.optimizer)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable, self.max_norm)  # the pre-clip norm
         watchdog.beat("collective", step + 1)
-        # The global step's loss on every rank, so every rank takes the same decision.
-        loss = self.world.all_sum(loss) / self.world.size
-        return self._apply(step + 1, lr, started, loss, grad_norm, tokens, acts, self._task_counts())
+        # The global step's loss on every rank, so every rank takes the same decision (and the task's step counts,
+        # a classifier's correct and total, summed in the same all-reduce).
+        take = getattr(self.task, "take_step_counts", None)
+        counts = take() if take is not None else None
+        if counts is None:
+            loss = self.world.all_sum(loss) / self.world.size
+        else:
+            summed = self.world.all_sum(torch.cat([loss.reshape(1).float(), counts.float()]))
+            loss, counts = summed[0] / self.world.size, summed[1:]
+        return self._apply(step + 1, lr, started, loss, grad_norm, tokens, acts, counts)
 
     def finish(self) -> None:
         """Read whatever is still on its way (nothing, here)."""
@@ -122,13 +129,6 @@ class SyncSteps:
             with self.micro_step.step_model.sync(last=i == len(micro_batches) - 1):  # all-reduce once a step
                 loss += self.micro_step(batch)
         return loss, tokens
-
-    def _task_counts(self) -> torch.Tensor | None:
-        """The task's counts of this step (``take_step_counts``, e.g. a classifier's correct and total), summed
-        over the ranks on the device; None for a task that counts nothing."""
-        take = getattr(self.task, "take_step_counts", None)
-        counts = take() if take is not None else None
-        return self.world.all_sum(counts) if counts is not None else None
 
     def _read_earlier(self) -> None:
         """Read a step launched before this one (overlap)."""

@@ -159,7 +159,8 @@ class ClassificationTask:
         if self.problem_type == "regression":
             return
         right = logits.argmax(-1) == labels if self.problem_type == "single_label" else (logits > 0) == (labels > 0.5)
-        counts = torch.stack([right.sum().float(), torch.tensor(float(right.numel()), device=logits.device)])
+        total = torch.full((), float(right.numel()), device=logits.device)  # a fill on the device: no host copy
+        counts = torch.stack([right.sum().float(), total])
         self._step_counts = counts if self._step_counts is None else self._step_counts + counts
 
     def take_step_counts(self) -> torch.Tensor | None:
