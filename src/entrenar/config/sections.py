@@ -15,6 +15,7 @@ from entrenar.config.rules import (
     Reject,
     Rule,
     _activation_bits,
+    _attach,
     _betas,
     _boolean,
     _checkpoint_layers,
@@ -34,6 +35,7 @@ from entrenar.config.rules import (
     _optional_number,
     _parameter_names,
     _qat_modules,
+    _seconds_or_null,
     _show,
     _text,
     _threshold,
@@ -154,9 +156,14 @@ class DataSection(_Section):
     # prompt_field, KTO's completion and label completion_field and label_field
     chosen_field: str = setting("chosen", _text())
     rejected_field: str = setting("rejected", _text())
+    # more SQLite files attached read-only to data.train's, by schema name: {outcomes: outcomes.db}
+    attach: dict[str, str] | None = setting(None, _attach)
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.attach is not None and self.query is None:
+            raise _BadValue("data.attach", "'data.attach' attaches SQLite files for 'data.query' to join; set "
+                                           "data.query too")
         if self.query is not None:
             try:
                 check_query(self.query)
@@ -317,6 +324,11 @@ class TrainingSection(_Section):
     dist_timeout_s: float = setting(300.0, _number(1.0), resumable=15)
     # steps between replica checks (and at the end); 0: never
     replica_check_every: int = setting(50, _integer(0), resumable=16)
+    # a rank of a job entrenar launched that stays this long in one phase of a step is stopped and named (then
+    # restarted with --max-restarts); null: only dist_timeout_s. Loading, evaluation, checkpoints and the first
+    # steps get stall_startup_s (distributed/watchdog.py)
+    stall_timeout_s: float | None = setting(30.0, _seconds_or_null, resumable=24)
+    stall_startup_s: float = setting(1800.0, _number(1.0), resumable=24)
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -79,7 +79,7 @@ class CausalLMTask:
         file_format, record_format = split_format(format or d.format)
         records, read_stats = read_records(path, format=file_format, on_error=d.on_error,
                                            seed=self.recipe.training.seed,
-                                           query=d.query)  # synth: sources draw from the seed; SQLite runs the query
+                                           query=d.query, attach=d.attach)  # synth: from the seed; SQLite: the query
         columns = {"text": d.text_field, "prompt": d.prompt_field, "completion": d.completion_field,
                    "messages": d.messages_field}
         try:

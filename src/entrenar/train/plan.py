@@ -33,7 +33,7 @@ from entrenar.data.batching import check_seq_len
 from entrenar.device import available_memory, resolve_device, resolve_dtype
 from entrenar.distributed.materialize import load_device as sharded_load_device
 from entrenar.distributed.steps import accumulation as micro_batches_per_rank
-from entrenar.distributed.world import World
+from entrenar.distributed.world import BACKENDS, World
 from entrenar.errors import ConfigError
 from entrenar.kernels import triton_available
 from entrenar.kernels.coverage import family_notes
@@ -260,7 +260,7 @@ def plan_for(recipe: Recipe, device: str | None = None, processes: int = 1, gpu_
                           "plans it")
     where = torch.device(device) if device else resolve_device(recipe.model.device)
     here = where.type != "cuda" or torch.cuda.is_available()
-    backend = None if processes == 1 else ("nccl" if where.type == "cuda" else "gloo")
+    backend = None if processes == 1 else BACKENDS.get(where.type, "gloo")
     memory = None if here else (int(gpu_memory_gib * 2**30), f"a {gpu_memory_gib:g} GiB GPU, as planned")
     plan = plan_run(recipe, where, World(size=processes, backend=backend), recipe_model_config(recipe),
                     device_memory=None if here else int(gpu_memory_gib * 2**30), triton=None if here else True,

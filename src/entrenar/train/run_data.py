@@ -45,13 +45,14 @@ def example_tokens(example: Any) -> int:
 
 def check_paths(recipe: Recipe) -> None:
     """Every file the recipe names besides the model exists (the training files, the validation file, a random
-    model's tokenizer unless it is a Hub id): checked before anything is loaded, so a typo costs no model load.
-    Synthetic sources (``synth:``) are not files."""
+    model's tokenizer unless it is a Hub id, the SQLite files of data.attach): checked before anything is
+    loaded, so a typo costs no model load. Synthetic sources (``synth:``) are not files."""
     d, m = recipe.data, recipe.model
     named = [("data.train" if isinstance(d.train, str) else f"data.train[{i}].path", path)
              for i, (path, _, _) in enumerate(d.sources())]
     named += [("data.validation", d.validation)] if d.validation is not None else []
     named += [("model.tokenizer", m.tokenizer)] if m.tokenizer is not None and _local(m.tokenizer) else []
+    named += [(f"data.attach.{name}", path) for name, path in (d.attach or {}).items()]
     for key, path in named:
         if not is_synth(path) and not Path(path).exists():
             raise DataError(f"{key}: no such file or folder: {path}")

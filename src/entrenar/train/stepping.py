@@ -25,6 +25,7 @@ import torch
 
 from entrenar.data import BatchStream
 from entrenar.distributed import steps as dist_steps
+from entrenar.distributed import watchdog
 from entrenar.distributed.parallelize import Single
 from entrenar.distributed.world import World
 from entrenar.evaluation.loss import autocast_for
@@ -95,23 +96,30 @@ class SyncSteps:
         """Step ``step`` (0-based) at learning rate ``lr``; its record when its results were read now (always,
         here), None when they come later. ``acts``: the host acts on this step (evaluation, checkpoint)."""
         started = time.perf_counter()
-        loss, tokens = self._accumulate()
-        self.metrics = self._task_metrics()
+        watchdog.beat("data", step + 1)  # what this rank is doing, for the launcher's watchdog (hung ranks)
+        loss, tokens = self._accumulate(step + 1)
         self._read_earlier()
         self.scaler.unscale_(self.optimizer)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable, self.max_norm)  # the pre-clip norm
-        # The global step's loss on every rank, so every rank takes the same decision.
-        loss = self.world.all_sum(loss) / self.world.size
+        watchdog.beat("collective", step + 1)
+        # The global step's loss on every rank, so every rank takes the same decision; the task's metrics of the
+        # step (means over this rank's micro-batches: a classifier's accuracy, TRL's preference metrics) ride the
+        # same all-reduce, averaged over the ranks (each rank holds as many rows), all on the device.
+        metrics = self.task.step_metrics()
+        means = self.world.all_sum(torch.stack([loss.float().reshape(()), *[
+            v.detach().float().reshape(()) for v in metrics.values()]])) / self.world.size
+        loss, self.metrics = means[0], dict(zip(metrics, means[1:], strict=True))
         return self._apply(step + 1, lr, started, loss, grad_norm, tokens, acts)
 
     def finish(self) -> None:
         """Read whatever is still on its way (nothing, here)."""
 
-    def _accumulate(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's micro-batches of the step, forward and backward: (summed normalised loss, real tokens)."""
+    def _accumulate(self, done: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's micro-batches of step ``done``, forward and backward: (summed normalised loss, real tokens)."""
         micro_batches = dist_steps.step_batches(self.stream, self.accumulation, self.world)
         targets, tokens = dist_steps.step_counts(micro_batches, self.world, self.device,
                                                  count_targets=self.task.num_targets)
+        watchdog.beat("forward/backward", done)
         loss = torch.zeros((), device=self.device)
         for i, micro_batch in enumerate(micro_batches):
             batch = {k: _to(v, self.device) for k, v in self.layout(micro_batch).items()}
@@ -120,14 +128,6 @@ class SyncSteps:
             with self.micro_step.step_model.sync(last=i == len(micro_batches) - 1):  # all-reduce once a step
                 loss += self.micro_step(batch)
         return loss, tokens
-
-    def _task_metrics(self) -> dict[str, torch.Tensor]:
-        """The task's metrics of this step's micro-batches, averaged over the ranks (on the device: no read)."""
-        metrics = self.task.step_metrics()
-        if not metrics:
-            return {}
-        values = self.world.all_sum(torch.stack([v.detach().float().reshape(()) for v in metrics.values()]))
-        return dict(zip(metrics, values / self.world.size, strict=True))
 
     def _read_earlier(self) -> None:
         """Read a step launched before this one (overlap)."""
