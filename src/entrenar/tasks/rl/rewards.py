@@ -71,7 +71,7 @@ def resolve(name: str, *, answer_marker: str = "=", format_regex: str | None = N
         fn = getattr(module, attr, None)
         if not callable(fn):
             raise ConfigError(f"reward.functions: {name!r}: module {module_name!r} has no callable {attr!r}")
-        return fn  # type: ignore[no-any-return]
+        return fn
     if name == "exact_answer":
         return lambda prompts, completions, **cols: exact_answer(prompts, completions, marker=answer_marker,
                                                                  **_need(cols, "answer", name))
