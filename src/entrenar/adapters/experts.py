@@ -206,6 +206,12 @@ def find_expert_parameters(model: nn.Module, targets: Sequence[str] | None) -> l
     if not targets:
         return []
     experts = [n for n, m in model.named_modules() if isinstance(m, Experts)]
+    biased = [n for n in experts if getattr(model.get_submodule(n), "gate_up_proj_bias", None) is not None]
+    if biased:
+        # PEFT's target_parameters for gpt-oss read its checkpoint's layout (interleaved gate/up, [E, in, out]) and
+        # its router as mlp.router: an adapter of ours would load there wrong, so none is made.
+        raise AdapterError(f"target_parameters {list(targets)!r}: LoRA on gpt-oss's experts and router is not "
+                           f"supported ({biased[0]}); target its attention projections (target_modules)")
     found = [(n, p) for n in experts for p in EXPERT_PARAMETERS if any(_matches(n, p, t) for t in targets)]
     routers = [n for n, m in model.named_modules() if isinstance(m, Router)]
     found += [(n, "weight") for n in routers if any(_matches(n, "weight", t) for t in targets)]

@@ -38,7 +38,8 @@ from entrenar.kernels.norm_projections import FusedBlock
 from entrenar.kernels.rmsnorm import FusedRMSNorm, rms_norm
 from entrenar.kernels.rope import FusedRopeAttention, apply_rope
 from entrenar.kernels.swiglu import FusedMLP, swiglu
-from entrenar.models.moe import Experts, MoeBlock
+from entrenar.models.config import ModelConfig
+from entrenar.models.moe import Experts
 from entrenar.models.transformer import MLP, Attention, Block, RMSNorm
 
 KERNELS = ("rms_norm", "rope", "swiglu", "lora", "moe_routing")
@@ -71,7 +72,7 @@ def apply_kernels(
     changed = []
     for name, module in model.named_modules():
         fused = by_class.get(type(module))
-        if fused is FusedBlock and isinstance(module.mlp, MoeBlock):
+        if fused is FusedBlock and not block_fusable(module):
             fused = None  # the fused block runs a dense MLP's projections; an MoE layer keeps its own forward
         if fused is not None:
             module.__class__ = fused
@@ -82,6 +83,27 @@ def apply_kernels(
         if isinstance(module, FusedLoraLinear) and lora_compute_dtype is not None:
             module.lora_compute_dtype = lora_compute_dtype
     return changed
+
+
+def block_fusable(block: Block) -> bool:
+    """Whether :class:`FusedBlock` can run this block: a dense MLP with separate gate and up projections, and no
+    norms after attention or MLP (GLM-4's post_block_norms)."""
+    return (isinstance(block.mlp, MLP) and not block.mlp.fused_gate_up and not block.post_block_norms)
+
+
+def family_coverage(config: ModelConfig) -> list[str]:
+    """What the fused kernels leave to the PyTorch path for this model's family flags (empty: they cover it all);
+    the plan prints it with the kernels' decision (``entrenar train --dry-run``)."""
+    notes = []
+    if config.is_moe or config.post_block_norms or config.fused_gate_up:
+        why = "MoE layers" if config.is_moe else "norms after attention and MLP" if config.post_block_norms \
+            else "a fused gate_up_proj"
+        notes.append(f"lora: the norm-in-projection block is off ({why}); the LoRA layers stay fused")
+    if config.attention_sinks:
+        notes.append("attention: sinks run as PyTorch products (no SDPA or varlen kernel takes them)")
+    if config.expert_activation != "silu":
+        notes.append("moe_routing: the clamped SwiGLU runs in PyTorch (the fused routed activation is SwiGLU's)")
+    return notes
 
 
 def remove_kernels(model: nn.Module) -> list[str]:
@@ -108,6 +130,8 @@ __all__ = [
     "FusedRopeAttention",
     "apply_kernels",
     "apply_rope",
+    "block_fusable",
+    "family_coverage",
     "fused_linear_cross_entropy",
     "lora_linear",
     "FUSED_ROUTING_OPS",

@@ -240,6 +240,8 @@ class FusedMLP(MLP):
     """
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.fused_gate_up:  # GLM-4's one gate_up_proj is one node already
+            return super().project(x)
         return cast(tuple[torch.Tensor, torch.Tensor], project_together(x, (self.gate_proj, self.up_proj)))
 
     def combine(self, gate: torch.Tensor, up: torch.Tensor, output_needed: bool = True) -> torch.Tensor:

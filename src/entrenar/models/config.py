@@ -15,9 +15,12 @@ from typing import Any, Literal, TypedDict, overload
 import torch
 
 from entrenar.errors import ModelError
+from entrenar.models import rope_scaling
+from entrenar.models.rope_scaling import ROPE_SCALING_TYPES
 
-SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
-MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe",
+                      "smollm3", "glm4", "gpt_oss")
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss")
 _ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
@@ -27,9 +30,13 @@ _ARCHITECTURES = {
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "olmoe": "OlmoeForCausalLM",
+    "smollm3": "SmolLM3ForCausalLM",
+    "glm4": "Glm4ForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
 }
 ROUTER_SCORINGS = ("softmax", "softmax_topk", "sigmoid")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+EXPERT_ACTIVATIONS = ("silu", "clamped_swiglu")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", *ROPE_SCALING_TYPES)
 
 
 @dataclass
@@ -70,6 +77,19 @@ class ModelConfig:
     decoder_sparse_step: int = 1  # Qwen-MoE: layer i is MoE when (i + 1) % step == 0
     mlp_only_layers: tuple[int, ...] = ()  # Qwen-MoE: layers that keep a dense MLP
     sliding_window: int | None = None
+    # Per-layer attention (gpt-oss, SmolLM3): "sliding_attention" layers use sliding_window, "full_attention" ones
+    # none; empty: every layer uses sliding_window (Mistral).
+    layer_types: tuple[str, ...] = ()
+    no_rope_layers: tuple[int, ...] = ()  # SmolLM3: 0 where a layer has no RoPE (empty: RoPE everywhere)
+    partial_rotary_factor: float = 1.0  # GLM-4: RoPE on the first head_dim x factor dimensions of each head
+    rope_interleaved: bool = False  # GLM-4: RoPE turns pairs (2i, 2i + 1), not (i, i + dim / 2)
+    post_block_norms: bool = False  # GLM-4: RMSNorm on the attention's and the MLP's outputs before each residual
+    fused_gate_up: bool = False  # GLM-4: one mlp.gate_up_proj [2I, H], gate rows first
+    attention_sinks: bool = False  # gpt-oss: a learned logit per head in every softmax's denominator
+    expert_bias: bool = False  # gpt-oss: biases on the experts' gate_up and down products
+    expert_activation: str = "silu"  # silu | clamped_swiglu (gpt-oss: clamped gate and up, (up + 1) * glu)
+    swiglu_alpha: float = 1.702  # clamped_swiglu: gate * sigmoid(alpha * gate)
+    swiglu_limit: float = 7.0  # clamped_swiglu: gate <= limit, |up| <= limit
     initializer_range: float = 0.02
     model_type: str = "llama"
     bos_token_id: int | list[int] | None = None
@@ -97,6 +117,7 @@ class ModelConfig:
                 f"unknown model family '{self.model_type}' (supported: {', '.join(SUPPORTED_FAMILIES)})"
             )
         self.mlp_only_layers = tuple(self.mlp_only_layers)
+        self._check_layer_flags()
         if self.num_experts:
             if not 0 < self.num_experts_per_tok <= self.num_experts:
                 raise ModelError(f"model config: num_experts_per_tok ({self.num_experts_per_tok}) must be in "
@@ -115,6 +136,36 @@ class ModelConfig:
                 f"model config: rope scaling '{rope_type}' is not supported "
                 f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
             )
+
+    def _check_layer_flags(self) -> None:
+        """The per-layer and RoPE-shape flags (SmolLM3, GLM-4, gpt-oss), checked against the layer count."""
+        self.layer_types, self.no_rope_layers = tuple(self.layer_types), tuple(self.no_rope_layers)
+        for key, values, allowed in (("layer_types", self.layer_types, ("sliding_attention", "full_attention")),
+                                     ("no_rope_layers", self.no_rope_layers, (0, 1))):
+            if values and (len(values) != self.num_layers or any(v not in allowed for v in values)):
+                raise ModelError(f"model config: '{key}' must list one of {allowed} per layer "
+                                 f"({self.num_layers}), got {list(values)!r}"[:400])
+        if not 0 < self.partial_rotary_factor <= 1 or self.rotary_dim < 2 or self.rotary_dim % 2:
+            raise ModelError(f"model config: partial_rotary_factor {self.partial_rotary_factor} leaves "
+                             f"{self.rotary_dim} of head_dim {self.head_dim} rotated (must be even and positive)")
+        if self.expert_activation not in EXPERT_ACTIVATIONS:
+            raise ModelError(f"model config: expert activation {self.expert_activation!r} is not supported "
+                             f"(supported: {', '.join(EXPERT_ACTIVATIONS)})")
+
+    @property
+    def rotary_dim(self) -> int:
+        """How many dimensions of each head RoPE turns (GLM-4 turns half)."""
+        assert self.head_dim is not None  # __post_init__ filled it in
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def layer_window(self, layer_idx: int) -> int | None:
+        """The sliding window of layer ``layer_idx`` (None: full causal attention)."""
+        if self.layer_types and self.layer_types[layer_idx] == "full_attention":
+            return None
+        return self.sliding_window
+
+    def layer_has_rope(self, layer_idx: int) -> bool:
+        return not self.no_rope_layers or bool(self.no_rope_layers[layer_idx])
 
     @property
     def is_moe(self) -> bool:
@@ -141,6 +192,7 @@ class ModelConfig:
         attn = h * q + 2 * h * kv + q * h
         norm_dims = (q + kv) if self.qk_norm_full else 2 * d
         attn += (q + 2 * kv) * self.qkv_bias + h * self.o_bias + norm_dims * self.qk_norm
+        attn += self.num_heads * self.attention_sinks + 2 * h * self.post_block_norms
         dense = 3 * h * i + (2 * i + h) * self.mlp_bias
         total = active = self.vocab_size * h * (1 if self.tie_word_embeddings else 2) + h
         for layer in range(self.num_layers):
@@ -150,7 +202,7 @@ class ModelConfig:
                 total += dense
                 active += dense
                 continue
-            expert = 3 * h * self.expert_intermediate_size
+            expert = 3 * h * self.expert_intermediate_size + (2 * self.expert_intermediate_size + h) * self.expert_bias
             shared = 3 * h * self.shared_expert_intermediate_size + h * self.shared_expert_gate
             router = self.num_experts * (h + self.router_bias)
             total += self.num_experts * expert + shared + router
@@ -207,6 +259,10 @@ class ModelConfig:
             rope_theta = read.number("rope_theta", default=10000.0, positive=True)
         scaling: dict[str, Any] | None  # None: RoPE unscaled
         scaling = {k: v for k, v in {**legacy, **rope}.items() if k != "rope_theta"}
+        # GLM-4: in rope_parameters (transformers 5) or at the top (4.x); 0.5 when neither says.
+        partial = {**hf, **scaling}.get("partial_rotary_factor", 0.5 if model_type == "glm4" else 1.0)
+        partial = _Reader({"partial_rotary_factor": partial}, source).number("partial_rotary_factor", positive=True)
+        scaling.pop("partial_rotary_factor", None)
         if "type" in scaling and "rope_type" not in scaling:
             scaling["rope_type"] = scaling.pop("type")
         if scaling.get("rope_type", "default") == "default":
@@ -215,7 +271,8 @@ class ModelConfig:
             _check_rope_scaling(scaling, source)
 
         attention_bias = read.flag("attention_bias")
-        if model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") and not read.flag("use_sliding_window"):
+        if model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "smollm3") and \
+                not read.flag("use_sliding_window"):
             sliding = None  # the Qwen families ignore sliding_window (some configs hold 0) unless this flag is set
         else:
             sliding = read.size("sliding_window", nullable=True, limit=None)
@@ -226,7 +283,9 @@ class ModelConfig:
             "max_position_embeddings", "tie_word_embeddings", "attention_bias", "mlp_bias", "sliding_window",
             "use_sliding_window", "initializer_range", "model_type", "bos_token_id", "eos_token_id", "pad_token_id",
             "architectures", "hidden_act", *_MOE_KEYS, *(_ROUTING_KEYS if model_type in MOE_FAMILIES else ()),
+            *_LAYER_KEYS,
         }
+        layers = _layer_flags_from_hf(model_type, hf, required["num_layers"], source)
         if model_type == "qwen2_moe":
             attention_bias = bool(hf.get("qkv_bias", True))
         try:
@@ -240,13 +299,15 @@ class ModelConfig:
                 max_position_embeddings=read.size("max_position_embeddings", default=2048, limit=None),
                 tie_word_embeddings=read.flag("tie_word_embeddings"),
                 qkv_bias=model_type == "qwen2" or attention_bias,
-                o_bias=model_type not in ("qwen2", "qwen2_moe") and attention_bias,
+                o_bias=model_type not in ("qwen2", "qwen2_moe", "glm4") and attention_bias,
                 mlp_bias=read.flag("mlp_bias"),
                 qk_norm=model_type in ("qwen3", "qwen3_moe", "olmoe"),
                 qk_norm_full=model_type == "olmoe",
                 clip_qkv=read.number("clip_qkv", positive=True) if hf.get("clip_qkv") is not None else None,
                 **moe,
                 sliding_window=sliding,
+                **layers,
+                partial_rotary_factor=partial,
                 initializer_range=0.02 if hf.get("initializer_range") is None else read.number("initializer_range"),
                 model_type=model_type,
                 bos_token_id=read.token_ids("bos_token_id"),
@@ -260,8 +321,13 @@ class ModelConfig:
     def to_hf(self) -> dict[str, Any]:
         """A config.json dict that transformers (v4 and v5) loads back."""
         rope_parameters = {"rope_type": "default", **(self.rope_scaling or {}), "rope_theta": self.rope_theta}
+        if self.partial_rotary_factor != 1.0:
+            rope_parameters["partial_rotary_factor"] = self.partial_rotary_factor
+        extra = dict(self.extra)
+        if (extra.get("quantization_config") or {}).get("quant_method") == "mxfp4":
+            extra.pop("quantization_config")  # gpt-oss's MXFP4 experts were dequantized on load
         hf: dict[str, Any] = {
-            **self.extra,
+            **extra,
             "architectures": [_ARCHITECTURES[self.model_type]],
             "model_type": self.model_type,
             "vocab_size": self.vocab_size,
@@ -285,7 +351,12 @@ class ModelConfig:
         if self.rope_scaling:
             hf["rope_scaling"] = dict(self.rope_scaling)
         hf.update(self._moe_to_hf())
-        if self.model_type == "qwen2_moe":
+        hf.update(self._layer_flags_to_hf())
+        if self.model_type == "glm4":
+            if self.o_bias:
+                raise ModelError("glm4 checkpoints have no o_proj bias")
+            hf["attention_bias"] = self.qkv_bias
+        elif self.model_type == "qwen2_moe":
             if self.o_bias:
                 raise ModelError("qwen2_moe checkpoints have no o_proj bias")
             hf["qkv_bias"] = self.qkv_bias
@@ -297,11 +368,11 @@ class ModelConfig:
                 raise ModelError(f"{self.model_type} has one attention_bias flag for q/k/v/o; "
                                  f"got qkv={self.qkv_bias} o={self.o_bias}")
             hf["attention_bias"] = self.qkv_bias
-        if self.model_type in ("llama", "mistral"):
+        if self.model_type in ("llama", "mistral", "smollm3"):
             hf["mlp_bias"] = self.mlp_bias
-        if self.model_type in ("mistral", "mixtral") or self.sliding_window:
+        if self.model_type in ("mistral", "mixtral", "gpt_oss") or self.sliding_window:
             hf["sliding_window"] = self.sliding_window
-        if self.model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
+        if self.model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "smollm3"):
             hf["use_sliding_window"] = self.sliding_window is not None
         return hf
 
@@ -314,7 +385,7 @@ class ModelConfig:
                                  f"use one of {', '.join(MOE_FAMILIES)}")
             return {}
         hf: dict[str, Any] = {"num_experts_per_tok": self.num_experts_per_tok}
-        hf["num_local_experts" if kind in ("mixtral", "qwen3_moe") else "num_experts"] = self.num_experts
+        hf["num_local_experts" if kind in ("mixtral", "qwen3_moe", "gpt_oss") else "num_experts"] = self.num_experts
         if kind in ("qwen2_moe", "qwen3_moe"):
             hf.update(moe_intermediate_size=self.expert_intermediate_size, norm_topk_prob=self.norm_topk_prob,
                       decoder_sparse_step=self.decoder_sparse_step, mlp_only_layers=list(self.mlp_only_layers))
@@ -331,7 +402,7 @@ class ModelConfig:
         transformers' classes for these families do not read them: a folder with sigmoid routing loads back
         in entrenar as trained, but transformers would route it with the family's softmax."""
         hf: dict[str, Any] = {}
-        if self.router_scoring != "softmax":
+        if self.router_scoring != ("softmax_topk" if self.model_type == "gpt_oss" else "softmax"):
             hf["scoring_func"] = self.router_scoring
         if self.n_group != 1 or self.topk_group != 1:
             hf.update(n_group=self.n_group, topk_group=self.topk_group)
@@ -343,6 +414,26 @@ class ModelConfig:
                                  f"routed ones (n_shared_experts); got {self.shared_expert_intermediate_size} wide, "
                                  f"gated={self.shared_expert_gate}")
             hf["n_shared_experts"] = self.shared_expert_intermediate_size // self.expert_intermediate_size
+        return hf
+
+    def _layer_flags_to_hf(self) -> dict[str, Any]:
+        """The keys of SmolLM3's, GLM-4's and gpt-oss's config.json for their flags (empty for other families);
+        a flag the family's config.json cannot say is refused rather than lost."""
+        kind = self.model_type
+        own = {"smollm3": {"layer_types", "no_rope_layers"}, "glm4": {"glm4"}, "gpt_oss": {"layer_types", "gpt_oss"}}
+        used = {"layer_types": bool(self.layer_types), "no_rope_layers": bool(self.no_rope_layers),
+                "glm4": self.post_block_norms or self.fused_gate_up or self.rope_interleaved,
+                "gpt_oss": self.attention_sinks or self.expert_bias or self.expert_activation != "silu"}
+        lost = [flag for flag, on in used.items() if on and flag not in own.get(kind, set())]
+        if lost or (kind == "glm4" and not (self.post_block_norms and self.fused_gate_up and self.rope_interleaved)):
+            raise ModelError(f"{kind} checkpoints cannot hold these flags as set ({', '.join(lost) or 'glm4'})")
+        hf: dict[str, Any] = {}
+        if self.layer_types:
+            hf["layer_types"] = list(self.layer_types)
+        if self.no_rope_layers:
+            hf["no_rope_layers"] = list(self.no_rope_layers)
+        if kind == "gpt_oss":
+            hf.update(swiglu_alpha=self.swiglu_alpha, swiglu_limit=self.swiglu_limit)
         return hf
 
     def replace(self, **changes: Any) -> ModelConfig:
@@ -461,13 +552,47 @@ def _check_rope_scaling(scaling: dict[str, Any], source: str) -> None:
             f"{source}: rope scaling {kind!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
         )
     keys = {"linear": ("factor",),
-            "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}[kind]
+            "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+            **rope_scaling.REQUIRED_KEYS}[kind]
     read = _Reader(scaling, source, "rope_scaling.")
     for key in keys:
         read.number(key, positive=True)
     if kind == "llama3" and scaling["low_freq_factor"] == scaling["high_freq_factor"]:
         raise ModelError(f"{source}: 'rope_scaling.low_freq_factor' and 'high_freq_factor' must differ "
                          f"(both {scaling['low_freq_factor']})")
+
+
+_LAYER_KEYS = ("layer_types", "no_rope_layers", "no_rope_layer_interval", "partial_rotary_factor", "swiglu_alpha",
+               "swiglu_limit")
+
+
+def _layer_flags_from_hf(model_type: str, hf: dict[str, Any], num_layers: int, source: str) -> dict[str, Any]:
+    """SmolLM3's, GLM-4's and gpt-oss's flags from their config.json, with transformers' defaults where a key is
+    absent (SmolLM3: no RoPE on every no_rope_layer_interval-th layer; gpt-oss: sliding and full layers alternate)."""
+    read = _Reader(hf, source)
+    flags: dict[str, Any] = {}
+    if model_type in ("smollm3", "gpt_oss"):
+        types = hf.get("layer_types")
+        if types is None and model_type == "gpt_oss":
+            types = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(num_layers)]
+        if types is not None and not isinstance(types, list):
+            raise read._bad("layer_types", "a list")
+        flags["layer_types"] = tuple(types or ())
+    if model_type == "smollm3":
+        no_rope = hf.get("no_rope_layers")
+        if no_rope is None:
+            interval = read.size("no_rope_layer_interval", default=4, limit=None)
+            no_rope = [int((i + 1) % interval != 0) for i in range(num_layers)]
+        if not isinstance(no_rope, list):
+            raise read._bad("no_rope_layers", "a list")
+        flags["no_rope_layers"] = tuple(no_rope)
+    if model_type == "glm4":
+        flags.update(post_block_norms=True, fused_gate_up=True, rope_interleaved=True)
+    if model_type == "gpt_oss":
+        flags.update(attention_sinks=True, expert_bias=True, expert_activation="clamped_swiglu",
+                     swiglu_alpha=read.number("swiglu_alpha", default=1.702, positive=True),
+                     swiglu_limit=read.number("swiglu_limit", default=7.0, positive=True))
+    return flags
 
 
 _MOE_KEYS = ("num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
@@ -498,6 +623,8 @@ def _moe_from_hf(model_type: str, hf: dict[str, Any], source: str = "config.json
     if model_type == "qwen2_moe":
         moe["shared_expert_intermediate_size"] = int(hf.get("shared_expert_intermediate_size") or 0)
         moe["shared_expert_gate"] = True
+    if model_type == "gpt_oss":
+        moe.update(router_scoring="softmax_topk", router_bias=True)
     if not moe["num_experts"]:
         raise ModelError(f"config.json of a {model_type} model names no experts (num_experts / num_local_experts)")
     moe.update(_routing_from_hf(model_type, hf, moe, source))
@@ -531,14 +658,19 @@ def _routing_from_hf(model_type: str, hf: dict[str, Any], moe: dict[str, Any], s
     return out
 
 
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """Inverse RoPE frequencies [head_dim/2], with linear or llama3 scaling applied."""
-    dim = config.head_dim
-    assert dim is not None  # ModelConfig.__post_init__ filled it in
+def rope_inv_freq(config: ModelConfig, seq_len: int | None = None) -> torch.Tensor:
+    """Inverse RoPE frequencies [rotary_dim/2], with linear, llama3, yarn or dynamic scaling applied (dynamic: for a
+    sequence of ``seq_len`` positions, the unscaled ones when None)."""
+    dim = config.rotary_dim
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     scaling = config.rope_scaling or {}
     kind = scaling.get("rope_type", "default")
-    if kind == "linear":
+    if kind == "yarn":
+        inv_freq = rope_scaling.yarn_inv_freq(config.rope_theta, dim, scaling)
+    elif kind == "dynamic" and seq_len is not None:
+        inv_freq = rope_scaling.dynamic_inv_freq(config.rope_theta, dim, float(scaling["factor"]),
+                                                 config.max_position_embeddings, seq_len)
+    elif kind == "linear":
         inv_freq = inv_freq / float(scaling["factor"])
     elif kind == "llama3":
         # Llama 3.1: low frequencies are slowed by `factor`, high ones kept,

@@ -29,6 +29,7 @@ from typing import Any, cast
 import torch
 import torch.nn.functional as F
 
+from entrenar.models.attention_sinks import sink_attention
 from entrenar.models.cpu_attention import EXPLICIT_LAYER_BUDGET, explicit_causal_attention, explicit_fits
 
 _varlen_attn: Callable[..., torch.Tensor | tuple[torch.Tensor, torch.Tensor]] | None
@@ -58,17 +59,22 @@ class Documents:
 
 
 def documents_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Documents, window: int | None = None
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Documents, window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention within each document: q ``[B, Hq, T, D]``, k/v ``[B, Hk, T, D]`` -> ``[B, T, Hq, D]``.
 
     The rows are read end to end (a padding-free batch is one row; packed rows
     keep their ``[B, T]`` shape and ``documents`` spans all ``B x T`` tokens).
     ``window`` (sliding-window models) limits each query to the ``window``
-    latest positions, itself included, as the padded path's mask does.
+    latest positions, itself included, as the padded path's mask does. ``sinks`` (gpt-oss, [Hq]): each
+    document attends with them through :func:`~entrenar.models.attention_sinks.sink_attention`, which the
+    variable-length kernel cannot run.
     """
     b, t = q.shape[0], q.shape[2]
     q, k, v = (x.transpose(1, 2).reshape(b * t, x.shape[1], x.shape[3]) for x in (q, k, v))  # [N, H, D]
+    if sinks is not None:
+        return _per_document_sinks(q, k, v, documents, window, sinks).view(b, t, *q.shape[1:])
     if _varlen_fits(q, k, documents, window):
         return _varlen(q, k, v, documents, window).view(b, t, *q.shape[1:])
     return _per_document(q, k, v, documents, window).view(b, t, *q.shape[1:])
@@ -130,6 +136,17 @@ def _varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Docume
     assert _varlen_attn is not None  # _varlen_fits checked
     # Without return_aux, varlen_attn returns the output alone.
     return cast(torch.Tensor, _varlen_attn(q.contiguous(), k.contiguous(), v.contiguous(), cu, cu, n, n, **extra))
+
+
+def _per_document_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Documents,
+                        window: int | None, sinks: torch.Tensor) -> torch.Tensor:
+    bounds = documents.bounds()
+    pieces = []
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        if end > start:
+            qi, ki, vi = (x[start:end].transpose(0, 1)[None] for x in (q, k, v))  # [1, H, n, D]
+            pieces.append(sink_attention(qi, ki, vi, sinks, window=window)[0].transpose(0, 1))
+    return torch.cat(pieces)
 
 
 def _per_document(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Documents,

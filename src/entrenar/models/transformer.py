@@ -14,11 +14,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from entrenar.models.attention_sinks import sink_attention
 from entrenar.models.config import ModelConfig, rope_inv_freq
 from entrenar.models.moe import Experts, MoeBlock, Router
 from entrenar.models.offload import ActivationOffload
 from entrenar.models.padding_free import SDPA_HAS_GQA, Documents, documents_attention
 from entrenar.models.recompute import checkpointed
+from entrenar.models.rope_scaling import attention_factor
 
 
 class RMSNorm(nn.Module):
@@ -91,7 +93,31 @@ class Attention(nn.Module):
         self.qk_norm = config.qk_norm
         self.qk_norm_full = config.qk_norm_full
         self.clip_qkv = config.clip_qkv
-        self.sliding_window = config.sliding_window
+        self.sliding_window = config.layer_window(layer_idx)
+        self.use_rope = config.layer_has_rope(layer_idx)  # SmolLM3 leaves some layers without
+        self.rotary_dim, self.rope_interleaved = config.rotary_dim, config.rope_interleaved
+        # gpt-oss: a learned logit per head that every query's softmax counts in its denominator, attending nowhere.
+        self.sinks = nn.Parameter(torch.zeros(config.num_heads)) if config.attention_sinks else None
+
+    def position(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q and k [B, H, T, D] rotated as this layer's family does: not at all (SmolLM3's NoPE layers), on the first
+        ``rotary_dim`` dimensions only (GLM-4), pairs (2i, 2i + 1) (GLM-4); ``rotate`` (a fused kernel's) does the
+        turning itself on (i, i + dim / 2) pairs."""
+        if not self.use_rope:
+            return q, k
+        if self.rope_interleaved:
+            # Moved to (i, i + dim / 2) pairs, and left there: scores q.k are the same whatever order q and k
+            # share, and nothing else reads them (v is untouched).
+            r = self.rotary_dim
+            order = torch.cat([torch.arange(0, r, 2), torch.arange(1, r, 2), torch.arange(r, q.shape[-1])])
+            order = order.to(q.device)
+            q, k = q.index_select(-1, order), k.index_select(-1, order)
+        if self.rotary_dim == q.shape[-1]:
+            return self.rotate(q, k, cos, sin)
+        r = self.rotary_dim
+        q_rot, k_rot = self.rotate(q[..., :r].contiguous(), k[..., :r].contiguous(), cos, sin)
+        return torch.cat((q_rot, q[..., r:]), dim=-1), torch.cat((k_rot, k[..., r:]), dim=-1)
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k and v of ``x``, before the heads are split; fused kernels run the three as one node."""
@@ -129,11 +155,15 @@ class Attention(nn.Module):
         if self.qk_norm and not self.qk_norm_full:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        q, k = self.rotate(q, k, cos.to(q.dtype), sin.to(q.dtype))
+        q, k = self.position(q, k, cos.to(q.dtype), sin.to(q.dtype))
         if isinstance(mask, Documents):  # a padding-free row
-            return self.o_proj(documents_attention(q, k, v, mask, self.sliding_window).reshape(b, t, -1))
+            y = documents_attention(q, k, v, mask, self.sliding_window, self.sinks)
+            return self.o_proj(y.reshape(b, t, -1))
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v)
+        if self.sinks is not None:  # no SDPA kernel takes sinks: the products, as transformers' eager path
+            y = sink_attention(q, k, v, self.sinks, mask, self.sliding_window)
+            return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
         groups = self.num_heads // self.num_kv_heads
         extra = {}
         if groups > 1:
@@ -151,12 +181,19 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig, intermediate_size: int | None = None) -> None:
         super().__init__()
         h, i = config.hidden_size, intermediate_size or config.intermediate_size
-        self.gate_proj = nn.Linear(h, i, bias=config.mlp_bias)
-        self.up_proj = nn.Linear(h, i, bias=config.mlp_bias)
+        self.fused_gate_up = config.fused_gate_up
+        if self.fused_gate_up:  # GLM-4: one projection, gate rows first
+            self.gate_up_proj = nn.Linear(h, 2 * i, bias=config.mlp_bias)
+        else:
+            self.gate_proj = nn.Linear(h, i, bias=config.mlp_bias)
+            self.up_proj = nn.Linear(h, i, bias=config.mlp_bias)
         self.down_proj = nn.Linear(i, h, bias=config.mlp_bias)
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """gate and up of ``x``; fused kernels run the two as one node."""
+        if self.fused_gate_up:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+            return gate, up
         return self.gate_proj(x), self.up_proj(x)
 
     def combine(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -174,6 +211,10 @@ class Block(nn.Module):
         self.self_attn = Attention(config, layer_idx)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MoeBlock(config, MLP) if config.is_moe_layer(layer_idx) else MLP(config)
+        self.post_block_norms = config.post_block_norms
+        if self.post_block_norms:  # GLM-4: the attention's and the MLP's outputs normed before each residual add
+            self.post_self_attn_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+            self.post_mlp_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
         self,
@@ -183,6 +224,9 @@ class Block(nn.Module):
         mask: torch.Tensor | Documents | None,
         cache: KVCache | None = None,
     ) -> torch.Tensor:
+        if self.post_block_norms:
+            x = x + self.post_self_attn_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, mask, cache))
+            return x + self.post_mlp_layernorm(self.mlp(self.post_attention_layernorm(x)))
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -232,8 +276,13 @@ class Transformer(nn.Module):
             elif isinstance(module, Experts):
                 nn.init.normal_(module.gate_up_proj, mean=0.0, std=std)
                 nn.init.normal_(module.down_proj, mean=0.0, std=std)
+                for bias in (module.gate_up_proj_bias, module.down_proj_bias):
+                    if bias is not None:
+                        nn.init.zeros_(bias)
             elif isinstance(module, RMSNorm):
                 nn.init.ones_(module.weight)
+            if isinstance(module, Attention) and module.sinks is not None:
+                nn.init.normal_(module.sinks, mean=0.0, std=std)
         self.inv_freq = rope_inv_freq(self.config).to(self.inv_freq.device)
 
     def set_activation_checkpointing(self, layers: bool | int | Sequence[int], offload: bool | int = False) -> None:
@@ -251,15 +300,44 @@ class Transformer(nn.Module):
         self.activation_offload = ActivationOffload() if self.offloaded_layers else None
 
     def rope(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = position_ids[..., None].float() * self.inv_freq.float()
+        inv_freq = self.inv_freq.float()
+        scaling = self.config.rope_scaling or {}
+        if scaling.get("rope_type") == "dynamic":
+            inv_freq = self._dynamic_inv_freq(position_ids, inv_freq)
+        freqs = position_ids[..., None].float() * inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        scale = attention_factor(scaling)  # YaRN scales cos and sin
+        cos, sin = (emb.cos(), emb.sin()) if scale == 1.0 else (emb.cos() * scale, emb.sin() * scale)
+        return cos.to(dtype), sin.to(dtype)
+
+    def _dynamic_inv_freq(self, position_ids: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+        """Dynamic NTK's frequencies per token [B, T, dim / 2] (or ``inv_freq`` while no sequence is longer than
+        max_position_embeddings): a sequence's base grows with its length, as transformers' dynamic_rope_update
+        does for a batch. A sequence is a row, or a document of a packed row (its positions start again at 0), so
+        packed documents get the frequencies each gets alone."""
+        b, t = position_ids.shape
+        flat = position_ids.reshape(-1)
+        starts = flat == 0
+        starts[::t] = True
+        segment = starts.cumsum(0) - 1
+        length = torch.zeros(int(segment[-1]) + 1, dtype=flat.dtype, device=flat.device)
+        length = length.scatter_reduce(0, segment, flat + 1, reduce="amax")[segment]
+        limit = self.config.max_position_embeddings
+        if int(length.max()) <= limit:
+            return inv_freq
+        length = length.clamp(min=limit)
+        lengths = torch.unique(length)
+        table = torch.stack([rope_inv_freq(self.config, int(n)) for n in lengths.tolist()]).to(inv_freq.device)
+        return table[torch.searchsorted(lengths, length)].view(b, t, -1)
 
     def attention_mask(
-        self, t: int, document_ids: torch.Tensor | None, device: torch.device, past: int = 0
+        self, t: int, document_ids: torch.Tensor | None, device: torch.device, past: int = 0,
+        window: int | None | str = "config",
     ) -> torch.Tensor | None:
-        """Boolean mask [B or 1, 1, T, past+T], or None for the plain causal case (fast SDPA path)."""
-        window = self.config.sliding_window
+        """Boolean mask [B or 1, 1, T, past+T], or None for the plain causal case (fast SDPA path); ``window``:
+        the sliding window it keeps (default: the config's)."""
+        window = self.config.sliding_window if window == "config" else window
+        assert window is None or isinstance(window, int)
         if past == 0 and document_ids is None and (window is None or t <= window):
             return None
         q_pos = torch.arange(past, past + t, device=device)[:, None]
@@ -304,11 +382,16 @@ class Transformer(nn.Module):
             mask = Documents(cu_seqlens.to(device=input_ids.device, dtype=torch.int32), max_seqlen)
         else:
             mask = self.attention_mask(t, document_ids, input_ids.device, past)
+        # Layers with their own windows (gpt-oss, SmolLM3: sliding and full layers) get their own masks.
+        windows = [self.config.layer_window(i) for i in range(self.config.num_layers)]
+        masks = {w: mask if isinstance(mask, Documents) or w == self.config.sliding_window
+                 else self.attention_mask(t, document_ids, input_ids.device, past, w) for w in set(windows)}
         training = torch.is_grad_enabled()
         offload = None
         if self.activation_offload is not None and training and x.is_cuda:
-            offload = self.activation_offload.forward(self, x.device, shared=(cos, sin, mask))
+            offload = self.activation_offload.forward(self, x.device, shared=(cos, sin, *masks.values()))
         for i, layer in enumerate(self.model.layers):
+            mask = masks[windows[i]]
             with offload.block(i) if offload is not None and i in self.offloaded_layers else contextlib.nullcontext():
                 if i in self.checkpointed_layers and training:
                     x = checkpointed(layer, x, cos, sin, mask)

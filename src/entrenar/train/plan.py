@@ -33,7 +33,7 @@ from entrenar.distributed.materialize import load_device as sharded_load_device
 from entrenar.distributed.steps import accumulation as micro_batches_per_rank
 from entrenar.distributed.world import World
 from entrenar.errors import ConfigError
-from entrenar.kernels import triton_available
+from entrenar.kernels import family_coverage, triton_available
 from entrenar.kernels.fused_linear_ce import FUSED_LOSS_CHUNK
 from entrenar.loading import recipe_model_config
 from entrenar.models.config import ModelConfig
@@ -347,6 +347,8 @@ def _decide(recipe: Recipe, device: torch.device, mode: str, config: ModelConfig
                           "has no kernels (training.kernels: true, or auto on a CPU or on a CUDA device with Triton)")
     reasons.append(("training.kernels", _auto(t.kernels, kernels, "a CPU (their PyTorch paths) or CUDA with "
                                                                   "Triton, without FSDP")))
+    if kernels and family_coverage(config):  # what they leave to PyTorch for this family, so no one guesses
+        reasons.append(("training.kernels (family)", f"{config.model_type}: " + "; ".join(family_coverage(config))))
 
     # The NF4 base streams from pinned CPU memory a block ahead: QLoRA Llama-8B shape 12.06k against 12.16k
     # tokens/s at 3.27 against 6.41 GiB (H100, docs/PERFORMANCE.md). NF4 experts load outside the stream.

@@ -1,0 +1,68 @@
+"""GLM-4 (Glm4ForCausalLM) against transformers: partial interleaved RoPE, post-attention and post-MLP norms,
+the fused gate_up_proj, q/k/v biases without an o_proj bias."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from entrenar.models.hf import load_hf
+from models.family_checks import (
+    check_inspect_counts,
+    check_logits_and_gradients,
+    check_lora_step_matches_peft,
+    check_packed_equals_per_document,
+    check_padded_batch,
+    check_qlora_base_loads,
+    check_save_round_trip,
+    save_family,
+)
+
+
+@pytest.fixture
+def glm4(tmp_path):
+    return save_family(tmp_path / "glm4", "Glm4Config", "Glm4ForCausalLM", head_dim=32)
+
+
+def test_logits_and_gradients_match_transformers(glm4):
+    folder, ref = glm4
+    model = load_hf(folder)
+    assert model.config.rotary_dim == 16 and model.config.rope_interleaved
+    check_logits_and_gradients(folder, ref)
+    check_padded_batch(folder, ref)
+
+
+def test_yarn_on_a_partial_rotary(tmp_path):
+    folder, ref = save_family(tmp_path / "g", "Glm4Config", "Glm4ForCausalLM", head_dim=32,
+                              max_position_embeddings=64,
+                              rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
+                                               "original_max_position_embeddings": 16, "partial_rotary_factor": 0.5})
+    check_logits_and_gradients(folder, ref)
+
+
+def test_packed_and_saved(glm4, tmp_path):
+    folder, ref = glm4
+    check_packed_equals_per_document(folder)
+    check_save_round_trip(folder, ref, tmp_path / "saved")
+
+
+def test_lora_on_fused_projections_qlora_and_inspect(glm4, tmp_path, capsys):
+    folder, ref = glm4
+    check_lora_step_matches_peft(folder, ref, ["q_proj", "gate_up_proj", "down_proj"], tmp_path / "adapter")
+    check_qlora_base_loads(folder)
+    check_inspect_counts(capsys, folder, ref)
+
+
+def test_kernels_keep_the_post_norms(glm4):
+    """apply_kernels leaves GLM-4's blocks their own forward (the fused block has no post norms)."""
+    from entrenar.adapters.lora import LoraConfig, apply_lora
+    from entrenar.kernels import apply_kernels
+
+    folder, _ = glm4
+    plain, fused = load_hf(folder).eval(), load_hf(folder).eval()
+    for model in (plain, fused):
+        apply_lora(model, LoraConfig(r=4, alpha=8, target_modules="all-linear"))
+    apply_kernels(fused)
+    ids = torch.randint(0, 128, (2, 20))
+    with torch.no_grad():
+        torch.testing.assert_close(fused(ids), plain(ids), atol=1e-5, rtol=0)

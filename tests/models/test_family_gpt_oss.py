@@ -1,0 +1,178 @@
+"""gpt-oss against transformers: attention sinks, alternating sliding-window layers, YaRN, the router with a bias
+and softmax over its top k, the clamped SwiGLU experts with biases, and MXFP4 expert weights dequantized on load."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from entrenar.errors import AdapterError
+from entrenar.models import gpt_oss_layout
+from entrenar.models.hf import load_hf, save_hf
+from entrenar.models.moe import moe_blocks, set_experts_implementation
+from entrenar.models.transformer import KVCache
+from models.family_checks import (
+    check_inspect_counts,
+    check_logits_and_gradients,
+    check_lora_step_matches_peft,
+    check_packed_equals_per_document,
+    check_padded_batch,
+    check_save_round_trip,
+    save_family,
+)
+
+GPT_OSS = dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32, head_dim=16, sliding_window=8,
+               swiglu_limit=0.3, max_position_embeddings=256,
+               rope_parameters={"rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                "truncate": False, "original_max_position_embeddings": 32, "rope_theta": 150000.0})
+
+
+@pytest.fixture
+def gpt_oss(tmp_path):
+    # swiglu_limit 0.3: small enough that the clamps act on these weights (at 7 they never would)
+    return save_family(tmp_path / "gpt_oss", "GptOssConfig", "GptOssForCausalLM", **GPT_OSS)
+
+
+def test_logits_and_gradients_match_transformers(gpt_oss):
+    folder, ref = gpt_oss
+    model = load_hf(folder)
+    assert [layer.self_attn.sliding_window for layer in model.model.layers] == [8, None]
+    assert model.model.layers[0].self_attn.sinks is not None and moe_blocks(model)
+    # 48 tokens: six sliding windows long, past YaRN's original 32 positions
+    check_logits_and_gradients(folder, ref, t=48, grads_as_checkpoint=gpt_oss_layout.to_checkpoint)
+    check_padded_batch(folder, ref)
+
+
+def test_sinks_and_clamps_matter(gpt_oss):
+    """Changing a sink, or the clamp limit, changes the logits: the parity above can see them."""
+    folder, _ = gpt_oss
+    model = load_hf(folder).eval()
+    ids = torch.randint(0, 128, (1, 24))
+    with torch.no_grad():
+        before = model(ids)
+        model.model.layers[1].self_attn.sinks.add_(1.0)
+        assert (model(ids) - before).abs().max() > 1e-4
+        model.model.layers[1].self_attn.sinks.sub_(1.0)
+        model.model.layers[0].mlp.experts.swiglu_limit = 7.0
+        assert (model(ids) - before).abs().max() > 1e-4
+
+
+def test_grouped_experts_equal_the_loop(gpt_oss):
+    if not hasattr(torch, "_grouped_mm"):
+        pytest.skip("this PyTorch has no torch._grouped_mm")
+    folder, _ = gpt_oss
+    ids = torch.randint(0, 128, (2, 16))
+    results = []
+    for impl in ("loop", "grouped"):
+        model = load_hf(folder)
+        set_experts_implementation(model, impl)
+        out = model(ids)
+        out.float().logsumexp(-1).mean().backward()
+        results.append((out.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    torch.testing.assert_close(results[0][0], results[1][0], atol=1e-5, rtol=0)
+    for name in results[0][1]:
+        torch.testing.assert_close(results[0][1][name], results[1][1][name], atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_packed_padding_free_and_cached_generation(gpt_oss):
+    folder, _ = gpt_oss
+    check_packed_equals_per_document(folder)  # documents of 7, 30 and 19 tokens against a window of 8
+    model = load_hf(folder).eval()
+    ids = torch.randint(0, 128, (1, 20))
+    cache = KVCache(model.config.num_layers)
+    with torch.no_grad():
+        full = model(ids)
+        steps = [model(ids[:, :12], cache=cache)] + [model(ids[:, i:i + 1], cache=cache) for i in range(12, 20)]
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=0)
+
+
+def test_saved_in_the_checkpoint_layout(gpt_oss, tmp_path):
+    folder, ref = gpt_oss
+    check_save_round_trip(folder, ref, tmp_path / "saved")
+
+
+def mxfp4_folder(folder, tmp_path):
+    """The folder with its expert weights as MXFP4 blocks and scales (random codes), as the released checkpoints
+    store them; returns (folder, the dense [E, in, out] weights transformers' own dequantization gives)."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    state = load_file(str(folder / "model.safetensors"))
+    generator = torch.Generator().manual_seed(5)
+    dense = {}
+    for name in [n for n in state if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        e, n_in, n_out = state.pop(name).shape
+        blocks = torch.randint(0, 256, (e, n_out, n_in // 32, 16), generator=generator, dtype=torch.uint8)
+        scales = torch.randint(118, 124, (e, n_out, n_in // 32), generator=generator, dtype=torch.uint8)
+        state[f"{name}_blocks"], state[f"{name}_scales"] = blocks, scales
+        dense[name] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)  # [E, in, out]
+    out = tmp_path / "mxfp4"
+    out.mkdir()
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn",
+                                                                                         "model.layers.*.mlp.router"]}
+    (out / "config.json").write_text(json.dumps(config))
+    return out, dense
+
+
+def test_mxfp4_experts_are_dequantized_as_transformers_does(gpt_oss, tmp_path):
+    folder, ref = gpt_oss
+    quantized, dense = mxfp4_folder(folder, tmp_path)
+    model = load_hf(quantized).eval()
+    ours = gpt_oss_layout.to_checkpoint({n: p.detach() for n, p in model.named_parameters()})
+    for name, weight in dense.items():
+        assert weight.abs().max() > 0
+        torch.testing.assert_close(ours[name], weight, atol=0, rtol=0, msg=name)
+    with torch.no_grad():  # transformers' model with those weights: the same logits
+        for name, weight in dense.items():
+            ref.get_parameter(name).copy_(weight)
+        ids = torch.randint(0, 128, (2, 20))
+        torch.testing.assert_close(model(ids), ref(ids).logits, atol=1e-4, rtol=0)
+    import transformers
+
+    saved = save_hf(model, tmp_path / "saved")  # written dense, without the quantization_config
+    assert "quantization_config" not in json.loads((saved / "config.json").read_text())
+    back = transformers.AutoModelForCausalLM.from_pretrained(saved).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(back(ids).logits, ref(ids).logits, atol=1e-5, rtol=0)
+
+
+def test_mxfp4_blocks_without_scales_are_named(gpt_oss, tmp_path):
+    from entrenar.errors import ModelError
+
+    folder, _ = gpt_oss
+    quantized, _ = mxfp4_folder(folder, tmp_path)
+    state = load_file(str(quantized / "model.safetensors"))
+    del state["model.layers.1.mlp.experts.down_proj_scales"]
+    save_file(state, str(quantized / "model.safetensors"))
+    with pytest.raises(ModelError, match=r"model\.layers\.1\.mlp\.experts\.down_proj"):
+        load_hf(quantized)
+
+
+def test_lora_on_attention_matches_peft_and_experts_are_refused(gpt_oss, tmp_path, capsys):
+    from entrenar.adapters.lora import LoraConfig, apply_lora
+
+    folder, ref = gpt_oss
+    check_lora_step_matches_peft(folder, ref, ["q_proj", "k_proj", "v_proj", "o_proj"], tmp_path / "adapter")
+    with pytest.raises(AdapterError, match="gpt-oss"):
+        apply_lora(load_hf(folder), LoraConfig(r=2, alpha=4, target_modules=["q_proj"],
+                                               target_parameters=["mlp.experts.gate_up_proj"]))
+    check_inspect_counts(capsys, folder, ref)
+
+
+def test_qlora_base_quantizes_attention_and_keeps_the_experts(gpt_oss):
+    from entrenar.models.moe import Experts
+    from entrenar.quant.nf4.format import NF4Linear
+    from entrenar.quant.nf4.sinks import nf4_sinks
+
+    folder, _ = gpt_oss
+    full, nf4 = load_hf(folder).eval(), load_hf(folder, sinks=nf4_sinks).eval()
+    assert isinstance(nf4.model.layers[0].self_attn.q_proj, NF4Linear)
+    assert type(nf4.model.layers[0].mlp.experts) is Experts  # NF4 experts hold no biases
+    ids = torch.randint(0, 128, (1, 16))
+    with torch.no_grad():
+        a, b = full(ids), nf4(ids)
+    assert torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0) > 0.95

@@ -1,0 +1,65 @@
+"""SmolLM3 against transformers: no RoPE on the layers no_rope_layers marks, sliding layers when it asks for them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from entrenar.models.hf import load_hf
+from models.family_checks import (
+    check_inspect_counts,
+    check_logits_and_gradients,
+    check_lora_step_matches_peft,
+    check_packed_equals_per_document,
+    check_padded_batch,
+    check_qlora_base_loads,
+    check_save_round_trip,
+    save_family,
+)
+
+SMOLLM3 = dict(num_hidden_layers=4, tie_word_embeddings=False, rope_theta=10000.0)
+
+
+@pytest.fixture
+def smollm3(tmp_path):
+    return save_family(tmp_path / "smollm3", "SmolLM3Config", "SmolLM3ForCausalLM", **SMOLLM3)
+
+
+def test_logits_and_gradients_match_transformers(smollm3):
+    folder, ref = smollm3
+    model = load_hf(folder)
+    assert [layer.self_attn.use_rope for layer in model.model.layers] == [True, True, True, False]
+    check_logits_and_gradients(folder, ref)
+    check_padded_batch(folder, ref)
+
+
+def test_nope_layer_matters(smollm3):
+    """The fourth layer really runs without RoPE: turning it on there changes the logits."""
+    folder, _ = smollm3
+    model = load_hf(folder).eval()
+    ids = torch.randint(0, 128, (1, 24))
+    with torch.no_grad():
+        before = model(ids)
+        model.model.layers[3].self_attn.use_rope = True
+        assert (model(ids) - before).abs().max() > 1e-4
+
+
+def test_sliding_layers_and_tied_embeddings(tmp_path):
+    folder, ref = save_family(tmp_path / "s", "SmolLM3Config", "SmolLM3ForCausalLM", num_hidden_layers=4,
+                              use_sliding_window=True, sliding_window=8, tie_word_embeddings=True)
+    assert ref.config.layer_types.count("sliding_attention") == 1  # transformers slides the NoPE layers only
+    check_logits_and_gradients(folder, ref, t=40)
+    check_packed_equals_per_document(folder)
+
+
+def test_packed_and_saved(smollm3, tmp_path):
+    folder, ref = smollm3
+    check_packed_equals_per_document(folder)
+    check_save_round_trip(folder, ref, tmp_path / "saved")
+
+
+def test_lora_qlora_and_inspect(smollm3, tmp_path, capsys):
+    folder, ref = smollm3
+    check_lora_step_matches_peft(folder, ref, ["q_proj", "v_proj", "down_proj"], tmp_path / "adapter")
+    check_qlora_base_loads(folder)
+    check_inspect_counts(capsys, folder, ref)
