@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from entrenar.models.hf import load_hf
-from models.family_checks import (
+from models.parity_checks import (
     check_inspect_counts,
     check_logits_and_gradients,
     check_lora_step_matches_peft,

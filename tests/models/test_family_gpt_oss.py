@@ -14,7 +14,7 @@ from entrenar.models import gpt_oss_layout
 from entrenar.models.hf import load_hf, save_hf
 from entrenar.models.moe import moe_blocks, set_experts_implementation
 from entrenar.models.transformer import KVCache
-from models.family_checks import (
+from models.parity_checks import (
     check_inspect_counts,
     check_logits_and_gradients,
     check_lora_step_matches_peft,
@@ -176,3 +176,21 @@ def test_qlora_base_quantizes_attention_and_keeps_the_experts(gpt_oss):
     with torch.no_grad():
         a, b = full(ids), nf4(ids)
     assert torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0) > 0.95
+
+
+def test_the_plan_says_what_the_kernels_leave_to_pytorch(gpt_oss, workspace):
+    """``--dry-run`` prints the plan's reasons: for gpt-oss, that sinks and the clamped SwiGLU run in PyTorch."""
+    from tests.train.test_loop import recipe_for
+
+    from entrenar.distributed.world import World
+    from entrenar.models.hf import read_config
+    from entrenar.train.plan import plan_run
+
+    folder, _ = gpt_oss
+    recipe = recipe_for(workspace)
+    kwargs = {"triton": True, "device_memory": 80 * 2**30, "available": (64 * 2**30, "the tests' machine")}
+    reasons = dict(plan_run(recipe, torch.device("cpu"), World(), read_config(folder), **kwargs).reasons)
+    note = reasons["training.kernels (family)"]
+    assert note.startswith("gpt_oss:") and "sinks" in note and "clamped SwiGLU" in note
+    llama = plan_run(recipe, torch.device("cpu"), World(), read_config(workspace / "model"), **kwargs)
+    assert "training.kernels (family)" not in dict(llama.reasons)

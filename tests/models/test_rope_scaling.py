@@ -7,7 +7,7 @@ import torch
 
 from entrenar.errors import ModelError
 from entrenar.models.config import ModelConfig, rope_inv_freq
-from models.family_checks import check_logits_and_gradients, check_packed_equals_per_document, save_family
+from models.parity_checks import check_logits_and_gradients, check_packed_equals_per_document, save_family
 
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "beta_fast": 8.0,
         "beta_slow": 2.0}

@@ -78,8 +78,8 @@ class ModelConfig:
     mlp_only_layers: tuple[int, ...] = ()  # Qwen-MoE: layers that keep a dense MLP
     sliding_window: int | None = None
     # Per-layer attention (gpt-oss, SmolLM3): "sliding_attention" layers use sliding_window, "full_attention" ones
-    # none; empty: every layer uses sliding_window (Mistral).
-    layer_types: tuple[str, ...] = ()
+    # none; None: every layer uses sliding_window (Mistral).
+    layer_types: tuple[str, ...] | None = None
     no_rope_layers: tuple[int, ...] = ()  # SmolLM3: 0 where a layer has no RoPE (empty: RoPE everywhere)
     partial_rotary_factor: float = 1.0  # GLM-4: RoPE on the first head_dim x factor dimensions of each head
     rope_interleaved: bool = False  # GLM-4: RoPE turns pairs (2i, 2i + 1), not (i, i + dim / 2)
@@ -139,8 +139,10 @@ class ModelConfig:
 
     def _check_layer_flags(self) -> None:
         """The per-layer and RoPE-shape flags (SmolLM3, GLM-4, gpt-oss), checked against the layer count."""
-        self.layer_types, self.no_rope_layers = tuple(self.layer_types), tuple(self.no_rope_layers)
-        for key, values, allowed in (("layer_types", self.layer_types, ("sliding_attention", "full_attention")),
+        if self.layer_types is not None:
+            self.layer_types = tuple(self.layer_types)
+        self.no_rope_layers = tuple(self.no_rope_layers)
+        for key, values, allowed in (("layer_types", self.layer_types or (), ("sliding_attention", "full_attention")),
                                      ("no_rope_layers", self.no_rope_layers, (0, 1))):
             if values and (len(values) != self.num_layers or any(v not in allowed for v in values)):
                 raise ModelError(f"model config: '{key}' must list one of {allowed} per layer "
@@ -577,7 +579,7 @@ def _layer_flags_from_hf(model_type: str, hf: dict[str, Any], num_layers: int, s
             types = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(num_layers)]
         if types is not None and not isinstance(types, list):
             raise read._bad("layer_types", "a list")
-        flags["layer_types"] = tuple(types or ())
+        flags["layer_types"] = None if types is None else tuple(types)
     if model_type == "smollm3":
         no_rope = hf.get("no_rope_layers")
         if no_rope is None:
