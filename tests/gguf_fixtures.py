@@ -28,7 +28,11 @@ _ARCH = {
     "qwen3": gguf.MODEL_ARCH.QWEN3,
     "mixtral": gguf.MODEL_ARCH.LLAMA,
     "qwen3_moe": gguf.MODEL_ARCH.QWEN3MOE,
+    "smollm3": gguf.MODEL_ARCH.SMOLLM3,
+    "glm4": gguf.MODEL_ARCH.GLM4,
 }
+# Architectures whose q/k rows the converter permutes (LlamaModel and its subclasses, SmolLM3Model among them).
+_PERMUTED = (gguf.MODEL_ARCH.LLAMA, gguf.MODEL_ARCH.SMOLLM3)
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 USER_TOKEN = "<think>"  # an added token that is not special (USER_DEFINED in GGUF)
@@ -265,9 +269,9 @@ def write_gguf(
         gguf_name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         assert gguf_name is not None, hf_name
         data = t.detach().float().numpy()
-        if arch == gguf.MODEL_ARCH.LLAMA and ".self_attn.q_proj." in hf_name:
+        if arch in _PERMUTED and ".self_attn.q_proj." in hf_name:
             data = permute(data, c.num_attention_heads)
-        elif arch == gguf.MODEL_ARCH.LLAMA and ".self_attn.k_proj." in hf_name:
+        elif arch in _PERMUTED and ".self_attn.k_proj." in hf_name:
             data = permute(data, c.num_key_value_heads)
         tensors.append((gguf_name, *store(data, qtype)))
     raw = dict(raw or {})

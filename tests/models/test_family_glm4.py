@@ -66,3 +66,21 @@ def test_kernels_keep_the_post_norms(glm4):
     ids = torch.randint(0, 128, (2, 20))
     with torch.no_grad():
         torch.testing.assert_close(fused(ids), plain(ids), atol=1e-5, rtol=0)
+
+
+def test_gguf_as_llama_cpp_writes_it(tmp_path):
+    """A GLM-4 GGUF (rope.dimension_count the rotated half, ffn_up the fused gate_up_proj, post_attention_norm
+    and post_ffw_norm the norms after attention and MLP) loads with transformers' logits."""
+    import entrenar
+    from gguf_fixtures import byte_level_vocab, train_byte_level_tokenizer, write_gguf
+
+    tokenizer = train_byte_level_tokenizer("smollm")
+    vocab = tokenizer.get_vocab_size() + 15  # the rest [PADn] tokens, as in real files
+    _, ref = save_family(tmp_path / "g", "Glm4Config", "Glm4ForCausalLM", head_dim=32, vocab_size=vocab)
+    path = write_gguf(tmp_path / "glm4.gguf", ref, vocab=byte_level_vocab(tokenizer, vocab),
+                      special_ids={"bos": 1, "eos": 2}, extra_kv={"rope.dimension_count": ("uint32", 16)})
+    model, _ = entrenar.load(path, device="cpu")
+    assert model.config.model_type == "glm4" and model.config.rotary_dim == 16
+    ids = torch.randint(0, vocab, (2, 24))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids), ref(ids).logits, atol=1e-4, rtol=0)

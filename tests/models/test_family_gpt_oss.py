@@ -194,3 +194,123 @@ def test_the_plan_says_what_the_kernels_leave_to_pytorch(gpt_oss, workspace):
     assert note.startswith("gpt_oss:") and "sinks" in note and "clamped SwiGLU" in note
     llama = plan_run(recipe, torch.device("cpu"), World(), read_config(workspace / "model"), **kwargs)
     assert "training.kernels (family)" not in dict(llama.reasons)
+
+
+def _nibbles_as_ggml(blocks: torch.Tensor) -> torch.Tensor:
+    """convert_hf_to_gguf.py's GptOssModel.transform_nibble_layout: transformers' MXFP4 bytes (value 2j in the low
+    nibble of byte j, 2j + 1 in the high) in ggml's block order (value j low, j + 16 high)."""
+    lo, hi = blocks & 0x0F, blocks >> 4
+    values = torch.stack([lo, hi], dim=-1).flatten(-2)  # the 32 codes in order
+    return values[..., :16] | (values[..., 16:] << 4)
+
+
+def write_gpt_oss_gguf(path, ref, vocab: dict, mxfp4: dict | None = None):
+    """A gpt-oss model as llama.cpp's converter writes it: experts split into gate/up (de-interleaved), down
+    transposed, biases beside them, the router as ffn_gate_inp, sinks as attn_sinks; with ``mxfp4`` (name ->
+    (blocks, scales) of transformers' layout) the expert weights repacked as GGML MXFP4 blocks."""
+    import gguf
+    import numpy as np
+
+    c = ref.config
+    w = gguf.GGUFWriter(path, "gpt-oss")
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_key_length(c.head_dim)
+    w.add_value_length(c.head_dim)
+    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_expert_count(c.num_local_experts)
+    w.add_expert_used_count(c.num_experts_per_tok)
+    w.add_expert_feed_forward_length(c.intermediate_size)
+    w.add_sliding_window(c.sliding_window)
+    rope = c.rope_parameters
+    w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    w.add_rope_scaling_factor(rope["factor"])
+    w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    w.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
+    w.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("smollm")
+    w.add_token_list(vocab["tokens"])
+    w.add_token_types(vocab["types"])
+    w.add_token_merges(vocab["merges"])
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GPT_OSS, c.num_hidden_layers)
+
+    def add(name, t):
+        w.add_tensor(name, t.detach().float().numpy())
+
+    def add_mxfp4(name, blocks, scales):
+        packed = torch.cat([scales.unsqueeze(-1), _nibbles_as_ggml(blocks)], dim=-1)
+        w.add_tensor(name, packed.flatten(-2).numpy().astype(np.uint8), raw_dtype=gguf.GGMLQuantizationType.MXFP4)
+
+    for hf_name, t in ref.state_dict().items():
+        layer = hf_name.split(".")[2] if hf_name.startswith("model.layers.") else None
+        blk = f"blk.{layer}."
+        if hf_name.endswith("self_attn.sinks"):
+            add(blk + "attn_sinks.weight", t)
+        elif hf_name.endswith("mlp.router.weight") or hf_name.endswith("mlp.router.bias"):
+            add(blk + "ffn_gate_inp." + hf_name.rsplit(".", 1)[1], t)
+        elif hf_name.endswith("experts.gate_up_proj_bias"):
+            add(blk + "ffn_gate_exps.bias", t[..., ::2])
+            add(blk + "ffn_up_exps.bias", t[..., 1::2])
+        elif hf_name.endswith("experts.down_proj_bias"):
+            add(blk + "ffn_down_exps.bias", t)
+        elif hf_name.endswith("experts.gate_up_proj"):
+            if mxfp4:
+                blocks, scales = mxfp4[hf_name]
+                add_mxfp4(blk + "ffn_gate_exps.weight", blocks[:, ::2], scales[:, ::2])
+                add_mxfp4(blk + "ffn_up_exps.weight", blocks[:, 1::2], scales[:, 1::2])
+            else:
+                t = t.transpose(-1, -2)
+                add(blk + "ffn_gate_exps.weight", t[:, ::2])
+                add(blk + "ffn_up_exps.weight", t[:, 1::2])
+        elif hf_name.endswith("experts.down_proj"):
+            if mxfp4:
+                add_mxfp4(blk + "ffn_down_exps.weight", *mxfp4[hf_name])
+            else:
+                add(blk + "ffn_down_exps.weight", t.transpose(-1, -2))
+        else:
+            add(names.get_name(hf_name, try_suffixes=(".weight", ".bias")), t)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.mark.parametrize("experts", ["f32", "mxfp4"])
+def test_gguf_as_llama_cpp_writes_it(tmp_path, experts):
+    """A gpt-oss GGUF (float or GGML MXFP4 experts, repacked from transformers' blocks as the converter does)
+    loads with the logits of transformers' model holding transformers' own dequantization of those blocks."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    import entrenar
+    from gguf_fixtures import byte_level_vocab, train_byte_level_tokenizer
+
+    tokenizer = train_byte_level_tokenizer("smollm")
+    vocab = tokenizer.get_vocab_size() + 15
+    # swiglu_limit 7 (transformers' default): llama.cpp fixes it there, and a GGUF file cannot say another
+    config = {**GPT_OSS, "vocab_size": vocab, "swiglu_limit": 7.0}
+    _, ref = save_family(tmp_path / "m", "GptOssConfig", "GptOssForCausalLM", **config)
+    mxfp4 = None
+    if experts == "mxfp4":
+        generator = torch.Generator().manual_seed(6)
+        mxfp4 = {}
+        for name, p in ref.named_parameters():
+            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                e, n_in, n_out = p.shape
+                blocks = torch.randint(0, 256, (e, n_out, n_in // 32, 16), generator=generator, dtype=torch.uint8)
+                scales = torch.randint(118, 124, (e, n_out, n_in // 32), generator=generator, dtype=torch.uint8)
+                mxfp4[name] = (blocks, scales)
+                with torch.no_grad():
+                    p.copy_(convert_moe_packed_tensors(blocks, scales, dtype=torch.float32))
+    path = write_gpt_oss_gguf(tmp_path / "gpt-oss.gguf", ref, byte_level_vocab(tokenizer, vocab), mxfp4)
+    model, _ = entrenar.load(path, device="cpu")
+    assert model.config.model_type == "gpt_oss" and model.config.layer_types == ("sliding_attention", "full_attention")
+    ids = torch.randint(0, vocab, (2, 40))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids), ref(ids).logits, atol=1e-4, rtol=0)

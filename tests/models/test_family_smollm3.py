@@ -63,3 +63,21 @@ def test_lora_qlora_and_inspect(smollm3, tmp_path, capsys):
     check_lora_step_matches_peft(folder, ref, ["q_proj", "v_proj", "down_proj"], tmp_path / "adapter")
     check_qlora_base_loads(folder)
     check_inspect_counts(capsys, folder, ref)
+
+
+def test_gguf_as_llama_cpp_writes_it(tmp_path):
+    """A SmolLM3 GGUF (q/k rows permuted as the converter's LlamaModel does; NoPE every fourth layer, which
+    llama.cpp fixes and the file does not say) loads with transformers' logits."""
+    import entrenar
+    from gguf_fixtures import byte_level_vocab, train_byte_level_tokenizer, write_gguf
+
+    tokenizer = train_byte_level_tokenizer("smollm")
+    vocab = tokenizer.get_vocab_size() + 15  # the rest [PADn] tokens, as in real files
+    _, ref = save_family(tmp_path / "s", "SmolLM3Config", "SmolLM3ForCausalLM", **SMOLLM3, vocab_size=vocab)
+    path = write_gguf(tmp_path / "smollm3.gguf", ref, vocab=byte_level_vocab(tokenizer, vocab),
+                      special_ids={"bos": 1, "eos": 2})
+    model, _ = entrenar.load(path, device="cpu")
+    assert model.config.model_type == "smollm3" and model.config.no_rope_layers == (1, 1, 1, 0)
+    ids = torch.randint(0, vocab, (2, 24))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids), ref(ids).logits, atol=1e-4, rtol=0)

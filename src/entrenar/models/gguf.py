@@ -39,6 +39,7 @@ from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers,
 
 from entrenar.data.tokenizer import Tokenizer
 from entrenar.errors import ModelError
+from entrenar.models import gguf_families
 from entrenar.models.config import ModelConfig
 from entrenar.models.hf import Sinks, empty_model, load_state_into
 
@@ -49,7 +50,7 @@ if TYPE_CHECKING:
 
 # GGUF architecture -> transformers model_type. llama.cpp stores Mistral under "llama".
 # Mixtral is "llama" with expert_count set; Qwen3-MoE is "qwen3moe".
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", *gguf_families.FAMILY_ARCHITECTURES)
 _HF_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
@@ -57,6 +58,7 @@ _HF_ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    **gguf_families.FAMILY_HF_ARCHITECTURES,
 }
 
 # GGUF tensor name -> HF name. "{i}" is the layer index.
@@ -95,24 +97,26 @@ _LAYER_NAMES = {
 _ROPE_FREQS = "rope_freqs.weight"
 
 
-def hf_tensor_name(gguf_name: str) -> str | None:
-    """The Hugging Face name of a llama.cpp tensor name, or None if it is not one we know."""
+def hf_tensor_name(gguf_name: str, arch: str | None = None) -> str | None:
+    """The Hugging Face name of a llama.cpp tensor name (in architecture ``arch``), or None if it is not one we
+    know."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     prefix, _, rest = gguf_name.partition(".")
     layer, _, suffix = rest.partition(".")
-    if prefix == "blk" and layer.isdigit() and suffix in _LAYER_NAMES:
-        return f"model.layers.{int(layer)}.{_LAYER_NAMES[suffix]}"
+    names = {**_LAYER_NAMES, **gguf_families.FAMILY_LAYER_NAMES.get(arch or "", {})}
+    if prefix == "blk" and layer.isdigit() and suffix in names:
+        return f"model.layers.{int(layer)}.{names[suffix]}"
     return None
 
 
-def gguf_tensor_name(hf_name: str) -> str:
+def gguf_tensor_name(hf_name: str, arch: str | None = None) -> str:
     """The llama.cpp name of a Hugging Face tensor name (inverse of ``hf_tensor_name``)."""
     for gguf_name, name in _GLOBAL_NAMES.items():
         if name == hf_name:
             return gguf_name
     layer, _, suffix = hf_name.removeprefix("model.layers.").partition(".")
-    for gguf_suffix, name in _LAYER_NAMES.items():
+    for gguf_suffix, name in [*gguf_families.FAMILY_LAYER_NAMES.get(arch or "", {}).items(), *_LAYER_NAMES.items()]:
         if name == suffix and layer.isdigit():
             return f"blk.{layer}.{gguf_suffix}"
     raise KeyError(hf_name)
@@ -163,7 +167,7 @@ class GGUFModel:
             raise ModelError(f"{self.path}: no tensor '{name}' (the file has {len(self._tensors)} tensors)")
         t = self._tensors[name]
         w = _dequantize(t, self.path).to(dtype)
-        if self.metadata["general.architecture"] == "llama":
+        if self.metadata["general.architecture"] in ("llama", *gguf_families.PERMUTED_QK):
             if name.endswith("self_attn.q_proj.weight") or name.endswith("self_attn.q_proj.bias"):
                 w = unpermute_rope_rows(w, self.hf_config["num_attention_heads"])
             elif name.endswith("self_attn.k_proj.weight") or name.endswith("self_attn.k_proj.bias"):
@@ -171,9 +175,12 @@ class GGUFModel:
         return w
 
     def tensors(self, dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield ``(hf_name, tensor)`` one tensor at a time, layer by layer."""
-        for name in self._tensors:
-            yield name, self.tensor(name, dtype)
+        """Yield ``(hf_name, tensor)`` one tensor at a time, layer by layer (gpt-oss: in its Hugging Face
+        checkpoint's layout, gate and up experts paired again)."""
+        tensors: Iterator[tuple[str, torch.Tensor]] = ((name, self.tensor(name, dtype)) for name in self._tensors)
+        if self.metadata["general.architecture"] == "gpt-oss":
+            tensors = gguf_families.gpt_oss_checkpoint_tensors(tensors)
+        yield from tensors
 
     def state_dict(self, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
         """All weights at once. A tied model has no ``lm_head.weight`` (as in HF checkpoints)."""
@@ -315,7 +322,7 @@ def build_hf_config(metadata: dict[str, Any], tensors: dict[str, ReaderTensor], 
         return default
 
     experts = get("expert_count", 0)
-    if experts and arch not in ("llama", "qwen3moe"):
+    if experts and arch not in ("llama", "qwen3moe", "gpt-oss"):
         raise ModelError(f"{path}: mixture-of-experts {arch} models ({arch}.expert_count={experts}) are not supported")
     if arch == "qwen3moe" and not experts:
         raise ModelError(f"{path}: a qwen3moe file without {arch}.expert_count")
@@ -330,7 +337,7 @@ def build_hf_config(metadata: dict[str, Any], tensors: dict[str, ReaderTensor], 
     head_dim = get("attention.key_length", hidden // n_head)
     if get("attention.value_length", head_dim) != head_dim:
         raise ModelError(f"{path}: {arch}.attention.value_length differs from key_length; not a Llama-family model")
-    if get("rope.dimension_count", head_dim) != head_dim:
+    if arch != "glm4" and get("rope.dimension_count", head_dim) != head_dim:
         raise ModelError(
             f"{path}: partial rotary embeddings are not supported "
             f"({arch}.rope.dimension_count={get('rope.dimension_count')}, head_dim={head_dim})"
@@ -341,7 +348,7 @@ def build_hf_config(metadata: dict[str, Any], tensors: dict[str, ReaderTensor], 
         raise ModelError(f"{path}: {arch}.vocab_size is {vocab} but token_embd.weight has {embed_rows} rows")
     rope_theta = get("rope.freq_base", 10000.0)
 
-    model_type = {"qwen3moe": "qwen3_moe"}.get(arch, arch)
+    model_type = {"qwen3moe": "qwen3_moe", **gguf_families.FAMILY_ARCHITECTURES}.get(arch, arch)
     name = f"{metadata.get('general.name', '')} {metadata.get('general.basename', '')}".lower()
     if arch == "llama" and experts:
         model_type = "mixtral"
@@ -376,7 +383,11 @@ def build_hf_config(metadata: dict[str, Any], tensors: dict[str, ReaderTensor], 
     }
     if model_type == "mistral":
         config["sliding_window"] = None  # llama.cpp keeps no sliding window for Mistral
-    if experts:
+    config.update(gguf_families.family_config(metadata, arch, head_dim, path))
+    config["rope_scaling"] = gguf_families.family_rope(metadata, arch, config["rope_scaling"])
+    if experts and arch == "gpt-oss":
+        pass  # its expert keys came with family_config
+    elif experts:
         # llama.cpp renormalises the chosen experts' weights for both (Mixtral always does; Qwen3-MoE's
         # released models set norm_topk_prob), unless expert_weights_norm says otherwise.
         config.update(num_experts=experts, num_experts_per_tok=get("expert_used_count"),
@@ -468,7 +479,7 @@ def _map_tensors(
     for gguf_name, t in tensors.items():
         if gguf_name == _ROPE_FREQS:
             continue
-        hf_name = hf_tensor_name(gguf_name)
+        hf_name = hf_tensor_name(gguf_name, arch)
         if hf_name is None or hf_name not in expected:
             raise ModelError(f"{path}: unexpected tensor '{gguf_name}' for a {arch} model of this configuration")
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
@@ -479,7 +490,7 @@ def _map_tensors(
         mapped[hf_name] = t
     for hf_name in expected:
         if hf_name not in mapped and not (hf_name == "lm_head.weight" and config["tie_word_embeddings"]):
-            raise ModelError(f"{path}: tensor '{gguf_tensor_name(hf_name)}' ({hf_name}) is missing")
+            raise ModelError(f"{path}: tensor '{gguf_tensor_name(hf_name, arch)}' ({hf_name}) is missing")
     return mapped
 
 
@@ -517,6 +528,7 @@ def _expected_shapes(config: dict[str, Any], arch: str) -> dict[str, tuple[int, 
             layer.update({"mlp.gate_proj.bias": (i,), "mlp.up_proj.bias": (i,), "mlp.down_proj.bias": (h,)})
         if arch in ("qwen3", "qwen3moe"):
             layer.update({"self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,)})
+        gguf_families.family_shapes(layer, config, arch)
         if config.get("num_experts"):  # every layer of these files is an MoE layer
             e, ie = config["num_experts"], config.get("moe_intermediate_size") or i
             for name in ("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"):
