@@ -314,3 +314,32 @@ def test_gguf_as_llama_cpp_writes_it(tmp_path, experts):
     ids = torch.randint(0, vocab, (2, 40))
     with torch.no_grad():
         torch.testing.assert_close(model(ids), ref(ids).logits, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_memory_estimate_counts_the_sink_attention_and_the_unquantized_experts(dtype):
+    """The activation estimate within 10% of what autograd saves (the sinks' products keep each query's
+    probabilities, T x T per head), and QLoRA's NF4 count equal to the linear layers NF4 replaces."""
+    from test_memory import measured_saved_bytes
+
+    from entrenar.models.config import ModelConfig
+    from entrenar.models.transformer import Transformer
+    from entrenar.quant.nf4.format import NF4Linear
+    from entrenar.quant.nf4.sinks import nf4_sinks
+    from entrenar.train.memory import estimate_training_memory, quantizable_params
+
+    config = ModelConfig.from_hf({"model_type": "gpt_oss", "vocab_size": 256, "hidden_size": 128,
+                                  "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
+                                  "num_key_value_heads": 2, "head_dim": 32, "num_local_experts": 4,
+                                  "num_experts_per_tok": 2, "sliding_window": 32, "attention_bias": True})
+    model = Transformer(config).to(dtype)
+    model.reset_parameters()
+    ids = torch.randint(0, 256, (2, 256))
+    measured = measured_saved_bytes(model, ids)
+    estimate = estimate_training_memory(config, "full", 2, 256, dtype_bytes=dtype.itemsize).activations
+    assert abs(estimate - measured) / measured < 0.10, (estimate, measured)
+    with torch.device("meta"):
+        meta = Transformer(config)
+    nf4_sinks(meta, dtype, "meta")
+    replaced = sum(m.in_features * m.out_features for m in meta.modules() if isinstance(m, NF4Linear))
+    assert quantizable_params(config) == replaced

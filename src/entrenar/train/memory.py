@@ -105,8 +105,8 @@ def lora_params(config: ModelConfig, r: int, targets: list[str] | str, target_pa
 
 
 def quantizable_params(config: ModelConfig) -> int:
-    """Weights NF4 replaces in a QLoRA base: attention and dense MLP projections, MoE layers' experts, shared
-    experts and shared-expert gates. Routers stay in the compute dtype."""
+    """Weights NF4 replaces in a QLoRA base: attention and dense MLP projections, MoE layers' experts (not
+    gpt-oss's, which have biases), shared experts and shared-expert gates. Routers stay in the compute dtype."""
     attention = sum(a * b for n, (a, b) in linear_shapes(config).items()
                     if n.endswith(("q_proj", "k_proj", "v_proj", "o_proj")))
     h = config.hidden_size
@@ -114,14 +114,15 @@ def quantizable_params(config: ModelConfig) -> int:
     for layer in range(config.num_layers):
         if config.is_moe_layer(layer):
             total += 3 * h * config.shared_expert_intermediate_size + h * config.shared_expert_gate
-            total += config.num_experts * 3 * h * config.expert_intermediate_size
+            if not config.expert_bias:  # gpt-oss's experts stay in the compute dtype (NF4 experts hold no biases)
+                total += config.num_experts * 3 * h * config.expert_intermediate_size
         else:
             total += 3 * h * config.intermediate_size
     return total
 
 
 def activation_bytes_per_token_layer(config: ModelConfig, dtype_bytes: int, kernels: bool = False,
-                                     lora: bool = False, moe_layer: bool = False) -> float:
+                                     lora: bool = False, moe_layer: bool = False, keys: int = 0) -> float:
     """Bytes autograd saves for one token in one block (SDPA attention).
 
     Eager PyTorch, counted per saved tensor: the two norms keep their input
@@ -137,17 +138,27 @@ def activation_bytes_per_token_layer(config: ModelConfig, dtype_bytes: int, kern
 
     An MoE layer (``moe_layer``; it runs no fused block) keeps, per token, the router's fp32 logits and
     probabilities and, for each of its k experts, the gathered input, gate and up, silu(gate), their product
-    and the expert's output; plus what its shared expert keeps.
+    and the expert's output; plus what its shared expert keeps. gpt-oss's clamped SwiGLU keeps three more of
+    the expert's width (the clamped gate and up, ``up + 1``).
+
+    Attention with sinks (gpt-oss) runs as products that keep each query's probabilities over its ``keys``
+    (the sequence length): fp32 softmax output and mask, a 16-bit copy for the value product, q and the
+    repeated k in fp32 and the repeated v, instead of SDPA's q, k, v and log-sum-exp.
     """
     h, i, d = config.hidden_size, config.intermediate_size, config.head_dim
     assert d is not None  # ModelConfig derives it when config.json has none
     q, kv = config.num_heads * d, config.num_kv_heads * d
     attention = (q + 2 * kv + q) * dtype_bytes + config.num_heads * 4  # q, k, v, output; log-sum-exp
+    if config.attention_sinks:
+        upcast = dtype_bytes < 4  # q and k multiply in fp32, the probabilities the values in the model's dtype
+        attention = 4 * q * dtype_bytes + (2 * q * 4 + config.num_heads * keys * dtype_bytes) * upcast
+        attention += config.num_heads * (keys + 1) * 4 + keys
     if config.qk_norm:
         attention += (q + kv) * (dtype_bytes + 4)
     if moe_layer:
         ie, k = config.expert_intermediate_size, config.num_experts_per_tok
-        routed = k * (2 * h + 4 * ie) * dtype_bytes + config.num_experts * 8
+        width = 4 if config.expert_activation == "silu" else 7
+        routed = k * (2 * h + width * ie) * dtype_bytes + config.num_experts * 8
         shared = 4 * config.shared_expert_intermediate_size * dtype_bytes
         norms = 2 * (h * dtype_bytes + (4 if kernels else h * 4 + 4))
         return norms + attention + 2 * h * dtype_bytes + routed + shared
@@ -218,7 +229,7 @@ def estimate_training_memory(
         offload_weights)
     tokens = batch_size * seq_len
     activations, rebuilt = _activations(config, method, tokens, dtype_bytes, kernels, lora_r,
-                                        activation_checkpointing, offload_activations)
+                                        activation_checkpointing, offload_activations, seq_len)
     logits = _logits(config, tokens, dtype_bytes, fused_loss_chunk, rebuilt)
     total = config.num_parameters
     estimate = MemoryEstimate(method, total, trainable, weights, gradients, optimizer_bytes, activations, logits)
@@ -251,13 +262,13 @@ def _model_state(config: ModelConfig, method: str, param_bytes: int, states: int
 
 
 def _activations(config: ModelConfig, method: str, tokens: int, dtype_bytes: int, kernels: bool, lora_r: int,
-                 activation_checkpointing: bool | int | Sequence[int], offload_activations: bool | int
-                 ) -> tuple[float, float]:
+                 activation_checkpointing: bool | int | Sequence[int], offload_activations: bool | int,
+                 seq_len: int = 0) -> tuple[float, float]:
     """(activations kept for backward at the peak, the part of it a rebuilt checkpointed layer takes) in bytes."""
-    per_layer = activation_bytes_per_token_layer(config, dtype_bytes, kernels, lora=method != "full")
+    per_layer = activation_bytes_per_token_layer(config, dtype_bytes, kernels, lora=method != "full", keys=seq_len)
     if config.is_moe:  # MoE and dense layers averaged; a rebuilt layer counts as the larger
         moe_layer = activation_bytes_per_token_layer(config, dtype_bytes, kernels, lora=method != "full",
-                                                     moe_layer=True)
+                                                     moe_layer=True, keys=seq_len)
         n_moe = len(config.moe_layers)
         rebuilt_layer = max(per_layer, moe_layer)
         per_layer = (n_moe * moe_layer + (config.num_layers - n_moe) * per_layer) / config.num_layers
