@@ -320,13 +320,12 @@ def test_gguf_as_llama_cpp_writes_it(tmp_path, experts):
 def test_memory_estimate_counts_the_sink_attention_and_the_unquantized_experts(dtype):
     """The activation estimate within 10% of what autograd saves (the sinks' products keep each query's
     probabilities, T x T per head), and QLoRA's NF4 count equal to the linear layers NF4 replaces."""
-    from test_memory import measured_saved_bytes
-
     from entrenar.models.config import ModelConfig
     from entrenar.models.transformer import Transformer
     from entrenar.quant.nf4.format import NF4Linear
     from entrenar.quant.nf4.sinks import nf4_sinks
     from entrenar.train.memory import estimate_training_memory, quantizable_params
+    from test_memory import measured_saved_bytes
 
     config = ModelConfig.from_hf({"model_type": "gpt_oss", "vocab_size": 256, "hidden_size": 128,
                                   "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
