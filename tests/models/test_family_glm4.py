@@ -84,3 +84,17 @@ def test_gguf_as_llama_cpp_writes_it(tmp_path):
     ids = torch.randint(0, vocab, (2, 24))
     with torch.no_grad():
         torch.testing.assert_close(model(ids), ref(ids).logits, atol=1e-4, rtol=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_triton_rope_on_the_rotated_part_gives_the_plain_logits(glm4):
+    """On CUDA the fused RoPE kernel turns GLM-4's rotated half (moved to half-split pairs first)."""
+    from entrenar.kernels import apply_kernels
+
+    folder, _ = glm4
+    plain = load_hf(folder, dtype=torch.bfloat16, device="cuda").eval()
+    fused = load_hf(folder, dtype=torch.bfloat16, device="cuda").eval()
+    apply_kernels(fused)
+    ids = torch.randint(0, 128, (2, 40), device="cuda")
+    with torch.no_grad():
+        torch.testing.assert_close(fused(ids).float(), plain(ids).float(), atol=2e-2, rtol=2e-2)

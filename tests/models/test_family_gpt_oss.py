@@ -342,3 +342,37 @@ def test_memory_estimate_counts_the_sink_attention_and_the_unquantized_experts(d
     nf4_sinks(meta, dtype, "meta")
     replaced = sum(m.in_features * m.out_features for m in meta.modules() if isinstance(m, NF4Linear))
     assert quantizable_params(config) == replaced
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device"))])
+def test_kernels_give_the_plain_model_s_logits_and_gradients(gpt_oss, device):
+    """apply_kernels (fused RMSNorm, RoPE, LoRA layers, MoE routing ops) on gpt-oss: sinks, the clamped SwiGLU and
+    the expert biases stay as the plain model computes them, on the grouped expert path too."""
+    from entrenar.adapters.lora import LoraConfig, apply_lora
+    from entrenar.kernels import apply_kernels
+
+    folder, _ = gpt_oss
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    models = []
+    for fused in (False, True):
+        model = load_hf(folder, dtype=dtype, device=device)
+        torch.manual_seed(7)  # the same adapters in both
+        apply_lora(model, LoraConfig(r=4, alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+        if hasattr(torch, "_grouped_mm"):
+            set_experts_implementation(model, "grouped")
+        if fused:
+            assert apply_kernels(model)
+        models.append(model)
+    ids = torch.randint(0, 128, (2, 24), device=device)
+    outs = []
+    for model in models:
+        out = model(ids)
+        out.float().logsumexp(-1).mean().backward()
+        grads = {n: p.grad.float() for n, p in model.named_parameters() if p.grad is not None}
+        outs.append((out.detach().float(), grads))
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(outs[1][0], outs[0][0], atol=tol, rtol=tol)
+    assert outs[0][1].keys() == outs[1][1].keys()
+    for name in outs[0][1]:
+        torch.testing.assert_close(outs[1][1][name], outs[0][1][name], atol=tol, rtol=tol, msg=name)

@@ -81,3 +81,23 @@ def test_gguf_as_llama_cpp_writes_it(tmp_path):
     ids = torch.randint(0, vocab, (2, 24))
     with torch.no_grad():
         torch.testing.assert_close(model(ids), ref(ids).logits, atol=1e-4, rtol=0)
+
+
+def test_kernels_leave_the_nope_layers_unturned(smollm3):
+    """apply_kernels (the fused block, RoPE, SwiGLU, LoRA layers) on SmolLM3 gives the plain model's logits."""
+    from entrenar.adapters.lora import LoraConfig, apply_lora
+    from entrenar.kernels import FusedBlock, apply_kernels
+
+    folder, _ = smollm3
+    models = []
+    for fused in (False, True):
+        model = load_hf(folder).eval()
+        torch.manual_seed(7)
+        apply_lora(model, LoraConfig(r=4, alpha=8, target_modules="all-linear"))
+        if fused:
+            apply_kernels(model)
+            assert isinstance(model.model.layers[3], FusedBlock)
+        models.append(model)
+    ids = torch.randint(0, 128, (2, 20))
+    with torch.no_grad():
+        torch.testing.assert_close(models[1](ids), models[0](ids), atol=1e-5, rtol=0)
