@@ -152,15 +152,78 @@ def test_mxfp4_blocks_without_scales_are_named(gpt_oss, tmp_path):
         load_hf(quantized)
 
 
-def test_lora_on_attention_matches_peft_and_experts_are_refused(gpt_oss, tmp_path, capsys):
+def test_lora_on_attention_matches_peft_and_the_router_is_refused(gpt_oss, tmp_path, capsys):
     from entrenar.adapters.lora import LoraConfig, apply_lora
 
     folder, ref = gpt_oss
     check_lora_step_matches_peft(folder, ref, ["q_proj", "k_proj", "v_proj", "o_proj"], tmp_path / "adapter")
-    with pytest.raises(AdapterError, match="gpt-oss"):
+    with pytest.raises(AdapterError, match=r"gpt-oss's router .*model\.layers\.0\.mlp\.gate"):
         apply_lora(load_hf(folder), LoraConfig(r=2, alpha=4, target_modules=["q_proj"],
-                                               target_parameters=["mlp.experts.gate_up_proj"]))
+                                               target_parameters=["mlp.experts.gate_up_proj", "mlp.gate.weight"]))
     check_inspect_counts(capsys, folder, ref)
+
+
+EXPERT_TARGETS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+
+
+def test_expert_adapters_load_both_ways_with_peft_and_train_alike(gpt_oss, tmp_path):
+    """Per-expert LoRA in PEFT's target_parameters format: PEFT's adapter on gpt-oss's (interleaved) experts
+    loads in entrenar with PEFT's logits, entrenar's loads in PEFT, and one step's adapter gradients agree."""
+    import peft
+
+    from entrenar.adapters.lora import LoraConfig, apply_lora, load_adapter, lora_layers, save_adapter
+
+    folder, ref = gpt_oss
+    theirs = peft.get_peft_model(ref, peft.LoraConfig(r=2, lora_alpha=6, target_modules=["q_proj"],
+                                                      target_parameters=EXPERT_TARGETS))
+    torch.manual_seed(3)
+    with torch.no_grad():
+        for name, p in theirs.named_parameters():
+            if "lora_" in name:
+                p.normal_(std=0.2)
+    theirs.save_pretrained(tmp_path / "peft")
+    ids = torch.randint(0, 128, (2, 16))
+    ours = load_hf(folder)
+    load_adapter(ours, tmp_path / "peft")
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids), theirs(ids).logits, atol=1e-5, rtol=0)
+
+    # one step: the loss and every adapter's gradient (entrenar's written out in PEFT's layout)
+    from models.parity_checks import shifted_ce
+
+    loss = shifted_ce(ours(ids), ids)
+    loss.backward()
+    out = theirs(ids, labels=ids)
+    out.loss.backward()
+    torch.testing.assert_close(loss, out.loss, atol=1e-5, rtol=0)
+    grads = {}
+    for name, layer in lora_layers(ours):
+        grads[f"{name}.lora_A"] = layer.lora_A.weight.grad
+        grads[f"{name}.lora_B"] = getattr(layer, "checkpoint_rows", lambda b: b)(layer.lora_B.weight.grad)
+    peft_grads = {n.removeprefix("base_model.model.").replace(".default.weight", ""): p.grad
+                  for n, p in theirs.named_parameters() if "lora_" in n}
+    assert set(grads) == set(peft_grads)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, peft_grads[name], atol=1e-6, rtol=1e-4, msg=name)
+
+    # entrenar's own adapter, saved, in PEFT
+    mine = load_hf(folder)
+    cfg = LoraConfig(r=2, alpha=6, target_modules=["q_proj"], target_parameters=EXPERT_TARGETS, use_rslora=False)
+    apply_lora(mine, cfg)
+    torch.manual_seed(4)
+    with torch.no_grad():
+        for _, layer in lora_layers(mine):
+            layer.lora_B.weight.normal_(std=0.2)
+    save_adapter(mine, tmp_path / "ours", cfg)
+    back = peft.PeftModel.from_pretrained(make_reference(folder), tmp_path / "ours")
+    with torch.no_grad():
+        torch.testing.assert_close(back(ids).logits, mine(ids), atol=1e-5, rtol=0)
+
+
+def make_reference(folder):
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
 
 
 def test_qlora_base_quantizes_attention_and_keeps_the_experts(gpt_oss):

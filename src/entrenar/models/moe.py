@@ -166,6 +166,8 @@ class Experts(nn.Module):
     transposed layout is translated by ``models/hf.py``."""
 
     routing_ops: RoutingOps = REFERENCE_ROUTING_OPS  # an instance's own when kernels are applied
+    # gpt-oss: its checkpoint (and so PEFT's adapters) interleaves gate and up rows; in memory they are gate-first.
+    interleaved_gate_up: bool = False
     gate_up_proj_bias: nn.Parameter | None
     down_proj_bias: nn.Parameter | None
 
@@ -333,6 +335,7 @@ class MoeBlock(nn.Module):
         self.gate = Router(config)
         self.experts = Experts(config.num_experts, config.hidden_size, config.expert_intermediate_size,
                                config.expert_bias, config.expert_activation, config.swiglu_alpha, config.swiglu_limit)
+        self.experts.interleaved_gate_up = config.model_type == "gpt_oss"
         self.shared_expert: nn.Module | None
         if config.shared_expert_intermediate_size:
             self.shared_expert = dense_mlp(config, config.shared_expert_intermediate_size)
