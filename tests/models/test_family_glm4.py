@@ -98,3 +98,29 @@ def test_triton_rope_on_the_rotated_part_gives_the_plain_logits(glm4):
     ids = torch.randint(0, 128, (2, 40), device="cuda")
     with torch.no_grad():
         torch.testing.assert_close(fused(ids).float(), plain(ids).float(), atol=2e-2, rtol=2e-2)
+
+
+def test_written_as_gguf_and_read_back(tmp_path):
+    """``entrenar export --gguf`` of GLM-4 (rotated part, fused ffn_up, post norms): it loads with the model's
+    logits, and gguf's own name map agrees with the names written."""
+    import sys
+    from pathlib import Path
+
+    import gguf
+
+    import entrenar
+    from entrenar.export.gguf_write import write_gguf
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "data"))
+    from tiny_chat_tokenizer import chat_tokenizer
+
+    folder, _ = save_family(tmp_path / "g", "Glm4Config", "Glm4ForCausalLM", head_dim=32, vocab_size=320)
+    model = load_hf(folder).eval()
+    path = write_gguf(model, chat_tokenizer(), tmp_path / "g.gguf", "f32")
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GLM4, 2)
+    expected = {names.get_name(n, try_suffixes=(".weight", ".bias")) for n in model.state_dict()}
+    assert {t.name for t in gguf.GGUFReader(path).tensors} == expected
+    back, _ = entrenar.load(path, device="cpu")
+    ids = torch.randint(0, 320, (2, 20))
+    with torch.no_grad():
+        torch.testing.assert_close(back(ids), model(ids), atol=1e-5, rtol=0)

@@ -101,3 +101,28 @@ def test_kernels_leave_the_nope_layers_unturned(smollm3):
     ids = torch.randint(0, 128, (2, 20))
     with torch.no_grad():
         torch.testing.assert_close(models[1](ids), models[0](ids), atol=1e-5, rtol=0)
+
+
+def test_written_as_gguf_and_read_back(tmp_path):
+    """``entrenar export --gguf`` of SmolLM3: the file (q/k permuted as for llama) loads with the model's logits;
+    a NoPE pattern llama.cpp would not follow is refused."""
+    import sys
+    from pathlib import Path
+
+    import entrenar
+    from entrenar.errors import ModelError
+    from entrenar.export.gguf_write import write_gguf
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "data"))
+    from tiny_chat_tokenizer import chat_tokenizer
+
+    folder, _ = save_family(tmp_path / "s", "SmolLM3Config", "SmolLM3ForCausalLM", **SMOLLM3, vocab_size=320)
+    model = load_hf(folder).eval()
+    path = write_gguf(model, chat_tokenizer(), tmp_path / "s.gguf", "f32")
+    back, _ = entrenar.load(path, device="cpu")
+    ids = torch.randint(0, 320, (2, 20))
+    with torch.no_grad():
+        torch.testing.assert_close(back(ids), model(ids), atol=1e-5, rtol=0)
+    model.config = model.config.replace(no_rope_layers=(1, 1, 0, 1))
+    with pytest.raises(ModelError, match="every fourth layer"):
+        write_gguf(model, chat_tokenizer(), tmp_path / "t.gguf", "f32")

@@ -78,3 +78,20 @@ def test_dynamic_grows_with_the_longest_position(tmp_path):
 def test_missing_or_bad_scaling_numbers_are_named(scaling, key):
     with pytest.raises(ModelError, match=rf"rope_scaling\.{key}"):
         ours({"rope_scaling": scaling})
+
+
+def test_gguf_export_refuses_what_llama_cpp_would_rotate_otherwise(tmp_path):
+    import sys
+    from pathlib import Path
+
+    from entrenar.export.gguf_write import write_gguf
+    from entrenar.models.hf import load_hf
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "data"))
+    from tiny_chat_tokenizer import chat_tokenizer
+
+    folder, _ = save_family(tmp_path / "m", "LlamaConfig", "LlamaForCausalLM", rope_scaling=dict(YARN),
+                            max_position_embeddings=64, vocab_size=320)
+    with pytest.raises(ModelError, match="'yarn' RoPE scaling"):
+        write_gguf(load_hf(folder), chat_tokenizer(), tmp_path / "m.gguf", "f32")
+    assert not (tmp_path / "m.gguf").exists()

@@ -3,10 +3,10 @@
 The inverse of :mod:`entrenar.models.gguf`, written the way llama.cpp's
 ``convert_hf_to_gguf.py`` writes the same model:
 
-* architecture ``llama`` (Llama and Mistral), ``qwen2`` or ``qwen3`` with its
+* architecture ``llama`` (Llama and Mistral), ``qwen2``, ``qwen3``, ``smollm3`` or ``glm4`` with its
   hyper-parameters as ``{arch}.*`` metadata; Llama 3.1 RoPE scaling as a
-  ``rope_freqs.weight`` tensor of per-frequency divisors, linear scaling as keys;
-* tensors under llama.cpp's names, q_proj/k_proj rows permuted for ``llama``
+  ``rope_freqs.weight`` tensor of per-frequency divisors, linear scaling as keys (yarn and dynamic are refused);
+* tensors under llama.cpp's names, q_proj/k_proj rows permuted for ``llama`` and ``smollm3``
   (interleaved RoPE pairs), 1-D tensors (norms, biases) in F32, 2-D weights in
   the type llama-quantize gives them for the file type
   (:func:`entrenar.export.gguf_quants.tensor_types`): Q8_0/Q4_0 blocks from
@@ -52,7 +52,7 @@ from entrenar.errors import ModelError, QuantError
 from entrenar.export.gguf_meta import GeneralMetadata
 from entrenar.export.gguf_quants import FILE_TYPES, quantize_k, tensor_types
 from entrenar.io import atomic, finite
-from entrenar.models.config import rope_inv_freq
+from entrenar.models.config import ModelConfig, rope_inv_freq
 from entrenar.models.gguf import build_tokenizer, gguf_tensor_name
 from entrenar.quant.int import check_finite, quantize_q4_0, quantize_q8_0
 
@@ -65,7 +65,9 @@ if TYPE_CHECKING:
 
 # The file types offered, by the names llama.cpp's tools use; each tensor's type follows llama-quantize's rules.
 GGUF_TYPES = tuple(FILE_TYPES)
-_ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+_ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "smollm3": "smollm3",
+                  "glm4": "glm4"}
+_PERMUTED = ("llama", "smollm3")  # q/k rows permuted by the converter (LlamaModel and its subclasses)
 _ROPE_FREQS = "rope_freqs.weight"
 
 # llama.cpp token types (gguf.TokenType).
@@ -144,6 +146,7 @@ def _plan(model: Transformer, qtype: str) -> list[_Entry]:
 
     config = model.config
     assert config.head_dim is not None  # ModelConfig.__post_init__ fills it in
+    arch = _ARCHITECTURES[config.model_type]
     entries = []
     if (config.rope_scaling or {}).get("rope_type") == "llama3":
         entries.append(_Entry(_ROPE_FREQS, None, (config.head_dim // 2,), Q.F32))
@@ -152,7 +155,7 @@ def _plan(model: Transformer, qtype: str) -> list[_Entry]:
         if hf_name == "lm_head.weight" and config.tie_word_embeddings:
             continue  # llama.cpp reads a missing output.weight as tied to token_embd
         try:
-            gguf_name = gguf_tensor_name(hf_name)
+            gguf_name = gguf_tensor_name(hf_name, arch)
         except KeyError:
             raise ModelError(
                 f"tensor '{hf_name}' has no llama.cpp name; only a plain model can be written as GGUF "
@@ -178,7 +181,7 @@ def _encode(entry: _Entry, tensor: torch.Tensor, arch: str, model: Transformer) 
     name = entry.hf_name or entry.gguf_name
     w = tensor.detach().to("cpu", torch.float32)
     check_finite(w, name)
-    if arch == "llama" and entry.hf_name is not None:
+    if arch in _PERMUTED and entry.hf_name is not None:
         if ".self_attn.q_proj." in entry.hf_name:
             w = permute_rope_rows(w, model.config.num_heads)
         elif ".self_attn.k_proj." in entry.hf_name:
@@ -263,7 +266,7 @@ def _add_architecture(
     writer.add_head_count_kv(c.num_kv_heads)
     writer.add_key_length(c.head_dim)
     writer.add_value_length(c.head_dim)
-    writer.add_rope_dimension_count(c.head_dim)
+    writer.add_rope_dimension_count(c.rotary_dim)  # GLM-4: the rotated part of a head
     writer.add_rope_freq_base(c.rope_theta)
     writer.add_layer_norm_rms_eps(c.rms_norm_eps)
     writer.add_vocab_size(c.vocab_size)
@@ -277,6 +280,20 @@ def _add_architecture(
             "architecture attends to the whole context, so outputs differ beyond the window",
             stacklevel=3,
         )
+
+
+def _refuse_what_llama_cpp_would_compute_otherwise(c: ModelConfig) -> None:
+    """RoPE scaling and per-layer RoPE the file cannot carry: written, llama.cpp would rotate otherwise."""
+    kind = (c.rope_scaling or {}).get("rope_type", "default")
+    if kind not in ("default", "linear", "llama3"):
+        raise ModelError(f"writing GGUF files with {kind!r} RoPE scaling is not supported (llama.cpp's would not "
+                         "compute transformers' frequencies); supported: default, linear, llama3")
+    if c.model_type == "smollm3":
+        every_fourth = tuple(int((i + 1) % 4 != 0) for i in range(c.num_layers))
+        if (c.no_rope_layers or every_fourth) != every_fourth or c.sliding_window is not None:
+            raise ModelError("writing a SmolLM3 GGUF file needs RoPE off on every fourth layer and no sliding window "
+                             f"(llama.cpp fixes both); this model has no_rope_layers {list(c.no_rope_layers)}, "
+                             f"sliding_window {c.sliding_window}")
 
 
 def _vocabulary_kind(model_json: dict[str, Any]) -> str:
@@ -601,6 +618,7 @@ def write_gguf(
     if model.config.model_type not in _ARCHITECTURES:
         raise ModelError(f"writing GGUF files of {model.config.model_type} models is not supported "
                          f"(supported: {', '.join(_ARCHITECTURES)})")
+    _refuse_what_llama_cpp_would_compute_otherwise(model.config)
     finite.check_finite(model.state_dict(), path, ModelError)
     arch = _ARCHITECTURES[model.config.model_type]
     plan = _plan(model, qtype)
