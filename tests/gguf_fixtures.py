@@ -31,9 +31,12 @@ _ARCH = {
     "phi3": gguf.MODEL_ARCH.PHI3,
     "olmo2": gguf.MODEL_ARCH.OLMO2,
     "granite": gguf.MODEL_ARCH.GRANITE,
+    "smollm3": gguf.MODEL_ARCH.SMOLLM3,
+    "glm4": gguf.MODEL_ARCH.GLM4,
 }
-# The architectures whose converter class is LlamaModel or a subclass: their q/k rows are permuted.
-_PERMUTED = (gguf.MODEL_ARCH.LLAMA, gguf.MODEL_ARCH.GRANITE)
+# The architectures whose converter class is LlamaModel or a subclass (GraniteModel, SmolLM3Model): their q/k
+# rows are permuted.
+_PERMUTED = (gguf.MODEL_ARCH.LLAMA, gguf.MODEL_ARCH.GRANITE, gguf.MODEL_ARCH.SMOLLM3)
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 USER_TOKEN = "<think>"  # an added token that is not special (USER_DEFINED in GGUF)

@@ -545,6 +545,30 @@ def test_yarn_softmax_scale_is_transformers():
     assert ours != pytest.approx(24 ** -0.5)
 
 
+@pytest.mark.parametrize("mscale_all_dim", [1.0, 0.707])
+def test_yarn_rope_of_released_configs_matches_transformers(deepseek_folder, mscale_all_dim):
+    """The released DeepSeek-V3 / Kimi-K2 config.json gives YaRN as legacy ``rope_scaling`` (``type: yarn``,
+    ``mscale`` and ``mscale_all_dim``): it loads with transformers' logits. Its cos and sin are multiplied by
+    mscale(factor, mscale) / mscale(factor, mscale_all_dim) (1 when they are equal, as released; 0.707 makes it
+    differ) and MLA's softmax scale by mscale(factor, mscale_all_dim)^2."""
+    import json
+
+    yarn = {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 8, "beta_fast": 32,
+            "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": mscale_all_dim, "rope_theta": 10000.0}
+    folder, ref = deepseek_folder(rope_parameters=yarn, max_position_embeddings=320)
+    config = json.loads((folder / "config.json").read_text())
+    for key in ("rope_parameters", "rope_scaling"):
+        config.pop(key, None)
+    config["rope_theta"] = 10000.0
+    config["rope_scaling"] = {"type": "yarn", **{k: v for k, v in yarn.items() if k not in ("rope_type", "rope_theta")}}
+    (folder / "config.json").write_text(json.dumps(config))
+    model = load_hf(folder).eval()
+    assert model.config.rope_scaling["rope_type"] == "yarn"
+    ids = torch.randint(3, 128, (2, 24))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids), ref(ids).logits, atol=1e-4, rtol=0)
+
+
 def test_classification_head_equals_transformers(tmp_path):
     """DeepseekV3ForSequenceClassification (left padding: the last real token is the last column) loads as the
     classifier over the same decoder, with transformers' logits."""

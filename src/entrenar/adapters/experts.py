@@ -168,6 +168,18 @@ class LoraExpertWeights(LoraLinear):
             weight.sub_(self.delta_weight().to(weight.device, weight.dtype))
             self.merged = False
 
+    def checkpoint_rows(self, lora_b: torch.Tensor, to_checkpoint: bool = True) -> torch.Tensor:
+        """``lora_B`` [out, r*E] with its rows in the checkpoint's (and PEFT's) order (``to_checkpoint``) or back in
+        the decoder's: gpt-oss interleaves gate and up rows, the decoder has gate rows first. Others: as it is."""
+        if self.parameter != "gate_up_proj" or not _experts_of(self).interleaved_gate_up:
+            return lora_b
+        n = lora_b.shape[0]
+        if to_checkpoint:
+            order = torch.stack([torch.arange(n // 2), torch.arange(n // 2, n)], dim=1).flatten()
+        else:
+            order = torch.cat([torch.arange(0, n, 2), torch.arange(1, n, 2)])
+        return lora_b.index_select(0, order.to(lora_b.device))
+
     def extra_repr(self) -> str:
         return f"{self.parameter}, experts={self.num_experts}, " + super().extra_repr()
 
@@ -210,6 +222,11 @@ def find_expert_parameters(model: nn.Module, targets: Sequence[str] | None) -> l
     found = [(n, p) for n in experts for p in EXPERT_PARAMETERS if any(_matches(n, p, t) for t in targets)]
     routers = [n for n, m in model.named_modules() if isinstance(m, Router)]
     found += [(n, "weight") for n in routers if any(_matches(n, "weight", t) for t in targets)]
+    interleaved = [n for n in experts if _experts_of(model.get_submodule(n)).interleaved_gate_up]
+    if interleaved and any(p == "weight" for _, p in found):
+        # gpt-oss names its router mlp.router where the decoder has mlp.gate: PEFT would not find the adapter.
+        raise AdapterError(f"target_parameters {list(targets)!r}: LoRA on gpt-oss's router is not supported "
+                           f"({interleaved[0].removesuffix('.experts')}.gate); target its experts and projections")
     for target in targets:
         if not any(_matches(n, p, target) for n, p in found):
             sample = f"{experts[0]}.gate_up_proj" if experts else "none: the model has no MoE experts"

@@ -34,7 +34,12 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from entrenar.adapters.experts import expected_expert_shapes, expert_lora_names, wrap_expert_parameters
+from entrenar.adapters.experts import (
+    LoraExpertWeights,
+    expected_expert_shapes,
+    expert_lora_names,
+    wrap_expert_parameters,
+)
 from entrenar.adapters.layer import (  # noqa: F401 - re-exported: the layer is used through this module
     LoraLinear,
     adapter_dtype,
@@ -349,6 +354,8 @@ def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     for name, layer in _require_lora(model):
         state[f"{name}.lora_A.weight"] = layer.lora_A.weight.detach()
         state[f"{name}.lora_B.weight"] = layer.lora_B.weight.detach()
+        if isinstance(layer, LoraExpertWeights):  # gpt-oss's gate/up rows as its checkpoint and PEFT order them
+            state[f"{name}.lora_B.weight"] = layer.checkpoint_rows(state[f"{name}.lora_B.weight"])
     return state
 
 
@@ -396,7 +403,10 @@ def load_lora_state_dict(model: nn.Module, state: dict[str, torch.Tensor], sourc
     with torch.no_grad():
         for name, layer in layers:
             layer.lora_A.weight.copy_(state[f"{name}.lora_A.weight"])
-            layer.lora_B.weight.copy_(state[f"{name}.lora_B.weight"])
+            lora_b = state[f"{name}.lora_B.weight"]
+            if isinstance(layer, LoraExpertWeights):
+                lora_b = layer.checkpoint_rows(lora_b, to_checkpoint=False)
+            layer.lora_B.weight.copy_(lora_b)
 
 
 def _as_written(targets: str | Sequence[str]) -> str | list[str]:

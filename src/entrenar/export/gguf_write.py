@@ -3,10 +3,12 @@
 The inverse of :mod:`entrenar.models.gguf`, written the way llama.cpp's
 ``convert_hf_to_gguf.py`` writes the same model:
 
-* architecture ``llama`` (Llama and Mistral), ``qwen2`` or ``qwen3`` with its
-  hyper-parameters as ``{arch}.*`` metadata; Llama 3.1 RoPE scaling as a
-  ``rope_freqs.weight`` tensor of per-frequency divisors, linear scaling as keys;
-* tensors under llama.cpp's names, q_proj/k_proj rows permuted for ``llama``
+* architecture ``llama`` (Llama and Mistral), ``qwen2``, ``qwen3``, ``phi3``, ``olmo2``, ``granite``,
+  ``gemma2``, ``gemma3``, ``smollm3`` or ``glm4`` with its hyper-parameters as ``{arch}.*`` metadata; Llama 3.1
+  RoPE scaling as a ``rope_freqs.weight`` tensor of per-frequency divisors, linear scaling as keys, Phi-3's
+  longrope as its factor tensors (yarn and dynamic are refused);
+* tensors under llama.cpp's names (models/gguf_families.py), q_proj/k_proj rows permuted for ``llama``,
+  ``granite`` and ``smollm3``
   (interleaved RoPE pairs), 1-D tensors (norms, biases) in F32, 2-D weights in
   the type llama-quantize gives them for the file type
   (:func:`entrenar.export.gguf_quants.tensor_types`): Q8_0/Q4_0 blocks from
@@ -52,8 +54,9 @@ from entrenar.errors import ModelError, QuantError
 from entrenar.export.gguf_meta import GeneralMetadata
 from entrenar.export.gguf_quants import FILE_TYPES, quantize_k, tensor_types
 from entrenar.io import atomic, finite
-from entrenar.models.config import rope_inv_freq
+from entrenar.models.config import ModelConfig, rope_inv_freq
 from entrenar.models.gguf import build_tokenizer, gemma_layout, gguf_tensor_name
+from entrenar.models.gguf_families import GEMMA_ARCHITECTURES, PERMUTED_QK
 from entrenar.models.rope_scaling import rope_attention_scaling
 from entrenar.quant.int import check_finite, quantize_q4_0, quantize_q8_0
 
@@ -67,11 +70,10 @@ if TYPE_CHECKING:
 # The file types offered, by the names llama.cpp's tools use; each tensor's type follows llama-quantize's rules.
 GGUF_TYPES = tuple(FILE_TYPES)
 _ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
-                  "olmo2": "olmo2", "granite": "granite", "gemma2": "gemma2", "gemma3_text": "gemma3"}
+                  "olmo2": "olmo2", "granite": "granite", "gemma2": "gemma2", "gemma3_text": "gemma3",
+                  "smollm3": "smollm3", "glm4": "glm4"}
 _ROPE_FREQS = "rope_freqs.weight"
 _LONGROPE_FACTORS = {"rope_factors_long.weight": "long_factor", "rope_factors_short.weight": "short_factor"}
-# convert_hf_to_gguf.py permutes q/k rows for LlamaModel and its subclasses (Granite); the others keep HF's order.
-_PERMUTED = ("llama", "granite")
 
 # llama.cpp token types (gguf.TokenType).
 _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
@@ -154,8 +156,7 @@ def _plan(model: Transformer, qtype: str) -> list[_Entry]:
     if (config.rope_scaling or {}).get("rope_type") == "llama3":
         entries.append(_Entry(_ROPE_FREQS, None, (config.head_dim // 2,), Q.F32))
     if (config.rope_scaling or {}).get("rope_type") == "longrope":  # Phi-3: the factors as two tensors
-        rotary = int(config.head_dim * config.partial_rotary_factor)
-        entries += [_Entry(name, None, (rotary // 2,), Q.F32) for name in _LONGROPE_FACTORS]
+        entries += [_Entry(name, None, (config.rotary_dim // 2,), Q.F32) for name in _LONGROPE_FACTORS]
     named = []
     for hf_name, tensor in model.state_dict().items():
         if hf_name == "lm_head.weight" and config.tie_word_embeddings:
@@ -187,9 +188,9 @@ def _encode(entry: _Entry, tensor: torch.Tensor, arch: str, model: Transformer) 
     name = entry.hf_name or entry.gguf_name
     w = tensor.detach().to("cpu", torch.float32)
     check_finite(w, name)
-    if arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):
+    if arch in GEMMA_ARCHITECTURES and name.endswith("norm.weight"):
         w = w + 1  # convert_hf_to_gguf.py stores Gemma's norms as the 1 + w they multiply by
-    if arch in _PERMUTED and entry.hf_name is not None:
+    if arch in PERMUTED_QK and entry.hf_name is not None:
         if ".self_attn.q_proj." in entry.hf_name:
             w = permute_rope_rows(w, model.config.num_heads)
         elif ".self_attn.k_proj." in entry.hf_name:
@@ -277,7 +278,7 @@ def _add_architecture(
     writer.add_head_count_kv(c.num_kv_heads)
     writer.add_key_length(c.head_dim)
     writer.add_value_length(c.head_dim)
-    writer.add_rope_dimension_count(int(c.head_dim * c.partial_rotary_factor))
+    writer.add_rope_dimension_count(c.rotary_dim)  # Phi-3, GLM-4: the rotated part of a head
     writer.add_rope_freq_base(c.rope_theta)
     writer.add_layer_norm_rms_eps(c.rms_norm_eps)
     writer.add_vocab_size(c.vocab_size)
@@ -288,7 +289,7 @@ def _add_architecture(
     _add_family(writer, model, arch)
     if arch == "phi3":
         writer.add_sliding_window(c.sliding_window or 0)  # llama.cpp's phi3 reads it (0: none)
-    elif arch in ("gemma2", "gemma3"):
+    elif arch in GEMMA_ARCHITECTURES:
         _add_gemma(writer, model, arch)
     elif c.sliding_window is not None and c.sliding_window < c.max_position_embeddings:
         warnings.warn(
@@ -337,6 +338,20 @@ def _add_gemma(writer: gguf.GGUFWriter, model: Transformer, arch: str) -> None:
         writer.add_final_logit_softcapping(c.final_logit_softcapping)
     if c.attn_logit_softcapping is not None:
         writer.add_attn_logit_softcapping(c.attn_logit_softcapping)
+
+
+def _refuse_what_llama_cpp_would_compute_otherwise(c: ModelConfig) -> None:
+    """RoPE scaling and per-layer RoPE the file cannot carry: written, llama.cpp would rotate otherwise."""
+    kind = (c.rope_scaling or {}).get("rope_type", "default")
+    if kind not in ("default", "linear", "llama3", "longrope"):
+        raise ModelError(f"writing GGUF files with {kind!r} RoPE scaling is not supported (llama.cpp's would not "
+                         "compute transformers' frequencies); supported: default, linear, llama3, longrope")
+    if c.model_type == "smollm3":
+        every_fourth = tuple(int((i + 1) % 4 != 0) for i in range(c.num_layers))
+        if (c.no_rope_layers or every_fourth) != every_fourth or c.sliding_window is not None:
+            raise ModelError("writing a SmolLM3 GGUF file needs RoPE off on every fourth layer and no sliding window "
+                             f"(llama.cpp fixes both); this model has no_rope_layers {list(c.no_rope_layers)}, "
+                             f"sliding_window {c.sliding_window}")
 
 
 def _vocabulary_kind(model_json: dict[str, Any]) -> str:
@@ -661,8 +676,9 @@ def write_gguf(
     if model.config.model_type not in _ARCHITECTURES:
         raise ModelError(f"writing GGUF files of {model.config.model_type} models is not supported "
                          f"(supported: {', '.join(_ARCHITECTURES)})")
+    _refuse_what_llama_cpp_would_compute_otherwise(model.config)
     arch = _ARCHITECTURES[model.config.model_type]
-    if arch in ("gemma2", "gemma3"):
+    if arch in GEMMA_ARCHITECTURES:
         _check_gemma(model, arch)
     finite.check_finite(model.state_dict(), path, ModelError)
     plan = _plan(model, qtype)

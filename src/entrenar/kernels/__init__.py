@@ -38,7 +38,7 @@ from entrenar.kernels.norm_projections import FusedBlock
 from entrenar.kernels.rmsnorm import FusedRMSNorm, rms_norm
 from entrenar.kernels.rope import FusedRopeAttention, apply_rope
 from entrenar.kernels.swiglu import FusedMLP, swiglu
-from entrenar.models.moe import Experts, MoeBlock
+from entrenar.models.moe import Experts
 from entrenar.models.transformer import MLP, Attention, Block, RMSNorm
 
 KERNELS = ("rms_norm", "rope", "swiglu", "lora", "moe_routing")
@@ -71,11 +71,8 @@ def apply_kernels(
     changed = []
     for name, module in model.named_modules():
         fused = by_class.get(type(module))
-        if fused is FusedBlock and (isinstance(module.mlp, MoeBlock) or not isinstance(module.self_attn, Attention)):
-            # the fused block runs a dense MLP's and q/k/v's projections; an MoE or MLA layer keeps its own forward
-            fused = None
-        if fused is FusedBlock and module.post_norm:
-            fused = None  # OLMo 2: no norm feeds the projections, so there is nothing to fuse; the plain forward
+        if fused is FusedBlock and not block_fusable(module):
+            fused = None  # MoE, MLA and post-norm blocks keep their own forward
         if fused is not None:
             module.__class__ = fused
             changed.append(name)
@@ -85,6 +82,14 @@ def apply_kernels(
         if isinstance(module, FusedLoraLinear) and lora_compute_dtype is not None:
             module.lora_compute_dtype = lora_compute_dtype
     return changed
+
+
+def block_fusable(block: Block) -> bool:
+    """Whether :class:`FusedBlock` can run this block: a dense MLP and q/k/v attention (not an MoE or MLA layer),
+    with a norm feeding the projections and none after them (not OLMo 2's post-norm blocks, nor GLM-4's
+    post_block_norms). Phi-3's fused qkv_proj / gate_up_proj run as one node each."""
+    return (isinstance(block.mlp, MLP) and isinstance(block.self_attn, Attention) and not block.post_norm
+            and not block.post_block_norms)
 
 
 def remove_kernels(model: nn.Module) -> list[str]:
@@ -111,6 +116,7 @@ __all__ = [
     "FusedRopeAttention",
     "apply_kernels",
     "apply_rope",
+    "block_fusable",
     "fused_linear_cross_entropy",
     "lora_linear",
     "FUSED_ROUTING_OPS",

@@ -26,4 +26,15 @@ def family_notes(config: ModelConfig) -> list[str]:
                      "block fusion do not cover it (RMSNorm, SwiGLU, LoRA, MoE routing and the fused loss do)")
     if config.logits_scaling != 1.0:
         notes.append(f"logits divided by {config.logits_scaling:g} inside the fused loss")
+    if config.no_rope_layers:
+        notes.append("layers without RoPE (SmolLM3's no_rope_layers) skip the rotation")
+    if config.rope_interleave and not config.is_mla:
+        notes.append("interleaved RoPE pairs: q and k reordered to halves before the rope kernel")
+    if config.post_block_norms:
+        notes.append("norms after attention and MLP (GLM-4): the norm-in-projection node stays off; the norms run "
+                     "the rms_norm kernel")
+    if config.attention_sinks:
+        notes.append("attention sinks run as PyTorch products (no SDPA or variable-length kernel takes them)")
+    if config.expert_activation != "silu":
+        notes.append("moe_routing: the clamped SwiGLU runs in PyTorch (the fused routed activation is SwiGLU's)")
     return notes

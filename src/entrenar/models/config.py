@@ -17,11 +17,13 @@ from typing import Any, Literal, TypedDict, overload
 import torch
 
 from entrenar.errors import ModelError
-from entrenar.models.rope_scaling import check_longrope, longrope_inv_freq
+from entrenar.models import rope_scaling
+from entrenar.models.rope_scaling import ROPE_SCALING_TYPES, check_longrope, longrope_inv_freq
 
 SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe",
-                      "phi3", "olmo2", "granite", "deepseek_v3", "gemma2", "gemma3_text")
-MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3")
+                      "phi3", "olmo2", "granite", "deepseek_v3", "gemma2", "gemma3_text", "smollm3", "glm4",
+                      "gpt_oss")
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss")
 _ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
@@ -37,6 +39,9 @@ _ARCHITECTURES = {
     "deepseek_v3": "DeepseekV3ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
+    "smollm3": "SmolLM3ForCausalLM",
+    "glm4": "Glm4ForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
 }
 GEMMA_FAMILIES = ("gemma2", "gemma3_text")
 # The gate activations of the MLP (config.json's hidden_act, Gemma's hidden_activation), as transformers' ACT2FN
@@ -44,7 +49,8 @@ GEMMA_FAMILIES = ("gemma2", "gemma3_text")
 HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh", "gelu")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 ROUTER_SCORINGS = ("softmax", "softmax_topk", "sigmoid")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+EXPERT_ACTIVATIONS = ("silu", "clamped_swiglu")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", *ROPE_SCALING_TYPES)
 
 
 @dataclass
@@ -90,11 +96,11 @@ class ModelConfig:
     q_lora_rank: int | None = None  # None: one q_proj; else q_a_proj -> q_a_layernorm -> q_b_proj
     qk_nope_head_dim: int = 0  # the part of a query/key head without RoPE
     v_head_dim: int = 0
-    rope_interleave: bool = False  # the rotary dims rotate in (even, odd) pairs, as DeepSeek's checkpoints hold them
+    rope_interleave: bool = False  # the rotary dims rotate in (even, odd) pairs, as DeepSeek's and GLM-4's hold them
     sliding_window: int | None = None
-    # Phi-3 / Phi-4, OLMo 2, Granite
+    # Phi-3 / Phi-4, OLMo 2, Granite (GLM-4 shares fused_gate_up and partial_rotary_factor)
     fused_qkv: bool = False  # Phi-3: q, k, v as one qkv_proj [q + 2 kv, hidden] (the checkpoint's module)
-    fused_gate_up: bool = False  # Phi-3: gate and up as one gate_up_proj [2 intermediate, hidden], gate rows first
+    fused_gate_up: bool = False  # Phi-3, GLM-4: gate and up as one gate_up_proj [2I, hidden], gate rows first
     partial_rotary_factor: float = 1.0  # RoPE turns the first head_dim * this dims of each head; the rest pass
     post_norm: bool = False  # OLMo 2: no norm before attention/MLP; their outputs are normed before the residual
     embedding_multiplier: float = 1.0  # Granite: embeddings multiplied by this
@@ -109,8 +115,18 @@ class ModelConfig:
     attn_logit_softcapping: float | None = None  # attention scores -> cap * tanh(scores / cap)
     final_logit_softcapping: float | None = None  # logits -> cap * tanh(logits / cap)
     query_pre_attn_scalar: float | None = None  # attention scale is this ** -0.5 (None: head_dim ** -0.5)
-    layer_types: tuple[str, ...] | None = None  # per layer, one of LAYER_TYPES; None: every layer uses sliding_window
+    # Per layer, one of LAYER_TYPES (Gemma, gpt-oss, SmolLM3): "sliding_attention" layers use sliding_window,
+    # "full_attention" ones none; None: every layer uses sliding_window (Mistral).
+    layer_types: tuple[str, ...] | None = None
     rope_local_theta: float | None = None  # Gemma 3: the sliding layers' RoPE base (unscaled); None: rope_theta
+    # SmolLM3, GLM-4, gpt-oss
+    no_rope_layers: tuple[int, ...] = ()  # SmolLM3: 0 where a layer has no RoPE (empty: RoPE everywhere)
+    post_block_norms: bool = False  # GLM-4: RMSNorm on the attention's and the MLP's outputs before each residual
+    attention_sinks: bool = False  # gpt-oss: a learned logit per head in every softmax's denominator
+    expert_bias: bool = False  # gpt-oss: biases on the experts' gate_up and down products
+    expert_activation: str = "silu"  # silu | clamped_swiglu (gpt-oss: clamped gate and up, (up + 1) * glu)
+    swiglu_alpha: float = 1.702  # clamped_swiglu: gate * sigmoid(alpha * gate)
+    swiglu_limit: float = 7.0  # clamped_swiglu: gate <= limit, |up| <= limit
     initializer_range: float = 0.02
     model_type: str = "llama"
     bos_token_id: int | list[int] | None = None
@@ -140,6 +156,7 @@ class ModelConfig:
         self.mlp_only_layers = tuple(self.mlp_only_layers)
         if self.kv_lora_rank:
             _check_mla(self)
+        self._check_layer_flags()
         if self.num_experts:
             if not 0 < self.num_experts_per_tok <= self.num_experts:
                 raise ModelError(f"model config: num_experts_per_tok ({self.num_experts_per_tok}) must be in "
@@ -152,9 +169,6 @@ class ModelConfig:
                                  f"with topk_group={self.topk_group}")
             if self.n_group > 1 and self.num_experts_per_tok > self.topk_group * (self.num_experts // self.n_group):
                 raise ModelError("model config: num_experts_per_tok exceeds the experts of the kept groups")
-        if not 0 < self.partial_rotary_factor <= 1 or int(self.head_dim * self.partial_rotary_factor) % 2:
-            raise ModelError(f"model config: partial_rotary_factor {self.partial_rotary_factor} must be in (0, 1] "
-                             f"and turn an even number of head_dim's {self.head_dim} dims")
         if self.fused_qkv and (self.qkv_bias or self.qk_norm):
             raise ModelError("model config: a fused qkv_proj (Phi-3) has no q/k/v biases or q/k norms")
         rope_type = (self.rope_scaling or {}).get("rope_type", "default")
@@ -195,6 +209,32 @@ class ModelConfig:
         """Whether layer ``layer_idx`` rotates by the local RoPE base (Gemma 3's sliding layers)."""
         return self.rope_local_theta is not None and self.layer_window(layer_idx) is not None
 
+    def _check_layer_flags(self) -> None:
+        """SmolLM3's per-layer RoPE flags, the rotated part of a head (Phi-3, GLM-4) and the expert activation
+        (gpt-oss); layer_types: :meth:`_check_gemma_flags`."""
+        self.no_rope_layers = tuple(self.no_rope_layers)
+        if self.no_rope_layers and (len(self.no_rope_layers) != self.num_layers
+                                    or any(v not in (0, 1) for v in self.no_rope_layers)):
+            raise ModelError(f"model config: 'no_rope_layers' must list 0 or 1 for each of the {self.num_layers} "
+                             f"layers, got {list(self.no_rope_layers)!r}"[:400])
+        if not 0 < self.partial_rotary_factor <= 1 or self.rotary_dim < 2 or self.rotary_dim % 2:
+            raise ModelError(f"model config: partial_rotary_factor {self.partial_rotary_factor} must be in (0, 1] "
+                             f"and turn an even, positive number of head_dim's {self.head_dim} dims "
+                             f"(it turns {self.rotary_dim})")
+        if self.expert_activation not in EXPERT_ACTIVATIONS:
+            raise ModelError(f"model config: expert activation {self.expert_activation!r} is not supported "
+                             f"(supported: {', '.join(EXPERT_ACTIVATIONS)})")
+
+    @property
+    def rotary_dim(self) -> int:
+        """How many dimensions of each head RoPE turns (Phi-3's and GLM-4's partial rotary: the first ones)."""
+        assert self.head_dim is not None  # __post_init__ filled it in
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def layer_has_rope(self, layer_idx: int) -> bool:
+        """Whether layer ``layer_idx`` rotates q and k (SmolLM3 leaves some layers without RoPE)."""
+        return not self.no_rope_layers or bool(self.no_rope_layers[layer_idx])
+
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
@@ -233,6 +273,7 @@ class ModelConfig:
         attn += (q + 2 * kv) * self.qkv_bias + h * self.o_bias + norm_dims * self.qk_norm
         if self.is_mla:
             attn = mla_parameters(self)
+        attn += self.num_heads * self.attention_sinks + 2 * h * self.post_block_norms
         dense = 3 * h * i + (2 * i + h) * self.mlp_bias
         total = active = self.vocab_size * h * (1 if self.tie_word_embeddings else 2) + h
         norms = (4 if self.sandwich_norms else 2) * h
@@ -243,7 +284,7 @@ class ModelConfig:
                 total += dense
                 active += dense
                 continue
-            expert = 3 * h * self.expert_intermediate_size
+            expert = 3 * h * self.expert_intermediate_size + (2 * self.expert_intermediate_size + h) * self.expert_bias
             shared = 3 * h * self.shared_expert_intermediate_size + h * self.shared_expert_gate
             router = self.num_experts * (h + self.router_bias)
             total += self.num_experts * expert + shared + router
@@ -309,7 +350,8 @@ class ModelConfig:
         scaling = {k: v for k, v in {**legacy, **rope}.items() if k != "rope_theta"}
         if "type" in scaling and "rope_type" not in scaling:
             scaling["rope_type"] = scaling.pop("type")
-        partial_rotary = _partial_rotary_factor(hf, scaling, source)
+        # GLM-4's default (transformers' Glm4Config) is half of each head; the others turn all of it.
+        partial_rotary = _partial_rotary_factor(hf, scaling, source, default=0.5 if model_type == "glm4" else 1.0)
         if model_type == "phi3":
             _phi3_rope(hf, scaling)
         if scaling.get("rope_type", "default") == "default":
@@ -318,7 +360,8 @@ class ModelConfig:
             _check_rope_scaling(scaling, source)
 
         attention_bias = read.flag("attention_bias")
-        if model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") and not read.flag("use_sliding_window"):
+        if model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "smollm3") and \
+                not read.flag("use_sliding_window"):
             sliding = None  # the Qwen families ignore sliding_window (some configs hold 0) unless this flag is set
         else:
             sliding = read.size("sliding_window", nullable=True, limit=None)
@@ -334,7 +377,9 @@ class ModelConfig:
             "architectures", "hidden_act", *_MOE_KEYS, *(_ROUTING_KEYS if model_type in MOE_FAMILIES else ()),
             *_FAMILY_KEYS,
             *(_MLA_KEYS if mla else ()),
+            *_LAYER_KEYS,
         }
+        layers = _layer_flags_from_hf(model_type, hf, required["num_layers"], source)
         if model_type == "qwen2_moe":
             attention_bias = bool(hf.get("qkv_bias", True))
         gemma_flags: dict[str, Any] = {}
@@ -355,7 +400,7 @@ class ModelConfig:
                 max_position_embeddings=read.size("max_position_embeddings", default=2048, limit=None),
                 tie_word_embeddings=read.flag("tie_word_embeddings", default=gemma),
                 qkv_bias=model_type == "qwen2" or attention_bias,
-                o_bias=model_type not in ("qwen2", "qwen2_moe") and attention_bias,
+                o_bias=model_type not in ("qwen2", "qwen2_moe", "glm4") and attention_bias,
                 mlp_bias=read.flag("mlp_bias"),
                 qk_norm=model_type in ("qwen3", "qwen3_moe", "olmoe", "olmo2", "gemma3_text"),
                 qk_norm_full=model_type in ("olmoe", "olmo2"),
@@ -366,6 +411,7 @@ class ModelConfig:
                 partial_rotary_factor=partial_rotary,
                 **_family_flags(model_type, read),
                 **gemma_flags,
+                **layers,
                 initializer_range=0.02 if hf.get("initializer_range") is None else read.number("initializer_range"),
                 model_type=model_type,
                 bos_token_id=read.token_ids("bos_token_id"),
@@ -379,8 +425,11 @@ class ModelConfig:
     def to_hf(self) -> dict[str, Any]:
         """A config.json dict that transformers (v4 and v5) loads back."""
         rope_parameters = {"rope_type": "default", **(self.rope_scaling or {}), "rope_theta": self.rope_theta}
+        extra = dict(self.extra)
+        if (extra.get("quantization_config") or {}).get("quant_method") == "mxfp4":
+            extra.pop("quantization_config")  # gpt-oss's MXFP4 experts were dequantized on load
         hf: dict[str, Any] = {
-            **self.extra,
+            **extra,
             "architectures": [_ARCHITECTURES[self.model_type]],
             "model_type": self.model_type,
             "vocab_size": self.vocab_size,
@@ -405,7 +454,12 @@ class ModelConfig:
             hf["rope_scaling"] = dict(self.rope_scaling)
         hf.update(self._moe_to_hf())
         hf.update(_mla_to_hf(self))
-        if self.model_type == "qwen2_moe":
+        hf.update(self._layer_flags_to_hf())
+        if self.model_type == "glm4":
+            if self.o_bias:
+                raise ModelError("glm4 checkpoints have no o_proj bias")
+            hf["attention_bias"] = self.qkv_bias
+        elif self.model_type == "qwen2_moe":
             if self.o_bias:
                 raise ModelError("qwen2_moe checkpoints have no o_proj bias")
             hf["qkv_bias"] = self.qkv_bias
@@ -417,30 +471,33 @@ class ModelConfig:
                 raise ModelError(f"{self.model_type} has one attention_bias flag for q/k/v/o; "
                                  f"got qkv={self.qkv_bias} o={self.o_bias}")
             hf["attention_bias"] = self.qkv_bias
-        if self.model_type in ("llama", "mistral", "granite"):
+        if self.model_type in ("llama", "mistral", "granite", "smollm3"):
             hf["mlp_bias"] = self.mlp_bias
         hf.update(self._family_to_hf(rope_parameters))
-        if self.model_type in ("mistral", "mixtral") or self.sliding_window:
+        if self.model_type in ("mistral", "mixtral", "gpt_oss") or self.sliding_window:
             hf["sliding_window"] = self.sliding_window
-        if self.model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
+        if self.model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "smollm3"):
             hf["use_sliding_window"] = self.sliding_window is not None
         hf.update(self._gemma_to_hf(hf))
         return hf
 
     def _family_to_hf(self, rope_parameters: dict[str, Any]) -> dict[str, Any]:
-        """The keys of Phi-3's, OLMo 2's and Granite's config.json beyond Llama's; the flags another family's
-        config.json cannot say are refused rather than dropped."""
+        """The keys of Phi-3's, OLMo 2's, Granite's and GLM-4's config.json beyond Llama's; the flags another
+        family's config.json cannot say are refused rather than dropped (GLM-4 holds its three always)."""
         kind, hf = self.model_type, {}
-        own = {"fused_qkv": kind == "phi3", "fused_gate_up": kind == "phi3", "post_norm": kind == "olmo2"}
+        own = {"fused_qkv": kind == "phi3", "fused_gate_up": kind in ("phi3", "glm4"), "post_norm": kind == "olmo2",
+               "post_block_norms": kind == "glm4"}
+        if kind != "deepseek_v3":  # DeepSeek's MLA says rope_interleave itself (_mla_to_hf)
+            own["rope_interleave"] = kind == "glm4"
         wrong = [name for name, value in own.items() if getattr(self, name) != value]
         if kind != "granite" and (self.embedding_multiplier != 1 or self.residual_multiplier != 1
                                   or self.attention_multiplier is not None or self.logits_scaling != 1):
             wrong.append("Granite's multipliers")
-        if kind != "phi3" and self.partial_rotary_factor != 1:
+        if kind not in ("phi3", "glm4") and self.partial_rotary_factor != 1:
             wrong.append("partial_rotary_factor")
         if wrong:
             raise ModelError(f"{kind} checkpoints cannot hold {', '.join(wrong)} as set")
-        if kind == "phi3":
+        if kind in ("phi3", "glm4"):
             hf["partial_rotary_factor"] = rope_parameters["partial_rotary_factor"] = self.partial_rotary_factor
             if "original_max_position_embeddings" in rope_parameters:
                 hf["original_max_position_embeddings"] = rope_parameters["original_max_position_embeddings"]
@@ -458,7 +515,7 @@ class ModelConfig:
                  "attn_logit_softcapping": self.attn_logit_softcapping is not None,
                  "final_logit_softcapping": self.final_logit_softcapping is not None,
                  "query_pre_attn_scalar": self.query_pre_attn_scalar is not None,
-                 "layer_types": self.layer_types is not None, "rope_local_theta": self.rope_local_theta is not None}
+                 "rope_local_theta": self.rope_local_theta is not None}
         if self.model_type not in GEMMA_FAMILIES:
             if any(flags.values()):
                 raise ModelError(f"{self.model_type} checkpoints cannot hold the Gemma flags "
@@ -500,7 +557,7 @@ class ModelConfig:
         hf: dict[str, Any] = {"num_experts_per_tok": self.num_experts_per_tok}
         if kind == "deepseek_v3":
             return {**hf, **_deepseek_moe_to_hf(self)}
-        hf["num_local_experts" if kind in ("mixtral", "qwen3_moe") else "num_experts"] = self.num_experts
+        hf["num_local_experts" if kind in ("mixtral", "qwen3_moe", "gpt_oss") else "num_experts"] = self.num_experts
         if kind in ("qwen2_moe", "qwen3_moe"):
             hf.update(moe_intermediate_size=self.expert_intermediate_size, norm_topk_prob=self.norm_topk_prob,
                       decoder_sparse_step=self.decoder_sparse_step, mlp_only_layers=list(self.mlp_only_layers))
@@ -517,7 +574,7 @@ class ModelConfig:
         transformers' classes for these families do not read them: a folder with sigmoid routing loads back
         in entrenar as trained, but transformers would route it with the family's softmax."""
         hf: dict[str, Any] = {}
-        if self.router_scoring != "softmax":
+        if self.router_scoring != ("softmax_topk" if self.model_type == "gpt_oss" else "softmax"):
             hf["scoring_func"] = self.router_scoring
         if self.n_group != 1 or self.topk_group != 1:
             hf.update(n_group=self.n_group, topk_group=self.topk_group)
@@ -529,6 +586,26 @@ class ModelConfig:
                                  f"routed ones (n_shared_experts); got {self.shared_expert_intermediate_size} wide, "
                                  f"gated={self.shared_expert_gate}")
             hf["n_shared_experts"] = self.shared_expert_intermediate_size // self.expert_intermediate_size
+        return hf
+
+    def _layer_flags_to_hf(self) -> dict[str, Any]:
+        """The keys of SmolLM3's and gpt-oss's config.json for their flags, and layer_types (Gemma's:
+        :meth:`_gemma_to_hf`); a flag the family's config.json cannot say is refused rather than lost."""
+        kind = self.model_type
+        own = {"smollm3": {"layer_types", "no_rope_layers"}, "gpt_oss": {"layer_types", "gpt_oss"},
+               **{family: {"layer_types"} for family in GEMMA_FAMILIES}}
+        used = {"layer_types": self.layer_types is not None, "no_rope_layers": bool(self.no_rope_layers),
+                "gpt_oss": self.attention_sinks or self.expert_bias or self.expert_activation != "silu"}
+        lost = [flag for flag, on in used.items() if on and flag not in own.get(kind, set())]
+        if lost:
+            raise ModelError(f"{kind} checkpoints cannot hold these flags as set ({', '.join(lost)})")
+        hf: dict[str, Any] = {}
+        if self.layer_types is not None and kind not in GEMMA_FAMILIES:
+            hf["layer_types"] = list(self.layer_types)
+        if self.no_rope_layers:
+            hf["no_rope_layers"] = list(self.no_rope_layers)
+        if kind == "gpt_oss":
+            hf.update(swiglu_alpha=self.swiglu_alpha, swiglu_limit=self.swiglu_limit)
         return hf
 
     def replace(self, **changes: Any) -> ModelConfig:
@@ -650,7 +727,8 @@ def _check_rope_scaling(scaling: dict[str, Any], source: str) -> None:
         check_longrope(scaling, source)
         return
     keys = {"linear": ("factor",),
-            "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}[kind]
+            "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+            **rope_scaling.REQUIRED_KEYS}[kind]
     read = _Reader(scaling, source, "rope_scaling.")
     for key in keys:
         read.number(key, positive=True)
@@ -664,12 +742,12 @@ _FAMILY_KEYS = ("original_max_position_embeddings", "partial_rotary_factor", "em
                 "residual_multiplier", "attention_multiplier", "logits_scaling")
 
 
-def _partial_rotary_factor(hf: dict[str, Any], scaling: dict[str, Any], source: str) -> float:
-    """The share of each head RoPE turns (Phi-3 keeps it in rope_parameters, older files at the top level);
-    taken out of ``scaling`` so a default RoPE stays unscaled."""
+def _partial_rotary_factor(hf: dict[str, Any], scaling: dict[str, Any], source: str, default: float = 1.0) -> float:
+    """The share of each head RoPE turns (Phi-3 and GLM-4 keep it in rope_parameters, older files at the top
+    level; ``default`` when neither says); taken out of ``scaling`` so a default RoPE stays unscaled."""
     where = scaling if "partial_rotary_factor" in scaling else hf
     prefix = "rope_parameters." if where is scaling else ""
-    factor = 1.0
+    factor = default
     if where.get("partial_rotary_factor") is not None:
         factor = _Reader(where, source, prefix).number("partial_rotary_factor", positive=True)
     scaling.pop("partial_rotary_factor", None)
@@ -697,6 +775,39 @@ def _family_flags(model_type: str, read: _Reader) -> dict[str, Any]:
                              for key in ("embedding_multiplier", "residual_multiplier", "logits_scaling")}
     if read.data.get("attention_multiplier") is not None:
         flags["attention_multiplier"] = read.number("attention_multiplier", positive=True)
+    return flags
+
+
+_LAYER_KEYS = ("layer_types", "no_rope_layers", "no_rope_layer_interval", "partial_rotary_factor", "swiglu_alpha",
+               "swiglu_limit")
+
+
+def _layer_flags_from_hf(model_type: str, hf: dict[str, Any], num_layers: int, source: str) -> dict[str, Any]:
+    """SmolLM3's, GLM-4's and gpt-oss's flags from their config.json, with transformers' defaults where a key is
+    absent (SmolLM3: no RoPE on every no_rope_layer_interval-th layer; gpt-oss: sliding and full layers alternate)."""
+    read = _Reader(hf, source)
+    flags: dict[str, Any] = {}
+    if model_type in ("smollm3", "gpt_oss"):
+        types = hf.get("layer_types")
+        if types is None and model_type == "gpt_oss":
+            types = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(num_layers)]
+        if types is not None and not isinstance(types, list):
+            raise read._bad("layer_types", "a list")
+        flags["layer_types"] = None if types is None else tuple(types)
+    if model_type == "smollm3":
+        no_rope = hf.get("no_rope_layers")
+        if no_rope is None:
+            interval = read.size("no_rope_layer_interval", default=4, limit=None)
+            no_rope = [int((i + 1) % interval != 0) for i in range(num_layers)]
+        if not isinstance(no_rope, list):
+            raise read._bad("no_rope_layers", "a list")
+        flags["no_rope_layers"] = tuple(no_rope)
+    if model_type == "glm4":
+        flags.update(post_block_norms=True, fused_gate_up=True, rope_interleave=True)
+    if model_type == "gpt_oss":
+        flags.update(attention_sinks=True, expert_bias=True, expert_activation="clamped_swiglu",
+                     swiglu_alpha=read.number("swiglu_alpha", default=1.702, positive=True),
+                     swiglu_limit=read.number("swiglu_limit", default=7.0, positive=True))
     return flags
 
 
@@ -730,6 +841,8 @@ def _moe_from_hf(model_type: str, hf: dict[str, Any], source: str = "config.json
         moe["shared_expert_gate"] = True
     if model_type == "deepseek_v3":
         moe.update(_deepseek_moe_from_hf(hf, source))
+    if model_type == "gpt_oss":
+        moe.update(router_scoring="softmax_topk", router_bias=True)
     if not moe["num_experts"]:
         raise ModelError(f"config.json of a {model_type} model names no experts (num_experts / num_local_experts)")
     moe.update(_routing_from_hf(model_type, hf, moe, source))
@@ -945,17 +1058,23 @@ def _gemma_from_hf(model_type: str, hf: dict[str, Any], num_layers: int, read: _
     }
 
 
-def rope_inv_freq(config: ModelConfig, local: bool = False) -> torch.Tensor:
-    """Inverse RoPE frequencies [head_dim/2], with linear or llama3 scaling applied; ``local``: those of the
-    sliding layers' own base (Gemma 3's ``rope_local_theta``), unscaled."""
-    assert config.head_dim is not None  # ModelConfig.__post_init__ filled it in
-    dim = int(config.head_dim * config.partial_rotary_factor)  # the rotated dims (Phi-3's partial rotary)
+def rope_inv_freq(config: ModelConfig, seq_len: int | None = None, local: bool = False) -> torch.Tensor:
+    """Inverse RoPE frequencies [rotary_dim/2], with linear, llama3, longrope (its short-context set; the decoder
+    picks the long one past the original context), yarn or dynamic scaling applied (dynamic: for a sequence of
+    ``seq_len`` positions, the unscaled ones when None); ``local``: those of the sliding layers' own base
+    (Gemma 3's ``rope_local_theta``), unscaled."""
+    dim = config.rotary_dim  # the rotated dims (Phi-3's and GLM-4's partial rotary)
     theta = config.rope_local_theta if local and config.rope_local_theta is not None else config.rope_theta
     inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     scaling = {} if local else config.rope_scaling or {}
     kind = scaling.get("rope_type", "default")
-    if kind == "longrope":  # the short-context frequencies; Transformer.rope picks the long ones past the context
+    if kind == "longrope":
         inv_freq = longrope_inv_freq(config, long=False)
+    elif kind == "yarn":
+        inv_freq = rope_scaling.yarn_inv_freq(config.rope_theta, dim, scaling)
+    elif kind == "dynamic" and seq_len is not None:
+        inv_freq = rope_scaling.dynamic_inv_freq(config.rope_theta, dim, float(scaling["factor"]),
+                                                 config.max_position_embeddings, seq_len)
     elif kind == "linear":
         inv_freq = inv_freq / float(scaling["factor"])
     elif kind == "llama3":

@@ -39,7 +39,7 @@ from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers,
 
 from entrenar.data.tokenizer import Tokenizer
 from entrenar.errors import ModelError
-from entrenar.models import gguf_deepseek
+from entrenar.models import gguf_deepseek, gguf_families
 from entrenar.models.config import ModelConfig
 from entrenar.models.hf import Sinks, empty_model, load_state_into
 
@@ -51,7 +51,8 @@ if TYPE_CHECKING:
 # GGUF architecture -> transformers model_type. llama.cpp stores Mistral under "llama".
 # Mixtral is "llama" with expert_count set; Qwen3-MoE is "qwen3moe".
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "phi3", "olmo2", "granite", "deepseek2", "gemma2",
-                           "gemma3")
+                           "gemma3",
+                           *gguf_families.FAMILY_ARCHITECTURES)
 _HF_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
@@ -65,15 +66,7 @@ _HF_ARCHITECTURES = {
     "deepseek_v3": "DeepseekV3ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
-}
-# Gemma's norms as llama.cpp names them (its ffn_norm is the norm before the MLP, as Llama's, but
-# post_attention_layernorm is Gemma's norm of the attention output). convert_hf_to_gguf.py stores every Gemma norm
-# weight plus one (the 1 + w of Gemma's RMSNorm): read back minus one.
-_GEMMA_ARCHITECTURES = ("gemma2", "gemma3")
-_GEMMA_LAYER_NAMES = {
-    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
-    "post_attention_norm.weight": "post_attention_layernorm.weight",
-    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+    **gguf_families.FAMILY_HF_ARCHITECTURES,
 }
 # llama.cpp (llama-model.cpp) fixes what Gemma's GGUF files do not say: every 2nd (Gemma 2) or 6th (Gemma 3) layer
 # global, Gemma 3's sliding layers at RoPE base 10000, and the attention scale 1/sqrt(hidden / heads) for the 27B
@@ -113,20 +106,12 @@ _LAYER_NAMES = {
     "ffn_up_exps.weight": "mlp.experts.up_proj",
     "ffn_down_exps.weight": "mlp.experts.down_proj",
 }
-# Where an architecture's llama.cpp names mean other modules: Phi-3 keeps its fused projections (``ffn_up`` is
-# gate_up_proj, gate rows first), OLMo 2 its norms after attention and MLP, Gemma its four norms.
-_ARCH_LAYER_NAMES = {
-    "phi3": {"attn_qkv.weight": "self_attn.qkv_proj.weight", "ffn_up.weight": "mlp.gate_up_proj.weight"},
-    "olmo2": {"post_attention_norm.weight": "post_attention_layernorm.weight",
-              "post_ffw_norm.weight": "post_feedforward_layernorm.weight"},
-}
-_ARCH_LAYER_NAMES.update({arch: _GEMMA_LAYER_NAMES for arch in _GEMMA_ARCHITECTURES})
+# Where an architecture's llama.cpp names mean other modules (Phi-3, OLMo 2, Gemma, GLM-4, gpt-oss): the tables
+# of models/gguf_families.py, with its q/k permutation (PERMUTED_QK).
 _LAYER_NAMES.update(gguf_deepseek.LAYER_NAMES)  # DeepSeek-V3's (llama.cpp's deepseek2) MLA and shared experts
 # Read into the config, not part of the state dict.
 _ROPE_FREQS = "rope_freqs.weight"
 _LONGROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")  # Phi-3's longrope
-# Architectures whose q/k rows convert_hf_to_gguf.py permutes (LlamaModel and its subclasses).
-_PERMUTED = ("llama", "granite")
 
 
 def hf_tensor_name(gguf_name: str, arch: str | None = None) -> str | None:
@@ -136,7 +121,7 @@ def hf_tensor_name(gguf_name: str, arch: str | None = None) -> str | None:
         return _GLOBAL_NAMES[gguf_name]
     prefix, _, rest = gguf_name.partition(".")
     layer, _, suffix = rest.partition(".")
-    names = {**_LAYER_NAMES, **_ARCH_LAYER_NAMES.get(arch or "", {})}
+    names = {**_LAYER_NAMES, **gguf_families.ARCH_LAYER_NAMES.get(arch or "", {})}
     if prefix == "blk" and layer.isdigit() and suffix in names:
         return f"model.layers.{int(layer)}.{names[suffix]}"
     return None
@@ -148,7 +133,7 @@ def gguf_tensor_name(hf_name: str, arch: str | None = None) -> str:
         if name == hf_name:
             return gguf_name
     layer, _, suffix = hf_name.removeprefix("model.layers.").partition(".")
-    for gguf_suffix, name in [*_ARCH_LAYER_NAMES.get(arch or "", {}).items(), *_LAYER_NAMES.items()]:
+    for gguf_suffix, name in [*gguf_families.ARCH_LAYER_NAMES.get(arch or "", {}).items(), *_LAYER_NAMES.items()]:
         if name == suffix and layer.isdigit():
             return f"blk.{layer}.{gguf_suffix}"
     raise KeyError(hf_name)
@@ -202,9 +187,9 @@ class GGUFModel:
             raise ModelError(f"{self.path}: no tensor '{name}' (the file has {len(self._tensors)} tensors)")
         t = self._tensors[name]
         w = _dequantize(t, self.path).to(dtype)
-        if self.metadata["general.architecture"] in _GEMMA_ARCHITECTURES and name.endswith("norm.weight"):
-            w = w - 1  # stored as 1 + w (see _GEMMA_LAYER_NAMES)
-        if self.metadata["general.architecture"] in _PERMUTED:
+        if self.metadata["general.architecture"] in gguf_families.GEMMA_ARCHITECTURES and name.endswith("norm.weight"):
+            w = w - 1  # stored as 1 + w (see models/gguf_families.py)
+        if self.metadata["general.architecture"] in gguf_families.PERMUTED_QK:
             if name.endswith("self_attn.q_proj.weight") or name.endswith("self_attn.q_proj.bias"):
                 w = unpermute_rope_rows(w, self.hf_config["num_attention_heads"])
             elif name.endswith("self_attn.k_proj.weight") or name.endswith("self_attn.k_proj.bias"):
@@ -212,9 +197,12 @@ class GGUFModel:
         return w
 
     def tensors(self, dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield ``(hf_name, tensor)`` one tensor at a time, layer by layer."""
-        for name in self.tensor_names():
-            yield name, self.tensor(name, dtype)
+        """Yield ``(hf_name, tensor)`` one tensor at a time, layer by layer (gpt-oss: in its Hugging Face
+        checkpoint's layout, gate and up experts paired again)."""
+        tensors: Iterator[tuple[str, torch.Tensor]] = ((name, self.tensor(name, dtype)) for name in self.tensor_names())
+        if self.metadata["general.architecture"] == "gpt-oss":
+            tensors = gguf_families.gpt_oss_checkpoint_tensors(tensors)
+        yield from tensors
 
     def state_dict(self, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
         """All weights at once. A tied model has no ``lm_head.weight`` (as in HF checkpoints)."""
@@ -358,7 +346,7 @@ def build_hf_config(metadata: dict[str, Any], tensors: dict[str, ReaderTensor], 
         return default
 
     experts = get("expert_count", 0)
-    if experts and arch not in ("llama", "qwen3moe"):
+    if experts and arch not in ("llama", "qwen3moe", "gpt-oss"):
         raise ModelError(f"{path}: mixture-of-experts {arch} models ({arch}.expert_count={experts}) are not supported")
     if arch == "qwen3moe" and not experts:
         raise ModelError(f"{path}: a qwen3moe file without {arch}.expert_count")
@@ -374,7 +362,7 @@ def build_hf_config(metadata: dict[str, Any], tensors: dict[str, ReaderTensor], 
     if get("attention.value_length", head_dim) != head_dim:
         raise ModelError(f"{path}: {arch}.attention.value_length differs from key_length; not a Llama-family model")
     rotary_dims = get("rope.dimension_count", head_dim)
-    if arch != "phi3" and rotary_dims != head_dim:
+    if arch not in ("phi3", "glm4") and rotary_dims != head_dim:  # their partial rotary: the families' configs
         raise ModelError(
             f"{path}: partial rotary embeddings are not supported "
             f"({arch}.rope.dimension_count={get('rope.dimension_count')}, head_dim={head_dim})"
@@ -385,7 +373,8 @@ def build_hf_config(metadata: dict[str, Any], tensors: dict[str, ReaderTensor], 
         raise ModelError(f"{path}: {arch}.vocab_size is {vocab} but token_embd.weight has {embed_rows} rows")
     rope_theta = get("rope.freq_base", 10000.0)
 
-    model_type = {"qwen3moe": "qwen3_moe", "gemma3": "gemma3_text"}.get(arch, arch)
+    model_type = {"qwen3moe": "qwen3_moe", "gemma3": "gemma3_text",
+                  **gguf_families.FAMILY_ARCHITECTURES}.get(arch, arch)
     name = f"{metadata.get('general.name', '')} {metadata.get('general.basename', '')}".lower()
     if arch == "llama" and experts:
         model_type = "mixtral"
@@ -421,9 +410,13 @@ def build_hf_config(metadata: dict[str, Any], tensors: dict[str, ReaderTensor], 
     if model_type == "mistral":
         config["sliding_window"] = None  # llama.cpp keeps no sliding window for Mistral
     config.update(_family_config(metadata, arch, tensors, rotary_dims, head_dim, path))
-    if arch in _GEMMA_ARCHITECTURES:
+    config.update(gguf_families.family_config(metadata, arch, head_dim, path))
+    config["rope_scaling"] = gguf_families.family_rope(metadata, arch, config["rope_scaling"])
+    if arch in gguf_families.GEMMA_ARCHITECTURES:
         config.update(_gemma_config(arch, config, get))
-    if experts:
+    if experts and arch == "gpt-oss":
+        pass  # its expert keys came with family_config
+    elif experts:
         # llama.cpp renormalises the chosen experts' weights for both (Mixtral always does; Qwen3-MoE's
         # released models set norm_topk_prob), unless expert_weights_norm says otherwise.
         config.update(num_experts=experts, num_experts_per_tok=get("expert_used_count"),
@@ -638,8 +631,9 @@ def _expected_shapes(config: dict[str, Any], arch: str) -> dict[str, tuple[int, 
             del layer["input_layernorm.weight"]
             layer.update({"post_feedforward_layernorm.weight": (h,), "self_attn.q_norm.weight": (q,),
                           "self_attn.k_norm.weight": (kv,)})
-        if arch in _GEMMA_ARCHITECTURES:
+        if arch in gguf_families.GEMMA_ARCHITECTURES:
             layer.update({"pre_feedforward_layernorm.weight": (h,), "post_feedforward_layernorm.weight": (h,)})
+        gguf_families.family_shapes(layer, config, arch)
         if config.get("num_experts"):  # every layer of these files is an MoE layer
             e, ie = config["num_experts"], config.get("moe_intermediate_size") or i
             for name in ("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"):

@@ -18,6 +18,7 @@ from entrenar.io.finite import check_finite
 from entrenar.io.hf_files import INDEX_NAME, SINGLE_NAME, weight_files  # noqa: F401 - re-exported
 from entrenar.io.json_files import read_json
 from entrenar.io.safetensors_dtypes import SAFETENSORS_DTYPES
+from entrenar.models import gpt_oss_layout
 from entrenar.models.config import ModelConfig, rope_inv_freq
 from entrenar.models.transformer import Transformer
 
@@ -86,6 +87,8 @@ def expert_checkpoint_names(config: ModelConfig) -> dict[str, tuple[str, int, sl
     with the router as ``block_sparse_moe.gate.weight``. The empty slice means the whole parameter.
     """
     names: dict[str, tuple[str, int, slice]] = {}
+    if config.model_type == "gpt_oss":
+        return names  # stacked on disk too (models/gpt_oss_layout.py translates)
     i_size = config.expert_intermediate_size
     mixtral = config.model_type == "mixtral"
     gate, up, down = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
@@ -110,7 +113,10 @@ def _sink_name(disk: str) -> str:
 
 
 def expert_checkpoint_state(config: ModelConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``state`` with stacked expert tensors split into the per-expert names save_pretrained writes."""
+    """``state`` with stacked expert tensors split into the per-expert names save_pretrained writes (gpt-oss: in
+    its own stacked layout)."""
+    if config.model_type == "gpt_oss":
+        return gpt_oss_layout.to_checkpoint(state)
     names = expert_checkpoint_names(config)
     if not names:
         return state
@@ -137,6 +143,8 @@ def load_state_into(model: torch.nn.Module, tensors: Iterator[tuple[str, str, to
     sinks = {f"{n}.weight": m for n, m in model.named_modules() if hasattr(m, "load_full_weight")}
     tied = {n for n, p in params.items() if any(p is q for m, q in params.items() if m != n)}
     config = cast(ModelConfig, model.config) if hasattr(model, "config") else None
+    if config is not None and config.model_type == "gpt_oss":
+        tensors = gpt_oss_layout.to_ours(tensors)  # its router's name, its experts' layout, MXFP4 dequantized
     pieces = expert_checkpoint_names(config) if config is not None else {}
     stacked = stacked_expert_names(config) if config is not None else {}
     # NF4 experts take each expert's tensors as sinks named mlp.experts.{e}.{gate,up,down}_proj (Mixtral's

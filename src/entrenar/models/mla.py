@@ -16,7 +16,6 @@ padding-free documents, the CPU's explicit products) computes it unchanged.
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING
 
 import torch
@@ -25,15 +24,10 @@ from torch import nn
 
 from entrenar.models.config import ModelConfig
 from entrenar.models.padding_free import Documents, documents_attention
+from entrenar.models.rope_scaling import yarn_mscale
 
 if TYPE_CHECKING:
     from entrenar.models.transformer import KVCache
-
-
-def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
-    """YaRN's attention temperature ``0.1 * mscale * ln(factor) + 1`` (1 for ``factor <= 1``), as DeepSeek's code
-    and transformers compute it."""
-    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 def softmax_temperature(config: ModelConfig) -> float:

@@ -60,6 +60,15 @@ def routed_swiglu_reference(gate_up: torch.Tensor, scale: torch.Tensor) -> torch
     return F.silu(gate) * up * scale.to(gate_up.dtype)[:, None]
 
 
+def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's expert activation on rows [M, 2I] (gate columns first): gate clamped above at ``limit``, up to
+    [-limit, limit], ``(up + 1) * gate * sigmoid(alpha * gate)`` (transformers' ``GptOssExperts._apply_gate``)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
 def gather_sum_reference(rows: torch.Tensor, index: torch.Tensor, k: int) -> torch.Tensor:
     """``out[n] = sum_j rows[index[n * k + j]]`` for ``j < k``: k rows gathered and summed per output row."""
     return rows[index].view(-1, k, rows.shape[-1]).sum(dim=1)
@@ -150,15 +159,27 @@ def route(
 
 
 class Experts(nn.Module):
-    """N SwiGLU experts stacked: ``gate_up_proj`` [E, 2I, H] (gate rows first), ``down_proj`` [E, H, I]."""
+    """N SwiGLU experts stacked: ``gate_up_proj`` [E, 2I, H] (gate rows first), ``down_proj`` [E, H, I].
+
+    gpt-oss adds biases (``gate_up_proj_bias`` [E, 2I], gate first; ``down_proj_bias`` [E, H]) and its clamped
+    activation (``activation="clamped_swiglu"``, :func:`clamped_swiglu`); its checkpoint's interleaved,
+    transposed layout is translated by ``models/hf.py``."""
 
     routing_ops: RoutingOps = REFERENCE_ROUTING_OPS  # an instance's own when kernels are applied
+    # gpt-oss: its checkpoint (and so PEFT's adapters) interleaves gate and up rows; in memory they are gate-first.
+    interleaved_gate_up: bool = False
+    gate_up_proj_bias: nn.Parameter | None
+    down_proj_bias: nn.Parameter | None
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, bias: bool = False,
+                 activation: str = "silu", alpha: float = 1.702, limit: float = 7.0) -> None:
         super().__init__()
         self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.gate_up_proj_bias = nn.Parameter(torch.zeros(num_experts, 2 * intermediate_size)) if bias else None
+        self.down_proj_bias = nn.Parameter(torch.zeros(num_experts, hidden_size)) if bias else None
+        self.activation, self.swiglu_alpha, self.swiglu_limit = activation, alpha, limit
         self.implementation = "auto"
 
     def weight_info(self, parameter: str) -> tuple[torch.Size, torch.dtype, torch.device]:
@@ -192,6 +213,10 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """``sum_k weights[n, k] * expert_{indices[n, k]}(x[n])`` for tokens x [N, H]."""
         n, k = indices.shape
+        core = _core(self)  # the Experts under LoRA wrappers: its biases and activation
+        gate_up_bias, down_bias = getattr(core, "gate_up_proj_bias", None), getattr(core, "down_proj_bias", None)
+        activation: str = getattr(core, "activation", "silu")
+        alpha, limit = cast(float, getattr(core, "swiglu_alpha", 0.0)), cast(float, getattr(core, "swiglu_limit", 0.0))
         flat = indices.reshape(-1)
         sorted_experts, order = torch.sort(flat, stable=True)  # (token, slot) pairs sorted by expert
         inverse = torch.empty_like(order).scatter_(0, order, torch.arange(n * k, device=order.device))
@@ -203,17 +228,42 @@ class Experts(nn.Module):
             ops = self.routing_ops
             xs = _Dispatch.apply(x, tokens, inverse, k, ops.gather_sum)
             scale = _Permute.apply(weights.reshape(-1), order, inverse)
-            ys = self.grouped_down(ops.routed_swiglu(self.grouped_gate_up(xs, offsets), scale), offsets)
+            gate_up = self.grouped_gate_up(xs, offsets)
+            if gate_up_bias is not None:
+                gate_up = gate_up + gate_up_bias[sorted_experts].to(gate_up.dtype)
+            if activation == "silu":
+                hidden = ops.routed_swiglu(gate_up, scale)
+            else:  # the fused routed activation is SwiGLU's only: gpt-oss's runs in PyTorch
+                hidden = clamped_swiglu(gate_up, alpha, limit)
+                hidden = hidden * scale.to(gate_up.dtype)[:, None]
+            ys = self.grouped_down(hidden, offsets)
+            if down_bias is not None:  # the routing weight multiplies the bias too, as in the loop below
+                ys = ys + scale.to(ys.dtype)[:, None] * down_bias[sorted_experts].to(ys.dtype)
             return _Combine.apply(ys, tokens, inverse, k, ops.gather_sum).to(x.dtype)
         xs = _Dispatch.apply(x, tokens, inverse, k, gather_sum_reference)
         pieces = []
         for expert, (start, count) in enumerate(_spans(offsets.tolist())):
             if count:
-                gate, up = self.gate_up(xs[start:start + count], expert).chunk(2, dim=-1)
-                pieces.append(self.down(F.silu(gate) * up, expert))
+                gate_up = self.gate_up(xs[start:start + count], expert)
+                if gate_up_bias is not None:
+                    gate_up = gate_up + gate_up_bias[expert].to(gate_up.dtype)
+                if activation == "silu":
+                    gate, up = gate_up.chunk(2, dim=-1)
+                    hidden = F.silu(gate) * up
+                else:
+                    hidden = clamped_swiglu(gate_up, alpha, limit)
+                y = self.down(hidden, expert)
+                pieces.append(y if down_bias is None else y + down_bias[expert].to(y.dtype))
         ys = torch.cat(pieces) if pieces else xs.new_zeros(0, self.hidden_size)
         by_token = _Permute.apply(ys, inverse, order).view(n, k, -1)  # back in (token, slot) order
         return (by_token * weights.to(ys.dtype)[..., None]).sum(dim=1).to(x.dtype)
+
+
+def _core(experts: nn.Module) -> nn.Module:
+    """The module under any LoRA wrappers of an expert stack (the one holding biases and the activation)."""
+    while not isinstance(experts, Experts) and hasattr(experts, "base_layer"):
+        experts = cast(nn.Module, experts.base_layer)
+    return experts
 
 
 class _Dispatch(torch.autograd.Function):
@@ -283,7 +333,9 @@ class MoeBlock(nn.Module):
         super().__init__()
         self.num_experts, self.top_k = config.num_experts, config.num_experts_per_tok
         self.gate = Router(config)
-        self.experts = Experts(config.num_experts, config.hidden_size, config.expert_intermediate_size)
+        self.experts = Experts(config.num_experts, config.hidden_size, config.expert_intermediate_size,
+                               config.expert_bias, config.expert_activation, config.swiglu_alpha, config.swiglu_limit)
+        self.experts.interleaved_gate_up = config.model_type == "gpt_oss"
         # transformers' name: DeepSeek-V3's are "shared_experts" (n_shared_experts of them as one MLP).
         self.shared_expert_name = "shared_experts" if config.model_type == "deepseek_v3" else "shared_expert"
         if config.shared_expert_intermediate_size:

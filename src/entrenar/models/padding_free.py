@@ -29,6 +29,7 @@ from typing import Any, cast
 import torch
 import torch.nn.functional as F
 
+from entrenar.models.attention_sinks import sink_attention
 from entrenar.models.cpu_attention import (
     EXPLICIT_LAYER_BUDGET,
     capped_attention,
@@ -64,7 +65,7 @@ class Documents:
 
 def documents_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Documents, window: int | None = None,
-    scale: float | None = None, softcap: float | None = None,
+    scale: float | None = None, softcap: float | None = None, sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention within each document: q ``[B, Hq, T, D]``, k/v ``[B, Hk, T, D]`` -> ``[B, T, Hq, D]``.
 
@@ -73,11 +74,15 @@ def documents_attention(
     ``window`` (sliding-window models) limits each query to the ``window``
     latest positions, itself included, as the padded path's mask does. ``scale`` (None: ``1/sqrt(D)``) and
     ``softcap`` (Gemma's soft-capped scores, which only the per-document path computes) as
-    :class:`entrenar.models.transformer.Attention` reads them.
+    :class:`entrenar.models.transformer.Attention` reads them. ``sinks`` (gpt-oss, [Hq]): each document attends
+    with them through :func:`~entrenar.models.attention_sinks.sink_attention`, which the variable-length kernel
+    cannot run.
     """
     b, t = q.shape[0], q.shape[2]
     q, k, v = (x.transpose(1, 2).reshape(b * t, x.shape[1], x.shape[3]) for x in (q, k, v))  # [N, H, D]
     out_shape = (b, t, q.shape[1], v.shape[-1])  # values may be narrower than queries (MLA's v_head_dim)
+    if sinks is not None:
+        return _per_document_sinks(q, k, v, documents, window, sinks).view(out_shape)
     if softcap is None and _varlen_fits(q, k, documents, window, v.shape[-1]) and \
             (scale is None or "scale" in _VARLEN_PARAMS):
         if v.shape[-1] != q.shape[-1]:
@@ -147,6 +152,17 @@ def _varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Docume
     assert _varlen_attn is not None  # _varlen_fits checked
     # Without return_aux, varlen_attn returns the output alone.
     return cast(torch.Tensor, _varlen_attn(q.contiguous(), k.contiguous(), v.contiguous(), cu, cu, n, n, **extra))
+
+
+def _per_document_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Documents,
+                        window: int | None, sinks: torch.Tensor) -> torch.Tensor:
+    bounds = documents.bounds()
+    pieces = []
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        if end > start:
+            qi, ki, vi = (x[start:end].transpose(0, 1)[None] for x in (q, k, v))  # [1, H, n, D]
+            pieces.append(sink_attention(qi, ki, vi, sinks, window=window)[0].transpose(0, 1))
+    return torch.cat(pieces)
 
 
 def _per_document(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Documents,

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from entrenar.models.attention_sinks import sink_attention
 from entrenar.models.config import ModelConfig, rope_inv_freq
 from entrenar.models.cpu_attention import capped_attention
 from entrenar.models.mla import LatentAttention
@@ -127,6 +128,10 @@ class Attention(nn.Module):
         scale = None if config.query_pre_attn_scalar is None else config.query_pre_attn_scalar ** -0.5
         self.scale = None if scale == d ** -0.5 else scale
         self.softcap = config.attn_logit_softcapping
+        self.use_rope = config.layer_has_rope(layer_idx)  # SmolLM3 leaves some layers without
+        self.rotary_dim, self.rope_interleave = config.rotary_dim, config.rope_interleave
+        # gpt-oss: a learned logit per head that every query's softmax counts in its denominator, attending nowhere.
+        self.sinks = nn.Parameter(torch.zeros(config.num_heads)) if config.attention_sinks else None
 
     @property
     def projections(self) -> tuple[nn.Module, ...]:
@@ -141,6 +146,26 @@ class Attention(nn.Module):
         kv = self.num_kv_heads * self.head_dim
         q, k, v = outputs[0].split([self.num_heads * self.head_dim, kv, kv], dim=-1)
         return q, k, v
+
+    def position(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q and k [B, H, T, D] rotated as this layer's family does: not at all (SmolLM3's NoPE layers), on the first
+        ``rotary_dim`` dimensions only (Phi-3's and GLM-4's partial rotary; the rest pass unturned), pairs
+        (2i, 2i + 1) (GLM-4); ``rotate`` (a fused kernel's) does the turning itself on (i, i + dim / 2) pairs."""
+        if not self.use_rope:
+            return q, k
+        if self.rope_interleave:
+            # Moved to (i, i + dim / 2) pairs, and left there: scores q.k are the same whatever order q and k
+            # share, and nothing else reads them (v is untouched).
+            r = self.rotary_dim
+            order = torch.cat([torch.arange(0, r, 2), torch.arange(1, r, 2), torch.arange(r, q.shape[-1])])
+            order = order.to(q.device)
+            q, k = q.index_select(-1, order), k.index_select(-1, order)
+        if self.rotary_dim == q.shape[-1]:
+            return self.rotate(q, k, cos, sin)
+        r = self.rotary_dim
+        q_rot, k_rot = self.rotate(q[..., :r].contiguous(), k[..., :r].contiguous(), cos, sin)
+        return torch.cat((q_rot, q[..., r:]), dim=-1), torch.cat((k_rot, k[..., r:]), dim=-1)
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k and v of ``x``, before the heads are split; fused kernels run the three as one node."""
@@ -178,19 +203,18 @@ class Attention(nn.Module):
         if self.qk_norm and not self.qk_norm_full:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        rotary = cos.shape[-1]
-        if rotary < self.head_dim:  # partial rotary: the last dims of each head pass unturned
-            q_rot, k_rot = self.rotate(q[..., :rotary], k[..., :rotary], cos.to(q.dtype), sin.to(q.dtype))
-            q, k = torch.cat([q_rot, q[..., rotary:]], dim=-1), torch.cat([k_rot, k[..., rotary:]], dim=-1)
-        else:
-            q, k = self.rotate(q, k, cos.to(q.dtype), sin.to(q.dtype))
+        q, k = self.position(q, k, cos.to(q.dtype), sin.to(q.dtype))
         if self.q_scale != 1.0:
             q = q * self.q_scale
         if isinstance(mask, Documents):  # a padding-free row
-            y = documents_attention(q, k, v, mask, self.sliding_window, scale=self.scale, softcap=self.softcap)
+            y = documents_attention(q, k, v, mask, self.sliding_window, scale=self.scale, softcap=self.softcap,
+                                    sinks=self.sinks)
             return self.o_proj(y.reshape(b, t, -1))
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v)
+        if self.sinks is not None:  # no SDPA kernel takes sinks: the products, as transformers' eager path
+            y = sink_attention(q, k, v, self.sinks, mask, self.sliding_window)
+            return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
         if self.softcap is not None:  # SDPA cannot cap the scores: explicit products
             y = capped_attention(q, k, v, mask, self.scale, self.softcap)
             return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
@@ -214,7 +238,7 @@ class MLP(nn.Module):
         super().__init__()
         h, i = config.hidden_size, intermediate_size or config.intermediate_size
         self.fused_gate_up = config.fused_gate_up
-        if config.fused_gate_up:  # Phi-3's one projection, gate rows first
+        if config.fused_gate_up:  # Phi-3's and GLM-4's one projection, gate rows first
             self.gate_up_proj = nn.Linear(h, 2 * i, bias=config.mlp_bias)
         else:
             self.gate_proj = nn.Linear(h, i, bias=config.mlp_bias)
@@ -273,6 +297,10 @@ class Block(nn.Module):
         mlp = MLP if config.hidden_act == "silu" else GatedMLP
         self.mlp = MoeBlock(config, mlp) if config.is_moe_layer(layer_idx) else mlp(config)
         self.residual_multiplier = config.residual_multiplier
+        self.post_block_norms = config.post_block_norms
+        if self.post_block_norms:  # GLM-4: the attention's and the MLP's outputs normed before each residual add
+            self.post_self_attn_layernorm = norm(config.hidden_size, config.rms_norm_eps)
+            self.post_mlp_layernorm = norm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
         self,
@@ -285,6 +313,9 @@ class Block(nn.Module):
         if self.post_norm:
             x = x + self.post_attention_layernorm(self.self_attn(x, cos, sin, mask, cache))
             return x + self.post_feedforward_layernorm(self.mlp(x))
+        if self.post_block_norms:
+            x = x + self.post_self_attn_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, mask, cache))
+            return x + self.post_mlp_layernorm(self.mlp(self.post_attention_layernorm(x)))
         m = self.residual_multiplier
         attn = self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
         x = x + (attn if m == 1.0 else attn * m)
@@ -360,10 +391,15 @@ class Transformer(nn.Module):
             elif isinstance(module, Experts):
                 nn.init.normal_(module.gate_up_proj, mean=0.0, std=std)
                 nn.init.normal_(module.down_proj, mean=0.0, std=std)
+                for bias in (module.gate_up_proj_bias, module.down_proj_bias):
+                    if bias is not None:
+                        nn.init.zeros_(bias)
             elif isinstance(module, OffsetRMSNorm):
                 nn.init.zeros_(module.weight)  # 1 + weight: the identity
             elif isinstance(module, RMSNorm):
                 nn.init.ones_(module.weight)
+            if isinstance(module, Attention) and module.sinks is not None:
+                nn.init.normal_(module.sinks, mean=0.0, std=std)
         self.inv_freq = rope_inv_freq(self.config).to(self.inv_freq.device)
 
     def set_activation_checkpointing(self, layers: bool | int | Sequence[int], offload: bool | int = False) -> None:
@@ -382,16 +418,41 @@ class Transformer(nn.Module):
 
     def rope(self, position_ids: torch.Tensor, dtype: torch.dtype,
              local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin for ``position_ids``; ``local``: by the sliding layers' own base (Gemma 3), unscaled."""
+        """cos and sin for ``position_ids``: LongRoPE's long frequencies past the original context, dynamic NTK's
+        by each sequence's length, times the attention factor of LongRoPE and YaRN; ``local``: by the sliding
+        layers' own base (Gemma 3), unscaled."""
         inv_freq = self._local_inv_freq().float() if local else self.inv_freq.float()
-        if not local and (self.config.rope_scaling or {}).get("rope_type") == "longrope":
+        kind = None if local else (self.config.rope_scaling or {}).get("rope_type")
+        if kind == "longrope":
             inv_freq = longrope_select(self.config, position_ids, inv_freq, self._longrope_long(inv_freq.device))
+        elif kind == "dynamic":
+            inv_freq = self._dynamic_inv_freq(position_ids, inv_freq)
         freqs = position_ids[..., None].float() * inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)
         scale = 1.0 if local else rope_attention_scaling(self.config)
         if scale != 1.0:
             return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
         return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def _dynamic_inv_freq(self, position_ids: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+        """Dynamic NTK's frequencies per token [B, T, dim / 2] (or ``inv_freq`` while no sequence is longer than
+        max_position_embeddings): a sequence's base grows with its length, as transformers' dynamic_rope_update
+        does for a batch. A sequence is a row, or a document of a packed row (its positions start again at 0), so
+        packed documents get the frequencies each gets alone."""
+        b, t = position_ids.shape
+        flat = position_ids.reshape(-1)
+        starts = flat == 0
+        starts[::t] = True
+        segment = starts.cumsum(0) - 1
+        length = torch.zeros(int(segment[-1]) + 1, dtype=flat.dtype, device=flat.device)
+        length = length.scatter_reduce(0, segment, flat + 1, reduce="amax")[segment]
+        limit = self.config.max_position_embeddings
+        if int(length.max()) <= limit:
+            return inv_freq
+        length = length.clamp(min=limit)
+        lengths = torch.unique(length)
+        table = torch.stack([rope_inv_freq(self.config, int(n)) for n in lengths.tolist()]).to(inv_freq.device)
+        return table[torch.searchsorted(lengths, length)].view(b, t, -1)
 
     def _longrope_long(self, device: torch.device) -> torch.Tensor:
         """LongRoPE's long-context frequencies in fp32, kept for this config and device (a plain attribute: not

@@ -129,15 +129,16 @@ def lora_params(config: ModelConfig, r: int, targets: list[str] | str, target_pa
 
 
 def quantizable_params(config: ModelConfig) -> int:
-    """Weights NF4 replaces in a QLoRA base: attention and dense MLP projections, MoE layers' experts, shared
-    experts and shared-expert gates. Routers stay in the compute dtype."""
+    """Weights NF4 replaces in a QLoRA base: attention and dense MLP projections, MoE layers' experts (not
+    gpt-oss's, which have biases), shared experts and shared-expert gates. Routers stay in the compute dtype."""
     attention = sum(a * b for n, (a, b) in linear_shapes(config).items() if n not in _MLP_NAMES)
     h = config.hidden_size
     total = config.num_layers * attention
     for layer in range(config.num_layers):
         if config.is_moe_layer(layer):
             total += 3 * h * config.shared_expert_intermediate_size + h * config.shared_expert_gate
-            total += config.num_experts * 3 * h * config.expert_intermediate_size
+            if not config.expert_bias:  # gpt-oss's experts stay in the compute dtype (NF4 experts hold no biases)
+                total += config.num_experts * 3 * h * config.expert_intermediate_size
         else:
             total += 3 * h * config.intermediate_size
     return total
@@ -160,8 +161,13 @@ def activation_bytes_per_token_layer(config: ModelConfig, dtype_bytes: int, kern
 
     An MoE layer (``moe_layer``; it runs no fused block) keeps, per token, the router's fp32 logits and
     probabilities and, for each of its k experts, the gathered input, gate and up, silu(gate), their product
-    and the expert's output; plus what its shared expert keeps. A Gemma block (``config.sandwich_norms``):
+    and the expert's output; plus what its shared expert keeps. gpt-oss's clamped SwiGLU keeps three more of
+    the expert's width (the clamped gate and up, ``up + 1``). A Gemma block (``config.sandwich_norms``):
     :func:`_gemma_layer_bytes` (``seq_len`` for its soft-capped attention).
+
+    Attention with sinks (gpt-oss) runs as products that keep each query's probabilities over its ``seq_len``
+    keys: fp32 softmax output and mask, a 16-bit copy for the value product, q and the repeated k in fp32 and
+    the repeated v, instead of SDPA's q, k, v and log-sum-exp.
     """
     if config.sandwich_norms:
         return _gemma_layer_bytes(config, dtype_bytes, seq_len)
@@ -171,11 +177,16 @@ def activation_bytes_per_token_layer(config: ModelConfig, dtype_bytes: int, kern
     attention = (q + 2 * kv + q) * dtype_bytes + config.num_heads * 4  # q, k, v, output; log-sum-exp
     if config.is_mla:
         attention = mla_activation_bytes(config, dtype_bytes)
+    if config.attention_sinks:
+        upcast = dtype_bytes < 4  # q and k multiply in fp32, the probabilities the values in the model's dtype
+        attention = 4 * q * dtype_bytes + (2 * q * 4 + config.num_heads * seq_len * dtype_bytes) * upcast
+        attention += config.num_heads * (seq_len + 1) * 4 + seq_len
     if config.qk_norm:
         attention += (q + kv) * (dtype_bytes + 4)
     if moe_layer:
         ie, k = config.expert_intermediate_size, config.num_experts_per_tok
-        routed = k * (2 * h + 4 * ie) * dtype_bytes + config.num_experts * 8
+        width = 4 if config.expert_activation == "silu" else 7
+        routed = k * (2 * h + width * ie) * dtype_bytes + config.num_experts * 8
         shared = 4 * config.shared_expert_intermediate_size * dtype_bytes
         norms = 2 * (h * dtype_bytes + (4 if kernels else h * 4 + 4))
         return norms + attention + 2 * h * dtype_bytes + routed + shared
@@ -411,7 +422,7 @@ def _activations(config: ModelConfig, method: str, tokens: int, dtype_bytes: int
                                                  seq_len=seq_len)
     if config.is_moe:  # MoE and dense layers averaged; a rebuilt layer counts as the larger
         moe_layer = activation_bytes_per_token_layer(config, dtype_bytes, kernels, lora=method != "full",
-                                                     moe_layer=True)
+                                                     moe_layer=True, seq_len=seq_len)
         n_moe = len(config.moe_layers)
         rebuilt_layer = max(per_layer, moe_layer)
         per_layer = (n_moe * moe_layer + (config.num_layers - n_moe) * per_layer) / config.num_layers

@@ -87,8 +87,9 @@ class NF4Experts(Experts):
 
 
 def quantize_experts_nf4(model: nn.Module) -> list[str]:
-    """Replace every ``Experts`` module of ``model`` by its NF4 version; return their names."""
-    names = [n for n, m in model.named_modules() if type(m) is Experts]
+    """Replace every ``Experts`` module of ``model`` by its NF4 version; return their names. Experts with biases
+    (gpt-oss) stay as they are: NF4 experts hold none."""
+    names = [n for n, m in model.named_modules() if type(m) is Experts and m.gate_up_proj_bias is None]
     for name in names:
         replace_module(model, name, NF4Experts.from_experts(cast(Experts, model.get_submodule(name))))
     return names
