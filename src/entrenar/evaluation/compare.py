@@ -13,22 +13,32 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from entrenar.data import eval_batches, read_records, tokenize_records
 from entrenar.data.batching import Batch
+from entrenar.data.formats import DATA_FORMATS, split_format
 from entrenar.data.templates import Message
 from entrenar.data.tokenize import IGNORE_INDEX
 from entrenar.data.tokenizer import Tokenizer
 from entrenar.errors import ModelError
+from entrenar.evaluation.rules import EvalRules
 from entrenar.generation.sampling import generate
 from entrenar.models.transformer import compute_device
 
 MAX_KL = 0.05  # nats per token: beyond this the candidate is flagged (q8_0 of a real model: ~0.001)
 MIN_TOP1: float | None = None  # flag below this top-1 agreement (off: near-uniform tiny models make it noise)
 PROMPTS: tuple[str, ...] = ("What is the capital of France?", "Write one sentence about the sea.")
+SAMPLE_TEXTS = (  # held-out text when neither --data nor the run's validation file is there
+    "The quick brown fox jumps over the lazy dog. What is the capital of France? The capital of France is Paris.",
+    "Fine-tuning adapts a pretrained language model to a task with a small amount of data.",
+    "user: answer the question, then stop. assistant: The answer is four, because two and two make four.",
+)
+
 
 
 @dataclass
@@ -209,3 +219,19 @@ def format_comparison(c: Comparison, reference: str = "trained", candidate: str 
     else:
         lines.append("verified: within the thresholds")
     return lines
+
+
+def held_out_batches(
+    tokenizer: Tokenizer, data: str | Path | None, rules: EvalRules, batch_size: int = 4
+) -> tuple[list[Batch], str]:
+    """The held-out batches and where they came from (``data``, else the built-in texts)."""
+    if data is not None:
+        file_format, kind = split_format(rules.fmt) if rules.fmt in DATA_FORMATS else (rules.fmt, "auto")
+        records: Any = read_records(data, format=file_format)[0]
+        source = str(data)
+    else:
+        records, kind, source = [{"text": t} for t in SAMPLE_TEXTS], "auto", "built-in sample texts (pass --data)"
+    examples, _ = tokenize_records(records, tokenizer, rules.seq_len, kind=kind, train_on=rules.train_on,
+                                   add_eos=rules.add_eos, columns=rules.columns if data is not None else None)
+    pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else 0
+    return list(eval_batches(examples, batch_size, rules.seq_len, packing=True, pad_id=pad_id)), source

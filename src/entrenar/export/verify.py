@@ -23,14 +23,19 @@ from typing import Any
 
 import torch
 
-from entrenar.data import eval_batches, read_records, tokenize_records
 from entrenar.data.batching import Batch
-from entrenar.data.formats import DATA_FORMATS, split_format
-from entrenar.data.tokenizer import Tokenizer
 from entrenar.errors import ConfigError
-from entrenar.evaluation.compare import MAX_KL, MIN_TOP1, PROMPTS, Comparison, compare_models, format_comparison
+from entrenar.evaluation.compare import (
+    MAX_KL,
+    MIN_TOP1,
+    PROMPTS,
+    Comparison,
+    compare_models,
+    format_comparison,
+    held_out_batches,
+)
 from entrenar.evaluation.loss import eval_loss
-from entrenar.evaluation.rules import EvalRules, eval_rules
+from entrenar.evaluation.rules import eval_rules
 from entrenar.io import atomic
 from entrenar.loading import load, require_tokenizer
 from entrenar.loading.runs import resolve_model_and_adapter
@@ -39,11 +44,6 @@ from entrenar.models.transformer import Transformer
 VERIFY_LEVELS = ("none", "quick", "full")
 QUICK_TOKENS = 256
 REPORT_FILE = "export_report.json"
-SAMPLE_TEXTS = (  # held-out text when neither --data nor the run's validation file is there
-    "The quick brown fox jumps over the lazy dog. What is the capital of France? The capital of France is Paris.",
-    "Fine-tuning adapts a pretrained language model to a task with a small amount of data.",
-    "user: answer the question, then stop. assistant: The answer is four, because two and two make four.",
-)
 
 
 @dataclass
@@ -96,22 +96,6 @@ def check_level(level: str) -> str:
     if level not in VERIFY_LEVELS:
         raise ConfigError(f"verify level {level!r} must be one of {', '.join(VERIFY_LEVELS)}")
     return level
-
-
-def held_out_batches(
-    tokenizer: Tokenizer, data: str | Path | None, rules: EvalRules, batch_size: int = 4
-) -> tuple[list[Batch], str]:
-    """The held-out batches and where they came from (``data``, else the built-in texts)."""
-    if data is not None:
-        file_format, kind = split_format(rules.fmt) if rules.fmt in DATA_FORMATS else (rules.fmt, "auto")
-        records: Any = read_records(data, format=file_format)[0]
-        source = str(data)
-    else:
-        records, kind, source = [{"text": t} for t in SAMPLE_TEXTS], "auto", "built-in sample texts (pass --data)"
-    examples, _ = tokenize_records(records, tokenizer, rules.seq_len, kind=kind, train_on=rules.train_on,
-                                   add_eos=rules.add_eos, columns=rules.columns if data is not None else None)
-    pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else 0
-    return list(eval_batches(examples, batch_size, rules.seq_len, packing=True, pad_id=pad_id)), source
 
 
 def verify_export(
