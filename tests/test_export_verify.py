@@ -139,3 +139,24 @@ def test_strict_export_and_eval_compare_exit_non_zero_on_a_fault(clean, tmp_path
     assert main(args) == 0
     assert "MISSING [3]" in capsys.readouterr().out
     assert main([*args, "--strict"]) == 1
+
+
+def test_a_qlora_merge_says_its_base_and_scores_both(workspace, tmp_path):
+    """``--merge-base trained`` merges into the dequantized NF4 base the adapter trained on: the model as trained,
+    to float rounding; ``full`` into the full-precision base, a different model. The report gives both losses."""
+    from test_runs import make_run
+
+    run = make_run(workspace, "lora.quantize_base=nf4", "training.max_steps=2", "training.eval_every=2",
+                   "training.save_every=2")
+    reports = {}
+    for base in ("trained", "full"):
+        _, reports[base] = export_verified(run, None, tmp_path / base, merge=True, merge_base=base)
+    trained, full = (reports[b].checks[0].comparison for b in ("trained", "full"))
+    assert trained.kl < 1e-6 and abs(trained.candidate_loss - trained.reference_loss) < 1e-4
+    assert full.kl > 100 * max(trained.kl, 1e-9)
+    for base, report in reports.items():
+        assert report.merge_base == base and "(nf4 base)" in report.reference
+        assert report.data.endswith("train.jsonl (the 0.2 validation split the run held out)")
+        assert set(report.merge_bases) == {"trained", "full", "as trained"}
+        assert report.merge_bases[base] == report.checks[0].comparison.candidate_loss
+    assert reports["trained"].merge_bases["full"] == pytest.approx(full.candidate_loss, abs=1e-5)

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from entrenar.data import eval_batches, read_records, tokenize_records
+from entrenar.data import eval_batches, read_records, split_validation, tokenize_records
 from entrenar.data.batching import Batch
 from entrenar.data.formats import DATA_FORMATS, split_format
 from entrenar.data.templates import Message
@@ -222,16 +222,23 @@ def format_comparison(c: Comparison, reference: str = "trained", candidate: str 
 
 
 def held_out_batches(
-    tokenizer: Tokenizer, data: str | Path | None, rules: EvalRules, batch_size: int = 4
+    tokenizer: Tokenizer, data: str | Path | None, rules: EvalRules, batch_size: int = 4,
+    split: tuple[float, int] | None = None,
 ) -> tuple[list[Batch], str]:
-    """The held-out batches and where they came from (``data``, else the built-in texts)."""
+    """The held-out batches and where they came from: ``data`` scored by ``rules`` (with ``split`` =
+    ``(fraction, seed)``, only the part a run's ``data.validation_split`` held out of it), else the built-in
+    texts (all their tokens scored: they have no prompt to mask)."""
     if data is not None:
         file_format, kind = split_format(rules.fmt) if rules.fmt in DATA_FORMATS else (rules.fmt, "auto")
         records: Any = read_records(data, format=file_format)[0]
-        source = str(data)
+        source, train_on, columns = str(data), rules.train_on, rules.columns
     else:
         records, kind, source = [{"text": t} for t in SAMPLE_TEXTS], "auto", "built-in sample texts (pass --data)"
-    examples, _ = tokenize_records(records, tokenizer, rules.seq_len, kind=kind, train_on=rules.train_on,
-                                   add_eos=rules.add_eos, columns=rules.columns if data is not None else None)
+        train_on, columns = "all", None
+    examples, _ = tokenize_records(records, tokenizer, rules.seq_len, kind=kind, train_on=train_on,
+                                   add_eos=rules.add_eos, columns=columns)
+    if data is not None and split is not None:
+        examples = split_validation(examples, split[0], seed=split[1])[1]
+        source = f"{data} (the {split[0]:g} validation split the run held out)"
     pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else 0
     return list(eval_batches(examples, batch_size, rules.seq_len, packing=True, pad_id=pad_id)), source

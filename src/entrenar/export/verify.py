@@ -118,9 +118,14 @@ def verify_export(
                               quantize=source.quantize_base)
     ref_tok = require_tokenizer(ref_tok, source.model)
     rules = eval_rules(source.recipe)
-    if data is None and source.recipe is not None and source.recipe.data.validation is not None:
-        data = source.recipe.data.validation
-    batches, data_name = held_out_batches(ref_tok, data, rules)
+    split = None
+    if data is None and source.recipe is not None:
+        d = source.recipe.data
+        if d.validation is not None:
+            data = _run_path(source.run_dir, d.validation)
+        elif d.validation_split > 0 and isinstance(d.train, str):
+            data, split = _run_path(source.run_dir, d.train), (d.validation_split, source.recipe.training.seed)
+    batches, data_name = held_out_batches(ref_tok, data, rules, split=split)
     max_tokens = QUICK_TOKENS if level == "quick" else None
     prompts, new_tokens = (PROMPTS, 16) if level == "quick" else (PROMPTS, 64)
     what = "base + adapter as trained" if source.adapter or source.checkpoint else "the input model"
@@ -147,6 +152,14 @@ def verify_export(
     if report.checks:
         write_report(report, written[0])
     return report
+
+
+def _run_path(run_dir: Path | None, name: str) -> Path:
+    """A data path of a run's recipe: as written, else from the folders above the run (training ran from one)."""
+    path = Path(name)
+    if path.is_absolute() or path.exists() or run_dir is None:
+        return path
+    return next((f / path for f in run_dir.absolute().parents if (f / path).exists()), path)
 
 
 def _capped(batches: list[Batch], max_tokens: int | None) -> list[Batch]:
