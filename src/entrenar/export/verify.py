@@ -68,6 +68,7 @@ class ExportReport:
     checks: list[ExportCheck] = field(default_factory=list)
     merge_bases: dict[str, float] = field(default_factory=dict)  # QLoRA: held-out loss of each merge base
     merge_base: str | None = None
+    skipped: str | None = None  # why nothing was compared
     llama_cpp: str = "not installed (pip install llama-cpp-python to also run the GGUF through llama.cpp)"
 
     @property
@@ -76,11 +77,13 @@ class ExportReport:
 
     def to_json(self) -> dict[str, Any]:
         return {"reference": self.reference, "data": self.data, "level": self.level, "merge_base": self.merge_base,
-                "merge_bases": self.merge_bases, "llama_cpp": self.llama_cpp,
+                "merge_bases": self.merge_bases, "llama_cpp": self.llama_cpp, "skipped": self.skipped,
                 "checks": [c.to_json() for c in self.checks], "problems": self.problems, "ok": not self.problems}
 
     def lines(self) -> list[str]:
         """The short printed report."""
+        if self.skipped:
+            return [f"verify: {self.skipped}"]
         out = [f"verify ({self.level}) against {self.reference} on {self.data}"]
         if self.merge_bases:
             out.append("merge bases, held-out loss: " + "  ".join(
@@ -116,7 +119,9 @@ def verify_export(
     source = resolve_model_and_adapter(model_path, adapter)
     reference, ref_tok = load(model_path, adapter=adapter, dtype=torch.float32, device="cpu",
                               quantize=source.quantize_base)
-    ref_tok = require_tokenizer(ref_tok, source.model)
+    if ref_tok is None:  # a folder without tokenizer.json: nothing to score text with
+        return ExportReport(reference=str(source.model), data="none", level=level,
+                            skipped="the model has no tokenizer (no tokenizer.json): not verified")
     rules = eval_rules(source.recipe)
     split = None
     if data is None and source.recipe is not None:
