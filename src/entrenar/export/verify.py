@@ -36,6 +36,7 @@ from entrenar.evaluation.compare import (
 )
 from entrenar.evaluation.loss import eval_loss
 from entrenar.evaluation.rules import eval_rules
+from entrenar.export import export, load_merged
 from entrenar.io import atomic
 from entrenar.loading import load, require_tokenizer
 from entrenar.loading.runs import resolve_model_and_adapter
@@ -207,8 +208,6 @@ def export_verified(
     """:func:`entrenar.export.export`, then :func:`verify_export` of what it wrote (None: ``verify="none"``, or
     only an adapter was written). A QLoRA run's merge is also made, in memory, into the other base, so the report
     gives both bases' held-out losses."""
-    from entrenar.export import export, load_merged  # the package imports this module's siblings only
-
     check_level(verify)
     written = export(model_path, adapter, output, merge_base=merge_base, **export_kwargs)
     models = [p for p in written if p.suffix == ".gguf" or (p / "config.json").is_file()]
