@@ -160,3 +160,18 @@ def test_a_qlora_merge_says_its_base_and_scores_both(workspace, tmp_path):
         assert set(report.merge_bases) == {"trained", "full", "as trained"}
         assert report.merge_bases[base] == report.checks[0].comparison.candidate_loss
     assert reports["trained"].merge_bases["full"] == pytest.approx(full.candidate_loss, abs=1e-5)
+
+
+def test_a_quantized_folder_is_verified_and_corrupted_scales_flagged(clean, tmp_path, capsys):
+    from entrenar.cli.main import main
+
+    base = clean[0]
+    args = ["quantize", str(base), "--method", "int8", "--output", str(tmp_path / "q"), "--strict",
+            "--max-kl", str(MAX_KL)]
+    assert main(args) == 0 and "verified: within the thresholds" in capsys.readouterr().out
+    assert json.loads((tmp_path / "q" / REPORT_FILE).read_text())["ok"] is True
+    weights = load_file(tmp_path / "q" / "model.safetensors")
+    weights["model.layers.0.mlp.down_proj.weight_scale"] *= 8  # the loader refuses non-positive ones
+    save_file(weights, tmp_path / "q" / "model.safetensors", metadata={"format": "pt"})
+    report = verify_export(base, None, [tmp_path / "q"], max_kl=MAX_KL)
+    assert any("KL divergence" in p for p in report.problems)
