@@ -16,8 +16,8 @@ from entrenar.errors import ConfigError
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["DTYPES", "available_memory", "interpreting", "resolve_device", "resolve_dtype", "triton_available",
-           "use_triton"]
+__all__ = ["ACCELERATORS", "DTYPES", "available_memory", "interpreting", "resolve_device", "resolve_dtype",
+           "triton_available", "use_triton"]
 
 # The weight dtypes a user may name (library and CLI), each to its torch dtype's name; "auto" is handled apart.
 DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16",
@@ -38,8 +38,13 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: str | torch.device) -
     return getattr(torch, DTYPES[dtype])
 
 
+# Device types a run may name, beside the CPU, with what PyTorch calls their runtime (ROCm builds are "cuda").
+ACCELERATORS = {"cuda": "CUDA (or ROCm)", "xpu": "XPU (Intel GPU)", "mps": "MPS (Apple Metal)"}
+
+
 def resolve_device(device: str | torch.device | None) -> torch.device:
-    """None/'auto' means the CUDA device if there is one, else the CPU; a named device must exist here."""
+    """None/'auto' means the CUDA device if there is one, else the CPU; a named device (cpu, cuda, xpu, mps) must
+    exist here. Devices other than CUDA train through the plain PyTorch paths (no Triton kernels)."""
     import torch  # start-up time (the module docstring)
 
     if device in (None, "auto"):
@@ -47,13 +52,30 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     try:
         resolved = torch.device(device)
     except (RuntimeError, TypeError) as e:
-        raise ConfigError(f"unknown device '{device}' (use auto, cpu, cuda or cuda:N): {e}") from None
-    if resolved.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ConfigError(f"device '{device}' was asked for, but CUDA is not available on this machine")
-        if resolved.index is not None and resolved.index >= torch.cuda.device_count():
-            raise ConfigError(f"device '{device}': this machine has {torch.cuda.device_count()} CUDA device(s)")
+        raise ConfigError(f"unknown device '{device}' (use auto, cpu, cuda, cuda:N, xpu, xpu:N or mps): {e}") from None
+    if resolved.type in ACCELERATORS:
+        runtime = ACCELERATORS[resolved.type]
+        if not _available(resolved.type):
+            raise ConfigError(f"device '{device}' was asked for, but {runtime} is not available on this machine")
+        count = _count(resolved.type)
+        if resolved.index is not None and resolved.index >= count:
+            raise ConfigError(f"device '{device}': this machine has {count} {runtime} device(s)")
     return resolved
+
+
+def _available(kind: str) -> bool:
+    import torch  # start-up time (the module docstring)
+
+    if kind == "mps":
+        return bool(torch.backends.mps.is_available())
+    module = getattr(torch, kind, None)  # torch.cuda, torch.xpu
+    return bool(module is not None and module.is_available())
+
+
+def _count(kind: str) -> int:
+    import torch  # start-up time (the module docstring)
+
+    return 1 if kind == "mps" else int(getattr(torch, kind).device_count())
 
 
 def available_memory(device: torch.device) -> tuple[int, str] | None:

@@ -30,3 +30,9 @@ def test_two_processes_classify_as_one(tmp_path):
     one, two = C.losses(ws / "one"), C.losses(ws / "two")
     assert len(one) == 3
     assert two == pytest.approx(one, abs=1e-5)
+    # Each step's training accuracy counts both ranks' rows: the one process's, step for step.
+    from entrenar.train.metrics import read_metrics
+
+    accuracy = [[r["train_accuracy"] for r in read_metrics(ws / run / "metrics.jsonl") if "loss" in r]
+                for run in ("one", "two")]
+    assert accuracy[0] == accuracy[1] and len(accuracy[0]) == 3

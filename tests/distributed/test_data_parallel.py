@@ -17,7 +17,16 @@ HERE = Path(__file__).parent
 SRC = HERE.parents[1] / "src"
 sys.path.insert(0, str(HERE))
 from dist_fixtures import shared  # noqa: E402, F401  (a fixture)
-from workers import diverging_worker, dying_worker, free_port, launch, summary_worker, train_worker  # noqa: E402
+from workers import (  # noqa: E402
+    diverging_worker,
+    dying_worker,
+    free_port,
+    launch,
+    mixed_device_worker,
+    stalling_worker,
+    summary_worker,
+    train_worker,
+)
 
 from entrenar.errors import DistributedError  # noqa: E402
 from entrenar.train.metrics import read_metrics  # noqa: E402
@@ -102,6 +111,29 @@ def test_a_killed_rank_restarts_the_job_from_its_last_checkpoint(shared):
     run = ws / "restarted"  # rank 1 dies after step 3; the checkpoint is at step 2
     launch(dying_worker, recipes["lora"], [f"output.dir={run}", "training.save_every=2"], 3, max_restarts=1)
     assert_same_run(run, reference["lora"])
+
+
+def test_a_stopped_rank_is_found_within_its_bound_named_and_the_job_restarts(shared):
+    """Rank 1 is SIGSTOPped after step 3 (alive, silent): the watchdog names it and its phase within
+    stall_timeout_s (+ its 1 s polling), stops it, and the restarted job ends at the uninterrupted run's weights
+    (without the watchdog the others would wait dist_timeout_s, 20 s here, and the job would fail)."""
+    ws, recipes, reference = shared
+    run, stamp, stalls = ws / "stalled", ws / "stopped-at", []
+    launch(stalling_worker, recipes["lora"], [f"output.dir={run}", "training.save_every=2",
+                                              "training.stall_timeout_s=3", "training.stall_startup_s=60"],
+           3, str(stamp), max_restarts=1, on_stall=stalls.append)
+    [stall] = stalls
+    assert (stall.rank, stall.phase, stall.step, stall.stopped, stall.limit_s) == (1, "collective", 3, True, 3.0)
+    assert stall.detected_at - float(stamp.read_text()) < 3.0 + 2.0
+    assert "rank(s) 0 waited for it" in stall.message or not stall.waiting
+    assert_same_run(run, reference["lora"])
+
+
+def test_ranks_that_resolved_different_device_types_are_refused_together(shared):
+    ws, recipes, _ = shared
+    with pytest.raises(DistributedError, match=r"^rank [01]: model.device: the ranks of this job resolved to "
+                                               r"different device types \(rank 0 cpu, rank 1 xpu\)"):
+        launch(mixed_device_worker, recipes["lora"], [f"output.dir={ws / 'mixed'}"])
 
 
 def test_a_dead_rank_is_reported_once_with_its_exit_code(shared):

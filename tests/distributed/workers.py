@@ -73,6 +73,39 @@ def dying_worker(recipe_path: str, overrides: list[str], at_step: int) -> float 
     return train_worker(recipe_path, overrides)
 
 
+def stalling_worker(recipe_path: str, overrides: list[str], at_step: int, stamp: str) -> float | None:
+    """Train, with rank 1 stopping itself (SIGSTOP: alive, silent) right after logging ``at_step`` on the first
+    attempt only; the time it stopped is written to ``stamp``."""
+    import signal
+    import time
+
+    from entrenar.train.metrics import MetricsLogger
+
+    real_log_step = MetricsLogger.log_step
+
+    def log_step(self, step, *args, **kwargs):
+        record = real_log_step(self, step, *args, **kwargs)
+        if step == at_step and os.environ["RANK"] == "1" and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0":
+            time.sleep(0.5)  # past the heartbeat thread's next write (every 0.25 s): the stop finds it up to date
+            with open(stamp, "w") as f:
+                f.write(repr(time.time()))
+            os.kill(os.getpid(), signal.SIGSTOP)
+        return record
+
+    MetricsLogger.log_step = log_step
+    return train_worker(recipe_path, overrides)
+
+
+def mixed_device_worker(recipe_path: str, overrides: list[str]) -> float | None:
+    """Train, with rank 1 resolving model.device to an Intel GPU (as a host with another accelerator would):
+    the ranks must refuse together before any process group opens."""
+    import entrenar.train.loop as loop
+
+    if os.environ["RANK"] == "1":
+        loop.resolve_device = lambda device: torch.device("xpu")
+    return train_worker(recipe_path, overrides)
+
+
 def main_only_worker() -> tuple[str, str]:
     """World.main_only on 2 ranks: rank 0's result reaches both; rank 0's error is raised on both."""
     import entrenar.distributed.world as world_module

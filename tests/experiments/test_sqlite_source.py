@@ -91,3 +91,62 @@ output: {{dir: {tmp_path / 'run'}}}
     result = train(load_recipe(recipe), progress=False)
     skipped = (result.run_dir / "skipped.jsonl").read_text()
     assert result.steps == 2 and "row 2" in skipped and "completion" in skipped
+
+
+@pytest.fixture
+def ledger(tmp_path):
+    """A ledger of two files, as the original MoE runner kept it: decisions in one, their outcomes in another."""
+    decisions, outcomes = tmp_path / "decisions.db", tmp_path / "outcomes.db"
+    with sqlite3.connect(decisions) as c:
+        c.execute("CREATE TABLE decisions (id INTEGER, prompt TEXT)")
+        c.executemany("INSERT INTO decisions VALUES (?, ?)", [(1, "route a"), (2, "route b"), (3, "route c")])
+    c.close()
+    with sqlite3.connect(outcomes) as c:
+        c.execute("CREATE TABLE outcomes (decision_id INTEGER, quality REAL)")
+        c.executemany("INSERT INTO outcomes VALUES (?, ?)", [(3, 0.25), (1, 0.75)])
+    c.close()
+    return decisions, outcomes
+
+
+JOIN = "SELECT d.prompt AS text, o.quality AS label FROM decisions d JOIN outcomes.outcomes o " \
+       "ON o.decision_id = d.id ORDER BY d.id"
+
+
+def test_data_attach_joins_two_database_files_in_one_query_read_only(ledger):
+    decisions, outcomes = ledger
+    before = outcomes.read_bytes()
+    records, _ = read_records(decisions, query=JOIN, attach={"outcomes": str(outcomes)})
+    assert [r.fields for r in records] == [{"text": "route a", "label": 0.75}, {"text": "route c", "label": 0.25}]
+    with pytest.raises(DataError, match="readonly|read-only"):  # the attached file is read-only too
+        read_records(decisions, query="WITH x AS (SELECT 1) INSERT INTO outcomes.outcomes VALUES (9, 1.0)",
+                     attach={"outcomes": str(outcomes)})
+    assert outcomes.read_bytes() == before
+
+
+def test_data_attach_errors_name_the_key_and_the_file(ledger, tmp_path):
+    decisions, outcomes = ledger
+    with pytest.raises(DataError, match=r"data.attach.outcomes: .*missing.db: no such file"):
+        read_records(decisions, query=JOIN, attach={"outcomes": str(tmp_path / "missing.db")})
+    bad = tmp_path / "bad.db"
+    bad.write_text("not a database at all, just text " * 10)
+    with pytest.raises(DataError, match=r"data.attach.outcomes: .*bad.db: cannot be read as a SQLite database"):
+        read_records(decisions, query=JOIN, attach={"outcomes": str(bad)})
+    base = {"model": {"path": "m"}, "data": {"train": str(decisions), "query": JOIN}}
+    for attach, message in (({"main": str(outcomes)}, "SQL identifier other than main"),
+                            ({"1x": str(outcomes)}, "SQL identifier"), ("outcomes.db", "mapping"),
+                            ({"outcomes": ""}, "must name a file")):
+        with pytest.raises(ConfigError, match=f"data.attach.*{message}"):
+            Recipe.from_dict({**base, "data": {**base["data"], "attach": attach}})
+    with pytest.raises(ConfigError, match="'data.attach' .* set data.query too"):
+        Recipe.from_dict({"model": {"path": "m"}, "data": {"train": str(decisions), "attach": {"o": str(outcomes)}}})
+
+
+def test_a_missing_attached_file_is_found_before_the_model_loads(ledger, tmp_path):
+    from entrenar.train.run_data import check_paths
+
+    decisions, _ = ledger
+    recipe = Recipe.from_dict({"model": {"path": str(tmp_path / "no-model")},
+                               "data": {"train": str(decisions), "query": JOIN,
+                                        "attach": {"outcomes": str(tmp_path / "gone.db")}}})
+    with pytest.raises(DataError, match=r"data.attach.outcomes: no such file or folder: .*gone.db"):
+        check_paths(recipe)

@@ -24,6 +24,9 @@ MOE_FIELDS = (
     "shared_expert_gate", "router_scoring", "norm_topk_prob", "moe_layers",
 )
 MLA_FIELDS = ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "v_head_dim")
+# Gemma 2/3's flags, shown when the model has them
+GEMMA_FIELDS = ("hidden_act", "attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar",
+                "layer_types", "rope_local_theta")
 METHODS = ("full", "lora", "qlora")
 EXPERT_TARGETS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 
@@ -139,6 +142,8 @@ def run(args: argparse.Namespace) -> int:
         architecture.update({name: getattr(config, name) for name in MOE_FIELDS})
     if config.is_mla:
         architecture.update({name: getattr(config, name) for name in MLA_FIELDS})
+    if config.sandwich_norms:
+        architecture.update({name: getattr(config, name) for name in GEMMA_FIELDS})
     total, trainable = estimates[0].total_params, estimates[1].trainable_params
     active = config.num_active_parameters
     notes = seq_len_notes(args.seq_len, config.max_position_embeddings, str(args.model))
@@ -238,6 +243,12 @@ def describe(a: dict[str, Any]) -> str:
                            + (f", shared expert {shared}{gated}" if shared else ""))
         layers = a["moe_layers"]
         rows["moe layers"] = "all" if len(layers) == a["num_layers"] else f"{len(layers)}: {layers}"
+    if "layer_types" in a:
+        types = a["layer_types"] or ()
+        caps = [f"{k.split('_')[0]} {a[k]:g}" for k in ("attn_logit_softcapping", "final_logit_softcapping") if a[k]]
+        rows["gemma"] = (f"{a['hidden_act']} gate, soft caps: {', '.join(caps) or 'none'}, "
+                         f"{types.count('full_attention')} of {len(types)} layers global"
+                         + (f", local rope theta {a['rope_local_theta']:g}" if a["rope_local_theta"] else ""))
     return "\n".join(f"  {name:<14}{value}" for name, value in rows.items())
 
 

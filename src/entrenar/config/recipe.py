@@ -95,9 +95,10 @@ class Recipe:
                 "'data.train' is required (a data file or folder) when model.path is set"
                 + (" or model.init is random" if self.model.init == "random" else ""),
             )
-        if self.model.init == "random" and self.task.type != "causal_lm":
-            raise _BadValue("model.init", f"'model.init' random builds a language model; task.type "
-                                          f"{self.task.type} needs a pretrained model.path")
+        if self.task.type == "preference" and self.task.reference == "adapters_off" and self.lora is None:
+            raise _BadValue("task.reference", "'task.reference' adapters_off needs LoRA or QLoRA (a lora section): "
+                                              "a full fine-tune has no adapters to switch off (use copy or "
+                                              "precomputed)")
         if self.data.validation is not None and self.data.validation_split > 0:
             raise _BadValue(
                 "data.validation_split",

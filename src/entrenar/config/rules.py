@@ -24,6 +24,8 @@ DATA_FORMATS = ("auto", "alpaca", "sharegpt", "messages", "prompt_completion", "
                 "parquet")
 
 
+PREFERENCE_LOSSES = ("dpo", "ipo", "simpo", "orpo", "kto")  # task.loss (entrenar.tasks.preference.losses)
+
 def _unknown(at: str, dotted: str, key: Any, allowed: list[str]) -> ConfigError:
     close = _closest(key, allowed)
     hint = f"; did you mean '{close}'?" if close else ""
@@ -132,6 +134,16 @@ def _number(
     return rule
 
 
+def _seconds_or_null(value: Any) -> float | None:
+    """A duration of at least one second, or null (off)."""
+    if value is None:
+        return None
+    number = _as_number(value)
+    if number is None or number < 1:
+        raise Reject("a number of seconds >= 1, or null (off)")
+    return number
+
+
 def _choice(*options: str | bool | None) -> Rule:
     expected = "one of: " + ", ".join(_plain_text(o) for o in options)
 
@@ -164,8 +176,9 @@ def _text(*, nullable: bool = False) -> Rule:
     return rule
 
 
-_DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
-DEVICE_NAMES = "auto, cpu, cuda, cuda:N"
+# cuda is NVIDIA's CUDA and AMD's ROCm alike (PyTorch names both so); xpu: Intel GPUs; mps: Apple's Metal.
+_DEVICE = re.compile(r"auto|cpu|mps|(cuda|xpu)(:\d+)?")
+DEVICE_NAMES = "auto, cpu, cuda, cuda:N, xpu, xpu:N, mps"
 
 
 def is_device_name(value: Any) -> bool:
@@ -177,6 +190,24 @@ def _device(value: Any) -> str:
     if is_device_name(value):
         return value
     raise Reject(f"one of: {DEVICE_NAMES}")
+
+
+_SCHEMA = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def _attach(value: Any) -> dict[str, str] | None:
+    """data.attach: null, or ``{schema: FILE}`` of SQLite files attached read-only beside data.train's."""
+    expected = "null or a mapping {schema name: SQLite file} (e.g. {outcomes: outcomes.db})"
+    if value is None:
+        return None
+    if not isinstance(value, dict) or not value:
+        raise Reject(expected)
+    for name, path in value.items():
+        if not isinstance(name, str) or not _SCHEMA.fullmatch(name) or name.lower() in ("main", "temp"):
+            raise Reject(expected, f" (schema name {_show(name)} must be an SQL identifier other than main and temp)")
+        if not isinstance(path, str) or not path.strip():
+            raise Reject(expected, f" ({name} must name a file, got {_show(path)})")
+    return dict(value)
 
 
 def _modules(value: Any) -> str | tuple[str, ...]:

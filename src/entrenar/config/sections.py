@@ -11,9 +11,11 @@ from typing import Any, ClassVar
 
 from entrenar.config.rules import (
     DATA_FORMATS,
+    PREFERENCE_LOSSES,
     Reject,
     Rule,
     _activation_bits,
+    _attach,
     _betas,
     _boolean,
     _checkpoint_layers,
@@ -33,6 +35,7 @@ from entrenar.config.rules import (
     _optional_number,
     _parameter_names,
     _qat_modules,
+    _seconds_or_null,
     _show,
     _text,
     _threshold,
@@ -149,9 +152,18 @@ class DataSection(_Section):
     shuffle: bool = setting(True, _boolean)
     # a SQLite train/validation file: the SELECT giving its rows
     query: str | None = setting(None, _text(nullable=True))
+    # task.type preference: the fields of the preferred and dispreferred completions (TRL's names); the prompt is
+    # prompt_field, KTO's completion and label completion_field and label_field
+    chosen_field: str = setting("chosen", _text())
+    rejected_field: str = setting("rejected", _text())
+    # more SQLite files attached read-only to data.train's, by schema name: {outcomes: outcomes.db}
+    attach: dict[str, str] | None = setting(None, _attach)
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.attach is not None and self.query is None:
+            raise _BadValue("data.attach", "'data.attach' attaches SQLite files for 'data.query' to join; set "
+                                           "data.query too")
         if self.query is not None:
             try:
                 check_query(self.query)
@@ -312,6 +324,11 @@ class TrainingSection(_Section):
     dist_timeout_s: float = setting(300.0, _number(1.0), resumable=15)
     # steps between replica checks (and at the end); 0: never
     replica_check_every: int = setting(50, _integer(0), resumable=16)
+    # a rank of a job entrenar launched that stays this long in one phase of a step is stopped and named (then
+    # restarted with --max-restarts); null: only dist_timeout_s. Loading, evaluation, checkpoints and the first
+    # steps get stall_startup_s (distributed/watchdog.py)
+    stall_timeout_s: float | None = setting(30.0, _seconds_or_null, resumable=24)
+    stall_startup_s: float = setting(1800.0, _number(1.0), resumable=24)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -343,10 +360,11 @@ class OutputSection(_Section):
 
 @dataclass(frozen=True)
 class TaskSection(_Section):
-    """What the run learns: next tokens (causal_lm) or a label per text (classification, entrenar.tasks)."""
+    """What the run learns: next tokens (causal_lm), a label per text (classification) or preferences between
+    completions (preference: DPO, IPO, SimPO, ORPO, KTO; entrenar.tasks)."""
 
     section: ClassVar[str] = "task"
-    type: str = setting("causal_lm", _choice("causal_lm", "classification"))
+    type: str = setting("causal_lm", _choice("causal_lm", "classification", "preference"))
     problem_type: str = setting("single_label", _choice("single_label", "multi_label", "regression"))
     # names in class-id order; null: num_labels or from the data
     labels: tuple[str, ...] | None = setting(None, _labels)
@@ -356,12 +374,49 @@ class TaskSection(_Section):
     label_smoothing: float = setting(0.0, _number(0.0, 1.0, high_open=True))
     threshold: str | float | tuple[float, ...] = setting("tune", _threshold)  # multi_label decision threshold(s)
     metric: str | None = setting(None, _text(nullable=True))  # best checkpoint; null: macro_f1 (rmse for regression)
+    # preference: the loss, and its settings with TRL's defaults (label_smoothing above: conservative DPO / SimPO's)
+    loss: str = setting("dpo", _choice(*PREFERENCE_LOSSES))
+    beta: float = setting(0.1, _number(0.0, low_open=True))  # DPO/IPO/KTO's beta (IPO's tau), SimPO's, ORPO's lambda
+    simpo_gamma: float = setting(0.5, _number(0.0))  # SimPO's target reward margin
+    desirable_weight: float = setting(1.0, _number(0.0, low_open=True))  # KTO's weights of the two kinds
+    undesirable_weight: float = setting(1.0, _number(0.0, low_open=True))
+    # the reference model: auto (adapters_off under LoRA/QLoRA, else copy), the base with the adapters switched off,
+    # a frozen copy, or log-probabilities computed once before training and kept in the run folder
+    reference: str = setting("auto", _choice("auto", "adapters_off", "copy", "precomputed"))
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.labels is not None and self.num_labels is not None and self.num_labels != len(self.labels):
             raise _BadValue("task.num_labels", f"'task.num_labels' is {self.num_labels} but 'task.labels' names "
                                                f"{len(self.labels)}")
+        self._check_preference()
+
+    def _check_preference(self) -> None:
+        """Settings a preference loss would silently ignore are refused, naming the loss that ignores them."""
+        defaults = {f.name: f.default for f in fields(self)}
+        only = {"simpo_gamma": ("simpo",), "desirable_weight": ("kto",), "undesirable_weight": ("kto",),
+                "label_smoothing": ("dpo", "simpo") if self.type == "preference" else None}
+        keys = ("loss", "beta", "simpo_gamma", "desirable_weight", "undesirable_weight", "reference")
+        if self.type != "preference":
+            changed = [k for k in keys if getattr(self, k) != defaults[k]]
+            if changed:
+                raise _BadValue(f"task.{changed[0]}", f"'task.{changed[0]}' is a preference setting; task.type is "
+                                                      f"{self.type} (set task.type: preference, or remove it)")
+            return
+        for key, losses in only.items():
+            if losses is not None and self.loss not in losses and getattr(self, key) != defaults[key]:
+                raise _BadValue(f"task.{key}", f"'task.{key}' applies to task.loss {' or '.join(losses)}; "
+                                               f"task.loss {self.loss} does not use it (remove it)")
+        if self.label_smoothing >= 0.5:
+            raise _BadValue("task.label_smoothing", "'task.label_smoothing' must be in [0, 0.5) for a preference loss "
+                                                    f"(the chance a label is flipped), got {self.label_smoothing:g}")
+        if self.loss == "kto" and self.reference == "precomputed":
+            raise _BadValue("task.reference", "'task.reference' precomputed cannot serve task.loss kto: its KL "
+                                              "estimate pairs each prompt with another example's completion of the "
+                                              "same micro-batch, which changes with the order (use copy)")
+        if self.loss in ("simpo", "orpo") and self.reference != "auto":
+            raise _BadValue("task.reference", f"'task.reference' is {self.reference} but task.loss {self.loss} is "
+                                              "reference-free (no reference model); remove task.reference")
 
 
 _SECTIONS: dict[str, type[_Section]] = {

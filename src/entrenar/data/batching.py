@@ -99,7 +99,8 @@ def padding_free(batch: Batch) -> dict[str, torch.Tensor | int]:
 
     Adds ``cu_seqlens`` (int32 ``[D + 1]``: document i spans ``cu_seqlens[i]:cu_seqlens[i + 1]``) and
     ``max_seqlen`` (the longest document, a Python int: attention kernels size their grid by it, and reading it
-    from a GPU tensor would stall the step), and drops ``document_ids``. Labels keep their
+    from a GPU tensor would stall the step), and drops ``document_ids``; every other ``[R, T]`` tensor is laid out
+    as the tokens are, and any other key is kept as it is. Labels keep their
     -100 at each document's first token, so no loss crosses from one document into the next.
     """
     documents = batch["document_ids"]
@@ -109,13 +110,10 @@ def padding_free(batch: Batch) -> dict[str, torch.Tensor | int]:
     starts[:, 1:] &= documents[:, 1:] != documents[:, :-1]
     cu_seqlens = torch.nonzero(starts[keep]).flatten()
     cu_seqlens = torch.cat([cu_seqlens, cu_seqlens.new_tensor([int(keep.sum())])]).to(torch.int32)
-    return {
-        "input_ids": batch["input_ids"][keep][None],
-        "labels": batch["labels"][keep][None],
-        "position_ids": batch["position_ids"][keep][None],
-        "cu_seqlens": cu_seqlens,
-        "max_seqlen": int((cu_seqlens[1:] - cu_seqlens[:-1]).max()),
-    }
+    # Any other per-token tensor (a preference batch's sequence_ids) is laid out alike; other keys pass as they are.
+    out = {key: value[keep][None] if isinstance(value, torch.Tensor) and value.shape == documents.shape else value
+           for key, value in batch.items() if key != "document_ids"}
+    return {**out, "cu_seqlens": cu_seqlens, "max_seqlen": int((cu_seqlens[1:] - cu_seqlens[:-1]).max())}
 
 
 def packed_documents(batch: Batch, capacity: int | None = None) -> dict[str, torch.Tensor | int]:

@@ -20,7 +20,7 @@ import csv
 import json
 import re
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -102,6 +102,7 @@ def read_records(
     on_error: str = "raise",
     seed: int = 0,
     query: str | None = None,
+    attach: Mapping[str, str] | None = None,
 ) -> tuple[list[Record], ReadStats]:
     """Read every record of ``paths`` (files or folders).
 
@@ -109,7 +110,8 @@ def read_records(
     ``on_error="skip"`` malformed records are skipped and counted in the
     returned stats; with ``"raise"`` the first one raises ``DataError``.
     Missing files, unreadable files and an empty result raise ``DataError``.
-    ``seed`` draws ``synth:`` sources that name no seed; ``query`` is the SELECT of SQLite files.
+    ``seed`` draws ``synth:`` sources that name no seed; ``query`` is the SELECT of SQLite files,
+    run with ``attach``'s files (``{schema: file}``) attached.
     """
     if format not in FORMATS:
         raise ConfigError(f"data format {format!r} is not one of {', '.join(FORMATS)}")
@@ -125,7 +127,7 @@ def read_records(
     for file, file_format in _expand(paths, format):
         stats.files.append(str(file))
         try:
-            for item in _read_file(file, file_format, seed, query):
+            for item in _read_file(file, file_format, seed, query, attach):
                 if isinstance(item, Skip):
                     if on_error == "raise":
                         raise DataError(item.message)
@@ -181,11 +183,12 @@ def _format_of(path: Path, format: str) -> str:
         ) from None
 
 
-def _read_file(path: Path, format: str, seed: int = 0, query: str | None = None) -> Iterator[Record | Skip]:
+def _read_file(path: Path, format: str, seed: int = 0, query: str | None = None,
+               attach: Mapping[str, str] | None = None) -> Iterator[Record | Skip]:
     if format == "synth":
         return _read_synth(str(path), seed)
     if format == "sqlite":
-        return (Record(fields, str(path), location) for location, fields in read_sqlite(path, query))
+        return (Record(fields, str(path), location) for location, fields in read_sqlite(path, query, attach))
     readers = {"jsonl": _read_jsonl, "json": _read_json, "csv": _read_csv, "parquet": _read_parquet, "text": _read_text}
     return readers[format](path)
 

@@ -10,6 +10,10 @@ When workers fail, every rank tends to fail: the one with the cause, and the oth
 loses it. Workers write their error into torchrun's per-rank error file instead of printing it, and
 :func:`launch_command` raises one :class:`DistributedError` with the root cause (an entrenar error first, then
 the rank that died, then the earliest), not N tracebacks.
+
+A rank that hangs without dying is found by :mod:`entrenar.distributed.watchdog`: the workers write heartbeats
+into a folder the launcher watches, and a rank that overstays its phase is named and stopped, so torchrun
+restarts the job (``--max-restarts``) or the launcher reports the stall.
 """
 
 from __future__ import annotations
@@ -18,12 +22,15 @@ import functools
 import json
 import logging
 import os
+import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import fields, replace
 from typing import Any
 
+from entrenar.distributed.watchdog import HEARTBEAT_ENV, Stall, Watchdog
 from entrenar.errors import ConfigError, DistributedError, EntrenarError
 
 # What a collective says when another rank is gone: the cause is elsewhere.
@@ -64,22 +71,31 @@ def _quiet() -> None:
         logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
-def launch_command(worker_argv: Sequence[str], **options: Any) -> None:
-    """Run ``python -m entrenar *worker_argv`` on every process torchrun starts (options: :func:`torchrun_args`)."""
+def print_stall(stall: Stall) -> None:
+    """The launcher's line when its watchdog stops a hung rank (torchrun then restarts the job or it fails)."""
+    print(f"entrenar: rank {stall.rank} {stall.message}", file=sys.stderr, flush=True)
+
+
+def launch_command(worker_argv: Sequence[str], on_stall: Callable[[Stall], None] = print_stall,
+                   **options: Any) -> None:
+    """Run ``python -m entrenar *worker_argv`` on every process torchrun starts (options: :func:`torchrun_args`);
+    ``on_stall`` is told of each hung rank the watchdog stops."""
     from torch.distributed.run import config_from_args, parse_args
 
     _quiet()
     args = parse_args([*torchrun_args(**options), "-m", "entrenar", *worker_argv])
     config, cmd, cmd_args = config_from_args(args)
-    _run(config, cmd, cmd_args)
+    _run(config, cmd, cmd_args, on_stall)
 
 
 def launch_function(fn: Callable[..., Any], args: Sequence[Any] = (), start_method: str = "spawn",
-                    monitor_interval: float = 0.1, shutdown_timeout: int = 30, **options: Any) -> dict[int, Any]:
+                    monitor_interval: float = 0.1, shutdown_timeout: int = 30,
+                    on_stall: Callable[[Stall], None] = print_stall, **options: Any) -> dict[int, Any]:
     """Run ``fn(*args)`` on every process (a library entry point, and the tests'); returns each rank's result.
 
     ``start_method="fork"`` starts workers without importing torch again (tests on a small machine);
-    ``shutdown_timeout``: seconds the survivors of a failure get between SIGTERM and SIGKILL.
+    ``shutdown_timeout``: seconds the survivors of a failure get between SIGTERM and SIGKILL; ``on_stall`` is
+    told of each hung rank the watchdog stops.
     """
     from torch.distributed.run import config_from_args, parse_args
 
@@ -91,7 +107,7 @@ def launch_function(fn: Callable[..., Any], args: Sequence[Any] = (), start_meth
                          shutdown_timeout=shutdown_timeout)
     else:  # torch < 2.12 has no shutdown_timeout
         config = replace(config, start_method=start_method, monitor_interval=monitor_interval)
-    return _run(config, _Recording(fn), list(args))
+    return _run(config, _Recording(fn), list(args), on_stall)
 
 
 class _Recording:
@@ -110,28 +126,33 @@ class _Recording:
             raise
 
 
-def _run(config: Any, entrypoint: Any, args: list[Any]) -> Any:
+def _run(config: Any, entrypoint: Any, args: list[Any], on_stall: Callable[[Stall], None]) -> Any:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
-    previous = os.environ.get(LAUNCHER_ENV)
-    os.environ[LAUNCHER_ENV] = "1"
-    try:
-        return elastic_launch(config, entrypoint)(*args)
-    except ChildFailedError as failed:
-        raise DistributedError(root_cause(failed.failures)) from None
-    finally:
-        if previous is None:
-            os.environ.pop(LAUNCHER_ENV, None)
-        else:
-            os.environ[LAUNCHER_ENV] = previous
+    previous = {name: os.environ.get(name) for name in (LAUNCHER_ENV, HEARTBEAT_ENV)}
+    with tempfile.TemporaryDirectory(prefix="entrenar-heartbeats-") as heartbeats:
+        os.environ[LAUNCHER_ENV] = "1"
+        os.environ[HEARTBEAT_ENV] = heartbeats  # the workers inherit it
+        try:
+            with Watchdog(heartbeats, on_stall):
+                return elastic_launch(config, entrypoint)(*args)
+        except ChildFailedError as failed:
+            raise DistributedError(root_cause(failed.failures)) from None
+        finally:
+            for name, value in previous.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
 
 
 def root_cause(failures: dict[int, Any]) -> str:
     """One line for the failures of a run: the most telling rank's message.
 
-    An entrenar error (bad data, a diverged replica) explains itself; a rank killed or exited without a report
-    (a crash, the OOM killer) is the likely cause of the others' lost collectives; otherwise the earliest.
+    An entrenar error (bad data, a diverged replica) or a stall the watchdog found explains itself; a rank
+    killed or exited without a report (a crash, the OOM killer) is the likely cause of the others' lost
+    collectives; otherwise the earliest.
     """
     def reported(failure: Any) -> dict:
         data = failure.error_file_data if isinstance(failure.error_file_data, dict) else {}
@@ -140,7 +161,7 @@ def root_cause(failures: dict[int, Any]) -> str:
     def rank_of(item: tuple[int, Any]) -> tuple[int, int, int]:
         rank, failure = item
         data = reported(failure)
-        kind = 0 if data.get("entrenar") == "user" else 1 if not data.get("message") else 2
+        kind = 0 if data.get("entrenar") in ("user", "stall") else 1 if not data.get("message") else 2
         return kind, failure.timestamp, rank
 
     rank, failure = min(failures.items(), key=rank_of)

@@ -104,12 +104,19 @@ def launched() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "LOCAL_RANK" in os.environ
 
 
+# The collective backend of each device type a job may train on (ROCm's is NCCL's API, as RCCL).
+BACKENDS = {"cuda": "nccl", "xpu": "xccl", "cpu": "gloo"}
+
+
 def join(device: torch.device, timeout_s: float, group_for_one: bool = False) -> tuple[World, torch.device]:
     """Open the default process group when torchrun started this process; the world and this rank's device.
 
-    On CUDA each process takes ``cuda:LOCAL_RANK`` and NCCL; elsewhere gloo on the device asked for.
-    ``timeout_s`` bounds every collective: a rank that died or hangs stops the others after that long (torchrun
-    then restarts the job, with ``--max-restarts``), instead of after PyTorch's default ten minutes.
+    On CUDA (and ROCm) each process takes ``cuda:LOCAL_RANK`` and NCCL, on an Intel GPU ``xpu:LOCAL_RANK`` and
+    XCCL, on the CPU gloo; MPS has no collective backend. Every rank must have resolved the same device type:
+    the ranks compare theirs over the rendezvous store before any process group opens, and a mixed job is one
+    ConfigError naming each rank's. ``timeout_s`` bounds every collective: a rank that died or hangs stops the
+    others after that long (torchrun then restarts the job, with ``--max-restarts``), instead of after PyTorch's
+    default ten minutes.
     A job of one process opens no group (unless ``group_for_one``: DDP or FSDP asked for by name): it runs as a
     plain process does, CUDA graphs and overlapped steps included, with torchrun's restarts around it.
     """
@@ -117,30 +124,46 @@ def join(device: torch.device, timeout_s: float, group_for_one: bool = False) ->
         return SOLO, device
     rank, size, local_rank = (int(os.environ[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
     if size == 1 and not group_for_one and not dist.is_initialized():
-        if device.type == "cuda":
-            device = torch.device("cuda", local_rank)
-            torch.cuda.set_device(device)
+        if device.type in ("cuda", "xpu"):
+            device = torch.device(device.type, local_rank)
+            getattr(torch, device.type).set_device(device)
         return World(rank=0, size=1, local_rank=local_rank), device
-    if device.type == "cuda":
-        if local_rank >= torch.cuda.device_count():
-            raise ConfigError(f"LOCAL_RANK {local_rank} but this host has {torch.cuda.device_count()} CUDA "
-                              "device(s); start at most one process per device (--nproc-per-node)")
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-        backend = "nccl"
-    elif device.type == "cpu":
-        backend = "gloo"
-    else:
-        raise ConfigError(f"model.device: distributed training runs on CUDA (NCCL) or the CPU (gloo), not {device}")
+    timeout = timedelta(seconds=timeout_s)
+    store = None
     if not dist.is_initialized():
-        timeout = timedelta(seconds=timeout_s)
-        dist.init_process_group(backend, timeout=timeout, store=_store(size, timeout), rank=rank, world_size=size,
-                                device_id=device if backend == "nccl" else None)
+        store = _store(size, timeout)
+        same_device_type(store, rank, size, device)
+    backend = BACKENDS.get(device.type)
+    if backend is None:
+        raise ConfigError(f"model.device: distributed training runs on CUDA or ROCm (NCCL), Intel GPUs (XCCL) or "
+                          f"the CPU (gloo); PyTorch has no collective backend for {device.type}")
+    if device.type in ("cuda", "xpu"):
+        module = getattr(torch, device.type)
+        if local_rank >= module.device_count():
+            raise ConfigError(f"LOCAL_RANK {local_rank} but this host has {module.device_count()} {device.type} "
+                              "device(s); start at most one process per device (--nproc-per-node)")
+        device = torch.device(device.type, local_rank)
+        module.set_device(device)
+    if store is not None:
+        dist.init_process_group(backend, timeout=timeout, store=store, rank=rank, world_size=size,
+                                device_id=device if backend != "gloo" else None)
         _opened.append(True)
     if dist.get_world_size() != size or dist.get_rank() != rank:
         raise ConfigError(f"the process group ({dist.get_rank()} of {dist.get_world_size()}) does not match "
                           f"RANK={rank} WORLD_SIZE={size}")
     return World(rank=rank, size=size, local_rank=local_rank, backend=backend), device
+
+
+def same_device_type(store: dist.Store, rank: int, size: int, device: torch.device) -> None:
+    """Every rank's device type through ``store`` (before any process group: mismatched backends would open
+    groups that cannot talk); a ConfigError on every rank when they differ."""
+    store.set(f"device_type/{rank}", device.type)
+    types = [store.get(f"device_type/{r}").decode() for r in range(size)]
+    if len(set(types)) > 1:
+        ranks = ", ".join(f"rank {r} {kind}" for r, kind in enumerate(types))
+        raise ConfigError(f"model.device: the ranks of this job resolved to different device types ({ranks}); "
+                          "every rank must train on the same kind of device (one collective backend): set "
+                          "model.device to it (cuda, xpu or cpu) rather than auto on mixed hosts")
 
 
 def _store(size: int, timeout: timedelta) -> dist.Store:

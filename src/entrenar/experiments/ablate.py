@@ -9,6 +9,10 @@ Arms (each through :func:`entrenar.train.loop.train`, on the recipe's data, seed
   whose ``intermediate_size`` is solved so its parameter count is closest to the MoE's active (``match="active"``)
   or total parameters.
 
+The recipe's task may be a head trained from scratch (``task: {type: classification, problem_type: regression}``
+on ``synth:regression`` or a SQLite ledger, as the original MoE runner trained its quality regressor): each arm is
+then that regressor or classifier, and the report adds the task's held-out metrics (rmse, r2, ...) per arm.
+
 Each arm trains in ``OUTPUT/ARM`` (a normal run folder) and, once done, leaves ``arm.json`` there; a re-run skips
 arms with one and resumes an interrupted arm from its last checkpoint. ``ablation.json``, ``ablation.md`` and
 ``ablation_loss.png`` go in ``OUTPUT``. On ``synth:mixture`` data the report also gives, per MoE layer, the mutual
@@ -185,7 +189,8 @@ def ablate(
     setup = {"data": recipe.data.train, "validation": recipe.data.validation or
              (f"{recipe.data.validation_split:g} of data.train" if recipe.data.validation_split else None),
              "seed": t.seed, "max_steps": t.max_steps, "epochs": t.epochs, "batch_size": t.batch_size,
-             "seq_len": recipe.data.seq_len,
+             "seq_len": recipe.data.seq_len, "task": recipe.task.type if recipe.task.type == "causal_lm" else
+             f"{recipe.task.type} ({recipe.task.problem_type})",
              "model_type": config.model_type, "num_experts": config.num_experts,
              "num_experts_per_tok": config.num_experts_per_tok, "arms": list(arms),
              "bias_update_rate": recipes["moe-sigmoid"].moe.bias_update_rate if "moe-sigmoid" in arms else None}
@@ -215,7 +220,8 @@ def _run_arm(arm: str, recipe: Recipe, run_dir: Path, progress: bool, say: Calla
     say(f"arm {arm}: {'resuming' if resume else 'training'} in {run_dir}")
     result = train(recipe, resume=resume, progress=progress)
     say(result.summary)  # what `entrenar train` prints at the end of a run
-    record = arm_record(result.run_dir, recipe, result.eval_after.loss if result.eval_after else None, mi_records)
+    record = arm_record(result.run_dir, recipe, result.eval_after.loss if result.eval_after else None, mi_records,
+                        getattr(result.eval_after, "metrics", None))
     atomic.write_text(done, json.dumps(record, indent=2) + "\n")
     return record
 
@@ -227,8 +233,10 @@ def _changes(recipe: Recipe, saved: Path) -> list[str]:
     return [c for c in recipe_changes(load_recipe(saved), recipe) if not c.startswith("output.")]
 
 
-def arm_record(run_dir: Path, recipe: Recipe, eval_loss: float | None, mi_records: int = MI_RECORDS) -> dict[str, Any]:
-    """What the report keeps of a finished arm: losses, throughput, parameters, router state, specialisation."""
+def arm_record(run_dir: Path, recipe: Recipe, eval_loss: float | None, mi_records: int = MI_RECORDS,
+               eval_metrics: dict[str, float] | None = None) -> dict[str, Any]:
+    """What the report keeps of a finished arm: losses, throughput, parameters, router state, specialisation, and
+    a head's held-out task metrics (``eval_metrics``)."""
     records = read_metrics(run_dir / "metrics.jsonl")
     steps = [r for r in records if r.get("loss") is not None]
     evals = [r for r in records if r.get("eval_loss") is not None]
@@ -247,6 +255,8 @@ def arm_record(run_dir: Path, recipe: Recipe, eval_loss: float | None, mi_record
         "fingerprint": arch["fingerprint"],
         "curve": [[r["step"], r["loss"]] for r in steps], "eval_curve": [[r["step"], r["eval_loss"]] for r in evals],
     }
+    if eval_metrics:
+        record["eval_metrics"] = {k: v for k, v in eval_metrics.items() if isinstance(v, (int, float))}
     last_moe = next((r["moe"] for r in reversed(steps) if r.get("moe")), None)
     if last_moe is not None:
         layers = last_moe["layers"]
@@ -394,6 +404,12 @@ def format_markdown(report: Ablation) -> str:
               "to sum to 1). Load max/mean: the busiest expert's share of the routed tokens at the last step over "
               "the mean share (1: balanced), mean over the MoE layers. MI: I(sub-task; chosen expert) on the "
               "answer tokens of held-out records, mean over the MoE layers (per layer below)."]
+    heads = [(arm, r["eval_metrics"]) for arm, r in report.arms.items() if r.get("eval_metrics")]
+    if heads:
+        names = list(heads[0][1])
+        lines += ["", f"## Held-out task metrics ({s.get('task')}, a head trained from scratch)", "",
+                  "| arm | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
+        lines += [f"| {arm} | " + " | ".join(_num(metrics.get(n)) for n in names) + " |" for arm, metrics in heads]
     m = report.match
     if m is not None:
         lines += ["", f"Dense arm: {m['family']} with intermediate_size {m['intermediate_size']}: {m['achieved']:,} "

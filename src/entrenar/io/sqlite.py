@@ -4,13 +4,16 @@ The file is opened read-only (a ``mode=ro`` URI, and ``PRAGMA query_only``), onl
 ``WITH ... SELECT``) statement is run, and each row becomes a record whose fields are the result's column
 names, mapped like JSONL fields (``text_field``, ``prompt_field``, ...). SQL NULL is None, so a NULL text is
 that record's error (``on_error: skip`` skips it). Rows are numbered from 1 (``row 17``).
+
+``data.attach: {outcomes: outcomes.db}`` attaches further files to the same connection, read-only too, under
+their schema names, so one query joins across files (``... JOIN outcomes.results r ON ...``).
 """
 
 from __future__ import annotations
 
 import re
 import sqlite3
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from urllib.parse import quote
 
@@ -39,14 +42,32 @@ def check_query(query: str) -> str:
     return query
 
 
-def read_sqlite(path: Path, query: str | None) -> Iterator[tuple[str, dict]]:
-    """(location, fields) of every row ``query`` returns from ``path``."""
+def _uri(path: Path) -> str:
+    return f"file:{quote(str(path.absolute()))}?mode=ro"
+
+
+def attach_files(connection: sqlite3.Connection, attach: Mapping[str, str | Path]) -> None:
+    """ATTACH each ``{schema: file}`` read-only (the connection was opened with URIs on); a missing or non-SQLite
+    file is a DataError naming its ``data.attach`` key."""
+    for name, file in attach.items():
+        where = f"data.attach.{name}: {file}"
+        if not Path(file).is_file():
+            raise DataError(f"{where}: no such file")
+        try:
+            connection.execute(f'ATTACH DATABASE ? AS "{name}"', (_uri(Path(file)),))
+            connection.execute(f'SELECT count(*) FROM "{name}".sqlite_master').fetchone()
+        except sqlite3.Error as e:
+            raise DataError(f"{where}: cannot be read as a SQLite database: {e}") from None
+
+
+def read_sqlite(path: Path, query: str | None,
+                attach: Mapping[str, str | Path] | None = None) -> Iterator[tuple[str, dict]]:
+    """(location, fields) of every row ``query`` returns from ``path`` (with ``attach``'s files attached)."""
     if query is None:
         raise ConfigError(f"{path}: a SQLite data file needs data.query (a SELECT statement giving the columns)")
     check_query(query)
-    uri = f"file:{quote(str(path.absolute()))}?mode=ro"
     try:
-        connection = sqlite3.connect(uri, uri=True)
+        connection = sqlite3.connect(_uri(path), uri=True)
     except sqlite3.Error as e:
         raise DataError(f"{path}: cannot be opened as a SQLite database: {e}") from None
     try:
@@ -55,6 +76,7 @@ def read_sqlite(path: Path, query: str | None) -> Iterator[tuple[str, dict]]:
             connection.execute("SELECT count(*) FROM sqlite_master").fetchone()  # reads the header: is it SQLite?
         except sqlite3.Error as e:
             raise DataError(f"{path}: cannot be read as a SQLite database: {e}") from None
+        attach_files(connection, attach or {})
         try:
             cursor = connection.execute(query)
         except sqlite3.Error as e:
@@ -79,4 +101,4 @@ def read_sqlite(path: Path, query: str | None) -> Iterator[tuple[str, dict]]:
         connection.close()
 
 
-__all__ = ["SQLITE_EXTENSIONS", "check_query", "is_sqlite", "read_sqlite"]
+__all__ = ["SQLITE_EXTENSIONS", "attach_files", "check_query", "is_sqlite", "read_sqlite"]

@@ -2,7 +2,9 @@
 
 Llama 2/3, Mistral, Qwen2/2.5, Qwen3 and SmolLM differ only in a handful of
 flags (biases, q/k norms, RoPE scaling, tied embeddings), so one dataclass and
-one model implementation cover them all, as in litgpt.
+one model implementation cover them all, as in litgpt. Gemma 2 and Gemma 3 (text)
+are a few flags more (scaled embeddings, (1 + w) norms, sandwich norms, a GELU gate,
+soft caps, per-layer sliding windows and RoPE bases).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from entrenar.errors import ModelError
 from entrenar.models.rope_scaling import check_longrope, longrope_inv_freq
 
 SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe",
-                      "phi3", "olmo2", "granite", "deepseek_v3")
+                      "phi3", "olmo2", "granite", "deepseek_v3", "gemma2", "gemma3_text")
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3")
 _ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
@@ -33,7 +35,14 @@ _ARCHITECTURES = {
     "olmo2": "Olmo2ForCausalLM",
     "granite": "GraniteForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
 }
+GEMMA_FAMILIES = ("gemma2", "gemma3_text")
+# The gate activations of the MLP (config.json's hidden_act, Gemma's hidden_activation), as transformers' ACT2FN
+# names them.
+HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh", "gelu")
+LAYER_TYPES = ("full_attention", "sliding_attention")
 ROUTER_SCORINGS = ("softmax", "softmax_topk", "sigmoid")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 
@@ -92,6 +101,16 @@ class ModelConfig:
     residual_multiplier: float = 1.0  # Granite: attention and MLP outputs multiplied by this before the residual
     attention_multiplier: float | None = None  # Granite: the attention-score scale (None: 1/sqrt(head_dim))
     logits_scaling: float = 1.0  # Granite: logits divided by this
+    # Gemma 2/3 (models/transformer.py): each flag alone changes what the decoder computes.
+    scale_embeddings: bool = False  # embeddings times sqrt(hidden_size), rounded to the model dtype
+    norm_unit_offset: bool = False  # RMSNorm multiplies by (1 + weight), the weight stored as the checkpoint has it
+    sandwich_norms: bool = False  # norms before and after attention and MLP (pre/post_feedforward_layernorm)
+    hidden_act: str = "silu"  # the MLP's gate activation, one of HIDDEN_ACTS
+    attn_logit_softcapping: float | None = None  # attention scores -> cap * tanh(scores / cap)
+    final_logit_softcapping: float | None = None  # logits -> cap * tanh(logits / cap)
+    query_pre_attn_scalar: float | None = None  # attention scale is this ** -0.5 (None: head_dim ** -0.5)
+    layer_types: tuple[str, ...] | None = None  # per layer, one of LAYER_TYPES; None: every layer uses sliding_window
+    rope_local_theta: float | None = None  # Gemma 3: the sliding layers' RoPE base (unscaled); None: rope_theta
     initializer_range: float = 0.02
     model_type: str = "llama"
     bos_token_id: int | list[int] | None = None
@@ -148,6 +167,33 @@ class ModelConfig:
             check_longrope(self.rope_scaling or {}, "model config")
             longrope_inv_freq(self, long=True)  # the factor counts checked against the rotated dims
             longrope_inv_freq(self, long=False)
+        self._check_gemma_flags()
+
+    def _check_gemma_flags(self) -> None:
+        if self.hidden_act not in HIDDEN_ACTS:
+            raise ModelError(f"model config: hidden activation {self.hidden_act!r} is not supported "
+                             f"(supported: {', '.join(HIDDEN_ACTS)})")
+        for name in ("attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar",
+                     "rope_local_theta"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or not math.isfinite(value) or value <= 0):
+                raise ModelError(f"model config: '{name}' must be a positive number or null, got {value!r}")
+        if self.layer_types is not None:
+            self.layer_types = tuple(self.layer_types)
+            if len(self.layer_types) != self.num_layers or any(t not in LAYER_TYPES for t in self.layer_types):
+                raise ModelError(f"model config: 'layer_types' must list one of {', '.join(LAYER_TYPES)} for each "
+                                 f"of the {self.num_layers} layers, got {list(self.layer_types)!r}"[:400])
+
+    def layer_window(self, layer_idx: int) -> int | None:
+        """The sliding window of layer ``layer_idx`` (None: it attends to every earlier position)."""
+        if self.layer_types is not None and self.layer_types[layer_idx] != "sliding_attention":
+            return None
+        return self.sliding_window
+
+    def layer_uses_local_rope(self, layer_idx: int) -> bool:
+        """Whether layer ``layer_idx`` rotates by the local RoPE base (Gemma 3's sliding layers)."""
+        return self.rope_local_theta is not None and self.layer_window(layer_idx) is not None
 
     @property
     def is_moe(self) -> bool:
@@ -189,9 +235,10 @@ class ModelConfig:
             attn = mla_parameters(self)
         dense = 3 * h * i + (2 * i + h) * self.mlp_bias
         total = active = self.vocab_size * h * (1 if self.tie_word_embeddings else 2) + h
+        norms = (4 if self.sandwich_norms else 2) * h
         for layer in range(self.num_layers):
-            total += attn + 2 * h
-            active += attn + 2 * h
+            total += attn + norms
+            active += attn + norms
             if not self.is_moe_layer(layer):
                 total += dense
                 active += dense
@@ -224,6 +271,10 @@ class ModelConfig:
         if not isinstance(hf, dict):
             raise ModelError(f"{source}: expected a JSON object, got {_json_type(hf)}")
         model_type = hf.get("model_type")
+        if model_type == "gemma3" and isinstance(hf.get("text_config"), dict):
+            raise ModelError(f"{source}: Gemma 3 with its vision tower (Gemma3ForConditionalGeneration) is not "
+                             "supported; entrenar trains Gemma 3 text models (model_type gemma3_text, "
+                             "Gemma3ForCausalLM)")
         if model_type not in SUPPORTED_FAMILIES:
             archs = hf.get("architectures")
             raise ModelError(
@@ -231,6 +282,9 @@ class ModelConfig:
                 + (f" (architectures {archs})" if archs else "")
                 + f"; supported: {', '.join(SUPPORTED_FAMILIES)}"
             )
+        gemma = model_type in GEMMA_FAMILIES
+        if gemma:
+            hf = _gemma_rope_flattened(hf, source)
         read = _Reader(hf, source)
         required: _RequiredSizes = {
             "vocab_size": read.size("vocab_size", required=True),
@@ -239,7 +293,7 @@ class ModelConfig:
             "num_layers": read.size("num_hidden_layers", required=True, limit=MAX_LAYERS),
             "num_heads": read.size("num_attention_heads", required=True),
         }
-        hidden_act = hf.get("hidden_act", "silu")
+        hidden_act = "silu" if gemma else hf.get("hidden_act", "silu")  # Gemma reads hidden_activation alone
         if hidden_act not in ("silu", "swish"):
             raise ModelError(f"{source}: hidden_act {hidden_act!r} is not supported (only silu)")
 
@@ -283,21 +337,27 @@ class ModelConfig:
         }
         if model_type == "qwen2_moe":
             attention_bias = bool(hf.get("qkv_bias", True))
+        gemma_flags: dict[str, Any] = {}
+        if gemma:
+            gemma_flags = _gemma_from_hf(model_type, hf, required["num_layers"], read)
+            known |= set(_GEMMA_KEYS)
+            sliding = gemma_flags.pop("sliding_window")
         try:
             return cls(
                 **required,
                 num_kv_heads=mla.pop("num_kv_heads", None) or read.size("num_key_value_heads", nullable=True)
                 or required["num_heads"],
-                head_dim=mla.pop("head_dim", None) or read.size("head_dim", nullable=True),
+                head_dim=mla.pop("head_dim", None) or read.size("head_dim", nullable=True,
+                                                                default=256 if gemma else None),
                 rms_norm_eps=read.number("rms_norm_eps", default=1e-6, positive=True),
                 rope_theta=rope_theta,
                 rope_scaling=scaling,
                 max_position_embeddings=read.size("max_position_embeddings", default=2048, limit=None),
-                tie_word_embeddings=read.flag("tie_word_embeddings"),
+                tie_word_embeddings=read.flag("tie_word_embeddings", default=gemma),
                 qkv_bias=model_type == "qwen2" or attention_bias,
                 o_bias=model_type not in ("qwen2", "qwen2_moe") and attention_bias,
                 mlp_bias=read.flag("mlp_bias"),
-                qk_norm=model_type in ("qwen3", "qwen3_moe", "olmoe", "olmo2"),
+                qk_norm=model_type in ("qwen3", "qwen3_moe", "olmoe", "olmo2", "gemma3_text"),
                 qk_norm_full=model_type in ("olmoe", "olmo2"),
                 clip_qkv=read.number("clip_qkv", positive=True) if hf.get("clip_qkv") is not None else None,
                 **moe,
@@ -305,6 +365,7 @@ class ModelConfig:
                 sliding_window=sliding,
                 partial_rotary_factor=partial_rotary,
                 **_family_flags(model_type, read),
+                **gemma_flags,
                 initializer_range=0.02 if hf.get("initializer_range") is None else read.number("initializer_range"),
                 model_type=model_type,
                 bos_token_id=read.token_ids("bos_token_id"),
@@ -363,6 +424,7 @@ class ModelConfig:
             hf["sliding_window"] = self.sliding_window
         if self.model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
             hf["use_sliding_window"] = self.sliding_window is not None
+        hf.update(self._gemma_to_hf(hf))
         return hf
 
     def _family_to_hf(self, rope_parameters: dict[str, Any]) -> dict[str, Any]:
@@ -389,6 +451,43 @@ class ModelConfig:
                                             else self.attention_multiplier),
                       logits_scaling=self.logits_scaling)
         return hf
+    def _gemma_to_hf(self, hf: dict[str, Any]) -> dict[str, Any]:
+        """Gemma 2/3's keys of config.json (empty for other families, which cannot hold these flags)."""
+        flags = {"scale_embeddings": self.scale_embeddings, "norm_unit_offset": self.norm_unit_offset,
+                 "sandwich_norms": self.sandwich_norms, "hidden_act": self.hidden_act != "silu",
+                 "attn_logit_softcapping": self.attn_logit_softcapping is not None,
+                 "final_logit_softcapping": self.final_logit_softcapping is not None,
+                 "query_pre_attn_scalar": self.query_pre_attn_scalar is not None,
+                 "layer_types": self.layer_types is not None, "rope_local_theta": self.rope_local_theta is not None}
+        if self.model_type not in GEMMA_FAMILIES:
+            if any(flags.values()):
+                raise ModelError(f"{self.model_type} checkpoints cannot hold the Gemma flags "
+                                 f"{[k for k, v in flags.items() if v]}; use model_type gemma2 or gemma3_text")
+            return {}
+        wanted = ("scale_embeddings", "norm_unit_offset", "sandwich_norms")
+        if not all(flags[k] for k in wanted):
+            raise ModelError(f"{self.model_type} checkpoints always have {', '.join(wanted)}")
+        if self.model_type == "gemma3_text" and self.attn_logit_softcapping is not None:
+            raise ModelError("gemma3_text checkpoints have no attention-logit soft-capping")
+        if (self.model_type == "gemma3_text") != (self.qk_norm and not self.qk_norm_full) or self.qk_norm_full:
+            raise ModelError(f"{self.model_type} checkpoints have per-head q/k norms if and only if gemma3_text")
+        out: dict[str, Any] = {
+            "hidden_activation": self.hidden_act,
+            # transformers' config class takes an integer here (its strict validation refuses 24.0)
+            "query_pre_attn_scalar": _whole(self.query_pre_attn_scalar or self.head_dim),
+            "attn_logit_softcapping": self.attn_logit_softcapping,
+            "final_logit_softcapping": self.final_logit_softcapping,
+            "layer_types": list(self.layer_types or ["sliding_attention"] * self.num_layers),
+            "sliding_window": self.sliding_window,
+        }
+        hf.pop("hidden_act", None)
+        if self.model_type == "gemma3_text":
+            full = {k: v for k, v in hf["rope_parameters"].items()}
+            local = {"rope_type": "default", "rope_theta": self.rope_local_theta or self.rope_theta}
+            out["rope_parameters"] = {"full_attention": full, "sliding_attention": local}
+            hf.pop("rope_theta", None)
+            hf.pop("rope_scaling", None)
+        return out
 
     def _moe_to_hf(self) -> dict[str, Any]:
         """The MoE keys of config.json, as each family names them."""
@@ -507,8 +606,8 @@ class _Reader:
             raise self._bad(key, expected)
         return number
 
-    def flag(self, key: str) -> bool:
-        value = self.data.get(key, False)
+    def flag(self, key: str, default: bool = False) -> bool:
+        value = self.data.get(key, default)
         if value is None:
             return False
         if not isinstance(value, bool):
@@ -774,12 +873,86 @@ def mla_parameters(config: ModelConfig) -> int:
     return q + kv + heads * config.v_head_dim * h + h * config.o_bias
 
 
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """Inverse RoPE frequencies [head_dim/2], with linear or llama3 scaling applied."""
+# Gemma's config.json keys beyond Llama's; transformers' class defaults fill in what a config leaves out.
+_GEMMA_KEYS = ("hidden_activation", "query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping",
+               "layer_types", "sliding_window_pattern", "_sliding_window_pattern", "rope_local_base_freq",
+               "use_bidirectional_attention")
+
+
+def _whole(x: float | int | None) -> float | int | None:
+    """``x`` as an int where it is a whole number (24.0 -> 24)."""
+    return int(x) if isinstance(x, float) and x.is_integer() else x
+
+
+def _gemma_rope_flattened(hf: dict[str, Any], source: str) -> dict[str, Any]:
+    """Gemma 3's config.json with its RoPE as Llama's keys give it: the full-attention layers' parameters as
+    ``rope_parameters`` and the sliding layers' base as ``rope_local_base_freq``. transformers 5 nests them per
+    layer type (``rope_parameters.full_attention`` / ``.sliding_attention``); older configs give ``rope_theta``
+    (default 1e6), ``rope_local_base_freq`` (default 1e4) and ``rope_scaling`` (the full layers' only).
+    Gemma 2 has one RoPE for every layer, as Llama."""
+    if hf.get("model_type") != "gemma3_text":
+        return hf
+    hf = dict(hf)
+    nested = _Reader(hf, source).mapping("rope_parameters") or {}
+    if "full_attention" in nested or "sliding_attention" in nested:
+        full = _Reader(nested, source, "rope_parameters.").mapping("full_attention") or {}
+        local = _Reader(nested, source, "rope_parameters.").mapping("sliding_attention") or {}
+        if local.get("rope_type", "default") != "default":
+            raise ModelError(f"{source}: 'rope_parameters.sliding_attention.rope_type' {local['rope_type']!r} is "
+                             "not supported (Gemma 3's sliding layers use the default RoPE)")
+        hf["rope_parameters"] = {"rope_theta": 1_000_000.0, **full}
+        hf["rope_local_base_freq"] = local.get("rope_theta", 10_000.0)
+    else:
+        hf.setdefault("rope_theta", 1_000_000.0)
+    hf.setdefault("rope_local_base_freq", 10_000.0)
+    return hf
+
+
+def _gemma_from_hf(model_type: str, hf: dict[str, Any], num_layers: int, read: _Reader) -> dict[str, Any]:
+    """ModelConfig's Gemma 2/3 flags from a config.json, with transformers 5.24's defaults and its reading of
+    ``layer_types``: given, or every ``sliding_window_pattern``-th layer (Gemma 2: 2nd; Gemma 3: 6th) global."""
+    gemma2 = model_type == "gemma2"
+    if hf.get("use_bidirectional_attention"):
+        raise ModelError(f"{read.source}: 'use_bidirectional_attention' (EmbeddingGemma) is not supported: "
+                         "entrenar trains causal language models")
+    act = hf.get("hidden_activation") or "gelu_pytorch_tanh"
+    if act not in HIDDEN_ACTS:
+        raise read._bad("hidden_activation", f"one of {', '.join(HIDDEN_ACTS)}")
+
+    def cap(key: str, default: float | None) -> float | None:
+        return read.number(key, default=default, positive=True) if hf.get(key, default) is not None else None
+
+    layer_types = hf.get("layer_types")
+    if layer_types is None:
+        pattern = hf.get("sliding_window_pattern") or hf.get("_sliding_window_pattern") or (2 if gemma2 else 6)
+        if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern <= 0:
+            raise read._bad("sliding_window_pattern", "a positive integer")
+        layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
+    elif not isinstance(layer_types, list):
+        raise read._bad("layer_types", f"a list of {' / '.join(LAYER_TYPES)}")
+    return {
+        "scale_embeddings": True,
+        "norm_unit_offset": True,
+        "sandwich_norms": True,
+        "hidden_act": act,
+        # Gemma 3's attention reads no attn_logit_softcapping (transformers passes it to no attention function).
+        "attn_logit_softcapping": cap("attn_logit_softcapping", 50.0) if gemma2 else None,
+        "final_logit_softcapping": cap("final_logit_softcapping", 30.0 if gemma2 else None),
+        "query_pre_attn_scalar": read.number("query_pre_attn_scalar", default=256, positive=True),
+        "layer_types": tuple(layer_types),
+        "rope_local_theta": None if gemma2 else read.number("rope_local_base_freq", positive=True),
+        "sliding_window": read.size("sliding_window", nullable=True, default=4096, limit=None),
+    }
+
+
+def rope_inv_freq(config: ModelConfig, local: bool = False) -> torch.Tensor:
+    """Inverse RoPE frequencies [head_dim/2], with linear or llama3 scaling applied; ``local``: those of the
+    sliding layers' own base (Gemma 3's ``rope_local_theta``), unscaled."""
     assert config.head_dim is not None  # ModelConfig.__post_init__ filled it in
     dim = int(config.head_dim * config.partial_rotary_factor)  # the rotated dims (Phi-3's partial rotary)
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    scaling = config.rope_scaling or {}
+    theta = config.rope_local_theta if local and config.rope_local_theta is not None else config.rope_theta
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = {} if local else config.rope_scaling or {}
     kind = scaling.get("rope_type", "default")
     if kind == "longrope":  # the short-context frequencies; Transformer.rope picks the long ones past the context
         inv_freq = longrope_inv_freq(config, long=False)

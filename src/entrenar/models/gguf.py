@@ -50,7 +50,8 @@ if TYPE_CHECKING:
 
 # GGUF architecture -> transformers model_type. llama.cpp stores Mistral under "llama".
 # Mixtral is "llama" with expert_count set; Qwen3-MoE is "qwen3moe".
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "phi3", "olmo2", "granite", "deepseek2")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "phi3", "olmo2", "granite", "deepseek2", "gemma2",
+                           "gemma3")
 _HF_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
@@ -62,7 +63,23 @@ _HF_ARCHITECTURES = {
     "olmo2": "Olmo2ForCausalLM",
     "granite": "GraniteForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
 }
+# Gemma's norms as llama.cpp names them (its ffn_norm is the norm before the MLP, as Llama's, but
+# post_attention_layernorm is Gemma's norm of the attention output). convert_hf_to_gguf.py stores every Gemma norm
+# weight plus one (the 1 + w of Gemma's RMSNorm): read back minus one.
+_GEMMA_ARCHITECTURES = ("gemma2", "gemma3")
+_GEMMA_LAYER_NAMES = {
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}
+# llama.cpp (llama-model.cpp) fixes what Gemma's GGUF files do not say: every 2nd (Gemma 2) or 6th (Gemma 3) layer
+# global, Gemma 3's sliding layers at RoPE base 10000, and the attention scale 1/sqrt(hidden / heads) for the 27B
+# models (46 and 62 layers), 1/sqrt(head_dim) for the others.
+_GEMMA_GLOBAL_EVERY = {"gemma2": 2, "gemma3": 6}
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 
 # GGUF tensor name -> HF name. "{i}" is the layer index.
 _GLOBAL_NAMES = {
@@ -97,12 +114,13 @@ _LAYER_NAMES = {
     "ffn_down_exps.weight": "mlp.experts.down_proj",
 }
 # Where an architecture's llama.cpp names mean other modules: Phi-3 keeps its fused projections (``ffn_up`` is
-# gate_up_proj, gate rows first), OLMo 2 its norms after attention and MLP.
+# gate_up_proj, gate rows first), OLMo 2 its norms after attention and MLP, Gemma its four norms.
 _ARCH_LAYER_NAMES = {
     "phi3": {"attn_qkv.weight": "self_attn.qkv_proj.weight", "ffn_up.weight": "mlp.gate_up_proj.weight"},
     "olmo2": {"post_attention_norm.weight": "post_attention_layernorm.weight",
               "post_ffw_norm.weight": "post_feedforward_layernorm.weight"},
 }
+_ARCH_LAYER_NAMES.update({arch: _GEMMA_LAYER_NAMES for arch in _GEMMA_ARCHITECTURES})
 _LAYER_NAMES.update(gguf_deepseek.LAYER_NAMES)  # DeepSeek-V3's (llama.cpp's deepseek2) MLA and shared experts
 # Read into the config, not part of the state dict.
 _ROPE_FREQS = "rope_freqs.weight"
@@ -184,6 +202,8 @@ class GGUFModel:
             raise ModelError(f"{self.path}: no tensor '{name}' (the file has {len(self._tensors)} tensors)")
         t = self._tensors[name]
         w = _dequantize(t, self.path).to(dtype)
+        if self.metadata["general.architecture"] in _GEMMA_ARCHITECTURES and name.endswith("norm.weight"):
+            w = w - 1  # stored as 1 + w (see _GEMMA_LAYER_NAMES)
         if self.metadata["general.architecture"] in _PERMUTED:
             if name.endswith("self_attn.q_proj.weight") or name.endswith("self_attn.q_proj.bias"):
                 w = unpermute_rope_rows(w, self.hf_config["num_attention_heads"])
@@ -365,7 +385,7 @@ def build_hf_config(metadata: dict[str, Any], tensors: dict[str, ReaderTensor], 
         raise ModelError(f"{path}: {arch}.vocab_size is {vocab} but token_embd.weight has {embed_rows} rows")
     rope_theta = get("rope.freq_base", 10000.0)
 
-    model_type = {"qwen3moe": "qwen3_moe"}.get(arch, arch)
+    model_type = {"qwen3moe": "qwen3_moe", "gemma3": "gemma3_text"}.get(arch, arch)
     name = f"{metadata.get('general.name', '')} {metadata.get('general.basename', '')}".lower()
     if arch == "llama" and experts:
         model_type = "mixtral"
@@ -401,6 +421,8 @@ def build_hf_config(metadata: dict[str, Any], tensors: dict[str, ReaderTensor], 
     if model_type == "mistral":
         config["sliding_window"] = None  # llama.cpp keeps no sliding window for Mistral
     config.update(_family_config(metadata, arch, tensors, rotary_dims, head_dim, path))
+    if arch in _GEMMA_ARCHITECTURES:
+        config.update(_gemma_config(arch, config, get))
     if experts:
         # llama.cpp renormalises the chosen experts' weights for both (Mixtral always does; Qwen3-MoE's
         # released models set norm_topk_prob), unless expert_weights_norm says otherwise.
@@ -442,6 +464,36 @@ def _family_config(metadata: dict[str, Any], arch: str, tensors: dict[str, Reade
         if "phi3.rope.scaling.attn_factor" in metadata:
             out["rope_scaling"]["attention_factor"] = metadata["phi3.rope.scaling.attn_factor"]
         out["original_max_position_embeddings"] = original
+    return out
+
+
+def gemma_layout(arch: str, layers: int, hidden: int, heads: int, head_dim: int) -> dict[str, Any]:
+    """What llama.cpp assumes of a gemma2/gemma3 file of this shape, under ModelConfig's names (see
+    _GEMMA_GLOBAL_EVERY); GGUF export refuses a model that differs."""
+    every = _GEMMA_GLOBAL_EVERY[arch]
+    return {
+        "layer_types": tuple("sliding_attention" if (i + 1) % every else "full_attention" for i in range(layers)),
+        "query_pre_attn_scalar": float(hidden // heads if layers == _GEMMA_27B_LAYERS[arch] else head_dim),
+        "rope_local_theta": 10_000.0 if arch == "gemma3" else None,
+        "tie_word_embeddings": True,  # Gemma 2's llama.cpp graph has no output tensor; Gemma 3's may
+    }
+
+
+def _gemma_config(arch: str, config: dict[str, Any], get: Any) -> dict[str, Any]:
+    """config.json's Gemma keys from a llama.cpp gemma2/gemma3 file, filled in as llama.cpp does (see
+    _GEMMA_GLOBAL_EVERY)."""
+    layout = gemma_layout(arch, config["num_hidden_layers"], config["hidden_size"], config["num_attention_heads"],
+                          config["head_dim"])
+    out: dict[str, Any] = {
+        "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": layout["query_pre_attn_scalar"],
+        "final_logit_softcapping": get("final_logit_softcapping", None),
+        "attn_logit_softcapping": get("attn_logit_softcapping", None) if arch == "gemma2" else None,
+        "sliding_window": get("attention.sliding_window", 4096 if arch == "gemma2" else ...),
+        "layer_types": list(layout["layer_types"]),
+    }
+    if arch == "gemma3":
+        out["rope_local_base_freq"] = layout["rope_local_theta"]
     return out
 
 
@@ -537,7 +589,7 @@ def _map_tensors(
     for hf_name in expected:
         if hf_name not in mapped and not (hf_name == "lm_head.weight" and config["tie_word_embeddings"]) \
                 and not gguf_deepseek.other_layout_present(hf_name, mapped):
-            raise ModelError(f"{path}: tensor '{gguf_tensor_name(hf_name)}' ({hf_name}) is missing")
+            raise ModelError(f"{path}: tensor '{gguf_tensor_name(hf_name, arch)}' ({hf_name}) is missing")
     return mapped
 
 
@@ -575,7 +627,7 @@ def _expected_shapes(config: dict[str, Any], arch: str) -> dict[str, tuple[int, 
             layer["self_attn.o_proj.bias"] = (h,)
         if config["mlp_bias"]:
             layer.update({"mlp.gate_proj.bias": (i,), "mlp.up_proj.bias": (i,), "mlp.down_proj.bias": (h,)})
-        if arch in ("qwen3", "qwen3moe"):
+        if arch in ("qwen3", "qwen3moe", "gemma3"):
             layer.update({"self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,)})
         if arch == "phi3":  # fused projections under their own names
             for name in ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
@@ -586,6 +638,8 @@ def _expected_shapes(config: dict[str, Any], arch: str) -> dict[str, tuple[int, 
             del layer["input_layernorm.weight"]
             layer.update({"post_feedforward_layernorm.weight": (h,), "self_attn.q_norm.weight": (q,),
                           "self_attn.k_norm.weight": (kv,)})
+        if arch in _GEMMA_ARCHITECTURES:
+            layer.update({"pre_feedforward_layernorm.weight": (h,), "post_feedforward_layernorm.weight": (h,)})
         if config.get("num_experts"):  # every layer of these files is an MoE layer
             e, ie = config["num_experts"], config.get("moe_intermediate_size") or i
             for name in ("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"):

@@ -1,8 +1,9 @@
 """Tasks: what a batch means and how it is scored. The one Trainer takes a task (:mod:`entrenar.tasks.base`).
 
-``for_recipe(recipe)`` gives :class:`~entrenar.tasks.causal_lm.CausalLMTask` (next-token loss, the default) or
+``for_recipe(recipe)`` gives :class:`~entrenar.tasks.causal_lm.CausalLMTask` (next-token loss, the default),
 :class:`~entrenar.tasks.classification.ClassificationTask` (``task.type: classification``: a head on the
-decoder, CE / BCE / MSE, a report at the end).
+decoder, CE / BCE / MSE, a report at the end) or :class:`~entrenar.tasks.preference.PreferenceTask`
+(``task.type: preference``: DPO, IPO, SimPO, ORPO, KTO).
 """
 
 from __future__ import annotations
@@ -11,12 +12,15 @@ from entrenar.config import Recipe
 from entrenar.tasks.base import Task
 from entrenar.tasks.causal_lm import CausalLMTask
 from entrenar.tasks.classification import ClassificationTask
+from entrenar.tasks.preference import PreferenceTask
 
 
 def for_recipe(recipe: Recipe, kernels: bool = False) -> Task:
     """The task of a recipe's ``task`` section; ``kernels``: the plan's (the fused loss)."""
     if recipe.task.type == "classification":
         return ClassificationTask(recipe)
+    if recipe.task.type == "preference":
+        return PreferenceTask(recipe)
     return CausalLMTask(recipe, kernels=kernels)
 
 

@@ -4,9 +4,9 @@ The Trainer reads data, steps, evaluates, checkpoints and saves through these me
 task it runs. A new task (preference optimisation, RL) implements them; nothing in ``entrenar.train`` changes.
 
 The order the Trainer calls them in: ``load`` -> (QAT, LoRA) -> ``prepare`` -> ``read`` (train, validation) ->
-``stream`` -> per micro-batch ``num_targets`` and ``loss_sum`` -> per evaluation ``evaluate``, ``log_eval``,
-``eval_scalars`` -> ``save`` (``run/best/`` and the result) -> ``finish``. ``begin`` runs once before the first
-step of a fresh (not resumed) run.
+``stream`` -> per micro-batch ``num_targets`` and ``loss_sum``, per step ``step_metrics`` -> per evaluation
+``evaluate``, ``log_eval``, ``eval_scalars`` -> ``save`` (``run/best/`` and the result) -> ``finish``. ``begin``
+runs once before the first step of a fresh (not resumed) run.
 """
 
 from __future__ import annotations
@@ -65,6 +65,11 @@ class Task(Protocol[ModelT]):
     def loss_sum(self, model: Any, batch: Batch) -> torch.Tensor:
         """The summed loss of one micro-batch (on the device), through ``model``: the model or its parallel wrapper
         (:class:`~entrenar.distributed.parallelize.Single`), called as the model is and with ``hidden_states``."""
+        ...
+
+    def step_metrics(self) -> dict[str, torch.Tensor]:
+        """The task's own metrics of the micro-batches since the last call (one optimizer step), as 0-dim device
+        tensors, logged beside the step's loss under these names (none for a LM); read once per step."""
         ...
 
     def evaluate(self, model: ModelT, examples: list, tokenizer: Tokenizer) -> Any:

@@ -49,6 +49,7 @@ class CausalLMTask:
     perplexity: bool = True
     _head: nn.Linear | None = field(default=None, repr=False)  # set by prepare() when the loss is fused
     _logits_scaling: float = field(default=1.0, repr=False)  # the model's logits divisor (Granite), set by prepare()
+    _softcap: float | None = field(default=None, repr=False)  # the model's final-logit soft cap (Gemma)
 
     def load(self, dtype: str, device: torch.device, quantize: str | None) -> tuple[Transformer, Tokenizer | None]:
         """The recipe's model: a checkpoint, GGUF file or run (``model.path``), or drawn from ``model.config``."""
@@ -65,6 +66,7 @@ class CausalLMTask:
         head = getattr(model, "lm_head", None)
         self._head = head if self.kernels and type(head) is nn.Linear else None
         self._logits_scaling = model.config.logits_scaling  # Granite's, inside the fused loss too
+        self._softcap = getattr(model.config, "final_logit_softcapping", None)  # Gemma: inside the fused loss
 
     def head_state(self, model: Transformer) -> dict[str, torch.Tensor]:
         return {}
@@ -77,7 +79,7 @@ class CausalLMTask:
         file_format, record_format = split_format(format or d.format)
         records, read_stats = read_records(path, format=file_format, on_error=d.on_error,
                                            seed=self.recipe.training.seed,
-                                           query=d.query)  # synth: sources draw from the seed; SQLite runs the query
+                                           query=d.query, attach=d.attach)  # synth: from the seed; SQLite: the query
         columns = {"text": d.text_field, "prompt": d.prompt_field, "completion": d.completion_field,
                    "messages": d.messages_field}
         try:
@@ -115,8 +117,11 @@ class CausalLMTask:
         if self._head is not None:  # never the full-vocabulary logits
             hidden = model.hidden_states(*inputs, **layout)
             return fused_linear_cross_entropy(hidden, self._head.weight, batch["labels"], FUSED_LOSS_CHUNK,
-                                              self._logits_scaling)[0]
+                                              self._logits_scaling, softcap=self._softcap)[0]
         return token_cross_entropy(model(*inputs, **layout), batch["labels"])[0]
+
+    def step_metrics(self) -> dict[str, torch.Tensor]:
+        return {}  # the loss is the step's metric
 
     def evaluate(self, model: Transformer, examples: list, tokenizer: Tokenizer) -> EvalResult:
         d, t = self.recipe.data, self.recipe.training

@@ -60,6 +60,8 @@ class Console:
                  f"lr {record['lr']:.2e}"]
         if record.get("grad_norm") is not None:
             parts.append(f"grad_norm {record['grad_norm']:.3g}")
+        if record.get("train_accuracy") is not None:
+            parts.append(f"train_accuracy {record['train_accuracy']:.3f}")
         if record.get("tokens_per_s") is not None:
             parts.append(f"{record['tokens_per_s']:,.0f} tokens/s")
         if "skipped" in record:

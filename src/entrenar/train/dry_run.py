@@ -6,7 +6,7 @@ from entrenar.config import Recipe
 from entrenar.models.transformer import Transformer
 from entrenar.train.memory import GiB, MemoryEstimate, quantized_model_bytes
 from entrenar.train.plan import RowLayout, RunPlan
-from entrenar.train.run_data import NO_VALIDATION, RunData
+from entrenar.train.run_data import NO_VALIDATION, RunData, example_tokens
 
 CPU_ESTIMATE_NOTE = ("the peak resident memory of this process: measured peaks were within 25% of it "
                      "(docs/PERFORMANCE.md, CPU memory); left out: loading (the file is mapped while the weights "
@@ -19,7 +19,7 @@ def dry_run_report(recipe: Recipe, plan: RunPlan, rows: RowLayout, model: Transf
     total = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     t, d = recipe.training, recipe.data
-    tokens = sum(len(e) for e in data.examples)
+    tokens = sum(example_tokens(e) for e in data.examples)
     return "\n".join([
         f"dry run: recipe valid, model and data built, nothing trained ({recipe.output.dir})",
         f"{'model':<22}{recipe.model.path} ({model.config.model_type}, {model.config.num_layers} layers)",
@@ -41,7 +41,8 @@ def plan_lines(plan: RunPlan) -> list[str]:
     return [
         f"{'memory estimate':<22}{estimate.total / GiB:.2f} GiB (weights {estimate.weights / GiB:.2f}, "
         f"grads {estimate.gradients / GiB:.2f}, optimizer {estimate.optimizer / GiB:.2f}, "
-        f"activations {estimate.activations / GiB:.2f}, logits {estimate.logits / GiB:.2f}{_cpu_terms(estimate)})",
+        f"activations {estimate.activations / GiB:.2f}, logits {estimate.logits / GiB:.2f}"
+        f"{f', reference copy {estimate.reference / GiB:.2f}' if estimate.reference else ''}{_cpu_terms(estimate)})",
         *([f"{'':<22}{CPU_ESTIMATE_NOTE}"] if estimate.runtime else []),
         *_qat_lines(plan),
         "plan",

@@ -22,6 +22,7 @@ import torch
 from entrenar import quickstart, tasks
 from entrenar.config import Recipe
 from entrenar.device import resolve_device
+from entrenar.distributed import watchdog
 from entrenar.distributed.world import join, leave, restarted
 from entrenar.loading import recipe_model_config
 from entrenar.train.checkpoint import latest_checkpoint
@@ -80,6 +81,8 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
     # Under torchrun: this process's rank and device (one per process); a restarted job resumes where it stopped.
     world, device = join(resolve_device(recipe.model.device), recipe.training.dist_timeout_s,
                          group_for_one=recipe.training.parallel != "auto")
+    watchdog.configure(recipe.training.stall_timeout_s, recipe.training.stall_startup_s)  # under entrenar's launcher
+    watchdog.beat("loading")
     if not world.is_main:
         console = Console(False)  # one voice: rank 0 prints for the job
     if not resume and not dry_run and restarted() and latest_checkpoint(Path(recipe.output.dir).absolute()):

@@ -58,11 +58,12 @@ class MemoryEstimate:
     casts: float = 0.0  # CPU only: autocast's lower-precision copies of the weights, kept for backward
     allocator: float = 0.0  # CPU only: freed step memory the C allocator keeps (fitted, not derived)
     fake_quant: float = 0.0  # QAT: the fake-quantized weights (and inputs) kept for backward, one layer's temporaries
+    reference: float = 0.0  # preference optimisation: a frozen copy of the model as the reference (task.reference)
 
     @property
     def total(self) -> float:
         return (self.weights + self.gradients + self.optimizer + self.activations + self.logits + self.runtime
-                + self.casts + self.allocator + self.fake_quant)
+                + self.casts + self.allocator + self.fake_quant + self.reference)
 
     def as_dict(self) -> dict:
         return {**asdict(self), "total": self.total}
@@ -143,7 +144,7 @@ def quantizable_params(config: ModelConfig) -> int:
 
 
 def activation_bytes_per_token_layer(config: ModelConfig, dtype_bytes: int, kernels: bool = False,
-                                     lora: bool = False, moe_layer: bool = False) -> float:
+                                     lora: bool = False, moe_layer: bool = False, seq_len: int = 0) -> float:
     """Bytes autograd saves for one token in one block (SDPA attention).
 
     Eager PyTorch, counted per saved tensor: the two norms keep their input
@@ -159,8 +160,11 @@ def activation_bytes_per_token_layer(config: ModelConfig, dtype_bytes: int, kern
 
     An MoE layer (``moe_layer``; it runs no fused block) keeps, per token, the router's fp32 logits and
     probabilities and, for each of its k experts, the gathered input, gate and up, silu(gate), their product
-    and the expert's output; plus what its shared expert keeps.
+    and the expert's output; plus what its shared expert keeps. A Gemma block (``config.sandwich_norms``):
+    :func:`_gemma_layer_bytes` (``seq_len`` for its soft-capped attention).
     """
+    if config.sandwich_norms:
+        return _gemma_layer_bytes(config, dtype_bytes, seq_len)
     h, i, d = config.hidden_size, config.intermediate_size, config.head_dim
     assert d is not None  # ModelConfig derives it when config.json has none
     q, kv = config.num_heads * d, config.num_kv_heads * d
@@ -201,6 +205,27 @@ def mla_activation_bytes(config: ModelConfig, dtype_bytes: int) -> int:
     if config.q_lora_rank is not None:
         total += norm(config.q_lora_rank, config.q_lora_rank)
     return total + 2 * heads * (config.qk_head_dim + config.v_head_dim) * dtype_bytes + heads * 4
+
+
+def _gemma_layer_bytes(config: ModelConfig, dtype_bytes: int, seq_len: int) -> float:
+    """Bytes autograd saves for one token in one Gemma block (eager whatever the kernels: the fused norm, MLP and
+    block kernels leave Gemma's to PyTorch). Four (1 + w) norms each keep their fp32 input, the fp32 normalised
+    product and 1/rms, and the two before attention and MLP their output; the MLP keeps gate, up, gelu(gate) and
+    their product. Attention with soft-capped scores (Gemma 2) runs as explicit products and keeps, per query,
+    ``seq_len`` fp32 scores' tanh and probabilities and the probabilities in the model dtype, with fp32 copies of
+    q and the repeated k; otherwise SDPA's q, k, v, output and log-sum-exp."""
+    h, i, d = config.hidden_size, config.intermediate_size, config.head_dim
+    assert d is not None  # ModelConfig derives it when config.json has none
+    q, kv = config.num_heads * d, config.num_kv_heads * d
+    norms = 4 * (8 * h + 4) + 2 * h * dtype_bytes
+    if config.attn_logit_softcapping is not None:
+        cast = dtype_bytes if dtype_bytes != 4 else 0  # fp32 probabilities are their own cast
+        attention = 8 * q + 2 * q * dtype_bytes + config.num_heads * seq_len * (8 + cast) + seq_len
+    else:
+        attention = (q + 2 * kv + q) * dtype_bytes + config.num_heads * 4
+    if config.qk_norm:
+        attention += (q + kv) * (dtype_bytes + 8)
+    return norms + attention + 4 * i * dtype_bytes
 
 
 def estimate_training_memory(
@@ -272,7 +297,7 @@ def estimate_training_memory(
         offload_weights)
     tokens = batch_size * seq_len
     activations, rebuilt = _activations(config, method, tokens, dtype_bytes, kernels, lora_r,
-                                        activation_checkpointing, offload_activations)
+                                        activation_checkpointing, offload_activations, seq_len)
     logits = _logits(config, tokens, dtype_bytes, fused_loss_chunk, rebuilt)
     total = config.num_parameters
     label = {"full": "qat", "lora": "lora-qat"}[method] if qat else method
@@ -379,10 +404,11 @@ def _model_state(config: ModelConfig, method: str, param_bytes: int, states: int
 
 
 def _activations(config: ModelConfig, method: str, tokens: int, dtype_bytes: int, kernels: bool, lora_r: int,
-                 activation_checkpointing: bool | int | Sequence[int], offload_activations: bool | int
-                 ) -> tuple[float, float]:
+                 activation_checkpointing: bool | int | Sequence[int], offload_activations: bool | int,
+                 seq_len: int = 0) -> tuple[float, float]:
     """(activations kept for backward at the peak, the part of it a rebuilt checkpointed layer takes) in bytes."""
-    per_layer = activation_bytes_per_token_layer(config, dtype_bytes, kernels, lora=method != "full")
+    per_layer = activation_bytes_per_token_layer(config, dtype_bytes, kernels, lora=method != "full",
+                                                 seq_len=seq_len)
     if config.is_moe:  # MoE and dense layers averaged; a rebuilt layer counts as the larger
         moe_layer = activation_bytes_per_token_layer(config, dtype_bytes, kernels, lora=method != "full",
                                                      moe_layer=True)
@@ -422,7 +448,9 @@ def _logits(config: ModelConfig, tokens: int, dtype_bytes: int, fused_loss_chunk
         # The fused output-projection loss does all its work in forward: one chunk of logits (overwritten by
         # their gradient) at a time, and the hidden states' gradient kept for backward. The chunk is gone
         # before backward rebuilds a checkpointed layer, so only what it exceeds that layer by adds to the peak.
-        chunk = min(tokens, fused_loss_chunk) * config.vocab_size * dtype_bytes
+        # A final soft cap (Gemma) keeps tanh of the chunk's logits in fp32 beside them.
+        chunk = min(tokens, fused_loss_chunk) * config.vocab_size * (dtype_bytes + 4 * bool(
+            config.final_logit_softcapping))
         return tokens * config.hidden_size * dtype_bytes + max(0, chunk - rebuilt)
     # Logits in the model dtype, upcast to fp32 for the loss, and their gradient.
     return tokens * config.vocab_size * (dtype_bytes + 4 + 4)

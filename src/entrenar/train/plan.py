@@ -17,6 +17,7 @@ layers that replay (:meth:`RunPlan.graphs`).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from collections.abc import Callable
@@ -32,7 +33,7 @@ from entrenar.data.batching import check_seq_len
 from entrenar.device import available_memory, resolve_device, resolve_dtype
 from entrenar.distributed.materialize import load_device as sharded_load_device
 from entrenar.distributed.steps import accumulation as micro_batches_per_rank
-from entrenar.distributed.world import World
+from entrenar.distributed.world import BACKENDS, World
 from entrenar.errors import ConfigError
 from entrenar.kernels import triton_available
 from entrenar.kernels.coverage import family_notes
@@ -41,6 +42,7 @@ from entrenar.loading import recipe_model_config
 from entrenar.models.config import ModelConfig
 from entrenar.models.padding_free import rows_by_document
 from entrenar.models.transformer import checkpointed_layer_indices, offloaded_layer_indices
+from entrenar.tasks.preference import reference_of
 from entrenar.train.memory import PROJECTION_NAMES, GiB, MemoryEstimate, estimate_training_memory
 from entrenar.train.optim import use_fused
 
@@ -258,7 +260,7 @@ def plan_for(recipe: Recipe, device: str | None = None, processes: int = 1, gpu_
                           "plans it")
     where = torch.device(device) if device else resolve_device(recipe.model.device)
     here = where.type != "cuda" or torch.cuda.is_available()
-    backend = None if processes == 1 else ("nccl" if where.type == "cuda" else "gloo")
+    backend = None if processes == 1 else BACKENDS.get(where.type, "gloo")
     memory = None if here else (int(gpu_memory_gib * 2**30), f"a {gpu_memory_gib:g} GiB GPU, as planned")
     plan = plan_run(recipe, where, World(size=processes, backend=backend), recipe_model_config(recipe),
                     device_memory=None if here else int(gpu_memory_gib * 2**30), triton=None if here else True,
@@ -388,6 +390,14 @@ def _decide(recipe: Recipe, device: torch.device, mode: str, config: ModelConfig
     compute_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(t.precision) or \
         _weights_dtype(recipe, device, lora is None)
     memory = _estimate(recipe, config, device, method, kernels, offload_weights, offload_embeddings)
+    if recipe.task.type == "preference":  # the reference model, and what it costs
+        reference, why = reference_of(recipe)
+        if reference == "copy" and mode == "fsdp":  # the copy is made before sharding: a whole model per rank
+            raise ConfigError("task.reference: a frozen copy is not sharded under FSDP (each rank would hold the "
+                              "whole model); use task.reference: precomputed, or LoRA (adapters_off)")
+        reasons.append(("task.reference", f"{reference} ({why})"))
+        if reference == "copy":
+            memory = dataclasses.replace(memory, reference=memory.weights)
     return _Decided(mode, kernels, offload_weights, offload_embeddings, cuda_graphs, overlap, compute_dtype, memory,
                     reasons)
 
@@ -420,9 +430,12 @@ def _estimate(recipe: Recipe, config: ModelConfig, device: torch.device, method:
         targets = sorted(set(chosen) & set(PROJECTION_NAMES))
     elif chosen != "all-linear":
         targets = [name for name in PROJECTION_NAMES if name in chosen]  # a regex: the names it spells
-    head_is_plain = recipe.task.type == "causal_lm" and (lora is None or "lm_head" not in lora.target_modules)
+    head_is_plain = recipe.task.type in ("causal_lm", "preference") and (
+        lora is None or "lm_head" not in lora.target_modules)  # preference: log-probabilities chunk by chunk
+    # A preference micro-batch holds two sequences a pair (KTO: an example and its mismatched KL sequence).
+    rows = t.batch_size * (2 if recipe.task.type == "preference" else 1)
     return estimate_training_memory(
-        config, method, t.batch_size, recipe.data.seq_len, dtype_bytes=2 if t.precision != "fp32" else 4,
+        config, method, rows, recipe.data.seq_len, dtype_bytes=2 if t.precision != "fp32" else 4,
         param_bytes=_weights_dtype(recipe, device, lora is None).itemsize, lora_r=lora.r if lora else 16,
         lora_targets=targets, lora_target_parameters=list(lora.target_parameters or []) if lora else [],
         activation_checkpointing=t.activation_checkpointing, offload_activations=t.offload_activations,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from entrenar.config import Recipe
 from entrenar.data import BatchStream, split_validation
@@ -30,18 +31,28 @@ class RunData:
 
     @property
     def mean_example_tokens(self) -> float:
-        return sum(len(e) for e in self.examples) / len(self.examples)
+        return sum(example_tokens(e) for e in self.examples) / len(self.examples)
+
+
+def example_tokens(example: Any) -> int:
+    """Tokens an example becomes: its length, or for a preference example (a prompt and its completions, each a
+    sequence of its own) the sum of its sequences'."""
+    sequences = getattr(example, "sequences", None)
+    if callable(sequences):
+        return sum(len(example.prompt) + len(completion) for completion in sequences())
+    return len(example)
 
 
 def check_paths(recipe: Recipe) -> None:
     """Every file the recipe names besides the model exists (the training files, the validation file, a random
-    model's tokenizer unless it is a Hub id): checked before anything is loaded, so a typo costs no model load.
-    Synthetic sources (``synth:``) are not files."""
+    model's tokenizer unless it is a Hub id, the SQLite files of data.attach): checked before anything is
+    loaded, so a typo costs no model load. Synthetic sources (``synth:``) are not files."""
     d, m = recipe.data, recipe.model
     named = [("data.train" if isinstance(d.train, str) else f"data.train[{i}].path", path)
              for i, (path, _, _) in enumerate(d.sources())]
     named += [("data.validation", d.validation)] if d.validation is not None else []
     named += [("model.tokenizer", m.tokenizer)] if m.tokenizer is not None and _local(m.tokenizer) else []
+    named += [(f"data.attach.{name}", path) for name, path in (d.attach or {}).items()]
     for key, path in named:
         if not is_synth(path) and not Path(path).exists():
             raise DataError(f"{key}: no such file or folder: {path}")
@@ -88,4 +99,4 @@ def read_data(recipe: Recipe, task: Task, tokenizer: Tokenizer) -> RunData:
     return RunData(examples, validation, notes + stream_notes, stream, skipped)
 
 
-__all__ = ["NO_VALIDATION", "RunData", "check_paths", "read_data"]
+__all__ = ["NO_VALIDATION", "RunData", "check_paths", "example_tokens", "read_data"]

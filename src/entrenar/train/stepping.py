@@ -25,6 +25,7 @@ import torch
 
 from entrenar.data import BatchStream
 from entrenar.distributed import steps as dist_steps
+from entrenar.distributed import watchdog
 from entrenar.distributed.parallelize import Single
 from entrenar.distributed.world import World
 from entrenar.evaluation.loss import autocast_for
@@ -47,6 +48,7 @@ class StepRecord:
     tokens: int
     flags: dict[str, Any] = field(default_factory=dict)  # skipped / scaler_skipped
     moe_values: list[float] | None = None
+    metrics: dict[str, float] = field(default_factory=dict)  # the task's own (Task.step_metrics), ranks' mean
 
 
 class MicroStep:
@@ -88,27 +90,36 @@ class SyncSteps:
         self.guard, self.moe, self.trainable, self.device, self.log = guard, moe, trainable, device, log
         self.max_norm = max_grad_norm if max_grad_norm > 0 else math.inf
         self.keep_grads = micro_step.graphs  # a graph adds into gradients it holds: zeroed in place
+        self.metrics: dict[str, torch.Tensor] = {}  # the task's metrics of the step being applied
 
     def run(self, step: int, lr: float, acts: bool) -> StepRecord | None:
         """Step ``step`` (0-based) at learning rate ``lr``; its record when its results were read now (always,
         here), None when they come later. ``acts``: the host acts on this step (evaluation, checkpoint)."""
         started = time.perf_counter()
-        loss, tokens = self._accumulate()
+        watchdog.beat("data", step + 1)  # what this rank is doing, for the launcher's watchdog (hung ranks)
+        loss, tokens = self._accumulate(step + 1)
         self._read_earlier()
         self.scaler.unscale_(self.optimizer)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable, self.max_norm)  # the pre-clip norm
-        # The global step's loss on every rank, so every rank takes the same decision.
-        loss = self.world.all_sum(loss) / self.world.size
+        watchdog.beat("collective", step + 1)
+        # The global step's loss on every rank, so every rank takes the same decision; the task's metrics of the
+        # step (means over this rank's micro-batches: a classifier's accuracy, TRL's preference metrics) ride the
+        # same all-reduce, averaged over the ranks (each rank holds as many rows), all on the device.
+        metrics = self.task.step_metrics()
+        means = self.world.all_sum(torch.stack([loss.float().reshape(()), *[
+            v.detach().float().reshape(()) for v in metrics.values()]])) / self.world.size
+        loss, self.metrics = means[0], dict(zip(metrics, means[1:], strict=True))
         return self._apply(step + 1, lr, started, loss, grad_norm, tokens, acts)
 
     def finish(self) -> None:
         """Read whatever is still on its way (nothing, here)."""
 
-    def _accumulate(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's micro-batches of the step, forward and backward: (summed normalised loss, real tokens)."""
+    def _accumulate(self, done: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's micro-batches of step ``done``, forward and backward: (summed normalised loss, real tokens)."""
         micro_batches = dist_steps.step_batches(self.stream, self.accumulation, self.world)
         targets, tokens = dist_steps.step_counts(micro_batches, self.world, self.device,
                                                  count_targets=self.task.num_targets)
+        watchdog.beat("forward/backward", done)
         loss = torch.zeros((), device=self.device)
         for i, micro_batch in enumerate(micro_batches):
             batch = {k: _to(v, self.device) for k, v in self.layout(micro_batch).items()}
@@ -131,7 +142,8 @@ class SyncSteps:
         self.optimizer.zero_grad(set_to_none=not self.keep_grads)
         # Router biases move only with an applied update (a skipped step leaves them too).
         moe_values = self.moe.close_step(update="skipped" not in flags).tolist() if self.moe is not None else None
-        record = StepRecord(done, lr, started, loss_value, norm_value, int(tokens), flags, moe_values)
+        record = StepRecord(done, lr, started, loss_value, norm_value, int(tokens), flags, moe_values,
+                            _finite(self.metrics))
         self.log(record)
         return record
 
@@ -144,6 +156,7 @@ class _Launched:
     lr: float
     started: float
     read: DeferredRead
+    metrics: tuple[str, ...] = ()  # the task's metric names, read after loss, norm and tokens
 
 
 class OverlappedSteps(SyncSteps):
@@ -162,8 +175,9 @@ class OverlappedSteps(SyncSteps):
         # Its update was already dropped on the device if non-finite; stop mode raises here, before this step's
         # update is launched.
         flags = self.guard.check(p.step, values[0], values[1])
+        k = 3 + len(p.metrics)
         self.log(StepRecord(p.step, p.lr, p.started, values[0], values[1], int(values[2]), flags,
-                            values[3:] if self.moe is not None else None))
+                            values[k:] if self.moe is not None else None, _finite(dict(zip(p.metrics, values[3:k])))))
 
     def _apply(self, done: int, lr: float, started: float, loss: torch.Tensor, grad_norm: torch.Tensor,
                tokens: torch.Tensor, acts: bool) -> StepRecord | None:
@@ -171,10 +185,11 @@ class OverlappedSteps(SyncSteps):
             return super()._apply(done, lr, started, loss, grad_norm, tokens, acts)
         found = step_unless_nonfinite(self.optimizer, loss, grad_norm)
         self.optimizer.zero_grad(set_to_none=not self.keep_grads)
-        values = [loss.double().reshape(1), grad_norm.double().reshape(1), tokens.double().reshape(1)]
+        values = [loss.double().reshape(1), grad_norm.double().reshape(1), tokens.double().reshape(1),
+                  *[v.double().reshape(1) for v in self.metrics.values()]]
         if self.moe is not None:  # router biases move only with an applied update
             values.append(self.moe.close_step(update=1.0 - found).double())
-        self.pending = _Launched(done, lr, started, DeferredRead(torch.cat(values)))
+        self.pending = _Launched(done, lr, started, DeferredRead(torch.cat(values)), tuple(self.metrics))
         return None
 
 
@@ -183,6 +198,11 @@ def fills_capacity(batch: Batch, segments: int | None) -> bool:
     capacity, not a batch over it that kept its own)."""
     cu = batch.get("cu_seqlens")
     return cu is None or segments is None or len(cu) == segments + 1
+
+
+def _finite(metrics: dict[str, Any]) -> dict[str, float]:
+    """A task's step metrics as numbers, without those that are not finite (nothing counted in the step)."""
+    return {k: x for k, x in ((k, float(v)) for k, v in metrics.items()) if math.isfinite(x)}
 
 
 def _to(value: torch.Tensor | int, device: torch.device) -> torch.Tensor | int:

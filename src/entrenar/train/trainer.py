@@ -22,6 +22,7 @@ from entrenar.data import packed_documents, padding_free, segment_capacity
 from entrenar.data.report import write_skipped
 from entrenar.data.tokenizer import Tokenizer
 from entrenar.distributed import steps as dist_steps
+from entrenar.distributed import watchdog
 from entrenar.distributed.consistency import check_replicas
 from entrenar.distributed.state import full_optimizer, full_params, main_writes
 from entrenar.distributed.world import World
@@ -192,6 +193,7 @@ class Trainer:
                 continue
             final_loss = record.loss
             if t.replica_check_every and (done % t.replica_check_every == 0 or done == t.max_steps):
+                watchdog.beat("collective", done)
                 check_replicas(self.model, self.optimizer, self.world, done)  # every rank holds the same weights
                 self._replicas_checked.append(done)
             stop = False
@@ -211,7 +213,8 @@ class Trainer:
         max_steps, done = self.recipe.training.max_steps, record.step
         moe_record, warnings = self.moe.diagnose(done, record.moe_values) \
             if self.moe is not None and record.moe_values is not None else (None, [])
-        extra = {"moe": moe_record} if moe_record is not None else {}
+        extra: dict[str, Any] = {"moe": moe_record} if moe_record is not None else {}
+        extra.update(record.metrics)  # the task's own (a preference task's rewards/chosen...), as it names them
         log_every = self.recipe.training.log_every
         if done % log_every == 0 or done == max_steps:  # a collective and a host read: on logged lines only
             peaks = dist_steps.peak_memory(self.world, self.plan.device)  # each rank's, in a distributed run
@@ -233,6 +236,7 @@ class Trainer:
         """The task's held-out evaluation, or None without validation data."""
         if not self.data.validation:
             return None
+        watchdog.beat("evaluation")
         if not self.progress:
             self.console.say(f"evaluating on {len(self.data.validation):,} validation examples ...")
         return self.task.evaluate(self.model, self.data.validation, self.tokenizer)
@@ -258,6 +262,7 @@ class Trainer:
     def checkpoint(self, step: int, best: bool = False) -> Path:
         """Save a checkpoint of step ``step`` (rank 0 writes whole tensors; under FSDP each rank its shards)."""
         t, world = self.recipe.training, self.world
+        watchdog.beat("checkpoint", step)
         state: dict[str, Any] = {"data": self.data.stream.state_dict(), "recipe": self.recipe.to_dict(),
                                  "nonfinite": self.guard.state_dict(),
                                  "early_stopping": self.early_stopping.state_dict(),
@@ -311,6 +316,7 @@ class Trainer:
         if after is None:
             after = self.evaluate()
         self.console.say("saving ...")
+        watchdog.beat("checkpoint")
         output = self._save_result(self.run.root)
         quantized = (main_writes(self.world, self.model, save_qat_model, self.model, self.tokenizer,
                                  self.run.quantized) if self.recipe.qat is not None else None)

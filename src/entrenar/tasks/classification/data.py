@@ -48,15 +48,18 @@ def read_labeled(path: str, role: str, recipe: Any, tokenizer: Tokenizer, spec: 
     d = recipe.data
     file_format = split_format(format or d.format)[0]
     return read_texts(path, tokenizer, spec, d.text_field, d.label_field, d.seq_len, file_format, d.on_error,
-                      f"data.{role}", skipped_out, seed=recipe.training.seed, query=d.query)
+                      f"data.{role}", skipped_out, seed=recipe.training.seed, query=d.query,
+                      attach=d.attach)
 
 
 def read_texts(path: str, tokenizer: Tokenizer, spec: LabelSpec | None, text_field: str = "text",
                label_field: str = "label", seq_len: int = 512, fmt: str = "auto", on_error: str = "raise",
                role: str = "data", skipped_out: list[Skip] | None = None, seed: int = 0,
-               query: str | None = None) -> tuple[list[LabeledText], list[str]]:
+               query: str | None = None, attach: dict[str, str] | None = None
+               ) -> tuple[list[LabeledText], list[str]]:
     """Tokenized texts of a data file with their targets (``spec`` None: no labels read, for prediction)."""
-    records, stats = read_records(path, format=fmt, on_error=on_error, seed=seed, query=query)
+    records, stats = read_records(path, format=fmt, on_error=on_error, seed=seed, query=query,
+                                  attach=attach)
     if skipped_out is not None:
         skipped_out.extend(stats.skipped_records)
     examples, skipped, cut = [], [], 0

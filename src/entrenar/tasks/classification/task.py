@@ -17,7 +17,8 @@ from entrenar.errors import ConfigError
 from entrenar.evaluation.report import build_report, write_report
 from entrenar.loading import load as load_model
 from entrenar.loading.classifier import padding_id
-from entrenar.models.classifier import SequenceClassifier
+from entrenar.models import random_init
+from entrenar.models.classifier import SequenceClassifier, from_backbone
 from entrenar.tasks.base import SummaryRow
 from entrenar.tasks.classification.calibration import calibrate
 from entrenar.tasks.classification.data import (
@@ -59,6 +60,7 @@ class ClassificationTask:
     name: str = "classification"
     perplexity: bool = False  # exp(cross-entropy over labels) is no perplexity; the metrics rows say how it did
     _weight_tensor: dict = field(default_factory=dict)
+    _step_counts: torch.Tensor | None = field(default=None, repr=False)  # (correct, total) of this step so far
 
     @property
     def problem_type(self) -> str:
@@ -76,7 +78,8 @@ class ClassificationTask:
         return self.spec
 
     def load(self, dtype: str, device: torch.device, quantize: str | None) -> tuple[SequenceClassifier, Tokenizer]:
-        """A classifier on the recipe's ``model.path`` (a fresh head drawn from training.seed) and its tokenizer;
+        """A classifier on the recipe's ``model.path`` or a random-init ``model.config`` (a fresh head drawn from
+        training.seed) and its tokenizer;
         the labels come from the recipe or, when it names neither them nor their number, the training data."""
         t, d = self.recipe.task, self.recipe.data
         if self.metric != "loss" and self.metric not in METRICS[t.problem_type]:
@@ -89,12 +92,18 @@ class ClassificationTask:
         if num is None:  # collected from the training data
             records, _ = read_records([path for path, _, _ in d.sources()], format=split_format(d.format)[0],
                                       on_error=d.on_error,
-                                      seed=self.recipe.training.seed, query=d.query)
+                                      seed=self.recipe.training.seed, query=d.query, attach=d.attach)
             self.spec = label_spec(t, records, d.label_field)
             num = self.spec.num_labels
-        model, tokenizer = load_model(self.recipe.model.path, dtype=dtype, device=device, quantize=quantize,
-                                      task="classification", num_labels=num, pooling=t.pooling,
-                                      seed=self.recipe.training.seed)
+        if random_init.is_random(self.recipe):  # a decoder drawn from model.config, a head on it (from scratch)
+            if quantize is not None:
+                raise ConfigError("lora.quantize_base: a random-init model has no pretrained base to quantize")
+            lm, tokenizer = random_init.build(self.recipe, dtype, device)
+            model = from_backbone(lm, num, t.pooling, seed=self.recipe.training.seed)
+        else:
+            model, tokenizer = load_model(self.recipe.model.path, dtype=dtype, device=device, quantize=quantize,
+                                          task="classification", num_labels=num, pooling=t.pooling,
+                                          seed=self.recipe.training.seed)
         self.spec = self.spec or label_spec(t)
         self.pad_id = padding_id(tokenizer)
         model.info.update(labels=self.spec.names or [str(i) for i in range(num)], problem_type=t.problem_type,
@@ -135,6 +144,7 @@ class ClassificationTask:
     def loss_sum(self, model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Summed loss of the micro-batch, through ``model`` (the classifier or its parallel wrapper)."""
         logits = model(batch["input_ids"], batch["attention_mask"])
+        self._count_correct(logits.detach(), batch["labels"])
         weights = None
         if self.weights is not None:
             device = logits.device
@@ -142,6 +152,22 @@ class ClassificationTask:
                 self._weight_tensor[device] = torch.tensor(self.weights, dtype=torch.float32, device=device)
             weights = self._weight_tensor[device]
         return loss_sum(logits, batch["labels"], self.problem_type, weights, self.recipe.task.label_smoothing)
+
+    def _count_correct(self, logits: torch.Tensor, labels: torch.Tensor) -> None:
+        """Add a training micro-batch's correct predictions to the step's count, on the device (no host read):
+        rows whose top class is the label, or for multi_label the label entries on the right side of 0.5."""
+        if self.problem_type == "regression":
+            return
+        right = logits.argmax(-1) == labels if self.problem_type == "single_label" else (logits > 0) == (labels > 0.5)
+        total = torch.full((), float(right.numel()), device=logits.device)  # a fill on the device: no host copy
+        counts = torch.stack([right.sum().float(), total])
+        self._step_counts = counts if self._step_counts is None else self._step_counts + counts
+
+    def step_metrics(self) -> dict[str, torch.Tensor]:
+        """The step's training accuracy (``train_accuracy``, on the device; none for regression): correct
+        predictions over the training micro-batches since the last call."""
+        counts, self._step_counts = self._step_counts, None
+        return {} if counts is None else {"train_accuracy": counts[0] / counts[1]}
 
     def evaluate(self, model: SequenceClassifier, examples: list[LabeledText],
                  tokenizer: Tokenizer) -> ClassificationEval:

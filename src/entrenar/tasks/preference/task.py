@@ -1,0 +1,428 @@
+"""PreferenceTask: DPO, IPO, SimPO, ORPO or KTO on the one training loop (the Task protocol, tasks/base.py).
+
+It loads and saves as :class:`~entrenar.tasks.causal_lm.CausalLMTask` does (a language model, its adapter or its
+folder), reads preference data (:mod:`entrenar.data.preference`), and scores a micro-batch by the summed loss of
+its pairs (or KTO's examples): the step divides by the step's pairs, so accumulation gives one large batch's mean.
+The reference model (:func:`reference_of`) is the same model with its adapters switched off under LoRA/QLoRA, or a
+frozen copy under full fine-tuning. Metrics carry TRL's names (``rewards/chosen``, ``rewards/rejected``,
+``rewards/accuracies``, ``rewards/margins``, ``logps/chosen``, ``logps/rejected``; ``kl`` for KTO, ``nll_loss``
+for ORPO), per step in metrics.jsonl and per evaluation with the ``eval_`` prefix; the held-out
+``rewards/accuracies`` picks the best checkpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Iterator
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from entrenar.adapters.switch import adapters_off
+from entrenar.config import Recipe
+from entrenar.config.sections import DataSection, LoraSection, TaskSection, TrainingSection
+from entrenar.data.formats import split_format
+from entrenar.data.preference import PreferenceStream, preference_eval_batches, read_preference_file
+from entrenar.data.sources import Skip
+from entrenar.data.tokenizer import Tokenizer
+from entrenar.errors import CheckpointError, ConfigError
+from entrenar.evaluation.loss import autocast_for
+from entrenar.io.run_dir import METRICS_FILE
+from entrenar.models.transformer import Transformer, compute_device
+from entrenar.tasks.base import Batch, SummaryRow
+from entrenar.tasks.causal_lm import CausalLMTask
+from entrenar.tasks.preference import losses as L
+from entrenar.tasks.preference.logprobs import sequence_logprobs
+from entrenar.tasks.preference.precomputed import (
+    REFERENCE_FILE,
+    examples_fingerprint,
+    read_table,
+    weights_fingerprint,
+    write_table,
+)
+from entrenar.train.metrics import read_metrics
+
+if TYPE_CHECKING:
+    from entrenar.train.metrics import MetricsLogger
+
+ACCURACY = "rewards/accuracies"  # the held-out metric that picks the best checkpoint (higher is better)
+
+
+def reference_of(recipe: Recipe) -> tuple[str, str]:
+    """``(reference, why)``: what ``task.reference`` becomes for this recipe (none for a reference-free loss)."""
+    task = recipe.task
+    if task.loss in L.REFERENCE_FREE:
+        return "none", f"task.loss {task.loss} is reference-free"
+    if task.reference != "auto":
+        return task.reference, f"task.reference: {task.reference}"
+    if recipe.lora is not None:
+        return "adapters_off", "LoRA: the base is the model with its adapters switched off (no second copy)"
+    return "copy", "full fine-tuning: a frozen copy of the starting weights (the model's memory once more)"
+
+
+@dataclass
+class PreferenceEval:
+    """A held-out evaluation: the mean loss per pair (or KTO example) and TRL's metrics (without ``eval_``)."""
+
+    loss: float
+    metrics: dict[str, float]
+    examples: int
+
+    @property
+    def accuracy(self) -> float:
+        return self.metrics.get(ACCURACY, float("nan"))
+
+
+class _Sums:
+    """Sums and counts of each metric over micro-batches, kept on the device (no read until asked)."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def add(self, name: str, values: torch.Tensor) -> None:
+        values = values.detach().float().reshape(-1)
+        total, count = self.sums.get(name, (values.new_zeros(()), values.new_zeros(())))
+        self.sums[name] = (total + values.sum(), count + values.numel())
+
+    def means(self) -> dict[str, torch.Tensor]:
+        # NaN where nothing was counted (a KTO micro-batch without undesirable examples): left out when logged
+        means = {name: total / count for name, (total, count) in self.sums.items()}
+        if "rewards/chosen" in means and "rewards/rejected" in means and "rewards/margins" not in means:
+            means["rewards/margins"] = means["rewards/chosen"] - means["rewards/rejected"]  # KTO's, as TRL's
+        return means
+
+
+@dataclass
+class PreferenceTask:
+    """The Task protocol for preference optimisation; ``load`` and ``save`` are the language model's
+    (:class:`~entrenar.tasks.causal_lm.CausalLMTask`'s, which it holds)."""
+
+    recipe: Recipe
+    kernels: bool = False  # the plan's; log-probabilities are chunked either way
+    name: str = "preference"
+    perplexity: bool = False
+    _lm: CausalLMTask = field(init=False, repr=False)
+    _head: nn.Linear | None = field(default=None, repr=False)
+    _model: nn.Module | None = field(default=None, repr=False)
+    _reference: nn.Module | None = field(default=None, repr=False)  # a frozen copy (task.reference: copy)
+    _step: _Sums = field(default_factory=_Sums, repr=False)
+    _best: tuple[float, float] | None = field(default=None, repr=False)  # (accuracy, -loss) of the best evaluation
+    # task.reference precomputed: every example read, the starting weights' fingerprint, the table and its rows
+    _read: list = field(default_factory=list, repr=False)
+    _start: str | None = field(default=None, repr=False)
+    _table: torch.Tensor | None = field(default=None, repr=False)
+    _rows: dict[int, int] = field(default_factory=dict, repr=False)
+    _train: list = field(default_factory=list, repr=False)
+
+    def __post_init__(self) -> None:
+        self._lm = CausalLMTask(self.recipe, kernels=self.kernels)
+
+    # -- model ------------------------------------------------------------------------------------------
+
+    def load(self, dtype: str, device: torch.device, quantize: str | None) -> tuple[Transformer, Tokenizer | None]:
+        """The recipe's model, as a language-model run loads it."""
+        return self._lm.load(dtype, device, quantize)
+
+    def save(self, model: Transformer, tokenizer: Tokenizer, folder: Path) -> Path:
+        """The adapter (LoRA) or the whole model folder, as a language-model run saves it."""
+        return self._lm.save(model, tokenizer, folder)
+
+    def head_state(self, model: Transformer) -> dict[str, torch.Tensor]:
+        return {}
+
+    def begin(self, model: Transformer, tokenizer: Tokenizer) -> None:
+        """Nothing: the evaluation before training is the baseline."""
+
+    def prepare(self, model: Transformer) -> None:
+        """The output head the log-probabilities are gathered through, and the reference model."""
+        self._head = _plain_head(model)
+        self._model = model
+        reference, _ = reference_of(self.recipe)
+        if reference == "copy":
+            self._reference = copy.deepcopy(model).requires_grad_(False).eval()
+        elif reference == "precomputed":  # the starting weights, before a resume loads a checkpoint's
+            self._start = weights_fingerprint(model)
+
+    # -- data -------------------------------------------------------------------------------------------
+
+    def read(self, path: str, role: str, tokenizer: Tokenizer, skipped: list[Skip],
+             format: str | None = None) -> tuple[list, list[str]]:
+        """Pairs (or KTO's unpaired examples) of one data file, as TRL's formats hold them."""
+        d = self.recipe.data
+        file_format, _ = split_format(format or d.format)
+        columns = {"prompt": d.prompt_field, "chosen": d.chosen_field, "rejected": d.rejected_field,
+                   "completion": d.completion_field, "label": d.label_field}
+        examples, left_out, notes = read_preference_file(
+            path, tokenizer, seq_len=d.seq_len, kind="unpaired" if self.recipe.task.loss == "kto" else "pairs",
+            columns=columns, on_error=d.on_error, seed=self.recipe.training.seed, query=d.query, format=file_format,
+            key=f"data.{role}")
+        skipped.extend(left_out)
+        self._read.extend(examples)
+        return list(examples), notes
+
+    def stream(self, examples: list, tokenizer: Tokenizer) -> tuple[Any, list[str]]:
+        d, t = self.recipe.data, self.recipe.training
+        self._train = examples
+        return PreferenceStream(examples, t.batch_size, d.seq_len, packing=d.packing, shuffle=d.shuffle,
+                                seed=t.seed, pad_id=tokenizer.pad_id or 0, kl=self.recipe.task.loss == "kto"), []
+
+    def num_targets(self, batch: Batch) -> float:
+        """Pairs (or KTO examples): the loss of a step is the mean over its pairs."""
+        return float(len(batch["example_index"]))
+
+    # -- loss -------------------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _as_reference(self) -> Iterator[Any]:
+        """The reference model to call, without gradients."""
+        reference, _ = reference_of(self.recipe)
+        assert self._model is not None  # prepare() ran
+        with torch.no_grad():
+            if reference == "adapters_off":
+                with adapters_off(self._model):
+                    yield self._model
+            else:
+                yield self._reference
+
+    def _reference_logprobs(self, batch: Batch, examples: list) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The reference's (sums, tokens) of the batch's sequences; ``examples``: the list its example_index
+        points into."""
+        if self.recipe.task.loss in L.REFERENCE_FREE:
+            return None
+        if reference_of(self.recipe)[0] == "precomputed":
+            table = self._precomputed()
+            rows = [self._rows[id(examples[i])] for i in batch["example_index"].tolist()]
+            return table[rows].to(batch["input_ids"].device).reshape(-1), torch.empty(0)
+        with self._as_reference() as reference:
+            return sequence_logprobs(reference, batch, _plain_head(reference))
+
+    def _precomputed(self) -> torch.Tensor:
+        """The reference table of every example read: from the run folder when its fingerprints match, else
+        computed now with the starting weights (refused when the model has left them: a resumed run)."""
+        if self._table is not None:
+            return self._table
+        assert self._model is not None and self._start is not None  # prepare() ran
+        path = Path(self.recipe.output.dir).absolute() / REFERENCE_FILE
+        data = examples_fingerprint(self._read)
+        table = read_table(path, data, self._start)
+        if table is None:
+            if weights_fingerprint(self._model) != self._start:
+                raise CheckpointError(f"{path}: the reference log-probabilities of this run are missing or were "
+                                      "computed for other data or weights, and the model has left its starting "
+                                      "weights (a resumed run); start the run again, or use task.reference: copy")
+            table = self._compute_table()
+            write_table(path, table, data, self._start)
+        self._table = table.to(compute_device(self._model))
+        self._rows = {id(e): i for i, e in enumerate(self._read)}
+        return self._table
+
+    @torch.no_grad()
+    def _compute_table(self) -> torch.Tensor:
+        """[examples read, 2]: each pair's summed (chosen, rejected) log-probabilities under the model now."""
+        assert self._model is not None
+        d, t = self.recipe.data, self.recipe.training
+        model, device = self._model, compute_device(self._model)
+        table = torch.zeros(len(self._read), 2, dtype=torch.float32)
+        was_training = model.training
+        model.eval()
+        try:
+            for batch in preference_eval_batches(self._read, t.batch_size, d.seq_len, packing=d.packing):
+                batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+                with autocast_for(device, t.precision):
+                    sums, _ = sequence_logprobs(model, batch, self._head)
+                table[batch["example_index"].cpu()] = sums.reshape(-1, 2).float().cpu()
+        finally:
+            model.train(was_training)
+        return table
+
+    def _losses(self, model: Any, batch: Batch, sums: _Sums, examples: list) -> torch.Tensor:
+        """The per-pair (per-example) losses of a batch, their metrics added to ``sums``; ``examples``: the list
+        the batch's example_index points into."""
+        task = self.recipe.task
+        logps, tokens = sequence_logprobs(model, batch, self._head)
+        ref = self._reference_logprobs(batch, examples)
+        if task.loss == "kto":
+            return self._kto(batch, logps, ref, sums)
+        chosen, rejected = logps[0::2], logps[1::2]
+        if task.loss == "dpo":
+            assert ref is not None
+            per_pair, cr, rr = L.dpo(chosen, rejected, ref[0][0::2], ref[0][1::2], task.beta, task.label_smoothing)
+        elif task.loss == "ipo":
+            assert ref is not None
+            per_pair, cr, rr = L.ipo(chosen, rejected, ref[0][0::2], ref[0][1::2], tokens[0::2], tokens[1::2],
+                                     task.beta)
+        else:
+            avg = logps / tokens.clamp(min=1)
+            chosen, rejected = avg[0::2], avg[1::2]  # TRL logs these averages as logps/ for SimPO and ORPO
+            if task.loss == "simpo":
+                per_pair, cr, rr = L.simpo(chosen, rejected, task.beta, task.simpo_gamma, task.label_smoothing)
+            else:
+                per_pair, cr, rr = L.orpo(chosen, rejected, -chosen, task.beta)
+                sums.add("nll_loss", -chosen)
+        sums.add("rewards/chosen", cr)
+        sums.add("rewards/rejected", rr)
+        sums.add("rewards/accuracies", (cr > rr).float())
+        sums.add("rewards/margins", cr - rr)
+        sums.add("logps/chosen", chosen)
+        sums.add("logps/rejected", rejected)
+        return per_pair
+
+    def _kto(self, batch: Batch, logps: torch.Tensor, ref: tuple[torch.Tensor, torch.Tensor] | None,
+             sums: _Sums) -> torch.Tensor:
+        task = self.recipe.task
+        assert ref is not None
+        desirable = batch["desirable"].to(logps.device).bool()
+        # The batch's mismatched sequences (after its n examples: prompt k with completion k-1) estimate z.
+        n = int(batch["kl_offset"])
+        z = L.kto_reference_point(logps[n:].detach(), ref[0][n:])
+        logps = logps[:n]
+        per_example, cr, rr = L.kto(logps, ref[0][:n], desirable, z, task.beta, task.desirable_weight,
+                                    task.undesirable_weight)
+        sums.add("kl", z)
+        sums.add("rewards/chosen", cr)
+        sums.add("rewards/rejected", rr)
+        sums.add("logps/chosen", logps[desirable])
+        sums.add("logps/rejected", logps[~desirable])
+        return per_example
+
+    def loss_sum(self, model: Any, batch: Batch) -> torch.Tensor:
+        """The summed loss of the micro-batch's pairs (or KTO examples), through ``model`` or its wrapper."""
+        return self._losses(model, batch, self._step, self._train).sum()
+
+    def step_metrics(self) -> dict[str, torch.Tensor]:
+        """TRL's metrics of the step's micro-batches (means over its pairs)."""
+        means, self._step = self._step.means(), _Sums()
+        return means
+
+    # -- evaluation -------------------------------------------------------------------------------------
+
+    def evaluate(self, model: Transformer, examples: list, tokenizer: Tokenizer) -> PreferenceEval:
+        """Mean loss and TRL's metrics over held-out pairs (the first training.eval_batches micro-batches)."""
+        d, t = self.recipe.data, self.recipe.training
+        batches = preference_eval_batches(examples, t.batch_size, d.seq_len, packing=d.packing,
+                                          pad_id=tokenizer.pad_id or 0, kl=self.recipe.task.loss == "kto")
+        return self.evaluate_batches(model, batches[:t.eval_batches] if t.eval_batches else batches, examples)
+
+    @torch.no_grad()
+    def evaluate_batches(self, model: Transformer, batches: list[Batch], examples: list) -> PreferenceEval:
+        """:meth:`evaluate` over batches of ``examples`` already laid out."""
+        if self._model is None:
+            self.prepare(model)
+        device = compute_device(model)
+        was_training = model.training
+        model.eval()
+        sums, total, count = _Sums(), torch.zeros((), dtype=torch.float64, device=device), 0
+        try:
+            for batch in batches:
+                batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+                with autocast_for(device, self.recipe.training.precision):
+                    per_pair = self._losses(model, batch, sums, examples)
+                total += per_pair.double().sum()
+                count += len(batch["example_index"])
+        finally:
+            model.train(was_training)
+        metrics = {k: float(v) for k, v in sums.means().items() if bool(torch.isfinite(v))}
+        return PreferenceEval(loss=float(total) / max(count, 1), metrics=metrics, examples=count)
+
+    def log_eval(self, metrics: MetricsLogger, step: int, result: PreferenceEval) -> bool:
+        """Log the evaluation with TRL's names; True when its preference accuracy is the best so far (ties: the
+        lower loss)."""
+        if self._best is None:  # a resumed run: the best so far is in the metrics kept up to the resumed step
+            self._best = _best_logged(metrics.path, self.recipe.task.loss == "kto")
+        metrics.log_eval(step, result.loss)
+        metrics._write({"step": int(step), **{f"eval_{k}": v for k, v in result.metrics.items()}})
+        score = self._score(result)
+        if score != score or (self._best is not None and score <= self._best):  # NaN: never the best
+            return False
+        self._best = score
+        return True
+
+    def _score(self, result: PreferenceEval) -> tuple[float, float]:
+        """What picks the best evaluation, higher better: the preference accuracy, then the lower loss (KTO, whose
+        examples are unpaired: the lower loss)."""
+        if self.recipe.task.loss == "kto":
+            return -result.loss, 0.0
+        return result.accuracy, -result.loss
+
+    def eval_scalars(self, result: PreferenceEval) -> dict[str, float]:
+        """The loss, then the preference accuracy (pairs), then the other metrics (``eval_`` prefixed, as TRL)."""
+        return {"eval_loss": result.loss, **{f"eval_{k}": v for k, v in sorted(
+            result.metrics.items(), key=lambda item: item[0] != ACCURACY)}}
+
+    def finish(self, model: Transformer, tokenizer: Tokenizer, validation: list, run_dir: Path, output: Path,
+               before: PreferenceEval | None, after: PreferenceEval | None) -> list[SummaryRow]:
+        """The held-out preference accuracy and margin before and after training."""
+        if after is None:
+            return []
+        if self.recipe.task.loss == "kto":
+            return [("held-out KTO loss", (f"{before.loss:.4f} -> " if before is not None else "") + f"{after.loss:.4f}"
+                     + f" (margin {after.metrics.get('rewards/margins', 0.0):+.4f})")]
+        start = (before.accuracy, before.metrics.get("rewards/margins", 0.0)) if before is not None \
+            else _logged_start(run_dir)
+        now = f"{after.accuracy:.3f} (margin {after.metrics.get('rewards/margins', 0.0):+.4f})"
+        if start is None:
+            return [("held-out preference accuracy", now)]
+        return [("held-out preference accuracy", f"{start[0]:.3f} (margin {start[1]:+.4f}) -> {now}")]
+
+
+def _plain_head(model: Any) -> nn.Linear | None:
+    """A model's output head when it is a plain ``nn.Linear`` (log-probabilities chunk by chunk through its
+    weight); None: a LoRA'd head, read through the model's logits."""
+    head = getattr(model, "lm_head", None)
+    return head if isinstance(head, nn.Linear) and type(head) is nn.Linear else None
+
+
+def _best_logged(path: Path, by_loss: bool) -> tuple[float, float] | None:
+    """The score (:meth:`PreferenceTask._score`) of the best evaluation a run's metrics.jsonl logged (None: none
+    yet)."""
+    records = read_metrics(path) if path.is_file() else []
+    losses = {r["step"]: r["eval_loss"] for r in records if r.get("eval_loss") is not None}
+    if by_loss:
+        return max(((-loss, 0.0) for loss in losses.values()), default=None)
+    scores = [(r[f"eval_{ACCURACY}"], -losses.get(r["step"], 0.0)) for r in records
+              if r.get(f"eval_{ACCURACY}") is not None]
+    return max(scores) if scores else None
+
+
+def _logged_start(run_dir: Path) -> tuple[float, float] | None:
+    path = run_dir / METRICS_FILE
+    records = read_metrics(path) if path.is_file() else []
+    for r in records:
+        if r.get("step") == 0 and r.get(f"eval_{ACCURACY}") is not None:
+            return r[f"eval_{ACCURACY}"], r.get("eval_rewards/margins") or 0.0
+    return None
+
+
+__all__ = ["ACCURACY", "PreferenceEval", "PreferenceTask", "evaluate_preference_file", "reference_of"]
+
+
+def evaluate_preference_file(model: Transformer, tokenizer: Tokenizer, path: str | Path, task: TaskSection, *,
+                             seq_len: int = 512, batch_size: int = 4, lora: bool = False,
+                             reference: nn.Module | None = None, precision: str = "fp32",
+                             columns: dict[str, str] | None = None) -> PreferenceEval:
+    """TRL's preference metrics of ``model`` on a preference data file, as a run's evaluation computes them
+    (``entrenar eval`` on preference data). ``task``: the loss and its settings (a run's ``task`` section);
+    ``lora``: the model carries an adapter, whose base (adapters switched off) is the reference; otherwise
+    ``reference`` is a separate reference model, which a loss with a reference needs."""
+    if task.loss not in L.REFERENCE_FREE and not lora and reference is None:
+        raise ConfigError(f"task.loss {task.loss} compares the model with a reference: evaluate an adapter (its base "
+                          "is the reference) or pass the reference model")
+    cols = {"prompt": "prompt", "chosen": "chosen", "rejected": "rejected", "completion": "completion",
+            "label": "label", **(columns or {})}
+    settings = {**{f.name: getattr(task, f.name) for f in fields(task)}, "type": "preference"}
+    settings["reference"] = "auto" if task.loss in L.REFERENCE_FREE else ("adapters_off" if lora else "copy")
+    recipe = Recipe(task=TaskSection(**settings), lora=LoraSection() if lora else None,
+                    data=DataSection(seq_len=seq_len, prompt_field=cols["prompt"], chosen_field=cols["chosen"],
+                                     rejected_field=cols["rejected"], completion_field=cols["completion"],
+                                     label_field=cols["label"]),
+                    training=TrainingSection(batch_size=batch_size, precision=precision))
+    evaluator = PreferenceTask(recipe)
+    evaluator._head, evaluator._model, evaluator._reference = _plain_head(model), model, reference
+    examples, _, _ = read_preference_file(
+        str(path), tokenizer, seq_len=seq_len, kind="unpaired" if task.loss == "kto" else "pairs",
+        columns={k: v for k, v in cols.items()}, key="--data")
+    return evaluator.evaluate(model, list(examples), tokenizer)
