@@ -60,14 +60,15 @@ def test_eval_needs_data(capsys):
 def exports(monkeypatch):
     calls: list[tuple] = []
 
-    def export(model_path, adapter, output, merge, gguf, dtype, overwrite):
+    def export_verified(model_path, adapter, output, verify, data, max_kl, merge_base, merge, gguf, dtype, overwrite):
         calls.append((model_path, adapter, output, merge, gguf, dtype, overwrite))
+        assert (verify, data, max_kl, merge_base) == ("quick", None, 0.05, "full")  # the defaults
         if adapter == "broken":
             raise AdapterError("broken: no adapter_config.json; not an adapter folder")
         paths = [Path(output)] if merge else []
-        return paths + ([Path(output) / "model-f16.gguf"] if gguf else [])
+        return paths + ([Path(output) / "model-f16.gguf"] if gguf else []), None
 
-    fake_module(monkeypatch, "entrenar.export", export=export)
+    fake_module(monkeypatch, "entrenar.export.verify", export_verified=export_verified)
     return calls
 
 

@@ -60,10 +60,10 @@ def test_quantize_prints_the_table_and_perplexity_and_writes_a_loadable_folder(c
     assert lines[17].startswith(f"wrote {out_dir} (int4, group 32, asymmetric; quantized weights ")
     size = re.fullmatch(r"on disk (\S+) KiB -> (\S+) KiB \((\d+)% of the input; unquantized weights in float32\)",
                         lines[18])
-    on_disk = sum(p.stat().st_size for p in out_dir.iterdir())
+    on_disk = sum(p.stat().st_size for p in out_dir.iterdir() if p.name != "export_report.json")  # written after
     assert float(size.group(2)) == pytest.approx(on_disk / 1024, abs=0.06)
     assert float(size.group(1)) == pytest.approx(sum(p.stat().st_size for p in model.iterdir()) / 1024, abs=0.06)
-    assert len(lines) == 19
+    assert lines[19].startswith("verify (quick) against ") and len(lines) == 19 + 8  # export_verify's report
 
     ids = torch.tensor([[1, 5, 9, 2]])
     assert not torch.equal(loaded(ids), original(ids))  # it is quantized, and only a little off
@@ -72,7 +72,7 @@ def test_quantize_prints_the_table_and_perplexity_and_writes_a_loadable_folder(c
 
 def test_nf4_without_data_has_no_perplexity_line(capsys, model, tmp_path):
     code, out, err = run_cli(capsys, "quantize", model, "--method", "nf4", "--output", tmp_path / "nf4",
-                             "--device", "cpu")
+                             "--device", "cpu", "--verify", "none")  # the report's lines: test_export_verify.py
     assert (code, err) == (0, "")
     assert not any(line.startswith("perplexity") for line in out.splitlines())
     assert out.splitlines()[-2].startswith(f"wrote {tmp_path / 'nf4'} (nf4, group size 64")
@@ -159,7 +159,8 @@ def test_unquantized_weights_keep_the_inputs_dtype_and_the_folder_shrinks(capsys
     hf.to(dtype).save_pretrained(folder)
     chat_tokenizer().save(folder)
     out_dir = tmp_path / "int8"
-    code, out, err = run_cli(capsys, "quantize", folder, "--method", "int8", "--output", out_dir, "--device", "cpu")
+    code, out, err = run_cli(capsys, "quantize", folder, "--method", "int8", "--output", out_dir, "--device", "cpu",
+                             "--verify", "none")
     assert (code, err) == (0, "")
     stored = load_file(out_dir / "model.safetensors")
     name = str(dtype).removeprefix("torch.")

@@ -11,7 +11,10 @@ from entrenar.cli.options import add_model_args, load_model, positive_int
 from entrenar.config.rules import PREFERENCE_LOSSES
 
 if TYPE_CHECKING:
+    from entrenar.data.tokenizer import Tokenizer
+    from entrenar.evaluation.rules import EvalRules
     from entrenar.loading.runs import ModelSource
+    from entrenar.models.transformer import Transformer
 
 
 def add_parser(commands: argparse._SubParsersAction, parents: list[argparse.ArgumentParser]) -> None:
@@ -33,6 +36,12 @@ def add_parser(commands: argparse._SubParsersAction, parents: list[argparse.Argu
     preference.add_argument("--beta", type=float, default=None, help="the loss's beta (default: the run's, else 0.1)")
     preference.add_argument("--reference", metavar="MODEL", default=None,
                             help="the reference model of a full fine-tune (an adapter's reference is its base)")
+    parser.add_argument("--compare", metavar="OTHER", default=None,
+                        help="a second model (folder, .gguf, run) to compare with MODEL on the data: each one's loss, "
+                             "KL divergence, top-1 agreement, chat template, special tokens, stop ids, continuations")
+    parser.add_argument("--max-kl", type=float, default=0.05, metavar="NATS",
+                        help="with --compare: KL divergence per token beyond which OTHER is flagged (default 0.05)")
+    parser.add_argument("--strict", action="store_true", help="with --compare: exit 1 when OTHER is flagged")
     parser.set_defaults(run=run)
 
 
@@ -64,12 +73,28 @@ def run(args: argparse.Namespace) -> int:
         return _preference(args, source)
     rules = eval_rules(source.recipe, args.seq_len, args.train_on, args.add_eos)
     model, tokenizer = load_model(args, quantize=source.quantize_base)  # a QLoRA run is measured on its NF4 base
+    if args.compare is not None:
+        return _compare(args, model, tokenizer, rules)
     result = evaluate_file(model, tokenizer, args.data, batch_size=args.batch_size, **rules.kwargs())
     examples = "" if result.examples is None else f", {result.examples:,} examples"
     if rules.from_recipe:
         print(f"using the run's recipe ({source.run_dir}/recipe.yaml): {rules.describe()}")
     print(f"loss {result.loss:.4f}  perplexity {result.perplexity:.3f}  ({result.tokens:,} tokens{examples})")
     return 0
+
+
+def _compare(args: argparse.Namespace, model: Transformer, tokenizer: Tokenizer, rules: EvalRules) -> int:
+    """``--compare OTHER``: the comparison ``entrenar export`` verifies with, MODEL as the reference."""
+    from entrenar.evaluation.compare import compare_models, format_comparison, held_out_batches
+    from entrenar.loading import load, require_tokenizer
+
+    other, other_tokenizer = load(args.compare, dtype=args.dtype, device=args.device)
+    batches, _ = held_out_batches(tokenizer, args.data, rules, args.batch_size)
+    comparison = compare_models(model, tokenizer, other, require_tokenizer(other_tokenizer, args.compare), batches,
+                                max_kl=args.max_kl)
+    for line in format_comparison(comparison, "model", "other"):
+        print(line)
+    return 1 if args.strict and comparison.problems() else 0
 
 
 def _preference(args: argparse.Namespace, source: ModelSource) -> int:

@@ -29,13 +29,33 @@ def add_parser(commands: argparse._SubParsersAction, parents: list[argparse.Argu
                         help="dtype of the written weights (default: the input's stored dtype)")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace an earlier output in OUT (files export does not write are kept)")
+    parser.add_argument("--verify", choices=("none", "quick", "full"), default="quick",
+                        help="read back what was written and compare it with the model as trained on held-out data "
+                             "(quick: a few hundred tokens, default; full: the whole file); writes export_report.json")
+    parser.add_argument("--data", metavar="FILE", default=None,
+                        help="held-out data for --verify (default: the run's data.validation, else built-in texts)")
+    parser.add_argument("--max-kl", type=float, default=0.05, metavar="NATS",
+                        help="KL divergence per token beyond which the export is flagged (default 0.05)")
+    parser.add_argument("--strict", action="store_true", help="exit 1 when the verification flags the export")
+    parser.add_argument("--merge-base", choices=("full", "trained"), default="full",
+                        help="a QLoRA run's merge: into the full-precision base (default) or the dequantized NF4 "
+                             "base the adapter was trained on")
     parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from entrenar.export import export
+    from entrenar.export.verify import export_verified
 
-    for path in export(args.model, args.adapter, args.output, merge=args.merge, gguf=args.gguf, dtype=args.dtype,
-                       overwrite=args.overwrite):
+    written, report = export_verified(args.model, args.adapter, args.output, args.verify, args.data,
+                                      max_kl=args.max_kl, merge_base=args.merge_base, merge=args.merge,
+                                      gguf=args.gguf, dtype=args.dtype, overwrite=args.overwrite)
+    for path in written:
         print(f"wrote {path}")
+    if report is None:
+        return 0
+    for line in report.lines():
+        print(line)
+    if report.problems:
+        print(f"!!! the export differs from the trained model ({len(report.problems)} problems; see the report)")
+        return 1 if args.strict else 0
     return 0

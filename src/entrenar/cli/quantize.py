@@ -44,6 +44,13 @@ def add_parser(commands: argparse._SubParsersAction, parents: list[argparse.Argu
     parser.add_argument("--device", type=device, default="auto", help="auto (CUDA when available), cpu, cuda, cuda:N")
     parser.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
                         help="dtype to load and compute in (auto: bf16 on CUDA, else fp32)")
+    parser.add_argument("--verify", choices=("none", "quick", "full"), default="quick",
+                        help="read the written folder back and compare it with MODEL on held-out data (--data, "
+                             "else built-in texts): quick (default) a few hundred tokens, full all; "
+                             "writes export_report.json in it")
+    parser.add_argument("--max-kl", type=float, default=0.05, metavar="NATS",
+                        help="KL divergence per token beyond which the quantized model is flagged (default 0.05)")
+    parser.add_argument("--strict", action="store_true", help="exit 1 when the verification flags the folder")
     parser.set_defaults(run=run)
 
 
@@ -57,7 +64,14 @@ def run(args: argparse.Namespace) -> int:
         add_eos=args.add_eos, overwrite=args.overwrite,
     )
     print(report(result))
-    return 0
+    if args.verify == "none":
+        return 0
+    from entrenar.export.verify import verify_export
+
+    checked = verify_export(args.model, None, [result.output], args.verify, args.data, max_kl=args.max_kl)
+    for line in checked.lines():
+        print(line)
+    return 1 if args.strict and checked.problems else 0
 
 
 def report(result: QuantizeResult) -> str:

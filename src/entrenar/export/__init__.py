@@ -53,7 +53,9 @@ from entrenar.models.config import ModelConfig
 from entrenar.models.gguf import read_gguf
 from entrenar.models.hf import read_config, weight_files
 from entrenar.models.saving import prepare_for_saving, read_json_object, write_model_files
+from entrenar.models.surgery import replace_module
 from entrenar.models.transformer import Transformer
+from entrenar.quant.nf4.format import NF4Linear
 
 if TYPE_CHECKING:
     from entrenar.data.tokenizer import Tokenizer
@@ -69,8 +71,12 @@ def export(
     gguf: str | None = None,
     dtype: str | torch.dtype | None = None,
     overwrite: bool = False,
+    merge_base: str = "full",
 ) -> list[Path]:
     """Export ``model_path`` with ``adapter`` (a PEFT LoRA folder, or None); return the paths written.
+
+    ``merge_base`` matters for a QLoRA run (``lora.quantize_base: nf4``) only: "full" merges the adapter into the
+    full-precision base, "trained" into the dequantized NF4 base it was trained on (:func:`load_merged`).
 
     See the module docstring for what each combination writes. ``gguf`` is one
     of :data:`entrenar.export.gguf_write.GGUF_TYPES`; with an ``output`` ending
@@ -86,6 +92,7 @@ def export(
         )
     if dtype is not None:
         resolve_dtype(dtype, "cpu")  # an unknown name fails now
+    check_merge_base(merge_base)
     model_path = hub.resolve(model_path)  # a Hub id: its cached snapshot
     if not model_path.exists():
         raise ModelError(f"{model_path}: no such model folder or GGUF file")
@@ -109,7 +116,7 @@ def export(
             return [export_adapter(source.model, source.adapter, output)]
         return [_export_checkpoint_adapter(source, output)]
 
-    model, tokenizer = load_merged(model_path, adapter, dtype)
+    model, tokenizer = load_merged(model_path, adapter, dtype, merge_base=merge_base)
     # general.name: the base model's name and the adapter's or run's, not the output's
     general = describe(source.model, source.adapter, source.run_dir) if qtype is not None else None
     if gguf_only:
@@ -175,11 +182,15 @@ def _meta_model(model_path: Path) -> Transformer:
 
 
 def load_merged(
-    model_path: str | Path, adapter: str | Path | None, dtype: str | torch.dtype | None = None
+    model_path: str | Path, adapter: str | Path | None, dtype: str | torch.dtype | None = None,
+    merge_base: str = "full",
 ) -> tuple[Transformer, Tokenizer | None]:
     """The model with ``adapter`` (if any) merged in and the LoRA layers removed (a plain model), and its tokenizer.
 
     ``model_path`` may be a run (:mod:`entrenar.loading.runs`); ``dtype`` None keeps the input's stored dtype.
+    ``merge_base="trained"`` on a QLoRA run merges into the base the adapter was trained on: the base loaded in
+    NF4 and dequantized (what training and its evaluation computed with); "full" (or any other run) into the
+    full-precision base.
     """
     source = resolve_model_and_adapter(model_path, adapter)
     if source.model.suffix != ".gguf":
@@ -190,7 +201,10 @@ def load_merged(
         torch_dtype = _checkpoint_dtype(source.checkpoint)  # a full fine-tune's weights, as it trained them
     else:
         torch_dtype = stored_dtype(source.model)
-    model, tokenizer = load(model_path, adapter=adapter, dtype=torch_dtype, device="cpu")
+    quantized = source.quantize_base if check_merge_base(merge_base) == "trained" else None
+    model, tokenizer = load(model_path, adapter=adapter, dtype=torch_dtype, device="cpu", quantize=quantized)
+    if quantized is not None:
+        dequantize_nf4_layers(model, torch_dtype)
     if any(True for _ in lora.lora_layers(model)):
         lora.unload_lora(model, merge=True)
     return model, tokenizer
@@ -225,6 +239,26 @@ def save_merged(
             write_gguf(model, tokenizer, target / file_name, qtype, name=name or default, general=general)
             written.append(output / file_name)
     return written
+
+
+MERGE_BASES = ("full", "trained")
+
+
+def check_merge_base(merge_base: str) -> str:
+    """``merge_base`` when it is one of :data:`MERGE_BASES`, else a ConfigError."""
+    if merge_base not in MERGE_BASES:
+        raise ConfigError(f"merge base {merge_base!r} must be one of {', '.join(MERGE_BASES)}")
+    return merge_base
+
+
+def dequantize_nf4_layers(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Replace every NF4 linear layer (under a LoRA layer or not) by a plain one holding its dequantized weight."""
+    for name, module in list(model.named_modules()):
+        if isinstance(module, NF4Linear):
+            replace_module(model, name, module.to_linear(dtype))
+    left = sorted({type(m).__name__ for m in model.modules() if "NF4" in type(m).__name__})
+    if left:
+        raise ModelError(f"merge base 'trained': cannot dequantize {', '.join(left)} layers; use merge base 'full'")
 
 
 def _refuse_quantized_checkpoint(folder: Path) -> None:
@@ -274,4 +308,5 @@ def stored_dtype(model_path: Path) -> torch.dtype:
     return _first_weight_dtype(weight_files(model_path)[0])
 
 
-__all__ = ["export", "export_adapter", "load_merged", "save_merged", "stored_dtype"]
+__all__ = ["MERGE_BASES", "check_merge_base", "dequantize_nf4_layers", "export", "export_adapter", "load_merged",
+           "save_merged", "stored_dtype"]

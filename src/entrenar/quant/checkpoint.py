@@ -46,6 +46,7 @@ from entrenar.errors import ModelError, QuantError
 from entrenar.io import atomic
 from entrenar.models.config import rope_inv_freq
 from entrenar.models.hf import check_size, header_tensors, iter_safetensors, read_config, save_hf, weight_files
+from entrenar.models.saving import generation_config
 from entrenar.models.surgery import named_linears, replace_module
 from entrenar.models.transformer import Transformer
 from entrenar.quant.int import (
@@ -179,6 +180,9 @@ def save_quantized(
         config_path.write_text(json.dumps(config, indent=2) + "\n")
         if tokenizer is not None:
             tokenizer.save(target)
+            # the ids that stop generation beyond EOS (end of turn) live only in generation_config.json
+            (target / "generation_config.json").write_text(json.dumps(generation_config(tokenizer, None), indent=2)
+                                                           + "\n")
     return folder
 
 
