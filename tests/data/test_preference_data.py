@@ -378,3 +378,13 @@ def test_validation_split_fits_pairs():
     pairs = synthetic_pairs(10)
     train, held_out = split_validation(pairs, 0.2, seed=1)
     assert len(held_out) == 2 and sorted(p.origin for p in train + held_out) == sorted(p.origin for p in pairs)
+
+
+def test_unreadable_and_untokenizable_records_skipped_in_file_order(tmp_path, tokenizer):
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps(PAIRS[0]) + "\n" + json.dumps({"prompt": "a", "chosen": "", "rejected": "b"}) + "\n"
+                    + '{"prompt": "broken\n' + json.dumps(PAIRS[1]) + "\n")
+    pairs, skipped, notes = read(path, tokenizer, on_error="skip", key="data.train")
+    assert len(pairs) == 2
+    assert [(s.line, s.reason) for s in skipped] == [(2, "empty completion"), (3, "invalid JSON")]
+    assert "2 malformed record(s) skipped (1 empty completion, 1 invalid JSON)" in notes[0]
