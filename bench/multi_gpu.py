@@ -4,7 +4,9 @@ Every run goes through the product: a random Hugging Face folder of a real model
 SmolLM2's tokenizer), a JSONL of real text, a recipe a user would write, and `entrenar train --nproc-per-node N`
 (torchrun's agent, NCCL). Nothing here drives the model directly.
 
-    scaling   each N of --gpus trains the case with --parallel (ddp or fsdp; N=1 runs the same code path), the
+    scaling   each N of --gpus trains the case with --parallel (ddp or fsdp: N=1 runs the same code path; auto: N=1
+              runs as a plain process, more than one as DDP when a replica fits), after one plain process with
+              --plain (the baseline then), the
               replica check every 10 steps; per run: tokens/s of real tokens for the job over the steps after
               --skip (all their tokens over all their time; the median of the steps' rates beside it) and per
               GPU, scaling efficiency against the first N, each rank's peak memory, the first and last losses
@@ -114,9 +116,10 @@ def prepare(name: str, case: dict, work: Path, tokenizer_dir: Path, text: Path, 
 
 
 def train_command(recipe: Path, nproc: int, run_dir: Path, sets: list[str], max_restarts: int = 0) -> list[str]:
-    return [sys.executable, "-m", "entrenar.cli.main", "train", str(recipe), "--nproc-per-node", str(nproc),
-            "--max-restarts", str(max_restarts), "--no-progress", "--set", f"output.dir={run_dir}",
-            *[a for s in sets for a in ("--set", s)]]
+    """`entrenar train` through torchrun with `nproc` processes, or as one plain process (`nproc` 0)."""
+    launch = ["--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts)] if nproc else []
+    return [sys.executable, "-m", "entrenar.cli.main", "train", str(recipe), *launch, "--no-progress",
+            "--set", f"output.dir={run_dir}", *[a for s in sets for a in ("--set", s)]]
 
 
 def metrics(run_dir: Path) -> list[dict]:
@@ -161,20 +164,25 @@ def failed(log: Path, code: int) -> dict:
 
 
 def scaling(args, recipe: Path, work: Path) -> list[dict]:
+    """Each N of --gpus through torchrun; with --plain, first one plain process (no torchrun, no process group):
+    the baseline every efficiency is then measured against."""
     results = []
-    for n in args.gpus:
-        run_dir, log = work / f"{args.case}-{args.parallel}-{n}", work / f"{args.case}-{args.parallel}-{n}.log"
+    for n in ([0] if args.plain else []) + args.gpus:
+        name = f"{args.case}-{args.parallel}-{n}" if n else f"{args.case}-plain"
+        run_dir, log = work / name, work / f"{name}.log"
         subprocess.run(["rm", "-rf", str(run_dir)])
-        code, wall = run(train_command(recipe, n, run_dir, [f"training.parallel={args.parallel}", *args.set]),
-                         log, args.timeout)
-        row = failed(log, code) if code else {"status": "ok", **summary(run_dir, n, args.skip, wall)}
+        sets = [f"training.parallel={args.parallel}"] if n else []
+        code, wall = run(train_command(recipe, n, run_dir, [*sets, *args.set]), log, args.timeout)
+        row = failed(log, code) if code else {"status": "ok", **summary(run_dir, max(n, 1), args.skip, wall)}
+        row["launch"] = f"torchrun, {n} process(es)" if n else "plain process"
         if row["status"] == "ok" and results and results[0].get("status") == "ok":
             base = results[0]
-            row["efficiency"] = round(row["tokens_per_s"] / (base["tokens_per_s"] / base["gpus"] * n), 3)
+            gpus = max(n, 1)
+            row["efficiency"] = round(row["tokens_per_s"] / (base["tokens_per_s"] / base["gpus"] * gpus), 3)
             per_gpu = base["tokens_per_s_median"] / base["gpus"]
-            row["efficiency_median"] = round(row["tokens_per_s_median"] / (per_gpu * n), 3)
+            row["efficiency_median"] = round(row["tokens_per_s_median"] / (per_gpu * gpus), 3)
         print(json.dumps({k: v for k, v in row.items() if k != "losses"}), flush=True)
-        results.append({"parallel": args.parallel, **row})
+        results.append({"parallel": args.parallel if n else "single", **row})
     return results
 
 
@@ -290,7 +298,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("what", choices=("scaling", "restart"))
     p.add_argument("--case", default="lora-1b", choices=sorted(CASES))
-    p.add_argument("--parallel", default="ddp", choices=("ddp", "fsdp"))
+    p.add_argument("--parallel", default="ddp", choices=("auto", "ddp", "fsdp"),
+                   help="training.parallel of the torchrun runs (auto: one process runs as a plain one)")
+    p.add_argument("--plain", action="store_true", help="first one plain process: the baseline of the efficiencies")
     p.add_argument("--gpus", type=int, nargs="+", default=[1, 2], help="process counts (restart: the first)")
     p.add_argument("--steps", type=int, default=0, help="optimizer steps per run (default: the case's)")
     p.add_argument("--skip", type=int, default=5, help="steps left out of the median (warm-up)")

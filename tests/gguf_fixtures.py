@@ -28,7 +28,12 @@ _ARCH = {
     "qwen3": gguf.MODEL_ARCH.QWEN3,
     "mixtral": gguf.MODEL_ARCH.LLAMA,
     "qwen3_moe": gguf.MODEL_ARCH.QWEN3MOE,
+    "phi3": gguf.MODEL_ARCH.PHI3,
+    "olmo2": gguf.MODEL_ARCH.OLMO2,
+    "granite": gguf.MODEL_ARCH.GRANITE,
 }
+# The architectures whose converter class is LlamaModel or a subclass: their q/k rows are permuted.
+_PERMUTED = (gguf.MODEL_ARCH.LLAMA, gguf.MODEL_ARCH.GRANITE)
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 USER_TOKEN = "<think>"  # an added token that is not special (USER_DEFINED in GGUF)
@@ -265,9 +270,9 @@ def write_gguf(
         gguf_name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         assert gguf_name is not None, hf_name
         data = t.detach().float().numpy()
-        if arch == gguf.MODEL_ARCH.LLAMA and ".self_attn.q_proj." in hf_name:
+        if arch in _PERMUTED and ".self_attn.q_proj." in hf_name:
             data = permute(data, c.num_attention_heads)
-        elif arch == gguf.MODEL_ARCH.LLAMA and ".self_attn.k_proj." in hf_name:
+        elif arch in _PERMUTED and ".self_attn.k_proj." in hf_name:
             data = permute(data, c.num_key_value_heads)
         tensors.append((gguf_name, *store(data, qtype)))
     raw = dict(raw or {})

@@ -316,3 +316,28 @@ def test_a_seed_gives_the_same_adapters_on_the_cpu_and_on_a_gpu():
         return lora.lora_A.weight.detach().cpu()
 
     torch.testing.assert_close(drawn("cuda"), drawn("cpu"), atol=0, rtol=0)
+
+
+def test_a_rank_above_a_layers_smaller_side_is_refused_naming_the_layer():
+    """BA has rank at most min(d_in, d_out): r above it only adds parameters. k_proj here is 64 -> 32."""
+    model = tiny_llama()
+    with pytest.raises(AdapterError, match=r"^model\.layers\.0\.self_attn\.k_proj: r=33 is larger than "
+                                           r"min\(in_features, out_features\) = 32 of this 32x64 layer"):
+        apply_lora(model, LoraConfig(r=33, alpha=8, target_modules="all-linear"))
+    assert not list(lora_layers(model))  # nothing wrapped
+    assert len(apply_lora(model, LoraConfig(r=32, alpha=8, target_modules="all-linear"))) == 14
+
+
+def test_a_recipe_rank_too_large_names_the_key_and_the_layer(workspace):
+    from entrenar.config import load_recipe
+    from entrenar.tasks import for_recipe
+    from entrenar.train.prepare import build_model
+
+    path = workspace / "recipe.yaml"
+    path.write_text(f"model: {{path: {workspace / 'model'}, device: cpu}}\n"
+                    f"data: {{train: {workspace / 'train.jsonl'}}}\n"
+                    "lora: {r: 17, target_modules: [q_proj, v_proj]}\n")
+    recipe = load_recipe(path)
+    with pytest.raises(AdapterError, match=r"^lora\.r: model\.layers\.0\.self_attn\.v_proj: r=17 is larger than "
+                                           r"min\(in_features, out_features\) = 16"):
+        build_model(recipe, for_recipe(recipe), "float32", torch.device("cpu"), None)

@@ -252,3 +252,51 @@ def test_fsdp_divides_resident_state_and_adds_what_one_step_gathers():
     largest = CONFIG.hidden_size * CONFIG.intermediate_size  # gathered by the sharded NF4 layer, one at a time
     assert per_device(qlora, CONFIG, 4, "fsdp", dtype_bytes=2).weights == pytest.approx(
         qlora.weights / 4 + root * 2 + largest * (NF4_BYTES_PER_PARAM + 2))
+
+
+def _lora_qat(config: ModelConfig, qat: bool, group_size: int | None = None) -> Transformer:
+    from entrenar.adapters.lora import LoraConfig, apply_lora
+    from entrenar.quant.qat import QATConfig, prepare_qat, train_quantizer_steps
+
+    torch.manual_seed(0)
+    model = Transformer(config)
+    model.reset_parameters()
+    if qat:
+        granularity = "group" if group_size else "channel"
+        prepare_qat(model, QATConfig(bits=3, backward="lsq", granularity=granularity, group_size=group_size or 128))
+    apply_lora(model, LoraConfig(r=4, alpha=8, target_modules="all-linear"))
+    if qat:
+        train_quantizer_steps(model)
+    return model
+
+
+@pytest.mark.parametrize("group_size", [None, 32])
+def test_lora_qat_adds_the_rounded_weights_backward_keeps_and_the_learned_steps(group_size):
+    """What LoRA-QAT saves for backward beyond LoRA (the rounded weight of every projection), measured; and its
+    trainable parameters (adapters and LSQ steps), counted on the model."""
+    ids = torch.randint(0, 256, (2, 64))
+    lora, qat = _lora_qat(LLAMA, False), _lora_qat(LLAMA, True, group_size)
+    measured = measured_saved_bytes(qat, ids) - measured_saved_bytes(lora, ids)
+    est = estimate_training_memory(LLAMA, "lora-qat", 2, 64, dtype_bytes=4, lora_r=4, qat_group_size=group_size)
+    plain = estimate_training_memory(LLAMA, "lora", 2, 64, dtype_bytes=4, lora_r=4)
+    largest = LLAMA.hidden_size * LLAMA.intermediate_size * 4
+    kept = est.fake_quant - 3 * largest  # the rounding temporaries live only inside one layer's forward
+    assert abs(kept - measured) / measured < 0.10, (kept, measured)
+    assert est.method == "lora-qat" and est.activations == plain.activations
+    assert est.trainable_params == sum(p.numel() for p in qat.parameters() if p.requires_grad)
+
+
+@pytest.mark.parametrize("bits, group_size", [(3, None), (3, 32), (2, 16), (4, 32), (6, None)])
+def test_the_quantized_model_size_is_the_exported_folders(tmp_path, bits, group_size):
+    from safetensors.torch import load_file
+
+    from entrenar.quant.checkpoint import save_quantized
+    from entrenar.quant.int import quantize_model_int
+    from entrenar.train.memory import quantized_model_bytes
+
+    model = Transformer(LLAMA)
+    model.reset_parameters()
+    quantize_model_int(model, bits=bits, group_size=group_size)
+    save_quantized(model, None, tmp_path / "q")
+    stored = sum(t.numel() * t.element_size() for t in load_file(tmp_path / "q" / "model.safetensors").values())
+    assert quantized_model_bytes(LLAMA, bits, group_size, dtype_bytes=4) == stored

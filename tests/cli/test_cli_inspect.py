@@ -195,6 +195,8 @@ def test_a_recipe_prints_the_plan_the_dry_run_prints_without_reading_weights(cap
     assert code == 0
     planned = plan_lines(plan_run(load_recipe(recipe_file), __import__("torch").device("cpu"), World(),
                                   read_config(workspace / "model")))
+    # The memory decision reads the machine's free memory at each call, which other processes move between them.
+    planned = [line for line in planned if "GiB available" not in line]
     assert all(line in out for line in planned) and all(line in dry for line in planned)
     code, out, _ = run_cli(capsys, "inspect", recipe_file, "--device", "cuda", "--nproc", "2", "--gpu-memory", "1")
     assert code == 0 and "training.parallel             ddp (auto: a replica needs" in out
@@ -214,3 +216,30 @@ def test_seq_len_beyond_the_models_context_is_noted(capsys, hf_folder):
         f"use at most {8 * context:,}; entrenar train refuses this length")
     code, out, _ = run_cli(capsys, "inspect", folder, "--seq-len", context)
     assert "note:" not in out and inspect_json(capsys, folder, "--seq-len", context)["notes"] == []
+
+
+def test_qat_rows_and_the_quantized_size(capsys, hf_folder):
+    """--qat adds QAT and LoRA-QAT rows (as estimate_training_memory gives them) and the exported model's size."""
+    from entrenar.train.memory import quantized_model_bytes
+
+    folder, _ = hf_folder("llama")
+    report = inspect_json(capsys, folder, "--qat", "3", "--qat-group-size", "16")
+    config = read_config(folder)
+    for method in ("qat", "lora-qat"):
+        expected = estimate_training_memory(config, method, seq_len=2048, qat_group_size=16).as_dict()
+        assert report["memory"]["estimates"][method] == expected
+    assert report["quantized_model_bytes"] == quantized_model_bytes(config, 3, 16, 2)
+    code, out, _ = run_cli(capsys, "inspect", folder, "--qat", "3")
+    assert code == 0 and "lora-qat" in out and "the 3-bit model QAT and LoRA-QAT export: " in out
+    code, _, err = run_cli(capsys, "inspect", folder, "--qat", "9")
+    assert code == 2 and "--qat: a bit width in [2, 8], got 9" in err
+
+
+def test_a_lora_qat_recipe_is_planned_as_lora_qat(capsys, workspace):
+    recipe_file = workspace / "r.yaml"
+    recipe_file.write_text(f"model: {{path: {workspace / 'model'}, device: cpu}}\n"
+                           f"data: {{train: {workspace / 'train.jsonl'}, seq_len: 32}}\nlora: {{r: 4}}\n"
+                           "qat: {bits: 3}\n")
+    code, out, _ = run_cli(capsys, "inspect", recipe_file)
+    assert code == 0 and ": lora-qat on cpu" in out
+    assert "of it fake quantization" in out and "quantized model" in out and "3-bit codes" in out

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from cli_helpers import run_cli
 
 from entrenar.cli.main import main
 from entrenar.config import load_recipe
@@ -16,7 +17,7 @@ REPO = Path(__file__).resolve().parents[2]
 def test_lists_the_package_and_checkout_recipes_with_their_first_sentence(capsys):
     assert main(["recipes"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    files = [REPO / "src/entrenar/recipes/quickstart.yaml", *sorted((REPO / "recipes").glob("*.yaml"))]
+    files = [*sorted((REPO / "src/entrenar/recipes").glob("*.yaml")), *sorted((REPO / "recipes").glob("*.yaml"))]
     assert [r.name for r in bundled_recipes()] == [p.stem for p in files]
     listed = {line.split()[0]: line.split(None, 1)[1] for line in lines[: len(files)]}
     assert listed["quickstart"] == "The bundled quickstart: `entrenar train` with no recipe runs this."
@@ -70,3 +71,35 @@ def test_a_checkout_recipe_never_hides_a_package_one(monkeypatch, tmp_path):
     assert find_recipe("extra").path == tmp_path / "extra.yaml"
     with pytest.raises(Exception, match="lora-llama"):
         find_recipe("lora-llama")  # only the package's and this checkout's recipes
+
+
+@pytest.mark.parametrize("name, bits, r, alpha, targets, checkpointing", [
+    ("piq3_r16", 3, 16, 32, "all-linear", False),
+    ("piq2_r8", 2, 8, 16, "all-linear", False),
+    ("minimal", 2, 4, 8, ["q_proj", "v_proj"], True),
+])
+def test_the_lora_qat_presets_train_as_the_original_specifies(capsys, workspace, name, bits, r, alpha, targets,
+                                                             checkpointing):
+    """The original's presets, by name: two steps of each on the tiny model (its widths are 32, so groups of 16)."""
+    import json
+
+    out_dir = workspace / name
+    code, out, err = run_cli(capsys, "train", name, "--no-progress", "--set", f"model.path={workspace / 'model'}",
+                             "--set", f"data.train={workspace / 'train.jsonl'}", "--set", "model.device=cpu",
+                             "--set", "qat.group_size=16", "--set", "data.seq_len=32", "--set", "training.max_steps=2",
+                             "--set", "training.batch_size=2", "--set", "training.grad_accum=1",
+                             "--set", "schedule.warmup_steps=0",
+                             "--set", f"output.dir={out_dir}")
+    assert code == 0, err
+    adapter = json.loads((out_dir / "adapter" / "adapter_config.json").read_text())
+    assert (adapter["r"], adapter["lora_alpha"]) == (r, alpha)
+    quantized = json.loads((out_dir / "quantized" / "config.json").read_text())["quantization_config"]
+    assert (quantized["bits"], quantized["backward"], quantized["group_size"]) == (bits, "lsq", 16)
+    # QAT on the adapted layers only
+    adapted = {m.rsplit(".", 1)[1] for m in quantized["modules"]}
+    assert adapted == ({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+                       if targets == "all-linear" else set(targets))
+    recipe = load_recipe(out_dir / "recipe.yaml")
+    assert recipe.training.activation_checkpointing is checkpointing
+    assert (recipe.qat.scale_lr, recipe.optimizer.lr) == (1e-3, 1e-4)
+    assert "merged integer" in out  # the merged integer model's held-out loss against the unmerged one

@@ -4,6 +4,7 @@ checkpoints that resume 2 -> 1 and 1 -> 2 exactly, a diverged replica caught, a 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +17,7 @@ HERE = Path(__file__).parent
 SRC = HERE.parents[1] / "src"
 sys.path.insert(0, str(HERE))
 from dist_fixtures import shared  # noqa: E402, F401  (a fixture)
-from workers import diverging_worker, dying_worker, free_port, launch, train_worker  # noqa: E402
+from workers import diverging_worker, dying_worker, free_port, launch, summary_worker, train_worker  # noqa: E402
 
 from entrenar.errors import DistributedError  # noqa: E402
 from entrenar.train.metrics import read_metrics  # noqa: E402
@@ -49,11 +50,13 @@ def test_two_processes_train_as_one_and_resume_across_world_sizes(shared, method
     assert len(losses(one)) == 4 and len(set(losses(one))) == 4
 
     two = ws / f"two-{method}"
-    results = launch(train_worker, recipe, [f"output.dir={two}"])  # 2 processes: 2 rows x 1 accumulation each
-    assert results[0] == results[1]  # every rank reports the global loss
+    results = launch(summary_worker, recipe, [f"output.dir={two}"])  # 2 processes: 2 rows x 1 accumulation each
+    assert results[0][0] == results[1][0]  # every rank reports the global loss
     assert_same_run(two, one, method)
     line = next(r for r in read_metrics(two / "metrics.jsonl") if "loss" in r)
     assert len(line["peak_mem_gb_ranks"]) == 2
+    assert "identical on 2 ranks at 4 check(s), steps 1-4" in results[0][1]  # replica_check_every: 1
+    assert re.search(r"peak memory +rank 0 \d+\.\d\d GB, rank 1 \d+\.\d\d GB", results[0][1])
     if method == "full":
         return  # the resumes below exercise the data position, the same for both methods
 

@@ -60,3 +60,24 @@ def test_a_nested_launch_is_refused(monkeypatch, capsys, tmp_path):
     recipe.write_text("training: {max_steps: 1}\n")
     assert main(["train", str(recipe), "--nproc-per-node", "2"]) == 2
     assert "already a worker of torchrun" in capsys.readouterr().err
+
+
+def test_a_job_of_one_process_runs_as_a_plain_process(monkeypatch):
+    """torchrun --nproc-per-node 1 opens no process group (a run of one needs no collectives, and CUDA graphs and
+    overlapped steps then apply as on a plain process); FSDP on one process still gets its group."""
+    import torch
+    import torch.distributed as dist
+
+    from entrenar.distributed.world import join, leave
+
+    for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": "29517"}.items():
+        monkeypatch.setenv(key, value)
+    world, device = join(torch.device("cpu"), 30)
+    assert not world.distributed and world.size == 1 and device == torch.device("cpu")
+    assert not dist.is_initialized()
+    world, _ = join(torch.device("cpu"), 30, group_for_one=True)
+    try:
+        assert world.distributed and dist.is_initialized() and dist.get_world_size() == 1
+    finally:
+        leave()

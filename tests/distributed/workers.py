@@ -32,6 +32,14 @@ def train_worker(recipe_path: str, overrides: list[str], resume: bool = False) -
     return train(load_recipe(recipe_path, overrides), resume=resume or None, progress=False).final_loss
 
 
+def summary_worker(recipe_path: str, overrides: list[str]) -> tuple[float | None, str]:
+    """``entrenar.train`` of a recipe on this rank; (the final loss, the summary)."""
+    from entrenar.train.loop import train
+
+    result = train(load_recipe(recipe_path, overrides), progress=False)
+    return result.final_loss, result.summary
+
+
 def diverging_worker(recipe_path: str, overrides: list[str], at_step: int) -> None:
     """Train, with rank 1 nudging one trainable weight after its ``at_step``-th optimizer step."""
     calls = [0]

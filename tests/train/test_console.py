@@ -18,7 +18,7 @@ from entrenar.train.metrics import read_metrics
 def test_the_compact_recipe_is_the_recipe(workspace):
     recipe = recipe_for(workspace, "training.early_stopping={patience: 2}")
     text = compact_yaml(recipe)
-    assert len(text.splitlines()) < 25
+    assert len(text.splitlines()) < 30  # a line per section, the long ones wrapped
     assert yaml.safe_load(text) == recipe.to_dict()
 
 

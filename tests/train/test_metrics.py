@@ -217,3 +217,20 @@ def test_tensorboard_missing_is_a_config_error(monkeypatch: pytest.MonkeyPatch) 
     with pytest.raises(ConfigError, match=r"output\.tensorboard: needs the tensorboard package \(pip install "
                                           r"'entrenar\[tensorboard\]'\)"):
         tensorboard_writer_class()
+
+
+def test_summary_reports_the_steady_state_rate_beside_the_whole_run(tmp_path: Path) -> None:
+    """A 10-step run whose first step took 9 s (compilation) and the rest 0.1 s each: the whole-run rate hides
+    the steady rate the user will get on a long run; the summary shows both."""
+    ticks = iter([0.0, 10.0, 12.0])  # construction, the summary's elapsed time (x2: rate and row)
+    with MetricsLogger(tmp_path, clock=lambda: next(ticks, 12.0)) as logger:
+        for step in range(1, 11):
+            logger.log_step(step, 1.0, None, 1e-4, 1000, step_time_s=9.0 if step == 1 else 0.1)
+        rate = logger.steady_rate()
+        text = logger.summary()
+    assert rate == pytest.approx((10_000.0, 3, 10))  # steps 1-2 (a fifth) left out
+    assert "throughput  10,000 tokens/s in steady state (steps 3-10); 833 tokens/s over the whole run " \
+           "(10,000 tokens)" in text
+    with MetricsLogger(tmp_path / "short") as short:
+        short.log_step(1, 1.0, None, 1e-4, 100, step_time_s=1.0)
+        assert short.steady_rate() is None  # too few steps to tell start-up from steady state

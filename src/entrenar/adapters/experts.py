@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from entrenar.adapters.layer import LoraLinear, adapter_dtype, check_hparams, lora_scaling
+from entrenar.adapters.layer import LoraLinear, adapter_dtype, check_hparams, check_rank, lora_scaling
 from entrenar.errors import AdapterError
 from entrenar.models.moe import Experts, Router, RoutingOps
 from entrenar.models.surgery import replace_module
@@ -55,6 +55,7 @@ class LoraExpertWeights(LoraLinear):
         self.base_layer, self.parameter = cast("Experts | LoraExpertWeights", base_layer), parameter
         self.num_experts = experts.num_experts
         self.out_features, self.in_features = shape[1], shape[2]
+        check_rank(r, self.in_features, self.out_features)  # each expert's update
         self.r, self.alpha, self.use_rslora = r, alpha, use_rslora
         self.scaling = lora_scaling(r, alpha, use_rslora)
         self.merged = False
@@ -224,10 +225,12 @@ def wrap_expert_parameters(model: nn.Module, targets: Sequence[str] | None, r: i
         # A module already wrapped for the other parameter is wrapped again (PEFT's nesting): the new wrapper
         # takes the old one's place and name, the old one moves to base_layer.
         current = model.get_submodule(name)
-        if parameter == "weight":
-            replace_module(model, name, LoraRouter(current, r, alpha, dropout, use_rslora))
-        else:
-            replace_module(model, name, LoraExpertWeights(current, parameter, r, alpha, dropout, use_rslora))
+        try:
+            wrapper = (LoraRouter(current, r, alpha, dropout, use_rslora) if parameter == "weight" else
+                       LoraExpertWeights(current, parameter, r, alpha, dropout, use_rslora))
+        except AdapterError as err:
+            raise type(err)(f"{name}.{parameter}: {err}") from None
+        replace_module(model, name, wrapper)
         wrapped.append(name)
     return wrapped
 

@@ -29,6 +29,18 @@ def check_hparams(r: Any, alpha: Any, dropout: Any, where: str) -> None:
         raise AdapterError(f"{where}: dropout must be in [0, 1), got {dropout!r}")
 
 
+class RankError(AdapterError):
+    """A rank a layer cannot use: ``r`` above ``min(in_features, out_features)``."""
+
+
+def check_rank(r: int, in_features: int, out_features: int) -> None:
+    """Refuse ``r > min(in_features, out_features)``: ``BA`` has rank at most that, so the rest would be
+    parameters that add nothing (and a different model from PEFT's, which accepts them)."""
+    if r > min(in_features, out_features):
+        raise RankError(f"r={r} is larger than min(in_features, out_features) = {min(in_features, out_features)} "
+                        f"of this {out_features}x{in_features} layer (the update BA has rank at most that)")
+
+
 def lora_scaling(r: int, alpha: float, use_rslora: bool) -> float:
     """``alpha / r``, or ``alpha / sqrt(r)`` for rank-stabilized LoRA (Kalajdzievski, 2023)."""
     return alpha / math.sqrt(r) if use_rslora else alpha / r
@@ -83,6 +95,7 @@ class LoraLinear(nn.Module):
             raise AdapterError(
                 f"LoRA needs a linear layer with in_features, out_features and weight; got {type(base_layer).__name__}"
             )
+        check_rank(r, in_features, out_features)
         self.base_layer = base_layer
         self.in_features, self.out_features = in_features, out_features
         self.r, self.alpha, self.use_rslora = r, alpha, use_rslora

@@ -25,7 +25,7 @@ import json
 import os
 import re
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any, ClassVar, cast
 
@@ -251,14 +251,33 @@ def _wrap(model: nn.Module, names: Sequence[str], cfg: LoraConfig) -> None:
         try:
             layers[name] = LoraLinear(model.get_submodule(name), cfg.r, cfg.alpha, cfg.dropout, cfg.use_rslora)
         except AdapterError as err:
-            raise AdapterError(f"{name}: {err}") from None
+            raise type(err)(f"{name}: {err}") from None
     model.requires_grad_(False)  # the new adapters are not in the model yet and stay trainable
     for name, layer in layers.items():
         replace_module(model, name, layer)
 
 
+# The recipe's default target_modules: the attention projections.
+ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def family_targets(targets: str | tuple[str, ...], fused_qkv: bool) -> str | tuple[str, ...]:
+    """``targets`` for a model whose q, k and v are one ``qkv_proj`` (Phi-3): the recipe's default (the attention
+    projections) becomes ``qkv_proj`` and ``o_proj``; any other choice is kept (names the model lacks are
+    refused where they are looked up)."""
+    return ("qkv_proj", "o_proj") if fused_qkv and targets == ATTENTION_TARGETS else targets
+
+
+def _for_model(model: nn.Module, cfg: LoraConfig) -> LoraConfig:
+    fused = bool(getattr(getattr(model, "config", None), "fused_qkv", False))
+    targets = family_targets(cfg.target_modules, fused)
+    return cfg if targets == cfg.target_modules else replace(cfg, target_modules=targets)
+
+
 def apply_lora(model: nn.Module, cfg: LoraConfig) -> list[str]:
-    """Wrap the layers ``cfg.target_modules`` selects and freeze everything else; return their names."""
+    """Wrap the layers ``cfg.target_modules`` selects and freeze everything else; return their names.
+    The default targets on a model with a fused ``qkv_proj``: see :func:`family_targets`."""
+    cfg = _for_model(model, cfg)
     _refuse_second_adapter(model)
     names = find_linears(model, cfg.target_modules)
     _refuse_shared_weights(model, names, merging=False)
@@ -415,6 +434,7 @@ def save_adapter(
     Other files in ``folder`` are left alone.
     """
     layers = _require_lora(model)
+    cfg = _for_model(model, cfg)
     for name, layer in layers:
         if (layer.r, layer.alpha, layer.use_rslora) != (cfg.r, cfg.alpha, cfg.use_rslora):
             raise AdapterError(

@@ -1,10 +1,17 @@
-"""``entrenar eval``: loss and perplexity of a model (and adapter) over a data file."""
+"""``entrenar eval``: loss and perplexity of a model (and adapter) over a data file, or on preference data the
+preference metrics TRL logs (held-out accuracy, margins, rewards)."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+from typing import TYPE_CHECKING
 
 from entrenar.cli.options import add_model_args, load_model, positive_int
+from entrenar.config.rules import PREFERENCE_LOSSES
+
+if TYPE_CHECKING:
+    from entrenar.loading.runs import ModelSource
 
 
 def add_parser(commands: argparse._SubParsersAction, parents: list[argparse.ArgumentParser]) -> None:
@@ -18,6 +25,14 @@ def add_parser(commands: argparse._SubParsersAction, parents: list[argparse.Argu
     add_model_args(parser)
     parser.add_argument("--data", required=True, metavar="FILE", help="JSONL/JSON/CSV/Parquet/text file or folder")
     add_eval_args(parser)
+    preference = parser.add_argument_group(
+        "preference data", "pairs ({prompt, chosen, rejected}) or KTO's examples, scored as a preference run's "
+        "evaluation (docs/PREFERENCE.md); a preference run's folder brings its task settings")
+    preference.add_argument("--loss", choices=PREFERENCE_LOSSES, default=None,
+                            help="score the file as preference data with this loss")
+    preference.add_argument("--beta", type=float, default=None, help="the loss's beta (default: the run's, else 0.1)")
+    preference.add_argument("--reference", metavar="MODEL", default=None,
+                            help="the reference model of a full fine-tune (an adapter's reference is its base)")
     parser.set_defaults(run=run)
 
 
@@ -45,6 +60,8 @@ def run(args: argparse.Namespace) -> int:
     from entrenar.loading.runs import resolve_model_and_adapter
 
     source = resolve_model_and_adapter(args.model, args.adapter)
+    if args.loss is not None or (source.recipe is not None and source.recipe.task.type == "preference"):
+        return _preference(args, source)
     rules = eval_rules(source.recipe, args.seq_len, args.train_on, args.add_eos)
     model, tokenizer = load_model(args, quantize=source.quantize_base)  # a QLoRA run is measured on its NF4 base
     result = evaluate_file(model, tokenizer, args.data, batch_size=args.batch_size, **rules.kwargs())
@@ -52,4 +69,29 @@ def run(args: argparse.Namespace) -> int:
     if rules.from_recipe:
         print(f"using the run's recipe ({source.run_dir}/recipe.yaml): {rules.describe()}")
     print(f"loss {result.loss:.4f}  perplexity {result.perplexity:.3f}  ({result.tokens:,} tokens{examples})")
+    return 0
+
+
+def _preference(args: argparse.Namespace, source: ModelSource) -> int:
+    """The preference metrics of the model (and adapter) on ``--data``."""
+    from entrenar.config.sections import TaskSection
+    from entrenar.loading import load
+    from entrenar.tasks.preference import evaluate_preference_file
+
+    run_task = source.recipe.task if source.recipe is not None and source.recipe.task.type == "preference" else None
+    task = run_task or TaskSection(type="preference")
+    if args.loss is not None and args.loss != task.loss:  # another loss: its own defaults, not the run's settings
+        task = TaskSection(type="preference", loss=args.loss)
+    if args.beta is not None:
+        task = dataclasses.replace(task, beta=args.beta)
+    lora = source.adapter is not None or source.checkpoint is not None
+    seq_len = args.seq_len or (source.recipe.data.seq_len if source.recipe is not None else 512)
+    model, tokenizer = load_model(args, quantize=source.quantize_base)
+    reference = load(args.reference, dtype=args.dtype, device=args.device)[0] if args.reference else None
+    result = evaluate_preference_file(model, tokenizer, args.data, task, seq_len=seq_len, batch_size=args.batch_size,
+                                      lora=lora, reference=reference)
+    if run_task is not None:
+        print(f"using the run's task settings ({source.run_dir}/recipe.yaml): loss {task.loss}, beta {task.beta:g}")
+    metrics = "  ".join(f"{k} {v:.4f}" for k, v in result.metrics.items())
+    print(f"loss {result.loss:.4f}  {metrics}  ({result.examples:,} {'examples' if task.loss == 'kto' else 'pairs'})")
     return 0

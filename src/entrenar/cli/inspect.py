@@ -23,6 +23,10 @@ MOE_FIELDS = (
     "num_experts", "num_experts_per_tok", "expert_intermediate_size", "shared_expert_intermediate_size",
     "shared_expert_gate", "router_scoring", "norm_topk_prob", "moe_layers",
 )
+MLA_FIELDS = ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "v_head_dim")
+# Gemma 2/3's flags, shown when the model has them
+GEMMA_FIELDS = ("hidden_act", "attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar",
+                "layer_types", "rope_local_theta")
 METHODS = ("full", "lora", "qlora")
 EXPERT_TARGETS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 
@@ -67,6 +71,11 @@ def add_parser(commands: argparse._SubParsersAction, parents: list[argparse.Argu
                         help="per-device memory on N processes (entrenar train --nproc-per-node N)")
     parser.add_argument("--parallel", choices=("ddp", "fsdp"), default="ddp",
                         help="with --nproc: ddp (a replica per device) or fsdp (sharded); training.parallel")
+    parser.add_argument("--qat", type=int, default=None, metavar="BITS",
+                        help="add QAT and LoRA-QAT rows (fake quantization to BITS bits, 2 to 8) and the size of "
+                             "the integer model they export")
+    parser.add_argument("--qat-group-size", type=positive_int, default=None, metavar="G",
+                        help="with --qat: a scale per G inputs (qat.granularity group) instead of one per row")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     parser.add_argument("--device", choices=("cpu", "cuda"), default=None,
                         help="with a RECIPE: plan for this device (default: the recipe's model.device here)")
@@ -79,15 +88,15 @@ def add_parser(commands: argparse._SubParsersAction, parents: list[argparse.Argu
 def parse_targets(text: str) -> str | list[str]:
     """'all-linear' or a comma-separated list of projection names, each checked."""
     from entrenar.errors import ConfigError
-    from entrenar.train.memory import LINEAR_NAMES
+    from entrenar.train.memory import PROJECTION_NAMES
 
     if text == "all-linear":
         return text
     names = list(dict.fromkeys(name.strip() for name in text.split(",") if name.strip()))
-    unknown = [name for name in names if name not in LINEAR_NAMES]
+    unknown = [name for name in names if name not in PROJECTION_NAMES]
     if not names or unknown:
         raise ConfigError(f"--lora-targets: unknown projection {', '.join(map(repr, unknown)) or repr(text)} "
-                          f"(allowed: all-linear or a comma-separated list of {', '.join(LINEAR_NAMES)})")
+                          f"(allowed: all-linear or a comma-separated list of {', '.join(PROJECTION_NAMES)})")
     return names
 
 
@@ -98,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
     from entrenar.errors import ConfigError
     from entrenar.kernels.fused_linear_ce import FUSED_LOSS_CHUNK
     from entrenar.loading import read_model_config
-    from entrenar.train.memory import estimate_training_memory, format_estimates, per_device
+    from entrenar.train.memory import GiB, estimate_training_memory, format_estimates, per_device, quantized_model_bytes
 
     config = read_model_config(args.model)
     dtype_bytes = resolve_dtype(args.dtype, "cpu").itemsize
@@ -116,11 +125,25 @@ def run(args: argparse.Namespace) -> int:
     if args.checkpointing is not True and args.checkpointing > config.num_layers:
         raise ConfigError(f"--checkpointing: cannot checkpoint {args.checkpointing} layers of a "
                           f"{config.num_layers}-layer model")
+    methods: tuple[str, ...] = METHODS
+    if args.qat is not None:
+        if not 2 <= args.qat <= 8:
+            raise ConfigError(f"--qat: a bit width in [2, 8], got {args.qat}")
+        methods += ("qat", "lora-qat")
+        settings["qat_group_size"] = args.qat_group_size
+    elif args.qat_group_size is not None:
+        raise ConfigError("--qat-group-size: applies with --qat BITS")
     estimates = [per_device(estimate_training_memory(config, method, **settings), config, args.nproc, args.parallel,
-                            dtype_bytes) for method in METHODS]
+                            dtype_bytes) for method in methods]
+    quantized = (quantized_model_bytes(config, args.qat, args.qat_group_size, dtype_bytes)
+                 if args.qat is not None else None)
     architecture = {name: getattr(config, name) for name in ARCHITECTURE_FIELDS}
     if config.is_moe:
         architecture.update({name: getattr(config, name) for name in MOE_FIELDS})
+    if config.is_mla:
+        architecture.update({name: getattr(config, name) for name in MLA_FIELDS})
+    if config.sandwich_norms:
+        architecture.update({name: getattr(config, name) for name in GEMMA_FIELDS})
     total, trainable = estimates[0].total_params, estimates[1].trainable_params
     active = config.num_active_parameters
     notes = seq_len_notes(args.seq_len, config.max_position_embeddings, str(args.model))
@@ -134,6 +157,8 @@ def run(args: argparse.Namespace) -> int:
                        "estimates": {e.method: e.as_dict() for e in estimates}},
             "notes": notes,
         }
+        if quantized is not None:
+            report["quantized_model_bytes"] = quantized
         print(json.dumps(report, indent=2))
         return 0
 
@@ -155,6 +180,10 @@ def run(args: argparse.Namespace) -> int:
           f"{', resident memory of a CPU process (fp32 weights)' if args.cpu else ''}"
           f"{per_device_text(args.nproc, args.parallel)}:")
     print(format_estimates(estimates))
+    if quantized is not None:
+        scale = f"a scale per {args.qat_group_size} inputs" if args.qat_group_size else "a scale per row"
+        print(f"the {args.qat}-bit model QAT and LoRA-QAT export: {quantized / GiB:.2f} GiB ({scale}; embeddings, "
+              f"norms and head in {args.dtype}); while training, fake quantization keeps the full-precision base")
     for note in notes:
         print(f"note: {note}")
     return 0
@@ -201,6 +230,10 @@ def describe(a: dict[str, Any]) -> str:
         "tied embed.": "yes" if a["tie_word_embeddings"] else "no",
         "variant": ", ".join(flags) or "plain",
     }
+    if a.get("kv_lora_rank"):
+        q = "q_proj" if a["q_lora_rank"] is None else f"q rank {a['q_lora_rank']}"
+        rows["heads"] = (f"{a['num_heads']} (multi-head latent attention: kv rank {a['kv_lora_rank']}, {q}; "
+                         f"qk {a['qk_nope_head_dim']} + rope {a['head_dim']}, v {a['v_head_dim']})")
     if a.get("num_experts"):
         shared = a["shared_expert_intermediate_size"]
         gated = " (gated)" if shared and a["shared_expert_gate"] else ""
@@ -210,6 +243,12 @@ def describe(a: dict[str, Any]) -> str:
                            + (f", shared expert {shared}{gated}" if shared else ""))
         layers = a["moe_layers"]
         rows["moe layers"] = "all" if len(layers) == a["num_layers"] else f"{len(layers)}: {layers}"
+    if "layer_types" in a:
+        types = a["layer_types"] or ()
+        caps = [f"{k.split('_')[0]} {a[k]:g}" for k in ("attn_logit_softcapping", "final_logit_softcapping") if a[k]]
+        rows["gemma"] = (f"{a['hidden_act']} gate, soft caps: {', '.join(caps) or 'none'}, "
+                         f"{types.count('full_attention')} of {len(types)} layers global"
+                         + (f", local rope theta {a['rope_local_theta']:g}" if a["rope_local_theta"] else ""))
     return "\n".join(f"  {name:<14}{value}" for name, value in rows.items())
 
 

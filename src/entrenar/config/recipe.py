@@ -112,8 +112,14 @@ class Recipe:
             raise _BadValue(
                 "lora.quantize_base",
                 f"'lora.quantize_base' must be null when 'qat' is set, got {_show(self.lora.quantize_base)} "
-                "(QAT fake-quantizes full-precision weights; LoRA-QAT is 'qat' with a plain 'lora' section)",
+                "(QAT fake-quantizes full-precision weights; LoRA-QAT is 'qat' with a plain 'lora' section). An "
+                "NF4 base is quantized and frozen already: QLoRA trains the adapters against the very base they "
+                "ship with, which is what QAT buys, and rounding it again to an integer grid would quantize twice "
+                "and export a re-quantization. For an integer model train LoRA-QAT on the 16-bit base (memory: "
+                "entrenar inspect MODEL --qat BITS); for the least memory, QLoRA without qat",
             )
+        if self.qat is not None:
+            self._check_qat()
         if self.model.device == "cpu":  # settings that only mean something on a GPU, asked for explicitly
             for key, what in GPU_ONLY.items():
                 if getattr(self.training, key) not in (False, 0, "auto"):  # true, or a layer count
@@ -142,6 +148,23 @@ class Recipe:
                 "'training.precision' fp16 needs a CUDA device but model.device is 'cpu' "
                 "(use bf16 or fp32 on CPU)",
             )
+
+    def _check_qat(self) -> None:
+        """The qat keys that depend on other sections: learned steps need lsq, the LoRA keys a lora section."""
+        qat, lora = self.qat, self.lora
+        assert qat is not None
+        if qat.scale_lr is not None and qat.backward != "lsq":
+            raise _BadValue("qat.scale_lr", f"'qat.scale_lr' is the learning rate of LSQ's learned step sizes, and "
+                                            f"qat.backward is {qat.backward} (set backward: lsq, or scale_lr: null)")
+        if qat.target_modules == "lora" and lora is None:
+            raise _BadValue("qat.target_modules", "'qat.target_modules' lora selects the layers LoRA adapts, and "
+                                                  "the recipe has no lora section")
+        if qat.quantize_lora and lora is None:
+            raise _BadValue("qat.quantize_lora", "'qat.quantize_lora' quantizes the adapters with their base, and "
+                                                 "the recipe has no lora section")
+        if qat.quantize_lora and lora is not None and lora.dropout > 0:
+            raise _BadValue("qat.quantize_lora", f"'qat.quantize_lora' quantizes W + BA as one weight, which adapter "
+                                                 f"dropout has no form of (lora.dropout is {lora.dropout:g}; set 0)")
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dicts, lists and scalars (YAML/JSON-ready), every key present."""

@@ -192,6 +192,31 @@ def _modules(value: Any) -> str | tuple[str, ...]:
     raise Reject(expected)
 
 
+def _optional_number(low: float, *, low_open: bool = False) -> Rule:
+    """null, or a number that :func:`_number` accepts."""
+    number = _number(low, low_open=low_open)
+
+    def rule(value: Any) -> float | None:
+        if value is None:
+            return None
+        try:
+            return number(value)
+        except Reject as r:
+            raise Reject(f"null or {r.expected}") from None
+
+    return rule
+
+
+def _qat_modules(value: Any) -> str | tuple[str, ...]:
+    """qat.target_modules: what ``lora.target_modules`` takes, or ``lora`` (the layers LoRA adapts)."""
+    if value == "lora":
+        return value
+    try:
+        return _modules(value)
+    except Reject as r:
+        raise Reject("'all-linear', 'lora' or a non-empty list of module names", r.hint) from None
+
+
 def _parameter_names(value: Any) -> tuple[str, ...] | None:
     if value is None:
         return None

@@ -31,7 +31,9 @@ from entrenar.config.rules import (
     _modules,
     _number,
     _offload_layers,
+    _optional_number,
     _parameter_names,
+    _qat_modules,
     _show,
     _text,
     _threshold,
@@ -201,6 +203,13 @@ class QatSection(_Section):
     group_size: int = setting(128, _integer(1))
     backward: str = setting("ste", _choice("ste", "clipped_ste", "lsq", "ewgs"))
     activations: bool | int = setting(False, _activation_bits)
+    # lsq: the learning rate of the learned step sizes (their own optimizer group, no weight decay, the lr
+    # schedule's shape); null: optimizer.lr. Under LoRA the steps train too (LoRA-QAT: 1e-3 against 1e-4)
+    scale_lr: float | None = setting(None, _optional_number(0.0, low_open=True))
+    # the layers fake-quantized: all-linear (every linear layer but lm_head), lora (the adapted ones), or names
+    target_modules: str | tuple[str, ...] = setting("all-linear", _qat_modules)
+    # LoRA-QAT: fake-quantize W + BA as one weight, so the merged integer export is what was trained
+    quantize_lora: bool = setting(False, _boolean)
 
 
 @dataclass(frozen=True)
@@ -387,8 +396,12 @@ class TaskSection(_Section):
                 raise _BadValue(f"task.{key}", f"'task.{key}' applies to task.loss {' or '.join(losses)}; "
                                                f"task.loss {self.loss} does not use it (remove it)")
         if self.label_smoothing >= 0.5:
-            raise _BadValue("task.label_smoothing", f"'task.label_smoothing' must be in [0, 0.5) for a preference "
-                                                    f"loss (the chance a label is flipped), got {self.label_smoothing:g}")
+            raise _BadValue("task.label_smoothing", "'task.label_smoothing' must be in [0, 0.5) for a preference loss "
+                                                    f"(the chance a label is flipped), got {self.label_smoothing:g}")
+        if self.loss == "kto" and self.reference == "precomputed":
+            raise _BadValue("task.reference", "'task.reference' precomputed cannot serve task.loss kto: its KL "
+                                              "estimate pairs each prompt with another example's completion of the "
+                                              "same micro-batch, which changes with the order (use copy)")
         if self.loss in ("simpo", "orpo") and self.reference != "auto":
             raise _BadValue("task.reference", f"'task.reference' is {self.reference} but task.loss {self.loss} is "
                                               "reference-free (no reference model); remove task.reference")

@@ -104,16 +104,23 @@ def launched() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "LOCAL_RANK" in os.environ
 
 
-def join(device: torch.device, timeout_s: float) -> tuple[World, torch.device]:
+def join(device: torch.device, timeout_s: float, group_for_one: bool = False) -> tuple[World, torch.device]:
     """Open the default process group when torchrun started this process; the world and this rank's device.
 
     On CUDA each process takes ``cuda:LOCAL_RANK`` and NCCL; elsewhere gloo on the device asked for.
     ``timeout_s`` bounds every collective: a rank that died or hangs stops the others after that long (torchrun
     then restarts the job, with ``--max-restarts``), instead of after PyTorch's default ten minutes.
+    A job of one process opens no group (unless ``group_for_one``: DDP or FSDP asked for by name): it runs as a
+    plain process does, CUDA graphs and overlapped steps included, with torchrun's restarts around it.
     """
     if not launched():
         return SOLO, device
     rank, size, local_rank = (int(os.environ[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+    if size == 1 and not group_for_one and not dist.is_initialized():
+        if device.type == "cuda":
+            device = torch.device("cuda", local_rank)
+            torch.cuda.set_device(device)
+        return World(rank=0, size=1, local_rank=local_rank), device
     if device.type == "cuda":
         if local_rank >= torch.cuda.device_count():
             raise ConfigError(f"LOCAL_RANK {local_rank} but this host has {torch.cuda.device_count()} CUDA "

@@ -53,7 +53,8 @@ from entrenar.export.gguf_meta import GeneralMetadata
 from entrenar.export.gguf_quants import FILE_TYPES, quantize_k, tensor_types
 from entrenar.io import atomic, finite
 from entrenar.models.config import rope_inv_freq
-from entrenar.models.gguf import build_tokenizer, gguf_tensor_name
+from entrenar.models.gguf import build_tokenizer, gemma_layout, gguf_tensor_name
+from entrenar.models.rope_scaling import rope_attention_scaling
 from entrenar.quant.int import check_finite, quantize_q4_0, quantize_q8_0
 
 if TYPE_CHECKING:
@@ -65,8 +66,12 @@ if TYPE_CHECKING:
 
 # The file types offered, by the names llama.cpp's tools use; each tensor's type follows llama-quantize's rules.
 GGUF_TYPES = tuple(FILE_TYPES)
-_ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+_ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
+                  "olmo2": "olmo2", "granite": "granite", "gemma2": "gemma2", "gemma3_text": "gemma3"}
 _ROPE_FREQS = "rope_freqs.weight"
+_LONGROPE_FACTORS = {"rope_factors_long.weight": "long_factor", "rope_factors_short.weight": "short_factor"}
+# convert_hf_to_gguf.py permutes q/k rows for LlamaModel and its subclasses (Granite); the others keep HF's order.
+_PERMUTED = ("llama", "granite")
 
 # llama.cpp token types (gguf.TokenType).
 _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
@@ -144,15 +149,19 @@ def _plan(model: Transformer, qtype: str) -> list[_Entry]:
 
     config = model.config
     assert config.head_dim is not None  # ModelConfig.__post_init__ fills it in
+    arch = _ARCHITECTURES[config.model_type]
     entries = []
     if (config.rope_scaling or {}).get("rope_type") == "llama3":
         entries.append(_Entry(_ROPE_FREQS, None, (config.head_dim // 2,), Q.F32))
+    if (config.rope_scaling or {}).get("rope_type") == "longrope":  # Phi-3: the factors as two tensors
+        rotary = int(config.head_dim * config.partial_rotary_factor)
+        entries += [_Entry(name, None, (rotary // 2,), Q.F32) for name in _LONGROPE_FACTORS]
     named = []
     for hf_name, tensor in model.state_dict().items():
         if hf_name == "lm_head.weight" and config.tie_word_embeddings:
             continue  # llama.cpp reads a missing output.weight as tied to token_embd
         try:
-            gguf_name = gguf_tensor_name(hf_name)
+            gguf_name = gguf_tensor_name(hf_name, arch)
         except KeyError:
             raise ModelError(
                 f"tensor '{hf_name}' has no llama.cpp name; only a plain model can be written as GGUF "
@@ -178,7 +187,9 @@ def _encode(entry: _Entry, tensor: torch.Tensor, arch: str, model: Transformer) 
     name = entry.hf_name or entry.gguf_name
     w = tensor.detach().to("cpu", torch.float32)
     check_finite(w, name)
-    if arch == "llama" and entry.hf_name is not None:
+    if arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):
+        w = w + 1  # convert_hf_to_gguf.py stores Gemma's norms as the 1 + w they multiply by
+    if arch in _PERMUTED and entry.hf_name is not None:
         if ".self_attn.q_proj." in entry.hf_name:
             w = permute_rope_rows(w, model.config.num_heads)
         elif ".self_attn.k_proj." in entry.hf_name:
@@ -204,7 +215,10 @@ def _encode(entry: _Entry, tensor: torch.Tensor, arch: str, model: Transformer) 
 def _tensors(model: Transformer, plan: list[_Entry], arch: str) -> Iterator[np.ndarray]:
     state = model.state_dict()
     for entry in plan:
-        tensor = _llama3_rope_divisors(model) if entry.hf_name is None else state[entry.hf_name]
+        if entry.gguf_name in _LONGROPE_FACTORS:
+            tensor = torch.tensor((model.config.rope_scaling or {})[_LONGROPE_FACTORS[entry.gguf_name]])
+        else:
+            tensor = _llama3_rope_divisors(model) if entry.hf_name is None else state[entry.hf_name]
         data = _encode(entry, tensor, arch, model)
         expected = entry.byte_shape()
         if (data.shape, data.dtype) != expected:  # a programming error, not the user's
@@ -263,7 +277,7 @@ def _add_architecture(
     writer.add_head_count_kv(c.num_kv_heads)
     writer.add_key_length(c.head_dim)
     writer.add_value_length(c.head_dim)
-    writer.add_rope_dimension_count(c.head_dim)
+    writer.add_rope_dimension_count(int(c.head_dim * c.partial_rotary_factor))
     writer.add_rope_freq_base(c.rope_theta)
     writer.add_layer_norm_rms_eps(c.rms_norm_eps)
     writer.add_vocab_size(c.vocab_size)
@@ -271,12 +285,58 @@ def _add_architecture(
     if rope.get("rope_type") == "linear":
         writer.add_rope_scaling_type(RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(float(rope["factor"]))
-    if c.sliding_window is not None and c.sliding_window < c.max_position_embeddings:
+    _add_family(writer, model, arch)
+    if arch == "phi3":
+        writer.add_sliding_window(c.sliding_window or 0)  # llama.cpp's phi3 reads it (0: none)
+    elif arch in ("gemma2", "gemma3"):
+        _add_gemma(writer, model, arch)
+    elif c.sliding_window is not None and c.sliding_window < c.max_position_embeddings:
         warnings.warn(
             f"{c.model_type} sliding window ({c.sliding_window} tokens) is not written: llama.cpp's {arch} "
             "architecture attends to the whole context, so outputs differ beyond the window",
             stacklevel=3,
         )
+
+
+def _add_family(writer: gguf.GGUFWriter, model: Transformer, arch: str) -> None:
+    """Phi-3's longrope keys and Granite's multipliers, under the names convert_hf_to_gguf.py writes."""
+    c = model.config
+    rope = c.rope_scaling or {}
+    if rope.get("rope_type") == "longrope":
+        writer.add_rope_scaling_orig_ctx_len(int(rope["original_max_position_embeddings"]))
+        writer.add_rope_scaling_attn_factors(rope_attention_scaling(c))
+    if arch == "granite":
+        assert c.head_dim is not None  # ModelConfig.__post_init__ fills it in
+        writer.add_attention_scale(c.head_dim ** -0.5 if c.attention_multiplier is None else c.attention_multiplier)
+        writer.add_embedding_scale(c.embedding_multiplier)
+        writer.add_residual_scale(c.residual_multiplier)
+        writer.add_logit_scale(c.logits_scaling)
+
+
+def _check_gemma(model: Transformer, arch: str) -> None:
+    """Refuse a Gemma model llama.cpp would run otherwise than it was trained: llama.cpp fixes the layer pattern
+    (every 2nd / 6th layer global), Gemma 3's local RoPE base (10000), the attention scale (1/sqrt(head_dim), or
+    1/sqrt(hidden / heads) for the 27B shapes) and, for Gemma 2, a head tied to the embeddings."""
+    c = model.config
+    expected = gemma_layout(arch, c.num_layers, c.hidden_size, c.num_heads, c.head_dim or 0)
+    theirs = {"layer_types": c.layer_types, "query_pre_attn_scalar": float(c.query_pre_attn_scalar or c.head_dim or 0),
+              "rope_local_theta": c.rope_local_theta if arch == "gemma3" else None,
+              "tie_word_embeddings": c.tie_word_embeddings if arch == "gemma2" else True}
+    for key, value in expected.items():
+        if theirs[key] != value:
+            raise ModelError(f"a {c.model_type} model with {key}={theirs[key]!r} cannot be written as GGUF: "
+                             f"llama.cpp's {arch} architecture assumes {value!r}")
+
+
+def _add_gemma(writer: gguf.GGUFWriter, model: Transformer, arch: str) -> None:
+    """The keys convert_hf_to_gguf.py writes for Gemma 2/3: the window and the soft caps."""
+    c = model.config
+    if c.sliding_window is not None:
+        writer.add_sliding_window(c.sliding_window)
+    if c.final_logit_softcapping is not None:
+        writer.add_final_logit_softcapping(c.final_logit_softcapping)
+    if c.attn_logit_softcapping is not None:
+        writer.add_attn_logit_softcapping(c.attn_logit_softcapping)
 
 
 def _vocabulary_kind(model_json: dict[str, Any]) -> str:
@@ -601,8 +661,10 @@ def write_gguf(
     if model.config.model_type not in _ARCHITECTURES:
         raise ModelError(f"writing GGUF files of {model.config.model_type} models is not supported "
                          f"(supported: {', '.join(_ARCHITECTURES)})")
-    finite.check_finite(model.state_dict(), path, ModelError)
     arch = _ARCHITECTURES[model.config.model_type]
+    if arch in ("gemma2", "gemma3"):
+        _check_gemma(model, arch)
+    finite.check_finite(model.state_dict(), path, ModelError)
     plan = _plan(model, qtype)
     meta = tokenizer_metadata(tokenizer, model.config.vocab_size)
 

@@ -170,7 +170,7 @@ def check_shapes(model: nn.Module, method: str, group_size: int | None) -> None:
                              f"{', '.join(map(str, BLOCKSIZES))}; default {NF4_BLOCKSIZE})")
         return
     widths = {name: cast(nn.Linear, model.get_submodule(name)).in_features for name in find_linears(model, ALL_LINEAR)}
-    if bits <= 4:
+    if bits == 4:  # 2 and 3 bits: one bit stream per row, any width
         odd = [(n, w) for n, w in widths.items() if w % 2]
         if odd:
             raise QuantError(f"{odd[0][0]}: {bits}-bit codes are packed two per byte and need an even input width, "

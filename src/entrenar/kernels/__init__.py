@@ -71,8 +71,11 @@ def apply_kernels(
     changed = []
     for name, module in model.named_modules():
         fused = by_class.get(type(module))
-        if fused is FusedBlock and isinstance(module.mlp, MoeBlock):
-            fused = None  # the fused block runs a dense MLP's projections; an MoE layer keeps its own forward
+        if fused is FusedBlock and (isinstance(module.mlp, MoeBlock) or not isinstance(module.self_attn, Attention)):
+            # the fused block runs a dense MLP's and q/k/v's projections; an MoE or MLA layer keeps its own forward
+            fused = None
+        if fused is FusedBlock and module.post_norm:
+            fused = None  # OLMo 2: no norm feeds the projections, so there is nothing to fuse; the plain forward
         if fused is not None:
             module.__class__ = fused
             changed.append(name)

@@ -13,6 +13,10 @@ The specification is :func:`entrenar.models.loss.chunked_cross_entropy`
 (itself checked against :func:`entrenar.models.loss.token_cross_entropy`):
 same contract, same rounding points (bf16 logits, fp32 softmax, bf16
 gradient of the logits, fp32 accumulation of the weight gradient).
+
+Final-logit soft-capping (Gemma: ``c * tanh(logits / c)``) runs around the row pass, on the Triton path as on
+the CPU one: each chunk's logits are capped (tanh in fp32, rounded back to the chunk's dtype) before it, and the
+gradient it writes is multiplied by ``1 - tanh ** 2`` after it.
 """
 
 from __future__ import annotations
@@ -108,7 +112,7 @@ def _rows_torch(
 
 def _loss_and_grads(
     hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_size: int, need_hidden: bool,
-    need_weight: bool, rows=_rows_triton,
+    need_weight: bool, rows=_rows_triton, softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     n = hidden.shape[0]
     loss_rows = torch.empty(n, dtype=torch.float32, device=hidden.device)
@@ -117,10 +121,16 @@ def _loss_and_grads(
     for start in range(0, n, chunk_size):
         h = hidden[start : start + chunk_size]
         logits = h @ weight.T  # [chunk, V] in the model dtype
+        capped = None  # tanh(logits / c) in fp32: one more [chunk, V] block, the only one the cap adds
+        if softcap is not None:
+            capped = logits.to(torch.float32, copy=True).div_(softcap).tanh_()
+            logits.copy_(capped).mul_(softcap)
         grad_logits = rows(
             logits, targets[start : start + chunk_size], loss_rows[start : start + chunk_size],
             need_hidden or need_weight,
         )
+        if capped is not None and (need_hidden or need_weight):
+            grad_logits.mul_(capped.square_().neg_().add_(1))  # computed in fp32, stored in the chunk's dtype
         if grad_hidden is not None:
             torch.mm(grad_logits, weight, out=grad_hidden[start : start + chunk_size])
         if need_weight:
@@ -131,22 +141,25 @@ def _loss_and_grads(
 
 
 @torch.compiler.disable  # a Python loop over chunks with in-place kernels: runs eagerly inside a compiled step
-def _fused(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int, rows):
+def _fused(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int, rows,
+           softcap: float | None = None):
     # Shift by giving the last position of each row the ignored target: no copy of the hidden states.
     targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX).reshape(-1)
     flat = hidden.reshape(-1, hidden.shape[-1])
     n_tokens = (targets != IGNORE_INDEX).sum()
     if torch.is_grad_enabled() and (flat.requires_grad or weight.requires_grad):
-        loss_and_grads = functools.partial(_loss_and_grads, rows=rows)
+        loss_and_grads = functools.partial(_loss_and_grads, rows=rows, softcap=softcap)
         return GradsInForward.apply(flat, weight, targets, chunk_size, loss_and_grads), n_tokens
-    loss_sum, _, _ = _loss_and_grads(flat, weight, targets, chunk_size, False, False, rows)
+    loss_sum, _, _ = _loss_and_grads(flat, weight, targets, chunk_size, False, False, rows, softcap)
     return loss_sum, n_tokens
 
 
 def fused_linear_cross_entropy(
-    hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.Tensor, chunk_size: int = 1024
+    hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.Tensor, chunk_size: int = 1024,
+    logits_scaling: float = 1.0, softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``token_cross_entropy(hidden @ lm_head_weight.T, labels)`` as ``(loss_sum, n_tokens)``, fused.
+    """``token_cross_entropy(hidden @ lm_head_weight.T / logits_scaling, labels)`` as ``(loss_sum, n_tokens)``, fused;
+    ``softcap``: of the logits (after ``logits_scaling``) soft-capped first (Gemma's ``final_logit_softcapping``).
 
     ``hidden`` [B, T, H], ``lm_head_weight`` [V, H], ``labels`` [B, T] unshifted
     with -100 for no loss. Memory holds one [chunk_size, V] block of logits
@@ -154,15 +167,19 @@ def fused_linear_cross_entropy(
     kernel; elsewhere in one ``log_softmax`` pass. Arguments the fused path
     does not take (mixed dtypes, wrong shapes) go to
     :func:`entrenar.models.loss.chunked_cross_entropy`, which computes the same
-    or names the problem.
+    or names the problem. ``logits_scaling`` (Granite's) divides the logits: the hidden states are divided
+    before the projection, the same product.
     """
+    if logits_scaling != 1.0:
+        hidden = hidden / logits_scaling
     (hidden, lm_head_weight), autocast_off = autocast_inputs(hidden, lm_head_weight)
     with autocast_off:
-        return _fused_or_chunked(hidden, lm_head_weight, labels, chunk_size)
+        return _fused_or_chunked(hidden, lm_head_weight, labels, chunk_size, softcap)
 
 
 def _fused_or_chunked(
-    hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.Tensor, chunk_size: int
+    hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.Tensor, chunk_size: int,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     ok = (
         hidden.ndim == 3 and labels.shape == hidden.shape[:2] and lm_head_weight.ndim == 2
@@ -170,6 +187,6 @@ def _fused_or_chunked(
         and isinstance(chunk_size, int) and not isinstance(chunk_size, bool) and chunk_size > 0
     )
     if not ok:
-        return chunked_cross_entropy(hidden, lm_head_weight, labels, chunk_size)
+        return chunked_cross_entropy(hidden, lm_head_weight, labels, chunk_size, softcap=softcap)
     rows = _rows_triton if use_triton(hidden, lm_head_weight) else _rows_torch
-    return _fused(hidden, lm_head_weight, labels, chunk_size, rows)
+    return _fused(hidden, lm_head_weight, labels, chunk_size, rows, softcap)

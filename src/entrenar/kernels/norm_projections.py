@@ -22,6 +22,7 @@ and the SwiGLU product before it: that rerun's output is thrown away.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import cast
 
 import torch
@@ -38,6 +39,7 @@ from entrenar.kernels.lora_linear import (
     lora_projections_backward,
     lora_projections_forward,
     node_arguments,
+    project_together,
     save_bases,
     saved_bases,
 )
@@ -45,7 +47,7 @@ from entrenar.kernels.rmsnorm import rms_norm_and_rstd, rms_norm_backward
 from entrenar.kernels.swiglu import FusedMLP
 from entrenar.models.padding_free import Documents
 from entrenar.models.recompute import recomputing
-from entrenar.models.transformer import MLP, Block, KVCache, RMSNorm
+from entrenar.models.transformer import MLP, Attention, Block, KVCache, RMSNorm
 
 
 class _NormLoraProjections(torch.autograd.Function):
@@ -143,10 +145,16 @@ class FusedBlock(Block):
         mask: torch.Tensor | Documents | None,
         cache: KVCache | None = None,
     ) -> torch.Tensor:
-        attn, mlp = self.self_attn, cast(MLP, self.mlp)  # dense: apply_kernels keeps MoE blocks plain
-        q, k, v = norm_then_project(x, self.input_layernorm, (attn.q_proj, attn.k_proj, attn.v_proj), attn.project)
-        x = x + attn.attend(q, k, v, cos, sin, mask, cache)
-        gate, up = norm_then_project(x, self.post_attention_layernorm, (mlp.gate_proj, mlp.up_proj), mlp.project)
+        # dense, q/k/v attention: apply_kernels keeps MoE, MLA and post-norm blocks plain
+        attn, mlp = cast(Attention, self.self_attn), cast(MLP, self.mlp)
+        m = self.residual_multiplier  # Granite's; 1 elsewhere
+        q, k, v = attn.split(norm_then_project(x, self.input_layernorm, attn.projections,
+                                               partial(project_together, layers=attn.projections)))
+        out = attn.attend(q, k, v, cos, sin, mask, cache)
+        x = x + (out if m == 1.0 else out * m)
+        gate, up = mlp.split(norm_then_project(x, self.post_attention_layernorm, mlp.projections,
+                                               partial(project_together, layers=mlp.projections)))
         if recomputing() and isinstance(mlp, FusedMLP):  # a checkpointed rerun: backward reads what combine saves
             return mlp.combine(gate, up, output_needed=False)
-        return x + mlp.combine(gate, up)
+        out = mlp.combine(gate, up)
+        return x + (out if m == 1.0 else out * m)

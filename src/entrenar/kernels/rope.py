@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import functools
 from types import SimpleNamespace
-from typing import cast
 
 import torch
 
@@ -150,5 +149,4 @@ class FusedRopeAttention(Attention):
     rotate = staticmethod(apply_rope)
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return cast(tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-                    project_together(x, (self.q_proj, self.k_proj, self.v_proj)))
+        return self.split(project_together(x, self.projections))

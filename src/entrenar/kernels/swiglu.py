@@ -17,6 +17,7 @@ product in backward: one elementwise pass instead of keeping a
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from types import SimpleNamespace
 from typing import cast
 
@@ -240,7 +241,13 @@ class FusedMLP(MLP):
     """
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return cast(tuple[torch.Tensor, torch.Tensor], project_together(x, (self.gate_proj, self.up_proj)))
+        return self.split(project_together(x, self.projections))
+
+    def split(self, outputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """As :meth:`MLP.split`; a fused ``gate_up_proj``'s halves are strided views, made contiguous here
+        because the kernels read gate and up (and write their gradients) as flat rows."""
+        gate, up = super().split(outputs)
+        return (gate.contiguous(), up.contiguous()) if self.fused_gate_up else (gate, up)
 
     def combine(self, gate: torch.Tensor, up: torch.Tensor, output_needed: bool = True) -> torch.Tensor:
         """``down(silu(gate) * up)``; ``output_needed=False``: see :func:`swiglu_lora_linear` (a hint, ignored

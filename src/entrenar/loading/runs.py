@@ -200,7 +200,8 @@ def _in_run(run_dir: Path, kind: str, path: Path) -> tuple[Path, Path | None, Pa
     folder = path if kind in ("run", "best") else path.parent
     if recipe.qat is not None and kind in ("run", "best"):  # what QAT trained is the integer model
         quantized = run_dir / QUANTIZED_DIR
-        adapter = run_dir / ADAPTER_DIR if recipe.lora is not None else None
+        # qat.quantize_lora: the adapter is merged into the integer weights (Q(W + BA) is what trained)
+        adapter = run_dir / ADAPTER_DIR if recipe.lora is not None and not recipe.qat.quantize_lora else None
         if kind == "best" or not quantized.is_dir():
             pair = f"{quantized}" + (f" with the adapter {adapter}" if adapter else "")
             raise ModelError(f"{path}: a QAT run's model is its {QUANTIZED_DIR}/ folder, written when the run "

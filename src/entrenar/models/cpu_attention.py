@@ -8,6 +8,9 @@ precision is FlashAttention-2's: scores and their gradient (``q k^T`` and ``dout
 fp32, the probabilities and the score gradient rounded to bf16 for the other four products (fp32 accumulation).
 Relative errors against fp64 are within 2.5 times PyTorch's kernel's (outputs 2.2e-3 against 1.6e-3).
 
+:func:`capped_attention` is the explicit path on any device for attention whose scores are soft-capped (Gemma 2),
+which SDPA and the flash kernels cannot compute.
+
 The probabilities are kept for backward (``heads x n x n`` bf16 per document), so only documents up to
 :data:`EXPLICIT_MAX_LEN` tokens go this way, and only until a layer keeps :data:`EXPLICIT_LAYER_BUDGET`
 elements (64 MiB); the rest stay with the flash kernel.
@@ -32,7 +35,8 @@ def explicit_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n: int, win
 
 def explicit_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Causal attention of one document: q ``[Hq, n, D]``, k and v ``[Hk, n, D]`` (``Hq`` a multiple of
-    ``Hk``: query head ``h`` reads key/value head ``h // (Hq / Hk)``, as SDPA's ``enable_gqa``) -> ``[Hq, n, D]``."""
+    ``Hk``: query head ``h`` reads key/value head ``h // (Hq / Hk)``, as SDPA's ``enable_gqa``) -> ``[Hq, n, Dv]``
+    (``Dv``: v's head size, which may differ from q's, as under MLA)."""
     return _ExplicitCausal.apply(q.contiguous(), k.contiguous(), v.contiguous())
 
 
@@ -53,7 +57,7 @@ class _ExplicitCausal(torch.autograd.Function):
             p = _causal_probabilities(q, k).to(q.dtype)
             out = torch.bmm(p, v)  # [Hk, groups x n, D]
         ctx.save_for_backward(q, k, v, p, out)
-        return out.view(q.shape)
+        return out.view(*q.shape[:2], v.shape[-1])  # values may be narrower than queries (MLA's v_head_dim)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -70,3 +74,23 @@ class _ExplicitCausal(torch.autograd.Function):
             grad_q = torch.bmm(grad_s, k).view(hq, n, d)
             grad_k = torch.bmm(grad_s.transpose(1, 2), q.view(hk, hq // hk * n, d))
         return grad_q, grad_k, grad_v
+
+
+def capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                     scale: float | None, softcap: float) -> torch.Tensor:
+    """``softmax(cap * tanh(q k^T * scale / cap) + mask) v`` as transformers' eager attention computes Gemma 2's,
+    scores and softmax in fp32: q ``[B, Hq, T, D]``, k and v ``[B, Hk, S, D]`` -> ``[B, Hq, T, D]``.
+
+    ``mask`` is boolean ``[B or 1, 1, T, S]`` (True: attend), or None for causal attention with ``S == T``;
+    ``scale`` None is ``D ** -0.5``. Query head ``h`` reads key/value head ``h // (Hq / Hk)``.
+    """
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * (q.shape[-1] ** -0.5 if scale is None else scale)
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is None:
+        t = q.shape[2]
+        mask = torch.ones(t, t, dtype=torch.bool, device=q.device).tril_()
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1).to(v.dtype), v)

@@ -39,6 +39,7 @@ from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers,
 
 from entrenar.data.tokenizer import Tokenizer
 from entrenar.errors import ModelError
+from entrenar.models import gguf_deepseek
 from entrenar.models.config import ModelConfig
 from entrenar.models.hf import Sinks, empty_model, load_state_into
 
@@ -49,7 +50,8 @@ if TYPE_CHECKING:
 
 # GGUF architecture -> transformers model_type. llama.cpp stores Mistral under "llama".
 # Mixtral is "llama" with expert_count set; Qwen3-MoE is "qwen3moe".
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "phi3", "olmo2", "granite", "deepseek2", "gemma2",
+                           "gemma3")
 _HF_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
@@ -57,7 +59,27 @@ _HF_ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "olmo2": "Olmo2ForCausalLM",
+    "granite": "GraniteForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
 }
+# Gemma's norms as llama.cpp names them (its ffn_norm is the norm before the MLP, as Llama's, but
+# post_attention_layernorm is Gemma's norm of the attention output). convert_hf_to_gguf.py stores every Gemma norm
+# weight plus one (the 1 + w of Gemma's RMSNorm): read back minus one.
+_GEMMA_ARCHITECTURES = ("gemma2", "gemma3")
+_GEMMA_LAYER_NAMES = {
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}
+# llama.cpp (llama-model.cpp) fixes what Gemma's GGUF files do not say: every 2nd (Gemma 2) or 6th (Gemma 3) layer
+# global, Gemma 3's sliding layers at RoPE base 10000, and the attention scale 1/sqrt(hidden / heads) for the 27B
+# models (46 and 62 layers), 1/sqrt(head_dim) for the others.
+_GEMMA_GLOBAL_EVERY = {"gemma2": 2, "gemma3": 6}
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 
 # GGUF tensor name -> HF name. "{i}" is the layer index.
 _GLOBAL_NAMES = {
@@ -91,28 +113,42 @@ _LAYER_NAMES = {
     "ffn_up_exps.weight": "mlp.experts.up_proj",
     "ffn_down_exps.weight": "mlp.experts.down_proj",
 }
+# Where an architecture's llama.cpp names mean other modules: Phi-3 keeps its fused projections (``ffn_up`` is
+# gate_up_proj, gate rows first), OLMo 2 its norms after attention and MLP, Gemma its four norms.
+_ARCH_LAYER_NAMES = {
+    "phi3": {"attn_qkv.weight": "self_attn.qkv_proj.weight", "ffn_up.weight": "mlp.gate_up_proj.weight"},
+    "olmo2": {"post_attention_norm.weight": "post_attention_layernorm.weight",
+              "post_ffw_norm.weight": "post_feedforward_layernorm.weight"},
+}
+_ARCH_LAYER_NAMES.update({arch: _GEMMA_LAYER_NAMES for arch in _GEMMA_ARCHITECTURES})
+_LAYER_NAMES.update(gguf_deepseek.LAYER_NAMES)  # DeepSeek-V3's (llama.cpp's deepseek2) MLA and shared experts
 # Read into the config, not part of the state dict.
 _ROPE_FREQS = "rope_freqs.weight"
+_LONGROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")  # Phi-3's longrope
+# Architectures whose q/k rows convert_hf_to_gguf.py permutes (LlamaModel and its subclasses).
+_PERMUTED = ("llama", "granite")
 
 
-def hf_tensor_name(gguf_name: str) -> str | None:
-    """The Hugging Face name of a llama.cpp tensor name, or None if it is not one we know."""
+def hf_tensor_name(gguf_name: str, arch: str | None = None) -> str | None:
+    """The Hugging Face name of a llama.cpp tensor name (in architecture ``arch``), or None if it is not one we
+    know."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     prefix, _, rest = gguf_name.partition(".")
     layer, _, suffix = rest.partition(".")
-    if prefix == "blk" and layer.isdigit() and suffix in _LAYER_NAMES:
-        return f"model.layers.{int(layer)}.{_LAYER_NAMES[suffix]}"
+    names = {**_LAYER_NAMES, **_ARCH_LAYER_NAMES.get(arch or "", {})}
+    if prefix == "blk" and layer.isdigit() and suffix in names:
+        return f"model.layers.{int(layer)}.{names[suffix]}"
     return None
 
 
-def gguf_tensor_name(hf_name: str) -> str:
-    """The llama.cpp name of a Hugging Face tensor name (inverse of ``hf_tensor_name``)."""
+def gguf_tensor_name(hf_name: str, arch: str | None = None) -> str:
+    """The llama.cpp name of a Hugging Face tensor name in architecture ``arch`` (inverse of ``hf_tensor_name``)."""
     for gguf_name, name in _GLOBAL_NAMES.items():
         if name == hf_name:
             return gguf_name
     layer, _, suffix = hf_name.removeprefix("model.layers.").partition(".")
-    for gguf_suffix, name in _LAYER_NAMES.items():
+    for gguf_suffix, name in [*_ARCH_LAYER_NAMES.get(arch or "", {}).items(), *_LAYER_NAMES.items()]:
         if name == suffix and layer.isdigit():
             return f"blk.{layer}.{gguf_suffix}"
     raise KeyError(hf_name)
@@ -151,19 +187,24 @@ class GGUFModel:
 
     def tensor_names(self) -> list[str]:
         """HF names of the weights in the file, in file order."""
-        return list(self._tensors)
+        return list(dict.fromkeys(gguf_deepseek.joined_name(n) or n for n in self._tensors))
 
     def quant_types(self) -> dict[str, str]:
         """HF name -> GGML storage type (e.g. ``"Q4_K"``, ``"F32"``)."""
-        return {name: t.tensor_type.name for name, t in self._tensors.items()}
+        return {gguf_deepseek.joined_name(name) or name: t.tensor_type.name for name, t in self._tensors.items()}
 
     def tensor(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """One weight by its HF name, dequantized to ``dtype``, q/k rows in HF order."""
+        halves = [f"{name.removesuffix('.weight')}.{h}" for h in ("k_b", "v_b")]
+        if name not in self._tensors and all(h in self._tensors for h in halves):  # DeepSeek's split kv_b_proj
+            return gguf_deepseek.join_kv_b(*(self.tensor(h, dtype) for h in halves))
         if name not in self._tensors:
             raise ModelError(f"{self.path}: no tensor '{name}' (the file has {len(self._tensors)} tensors)")
         t = self._tensors[name]
         w = _dequantize(t, self.path).to(dtype)
-        if self.metadata["general.architecture"] == "llama":
+        if self.metadata["general.architecture"] in _GEMMA_ARCHITECTURES and name.endswith("norm.weight"):
+            w = w - 1  # stored as 1 + w (see _GEMMA_LAYER_NAMES)
+        if self.metadata["general.architecture"] in _PERMUTED:
             if name.endswith("self_attn.q_proj.weight") or name.endswith("self_attn.q_proj.bias"):
                 w = unpermute_rope_rows(w, self.hf_config["num_attention_heads"])
             elif name.endswith("self_attn.k_proj.weight") or name.endswith("self_attn.k_proj.bias"):
@@ -172,7 +213,7 @@ class GGUFModel:
 
     def tensors(self, dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield ``(hf_name, tensor)`` one tensor at a time, layer by layer."""
-        for name in self._tensors:
+        for name in self.tensor_names():
             yield name, self.tensor(name, dtype)
 
     def state_dict(self, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
@@ -305,6 +346,8 @@ def build_hf_config(metadata: dict[str, Any], tensors: dict[str, ReaderTensor], 
         raise ModelError(
             f"{path}: GGUF architecture '{arch}' is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
         )
+    if arch == gguf_deepseek.ARCH:
+        return gguf_deepseek.hf_config(metadata, tensors, path)
 
     def get(key: str, default: Any = ...) -> Any:
         full = f"{arch}.{key}"
@@ -330,7 +373,8 @@ def build_hf_config(metadata: dict[str, Any], tensors: dict[str, ReaderTensor], 
     head_dim = get("attention.key_length", hidden // n_head)
     if get("attention.value_length", head_dim) != head_dim:
         raise ModelError(f"{path}: {arch}.attention.value_length differs from key_length; not a Llama-family model")
-    if get("rope.dimension_count", head_dim) != head_dim:
+    rotary_dims = get("rope.dimension_count", head_dim)
+    if arch != "phi3" and rotary_dims != head_dim:
         raise ModelError(
             f"{path}: partial rotary embeddings are not supported "
             f"({arch}.rope.dimension_count={get('rope.dimension_count')}, head_dim={head_dim})"
@@ -341,7 +385,7 @@ def build_hf_config(metadata: dict[str, Any], tensors: dict[str, ReaderTensor], 
         raise ModelError(f"{path}: {arch}.vocab_size is {vocab} but token_embd.weight has {embed_rows} rows")
     rope_theta = get("rope.freq_base", 10000.0)
 
-    model_type = {"qwen3moe": "qwen3_moe"}.get(arch, arch)
+    model_type = {"qwen3moe": "qwen3_moe", "gemma3": "gemma3_text"}.get(arch, arch)
     name = f"{metadata.get('general.name', '')} {metadata.get('general.basename', '')}".lower()
     if arch == "llama" and experts:
         model_type = "mixtral"
@@ -376,6 +420,9 @@ def build_hf_config(metadata: dict[str, Any], tensors: dict[str, ReaderTensor], 
     }
     if model_type == "mistral":
         config["sliding_window"] = None  # llama.cpp keeps no sliding window for Mistral
+    config.update(_family_config(metadata, arch, tensors, rotary_dims, head_dim, path))
+    if arch in _GEMMA_ARCHITECTURES:
+        config.update(_gemma_config(arch, config, get))
     if experts:
         # llama.cpp renormalises the chosen experts' weights for both (Mixtral always does; Qwen3-MoE's
         # released models set norm_topk_prob), unless expert_weights_norm says otherwise.
@@ -386,6 +433,68 @@ def build_hf_config(metadata: dict[str, Any], tensors: dict[str, ReaderTensor], 
         else:
             config["moe_intermediate_size"] = get("expert_feed_forward_length")
     return config
+
+
+def _family_config(metadata: dict[str, Any], arch: str, tensors: dict[str, ReaderTensor], rotary_dims: int,
+                   head_dim: int, path: Path) -> dict[str, Any]:
+    """config.json keys of Phi-3 (partial rotary, longrope from its factor tensors, sliding window) and Granite
+    (its multipliers, written as ``*_scale`` keys by convert_hf_to_gguf.py); OLMo 2 needs none."""
+    out: dict[str, Any] = {}
+    if arch == "granite":
+        for key, hf_key in (("embedding_scale", "embedding_multiplier"), ("residual_scale", "residual_multiplier"),
+                            ("attention.scale", "attention_multiplier"), ("logit_scale", "logits_scaling")):
+            if f"{arch}.{key}" in metadata:
+                out[hf_key] = metadata[f"{arch}.{key}"]
+    if arch != "phi3":
+        return out
+    if rotary_dims <= 0 or rotary_dims > head_dim or rotary_dims % 2:
+        raise ModelError(f"{path}: phi3.rope.dimension_count is {rotary_dims}; head_dim is {head_dim}")
+    out["partial_rotary_factor"] = rotary_dims / head_dim
+    out["sliding_window"] = metadata.get("phi3.attention.sliding_window") or None  # 0: none (Phi-4)
+    present = [name for name in _LONGROPE_FACTORS if name in tensors]
+    if present and len(present) < 2:
+        raise ModelError(f"{path}: '{present[0]}' without its pair; longrope needs both rope_factors tensors")
+    if present:
+        long, short = (_dequantize(tensors[name], path).double().tolist() for name in _LONGROPE_FACTORS)
+        original = metadata.get("phi3.rope.scaling.original_context_length")
+        if original is None:
+            raise ModelError(f"{path}: longrope factors without 'phi3.rope.scaling.original_context_length'")
+        out["rope_scaling"] = {"rope_type": "longrope", "long_factor": long, "short_factor": short,
+                               "original_max_position_embeddings": original}
+        if "phi3.rope.scaling.attn_factor" in metadata:
+            out["rope_scaling"]["attention_factor"] = metadata["phi3.rope.scaling.attn_factor"]
+        out["original_max_position_embeddings"] = original
+    return out
+
+
+def gemma_layout(arch: str, layers: int, hidden: int, heads: int, head_dim: int) -> dict[str, Any]:
+    """What llama.cpp assumes of a gemma2/gemma3 file of this shape, under ModelConfig's names (see
+    _GEMMA_GLOBAL_EVERY); GGUF export refuses a model that differs."""
+    every = _GEMMA_GLOBAL_EVERY[arch]
+    return {
+        "layer_types": tuple("sliding_attention" if (i + 1) % every else "full_attention" for i in range(layers)),
+        "query_pre_attn_scalar": float(hidden // heads if layers == _GEMMA_27B_LAYERS[arch] else head_dim),
+        "rope_local_theta": 10_000.0 if arch == "gemma3" else None,
+        "tie_word_embeddings": True,  # Gemma 2's llama.cpp graph has no output tensor; Gemma 3's may
+    }
+
+
+def _gemma_config(arch: str, config: dict[str, Any], get: Any) -> dict[str, Any]:
+    """config.json's Gemma keys from a llama.cpp gemma2/gemma3 file, filled in as llama.cpp does (see
+    _GEMMA_GLOBAL_EVERY)."""
+    layout = gemma_layout(arch, config["num_hidden_layers"], config["hidden_size"], config["num_attention_heads"],
+                          config["head_dim"])
+    out: dict[str, Any] = {
+        "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": layout["query_pre_attn_scalar"],
+        "final_logit_softcapping": get("final_logit_softcapping", None),
+        "attn_logit_softcapping": get("attn_logit_softcapping", None) if arch == "gemma2" else None,
+        "sliding_window": get("attention.sliding_window", 4096 if arch == "gemma2" else ...),
+        "layer_types": list(layout["layer_types"]),
+    }
+    if arch == "gemma3":
+        out["rope_local_base_freq"] = layout["rope_local_theta"]
+    return out
 
 
 def _rope_scaling(
@@ -466,9 +575,9 @@ def _map_tensors(
     expected = _expected_shapes(config, arch)
     mapped: dict[str, ReaderTensor] = {}
     for gguf_name, t in tensors.items():
-        if gguf_name == _ROPE_FREQS:
+        if gguf_name == _ROPE_FREQS or (arch == "phi3" and gguf_name in _LONGROPE_FACTORS):
             continue
-        hf_name = hf_tensor_name(gguf_name)
+        hf_name = hf_tensor_name(gguf_name, arch)
         if hf_name is None or hf_name not in expected:
             raise ModelError(f"{path}: unexpected tensor '{gguf_name}' for a {arch} model of this configuration")
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
@@ -478,13 +587,16 @@ def _map_tensors(
             )
         mapped[hf_name] = t
     for hf_name in expected:
-        if hf_name not in mapped and not (hf_name == "lm_head.weight" and config["tie_word_embeddings"]):
-            raise ModelError(f"{path}: tensor '{gguf_tensor_name(hf_name)}' ({hf_name}) is missing")
+        if hf_name not in mapped and not (hf_name == "lm_head.weight" and config["tie_word_embeddings"]) \
+                and not gguf_deepseek.other_layout_present(hf_name, mapped):
+            raise ModelError(f"{path}: tensor '{gguf_tensor_name(hf_name, arch)}' ({hf_name}) is missing")
     return mapped
 
 
 def _expected_shapes(config: dict[str, Any], arch: str) -> dict[str, tuple[int, ...]]:
     """HF name -> torch shape of every weight a model of this config has."""
+    if arch == gguf_deepseek.ARCH:
+        return gguf_deepseek.expected_shapes(config)
     h, i, d = config["hidden_size"], config["intermediate_size"], config["head_dim"]
     q, kv = config["num_attention_heads"] * d, config["num_key_value_heads"] * d
     shapes: dict[str, tuple[int, ...]] = {
@@ -515,8 +627,19 @@ def _expected_shapes(config: dict[str, Any], arch: str) -> dict[str, tuple[int, 
             layer["self_attn.o_proj.bias"] = (h,)
         if config["mlp_bias"]:
             layer.update({"mlp.gate_proj.bias": (i,), "mlp.up_proj.bias": (i,), "mlp.down_proj.bias": (h,)})
-        if arch in ("qwen3", "qwen3moe"):
+        if arch in ("qwen3", "qwen3moe", "gemma3"):
             layer.update({"self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,)})
+        if arch == "phi3":  # fused projections under their own names
+            for name in ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+                         "mlp.gate_proj.weight", "mlp.up_proj.weight"):
+                del layer[name]
+            layer.update({"self_attn.qkv_proj.weight": (q + 2 * kv, h), "mlp.gate_up_proj.weight": (2 * i, h)})
+        if arch == "olmo2":  # norms after attention and MLP; q/k norms over the whole projection
+            del layer["input_layernorm.weight"]
+            layer.update({"post_feedforward_layernorm.weight": (h,), "self_attn.q_norm.weight": (q,),
+                          "self_attn.k_norm.weight": (kv,)})
+        if arch in _GEMMA_ARCHITECTURES:
+            layer.update({"pre_feedforward_layernorm.weight": (h,), "post_feedforward_layernorm.weight": (h,)})
         if config.get("num_experts"):  # every layer of these files is an MoE layer
             e, ie = config["num_experts"], config.get("moe_intermediate_size") or i
             for name in ("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"):

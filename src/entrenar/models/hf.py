@@ -172,7 +172,7 @@ def load_state_into(model: torch.nn.Module, tensors: Iterator[tuple[str, str, to
             seen.add(name)
             continue
         if name not in params:
-            if name.endswith("rotary_emb.inv_freq"):
+            if name.endswith("rotary_emb.inv_freq") or _next_token_layer(config, name):
                 continue  # older checkpoints store RoPE buffers; we compute them
             raise ModelError(f"{source}/{file_name}: tensor '{name}' does not belong to a "
                              f"{cast(ModelConfig, model.config).model_type} model of this shape")
@@ -194,6 +194,17 @@ def load_state_into(model: torch.nn.Module, tensors: Iterator[tuple[str, str, to
     if missing:
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
         raise ModelError(f"{source}: missing tensors {', '.join(missing[:5])}{more}")
+
+
+def _next_token_layer(config: ModelConfig | None, name: str) -> bool:
+    """Whether ``name`` belongs to a DeepSeek-V3 multi-token-prediction layer (``model.layers.{num_layers + i}``,
+    ``num_nextn_predict_layers`` of them): released checkpoints carry them for speculative decoding, which
+    transformers skips on load too; training and saving leave them out."""
+    if config is None or not config.extra.get("num_nextn_predict_layers") or not name.startswith("model.layers."):
+        return False
+    layer = name.split(".")[2]
+    return layer.isdigit() and config.num_layers <= int(layer) < config.num_layers + \
+        int(config.extra["num_nextn_predict_layers"])
 
 
 def _copy_checked(target: torch.Tensor, tensor: torch.Tensor, where: str, name: str) -> None:

@@ -13,6 +13,8 @@ token the same weight, exactly as one large batch would.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -47,12 +49,14 @@ def _chunk_loss_and_grads(
     chunk_size: int,
     need_hidden: bool,
     need_weight: bool,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Loss sum over ``hidden`` [N, H] and, if asked, its gradients, one chunk of logits at a time.
 
     d(loss_sum)/d(logits) = softmax(logits) - onehot(target) on target rows and
     0 on ignored ones, so each chunk's gradients are known as soon as its
-    logits are; the chunk's logits are then freed.
+    logits are; the chunk's logits are then freed. With ``softcap`` (Gemma's final-logit soft-capping) the
+    loss reads ``c * tanh(logits / c)``, and the gradient is multiplied by ``1 - tanh(logits / c) ** 2``.
     """
     n = hidden.shape[0]
     loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
@@ -65,6 +69,10 @@ def _chunk_loss_and_grads(
         valid = t != IGNORE_INDEX
         safe_t = torch.where(valid, t, 0).unsqueeze(1)
         logits = (h @ weight.T).float()
+        capped = None
+        if softcap is not None:
+            capped = torch.tanh(logits / softcap)
+            logits = capped * softcap
         lse = torch.logsumexp(logits, dim=-1)
         loss_sum += ((lse - logits.gather(1, safe_t).squeeze(1)) * valid).sum()
         if not (need_hidden or need_weight):
@@ -72,6 +80,8 @@ def _chunk_loss_and_grads(
         grad_logits = logits.sub_(lse.unsqueeze(1)).exp_()  # softmax, reusing the logits' memory
         grad_logits.scatter_add_(1, safe_t, torch.full_like(safe_t, -1, dtype=grad_logits.dtype))
         grad_logits.mul_(valid.unsqueeze(1))
+        if capped is not None:
+            grad_logits.mul_(1 - capped.square_())
         grad_logits = grad_logits.to(hidden.dtype)
         if grad_hidden is not None:
             grad_hidden[start : start + chunk_size] = grad_logits @ weight
@@ -110,17 +120,22 @@ class GradsInForward(torch.autograd.Function):
 
 
 def chunked_cross_entropy(
-    hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.Tensor, chunk_size: int = 4096
+    hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.Tensor, chunk_size: int = 4096,
+    logits_scaling: float = 1.0, softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``token_cross_entropy(hidden @ lm_head_weight.T, labels)`` without full logits.
+    """``token_cross_entropy(soft_cap(hidden @ lm_head_weight.T / logits_scaling, softcap), labels)`` without full
+    logits (``softcap`` None: the logits as they are; divided first, then capped).
 
     ``hidden`` [B, T, H] are the final normed hidden states, ``lm_head_weight``
     is [V, H]. Logits are formed ``chunk_size`` tokens at a time, in forward and
     in backward, so memory holds at most [chunk_size, V] logits (in fp32) plus
     the gradients. Same return contract as :func:`token_cross_entropy`. This is
-    the PyTorch reference for the fused kernel.
+    the PyTorch reference for the fused kernel. ``logits_scaling`` (Granite's) divides the logits, as
+    ``hidden / logits_scaling`` does before the projection.
     """
     _check_shapes("hidden", hidden, labels)
+    if logits_scaling != 1.0:
+        hidden = hidden / logits_scaling
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
     if lm_head_weight.ndim != 2 or lm_head_weight.shape[1] != hidden.shape[-1]:
@@ -130,9 +145,10 @@ def chunked_cross_entropy(
     targets = labels[:, 1:].reshape(-1)
     flat = hidden[:, :-1].reshape(-1, hidden.shape[-1])
     n_tokens = (targets != IGNORE_INDEX).sum()
+    loss_and_grads = functools.partial(_chunk_loss_and_grads, softcap=softcap)
     if torch.is_grad_enabled() and (flat.requires_grad or lm_head_weight.requires_grad):
-        return GradsInForward.apply(flat, lm_head_weight, targets, chunk_size, _chunk_loss_and_grads), n_tokens
-    loss_sum, _, _ = _chunk_loss_and_grads(flat, lm_head_weight, targets, chunk_size, False, False)
+        return GradsInForward.apply(flat, lm_head_weight, targets, chunk_size, loss_and_grads), n_tokens
+    loss_sum, _, _ = loss_and_grads(flat, lm_head_weight, targets, chunk_size, False, False)
     return loss_sum, n_tokens
 
 

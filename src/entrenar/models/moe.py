@@ -284,16 +284,22 @@ class MoeBlock(nn.Module):
         self.num_experts, self.top_k = config.num_experts, config.num_experts_per_tok
         self.gate = Router(config)
         self.experts = Experts(config.num_experts, config.hidden_size, config.expert_intermediate_size)
-        self.shared_expert: nn.Module | None
+        # transformers' name: DeepSeek-V3's are "shared_experts" (n_shared_experts of them as one MLP).
+        self.shared_expert_name = "shared_experts" if config.model_type == "deepseek_v3" else "shared_expert"
         if config.shared_expert_intermediate_size:
-            self.shared_expert = dense_mlp(config, config.shared_expert_intermediate_size)
+            self.add_module(self.shared_expert_name, dense_mlp(config, config.shared_expert_intermediate_size))
             self.shared_expert_gate = (nn.Linear(config.hidden_size, 1, bias=False) if config.shared_expert_gate
                                        else None)
         else:
-            self.shared_expert = None
+            self.add_module(self.shared_expert_name, None)
         # Routing of recent forwards, [(logits [N, E] fp32, indices [N, k])], while recording is on.
         self.record_routing = False
         self.routing: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    @property
+    def shared_mlp(self) -> nn.Module | None:
+        """The shared expert(s) (an MLP), under the family's name, or None."""
+        return self._modules.get(self.shared_expert_name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -303,8 +309,9 @@ class MoeBlock(nn.Module):
         if self.record_routing and torch.is_grad_enabled() and not recomputing():
             self.routing.append((logits, indices))
         out = self.experts(flat, indices, weights)
-        if self.shared_expert is not None:
-            shared = self.shared_expert(flat)
+        shared_mlp = self.shared_mlp
+        if shared_mlp is not None:
+            shared = shared_mlp(flat)
             if self.shared_expert_gate is not None:
                 shared = torch.sigmoid(self.shared_expert_gate(flat)) * shared
             out = out + shared

@@ -29,7 +29,12 @@ from typing import Any, cast
 import torch
 import torch.nn.functional as F
 
-from entrenar.models.cpu_attention import EXPLICIT_LAYER_BUDGET, explicit_causal_attention, explicit_fits
+from entrenar.models.cpu_attention import (
+    EXPLICIT_LAYER_BUDGET,
+    capped_attention,
+    explicit_causal_attention,
+    explicit_fits,
+)
 
 _varlen_attn: Callable[..., torch.Tensor | tuple[torch.Tensor, torch.Tensor]] | None
 try:
@@ -58,20 +63,30 @@ class Documents:
 
 
 def documents_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Documents, window: int | None = None
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Documents, window: int | None = None,
+    scale: float | None = None, softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention within each document: q ``[B, Hq, T, D]``, k/v ``[B, Hk, T, D]`` -> ``[B, T, Hq, D]``.
 
     The rows are read end to end (a padding-free batch is one row; packed rows
     keep their ``[B, T]`` shape and ``documents`` spans all ``B x T`` tokens).
     ``window`` (sliding-window models) limits each query to the ``window``
-    latest positions, itself included, as the padded path's mask does.
+    latest positions, itself included, as the padded path's mask does. ``scale`` (None: ``1/sqrt(D)``) and
+    ``softcap`` (Gemma's soft-capped scores, which only the per-document path computes) as
+    :class:`entrenar.models.transformer.Attention` reads them.
     """
     b, t = q.shape[0], q.shape[2]
     q, k, v = (x.transpose(1, 2).reshape(b * t, x.shape[1], x.shape[3]) for x in (q, k, v))  # [N, H, D]
-    if _varlen_fits(q, k, documents, window):
-        return _varlen(q, k, v, documents, window).view(b, t, *q.shape[1:])
-    return _per_document(q, k, v, documents, window).view(b, t, *q.shape[1:])
+    out_shape = (b, t, q.shape[1], v.shape[-1])  # values may be narrower than queries (MLA's v_head_dim)
+    if softcap is None and _varlen_fits(q, k, documents, window, v.shape[-1]) and \
+            (scale is None or "scale" in _VARLEN_PARAMS):
+        if v.shape[-1] != q.shape[-1]:
+            # FlashAttention's kernel takes one head size for q, k and v: zero columns added to the values add
+            # zero columns to the output, which are cut off again.
+            return _varlen(q, k, F.pad(v, (0, q.shape[-1] - v.shape[-1])), documents,
+                           window, scale)[..., :v.shape[-1]].reshape(out_shape)
+        return _varlen(q, k, v, documents, window, scale).view(out_shape)
+    return _per_document(q, k, v, documents, window, scale, softcap).view(out_shape)
 
 
 # On a CPU each document attends in its own calls, whose fixed cost (about 0.4 ms a document and layer, forward
@@ -101,18 +116,20 @@ def varlen_available(head_dim: int, device: torch.device, window: int | None = N
             and (window is None or "window_size" in _VARLEN_PARAMS))
 
 
-def _varlen_fits(q: torch.Tensor, k: torch.Tensor, documents: Documents, window: int | None) -> bool:
+def _varlen_fits(q: torch.Tensor, k: torch.Tensor, documents: Documents, window: int | None, v_dim: int = 0) -> bool:
     if _varlen_attn is None or not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16):
         return False
-    if q.shape[-1] % 8 or q.shape[-1] > 256:
+    if q.shape[-1] % 8 or q.shape[-1] > 256 or q.shape[-1] < v_dim:
         return False
     # Without window_size (older torch) the kernel is only causal: a window that cuts a document needs the fallback.
     return window is None or documents.max_len <= window or "window_size" in _VARLEN_PARAMS
 
 
 def _varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Documents,
-            window: int | None) -> torch.Tensor:
+            window: int | None, scale: float | None = None) -> torch.Tensor:
     extra: dict[str, Any] = {}  # the keywords this torch's varlen_attn takes
+    if scale is not None:
+        extra["scale"] = scale
     if "window_size" in _VARLEN_PARAMS:
         # (left, right): keys in [i - left, i]; the model's window counts the query itself.
         extra["window_size"] = (window - 1 if window is not None else -1, 0)
@@ -133,7 +150,7 @@ def _varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Docume
 
 
 def _per_document(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Documents,
-                  window: int | None) -> torch.Tensor:
+                  window: int | None, scale: float | None = None, softcap: float | None = None) -> torch.Tensor:
     groups = q.shape[1] // k.shape[1]
     bounds = documents.bounds()
     pieces = []
@@ -143,7 +160,16 @@ def _per_document(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: 
             continue
         qi, ki, vi = (x[start:end].transpose(0, 1) for x in (q, k, v))  # [H, n, D]
         n = end - start
-        if explicit_fits(qi, ki, vi, n, window) and kept + qi.shape[0] * n * n <= EXPLICIT_LAYER_BUDGET:
+        window_mask = None
+        if window is not None and n > window:
+            pos = torch.arange(n, device=q.device)
+            window_mask = (pos[None, :] <= pos[:, None]) & (pos[:, None] - pos[None, :] < window)
+        if softcap is not None:
+            y = capped_attention(qi[None], ki[None], vi[None], window_mask, scale, softcap)[0]
+            pieces.append(y.transpose(0, 1))
+            continue
+        if scale is None and explicit_fits(qi, ki, vi, n, window) and \
+                kept + qi.shape[0] * n * n <= EXPLICIT_LAYER_BUDGET:
             kept += qi.shape[0] * n * n
             pieces.append(explicit_causal_attention(qi, ki, vi).transpose(0, 1))
             continue
@@ -152,10 +178,10 @@ def _per_document(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: 
             extra["enable_gqa"] = True
         elif groups > 1:
             ki, vi = ki.repeat_interleave(groups, dim=0), vi.repeat_interleave(groups, dim=0)
-        if window is not None and n > window:
-            pos = torch.arange(n, device=q.device)
-            mask = (pos[None, :] <= pos[:, None]) & (pos[:, None] - pos[None, :] < window)
-            y = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, **extra)
+        if scale is not None:
+            extra["scale"] = scale
+        if window_mask is not None:
+            y = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=window_mask, **extra)
         else:
             y = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, **extra)
         pieces.append(y.transpose(0, 1))

@@ -15,10 +15,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from entrenar.models.config import ModelConfig, rope_inv_freq
+from entrenar.models.cpu_attention import capped_attention
+from entrenar.models.mla import LatentAttention
 from entrenar.models.moe import Experts, MoeBlock, Router
 from entrenar.models.offload import ActivationOffload
 from entrenar.models.padding_free import SDPA_HAS_GQA, Documents, documents_attention
 from entrenar.models.recompute import checkpointed
+from entrenar.models.rope_scaling import longrope_inv_freq, longrope_select, rope_attention_scaling
 
 
 class RMSNorm(nn.Module):
@@ -34,6 +37,26 @@ class RMSNorm(nn.Module):
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(dtype)
+
+
+class OffsetRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: times ``1 + weight``, all in fp32 before the cast back (the weight is stored as
+    Gemma's checkpoints hold it, zeros for the identity). A subclass, so the fused RMSNorm kernels leave it alone."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x32 * (1.0 + self.weight.float())).to(x.dtype)
+
+
+def norm_class(config: ModelConfig) -> type[RMSNorm]:
+    """The RMSNorm of ``config``'s family."""
+    return OffsetRMSNorm if config.norm_unit_offset else RMSNorm
+
+
+def soft_cap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """``cap * tanh(x / cap)`` (Gemma's logit soft-capping); ``x`` itself when ``cap`` is None."""
+    return x if cap is None else torch.tanh(x / cap) * cap
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -79,23 +102,49 @@ class Attention(nn.Module):
         h, d = config.hidden_size, config.head_dim
         assert d is not None  # ModelConfig.__post_init__ filled it in
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, d
-        self.q_proj = nn.Linear(h, config.num_heads * d, bias=config.qkv_bias)
-        self.k_proj = nn.Linear(h, config.num_kv_heads * d, bias=config.qkv_bias)
-        self.v_proj = nn.Linear(h, config.num_kv_heads * d, bias=config.qkv_bias)
+        self.fused_qkv = config.fused_qkv
+        if config.fused_qkv:  # Phi-3's one projection, rows q then k then v
+            self.qkv_proj = nn.Linear(h, (config.num_heads + 2 * config.num_kv_heads) * d, bias=config.qkv_bias)
+        else:
+            self.q_proj = nn.Linear(h, config.num_heads * d, bias=config.qkv_bias)
+            self.k_proj = nn.Linear(h, config.num_kv_heads * d, bias=config.qkv_bias)
+            self.v_proj = nn.Linear(h, config.num_kv_heads * d, bias=config.qkv_bias)
         self.o_proj = nn.Linear(config.num_heads * d, h, bias=config.o_bias)
         if config.qk_norm:
             # OLMoE normalises the whole q (k) projection, the Qwen3 families each head.
             full = config.qk_norm_full
-            self.q_norm = RMSNorm(config.num_heads * d if full else d, config.rms_norm_eps)
-            self.k_norm = RMSNorm(config.num_kv_heads * d if full else d, config.rms_norm_eps)
+            norm = norm_class(config)
+            self.q_norm = norm(config.num_heads * d if full else d, config.rms_norm_eps)
+            self.k_norm = norm(config.num_kv_heads * d if full else d, config.rms_norm_eps)
         self.qk_norm = config.qk_norm
         self.qk_norm_full = config.qk_norm_full
         self.clip_qkv = config.clip_qkv
-        self.sliding_window = config.sliding_window
+        self.sliding_window = config.layer_window(layer_idx)
+        # Granite's attention_multiplier replaces SDPA's 1/sqrt(head_dim): q is scaled by their ratio.
+        multiplier = config.attention_multiplier
+        self.q_scale = 1.0 if multiplier is None else multiplier * d ** 0.5
+        # Gemma: the scale of q k^T (None: SDPA's 1/sqrt(head_dim)) and the soft cap of the scores.
+        scale = None if config.query_pre_attn_scalar is None else config.query_pre_attn_scalar ** -0.5
+        self.scale = None if scale == d ** -0.5 else scale
+        self.softcap = config.attn_logit_softcapping
+
+    @property
+    def projections(self) -> tuple[nn.Module, ...]:
+        """The layers that make q, k and v: three, or Phi-3's one ``qkv_proj``."""
+        return (self.qkv_proj,) if self.fused_qkv else (self.q_proj, self.k_proj, self.v_proj)
+
+    def split(self, outputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k and v from the outputs of :attr:`projections`."""
+        if not self.fused_qkv:
+            q, k, v = outputs
+            return q, k, v
+        kv = self.num_kv_heads * self.head_dim
+        q, k, v = outputs[0].split([self.num_heads * self.head_dim, kv, kv], dim=-1)
+        return q, k, v
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k and v of ``x``, before the heads are split; fused kernels run the three as one node."""
-        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        return self.split([layer(x) for layer in self.projections])
 
     def forward(
         self,
@@ -129,11 +178,22 @@ class Attention(nn.Module):
         if self.qk_norm and not self.qk_norm_full:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        q, k = self.rotate(q, k, cos.to(q.dtype), sin.to(q.dtype))
+        rotary = cos.shape[-1]
+        if rotary < self.head_dim:  # partial rotary: the last dims of each head pass unturned
+            q_rot, k_rot = self.rotate(q[..., :rotary], k[..., :rotary], cos.to(q.dtype), sin.to(q.dtype))
+            q, k = torch.cat([q_rot, q[..., rotary:]], dim=-1), torch.cat([k_rot, k[..., rotary:]], dim=-1)
+        else:
+            q, k = self.rotate(q, k, cos.to(q.dtype), sin.to(q.dtype))
+        if self.q_scale != 1.0:
+            q = q * self.q_scale
         if isinstance(mask, Documents):  # a padding-free row
-            return self.o_proj(documents_attention(q, k, v, mask, self.sliding_window).reshape(b, t, -1))
+            y = documents_attention(q, k, v, mask, self.sliding_window, scale=self.scale, softcap=self.softcap)
+            return self.o_proj(y.reshape(b, t, -1))
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v)
+        if self.softcap is not None:  # SDPA cannot cap the scores: explicit products
+            y = capped_attention(q, k, v, mask, self.scale, self.softcap)
+            return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
         groups = self.num_heads // self.num_kv_heads
         extra = {}
         if groups > 1:
@@ -141,6 +201,8 @@ class Attention(nn.Module):
                 extra["enable_gqa"] = True
             else:
                 k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        if self.scale is not None:
+            extra["scale"] = self.scale
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, **extra)
         return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
 
@@ -151,13 +213,30 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig, intermediate_size: int | None = None) -> None:
         super().__init__()
         h, i = config.hidden_size, intermediate_size or config.intermediate_size
-        self.gate_proj = nn.Linear(h, i, bias=config.mlp_bias)
-        self.up_proj = nn.Linear(h, i, bias=config.mlp_bias)
+        self.fused_gate_up = config.fused_gate_up
+        if config.fused_gate_up:  # Phi-3's one projection, gate rows first
+            self.gate_up_proj = nn.Linear(h, 2 * i, bias=config.mlp_bias)
+        else:
+            self.gate_proj = nn.Linear(h, i, bias=config.mlp_bias)
+            self.up_proj = nn.Linear(h, i, bias=config.mlp_bias)
         self.down_proj = nn.Linear(i, h, bias=config.mlp_bias)
+
+    @property
+    def projections(self) -> tuple[nn.Module, ...]:
+        """The layers that make gate and up: two, or Phi-3's one ``gate_up_proj``."""
+        return (self.gate_up_proj,) if self.fused_gate_up else (self.gate_proj, self.up_proj)
+
+    def split(self, outputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """gate and up from the outputs of :attr:`projections`."""
+        if not self.fused_gate_up:
+            gate, up = outputs
+            return gate, up
+        gate, up = outputs[0].chunk(2, dim=-1)
+        return gate, up
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """gate and up of ``x``; fused kernels run the two as one node."""
-        return self.gate_proj(x), self.up_proj(x)
+        return self.split([layer(x) for layer in self.projections])
 
     def combine(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         """``down(silu(gate) * up)``."""
@@ -167,13 +246,33 @@ class MLP(nn.Module):
         return self.combine(*self.project(x))
 
 
+class GatedMLP(MLP):
+    """``down(act(gate(x)) * up(x))`` with a gate activation other than SiLU (Gemma: GELU, tanh approximation).
+    A subclass, so the fused SwiGLU kernels leave it alone."""
+
+    def __init__(self, config: ModelConfig, intermediate_size: int | None = None) -> None:
+        super().__init__(config, intermediate_size)
+        self.approximate = "tanh" if config.hidden_act == "gelu_pytorch_tanh" else "none"
+
+    def combine(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.gelu(gate, approximate=self.approximate) * up)
+
+
 class Block(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, layer_idx)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MoeBlock(config, MLP) if config.is_moe_layer(layer_idx) else MLP(config)
+        norm = norm_class(config)
+        self.post_norm = config.post_norm
+        if not config.post_norm:
+            self.input_layernorm = norm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn: nn.Module = (LatentAttention(config, layer_idx, RMSNorm) if config.is_mla
+                                     else Attention(config, layer_idx))
+        self.post_attention_layernorm = norm(config.hidden_size, config.rms_norm_eps)
+        if config.post_norm:  # OLMo 2: post_attention_layernorm norms the attention output, this the MLP's
+            self.post_feedforward_layernorm = norm(config.hidden_size, config.rms_norm_eps)
+        mlp = MLP if config.hidden_act == "silu" else GatedMLP
+        self.mlp = MoeBlock(config, mlp) if config.is_moe_layer(layer_idx) else mlp(config)
+        self.residual_multiplier = config.residual_multiplier
 
     def forward(
         self,
@@ -183,8 +282,36 @@ class Block(nn.Module):
         mask: torch.Tensor | Documents | None,
         cache: KVCache | None = None,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        if self.post_norm:
+            x = x + self.post_attention_layernorm(self.self_attn(x, cos, sin, mask, cache))
+            return x + self.post_feedforward_layernorm(self.mlp(x))
+        m = self.residual_multiplier
+        attn = self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
+        x = x + (attn if m == 1.0 else attn * m)
+        out = self.mlp(self.post_attention_layernorm(x))
+        return x + (out if m == 1.0 else out * m)
+
+
+class SandwichBlock(Block):
+    """Gemma's block: a norm before and after attention and before and after the MLP (``post_attention_layernorm``
+    normalises the attention's output here). A subclass, so the fused block kernels leave it alone."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__(config, layer_idx)
+        norm = norm_class(config)
+        self.pre_feedforward_layernorm = norm(config.hidden_size, config.rms_norm_eps)
+        self.post_feedforward_layernorm = norm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor | Documents | None,
+        cache: KVCache | None = None,
+    ) -> torch.Tensor:
+        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, mask, cache))
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
 
 class Decoder(nn.Module):
@@ -193,8 +320,9 @@ class Decoder(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(Block(config, i) for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        block = SandwichBlock if config.sandwich_norms else Block
+        self.layers = nn.ModuleList(block(config, i) for i in range(config.num_layers))
+        self.norm = norm_class(config)(config.hidden_size, config.rms_norm_eps)
 
 
 class Transformer(nn.Module):
@@ -232,6 +360,8 @@ class Transformer(nn.Module):
             elif isinstance(module, Experts):
                 nn.init.normal_(module.gate_up_proj, mean=0.0, std=std)
                 nn.init.normal_(module.down_proj, mean=0.0, std=std)
+            elif isinstance(module, OffsetRMSNorm):
+                nn.init.zeros_(module.weight)  # 1 + weight: the identity
             elif isinstance(module, RMSNorm):
                 nn.init.ones_(module.weight)
         self.inv_freq = rope_inv_freq(self.config).to(self.inv_freq.device)
@@ -250,16 +380,45 @@ class Transformer(nn.Module):
         self.offloaded_layers = set(offloaded_layer_indices(self.config.num_layers, layers))
         self.activation_offload = ActivationOffload() if self.offloaded_layers else None
 
-    def rope(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = position_ids[..., None].float() * self.inv_freq.float()
+    def rope(self, position_ids: torch.Tensor, dtype: torch.dtype,
+             local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin for ``position_ids``; ``local``: by the sliding layers' own base (Gemma 3), unscaled."""
+        inv_freq = self._local_inv_freq().float() if local else self.inv_freq.float()
+        if not local and (self.config.rope_scaling or {}).get("rope_type") == "longrope":
+            inv_freq = longrope_select(self.config, position_ids, inv_freq, self._longrope_long(inv_freq.device))
+        freqs = position_ids[..., None].float() * inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)
+        scale = 1.0 if local else rope_attention_scaling(self.config)
+        if scale != 1.0:
+            return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
+    def _longrope_long(self, device: torch.device) -> torch.Tensor:
+        """LongRoPE's long-context frequencies in fp32, kept for this config and device (a plain attribute: not
+        cast with the weights' dtype)."""
+        cached = self.__dict__.get("_longrope_long_inv_freq")
+        if cached is None or cached[0] is not self.config or cached[1].device != device:
+            cached = (self.config, longrope_inv_freq(self.config, long=True).to(device))
+            self.__dict__["_longrope_long_inv_freq"] = cached
+        return cached[1]
+
+    def _local_inv_freq(self) -> torch.Tensor:
+        """The sliding layers' inverse frequencies (Gemma 3's own base), kept beside ``inv_freq`` on its device.
+        Not a buffer: every loader sets ``inv_freq`` alone, and this follows it (and the config) when first used."""
+        key = (self.inv_freq.device, self.config.rope_local_theta, self.config.head_dim)
+        cached = self.__dict__.get("_local_rope")
+        if cached is None or cached[0] != key:
+            cached = (key, rope_inv_freq(self.config, local=True).to(self.inv_freq.device))
+            self.__dict__["_local_rope"] = cached
+        return cached[1]
+
     def attention_mask(
-        self, t: int, document_ids: torch.Tensor | None, device: torch.device, past: int = 0
+        self, t: int, document_ids: torch.Tensor | None, device: torch.device, past: int = 0,
+        window: int | None | bool = True,
     ) -> torch.Tensor | None:
-        """Boolean mask [B or 1, 1, T, past+T], or None for the plain causal case (fast SDPA path)."""
-        window = self.config.sliding_window
+        """Boolean mask [B or 1, 1, T, past+T], or None for the plain causal case (fast SDPA path);
+        ``window``: the layers' sliding window (True: the config's)."""
+        window = self.config.sliding_window if window is True else window or None
         if past == 0 and document_ids is None and (window is None or t <= window):
             return None
         q_pos = torch.arange(past, past + t, device=device)[:, None]
@@ -296,6 +455,10 @@ class Transformer(nn.Module):
         if position_ids is None:
             position_ids = torch.arange(past, past + t, device=input_ids.device).expand(b, t)
         x = self.model.embed_tokens(input_ids)
+        if self.config.embedding_multiplier != 1.0:  # Granite
+            x = x * self.config.embedding_multiplier
+        if self.config.scale_embeddings:  # sqrt(hidden) rounded to the model dtype first, as Gemma's checkpoints
+            x = x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)
         cos, sin = self.rope(position_ids, x.dtype)
         mask: torch.Tensor | Documents | None
         if cu_seqlens is not None:  # a padding-free row, or packed rows read end to end
@@ -304,11 +467,16 @@ class Transformer(nn.Module):
             mask = Documents(cu_seqlens.to(device=input_ids.device, dtype=torch.int32), max_seqlen)
         else:
             mask = self.attention_mask(t, document_ids, input_ids.device, past)
+        # Models whose layers differ (Gemma: sliding and global layers, Gemma 3's two RoPE bases) get each
+        # layer's mask and rotation; the others share the ones above.
+        inputs = self._layer_inputs(position_ids, document_ids, past, (cos, sin, mask), x)
         training = torch.is_grad_enabled()
         offload = None
         if self.activation_offload is not None and training and x.is_cuda:
-            offload = self.activation_offload.forward(self, x.device, shared=(cos, sin, mask))
+            shared = {id(y): y for layer_input in inputs for y in layer_input}
+            offload = self.activation_offload.forward(self, x.device, shared=tuple(shared.values()))
         for i, layer in enumerate(self.model.layers):
+            cos, sin, mask = inputs[i] if len(inputs) > 1 else inputs[0]
             with offload.block(i) if offload is not None and i in self.offloaded_layers else contextlib.nullcontext():
                 if i in self.checkpointed_layers and training:
                     x = checkpointed(layer, x, cos, sin, mask)
@@ -317,6 +485,26 @@ class Transformer(nn.Module):
             if offload is not None:
                 offload.layer_done(i)
         return self.model.norm(x)
+
+    def _layer_inputs(
+        self, position_ids: torch.Tensor, document_ids: torch.Tensor | None, past: int,
+        shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor | Documents | None], x: torch.Tensor,
+    ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | Documents | None]]:
+        """(cos, sin, mask) of each layer, or ``[shared]`` when every layer takes the config's."""
+        c = self.config
+        if c.layer_types is None and c.rope_local_theta is None:
+            return [shared]
+        cos, sin, mask = shared
+        local = self.rope(position_ids, x.dtype, local=True) if c.rope_local_theta is not None else (cos, sin)
+        masks: dict[int | None, torch.Tensor | Documents | None] = {}
+        out = []
+        for i in range(c.num_layers):
+            window = c.layer_window(i)
+            if window not in masks:
+                masks[window] = mask if isinstance(mask, Documents) else self.attention_mask(
+                    x.shape[1], document_ids, x.device, past, window=window or False)
+            out.append((*(local if c.layer_uses_local_rope(i) else (cos, sin)), masks[window]))
+        return out
 
     def forward(
         self,
@@ -330,7 +518,10 @@ class Transformer(nn.Module):
     ) -> torch.Tensor:
         hidden = self.hidden_states(input_ids, position_ids, document_ids, cache,
                                     cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
-        return self.lm_head(hidden)
+        logits = self.lm_head(hidden)
+        if self.config.logits_scaling != 1.0:  # Granite
+            logits = logits / self.config.logits_scaling
+        return soft_cap(logits, self.config.final_logit_softcapping)  # Gemma
 
 
 def compute_device(model: nn.Module) -> torch.device:

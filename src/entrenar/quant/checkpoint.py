@@ -48,16 +48,29 @@ from entrenar.models.config import rope_inv_freq
 from entrenar.models.hf import check_size, header_tensors, iter_safetensors, read_config, save_hf, weight_files
 from entrenar.models.surgery import named_linears, replace_module
 from entrenar.models.transformer import Transformer
-from entrenar.quant.int import MAX_BITS, MIN_BITS, IntQuantTensor, QuantLinear, qrange
+from entrenar.quant.int import (
+    BITSTREAM_BITS,
+    MAX_BITS,
+    MIN_BITS,
+    IntQuantTensor,
+    QuantLinear,
+    codes_per_row_bytes,
+    qrange,
+)
+from entrenar.quant.int import _pack_codes as pack_codes
 from entrenar.quant.int import _unpack_codes as unpack_codes
+from entrenar.quant.int import _unpack_nibbles as unpack_nibbles
 from entrenar.quant.nf4.format import BLOCKSIZES, NF4Linear
-from entrenar.quant.qat import FakeQuantLinear, QATConfig, swapped
+from entrenar.quant.qat import FakeQuantLinear, QATConfig, QuantizedLoraLinear, merged_quant_layers, swapped
 
 if TYPE_CHECKING:
     from entrenar.data.tokenizer import Tokenizer
 
 QUANT_METHOD = "entrenar"
-FORMAT_VERSION = 1
+# 2: 2- and 3-bit codes as one bit stream per row (written only for those widths: every other folder is still 1,
+# and a format-1 folder of 2 or 3 bits, two codes per byte, is read and repacked)
+FORMAT_VERSION = 2
+FORMAT_VERSIONS = (1, 2)
 GRANULARITIES = ("tensor", "channel", "group")
 # Keys that rebuild the layers; anything else in quantization_config is provenance.
 _LAYOUT_KEYS = ("method", "bits", "symmetric", "granularity", "group_size", "activation_bits", "activation_scale",
@@ -135,7 +148,8 @@ def quantization_config(
     clash = sorted(set(info or {}) & {"quant_method", "format_version", "modules", *_LAYOUT_KEYS})
     if clash:
         raise QuantError(f"info may not set {clash[0]!r}: it is derived from the layers")
-    return {"quant_method": QUANT_METHOD, "format_version": FORMAT_VERSION, **layout, "modules": list(layers),
+    version = FORMAT_VERSION if layout["method"] == "int" and layout["bits"] in BITSTREAM_BITS else 1
+    return {"quant_method": QUANT_METHOD, "format_version": version, **layout, "modules": list(layers),
             **(info or {})}
 
 
@@ -172,24 +186,30 @@ def save_qat_model(model: nn.Module, tokenizer: Tokenizer | None, folder: str | 
     """Write the integer model a QAT run trained, leaving ``model`` as it is.
 
     Each fake-quantized layer is saved as the :class:`QuantLinear` that computes
-    what it computes now. In LoRA-QAT the adapters stay out: the folder is the
+    what it computes now. With ``qat.quantize_lora`` each adapted layer is saved merged, ``Q(W + BA)``, which is
+    what it trained. Otherwise, in LoRA-QAT the adapters stay out: the folder is the
     integer base, and ``load(folder, adapter=...)`` with the run's
     adapter reproduces the trained model exactly (merging the adapter into
     integer weights would re-quantize, i.e. change, the model).
     """
     replacements: dict[str, nn.Module] = {}
     cfg: QATConfig | None = None
+    merged = merged_quant_layers(model)
     for name, layer in named_linears(model):
         base = layer.base_layer if isinstance(layer, LoraLinear) else layer
-        if isinstance(base, FakeQuantLinear):
+        if isinstance(layer, QuantizedLoraLinear):  # qat.quantize_lora: Q(W + BA) is what was trained
+            replacements[name], cfg = merged[name], cast(FakeQuantLinear, base).cfg
+        elif isinstance(base, FakeQuantLinear):
             replacements[name], cfg = base.to_quant_linear(), base.cfg
         elif base is not layer:
             replacements[name] = base
     if cfg is None:
         raise QuantError(f"{type(model).__name__} has no fake-quantized layers; call prepare_qat first")
     with swapped(model, replacements):
-        return save_quantized(cast(Transformer, model), tokenizer, folder,
-                              info={"source": "qat", "backward": cfg.backward})
+        info = {"source": "qat", "backward": cfg.backward}
+        if cfg.quantize_lora:
+            info["lora"] = "merged"  # the adapter is inside the integer weights: load this folder without it
+        return save_quantized(cast(Transformer, model), tokenizer, folder, info=info)
 
 
 # ---------------------------------------------------------------- reading
@@ -220,8 +240,8 @@ def _check_entry(entry: dict[str, Any], path: Path) -> None:
     def is_int(v: Any) -> bool:
         return isinstance(v, int) and not isinstance(v, bool)
 
-    if entry.get("format_version") != FORMAT_VERSION:
-        raise bad("format_version", f"{FORMAT_VERSION} (written by a different entrenar version?)")
+    if entry.get("format_version") not in FORMAT_VERSIONS:
+        raise bad("format_version", f"one of {FORMAT_VERSIONS} (written by a newer entrenar version?)")
     modules = entry.get("modules")
     if not isinstance(modules, list) or not modules or not all(isinstance(m, str) and m for m in modules):
         raise bad("modules", "a non-empty list of module names")
@@ -264,9 +284,9 @@ def _empty_layer(linear: nn.Linear, entry: dict[str, Any], dtype: torch.dtype, d
         if in_f % entry["group_size"]:
             raise QuantError(f"{where}: group_size {entry['group_size']} does not divide in_features {in_f}")
         groups = in_f // entry["group_size"]
-    if bits <= 4 and in_f % 2:
+    if bits == 4 and in_f % 2:
         raise QuantError(f"{where}: {bits}-bit codes are packed two per byte and need an even in_features, got {in_f}")
-    codes_shape = (out_f, in_f // 2) if bits <= 4 else (out_f, in_f)
+    codes_shape = (out_f, codes_per_row_bytes(in_f, bits))
     codes_dtype = torch.int8 if symmetric and bits > 4 else torch.uint8
     q = IntQuantTensor(
         codes=torch.empty(codes_shape, dtype=codes_dtype, device=device),
@@ -331,9 +351,13 @@ def _check_values(name: str, layer: nn.Module, entry: dict[str, Any], origin: di
     if layer.weight_zero is not None and (layer.weight_zero > qmax).any():
         raise fail("weight_zero", f"holds a zero point above {qmax}, the largest {layer.bits}-bit code")
     if layer.bits not in (4, 8):  # 4- and 8-bit storage holds only valid codes
-        codes = unpack_codes(layer.weight_codes, layer.bits, layer.weight_zero is None)
+        symmetric = layer.weight_zero is None
+        codes = unpack_codes(layer.weight_codes, layer.bits, symmetric, layer.in_features)
         if ((codes < qmin) | (codes > qmax)).any():
             raise fail("weight_codes", f"holds codes outside [{qmin}, {qmax}], the {layer.bits}-bit grid")
+        if layer.bits in BITSTREAM_BITS and not torch.equal(pack_codes(codes, layer.bits, symmetric),
+                                                             layer.weight_codes):
+            raise fail("weight_codes", "has bits set in the padding after a row's last code")
 
 
 def load_quantized(
@@ -355,6 +379,7 @@ def load_quantized(
     targets = model.state_dict(keep_vars=True)
     files = weight_files(folder)
     origin: dict[str, str] = {}
+    legacy = entry["format_version"] == 1 and entry["method"] == "int" and entry["bits"] in BITSTREAM_BITS
     meta = device.type == "meta"  # the structure only (an FSDP rank that receives its shards): headers, no data
     for file_name, key, tensor in (header_tensors if meta else iter_safetensors)(files):
         where = f"{folder / file_name}: tensor '{key}'"
@@ -365,6 +390,12 @@ def load_quantized(
             raise error(f"{where} does not belong to this model "
                         f"({entry['method']}, {entry['bits']} bits, {len(quantized)} quantized layers)")
         target = targets[key]
+        if legacy and key in quantized_keys and key.endswith(".weight_codes"):  # format 1: two codes per byte
+            in_features = quantized[key.rsplit(".", 1)[0]].in_features
+            if tensor.dim() == 2 and tensor.shape[1] * 2 == in_features and tensor.dtype == torch.uint8:
+                symmetric = entry["symmetric"]
+                tensor = (torch.empty(target.shape, dtype=torch.uint8, device="meta") if meta else
+                          pack_codes(unpack_nibbles(tensor, entry["bits"], symmetric), entry["bits"], symmetric))
         if tuple(tensor.shape) != tuple(target.shape):
             raise error(f"{where} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}")
         exact = key in quantized_keys and not key.endswith(".bias")  # codes and scales load as stored

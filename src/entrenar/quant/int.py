@@ -113,9 +113,11 @@ def calibrate(
 class IntQuantTensor:
     """Integer codes of a weight [out, in] plus their scales.
 
-    ``codes`` holds one code per byte (int8 symmetric, uint8 asymmetric), or,
-    for 4 bits and fewer, two per byte (uint8 [out, in/2], even column in the
-    low nibble, two's complement when symmetric).
+    ``codes`` holds one code per byte at 5 to 8 bits (int8 symmetric, uint8 asymmetric); at 4 bits two per byte
+    (uint8 [out, in/2], even column in the low nibble); at 2 and 3 bits each row is one bit stream (uint8
+    [out, ceil(in * bits / 8)]: column j in bits ``j*bits`` to ``j*bits + bits - 1``, least significant first, the
+    row's last byte padded with zeros), so a 3-bit weight takes 3/4 of a 4-bit one. Codes below 8 bits are
+    two's complement in their width when symmetric.
     """
 
     codes: Tensor
@@ -139,17 +141,50 @@ class IntQuantTensor:
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
+BITSTREAM_BITS = (2, 3)  # widths stored as one bit stream per row; 4 bits as nibbles, more as bytes
+
+
+def codes_per_row_bytes(in_features: int, bits: int) -> int:
+    """Bytes one row of ``in_features`` codes takes at ``bits`` bits (see :class:`IntQuantTensor`)."""
+    if bits in BITSTREAM_BITS:
+        return (in_features * bits + 7) // 8
+    return in_features // 2 if bits == 4 else in_features
+
+
 def _pack_codes(q: Tensor, bits: int, symmetric: bool) -> Tensor:
     if bits > 4:
         return q.to(torch.int8 if symmetric else torch.uint8)
-    nibbles = q.to(torch.int16).bitwise_and(0x0F).to(torch.uint8)
-    return nibbles[:, 0::2] | (nibbles[:, 1::2] << 4)
+    if bits == 4:
+        nibbles = q.to(torch.int16).bitwise_and(0x0F).to(torch.uint8)
+        return nibbles[:, 0::2] | (nibbles[:, 1::2] << 4)
+    rows, cols = q.shape
+    codes = q.to(torch.int32).bitwise_and((1 << bits) - 1)
+    shifts = torch.arange(bits, dtype=torch.int32, device=q.device)
+    stream = ((codes.unsqueeze(-1) >> shifts) & 1).to(torch.uint8).reshape(rows, cols * bits)
+    stream = F.pad(stream, (0, codes_per_row_bytes(cols, bits) * 8 - cols * bits))
+    weights = (1 << torch.arange(8, dtype=torch.int32, device=q.device))
+    return (stream.reshape(rows, -1, 8).to(torch.int32) * weights).sum(-1).to(torch.uint8)
 
 
-def _unpack_codes(codes: Tensor, bits: int, symmetric: bool) -> Tensor:
-    """Integer codes as int32 [out, in]."""
+def _unpack_codes(codes: Tensor, bits: int, symmetric: bool, in_features: int | None = None) -> Tensor:
+    """Integer codes as int32 [out, in] (``in_features`` is needed at 2 and 3 bits: rows are padded)."""
     if bits > 4:
         return codes.to(torch.int32)
+    if bits == 4:
+        q = torch.stack([codes & 0x0F, codes >> 4], dim=-1).reshape(codes.shape[0], -1).to(torch.int32)
+    else:
+        if in_features is None:
+            raise QuantError(f"unpacking {bits}-bit codes needs the row width")
+        shifts = torch.arange(8, dtype=torch.int32, device=codes.device)
+        stream = ((codes.to(torch.int32).unsqueeze(-1) >> shifts) & 1).reshape(codes.shape[0], -1)
+        stream = stream[:, : in_features * bits].reshape(codes.shape[0], in_features, bits)
+        q = (stream << torch.arange(bits, dtype=torch.int32, device=codes.device)).sum(-1, dtype=torch.int32)
+    half = 1 << (bits - 1)
+    return torch.where(q >= half, q - 2 * half, q) if symmetric else q
+
+
+def _unpack_nibbles(codes: Tensor, bits: int, symmetric: bool) -> Tensor:
+    """Codes of a format-1 folder (before 2- and 3-bit codes had their own width: two per byte) as int32."""
     q = torch.stack([codes & 0x0F, codes >> 4], dim=-1).reshape(codes.shape[0], -1).to(torch.int32)
     return torch.where(q >= 8, q - 16, q) if symmetric else q
 
@@ -184,7 +219,7 @@ def quantize_int(
         raise QuantError(f"{name}: choose per_tensor or a group_size, not both")
     if group_size is not None and (group_size <= 0 or in_f % group_size):
         raise QuantError(f"{name}: group_size {group_size} does not divide in_features {in_f}")
-    if bits <= 4 and in_f % 2:
+    if bits == 4 and in_f % 2:
         raise QuantError(f"{name}: {bits}-bit codes are packed two per byte and need an even in_features, got {in_f}")
     rows = 1 if per_tensor else out_f
     n_groups = in_f // group_size if group_size else 1
@@ -204,7 +239,7 @@ def quantize_with_scale(w: Tensor, scale: Tensor, zero: Tensor | None, bits: int
 
 def dequantize_int(q: IntQuantTensor, dtype: torch.dtype | None = None) -> Tensor:
     """``(codes - zero) * scale`` in fp32, rounded once to ``dtype`` (default: the original dtype)."""
-    codes = group_view(_unpack_codes(q.codes, q.bits, q.symmetric).float(), *q.scale.shape)
+    codes = group_view(_unpack_codes(q.codes, q.bits, q.symmetric, q.shape[1]).float(), *q.scale.shape)
     if q.zero is not None:
         codes = codes - q.zero.unsqueeze(-1).float()
     return (codes * q.scale.unsqueeze(-1)).reshape(q.shape).to(dtype or q.dtype)

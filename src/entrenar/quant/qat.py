@@ -35,18 +35,26 @@ end writes the integer model with :func:`entrenar.quant.checkpoint.save_qat_mode
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import json
 import math
+import os
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import Literal, cast
 
 import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from entrenar.adapters.lora import LoraConfig, LoraLinear, load_adapter
 from entrenar.config import QatSection
-from entrenar.errors import QuantError
+from entrenar.errors import AdapterError, QuantError
+from entrenar.io import atomic
 from entrenar.models.surgery import Patterns, find_linears, replace_module
 from entrenar.quant.int import (
     Calibration,
@@ -79,7 +87,7 @@ class QATConfig(QatSection):
     ewgs_delta: float = 1e-3
     percentile: float | None = None
     act_bits: int | None = None
-    target_modules: Patterns = "all-linear"
+    target_modules: Patterns = "all-linear"  # type: ignore[assignment]  # also a regex or a list, as in PEFT
 
     def __post_init__(self) -> None:
         check_bits(self.bits, "qat.bits")
@@ -187,6 +195,7 @@ class FakeQuantLinear(nn.Module):
         qmax = qrange(cfg.bits, True)[1]
         self.weight_grad_scale = 1.0
         self.no_weight_decay = ("weight_step", "act_step")  # step sizes, not weights (read by build_param_groups)
+        self.learned_steps = ("weight_step", "act_step")  # their own optimizer group, at qat.scale_lr
         if cfg.backward == "lsq":
             groups = group_view(self.weight.detach().float(), *self.scale_shape)
             step = 2 * groups.abs().mean(-1) / math.sqrt(qmax)
@@ -201,21 +210,24 @@ class FakeQuantLinear(nn.Module):
     def from_linear(cls, linear: nn.Linear, cfg: QATConfig, name: str = "weight") -> FakeQuantLinear:
         return cls(linear, cfg, name)
 
-    def weight_scale(self) -> Tensor:
-        """The scale [rows, groups] the weight is quantized with now."""
+    def weight_scale(self, weight: Tensor | None = None) -> Tensor:
+        """The scale [rows, groups] the weight (or ``weight``, e.g. ``W + BA``) is quantized with now."""
         if self.cfg.backward == "lsq":
             return self.weight_step.clamp(min=MIN_STEP)
-        groups = group_view(self.weight.detach(), *self.scale_shape)
+        groups = group_view((self.weight if weight is None else weight).detach(), *self.scale_shape)
         calibration: Calibration = "minmax" if self.cfg.percentile is None else "percentile"
         scale, _ = calibrate(groups, self.cfg.bits, True, calibration, self.cfg.percentile or 100.0)
         return scale.to(self.weight.dtype)
 
-    def fake_weight(self) -> Tensor:
-        groups = group_view(self.weight, *self.scale_shape)
+    def fake_weight(self, weight: Tensor | None = None) -> Tensor:
+        """The weight (or ``weight`` in its place) rounded to the grid and back, with the backward rule."""
+        weight = self.weight if weight is None else weight
+        groups = group_view(weight, *self.scale_shape)
         c = self.cfg
         rule = cast(Backward, c.backward)  # QATConfig refuses any other
-        w_q = fake_quant(groups, self.weight_scale().unsqueeze(-1), c.bits, rule, c.ewgs_delta, self.weight_grad_scale)
-        return w_q.reshape(self.weight.shape)
+        scale = self.weight_scale(weight).unsqueeze(-1)
+        w_q = fake_quant(groups, scale, c.bits, rule, c.ewgs_delta, self.weight_grad_scale)
+        return w_q.reshape(weight.shape)
 
     def activation_scale(self, x: Tensor) -> Tensor:
         bits = self.cfg.act_bits
@@ -229,17 +241,22 @@ class FakeQuantLinear(nn.Module):
         return self.act_step.clamp(min=MIN_STEP)
 
     def forward(self, x: Tensor) -> Tensor:
+        return self.forward_with(x, None)
+
+    def forward_with(self, x: Tensor, weight: Tensor | None) -> Tensor:
+        """The layer's output with ``weight`` (e.g. ``W + BA``) fake-quantized in place of its own."""
         if self.cfg.act_bits is not None:
             scale = self.activation_scale(x)
             grad_scale = 1.0 / math.sqrt(x.shape[-1] * qrange(self.cfg.act_bits, True)[1])  # N: features per token
             rule = cast(Backward, self.cfg.backward)  # QATConfig refuses any other
             x = fake_quant(x, scale, self.cfg.act_bits, rule, self.cfg.ewgs_delta, grad_scale)
-        return F.linear(x, self.fake_weight(), self.bias)
+        return F.linear(x, self.fake_weight(weight), self.bias)
 
     @torch.no_grad()
-    def to_quant_linear(self) -> QuantLinear:
-        """The integer layer that computes what this layer computes now."""
-        q = quantize_with_scale(self.weight, self.weight_scale(), None, self.cfg.bits)
+    def to_quant_linear(self, weight: Tensor | None = None) -> QuantLinear:
+        """The integer layer that computes what this layer computes now (with ``weight`` in place of its own)."""
+        weight = self.weight if weight is None else weight
+        q = quantize_with_scale(weight, self.weight_scale(weight), None, self.cfg.bits)
         act_scale = None
         if self.cfg.act_bits is not None and self.cfg.backward == "lsq":
             act_scale = self.act_step.clamp(min=MIN_STEP)
@@ -253,6 +270,64 @@ class FakeQuantLinear(nn.Module):
             f"in_features={self.in_features}, out_features={self.out_features}, bits={c.bits}, "
             f"{c.granularity}{group}, backward={c.backward}{act}"
         )
+
+
+class QuantizedLoraLinear(LoraLinear):
+    """LoRA-QAT with ``qat.quantize_lora``: ``y = x Q(W + s BA)^T + b`` over a :class:`FakeQuantLinear` base.
+
+    The adapter's product joins the base weight before the quantizer (the base's: LSQ's learned step, or the
+    min-max of ``W + s BA``), so training sees, and the merged integer model holds, one weight on one grid:
+    merging (``merge_lora``) then converting gives exactly what was trained. Same parameters and state dict as
+    a :class:`LoraLinear`; adapter dropout has no merged form and is refused.
+    """
+
+    def forward(self, x: Tensor) -> Tensor:
+        base = cast(FakeQuantLinear, self.base_layer)
+        return base(x) if self.merged else base.forward_with(x, merged_lora_weight(self))
+
+
+def merged_lora_weight(layer: LoraLinear) -> Tensor:
+    """``W + s BA`` of an unmerged LoRA layer, in the base weight's dtype (differentiable in A and B)."""
+    weight = cast(Tensor, layer.base_layer.weight)
+    delta = (layer.lora_B.weight @ layer.lora_A.weight) * layer.scaling
+    return weight + delta.to(weight.dtype)
+
+
+def quantize_lora_layers(model: nn.Module) -> list[str]:
+    """Make every LoRA layer over a fake-quant layer a :class:`QuantizedLoraLinear` (in place); return names."""
+    names = []
+    for name, module in model.named_modules():
+        if type(module) is LoraLinear and isinstance(module.base_layer, FakeQuantLinear):
+            if not isinstance(module.lora_dropout, nn.Identity):
+                raise QuantError(f"{name}: qat.quantize_lora quantizes W + BA as one weight, and adapter dropout "
+                                 "has no such form (set lora.dropout: 0)")
+            module.__class__ = QuantizedLoraLinear
+            names.append(name)
+    return names
+
+
+def lora_qat_layers(model: nn.Module, section: QatSection) -> list[str]:
+    """What LoRA-QAT needs after ``apply_lora``: LSQ's steps trainable again (:func:`train_quantizer_steps`) and,
+    with ``quantize_lora``, the adapters quantized with their base (:func:`quantize_lora_layers`). Returns the
+    trainable step names."""
+    steps = train_quantizer_steps(model)
+    if qat_config(section).quantize_lora:
+        quantize_lora_layers(model)
+    return steps
+
+
+def merged_quant_layers(model: nn.Module) -> dict[str, QuantLinear]:
+    """For each LoRA layer over a fake-quant layer, the integer layer of ``W + s BA`` quantized by that layer's
+    quantizer (its learned step, or min-max of the merged weight): the merged integer export, by module name.
+    With ``quantize_lora`` that is what was trained; otherwise a re-quantization, whose cost
+    :func:`entrenar.train.trainer` reports as held-out loss."""
+    layers = {}
+    for name, module in model.named_modules():
+        if isinstance(module, LoraLinear) and isinstance(module.base_layer, FakeQuantLinear):
+            with torch.no_grad():
+                weight = None if module.merged else merged_lora_weight(module)
+            layers[name] = module.base_layer.to_quant_linear(weight)
+    return layers
 
 
 def prepare_qat(model: nn.Module, cfg: QATConfig) -> list[str]:
@@ -294,12 +369,37 @@ def qat_config(section: QatSection) -> QATConfig:
     return QATConfig(**shared, act_bits=None if section.activations is False else section.activations)
 
 
-def apply_qat_recipe(model: nn.Module, section: QatSection) -> list[str]:
-    """Fake-quantize every linear layer but the output head, as a recipe's ``qat`` section says.
+def apply_qat_recipe(model: nn.Module, section: QatSection, lora_targets: Patterns | None = None) -> list[str]:
+    """Fake-quantize the linear layers a recipe's ``qat`` section selects (``target_modules``: every one but the
+    output head by default; ``lora``: the ones ``lora_targets``, the recipe's ``lora.target_modules``, adapts).
 
     Call it before ``apply_lora``: LoRA then wraps the fake-quantized layers (LoRA-QAT).
     """
-    return prepare_qat(model, qat_config(section))
+    cfg = qat_config(section)
+    if cfg.target_modules == "lora":
+        if lora_targets is None:
+            raise QuantError("qat.target_modules: 'lora' selects the layers LoRA adapts, and the recipe has no lora")
+        cfg = dataclasses.replace(cfg, target_modules=lora_targets)
+    try:
+        return prepare_qat(model, cfg)
+    except AdapterError as e:  # a name that matches no linear layer (find_linears' error)
+        raise QuantError(f"qat.target_modules: {e}") from None
+
+
+def train_quantizer_steps(model: nn.Module) -> list[str]:
+    """Make every fake-quant layer's learned step sizes (LSQ) trainable again; return their names.
+
+    ``apply_lora`` freezes everything that is not an adapter, the steps included; LoRA-QAT trains them beside the
+    adapters (in their own optimizer group, at ``qat.scale_lr``), so call this after it.
+    """
+    names = []
+    for name, module in model.named_modules():
+        if isinstance(module, FakeQuantLinear):
+            for local, param in module.named_parameters(recurse=False):
+                if local in module.learned_steps:
+                    param.requires_grad_(True)
+                    names.append(f"{name}.{local}")
+    return names
 
 
 def _quantizer_state(module: FakeQuantLinear) -> dict[str, Tensor]:
@@ -362,3 +462,80 @@ def master_weights(model: nn.Module) -> contextlib.AbstractContextManager[nn.Mod
     fake-quantized ones, for the duration of the block: what a full fine-tune saves as its ``model/``."""
     layers = {n: _plain_linear(m) for n, m in model.named_modules() if isinstance(m, FakeQuantLinear)}
     return swapped(model, layers)
+
+
+# ---------------------------------------------------------------- the quantizer state beside a LoRA-QAT adapter
+
+QAT_STATE_FILE = "qat_state.safetensors"
+_LAYOUT = ("bits", "granularity", "group_size", "backward", "act_bits", "quantize_lora")
+
+
+def _layout(model: nn.Module) -> dict[str, object] | None:
+    cfg = next((m.cfg for m in model.modules() if isinstance(m, FakeQuantLinear)), None)
+    return None if cfg is None else {k: getattr(cfg, k) for k in _LAYOUT}
+
+
+def save_quantizer_state(model: nn.Module, folder: str | os.PathLike) -> Path | None:
+    """Write the fake-quant layers' state (LSQ's learned steps, the activation-init flags) to
+    ``folder/qat_state.safetensors`` beside a LoRA-QAT run's adapter, with the quantizer's layout in the metadata;
+    return the file (None when the model has no such state). The adapter alone does not reproduce the trained
+    model: its base was quantized with these steps."""
+    state = {k: v.contiguous() for k, v in qat_state_dict(model).items()}
+    if not state:
+        return None
+    path = Path(folder) / QAT_STATE_FILE
+    metadata = {"format": "pt", "qat": json.dumps(_layout(model), sort_keys=True)}
+    tmp = atomic.temp_file(path, lambda p: save_file(state, p, metadata=metadata))
+    os.replace(tmp, path)
+    atomic.fsync_dir(path.parent)
+    return path
+
+
+def _read_quantizer_state(model: nn.Module, folder: str | os.PathLike) -> tuple[Path, dict[str, Tensor]] | None:
+    """:func:`save_quantizer_state`'s file in ``folder``, read and its layout checked against ``model``'s (None when
+    the model has no quantizer state to load)."""
+    expected = qat_state_dict(model)
+    if not expected:
+        return None
+    path = Path(folder) / QAT_STATE_FILE
+    if not path.is_file():
+        raise QuantError(f"{folder}: no {QAT_STATE_FILE}; the model learns its quantizer steps "
+                         f"({next(iter(expected))}, ...) and this adapter was not saved with them")
+    try:
+        with safe_open(str(path), "pt") as f:
+            saved_layout = json.loads((f.metadata() or {}).get("qat", "null"))
+        state = load_file(path)
+    except (SafetensorError, OSError, ValueError) as e:
+        raise QuantError(f"{path}: cannot read safetensors file: {e}") from None
+    if saved_layout != _layout(model):
+        raise QuantError(f"{path}: the steps were learned for qat {saved_layout}, the model is prepared with "
+                         f"{_layout(model)}")
+    return path, state
+
+
+def _load_read_state(model: nn.Module, read: tuple[Path, dict[str, Tensor]] | None) -> Path | None:
+    if read is None:
+        return None
+    path, state = read
+    rest = load_qat_state_dict(model, state, str(path))
+    if rest:
+        raise QuantError(f"{path}: tensor {next(iter(rest))!r} belongs to no fake-quant layer of the model")
+    return path
+
+
+def load_quantizer_state(model: nn.Module, folder: str | os.PathLike) -> Path | None:
+    """Read :func:`save_quantizer_state`'s file from ``folder`` into ``model``'s fake-quant layers; return it (None
+    when the model has no quantizer state). Its layout must be the model's, and every tensor must fit."""
+    return _load_read_state(model, _read_quantizer_state(model, folder))
+
+
+def load_qat_adapter(model: nn.Module, folder: str | os.PathLike) -> LoraConfig:
+    """Apply a LoRA-QAT run's adapter to a model :func:`prepare_qat` made (as the run did), with its learned
+    quantizer steps: the model then computes what the run trained."""
+    read = _read_quantizer_state(model, folder)  # checked before the model is touched
+    cfg = load_adapter(model, folder)
+    _load_read_state(model, read)
+    layout = _layout(model)
+    if layout is not None and layout["quantize_lora"]:
+        quantize_lora_layers(model)
+    return cfg

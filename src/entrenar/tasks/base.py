@@ -4,9 +4,9 @@ The Trainer reads data, steps, evaluates, checkpoints and saves through these me
 task it runs. A new task (preference optimisation, RL) implements them; nothing in ``entrenar.train`` changes.
 
 The order the Trainer calls them in: ``load`` -> (QAT, LoRA) -> ``prepare`` -> ``read`` (train, validation) ->
-``stream`` -> per micro-batch ``num_targets`` and ``loss_sum``, per step ``step_metrics`` -> per evaluation ``evaluate``, ``log_eval``,
-``eval_scalars`` -> ``save`` (``run/best/`` and the result) -> ``finish``. ``begin`` runs once before the first
-step of a fresh (not resumed) run.
+``stream`` -> per micro-batch ``num_targets`` and ``loss_sum``, per step ``step_metrics`` -> per evaluation
+``evaluate``, ``log_eval``, ``eval_scalars`` -> ``save`` (``run/best/`` and the result) -> ``finish``. ``begin``
+runs once before the first step of a fresh (not resumed) run.
 """
 
 from __future__ import annotations

@@ -48,6 +48,8 @@ class CausalLMTask:
     name: str = "causal_lm"
     perplexity: bool = True
     _head: nn.Linear | None = field(default=None, repr=False)  # set by prepare() when the loss is fused
+    _logits_scaling: float = field(default=1.0, repr=False)  # the model's logits divisor (Granite), set by prepare()
+    _softcap: float | None = field(default=None, repr=False)  # the model's final-logit soft cap (Gemma)
 
     def load(self, dtype: str, device: torch.device, quantize: str | None) -> tuple[Transformer, Tokenizer | None]:
         """The recipe's model: a checkpoint, GGUF file or run (``model.path``), or drawn from ``model.config``."""
@@ -63,6 +65,8 @@ class CausalLMTask:
         """Nothing to make trainable beyond the adapters; the fused loss needs a plain output head."""
         head = getattr(model, "lm_head", None)
         self._head = head if self.kernels and type(head) is nn.Linear else None
+        self._logits_scaling = model.config.logits_scaling  # Granite's, inside the fused loss too
+        self._softcap = getattr(model.config, "final_logit_softcapping", None)  # Gemma: inside the fused loss
 
     def head_state(self, model: Transformer) -> dict[str, torch.Tensor]:
         return {}
@@ -112,7 +116,8 @@ class CausalLMTask:
         layout = {"cu_seqlens": batch.get("cu_seqlens"), "max_seqlen": batch.get("max_seqlen")}  # padding-free
         if self._head is not None:  # never the full-vocabulary logits
             hidden = model.hidden_states(*inputs, **layout)
-            return fused_linear_cross_entropy(hidden, self._head.weight, batch["labels"], FUSED_LOSS_CHUNK)[0]
+            return fused_linear_cross_entropy(hidden, self._head.weight, batch["labels"], FUSED_LOSS_CHUNK,
+                                              self._logits_scaling, softcap=self._softcap)[0]
         return token_cross_entropy(model(*inputs, **layout), batch["labels"])[0]
 
     def step_metrics(self) -> dict[str, torch.Tensor]:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from entrenar.config import Recipe
 from entrenar.models.transformer import Transformer
-from entrenar.train.memory import GiB, MemoryEstimate
+from entrenar.train.memory import GiB, MemoryEstimate, quantized_model_bytes
 from entrenar.train.plan import RowLayout, RunPlan
-from entrenar.train.run_data import NO_VALIDATION, RunData
+from entrenar.train.run_data import NO_VALIDATION, RunData, example_tokens
 
 CPU_ESTIMATE_NOTE = ("the peak resident memory of this process: measured peaks were within 25% of it "
                      "(docs/PERFORMANCE.md, CPU memory); left out: loading (the file is mapped while the weights "
@@ -19,7 +19,7 @@ def dry_run_report(recipe: Recipe, plan: RunPlan, rows: RowLayout, model: Transf
     total = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     t, d = recipe.training, recipe.data
-    tokens = sum(len(e) for e in data.examples)
+    tokens = sum(example_tokens(e) for e in data.examples)
     return "\n".join([
         f"dry run: recipe valid, model and data built, nothing trained ({recipe.output.dir})",
         f"{'model':<22}{recipe.model.path} ({model.config.model_type}, {model.config.num_layers} layers)",
@@ -44,9 +44,25 @@ def plan_lines(plan: RunPlan) -> list[str]:
         f"activations {estimate.activations / GiB:.2f}, logits {estimate.logits / GiB:.2f}"
         f"{f', reference copy {estimate.reference / GiB:.2f}' if estimate.reference else ''}{_cpu_terms(estimate)})",
         *([f"{'':<22}{CPU_ESTIMATE_NOTE}"] if estimate.runtime else []),
+        *_qat_lines(plan),
         "plan",
         *[f"  {key:<30}{why}" for key, why in plan.reasons],
     ]
+
+
+def _qat_lines(plan: RunPlan) -> list[str]:
+    """QAT: what fake quantization holds, and the size of the integer model the run writes."""
+    recipe, config = plan._recipe, plan._config  # the plan's own record of what it planned
+    qat = recipe.qat if recipe is not None else None
+    if qat is None or config is None:
+        return []
+    group = qat.group_size if qat.granularity == "group" else None
+    size = quantized_model_bytes(config, qat.bits, group, 2)
+    return [f"{'':<22}of it fake quantization {plan.memory.fake_quant / GiB:.2f} (the base stays in full precision "
+            f"while training; the bit width sets only the exported size)",
+            f"{'quantized model':<22}{size / GiB:.3f} GiB ({qat.bits}-bit codes, "
+            f"{'a scale per ' + str(group) + ' inputs' if group else 'a scale per ' + qat.granularity}; "
+            f"embeddings, norms and head in 16 bits)"]
 
 
 def _cpu_terms(estimate: MemoryEstimate) -> str:

@@ -78,7 +78,8 @@ def train(
 def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, progress: bool,
            console: Console, force: bool = False) -> TrainResult:
     # Under torchrun: this process's rank and device (one per process); a restarted job resumes where it stopped.
-    world, device = join(resolve_device(recipe.model.device), recipe.training.dist_timeout_s)
+    world, device = join(resolve_device(recipe.model.device), recipe.training.dist_timeout_s,
+                         group_for_one=recipe.training.parallel != "auto")
     if not world.is_main:
         console = Console(False)  # one voice: rank 0 prints for the job
     if not resume and not dry_run and restarted() and latest_checkpoint(Path(recipe.output.dir).absolute()):

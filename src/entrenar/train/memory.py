@@ -1,4 +1,4 @@
-"""Training-memory estimates for full fine-tuning, LoRA and QLoRA.
+"""Training-memory estimates for full fine-tuning, LoRA, QLoRA, QAT and LoRA-QAT.
 
 An estimate is the sum of what stays resident (weights, gradients, optimizer
 state) and what one step holds at its peak (saved activations and the logits
@@ -28,7 +28,13 @@ from entrenar.models.config import ModelConfig
 from entrenar.models.transformer import checkpointed_layer_indices, offloaded_layer_indices
 
 GiB = 2**30
-LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# The projections of a layer, by any family's names (Phi-3 fuses q/k/v into qkv_proj and gate/up into gate_up_proj).
+LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj",
+                "gate_up_proj")
+_MLP_NAMES = ("gate_proj", "up_proj", "down_proj", "gate_up_proj")
+# Multi-head latent attention's projections (DeepSeek-V3), besides q_proj and o_proj.
+MLA_LINEAR_NAMES = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
+PROJECTION_NAMES = LINEAR_NAMES + MLA_LINEAR_NAMES  # what LoRA targets may name, in some family
 # Resident memory of a process that has imported torch (2.13, CPU build) and entrenar, before any model: measured
 # 0.30 GiB (docs/PERFORMANCE.md, "CPU memory").
 CPU_RUNTIME_BYTES = 0.30 * GiB
@@ -51,38 +57,55 @@ class MemoryEstimate:
     runtime: float = 0.0  # CPU only: the Python + PyTorch process before any model
     casts: float = 0.0  # CPU only: autocast's lower-precision copies of the weights, kept for backward
     allocator: float = 0.0  # CPU only: freed step memory the C allocator keeps (fitted, not derived)
+    fake_quant: float = 0.0  # QAT: the fake-quantized weights (and inputs) kept for backward, one layer's temporaries
     reference: float = 0.0  # preference optimisation: a frozen copy of the model as the reference (task.reference)
 
     @property
     def total(self) -> float:
         return (self.weights + self.gradients + self.optimizer + self.activations + self.logits + self.runtime
-                + self.casts + self.allocator + self.reference)
+                + self.casts + self.allocator + self.fake_quant + self.reference)
 
     def as_dict(self) -> dict:
         return {**asdict(self), "total": self.total}
 
 
 def linear_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
-    """(in_features, out_features) of each projection of one layer."""
+    """(in_features, out_features) of each projection of one layer (Phi-3's fused ones under their names)."""
     h, i, d = config.hidden_size, config.intermediate_size, config.head_dim
     assert d is not None  # ModelConfig derives it when config.json has none
+    mlp = {"gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+    if config.is_mla:
+        return {**mla_linear_shapes(config), **mlp}
     q, kv = config.num_heads * d, config.num_kv_heads * d
-    return {
-        "q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-        "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h),
-    }
+    attention = {"qkv_proj": (h, q + 2 * kv)} if config.fused_qkv else {
+        "q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv)}
+    if config.fused_gate_up:
+        mlp = {"gate_up_proj": (h, 2 * i), "down_proj": (i, h)}
+    return {**attention, "o_proj": (q, h), **mlp}
+
+
+def mla_linear_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
+    """(in_features, out_features) of multi-head latent attention's projections (models/mla.py)."""
+    h, heads, rank, rope = config.hidden_size, config.num_heads, config.kv_lora_rank, config.head_dim
+    assert rope is not None  # ModelConfig derives it when config.json has none
+    qk = heads * config.qk_head_dim
+    q = ({"q_proj": (h, qk)} if config.q_lora_rank is None
+         else {"q_a_proj": (h, config.q_lora_rank), "q_b_proj": (config.q_lora_rank, qk)})
+    return {**q, "kv_a_proj_with_mqa": (h, rank + rope),
+            "kv_b_proj": (rank, heads * (config.qk_nope_head_dim + config.v_head_dim)),
+            "o_proj": (heads * config.v_head_dim, h)}
 
 
 def lora_params(config: ModelConfig, r: int, targets: list[str] | str, target_parameters: Sequence[str] = ()) -> int:
     """Adapter parameters: r * (in + out) for every targeted projection of every layer. In an MoE layer the
     MLP projections are its shared expert's (none without one); ``target_parameters`` (``gate_up_proj``,
     ``down_proj``) add one adapter per expert of every MoE layer."""
-    names = LINEAR_NAMES if targets == "all-linear" else list(targets)
-    unknown = [n for n in names if n not in LINEAR_NAMES]
+    dense = linear_shapes(config)
+    names = list(dense) if targets == "all-linear" else list(targets)
+    unknown = [n for n in names if n not in dense]
     if unknown:
         raise ConfigError(f"LoRA targets {unknown} are not projections of this model "
-                          f"(known: {', '.join(LINEAR_NAMES)})")
-    dense = linear_shapes(config)
+                          f"(known: {', '.join(dense)})")
     shared = linear_shapes(config.replace(intermediate_size=max(1, config.shared_expert_intermediate_size)))
     total = 0
     for layer in range(config.num_layers):
@@ -108,8 +131,7 @@ def lora_params(config: ModelConfig, r: int, targets: list[str] | str, target_pa
 def quantizable_params(config: ModelConfig) -> int:
     """Weights NF4 replaces in a QLoRA base: attention and dense MLP projections, MoE layers' experts, shared
     experts and shared-expert gates. Routers stay in the compute dtype."""
-    attention = sum(a * b for n, (a, b) in linear_shapes(config).items()
-                    if n.endswith(("q_proj", "k_proj", "v_proj", "o_proj")))
+    attention = sum(a * b for n, (a, b) in linear_shapes(config).items() if n not in _MLP_NAMES)
     h = config.hidden_size
     total = config.num_layers * attention
     for layer in range(config.num_layers):
@@ -122,7 +144,7 @@ def quantizable_params(config: ModelConfig) -> int:
 
 
 def activation_bytes_per_token_layer(config: ModelConfig, dtype_bytes: int, kernels: bool = False,
-                                     lora: bool = False, moe_layer: bool = False) -> float:
+                                     lora: bool = False, moe_layer: bool = False, seq_len: int = 0) -> float:
     """Bytes autograd saves for one token in one block (SDPA attention).
 
     Eager PyTorch, counted per saved tensor: the two norms keep their input
@@ -138,12 +160,17 @@ def activation_bytes_per_token_layer(config: ModelConfig, dtype_bytes: int, kern
 
     An MoE layer (``moe_layer``; it runs no fused block) keeps, per token, the router's fp32 logits and
     probabilities and, for each of its k experts, the gathered input, gate and up, silu(gate), their product
-    and the expert's output; plus what its shared expert keeps.
+    and the expert's output; plus what its shared expert keeps. A Gemma block (``config.sandwich_norms``):
+    :func:`_gemma_layer_bytes` (``seq_len`` for its soft-capped attention).
     """
+    if config.sandwich_norms:
+        return _gemma_layer_bytes(config, dtype_bytes, seq_len)
     h, i, d = config.hidden_size, config.intermediate_size, config.head_dim
     assert d is not None  # ModelConfig derives it when config.json has none
     q, kv = config.num_heads * d, config.num_kv_heads * d
     attention = (q + 2 * kv + q) * dtype_bytes + config.num_heads * 4  # q, k, v, output; log-sum-exp
+    if config.is_mla:
+        attention = mla_activation_bytes(config, dtype_bytes)
     if config.qk_norm:
         attention += (q + kv) * (dtype_bytes + 4)
     if moe_layer:
@@ -156,9 +183,49 @@ def activation_bytes_per_token_layer(config: ModelConfig, dtype_bytes: int, kern
         norms = 2 * (h * dtype_bytes + h * 4 + 4)  # input, fp32 upcast, rms
         return norms + attention + h * dtype_bytes + (h + 4 * i) * dtype_bytes
     norms = 2 * (h * dtype_bytes + 4)  # input, 1/rms
-    if lora:
+    if lora and not config.is_mla:  # an MLA block keeps the plain block: no norm inside the LoRA node
         return norms + attention + 2 * i * dtype_bytes
     return norms + attention + (2 * h + 3 * i) * dtype_bytes  # + normed inputs, gate, up, the down input
+
+
+def mla_activation_bytes(config: ModelConfig, dtype_bytes: int) -> int:
+    """Bytes multi-head latent attention (models/mla.py) saves for one token, its input aside: for the key/value
+    latent, ``kv_a_proj_with_mqa``'s output (the norm reads its latent part), the norm's fp32 upcast (below fp32)
+    and 1/rms, the normed latent and its scaled copy ``kv_b_proj`` reads; the same for the query latent when
+    ``q_lora_rank`` is set; q and k (``qk_head_dim`` a head), v and the output (``v_head_dim``) and the fp32
+    log-sum-exp of memory-efficient attention. RoPE keeps nothing per layer (cos/sin are shared)."""
+    assert config.head_dim is not None  # ModelConfig derives it when config.json has none
+    heads, rank = config.num_heads, config.kv_lora_rank
+    upcast = 4 if dtype_bytes < 4 else 0
+
+    def norm(width: int, source: int) -> int:  # the projection output it reads, upcast, 1/rms, normed, scaled
+        return source * dtype_bytes + width * upcast + 4 + 2 * width * dtype_bytes
+
+    total = norm(rank, rank + config.head_dim)
+    if config.q_lora_rank is not None:
+        total += norm(config.q_lora_rank, config.q_lora_rank)
+    return total + 2 * heads * (config.qk_head_dim + config.v_head_dim) * dtype_bytes + heads * 4
+
+
+def _gemma_layer_bytes(config: ModelConfig, dtype_bytes: int, seq_len: int) -> float:
+    """Bytes autograd saves for one token in one Gemma block (eager whatever the kernels: the fused norm, MLP and
+    block kernels leave Gemma's to PyTorch). Four (1 + w) norms each keep their fp32 input, the fp32 normalised
+    product and 1/rms, and the two before attention and MLP their output; the MLP keeps gate, up, gelu(gate) and
+    their product. Attention with soft-capped scores (Gemma 2) runs as explicit products and keeps, per query,
+    ``seq_len`` fp32 scores' tanh and probabilities and the probabilities in the model dtype, with fp32 copies of
+    q and the repeated k; otherwise SDPA's q, k, v, output and log-sum-exp."""
+    h, i, d = config.hidden_size, config.intermediate_size, config.head_dim
+    assert d is not None  # ModelConfig derives it when config.json has none
+    q, kv = config.num_heads * d, config.num_kv_heads * d
+    norms = 4 * (8 * h + 4) + 2 * h * dtype_bytes
+    if config.attn_logit_softcapping is not None:
+        cast = dtype_bytes if dtype_bytes != 4 else 0  # fp32 probabilities are their own cast
+        attention = 8 * q + 2 * q * dtype_bytes + config.num_heads * seq_len * (8 + cast) + seq_len
+    else:
+        attention = (q + 2 * kv + q) * dtype_bytes + config.num_heads * 4
+    if config.qk_norm:
+        attention += (q + kv) * (dtype_bytes + 8)
+    return norms + attention + 4 * i * dtype_bytes
 
 
 def estimate_training_memory(
@@ -180,8 +247,10 @@ def estimate_training_memory(
     offload_weights: bool = False,
     cpu: bool = False,
     lora_dropout: float = 0.0,
+    qat_group_size: int | None = None,
+    qat_activations: bool = False,
 ) -> MemoryEstimate:
-    """Estimate peak training memory in bytes. `method` is full, lora or qlora.
+    """Estimate peak training memory in bytes. `method` is full, lora, qlora, qat or lora-qat.
 
     `dtype_bytes` is the compute (activation) precision. `param_bytes` is how
     the weights are stored: full fine-tuning keeps fp32 master weights by
@@ -206,9 +275,18 @@ def estimate_training_memory(
     `cpu` estimates the peak resident memory of a training process on the
     CPU (see the module docstring); `lora_dropout` above 0 adds the masks
     LoRA dropout keeps there.
+
+    QAT (``qat``: full fine-tuning, ``lora-qat``: LoRA) trains with fake quantization, so the weights stay in full
+    precision (or the base's dtype) whatever the bit width: it costs what full fine-tuning or LoRA costs, plus
+    (``fake_quant``) the rounded copy of every projection weight that the matrix products keep for backward (in
+    the compute dtype; only the rebuilt layer's when a layer is checkpointed), one layer's rounding temporaries,
+    with `qat_activations` the rounded inputs, and LSQ's step sizes (one per row, or per `qat_group_size` inputs;
+    trained under LoRA too). The bit width changes none of this; it sets the exported model's size
+    (:func:`quantized_model_bytes`).
     """
-    if method not in ("full", "lora", "qlora"):
-        raise ValueError(f"method must be full, lora or qlora, got {method!r}")
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
+    qat, method = method in ("qat", "lora-qat"), {"qat": "full", "lora-qat": "lora"}.get(method, method)
     if optimizer not in ("adamw", "sgd"):
         raise ValueError(f"optimizer must be adamw or sgd, got {optimizer!r}")
     if param_bytes is None:
@@ -219,10 +297,14 @@ def estimate_training_memory(
         offload_weights)
     tokens = batch_size * seq_len
     activations, rebuilt = _activations(config, method, tokens, dtype_bytes, kernels, lora_r,
-                                        activation_checkpointing, offload_activations)
+                                        activation_checkpointing, offload_activations, seq_len)
     logits = _logits(config, tokens, dtype_bytes, fused_loss_chunk, rebuilt)
     total = config.num_parameters
-    estimate = MemoryEstimate(method, total, trainable, weights, gradients, optimizer_bytes, activations, logits)
+    label = {"full": "qat", "lora": "lora-qat"}[method] if qat else method
+    estimate = MemoryEstimate(label, total, trainable, weights, gradients, optimizer_bytes, activations, logits)
+    if qat:
+        _add_qat_terms(estimate, config, method, tokens, dtype_bytes, param_bytes, states, activation_checkpointing,
+                       cpu, qat_group_size, qat_activations)
     if cpu:
         _add_cpu_terms(estimate, config, method, tokens, dtype_bytes, param_bytes, lora_targets, lora_dropout, kernels)
         if fused_loss_chunk:
@@ -232,6 +314,76 @@ def estimate_training_memory(
             estimate.logits += chunk * ((4 if dtype_bytes < 4 else 0) + 4)
             estimate.allocator = CPU_ALLOCATOR_SLACK * (estimate.activations + estimate.logits + estimate.casts)
     return estimate
+
+
+METHODS = ("full", "lora", "qlora", "qat", "lora-qat")
+
+
+def _quantized_layers(config: ModelConfig) -> list[tuple[int, int]]:
+    """(in_features, out_features) of every linear layer QAT quantizes by default (all but the output head): the
+    projections of each layer, an MoE layer's experts counted one by one."""
+    layers = []
+    shapes = linear_shapes(config)
+    h = config.hidden_size
+    for layer in range(config.num_layers):
+        layers += [shapes[n] for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
+        if config.is_moe_layer(layer):
+            ie, se = config.expert_intermediate_size, config.shared_expert_intermediate_size
+            layers += config.num_experts * [(h, ie), (h, ie), (ie, h)]
+            layers += [(h, se), (h, se), (se, h)] if se else []
+        else:
+            layers += [shapes[n] for n in ("gate_proj", "up_proj", "down_proj")]
+    return layers
+
+
+def _steps(layers: list[tuple[int, int]], group_size: int | None) -> int:
+    """LSQ's learned step sizes: one per row (channel), or per ``group_size`` inputs of a row."""
+    return sum(o * (i // group_size if group_size else 1) for i, o in layers)
+
+
+def _add_qat_terms(e: MemoryEstimate, config: ModelConfig, method: str, tokens: int, dtype_bytes: int,
+                   param_bytes: int, states: int, activation_checkpointing: bool | int | Sequence[int], cpu: bool,
+                   group_size: int | None, activations: bool) -> None:
+    """What fake quantization adds to full fine-tuning or LoRA (see :func:`estimate_training_memory`)."""
+    layers = _quantized_layers(config)
+    n = config.num_layers
+    recomputed = set(checkpointed_layer_indices(n, min(activation_checkpointing, n)
+                                                if isinstance(activation_checkpointing, int)
+                                                and not isinstance(activation_checkpointing, bool)
+                                                else activation_checkpointing))
+    kept_layers = n - len(recomputed) + (1 if recomputed else 0)
+    weights = sum(i * o for i, o in layers)
+    # The rounded weight is what the product keeps: in the compute dtype (autocast's copy of it when the weights are
+    # wider, which a CPU estimate already counts among its casts).
+    kept_bytes = 0 if cpu and dtype_bytes < param_bytes else min(dtype_bytes, param_bytes)
+    e.fake_quant = weights * kept_layers / n * kept_bytes
+    e.fake_quant += 3 * max(i * o for i, o in layers) * 4  # w / s, its rounding and the clamp, one layer at a time
+    if activations:  # fake_quant keeps the unrounded input beside the rounded one the product keeps
+        e.fake_quant += tokens * sum(i for i, _ in layers) * kept_layers / n * dtype_bytes
+    steps = _steps(layers, group_size)
+    if method == "lora":  # trained beside the adapters, fp32 like them
+        e.trainable_params += steps
+        e.weights += steps * 4
+        e.gradients += steps * 4
+        e.optimizer += states * steps * 4
+    else:
+        e.trainable_params += steps
+        e.weights += steps * param_bytes
+        e.gradients += steps * param_bytes
+        e.optimizer += states * steps * param_bytes
+
+
+def quantized_model_bytes(config: ModelConfig, bits: int, group_size: int | None = None, dtype_bytes: int = 2
+                          ) -> float:
+    """Size of the integer model a QAT run exports (``quantized/``): every linear layer but the head as
+    ``bits``-bit codes packed at their width (4 bits two per byte, 2 and 3 bits as a bit stream per row, 5 to 8
+    bits a byte each) with an fp32 scale per row or per ``group_size`` inputs; everything else (embeddings, norms,
+    head) in ``dtype_bytes``."""
+    layers = _quantized_layers(config)
+    width = bits if bits <= 4 else 8
+    codes = sum(o * ((i * width + 7) // 8) for i, o in layers)
+    rest = config.num_parameters - sum(i * o for i, o in layers)
+    return codes + 4 * _steps(layers, group_size) + rest * dtype_bytes
 
 
 def _model_state(config: ModelConfig, method: str, param_bytes: int, states: int, lora_r: int,
@@ -252,10 +404,11 @@ def _model_state(config: ModelConfig, method: str, param_bytes: int, states: int
 
 
 def _activations(config: ModelConfig, method: str, tokens: int, dtype_bytes: int, kernels: bool, lora_r: int,
-                 activation_checkpointing: bool | int | Sequence[int], offload_activations: bool | int
-                 ) -> tuple[float, float]:
+                 activation_checkpointing: bool | int | Sequence[int], offload_activations: bool | int,
+                 seq_len: int = 0) -> tuple[float, float]:
     """(activations kept for backward at the peak, the part of it a rebuilt checkpointed layer takes) in bytes."""
-    per_layer = activation_bytes_per_token_layer(config, dtype_bytes, kernels, lora=method != "full")
+    per_layer = activation_bytes_per_token_layer(config, dtype_bytes, kernels, lora=method != "full",
+                                                 seq_len=seq_len)
     if config.is_moe:  # MoE and dense layers averaged; a rebuilt layer counts as the larger
         moe_layer = activation_bytes_per_token_layer(config, dtype_bytes, kernels, lora=method != "full",
                                                      moe_layer=True)
@@ -295,7 +448,9 @@ def _logits(config: ModelConfig, tokens: int, dtype_bytes: int, fused_loss_chunk
         # The fused output-projection loss does all its work in forward: one chunk of logits (overwritten by
         # their gradient) at a time, and the hidden states' gradient kept for backward. The chunk is gone
         # before backward rebuilds a checkpointed layer, so only what it exceeds that layer by adds to the peak.
-        chunk = min(tokens, fused_loss_chunk) * config.vocab_size * dtype_bytes
+        # A final soft cap (Gemma) keeps tanh of the chunk's logits in fp32 beside them.
+        chunk = min(tokens, fused_loss_chunk) * config.vocab_size * (dtype_bytes + 4 * bool(
+            config.final_logit_softcapping))
         return tokens * config.hidden_size * dtype_bytes + max(0, chunk - rebuilt)
     # Logits in the model dtype, upcast to fp32 for the loss, and their gradient.
     return tokens * config.vocab_size * (dtype_bytes + 4 + 4)
@@ -313,7 +468,7 @@ def _add_cpu_terms(e: MemoryEstimate, config: ModelConfig, method: str, tokens: 
         linear = 0 if method == "qlora" else config.num_layers * sum(a * b for a, b in shapes.values())
         e.casts = (linear + head) * dtype_bytes
     if method != "full" and not kernels:
-        names = LINEAR_NAMES if targets == "all-linear" else [n for n in targets if n in LINEAR_NAMES]
+        names = list(shapes) if targets == "all-linear" else [n for n in targets if n in shapes]
         widths = config.num_layers * sum(shapes[n][0] for n in names)
         # fp32 adapters under autocast: lora_A gets its own bf16 copy of the projection's input. Dropout on the CPU
         # multiplies by a noise tensor of the fp32 adapter input's dtype and keeps it for backward (not a bool mask).
@@ -323,13 +478,17 @@ def _add_cpu_terms(e: MemoryEstimate, config: ModelConfig, method: str, tokens: 
 
 def format_estimates(estimates: list[MemoryEstimate]) -> str:
     cpu = any(e.runtime for e in estimates)
+    qat = any(e.fake_quant for e in estimates)
     extra = f"{'runtime':>9}{'casts':>9}{'alloc.':>9}" if cpu else ""
-    rows = [f"{'method':<8}{'trainable':>14}{'weights':>10}{'grads':>9}{'optim':>9}{'activ.':>9}{'logits':>9}{extra}"
-            f"{'total':>9}  (GiB)"]
+    extra += f"{'fakeq.':>9}" if qat else ""
+    width = 10 if qat else 8
+    rows = [f"{'method':<{width}}{'trainable':>14}{'weights':>10}{'grads':>9}{'optim':>9}{'activ.':>9}{'logits':>9}"
+            f"{extra}{'total':>9}  (GiB)"]
     for e in estimates:
         extra = f"{e.runtime / GiB:>9.2f}{e.casts / GiB:>9.2f}{e.allocator / GiB:>9.2f}" if cpu else ""
+        extra += f"{e.fake_quant / GiB:>9.2f}" if qat else ""
         rows.append(
-            f"{e.method:<8}{e.trainable_params:>14,}{e.weights / GiB:>10.2f}{e.gradients / GiB:>9.2f}"
+            f"{e.method:<{width}}{e.trainable_params:>14,}{e.weights / GiB:>10.2f}{e.gradients / GiB:>9.2f}"
             f"{e.optimizer / GiB:>9.2f}{e.activations / GiB:>9.2f}{e.logits / GiB:>9.2f}{extra}{e.total / GiB:>9.2f}"
         )
     return "\n".join(rows)
@@ -358,4 +517,4 @@ def per_device(estimate: MemoryEstimate, config: ModelConfig, nproc: int, parall
         gathered = root * dtype_bytes + largest * (NF4_BYTES_PER_PARAM + dtype_bytes)
     return MemoryEstimate(estimate.method, estimate.total_params, estimate.trainable_params,
                           estimate.weights / nproc + gathered, estimate.gradients / nproc, estimate.optimizer / nproc,
-                          estimate.activations, estimate.logits)
+                          estimate.activations, estimate.logits, fake_quant=estimate.fake_quant)

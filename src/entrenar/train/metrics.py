@@ -97,6 +97,7 @@ class MetricsLogger:
         self.last_loss: float | None = None
         self.best_eval: tuple[int, float] | None = None  # (step, eval_loss)
         self._elapsed_before = 0.0
+        self._timed: list[tuple[int, int, float]] = []  # (step, tokens, seconds) of the steps this process ran
         kept: list[bytes] = []
         if resume_step is not None and self.path.exists():
             for line, record in _parse_lines(self.path, self.path.read_bytes()):
@@ -155,6 +156,7 @@ class MetricsLogger:
         seconds = step_time_s if step_time_s is not None else now - self._last
         self._last = now
         self.total_tokens += int(tokens)
+        self._timed.append((int(step), int(tokens), seconds))
         record: dict[str, Any] = {
             "step": int(step),
             "loss": _number(loss),
@@ -186,6 +188,15 @@ class MetricsLogger:
         self.best_eval = (int(step), loss)
         return True
 
+    def steady_rate(self) -> tuple[float, int, int] | None:
+        """(tokens/s, first step, last step) of the steps past start-up: the first fifth of the steps this process
+        ran (at least one: compilation, CUDA graph capture, allocator warm-up) left out; None below 3 steps."""
+        if len(self._timed) < 3:
+            return None
+        kept = self._timed[max(1, -(-len(self._timed) // 5)):]
+        seconds = sum(s for _, _, s in kept)
+        return (sum(t for _, t, _ in kept) / seconds, kept[0][0], kept[-1][0]) if seconds > 0 else None
+
     def summary(self, checkpoint: str | os.PathLike | None = None, extra: Sequence[tuple[str, str]] = (),
                 perplexity: bool = True) -> str:
         """The closing summary of this run so far (see :func:`summary`)."""
@@ -194,6 +205,7 @@ class MetricsLogger:
             elapsed_s=self.elapsed_s,
             final_loss=self.last_loss,
             tokens=self.total_tokens,
+            steady=self.steady_rate(),
             checkpoint=checkpoint,
             best_eval=self.best_eval,
             extra=extra,
@@ -241,19 +253,26 @@ def summary(
     elapsed_s: float,
     final_loss: float | None = None,
     tokens: int | None = None,
+    steady: tuple[float, int, int] | None = None,
     checkpoint: str | os.PathLike | None = None,
     best_eval: tuple[int, float] | None = None,
     extra: Sequence[tuple[str, str]] = (),
     perplexity: bool = True,
 ) -> str:
     """Format the end-of-training summary, one aligned ``key  value`` row per fact (``extra`` rows last);
-    ``perplexity``: the best eval loss's exp beside it (a language model's; not a classifier's)."""
+    ``perplexity``: the best eval loss's exp beside it (a language model's; not a classifier's). ``steady``:
+    (tokens/s, first step, last step) past start-up, shown before the whole run's rate (which counts start-up,
+    compilation, graph capture and evaluations)."""
     rows = [("steps", f"{steps:,}"), ("time", format_duration(elapsed_s))]
     if final_loss is not None:
         rows.append(("final loss", f"{final_loss:.4f}"))
     if tokens:
         rate = f"{tokens / elapsed_s:,.0f} tokens/s" if elapsed_s > 0 else "n/a"
-        rows.append(("throughput", f"{rate} ({tokens:,} tokens)"))
+        if steady is not None:
+            rows.append(("throughput", f"{steady[0]:,.0f} tokens/s in steady state (steps {steady[1]:,}-"
+                                       f"{steady[2]:,}); {rate} over the whole run ({tokens:,} tokens)"))
+        else:
+            rows.append(("throughput", f"{rate} ({tokens:,} tokens)"))
     if best_eval is not None:
         step, loss = best_eval
         ppl = f" (ppl {math.exp(loss) if loss < 700 else math.inf:.2f})" if perplexity else ""

@@ -41,7 +41,8 @@ def router_probabilities(logits: torch.Tensor, scoring: str) -> torch.Tensor:
 
 
 def load_balancing_loss(
-    routing: list[tuple[torch.Tensor, torch.Tensor]], num_experts: int, mask: torch.Tensor | None = None
+    routing: list[tuple[torch.Tensor, torch.Tensor]], num_experts: int, mask: torch.Tensor | None = None,
+    scoring: str = "softmax",
 ) -> torch.Tensor:
     """Switch Transformer's load-balancing loss (Fedus et al. 2021, eq. 4-6) over all MoE layers together.
 
@@ -50,7 +51,9 @@ def load_balancing_loss(
     expert i and ``P_i`` its mean router probability, both over the real tokens of every layer: transformers'
     ``load_balancing_loss_func`` (which recomputes the choice as top-k of the softmax; the chosen experts
     given here are the same for softmax routing, and the ones actually used otherwise). Balanced routing
-    gives k (top-k), a collapsed one up to E * k.
+    gives k (top-k), a collapsed one up to E * k. With sigmoid routing (``scoring``, DeepSeek-V3) ``P_i`` is the
+    mean of each token's sigmoid scores normalised to sum to 1: DeepSeek-V3's complementary balance loss (its
+    eq. 17-20), over the batch rather than each sequence, times k.
     """
     device = routing[0][0].device
     counts = torch.zeros(num_experts, device=device)
@@ -60,7 +63,7 @@ def load_balancing_loss(
         w = torch.ones(logits.shape[0], device=device) if mask is None else mask.to(device, torch.float32)
         counts = counts + torch.zeros(num_experts, device=device).scatter_add_(
             0, indices.reshape(-1), w.repeat_interleave(indices.shape[1]))
-        probs = probs + (logits.float().softmax(dim=-1) * w[:, None]).sum(dim=0)
+        probs = probs + (router_probabilities(logits, scoring) * w[:, None]).sum(dim=0)
         rows = rows + w.sum()
     return num_experts * torch.sum((counts / rows) * (probs / rows))
 
@@ -142,7 +145,7 @@ class MoeTraining:
             return torch.zeros((), device=self._losses.device)
         s = self.section
         with torch.set_grad_enabled(torch.is_grad_enabled() and s.aux_loss > 0):
-            aux = load_balancing_loss(routing, self.num_experts, mask)
+            aux = load_balancing_loss(routing, self.num_experts, mask, self.scoring)
         with torch.set_grad_enabled(torch.is_grad_enabled() and s.z_loss > 0):
             z = torch.stack([router_z_loss(logits, mask) for logits, _ in routing]).mean()
         self._losses += torch.stack([aux.detach(), z.detach()]) / self.grad_accum

@@ -59,7 +59,8 @@ def _compile_scales(lr_scale: Mapping[str, float] | None) -> list[tuple[str, re.
 
 
 def build_param_groups(
-    model: nn.Module, weight_decay: float, lr_scale: Mapping[str, float] | None = None
+    model: nn.Module, weight_decay: float, lr_scale: Mapping[str, float] | None = None,
+    step_lr_scale: float = 1.0,
 ) -> list[dict]:
     """Group the trainable parameters of ``model`` for an optimizer.
 
@@ -75,9 +76,15 @@ def build_param_groups(
     matches have scale 1. A pattern that matches no trainable parameter, or two
     patterns with different scales matching one parameter, is a ``ConfigError``.
 
+    Learned quantizer step sizes (the parameters a module lists in ``learned_steps``: QAT's LSQ steps) form a
+    group of their own, without weight decay, at ``step_lr_scale`` times the learning rate (``qat.scale_lr``
+    divided by ``optimizer.lr``; times an ``lr_scale`` pattern's multiplier if one matches).
+
     Each group is ``{"params", "names", "weight_decay", "lr_scale"}``; groups are
     ordered by first appearance in ``model.named_parameters()``.
     """
+    if not math.isfinite(step_lr_scale) or step_lr_scale <= 0:
+        raise ConfigError(f"step_lr_scale must be a positive number, got {step_lr_scale!r}")
     if not math.isfinite(weight_decay) or weight_decay < 0:
         raise ConfigError(f"weight_decay must be a non-negative number, got {weight_decay!r}")
     scales = _compile_scales(lr_scale)
@@ -89,7 +96,7 @@ def build_param_groups(
         for param_name, _ in module.named_parameters(recurse=False)
     }
 
-    groups: dict[tuple[bool, float], dict] = {}
+    groups: dict[tuple[bool, float, bool], dict] = {}
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
@@ -106,8 +113,11 @@ def build_param_groups(
         # A module may declare parameters that are not weights (e.g. QAT's learned step sizes): never decay those.
         owner = model.get_submodule(module_name) if module_name else model
         decay = decay and name.rpartition(".")[2] not in getattr(owner, "no_weight_decay", ())
+        step = name.rpartition(".")[2] in getattr(owner, "learned_steps", ())
+        if step:
+            decay, scale = False, scale * step_lr_scale
         group = groups.setdefault(
-            (decay, scale),
+            (decay, scale, step),
             {"params": [], "names": [], "weight_decay": weight_decay if decay else 0.0, "lr_scale": scale},
         )
         group["params"].append(param)

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from entrenar.adapters.lora import family_targets
 from entrenar.config import Recipe
 from entrenar.config.recipe import GPU_ONLY
 from entrenar.data.batching import check_seq_len
@@ -35,13 +36,14 @@ from entrenar.distributed.steps import accumulation as micro_batches_per_rank
 from entrenar.distributed.world import World
 from entrenar.errors import ConfigError
 from entrenar.kernels import triton_available
+from entrenar.kernels.coverage import family_notes
 from entrenar.kernels.fused_linear_ce import FUSED_LOSS_CHUNK
 from entrenar.loading import recipe_model_config
 from entrenar.models.config import ModelConfig
 from entrenar.models.padding_free import rows_by_document
 from entrenar.models.transformer import checkpointed_layer_indices, offloaded_layer_indices
 from entrenar.tasks.preference import reference_of
-from entrenar.train.memory import LINEAR_NAMES, GiB, MemoryEstimate, estimate_training_memory
+from entrenar.train.memory import PROJECTION_NAMES, GiB, MemoryEstimate, estimate_training_memory
 from entrenar.train.optim import use_fused
 
 # Fraction of device memory a replica may take for `parallel: auto` to pick DDP (the rest: allocator slack).
@@ -78,7 +80,7 @@ class RunPlan:
     overlap: bool
     compile: bool
     loss_scaling: bool  # fp16's GradScaler
-    method: str  # full, lora or qlora
+    method: str  # full, lora, qlora, qat or lora-qat
     memory: MemoryEstimate
     # Bytes free on the device when planned (None: not known here); a reading of the machine, not a decision.
     memory_available: int | None = field(default=None, compare=False)
@@ -103,7 +105,8 @@ class RunPlan:
         recipe, config = self._recipe, self._config
         assert recipe is not None and config is not None and config.head_dim is not None  # set by ModelConfig
         by_document = task == "causal_lm" and rows_by_document(
-            config.head_dim, self.device, self.compute_dtype, config.sliding_window, compiled=self.compile,
+            config.qk_head_dim if config.is_mla else config.head_dim, self.device, self.compute_dtype,
+            config.sliding_window, compiled=self.compile,
             document_work=config.hidden_size * mean_example_tokens)
         setting = recipe.data.padding_free
         flat = setting if isinstance(setting, bool) else self.device.type == "cpu" and by_document
@@ -288,6 +291,8 @@ def plan_run(recipe: Recipe, device: torch.device, world: World, config: ModelCo
     reasons: list[tuple[str, str]] = []
 
     method = "full" if lora is None else ("qlora" if lora.quantize_base else "lora")
+    if recipe.qat is not None:
+        method = "qat" if lora is None else "lora-qat"
     replica = _decide(recipe, device, "ddp" if world.distributed else "single", config, triton, method)
     mode = _choose_mode(t.parallel, world, device, replica.memory.total, device_memory)
     reasons.append(("training.parallel", _mode_reason(t.parallel, mode, world, replica.memory.total)))
@@ -348,7 +353,8 @@ def _decide(recipe: Recipe, device: torch.device, mode: str, config: ModelConfig
         raise ConfigError("training.adapter_math: bf16 adapter products run in the fused LoRA layer, and this run "
                           "has no kernels (training.kernels: true, or auto on a CPU or on a CUDA device with Triton)")
     reasons.append(("training.kernels", _auto(t.kernels, kernels, "a CPU (their PyTorch paths) or CUDA with "
-                                                                  "Triton, without FSDP")))
+                                                                  "Triton, without FSDP")
+                    + "".join(f"; {note}" for note in (family_notes(config) if kernels else []))))
 
     # The NF4 base streams from pinned CPU memory a block ahead: QLoRA Llama-8B shape 12.06k against 12.16k
     # tokens/s at 3.27 against 6.41 GiB (H100, docs/PERFORMANCE.md). NF4 experts load outside the stream.
@@ -386,6 +392,9 @@ def _decide(recipe: Recipe, device: torch.device, mode: str, config: ModelConfig
     memory = _estimate(recipe, config, device, method, kernels, offload_weights, offload_embeddings)
     if recipe.task.type == "preference":  # the reference model, and what it costs
         reference, why = reference_of(recipe)
+        if reference == "copy" and mode == "fsdp":  # the copy is made before sharding: a whole model per rank
+            raise ConfigError("task.reference: a frozen copy is not sharded under FSDP (each rank would hold the "
+                              "whole model); use task.reference: precomputed, or LoRA (adapters_off)")
         reasons.append(("task.reference", f"{reference} ({why})"))
         if reference == "copy":
             memory = dataclasses.replace(memory, reference=memory.weights)
@@ -416,10 +425,11 @@ def _estimate(recipe: Recipe, config: ModelConfig, device: torch.device, method:
     """The training memory of one process (:mod:`entrenar.train.memory`) with this plan's settings."""
     t, lora = recipe.training, recipe.lora
     targets: str | list[str] = "all-linear"
-    if lora is not None and not isinstance(lora.target_modules, str):
-        targets = sorted(set(lora.target_modules) & set(LINEAR_NAMES))
-    elif lora is not None and lora.target_modules != "all-linear":
-        targets = [name for name in LINEAR_NAMES if name in lora.target_modules]  # a regex: the names it spells
+    chosen = family_targets(lora.target_modules, config.fused_qkv) if lora is not None else "all-linear"
+    if not isinstance(chosen, str):
+        targets = sorted(set(chosen) & set(PROJECTION_NAMES))
+    elif chosen != "all-linear":
+        targets = [name for name in PROJECTION_NAMES if name in chosen]  # a regex: the names it spells
     head_is_plain = recipe.task.type in ("causal_lm", "preference") and (
         lora is None or "lm_head" not in lora.target_modules)  # preference: log-probabilities chunk by chunk
     # A preference micro-batch holds two sequences a pair (KTO: an example and its mismatched KL sequence).
@@ -432,7 +442,17 @@ def _estimate(recipe: Recipe, config: ModelConfig, device: torch.device, method:
         offload_embeddings=offload_embeddings, offload_weights=offload_weights, optimizer=recipe.optimizer.name,
         fused_loss_chunk=FUSED_LOSS_CHUNK if kernels and head_is_plain else None,
         # On a CPU the kernels run their PyTorch specifications, which save what eager PyTorch saves.
-        kernels=kernels and device.type != "cpu", cpu=device.type == "cpu", lora_dropout=lora.dropout if lora else 0.0)
+        kernels=kernels and device.type != "cpu", cpu=device.type == "cpu", lora_dropout=lora.dropout if lora else 0.0,
+        **_qat_settings(recipe))
+
+
+def _qat_settings(recipe: Recipe) -> dict[str, Any]:
+    """The estimate's QAT arguments from the recipe's ``qat`` section (none without one)."""
+    qat = recipe.qat
+    if qat is None:
+        return {}
+    return {"qat_group_size": qat.group_size if qat.granularity == "group" else None,
+            "qat_activations": qat.activations is not False}
 
 
 def _choose_mode(parallel: str, world: World, device: torch.device, replica_bytes: float,
@@ -466,6 +486,7 @@ def _mode_reason(parallel: str, mode: str, world: World, replica_bytes: float) -
     if parallel != "auto":
         return f"{mode} (as set)"
     return f"{mode} (auto: a replica needs {replica_bytes / 2**30:.2f} GiB)"
+
 
 
 def _auto(setting: Any, value: bool, rule: str) -> str:

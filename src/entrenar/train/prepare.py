@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from entrenar.adapters.layer import RankError
 from entrenar.adapters.lora import apply_lora, lora_config_of
 from entrenar.config import Recipe
 from entrenar.data.tokenizer import Tokenizer
@@ -35,7 +36,7 @@ from entrenar.kernels.host_embedding import offload_embeddings
 from entrenar.loading import require_tokenizer
 from entrenar.models.transformer import Transformer
 from entrenar.quant.nf4.streaming import nf4_in_host_memory, stream_weights
-from entrenar.quant.qat import apply_qat_recipe
+from entrenar.quant.qat import apply_qat_recipe, lora_qat_layers
 from entrenar.tasks.base import Task
 from entrenar.train.moe import MoeTraining, moe_training
 from entrenar.train.plan import RunPlan
@@ -65,14 +66,16 @@ def build_model(recipe: Recipe, task: Task, dtype: str, device: torch.device, qu
     model, tokenizer = task.load(dtype, device, quantize)
     tokenizer = require_tokenizer(tokenizer, recipe.model.path)  # the data needs one
     model.train()
-    if recipe.qat is not None:
-        apply_qat_recipe(model, recipe.qat)
     lora = lora_config_of(recipe.lora)
+    if recipe.qat is not None:
+        apply_qat_recipe(model, recipe.qat, None if lora is None else lora.target_modules)
     if lora is not None:
         try:
             apply_lora(model, lora)
         except AdapterError as e:
-            raise AdapterError(f"lora.target_modules: {e}") from None
+            raise AdapterError(f"lora.{'r' if isinstance(e, RankError) else 'target_modules'}: {e}") from None
+        if recipe.qat is not None:
+            lora_qat_layers(model, recipe.qat)  # the learned steps train beside the adapters (LoRA froze them)
     task.prepare(model)
     return model, tokenizer
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from entrenar.config import Recipe
 from entrenar.data import BatchStream, split_validation
@@ -30,7 +31,16 @@ class RunData:
 
     @property
     def mean_example_tokens(self) -> float:
-        return sum(len(e) for e in self.examples) / len(self.examples)
+        return sum(example_tokens(e) for e in self.examples) / len(self.examples)
+
+
+def example_tokens(example: Any) -> int:
+    """Tokens an example becomes: its length, or for a preference example (a prompt and its completions, each a
+    sequence of its own) the sum of its sequences'."""
+    sequences = getattr(example, "sequences", None)
+    if callable(sequences):
+        return sum(len(example.prompt) + len(completion) for completion in sequences())
+    return len(example)
 
 
 def check_paths(recipe: Recipe) -> None:
@@ -88,4 +98,4 @@ def read_data(recipe: Recipe, task: Task, tokenizer: Tokenizer) -> RunData:
     return RunData(examples, validation, notes + stream_notes, stream, skipped)
 
 
-__all__ = ["NO_VALIDATION", "RunData", "check_paths", "read_data"]
+__all__ = ["NO_VALIDATION", "RunData", "check_paths", "example_tokens", "read_data"]

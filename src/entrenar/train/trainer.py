@@ -28,6 +28,7 @@ from entrenar.distributed.world import World
 from entrenar.evaluation.loss import EvalResult
 from entrenar.io.run_dir import RunDir
 from entrenar.quant.checkpoint import save_qat_model
+from entrenar.quant.qat import merged_quant_layers, save_quantizer_state, swapped
 from entrenar.tasks.base import Batch, Task
 from entrenar.train.arch import write_arch
 from entrenar.train.checkpoint import is_sharded, latest_checkpoint, load_checkpoint, save_checkpoint
@@ -70,8 +71,9 @@ class Trainer:
         self.console, self.progress = console, progress
         t, o = recipe.training, recipe.optimizer
         lr_scale = self.moe.lr_scale(o.lr_scale) if self.moe is not None else o.lr_scale
-        self.optimizer = build_optimizer(build_param_groups(self.model, o.weight_decay, lr_scale), o.name, o.lr,
-                                         o.betas, o.eps, o.momentum, o.fused, plan.device)
+        step_lr = recipe.qat.scale_lr if recipe.qat is not None and recipe.qat.scale_lr is not None else o.lr
+        groups = build_param_groups(self.model, o.weight_decay, lr_scale, step_lr_scale=step_lr / o.lr)
+        self.optimizer = build_optimizer(groups, o.name, o.lr, o.betas, o.eps, o.momentum, o.fused, plan.device)
         self.scaler = torch.amp.GradScaler(plan.device.type, enabled=plan.loss_scaling)
         self.guard = NonfiniteGuard(t.nonfinite, t.max_skipped_steps, run.root,
                                     scaler_handles_grads=self.scaler.is_enabled())
@@ -85,6 +87,8 @@ class Trainer:
         self.schedule_change: str | None = None  # a resume that changed the run's length: how the lr goes on
         self._last_read = time.perf_counter()  # overlapped steps are timed between consecutive reads
         self._last_checkpoint: Path | None = None
+        self._replicas_checked: list[int] = []  # the steps whose replica check passed (a distributed run's)
+        self._peak_ranks: list[float] | None = None  # each rank's peak memory (GB) at the last logged line
 
     # -- setup --------------------------------------------------------------------------------------------
 
@@ -189,6 +193,7 @@ class Trainer:
             final_loss = record.loss
             if t.replica_check_every and (done % t.replica_check_every == 0 or done == t.max_steps):
                 check_replicas(self.model, self.optimizer, self.world, done)  # every rank holds the same weights
+                self._replicas_checked.append(done)
             stop = False
             if evaluates:
                 after, stop = self._evaluate_at(done, metrics, bar)
@@ -208,13 +213,16 @@ class Trainer:
             if self.moe is not None and record.moe_values is not None else (None, [])
         extra: dict[str, Any] = {"moe": moe_record} if moe_record is not None else {}
         extra.update(record.metrics)  # the task's own (a preference task's rewards/chosen...), as it names them
-        extra.update(dist_steps.peak_memory(self.world, self.plan.device))  # each rank's, in a distributed run
+        log_every = self.recipe.training.log_every
+        if done % log_every == 0 or done == max_steps:  # a collective and a host read: on logged lines only
+            peaks = dist_steps.peak_memory(self.world, self.plan.device)  # each rank's, in a distributed run
+            extra.update(peaks)
+            self._peak_ranks = peaks.get("peak_mem_gb_ranks", self._peak_ranks)
         line = metrics.log_step(done, record.loss, record.grad_norm, record.lr, record.tokens,
                                 step_time_s=elapsed, flags=record.flags, extra=extra)
         for warning in warnings:
             bar.write(warning)
         bar.update(1)
-        log_every = self.recipe.training.log_every
         if done % log_every == 0 or done == max_steps:
             bar.set_postfix(loss=f"{record.loss:.4f}", lr=f"{record.lr:.2e}")
         if done % log_every == 0 or done == max_steps or "skipped" in record.flags:
@@ -268,6 +276,33 @@ class Trainer:
                                    trainable_state(self.model, self.recipe, self.task),
                                    full_optimizer(self.optimizer), state, t.keep_last, best=best)
 
+    def _distributed_rows(self) -> list[tuple[str, str]]:
+        """A distributed run's replica check and each rank's peak memory, for the summary (none on one process)."""
+        if not self.world.distributed:
+            return []
+        checked = self._replicas_checked
+        rows = [("replica check", f"identical on {self.world.size} ranks at {len(checked)} check(s), steps "
+                                  f"{checked[0]:,}-{checked[-1]:,}" if checked else
+                 "not run (training.replica_check_every: 0)" if not self.recipe.training.replica_check_every else
+                 "not reached in this run's steps")]
+        if self._peak_ranks is not None:
+            rows.append(("peak memory", ", ".join(f"rank {r} {gb:.2f} GB" for r, gb in enumerate(self._peak_ranks))))
+        return rows
+
+    def _merged_report(self, unmerged: Any) -> list[tuple[str, str]]:
+        """LoRA-QAT: the held-out loss of the merged integer model ``Q(W + BA)`` against the unmerged pair the run
+        saved (``quantized/`` with ``adapter/``). With ``qat.quantize_lora`` the two are the same model."""
+        loss = getattr(unmerged, "loss", None)
+        if self.recipe.lora is None or loss is None or self.plan.mode == "fsdp":  # FSDP: sharded weights
+            return []
+        with swapped(self.model, merged_quant_layers(self.model)):
+            merged = self.evaluate()
+        change = merged.loss - loss
+        what = ("what quantized/ holds" if self.recipe.qat is not None and self.recipe.qat.quantize_lora
+                else "re-quantized; quantized/ with adapter/ is the unmerged model")
+        return [("merged integer", f"held-out loss {merged.loss:.4f} against {loss:.4f} unmerged "
+                                   f"({change:+.4f}; Q(W + BA), {what})")]
+
     def _save_result(self, folder: Path) -> Path:
         return main_writes(self.world, self.model, self.task.save, self.model, self.tokenizer, folder,
                            trainable_only=self.recipe.lora is not None)  # an adapter: no base gathered
@@ -280,6 +315,8 @@ class Trainer:
         output = self._save_result(self.run.root)
         quantized = (main_writes(self.world, self.model, save_qat_model, self.model, self.tokenizer,
                                  self.run.quantized) if self.recipe.qat is not None else None)
+        if self.recipe.qat is not None and self.recipe.lora is not None:  # the adapter's base learned its steps
+            main_writes(self.world, self.model, save_quantizer_state, self.model, output)
         main = self.world.main_only
         main(plot_loss_curve, metrics.path, self.run.loss_curve)
         if self.moe is not None:
@@ -293,7 +330,12 @@ class Trainer:
             rows.append(("skipped steps", f"{self.guard.total} update(s) dropped for NaN/inf "
                                           "(training.nonfinite: skip); see 'skipped' in metrics.jsonl"))
         if quantized is not None:
-            rows.append(("quantized", str(quantized)))
+            size = sum(f.stat().st_size for f in quantized.glob("*.safetensors")) / 2**20
+            qat = self.recipe.qat
+            assert qat is not None
+            rows.append(("quantized", f"{quantized} ({qat.bits}-bit codes; weights {size:.2f} MiB on disk)"))
+            rows += self._merged_report(after)
+        rows += self._distributed_rows()
         rows += self.task.finish(self.model, self.tokenizer, self.data.validation, self.run.root, output, before,
                                  after)
         metrics.log_artifacts(run_artifacts(self.run.root))  # rank 0's trackers: the plots and report, now written

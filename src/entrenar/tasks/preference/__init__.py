@@ -5,6 +5,12 @@
 * :mod:`.task`: :class:`PreferenceTask`, the Task protocol (:mod:`entrenar.tasks.base`).
 """
 
-from entrenar.tasks.preference.task import ACCURACY, PreferenceEval, PreferenceTask, reference_of
+from entrenar.tasks.preference.task import (
+    ACCURACY,
+    PreferenceEval,
+    PreferenceTask,
+    evaluate_preference_file,
+    reference_of,
+)
 
-__all__ = ["ACCURACY", "PreferenceEval", "PreferenceTask", "reference_of"]
+__all__ = ["ACCURACY", "PreferenceEval", "PreferenceTask", "evaluate_preference_file", "reference_of"]

@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import copy
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -24,10 +24,12 @@ from torch import nn
 
 from entrenar.adapters.switch import adapters_off
 from entrenar.config import Recipe
+from entrenar.config.sections import DataSection, LoraSection, TaskSection, TrainingSection
 from entrenar.data.formats import split_format
 from entrenar.data.preference import PreferenceStream, preference_eval_batches, read_preference_file
 from entrenar.data.sources import Skip
 from entrenar.data.tokenizer import Tokenizer
+from entrenar.errors import CheckpointError, ConfigError
 from entrenar.evaluation.loss import autocast_for
 from entrenar.io.run_dir import METRICS_FILE
 from entrenar.models.transformer import Transformer, compute_device
@@ -35,6 +37,13 @@ from entrenar.tasks.base import Batch, SummaryRow
 from entrenar.tasks.causal_lm import CausalLMTask
 from entrenar.tasks.preference import losses as L
 from entrenar.tasks.preference.logprobs import sequence_logprobs
+from entrenar.tasks.preference.precomputed import (
+    REFERENCE_FILE,
+    examples_fingerprint,
+    read_table,
+    weights_fingerprint,
+    write_table,
+)
 from entrenar.train.metrics import read_metrics
 
 if TYPE_CHECKING:
@@ -88,17 +97,45 @@ class _Sums:
 
 
 @dataclass
-class PreferenceTask(CausalLMTask):
-    """The Task protocol for preference optimisation; ``load`` and ``save`` are the language model's."""
+class PreferenceTask:
+    """The Task protocol for preference optimisation; ``load`` and ``save`` are the language model's
+    (:class:`~entrenar.tasks.causal_lm.CausalLMTask`'s, which it holds)."""
 
+    recipe: Recipe
+    kernels: bool = False  # the plan's; log-probabilities are chunked either way
     name: str = "preference"
     perplexity: bool = False
+    _lm: CausalLMTask = field(init=False, repr=False)
+    _head: nn.Linear | None = field(default=None, repr=False)
     _model: nn.Module | None = field(default=None, repr=False)
     _reference: nn.Module | None = field(default=None, repr=False)  # a frozen copy (task.reference: copy)
     _step: _Sums = field(default_factory=_Sums, repr=False)
     _best: tuple[float, float] | None = field(default=None, repr=False)  # (accuracy, -loss) of the best evaluation
+    # task.reference precomputed: every example read, the starting weights' fingerprint, the table and its rows
+    _read: list = field(default_factory=list, repr=False)
+    _start: str | None = field(default=None, repr=False)
+    _table: torch.Tensor | None = field(default=None, repr=False)
+    _rows: dict[int, int] = field(default_factory=dict, repr=False)
+    _train: list = field(default_factory=list, repr=False)
+
+    def __post_init__(self) -> None:
+        self._lm = CausalLMTask(self.recipe, kernels=self.kernels)
 
     # -- model ------------------------------------------------------------------------------------------
+
+    def load(self, dtype: str, device: torch.device, quantize: str | None) -> tuple[Transformer, Tokenizer | None]:
+        """The recipe's model, as a language-model run loads it."""
+        return self._lm.load(dtype, device, quantize)
+
+    def save(self, model: Transformer, tokenizer: Tokenizer, folder: Path) -> Path:
+        """The adapter (LoRA) or the whole model folder, as a language-model run saves it."""
+        return self._lm.save(model, tokenizer, folder)
+
+    def head_state(self, model: Transformer) -> dict[str, torch.Tensor]:
+        return {}
+
+    def begin(self, model: Transformer, tokenizer: Tokenizer) -> None:
+        """Nothing: the evaluation before training is the baseline."""
 
     def prepare(self, model: Transformer) -> None:
         """The output head the log-probabilities are gathered through, and the reference model."""
@@ -107,8 +144,8 @@ class PreferenceTask(CausalLMTask):
         reference, _ = reference_of(self.recipe)
         if reference == "copy":
             self._reference = copy.deepcopy(model).requires_grad_(False).eval()
-        elif reference == "precomputed":
-            raise NotImplementedError("task.reference: precomputed")  # pragma: no cover (refused by check)
+        elif reference == "precomputed":  # the starting weights, before a resume loads a checkpoint's
+            self._start = weights_fingerprint(model)
 
     # -- data -------------------------------------------------------------------------------------------
 
@@ -124,10 +161,12 @@ class PreferenceTask(CausalLMTask):
             columns=columns, on_error=d.on_error, seed=self.recipe.training.seed, query=d.query, format=file_format,
             key=f"data.{role}")
         skipped.extend(left_out)
+        self._read.extend(examples)
         return list(examples), notes
 
     def stream(self, examples: list, tokenizer: Tokenizer) -> tuple[Any, list[str]]:
         d, t = self.recipe.data, self.recipe.training
+        self._train = examples
         return PreferenceStream(examples, t.batch_size, d.seq_len, packing=d.packing, shuffle=d.shuffle,
                                 seed=t.seed, pad_id=tokenizer.pad_id or 0, kl=self.recipe.task.loss == "kto"), []
 
@@ -149,17 +188,63 @@ class PreferenceTask(CausalLMTask):
             else:
                 yield self._reference
 
-    def _reference_logprobs(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def _reference_logprobs(self, batch: Batch, examples: list) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The reference's (sums, tokens) of the batch's sequences; ``examples``: the list its example_index
+        points into."""
         if self.recipe.task.loss in L.REFERENCE_FREE:
             return None
+        if reference_of(self.recipe)[0] == "precomputed":
+            table = self._precomputed()
+            rows = [self._rows[id(examples[i])] for i in batch["example_index"].tolist()]
+            return table[rows].to(batch["input_ids"].device).reshape(-1), torch.empty(0)
         with self._as_reference() as reference:
             return sequence_logprobs(reference, batch, _plain_head(reference))
 
-    def _losses(self, model: Any, batch: Batch, sums: _Sums) -> torch.Tensor:
-        """The per-pair (per-example) losses of a batch, their metrics added to ``sums``."""
+    def _precomputed(self) -> torch.Tensor:
+        """The reference table of every example read: from the run folder when its fingerprints match, else
+        computed now with the starting weights (refused when the model has left them: a resumed run)."""
+        if self._table is not None:
+            return self._table
+        assert self._model is not None and self._start is not None  # prepare() ran
+        path = Path(self.recipe.output.dir).absolute() / REFERENCE_FILE
+        data = examples_fingerprint(self._read)
+        table = read_table(path, data, self._start)
+        if table is None:
+            if weights_fingerprint(self._model) != self._start:
+                raise CheckpointError(f"{path}: the reference log-probabilities of this run are missing or were "
+                                      "computed for other data or weights, and the model has left its starting "
+                                      "weights (a resumed run); start the run again, or use task.reference: copy")
+            table = self._compute_table()
+            write_table(path, table, data, self._start)
+        self._table = table.to(compute_device(self._model))
+        self._rows = {id(e): i for i, e in enumerate(self._read)}
+        return self._table
+
+    @torch.no_grad()
+    def _compute_table(self) -> torch.Tensor:
+        """[examples read, 2]: each pair's summed (chosen, rejected) log-probabilities under the model now."""
+        assert self._model is not None
+        d, t = self.recipe.data, self.recipe.training
+        model, device = self._model, compute_device(self._model)
+        table = torch.zeros(len(self._read), 2, dtype=torch.float32)
+        was_training = model.training
+        model.eval()
+        try:
+            for batch in preference_eval_batches(self._read, t.batch_size, d.seq_len, packing=d.packing):
+                batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+                with autocast_for(device, t.precision):
+                    sums, _ = sequence_logprobs(model, batch, self._head)
+                table[batch["example_index"].cpu()] = sums.reshape(-1, 2).float().cpu()
+        finally:
+            model.train(was_training)
+        return table
+
+    def _losses(self, model: Any, batch: Batch, sums: _Sums, examples: list) -> torch.Tensor:
+        """The per-pair (per-example) losses of a batch, their metrics added to ``sums``; ``examples``: the list
+        the batch's example_index points into."""
         task = self.recipe.task
         logps, tokens = sequence_logprobs(model, batch, self._head)
-        ref = self._reference_logprobs(batch)
+        ref = self._reference_logprobs(batch, examples)
         if task.loss == "kto":
             return self._kto(batch, logps, ref, sums)
         chosen, rejected = logps[0::2], logps[1::2]
@@ -206,7 +291,7 @@ class PreferenceTask(CausalLMTask):
 
     def loss_sum(self, model: Any, batch: Batch) -> torch.Tensor:
         """The summed loss of the micro-batch's pairs (or KTO examples), through ``model`` or its wrapper."""
-        return self._losses(model, batch, self._step).sum()
+        return self._losses(model, batch, self._step, self._train).sum()
 
     def step_metrics(self) -> dict[str, torch.Tensor]:
         """TRL's metrics of the step's micro-batches (means over its pairs)."""
@@ -220,11 +305,11 @@ class PreferenceTask(CausalLMTask):
         d, t = self.recipe.data, self.recipe.training
         batches = preference_eval_batches(examples, t.batch_size, d.seq_len, packing=d.packing,
                                           pad_id=tokenizer.pad_id or 0, kl=self.recipe.task.loss == "kto")
-        return self.evaluate_batches(model, batches[:t.eval_batches] if t.eval_batches else batches)
+        return self.evaluate_batches(model, batches[:t.eval_batches] if t.eval_batches else batches, examples)
 
     @torch.no_grad()
-    def evaluate_batches(self, model: Transformer, batches: list[Batch]) -> PreferenceEval:
-        """:meth:`evaluate` over batches already laid out (``entrenar eval`` reads its own file)."""
+    def evaluate_batches(self, model: Transformer, batches: list[Batch], examples: list) -> PreferenceEval:
+        """:meth:`evaluate` over batches of ``examples`` already laid out."""
         if self._model is None:
             self.prepare(model)
         device = compute_device(model)
@@ -235,7 +320,7 @@ class PreferenceTask(CausalLMTask):
             for batch in batches:
                 batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
                 with autocast_for(device, self.recipe.training.precision):
-                    per_pair = self._losses(model, batch, sums)
+                    per_pair = self._losses(model, batch, sums, examples)
                 total += per_pair.double().sum()
                 count += len(batch["example_index"])
         finally:
@@ -284,11 +369,11 @@ class PreferenceTask(CausalLMTask):
         return [("held-out preference accuracy", f"{start[0]:.3f} (margin {start[1]:+.4f}) -> {now}")]
 
 
-def _plain_head(model: Any) -> nn.Module | None:
+def _plain_head(model: Any) -> nn.Linear | None:
     """A model's output head when it is a plain ``nn.Linear`` (log-probabilities chunk by chunk through its
     weight); None: a LoRA'd head, read through the model's logits."""
     head = getattr(model, "lm_head", None)
-    return head if type(head) is nn.Linear else None
+    return head if isinstance(head, nn.Linear) and type(head) is nn.Linear else None
 
 
 def _best_logged(path: Path, by_loss: bool) -> tuple[float, float] | None:
@@ -312,4 +397,32 @@ def _logged_start(run_dir: Path) -> tuple[float, float] | None:
     return None
 
 
-__all__ = ["ACCURACY", "PreferenceEval", "PreferenceTask", "reference_of"]
+__all__ = ["ACCURACY", "PreferenceEval", "PreferenceTask", "evaluate_preference_file", "reference_of"]
+
+
+def evaluate_preference_file(model: Transformer, tokenizer: Tokenizer, path: str | Path, task: TaskSection, *,
+                             seq_len: int = 512, batch_size: int = 4, lora: bool = False,
+                             reference: nn.Module | None = None, precision: str = "fp32",
+                             columns: dict[str, str] | None = None) -> PreferenceEval:
+    """TRL's preference metrics of ``model`` on a preference data file, as a run's evaluation computes them
+    (``entrenar eval`` on preference data). ``task``: the loss and its settings (a run's ``task`` section);
+    ``lora``: the model carries an adapter, whose base (adapters switched off) is the reference; otherwise
+    ``reference`` is a separate reference model, which a loss with a reference needs."""
+    if task.loss not in L.REFERENCE_FREE and not lora and reference is None:
+        raise ConfigError(f"task.loss {task.loss} compares the model with a reference: evaluate an adapter (its base "
+                          "is the reference) or pass the reference model")
+    cols = {"prompt": "prompt", "chosen": "chosen", "rejected": "rejected", "completion": "completion",
+            "label": "label", **(columns or {})}
+    settings = {**{f.name: getattr(task, f.name) for f in fields(task)}, "type": "preference"}
+    settings["reference"] = "auto" if task.loss in L.REFERENCE_FREE else ("adapters_off" if lora else "copy")
+    recipe = Recipe(task=TaskSection(**settings), lora=LoraSection() if lora else None,
+                    data=DataSection(seq_len=seq_len, prompt_field=cols["prompt"], chosen_field=cols["chosen"],
+                                     rejected_field=cols["rejected"], completion_field=cols["completion"],
+                                     label_field=cols["label"]),
+                    training=TrainingSection(batch_size=batch_size, precision=precision))
+    evaluator = PreferenceTask(recipe)
+    evaluator._head, evaluator._model, evaluator._reference = _plain_head(model), model, reference
+    examples, _, _ = read_preference_file(
+        str(path), tokenizer, seq_len=seq_len, kind="unpaired" if task.loss == "kto" else "pairs",
+        columns={k: v for k, v in cols.items()}, key="--data")
+    return evaluator.evaluate(model, list(examples), tokenizer)

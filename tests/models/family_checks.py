@@ -1,0 +1,278 @@
+"""Checks every model family added as flags passes, each against the reference nobody here wrote.
+
+transformers gives the logits (fp32, tiny random checkpoints with norms and biases perturbed), peft the LoRA
+gradients and adapter files, the gguf package (as llama.cpp's converter lays files out, tests/gguf_fixtures.py)
+the GGUF files. The test files of the families (test_family_*.py) call these with their own configs.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+from torch import nn
+
+import entrenar
+from entrenar.adapters.lora import LoraConfig, apply_lora, load_adapter, lora_layers, save_adapter
+from entrenar.models.hf import load_hf
+from entrenar.models.saving import save_model_folder
+
+VOCAB = 128
+
+
+def perturb(model: nn.Module, seed: int = 3) -> None:
+    """Norm weights and biases moved off their init (ones, zeros), so a misplaced norm or a dropped bias shows."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(torch.randn(p.shape, generator=generator) * 0.3)
+
+
+def make_checkpoint(folder: Path, config_cls: str, model_cls: str, **config: Any) -> tuple[Path, nn.Module]:
+    """A tiny random transformers model of a family, perturbed and saved by transformers."""
+    torch.manual_seed(0)
+    cfg = getattr(transformers, config_cls)(vocab_size=VOCAB, **config)
+    ref = getattr(transformers, model_cls)(cfg).eval()
+    perturb(ref)
+    ref.save_pretrained(folder)
+    return folder, ref
+
+
+def check_logits(model: nn.Module, ref: nn.Module, seq_len: int, atol: float = 1e-4) -> None:
+    ids = torch.randint(0, VOCAB, (2, seq_len), generator=torch.Generator().manual_seed(seq_len))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids), ref(ids).logits, atol=atol, rtol=0)
+
+
+def check_padded_batch(model: nn.Module, ref: nn.Module, lengths: tuple[int, ...] = (13, 7)) -> None:
+    """Rows of different lengths, padded at the end: every real token's logits as transformers gives them under
+    its attention mask."""
+    t = max(lengths)
+    ids = torch.randint(0, VOCAB, (len(lengths), t), generator=torch.Generator().manual_seed(5))
+    mask = torch.zeros_like(ids)
+    for row, n in enumerate(lengths):
+        mask[row, :n] = 1
+        ids[row, n:] = 0
+    with torch.no_grad():
+        ours, theirs = model(ids), ref(ids, attention_mask=mask).logits
+    for row, n in enumerate(lengths):
+        torch.testing.assert_close(ours[row, :n], theirs[row, :n], atol=1e-4, rtol=0)
+
+
+def check_packed_equals_documents(model: nn.Module, lengths: tuple[int, ...] = (7, 9)) -> None:
+    """A packed row (document ids) and a padding-free row (cu_seqlens) give each document its own logits."""
+    docs = [torch.randint(0, VOCAB, (1, n), generator=torch.Generator().manual_seed(n)) for n in lengths]
+    packed = torch.cat(docs, dim=1)
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    document_ids = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])[None]
+    cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    with torch.no_grad():
+        alone = torch.cat([model(doc) for doc in docs], dim=1)
+        torch.testing.assert_close(model(packed, position_ids=positions, document_ids=document_ids), alone,
+                                   atol=1e-5, rtol=0)
+        torch.testing.assert_close(model(packed, position_ids=positions, cu_seqlens=cu_seqlens), alone,
+                                   atol=1e-5, rtol=0)
+
+
+def check_save_round_trip(model: nn.Module, ref: nn.Module, folder: Path, model_cls: str) -> None:
+    """entrenar saves in the checkpoint's own layout: transformers loads the folder back with equal logits."""
+    save_model_folder(model, None, folder)
+    back = getattr(transformers, model_cls).from_pretrained(folder).eval()
+    assert type(back).__name__ == model_cls
+    ids = torch.randint(0, VOCAB, (1, 11))
+    with torch.no_grad():
+        torch.testing.assert_close(back(ids).logits, ref(ids).logits, atol=1e-5, rtol=0)
+
+
+def _randomize(params, seed: int = 1) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in params:
+            p.copy_(torch.randn(p.shape, generator=generator) * 0.1)
+
+
+def check_lora_step_matches_peft(folder: Path, ref: nn.Module, targets: list[str]) -> None:
+    """One LoRA training step: loss and every adapter gradient equal PEFT's on the transformers model."""
+    import peft
+
+    ours = load_hf(folder)
+    cfg = LoraConfig(r=4, alpha=8, target_modules=targets, use_rslora=False)
+    wrapped = apply_lora(ours, cfg)
+    assert wrapped and all(name.rsplit(".", 1)[-1] in targets for name in wrapped)
+    theirs = peft.get_peft_model(copy.deepcopy(ref), peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets,
+                                                                      lora_dropout=0.0, task_type="CAUSAL_LM"))
+    ours_params = {f"{n}.{k}": p for n, layer in lora_layers(ours) for k, p in
+                   (("lora_A", layer.lora_A.weight), ("lora_B", layer.lora_B.weight))}
+    assert len(ours_params) == sum("lora_" in n for n, _ in theirs.named_parameters())
+    _randomize(p for _, p in sorted(ours_params.items()))
+    their_params = {}
+    for name, p in theirs.named_parameters():
+        if "lora_" in name:
+            key = name.removeprefix("base_model.model.").replace(".default.weight", "")
+            with torch.no_grad():
+                p.copy_(ours_params[key])
+            their_params[key] = p
+    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(2))
+    labels = ids.clone()
+    labels[:, :3] = -100
+    loss = nn.functional.cross_entropy(ours(ids)[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
+    ref_loss = theirs(input_ids=ids, labels=labels).loss
+    torch.testing.assert_close(loss, ref_loss, atol=1e-5, rtol=0)
+    loss.backward()
+    ref_loss.backward()
+    for key, p in ours_params.items():
+        assert p.grad is not None and p.grad.abs().sum() > 0, key
+        torch.testing.assert_close(p.grad, their_params[key].grad, atol=1e-5, rtol=1e-4,
+                                   msg=lambda m, key=key: f"{key}: {m}")
+
+
+def check_adapters_cross_load(folder: Path, ref: nn.Module, targets: list[str], tmp: Path) -> None:
+    """entrenar's adapter files load in peft, and peft's in entrenar, with equal logits."""
+    import peft
+
+    ids = torch.randint(0, VOCAB, (2, 10), generator=torch.Generator().manual_seed(4))
+    ours = load_hf(folder).eval()
+    cfg = LoraConfig(r=4, alpha=8, target_modules=targets)
+    apply_lora(ours, cfg)
+    _randomize(p for _, layer in lora_layers(ours) for p in (layer.lora_A.weight, layer.lora_B.weight))
+    save_adapter(ours, tmp / "ours", cfg)
+    theirs = peft.PeftModel.from_pretrained(copy.deepcopy(ref), tmp / "ours").eval()
+    with torch.no_grad():
+        expected = theirs(ids).logits
+        assert not torch.allclose(expected, ref(ids).logits, atol=1e-3)  # the adapter changes the logits
+        torch.testing.assert_close(ours(ids), expected, atol=1e-4, rtol=0)
+
+    peft_model = peft.get_peft_model(copy.deepcopy(ref), peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets,
+                                                                          task_type="CAUSAL_LM")).eval()
+    _randomize((p for n, p in peft_model.named_parameters() if "lora_B" in n), seed=7)
+    peft_model.save_pretrained(tmp / "theirs")
+    loaded = load_hf(folder).eval()
+    load_adapter(loaded, tmp / "theirs")
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids), peft_model(ids).logits, atol=1e-4, rtol=0)
+
+
+def check_qlora_base(folder: Path) -> None:
+    """``quantize="nf4"`` puts every projection (fused ones included) in NF4; the logits equal the model whose
+    projections hold the dequantized NF4 weights."""
+    from entrenar.quant.nf4.format import NF4Linear
+
+    quantized, _ = entrenar.load(folder, quantize="nf4", dtype="float32", device="cpu")
+    plain = load_hf(folder).eval()
+    layers = {n: m for n, m in quantized.named_modules() if isinstance(m, NF4Linear)}
+    linears = {n for n, m in plain.named_modules() if isinstance(m, nn.Linear) and n != "lm_head"}
+    assert set(layers) == linears
+    with torch.no_grad():
+        for name, layer in layers.items():
+            original = plain.get_submodule(name).weight
+            error = (layer.weight - original).norm() / original.norm()
+            assert error < 0.2, f"{name}: the NF4 weight is not the checkpoint's ({error:.2f} relative error)"
+            original.copy_(layer.weight)
+        ids = torch.randint(0, VOCAB, (1, 9))
+        torch.testing.assert_close(quantized(ids), plain(ids), atol=1e-4, rtol=0)
+
+
+def check_kernels_keep_logits(folder: Path, device: str = "cpu", atol: float = 1e-5) -> None:
+    """The fused kernels (their PyTorch paths on a CPU, Triton on CUDA) applied with LoRA: the same logits and
+    adapter gradients as the plain modules."""
+    from entrenar.kernels import apply_kernels
+
+    grads, outs = [], []
+    for kernels in (False, True):
+        model = load_hf(folder, device=device)
+        apply_lora(model, LoraConfig(r=4, alpha=8, target_modules="all-linear"))
+        _randomize(p for _, layer in lora_layers(model) for p in (layer.lora_A.weight, layer.lora_B.weight))
+        if kernels:
+            assert apply_kernels(model)
+        ids = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(6)).to(device)
+        out = model(ids)
+        out.float().pow(2).mean().backward()
+        outs.append(out.detach())
+        grads.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+    torch.testing.assert_close(outs[1], outs[0], atol=atol, rtol=0)
+    assert grads[0].keys() == grads[1].keys()
+    rtol = 1e-4 if device == "cpu" else 1e-3
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], atol=atol / 10, rtol=rtol)
+
+
+def check_gguf_load(tmp: Path, config_cls: str, model_cls: str, config: dict[str, Any],
+                    extra_kv: dict[str, tuple[str, Any]] | None = None, raw: dict[str, Any] | None = None,
+                    seq_len: int = 12) -> tuple[nn.Module, Any]:
+    """A tiny GGUF file written with the gguf package as llama.cpp's converter lays the family out
+    (tests/gguf_fixtures.py; ``extra_kv``/``raw``: the family's own metadata and tensors): ``entrenar.load``
+    gives transformers' logits. Returns the loaded model and tokenizer."""
+    from gguf_fixtures import byte_level_vocab, train_byte_level_tokenizer, write_gguf
+
+    tokenizer = train_byte_level_tokenizer("smollm")
+    vocab_size = tokenizer.get_vocab_size() + 15
+    torch.manual_seed(0)
+    ref = getattr(transformers, model_cls)(getattr(transformers, config_cls)(vocab_size=vocab_size, **config)).eval()
+    perturb(ref)
+    path = write_gguf(tmp / "model.gguf", ref, vocab=byte_level_vocab(tokenizer, vocab_size),
+                      special_ids={"bos": 1, "eos": 2, "pad": 2}, extra_kv=extra_kv, raw=raw)
+    model, loaded_tokenizer = entrenar.load(path, dtype="float32", device="cpu")
+    ids = torch.randint(0, vocab_size, (2, seq_len), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids), ref(ids).logits, atol=1e-4, rtol=0)
+    return model, loaded_tokenizer
+
+
+def check_gguf_export_round_trip(model: nn.Module, tokenizer: Any, tmp: Path) -> None:
+    """``entrenar export`` to GGUF (F32) writes the family under llama.cpp's architecture and tensor names (the gguf
+    package's table for the architecture) and reads back with equal logits."""
+    import gguf
+
+    from entrenar.export.gguf_write import write_gguf
+
+    path = write_gguf(model, tokenizer, tmp / "exported.gguf", qtype="f32")
+    reader = gguf.GGUFReader(path)
+    arch_name = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+    arch = next(a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == arch_name)
+    assert arch_name == {"phi3": "phi3", "olmo2": "olmo2", "granite": "granite"}[model.config.model_type]
+    known = {gguf.TENSOR_NAMES[t].format(bid=i) + suffix for t in gguf.MODEL_TENSORS[arch]
+             for i in range(model.config.num_layers) for suffix in (".weight", ".bias")}
+    assert {t.name for t in reader.tensors} <= known
+    back, _ = entrenar.load(path, dtype="float32", device="cpu")
+    ids = torch.randint(0, model.config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        torch.testing.assert_close(back(ids), model(ids), atol=1e-5, rtol=0)
+
+
+def check_dry_run_notes(folder: Path, tmp: Path, *expected: str) -> None:
+    """The plan a LoRA recipe on the checkpoint prints (``--dry-run``, ``inspect``) says what the kernels do with
+    the family's flags."""
+    from entrenar.config import load_recipe
+    from entrenar.train.dry_run import plan_lines
+    from entrenar.train.plan import plan_for
+
+    (tmp / "train.jsonl").write_text('{"text": "hello"}\n')
+    recipe = tmp / "recipe.yaml"
+    recipe.write_text(f"model: {{path: {folder}, device: cpu}}\ndata: {{train: {tmp / 'train.jsonl'}, seq_len: 32}}\n"
+                      f"lora: {{r: 4}}\noutput: {{dir: {tmp / 'run'}}}\n")
+    plan, _ = plan_for(load_recipe(recipe))
+    kernels = next(line for line in plan_lines(plan) if "training.kernels" in line)
+    for text in expected:
+        assert text in kernels, kernels
+
+
+def check_inspect(capsys: Any, folder: Path, ref: nn.Module, targets: list[str]) -> None:
+    """``entrenar inspect FOLDER --json``: the parameter count is transformers', the LoRA count peft's."""
+    import json
+
+    import peft
+
+    from entrenar.cli.main import main
+
+    capsys.readouterr()
+    code = main(["inspect", str(folder), "--json", "--lora-r", "4", "--lora-targets", ",".join(targets)])
+    out, _ = capsys.readouterr()
+    assert code == 0
+    report = json.loads(out)
+    assert report["parameters"]["total"] == sum(p.numel() for p in ref.parameters())
+    theirs = peft.get_peft_model(copy.deepcopy(ref), peft.LoraConfig(r=4, target_modules=targets))
+    assert report["parameters"]["lora_trainable"] == sum(p.numel() for p in theirs.parameters() if p.requires_grad)
