@@ -1,0 +1,80 @@
+"""GRPO through ``entrenar train`` (task.type: grpo): metrics, samples, the held-out reward, an exact resume (the
+sampler's RNG rides the checkpoint), and recipe errors naming the key."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import crash_after_step
+from entrenar.config import load_recipe
+from entrenar.errors import ConfigError
+from entrenar.train.loop import train
+from entrenar.train.metrics import read_metrics
+
+
+@pytest.fixture(scope="module")
+def ws(tmp_path_factory):
+    from conftest import make_workspace
+
+    return make_workspace(tmp_path_factory.mktemp("grpo"))
+
+
+def recipe_for(ws, name, *overrides):
+    path = ws / f"{name}.yaml"
+    path.write_text(f"""
+model: {{path: {ws / 'model'}, device: cpu}}
+data: {{train: {ws / 'train.jsonl'}, seq_len: 32, validation_split: 0.2}}
+lora: {{r: 4, alpha: 8, target_modules: all-linear}}
+task: {{type: grpo, num_generations: 4, max_new_tokens: 4, kl_beta: 0.04, samples_every: 1}}
+reward: {{functions: [exact_answer, length], answer_field: completion, target_length: 2}}
+optimizer: {{lr: 2.0e-2}}
+schedule: {{warmup_steps: 0}}
+training: {{max_steps: 4, batch_size: 2, eval_every: 2, eval_batches: 2, log_every: 1, save_every: 2}}
+output: {{dir: {ws / name}}}
+""")
+    return load_recipe(path, list(overrides))
+
+
+def test_grpo_run_logs_rewards_samples_and_resumes_with_the_same_completions(ws, monkeypatch):
+    straight = train(recipe_for(ws, "straight"), progress=False)
+    steps = [r for r in read_metrics(straight.run_dir / "metrics.jsonl") if "loss" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4]
+    assert {"reward", "reward_std", "rewards/exact_answer/mean", "rewards/length/mean", "kl",
+            "completions/mean_length", "clip_ratio/region_mean"} <= set(steps[0])
+    evals = [r for r in read_metrics(straight.run_dir / "metrics.jsonl") if "eval_reward" in r]
+    assert [r["step"] for r in evals] == [0, 2, 4]
+    assert (straight.run_dir / "adapter" / "adapter_config.json").is_file()
+    samples = [json.loads(line) for line in (straight.run_dir / "samples.jsonl").read_text().splitlines()]
+    assert sorted({s["step"] for s in samples}) == [1, 2, 3, 4]
+
+    recipe = recipe_for(ws, "resumed")
+    crash_after_step(monkeypatch, recipe, 3)  # the checkpoint of step 2 is the latest
+    (recipe_dir := ws / "resumed").joinpath("samples.jsonl").unlink()
+    train(recipe, resume=True, progress=False)
+    again = [json.loads(line) for line in (recipe_dir / "samples.jsonl").read_text().splitlines()]
+    # steps 3 and 4 sample the same completions as the uninterrupted run: the sampler's RNG was restored
+    assert [(s["step"], s["completion"]) for s in again] == [(s["step"], s["completion"]) for s in samples
+                                                             if s["step"] > 2]
+    resumed = [r for r in read_metrics(recipe_dir / "metrics.jsonl") if "loss" in r]
+    assert [r["reward"] for r in resumed] == [r["reward"] for r in steps]
+
+
+@pytest.mark.parametrize(("overrides", "key"), [
+    (["task.type=causal_lm", "reward.functions=[]"], "task.num_generations"),
+    (["reward.functions=[]"], "reward.functions"),
+    (["reward.weights=[1.0]"], "reward.weights"),
+    (["task.loss_type=ppo"], "task.loss_type"),
+    (["task.beta=0.2"], "task.beta"),
+])
+def test_bad_grpo_recipes_name_the_key(ws, overrides, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        recipe_for(ws, "bad", *overrides)
+
+
+def test_kl_needs_lora_and_unknown_rewards_are_refused(ws):
+    with pytest.raises(ConfigError, match=r"task\.kl_beta"):
+        recipe_for(ws, "nolora", "lora=null")
+    with pytest.raises(ConfigError, match="no_such_module"):
+        train(recipe_for(ws, "badfn", "reward.functions=[no_such_module:fn, length]"), progress=False)
