@@ -78,3 +78,23 @@ def test_kl_needs_lora_and_unknown_rewards_are_refused(ws):
         recipe_for(ws, "nolora", "lora=null")
     with pytest.raises(ConfigError, match="no_such_module"):
         train(recipe_for(ws, "badfn", "reward.functions=[no_such_module:fn, length]"), progress=False)
+
+
+def test_bundled_grpo_addition_recipe_shortened_raises_the_reward(ws):
+    """The bundled recipe's settings (LoRA, 8 generations, exact_answer on the completion column) on the tiny
+    random model, shortened to one-token answers (every sum is 9) so that a few steps show the reward rising."""
+    from entrenar.config.catalog import bundled_recipes, find_recipe
+
+    assert "grpo-addition" in [r.name for r in bundled_recipes()]
+    with open(ws / "nines.jsonl", "w") as f:
+        for a in range(10):
+            f.write(json.dumps({"prompt": f"{a}+{9 - a}=", "completion": "9"}) + "\n")
+    recipe = load_recipe(find_recipe("grpo-addition").path, [
+        f"model.path={ws / 'model'}", f"data.train={ws / 'nines.jsonl'}", "data.validation=null", "data.seq_len=16",
+        "task.max_new_tokens=1", "optimizer.lr=5.0e-2", "training.max_steps=16", "training.batch_size=4",
+        "lora.target_modules=[q_proj, v_proj, gate_proj, down_proj, lm_head]",
+        "training.eval_every=0", "training.save_every=0", "training.log_every=1", f"output.dir={ws / 'nines'}"])
+    result = train(recipe, progress=False)
+    rewards = [r["reward"] for r in read_metrics(result.run_dir / "metrics.jsonl") if "reward" in r]
+    assert len(rewards) == 16
+    assert sum(rewards[-4:]) / 4 > sum(rewards[:4]) / 4 + 0.3, rewards

@@ -30,13 +30,14 @@ from entrenar.data.sources import Skip
 from entrenar.data.tokenizer import Tokenizer
 from entrenar.errors import CheckpointError, ConfigError, DataError
 from entrenar.generation.batched import SamplingConfig, generate_batch
-from entrenar.models.transformer import Transformer
+from entrenar.models.transformer import Transformer, compute_device
 from entrenar.tasks.base import Batch, SummaryRow
 from entrenar.tasks.causal_lm import CausalLMTask
 from entrenar.tasks.rl.logprobs import completion_logprobs, plain_head
 from entrenar.tasks.rl.objective import Objective, grpo_loss
 from entrenar.tasks.rl.rewards import Reward, resolve, score
 from entrenar.tasks.rl.task import GRPO, GRPOSettings, write_samples
+from entrenar.train.metrics import read_metrics
 
 if TYPE_CHECKING:
     from entrenar.train.metrics import MetricsLogger
@@ -282,7 +283,7 @@ class GRPOTask:
         ``model`` (or its parallel wrapper)."""
         assert self._model is not None and self._tokenizer is not None  # prepare() and stream() ran
         engine = self.engine(self._model, self._tokenizer)
-        with torch.autocast(self._model.lm_head.weight.device.type, enabled=False):
+        with torch.autocast(compute_device(self._model).type, enabled=False):
             rollout = engine.rollout(batch["prompt_ids"], batch["columns"])
         length = rollout.generated.completion_ids.shape[1]
         logps = completion_logprobs(model, rollout.input_ids, rollout.attention_mask, length,
@@ -304,7 +305,7 @@ class GRPOTask:
         step, self._step = self._step, []
         if not step:
             return {}
-        device = self._model.lm_head.weight.device if self._model is not None else torch.device("cpu")
+        device = compute_device(self._model) if self._model is not None else torch.device("cpu")
         return {k: torch.tensor(sum(m[k] for m in step) / len(step), device=device) for k in step[0]}
 
     # -- evaluation -------------------------------------------------------------------------------------
@@ -337,6 +338,10 @@ class GRPOTask:
     def log_eval(self, metrics: MetricsLogger, step: int, result: GRPOEval) -> bool:
         """Log the evaluation (``eval_reward``, ``eval_rewards/NAME/mean``); True when its mean reward is the
         highest so far."""
+        if self._best is None:  # a resumed run: the best so far is in the metrics kept up to the resumed step
+            logged = read_metrics(metrics.path) if metrics.path.is_file() else []
+            self._best = max((r[f"eval_{REWARD}"] for r in logged if r.get(f"eval_{REWARD}") is not None),
+                             default=None)
         metrics._write({"step": int(step), **{f"eval_{k}": v for k, v in result.metrics.items()}})
         if self._best is not None and result.reward <= self._best:
             return False
