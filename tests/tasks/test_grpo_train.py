@@ -98,3 +98,8 @@ def test_bundled_grpo_addition_recipe_shortened_raises_the_reward(ws):
     rewards = [r["reward"] for r in read_metrics(result.run_dir / "metrics.jsonl") if "reward" in r]
     assert len(rewards) == 16
     assert sum(rewards[-4:]) / 4 > sum(rewards[:4]) / 4 + 0.3, rewards
+
+
+def test_early_stopping_on_the_held_out_reward_maximises_it(ws):
+    recipe = recipe_for(ws, "early", "training.early_stopping={metric: eval_reward}")
+    assert recipe.training.early_stopping is not None and recipe.training.early_stopping["mode"] == "max"
