@@ -103,3 +103,10 @@ def test_bundled_grpo_addition_recipe_shortened_raises_the_reward(ws):
 def test_early_stopping_on_the_held_out_reward_maximises_it(ws):
     recipe = recipe_for(ws, "early", "training.early_stopping={metric: eval_reward}")
     assert recipe.training.early_stopping is not None and recipe.training.early_stopping["mode"] == "max"
+
+
+def test_full_fine_tuning_saves_the_model_folder(ws):
+    result = train(recipe_for(ws, "full", "lora=null", "task.kl_beta=0", "training.max_steps=2",
+                              "training.eval_every=0", "training.save_every=0"), progress=False)
+    assert result.output == ws / "full" / "model" and (result.output / "config.json").is_file()
+    assert len([r for r in read_metrics(result.run_dir / "metrics.jsonl") if "reward" in r]) == 2
