@@ -110,3 +110,12 @@ def test_full_fine_tuning_saves_the_model_folder(ws):
                               "training.eval_every=0", "training.save_every=0"), progress=False)
     assert result.output == ws / "full" / "model" and (result.output / "config.json").is_file()
     assert len([r for r in read_metrics(result.run_dir / "metrics.jsonl") if "reward" in r]) == 2
+
+
+def test_a_record_without_a_prompt_is_refused_naming_the_file_and_line(ws):
+    from entrenar.errors import DataError
+
+    (ws / "noprompt.jsonl").write_text('{"prompt": "1+2=", "completion": "3"}\n{"text": "1+2=3"}\n')
+    with pytest.raises(DataError, match=r"noprompt\.jsonl line 2.*'prompt'"):
+        train(recipe_for(ws, "noprompt", f"data.train={ws / 'noprompt.jsonl'}", "data.validation_split=0"),
+              progress=False)
