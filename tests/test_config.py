@@ -317,7 +317,7 @@ def test_malformed_yaml_gives_line_and_column(tmp_path):
 def test_top_level_must_be_a_mapping(tmp_path):
     assert error_of(write(tmp_path, "- model\n- data\n")).endswith(
         "line 1: the top level must be a mapping of sections "
-        "(model, data, lora, qat, optimizer, schedule, training, output, task, moe), got [model, data]"
+        "(model, data, lora, qat, optimizer, schedule, training, output, task, moe, reward), got [model, data]"
     )
     assert "the recipe is empty" in error_of(write(tmp_path, "# nothing\n"))
     path = write(tmp_path, BASE + "schedule: cosine\n")

@@ -25,6 +25,7 @@ from entrenar.config.sections import (
     OptimizerSection,
     OutputSection,
     QatSection,
+    RewardSection,
     ScheduleSection,
     TaskSection,
     TrainingSection,
@@ -78,6 +79,7 @@ class Recipe:
     output: OutputSection = field(default_factory=OutputSection)
     task: TaskSection = field(default_factory=TaskSection)
     moe: MoeSection = field(default_factory=MoeSection)
+    reward: RewardSection = field(default_factory=RewardSection)  # task.type grpo
 
     def __post_init__(self) -> None:
         # The few checks that span sections. model.path and data.train both null is the bundled quickstart.
@@ -99,6 +101,7 @@ class Recipe:
             raise _BadValue("task.reference", "'task.reference' adapters_off needs LoRA or QLoRA (a lora section): "
                                               "a full fine-tune has no adapters to switch off (use copy or "
                                               "precomputed)")
+        self._check_grpo()
         if self.data.validation is not None and self.data.validation_split > 0:
             raise _BadValue(
                 "data.validation_split",
@@ -145,6 +148,20 @@ class Recipe:
                 "'training.precision' fp16 needs a CUDA device but model.device is 'cpu' "
                 "(use bf16 or fp32 on CPU)",
             )
+
+    def _check_grpo(self) -> None:
+        """GRPO needs reward functions, and a KL term needs the reference (adapters off: a lora section)."""
+        if self.task.type != "grpo":
+            if self.reward.functions:
+                raise _BadValue("reward.functions", "'reward.functions' score GRPO's completions; task.type is "
+                                                    f"{self.task.type} (set task.type: grpo, or remove it)")
+            return
+        if not self.reward.functions:
+            raise _BadValue("reward.functions", "'reward.functions' is required for task.type grpo (module:function "
+                                                "or a built-in: exact_answer, format, length)")
+        if self.task.kl_beta > 0 and self.lora is None:
+            raise _BadValue("task.kl_beta", "'task.kl_beta' > 0 needs a reference: train with LoRA (the reference is "
+                                            "the model with its adapters off), or set task.kl_beta: 0")
 
     def _check_qat(self) -> None:
         """The qat keys that depend on other sections: learned steps need lsq, the LoRA keys a lora section."""

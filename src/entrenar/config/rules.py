@@ -318,7 +318,7 @@ def _offload_layers(value: Any) -> bool | int:
 # Metrics where larger is better; any other metric (eval_loss, eval_ppl, ...) is minimised unless `mode` says so.
 _MAXIMISED_METRICS = ("accuracy", "acc", "f1", "macro_f1", "micro_f1", "weighted_f1", "precision", "recall", "auc",
                       "exact_match", "mcc", "kappa", "r2", "spearman", "subset_accuracy", "top2_accuracy",
-                      "top3_accuracy", "top5_accuracy")
+                      "top3_accuracy", "top5_accuracy", "reward")
 
 
 def _early_stopping(value: Any) -> dict[str, Any] | None:

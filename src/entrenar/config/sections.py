@@ -364,7 +364,7 @@ class TaskSection(_Section):
     completions (preference: DPO, IPO, SimPO, ORPO, KTO; entrenar.tasks)."""
 
     section: ClassVar[str] = "task"
-    type: str = setting("causal_lm", _choice("causal_lm", "classification", "preference"))
+    type: str = setting("causal_lm", _choice("causal_lm", "classification", "preference", "grpo"))
     problem_type: str = setting("single_label", _choice("single_label", "multi_label", "regression"))
     # names in class-id order; null: num_labels or from the data
     labels: tuple[str, ...] | None = setting(None, _labels)
@@ -383,6 +383,22 @@ class TaskSection(_Section):
     # the reference model: auto (adapters_off under LoRA/QLoRA, else copy), the base with the adapters switched off,
     # a frozen copy, or log-probabilities computed once before training and kept in the run folder
     reference: str = setting("auto", _choice("auto", "adapters_off", "copy", "precomputed"))
+    # grpo (TRL's GRPOConfig names and defaults; docs/RL.md): completions per prompt and how they are sampled
+    num_generations: int = setting(8, _integer(2))
+    max_new_tokens: int = setting(64, _integer(1))
+    temperature: float = setting(1.0, _number(0.0, low_open=True))
+    top_p: float = setting(1.0, _number(0.0, 1.0, low_open=True))
+    top_k: int = setting(0, _integer(0))  # 0: off
+    min_p: float = setting(0.0, _number(0.0, 1.0, high_open=True))
+    # the objective: loss normalisation, token or sequence (GSPO) ratio, clipping, KL to the reference (adapters
+    # off) with kl_beta (not `beta`, the preference losses' key), advantages scaled by the group's std or not
+    loss_type: str = setting("dapo", _choice("grpo", "bnpo", "dapo", "dr_grpo"))
+    importance_sampling_level: str = setting("token", _choice("token", "sequence"))
+    epsilon: float = setting(0.2, _number(0.0))
+    epsilon_high: float | None = setting(None, _optional_number(0.0))  # null: epsilon
+    kl_beta: float = setting(0.0, _number(0.0))
+    scale_rewards: str = setting("group", _choice("group", "batch", "none"))
+    samples_every: int = setting(10, _integer(0))  # steps between sample tables (samples.jsonl); 0: never
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -390,6 +406,17 @@ class TaskSection(_Section):
             raise _BadValue("task.num_labels", f"'task.num_labels' is {self.num_labels} but 'task.labels' names "
                                                f"{len(self.labels)}")
         self._check_preference()
+        self._check_grpo()
+
+    def _check_grpo(self) -> None:
+        """GRPO's settings under another task type would be silently ignored: refused, naming the key."""
+        if self.type == "grpo":
+            return
+        grpo = fields(self)[[f.name for f in fields(self)].index("num_generations"):]
+        changed = [f.name for f in grpo if getattr(self, f.name) != f.default]
+        if changed:
+            raise _BadValue(f"task.{changed[0]}", f"'task.{changed[0]}' is a GRPO setting; task.type is "
+                                                  f"{self.type} (set task.type: grpo, or remove it)")
 
     def _check_preference(self) -> None:
         """Settings a preference loss would silently ignore are refused, naming the loss that ignores them."""
@@ -419,6 +446,43 @@ class TaskSection(_Section):
                                               "reference-free (no reference model); remove task.reference")
 
 
+def _reward_functions(value: Any) -> tuple[str, ...]:
+    if isinstance(value, str):
+        raise Reject("a list of reward functions (module:function or a built-in)", f" (write [{value}])")
+    if isinstance(value, (list, tuple)) and all(isinstance(v, str) and v.strip() for v in value):
+        return tuple(value)
+    raise Reject("a list of reward functions: module:function or a built-in (exact_answer, format, length)")
+
+
+def _reward_weights(value: Any) -> tuple[float, ...] | None:
+    if value is None:
+        return None
+    if isinstance(value, (list, tuple)) and value and all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
+        return tuple(float(v) for v in value)
+    raise Reject("null or a list of numbers, one per reward function")
+
+
+@dataclass(frozen=True)
+class RewardSection(_Section):
+    """task.type grpo: the reward functions (TRL's signature, entrenar.tasks.rl.rewards), their weights and the
+    built-ins' options."""
+
+    section: ClassVar[str] = "reward"
+    functions: tuple[str, ...] = setting((), _reward_functions)
+    weights: tuple[float, ...] | None = setting(None, _reward_weights)  # null: 1 each
+    answer_field: str = setting("answer", _text())  # exact_answer: the data column holding the expected answer
+    answer_marker: str = setting("=", _text())  # exact_answer: the answer is the completion's text after the last
+    format_regex: str | None = setting(None, _text(nullable=True))  # format: the completion must match it in full
+    target_length: int | None = setting(None, _integer(1, nullable=True))  # length: characters
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.weights is not None and len(self.weights) != len(self.functions):
+            raise _BadValue("reward.weights", f"'reward.weights' has {len(self.weights)} numbers for "
+                                              f"{len(self.functions)} reward.functions (one each)")
+
+
 _SECTIONS: dict[str, type[_Section]] = {
     cls.section: cls
     for cls in (
@@ -432,5 +496,6 @@ _SECTIONS: dict[str, type[_Section]] = {
         OutputSection,
         TaskSection,
         MoeSection,
+        RewardSection,
     )
 }

@@ -3,7 +3,8 @@
 ``for_recipe(recipe)`` gives :class:`~entrenar.tasks.causal_lm.CausalLMTask` (next-token loss, the default),
 :class:`~entrenar.tasks.classification.ClassificationTask` (``task.type: classification``: a head on the
 decoder, CE / BCE / MSE, a report at the end) or :class:`~entrenar.tasks.preference.PreferenceTask`
-(``task.type: preference``: DPO, IPO, SimPO, ORPO, KTO).
+(``task.type: preference``: DPO, IPO, SimPO, ORPO, KTO) or :class:`~entrenar.tasks.rl.grpo_task.GRPOTask`
+(``task.type: grpo``: online RL with reward functions).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from entrenar.tasks.base import Task
 from entrenar.tasks.causal_lm import CausalLMTask
 from entrenar.tasks.classification import ClassificationTask
 from entrenar.tasks.preference import PreferenceTask
+from entrenar.tasks.rl.grpo_task import GRPOTask
 
 
 def for_recipe(recipe: Recipe, kernels: bool = False) -> Task:
@@ -21,6 +23,8 @@ def for_recipe(recipe: Recipe, kernels: bool = False) -> Task:
         return ClassificationTask(recipe)
     if recipe.task.type == "preference":
         return PreferenceTask(recipe)
+    if recipe.task.type == "grpo":
+        return GRPOTask(recipe)
     return CausalLMTask(recipe, kernels=kernels)
 
 
