@@ -45,6 +45,9 @@ def make_gemma(family: str, seed: int = 0, **overrides):
                num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24, sliding_window=WINDOW,
                initializer_range=0.2, pad_token_id=0),
         **extra, **overrides})
+    # Eager attention: transformers' one path that soft-caps scores in every release (5.17's SDPA path, which
+    # Gemma 2 still allowed there, drops the cap; 5.24 refuses SDPA for it).
+    config._attn_implementation = "eager"
     model = getattr(transformers, model_cls)(config).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -182,7 +185,7 @@ def test_save_in_the_checkpoint_layout_loads_in_transformers(gemma, tmp_path):
     with torch.no_grad():
         model.model.norm.weight.add_(0.5)  # a change transformers must see as it is
     out = save_hf(model, tmp_path / "saved")
-    back = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    back = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
     assert type(back).__name__ == type(ref).__name__
     assert back.config.layer_types == ref.config.layer_types
     ids = torch.randint(1, VOCAB, (2, 2 * WINDOW + 1))
@@ -384,7 +387,7 @@ def test_classification_head_matches_transformers(gemma):
     ours = from_backbone(load_hf(folder), num_labels=3).eval()
     cls = getattr(transformers, "Gemma2ForSequenceClassification" if family == "gemma2"
                   else "Gemma3TextForSequenceClassification")
-    theirs = cls.from_pretrained(folder, num_labels=3).eval()
+    theirs = cls.from_pretrained(folder, num_labels=3, attn_implementation="eager").eval()
     with torch.no_grad():
         theirs.score.weight.copy_(ours.score.weight)
     ids = torch.randint(1, VOCAB, (2, 2 * WINDOW + 2))

@@ -29,7 +29,7 @@ def test_classify_cli_eval_and_predict(workspace, tmp_path, capsys):
     # On the device the command chose (a GPU's products round otherwise than the CPU's).
     model, tokenizer = entrenar.load(workspace / "model", adapter=result.output)
     with torch.no_grad():
-        logits = model(torch.tensor([tokenizer.encode("0+0")], device=model.score.weight.device)).cpu().numpy()
+        logits = model(torch.tensor([tokenizer.encode("0+0")], device=model.score.weight.device)).float().cpu().numpy()
     probs = softmax(logits, model.info["temperature"])[0]  # the saved temperature is applied
     assert rows[0]["probs"]["small"] == pytest.approx(probs[0], abs=1e-6)
     assert rows[0]["label"] == ("small" if probs[0] > probs[1] else "big")
