@@ -17,6 +17,17 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_atte
             vocab_size=128, pad_token_id=None, bos_token_id=1, eos_token_id=2)
 
 
+def honour_swiglu_config(model):
+    """gpt-oss's experts as config.json says: transformers 5.17 (the GPU machine's) fixes the clamp at alpha
+    1.702, limit 7 whatever the config holds; later releases read ``swiglu_alpha`` / ``swiglu_limit``."""
+    config = model.config
+    for module in model.modules():
+        if type(module).__name__ == "GptOssExperts":
+            module.alpha = getattr(config, "swiglu_alpha", module.alpha)
+            module.limit = getattr(config, "swiglu_limit", module.limit)
+    return model
+
+
 def save_family(folder: Path, config_cls: str, model_cls: str, seed: int = 0, **kwargs):
     """A tiny random transformers model saved to ``folder``, its norms, biases and sinks perturbed (they start at
     1 and 0, which would hide a mix-up); returns (folder, model in fp32 eval mode)."""
@@ -27,7 +38,7 @@ def save_family(folder: Path, config_cls: str, model_cls: str, seed: int = 0, **
     # Eager attention: the one transformers path that applies sinks and soft-capping in every release (its SDPA
     # path dropped them in some: transformers 5.17 gave other logits for gpt-oss on the GPU machine).
     config._attn_implementation = "eager"
-    model = getattr(transformers, model_cls)(config).eval()
+    model = honour_swiglu_config(getattr(transformers, model_cls)(config).eval())
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith(("norm.weight", "bias", "sinks")):
@@ -107,7 +118,8 @@ def check_save_round_trip(folder: Path, ref, out: Path) -> None:
         for key in a.keys():
             torch.testing.assert_close(a.get_tensor(key), b.get_tensor(key), atol=0, rtol=0, msg=key)
     assert json.loads((out / "config.json").read_text())["model_type"] == ref.config.model_type
-    back = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
+    back = honour_swiglu_config(
+        transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval())
     assert type(back) is type(ref)
     ids = torch.randint(0, 128, (1, 20))
     with torch.no_grad():

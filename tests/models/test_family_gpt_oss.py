@@ -21,6 +21,7 @@ from models.parity_checks import (
     check_packed_equals_per_document,
     check_padded_batch,
     check_save_round_trip,
+    honour_swiglu_config,
     save_family,
 )
 
@@ -135,7 +136,8 @@ def test_mxfp4_experts_are_dequantized_as_transformers_does(gpt_oss, tmp_path):
 
     saved = save_hf(model, tmp_path / "saved")  # written dense, without the quantization_config
     assert "quantization_config" not in json.loads((saved / "config.json").read_text())
-    back = transformers.AutoModelForCausalLM.from_pretrained(saved, attn_implementation="eager").eval()
+    back = honour_swiglu_config(
+        transformers.AutoModelForCausalLM.from_pretrained(saved, attn_implementation="eager").eval())
     with torch.no_grad():
         torch.testing.assert_close(back(ids).logits, ref(ids).logits, atol=1e-5, rtol=0)
 
@@ -223,7 +225,8 @@ def test_expert_adapters_load_both_ways_with_peft_and_train_alike(gpt_oss, tmp_p
 def make_reference(folder):
     import transformers
 
-    return transformers.AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").eval()
+    return honour_swiglu_config(
+        transformers.AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").eval())
 
 
 def test_qlora_base_quantizes_attention_and_keeps_the_experts(gpt_oss):
