@@ -179,6 +179,36 @@ def best_fit(lengths: Sequence[int], capacity: int) -> list[list[int]]:
     return rows
 
 
+def epoch_order(count: int, shuffle: bool, seed: int, epoch: int) -> np.ndarray:
+    """The order epoch ``epoch`` visits ``count`` examples in: as stored, or a permutation drawn from the seed
+    sequence (seed, epoch), not seed + epoch: runs with neighbouring seeds must not share epochs."""
+    if not shuffle:
+        return np.arange(count)
+    return np.random.default_rng([seed, epoch]).permutation(count)
+
+
+class EpochCursor:
+    """Where a stream is in its epoch-by-epoch visit of ``count`` examples (:func:`epoch_order`): ``take(n)``
+    gives the next ``n`` indices, crossing into the next epoch's order; ``(epoch, position)`` is its whole state."""
+
+    def __init__(self, count: int, shuffle: bool, seed: int) -> None:
+        self.count, self.shuffle, self.seed = count, shuffle, seed
+        self.seek(0, 0)
+
+    def seek(self, epoch: int, position: int) -> None:
+        self.epoch, self.position = epoch, position
+        self.order = epoch_order(self.count, self.shuffle, self.seed, epoch)
+
+    def take(self, n: int) -> list[int]:
+        taken = []
+        for _ in range(n):
+            taken.append(int(self.order[self.position]))
+            self.position += 1
+            if self.position == self.count:
+                self.seek(self.epoch + 1, 0)
+        return taken
+
+
 class BatchStream:
     """An endless, deterministic stream of batches over ``examples``, epoch after epoch.
 
@@ -235,10 +265,7 @@ class BatchStream:
         self._rows: list[list[int]] | None = None
 
     def _epoch_order(self, epoch: int) -> np.ndarray:
-        if not self.shuffle:
-            return np.arange(len(self.examples))
-        # A seed sequence of (seed, epoch), not seed + epoch: runs with neighbouring seeds must not share epochs.
-        return np.random.default_rng([self.seed, epoch]).permutation(len(self.examples))
+        return epoch_order(len(self.examples), self.shuffle, self.seed, epoch)
 
     def _peek(self) -> Example:
         return self.examples[int(self._order[self.position])]

@@ -36,10 +36,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 
-from entrenar.data.batching import PAD_DOCUMENT, best_fit, collate
+from entrenar.data.batching import PAD_DOCUMENT, EpochCursor, best_fit, collate
 from entrenar.data.formats import RecordError
 from entrenar.data.report import data_notes, skipped_in_order
 from entrenar.data.sources import Record, Skip, read_records
@@ -466,31 +465,13 @@ class PreferenceStream:
         self.pad_id = pad_id
         self.pad_to = pad_to
         self.kl = kl
-        self.epoch = 0
-        self.position = 0
-        self._order = self._epoch_order(0)
-
-    def _epoch_order(self, epoch: int) -> np.ndarray:
-        if not self.shuffle:
-            return np.arange(len(self.examples))
-        # A seed sequence of (seed, epoch), as BatchStream's: neighbouring seeds share no epoch.
-        return np.random.default_rng([self.seed, epoch]).permutation(len(self.examples))
-
-    def _take(self, count: int) -> list[int]:
-        taken = []
-        for _ in range(count):
-            taken.append(int(self._order[self.position]))
-            self.position += 1
-            if self.position == len(self.examples):
-                self.epoch, self.position = self.epoch + 1, 0
-                self._order = self._epoch_order(self.epoch)
-        return taken
+        self.cursor = EpochCursor(len(examples), shuffle, seed)  # the seeded order BatchStream visits too
 
     def __iter__(self) -> PreferenceStream:
         return self
 
     def __next__(self) -> PreferenceBatch:
-        return collate_preference(self.examples, self._take(self.batch_size), self.seq_len, packing=self.packing,
+        return collate_preference(self.examples, self.cursor.take(self.batch_size), self.seq_len, packing=self.packing,
                                   pad_id=self.pad_id, pad_to=self.pad_to, kl=self.kl)
 
     def rows_per_epoch(self) -> int:
@@ -500,11 +481,11 @@ class PreferenceStream:
 
     def skip(self, batches: int) -> None:
         """Move past ``batches`` micro-batches without building them (another rank's share of a step)."""
-        self._take(batches * self.batch_size)
+        self.cursor.take(batches * self.batch_size)
 
     def state_dict(self) -> dict[str, int | str]:
         """Where the stream is, as JSON-able values (with the dataset size and seed, checked on load)."""
-        return {"epoch": self.epoch, "position": self.position, "num_examples": len(self.examples),
+        return {"epoch": self.cursor.epoch, "position": self.cursor.position, "num_examples": len(self.examples),
                 "seed": self.seed, "stream": "preference"}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -521,8 +502,7 @@ class PreferenceStream:
         if epoch < 0 or not 0 <= position < len(self.examples):
             raise CheckpointError(f"data stream state epoch={epoch} position={position} is out of range "
                                   f"for {len(self.examples)} examples")
-        self.epoch, self.position = epoch, position
-        self._order = self._epoch_order(epoch)
+        self.cursor.seek(epoch, position)
 
 
 def preference_eval_batches(examples: Sequence[PreferenceExample], batch_size: int, seq_len: int, *,

@@ -25,6 +25,7 @@ import torch
 
 from entrenar.config import Recipe
 from entrenar.data import read_records
+from entrenar.data.batching import EpochCursor
 from entrenar.data.formats import split_format
 from entrenar.data.sources import Skip
 from entrenar.data.tokenizer import Tokenizer
@@ -77,30 +78,15 @@ class PromptStream:
             raise ConfigError(f"training.batch_size must be >= 1, got {batch_size}")
         self.examples, self.batch_size, self.shuffle, self.seed = examples, batch_size, shuffle, seed
         self.generator = generator if generator is not None else torch.Generator().manual_seed(seed)
-        self.epoch, self.position, self.batches = 0, 0, 0
-        self._order = self._epoch_order(0)
-
-    def _epoch_order(self, epoch: int) -> np.ndarray:
-        if not self.shuffle:
-            return np.arange(len(self.examples))
-        return np.random.default_rng([self.seed, epoch]).permutation(len(self.examples))
-
-    def _take(self, count: int) -> list[int]:
-        taken = []
-        for _ in range(count):
-            taken.append(int(self._order[self.position]))
-            self.position += 1
-            if self.position == len(self.examples):
-                self.epoch, self.position = self.epoch + 1, 0
-                self._order = self._epoch_order(self.epoch)
-        return taken
+        self.cursor = EpochCursor(len(examples), shuffle, seed)  # the seeded order the other streams visit
+        self.batches = 0
 
     def __iter__(self) -> PromptStream:
         return self
 
     def __next__(self) -> Batch:
         self.batches += 1
-        return prompt_batch(self.examples, self._take(self.batch_size), self.batches)
+        return prompt_batch(self.examples, self.cursor.take(self.batch_size), self.batches)
 
     def rows_per_epoch(self) -> int:
         """Prompts of one epoch (what ``training.batch_size`` counts)."""
@@ -108,12 +94,12 @@ class PromptStream:
 
     def skip(self, batches: int) -> None:
         """Move past ``batches`` micro-batches (another rank's share of a step)."""
-        self._take(batches * self.batch_size)
+        self.cursor.take(batches * self.batch_size)
         self.batches += batches
 
     def state_dict(self) -> dict[str, int | str]:
         """Where the stream is and the sampler's RNG, as JSON-able values."""
-        return {"epoch": self.epoch, "position": self.position, "batches": self.batches,
+        return {"epoch": self.cursor.epoch, "position": self.cursor.position, "batches": self.batches,
                 "num_examples": len(self.examples), "seed": self.seed, "stream": "grpo",
                 "sampler": _encode_state(self.generator)}
 
@@ -136,8 +122,8 @@ class PromptStream:
             self.generator.set_state(sampler)
         except RuntimeError as e:
             raise CheckpointError(f"data stream state: the sampler's RNG state is not one: {e}") from e
-        self.epoch, self.position, self.batches = epoch, position, batches
-        self._order = self._epoch_order(epoch)
+        self.cursor.seek(epoch, position)
+        self.batches = batches
 
 
 def prompt_batch(examples: Sequence[PromptExample], indices: Sequence[int], number: int = 0) -> Batch:
