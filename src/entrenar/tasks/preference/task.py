@@ -69,7 +69,7 @@ def share_prompt_of(recipe: Recipe, padding_free: bool) -> tuple[bool, str]:
     for rows laid out padding-free or not (``padding_free``: the plan's ``data.padding_free``)."""
     task = recipe.task
     if task.type != "preference" or task.loss == "kto":
-        return False, "no pairs (task.share_prompt)"
+        return False, "unpaired examples, no prompt to share (task.share_prompt)"
     if task.share_prompt is False:
         return False, "each pair as two sequences [prompt, chosen], [prompt, rejected] (task.share_prompt: false)"
     if task.share_prompt is True or padding_free:
