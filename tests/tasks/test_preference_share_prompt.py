@@ -266,12 +266,12 @@ def _train_recipe(ws, name, *overrides):
     path = ws / f"{name}.yaml"
     path.write_text(f"""
 model: {{path: {ws / 'model'}, device: cpu}}
-data: {{train: {ws / 'pairs.jsonl'}, seq_len: 48, validation_split: 0.2, shuffle: true}}
+data: {{train: {ws / 'pairs.jsonl'}, seq_len: 48, validation_split: 0.0, shuffle: true}}
 lora: {{r: 4, alpha: 8, target_modules: all-linear}}
 task: {{type: preference, loss: dpo}}
 optimizer: {{lr: 2.0e-2}}
 schedule: {{warmup_steps: 0}}
-training: {{max_steps: 4, batch_size: 2, grad_accum: 2, eval_every: 2, log_every: 1, save_every: 2}}
+training: {{max_steps: 4, batch_size: 2, grad_accum: 2, eval_every: 0, log_every: 1, save_every: 2}}
 output: {{dir: {ws / name}}}
 """)
     return load_recipe(path, list(overrides))
