@@ -383,6 +383,9 @@ class TaskSection(_Section):
     # the reference model: auto (adapters_off under LoRA/QLoRA, else copy), the base with the adapters switched off,
     # a frozen copy, or log-probabilities computed once before training and kept in the run folder
     reference: str = setting("auto", _choice("auto", "adapters_off", "copy", "precomputed"))
+    # pairs (not KTO): each prompt computed once for both completions ([prompt, chosen, rejected], rejected not
+    # seeing chosen); auto: wherever the rows are padding-free (data.padding_free), true: always
+    share_prompt: str | bool = setting("auto", _choice("auto", True, False))
     # grpo (TRL's GRPOConfig names and defaults; docs/RL.md): completions per prompt and how they are sampled
     num_generations: int = setting(8, _integer(2))
     max_new_tokens: int = setting(64, _integer(1))
