@@ -62,6 +62,7 @@ class ShardedNF4Linear(nn.Module):
 
     linear_like = True
     holds_shards = True  # its buffers differ by rank: never broadcast them
+    block_gather: BlockGather | None = None  # its block's prefetched gather (prefetch_nf4), else its own gathers
 
     def __init__(self, layer: NF4Linear, world: World) -> None:
         super().__init__()
@@ -98,9 +99,8 @@ class ShardedNF4Linear(nn.Module):
     def quantized(self) -> NF4Tensor:
         """The whole quantized weight, gathered from every rank (a collective; its block's prefetched one when
         :func:`prefetch_nf4` scheduled it)."""
-        gather = getattr(self, "block_gather", None)
-        if gather is not None:
-            return gather.quantized(self)
+        if self.block_gather is not None:
+            return self.block_gather.quantized(self)
         codes, absmax = self._gathered("weight_codes"), self._gathered("weight_absmax")
         assert codes is not None and absmax is not None  # only the double-quant scale may be None
         return NF4Tensor(codes, absmax, self._gathered("weight_absmax_scale"), getattr(self, _OFFSET),
@@ -276,10 +276,15 @@ def prefetch_nf4(blocks: list[nn.Module], world: World) -> list[BlockGather]:
                 return
             out = output[0] if isinstance(output, tuple) else output
             backward = torch.is_grad_enabled() and isinstance(out, Tensor) and out.requires_grad
-            if backward:
-                out.register_hook(lambda grad: (backward_begins(i), grad)[1])
+            if isinstance(out, Tensor) and backward:
+                out.register_hook(on_gradient(i))
             if not (backward and i == last):
                 release(i)
+        return hook
+
+    def on_gradient(i: int):
+        def hook(grad: Tensor) -> None:
+            backward_begins(i)
         return hook
 
     for i, block in enumerate(blocks):
