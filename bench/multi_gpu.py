@@ -15,6 +15,9 @@ SmolLM2's tokenizer), a JSONL of real text, a recipe a user would write, and `en
               has logged step --kill-after; the restarted job resumes from its latest checkpoint on its own, and
               the two runs' final weights are compared tensor by tensor (and, when they differ, against a
               second uninterrupted run: the GPU's own run-to-run spread)
+    fsdp      FSDP2 on each N of --gpus with and without training.fsdp_prefetch (--prefetch both|on|off): tokens/s
+              (job, per GPU), each rank's peak memory, the prefetch speedup, and for the full-8b cases the ratio to
+              torchtitan's published Llama-3.1-8B FSDP rate; --budget bounds the whole script for one device call
 
 Cases: bench_e2e's, plus `full-8b` (full fine-tuning of the Llama-8B shape, fp32 master weights and AdamW state:
 about 128 GB of state, which FSDP2 shards) and `qlora-70b` (LoRA on a Llama-70B-shape NF4 base: the folder is
@@ -25,6 +28,8 @@ NF4 codes over the ranks).
     python bench/multi_gpu.py scaling --case full-8b --parallel fsdp --gpus 2 --out fsdp-8b.json
     python bench/multi_gpu.py scaling --case qlora-70b --parallel fsdp --gpus 2 --out qlora-70b.json
     python bench/multi_gpu.py restart --case lora-1b --gpus 2 --out restart.json
+    python bench/multi_gpu.py fsdp --case full-8b-8k --gpus 4 2 --skip 3 --budget 570 --out fsdp-8b.json
+    python bench/multi_gpu.py fsdp --case qlora-70b-v128k --gpus 4 --skip 2 --budget 570 --out qlora-70b.json
 
 `--tiny` runs a case at a toy size on the CPU (gloo): a smoke test of the script, not a measurement.
 """
@@ -44,6 +49,7 @@ from pathlib import Path
 import yaml
 
 HERE = Path(__file__).resolve().parent
+STARTED = time.perf_counter()  # fsdp's --budget counts from here
 sys.path.insert(0, str(HERE))
 
 import bench_e2e  # noqa: E402
@@ -205,9 +211,10 @@ def scaling(args, recipe: Path, work: Path) -> list[dict]:
 
 def fsdp(args, recipe: Path, work: Path, out: dict) -> list[dict]:
     """FSDP2 on each N of --gpus, with and without training.fsdp_prefetch (--prefetch), each run bounded by
-    --timeout and all of them by --budget seconds (a run that cannot start in what is left is skipped and says
-    so); the results are written to --out after every run, so a cut-off call keeps the runs it finished."""
-    started = time.perf_counter()
+    --timeout and the whole script (the model folder's making included) by --budget seconds: a run that cannot
+    start in what is left is skipped and says so; the results are written to --out after every run, so a cut-off
+    call keeps the runs it finished."""
+    started = STARTED
     choices = {"both": (True, False), "on": (True,), "off": (False,)}[args.prefetch]
     results: list[dict] = []
     for n in args.gpus:

@@ -9,8 +9,10 @@ layer's chunks and dequantizes them exactly as NF4Linear does; backward gathers 
 weight (as NF4Linear rebuilds it rather than saving it), so a layer's whole codes exist only while it computes.
 
 Compared with torchao's NF4Tensor under FSDP2 (whose codes FSDP gathers through tensor-subclass hooks), the
-gathers here are the layer's own: synchronous, one projection at a time, in the run's default process group,
-not prefetched by FSDP, so they do not overlap compute. The base is frozen: nothing of it is saved in
+gathers here are the layers' own, in the run's default process group. Alone, a layer gathers synchronously when
+it computes; with :func:`prefetch_nf4` (``training.fsdp_prefetch``, the default) each decoder block's layers are
+gathered together in one asynchronous collective (:class:`BlockGather`) issued while the block before computes,
+forward and backward, as FSDP2's prefetch does for parameters. The base is frozen: nothing of it is saved in
 checkpoints (a resumed run quantizes it again from ``model.path``).
 """
 
