@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from entrenar.errors import ConfigError
+from entrenar.models.recompute import recomputing
 from entrenar.models.surgery import replace_module
 from entrenar.quant.nf4.experts import NF4Experts
 from entrenar.quant.nf4.format import NF4Linear, NF4Tensor, dequantize_nf4
@@ -235,8 +236,6 @@ def prefetch_nf4(blocks: list[nn.Module], world: World) -> list[BlockGather]:
     blocks keep their own gathers. Returns each block's gather (None-free: blocks without NF4 layers are left out
     of the schedule).
     """
-    from entrenar.models.recompute import recomputing
-
     gathers: list[BlockGather | None] = []
     for block in blocks:
         layers = [m for m in block.modules() if isinstance(m, ShardedNF4Linear)]
@@ -259,11 +258,11 @@ def prefetch_nf4(blocks: list[nn.Module], world: World) -> list[BlockGather]:
             release(i)
 
     def backward_begins(i: int) -> None:
+        if i == last:  # the first block backward reaches (if any block needs a gradient, the last one does)
+            torch.autograd.Variable._execution_engine.queue_callback(release_all)
         start(i)
         start(i - 1)
         release(i + 1)
-        if i == 0:
-            torch.autograd.Variable._execution_engine.queue_callback(release_all)
 
     def pre_forward(i: int):
         def hook(module: nn.Module, args: object) -> None:
