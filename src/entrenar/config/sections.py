@@ -329,6 +329,9 @@ class TrainingSection(_Section):
     # steps get stall_startup_s (distributed/watchdog.py)
     stall_timeout_s: float | None = setting(30.0, _seconds_or_null, resumable=24)
     stall_startup_s: float = setting(1800.0, _number(1.0), resumable=24)
+    # parallel: fsdp: issue the next block's all-gathers (parameters, and a QLoRA base's NF4 codes) while this
+    # block computes, forward and backward; false: each block gathers when it is called (the same numbers)
+    fsdp_prefetch: bool = setting(True, _boolean)
 
     def __post_init__(self) -> None:
         super().__post_init__()
