@@ -98,7 +98,7 @@ def prepare(model: Transformer, recipe: Recipe, plan: RunPlan, world: World) -> 
         # checkpointing and offload keep their saving.
         for block in model.model.layers:
             block.compile()
-    step_model = parallelize(model, plan.mode, world, plan.device, t.precision)
+    step_model = parallelize(model, plan.mode, world, plan.device, t.precision, plan.flat_gradients)
     graphs = plan.graphs(moe is None or moe.replayable(plan.device, plan.compute_dtype))
     return Prepared(model, step_model, moe, graphs, [p for p in model.parameters() if p.requires_grad])
 

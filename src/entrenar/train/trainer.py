@@ -189,13 +189,14 @@ class Trainer:
             evaluates = bool(t.eval_every and done % t.eval_every == 0) or done == t.max_steps
             saves = bool(t.save_every and done % t.save_every == 0) or done == t.max_steps
             record = steps.run(step, lr, acts=evaluates or saves)
-            if record is None:  # overlapped: read during the next step
-                continue
-            final_loss = record.loss
             if t.replica_check_every and (done % t.replica_check_every == 0 or done == t.max_steps):
+                # An overlapped step too: the hashes read the weights after its update, queued in order.
                 watchdog.beat("collective", done)
                 check_replicas(self.model, self.optimizer, self.world, done)  # every rank holds the same weights
                 self._replicas_checked.append(done)
+            if record is None:  # overlapped: read during the next step
+                continue
+            final_loss = record.loss
             stop = False
             if evaluates:
                 after, stop = self._evaluate_at(done, metrics, bar)
