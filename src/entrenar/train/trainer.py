@@ -150,6 +150,10 @@ class Trainer:
             if self.world.distributed and self.world.is_main:
                 print(dist_steps.describe(self.plan.mode, self.world, t.batch_size, self.plan.accumulation,
                                           self.recipe.data.seq_len), flush=True)
+                if self.plan.mode == "ddp":  # which reduction, and whether graphs and overlap kept (issue 38)
+                    on = {True: "on", False: "off"}
+                    print(f"ddp gradients: {dict(self.plan.reasons).get('ddp gradients')}; cuda graphs "
+                          f"{on[self.micro_step.graphs]}, step overlap {on[self.plan.overlap]}", flush=True)
             with tqdm(total=t.max_steps, initial=self.start_step, unit="step", dynamic_ncols=True,
                       disable=not self.progress or not self.world.is_main) as bar:
                 final_loss, after = self._loop(metrics, bar)
