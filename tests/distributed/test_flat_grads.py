@@ -82,3 +82,38 @@ def test_a_killed_rank_restarts_deterministically_to_the_bits_of_an_uninterrupte
     assert losses(restarted) == losses(clean) and len(losses(clean)) == 5
     got, expected = weights(restarted, "lora"), weights(clean, "lora")
     assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in expected)
+
+
+def test_a_nan_gradient_on_one_rank_skips_the_step_on_every_rank(shared, monkeypatch):
+    """Rank 1's gradients of step 2 turn NaN (its loss stays finite): the flat all-reduce carries the NaN to rank
+    0, both ranks read the same norm, drop the same update (training.nonfinite: skip) and stay replicas."""
+    import os
+
+    import entrenar
+    from entrenar.tasks import causal_lm
+    from entrenar.train.metrics import read_metrics
+
+    real_load, calls = entrenar.load, [0]
+
+    def load(*args, **kwargs):
+        model, tokenizer = real_load(*args, **kwargs)
+
+        def hook(module, inputs, output):
+            if output.requires_grad and os.environ.get("RANK") == "1":
+                calls[0] += 1
+                if calls[0] == 3:  # step 2's first micro-batch (2 a step on each rank)
+                    output.register_hook(lambda grad: grad * float("nan"))
+
+        model.model.norm.register_forward_hook(hook)
+        return model, tokenizer
+
+    monkeypatch.setattr(causal_lm, "load", load)  # the forked workers inherit it
+    ws, recipes, _ = shared
+    run = ws / "flat-nan"
+    results = launch(reduction_worker, recipes["lora"], [*ACCUMULATING, "training.nonfinite=skip",
+                                                          f"output.dir={run}"])
+    assert results[0][0] == "FlatReplicated"
+    assert "identical on 2 ranks at 3 check(s)" in results[0][1]
+    skipped = [r["step"] for r in read_metrics(run / "metrics.jsonl") if r.get("skipped")]
+    assert skipped == [2]
+    assert all(torch.isfinite(t).all() for t in weights(run, "lora").values())
