@@ -131,17 +131,10 @@ def bucket_mb(trainable_bytes: int) -> float:
     return float(min(25.0, max(1.0, trainable_bytes / 8 / MiB)))
 
 
-def parallelize(model: nn.Module, mode: str, world: World, device: torch.device, precision: str = "fp32",
-                flat_gradients: bool = False) -> Single:
-    """Wrap ``model`` for ``mode`` (``single``, ``ddp`` or ``fsdp``: the run plan's ``training.parallel``).
-    ``flat_gradients`` (the plan's choice for ``ddp``): the model unwrapped, its gradients in flat buffers
-    all-reduced once a step (:mod:`entrenar.distributed.flat_grads`), instead of DistributedDataParallel."""
+def parallelize(model: nn.Module, mode: str, world: World, device: torch.device, precision: str = "fp32") -> Single:
+    """Wrap ``model`` for ``mode`` (``single``, ``ddp`` or ``fsdp``: the run plan's ``training.parallel``)."""
     if mode == "single":
         return Single(model)
-    if mode == "ddp" and flat_gradients:
-        from entrenar.distributed.flat_grads import FlatReplicated  # it subclasses Single, defined here
-
-        return FlatReplicated(model, world)
     if mode == "ddp":
         return Replicated(model, world, device)
     if mode == "fsdp":
