@@ -47,6 +47,10 @@ def test_flat_gradients_train_as_one_process_with_one_all_reduce_a_step(shared, 
     if not extra:
         assert_same_run(run, accumulating)
     else:  # the fused optimizer rounds differently from the reference's foreach one
+        from entrenar.train.metrics import read_metrics
+
+        # every line has each rank's peak memory (gathered at its step, read at the next line or at once)
+        assert [len(r["peak_mem_gb_ranks"]) for r in read_metrics(run / "metrics.jsonl") if "loss" in r] == [2] * 3
         for name, tensor in weights(accumulating, "lora").items():
             torch.testing.assert_close(weights(run, "lora")[name], tensor, rtol=1e-4, atol=1e-5, msg=name)
     trainable = sum(t.numel() for t in load_file(run / "adapter" / "adapter_model.safetensors").values())
