@@ -37,7 +37,7 @@ each run's efficiency against the plain run of its round; medians and ranges in 
 
 and the deterministic restart on 2 GPUs (bitwise_equal in clean_vs_restarted):
 
-    python bench/multi_gpu.py restart --case lora-1b --gpus 2 --steps 20 --save-every 10 --kill-after 15 \
+    python bench/multi_gpu.py restart --case lora-1b --gpus 2 --steps 30 --save-every 10 --kill-after 15 \
         --set training.deterministic=true --out restart-det.json
 
 `--tiny` runs a case at a toy size on the CPU (gloo): a smoke test of the script, not a measurement.
