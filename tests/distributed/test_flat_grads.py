@@ -121,3 +121,24 @@ def test_a_nan_gradient_on_one_rank_skips_the_step_on_every_rank(shared, monkeyp
     skipped = [r["step"] for r in read_metrics(run / "metrics.jsonl") if r.get("skipped")]
     assert skipped == [2]
     assert all(torch.isfinite(t).all() for t in weights(run, "lora").values())
+
+
+def test_gradients_stay_views_of_one_flat_buffer_per_dtype_whatever_sets_them():
+    """zero_grad(set_to_none=True) and a gradient that is its own tensor both end as views of the same buffer,
+    which backward then adds into (a captured graph's addresses stay valid)."""
+    from entrenar.distributed.flat_grads import FlatGradients
+
+    a, b = torch.nn.Parameter(torch.ones(2, 3)), torch.nn.Parameter(torch.ones(4))
+    c = torch.nn.Parameter(torch.ones(3, dtype=torch.float64))
+    grads = FlatGradients([a, b, c])
+    [flat32, flat64] = grads.buffers
+    assert (flat32.numel(), flat64.numel()) == (10, 3)
+    (a.sum() * 2 + b.sum() * 3 + c.sum()).backward()
+    assert flat32.tolist() == [2.0] * 6 + [3.0] * 4 and flat64.tolist() == [1.0] * 3
+    torch.optim.SGD([a, b, c]).zero_grad(set_to_none=True)
+    b.grad = torch.full((4,), 5.0)
+    grads.attach()
+    assert flat32.tolist() == [0.0] * 6 + [5.0] * 4 and flat64.tolist() == [0.0] * 3
+    assert a.grad.data_ptr() == flat32.data_ptr() and c.grad.data_ptr() == flat64.data_ptr()
+    a.sum().backward()
+    assert flat32.tolist() == [1.0] * 6 + [5.0] * 4
