@@ -48,6 +48,12 @@ from entrenar.train.optim import use_fused
 
 # Fraction of device memory a replica may take for `parallel: auto` to pick DDP (the rest: allocator slack).
 AUTO_DDP_FRACTION = 0.85
+# DDP with at most this many bytes of gradients reduces them as one flat buffer a step, after backward, outside the
+# graph (entrenar.distributed.flat_grads), which keeps CUDA graphs and step overlap; above it torch's
+# DistributedDataParallel, whose buckets overlap the all-reduce with backward. LoRA-8B's adapters hold ~170 MB of
+# fp32 gradients (about 1-2 ms of an NVLink all-reduce after a step of ~1 s); a full 1B fine-tune ~5 GB, whose
+# exposed all-reduce DDP's buckets hide. The line between is a chosen bound, not a measured crossover.
+FLAT_GRADIENTS_MAX_BYTES = 512 * 2**20
 
 
 @dataclass(frozen=True)
@@ -86,6 +92,7 @@ class RunPlan:
     memory_available: int | None = field(default=None, compare=False)
     notes: tuple[str, ...] = ()  # for the summary (seq_len beyond the model's context)
     reasons: tuple[tuple[str, str], ...] = ()
+    flat_gradients: bool = False  # ddp: one flat all-reduce a step instead of DistributedDataParallel
     _recipe: Recipe | None = field(default=None, repr=False, compare=False)
     _config: ModelConfig | None = field(default=None, repr=False, compare=False)
 
@@ -154,6 +161,7 @@ class _Facts:
     memory: MemoryEstimate | None = None  # the plan's estimate, once the decisions that change it are made
     available: tuple[int, str] | None = None  # bytes free on the device, and where the number comes from
     force: bool = False  # `entrenar train --force`: start even when the estimate is above what is free
+    flat: bool = False  # ddp reduces one flat gradient buffer a step, outside any graph (FLAT_GRADIENTS_MAX_BYTES)
 
     @property
     def needed(self) -> float:
@@ -202,9 +210,12 @@ REFUSALS: tuple[Refusal, ...] = (
             lambda f: f"training.cuda_graphs: graphs replay causal-LM micro-batches of fixed rows; a "
                       f"{f.recipe.task.type} task's batches vary in layout (turn cuda_graphs off or leave it "
                       "auto)"),
-    Refusal("training.cuda_graphs", lambda f: f.mode != "single" and f.recipe.training.cuda_graphs is True,
+    Refusal("training.cuda_graphs", lambda f: f.mode != "single" and not f.flat
+            and f.recipe.training.cuda_graphs is True,
             lambda f: f"training.cuda_graphs: the gradient reduction of {f.mode} runs outside a captured graph; "
-                      f"turn cuda_graphs off to train on {f.world.size} processes", needs_mode=True),
+                      f"turn cuda_graphs off to train on {f.world.size} processes"
+                      + (f" (ddp keeps graphs with at most {FLAT_GRADIENTS_MAX_BYTES // 2**20} MiB of gradients, "
+                         "e.g. LoRA)" if f.mode == "ddp" else ""), needs_mode=True),
     Refusal("training.kernels", lambda f: f.mode == "fsdp" and f.recipe.training.kernels is True,
             lambda f: "training.kernels: the fused kernels read weights outside the module's forward, which "
                       "FSDP2 has not gathered; use training.kernels: false with parallel: fsdp", needs_mode=True),
@@ -306,12 +317,13 @@ def plan_run(recipe: Recipe, device: torch.device, world: World, config: ModelCo
     replica = _decide(recipe, device, "ddp" if world.distributed else "single", config, triton, method)
     mode = _choose_mode(t.parallel, world, device, replica.memory.total, device_memory)
     reasons.append(("training.parallel", _mode_reason(t.parallel, mode, world, replica.memory.total)))
-    _refuse(_Facts(recipe, device, world, mode), needs_mode=True)
+    flat = mode == "ddp" and replica.flat_gradients  # replica: planned as ddp
+    _refuse(_Facts(recipe, device, world, mode, flat=flat), needs_mode=True)
     accumulation = micro_batches_per_rank(t.batch_size, t.grad_accum, t.global_batch_size, world.size)
     decided = replica if mode == replica.mode else _decide(recipe, device, mode, config, triton, method)
     reasons += decided.reasons
     available = available if available is not None else available_memory(device)
-    facts = _Facts(recipe, device, world, mode, decided.memory, available, force)
+    facts = _Facts(recipe, device, world, mode, decided.memory, available, force, flat=flat)
     reasons.append(("memory", _memory_reason(facts)))
     _refuse(facts, needs_mode=True, needs_memory=True)
 
@@ -332,7 +344,7 @@ def plan_run(recipe: Recipe, device: torch.device, world: World, config: ModelCo
         cuda_graphs=decided.cuda_graphs, overlap=decided.overlap, compile=t.compile,
         loss_scaling=t.precision == "fp16", method=method, memory=decided.memory,
         memory_available=available[0] if available else None, notes=notes,
-        reasons=tuple(reasons), _recipe=recipe, _config=config)
+        reasons=tuple(reasons), flat_gradients=flat, _recipe=recipe, _config=config)
 
 
 @dataclass(frozen=True)
@@ -348,6 +360,7 @@ class _Decided:
     compute_dtype: torch.dtype
     memory: MemoryEstimate
     reasons: list[tuple[str, str]]
+    flat_gradients: bool = False
 
 
 def _decide(recipe: Recipe, device: torch.device, mode: str, config: ModelConfig, triton: bool,
@@ -382,24 +395,29 @@ def _decide(recipe: Recipe, device: torch.device, mode: str, config: ModelConfig
     reasons.append(("training.offload_embeddings", _auto(t.offload_embeddings, offload_embeddings,
                                                          "LoRA on one GPU with every layer checkpointed, untied")))
 
+    memory = _estimate(recipe, config, device, method, kernels, offload_weights, offload_embeddings)
+    flat = mode == "ddp" and memory.gradients <= FLAT_GRADIENTS_MAX_BYTES
+    if mode == "ddp":
+        reasons.append(("ddp gradients", _flat_reason(flat, memory.gradients)))
     # Full fine-tuning measured no faster under graphs and 4 GiB heavier (docs/PERFORMANCE.md); QAT's step-size
-    # initialisation reads the device once, which a graph cannot.
+    # initialisation reads the device once, which a graph cannot. Flat DDP gradients reduce outside the graph.
     cuda_graphs = t.cuda_graphs if isinstance(t.cuda_graphs, bool) else (
-        cuda and single and causal and recipe.data.packing and lora is not None and recipe.qat is None
+        cuda and (single or flat) and causal and recipe.data.packing and lora is not None and recipe.qat is None
         and recipe.data.padding_free is not True and not t.compile and t.precision != "fp16")
     reasons.append(("training.cuda_graphs", _auto(t.cuda_graphs, cuda_graphs,
-                                                  "LoRA on packed rows on one GPU, eager, bf16/fp32")))
+                                                  "LoRA on packed rows on one GPU or under ddp, eager, "
+                                                  "bf16/fp32")))
 
-    unsupported = _overlap_unsupported(mode, t.precision == "fp16", use_fused(recipe.optimizer.fused, device))
+    unsupported = _overlap_unsupported("single" if flat else mode, t.precision == "fp16",
+                                       use_fused(recipe.optimizer.fused, device))
     if t.overlap_steps is True and unsupported is not None:
         raise ConfigError(f"training.overlap_steps: {unsupported}")
     overlap = unsupported is None and (t.overlap_steps is True or t.overlap_steps == "auto" and cuda)
     reasons.append(("training.overlap_steps", f"off ({unsupported})" if unsupported and t.overlap_steps == "auto"
-                    else _auto(t.overlap_steps, overlap, "one CUDA device with a fused optimizer")))
+                    else _auto(t.overlap_steps, overlap, "CUDA with a fused optimizer, one process or ddp")))
 
     compute_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(t.precision) or \
         _weights_dtype(recipe, device, lora is None)
-    memory = _estimate(recipe, config, device, method, kernels, offload_weights, offload_embeddings)
     if recipe.task.type == "preference":  # the reference model, and what it costs
         reference, why = reference_of(recipe)
         if reference == "copy" and mode == "fsdp":  # the copy is made before sharding: a whole model per rank
@@ -409,11 +427,22 @@ def _decide(recipe: Recipe, device: torch.device, mode: str, config: ModelConfig
         if reference == "copy":
             memory = dataclasses.replace(memory, reference=memory.weights)
     return _Decided(mode, kernels, offload_weights, offload_embeddings, cuda_graphs, overlap, compute_dtype, memory,
-                    reasons)
+                    reasons, flat)
+
+
+def _flat_reason(flat: bool, gradient_bytes: float) -> str:
+    """The dry run's line for how DDP reduces gradients, and why (FLAT_GRADIENTS_MAX_BYTES)."""
+    size, bound = f"{gradient_bytes / 2**20:,.1f} MiB of gradients", f"{FLAT_GRADIENTS_MAX_BYTES // 2**20} MiB"
+    if flat:
+        return (f"one flat all-reduce a step after backward, outside any graph ({size} <= {bound}): CUDA graphs "
+                "and step overlap stay available")
+    return (f"torch DistributedDataParallel, buckets reduced during backward ({size} > {bound}: overlapping the "
+            "all-reduce with backward pays more than graphs)")
 
 
 def _overlap_unsupported(mode: str, scaled: bool, fused: bool) -> str | None:
-    """Why this run cannot read a step's results while the next runs, or None when it can. Both optimizers
+    """Why this run cannot read a step's results while the next runs, or None when it can (``mode``: single
+    for flat DDP gradients too, whose reduction is queued in order before the update). Both optimizers
     (AdamW, SGD) take a ``found_inf`` flag in their fused kernels (:mod:`entrenar.train.overlap`)."""
     if mode != "single":
         return "several processes reduce the loss and gradients across ranks before each update"

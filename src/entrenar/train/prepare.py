@@ -11,7 +11,8 @@
 6. the NF4 base streamed from CPU memory block by block (``training.offload_weights``)
 7. MoE training hooks (router losses, balancing, diagnostics)
 8. ``torch.compile`` of each decoder block (``training.compile``)
-9. DDP or FSDP2 from outside (``training.parallel``): the step model the micro-step calls
+9. DDP (flat gradients or torch's DDP) or FSDP2 from outside (``training.parallel``): the step model the
+   micro-step calls
 
 The model itself knows nothing of any of this: each step wraps or replaces modules from outside.
 """
@@ -28,6 +29,7 @@ from entrenar.adapters.layer import RankError
 from entrenar.adapters.lora import apply_lora, lora_config_of
 from entrenar.config import Recipe
 from entrenar.data.tokenizer import Tokenizer
+from entrenar.distributed.flat_grads import FlatReplicated
 from entrenar.distributed.parallelize import Single, parallelize
 from entrenar.distributed.world import World
 from entrenar.errors import AdapterError, ConfigError
@@ -98,7 +100,9 @@ def prepare(model: Transformer, recipe: Recipe, plan: RunPlan, world: World) -> 
         # checkpointing and offload keep their saving.
         for block in model.model.layers:
             block.compile()
-    step_model = parallelize(model, plan.mode, world, plan.device, t.precision, prefetch=t.fsdp_prefetch)
+    # ddp over a small trainable set: the model unwrapped, one flat all-reduce a step (graphs and overlap stay).
+    step_model = FlatReplicated(model, world) if plan.flat_gradients else \
+        parallelize(model, plan.mode, world, plan.device, t.precision, prefetch=t.fsdp_prefetch)
     graphs = plan.graphs(moe is None or moe.replayable(plan.device, plan.compute_dtype))
     return Prepared(model, step_model, moe, graphs, [p for p in model.parameters() if p.requires_grad])
 
