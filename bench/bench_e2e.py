@@ -35,8 +35,9 @@ loss (transformers' `loss - coef * aux_loss`), as entrenar's metrics report them
 `lora-gemma3-4b` and `qlora-gpt-oss-20b` are issue 35's families at their published shapes (HF_SHAPES: the
 config.json keys, built by transformers' own config classes, real vocabularies): LoRA on every linear layer of a
 Gemma-3-4B text model, batch 2 x 2048; QLoRA on gpt-oss-20b (NF4 attention, per-expert LoRA on its bf16 experts
-as entrenar and PEFT both train them; transformers' eager attention, as its SDPA path drops the sinks), batch
-1 x 2048, every layer checkpointed. gpt-oss-20b's bf16 folder is 39 GiB: `--drop-folders` deletes each case's
+as entrenar and PEFT both train them; transformers' eager attention, as its SDPA path drops the sinks; no
+prepare_model_for_kbit_training, which would cast the bf16 experts to fp32), batch 1 x 2048, every layer
+checkpointed. gpt-oss-20b's bf16 folder is 39 GiB: `--drop-folders` deletes each case's
 folder after its rows. The GPU cases run GPU_ROWS by default (a row whose package is missing, or that fails to
 start, is a recorded row error, not a stopped call). `--dry` prints what every row would run, and stops.
 
@@ -180,7 +181,10 @@ CASES: dict[str, dict] = {
                        "fast": {"adapter_math": "bf16", "cuda_graphs": True}, "rows": GPU_ROWS},
     "qlora-gpt-oss-20b": {"shape": "gpt-oss-20b", "method": "qlora", "batch": 1, "seq": 2048, "ckpt": True,
                           "steps": 10, "fast": {"adapter_math": "bf16"}, "target_modules": ATTENTION,
-                          "target_parameters": EXPERT_TARGETS, "hf_attention": "eager", "rows": GPU_ROWS},
+                          "target_parameters": EXPERT_TARGETS, "hf_attention": "eager", "rows": GPU_ROWS,
+                          # prepare_model_for_kbit_training would cast the 19B bf16 expert weights to fp32 (78 GB):
+                          # gradient checkpointing alone, as OpenAI's gpt-oss fine-tuning recipe runs
+                          "kbit_prepare": False},
     "cpu-smollm2": {"shape": "smollm2-135m", "method": "lora", "batch": 2, "seq": 512, "ckpt": False, "steps": 12,
                     "device": "cpu", "precision": "fp32", "fast": {"precision": "bf16"},
                     "rows": ("entrenar", "entrenar-fast", "hf", "hf-bf16")},
@@ -471,7 +475,7 @@ def run_hf(case: dict, folder: Path, tokenizer_dir: Path, text: Path, row: str, 
     model.config.use_cache = False
     if liger:
         _apply_liger_kernel_to_instance(model=model)
-    if case["method"] == "qlora":
+    if case["method"] == "qlora" and case.get("kbit_prepare", True):
         model = peft.prepare_model_for_kbit_training(
             model, use_gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False})
     elif case["ckpt"]:
@@ -630,7 +634,7 @@ def print_table(results: list[dict]) -> None:
         def ratio(key: str, base: str) -> str:
             pairs = [r[key] / b[key] for r in ok for b in results
                      if (b["case"], b["row"], b.get("repeat")) == (case, base, r.get("repeat"))
-                     and b["status"] == "ok" and b.get(key)]
+                     and b["status"] == "ok" and b.get(key) and r.get(key)]
             return f"{statistics.median(pairs):.2f}" if pairs else "-"
 
         median = lambda key: statistics.median(r[key] or 0 for r in ok)  # noqa: E731
