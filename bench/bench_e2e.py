@@ -62,7 +62,9 @@ CPU when there is no GPU: a smoke test that every row starts, trains and reports
 
 On the GPU machine: peft ships there; bitsandbytes and liger-kernel travel as wheels in .whl/extra, Unsloth's in
 .whl/unsloth (`bash bench/unsloth_setup.sh download` here fetches them). Rows whose package is missing are
-reported as skipped. The call (one case per call keeps each under the 10-minute limit; `--rows` picks rows):
+reported as skipped. The call (one case per call keeps each under the 10-minute limit; `--rows` picks rows;
+qlora-gpt-oss-20b loads 39 GiB per row: split its rows over two calls on a warm machine, `--drop-folders` on the
+second):
 
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl .whl/extra/*.whl \
       && bash bench/unsloth_setup.sh install \
