@@ -329,6 +329,10 @@ class TrainingSection(_Section):
     # steps get stall_startup_s (distributed/watchdog.py)
     stall_timeout_s: float | None = setting(30.0, _seconds_or_null, resumable=24)
     stall_startup_s: float = setting(1800.0, _number(1.0), resumable=24)
+    # long context: each layer's MLP runs on this many tokens at a time and again tile by tile in backward, so its
+    # [tokens, intermediate] activations never exist whole (models/tiled.py; dense pre-norm layers); 0: off. One
+    # more MLP forward a step: for sequences that do not fit otherwise (docs/PERFORMANCE.md, longest context)
+    tiled_mlp: int = setting(0, _integer(0), resumable=25)
 
     def __post_init__(self) -> None:
         super().__post_init__()
