@@ -542,6 +542,7 @@ def _activations(config: ModelConfig, method: str, tokens: int, dtype_bytes: int
     activations += rebuilt
     # The final norm keeps its input and, eager, its fp32 upcast (the fused norm: 1/rms a token).
     activations += tokens * (config.hidden_size * dtype_bytes + (4 if kernels else config.hidden_size * 4))
+    activations += tokens * 2 * (config.head_dim or 0) * dtype_bytes  # RoPE's cos and sin, shared by the layers
     return activations, rebuilt
 
 

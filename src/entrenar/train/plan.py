@@ -30,7 +30,7 @@ from entrenar.adapters.lora import family_targets
 from entrenar.config import Recipe
 from entrenar.config.recipe import GPU_ONLY
 from entrenar.config.sections import MAX_SEQ_LEN
-from entrenar.data.batching import check_seq_len
+from entrenar.data.batching import CONTEXT_FACTOR, check_seq_len
 from entrenar.device import available_memory, resolve_device, resolve_dtype
 from entrenar.distributed.materialize import load_device as sharded_load_device
 from entrenar.distributed.steps import accumulation as micro_batches_per_rank
@@ -473,7 +473,8 @@ def _estimate(recipe: Recipe, config: ModelConfig, device: torch.device, method:
 
 def longest_context(plan: RunPlan, memory_bytes: float) -> int:
     """The longest sequence a step of one row (batch 1) of ``plan``'s recipe fits in ``memory_bytes``, by the same
-    memory estimate as the plan's (:func:`entrenar.train.memory.longest_fitting`)."""
+    memory estimate as the plan's (:func:`entrenar.train.memory.longest_fitting`); at most what ``data.seq_len``
+    may be for this model (8x its context)."""
     recipe, config = plan._recipe, plan._config
     assert recipe is not None and config is not None
     one_row = dataclasses.replace(recipe, training=dataclasses.replace(recipe.training, batch_size=1))
@@ -483,7 +484,7 @@ def longest_context(plan: RunPlan, memory_bytes: float) -> int:
         return _estimate(row, config, plan.device, plan.method, plan.kernels, plan.offload_weights,
                          plan.offload_embeddings).total <= memory_bytes
 
-    return longest_fitting(fits, MAX_SEQ_LEN, shortest=2)
+    return longest_fitting(fits, min(MAX_SEQ_LEN, CONTEXT_FACTOR * config.max_position_embeddings), shortest=2)
 
 
 def _qat_settings(recipe: Recipe) -> dict[str, Any]:
