@@ -476,8 +476,8 @@ def backward_transients(config: ModelConfig, tokens: int, dtype_bytes: int, tile
     backward (the down projection's input gradient and the gate and up gradients, ``[tokens, intermediate]``
     each; with ``tiled_mlp`` one tile's, its rebuilt activations, and the ``[tokens, hidden]`` input gradient the
     tiles fill) and the attention's (q, k and v gradients, the output's, and flash attention's fp32 query
-    accumulator). With checkpointed layers offloaded to CPU memory, two layer inputs in flight (the next one
-    copied back while one runs). Small beside a step's memory at short sequences; the bulk of it at long ones.
+    accumulator). With checkpointed layers offloaded to CPU memory, one more layer input (the next one, copied
+    back while a layer runs its backward). Small beside a step's memory at short sequences; the bulk of it at long ones.
     """
     h, i, d = config.hidden_size, config.intermediate_size, config.head_dim
     assert d is not None  # ModelConfig derives it when config.json has none
@@ -498,7 +498,8 @@ def backward_transients(config: ModelConfig, tokens: int, dtype_bytes: int, tile
 
     recomputed = set(checkpointed_layer_indices(n, clamped(activation_checkpointing)))
     offloaded = set(offloaded_layer_indices(n, clamped(offload_activations)))
-    in_flight = min(len(recomputed & offloaded), 2) * tokens * h * dtype_bytes
+    # the next offloaded input copied back while a rebuilt layer (whose input its own count holds) runs backward
+    in_flight = (len(recomputed & offloaded) > 1) * tokens * h * dtype_bytes
     return 2 * tokens * h * dtype_bytes + max(mlp, attention) + in_flight
 
 
