@@ -80,13 +80,27 @@ OOM = re.compile(r"out of memory|OutOfMemoryError|CUDA_ERROR_OUT_OF_MEMORY", re.
 def search(trial, start: int, maximum: int, tolerance: float, step: int, deadline: float) -> dict:
     """Longest length ``trial(n)`` fits: ``start`` doubling to the first failure (halving when ``start`` fails),
     then bisection to within ``tolerance`` in multiples of ``step``, while ``time.monotonic() < deadline``.
-    ``trial(n)`` returns a dict with ``fits`` (bool) and ``reason`` for a failure."""
+    ``trial(n)`` returns a dict with ``fits`` (bool) and ``reason`` for a failure; a failure for ``budget`` (the
+    row's time ran out mid-trial) says nothing of its length: the search stops there."""
     fit: int | None = None
     failed: int | None = None
     reason = None
     n = start
-    while time.monotonic() < deadline and n <= maximum:  # up by doubling
-        if trial(n)["fits"]:
+    stopped = False
+
+    def run(length: int) -> bool | None:  # fits, or None when the budget cut the trial short
+        nonlocal stopped
+        result = trial(length)
+        if not result["fits"] and result.get("reason") == "budget":
+            stopped = True
+            return None
+        return bool(result["fits"])
+
+    while not stopped and time.monotonic() < deadline and n <= maximum:  # up by doubling
+        fits = run(n)
+        if fits is None:
+            break
+        if fits:
             fit = n
             if n == maximum:
                 break
@@ -94,23 +108,31 @@ def search(trial, start: int, maximum: int, tolerance: float, step: int, deadlin
         else:
             failed, reason = n, trial.last["reason"]
             break
-    while fit is None and failed is not None and failed > step and time.monotonic() < deadline:  # down by halving
-        n = max(step, failed // 2 // step * step)
-        if trial(n)["fits"]:
+    while not stopped and fit is None and failed is not None and failed > step and time.monotonic() < deadline:
+        n = max(step, failed // 2 // step * step)  # down by halving
+        fits = run(n)
+        if fits is None:
+            break
+        if fits:
             fit = n
         else:
             failed, reason = n, trial.last["reason"]
-    while fit is not None and failed is not None and failed > fit * (1 + tolerance) and time.monotonic() < deadline:
+    while (not stopped and fit is not None and failed is not None and failed > fit * (1 + tolerance)
+           and time.monotonic() < deadline):
         middle = (fit + failed) // 2 // step * step
         if middle <= fit:
             break
-        if trial(middle)["fits"]:
+        fits = run(middle)
+        if fits is None:
+            break
+        if fits:
             fit = middle
         else:
             failed, reason = middle, trial.last["reason"]
     done = failed is None and fit == maximum or (
-        fit is not None and failed is not None and failed <= fit * (1 + tolerance))
-    return {"longest": fit, "shortest_failed": failed, "bounded_by": reason if failed is not None else "maximum",
+        fit is not None and failed is not None and (failed <= fit * (1 + tolerance) or failed - fit <= step))
+    bound = reason if failed is not None else ("maximum" if fit == maximum else "budget")
+    return {"longest": fit, "shortest_failed": failed, "bounded_by": bound,
             "converged": bool(done)}
 
 
@@ -218,8 +240,10 @@ def run_process(cmd: list[str], log: Path, timeout: float, env: dict | None = No
     return code, log.read_text(errors="replace")
 
 
-def failure(code: int | None, output: str) -> dict:
-    reason = "timeout" if code is None else ("oom" if OOM.search(output) else "error")
+def failure(code: int | None, output: str, cut_by_budget: bool = False) -> dict:
+    """A trial that did not fit: ``oom``, ``error``, ``timeout`` (past --trial-timeout), or ``budget`` (stopped by
+    the row's --budget-s before --trial-timeout: nothing is known of its length, and the search stops)."""
+    reason = ("budget" if cut_by_budget else "timeout") if code is None else ("oom" if OOM.search(output) else "error")
     return {"fits": False, "reason": reason, "exit": code, "tail": output[-1500:]}
 
 
@@ -242,7 +266,7 @@ def entrenar_trial(case: dict, folder: Path, document: Path, work: Path, args: a
                                 "--force"], work / f"entrenar-{n}.log", timeout,
                                {**os.environ, "PYTHONUNBUFFERED": "1"})
     if code != 0:
-        return failure(code, output)
+        return failure(code, output, timeout < args.trial_timeout)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     steps = [r for r in rows if "loss" in r and r.get("tokens")]
     losses = [r["loss"] for r in steps]
@@ -287,7 +311,7 @@ def unsloth_trial(case: dict, folder: Path, document: Path, work: Path, args: ar
                                 args.tokenizer, "--steps", str(args.steps), "--out", str(out)],
                                work / f"unsloth-{n}.log", timeout, {**os.environ, **UNSLOTH_ENV})
     if code != 0 or not out.is_file():
-        result = failure(code, output)
+        result = failure(code, output, timeout < args.trial_timeout)
         if "import unsloth" in output and "SKIPPED" in output:
             result["reason"] = "skipped"
         return result

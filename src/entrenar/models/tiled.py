@@ -31,7 +31,7 @@ def _rng_devices(x: torch.Tensor) -> list[int]:
 
 class _TiledFeedForward(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, fn: Callable[[torch.Tensor], torch.Tensor], tile: int, x: torch.Tensor,  # type: ignore[override]
+    def forward(ctx, fn: Callable[[torch.Tensor], torch.Tensor], tile: int, x: torch.Tensor,
                 *params: torch.Tensor) -> torch.Tensor:
         device = x.device.type
         ctx.fn, ctx.tile, ctx.params = fn, tile, params
@@ -52,7 +52,7 @@ class _TiledFeedForward(torch.autograd.Function):
         return out.view(*x.shape[:-1], out.shape[-1])
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         (x,) = ctx.saved_tensors
         params = ctx.params
         need_x = ctx.needs_input_grad[2]
@@ -80,8 +80,9 @@ class _TiledFeedForward(torch.autograd.Function):
                     dx[start:start + ctx.tile] = grads[0]
                     grads = grads[1:]
                 for j, g in enumerate(grads):
+                    so_far = dparams[j]
                     if g is not None:
-                        dparams[j] = g if dparams[j] is None else dparams[j].add_(g)
+                        dparams[j] = g if so_far is None else so_far.add_(g)
         out_params: list[torch.Tensor | None] = []
         it = iter(dparams)
         for need in ctx.needs_input_grad[3:]:

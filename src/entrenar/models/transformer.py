@@ -435,7 +435,7 @@ class Transformer(nn.Module):
             raise ValueError(f"tiled MLP needs a positive number of tokens per tile (0: off), got {tokens}")
         tiled = []
         for i, layer in enumerate(self.model.layers):
-            if not isinstance(layer, SandwichBlock) and isinstance(layer.mlp, MLP) \
+            if isinstance(layer, Block) and not isinstance(layer, SandwichBlock) and isinstance(layer.mlp, MLP) \
                     and not layer.post_norm and not layer.post_block_norms:
                 layer.mlp_tile = tokens
                 tiled.append(i)
