@@ -336,10 +336,17 @@ def run_unsloth_trial(args: argparse.Namespace) -> None:
     n = args.unsloth_trial
     tokenizer = Tokenizer.from_file(str(Path(args.tokenizer) / "tokenizer.json"))
     ids = tokenizer.encode(json.loads(Path(args.document).read_text())["text"]).ids[:n]
-    model, _ = unsloth.FastLanguageModel.from_pretrained(
-        model_name=args.folder, max_seq_length=n, dtype=torch.bfloat16, load_in_4bit=args.method == "qlora",
-        load_in_8bit=False, full_finetuning=False, use_gradient_checkpointing="unsloth", local_files_only=True,
-        unsloth_tiled_mlp=True)
+    settings = dict(model_name=args.folder, max_seq_length=n, dtype=torch.bfloat16,
+                    load_in_4bit=args.method == "qlora", load_in_8bit=False, full_finetuning=False,
+                    use_gradient_checkpointing="unsloth", local_files_only=True)
+    try:
+        model, _ = unsloth.FastLanguageModel.from_pretrained(**settings, unsloth_tiled_mlp=True)
+        tiled = True
+    except TypeError as e:  # a version without the switch: its default, and the JSON says so
+        if "unsloth_tiled_mlp" not in str(e):
+            raise
+        model, _ = unsloth.FastLanguageModel.from_pretrained(**settings)
+        tiled = False
     model = unsloth.FastLanguageModel.get_peft_model(
         model, r=16, lora_alpha=32, lora_dropout=0.0, bias="none", target_modules=TARGETS,
         use_gradient_checkpointing="unsloth", random_state=0)
@@ -361,7 +368,8 @@ def run_unsloth_trial(args: argparse.Namespace) -> None:
         step_s.append(time.perf_counter() - t0)
     Path(args.out).write_text(json.dumps({
         "tokens_per_s": steady(step_s, [n - 1] * len(step_s)),
-        "peak_gib": torch.cuda.max_memory_allocated() / GiB, "losses": losses, "unsloth": unsloth.__version__}))
+        "peak_gib": torch.cuda.max_memory_allocated() / GiB, "losses": losses, "unsloth": unsloth.__version__,
+        "unsloth_tiled_mlp": tiled}))
 
 
 # ---------------------------------------------------------------- main
