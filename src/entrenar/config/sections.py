@@ -333,6 +333,10 @@ class TrainingSection(_Section):
     # parallel: fsdp: issue the next block's all-gathers (parameters, and a QLoRA base's NF4 codes) while this
     # block computes, forward and backward; false: each block gathers when it is called (the same numbers)
     fsdp_prefetch: bool = setting(True, _boolean)
+    # long context: each layer's MLP runs on this many tokens at a time and again tile by tile in backward, so its
+    # [tokens, intermediate] activations never exist whole (models/tiled.py; dense pre-norm layers); 0: off. One
+    # more MLP forward a step: for sequences that do not fit otherwise (docs/PERFORMANCE.md, longest context)
+    tiled_mlp: int = setting(0, _integer(0), resumable=25)
 
     def __post_init__(self) -> None:
         super().__post_init__()

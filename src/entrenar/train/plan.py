@@ -29,7 +29,8 @@ import torch
 from entrenar.adapters.lora import family_targets
 from entrenar.config import Recipe
 from entrenar.config.recipe import GPU_ONLY
-from entrenar.data.batching import check_seq_len
+from entrenar.config.sections import MAX_SEQ_LEN
+from entrenar.data.batching import CONTEXT_FACTOR, check_seq_len
 from entrenar.device import available_memory, resolve_device, resolve_dtype
 from entrenar.distributed.materialize import load_device as sharded_load_device
 from entrenar.distributed.steps import accumulation as micro_batches_per_rank
@@ -43,7 +44,13 @@ from entrenar.models.config import ModelConfig
 from entrenar.models.padding_free import rows_by_document
 from entrenar.models.transformer import checkpointed_layer_indices, offloaded_layer_indices
 from entrenar.tasks.preference import reference_of, share_prompt_of
-from entrenar.train.memory import PROJECTION_NAMES, GiB, MemoryEstimate, estimate_training_memory
+from entrenar.train.memory import (
+    PROJECTION_NAMES,
+    GiB,
+    MemoryEstimate,
+    estimate_training_memory,
+    longest_fitting,
+)
 from entrenar.train.optim import use_fused
 
 # Fraction of device memory a replica may take for `parallel: auto` to pick DDP (the rest: allocator slack).
@@ -227,6 +234,13 @@ REFUSALS: tuple[Refusal, ...] = (
             lambda f: "training.offload_weights: the NF4 base weights stream to one CUDA device, block by block, "
                       f"outside torch.compile; this run is {f.mode} on {f.device}"
                       + (" with training.compile" if f.recipe.training.compile else ""), needs_mode=True),
+    Refusal("training.tiled_mlp", lambda f: bool(f.recipe.training.tiled_mlp) and (
+        f.recipe.training.compile or f.recipe.training.cuda_graphs is True
+        or f.recipe.training.offload_weights is True),
+            lambda f: "training.tiled_mlp: the tiles rerun in backward outside torch.compile and CUDA graphs, and "
+                      "read the block's weights where they are (not streamed); turn off "
+                      + ", ".join(k for k in ("compile", "cuda_graphs", "offload_weights")
+                                  if getattr(f.recipe.training, k) is True)),
     Refusal("memory", lambda f: not f.force and f.available is not None and f.needed > f.available[0],
             lambda f: _memory_refusal(f), needs_mode=True, needs_memory=True),
 )
@@ -383,9 +397,9 @@ def _decide(recipe: Recipe, device: torch.device, mode: str, config: ModelConfig
     # tokens/s at 3.27 against 6.41 GiB (H100, docs/PERFORMANCE.md). NF4 experts load outside the stream.
     offload_weights = t.offload_weights if isinstance(t.offload_weights, bool) else (
         cuda and single and lora is not None and lora.quantize_base == "nf4" and t.activation_checkpointing is True
-        and not t.compile and not config.is_moe)
+        and not t.compile and not config.is_moe and not t.tiled_mlp)
     reasons.append(("training.offload_weights", _auto(t.offload_weights, offload_weights,
-                                                      "QLoRA on one GPU with every layer checkpointed")))
+                                                      "QLoRA on one GPU with every layer checkpointed, MLP whole")))
 
     # The run trades speed for memory already; the GPU reads a batch's rows over PCIe in well under a
     # millisecond. A tied table is the output head's weight too, and a trained one cannot stay on the host.
@@ -403,10 +417,13 @@ def _decide(recipe: Recipe, device: torch.device, mode: str, config: ModelConfig
     # initialisation reads the device once, which a graph cannot. Flat DDP gradients reduce outside the graph.
     cuda_graphs = t.cuda_graphs if isinstance(t.cuda_graphs, bool) else (
         cuda and (single or flat) and causal and recipe.data.packing and lora is not None and recipe.qat is None
-        and recipe.data.padding_free is not True and not t.compile and t.precision != "fp16")
+        and recipe.data.padding_free is not True and not t.compile and t.precision != "fp16" and not t.tiled_mlp)
     reasons.append(("training.cuda_graphs", _auto(t.cuda_graphs, cuda_graphs,
                                                   "LoRA on packed rows on one GPU or under ddp, eager, "
-                                                  "bf16/fp32")))
+                                                  "bf16/fp32, MLP whole")))
+    if t.tiled_mlp:
+        reasons.append(("training.tiled_mlp", f"{t.tiled_mlp:,} tokens a tile (as set): each MLP forward runs "
+                                              "twice, its activations one tile's"))
 
     unsupported = _overlap_unsupported("single" if flat else mode, t.precision == "fp16",
                                        use_fused(recipe.optimizer.fused, device))
@@ -482,7 +499,23 @@ def _estimate(recipe: Recipe, config: ModelConfig, device: torch.device, method:
         fused_loss_chunk=FUSED_LOSS_CHUNK if kernels and head_is_plain else None,
         # On a CPU the kernels run their PyTorch specifications, which save what eager PyTorch saves.
         kernels=kernels and device.type != "cpu", cpu=device.type == "cpu", lora_dropout=lora.dropout if lora else 0.0,
-        **_qat_settings(recipe))
+        tiled_mlp=t.tiled_mlp, **_qat_settings(recipe))
+
+
+def longest_context(plan: RunPlan, memory_bytes: float) -> int:
+    """The longest sequence a step of one row (batch 1) of ``plan``'s recipe fits in ``memory_bytes``, by the same
+    memory estimate as the plan's (:func:`entrenar.train.memory.longest_fitting`); at most what ``data.seq_len``
+    may be for this model (8x its context)."""
+    recipe, config = plan._recipe, plan._config
+    assert recipe is not None and config is not None
+    one_row = dataclasses.replace(recipe, training=dataclasses.replace(recipe.training, batch_size=1))
+
+    def fits(seq_len: int) -> bool:
+        row = dataclasses.replace(one_row, data=dataclasses.replace(one_row.data, seq_len=seq_len))
+        return _estimate(row, config, plan.device, plan.method, plan.kernels, plan.offload_weights,
+                         plan.offload_embeddings).total <= memory_bytes
+
+    return longest_fitting(fits, min(MAX_SEQ_LEN, CONTEXT_FACTOR * config.max_position_embeddings), shortest=2)
 
 
 def _qat_settings(recipe: Recipe) -> dict[str, Any]:
@@ -535,4 +568,4 @@ def _auto(setting: Any, value: bool, rule: str) -> str:
     return f"on (auto: {rule})" if value else f"off (auto: on only for {rule})"
 
 
-__all__ = ["REFUSALS", "Refusal", "RowLayout", "RunPlan", "check_recipe", "plan_for", "plan_run"]
+__all__ = ["REFUSALS", "Refusal", "RowLayout", "RunPlan", "check_recipe", "longest_context", "plan_for", "plan_run"]
