@@ -13,7 +13,7 @@ pip download -q --no-deps --pre --python-version 3.12 --platform manylinux_2_28_
   "quack-kernels==0.6.5" "nvidia-cutlass-dsl-libs-core==4.8.1"
 mkdir -p .fa4a .fa4b
 libs=$(ls "$tmp"/nvidia_cutlass_dsl_libs_cu13-*.whl)
-split -b 45M -d "$libs" "$tmp/part."
+split -b 40M -d "$libs" "$tmp/part."
 mv "$tmp/part.00" "$tmp"/nvidia_cutlass_dsl_libs_core-*.whl .fa4a/ && mv "$tmp"/part.0* .fa4b/
 basename "$libs" > .fa4b/libs_name
 rm "$libs" && mv "$tmp"/*.whl .fa4b/
