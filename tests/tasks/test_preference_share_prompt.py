@@ -20,8 +20,9 @@ from entrenar.data.preference import PreferencePair, collate_preference, shared_
 from entrenar.distributed.parallelize import Single
 from entrenar.errors import ConfigError
 from entrenar.loading import load
-from entrenar.tasks.preference import PreferenceTask
+from entrenar.tasks.preference import PreferenceTask, share_prompt_of
 from entrenar.tasks.preference.logprobs import sequence_logprobs
+from entrenar.tasks.preference.task import SHARE_PROMPT_MIN_HIDDEN
 from entrenar.train.loop import train
 from entrenar.train.metrics import read_metrics
 
@@ -245,6 +246,23 @@ def test_share_prompt_applies_to_preference_tasks_only(tmp_path):
                                      f"data: {{train: {tmp_path / 'x.jsonl'}}}\n")
     with pytest.raises(ConfigError, match="task.type is causal_lm"):
         load_recipe(tmp_path / "c.yaml", ["task.share_prompt=true"])
+
+
+@pytest.mark.parametrize(("setting", "hidden", "device", "shared"), [
+    ("auto", 2048, "cuda", False),  # a small model's GPU step waits on launches: two sequences measured faster
+    ("auto", 4096, "cuda", True),
+    ("auto", 2048, "cpu", True),  # a CPU step is bound by the work it saves
+    ("auto", None, "cuda", True),  # width not known: the layout the rows allow
+    ("true", 2048, "cuda", True),  # as set
+    ("false", 8192, "cuda", False),
+])
+def test_auto_shares_prompts_where_the_measurement_says_it_pays(tmp_path, setting, hidden, device, shared):
+    recipe = _recipe(tmp_path, tmp_path / "model", f"task.share_prompt={setting}")
+    decided, why = share_prompt_of(recipe, True, hidden, device)
+    assert decided is shared
+    assert ("computed once" in why) is shared
+    if setting == "auto" and not shared:
+        assert f"< {SHARE_PROMPT_MIN_HIDDEN}" in why
 
 
 # -- through the trainer ----------------------------------------------------------------------------------

@@ -131,7 +131,7 @@ class RunPlan:
                                                    else "rows under a document mask")
         reason = f"{reason} (data.padding_free: {setting})"
         if task == "preference":
-            reason += "; " + share_prompt_of(recipe, flat)[1]
+            reason += "; " + share_prompt_of(recipe, flat, config.hidden_size, self.device.type)[1]
         return RowLayout(flat=flat, by_document=by_document and not flat, reason=reason)
 
     def steps(self, epoch_rows: int) -> tuple[int, str]:
