@@ -329,6 +329,10 @@ class TrainingSection(_Section):
     # steps get stall_startup_s (distributed/watchdog.py)
     stall_timeout_s: float | None = setting(30.0, _seconds_or_null, resumable=24)
     stall_startup_s: float = setting(1800.0, _number(1.0), resumable=24)
+    # context parallelism: each padding-free row split over this many processes (consecutive ranks, one host's
+    # GPUs), attention by all-to-all over heads; the rest of the world is data parallel (distributed/
+    # context_parallel.py)
+    context_parallel: int = setting(1, _integer(1))
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -1,0 +1,72 @@
+"""Worker functions of the context-parallelism tests (2 gloo processes, forked)."""
+
+from __future__ import annotations
+
+import torch
+
+from entrenar.models.config import ModelConfig
+
+# Four documents end to end, 25 tokens: the slices of 2 ranks (13 tokens each, a filler token added) cut the
+# second document (tokens 5-14) in two.
+DOCUMENT_LENGTHS = (5, 10, 6, 4)
+
+
+def padding_free_row(vocab: int, seed: int = 1) -> dict:
+    """A padding-free micro-batch as :func:`entrenar.data.padding_free` lays it out (labels unshifted, -100 on
+    each document's first token and on a prompt token per document)."""
+    g = torch.Generator().manual_seed(seed)
+    n = sum(DOCUMENT_LENGTHS)
+    ids = torch.randint(0, vocab, (1, n), generator=g)
+    labels = ids.clone()
+    positions, starts = [], [0]
+    for length in DOCUMENT_LENGTHS:
+        labels[0, starts[-1]] = -100
+        labels[0, starts[-1] + 1] = -100  # a prompt token: no loss
+        positions += list(range(length))
+        starts.append(starts[-1] + length)
+    return {"input_ids": ids, "labels": labels, "position_ids": torch.tensor([positions]),
+            "cu_seqlens": torch.tensor(starts, dtype=torch.int32), "max_seqlen": max(DOCUMENT_LENGTHS)}
+
+
+def grads_worker(configs: list[dict], checkpointing: bool) -> list[dict]:
+    """For each model config: the loss and gradients of one row on this rank alone (the whole row, one process),
+    and the same row split over the 2 ranks (context parallel; gradients summed over the ranks)."""
+    from entrenar.distributed import world as world_module
+    from entrenar.distributed.context_parallel import context_parallel
+    from entrenar.distributed.parallelize import Single
+    from entrenar.models.loss import token_cross_entropy
+    from entrenar.models.transformer import Transformer
+
+    world, device = world_module.join(torch.device("cpu"), 20)
+    try:
+        out = []
+        for options in configs:
+            torch.manual_seed(0)
+            model = Transformer(ModelConfig(**options))
+            model.reset_parameters()
+            model.set_activation_checkpointing(checkpointing)
+            batch = padding_free_row(model.config.vocab_size)
+            inputs = (batch["input_ids"], batch["position_ids"])
+            layout = {"cu_seqlens": batch["cu_seqlens"], "max_seqlen": batch["max_seqlen"]}
+
+            loss, targets = token_cross_entropy(model(*inputs, **layout), batch["labels"])
+            (loss / targets).backward()
+            one = {n: p.grad.clone() for n, p in model.named_parameters()}
+            model.zero_grad()
+
+            step = context_parallel(Single(model), world, 2, device)
+            mine = step.shard(batch)
+            local, local_targets = token_cross_entropy(step(mine["input_ids"], mine["position_ids"],
+                                                            cu_seqlens=mine["cu_seqlens"],
+                                                            max_seqlen=mine["max_seqlen"]), mine["labels"])
+            every = world.all_sum(torch.stack([local.detach(), local_targets.float()]))
+            (local / every[1]).backward()
+            split = {}
+            for n, p in model.named_parameters():
+                split[n] = world.all_sum(p.grad.clone())
+            out.append({"loss": float(loss / targets), "targets": int(targets), "split_loss": float(every[0] / every[1]),
+                        "split_targets": int(every[1]), "local_tokens": mine["input_ids"].shape[1],
+                        "one": one, "split": split})
+        return out
+    finally:
+        world_module.leave()
