@@ -28,9 +28,10 @@ def padding_free_row(vocab: int, seed: int = 1) -> dict:
             "cu_seqlens": torch.tensor(starts, dtype=torch.int32), "max_seqlen": max(DOCUMENT_LENGTHS)}
 
 
-def grads_worker(configs: list[dict], checkpointing: bool) -> list[dict]:
-    """For each model config: the loss and gradients of one row on this rank alone (the whole row, one process),
-    and the same row split over the 2 ranks (context parallel; gradients summed over the ranks)."""
+def grads_worker(configs: list[tuple[dict, bool]]) -> list[dict]:
+    """For each model config (and whether its layers are recomputed in backward): the loss and gradients of one
+    row on this rank alone (the whole row, one process), and the same row split over the 2 ranks (context
+    parallel; gradients summed over the ranks)."""
     from entrenar.distributed import world as world_module
     from entrenar.distributed.context_parallel import context_parallel
     from entrenar.distributed.parallelize import Single
@@ -40,7 +41,7 @@ def grads_worker(configs: list[dict], checkpointing: bool) -> list[dict]:
     world, device = world_module.join(torch.device("cpu"), 20)
     try:
         out = []
-        for options in configs:
+        for options, checkpointing in configs:
             torch.manual_seed(0)
             model = Transformer(ModelConfig(**options))
             model.reset_parameters()
@@ -61,12 +62,31 @@ def grads_worker(configs: list[dict], checkpointing: bool) -> list[dict]:
                                                             max_seqlen=mine["max_seqlen"]), mine["labels"])
             every = world.all_sum(torch.stack([local.detach(), local_targets.float()]))
             (local / every[1]).backward()
-            split = {}
-            for n, p in model.named_parameters():
-                split[n] = world.all_sum(p.grad.clone())
-            out.append({"loss": float(loss / targets), "targets": int(targets), "split_loss": float(every[0] / every[1]),
+            split = {n: world.all_sum(p.grad.clone()) for n, p in model.named_parameters()}
+            out.append({"loss": float(loss.detach() / targets), "targets": int(targets),
+                        "split_loss": float(every[0] / every[1]),
                         "split_targets": int(every[1]), "local_tokens": mine["input_ids"].shape[1],
                         "one": one, "split": split})
         return out
     finally:
         world_module.leave()
+
+
+def split_train_worker(recipe_path: str, overrides: list[str]) -> tuple[float | None, str, list[tuple[int, int]]]:
+    """``entrenar.train`` of a recipe on this rank; (the final loss, the summary, and per micro-batch the row's
+    length and this rank's slice of it)."""
+    from entrenar.config import load_recipe
+    from entrenar.distributed.context_parallel import ContextParallel
+    from entrenar.train.loop import train
+
+    seen: list[tuple[int, int]] = []
+    real_shard = ContextParallel.shard
+
+    def shard(self, batch):
+        mine = real_shard(self, batch)
+        seen.append((batch["input_ids"].shape[1], mine["input_ids"].shape[1]))
+        return mine
+
+    ContextParallel.shard = shard
+    result = train(load_recipe(recipe_path, overrides), progress=False)
+    return result.final_loss, result.summary, seen
