@@ -17,7 +17,7 @@ from test_data_parallel import assert_same_run  # noqa: E402
 from workers import launch, train_worker  # noqa: E402
 
 from entrenar.config import load_recipe  # noqa: E402
-from entrenar.distributed.context_parallel import check_context_parallel, kv_copies, shard_row  # noqa: E402
+from entrenar.distributed.context_parallel import check_context_parallel, describe, kv_copies, shard_row  # noqa: E402
 from entrenar.distributed.world import World  # noqa: E402
 from entrenar.errors import ConfigError  # noqa: E402
 from entrenar.models.config import ModelConfig  # noqa: E402
@@ -95,6 +95,12 @@ def test_the_plan_shows_context_parallelism_and_divides_the_activations(shared):
     assert "training.context_parallel" not in dict(whole.reasons)
     assert split.memory.activations == pytest.approx(whole.memory.activations / 2, rel=0.05)
     assert split.rows_per_step == whole.rows_per_step // 2  # one data-parallel group reads one row
+
+
+def test_the_start_line_counts_rows_by_data_parallel_group():
+    line = describe("fsdp", World(rank=0, size=8, backend="nccl"), 4, 1, 2, 131072)
+    assert line == ("fsdp on 8 processes (nccl), each row split over 4 of them: global batch 4 rows = 1 per group x 2 "
+                    "accumulation x 2 data-parallel group(s) (up to 524,288 tokens a step, 32,768 a process)")
 
 
 @pytest.mark.parametrize(("change", "message"), [

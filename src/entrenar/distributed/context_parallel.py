@@ -237,9 +237,13 @@ def check_context_parallel(cp: int, world: World, config: ModelConfig, task: str
             f"{world.size // cp} data-parallel group(s); activations per rank / {cp}")
 
 
-def describe(cp: int, world_size: int) -> str:
-    """The start line's addition for a context-parallel run."""
-    return f"; each row split over {cp} ranks ({world_size // cp} data-parallel group(s))"
+def describe(mode: str, world: World, cp: int, batch_size: int, accumulation: int, seq_len: int) -> str:
+    """The line a context-parallel run prints at its start (:func:`entrenar.distributed.steps.describe`'s)."""
+    groups = world.size // cp
+    rows = batch_size * accumulation * groups
+    return (f"{mode} on {world.size} processes ({world.backend}), each row split over {cp} of them: global batch "
+            f"{rows} rows = {batch_size} per group x {accumulation} accumulation x {groups} data-parallel group(s) "
+            f"(up to {rows * seq_len:,} tokens a step, {-(-batch_size * seq_len // cp):,} a process)")
 
 
 __all__ = ["ContextParallel", "DataWorld", "Ulysses", "check_context_parallel", "context_parallel", "kv_copies",

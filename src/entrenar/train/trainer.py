@@ -153,10 +153,10 @@ class Trainer:
                 metrics.trackers = open_trackers(self.recipe, self.run.root, resume_step)
             before = self._begin(metrics) if self.start_step == 0 else None
             if self.world.distributed and self.world.is_main:
-                print(dist_steps.describe(self.plan.mode, self.world, t.batch_size, self.plan.accumulation,
-                                          self.recipe.data.seq_len) + (describe_context(
-                                              self.plan.context_parallel, self.world.size) if self.context else ""),
-                      flush=True)
+                print(describe_context(self.plan.mode, self.world, self.plan.context_parallel, t.batch_size,
+                                       self.plan.accumulation, self.recipe.data.seq_len) if self.context else
+                      dist_steps.describe(self.plan.mode, self.world, t.batch_size, self.plan.accumulation,
+                                          self.recipe.data.seq_len), flush=True)
             with tqdm(total=t.max_steps, initial=self.start_step, unit="step", dynamic_ncols=True,
                       disable=not self.progress or not self.world.is_main) as bar:
                 final_loss, after = self._loop(metrics, bar)
