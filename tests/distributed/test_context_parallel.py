@@ -109,13 +109,14 @@ def test_the_start_line_counts_rows_by_data_parallel_group():
     ({"task": "preference"}, "causal-LM rows only"),
     ({"padding_free": False}, "data.padding_free is false"),
     ({"num_experts": 4}, "MoE"),
+    ({"compile": True}, "training.compile"),
     ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "dynamic RoPE scaling"),
 ])
 def test_what_context_parallelism_cannot_split_is_refused_by_name(change, message):
     change = dict(change)
     world = World(rank=0, size=change.pop("world", 2), backend="gloo")
     cp, task = change.pop("cp", 2), change.pop("task", "causal_lm")
-    padding_free = change.pop("padding_free", "auto")
+    padding_free, compile = change.pop("padding_free", "auto"), change.pop("compile", False)
     config = ModelConfig(**{**LLAMA, **change})
     with pytest.raises(ConfigError, match=f"training.context_parallel: .*{message}"):
-        check_context_parallel(cp, world, config, task, padding_free, moe=config.num_experts > 0)
+        check_context_parallel(cp, world, config, task, padding_free, moe=config.num_experts > 0, compile=compile)

@@ -209,7 +209,7 @@ def context_parallel(inner: Single, world: World, cp: int, device: torch.device)
 
 
 def check_context_parallel(cp: int, world: World, config: ModelConfig, task: str, padding_free: str | bool,
-                           moe: bool) -> str:
+                           moe: bool, compile: bool = False) -> str:
     """Refuse what context parallelism cannot split this way (one ConfigError naming the key); the line the plan
     prints for ``training.context_parallel``."""
     key = "training.context_parallel"
@@ -220,6 +220,9 @@ def check_context_parallel(cp: int, world: World, config: ModelConfig, task: str
         raise ConfigError(f"{key}: splits causal-LM rows only; this run's task is {task}")
     if padding_free is False:
         raise ConfigError(f"{key}: splits padding-free rows; data.padding_free is false (set it to auto or true)")
+    if compile:
+        raise ConfigError(f"{key}: the all-to-all around attention runs eagerly; training.compile with context "
+                          "parallelism is not supported (turn one off)")
     if moe:
         raise ConfigError(f"{key}: MoE layers balance their routers over the tokens of a step, which a split "
                           "row would count per slice; not supported")

@@ -105,7 +105,8 @@ def documents_attention(
     ``softcap`` (Gemma's soft-capped scores, which only the per-document path computes) as
     :class:`entrenar.models.transformer.Attention` reads them. ``sinks`` (gpt-oss, [Hq]): each document attends
     with them through :func:`~entrenar.models.attention_sinks.sink_attention`, which the variable-length kernel
-    cannot run.
+    cannot run. ``documents.shards`` (context parallelism): q, k, v are this process's slice of the row, and the
+    attention over the whole row runs through its exchange.
     """
     if documents.shards is not None:
         whole = Documents(documents.cu_seqlens, documents.max_len, shards=None)

@@ -311,7 +311,8 @@ def plan_run(recipe: Recipe, device: torch.device, world: World, config: ModelCo
     cp = t.context_parallel
     if cp > 1:  # each row split over cp processes: world.size / cp data-parallel groups
         reasons.append(("training.context_parallel", check_context_parallel(
-            cp, world, config, recipe.task.type, recipe.data.padding_free, moe=config.num_experts > 0)))
+            cp, world, config, recipe.task.type, recipe.data.padding_free, moe=config.num_experts > 0,
+            compile=t.compile)))
     accumulation = micro_batches_per_rank(t.batch_size, t.grad_accum, t.global_batch_size, world.size // cp)
     decided = replica if mode == replica.mode else _decide(recipe, device, mode, config, triton, method)
     reasons += decided.reasons
