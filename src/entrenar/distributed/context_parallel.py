@@ -14,8 +14,9 @@ so the packing's documents may cross slice boundaries freely and any attention k
 ``cu_seqlens`` serves; PyTorch's ``context_parallel`` (torch 2.13,
 ``torch.distributed.tensor.experimental``) rings SDPA's flash/efficient/cuDNN kernels over one causal sequence
 (or flex_attention with a block mask) and takes no ``cu_seqlens``. The cost: the query heads, and the key/value
-heads (or, where they do not divide, copies of them), must divide by ``cp``; the all-to-all moves
-``4 x N x hidden / cp`` values a layer per rank, on NVLink within a host.
+heads (or, where they do not divide, copies of them), must divide by ``cp``; each layer's two
+all-to-alls (q, k and v together, then the output) move ``(2 + 2 x kv_heads / heads) x N x hidden / cp`` values a
+rank forward, as many backward, on NVLink within a host.
 
 The rest of the step needs no change of formula: RoPE reads each token's own position (positions travel with
 the slice), the labels of a slice are those of its tokens plus the next slice's first (so the loss of the
@@ -77,12 +78,18 @@ class Ulysses:
     def __init__(self, group: Any, size: int, rank: int) -> None:
         self.group, self.size, self.rank = group, size, rank
 
-    def to_heads(self, x: torch.Tensor) -> torch.Tensor:
-        """``[B, H, N / cp, D]`` (this slice's tokens, every head) -> ``[B, H / cp, N, D]`` (this rank's heads)."""
-        b, h, t, d = x.shape
-        chunks = x.reshape(b, self.size, h // self.size, t, d).transpose(0, 1)  # [cp, B, H / cp, t, D]
+    def to_heads(self, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Each ``[B, H, N / cp, D]`` (this slice's tokens, every head) -> ``[B, H / cp, N, D]`` (this rank's
+        heads), in one exchange when they share a head size (q, k and v: one all-to-all, not three)."""
+        if len({x.shape[-1] for x in xs}) > 1:  # MLA's narrower values
+            return tuple(y for x in xs for y in self.to_heads(x))
+        b, _, t, d = xs[0].shape
+        parts = [x.reshape(b, self.size, x.shape[1] // self.size, t, d) for x in xs]
+        sizes = [part.shape[2] for part in parts]
+        chunks = torch.cat(parts, dim=2).transpose(0, 1)  # [cp, B, heads / cp, t, D]
         out = all_to_all(chunks, self.group)  # chunk j: rank j's tokens of this rank's heads
-        return out.permute(1, 2, 0, 3, 4).reshape(b, h // self.size, self.size * t, d)
+        whole = out.permute(1, 2, 0, 3, 4).reshape(b, sum(sizes), self.size * t, d)
+        return tuple(whole.split(sizes, dim=1))
 
     def to_sequence(self, y: torch.Tensor) -> torch.Tensor:
         """``[B, N, H / cp, D]`` (this rank's heads, every token) -> ``[B, N / cp, H, D]`` (this slice's tokens)."""
@@ -104,7 +111,8 @@ class Ulysses:
         if sinks is not None:  # one learned logit per query head: this rank's heads'
             local = hq // self.size
             sinks = sinks[self.rank * local:(self.rank + 1) * local]
-        return self.to_sequence(attention(self.to_heads(q), self.to_heads(k), self.to_heads(v), sinks))
+        q, k, v = self.to_heads(q, k, v)
+        return self.to_sequence(attention(q, k, v, sinks))
 
 
 def kv_copies(heads: int, kv_heads: int, cp: int) -> int:
