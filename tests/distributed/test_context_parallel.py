@@ -85,6 +85,20 @@ def test_a_context_parallel_run_trains_as_one_process(shared, method):
     assert "identical on 2 ranks" in results[0][1]
 
 
+def test_two_data_parallel_groups_of_two_ranks_train_as_one_process(shared):
+    """4 processes as a 2 x 2 mesh: ranks 0-1 split one group's rows, ranks 2-3 the other's; the run is one
+    process's (LoRA under DDP over all 4)."""
+    ws, recipes, _ = shared
+    flat = ["data.padding_free=true"]
+    one, four = ws / "cp-one-dp", ws / "cp-four"
+    train_worker(recipes["lora"], [*flat, f"output.dir={one}"])
+    ranks = launch(split_train_worker, recipes["lora"], [*flat, "training.context_parallel=2",
+                                                         "training.parallel=ddp", f"output.dir={four}"], nproc=4)
+    rows = {rank: [n for n, _ in result[2]] for rank, result in ranks.items()}
+    assert rows[0] == rows[1] and rows[2] == rows[3] and rows[0] != rows[2] and len(rows[0]) == 4
+    assert_same_run(four, one)
+
+
 def test_the_plan_shows_context_parallelism_and_divides_the_activations(shared):
     ws, recipes, _ = shared
     long = ["data.seq_len=4096", "training.batch_size=1", "training.global_batch_size=null"]
