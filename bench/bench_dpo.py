@@ -8,7 +8,10 @@ GPU cases), then runs each row in its own process:
 
   entrenar    `python -m entrenar.cli.main train RECIPE`: task.type preference, loss dpo, beta 0.1, LoRA r=16
               alpha 32 on every linear layer (QLoRA: NF4 base), bf16, `kernels: auto`, packing on, the reference
-              the base with the adapters off (`task.reference: auto`); tokens/s and memory from its metrics.jsonl
+              the base with the adapters off (`task.reference: auto`), each pair's prompt computed once
+              (`task.share_prompt: auto`, padding-free rows); tokens/s and memory from its metrics.jsonl
+  entrenar-unshared  the same with `task.share_prompt: false`: each pair as two sequences, the prompt computed
+              twice, as TRL computes it
   trl         TRL 1.16 `DPOTrainer` on a PEFT model (same LoRA), `DPOConfig(bf16=True)` (autocast, fp32 adapters,
               as users run it), fused AdamW, clipping at 1.0, beta 0.1, no reference model passed: TRL's default
               with a PEFT model is the adapters switched off. QLoRA: bitsandbytes NF4 + double quantization and
@@ -21,7 +24,9 @@ GPU cases), then runs each row in its own process:
 Equal work: every row trains `steps` steps of `batch` pairs from the same pairs file (each stack in its own seeded
 order). tokens/s counts the same tokens for every row: the real (non-padding) tokens of prompt + chosen and prompt +
 rejected of each pair of the step (entrenar's metrics `tokens`; TRL's `attention_mask.sum()` of the step's batch,
-which is what TRL logs as `num_tokens`), median over the steps after the first `--skip`. Peak memory is
+which is what TRL logs as `num_tokens`), median over the steps after the first `--skip`: the prompt counts twice in
+every row, also where entrenar computes it once (its `computed tok/s` column: the tokens it ran, from the run's
+summary line `tokens computed`). Peak memory is
 torch.cuda.max_memory_allocated over the whole process (model load included), in GiB; on the CPU (--tiny) each
 process's peak resident memory.
 
@@ -51,6 +56,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -85,7 +91,8 @@ CASES: dict[str, dict] = {
                  "prompt": 256, "completion": 256},
 }
 TINY_PAIR = {"prompt": 40, "completion": 20}
-ROWS = ("entrenar", "trl", "trl-liger")
+ROWS = ("entrenar", "entrenar-unshared", "trl", "trl-liger")
+BASES = ("trl", "trl-liger")  # the rows the others are compared with
 MIN_CHARS = 2500
 
 
@@ -158,27 +165,31 @@ def recipe_for(case: dict, folder: Path, pairs: Path, run_dir: Path) -> dict:
 
 
 def run_entrenar(case_name: str, case: dict, folder: Path, pairs: Path, work: Path, skip: int,
-                 overrides: tuple[str, ...] = ()) -> dict:
-    run_dir = work / f"run-{case_name}-dpo"
+                 overrides: tuple[str, ...] = (), tag: str = "dpo") -> dict:
+    run_dir = work / f"run-{case_name}-{tag}"
     shutil.rmtree(run_dir, ignore_errors=True)
     recipe = recipe_for(case, folder, pairs, run_dir)
-    recipe_path = work / f"{case_name}-dpo.yaml"
+    recipe_path = work / f"{case_name}-{tag}.yaml"
     recipe_path.write_text(yaml.safe_dump(recipe, sort_keys=False))
     sets = [a for o in overrides for a in ("--set", o)]
     started = time.perf_counter()
     returncode, output, max_rss = run_process(
         [sys.executable, "-m", "entrenar.cli.main", "train", str(recipe_path), "--no-progress", *sets],
-        work / f"{case_name}-dpo.log", {**os.environ, "PYTHONUNBUFFERED": "1"})
+        work / f"{case_name}-{tag}.log", {**os.environ, "PYTHONUNBUFFERED": "1"})
     wall = time.perf_counter() - started
     if returncode != 0:
         return {"status": "failed", "error": output[-2000:], "recipe": recipe}
+    # the summary's "tokens computed  X of the Y the throughput counts" (a shared prompt): the share of Y computed
+    computed = re.search(r"tokens computed\s+([\d,]+) of the ([\d,]+)", output)
+    share = int(computed[1].replace(",", "")) / int(computed[2].replace(",", "")) if computed else 1.0
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     steps = [r for r in lines if "loss" in r and r.get("tokens")]
     step_s = [r["tokens"] / r["tokens_per_s"] for r in steps]
     peak = max_rss if device() == "cpu" else max((r.get("peak_mem_gb") or 0) for r in steps) * 1e9
     out = summarise(step_s, [r["tokens"] for r in steps], [r["loss"] for r in steps], skip, 0.0, peak, wall)
     accuracy = [r.get("rewards/accuracies") for r in steps]
-    return {"status": "ok", **out, "accuracy_last": accuracy[-1] if accuracy else None, "recipe": recipe}
+    return {"status": "ok", **out, "computed_tokens_per_s": out["tokens_per_s"] * share, "computed_share": share,
+            "accuracy_last": accuracy[-1] if accuracy else None, "recipe": recipe}
 
 
 def run_trl(case: dict, folder: Path, pairs: Path, work: Path, row: str, skip: int) -> dict:
@@ -298,12 +309,13 @@ def run_row_process(row: str, case_name: str, folder: Path, pairs: Path, args: a
 
 def print_table(results: list[dict]) -> None:
     """One line per case and row: tokens/s, peak memory, ratios to each baseline that ran, loss and accuracy."""
-    bases = [b for b in ROWS[1:] if any(r["row"] == b and r["status"] == "ok" for r in results)]
-    print(f"{'case':<10}{'row':<12}{'tok/s':>9}{'peak GiB':>9}" + "".join(f"{'vs ' + b:>{len(b) + 5}}" for b in bases)
+    bases = [b for b in BASES if any(r["row"] == b and r["status"] == "ok" for r in results)]
+    print(f"{'case':<10}{'row':<19}{'tok/s':>9}{'computed tok/s':>15}{'peak GiB':>9}"
+          + "".join(f"{'vs ' + b:>{len(b) + 5}}" for b in bases)
           + "".join(f"{'mem/' + b:>{len(b) + 6}}" for b in bases) + f"{'loss first->last':>20}{'acc last':>9}")
     for r in results:
         if r["status"] != "ok":
-            print(f"{r['case']:<10}{r['row']:<12}{r['status']}: {str(r.get('error', ''))[-160:]!r}")
+            print(f"{r['case']:<10}{r['row']:<19}{r['status']}: {str(r.get('error', ''))[-160:]!r}")
             continue
 
         def ratio(key: str, base: str, r: dict = r) -> str:
@@ -311,7 +323,8 @@ def print_table(results: list[dict]) -> None:
             return f"{r[key] / b[key]:.2f}" if b and b.get(key) and r.get(key) else "-"
 
         acc = r.get("accuracy_last")
-        print(f"{r['case']:<10}{r['row']:<12}{r['tokens_per_s']:9.0f}{r['peak_gib'] or 0:9.2f}"
+        computed = r.get("computed_tokens_per_s") or r["tokens_per_s"]
+        print(f"{r['case']:<10}{r['row']:<19}{r['tokens_per_s']:9.0f}{computed:15.0f}{r['peak_gib'] or 0:9.2f}"
               + "".join(f"{ratio('tokens_per_s', b):>{len(b) + 5}}" for b in bases)
               + "".join(f"{ratio('peak_gib', b):>{len(b) + 6}}" for b in bases)
               + f"{r['loss_first']:10.4f} ->{r['loss_last']:8.4f}"
@@ -371,8 +384,10 @@ def main(argv: list[str] | None = None) -> None:
               flush=True)
         for row in args.rows.split(","):
             t0 = time.perf_counter()
-            if row == "entrenar":
-                r = run_entrenar(case_name, case, folder, pairs, work, args.skip, tuple(args.set))
+            if row in ("entrenar", "entrenar-unshared"):
+                sets = (*args.set, *(["task.share_prompt=false"] if row == "entrenar-unshared" else []))
+                r = run_entrenar(case_name, case, folder, pairs, work, args.skip, sets,
+                                 tag="dpo" if row == "entrenar" else "dpo-unshared")
                 row = " ".join([row, *args.set])
             else:
                 r = run_row_process(row, case_name, folder, pairs, args)

@@ -15,6 +15,9 @@ SmolLM2's tokenizer), a JSONL of real text, a recipe a user would write, and `en
               has logged step --kill-after; the restarted job resumes from its latest checkpoint on its own, and
               the two runs' final weights are compared tensor by tensor (and, when they differ, against a
               second uninterrupted run: the GPU's own run-to-run spread)
+    fsdp      FSDP2 on each N of --gpus with and without training.fsdp_prefetch (--prefetch both|on|off): tokens/s
+              (job, per GPU), each rank's peak memory, the prefetch speedup, and for the full-8b cases the ratio to
+              torchtitan's published Llama-3.1-8B FSDP rate; --budget bounds the whole script for one device call
 
 Cases: bench_e2e's, plus `full-8b` (full fine-tuning of the Llama-8B shape, fp32 master weights and AdamW state:
 about 128 GB of state, which FSDP2 shards) and `qlora-70b` (LoRA on a Llama-70B-shape NF4 base: the folder is
@@ -25,6 +28,8 @@ NF4 codes over the ranks).
     python bench/multi_gpu.py scaling --case full-8b --parallel fsdp --gpus 2 --out fsdp-8b.json
     python bench/multi_gpu.py scaling --case qlora-70b --parallel fsdp --gpus 2 --out qlora-70b.json
     python bench/multi_gpu.py restart --case lora-1b --gpus 2 --out restart.json
+    python bench/multi_gpu.py fsdp --case full-8b-8k --gpus 4 2 --skip 3 --budget 570 --out fsdp-8b.json
+    python bench/multi_gpu.py fsdp --case qlora-70b-v128k --gpus 4 --skip 2 --budget 570 --out qlora-70b.json
 
 `--tiny` runs a case at a toy size on the CPU (gloo): a smoke test of the script, not a measurement.
 """
@@ -44,6 +49,7 @@ from pathlib import Path
 import yaml
 
 HERE = Path(__file__).resolve().parent
+STARTED = time.perf_counter()  # fsdp's --budget counts from here
 sys.path.insert(0, str(HERE))
 
 import bench_e2e  # noqa: E402
@@ -53,6 +59,21 @@ CASES: dict[str, dict] = {
     "full-8b": {"shape": "llama-8b", "method": "full", "batch": 2, "seq": 2048, "ckpt": True, "steps": 16},
     "qlora-70b": {"shape": "llama-70b", "method": "qlora", "batch": 1, "seq": 2048, "ckpt": True, "steps": 10,
                   "prequantized": True},
+    # issue 38: torchtitan's Llama-3.1-8B FSDP setting (local batch 2 x 8192 tokens, Llama 3's 128,256 vocabulary;
+    # every layer checkpointed here, selective per-op checkpointing there), and the 70B base with Llama 3's vocabulary
+    "full-8b-8k": {"shape": "llama-8b", "method": "full", "batch": 2, "seq": 8192, "ckpt": True, "steps": 8,
+                   "vocab": 128256},
+    "qlora-70b-v128k": {"shape": "llama-70b", "method": "qlora", "batch": 1, "seq": 2048, "ckpt": True, "steps": 8,
+                        "prequantized": True, "vocab": 128256},
+}
+
+# pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md, Table 1 (end of 2024): FSDP, no compile or Float8
+TORCHTITAN_8B = {
+    "source": "pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md, Table 1, row FSDP",
+    "tokens_per_s_per_gpu": 5762, "memory_gib": 82.4, "gpus": 8,
+    "hardware": "8 H100 (96 GB HBM2e, 500 W power limit) of one Grand Teton host, NVLink",
+    "local_batch": 2, "global_batch": 16, "seq": 8192, "activation_checkpointing": "selective (per op)",
+    "rate": "logged every 10 iterations, read at iteration 90", "data": "C4 (every token counted)",
 }
 
 
@@ -96,7 +117,9 @@ def make_nf4_folder(shape: str, vocab: int, seq: int, tokenizer_dir: Path, folde
 def prepare(name: str, case: dict, work: Path, tokenizer_dir: Path, text: Path, tiny: bool) -> Path:
     """The case's model folder (cached under `work`) and its recipe file; returns the recipe's path."""
     vocab = max(len(json.loads((tokenizer_dir / "tokenizer.json").read_text())["model"]["vocab"]), 49152)
-    folder = work / (case["shape"] + ("-nf4" if case.get("prequantized") else "") + ("-tiny" if tiny else ""))
+    vocab = case.get("vocab", vocab)  # a larger table than the tokenizer's: its rows past the tokens never train
+    folder = work / (case["shape"] + (f"-v{vocab}" if "vocab" in case else "") + ("-nf4" if case.get("prequantized")
+                                                                                 else "") + ("-tiny" if tiny else ""))
     started = time.perf_counter()
     if case.get("prequantized"):
         make_nf4_folder(case["shape"], vocab, case["seq"], tokenizer_dir, folder, tiny)
@@ -183,6 +206,41 @@ def scaling(args, recipe: Path, work: Path) -> list[dict]:
             row["efficiency_median"] = round(row["tokens_per_s_median"] / (per_gpu * gpus), 3)
         print(json.dumps({k: v for k, v in row.items() if k != "losses"}), flush=True)
         results.append({"parallel": args.parallel if n else "single", **row})
+    return results
+
+
+def fsdp(args, recipe: Path, work: Path, out: dict) -> list[dict]:
+    """FSDP2 on each N of --gpus, with and without training.fsdp_prefetch (--prefetch), each run bounded by
+    --timeout and the whole script (the model folder's making included) by --budget seconds: a run that cannot
+    start in what is left is skipped and says so; the results are written to --out after every run, so a cut-off
+    call keeps the runs it finished."""
+    started = STARTED
+    choices = {"both": (True, False), "on": (True,), "off": (False,)}[args.prefetch]
+    results: list[dict] = []
+    for n in args.gpus:
+        for prefetch in choices:
+            name = f"{args.case}-fsdp-{n}-{'prefetch' if prefetch else 'noprefetch'}"
+            run_dir, log = work / name, work / f"{name}.log"
+            left = args.budget - (time.perf_counter() - started)
+            row: dict = {"parallel": "fsdp", "gpus": n, "fsdp_prefetch": prefetch}
+            if left < args.min_run:
+                row.update(status="skipped", reason=f"{left:.0f} s of --budget left, under --min-run {args.min_run:g}")
+            else:
+                subprocess.run(["rm", "-rf", str(run_dir)])
+                sets = ["training.parallel=fsdp", f"training.fsdp_prefetch={str(prefetch).lower()}", *args.set]
+                code, wall = run(train_command(recipe, n, run_dir, sets), log, min(args.timeout, left))
+                row.update(failed(log, code) if code else {"status": "ok", **summary(run_dir, n, args.skip, wall)})
+                subprocess.run(["rm", "-rf", str(run_dir / "model")])  # a full fine-tune's output: the disk's
+            if row.get("status") == "ok" and args.case.startswith("full-8b"):
+                row["vs_torchtitan_8b"] = round(row["per_gpu"] / TORCHTITAN_8B["tokens_per_s_per_gpu"], 3)
+            pair = next((r for r in results if r["gpus"] == n and r.get("status") == "ok"), None)
+            if pair is not None and row.get("status") == "ok":
+                on, off = (row, pair) if prefetch else (pair, row)
+                row["prefetch_speedup"] = round(on["tokens_per_s"] / off["tokens_per_s"], 3)
+            print(json.dumps({k: v for k, v in row.items() if k not in ("losses", "error")}), flush=True)
+            results.append(row)
+            if args.out:
+                args.out.write_text(json.dumps({**out, "runs": results}, indent=1) + "\n")
     return results
 
 
@@ -296,7 +354,7 @@ def machine() -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("what", choices=("scaling", "restart"))
+    p.add_argument("what", choices=("scaling", "restart", "fsdp"))
     p.add_argument("--case", default="lora-1b", choices=sorted(CASES))
     p.add_argument("--parallel", default="ddp", choices=("auto", "ddp", "fsdp"),
                    help="training.parallel of the torchrun runs (auto: one process runs as a plain one)")
@@ -313,6 +371,9 @@ def main() -> None:
     p.add_argument("--text", type=Path, default=Path(".e2e/text.jsonl"))
     p.add_argument("--tiny", action="store_true", help="a toy size on the CPU: a smoke test")
     p.add_argument("--out", type=Path)
+    p.add_argument("--prefetch", default="both", choices=("both", "on", "off"), help="fsdp: training.fsdp_prefetch")
+    p.add_argument("--budget", type=float, default=1e9, help="fsdp: seconds for all the runs (a device call's)")
+    p.add_argument("--min-run", type=float, default=120, help="fsdp: a run needs this much --budget left to start")
     args = p.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     if args.tiny:
@@ -321,7 +382,14 @@ def main() -> None:
     recipe = prepare(args.case, case, args.work, args.tokenizer, args.text, args.tiny)
     result = {"what": args.what, "case": args.case, "settings": case, "machine": machine(), "sets": args.set,
               "command": " ".join(sys.argv)}
-    result["runs"] = scaling(args, recipe, args.work) if args.what == "scaling" else restart(args, recipe, args.work)
+    if args.what == "fsdp":
+        if args.case.startswith("full-8b"):
+            result["torchtitan"] = TORCHTITAN_8B
+        result["runs"] = fsdp(args, recipe, args.work, result)
+    elif args.what == "scaling":
+        result["runs"] = scaling(args, recipe, args.work)
+    else:
+        result["runs"] = restart(args, recipe, args.work)
     if args.what == "restart":
         print(json.dumps({k: v for k, v in result["runs"].items() if k not in ("clean", "restarted")}, indent=1))
     if args.out:

@@ -7,10 +7,16 @@ and is checked against the FlashAttention-2 result. Rows: ``fa2-varlen`` (what t
 ``torch.nn.attention.varlen``), ``fa2-varlen-graph`` (the CUDA-graph layout: segments padded to a fixed count
 with empty ones, ``max_seqlen`` the row length), ``flex`` (FlexAttention under a document-causal block mask,
 compiled), ``fa2-dense`` / ``cudnn-dense`` (whole causal rows without document boundaries: the work a
-group_texts row does, not the same attention); ``--cudnn-ragged`` adds cuDNN's ragged path. ``--capture`` also
-times each step replayed from a CUDA graph, the GPU's time alone (the eager rows can include the host's).
+group_texts row does, not the same attention); ``--cudnn-ragged`` adds cuDNN's ragged path; ``fa4-varlen``
+(FlashAttention-4's CuTe-DSL kernel, ``flash_attn.cute.flash_attn_varlen_func``, JIT-compiled on first call) runs
+where the ``flash-attn-4`` package imports. ``--capture`` also times each step replayed from a CUDA graph, the
+GPU's time alone (the eager rows can include the host's).
 
     PYTHONPATH=src:bench python3 bench/varlen_backends.py --capture --out varlen.json
+
+FlashAttention-4's wheels (``flash-attn-4`` and ``nvidia-cutlass-dsl`` with its ``-libs-base`` and ``-libs-cu13``
+parts, about 100 MB; ``bench/fa4_wheels.sh`` fetches them) are more than one device call carries: they travel in two
+calls to a warm machine and are installed into the folder on ``PYTHONPATH`` before this script runs.
 """
 
 from __future__ import annotations
@@ -159,8 +165,16 @@ def main() -> None:
                 return o.transpose(1, 2).reshape(n, hq, d)
             return run
 
+        def fa4(q, k, v, cu=cu, m=max_len):
+            from flash_attn.cute import flash_attn_varlen_func
+
+            out = flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=m,
+                                         max_seqlen_k=m, causal=True)
+            return out[0] if isinstance(out, tuple) else out
+
         backends = {
             "fa2-varlen": fa2,
+            "fa4-varlen": fa4,
             "fa2-varlen-graph": lambda q, k, v: fa2(q, k, v, cu_graph, args.row_len),
             "flex": flex(block_mask),
             "fa2-dense": dense(torch.nn.attention.SDPBackend.FLASH_ATTENTION),

@@ -101,6 +101,7 @@ class Recipe:
             raise _BadValue("task.reference", "'task.reference' adapters_off needs LoRA or QLoRA (a lora section): "
                                               "a full fine-tune has no adapters to switch off (use copy or "
                                               "precomputed)")
+        self._check_share_prompt()
         self._check_grpo()
         if self.data.validation is not None and self.data.validation_split > 0:
             raise _BadValue(
@@ -148,6 +149,20 @@ class Recipe:
                 "'training.precision' fp16 needs a CUDA device but model.device is 'cpu' "
                 "(use bf16 or fp32 on CPU)",
             )
+
+    def _check_share_prompt(self) -> None:
+        """``task.share_prompt: true`` needs preference pairs laid out padding-free."""
+        if self.task.share_prompt is not True:
+            return
+        if self.task.type != "preference" or self.task.loss == "kto":
+            what = "task.loss kto has unpaired examples" if self.task.type == "preference" else \
+                f"task.type is {self.task.type}"
+            raise _BadValue("task.share_prompt", f"'task.share_prompt' true computes the prompt of a preference "
+                                                 f"pair once for both completions; {what} (set it to auto or false)")
+        if self.data.padding_free is False:
+            raise _BadValue("task.share_prompt", "'task.share_prompt' true lays each pair out padding-free "
+                                                 "([prompt, chosen, rejected] in one row), and 'data.padding_free' "
+                                                 "is false (turn one of them off, or set share_prompt: auto)")
 
     def _check_grpo(self) -> None:
         """GRPO needs reward functions, and a KL term needs the reference (adapters off: a lora section)."""

@@ -329,6 +329,9 @@ class TrainingSection(_Section):
     # steps get stall_startup_s (distributed/watchdog.py)
     stall_timeout_s: float | None = setting(30.0, _seconds_or_null, resumable=24)
     stall_startup_s: float = setting(1800.0, _number(1.0), resumable=24)
+    # parallel: fsdp: issue the next block's all-gathers (parameters, and a QLoRA base's NF4 codes) while this
+    # block computes, forward and backward; false: each block gathers when it is called (the same numbers)
+    fsdp_prefetch: bool = setting(True, _boolean)
     # context parallelism: each padding-free row split over this many processes (consecutive ranks, one host's
     # GPUs), attention by all-to-all over heads; the rest of the world is data parallel (distributed/
     # context_parallel.py)
@@ -387,6 +390,9 @@ class TaskSection(_Section):
     # the reference model: auto (adapters_off under LoRA/QLoRA, else copy), the base with the adapters switched off,
     # a frozen copy, or log-probabilities computed once before training and kept in the run folder
     reference: str = setting("auto", _choice("auto", "adapters_off", "copy", "precomputed"))
+    # pairs (not KTO): each prompt computed once for both completions ([prompt, chosen, rejected], rejected not
+    # seeing chosen); auto: wherever the rows are padding-free (data.padding_free), true: always
+    share_prompt: str | bool = setting("auto", _choice("auto", True, False))
     # grpo (TRL's GRPOConfig names and defaults; docs/RL.md): completions per prompt and how they are sampled
     num_generations: int = setting(8, _integer(2))
     max_new_tokens: int = setting(64, _integer(1))

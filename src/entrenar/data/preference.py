@@ -27,6 +27,11 @@ document: packed rows (best-fit, documents isolated) or one sequence a padded ro
 ``sequence_ids`` (the sequence of each token, -1 on padding), ``num_sequences`` (pairs: sequence 2i is pair i's
 chosen, 2i+1 its rejected; unpaired: sequence i is example i), ``example_index`` (each unit's index in the
 stream's examples) and, unpaired, ``desirable``.
+
+With ``share_prompt`` a pairs batch also carries the same pairs laid out with each prompt once
+(:func:`shared_prompt_layout`, keys ``shared_*``): one padding-free row of ``[prompt, chosen, rejected]`` per pair,
+the rejected tokens attending the prompt and themselves only. The rows above stay as they are (what the step's
+token count reads: the prompt counted twice, as TRL processes it); the task picks the layout it runs.
 """
 
 from __future__ import annotations
@@ -361,7 +366,7 @@ class _Cuts:
 
 def collate_preference(examples: Sequence[PreferenceExample], indices: Sequence[int], seq_len: int, *,
                        packing: bool = True, pad_id: int = 0, pad_to: str = "seq_len",
-                       kl: bool = False) -> PreferenceBatch:
+                       kl: bool = False, share_prompt: bool = False) -> PreferenceBatch:
     """The micro-batch of ``examples[i]`` for ``i`` in ``indices``: each sequence (prompt + one completion) one
     document, packed best-fit into rows of ``seq_len`` or one a padded row (to ``seq_len``, or to the longest
     with ``pad_to="longest"``).
@@ -369,7 +374,7 @@ def collate_preference(examples: Sequence[PreferenceExample], indices: Sequence[
     ``kl`` (unpaired examples, KTO's KL estimate): after the n sequences of the examples come n mismatched ones,
     sequence n + k being example k's prompt with example k-1's completion (example 0 with the last one's), cut at
     the end to ``seq_len``: TRL's ``KL_completion_ids``, rotated by one within a batch. ``kl_offset`` = n then
-    names the first of them."""
+    names the first of them. ``share_prompt`` (pairs): the ``shared_*`` keys of :func:`shared_prompt_layout` too."""
     sequences: list[Example] = []
     for i in indices:
         example = examples[i]
@@ -401,7 +406,68 @@ def collate_preference(examples: Sequence[PreferenceExample], indices: Sequence[
         batch["desirable"] = torch.tensor([e.desirable for e in unpaired if isinstance(e, UnpairedExample)])
     if kl:
         batch["kl_offset"] = len(indices)
+    if share_prompt:
+        pairs = [examples[i] for i in indices]
+        if not all(isinstance(e, PreferencePair) for e in pairs):
+            raise ConfigError("share_prompt: only a preference pair's two completions share a prompt (KTO's "
+                              "examples are unpaired)")
+        batch.update(shared_prompt_layout([e for e in pairs if isinstance(e, PreferencePair)]))
     return batch
+
+
+def shared_prompt_layout(pairs: Sequence[PreferencePair]) -> dict[str, torch.Tensor | int]:
+    """``pairs`` as one padding-free row computing each prompt once: the ``shared_*`` keys of a batch.
+
+    Pair i is one stretch ``[prompt, chosen, rejected]`` of ``shared_input_ids`` ([M]) with the position ids of the
+    unshared sequences (prompt and chosen ``0 .. P+C-1``, rejected ``P .. P+R-1``, as in ``[prompt, rejected]``),
+    in two attention segments (``shared_cu_seqlens``, int32 [2 x pairs + 1]): the queries of prompt + chosen, then
+    those of rejected. ``shared_kv_index`` ([K]) lists the tokens whose keys each segment attends
+    (``shared_cu_seqlens_k``): prompt + chosen for the first, the prompt again then rejected for the second, so
+    rejected never sees chosen; the queries are aligned with the last key (bottom-right causal).
+    ``shared_sources``/``shared_targets``/``shared_owners`` ([completion tokens]): the position whose hidden state
+    predicts each completion token (rejected's first from the prompt's last), the token, and its sequence (2i
+    chosen, 2i+1 rejected). ``shared_max_seqlen``/``shared_max_seqlen_k``: the longest segments (Python ints);
+    ``shared_tokens``: M, the tokens computed; ``shared_counted_tokens``: the tokens of the two sequences of each
+    pair (what the rows hold, and what TRL computes)."""
+    ids: list[int] = []
+    positions: list[int] = []
+    cu_q, cu_k, kv_index = [0], [0], []
+    sources: list[int] = []
+    targets: list[int] = []
+    owners: list[int] = []
+    for i, pair in enumerate(pairs):
+        base, p, c, r = len(ids), len(pair.prompt), len(pair.chosen), len(pair.rejected)
+        ids += pair.prompt + pair.chosen + pair.rejected
+        positions += list(range(p + c)) + list(range(p, p + r))
+        cu_q += [cu_q[-1] + p + c, cu_q[-1] + p + c + r]
+        kv_index += list(range(base, base + p + c)) + list(range(base, base + p)) + \
+            list(range(base + p + c, base + p + c + r))
+        cu_k += [cu_k[-1] + p + c, cu_k[-1] + p + c + p + r]
+        for owner, start, completion in ((2 * i, base + p, pair.chosen), (2 * i + 1, base + p + c, pair.rejected)):
+            for j, token in enumerate(completion):
+                # the token before: the prompt's last for a completion's first (none without a prompt, as in the
+                # unshared sequence, whose first token is never a target)
+                source = start + j - 1 if j else (base + p - 1 if p else -1)
+                if source >= 0:
+                    sources.append(source)
+                    targets.append(token)
+                    owners.append(owner)
+    lengths_q = [b - a for a, b in zip(cu_q[:-1], cu_q[1:])]
+    lengths_k = [b - a for a, b in zip(cu_k[:-1], cu_k[1:])]
+    return {
+        "shared_input_ids": torch.tensor(ids, dtype=torch.long),
+        "shared_position_ids": torch.tensor(positions, dtype=torch.long),
+        "shared_cu_seqlens": torch.tensor(cu_q, dtype=torch.int32),
+        "shared_max_seqlen": max(lengths_q, default=0),
+        "shared_kv_index": torch.tensor(kv_index, dtype=torch.long),
+        "shared_cu_seqlens_k": torch.tensor(cu_k, dtype=torch.int32),
+        "shared_max_seqlen_k": max(lengths_k, default=0),
+        "shared_sources": torch.tensor(sources, dtype=torch.long),
+        "shared_targets": torch.tensor(targets, dtype=torch.long),
+        "shared_owners": torch.tensor(owners, dtype=torch.long),
+        "shared_tokens": len(ids),
+        "shared_counted_tokens": sum(2 * len(e.prompt) + len(e.chosen) + len(e.rejected) for e in pairs),
+    }
 
 
 def _sequence(prompt: list[int], completion: Sequence[int], seq_len: int, origin: str) -> Example:
@@ -448,6 +514,7 @@ class PreferenceStream:
         pad_id: int = 0,
         pad_to: str = "seq_len",
         kl: bool = False,
+        share_prompt: bool = False,
     ) -> None:
         if batch_size < 1 or seq_len < 2:
             raise ConfigError(f"batch_size must be >= 1 and seq_len >= 2, got {batch_size} and {seq_len}")
@@ -456,6 +523,9 @@ class PreferenceStream:
         _check_examples(examples, seq_len)
         if kl and not isinstance(examples[0], UnpairedExample):
             raise ConfigError("kl: the mismatched sequences of KTO's KL estimate are made from unpaired examples")
+        if share_prompt and not isinstance(examples[0], PreferencePair):
+            raise ConfigError("share_prompt: only a preference pair's two completions share a prompt (KTO's "
+                              "examples are unpaired)")
         self.examples = examples
         self.batch_size = batch_size
         self.seq_len = seq_len
@@ -465,6 +535,7 @@ class PreferenceStream:
         self.pad_id = pad_id
         self.pad_to = pad_to
         self.kl = kl
+        self.share_prompt = share_prompt  # the shared_* keys too (pairs)
         self.cursor = EpochCursor(len(examples), shuffle, seed)  # the seeded order BatchStream visits too
 
     def __iter__(self) -> PreferenceStream:
@@ -472,7 +543,8 @@ class PreferenceStream:
 
     def __next__(self) -> PreferenceBatch:
         return collate_preference(self.examples, self.cursor.take(self.batch_size), self.seq_len, packing=self.packing,
-                                  pad_id=self.pad_id, pad_to=self.pad_to, kl=self.kl)
+                                  pad_id=self.pad_id, pad_to=self.pad_to, kl=self.kl,
+                                  share_prompt=self.share_prompt)
 
     def rows_per_epoch(self) -> int:
         """Units (pairs or unpaired examples) of one epoch: what ``batch_size`` counts, so ``training.epochs``
@@ -506,16 +578,17 @@ class PreferenceStream:
 
 
 def preference_eval_batches(examples: Sequence[PreferenceExample], batch_size: int, seq_len: int, *,
-                            packing: bool = True, pad_id: int = 0, kl: bool = False) -> list[PreferenceBatch]:
+                            packing: bool = True, pad_id: int = 0, kl: bool = False,
+                            share_prompt: bool = False) -> list[PreferenceBatch]:
     """Every example once, in order, ``batch_size`` a micro-batch (the last may hold fewer): held-out evaluation."""
     if batch_size < 1:
         raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
     _check_examples(examples, seq_len)
     return [collate_preference(examples, range(start, min(start + batch_size, len(examples))), seq_len,
-                               packing=packing, pad_id=pad_id, kl=kl)
+                               packing=packing, pad_id=pad_id, kl=kl, share_prompt=share_prompt)
             for start in range(0, len(examples), batch_size)]
 
 
 __all__ = ["COLUMNS", "KINDS", "PreferenceBatch", "PreferenceExample", "PreferencePair", "PreferenceStream",
            "UnpairedExample", "collate_preference", "preference_columns", "preference_eval_batches",
-           "read_preference_file"]
+           "read_preference_file", "shared_prompt_layout"]

@@ -12,6 +12,9 @@ knows nothing of any of this.
 - ``fsdp``: ``fully_shard`` on each decoder block, then on the root (embeddings, final norm and head in one
   group, so tied embeddings stay one parameter); parameters, gradients and optimizer state are sharded.
   Gradients are reduce-scattered on every micro-step, so unsharded gradients never pile up.
+  With ``training.fsdp_prefetch`` (the default) each block's all-gathers, its parameters' and its sharded NF4
+  base's, are issued one block ahead, forward and backward (:func:`set_block_prefetch`,
+  :func:`~entrenar.quant.nf4.sharding.prefetch_nf4`).
 
 Both average gradients over ranks; the loop divides each rank's token-summed loss by the global step's target
 tokens over ``world.size``, so the sum of what they average is the one-process gradient.
@@ -29,7 +32,7 @@ from torch import nn
 from entrenar.distributed.materialize import full_state, materialize
 from entrenar.distributed.world import World
 from entrenar.errors import ConfigError
-from entrenar.quant.nf4.sharding import scatter_nf4, shard_nf4_layers
+from entrenar.quant.nf4.sharding import BlockGather, prefetch_nf4, scatter_nf4, shard_nf4_layers
 
 MiB = 2**20
 
@@ -104,7 +107,8 @@ class Sharded(Single):
 
     mode = "fsdp"
 
-    def __init__(self, model: nn.Module, world: World, device: torch.device, precision: str) -> None:
+    def __init__(self, model: nn.Module, world: World, device: torch.device, precision: str,
+                 prefetch: bool = True) -> None:
         super().__init__(model)
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
@@ -123,6 +127,25 @@ class Sharded(Single):
         materialize(model, state, world, device)  # each rank's shards, from rank 0
         scatter_nf4(nf4, world, device)
         register_fsdp_forward_method(model, "hidden_states")
+        self.nf4_gathers: list[BlockGather] = []
+        if prefetch:
+            set_block_prefetch(layers)
+            self.nf4_gathers = prefetch_nf4(layers, world)
+
+
+def set_block_prefetch(blocks: list[nn.Module]) -> None:
+    """FSDP2's explicit prefetching over the decoder's blocks (each already ``fully_shard``-ed): entering block
+    i's forward issues block i + 1's all-gather, entering block i's backward issues block i - 1's, so the next
+    block's parameters travel while this one computes (FSDP2 on its own issues a forward all-gather only when
+    its block is called, which a GPU running behind the CPU hides but a CPU-bound step does not)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    sharded = [cast(FSDPModule, b) for b in blocks]
+    for i, block in enumerate(sharded):
+        if i + 1 < len(sharded):
+            block.set_modules_to_forward_prefetch([sharded[i + 1]])
+        if i > 0:
+            block.set_modules_to_backward_prefetch([sharded[i - 1]])
 
 
 def bucket_mb(trainable_bytes: int) -> float:
@@ -131,12 +154,14 @@ def bucket_mb(trainable_bytes: int) -> float:
     return float(min(25.0, max(1.0, trainable_bytes / 8 / MiB)))
 
 
-def parallelize(model: nn.Module, mode: str, world: World, device: torch.device, precision: str = "fp32") -> Single:
-    """Wrap ``model`` for ``mode`` (``single``, ``ddp`` or ``fsdp``: the run plan's ``training.parallel``)."""
+def parallelize(model: nn.Module, mode: str, world: World, device: torch.device, precision: str = "fp32",
+                prefetch: bool = True) -> Single:
+    """Wrap ``model`` for ``mode`` (``single``, ``ddp`` or ``fsdp``: the run plan's ``training.parallel``);
+    ``prefetch`` (fsdp: ``training.fsdp_prefetch``) issues each block's all-gathers one block ahead."""
     if mode == "single":
         return Single(model)
     if mode == "ddp":
         return Replicated(model, world, device)
     if mode == "fsdp":
-        return Sharded(model, world, device, precision)
+        return Sharded(model, world, device, precision, prefetch)
     raise ConfigError(f"training.parallel must be ddp, fsdp or auto, got {mode!r}")

@@ -17,6 +17,11 @@ kernel cannot take the shapes, each document goes through SDPA on its own,
 which computes the same thing and skips the blocks across documents that a
 mask would only hide. On a CPU in bf16, documents up to 1,024 tokens run as
 explicit products instead (:mod:`entrenar.models.cpu_attention`).
+
+A segment may also attend keys other than its own tokens (:class:`Documents`' ``kv_index``): a preference pair
+laid out ``[prompt, chosen, rejected]`` computes its prompt once, and the rejected tokens read the prompt's keys
+and values gathered again in front of their own, queries aligned bottom-right (the last query sees the last key),
+as FlashAttention's kernel aligns a causal mask whenever a segment has fewer queries than keys.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import contextlib
 import inspect
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, cast
 
 import torch
@@ -84,12 +89,22 @@ class Documents:
 
     cu_seqlens: torch.Tensor  # int32 [D + 1], on the model's device: 0, len0, len0 + len1, ..., N
     max_len: int  # the longest document, a Python int (the kernel's launch grid depends on it)
+    # Segments whose keys/values are not their own tokens (shared-prompt preference pairs): segment i attends the
+    # rows kv_index[cu_seqlens_k[i]:cu_seqlens_k[i + 1]] of the row's keys/values, causally with its queries
+    # aligned to the last of them; None: each segment attends itself.
+    kv_index: torch.Tensor | None = None  # int64 [K], indices into the row's N tokens
+    cu_seqlens_k: torch.Tensor | None = None  # int32 [D + 1] over the K gathered keys
+    max_len_k: int = 0  # the longest key segment
     # Context parallelism: the tokens are this process's slice of the row that cu_seqlens spans; None: all of it.
     shards: SequenceShards | None = field(default_factory=_SHARDS.get)
 
     def bounds(self) -> list[int]:
         """``cu_seqlens`` as Python ints (a device sync on the GPU: only the per-document path needs it)."""
         return self.cu_seqlens.tolist()
+
+    def key_bounds(self) -> list[int]:
+        """Where each segment's keys start and end in the gathered keys (its own tokens without ``kv_index``)."""
+        return self.cu_seqlens_k.tolist() if self.cu_seqlens_k is not None else self.bounds()
 
 
 def documents_attention(
@@ -109,11 +124,13 @@ def documents_attention(
     attention over the whole row runs through its exchange.
     """
     if documents.shards is not None:
-        whole = Documents(documents.cu_seqlens, documents.max_len, shards=None)
+        whole = replace(documents, shards=None)
         return documents.shards.attend(q, k, v, sinks, lambda q, k, v, sinks: documents_attention(
             q, k, v, whole, window, scale=scale, softcap=softcap, sinks=sinks))
     b, t = q.shape[0], q.shape[2]
     q, k, v = (x.transpose(1, 2).reshape(b * t, x.shape[1], x.shape[3]) for x in (q, k, v))  # [N, H, D]
+    if documents.kv_index is not None:  # each segment's keys/values, the shared ones gathered again
+        k, v = k.index_select(0, documents.kv_index), v.index_select(0, documents.kv_index)
     out_shape = (b, t, q.shape[1], v.shape[-1])  # values may be narrower than queries (MLA's v_head_dim)
     if sinks is not None:
         return _per_document_sinks(q, k, v, documents, window, sinks).view(out_shape)
@@ -161,7 +178,8 @@ def _varlen_fits(q: torch.Tensor, k: torch.Tensor, documents: Documents, window:
     if q.shape[-1] % 8 or q.shape[-1] > 256 or q.shape[-1] < v_dim:
         return False
     # Without window_size (older torch) the kernel is only causal: a window that cuts a document needs the fallback.
-    return window is None or documents.max_len <= window or "window_size" in _VARLEN_PARAMS
+    return window is None or max(documents.max_len, documents.max_len_k) <= window or \
+        "window_size" in _VARLEN_PARAMS
 
 
 def _varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Documents,
@@ -183,18 +201,22 @@ def _varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Docume
             groups = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     cu, n = documents.cu_seqlens, documents.max_len
+    cu_k, n_k = (documents.cu_seqlens_k, documents.max_len_k) if documents.cu_seqlens_k is not None else (cu, n)
     assert _varlen_attn is not None  # _varlen_fits checked
-    # Without return_aux, varlen_attn returns the output alone.
-    return cast(torch.Tensor, _varlen_attn(q.contiguous(), k.contiguous(), v.contiguous(), cu, cu, n, n, **extra))
+    # Without return_aux, varlen_attn returns the output alone. A segment with fewer queries than keys is masked
+    # bottom-right (FlashAttention's mask.h: key j is seen by query i when j < i + 1 + seqlen_k - seqlen_q).
+    return cast(torch.Tensor, _varlen_attn(q.contiguous(), k.contiguous(), v.contiguous(), cu, cu_k, n, n_k,
+                                           **extra))
 
 
 def _per_document_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Documents,
                         window: int | None, sinks: torch.Tensor) -> torch.Tensor:
-    bounds = documents.bounds()
+    bounds, keys = documents.bounds(), documents.key_bounds()
     pieces = []
-    for start, end in zip(bounds[:-1], bounds[1:]):
-        if end > start:
-            qi, ki, vi = (x[start:end].transpose(0, 1)[None] for x in (q, k, v))  # [1, H, n, D]
+    for start, end, k_start, k_end in zip(bounds[:-1], bounds[1:], keys[:-1], keys[1:]):
+        if end > start:  # sink_attention aligns the last query with the last key, as the shared layout needs
+            qi = q[start:end].transpose(0, 1)[None]  # [1, H, n, D]
+            ki, vi = (x[k_start:k_end].transpose(0, 1)[None] for x in (k, v))
             pieces.append(sink_attention(qi, ki, vi, sinks, window=window)[0].transpose(0, 1))
     return torch.cat(pieces)
 
@@ -202,23 +224,21 @@ def _per_document_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docum
 def _per_document(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Documents,
                   window: int | None, scale: float | None = None, softcap: float | None = None) -> torch.Tensor:
     groups = q.shape[1] // k.shape[1]
-    bounds = documents.bounds()
+    bounds, keys = documents.bounds(), documents.key_bounds()
     pieces = []
     kept = 0  # probabilities the explicit path keeps for backward in this layer
-    for start, end in zip(bounds[:-1], bounds[1:]):
+    for start, end, k_start, k_end in zip(bounds[:-1], bounds[1:], keys[:-1], keys[1:]):
         if end == start:  # an empty segment (fixed-capacity layouts end with some)
             continue
-        qi, ki, vi = (x[start:end].transpose(0, 1) for x in (q, k, v))  # [H, n, D]
-        n = end - start
-        window_mask = None
-        if window is not None and n > window:
-            pos = torch.arange(n, device=q.device)
-            window_mask = (pos[None, :] <= pos[:, None]) & (pos[:, None] - pos[None, :] < window)
+        qi = q[start:end].transpose(0, 1)  # [H, n, D]
+        ki, vi = (x[k_start:k_end].transpose(0, 1) for x in (k, v))  # [H, s, D]
+        n, s = end - start, k_end - k_start
+        window_mask = bottom_right_mask(n, s, window, q.device)
         if softcap is not None:
             y = capped_attention(qi[None], ki[None], vi[None], window_mask, scale, softcap)[0]
             pieces.append(y.transpose(0, 1))
             continue
-        if scale is None and explicit_fits(qi, ki, vi, n, window) and \
+        if scale is None and n == s and explicit_fits(qi, ki, vi, n, window) and \
                 kept + qi.shape[0] * n * n <= EXPLICIT_LAYER_BUDGET:
             kept += qi.shape[0] * n * n
             pieces.append(explicit_causal_attention(qi, ki, vi).transpose(0, 1))
@@ -236,3 +256,15 @@ def _per_document(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: 
             y = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, **extra)
         pieces.append(y.transpose(0, 1))
     return torch.cat(pieces)
+
+
+def bottom_right_mask(n: int, s: int, window: int | None, device: torch.device) -> torch.Tensor | None:
+    """Which of ``s`` keys each of ``n`` queries attends (bool ``[n, s]``), the last query aligned with the last key
+    (query i at position ``i + s - n``) and limited to the ``window`` latest positions, itself included; None where
+    SDPA's own causal mask is the same (``n == s``, no window that cuts)."""
+    if n == s and (window is None or n <= window):
+        return None
+    q_pos = torch.arange(s - n, s, device=device)[:, None]
+    k_pos = torch.arange(s, device=device)[None, :]
+    mask = k_pos <= q_pos
+    return mask & (q_pos - k_pos < window) if window is not None else mask

@@ -501,6 +501,9 @@ class Transformer(nn.Module):
         *,
         cu_seqlens: torch.Tensor | None = None,
         max_seqlen: int | None = None,
+        kv_index: torch.Tensor | None = None,
+        cu_seqlens_k: torch.Tensor | None = None,
+        max_seqlen_k: int | None = None,
     ) -> torch.Tensor:
         """Final normed hidden states [B, T, hidden] (what the output head reads).
 
@@ -508,6 +511,8 @@ class Transformer(nn.Module):
         `cu_seqlens` (int32 [D + 1]) marks D documents over the rows of `input_ids` read end to end: a
         padding-free row [1, N], or packed rows [B, T] (then it replaces `document_ids`' mask; see
         :mod:`entrenar.models.padding_free`); `max_seqlen` is the longest (computed when not given).
+        `kv_index`, `cu_seqlens_k`, `max_seqlen_k` (with `cu_seqlens`): the keys each segment attends when not its
+        own tokens (:class:`~entrenar.models.padding_free.Documents`; shared-prompt preference pairs).
         """
         b, t = input_ids.shape
         past = cache.length if cache is not None else 0
@@ -526,6 +531,10 @@ class Transformer(nn.Module):
             if max_seqlen is None:
                 max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
             mask = Documents(cu_seqlens.to(device=input_ids.device, dtype=torch.int32), max_seqlen)
+            if kv_index is not None and cu_seqlens_k is not None:  # segments attending shared keys
+                mask = Documents(mask.cu_seqlens, max_seqlen, kv_index.to(input_ids.device),
+                                 cu_seqlens_k.to(device=input_ids.device, dtype=torch.int32),
+                                 max_seqlen_k or int((cu_seqlens_k[1:] - cu_seqlens_k[:-1]).max()))
         else:
             mask = self.attention_mask(t, document_ids, input_ids.device, past)
         # Models whose layers differ (Gemma: sliding and global layers, Gemma 3's two RoPE bases) get each
@@ -576,9 +585,13 @@ class Transformer(nn.Module):
         *,
         cu_seqlens: torch.Tensor | None = None,
         max_seqlen: int | None = None,
+        kv_index: torch.Tensor | None = None,
+        cu_seqlens_k: torch.Tensor | None = None,
+        max_seqlen_k: int | None = None,
     ) -> torch.Tensor:
         hidden = self.hidden_states(input_ids, position_ids, document_ids, cache,
-                                    cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
+                                    cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, kv_index=kv_index,
+                                    cu_seqlens_k=cu_seqlens_k, max_seqlen_k=max_seqlen_k)
         logits = self.lm_head(hidden)
         if self.config.logits_scaling != 1.0:  # Granite
             logits = logits / self.config.logits_scaling

@@ -43,7 +43,7 @@ from entrenar.loading import recipe_model_config
 from entrenar.models.config import ModelConfig
 from entrenar.models.padding_free import rows_by_document
 from entrenar.models.transformer import checkpointed_layer_indices, offloaded_layer_indices
-from entrenar.tasks.preference import reference_of
+from entrenar.tasks.preference import reference_of, share_prompt_of
 from entrenar.train.memory import PROJECTION_NAMES, GiB, MemoryEstimate, estimate_training_memory
 from entrenar.train.optim import use_fused
 
@@ -118,8 +118,10 @@ class RunPlan:
         flat = flat or self.context_parallel > 1  # context parallelism splits padding-free rows (checked: not false)
         reason = "padding-free rows" if flat else ("packed rows, attention by document" if by_document
                                                    else "rows under a document mask")
-        return RowLayout(flat=flat, by_document=by_document and not flat,
-                         reason=f"{reason} (data.padding_free: {setting})")
+        reason = f"{reason} (data.padding_free: {setting})"
+        if task == "preference":
+            reason += "; " + share_prompt_of(recipe, flat)[1]
+        return RowLayout(flat=flat, by_document=by_document and not flat, reason=reason)
 
     def steps(self, epoch_rows: int) -> tuple[int, str]:
         """``training.epochs`` resolved once the data is read: ``ceil(epochs x epoch_rows / rows_per_step)``

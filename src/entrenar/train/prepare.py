@@ -100,7 +100,7 @@ def prepare(model: Transformer, recipe: Recipe, plan: RunPlan, world: World) -> 
         # checkpointing and offload keep their saving.
         for block in model.model.layers:
             block.compile()
-    step_model = parallelize(model, plan.mode, world, plan.device, t.precision)
+    step_model = parallelize(model, plan.mode, world, plan.device, t.precision, prefetch=t.fsdp_prefetch)
     if plan.context_parallel > 1:  # each row split over cp ranks; DDP/FSDP over the whole world inside
         step_model = context_parallel(step_model, world, plan.context_parallel, plan.device)
     graphs = plan.graphs(moe is None or moe.replayable(plan.device, plan.compute_dtype))

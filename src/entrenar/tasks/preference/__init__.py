@@ -11,6 +11,8 @@ from entrenar.tasks.preference.task import (
     PreferenceTask,
     evaluate_preference_file,
     reference_of,
+    share_prompt_of,
 )
 
-__all__ = ["ACCURACY", "PreferenceEval", "PreferenceTask", "evaluate_preference_file", "reference_of"]
+__all__ = ["ACCURACY", "PreferenceEval", "PreferenceTask", "evaluate_preference_file", "reference_of",
+           "share_prompt_of"]

@@ -5,6 +5,11 @@ A batch (:mod:`entrenar.data.preference`) holds sequences (prompt + completion) 
 of a sequence's completion is gathered from the hidden states chunk by chunk
 (:func:`~entrenar.kernels.token_logprobs.token_logprobs`), never from ``[tokens, vocab]`` logits, then summed per
 sequence with one ``index_add``.
+
+A batch with the ``shared_*`` keys (:func:`~entrenar.data.preference.shared_prompt_layout`) can run with each
+pair's prompt computed once (``shared=True``): one padding-free row ``[prompt, chosen, rejected]`` per pair, the
+rejected tokens attending the prompt's keys and their own; only the hidden states that predict a completion token
+go through the output head.
 """
 
 from __future__ import annotations
@@ -29,11 +34,14 @@ def _targets(batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def sequence_logprobs(model: Any, batch: Batch, head: nn.Module | None,
-                      chunk: int = TOKEN_LOGPROBS_CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+                      chunk: int = TOKEN_LOGPROBS_CHUNK, shared: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``(sums, tokens)`` [num_sequences]: each sequence's summed fp32 completion log-probability under ``model``
     (the model or its parallel wrapper, called with ``hidden_states`` as the training step calls it) and its
     completion token count. ``head``: a plain output ``nn.Linear`` whose weight turns hidden states into
-    log-probabilities chunk by chunk; None: the model's own logits (an output head that is not plain)."""
+    log-probabilities chunk by chunk; None: the model's own logits (an output head that is not plain).
+    ``shared``: through the batch's shared-prompt layout (its ``shared_*`` keys) instead of its rows."""
+    if shared:
+        return _shared_logprobs(model, batch, head, chunk)
     inputs = (batch["input_ids"], batch["position_ids"], batch.get("document_ids"))
     layout = {"cu_seqlens": batch.get("cu_seqlens"), "max_seqlen": batch.get("max_seqlen")}  # padding-free
     targets, owners = _targets(batch)
@@ -51,6 +59,26 @@ def sequence_logprobs(model: Any, batch: Batch, head: nn.Module | None,
     sums = torch.zeros(n, dtype=torch.float32, device=token.device).index_add(0, index, token[valid])
     tokens = torch.zeros(n, dtype=torch.float32, device=token.device).index_add(
         0, index, torch.ones_like(token[valid]))
+    return sums, tokens
+
+
+def _shared_logprobs(model: Any, batch: Batch, head: nn.Module | None,
+                     chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`sequence_logprobs` through the shared-prompt layout."""
+    inputs = (batch["shared_input_ids"][None], batch["shared_position_ids"][None], None)
+    layout = {"cu_seqlens": batch["shared_cu_seqlens"], "max_seqlen": batch["shared_max_seqlen"],
+              "kv_index": batch["shared_kv_index"], "cu_seqlens_k": batch["shared_cu_seqlens_k"],
+              "max_seqlen_k": batch["shared_max_seqlen_k"]}
+    sources, targets, owners = batch["shared_sources"], batch["shared_targets"], batch["shared_owners"]
+    if head is not None:
+        hidden = model.hidden_states(*inputs, **layout)[0].index_select(0, sources)
+        token = token_logprobs(hidden, head.weight, targets, chunk)
+    else:
+        logits = model(*inputs, **layout)[0].index_select(0, sources)
+        token = torch.log_softmax(logits.float(), dim=-1).gather(1, targets.unsqueeze(1)).squeeze(1)
+    n = int(batch["num_sequences"])
+    sums = torch.zeros(n, dtype=torch.float32, device=token.device).index_add(0, owners, token)
+    tokens = torch.zeros(n, dtype=torch.float32, device=token.device).index_add(0, owners, torch.ones_like(token))
     return sums, tokens
 
 

@@ -64,6 +64,21 @@ def reference_of(recipe: Recipe) -> tuple[str, str]:
     return "copy", "full fine-tuning: a frozen copy of the starting weights (the model's memory once more)"
 
 
+def share_prompt_of(recipe: Recipe, padding_free: bool) -> tuple[bool, str]:
+    """``(shared, why)``: whether a pair's prompt is computed once for both completions (``task.share_prompt``),
+    for rows laid out padding-free or not (``padding_free``: the plan's ``data.padding_free``)."""
+    task = recipe.task
+    if task.type != "preference" or task.loss == "kto":
+        return False, "unpaired examples, no prompt to share (task.share_prompt)"
+    if task.share_prompt is False:
+        return False, "each pair as two sequences [prompt, chosen], [prompt, rejected] (task.share_prompt: false)"
+    if task.share_prompt is True or padding_free:
+        return True, (f"each pair as one sequence [prompt, chosen, rejected], its prompt computed once "
+                      f"(task.share_prompt: {'true' if task.share_prompt is True else 'auto'})")
+    return False, ("each pair as two sequences [prompt, chosen], [prompt, rejected]: the rows are not padding-free "
+                   "(task.share_prompt: auto)")
+
+
 @dataclass
 class PreferenceEval:
     """A held-out evaluation: the mean loss per pair (or KTO example) and TRL's metrics (without ``eval_``)."""
@@ -117,6 +132,9 @@ class PreferenceTask:
     _table: torch.Tensor | None = field(default=None, repr=False)
     _rows: dict[int, int] = field(default_factory=dict, repr=False)
     _train: list = field(default_factory=list, repr=False)
+    # tokens of the training batches: as counted (each sequence whole, TRL's count) and as computed (shared prompts)
+    _counted: int = field(default=0, repr=False)
+    _computed: int = field(default=0, repr=False)
 
     def __post_init__(self) -> None:
         self._lm = CausalLMTask(self.recipe, kernels=self.kernels)
@@ -168,7 +186,18 @@ class PreferenceTask:
         d, t = self.recipe.data, self.recipe.training
         self._train = examples
         return PreferenceStream(examples, t.batch_size, d.seq_len, packing=d.packing, shuffle=d.shuffle,
-                                seed=t.seed, pad_id=tokenizer.pad_id or 0, kl=self.recipe.task.loss == "kto"), []
+                                seed=t.seed, pad_id=tokenizer.pad_id or 0, kl=self.recipe.task.loss == "kto",
+                                share_prompt=self._may_share()), []
+
+    def _may_share(self) -> bool:
+        """Whether batches carry the shared-prompt layout (``task.share_prompt`` may pick it)."""
+        return share_prompt_of(self.recipe, True)[0]
+
+    def _shared(self, batch: Batch) -> bool:
+        """Whether this batch runs with each prompt once: it carries the layout, and ``task.share_prompt`` is true
+        or auto with the rows padding-free (``cu_seqlens`` without ``document_ids``), as the plan said."""
+        flat = "cu_seqlens" in batch and "document_ids" not in batch
+        return "shared_input_ids" in batch and share_prompt_of(self.recipe, flat)[0]
 
     def num_targets(self, batch: Batch) -> float:
         """Pairs (or KTO examples): the loss of a step is the mean over its pairs."""
@@ -188,9 +217,10 @@ class PreferenceTask:
             else:
                 yield self._reference
 
-    def _reference_logprobs(self, batch: Batch, examples: list) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def _reference_logprobs(self, batch: Batch, examples: list,
+                            shared: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The reference's (sums, tokens) of the batch's sequences; ``examples``: the list its example_index
-        points into."""
+        points into; ``shared``: through the shared-prompt layout, as the model's."""
         if self.recipe.task.loss in L.REFERENCE_FREE:
             return None
         if reference_of(self.recipe)[0] == "precomputed":
@@ -198,11 +228,12 @@ class PreferenceTask:
             rows = [self._rows[id(examples[i])] for i in batch["example_index"].tolist()]
             return table[rows].to(batch["input_ids"].device).reshape(-1), torch.empty(0)
         with self._as_reference() as reference:
-            return sequence_logprobs(reference, batch, _plain_head(reference))
+            return sequence_logprobs(reference, batch, _plain_head(reference), shared=shared)
 
     def _precomputed(self) -> torch.Tensor:
         """The reference table of every example read: from the run folder when its fingerprints match, else
-        computed now with the starting weights (refused when the model has left them: a resumed run)."""
+        computed now with the starting weights (refused when the model has left them: a resumed run), each prompt
+        once unless ``task.share_prompt`` is false."""
         if self._table is not None:
             return self._table
         assert self._model is not None and self._start is not None  # prepare() ran
@@ -214,15 +245,16 @@ class PreferenceTask:
                 raise CheckpointError(f"{path}: the reference log-probabilities of this run are missing or were "
                                       "computed for other data or weights, and the model has left its starting "
                                       "weights (a resumed run); start the run again, or use task.reference: copy")
-            table = self._compute_table()
+            table = self._compute_table(self._may_share())
             write_table(path, table, data, self._start)
         self._table = table.to(compute_device(self._model))
         self._rows = {id(e): i for i, e in enumerate(self._read)}
         return self._table
 
     @torch.no_grad()
-    def _compute_table(self) -> torch.Tensor:
-        """[examples read, 2]: each pair's summed (chosen, rejected) log-probabilities under the model now."""
+    def _compute_table(self, shared: bool = False) -> torch.Tensor:
+        """[examples read, 2]: each pair's summed (chosen, rejected) log-probabilities under the model now
+        (``shared``: each prompt computed once)."""
         assert self._model is not None
         d, t = self.recipe.data, self.recipe.training
         model, device = self._model, compute_device(self._model)
@@ -230,10 +262,11 @@ class PreferenceTask:
         was_training = model.training
         model.eval()
         try:
-            for batch in preference_eval_batches(self._read, t.batch_size, d.seq_len, packing=d.packing):
+            for batch in preference_eval_batches(self._read, t.batch_size, d.seq_len, packing=d.packing,
+                                                 share_prompt=shared):
                 batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
                 with autocast_for(device, t.precision):
-                    sums, _ = sequence_logprobs(model, batch, self._head)
+                    sums, _ = sequence_logprobs(model, batch, self._head, shared=shared)
                 table[batch["example_index"].cpu()] = sums.reshape(-1, 2).float().cpu()
         finally:
             model.train(was_training)
@@ -243,8 +276,9 @@ class PreferenceTask:
         """The per-pair (per-example) losses of a batch, their metrics added to ``sums``; ``examples``: the list
         the batch's example_index points into."""
         task = self.recipe.task
-        logps, tokens = sequence_logprobs(model, batch, self._head)
-        ref = self._reference_logprobs(batch, examples)
+        shared = self._shared(batch)
+        logps, tokens = sequence_logprobs(model, batch, self._head, shared=shared)
+        ref = self._reference_logprobs(batch, examples, shared)
         if task.loss == "kto":
             return self._kto(batch, logps, ref, sums)
         chosen, rejected = logps[0::2], logps[1::2]
@@ -291,6 +325,10 @@ class PreferenceTask:
 
     def loss_sum(self, model: Any, batch: Batch) -> torch.Tensor:
         """The summed loss of the micro-batch's pairs (or KTO examples), through ``model`` or its wrapper."""
+        if "shared_tokens" in batch:  # host ints: the tokens of the rows (each sequence whole) and of the layout
+            counted = int(batch["shared_counted_tokens"])
+            self._counted += counted
+            self._computed += int(batch["shared_tokens"]) if self._shared(batch) else counted
         return self._losses(model, batch, self._step, self._train).sum()
 
     def step_metrics(self) -> dict[str, torch.Tensor]:
@@ -304,7 +342,8 @@ class PreferenceTask:
         """Mean loss and TRL's metrics over held-out pairs (the first training.eval_batches micro-batches)."""
         d, t = self.recipe.data, self.recipe.training
         batches = preference_eval_batches(examples, t.batch_size, d.seq_len, packing=d.packing,
-                                          pad_id=tokenizer.pad_id or 0, kl=self.recipe.task.loss == "kto")
+                                          pad_id=tokenizer.pad_id or 0, kl=self.recipe.task.loss == "kto",
+                                          share_prompt=self._may_share())
         return self.evaluate_batches(model, batches[:t.eval_batches] if t.eval_batches else batches, examples)
 
     @torch.no_grad()
@@ -355,7 +394,17 @@ class PreferenceTask:
 
     def finish(self, model: Transformer, tokenizer: Tokenizer, validation: list, run_dir: Path, output: Path,
                before: PreferenceEval | None, after: PreferenceEval | None) -> list[SummaryRow]:
-        """The held-out preference accuracy and margin before and after training."""
+        """The held-out preference accuracy and margin before and after training, and the tokens computed where
+        pairs shared their prompt."""
+        rows = self._accuracy_rows(run_dir, before, after)
+        if self._computed < self._counted:
+            rows.append(("tokens computed", f"{self._computed:,} of the {self._counted:,} the throughput counts "
+                                            "(each pair's prompt once; throughput counts it twice, as TRL "
+                                            "computes it)"))
+        return rows
+
+    def _accuracy_rows(self, run_dir: Path, before: PreferenceEval | None,
+                       after: PreferenceEval | None) -> list[SummaryRow]:
         if after is None:
             return []
         if self.recipe.task.loss == "kto":
@@ -397,7 +446,8 @@ def _logged_start(run_dir: Path) -> tuple[float, float] | None:
     return None
 
 
-__all__ = ["ACCURACY", "PreferenceEval", "PreferenceTask", "evaluate_preference_file", "reference_of"]
+__all__ = ["ACCURACY", "PreferenceEval", "PreferenceTask", "evaluate_preference_file", "reference_of",
+           "share_prompt_of"]
 
 
 def evaluate_preference_file(model: Transformer, tokenizer: Tokenizer, path: str | Path, task: TaskSection, *,
