@@ -11,6 +11,15 @@ Each case builds one random Hugging Face folder of a real model's shape (with Sm
                      prepare_model_for_kbit_training (gradient checkpointing in effect: the model is put in
                      `.train()` mode); the 8B cases with gradient checkpointing
   hf-liger           the same with Liger kernels (`_apply_liger_kernel_to_instance`, before PEFT wraps the model)
+  unsloth            Unsloth (bench/unsloth_setup.sh carries its wheels) with its default
+                     `use_gradient_checkpointing="unsloth"` (every layer's input offloaded to CPU memory, the layer
+                     recomputed): FastLanguageModel.from_pretrained on the same folder (local path; load_in_4bit for
+                     QLoRA), get_peft_model r=16 on the same modules, then the transformers rows' loop on the same
+                     batches; in its own process, Unsloth imported before transformers, offline (UNSLOTH_ENV)
+  unsloth-no-ckpt    the same with `use_gradient_checkpointing=False`
+  entrenar-matched   "entrenar (memory-matched)": the fast settings plus what holds about Unsloth's default memory
+                     (MATCHED: every layer checkpointed with its input in pinned CPU memory; untied input
+                     embeddings in CPU memory; QLoRA's NF4 base streamed from CPU memory)
   <row>-wrapped      a transformers row on transformers' own packing instead (run_clm's `group_texts`): the same
                      documents in the same order, concatenated and cut every `seq` tokens, so its rows have no
                      padding (documents split across rows and attending to each other); every token is real
@@ -22,6 +31,15 @@ fastest built in; `batched_mm` needs hundreds of GiB at these shapes, see docs/M
 with `target_parameters` (ParamWrapper: each step it folds every expert's low-rank update into a copy of the
 stacked weight, where entrenar runs `x A_e^T B_e^T` on each expert's tokens). Its losses are the language-model
 loss (transformers' `loss - coef * aux_loss`), as entrenar's metrics report them.
+
+`lora-gemma3-4b` and `qlora-gpt-oss-20b` are issue 35's families at their published shapes (HF_SHAPES: the
+config.json keys, built by transformers' own config classes, real vocabularies): LoRA on every linear layer of a
+Gemma-3-4B text model, batch 2 x 2048; QLoRA on gpt-oss-20b (NF4 attention, per-expert LoRA on its bf16 experts
+as entrenar and PEFT both train them; transformers' eager attention, as its SDPA path drops the sinks; no
+prepare_model_for_kbit_training, which would cast the bf16 experts to fp32), batch 1 x 2048, every layer
+checkpointed. gpt-oss-20b's bf16 folder is 39 GiB: `--drop-folders` deletes each case's
+folder after its rows. The GPU cases run GPU_ROWS by default (a row whose package is missing, or that fails to
+start, is a recorded row error, not a stopped call). `--dry` prints what every row would run, and stops.
 
 The CPU case (`cpu-smollm2`, SmolLM2-135M's shape, batch 2 x 512) runs fp32 on the CPU instead: `entrenar` with
 `training.precision: fp32`, `entrenar-fast` with `bf16` (autocast on the CPU), `hf` in fp32 (HF Trainer on a CPU
@@ -42,14 +60,24 @@ whole process (model load included), in GiB. MFU uses bench_train.py's FLOP coun
 `--tiny` runs any case at a toy size (hidden 64, 2 layers, 8 experts for MoE, 2 x 128 tokens, 4 steps), on the
 CPU when there is no GPU: a smoke test that every row starts, trains and reports, not a measurement.
 
-On the GPU machine: peft ships there; bitsandbytes and liger-kernel travel as wheels (bench/README of
-docs/PERFORMANCE.md gives the call). Rows whose package is missing are reported as skipped.
+On the GPU machine: peft ships there; bitsandbytes and liger-kernel travel as wheels in .whl/extra, Unsloth's in
+.whl/unsloth (`bash bench/unsloth_setup.sh download` here fetches them). Rows whose package is missing are
+reported as skipped. The call (one case per call keeps each under the 10-minute limit; `--rows` picks rows;
+qlora-gpt-oss-20b loads 39 GiB per row: split its rows over two calls on a warm machine, `--drop-folders` on the
+second):
+
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl .whl/extra/*.whl \
+      && bash bench/unsloth_setup.sh install \
+      && PYTHONPATH=/tmp/site:src PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false python3 bench/bench_e2e.py \
+         --cases lora-gemma3-4b --drop-folders --text .e2e/text.jsonl --tokenizer .e2e --work /tmp/e2e \
+         --out $OUT/e2e-gemma3.json 2>&1 | tee $OUT/e2e-gemma3.log | grep -v Warning
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.metadata
 import json
 import os
 import platform
@@ -84,11 +112,52 @@ MOE_SHAPES: dict[str, dict] = {
         "model_type": "qwen3_moe", "qk_norm": True,
     },
 }
+# Issue 35's families, as transformers config.json keys (built with transformers' own config class, so the
+# folder is what the published checkpoint's config.json gives). Their real vocabularies: the tokenizer's ids are
+# a subset, and the output layer's width (262k, 201k) is much of these models' cost.
+HF_SHAPES: dict[str, dict] = {
+    # google/gemma-3-4b-pt's text_config: 34 layers, 5 sliding (window 1024) to 1 global, head_dim 256, GQA 8/4,
+    # GELU-tanh gating, (1 + w) RMSNorm with pre and post norms, q/k norm, local/global RoPE bases (the global
+    # one linear-scaled by 8), tied embeddings.
+    "gemma3-4b": {
+        "model_type": "gemma3_text", "hidden_size": 2560, "intermediate_size": 10240, "num_hidden_layers": 34,
+        "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "query_pre_attn_scalar": 256,
+        "sliding_window": 1024, "sliding_window_pattern": 6, "vocab_size": 262208, "max_position_embeddings": 131072,
+        "hidden_activation": "gelu_pytorch_tanh", "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
+        "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}},
+    },
+    # openai/gpt-oss-20b's config.json (transformers' GptOssConfig defaults but 24 layers and 32 experts): hidden
+    # 2880, 32 experts of width 2880, top-4, 64 query heads of 64 and 8 KV heads with biases and sinks, sliding
+    # (128) and full layers alternating, YaRN x32 from 4096, untied. Weights in bf16 (about 21B parameters, 39 GiB
+    # on disk): the released checkpoint's MXFP4 experts would be dequantized on load by every row anyway.
+    "gpt-oss-20b": {
+        "model_type": "gpt_oss", "hidden_size": 2880, "intermediate_size": 2880, "num_hidden_layers": 24,
+        "num_local_experts": 32, "num_experts_per_tok": 4, "num_attention_heads": 64, "num_key_value_heads": 8,
+        "head_dim": 64, "sliding_window": 128, "vocab_size": 201088, "max_position_embeddings": 131072,
+        "tie_word_embeddings": False, "attention_bias": True, "swiglu_limit": 7.0, "rms_norm_eps": 1e-5,
+        "rope_parameters": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                            "truncate": False, "original_max_position_embeddings": 4096, "rope_theta": 150000.0},
+    },
+}
+# --tiny for HF_SHAPES, in config.json's keys (a sliding window shorter than the tiny rows, a global layer)
+TINY_HF = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "head_dim": 16, "intermediate_size": 128, "query_pre_attn_scalar": 16, "sliding_window": 32,
+           "sliding_window_pattern": 2}
+TINY_HF_MOE = {"num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 32}
 # --tiny: every shape at a toy size (MoE keys only where the shape has experts).
 TINY = {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "head_dim": 16,
         "intermediate_size": 128}
 TINY_MOE = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
 TINY_CASE = {"batch": 2, "seq": 128, "steps": 4}
+
+# The rows a GPU case runs by default (--rows picks others): entrenar's, the transformers ones, Unsloth's two modes
+# and entrenar at Unsloth's default memory. A row whose package is missing is reported as skipped.
+GPU_ROWS = ("entrenar", "entrenar-fast", "hf", "hf-liger", "unsloth", "unsloth-no-ckpt", "entrenar-matched")
+# entrenar-matched: the case's fast settings plus what holds memory near Unsloth's default (offloaded
+# checkpointing): every layer checkpointed, each layer's saved input in pinned CPU memory, the input embeddings
+# in CPU memory (untied models), QLoRA's NF4 base streamed from CPU memory. A case's "matched" key overrides.
+MATCHED = {"activation_checkpointing": True, "offload_activations": True}
 
 CASES: dict[str, dict] = {
     "lora-1b": {"shape": "llama-1b", "method": "lora", "batch": 4, "seq": 2048, "ckpt": False, "steps": 30,
@@ -107,12 +176,31 @@ CASES: dict[str, dict] = {
     "lora-moe": {"shape": "qwen3-moe-1.8b-a0.4b", "method": "lora", "batch": 4, "seq": 2048, "ckpt": False,
                  "steps": 30, "fast": {"adapter_math": "bf16"}, "target_modules": ATTENTION,
                  "target_parameters": EXPERT_TARGETS, "moe": {"aux_loss": 0.001}},
+    # Issue 35's performance cases (LoRA on every linear layer; gpt-oss: attention's NF4 and per-expert LoRA on
+    # its bf16 experts, as entrenar and PEFT both train them). gpt-oss's HF rows run transformers' eager attention:
+    # its SDPA path drops the sinks (tests/models/test_family_gpt_oss.py).
+    "lora-gemma3-4b": {"shape": "gemma3-4b", "method": "lora", "batch": 2, "seq": 2048, "ckpt": False, "steps": 14,
+                       "fast": {"adapter_math": "bf16", "cuda_graphs": True}, "rows": GPU_ROWS},
+    "qlora-gpt-oss-20b": {"shape": "gpt-oss-20b", "method": "qlora", "batch": 1, "seq": 2048, "ckpt": True,
+                          "steps": 10, "fast": {"adapter_math": "bf16"}, "target_modules": ATTENTION,
+                          "target_parameters": EXPERT_TARGETS, "hf_attention": "eager", "rows": GPU_ROWS,
+                          # prepare_model_for_kbit_training would cast the 19B bf16 expert weights to fp32 (78 GB):
+                          # gradient checkpointing alone, as OpenAI's gpt-oss fine-tuning recipe runs
+                          "kbit_prepare": False},
     "cpu-smollm2": {"shape": "smollm2-135m", "method": "lora", "batch": 2, "seq": 512, "ckpt": False, "steps": 12,
                     "device": "cpu", "precision": "fp32", "fast": {"precision": "bf16"},
                     "rows": ("entrenar", "entrenar-fast", "hf", "hf-bf16")},
 }
 ROWS = ("entrenar", "entrenar-fast", "hf", "hf-liger", "hf-bf16", "hf-wrapped", "hf-liger-wrapped",
-        "hf-bf16-wrapped")
+        "hf-bf16-wrapped", "unsloth", "unsloth-no-ckpt", "entrenar-matched")
+# Unsloth's rows: FastLanguageModel's use_gradient_checkpointing ("unsloth", its default: every layer's input
+# offloaded to CPU memory and the layer recomputed; or False)
+UNSLOTH_ROWS = {"unsloth": "unsloth", "unsloth-no-ckpt": False}
+# what Unsloth's rows set before importing it: no hub, no statistics call, compiled code outside the repository
+UNSLOTH_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+               "UNSLOTH_DISABLE_STATISTICS": "1", "UNSLOTH_COMPILE_LOCATION": "/tmp/unsloth_compiled_cache",
+               "TOKENIZERS_PARALLELISM": "false"}
+ROW_LABELS = {"entrenar-matched": "entrenar (memory-matched)"}
 CPU_CASES = tuple(name for name, case in CASES.items() if case.get("device") == "cpu")
 
 
@@ -122,10 +210,24 @@ def shape_config(shape: str, vocab: int, seq: int, tiny: bool = False):
 
     from entrenar.models.config import ModelConfig
 
+    if shape in HF_SHAPES:
+        return ModelConfig.from_hf(hf_shape_config(shape, tiny, vocab).to_dict(), source=shape)
     fields = {**{**SHAPES, **MOE_SHAPES}[shape], "vocab_size": vocab}
     if tiny:
         fields.update(TINY, **(TINY_MOE if fields.get("num_experts") else {}))
     return ModelConfig(**fields, max_position_embeddings=max(seq, 4096))
+
+
+def hf_shape_config(shape: str, tiny: bool = False, vocab: int = 0):
+    """transformers' config object for an HF_SHAPES shape (--tiny: at TINY_HF's toy size, with the tokenizer's
+    vocabulary ``vocab`` as the other shapes have: the real 262k one makes a CPU step minutes long)."""
+    import transformers
+
+    fields = dict(HF_SHAPES[shape])
+    if tiny:
+        fields.update(TINY_HF, **(TINY_HF_MOE if fields.get("num_local_experts") else {}))
+        fields["vocab_size"] = vocab or fields["vocab_size"]
+    return transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
 
 
 def case_flops(cfg, method: str, seq: int) -> float:
@@ -177,9 +279,12 @@ def make_model_folder(shape: str, vocab: int, seq: int, tokenizer_dir: Path, fol
     import torch
     import transformers
 
-    hf = dict(shape_config(shape, vocab, seq, tiny).to_hf())
-    model_type = hf.pop("model_type")
-    config = transformers.AutoConfig.for_model(model_type, **hf)
+    if shape in HF_SHAPES:
+        config = hf_shape_config(shape, tiny, vocab)
+    else:
+        hf = dict(shape_config(shape, vocab, seq, tiny).to_hf())
+        model_type = hf.pop("model_type")
+        config = transformers.AutoConfig.for_model(model_type, **hf)
     torch.manual_seed(0)
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
@@ -198,13 +303,27 @@ def make_model_folder(shape: str, vocab: int, seq: int, tokenizer_dir: Path, fol
     return folder
 
 
-def recipe_for(case: dict, folder: Path, text: Path, run_dir: Path, fast: bool) -> dict:
-    """The recipe a user would write for the case (fast: plus the documented fast settings)."""
+def matched_settings(case: dict, config) -> dict:
+    """entrenar-matched's training keys over the fast ones: MATCHED, the embeddings in CPU memory where the model's
+    are untied, the NF4 base streamed for QLoRA; the case's "matched" key last."""
+    settings = dict(MATCHED)
+    if not config.tie_word_embeddings:
+        settings["offload_embeddings"] = True
+    if case["method"] == "qlora":
+        settings["offload_weights"] = True
+    return {**settings, **case.get("matched", {})}
+
+
+def recipe_for(case: dict, folder: Path, text: Path, run_dir: Path, fast: bool,
+               matched: dict | None = None) -> dict:
+    """The recipe a user would write for the case (fast: plus the documented fast settings; matched: plus
+    :func:`matched_settings`, the memory-matched row)."""
     training = {"max_steps": case["steps"], "batch_size": case["batch"], "grad_accum": 1, "max_grad_norm": 1.0,
                 "precision": case.get("precision", "bf16"), "activation_checkpointing": case["ckpt"], "kernels": "auto",
                 "seed": 0, "eval_every": 0, "save_every": 0, "log_every": 1}
     if fast:
         training.update(case["fast"])
+        training.update(matched or {})
         if device() == "cpu" and training.get("adapter_math") == "bf16":
             training["kernels"] = True  # the fused layers' PyTorch fallbacks (--tiny on a machine without CUDA)
     lora = None
@@ -274,17 +393,21 @@ def summarise(step_s: list[float], tokens: list[int], losses: list[float], skip:
 
 
 def run_entrenar(case_name: str, case: dict, folder: Path, text: Path, work: Path, fast: bool, skip: int,
-                 flops: float, overrides: tuple[str, ...] = ()) -> dict:
-    run_dir = work / f"run-{case_name}-{'fast' if fast else 'default'}"
+                 flops: float, overrides: tuple[str, ...] = (), matched: dict | None = None) -> dict:
+    mode = "matched" if matched else "fast" if fast else "default"
+    run_dir = work / f"run-{case_name}-{mode}"
     shutil.rmtree(run_dir, ignore_errors=True)
-    recipe_path = work / f"{case_name}-{'fast' if fast else 'default'}.yaml"
-    recipe = recipe_for(case, folder, text, run_dir, fast)
+    recipe_path = work / f"{case_name}-{mode}.yaml"
+    recipe = recipe_for(case, folder, text, run_dir, fast, matched)
+    if device() == "cpu" and case.get("device") != "cpu":  # --tiny without CUDA: CUDA-only settings left out
+        for key in ("cuda_graphs", "offload_activations", "offload_embeddings", "offload_weights"):
+            recipe["training"].pop(key, None)
     recipe_path.write_text(yaml.safe_dump(recipe, sort_keys=False))
     started = time.perf_counter()
     sets = [a for o in overrides for a in ("--set", o)]
     returncode, output, max_rss = run_process(
         [sys.executable, "-m", "entrenar.cli.main", "train", str(recipe_path), "--no-progress", *sets],
-        work / f"{case_name}-{'fast' if fast else 'default'}.log", {**os.environ, "PYTHONUNBUFFERED": "1"})
+        work / f"{case_name}-{mode}.log", {**os.environ, "PYTHONUNBUFFERED": "1"})
     wall = time.perf_counter() - started
     if returncode != 0:
         return {"status": "failed", "error": output[-2000:], "recipe": recipe}
@@ -331,7 +454,7 @@ def run_hf(case: dict, folder: Path, tokenizer_dir: Path, text: Path, row: str, 
     started = time.perf_counter()
     dev = case.get("device", device())
     autocast = dev == "cuda" or row == "hf-bf16"
-    kwargs = {"attn_implementation": "sdpa"}
+    kwargs = {"attn_implementation": case.get("hf_attention", "sdpa")}
     aux_coef = (case.get("moe") or {}).get("aux_loss", 0.0)
     if case.get("target_parameters"):  # MoE: the grouped experts and the router loss entrenar's recipe has
         kwargs.update(experts_implementation="grouped_mm", output_router_logits=aux_coef > 0,
@@ -354,7 +477,7 @@ def run_hf(case: dict, folder: Path, tokenizer_dir: Path, text: Path, row: str, 
     model.config.use_cache = False
     if liger:
         _apply_liger_kernel_to_instance(model=model)
-    if case["method"] == "qlora":
+    if case["method"] == "qlora" and case.get("kbit_prepare", True):
         model = peft.prepare_model_for_kbit_training(
             model, use_gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False})
     elif case["ckpt"]:
@@ -365,6 +488,23 @@ def run_hf(case: dict, folder: Path, tokenizer_dir: Path, text: Path, row: str, 
             target_modules=case.get("target_modules", "all-linear"),
             target_parameters=case.get("target_parameters"), task_type="CAUSAL_LM"))
     model.train()  # from_pretrained returns eval mode, where gradient checkpointing is not in effect
+    trainable, step_s, tokens, losses = timed_steps(model, batches, dev, autocast, aux_coef)
+    wall = time.perf_counter() - started
+    peak = torch.cuda.max_memory_allocated() if dev == "cuda" else None  # CPU: the parent reads ru_maxrss
+    out = summarise(step_s, tokens, losses, skip, flops, peak, wall)
+    gc_checkpointing = getattr(getattr(model, "base_model", model), "is_gradient_checkpointing", None)
+    return {"status": "ok", **out, "gradient_checkpointing": gc_checkpointing,
+            "experts_implementation": getattr(model.config, "_experts_implementation", None),
+            "trainable_params": sum(p.numel() for p in trainable)}
+
+
+def timed_steps(model, batches: list[dict], dev: str, autocast: bool,
+                aux_coef: float) -> tuple[list, list[float], list[int], list[float]]:
+    """The transformers-style loop every baseline row runs (HF Trainer's step with `bf16=True`): forward with
+    labels under bf16 autocast, backward, clipping at 1.0, fused AdamW; each step timed to its loss read.
+    Returns (trainable parameters, step seconds, real tokens per step, losses)."""
+    import torch
+
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=LR, fused=True)
     step_s, tokens, losses = [], [], []
@@ -385,12 +525,70 @@ def run_hf(case: dict, folder: Path, tokenizer_dir: Path, text: Path, row: str, 
         losses.append(float(loss))  # the host sync the step ends with
         step_s.append(time.perf_counter() - t0)
         tokens.append(int((batch["document_ids"] >= 0).sum()))
+    return trainable, step_s, tokens, losses
+
+
+def unsloth_settings(case: dict, folder: Path, row: str) -> dict:
+    """The arguments of Unsloth's row: FastLanguageModel.from_pretrained on the case's folder (bf16, or NF4 for
+    QLoRA through its bitsandbytes path) and get_peft_model with the adapters every row trains (r=16 on every
+    linear layer of the blocks; MoE: attention and each expert through target_parameters)."""
+    mode = UNSLOTH_ROWS[row]
+    from_pretrained = {"model_name": str(folder), "max_seq_length": case["seq"], "dtype": "bfloat16",
+                       "load_in_4bit": case["method"] == "qlora", "load_in_8bit": False, "full_finetuning": False,
+                       "use_gradient_checkpointing": mode, "local_files_only": True}
+    targets = case.get("target_modules", "all-linear")
+    if targets == "all-linear":  # PEFT's all-linear on these decoders (the output layer left out)
+        targets = [*ATTENTION, "gate_proj", "up_proj", "down_proj"]
+    peft = {"r": LORA["r"], "lora_alpha": LORA["alpha"], "lora_dropout": 0.0, "bias": "none",
+            "target_modules": targets, "use_gradient_checkpointing": mode, "random_state": 0}
+    if case.get("target_parameters"):
+        peft["target_parameters"] = case["target_parameters"]
+    aux_coef = (case.get("moe") or {}).get("aux_loss", 0.0)
+    if aux_coef:  # the router loss the other rows add (passed on to transformers' config)
+        from_pretrained.update(output_router_logits=True, router_aux_loss_coef=aux_coef)
+    return {"from_pretrained": from_pretrained, "get_peft_model": peft}
+
+
+def import_unsloth() -> tuple[object | None, str]:
+    """Unsloth imported first (it patches transformers as it loads), offline: (module, "") or (None, why not)."""
+    if "unsloth" in sys.modules:
+        return sys.modules["unsloth"], ""
+    for key, value in UNSLOTH_ENV.items():
+        os.environ.setdefault(key, value)
+    if "transformers" in sys.modules:
+        return None, "transformers was imported before unsloth in this process (Unsloth must come first)"
+    try:
+        import unsloth
+    except Exception as e:  # noqa: BLE001 (Unsloth raises what it likes: ImportError, NotImplementedError...)
+        return None, f"import unsloth: {type(e).__name__}: {e}"
+    return unsloth, ""
+
+
+def run_unsloth(case: dict, folder: Path, tokenizer_dir: Path, text: Path, row: str, skip: int, flops: float,
+                dry: bool = False) -> dict:
+    """Unsloth's row, in this process (imported before transformers): FastLanguageModel on the same folder and
+    batches, the same loop as the transformers rows (Unsloth's trainer is HF Trainer with `bf16=True`)."""
+    settings = unsloth_settings(case, folder, row)
+    if dry:
+        return {"status": "dry", "settings": settings}
+    unsloth, why = import_unsloth()
+    if unsloth is None:
+        return {"status": "skipped", "error": why, "settings": settings}
+    import torch
+
+    batches = packed_batches(tokenizer_dir, text, case, case["steps"])
+    dev = case.get("device", device())
+    started = time.perf_counter()
+    kwargs = dict(settings["from_pretrained"], dtype=torch.bfloat16)
+    model, _ = unsloth.FastLanguageModel.from_pretrained(**kwargs)
+    model = unsloth.FastLanguageModel.get_peft_model(model, **settings["get_peft_model"])
+    model.train()
+    aux_coef = (case.get("moe") or {}).get("aux_loss", 0.0)
+    trainable, step_s, tokens, losses = timed_steps(model, batches, dev, dev == "cuda", aux_coef)
     wall = time.perf_counter() - started
-    peak = torch.cuda.max_memory_allocated() if dev == "cuda" else None  # CPU: the parent reads ru_maxrss
+    peak = torch.cuda.max_memory_allocated() if dev == "cuda" else None
     out = summarise(step_s, tokens, losses, skip, flops, peak, wall)
-    gc_checkpointing = getattr(getattr(model, "base_model", model), "is_gradient_checkpointing", None)
-    return {"status": "ok", **out, "gradient_checkpointing": gc_checkpointing,
-            "experts_implementation": getattr(model.config, "_experts_implementation", None),
+    return {"status": "ok", **out, "settings": settings, "unsloth": unsloth.__version__,
             "trainable_params": sum(p.numel() for p in trainable)}
 
 
@@ -421,9 +619,11 @@ def print_table(results: list[dict]) -> None:
     """One line per case and row; with several repeats, the median over them (and min-max of tokens/s). The
     ratios to a baseline row are medians of per-repeat ratios (rows of one repeat ran minutes apart); a column
     for each baseline row that ran (``vs hf-bf16-wrapped``: against that row on group_texts batches)."""
-    bases = [b for b in ROWS[2:] if any(r["row"] == b and r["status"] == "ok" for r in results)]
+    bases = [b for b in ROWS if (b.startswith("hf") or b in UNSLOTH_ROWS)
+             and any(r["row"] == b and r["status"] == "ok" for r in results)]
     header = (f"{'case':<13}{'row':<17}{'tok/s':>9}{'min-max':>14}{'MFU':>6}{'peak GiB':>9}"
-              + "".join(f"{'vs ' + b:>{len(b) + 5}}" for b in bases) + f"{'mem/liger':>10}{'loss first->last':>20}")
+              + "".join(f"{'vs ' + b:>{len(b) + 5}}" for b in bases) + f"{'mem/liger':>10}{'mem/unsloth':>12}"
+              + f"{'loss first->last':>20}")
     print(header)
     keys = list(dict.fromkeys((r["case"], r["row"]) for r in results))
     for case, row in keys:
@@ -436,7 +636,7 @@ def print_table(results: list[dict]) -> None:
         def ratio(key: str, base: str) -> str:
             pairs = [r[key] / b[key] for r in ok for b in results
                      if (b["case"], b["row"], b.get("repeat")) == (case, base, r.get("repeat"))
-                     and b["status"] == "ok" and b.get(key)]
+                     and b["status"] == "ok" and b.get(key) and r.get(key)]
             return f"{statistics.median(pairs):.2f}" if pairs else "-"
 
         median = lambda key: statistics.median(r[key] or 0 for r in ok)  # noqa: E731
@@ -445,7 +645,8 @@ def print_table(results: list[dict]) -> None:
         mfu = f"{median('mfu'):6.1%}" if ok[0]["mfu"] and case not in CPU_CASES else f"{'-':>6}"
         print(f"{case:<13}{row:<17}{median('tokens_per_s'):9.0f}{spread:>14}{mfu}{median('peak_gib'):9.2f}"
               + "".join(f"{ratio('tokens_per_s', b):>{len(b) + 5}}" for b in bases)
-              + f"{ratio('peak_gib', 'hf-liger'):>10}{ok[0]['loss_first']:10.4f} ->{ok[0]['loss_last']:8.4f}")
+              + f"{ratio('peak_gib', 'hf-liger'):>10}{ratio('peak_gib', 'unsloth'):>12}"
+              + f"{ok[0]['loss_first']:10.4f} ->{ok[0]['loss_last']:8.4f}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -462,10 +663,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="a recipe override for the entrenar rows (repeatable); the row name records it")
     p.add_argument("--tiny", action="store_true", help="toy sizes, CPU without a GPU: a smoke test, not a measurement")
+    p.add_argument("--dry", action="store_true", help="print what each row would run (Unsloth's arguments, "
+                   "entrenar's training keys) and stop")
+    p.add_argument("--drop-folders", action="store_true",
+                   help="delete a case's model folder once no later case in --cases uses its shape (disk)")
     p.add_argument("--hf-row", default="", help=argparse.SUPPRESS)
     p.add_argument("--folder", default="", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if device() == "cpu" and not args.tiny and not all(c in CPU_CASES for c in args.cases.split(",")):
+    if device() == "cpu" and not args.tiny and not args.dry and not all(c in CPU_CASES for c in args.cases.split(",")):
         p.error("no CUDA device: the cases are GPU measurements (--tiny runs them at a toy size on the CPU)")
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
@@ -473,18 +678,27 @@ def main(argv: list[str] | None = None) -> None:
     vocab = json.loads((tokenizer_dir / "tokenizer.json").read_text())["model"]["vocab"]
     vocab_size = 49152 if len(vocab) <= 49152 else len(vocab)
 
-    if args.hf_row:  # one transformers row, called by run_row_process
+    if args.hf_row:  # one transformers or Unsloth row, called by run_row_process
+        unsloth_why = import_unsloth()[1] if args.hf_row in UNSLOTH_ROWS else ""  # before transformers
         case = case_for(args.cases, args.steps, args.tiny)
         cfg = shape_config(case["shape"], vocab_size, case["seq"], args.tiny)
         flops = case_flops(cfg, case["method"], case["seq"])
-        result = run_hf(case, Path(args.folder), tokenizer_dir, text, args.hf_row, args.skip, flops)
+        if unsloth_why:
+            result = {"status": "skipped", "error": unsloth_why}
+        elif args.hf_row in UNSLOTH_ROWS:
+            result = run_unsloth(case, Path(args.folder), tokenizer_dir, text, args.hf_row, args.skip, flops)
+        else:
+            result = run_hf(case, Path(args.folder), tokenizer_dir, text, args.hf_row, args.skip, flops)
         Path(args.out).write_text(json.dumps(result))
+        return
+    if args.dry:
+        dry_run(args, vocab_size)
         return
 
     import torch
 
     results = []
-    for case_name in args.cases.split(","):
+    for index, case_name in enumerate(args.cases.split(",")):
         case = case_for(case_name, args.steps, args.tiny)
         cfg = shape_config(case["shape"], vocab_size, case["seq"], args.tiny)
         flops = case_flops(cfg, case["method"], case["seq"])
@@ -493,21 +707,57 @@ def main(argv: list[str] | None = None) -> None:
                                    work / (case["shape"] + ("-tiny" if args.tiny else "")), args.tiny)
         print(f"[{case_name}] model folder {folder} ready in {time.perf_counter() - t0:.0f}s", flush=True)
         torch.cuda.empty_cache()
-        rows = args.rows.split(",") if args.rows else list(case.get("rows", ROWS[:4]))
+        rows = rows_for(case, args.rows)
         for repeat in range(args.repeat):
             for row in rows:
                 t0 = time.perf_counter()
                 if row.startswith("entrenar"):
-                    r = run_entrenar(case_name, case, folder, text, work, row == "entrenar-fast", args.skip, flops,
-                                     tuple(args.set))
+                    matched = matched_settings(case, cfg) if row == "entrenar-matched" else None
+                    r = run_entrenar(case_name, case, folder, text, work, row != "entrenar", args.skip, flops,
+                                     tuple(args.set), matched)
                     row = " ".join([row, *args.set])
                 else:
-                    r = run_row_process(row, case_name, folder, args)
-                results.append({"case": case_name, "row": row, "repeat": repeat, "load_avg": os.getloadavg(), **r})
+                    try:
+                        r = run_row_process(row, case_name, folder, args)
+                    except Exception as e:  # noqa: BLE001 (one row's failure is that row's result)
+                        r = {"status": "failed", "error": f"{type(e).__name__}: {e}"}
+                results.append({"case": case_name, "row": row, "label": ROW_LABELS.get(row.split()[0], row),
+                                "repeat": repeat, "load_avg": os.getloadavg(), **r})
                 print(f"[{case_name}] {row}: {r['status']} {r.get('tokens_per_s') or ''} in "
                       f"{time.perf_counter() - t0:.0f}s", flush=True)
                 write_results(args.out, results)  # after every row: a run cut short keeps what it measured
+        later = [case_for(c, args.steps, args.tiny)["shape"] for c in args.cases.split(",")[index + 1:]]
+        if args.drop_folders and case["shape"] not in later:  # disk: gpt-oss-20b's folder alone is 39 GiB
+            shutil.rmtree(folder, ignore_errors=True)
     print_table(results)
+
+
+def rows_for(case: dict, rows: str) -> list[str]:
+    """--rows, else the case's own, else GPU_ROWS (full fine-tuning: entrenar's and the transformers rows)."""
+    if rows:
+        return rows.split(",")
+    return list(case.get("rows", GPU_ROWS if case["method"] != "full" else ROWS[:4]))
+
+
+def dry_run(args: argparse.Namespace, vocab_size: int) -> None:
+    """--dry: what each row of each case would run, without running it (the Unsloth rows' arguments, the entrenar
+    rows' recipes): a check of those code paths on a machine that cannot run them."""
+    work = Path(args.work)
+    for case_name in args.cases.split(","):
+        case = case_for(case_name, args.steps, args.tiny)
+        cfg = shape_config(case["shape"], vocab_size, case["seq"], args.tiny)
+        folder = work / (case["shape"] + ("-tiny" if args.tiny else ""))
+        for row in rows_for(case, args.rows):
+            if row in UNSLOTH_ROWS:
+                what = unsloth_settings(case, folder, row)
+            elif row.startswith("entrenar"):
+                matched = matched_settings(case, cfg) if row == "entrenar-matched" else None
+                what = recipe_for(case, folder, Path(args.text), work / "run", row != "entrenar", matched)["training"]
+            else:
+                what = {"attn_implementation": case.get("hf_attention", "sdpa"), "method": case["method"],
+                        "target_modules": case.get("target_modules", "all-linear"),
+                        "target_parameters": case.get("target_parameters")}
+            print(f"[{case_name}] {ROW_LABELS.get(row, row)}: {json.dumps(what)}")
 
 
 def write_results(out: str, results: list[dict]) -> None:
@@ -522,6 +772,11 @@ def write_results(out: str, results: list[dict]) -> None:
             try:
                 env[name] = __import__(name).__version__
             except Exception:  # noqa: BLE001 (a missing package is recorded as missing)
+                env[name] = None
+        for name in ("unsloth", "unsloth_zoo"):  # from their metadata: importing Unsloth patches transformers
+            try:
+                env[name] = importlib.metadata.version(name)
+            except importlib.metadata.PackageNotFoundError:
                 env[name] = None
         Path(out).write_text(json.dumps({"environment": env, "results": results}, indent=1))
 

@@ -31,6 +31,20 @@ NF4 codes over the ranks).
     python bench/multi_gpu.py fsdp --case full-8b-8k --gpus 4 2 --skip 3 --budget 570 --out fsdp-8b.json
     python bench/multi_gpu.py fsdp --case qlora-70b-v128k --gpus 4 --skip 2 --budget 570 --out qlora-70b.json
 
+Issue 38 (DDP with flat gradients: CUDA graphs and step overlap under torchrun), each within one 10-minute call:
+three rounds of the plain process, N = 1 through torchrun (training.parallel: ddp, a group of one) and N = 2, 4,
+each run's efficiency against the plain run of its round; medians and ranges in "aggregate":
+
+    python bench/multi_gpu.py scaling --case lora-1b --parallel ddp --plain --gpus 1 2 4 --repeats 3 \
+        --steps 20 --deadline-s 560 --out ddp-1b.json
+    python bench/multi_gpu.py scaling --case lora-8b --parallel ddp --plain --gpus 1 2 4 --repeats 3 \
+        --steps 12 --skip 4 --deadline-s 560 --out ddp-8b.json
+
+and the deterministic restart on 2 GPUs (bitwise_equal in clean_vs_restarted):
+
+    python bench/multi_gpu.py restart --case lora-1b --gpus 2 --steps 30 --save-every 10 --kill-after 15 \
+        --set training.deterministic=true --out restart-det.json
+
 `--tiny` runs a case at a toy size on the CPU (gloo): a smoke test of the script, not a measurement.
 """
 
@@ -188,24 +202,39 @@ def failed(log: Path, code: int) -> dict:
 
 def scaling(args, recipe: Path, work: Path) -> list[dict]:
     """Each N of --gpus through torchrun; with --plain, first one plain process (no torchrun, no process group):
-    the baseline every efficiency is then measured against."""
-    results = []
-    for n in ([0] if args.plain else []) + args.gpus:
-        name = f"{args.case}-{args.parallel}-{n}" if n else f"{args.case}-plain"
-        run_dir, log = work / name, work / f"{name}.log"
-        subprocess.run(["rm", "-rf", str(run_dir)])
-        sets = [f"training.parallel={args.parallel}"] if n else []
-        code, wall = run(train_command(recipe, n, run_dir, [*sets, *args.set]), log, args.timeout)
-        row = failed(log, code) if code else {"status": "ok", **summary(run_dir, max(n, 1), args.skip, wall)}
-        row["launch"] = f"torchrun, {n} process(es)" if n else "plain process"
-        if row["status"] == "ok" and results and results[0].get("status") == "ok":
-            base = results[0]
-            gpus = max(n, 1)
-            row["efficiency"] = round(row["tokens_per_s"] / (base["tokens_per_s"] / base["gpus"] * gpus), 3)
-            per_gpu = base["tokens_per_s_median"] / base["gpus"]
-            row["efficiency_median"] = round(row["tokens_per_s_median"] / (per_gpu * gpus), 3)
-        print(json.dumps({k: v for k, v in row.items() if k != "losses"}), flush=True)
-        results.append({"parallel": args.parallel if n else "single", **row})
+    the baseline every efficiency is then measured against. --repeats R runs the whole sequence R times in
+    rounds (plain, N1, N2, ...; then again), so a drift of the machine reaches every N alike; each run's
+    efficiency is against the plain run of its own round. No run starts once --deadline-s would be passed by a
+    run as long as the longest so far."""
+    results: list[dict] = []
+    started, longest = time.perf_counter(), 0.0
+    for round_ in range(args.repeats):
+        base: dict | None = None
+        for n in ([0] if args.plain else []) + args.gpus:
+            if args.deadline_s and time.perf_counter() - started + longest > args.deadline_s:
+                print(json.dumps({"skipped": f"round {round_ + 1}, {n} process(es): past --deadline-s"}), flush=True)
+                continue
+            name = (f"{args.case}-{args.parallel}-{n}" if n else f"{args.case}-plain") + f"-r{round_ + 1}"
+            run_dir, log = work / name, work / f"{name}.log"
+            subprocess.run(["rm", "-rf", str(run_dir)])
+            sets = [f"training.parallel={args.parallel}"] if n else []
+            code, wall = run(train_command(recipe, n, run_dir, [*sets, *args.set]), log, args.timeout)
+            longest = max(longest, wall)
+            row = failed(log, code) if code else {"status": "ok", **summary(run_dir, max(n, 1), args.skip, wall)}
+            row["launch"] = f"torchrun, {n} process(es)" if n else "plain process"
+            row["round"] = round_ + 1
+            reductions = [line.strip() for line in log.read_text().splitlines() if "ddp gradients" in line]
+            if reductions:
+                row["ddp_gradients"] = reductions[0]
+            if n == 0 or (not args.plain and base is None):
+                base = row if row["status"] == "ok" else None
+            elif row["status"] == "ok" and base is not None:
+                gpus = max(n, 1)
+                row["efficiency"] = round(row["tokens_per_s"] / (base["tokens_per_s"] / base["gpus"] * gpus), 3)
+                per_gpu = base["tokens_per_s_median"] / base["gpus"]
+                row["efficiency_median"] = round(row["tokens_per_s_median"] / (per_gpu * gpus), 3)
+            print(json.dumps({k: v for k, v in row.items() if k != "losses"}), flush=True)
+            results.append({"parallel": args.parallel if n else "single", **row})
     return results
 
 
@@ -242,6 +271,28 @@ def fsdp(args, recipe: Path, work: Path, out: dict) -> list[dict]:
             if args.out:
                 args.out.write_text(json.dumps({**out, "runs": results}, indent=1) + "\n")
     return results
+
+
+def aggregate(results: list[dict]) -> list[dict]:
+    """Per process count (0: the plain process): the median and the range of tokens/s over the repeated runs,
+    and of the efficiency against the plain run of the same round (1.0: linear)."""
+    out = []
+    for n in sorted({r["gpus"] if r["launch"] != "plain process" else 0 for r in results}):
+        rows = [r for r in results if r["status"] == "ok"
+                and (r["launch"] == "plain process") == (n == 0) and (n == 0 or r["gpus"] == n)]
+        if not rows:
+            continue
+        tps = [r["tokens_per_s"] for r in rows]
+        row = {"launch": rows[0]["launch"], "runs": len(rows), "tokens_per_s_median": round(statistics.median(tps)),
+               "tokens_per_s_min": min(tps), "tokens_per_s_max": max(tps),
+               "spread": round((max(tps) - min(tps)) / statistics.median(tps), 3),
+               "peak_gb_ranks_max": max(max(r["peak_gb_ranks"] or [0.0]) for r in rows)}
+        effs = [r["efficiency"] for r in rows if "efficiency" in r]
+        if effs:
+            row.update(efficiency_median=statistics.median(effs), efficiency_min=min(effs),
+                       efficiency_max=max(effs))
+        out.append(row)
+    return out
 
 
 def descendants(pid: int) -> list[int]:
@@ -361,6 +412,9 @@ def main() -> None:
     p.add_argument("--plain", action="store_true", help="first one plain process: the baseline of the efficiencies")
     p.add_argument("--gpus", type=int, nargs="+", default=[1, 2], help="process counts (restart: the first)")
     p.add_argument("--steps", type=int, default=0, help="optimizer steps per run (default: the case's)")
+    p.add_argument("--repeats", type=int, default=1, help="scaling: rounds of every run (median and range)")
+    p.add_argument("--deadline-s", type=float, default=0.0,
+                   help="scaling: start no run that would end past this many seconds (0: no limit)")
     p.add_argument("--skip", type=int, default=5, help="steps left out of the median (warm-up)")
     p.add_argument("--save-every", type=int, default=10)
     p.add_argument("--kill-after", type=int, default=15)
@@ -392,6 +446,10 @@ def main() -> None:
         result["runs"] = restart(args, recipe, args.work)
     if args.what == "restart":
         print(json.dumps({k: v for k, v in result["runs"].items() if k not in ("clean", "restarted")}, indent=1))
+    elif args.what == "scaling":
+        result["aggregate"] = aggregate(result["runs"])
+        for row in result["aggregate"]:
+            print(json.dumps(row), flush=True)
     if args.out:
         args.out.write_text(json.dumps(result, indent=1) + "\n")
 

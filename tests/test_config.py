@@ -169,7 +169,8 @@ RESUMABLE_BEFORE = ("training.max_steps", "training.eval_every", "training.log_e
 
 def test_resumable_keys_are_the_marked_fields():
     assert (*RESUMABLE_BEFORE, "training.epochs",  # a run's length in epochs, as max_steps
-            "training.stall_startup_s", "training.stall_timeout_s") == RESUMABLE_KEYS  # hung-rank bounds
+            "training.stall_startup_s", "training.stall_timeout_s",  # hung-rank bounds
+            "training.tiled_mlp") == RESUMABLE_KEYS  # the MLP in tiles: the same values, less memory
     for key in RESUMABLE_KEYS:  # each names a field of a section
         section, name = key.split(".")
         assert name in Recipe().to_dict()[section]

@@ -109,6 +109,10 @@ def test_the_plan_shows_context_parallelism_and_divides_the_activations(shared):
     assert "training.context_parallel" not in dict(whole.reasons)
     assert split.memory.activations == pytest.approx(whole.memory.activations / 2, rel=0.05)
     assert split.rows_per_step == whole.rows_per_step // 2  # one data-parallel group reads one row
+    # On GPUs, LoRA under ddp replays CUDA graphs of packed rows; split rows are padding-free: no graphs.
+    gpu = [load_recipe(recipes["lora"], ["model.device=cuda", "data.padding_free=auto", *extra])
+           for extra in ([], ["training.context_parallel=2"])]
+    assert [plan_for(r, "cuda", processes=2)[0].cuda_graphs for r in gpu] == [True, False]
 
 
 def test_the_start_line_counts_rows_by_data_parallel_group():
@@ -124,6 +128,7 @@ def test_the_start_line_counts_rows_by_data_parallel_group():
     ({"padding_free": False}, "data.padding_free is false"),
     ({"num_experts": 4}, "MoE"),
     ({"compile": True}, "training.compile"),
+    ({"cuda_graphs": True}, "training.cuda_graphs"),
     ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "dynamic RoPE scaling"),
 ])
 def test_what_context_parallelism_cannot_split_is_refused_by_name(change, message):
@@ -131,6 +136,8 @@ def test_what_context_parallelism_cannot_split_is_refused_by_name(change, messag
     world = World(rank=0, size=change.pop("world", 2), backend="gloo")
     cp, task = change.pop("cp", 2), change.pop("task", "causal_lm")
     padding_free, compile = change.pop("padding_free", "auto"), change.pop("compile", False)
+    graphs = change.pop("cuda_graphs", False)
     config = ModelConfig(**{**LLAMA, **change})
     with pytest.raises(ConfigError, match=f"training.context_parallel: .*{message}"):
-        check_context_parallel(cp, world, config, task, padding_free, moe=config.num_experts > 0, compile=compile)
+        check_context_parallel(cp, world, config, task, padding_free, moe=config.num_experts > 0, compile=compile,
+                               cuda_graphs=graphs)

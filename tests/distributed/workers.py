@@ -177,3 +177,34 @@ def sharded_load_worker(recipe_path: str, overrides: list[str], quantize: str | 
                 "gathered_for_adapter": gathered}
     finally:
         world_module.leave()
+
+
+def reduction_worker(recipe_path: str, overrides: list[str]) -> tuple[str, str, list[int], int]:
+    """``entrenar.train`` of a recipe on this rank, counting Python-level all-reduces: (the step model's class,
+    the summary, the element count of every ``torch.distributed.all_reduce`` call, the graphs captured)."""
+    import torch.distributed as dist
+
+    import entrenar.train.loop as loop
+    from entrenar.train.cuda_graph import GraphedMicroStep
+
+    sizes: list[int] = []
+    real_all_reduce, real_capture, real_prepare = dist.all_reduce, GraphedMicroStep._capture, loop.prepare
+    captured, kinds = [0], [""]
+
+    def all_reduce(tensor, *args, **kwargs):
+        sizes.append(tensor.numel())
+        return real_all_reduce(tensor, *args, **kwargs)
+
+    def capture(self, inputs):
+        captured[0] += 1
+        return real_capture(self, inputs)
+
+    def prepare(*args, **kwargs):
+        prepared = real_prepare(*args, **kwargs)
+        kinds[0] = type(prepared.step_model).__name__
+        return prepared
+
+    # loop imported prepare by name; the forked worker's modules are its own to patch.
+    dist.all_reduce, GraphedMicroStep._capture, loop.prepare = all_reduce, capture, prepare
+    result = loop.train(load_recipe(recipe_path, overrides), progress=False)
+    return kinds[0], result.summary, sizes, captured[0]

@@ -125,7 +125,10 @@ def test_cuda_graphs_auto_turns_on_only_where_they_replay(workspace, overrides, 
     assert p.cuda_graphs is expected and p.graphs(moe_replays=True) is expected
     if expected:  # and off on several processes, for a classifier and for MoE layers that cannot replay
         assert not p.graphs(moe_replays=False)
-        assert not plan(workspace, "model.device=cuda", device=CUDA, world=World(0, 2, 0, "nccl")).cuda_graphs
+        # DDP over adapters reduces one flat buffer outside the graph: graphs stay on; FSDP turns them off.
+        assert plan(workspace, "model.device=cuda", device=CUDA, world=World(0, 2, 0, "nccl")).cuda_graphs
+        assert not plan(workspace, "model.device=cuda", "training.parallel=fsdp", "training.kernels=false",
+                        device=CUDA, world=World(0, 2, 0, "nccl")).cuda_graphs
         assert not plan(workspace, "model.device=cuda", "task={type: classification, num_labels: 2}",
                         device=CUDA).cuda_graphs
     explicit = plan(workspace, "model.device=cuda", "training.cuda_graphs=true", device=CUDA)
@@ -146,7 +149,27 @@ def test_overlap_auto_needs_one_gpu_and_a_fused_optimizer(workspace):
     with pytest.raises(ConfigError, match=r"training\.overlap_steps: only a fused optimizer"):
         plan(workspace, "model.device=cuda", "optimizer.fused=false", "training.overlap_steps=true", device=CUDA)
     with pytest.raises(ConfigError, match=r"training\.overlap_steps: several processes"):
-        plan(workspace, "training.overlap_steps=true", world=World(0, 2, 0, "gloo"))
+        plan(workspace, "training.overlap_steps=true", "training.parallel=fsdp", "optimizer.fused=true",
+             "training.kernels=false", world=World(0, 2, 0, "gloo"))
+
+
+def test_ddp_keeps_graphs_and_overlap_with_flat_gradients_up_to_the_bound_else_torch_ddp(workspace, monkeypatch):
+    """DDP of a small trainable set reduces one flat buffer a step (graphs and overlap stay on); above
+    FLAT_GRADIENTS_MAX_BYTES of gradients it is torch's DistributedDataParallel, and both are off again."""
+    import entrenar.train.plan as plan_module
+
+    two = World(0, 2, 0, "nccl")
+    flat = plan(workspace, "model.device=cuda", device=CUDA, world=two)
+    assert flat.mode == "ddp" and flat.flat_gradients and flat.cuda_graphs and flat.overlap
+    assert dict(flat.reasons)["ddp gradients"].startswith("one flat all-reduce a step")
+    assert plan(workspace, "model.device=cuda", "training.cuda_graphs=true", device=CUDA, world=two).cuda_graphs
+    assert not plan(workspace, "model.device=cuda", device=CUDA).flat_gradients  # one process: nothing to reduce
+    monkeypatch.setattr(plan_module, "FLAT_GRADIENTS_MAX_BYTES", flat.memory.gradients - 1)
+    bucketed = plan(workspace, "model.device=cuda", device=CUDA, world=two)
+    assert bucketed.mode == "ddp" and not (bucketed.flat_gradients or bucketed.cuda_graphs or bucketed.overlap)
+    assert dict(bucketed.reasons)["ddp gradients"].startswith("torch DistributedDataParallel")
+    with pytest.raises(ConfigError, match=r"training\.cuda_graphs: the gradient reduction of ddp .* keeps graphs"):
+        plan(workspace, "model.device=cuda", "training.cuda_graphs=true", device=CUDA, world=two)
 
 
 def test_parallel_auto_weighs_the_replica_the_dry_run_prints(workspace):
@@ -175,9 +198,9 @@ def test_refusals_are_one_table_each_with_its_message(workspace):
         plan(workspace, "training.max_steps=1")
     with pytest.raises(ConfigError, match=r"training\.early_stopping: needs evaluations"):
         plan(workspace, "training.eval_every=0", "training.early_stopping={patience: 2}")
-    with pytest.raises(ConfigError, match=r"training\.cuda_graphs: the gradient reduction of ddp"):
-        plan(workspace, "model.device=cuda", "training.cuda_graphs=true", "training.parallel=ddp", device=CUDA,
-             world=World(0, 2, 0, "nccl"))
+    with pytest.raises(ConfigError, match=r"training\.cuda_graphs: the gradient reduction of fsdp"):
+        plan(workspace, "model.device=cuda", "training.cuda_graphs=true", "training.parallel=fsdp",
+             "training.kernels=false", device=CUDA, world=World(0, 2, 0, "nccl"))
     # A graph captured over a preference micro-batch hit a device-side assert on an H200: refused by name now.
     with pytest.raises(ConfigError, match=r"training\.cuda_graphs: graphs replay causal-LM micro-batches .* a "
                                           r"preference task"):

@@ -264,13 +264,25 @@ def describe(a: dict[str, Any]) -> str:
 def run_recipe(args: argparse.Namespace) -> int:
     """The plan of a recipe on ``--device`` with ``--nproc`` processes: no weights read, nothing trained."""
     from entrenar.config import load_recipe
+    from entrenar.config.sections import MAX_SEQ_LEN
+    from entrenar.data.batching import CONTEXT_FACTOR
+    from entrenar.loading import recipe_model_config
     from entrenar.train.dry_run import plan_lines
-    from entrenar.train.plan import plan_for
+    from entrenar.train.plan import longest_context, plan_for
 
     plan, here = plan_for(load_recipe(args.model), args.device, args.nproc, args.gpu_memory)
     print(f"{args.model}: {plan.method} on {plan.device}, {args.nproc} process(es)"
           + ("" if here else f" (planned for a {args.gpu_memory:g} GiB GPU with Triton; none here)"))
     print("\n".join(plan_lines(plan)))
+    if plan.device.type == "cuda":
+        budget, where = ((plan.memory_available, "free on this GPU") if here and plan.memory_available
+                         else (args.gpu_memory * 2**30, f"a {args.gpu_memory:g} GiB GPU"))
+        longest = longest_context(plan, budget)
+        context = recipe_model_config(load_recipe(args.model)).max_position_embeddings
+        capped = longest == min(MAX_SEQ_LEN, CONTEXT_FACTOR * context)
+        print(f"{'longest context':<22}{longest:,} tokens in one row (batch 1) fit {budget / 2**30:.2f} GiB "
+              f"({where}), by the memory estimate with this recipe's other settings"
+              + (" (the most data.seq_len may be for this model: 8x its context)" if capped else ""))
     for note in plan.notes:
         print(f"{'note':<22}{note}")
     return 0

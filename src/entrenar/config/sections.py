@@ -290,11 +290,12 @@ class TrainingSection(_Section):
     offload_weights: str | bool = setting("auto", _choice("auto", True, False), resumable=21)
     compile: bool = setting(False, _boolean, resumable=9)
     # forward and backward of each micro-batch replayed from a CUDA graph (fixed shapes; not padding-free);
-    # auto: on a single CUDA device for LoRA/QLoRA on packed causal-LM batches of a dense model (or an MoE one
-    # whose experts run grouped in bf16), without compile or fp16
+    # auto: on a single CUDA device (or under ddp with flat gradients) for LoRA/QLoRA on packed causal-LM batches
+    # of a dense model (or an MoE one whose experts run grouped in bf16), without compile or fp16
     cuda_graphs: str | bool = setting("auto", _choice("auto", True, False), resumable=17)
     # read each step's loss and norm while the GPU runs the next step's forward and backward (a non-finite
-    # update is dropped on the device); auto: on one CUDA device with a fused optimizer and no fp16 scaler
+    # update is dropped on the device); auto: on CUDA (one process, or ddp with flat gradients) with a fused
+    # optimizer and no fp16 scaler
     overlap_steps: str | bool = setting("auto", _choice("auto", True, False), resumable=18)
     # auto: on CUDA when Triton imports, and on a CPU (PyTorch paths)
     kernels: str | bool = setting("auto", _choice("auto", True, False), resumable=8)
@@ -332,6 +333,10 @@ class TrainingSection(_Section):
     # parallel: fsdp: issue the next block's all-gathers (parameters, and a QLoRA base's NF4 codes) while this
     # block computes, forward and backward; false: each block gathers when it is called (the same numbers)
     fsdp_prefetch: bool = setting(True, _boolean)
+    # long context: each layer's MLP runs on this many tokens at a time and again tile by tile in backward, so its
+    # [tokens, intermediate] activations never exist whole (models/tiled.py; dense pre-norm layers); 0: off. One
+    # more MLP forward a step: for sequences that do not fit otherwise (docs/PERFORMANCE.md, longest context)
+    tiled_mlp: int = setting(0, _integer(0), resumable=25)
     # context parallelism: each padding-free row split over this many processes (consecutive ranks, one host's
     # GPUs), attention by all-to-all over heads; the rest of the world is data parallel (distributed/
     # context_parallel.py)

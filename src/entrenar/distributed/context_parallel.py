@@ -217,7 +217,7 @@ def context_parallel(inner: Single, world: World, cp: int, device: torch.device)
 
 
 def check_context_parallel(cp: int, world: World, config: ModelConfig, task: str, padding_free: str | bool,
-                           moe: bool, compile: bool = False) -> str:
+                           moe: bool, compile: bool = False, cuda_graphs: bool = False) -> str:
     """Refuse what context parallelism cannot split this way (one ConfigError naming the key); the line the plan
     prints for ``training.context_parallel``."""
     key = "training.context_parallel"
@@ -231,6 +231,9 @@ def check_context_parallel(cp: int, world: World, config: ModelConfig, task: str
     if compile:
         raise ConfigError(f"{key}: the all-to-all around attention runs eagerly; training.compile with context "
                           "parallelism is not supported (turn one off)")
+    if cuda_graphs:
+        raise ConfigError(f"{key}: a CUDA graph replays one row length, and split padding-free rows vary; "
+                          "training.cuda_graphs: true is not supported with it (auto turns graphs off)")
     if moe:
         raise ConfigError(f"{key}: MoE layers balance their routers over the tokens of a step, which a split "
                           "row would count per slice; not supported")

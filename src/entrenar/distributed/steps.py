@@ -87,6 +87,12 @@ def peak_memory(world: World, device: torch.device) -> dict[str, Any]:
     rank's peak (CUDA: allocated by torch; CPU: the process's peak resident memory), gathered as one tensor."""
     if not world.distributed:
         return {}
+    return {"peak_mem_gb_ranks": [round(float(p) / 1e9, 3) for p in gathered_peaks(world, device).tolist()]}
+
+
+def gathered_peaks(world: World, device: torch.device) -> torch.Tensor:
+    """Each rank's peak memory in bytes (as :func:`peak_memory`), gathered on ``device`` and not read: a caller
+    that must not wait for the work queued before the gather reads it later."""
     if device.type == "cuda":
         peak = float(torch.cuda.max_memory_allocated(device))
     else:
@@ -96,4 +102,4 @@ def peak_memory(world: World, device: torch.device) -> dict[str, Any]:
     mine = torch.tensor([peak], dtype=torch.float64, device=device)
     every = [torch.empty_like(mine) for _ in range(world.size)]
     torch.distributed.all_gather(every, mine)  # a tensor collective: no pickling on the step's path
-    return {"peak_mem_gb_ranks": [round(float(p) / 1e9, 3) for p in torch.cat(every).tolist()]}
+    return torch.cat(every)

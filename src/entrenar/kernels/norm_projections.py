@@ -152,9 +152,20 @@ class FusedBlock(Block):
                                                partial(project_together, layers=attn.projections)))
         out = attn.attend(q, k, v, cos, sin, mask, cache)
         x = x + (out if m == 1.0 else out * m)
-        gate, up = mlp.split(norm_then_project(x, self.post_attention_layernorm, mlp.projections,
-                                               partial(project_together, layers=mlp.projections)))
+        if self.tiles_mlp(x):  # models/tiled.py: its node skips the tiles in a checkpointed rerun itself
+            out = self.tiled_feed_forward(x)
+            return x + (out if m == 1.0 else out * m)
+        gate, up = self._gate_up(x)
         if recomputing() and isinstance(mlp, FusedMLP):  # a checkpointed rerun: backward reads what combine saves
             return mlp.combine(gate, up, output_needed=False)
         out = mlp.combine(gate, up)
         return x + (out if m == 1.0 else out * m)
+
+    def _gate_up(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        mlp = cast(MLP, self.mlp)
+        return mlp.split(norm_then_project(x, self.post_attention_layernorm, mlp.projections,
+                                           partial(project_together, layers=mlp.projections)))
+
+    def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The MLP half with the post-attention norm inside the gate/up LoRA node where it fits."""
+        return cast(MLP, self.mlp).combine(*self._gate_up(x))

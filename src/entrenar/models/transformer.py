@@ -23,6 +23,7 @@ from entrenar.models.offload import ActivationOffload
 from entrenar.models.padding_free import SDPA_HAS_GQA, Documents, documents_attention
 from entrenar.models.recompute import checkpointed
 from entrenar.models.rope_scaling import longrope_inv_freq, longrope_select, rope_attention_scaling
+from entrenar.models.tiled import tiled_feed_forward
 
 
 class RMSNorm(nn.Module):
@@ -319,8 +320,24 @@ class Block(nn.Module):
         m = self.residual_multiplier
         attn = self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
         x = x + (attn if m == 1.0 else attn * m)
-        out = self.mlp(self.post_attention_layernorm(x))
+        out = self.tiled_feed_forward(x) if self.tiles_mlp(x) else self.feed_forward(x)
         return x + (out if m == 1.0 else out * m)
+
+    # Tokens per tile of the MLP half (models/tiled.py; Transformer.set_tiled_mlp); 0: the whole sequence at once.
+    mlp_tile: int = 0
+
+    def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The MLP half of the block before its residual add: ``mlp(post_attention_layernorm(x))``."""
+        return self.mlp(self.post_attention_layernorm(x))
+
+    def tiles_mlp(self, x: torch.Tensor) -> bool:
+        """Whether this call runs :meth:`feed_forward` in tiles: tiling is set and ``x`` has more tokens than one."""
+        return bool(self.mlp_tile) and x.shape[:-1].numel() > self.mlp_tile
+
+    def tiled_feed_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """:meth:`feed_forward` in tiles of :attr:`mlp_tile` tokens, rerun tile by tile in backward."""
+        params = [*self.post_attention_layernorm.parameters(), *self.mlp.parameters()]
+        return tiled_feed_forward(self.feed_forward, x, self.mlp_tile, params)
 
 
 class SandwichBlock(Block):
@@ -408,6 +425,21 @@ class Transformer(nn.Module):
         :meth:`set_activation_offload`."""
         self.checkpointed_layers = set(checkpointed_layer_indices(self.config.num_layers, layers))
         self.set_activation_offload(offload)
+
+    def set_tiled_mlp(self, tokens: int) -> list[int]:
+        """Run the MLP half of each layer in tiles of ``tokens`` tokens, rerun tile by tile in backward
+        (:mod:`entrenar.models.tiled`); 0 puts whole MLPs back. Applies to pre-norm blocks with a dense MLP
+        (Llama, Mistral, Qwen, Phi-3, Granite...); MoE layers, Gemma's sandwich norms, OLMo 2's and GLM-4's
+        post-norms keep theirs whole. Returns the indices of the layers that tile."""
+        if tokens < 0:
+            raise ValueError(f"tiled MLP needs a positive number of tokens per tile (0: off), got {tokens}")
+        tiled = []
+        for i, layer in enumerate(self.model.layers):
+            if isinstance(layer, Block) and not isinstance(layer, SandwichBlock) and isinstance(layer.mlp, MLP) \
+                    and not layer.post_norm and not layer.post_block_norms:
+                layer.mlp_tile = tokens
+                tiled.append(i)
+        return tiled if tokens else []
 
     def set_activation_offload(self, layers: bool | int) -> None:
         """Keep what layers save for backward in pinned CPU memory until backward (:mod:`entrenar.models.offload`):

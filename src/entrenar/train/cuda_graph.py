@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
+import torch.distributed as dist
 
 WARMUP_CALLS = 3
 
@@ -86,6 +87,9 @@ class GraphedMicroStep:
     def _capture(self, inputs: dict[str, torch.Tensor]) -> None:
         self.inputs = {name: v.clone() if isinstance(v, torch.Tensor) else v for name, v in inputs.items()}
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        # Under torchrun the NCCL watchdog thread queries its events while this thread captures; "global" mode
+        # would count those calls against the capture (as Megatron and Transformer Engine capture, thread_local).
+        mode = "thread_local" if dist.is_available() and dist.is_initialized() else "global"
+        with torch.cuda.graph(graph, capture_error_mode=mode):
             self.loss = self.fn(self.inputs)  # recorded, not run: the replay that follows runs it
         self.graph = graph

@@ -20,8 +20,9 @@ a real run's peak RSS.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
+from typing import Any
 
 from entrenar.errors import ConfigError
 from entrenar.models.config import ModelConfig
@@ -59,11 +60,13 @@ class MemoryEstimate:
     allocator: float = 0.0  # CPU only: freed step memory the C allocator keeps (fitted, not derived)
     fake_quant: float = 0.0  # QAT: the fake-quantized weights (and inputs) kept for backward, one layer's temporaries
     reference: float = 0.0  # preference optimisation: a frozen copy of the model as the reference (task.reference)
+    # GPU only: what one layer's backward creates beside what it kept (:func:`backward_transients`)
+    transient: float = 0.0
 
     @property
     def total(self) -> float:
         return (self.weights + self.gradients + self.optimizer + self.activations + self.logits + self.runtime
-                + self.casts + self.allocator + self.fake_quant + self.reference)
+                + self.casts + self.allocator + self.fake_quant + self.reference + self.transient)
 
     def as_dict(self) -> dict:
         return {**asdict(self), "total": self.total}
@@ -260,6 +263,7 @@ def estimate_training_memory(
     lora_dropout: float = 0.0,
     qat_group_size: int | None = None,
     qat_activations: bool = False,
+    tiled_mlp: int = 0,
 ) -> MemoryEstimate:
     """Estimate peak training memory in bytes. `method` is full, lora, qlora, qat or lora-qat.
 
@@ -294,6 +298,10 @@ def estimate_training_memory(
     with `qat_activations` the rounded inputs, and LSQ's step sizes (one per row, or per `qat_group_size` inputs;
     trained under LoRA too). The bit width changes none of this; it sets the exported model's size
     (:func:`quantized_model_bytes`).
+
+    `tiled_mlp` (tokens a tile; 0: off) runs each dense pre-norm layer's MLP in tiles (:mod:`entrenar.models.tiled`):
+    the layer keeps the MLP's input instead of its activations, and its backward holds one tile's. A GPU estimate
+    (not ``cpu``) adds the transients of one layer's backward (``transient``, :func:`backward_transients`).
     """
     if method not in METHODS:
         raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
@@ -308,11 +316,14 @@ def estimate_training_memory(
         offload_weights)
     tokens = batch_size * seq_len
     activations, rebuilt = _activations(config, method, tokens, dtype_bytes, kernels, lora_r,
-                                        activation_checkpointing, offload_activations, seq_len)
+                                        activation_checkpointing, offload_activations, seq_len, tiled_mlp)
     logits = _logits(config, tokens, dtype_bytes, fused_loss_chunk, rebuilt)
     total = config.num_parameters
     label = {"full": "qat", "lora": "lora-qat"}[method] if qat else method
     estimate = MemoryEstimate(label, total, trainable, weights, gradients, optimizer_bytes, activations, logits)
+    if not cpu:
+        estimate.transient = backward_transients(config, tokens, dtype_bytes, tiled_mlp, activation_checkpointing,
+                                                 offload_activations)
     if qat:
         _add_qat_terms(estimate, config, method, tokens, dtype_bytes, param_bytes, states, activation_checkpointing,
                        cpu, qat_group_size, qat_activations)
@@ -328,6 +339,31 @@ def estimate_training_memory(
 
 
 METHODS = ("full", "lora", "qlora", "qat", "lora-qat")
+
+
+def longest_seq_len(config: ModelConfig, method: str, memory_bytes: float, limit: int = 2**24,
+                    **settings: Any) -> int:
+    """The longest sequence (batch 1) whose :func:`estimate_training_memory` total fits ``memory_bytes`` (to the
+    token; :func:`longest_fitting`). ``settings``: the estimate's other arguments but batch_size and seq_len."""
+    return longest_fitting(
+        lambda seq_len: estimate_training_memory(config, method, 1, seq_len, **settings).total <= memory_bytes, limit)
+
+
+def longest_fitting(fits: Callable[[int], bool], limit: int = 2**24, shortest: int = 1) -> int:
+    """The largest ``n`` in [``shortest``, ``limit``] with ``fits(n)``, for a ``fits`` true up to some length and
+    false after (memory grows with the sequence): doubling, then a bisection to one. 0 if ``fits(shortest)`` is
+    false."""
+    if not fits(shortest):
+        return 0
+    low, high = shortest, 2 * shortest
+    while high < limit and fits(high):
+        low, high = high, min(2 * high, limit)
+    if high >= limit and fits(limit):
+        return limit
+    while high - low > 1:  # fits(low), not fits(high)
+        middle = (low + high) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    return low
 
 
 def _quantized_layers(config: ModelConfig) -> list[tuple[int, int]]:
@@ -414,12 +450,69 @@ def _model_state(config: ModelConfig, method: str, param_bytes: int, states: int
     return trainable, base + trainable * 4, trainable * 4, states * trainable * 4  # adapters stay fp32
 
 
+def tiles_mlp(config: ModelConfig) -> bool:
+    """Whether ``training.tiled_mlp`` tiles this model's layers (:meth:`Transformer.set_tiled_mlp`): dense
+    pre-norm blocks; the estimate leaves a model with MoE layers (some dense) untiled, an upper bound."""
+    return not (config.is_moe or config.sandwich_norms or config.post_norm or config.post_block_norms)
+
+
+def _mlp_bytes_per_token(config: ModelConfig, dtype_bytes: int, kernels: bool, lora: bool) -> float:
+    """What the MLP half of a dense block (the post-attention norm and the MLP) keeps a token, of
+    :func:`activation_bytes_per_token_layer`'s sum."""
+    h, i = config.hidden_size, config.intermediate_size
+    if not kernels:
+        return (h * dtype_bytes + h * 4 + 4) + (h + 4 * i) * dtype_bytes
+    if lora and not config.is_mla:
+        return h * dtype_bytes + 4 + 2 * i * dtype_bytes
+    return h * dtype_bytes + 4 + (h + 3 * i) * dtype_bytes
+
+
+def backward_transients(config: ModelConfig, tokens: int, dtype_bytes: int, tiled_mlp: int = 0,
+                        activation_checkpointing: bool | int | Sequence[int] = False,
+                        offload_activations: bool | int = False) -> float:
+    """Bytes one layer's backward creates beside what the layer kept, at its largest, on a GPU.
+
+    The gradient flowing in and the one flowing out (``[tokens, hidden]`` each), plus the larger of the MLP's
+    backward (the down projection's input gradient and the gate and up gradients, ``[tokens, intermediate]``
+    each; with ``tiled_mlp`` one tile's, its rebuilt activations, and the ``[tokens, hidden]`` input gradient the
+    tiles fill) and the attention's (q, k and v gradients, the output's, and flash attention's fp32 query
+    accumulator). With checkpointed layers offloaded to CPU memory, one more layer input (the next one, copied
+    back while a layer runs its backward). Small beside a step's memory at short sequences; the bulk of it at long ones.
+    """
+    h, i, d = config.hidden_size, config.intermediate_size, config.head_dim
+    assert d is not None  # ModelConfig derives it when config.json has none
+    q, kv = config.num_heads * d, config.num_kv_heads * d
+    if config.is_moe:
+        i = max(i, config.num_experts_per_tok * config.expert_intermediate_size)
+    if tiled_mlp and tiles_mlp(config):
+        tile = min(tokens, tiled_mlp)
+        mlp = tile * (3 * i * dtype_bytes + _mlp_bytes_per_token(config, dtype_bytes, True, True)) \
+            + tokens * h * dtype_bytes
+    else:
+        mlp = tokens * 3 * i * dtype_bytes
+    attention = tokens * ((2 * q + 2 * kv) * dtype_bytes + 4 * q)
+    n = config.num_layers
+
+    def clamped(layers):  # a layer count beyond the model means every layer
+        return min(layers, n) if isinstance(layers, int) and not isinstance(layers, bool) else layers
+
+    recomputed = set(checkpointed_layer_indices(n, clamped(activation_checkpointing)))
+    offloaded = set(offloaded_layer_indices(n, clamped(offload_activations)))
+    # the next offloaded input copied back while a rebuilt layer (whose input its own count holds) runs backward
+    in_flight = (len(recomputed & offloaded) > 1) * tokens * h * dtype_bytes
+    return 2 * tokens * h * dtype_bytes + max(mlp, attention) + in_flight
+
+
 def _activations(config: ModelConfig, method: str, tokens: int, dtype_bytes: int, kernels: bool, lora_r: int,
                  activation_checkpointing: bool | int | Sequence[int], offload_activations: bool | int,
-                 seq_len: int = 0) -> tuple[float, float]:
+                 seq_len: int = 0, tiled_mlp: int = 0) -> tuple[float, float]:
     """(activations kept for backward at the peak, the part of it a rebuilt checkpointed layer takes) in bytes."""
     per_layer = activation_bytes_per_token_layer(config, dtype_bytes, kernels, lora=method != "full",
                                                  seq_len=seq_len)
+    if tiled_mlp and tiles_mlp(config):  # the MLP half keeps its input only (and no r-wide adapter middles)
+        per_layer += config.hidden_size * dtype_bytes - _mlp_bytes_per_token(config, dtype_bytes, kernels,
+                                                                             method != "full")
+        per_layer -= 3 * lora_r * 4 if method != "full" else 0
     if config.is_moe:  # MoE and dense layers averaged; a rebuilt layer counts as the larger
         moe_layer = activation_bytes_per_token_layer(config, dtype_bytes, kernels, lora=method != "full",
                                                      moe_layer=True, seq_len=seq_len)
@@ -448,7 +541,9 @@ def _activations(config: ModelConfig, method: str, tokens: int, dtype_bytes: int
     activations = tokens * (kept_whole * per_layer + kept_inputs * config.hidden_size * dtype_bytes)
     rebuilt = tokens * rebuilt_layer if recomputed_layers else 0
     activations += rebuilt
-    activations += tokens * config.hidden_size * (dtype_bytes + 4)  # final norm
+    # The final norm keeps its input and, eager, its fp32 upcast (the fused norm: 1/rms a token).
+    activations += tokens * (config.hidden_size * dtype_bytes + (4 if kernels else config.hidden_size * 4))
+    activations += tokens * 2 * (config.head_dim or 0) * dtype_bytes  # RoPE's cos and sin, shared by the layers
     return activations, rebuilt
 
 

@@ -29,7 +29,8 @@ import torch
 from entrenar.adapters.lora import family_targets
 from entrenar.config import Recipe
 from entrenar.config.recipe import GPU_ONLY
-from entrenar.data.batching import check_seq_len
+from entrenar.config.sections import MAX_SEQ_LEN
+from entrenar.data.batching import CONTEXT_FACTOR, check_seq_len
 from entrenar.device import available_memory, resolve_device, resolve_dtype
 from entrenar.distributed.context_parallel import check_context_parallel
 from entrenar.distributed.materialize import load_device as sharded_load_device
@@ -44,11 +45,23 @@ from entrenar.models.config import ModelConfig
 from entrenar.models.padding_free import rows_by_document
 from entrenar.models.transformer import checkpointed_layer_indices, offloaded_layer_indices
 from entrenar.tasks.preference import reference_of, share_prompt_of
-from entrenar.train.memory import PROJECTION_NAMES, GiB, MemoryEstimate, estimate_training_memory
+from entrenar.train.memory import (
+    PROJECTION_NAMES,
+    GiB,
+    MemoryEstimate,
+    estimate_training_memory,
+    longest_fitting,
+)
 from entrenar.train.optim import use_fused
 
 # Fraction of device memory a replica may take for `parallel: auto` to pick DDP (the rest: allocator slack).
 AUTO_DDP_FRACTION = 0.85
+# DDP with at most this many bytes of gradients reduces them as one flat buffer a step, after backward, outside the
+# graph (entrenar.distributed.flat_grads), which keeps CUDA graphs and step overlap; above it torch's
+# DistributedDataParallel, whose buckets overlap the all-reduce with backward. LoRA-8B's adapters hold ~170 MB of
+# fp32 gradients (about 1-2 ms of an NVLink all-reduce after a step of ~1 s); a full 1B fine-tune ~5 GB, whose
+# exposed all-reduce DDP's buckets hide. The line between is a chosen bound, not a measured crossover.
+FLAT_GRADIENTS_MAX_BYTES = 512 * 2**20
 
 
 @dataclass(frozen=True)
@@ -87,6 +100,7 @@ class RunPlan:
     memory_available: int | None = field(default=None, compare=False)
     notes: tuple[str, ...] = ()  # for the summary (seq_len beyond the model's context)
     reasons: tuple[tuple[str, str], ...] = ()
+    flat_gradients: bool = False  # ddp: one flat all-reduce a step instead of DistributedDataParallel
     _recipe: Recipe | None = field(default=None, repr=False, compare=False)
     _config: ModelConfig | None = field(default=None, repr=False, compare=False)
     context_parallel: int = 1  # processes each row is split over (training.context_parallel)
@@ -157,6 +171,7 @@ class _Facts:
     memory: MemoryEstimate | None = None  # the plan's estimate, once the decisions that change it are made
     available: tuple[int, str] | None = None  # bytes free on the device, and where the number comes from
     force: bool = False  # `entrenar train --force`: start even when the estimate is above what is free
+    flat: bool = False  # ddp reduces one flat gradient buffer a step, outside any graph (FLAT_GRADIENTS_MAX_BYTES)
 
     @property
     def needed(self) -> float:
@@ -205,9 +220,12 @@ REFUSALS: tuple[Refusal, ...] = (
             lambda f: f"training.cuda_graphs: graphs replay causal-LM micro-batches of fixed rows; a "
                       f"{f.recipe.task.type} task's batches vary in layout (turn cuda_graphs off or leave it "
                       "auto)"),
-    Refusal("training.cuda_graphs", lambda f: f.mode != "single" and f.recipe.training.cuda_graphs is True,
+    Refusal("training.cuda_graphs", lambda f: f.mode != "single" and not f.flat
+            and f.recipe.training.cuda_graphs is True,
             lambda f: f"training.cuda_graphs: the gradient reduction of {f.mode} runs outside a captured graph; "
-                      f"turn cuda_graphs off to train on {f.world.size} processes", needs_mode=True),
+                      f"turn cuda_graphs off to train on {f.world.size} processes"
+                      + (f" (ddp keeps graphs with at most {FLAT_GRADIENTS_MAX_BYTES // 2**20} MiB of gradients, "
+                         "e.g. LoRA)" if f.mode == "ddp" else ""), needs_mode=True),
     Refusal("training.kernels", lambda f: f.mode == "fsdp" and f.recipe.training.kernels is True,
             lambda f: "training.kernels: the fused kernels read weights outside the module's forward, which "
                       "FSDP2 has not gathered; use training.kernels: false with parallel: fsdp", needs_mode=True),
@@ -219,6 +237,13 @@ REFUSALS: tuple[Refusal, ...] = (
             lambda f: "training.offload_weights: the NF4 base weights stream to one CUDA device, block by block, "
                       f"outside torch.compile; this run is {f.mode} on {f.device}"
                       + (" with training.compile" if f.recipe.training.compile else ""), needs_mode=True),
+    Refusal("training.tiled_mlp", lambda f: bool(f.recipe.training.tiled_mlp) and (
+        f.recipe.training.compile or f.recipe.training.cuda_graphs is True
+        or f.recipe.training.offload_weights is True),
+            lambda f: "training.tiled_mlp: the tiles rerun in backward outside torch.compile and CUDA graphs, and "
+                      "read the block's weights where they are (not streamed); turn off "
+                      + ", ".join(k for k in ("compile", "cuda_graphs", "offload_weights")
+                                  if getattr(f.recipe.training, k) is True)),
     Refusal("memory", lambda f: not f.force and f.available is not None and f.needed > f.available[0],
             lambda f: _memory_refusal(f), needs_mode=True, needs_memory=True),
 )
@@ -309,17 +334,18 @@ def plan_run(recipe: Recipe, device: torch.device, world: World, config: ModelCo
     replica = _decide(recipe, device, "ddp" if world.distributed else "single", config, triton, method)
     mode = _choose_mode(t.parallel, world, device, replica.memory.total, device_memory)
     reasons.append(("training.parallel", _mode_reason(t.parallel, mode, world, replica.memory.total)))
-    _refuse(_Facts(recipe, device, world, mode), needs_mode=True)
+    flat = mode == "ddp" and replica.flat_gradients  # replica: planned as ddp
+    _refuse(_Facts(recipe, device, world, mode, flat=flat), needs_mode=True)
     cp = t.context_parallel
     if cp > 1:  # each row split over cp processes: world.size / cp data-parallel groups
         reasons.append(("training.context_parallel", check_context_parallel(
             cp, world, config, recipe.task.type, recipe.data.padding_free, moe=config.num_experts > 0,
-            compile=t.compile)))
+            compile=t.compile, cuda_graphs=t.cuda_graphs is True)))
     accumulation = micro_batches_per_rank(t.batch_size, t.grad_accum, t.global_batch_size, world.size // cp)
     decided = replica if mode == replica.mode else _decide(recipe, device, mode, config, triton, method)
     reasons += decided.reasons
     available = available if available is not None else available_memory(device)
-    facts = _Facts(recipe, device, world, mode, decided.memory, available, force)
+    facts = _Facts(recipe, device, world, mode, decided.memory, available, force, flat=flat)
     reasons.append(("memory", _memory_reason(facts)))
     _refuse(facts, needs_mode=True, needs_memory=True)
 
@@ -340,7 +366,7 @@ def plan_run(recipe: Recipe, device: torch.device, world: World, config: ModelCo
         cuda_graphs=decided.cuda_graphs, overlap=decided.overlap, compile=t.compile,
         loss_scaling=t.precision == "fp16", method=method, memory=decided.memory,
         memory_available=available[0] if available else None, notes=notes,
-        reasons=tuple(reasons), _recipe=recipe, _config=config, context_parallel=cp)
+        reasons=tuple(reasons), flat_gradients=flat, _recipe=recipe, _config=config, context_parallel=cp)
 
 
 @dataclass(frozen=True)
@@ -356,6 +382,7 @@ class _Decided:
     compute_dtype: torch.dtype
     memory: MemoryEstimate
     reasons: list[tuple[str, str]]
+    flat_gradients: bool = False
 
 
 def _decide(recipe: Recipe, device: torch.device, mode: str, config: ModelConfig, triton: bool,
@@ -378,9 +405,9 @@ def _decide(recipe: Recipe, device: torch.device, mode: str, config: ModelConfig
     # tokens/s at 3.27 against 6.41 GiB (H100, docs/PERFORMANCE.md). NF4 experts load outside the stream.
     offload_weights = t.offload_weights if isinstance(t.offload_weights, bool) else (
         cuda and single and lora is not None and lora.quantize_base == "nf4" and t.activation_checkpointing is True
-        and not t.compile and not config.is_moe)
+        and not t.compile and not config.is_moe and not t.tiled_mlp)
     reasons.append(("training.offload_weights", _auto(t.offload_weights, offload_weights,
-                                                      "QLoRA on one GPU with every layer checkpointed")))
+                                                      "QLoRA on one GPU with every layer checkpointed, MLP whole")))
 
     # The run trades speed for memory already; the GPU reads a batch's rows over PCIe in well under a
     # millisecond. A tied table is the output head's weight too, and a trained one cannot stay on the host.
@@ -390,24 +417,33 @@ def _decide(recipe: Recipe, device: torch.device, mode: str, config: ModelConfig
     reasons.append(("training.offload_embeddings", _auto(t.offload_embeddings, offload_embeddings,
                                                          "LoRA on one GPU with every layer checkpointed, untied")))
 
+    memory = _estimate(recipe, config, device, method, kernels, offload_weights, offload_embeddings)
+    flat = mode == "ddp" and memory.gradients <= FLAT_GRADIENTS_MAX_BYTES
+    if mode == "ddp":
+        reasons.append(("ddp gradients", _flat_reason(flat, memory.gradients)))
     # Full fine-tuning measured no faster under graphs and 4 GiB heavier (docs/PERFORMANCE.md); QAT's step-size
-    # initialisation reads the device once, which a graph cannot.
+    # initialisation reads the device once, which a graph cannot. Flat DDP gradients reduce outside the graph.
     cuda_graphs = t.cuda_graphs if isinstance(t.cuda_graphs, bool) else (
-        cuda and single and causal and recipe.data.packing and lora is not None and recipe.qat is None
-        and recipe.data.padding_free is not True and not t.compile and t.precision != "fp16")
+        cuda and (single or flat) and causal and recipe.data.packing and lora is not None and recipe.qat is None
+        and recipe.data.padding_free is not True and not t.compile and t.precision != "fp16" and not t.tiled_mlp
+        and t.context_parallel == 1)  # split rows are padding-free
     reasons.append(("training.cuda_graphs", _auto(t.cuda_graphs, cuda_graphs,
-                                                  "LoRA on packed rows on one GPU, eager, bf16/fp32")))
+                                                  "LoRA on packed rows on one GPU or under ddp, eager, "
+                                                  "bf16/fp32, MLP whole")))
+    if t.tiled_mlp:
+        reasons.append(("training.tiled_mlp", f"{t.tiled_mlp:,} tokens a tile (as set): each MLP forward runs "
+                                              "twice, its activations one tile's"))
 
-    unsupported = _overlap_unsupported(mode, t.precision == "fp16", use_fused(recipe.optimizer.fused, device))
+    unsupported = _overlap_unsupported("single" if flat else mode, t.precision == "fp16",
+                                       use_fused(recipe.optimizer.fused, device))
     if t.overlap_steps is True and unsupported is not None:
         raise ConfigError(f"training.overlap_steps: {unsupported}")
     overlap = unsupported is None and (t.overlap_steps is True or t.overlap_steps == "auto" and cuda)
     reasons.append(("training.overlap_steps", f"off ({unsupported})" if unsupported and t.overlap_steps == "auto"
-                    else _auto(t.overlap_steps, overlap, "one CUDA device with a fused optimizer")))
+                    else _auto(t.overlap_steps, overlap, "CUDA with a fused optimizer, one process or ddp")))
 
     compute_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(t.precision) or \
         _weights_dtype(recipe, device, lora is None)
-    memory = _estimate(recipe, config, device, method, kernels, offload_weights, offload_embeddings)
     if recipe.task.type == "preference":  # the reference model, and what it costs
         reference, why = reference_of(recipe)
         if reference == "copy" and mode == "fsdp":  # the copy is made before sharding: a whole model per rank
@@ -417,11 +453,22 @@ def _decide(recipe: Recipe, device: torch.device, mode: str, config: ModelConfig
         if reference == "copy":
             memory = dataclasses.replace(memory, reference=memory.weights)
     return _Decided(mode, kernels, offload_weights, offload_embeddings, cuda_graphs, overlap, compute_dtype, memory,
-                    reasons)
+                    reasons, flat)
+
+
+def _flat_reason(flat: bool, gradient_bytes: float) -> str:
+    """The dry run's line for how DDP reduces gradients, and why (FLAT_GRADIENTS_MAX_BYTES)."""
+    size, bound = f"{gradient_bytes / 2**20:,.1f} MiB of gradients", f"{FLAT_GRADIENTS_MAX_BYTES // 2**20} MiB"
+    if flat:
+        return (f"one flat all-reduce a step after backward, outside any graph ({size} <= {bound}): CUDA graphs "
+                "and step overlap stay available")
+    return (f"torch DistributedDataParallel, buckets reduced during backward ({size} > {bound}: overlapping the "
+            "all-reduce with backward pays more than graphs)")
 
 
 def _overlap_unsupported(mode: str, scaled: bool, fused: bool) -> str | None:
-    """Why this run cannot read a step's results while the next runs, or None when it can. Both optimizers
+    """Why this run cannot read a step's results while the next runs, or None when it can (``mode``: single
+    for flat DDP gradients too, whose reduction is queued in order before the update). Both optimizers
     (AdamW, SGD) take a ``found_inf`` flag in their fused kernels (:mod:`entrenar.train.overlap`)."""
     if mode != "single":
         return "several processes reduce the loss and gradients across ranks before each update"
@@ -462,7 +509,23 @@ def _estimate(recipe: Recipe, config: ModelConfig, device: torch.device, method:
         fused_loss_chunk=FUSED_LOSS_CHUNK if kernels and head_is_plain else None,
         # On a CPU the kernels run their PyTorch specifications, which save what eager PyTorch saves.
         kernels=kernels and device.type != "cpu", cpu=device.type == "cpu", lora_dropout=lora.dropout if lora else 0.0,
-        **_qat_settings(recipe))
+        tiled_mlp=t.tiled_mlp, **_qat_settings(recipe))
+
+
+def longest_context(plan: RunPlan, memory_bytes: float) -> int:
+    """The longest sequence a step of one row (batch 1) of ``plan``'s recipe fits in ``memory_bytes``, by the same
+    memory estimate as the plan's (:func:`entrenar.train.memory.longest_fitting`); at most what ``data.seq_len``
+    may be for this model (8x its context)."""
+    recipe, config = plan._recipe, plan._config
+    assert recipe is not None and config is not None
+    one_row = dataclasses.replace(recipe, training=dataclasses.replace(recipe.training, batch_size=1))
+
+    def fits(seq_len: int) -> bool:
+        row = dataclasses.replace(one_row, data=dataclasses.replace(one_row.data, seq_len=seq_len))
+        return _estimate(row, config, plan.device, plan.method, plan.kernels, plan.offload_weights,
+                         plan.offload_embeddings).total <= memory_bytes
+
+    return longest_fitting(fits, min(MAX_SEQ_LEN, CONTEXT_FACTOR * config.max_position_embeddings), shortest=2)
 
 
 def _qat_settings(recipe: Recipe) -> dict[str, Any]:
@@ -515,4 +578,4 @@ def _auto(setting: Any, value: bool, rule: str) -> str:
     return f"on (auto: {rule})" if value else f"off (auto: on only for {rule})"
 
 
-__all__ = ["REFUSALS", "Refusal", "RowLayout", "RunPlan", "check_recipe", "plan_for", "plan_run"]
+__all__ = ["REFUSALS", "Refusal", "RowLayout", "RunPlan", "check_recipe", "longest_context", "plan_for", "plan_run"]

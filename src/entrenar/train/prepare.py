@@ -11,7 +11,8 @@
 6. the NF4 base streamed from CPU memory block by block (``training.offload_weights``)
 7. MoE training hooks (router losses, balancing, diagnostics)
 8. ``torch.compile`` of each decoder block (``training.compile``)
-9. DDP or FSDP2 from outside (``training.parallel``): the step model the micro-step calls
+9. DDP (flat gradients or torch's DDP) or FSDP2 from outside (``training.parallel``): the step model the
+   micro-step calls
 10. context parallelism around it (``training.context_parallel``): each row split over a group of ranks
 
 The model itself knows nothing of any of this: each step wraps or replaces modules from outside.
@@ -30,6 +31,7 @@ from entrenar.adapters.lora import apply_lora, lora_config_of
 from entrenar.config import Recipe
 from entrenar.data.tokenizer import Tokenizer
 from entrenar.distributed.context_parallel import context_parallel
+from entrenar.distributed.flat_grads import FlatReplicated
 from entrenar.distributed.parallelize import Single, parallelize
 from entrenar.distributed.world import World
 from entrenar.errors import AdapterError, ConfigError
@@ -89,6 +91,9 @@ def prepare(model: Transformer, recipe: Recipe, plan: RunPlan, world: World) -> 
         _as_setting("offload_embeddings", offload_embeddings, model)
     _as_setting("activation_checkpointing", model.set_activation_checkpointing, t.activation_checkpointing)
     _as_setting("offload_activations", model.set_activation_offload, t.offload_activations)
+    if t.tiled_mlp and not model.set_tiled_mlp(t.tiled_mlp):
+        raise ConfigError("training.tiled_mlp: no layer of this model has a dense pre-norm MLP to tile (MoE "
+                          "layers and Gemma's, OLMo 2's and GLM-4's blocks keep theirs whole); set it to 0")
     if plan.kernels:
         apply_kernels(model, lora_compute_dtype=plan.lora_compute_dtype)  # same parameters and names
     if plan.offload_weights:
@@ -100,7 +105,9 @@ def prepare(model: Transformer, recipe: Recipe, plan: RunPlan, world: World) -> 
         # checkpointing and offload keep their saving.
         for block in model.model.layers:
             block.compile()
-    step_model = parallelize(model, plan.mode, world, plan.device, t.precision, prefetch=t.fsdp_prefetch)
+    # ddp over a small trainable set: the model unwrapped, one flat all-reduce a step (graphs and overlap stay).
+    step_model = FlatReplicated(model, world) if plan.flat_gradients else \
+        parallelize(model, plan.mode, world, plan.device, t.precision, prefetch=t.fsdp_prefetch)
     if plan.context_parallel > 1:  # each row split over cp ranks; DDP/FSDP over the whole world inside
         step_model = context_parallel(step_model, world, plan.context_parallel, plan.device)
     graphs = plan.graphs(moe is None or moe.replayable(plan.device, plan.compute_dtype))

@@ -41,6 +41,7 @@ from entrenar.train.faults import NonfiniteGuard
 from entrenar.train.metrics import MetricsLogger, plot_loss_curve
 from entrenar.train.moe import plot_expert_load
 from entrenar.train.optim import LRSchedule, build_optimizer, build_param_groups, set_lr
+from entrenar.train.overlap import DeferredRead
 from entrenar.train.plan import RowLayout, RunPlan
 from entrenar.train.prepare import Prepared
 from entrenar.train.resume import check_trainer_state, load_trainable_state, resumed_schedule, trainable_state
@@ -94,6 +95,7 @@ class Trainer:
         self._last_checkpoint: Path | None = None
         self._replicas_checked: list[int] = []  # the steps whose replica check passed (a distributed run's)
         self._peak_ranks: list[float] | None = None  # each rank's peak memory (GB) at the last logged line
+        self._peaks_pending: DeferredRead | None = None  # overlapped steps: the peaks gathered, read next line
 
     # -- setup --------------------------------------------------------------------------------------------
 
@@ -157,6 +159,10 @@ class Trainer:
                                        self.plan.accumulation, self.recipe.data.seq_len) if self.context else
                       dist_steps.describe(self.plan.mode, self.world, t.batch_size, self.plan.accumulation,
                                           self.recipe.data.seq_len), flush=True)
+                if self.plan.mode == "ddp":  # which reduction, and whether graphs and overlap kept (issue 38)
+                    on = {True: "on", False: "off"}
+                    print(f"ddp gradients: {dict(self.plan.reasons).get('ddp gradients')}; cuda graphs "
+                          f"{on[self.micro_step.graphs]}, step overlap {on[self.plan.overlap]}", flush=True)
             with tqdm(total=t.max_steps, initial=self.start_step, unit="step", dynamic_ncols=True,
                       disable=not self.progress or not self.world.is_main) as bar:
                 final_loss, after = self._loop(metrics, bar)
@@ -197,13 +203,14 @@ class Trainer:
             evaluates = bool(t.eval_every and done % t.eval_every == 0) or done == t.max_steps
             saves = bool(t.save_every and done % t.save_every == 0) or done == t.max_steps
             record = steps.run(step, lr, acts=evaluates or saves)
-            if record is None:  # overlapped: read during the next step
-                continue
-            final_loss = record.loss
             if t.replica_check_every and (done % t.replica_check_every == 0 or done == t.max_steps):
+                # An overlapped step too: the hashes read the weights after its update, queued in order.
                 watchdog.beat("collective", done)
                 check_replicas(self.model, self.optimizer, self.world, done)  # every rank holds the same weights
                 self._replicas_checked.append(done)
+            if record is None:  # overlapped: read during the next step
+                continue
+            final_loss = record.loss
             stop = False
             if evaluates:
                 after, stop = self._evaluate_at(done, metrics, bar)
@@ -225,7 +232,7 @@ class Trainer:
         extra.update(record.metrics)  # the task's own (a preference task's rewards/chosen...), as it names them
         log_every = self.recipe.training.log_every
         if done % log_every == 0 or done == max_steps:  # a collective and a host read: on logged lines only
-            peaks = dist_steps.peak_memory(self.world, self.plan.device)  # each rank's, in a distributed run
+            peaks = self._peaks(last=done == max_steps)  # each rank's, in a distributed run
             extra.update(peaks)
             self._peak_ranks = peaks.get("peak_mem_gb_ranks", self._peak_ranks)
         line = metrics.log_step(done, record.loss, record.grad_norm, record.lr, record.tokens,
@@ -237,6 +244,17 @@ class Trainer:
             bar.set_postfix(loss=f"{record.loss:.4f}", lr=f"{record.lr:.2e}")
         if done % log_every == 0 or done == max_steps or "skipped" in record.flags:
             self.console.step(line, max_steps)  # --no-progress: a line every log_every steps
+
+    def _peaks(self, last: bool) -> dict[str, Any]:
+        """Each rank's peak memory for a logged line. Under overlapped steps a read now would wait for the step
+        queued behind this one's results: the gather launched now is read at the next logged line, which reports
+        the one launched before it (the first and the last read at once)."""
+        if not (self.plan.overlap and self.world.distributed):
+            return dist_steps.peak_memory(self.world, self.plan.device)
+        launched = DeferredRead(dist_steps.gathered_peaks(self.world, self.plan.device))
+        earlier, self._peaks_pending = self._peaks_pending, launched
+        read = launched if earlier is None or last else earlier
+        return {"peak_mem_gb_ranks": [round(p / 1e9, 3) for p in read.values()]}
 
     # -- evaluation and saving ----------------------------------------------------------------------------
 

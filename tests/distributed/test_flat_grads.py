@@ -1,0 +1,144 @@
+"""DDP with flat gradients (entrenar.distributed.flat_grads) on 2 gloo processes: the same adapters as one process
+over the same global batch and as torch's DistributedDataParallel, gradient accumulation included, with one
+all-reduce of the gradients per optimizer step; and a killed rank whose deterministic restart ends bit for bit
+where an uninterrupted run does."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+sys.path.insert(0, str(Path(__file__).parent))
+from dist_fixtures import shared  # noqa: E402, F401  (a fixture)
+from test_data_parallel import assert_same_run, losses, weights  # noqa: E402
+from workers import dying_worker, launch, reduction_worker, train_worker  # noqa: E402
+
+import entrenar.train.plan as plan_module  # noqa: E402
+
+pytestmark = pytest.mark.timeout(120)
+
+# 8 rows a step: 4 micro-batches on one process, 2 on each of two (accumulation on both).
+ACCUMULATING = ["training.global_batch_size=8", "training.max_steps=3"]
+
+
+@pytest.fixture(scope="module")
+def accumulating(shared):
+    """The one-process reference run of 3 steps of 8 rows."""
+    ws, recipes, _ = shared
+    one = ws / "one-accumulating"
+    if not (one / "adapter").is_dir():
+        train_worker(recipes["lora"], [*ACCUMULATING, f"output.dir={one}"])
+    return one
+
+
+@pytest.mark.parametrize("extra", [[], ["optimizer.fused=true", "training.overlap_steps=true"]],
+                         ids=["sync", "overlapped"])
+def test_flat_gradients_train_as_one_process_with_one_all_reduce_a_step(shared, accumulating, extra):
+    ws, recipes, _ = shared
+    run = ws / f"flat-{len(extra)}"
+    results = launch(reduction_worker, recipes["lora"], [*ACCUMULATING, *extra, f"output.dir={run}"])
+    kind, summary, sizes, _ = results[0]
+    assert kind == "FlatReplicated"
+    assert "identical on 2 ranks at 3 check(s)" in summary  # replica_check_every: 1
+    if not extra:
+        assert_same_run(run, accumulating)
+    else:  # the fused optimizer rounds differently from the reference's foreach one
+        from entrenar.train.metrics import read_metrics
+
+        # every line has each rank's peak memory (gathered at its step, read at the next line or at once)
+        assert [len(r["peak_mem_gb_ranks"]) for r in read_metrics(run / "metrics.jsonl") if "loss" in r] == [2] * 3
+        for name, tensor in weights(accumulating, "lora").items():
+            torch.testing.assert_close(weights(run, "lora")[name], tensor, rtol=1e-4, atol=1e-5, msg=name)
+    trainable = sum(t.numel() for t in load_file(run / "adapter" / "adapter_model.safetensors").values())
+    for rank_sizes in (sizes, results[1][2]):
+        assert rank_sizes.count(trainable) == 3  # one all-reduce of every gradient per optimizer step
+        assert all(n == trainable or n < 16 for n in rank_sizes)  # and none per parameter (the rest: losses, counts)
+
+
+def test_flat_gradients_match_torch_ddp_which_large_gradients_keep(shared, accumulating, monkeypatch):
+    ws, recipes, _ = shared
+    run = ws / "torch-ddp"
+    # Gradients above the bound go to torch's DistributedDataParallel (forked workers inherit the bound).
+    monkeypatch.setattr(plan_module, "FLAT_GRADIENTS_MAX_BYTES", 0)
+    results = launch(reduction_worker, recipes["lora"], [*ACCUMULATING, f"output.dir={run}"])
+    kind, _, sizes, _ = results[0]
+    assert kind == "Replicated"
+    trainable = sum(t.numel() for t in weights(run, "lora").values())
+    assert trainable not in sizes  # DDP's reducer all-reduces its buckets in C++
+    assert_same_run(run, accumulating)
+    flat = ws / "flat-0"
+    if (flat / "adapter").is_dir():  # the flat run of the test above
+        for name, tensor in weights(flat, "lora").items():
+            torch.testing.assert_close(weights(run, "lora")[name], tensor, rtol=1e-6, atol=1e-7, msg=name)
+
+
+def test_a_killed_rank_restarts_deterministically_to_the_bits_of_an_uninterrupted_run(shared):
+    ws, recipes, _ = shared
+    common = [*ACCUMULATING, "training.max_steps=5", "training.save_every=2", "training.deterministic=true"]
+    clean, restarted = ws / "deterministic-clean", ws / "deterministic-restarted"
+    launch(train_worker, recipes["lora"], [*common, f"output.dir={clean}"])
+    # rank 1 dies hard after logging step 3; the job restarts from step 2's checkpoint.
+    launch(dying_worker, recipes["lora"], [*common, f"output.dir={restarted}"], 3, max_restarts=1)
+    assert losses(restarted) == losses(clean) and len(losses(clean)) == 5
+    got, expected = weights(restarted, "lora"), weights(clean, "lora")
+    assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in expected)
+
+
+def test_a_nan_gradient_on_one_rank_skips_the_step_on_every_rank(shared, monkeypatch):
+    """Rank 1's gradients of step 2 turn NaN (its loss stays finite): the flat all-reduce carries the NaN to rank
+    0, both ranks read the same norm, drop the same update (training.nonfinite: skip) and stay replicas."""
+    import os
+
+    import entrenar
+    from entrenar.tasks import causal_lm
+    from entrenar.train.metrics import read_metrics
+
+    real_load, calls = entrenar.load, [0]
+
+    def load(*args, **kwargs):
+        model, tokenizer = real_load(*args, **kwargs)
+
+        def hook(module, inputs, output):
+            if output.requires_grad and os.environ.get("RANK") == "1":
+                calls[0] += 1
+                if calls[0] == 3:  # step 2's first micro-batch (2 a step on each rank)
+                    output.register_hook(lambda grad: grad * float("nan"))
+
+        model.model.norm.register_forward_hook(hook)
+        return model, tokenizer
+
+    monkeypatch.setattr(causal_lm, "load", load)  # the forked workers inherit it
+    ws, recipes, _ = shared
+    run = ws / "flat-nan"
+    results = launch(reduction_worker, recipes["lora"], [*ACCUMULATING, "training.nonfinite=skip",
+                                                          f"output.dir={run}"])
+    assert results[0][0] == "FlatReplicated"
+    assert "identical on 2 ranks at 3 check(s)" in results[0][1]
+    skipped = [r["step"] for r in read_metrics(run / "metrics.jsonl") if r.get("skipped")]
+    assert skipped == [2]
+    assert all(torch.isfinite(t).all() for t in weights(run, "lora").values())
+
+
+def test_gradients_stay_views_of_one_flat_buffer_per_dtype_whatever_sets_them():
+    """zero_grad(set_to_none=True) and a gradient that is its own tensor both end as views of the same buffer,
+    which backward then adds into (a captured graph's addresses stay valid)."""
+    from entrenar.distributed.flat_grads import FlatGradients
+
+    a, b = torch.nn.Parameter(torch.ones(2, 3)), torch.nn.Parameter(torch.ones(4))
+    c = torch.nn.Parameter(torch.ones(3, dtype=torch.float64))
+    grads = FlatGradients([a, b, c])
+    [flat32, flat64] = grads.buffers
+    assert (flat32.numel(), flat64.numel()) == (10, 3)
+    (a.sum() * 2 + b.sum() * 3 + c.sum()).backward()
+    assert flat32.tolist() == [2.0] * 6 + [3.0] * 4 and flat64.tolist() == [1.0] * 3
+    torch.optim.SGD([a, b, c]).zero_grad(set_to_none=True)
+    b.grad = torch.full((4,), 5.0)
+    grads.attach()
+    assert flat32.tolist() == [0.0] * 6 + [5.0] * 4 and flat64.tolist() == [0.0] * 3
+    assert a.grad.data_ptr() == flat32.data_ptr() and c.grad.data_ptr() == flat64.data_ptr()
+    a.sum().backward()
+    assert flat32.tolist() == [1.0] * 6 + [5.0] * 4
