@@ -6,9 +6,12 @@ document of L tokens a row, batch 1, --steps steps, every layer recomputed, bf16
 `--force` so that the GPU's memory, not the plan's estimate, decides. A trial passes when every step logged a
 finite loss; a run that stops on CUDA out-of-memory fails. The search walks --lengths from the longest down
 (a failure costs the load and part of a step; a pass costs --steps steps, which grow with L squared through
-attention), then bisects between the longest pass and the shortest failure while --budget-s allows (each
-trial's time is predicted from the last pass, quadratic in L). tokens/s is the last step's, of the job (all
-ranks), from metrics.jsonl; each rank's peak memory beside it.
+attention), then goes up from the longest pass (x1.5 while nothing above it failed, else halfway to the shortest
+failure) while --budget-s allows, each trial's time predicted from the last pass as quadratic in L. Attention
+bounds it as much as memory: by count, a step of 256k tokens of the 8B shape is about 9e16 FLOPs (attention
+4.5 x 2 N^2 x hidden x layers with the recomputation, the projections 6 x 8e9 x N), a minute or more on four
+H100s, so the budget, not the memory, may stop the search; a trial cut by it reports the losses it logged.
+tokens/s is the last step's, of the job (all ranks), from metrics.jsonl; each rank's peak memory beside it.
 
 The model folder is a random bf16 Hugging Face folder of the shape (transformers' initialisation), written
 once under --work, with a byte-level tokenizer (so any L needs no corpus: the text is random letters, one
@@ -33,6 +36,7 @@ import json
 import math
 import os
 import random
+import shutil
 import subprocess
 import sys
 import time
@@ -46,7 +50,7 @@ sys.path.insert(0, str(HERE))
 import bench_e2e  # noqa: E402
 
 VOCAB = 128256  # Llama-3.1's
-DEFAULT_LENGTHS = (524288, 393216, 262144, 196608, 131072, 65536)
+DEFAULT_LENGTHS = (262144, 196608, 131072, 65536)
 
 
 def write_inputs(work: Path, shape: str, longest: int, tiny: bool) -> Path:
@@ -98,12 +102,13 @@ def trial(folder: Path, length: int, args: argparse.Namespace, work: Path, timeo
     from entrenar.train.metrics import read_metrics
 
     run_dir = work / f"run-{args.nproc}x{args.cp}-{length}"
+    shutil.rmtree(run_dir, ignore_errors=True)  # a rerun's trial starts fresh, not from an earlier checkpoint
     path = work / f"recipe-{length}.yaml"
     path.write_text(yaml.safe_dump(recipe(folder, write_text(work, length, args.steps + 1), length, args, run_dir),
                                    sort_keys=False))
     launch = ["--nproc-per-node", str(args.nproc)] if args.nproc > 1 else []
     cmd = [sys.executable, "-m", "entrenar.cli.main", "train", str(path), *launch, "--no-progress", "--force",
-           "--set", f"output.dir={run_dir}"]
+           "--set", f"output.dir={run_dir}", *[a for item in args.set for a in ("--set", item)]]
     log = work / f"train-{length}.log"
     started = time.perf_counter()
     result: dict = {"length": length, "tokens_per_rank": -(-length // args.cp)}
@@ -126,7 +131,7 @@ def trial(folder: Path, length: int, args: argparse.Namespace, work: Path, timeo
                       step_s=round(last["tokens"] / last["tokens_per_s"], 2) if last.get("tokens_per_s") else None,
                       peak_mem_gb_ranks=last.get("peak_mem_gb_ranks", last.get("peak_mem_gb")))
     elif code is None:
-        result.update(status="timeout", steps_logged=len(losses))
+        result.update(status="timeout", losses=losses)  # finite losses logged: it fit, but ran out of time
     elif "out of memory" in text.lower() or "OutOfMemoryError" in text:
         result.update(status="oom", steps_logged=len(losses))
     else:
@@ -138,7 +143,8 @@ def trial(folder: Path, length: int, args: argparse.Namespace, work: Path, timeo
 
 
 def search(folder: Path, args: argparse.Namespace, work: Path, deadline: float) -> list[dict]:
-    """Longest first down the list until one passes, then bisection up to the shortest failure while time allows."""
+    """Longest first down the list until one passes; then up from the longest pass (x1.5 while nothing above it
+    failed, else halfway to the shortest failure, to within an eighth) while the predicted time fits."""
     quantum = 1024 * args.cp
     trials: list[dict] = []
     passed: dict | None = None
@@ -150,23 +156,21 @@ def search(folder: Path, args: argparse.Namespace, work: Path, deadline: float) 
         if trials[-1]["status"] == "passed":
             passed = trials[-1]
             break
-    failed = [t["length"] for t in trials if t["status"] != "passed"]
-    while passed is not None and failed:
-        hi = min(length for length in failed if length > passed["length"]) if any(
-            length > passed["length"] for length in failed) else None
-        if hi is None or hi - passed["length"] <= max(quantum, passed["length"] // 8):
+    while passed is not None:
+        lo = passed["length"]
+        above = [t["length"] for t in trials if t["status"] != "passed" and t["length"] > lo]
+        if above and min(above) - lo <= max(quantum, lo // 8):
             break
-        mid = (passed["length"] + hi) // 2 // quantum * quantum
-        predicted = passed["wall_s"] * (mid / passed["length"]) ** 2
+        target = (lo + min(above)) // 2 if above else lo * 3 // 2
+        nxt = max(lo + quantum, target // quantum * quantum)
+        predicted = passed["wall_s"] * (nxt / lo) ** 2  # attention's share grows with L squared: an upper bound
         if time.perf_counter() + predicted > deadline:
-            print(f"  L={mid:>8,}: not tried (about {predicted:.0f} s, over the budget)", flush=True)
+            print(f"  L={nxt:>8,}: not tried (about {predicted:.0f} s, over the budget)", flush=True)
             break
-        trials.append(trial(folder, mid, args, work, deadline - time.perf_counter()))
+        trials.append(trial(folder, nxt, args, work, deadline - time.perf_counter()))
         write(args.out, args, trials)
         if trials[-1]["status"] == "passed":
             passed = trials[-1]
-        else:
-            failed.append(mid)
     return trials
 
 
@@ -179,7 +183,8 @@ def write(out: str, args: argparse.Namespace, trials: list[dict]) -> None:
     passed = [t for t in trials if t["status"] == "passed"]
     best = max(passed, key=lambda t: t["length"]) if passed else None
     report = {"shape": "llama-8b" + ("-tiny" if args.tiny else ""), "method": args.method, "nproc": args.nproc,
-              "cp": args.cp, "steps": args.steps, "device": gpu, "date": time.strftime("%Y-%m-%d"),
+              "cp": args.cp, "steps": args.steps, "sets": args.set, "offload": args.offload,
+              "device": gpu, "date": time.strftime("%Y-%m-%d"),
               "longest_passed": best, "trials": trials}
     Path(out).write_text(json.dumps(report, indent=2))
 
@@ -193,6 +198,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="tokens a row, tried from the longest down (then bisected)")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--offload", action="store_true", help="training.offload_activations: true")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a recipe override for every trial (repeatable), e.g. training.tiled_mlp=8192")
     p.add_argument("--budget-s", type=float, default=540.0, help="wall time for the whole search, folder included")
     p.add_argument("--work", default="/tmp/cp-bench", help="model folder, data and runs")
     p.add_argument("--out", default="", help="JSON results file (rewritten after each trial)")
