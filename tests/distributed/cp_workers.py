@@ -28,41 +28,44 @@ def padding_free_row(vocab: int, seed: int = 1) -> dict:
             "cu_seqlens": torch.tensor(starts, dtype=torch.int32), "max_seqlen": max(DOCUMENT_LENGTHS)}
 
 
-def grads_worker(configs: list[tuple[dict, bool]]) -> list[dict]:
+def grads_worker(configs: list[tuple[dict, bool]], device_type: str = "cpu", dtype: str = "float32") -> list[dict]:
     """For each model config (and whether its layers are recomputed in backward): the loss and gradients of one
-    row on this rank alone (the whole row, one process), and the same row split over the 2 ranks (context
-    parallel; gradients summed over the ranks)."""
+    row on this rank alone (the whole row, one process), and the same row split over all the ranks (context
+    parallel; gradients summed over the ranks); on ``device_type`` in ``dtype``."""
     from entrenar.distributed import world as world_module
     from entrenar.distributed.context_parallel import context_parallel
     from entrenar.distributed.parallelize import Single
     from entrenar.models.loss import token_cross_entropy
     from entrenar.models.transformer import Transformer
 
-    world, device = world_module.join(torch.device("cpu"), 20)
+    world, device = world_module.join(torch.device(device_type), 60)
+    cp = world.size
     try:
         out = []
         for options, checkpointing in configs:
             torch.manual_seed(0)
             model = Transformer(ModelConfig(**options))
             model.reset_parameters()
+            model.to(device, getattr(torch, dtype))
             model.set_activation_checkpointing(checkpointing)
-            batch = padding_free_row(model.config.vocab_size)
+            batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v
+                     for k, v in padding_free_row(model.config.vocab_size).items()}
             inputs = (batch["input_ids"], batch["position_ids"])
             layout = {"cu_seqlens": batch["cu_seqlens"], "max_seqlen": batch["max_seqlen"]}
 
             loss, targets = token_cross_entropy(model(*inputs, **layout), batch["labels"])
             (loss / targets).backward()
-            one = {n: p.grad.clone() for n, p in model.named_parameters()}
+            one = {n: p.grad.float().cpu() for n, p in model.named_parameters()}
             model.zero_grad()
 
-            step = context_parallel(Single(model), world, 2, device)
+            step = context_parallel(Single(model), world, cp, device)
             mine = step.shard(batch)
             local, local_targets = token_cross_entropy(step(mine["input_ids"], mine["position_ids"],
                                                             cu_seqlens=mine["cu_seqlens"],
                                                             max_seqlen=mine["max_seqlen"]), mine["labels"])
             every = world.all_sum(torch.stack([local.detach(), local_targets.float()]))
             (local / every[1]).backward()
-            split = {n: world.all_sum(p.grad.clone()) for n, p in model.named_parameters()}
+            split = {n: world.all_sum(p.grad.float()).cpu() for n, p in model.named_parameters()}
             out.append({"loss": float(loss.detach() / targets), "targets": int(targets),
                         "split_loss": float(every[0] / every[1]),
                         "split_targets": int(every[1]), "local_tokens": mine["input_ids"].shape[1],
