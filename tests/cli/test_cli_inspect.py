@@ -243,3 +243,18 @@ def test_a_lora_qat_recipe_is_planned_as_lora_qat(capsys, workspace):
     code, out, _ = run_cli(capsys, "inspect", recipe_file)
     assert code == 0 and ": lora-qat on cpu" in out
     assert "of it fake quantization" in out and "quantized model" in out and "3-bit codes" in out
+
+
+def test_context_parallel_gives_each_device_its_slice_of_the_sequence(capsys, hf_folder):
+    """--context-parallel CP: the estimate of a sequence of seq_len / CP tokens (activations divided, weights
+    not), refused where CP does not divide the processes or the heads."""
+    folder, _ = hf_folder("llama")
+    config = read_config(folder)
+    report = inspect_json(capsys, folder, "--nproc", "2", "--context-parallel", "2", "--seq-len", "4096")
+    expected = estimate_training_memory(config, "lora", seq_len=2048)
+    whole = estimate_training_memory(config, "lora", seq_len=4096)
+    assert report["memory"]["estimates"]["lora"] == expected.as_dict()
+    assert expected.activations < whole.activations and expected.weights == whole.weights
+    assert (report["memory"]["seq_len"], report["memory"]["context_parallel"]) == (4096, 2)
+    code, _, err = run_cli(capsys, "inspect", folder, "--nproc", "3", "--context-parallel", "2")
+    assert code == 2 and "--context-parallel: 2 must divide --nproc (3)" in err

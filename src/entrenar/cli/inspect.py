@@ -71,6 +71,9 @@ def add_parser(commands: argparse._SubParsersAction, parents: list[argparse.Argu
                         help="per-device memory on N processes (entrenar train --nproc-per-node N)")
     parser.add_argument("--parallel", choices=("ddp", "fsdp"), default="ddp",
                         help="with --nproc: ddp (a replica per device) or fsdp (sharded); training.parallel")
+    parser.add_argument("--context-parallel", type=positive_int, default=1, metavar="CP",
+                        help="with --nproc: each sequence split over CP of the processes (activations per device / "
+                             "CP); training.context_parallel")
     parser.add_argument("--qat", type=int, default=None, metavar="BITS",
                         help="add QAT and LoRA-QAT rows (fake quantization to BITS bits, 2 to 8) and the size of "
                              "the integer model they export")
@@ -112,8 +115,12 @@ def run(args: argparse.Namespace) -> int:
     config = read_model_config(args.model)
     dtype_bytes = resolve_dtype(args.dtype, "cpu").itemsize
     targets = parse_targets(args.lora_targets)
+    cp = args.context_parallel
+    if cp > 1 and (args.nproc % cp or config.num_heads % cp):
+        raise ConfigError(f"--context-parallel: {cp} must divide --nproc ({args.nproc}) and the model's "
+                          f"{config.num_heads} attention heads")
     settings = {
-        "batch_size": args.batch_size, "seq_len": args.seq_len, "dtype_bytes": dtype_bytes,
+        "batch_size": args.batch_size, "seq_len": -(-args.seq_len // cp), "dtype_bytes": dtype_bytes,
         "lora_r": args.lora_r, "lora_targets": targets, "activation_checkpointing": args.checkpointing,
         "offload_activations": args.offload, "fused_loss_chunk": FUSED_LOSS_CHUNK if args.kernels else None,
         "kernels": args.kernels, "offload_embeddings": args.offload_embeddings,
@@ -153,7 +160,8 @@ def run(args: argparse.Namespace) -> int:
             "model": str(args.model),
             "architecture": architecture,
             "parameters": {"total": total, "active_per_token": active, "lora_trainable": trainable},
-            "memory": {**settings, "dtype": args.dtype, "nproc": args.nproc, "parallel": args.parallel,
+            "memory": {**settings, "seq_len": args.seq_len, "context_parallel": cp, "dtype": args.dtype,
+                       "nproc": args.nproc, "parallel": args.parallel,
                        "estimates": {e.method: e.as_dict() for e in estimates}},
             "notes": notes,
         }
@@ -178,7 +186,8 @@ def run(args: argparse.Namespace) -> int:
           f"{'NF4 block weights streamed from CPU memory (QLoRA), ' if args.offload_weights else ''}"
           f"{'fused kernels and loss' if args.kernels else 'plain path, full-logits loss'}"
           f"{', resident memory of a CPU process (fp32 weights)' if args.cpu else ''}"
-          f"{per_device_text(args.nproc, args.parallel)}:")
+          f"{per_device_text(args.nproc, args.parallel)}"
+          f"{f', each sequence split over {cp} of them' if cp > 1 else ''}:")
     print(format_estimates(estimates))
     if quantized is not None:
         scale = f"a scale per {args.qat_group_size} inputs" if args.qat_group_size else "a scale per row"

@@ -337,6 +337,10 @@ class TrainingSection(_Section):
     # [tokens, intermediate] activations never exist whole (models/tiled.py; dense pre-norm layers); 0: off. One
     # more MLP forward a step: for sequences that do not fit otherwise (docs/PERFORMANCE.md, longest context)
     tiled_mlp: int = setting(0, _integer(0), resumable=25)
+    # context parallelism: each padding-free row split over this many processes (consecutive ranks, one host's
+    # GPUs), attention by all-to-all over heads; the rest of the world is data parallel (distributed/
+    # context_parallel.py)
+    context_parallel: int = setting(1, _integer(1))
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -26,10 +26,12 @@ as FlashAttention's kernel aligns a causal mask whenever a segment has fewer que
 
 from __future__ import annotations
 
+import contextlib
 import inspect
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, cast
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol, cast
 
 import torch
 import torch.nn.functional as F
@@ -56,6 +58,31 @@ _VARLEN_REFUSES_GQA = _varlen_attn is not None and "enable_gqa" not in _VARLEN_P
 SDPA_HAS_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
 
 
+class SequenceShards(Protocol):
+    """A row split over processes (context parallelism, :mod:`entrenar.distributed.context_parallel`): runs
+    ``attention(q, k, v, sinks)`` over the whole row from this process's slice of q, k, v ``[B, H, N / cp, D]``,
+    and gives back the slice's output ``[B, N / cp, Hq, Dv]``."""
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None,
+               attention: Callable[..., torch.Tensor]) -> torch.Tensor: ...
+
+
+# The split a context-parallel step model runs its forward under (set from outside the model by
+# :func:`sharded_sequence`); each Documents made meanwhile keeps it, so a layer recomputed in backward (activation
+# checkpointing) attends the same way outside the forward.
+_SHARDS: ContextVar[SequenceShards | None] = ContextVar("entrenar_sequence_shards", default=None)
+
+
+@contextlib.contextmanager
+def sharded_sequence(shards: SequenceShards) -> Iterator[None]:
+    """Padding-free rows made within this block are slices of a row split by ``shards``."""
+    token = _SHARDS.set(shards)
+    try:
+        yield
+    finally:
+        _SHARDS.reset(token)
+
+
 @dataclass(frozen=True)
 class Documents:
     """Where the documents of a padding-free row start and end (what the layers get instead of a mask)."""
@@ -68,6 +95,8 @@ class Documents:
     kv_index: torch.Tensor | None = None  # int64 [K], indices into the row's N tokens
     cu_seqlens_k: torch.Tensor | None = None  # int32 [D + 1] over the K gathered keys
     max_len_k: int = 0  # the longest key segment
+    # Context parallelism: the tokens are this process's slice of the row that cu_seqlens spans; None: all of it.
+    shards: SequenceShards | None = field(default_factory=_SHARDS.get)
 
     def bounds(self) -> list[int]:
         """``cu_seqlens`` as Python ints (a device sync on the GPU: only the per-document path needs it)."""
@@ -91,8 +120,13 @@ def documents_attention(
     ``softcap`` (Gemma's soft-capped scores, which only the per-document path computes) as
     :class:`entrenar.models.transformer.Attention` reads them. ``sinks`` (gpt-oss, [Hq]): each document attends
     with them through :func:`~entrenar.models.attention_sinks.sink_attention`, which the variable-length kernel
-    cannot run.
+    cannot run. ``documents.shards`` (context parallelism): q, k, v are this process's slice of the row, and the
+    attention over the whole row runs through its exchange.
     """
+    if documents.shards is not None:
+        whole = replace(documents, shards=None)
+        return documents.shards.attend(q, k, v, sinks, lambda q, k, v, sinks: documents_attention(
+            q, k, v, whole, window, scale=scale, softcap=softcap, sinks=sinks))
     b, t = q.shape[0], q.shape[2]
     q, k, v = (x.transpose(1, 2).reshape(b * t, x.shape[1], x.shape[3]) for x in (q, k, v))  # [N, H, D]
     if documents.kv_index is not None:  # each segment's keys/values, the shared ones gathered again

@@ -28,7 +28,7 @@ def dry_run_report(recipe: Recipe, plan: RunPlan, rows: RowLayout, model: Transf
         f"{'train examples':<22}{len(data.examples):,} ({tokens:,} tokens)",
         f"{'validation examples':<22}{len(data.validation):,}" + ("" if data.validation else f" ({NO_VALIDATION})"),
         *[f"{'note':<22}{note}" for note in notes],
-        f"{'step':<22}{t.batch_size} x {d.seq_len} tokens x {plan.accumulation * plan.world_size} micro-batches, "
+        f"{'step':<22}{t.batch_size} x {d.seq_len} tokens x {plan.rows_per_step // t.batch_size} micro-batches, "
         f"{t.max_steps} steps",
         *plan_lines(plan),
         f"  {'data.padding_free':<30}{rows.reason}",

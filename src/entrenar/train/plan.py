@@ -32,6 +32,7 @@ from entrenar.config.recipe import GPU_ONLY
 from entrenar.config.sections import MAX_SEQ_LEN
 from entrenar.data.batching import CONTEXT_FACTOR, check_seq_len
 from entrenar.device import available_memory, resolve_device, resolve_dtype
+from entrenar.distributed.context_parallel import check_context_parallel
 from entrenar.distributed.materialize import load_device as sharded_load_device
 from entrenar.distributed.steps import accumulation as micro_batches_per_rank
 from entrenar.distributed.world import BACKENDS, World
@@ -102,12 +103,13 @@ class RunPlan:
     flat_gradients: bool = False  # ddp: one flat all-reduce a step instead of DistributedDataParallel
     _recipe: Recipe | None = field(default=None, repr=False, compare=False)
     _config: ModelConfig | None = field(default=None, repr=False, compare=False)
+    context_parallel: int = 1  # processes each row is split over (training.context_parallel)
 
     @property
     def rows_per_step(self) -> int:
-        """Rows of the global optimizer step, over every process."""
+        """Rows of the global optimizer step, over every process (a context-parallel group reads one row)."""
         assert self._recipe is not None
-        return self._recipe.training.batch_size * self.accumulation * self.world_size
+        return self._recipe.training.batch_size * self.accumulation * self.world_size // self.context_parallel
 
     def rows(self, task: str, mean_example_tokens: float) -> RowLayout:
         """``data.padding_free`` resolved once the examples are read. Causal-LM rows attend document by
@@ -127,6 +129,7 @@ class RunPlan:
         setting = recipe.data.padding_free
         flat = setting if isinstance(setting, bool) else by_document and (self.device.type == "cpu"
                                                                           or task == "preference")
+        flat = flat or self.context_parallel > 1  # context parallelism splits padding-free rows (checked: not false)
         reason = "padding-free rows" if flat else ("packed rows, attention by document" if by_document
                                                    else "rows under a document mask")
         reason = f"{reason} (data.padding_free: {setting})"
@@ -333,7 +336,12 @@ def plan_run(recipe: Recipe, device: torch.device, world: World, config: ModelCo
     reasons.append(("training.parallel", _mode_reason(t.parallel, mode, world, replica.memory.total)))
     flat = mode == "ddp" and replica.flat_gradients  # replica: planned as ddp
     _refuse(_Facts(recipe, device, world, mode, flat=flat), needs_mode=True)
-    accumulation = micro_batches_per_rank(t.batch_size, t.grad_accum, t.global_batch_size, world.size)
+    cp = t.context_parallel
+    if cp > 1:  # each row split over cp processes: world.size / cp data-parallel groups
+        reasons.append(("training.context_parallel", check_context_parallel(
+            cp, world, config, recipe.task.type, recipe.data.padding_free, moe=config.num_experts > 0,
+            compile=t.compile, cuda_graphs=t.cuda_graphs is True)))
+    accumulation = micro_batches_per_rank(t.batch_size, t.grad_accum, t.global_batch_size, world.size // cp)
     decided = replica if mode == replica.mode else _decide(recipe, device, mode, config, triton, method)
     reasons += decided.reasons
     available = available if available is not None else available_memory(device)
@@ -358,7 +366,7 @@ def plan_run(recipe: Recipe, device: torch.device, world: World, config: ModelCo
         cuda_graphs=decided.cuda_graphs, overlap=decided.overlap, compile=t.compile,
         loss_scaling=t.precision == "fp16", method=method, memory=decided.memory,
         memory_available=available[0] if available else None, notes=notes,
-        reasons=tuple(reasons), flat_gradients=flat, _recipe=recipe, _config=config)
+        reasons=tuple(reasons), flat_gradients=flat, _recipe=recipe, _config=config, context_parallel=cp)
 
 
 @dataclass(frozen=True)
@@ -417,7 +425,8 @@ def _decide(recipe: Recipe, device: torch.device, mode: str, config: ModelConfig
     # initialisation reads the device once, which a graph cannot. Flat DDP gradients reduce outside the graph.
     cuda_graphs = t.cuda_graphs if isinstance(t.cuda_graphs, bool) else (
         cuda and (single or flat) and causal and recipe.data.packing and lora is not None and recipe.qat is None
-        and recipe.data.padding_free is not True and not t.compile and t.precision != "fp16" and not t.tiled_mlp)
+        and recipe.data.padding_free is not True and not t.compile and t.precision != "fp16" and not t.tiled_mlp
+        and t.context_parallel == 1)  # split rows are padding-free
     reasons.append(("training.cuda_graphs", _auto(t.cuda_graphs, cuda_graphs,
                                                   "LoRA on packed rows on one GPU or under ddp, eager, "
                                                   "bf16/fp32, MLP whole")))
@@ -490,8 +499,9 @@ def _estimate(recipe: Recipe, config: ModelConfig, device: torch.device, method:
         lora is None or "lm_head" not in lora.target_modules)  # preference: log-probabilities chunk by chunk
     # A preference micro-batch holds two sequences a pair (KTO: an example and its mismatched KL sequence).
     rows = t.batch_size * (2 if recipe.task.type == "preference" else 1)
+    tokens = -(-recipe.data.seq_len // t.context_parallel)  # context parallelism: each rank's slice of the row
     return estimate_training_memory(
-        config, method, rows, recipe.data.seq_len, dtype_bytes=2 if t.precision != "fp32" else 4,
+        config, method, rows, tokens, dtype_bytes=2 if t.precision != "fp32" else 4,
         param_bytes=_weights_dtype(recipe, device, lora is None).itemsize, lora_r=lora.r if lora else 16,
         lora_targets=targets, lora_target_parameters=list(lora.target_parameters or []) if lora else [],
         activation_checkpointing=t.activation_checkpointing, offload_activations=t.offload_activations,

@@ -13,6 +13,7 @@
 8. ``torch.compile`` of each decoder block (``training.compile``)
 9. DDP (flat gradients or torch's DDP) or FSDP2 from outside (``training.parallel``): the step model the
    micro-step calls
+10. context parallelism around it (``training.context_parallel``): each row split over a group of ranks
 
 The model itself knows nothing of any of this: each step wraps or replaces modules from outside.
 """
@@ -29,6 +30,7 @@ from entrenar.adapters.layer import RankError
 from entrenar.adapters.lora import apply_lora, lora_config_of
 from entrenar.config import Recipe
 from entrenar.data.tokenizer import Tokenizer
+from entrenar.distributed.context_parallel import context_parallel
 from entrenar.distributed.flat_grads import FlatReplicated
 from entrenar.distributed.parallelize import Single, parallelize
 from entrenar.distributed.world import World
@@ -106,6 +108,8 @@ def prepare(model: Transformer, recipe: Recipe, plan: RunPlan, world: World) -> 
     # ddp over a small trainable set: the model unwrapped, one flat all-reduce a step (graphs and overlap stay).
     step_model = FlatReplicated(model, world) if plan.flat_gradients else \
         parallelize(model, plan.mode, world, plan.device, t.precision, prefetch=t.fsdp_prefetch)
+    if plan.context_parallel > 1:  # each row split over cp ranks; DDP/FSDP over the whole world inside
+        step_model = context_parallel(step_model, world, plan.context_parallel, plan.device)
     graphs = plan.graphs(moe is None or moe.replayable(plan.device, plan.compute_dtype))
     return Prepared(model, step_model, moe, graphs, [p for p in model.parameters() if p.requires_grad])
 

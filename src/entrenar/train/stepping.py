@@ -84,8 +84,10 @@ class SyncSteps:
                  layout: Callable[[Batch], Batch], micro_step: MicroStep, optimizer: torch.optim.Optimizer,
                  scaler: torch.amp.GradScaler, guard: NonfiniteGuard, moe: MoeTraining | None,
                  trainable: list[torch.nn.Parameter], max_grad_norm: float, device: torch.device,
-                 log: Callable[[StepRecord], None]) -> None:
+                 log: Callable[[StepRecord], None], data_world: World | None = None) -> None:
         self.world, self.task, self.stream, self.accumulation = world, task, stream, accumulation
+        # Who reads which micro-batches and counts them: the world, or its data-parallel groups (context parallel)
+        self.data_world = data_world or world
         self.layout, self.micro_step, self.optimizer, self.scaler = layout, micro_step, optimizer, scaler
         self.guard, self.moe, self.trainable, self.device, self.log = guard, moe, trainable, device, log
         self.max_norm = max_grad_norm if max_grad_norm > 0 else math.inf
@@ -116,8 +118,8 @@ class SyncSteps:
 
     def _accumulate(self, done: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's micro-batches of step ``done``, forward and backward: (summed normalised loss, real tokens)."""
-        micro_batches = dist_steps.step_batches(self.stream, self.accumulation, self.world)
-        targets, tokens = dist_steps.step_counts(micro_batches, self.world, self.device,
+        micro_batches = dist_steps.step_batches(self.stream, self.accumulation, self.data_world)
+        targets, tokens = dist_steps.step_counts(micro_batches, self.data_world, self.device,
                                                  count_targets=self.task.num_targets)
         watchdog.beat("forward/backward", done)
         loss = torch.zeros((), device=self.device)

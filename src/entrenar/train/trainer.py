@@ -24,6 +24,8 @@ from entrenar.data.tokenizer import Tokenizer
 from entrenar.distributed import steps as dist_steps
 from entrenar.distributed import watchdog
 from entrenar.distributed.consistency import check_replicas
+from entrenar.distributed.context_parallel import ContextParallel
+from entrenar.distributed.context_parallel import describe as describe_context
 from entrenar.distributed.state import full_optimizer, full_params, main_writes
 from entrenar.distributed.world import World
 from entrenar.evaluation.loss import EvalResult
@@ -83,6 +85,8 @@ class Trainer:
         self.micro_step = MicroStep(task, prepared.step_model, self.moe, plan.device, t.precision, self.scaler,
                                     prepared.trainable, prepared.cuda_graphs)
         self.trainable = prepared.trainable
+        step_model = prepared.step_model  # context parallelism: slices rows, and reads by data-parallel group
+        self.context = step_model if isinstance(step_model, ContextParallel) else None
         self.start_step, self.resumed = 0, False
         sched = recipe.schedule
         self.schedule = LRSchedule.of(o.lr, sched.warmup_steps, t.max_steps, sched.name, sched.min_lr_ratio)
@@ -131,7 +135,8 @@ class Trainer:
 
     def _layout(self, batch: Batch) -> Batch:
         if self.rows.flat:
-            return padding_free(batch)
+            flat = padding_free(batch)
+            return self.context.shard(flat) if self.context is not None else flat  # this rank's slice of the row
         if self.rows.by_document:
             return packed_documents(batch, self.micro_step.segments)
         return batch
@@ -150,7 +155,9 @@ class Trainer:
                 metrics.trackers = open_trackers(self.recipe, self.run.root, resume_step)
             before = self._begin(metrics) if self.start_step == 0 else None
             if self.world.distributed and self.world.is_main:
-                print(dist_steps.describe(self.plan.mode, self.world, t.batch_size, self.plan.accumulation,
+                print(describe_context(self.plan.mode, self.world, self.plan.context_parallel, t.batch_size,
+                                       self.plan.accumulation, self.recipe.data.seq_len) if self.context else
+                      dist_steps.describe(self.plan.mode, self.world, t.batch_size, self.plan.accumulation,
                                           self.recipe.data.seq_len), flush=True)
                 if self.plan.mode == "ddp":  # which reduction, and whether graphs and overlap kept (issue 38)
                     on = {True: "on", False: "off"}
@@ -180,7 +187,8 @@ class Trainer:
         return strategy(world=self.world, task=self.task, stream=self.data.stream, accumulation=self.plan.accumulation,
                         layout=self._layout, micro_step=self.micro_step, optimizer=self.optimizer,
                         scaler=self.scaler, guard=self.guard, moe=self.moe, trainable=self.trainable,
-                        max_grad_norm=self.recipe.training.max_grad_norm, device=self.plan.device, log=log)
+                        max_grad_norm=self.recipe.training.max_grad_norm, device=self.plan.device, log=log,
+                        data_world=self.context.data_world if self.context is not None else None)
 
     def _loop(self, metrics: MetricsLogger, bar: tqdm) -> tuple[float | None, Any]:
         """The steps; (the last step's loss, the last evaluation) when they end."""
