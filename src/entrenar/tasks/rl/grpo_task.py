@@ -2,7 +2,9 @@
 
 Its examples are prompts with the data's other columns (handed to the reward functions); its stream yields
 ``training.batch_size`` prompts a micro-batch, resumably, and carries the sampler's RNG in its state (so the
-Trainer's checkpoint of the stream keeps it, and a resumed run generates the same completions). ``loss_sum`` is
+Trainer's checkpoint of the stream keeps it). The sampler is seeded for each micro-batch from ``training.seed`` and
+the micro-batch's number in the stream (:func:`sampler_seed`): ranks, which take different micro-batches, draw
+different completions, and a resumed run (the number is in the stream's state) draws the same ones. ``loss_sum`` is
 one rollout (``task.num_generations`` completions of each prompt, scored, group-relative advantages) then its
 loss: one optimisation step per generation batch (TRL's ``num_iterations: 1``; the clipped ratio then equals 1 in
 value and clips nothing, the gradient is the policy gradient). Each micro-batch's loss is normalised within its
@@ -29,6 +31,7 @@ from entrenar.data.batching import EpochCursor
 from entrenar.data.formats import split_format
 from entrenar.data.sources import Skip
 from entrenar.data.tokenizer import Tokenizer
+from entrenar.distributed.steps import accumulation
 from entrenar.errors import CheckpointError, ConfigError, DataError
 from entrenar.generation.batched import SamplingConfig, generate_batch
 from entrenar.models.transformer import Transformer, compute_device
@@ -136,6 +139,16 @@ def prompt_batch(examples: Sequence[PromptExample], indices: Sequence[int], numb
     columns = {k: [examples[i].columns.get(k) for i in indices] for k in keys}
     return {"prompt_ids": prompts, "columns": columns, "example_index": torch.tensor(list(indices)),
             "document_ids": documents, "batch_number": number}
+
+
+def sampler_seed(seed: int, batch_number: int) -> int:
+    """The sampler's seed for micro-batch ``batch_number`` of the stream (numbered across ranks and steps).
+
+    Each micro-batch samples from its own seed, so ranks (which take different micro-batches of a step) draw
+    different completions, and the completions depend on neither the number of processes nor what ran before:
+    a resumed run, whose stream state holds the micro-batch count, draws the same ones.
+    """
+    return (seed * 0x9E3779B97F4A7C15 + batch_number * 0xBF58476D1CE4E5B9) % (1 << 63)
 
 
 def rewards_of(recipe: Recipe) -> list[Reward]:
@@ -269,6 +282,8 @@ class GRPOTask:
         ``model`` (or its parallel wrapper)."""
         assert self._model is not None and self._tokenizer is not None  # prepare() and stream() ran
         engine = self.engine(self._model, self._tokenizer)
+        number = int(batch.get("batch_number", 0))
+        self._generator.manual_seed(sampler_seed(self.recipe.training.seed, number))
         with torch.autocast(compute_device(self._model).type, enabled=False):
             rollout = engine.rollout(batch["prompt_ids"], batch["columns"])
         length = rollout.generated.completion_ids.shape[1]
@@ -277,13 +292,18 @@ class GRPOTask:
         parts = grpo_loss(logps, rollout.advantages, rollout.generated.completion_mask, engine.settings.objective,
                           old_logps=rollout.old_logps, ref_logps=rollout.ref_logps)
         self._step.append(engine.metrics(rollout, parts))
-        every = self.recipe.task.samples_every
-        number = int(batch.get("batch_number", 0))
-        if every and number % every == 0 and int(os.environ.get("RANK", "0")) == 0:
+        every, per_step = self.recipe.task.samples_every, self._batches_per_step()
+        step, first = (number - 1) // per_step + 1, (number - 1) % per_step == 0  # rank 0's first of its step
+        if every and step % every == 0 and first:
             run = Path(self.recipe.output.dir)
             run.mkdir(parents=True, exist_ok=True)
-            write_samples(run / SAMPLES_FILE, number, rollout)
+            write_samples(run / SAMPLES_FILE, step, rollout)
         return parts.loss
+
+    def _batches_per_step(self) -> int:
+        """Micro-batches of one optimizer step over all ranks (the stream numbers them 1, 2, ... across ranks)."""
+        t, world = self.recipe.training, int(os.environ.get("WORLD_SIZE", "1"))
+        return accumulation(t.batch_size, t.grad_accum, t.global_batch_size, world) * world
 
     def step_metrics(self) -> dict[str, torch.Tensor]:
         """The engine's metrics of the step's rollouts (means over its micro-batches): rewards per function and in
@@ -347,4 +367,5 @@ class GRPOTask:
         return [("held-out mean reward", f"{start}{after.reward:.3f} (greedy, {after.examples} prompts)")]
 
 
-__all__ = ["GRPOEval", "GRPOTask", "PromptExample", "PromptStream", "prompt_batch", "rewards_of", "settings_of"]
+__all__ = ["GRPOEval", "GRPOTask", "PromptExample", "PromptStream", "prompt_batch", "rewards_of", "sampler_seed",
+           "settings_of"]
