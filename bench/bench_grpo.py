@@ -12,7 +12,8 @@ real text (bench_dpo.py's `--prepare` folder), decoded to strings. Each row runs
   entrenar    `entrenar train RECIPE` (the CLI's `main`, in a process of this script's that first drops the
               tokenizer's end-of-sequence ids from the GRPO task's stop tokens, so that every completion is 256
               tokens): task.type grpo, num_generations 8, max_new_tokens 256, `kernels: auto`; the metrics from
-              its metrics.jsonl (step time = tokens / tokens_per_s, peak_mem_gb)
+              its metrics.jsonl (step time: the difference of consecutive steps' elapsed_s, log_every 1;
+              peak_mem_gb)
   trl         TRL 1.16 `GRPOTrainer` on a PEFT model (same LoRA), `GRPOConfig(bf16=True, use_vllm=False,
               generation_kwargs={"min_new_tokens": 256})` (no end-of-sequence before 256 tokens),
               per_device_train_batch_size = PROMPTS x 8 (TRL counts completions), gradient checkpointing off as
@@ -34,9 +35,9 @@ GPU (an H100; .e2e/ from `bench_dpo.py --prepare .e2e` on any machine, carried a
     PYTHONPATH=src python bench/bench_grpo.py --tiny --cases lora-1b     # CPU smoke test: both rows start and train
 
 `--tiny` runs a case at a toy size (bench_e2e.py's: hidden 64, 2 layers; 2 prompts of 16 tokens, 8 completions of
-16 tokens, 3 steps) on the CPU when there is no GPU, building a temporary --prepare folder when the tokenizer folder
-is absent (it needs the SmolLM2 GGUF, see bench_dpo.py): a smoke test that every row starts, trains and reports, not
-a measurement. Rows whose package is missing (peft, trl, datasets) are reported as skipped.
+16 tokens, 3 steps; fp32 in both rows) on the CPU when there is no GPU, building a temporary --prepare folder when
+the tokenizer folder is absent (it needs the SmolLM2 GGUF, see bench_dpo.py): a smoke test that every row starts,
+trains and reports, not a measurement. Rows whose package is missing (peft, trl, datasets) are reported as skipped.
 """
 
 from __future__ import annotations
@@ -112,8 +113,8 @@ def recipe_for(case: dict, folder: Path, prompts: Path, run_dir: Path) -> dict:
         "optimizer": {"name": "adamw", "lr": LR},
         "schedule": {"name": "constant", "warmup_steps": 0},
         "training": {"max_steps": case["steps"], "batch_size": case["batch"], "grad_accum": 1, "max_grad_norm": 1.0,
-                     "precision": "bf16", "activation_checkpointing": case["ckpt"], "kernels": "auto", "seed": 0,
-                     "eval_every": 0, "save_every": 0, "log_every": 1},
+                     "precision": "bf16" if device() == "cuda" else "fp32", "activation_checkpointing": case["ckpt"],
+                     "kernels": "auto", "seed": 0, "eval_every": 0, "save_every": 0, "log_every": 1},
         "output": {"dir": str(run_dir)},
     }
 
@@ -171,7 +172,10 @@ def run_entrenar(case_name: str, case: dict, folder: Path, prompts: Path, work: 
         return {"status": "failed", "error": output[-2000:], "recipe": recipe}
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     steps = [r for r in lines if "loss" in r and r.get("tokens")]
-    step_s = [r["tokens"] / r["tokens_per_s"] for r in steps]
+    # a step's time: the clock between logged steps (tokens_per_s counts prompt tokens only, rounded); the first's
+    # from its rate (it is left out of the medians anyway)
+    step_s = [steps[0]["tokens"] / max(steps[0]["tokens_per_s"], 1e-9)] + [
+        b["elapsed_s"] - a["elapsed_s"] for a, b in zip(steps, steps[1:], strict=False)]
     peak = max_rss if device() == "cpu" else max((r.get("peak_mem_gb") or 0) for r in steps) * 1e9
     out = summarise(step_s, case, mean_prompt, skip, peak, wall, [r["loss"] for r in steps],
                     [r["completions/mean_length"] for r in steps])
@@ -192,7 +196,7 @@ def run_trl(case: dict, folder: Path, prompts: Path, work: Path, skip: int, mean
     dev = device()
     started = time.perf_counter()
     # GRPOConfig(bf16=True) as users run LoRA: the base in bf16 as loaded, adapters fp32, autocast. On the CPU
-    # (--tiny) fp32 weights under CPU bf16 autocast.
+    # (--tiny) fp32 throughout, as the entrenar row there (CPU bf16 autocast is slow and this is a smoke test).
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa")
     model = model.to(dev)
@@ -208,8 +212,8 @@ def run_trl(case: dict, folder: Path, prompts: Path, work: Path, skip: int, mean
         gradient_accumulation_steps=1, num_generations=GENERATIONS, max_completion_length=case["completion"],
         generation_kwargs={"min_new_tokens": case["completion"]}, temperature=1.0, use_vllm=False, beta=0.0,
         loss_type="dapo", num_iterations=1, max_steps=case["steps"], learning_rate=LR, lr_scheduler_type="constant",
-        warmup_steps=0, bf16=True, optim="adamw_torch_fused" if dev == "cuda" else "adamw_torch", max_grad_norm=1.0,
-        logging_steps=1, save_strategy="no", report_to=[], seed=0, use_cpu=dev == "cpu",
+        warmup_steps=0, bf16=dev == "cuda", optim="adamw_torch_fused" if dev == "cuda" else "adamw_torch",
+        max_grad_norm=1.0, logging_steps=1, save_strategy="no", report_to=[], seed=0, use_cpu=dev == "cpu",
         gradient_checkpointing=case["ckpt"], dataloader_num_workers=0)
 
     step_s: list[float] = []

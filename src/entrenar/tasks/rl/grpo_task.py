@@ -6,8 +6,10 @@ Trainer's checkpoint of the stream keeps it). The sampler is seeded for each mic
 the micro-batch's number in the stream (:func:`sampler_seed`): ranks, which take different micro-batches, draw
 different completions, and a resumed run (the number is in the stream's state) draws the same ones. ``loss_sum`` is
 one rollout (``task.num_generations`` completions of each prompt, scored, group-relative advantages) then its
-loss: one optimisation step per generation batch (TRL's ``num_iterations: 1``; the clipped ratio then equals 1 in
-value and clips nothing, the gradient is the policy gradient). Each micro-batch's loss is normalised within its
+loss. With ``task.num_iterations`` 1 (TRL's default) that is one optimisation step per generation batch (the
+clipped ratio equals 1 in value and clips nothing, the gradient is the policy gradient); with k > 1 the stream
+gives each step's micro-batches k times and the task reuses their rollouts, the ratio taken against the sampling
+policy's log-probabilities. Each micro-batch's loss is normalised within its
 generation batch (``task.loss_type``), and the step averages its micro-batches. Loading and saving are the
 language model's (:class:`~entrenar.tasks.causal_lm.CausalLMTask`); the reference of ``task.kl_beta`` is the
 model with its adapters off. The evaluation is the mean reward of greedy completions of held-out prompts.
