@@ -86,3 +86,36 @@ def test_seeded_sampling_repeats(hf_folder):
     first = run()
     assert torch.equal(first, run())
     assert not torch.equal(first[0::3], first[1::3])  # generations of one prompt differ
+
+
+def test_entropies_match_trl_on_transformers_logits(hf_folder):
+    """Each sampled token's entropy is TRL's ``entropy_from_logits`` of transformers' full-sequence logits divided
+    by the temperature, at that completion position (0 past a row's stop token), and GRPO's ``entropy`` metric is
+    TRL's masked mean of them."""
+    from trl.trainer.utils import entropy_from_logits
+
+    from entrenar.tasks.rl.rewards import Reward
+    from entrenar.tasks.rl.task import GRPO, GRPOSettings, Rollout
+
+    folder, hf_model = hf_folder("llama")
+    model, _ = load(folder, dtype="float32", device="cpu")
+    temperature = 0.7
+    free = generate_batch(model, PROMPTS, SamplingConfig(max_new_tokens=NEW, temperature=temperature),
+                          num_generations=2, generator=torch.Generator().manual_seed(1))
+    stop_token = int(free.completion_ids[1, 2])  # some rows stop early: the mask matters
+    out = generate_batch(model, PROMPTS, SamplingConfig(max_new_tokens=NEW, temperature=temperature),
+                         num_generations=2, stop_ids=[stop_token], generator=torch.Generator().manual_seed(1))
+    assert out.entropies is not None and not bool(out.completion_mask.all())
+    expected = torch.zeros_like(out.entropies)
+    for row in range(out.completion_ids.shape[0]):
+        real = out.prompt_ids[row][out.prompt_mask[row].bool()]
+        ids = torch.cat([real, out.completion_ids[row]])[None]
+        with torch.no_grad():
+            logits = hf_model(ids).logits[0, len(real) - 1:-1] / temperature
+        expected[row] = entropy_from_logits(logits) * out.completion_mask[row]
+    torch.testing.assert_close(out.entropies, expected, rtol=1e-4, atol=1e-5)
+    mask = out.completion_mask.float()
+    rollout = Rollout(out, [""] * 6, [""] * 6, torch.zeros(6), torch.zeros(6, 1), torch.zeros(6), None, None)
+    grpo = GRPO(model, [Reward("zero", lambda **_: [0.0] * 6)], GRPOSettings(num_generations=2), str)
+    trl_mean = float((expected * mask).sum() / mask.sum())  # TRL's masked_batch_mean
+    assert abs(grpo.metrics(rollout)["entropy"] - trl_mean) < 1e-4

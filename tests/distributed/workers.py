@@ -208,3 +208,25 @@ def reduction_worker(recipe_path: str, overrides: list[str]) -> tuple[str, str, 
     dist.all_reduce, GraphedMicroStep._capture, loop.prepare = all_reduce, capture, prepare
     result = loop.train(load_recipe(recipe_path, overrides), progress=False)
     return kinds[0], result.summary, sizes, captured[0]
+
+
+def grpo_recording_worker(recipe_path: str, overrides: list[str], record: str, die_at: int = 0) -> float | None:
+    """Train a GRPO recipe with each rollout's completions appended to ``record``-RANK.jsonl (with the restart
+    attempt); with ``die_at``, rank 1 exits hard after logging that step on the first attempt only."""
+    import json
+
+    from entrenar.tasks.rl.task import GRPO
+
+    real_rollout = GRPO.rollout
+
+    def rollout(self, *args, **kwargs):
+        out = real_rollout(self, *args, **kwargs)
+        with open(f"{record}-{os.environ['RANK']}.jsonl", "a") as f:
+            f.write(json.dumps({"attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+                                "completions": out.completions}) + "\n")
+        return out
+
+    GRPO.rollout = rollout
+    if die_at:
+        return dying_worker(recipe_path, overrides, die_at)
+    return train_worker(recipe_path, overrides)

@@ -119,3 +119,44 @@ def test_a_record_without_a_prompt_is_refused_naming_the_file_and_line(ws):
     with pytest.raises(DataError, match=r"noprompt\.jsonl line 2.*'prompt'"):
         train(recipe_for(ws, "noprompt", f"data.train={ws / 'noprompt.jsonl'}", "data.validation_split=0"),
               progress=False)
+
+
+def test_several_optimizer_steps_per_generation_batch_through_the_recipe(ws, monkeypatch):
+    """task.num_iterations 2 (TRL's num_iterations): each generation batch is trained on for two optimizer steps:
+    the same prompts and completions at steps 1-2 and at 3-4; the ratio is 1 on a batch's first step (nothing
+    clipped) and moves on its second (with epsilon 0.001 tokens clip); a resume from step 2's checkpoint repeats
+    steps 3-4; checkpoints amid a batch's steps are refused."""
+    overrides = ("task.num_iterations=2", "task.epsilon=0.001", "task.kl_beta=0", "training.eval_every=0")
+    straight = train(recipe_for(ws, "iters", *overrides), progress=False)
+    samples = [json.loads(line) for line in (straight.run_dir / "samples.jsonl").read_text().splitlines()]
+    by_step = {step: [(s["prompt"], s["completion"]) for s in samples if s["step"] == step] for step in (1, 2, 3, 4)}
+    assert by_step[1] == by_step[2] and by_step[3] == by_step[4]
+    assert {p for p, _ in by_step[1]} != {p for p, _ in by_step[3]}  # the next batch: new prompts
+    steps = [r for r in read_metrics(straight.run_dir / "metrics.jsonl") if "loss" in r]
+    assert steps[0]["reward"] == steps[1]["reward"] and steps[2]["reward"] == steps[3]["reward"]
+    assert steps[0]["clip_ratio/region_mean"] == 0 and steps[2]["clip_ratio/region_mean"] == 0
+    assert steps[1]["clip_ratio/region_mean"] > 0 and steps[3]["clip_ratio/region_mean"] > 0
+
+    recipe = recipe_for(ws, "iters-resumed", *overrides)
+    crash_after_step(monkeypatch, recipe, 3)  # the checkpoint of step 2 is the latest
+    train(recipe, resume=True, progress=False)
+    resumed = [r for r in read_metrics(ws / "iters-resumed" / "metrics.jsonl") if "loss" in r]
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in steps]
+    with pytest.raises(ConfigError, match=r"training\.save_every \(2\) must be a multiple of task\.num_iterations"):
+        train(recipe_for(ws, "iters-bad", "task.num_iterations=3", "training.eval_every=0"), progress=False)
+
+
+def test_recipes_grpo_addition_weak_runs_on_the_tiny_model(ws):
+    """recipes/grpo-addition-weak.yaml (docs/RL.md's worked example) as it is, pointed at the tiny model and data
+    and cut to two steps: it loads and trains, and its held-out reward is logged before and after."""
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "recipes" / "grpo-addition-weak.yaml"
+    recipe = load_recipe(path, [f"model.path={ws / 'model'}", f"data.train={ws / 'train.jsonl'}",
+                                f"data.validation={ws / 'train.jsonl'}", "training.max_steps=2",
+                                "training.batch_size=2", "training.eval_every=2", "training.eval_batches=1",
+                                "training.save_every=0", f"output.dir={ws / 'weak'}"])
+    assert recipe.task.type == "grpo" and recipe.reward.functions == ("exact_answer",)
+    result = train(recipe, progress=False)
+    evals = [r["step"] for r in read_metrics(result.run_dir / "metrics.jsonl") if "eval_reward" in r]
+    assert evals == [0, 2]

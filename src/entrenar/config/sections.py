@@ -414,6 +414,7 @@ class TaskSection(_Section):
     kl_beta: float = setting(0.0, _number(0.0))
     scale_rewards: str = setting("group", _choice("group", "batch", "none"))
     samples_every: int = setting(10, _integer(0))  # steps between sample tables (samples.jsonl); 0: never
+    num_iterations: int = setting(1, _integer(1))  # optimizer steps on each generation batch (TRL's name)
 
     def __post_init__(self) -> None:
         super().__post_init__()

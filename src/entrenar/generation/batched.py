@@ -54,6 +54,7 @@ class Generated:
     completion_mask: torch.Tensor
     logprobs: torch.Tensor
     stopped: torch.Tensor  # [B] bool: ended by a stop token (else it hit max_new_tokens)
+    entropies: torch.Tensor | None = None  # [B, T] entropy (nats) of that distribution at each token (0 on padding)
 
 
 def filter_logits(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
@@ -109,6 +110,7 @@ def generate_batch(model: Transformer, prompts: Sequence[Sequence[int]], cfg: Sa
     b, n = len(rows), cfg.max_new_tokens
     tokens = torch.zeros(b, n, dtype=torch.long, device=device)
     logprobs = torch.zeros(b, n, dtype=torch.float32, device=device)
+    entropies = torch.zeros(b, n, dtype=torch.float32, device=device)
     alive = torch.ones(b, dtype=torch.bool, device=device)
     done_at = torch.full((b,), n, dtype=torch.long, device=device)
     stopped = torch.zeros(b, dtype=torch.bool, device=device)
@@ -130,7 +132,9 @@ def generate_batch(model: Transformer, prompts: Sequence[Sequence[int]], cfg: Sa
                 token = torch.multinomial(on, 1, generator=generator).squeeze(-1).to(device)
             token = torch.where(alive, token, 0)
             tokens[:, i] = token
-            logprobs[:, i] = torch.log_softmax(scaled, -1).gather(-1, token[:, None]).squeeze(-1) * alive
+            log_p = torch.log_softmax(scaled, -1)
+            logprobs[:, i] = log_p.gather(-1, token[:, None]).squeeze(-1) * alive
+            entropies[:, i] = -(log_p.exp() * log_p).sum(-1) * alive
             ended = alive & torch.isin(token, stop)
             done_at = torch.where(ended, i + 1, done_at)
             alive, stopped = alive & ~ended, stopped | ended
@@ -144,7 +148,7 @@ def generate_batch(model: Transformer, prompts: Sequence[Sequence[int]], cfg: Sa
     length = int(done_at.max())
     completion_mask = (torch.arange(length, device=device)[None] < done_at[:, None]).long()
     return Generated(prompt_ids, prompt_mask, tokens[:, :length] * completion_mask, completion_mask,
-                     logprobs[:, :length] * completion_mask, stopped)
+                     logprobs[:, :length] * completion_mask, stopped, entropies[:, :length] * completion_mask)
 
 
 __all__ = ["Generated", "SamplingConfig", "filter_logits", "generate_batch"]

@@ -2,10 +2,14 @@
 
 Its examples are prompts with the data's other columns (handed to the reward functions); its stream yields
 ``training.batch_size`` prompts a micro-batch, resumably, and carries the sampler's RNG in its state (so the
-Trainer's checkpoint of the stream keeps it, and a resumed run generates the same completions). ``loss_sum`` is
+Trainer's checkpoint of the stream keeps it). The sampler is seeded for each micro-batch from ``training.seed`` and
+the micro-batch's number in the stream (:func:`sampler_seed`): ranks, which take different micro-batches, draw
+different completions, and a resumed run (the number is in the stream's state) draws the same ones. ``loss_sum`` is
 one rollout (``task.num_generations`` completions of each prompt, scored, group-relative advantages) then its
-loss: one optimisation step per generation batch (TRL's ``num_iterations: 1``; the clipped ratio then equals 1 in
-value and clips nothing, the gradient is the policy gradient). Each micro-batch's loss is normalised within its
+loss. With ``task.num_iterations`` 1 (TRL's default) that is one optimisation step per generation batch (the
+clipped ratio equals 1 in value and clips nothing, the gradient is the policy gradient); with k > 1 the stream
+gives each step's micro-batches k times and the task reuses their rollouts, the ratio taken against the sampling
+policy's log-probabilities. Each micro-batch's loss is normalised within its
 generation batch (``task.loss_type``), and the step averages its micro-batches. Loading and saving are the
 language model's (:class:`~entrenar.tasks.causal_lm.CausalLMTask`); the reference of ``task.kl_beta`` is the
 model with its adapters off. The evaluation is the mean reward of greedy completions of held-out prompts.
@@ -29,6 +33,7 @@ from entrenar.data.batching import EpochCursor
 from entrenar.data.formats import split_format
 from entrenar.data.sources import Skip
 from entrenar.data.tokenizer import Tokenizer
+from entrenar.distributed.steps import accumulation
 from entrenar.errors import CheckpointError, ConfigError, DataError
 from entrenar.generation.batched import SamplingConfig, generate_batch
 from entrenar.models.transformer import Transformer, compute_device
@@ -68,10 +73,16 @@ def _decode_state(text: str) -> torch.Tensor:
 
 class PromptStream:
     """An endless, deterministic stream of micro-batches of ``batch_size`` prompts, epoch after epoch in an order
-    drawn from ``(seed, epoch)``; its state (``state_dict``, JSON) holds the position and the sampler's RNG."""
+    drawn from ``(seed, epoch)``; its state (``state_dict``, JSON) holds the position and the sampler's RNG.
+
+    With ``num_iterations`` k > 1, each optimizer step's micro-batches (``per_step`` of them over all ranks) are
+    given again for the next k - 1 steps (TRL's repeated sampler): the task samples on the first and reuses the
+    generation batch on the others. A batch carries ``batch_number`` (1, 2, ... over ranks and steps),
+    ``iteration`` (0 to k - 1), ``slot`` (its place in the step) and ``generation`` (the number of the fresh
+    micro-batch it repeats, which seeds its sampler)."""
 
     def __init__(self, examples: Sequence[PromptExample], batch_size: int, *, shuffle: bool = True, seed: int = 0,
-                 generator: torch.Generator | None = None) -> None:
+                 generator: torch.Generator | None = None, num_iterations: int = 1, per_step: int = 1) -> None:
         if not examples:
             raise DataError("data.train: no prompts to train on")
         if batch_size < 1:
@@ -80,28 +91,46 @@ class PromptStream:
         self.generator = generator if generator is not None else torch.Generator().manual_seed(seed)
         self.cursor = EpochCursor(len(examples), shuffle, seed)  # the seeded order the other streams visit
         self.batches = 0
+        self.num_iterations, self.per_step = num_iterations, per_step
+        self.group: dict[int, list[int]] = {}  # slot -> prompt indices of this rank's micro-batches of the group
 
     def __iter__(self) -> PromptStream:
         return self
 
+    def _place(self, number: int) -> tuple[int, int, int]:
+        """(iteration, slot, generation) of micro-batch ``number``."""
+        step, slot = divmod(number - 1, self.per_step)
+        group, iteration = divmod(step, self.num_iterations)
+        return iteration, slot, group * self.per_step + slot + 1
+
     def __next__(self) -> Batch:
         self.batches += 1
-        return prompt_batch(self.examples, self.cursor.take(self.batch_size), self.batches)
+        iteration, slot, generation = self._place(self.batches)
+        if iteration == 0:
+            self.group[slot] = list(self.cursor.take(self.batch_size))
+        batch = prompt_batch(self.examples, self.group[slot], self.batches)
+        batch.update(iteration=iteration, slot=slot, generation=generation)
+        return batch
 
     def rows_per_epoch(self) -> int:
-        """Prompts of one epoch (what ``training.batch_size`` counts)."""
-        return len(self.examples)
+        """Prompts of one epoch (what ``training.batch_size`` counts), each given ``num_iterations`` times."""
+        return len(self.examples) * self.num_iterations
 
     def skip(self, batches: int) -> None:
         """Move past ``batches`` micro-batches (another rank's share of a step)."""
-        self.cursor.take(batches * self.batch_size)
-        self.batches += batches
+        for _ in range(batches):
+            self.batches += 1
+            if self._place(self.batches)[0] == 0:
+                self.cursor.take(self.batch_size)
 
-    def state_dict(self) -> dict[str, int | str]:
+    def state_dict(self) -> dict[str, Any]:
         """Where the stream is and the sampler's RNG, as JSON-able values."""
-        return {"epoch": self.cursor.epoch, "position": self.cursor.position, "batches": self.batches,
-                "num_examples": len(self.examples), "seed": self.seed, "stream": "grpo",
-                "sampler": _encode_state(self.generator)}
+        state: dict[str, Any] = {"epoch": self.cursor.epoch, "position": self.cursor.position,
+                                 "batches": self.batches, "num_examples": len(self.examples), "seed": self.seed,
+                                 "stream": "grpo", "sampler": _encode_state(self.generator)}
+        if self.num_iterations > 1:  # a checkpoint within a group: the prompts its next steps repeat
+            state["group"] = {str(k): v for k, v in self.group.items()}
+        return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue from ``state``, the sampler's RNG included; refuses a state of other data or another seed."""
@@ -124,6 +153,12 @@ class PromptStream:
             raise CheckpointError(f"data stream state: the sampler's RNG state is not one: {e}") from e
         self.cursor.seek(epoch, position)
         self.batches = batches
+        try:
+            self.group = {int(k): [int(i) for i in v] for k, v in dict(state.get("group") or {}).items()}
+        except (TypeError, ValueError) as e:
+            raise CheckpointError(f"data stream state: 'group' is not the prompts of a generation batch: {e}") from e
+        if any(not 0 <= i < len(self.examples) for v in self.group.values() for i in v):
+            raise CheckpointError("data stream state: 'group' names prompts this data does not have")
 
 
 def prompt_batch(examples: Sequence[PromptExample], indices: Sequence[int], number: int = 0) -> Batch:
@@ -136,6 +171,16 @@ def prompt_batch(examples: Sequence[PromptExample], indices: Sequence[int], numb
     columns = {k: [examples[i].columns.get(k) for i in indices] for k in keys}
     return {"prompt_ids": prompts, "columns": columns, "example_index": torch.tensor(list(indices)),
             "document_ids": documents, "batch_number": number}
+
+
+def sampler_seed(seed: int, batch_number: int) -> int:
+    """The sampler's seed for micro-batch ``batch_number`` of the stream (numbered across ranks and steps).
+
+    Each micro-batch samples from its own seed, so ranks (which take different micro-batches of a step) draw
+    different completions, and the completions depend on neither the number of processes nor what ran before:
+    a resumed run, whose stream state holds the micro-batch count, draws the same ones.
+    """
+    return (seed * 0x9E3779B97F4A7C15 + batch_number * 0xBF58476D1CE4E5B9) % (1 << 63)
 
 
 def rewards_of(recipe: Recipe) -> list[Reward]:
@@ -155,8 +200,8 @@ def settings_of(recipe: Recipe, stop_ids: Sequence[int] = ()) -> GRPOSettings:
     objective = Objective(loss_type=t.loss_type, beta=t.kl_beta, epsilon=t.epsilon, epsilon_high=t.epsilon_high,
                           importance_sampling_level=t.importance_sampling_level,
                           max_completion_length=t.max_new_tokens, scale_rewards=t.scale_rewards)
-    return GRPOSettings(num_generations=t.num_generations, sampling=sampling, objective=objective,
-                        stop_ids=tuple(stop_ids))
+    return GRPOSettings(num_generations=t.num_generations, num_iterations=t.num_iterations, sampling=sampling,
+                        objective=objective, stop_ids=tuple(stop_ids))
 
 
 @dataclass
@@ -183,8 +228,14 @@ class GRPOTask:
     _generator: torch.Generator = field(init=False, repr=False)
     _step: list[dict[str, float]] = field(default_factory=list, repr=False)
     _best: float | None = field(default=None, repr=False)
+    _rollouts: dict[int, Any] = field(default_factory=dict, repr=False)  # slot -> the generation batch reused
 
     def __post_init__(self) -> None:
+        k, t = self.recipe.task.num_iterations, self.recipe.training
+        for key, every in (("save_every", t.save_every), ("eval_every", t.eval_every)):
+            if k > 1 and every % k:  # a checkpoint amid a generation batch's steps could not resume it exactly
+                raise ConfigError(f"training.{key} ({every}) must be a multiple of task.num_iterations ({k}): "
+                                  "checkpoints fall between generation batches")
         self._lm = CausalLMTask(self.recipe, kernels=self.kernels)
         self._generator = torch.Generator().manual_seed(self.recipe.training.seed)
         rewards_of(self.recipe)  # a reward that cannot be imported is refused before the model loads
@@ -255,7 +306,8 @@ class GRPOTask:
     def stream(self, examples: list, tokenizer: Tokenizer) -> tuple[Any, list[str]]:
         d, t = self.recipe.data, self.recipe.training
         self._tokenizer = tokenizer
-        return PromptStream(examples, t.batch_size, shuffle=d.shuffle, seed=t.seed, generator=self._generator), []
+        return PromptStream(examples, t.batch_size, shuffle=d.shuffle, seed=t.seed, generator=self._generator,
+                            num_iterations=self.recipe.task.num_iterations, per_step=self._batches_per_step()), []
 
     def num_targets(self, batch: Batch) -> float:
         """1 per micro-batch: each is a generation batch whose loss is normalised within it; a step averages
@@ -269,21 +321,33 @@ class GRPOTask:
         ``model`` (or its parallel wrapper)."""
         assert self._model is not None and self._tokenizer is not None  # prepare() and stream() ran
         engine = self.engine(self._model, self._tokenizer)
-        with torch.autocast(compute_device(self._model).type, enabled=False):
-            rollout = engine.rollout(batch["prompt_ids"], batch["columns"])
+        number = int(batch.get("batch_number", 0))
+        slot = int(batch.get("slot", 0))
+        rollout = self._rollouts.get(slot) if int(batch.get("iteration", 0)) > 0 else None
+        if rollout is None:  # a fresh generation batch (or one whose rollout a resume did not keep: sampled anew)
+            self._generator.manual_seed(sampler_seed(self.recipe.training.seed, int(batch.get("generation", number))))
+            with torch.autocast(compute_device(self._model).type, enabled=False):
+                rollout = engine.rollout(batch["prompt_ids"], batch["columns"])
+            if engine.settings.num_iterations > 1:
+                self._rollouts[slot] = rollout
         length = rollout.generated.completion_ids.shape[1]
         logps = completion_logprobs(model, rollout.input_ids, rollout.attention_mask, length,
                                     plain_head(self._model), temperature=engine._temperature)
         parts = grpo_loss(logps, rollout.advantages, rollout.generated.completion_mask, engine.settings.objective,
                           old_logps=rollout.old_logps, ref_logps=rollout.ref_logps)
         self._step.append(engine.metrics(rollout, parts))
-        every = self.recipe.task.samples_every
-        number = int(batch.get("batch_number", 0))
-        if every and number % every == 0 and int(os.environ.get("RANK", "0")) == 0:
+        every, per_step = self.recipe.task.samples_every, self._batches_per_step()
+        step, first = (number - 1) // per_step + 1, (number - 1) % per_step == 0  # rank 0's first of its step
+        if every and step % every == 0 and first:
             run = Path(self.recipe.output.dir)
             run.mkdir(parents=True, exist_ok=True)
-            write_samples(run / SAMPLES_FILE, number, rollout)
+            write_samples(run / SAMPLES_FILE, step, rollout)
         return parts.loss
+
+    def _batches_per_step(self) -> int:
+        """Micro-batches of one optimizer step over all ranks (the stream numbers them 1, 2, ... across ranks)."""
+        t, world = self.recipe.training, int(os.environ.get("WORLD_SIZE", "1"))
+        return accumulation(t.batch_size, t.grad_accum, t.global_batch_size, world) * world
 
     def step_metrics(self) -> dict[str, torch.Tensor]:
         """The engine's metrics of the step's rollouts (means over its micro-batches): rewards per function and in
@@ -347,4 +411,5 @@ class GRPOTask:
         return [("held-out mean reward", f"{start}{after.reward:.3f} (greedy, {after.examples} prompts)")]
 
 
-__all__ = ["GRPOEval", "GRPOTask", "PromptExample", "PromptStream", "prompt_batch", "rewards_of", "settings_of"]
+__all__ = ["GRPOEval", "GRPOTask", "PromptExample", "PromptStream", "prompt_batch", "rewards_of", "sampler_seed",
+           "settings_of"]

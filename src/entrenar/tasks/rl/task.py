@@ -123,7 +123,8 @@ class GRPO:
                          old_logps=rollout.old_logps, ref_logps=rollout.ref_logps)
 
     def metrics(self, rollout: Rollout, parts: LossParts | None = None) -> dict[str, float]:
-        """A step's metrics: reward mean/std per function and in total, completion lengths, KL and clipping."""
+        """A step's metrics: reward mean/std per function and in total, completion lengths, the sampling
+        distribution's mean entropy per completion token, KL and clipping."""
         out: dict[str, float] = {"reward": float(rollout.rewards.mean()), "reward_std": float(rollout.rewards.std())}
         for j, reward in enumerate(self.rewards):
             out[f"rewards/{reward.name}/mean"] = float(rollout.per_function[:, j].mean())
@@ -131,6 +132,9 @@ class GRPO:
         lengths = rollout.generated.completion_mask.sum(1).float()
         out.update({"completions/mean_length": float(lengths.mean()), "completions/max_length": float(lengths.max()),
                     "completions/clipped_ratio": float((~rollout.generated.stopped).float().mean())})
+        if rollout.generated.entropies is not None:  # TRL's: the masked mean over the completion tokens
+            mask = rollout.generated.completion_mask.float()
+            out["entropy"] = float((rollout.generated.entropies * mask).sum() / mask.sum().clamp(min=1.0))
         if parts is not None:
             out.update({"kl": parts.kl, "clip_ratio/low_mean": parts.clip_low, "clip_ratio/high_mean": parts.clip_high,
                         "clip_ratio/region_mean": parts.clip_region})

@@ -1,0 +1,358 @@
+"""GRPO speed that users get: `entrenar train` on a GRPO recipe against TRL's GRPOTrainer + PEFT with transformers'
+`generate` (no vLLM), on the same prompts, the same reward function and the same call.
+
+A step is one generation batch and one update on it (TRL's `num_iterations: 1`, `steps_per_generation: 1`): PROMPTS
+prompts, 8 completions each sampled at temperature 1 with a KV cache, exactly 256 new tokens each (no early end: the
+same work for every row), rewarded by `reward_len` below, then the DAPO loss (both stacks' default), no KL term
+(`beta` 0, TRL's default: no reference pass), LoRA r=16 alpha 32 on every linear layer, bf16, AdamW, clipping at 1.0.
+Each case builds one random Hugging Face folder of a real model's shape (bench_e2e.py's `make_model_folder`, with the
+tokenizer of --tokenizer) and one JSONL of prompts: the first PROMPT tokens (128 on the GPU cases) of documents of
+real text (bench_dpo.py's `--prepare` folder), decoded to strings. Each row runs in its own process:
+
+  entrenar    `entrenar train RECIPE` (the CLI's `main`, in a process of this script's that first drops the
+              tokenizer's end-of-sequence ids from the GRPO task's stop tokens, so that every completion is 256
+              tokens): task.type grpo, num_generations 8, max_new_tokens 256, `kernels: auto`; the metrics from
+              its metrics.jsonl (step time: the difference of consecutive steps' elapsed_s, log_every 1;
+              peak_mem_gb)
+  trl         TRL 1.16 `GRPOTrainer` on a PEFT model (same LoRA), `GRPOConfig(bf16=True, use_vllm=False,
+              generation_kwargs={"min_new_tokens": 256})` (no end-of-sequence before 256 tokens),
+              per_device_train_batch_size = PROMPTS x 8 (TRL counts completions), gradient checkpointing off as
+              entrenar's, fused AdamW; step time from a callback around each optimizer step (generation included)
+
+samples/s = completions a step / step time; tokens/s = new (completion) tokens a step / step time, and
+total_tokens_per_s counts the prompt tokens too (PROMPTS x 8 x (mean prompt tokens + 256)); medians over the steps
+after the first --skip. Each row's `completion_mean_length` (from its own metrics) should be 256: a row that ended
+completions early did less work, and the table flags it. Peak memory: torch.cuda.max_memory_allocated over the
+whole process (model load included), in GiB; on the CPU (--tiny) each process's peak resident memory.
+
+GPU (an H100; .e2e/ from `bench_dpo.py --prepare .e2e` on any machine, carried along; trl 1.16 and datasets from
+.whl/extra as bench/device_tests.sh installs them):
+
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl .whl/extra/*.whl
+    PYTHONPATH=/tmp/site:src python3 bench/bench_grpo.py --cases lora-1b,lora-qwen3 --text .e2e/text.jsonl \
+        --tokenizer .e2e --work /tmp/grpo --out bench/results/grpo.json
+
+    PYTHONPATH=src python bench/bench_grpo.py --tiny --cases lora-1b     # CPU smoke test: both rows start and train
+
+`--tiny` runs a case at a toy size (bench_e2e.py's: hidden 64, 2 layers; 2 prompts of 16 tokens, 8 completions of
+16 tokens, 3 steps; fp32 in both rows) on the CPU when there is no GPU, building a temporary --prepare folder when
+the tokenizer folder is absent (it needs the SmolLM2 GGUF, see bench_dpo.py): a smoke test that every row starts,
+trains and reports, not a measurement. Rows whose package is missing (peft, trl, datasets) are reported as skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from bench_dpo import prepare  # noqa: E402 (the DPO benchmark's tokenizer and text folder)
+from bench_e2e import LORA, GiB, case_for, device, make_model_folder, run_process, write_results  # noqa: E402
+
+LR = 1e-5  # LoRA GRPO (TRL's default 1e-6 is for full fine-tuning; the rate does not change the speed)
+GENERATIONS = 8
+CASES: dict[str, dict] = {
+    # batch counts prompts (each sampled GENERATIONS times); seq bounds prompt + completion (entrenar's data.seq_len)
+    "lora-1b": {"shape": "llama-1b", "method": "lora", "batch": 8, "prompt": 128, "completion": 256, "seq": 512,
+                "ckpt": False, "steps": 8},
+    "lora-qwen3": {"shape": "qwen3-1.7b", "method": "lora", "batch": 8, "prompt": 128, "completion": 256,
+                   "seq": 512, "ckpt": False, "steps": 8},
+}
+TINY_GRPO = {"batch": 2, "prompt": 16, "completion": 16, "seq": 64, "steps": 3}
+ROWS = ("entrenar", "trl")
+
+
+def reward_len(prompts: list[str], completions: list[str], **_: object) -> list[float]:
+    """A cheap reward with TRL's signature (both rows score with it): closeness of the completion to 400
+    characters."""
+    return [-abs(len(c) - 400) / 400 for c in completions]
+
+
+# ---------------------------------------------------------------- inputs
+
+
+def make_prompts(tokenizer_dir: Path, text: Path, case: dict, out: Path) -> Path:
+    """The case's prompts file ({"prompt": str}): each document's first ``case["prompt"]`` tokens, decoded."""
+    from entrenar.data.tokenizer import Tokenizer
+
+    if out.is_file():
+        return out
+    tokenizer = Tokenizer.from_folder(tokenizer_dir)
+    prompts = []
+    for line in text.read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            ids = tokenizer.encode(json.loads(line)["text"])
+            if len(ids) >= case["prompt"]:
+                prompts.append(tokenizer.decode(ids[: case["prompt"]]))
+    tmp = out.with_suffix(".partial")
+    tmp.write_text("".join(json.dumps({"prompt": p}, ensure_ascii=False) + "\n" for p in prompts), encoding="utf-8")
+    tmp.rename(out)
+    return out
+
+
+def recipe_for(case: dict, folder: Path, prompts: Path, run_dir: Path) -> dict:
+    """The GRPO recipe a user would write for the case."""
+    return {
+        "model": {"path": str(folder), "device": device()},
+        "task": {"type": "grpo", "num_generations": GENERATIONS, "max_new_tokens": case["completion"],
+                 "temperature": 1.0, "loss_type": "dapo", "kl_beta": 0.0, "samples_every": 0},
+        "reward": {"functions": ["bench_grpo:reward_len"]},
+        "data": {"train": str(prompts), "validation_split": 0.0, "seq_len": case["seq"], "shuffle": True},
+        "lora": {**LORA, "dropout": 0.0, "target_modules": "all-linear"},
+        "optimizer": {"name": "adamw", "lr": LR},
+        "schedule": {"name": "constant", "warmup_steps": 0},
+        "training": {"max_steps": case["steps"], "batch_size": case["batch"], "grad_accum": 1, "max_grad_norm": 1.0,
+                     "precision": "bf16" if device() == "cuda" else "fp32", "activation_checkpointing": case["ckpt"],
+                     "kernels": "auto", "seed": 0, "eval_every": 0, "save_every": 0, "log_every": 1},
+        "output": {"dir": str(run_dir)},
+    }
+
+
+def prompt_tokens(prompts: Path, folder: Path) -> float:
+    """Mean tokens of a prompt as the model folder's tokenizer encodes it (both rows encode the same strings)."""
+    from entrenar.data.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_folder(folder)
+    lengths = [len(tokenizer.encode(json.loads(line)["prompt"]))
+               for line in prompts.read_text(encoding="utf-8").splitlines() if line.strip()]
+    return statistics.mean(lengths)
+
+
+def summarise(step_s: list[float], case: dict, mean_prompt: float, skip: int, peak_bytes: float | None,
+              wall_s: float, losses: list[float], lengths: list[float]) -> dict:
+    """Medians over the timed steps: samples/s, new tokens/s, all tokens/s, step time."""
+    timed = step_s[min(skip, len(step_s) - 1):]
+    step = statistics.median(timed)
+    completions = case["batch"] * GENERATIONS
+    return {"samples_per_s": completions / step, "tokens_per_s": completions * case["completion"] / step,
+            "total_tokens_per_s": completions * (mean_prompt + case["completion"]) / step,
+            "step_ms_median": step * 1e3, "steps": len(step_s), "step_s": step_s,
+            "peak_gib": peak_bytes / GiB if peak_bytes else None, "wall_s": wall_s, "losses": losses,
+            "completion_mean_length": statistics.mean(lengths) if lengths else None,
+            "mean_prompt_tokens": mean_prompt}
+
+
+# ---------------------------------------------------------------- rows
+
+
+def entrenar_row(recipe: str) -> int:
+    """`entrenar train RECIPE` with no stop tokens (every completion max_new_tokens long): the entrenar row."""
+    import entrenar.tasks.rl.grpo_task as grpo_task
+    from entrenar.cli.main import main as cli
+
+    settings_of = grpo_task.settings_of
+    grpo_task.settings_of = lambda recipe, stop_ids=(): settings_of(recipe, ())
+    return cli(["train", recipe, "--no-progress"])
+
+
+def run_entrenar(case_name: str, case: dict, folder: Path, prompts: Path, work: Path, skip: int,
+                 mean_prompt: float) -> dict:
+    run_dir = work / f"run-{case_name}-grpo"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    recipe = recipe_for(case, folder, prompts, run_dir)
+    recipe_path = work / f"{case_name}-grpo.yaml"
+    recipe_path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    started = time.perf_counter()
+    returncode, output, max_rss = run_process(
+        [sys.executable, __file__, "--entrenar-row", str(recipe_path)], work / f"{case_name}-grpo.log",
+        {**os.environ, "PYTHONUNBUFFERED": "1"})
+    wall = time.perf_counter() - started
+    if returncode != 0:
+        return {"status": "failed", "error": output[-2000:], "recipe": recipe}
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    steps = [r for r in lines if "loss" in r and r.get("tokens")]
+    # a step's time: the clock between logged steps (tokens_per_s counts prompt tokens only, rounded); the first's
+    # from its rate (it is left out of the medians anyway)
+    step_s = [steps[0]["tokens"] / max(steps[0]["tokens_per_s"], 1e-9)] + [
+        b["elapsed_s"] - a["elapsed_s"] for a, b in zip(steps, steps[1:], strict=False)]
+    peak = max_rss if device() == "cpu" else max((r.get("peak_mem_gb") or 0) for r in steps) * 1e9
+    out = summarise(step_s, case, mean_prompt, skip, peak, wall, [r["loss"] for r in steps],
+                    [r["completions/mean_length"] for r in steps])
+    return {"status": "ok", **out, "reward_last": steps[-1].get("reward"), "recipe": recipe}
+
+
+def run_trl(case: dict, folder: Path, prompts: Path, work: Path, skip: int, mean_prompt: float) -> dict:
+    """TRL's GRPOTrainer on a PEFT model with transformers' generate, in this process."""
+    import torch
+    import transformers
+
+    try:
+        import datasets
+        import peft
+        import trl
+    except ImportError as e:
+        return {"status": "skipped", "error": str(e)}
+    dev = device()
+    started = time.perf_counter()
+    # GRPOConfig(bf16=True) as users run LoRA: the base in bf16 as loaded, adapters fp32, autocast. On the CPU
+    # (--tiny) fp32 throughout, as the entrenar row there (CPU bf16 autocast is slow and this is a smoke test).
+    dtype = torch.bfloat16 if dev == "cuda" else torch.float32
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa")
+    model = model.to(dev)
+    model = peft.get_peft_model(model, peft.LoraConfig(r=LORA["r"], lora_alpha=LORA["alpha"], lora_dropout=0.0,
+                                                       target_modules="all-linear", task_type="CAUSAL_LM"))
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    rows = [json.loads(line) for line in prompts.read_text(encoding="utf-8").splitlines() if line.strip()]
+    dataset = datasets.Dataset.from_list(rows)
+    config = trl.GRPOConfig(
+        output_dir=str(work / "trl-grpo"), per_device_train_batch_size=case["batch"] * GENERATIONS,
+        gradient_accumulation_steps=1, num_generations=GENERATIONS, max_completion_length=case["completion"],
+        generation_kwargs={"min_new_tokens": case["completion"]}, temperature=1.0, use_vllm=False, beta=0.0,
+        loss_type="dapo", num_iterations=1, max_steps=case["steps"], learning_rate=LR, lr_scheduler_type="constant",
+        warmup_steps=0, bf16=dev == "cuda", optim="adamw_torch_fused" if dev == "cuda" else "adamw_torch",
+        max_grad_norm=1.0, logging_steps=1, save_strategy="no", report_to=[], seed=0, use_cpu=dev == "cpu",
+        gradient_checkpointing=case["ckpt"], dataloader_num_workers=0)
+
+    step_s: list[float] = []
+
+    class Clock(transformers.TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            if dev == "cuda":
+                torch.cuda.synchronize()
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            if dev == "cuda":
+                torch.cuda.synchronize()
+            step_s.append(time.perf_counter() - self.t0)
+
+    trainer = trl.GRPOTrainer(model=model, reward_funcs=[reward_len], args=config, train_dataset=dataset,
+                              processing_class=tokenizer, callbacks=[Clock()])
+    trainer.train()
+    wall = time.perf_counter() - started
+    history = [h for h in trainer.state.log_history if "loss" in h]
+    peak = torch.cuda.max_memory_allocated() if dev == "cuda" else None  # CPU: the parent reads ru_maxrss
+    out = summarise(step_s, case, mean_prompt, skip, peak, wall, [h["loss"] for h in history],
+                    [h["completions/mean_length"] for h in history if "completions/mean_length" in h])
+    return {"status": "ok", **out, "reward_last": history[-1].get("reward") if history else None,
+            "gradient_checkpointing": config.gradient_checkpointing, "trl": trl.__version__}
+
+
+def run_trl_process(case_name: str, folder: Path, prompts: Path, mean_prompt: float,
+                    args: argparse.Namespace) -> dict:
+    """The TRL row in a fresh process, so neither stack's memory counts against the other."""
+    out = Path(args.work) / f"{case_name}-trl-grpo.json"
+    cmd = [sys.executable, __file__, "--trl-row", "--cases", case_name, "--folder", str(folder), "--prompts",
+           str(prompts), "--work", args.work, "--skip", str(args.skip), "--out", str(out),
+           "--mean-prompt", str(mean_prompt)]
+    if args.steps:
+        cmd += ["--steps", str(args.steps)]
+    if args.tiny:
+        cmd += ["--tiny"]
+    out.unlink(missing_ok=True)
+    returncode, output, max_rss = run_process(cmd, out.with_suffix(".log"))
+    if returncode != 0 or not out.is_file():
+        return {"status": "failed", "error": output[-2000:]}
+    result = json.loads(out.read_text())
+    if result.get("status") == "ok" and result.get("peak_gib") is None:
+        result["peak_gib"] = max_rss / GiB
+    return result
+
+
+# ---------------------------------------------------------------- report
+
+
+def print_table(results: list[dict]) -> None:
+    """One line per case and row: samples/s, tokens/s, peak memory, the ratios to TRL, the completion length."""
+    print(f"{'case':<12}{'row':<10}{'samples/s':>10}{'tok/s':>9}{'all tok/s':>10}{'step ms':>9}{'peak GiB':>9}"
+          f"{'vs trl':>8}{'mem/trl':>8}{'length':>8}")
+    for r in results:
+        if r["status"] != "ok":
+            print(f"{r['case']:<12}{r['row']:<10}{r['status']}: {str(r.get('error', ''))[-160:]!r}")
+            continue
+        base = next((b for b in results if (b["case"], b["row"], b["status"]) == (r["case"], "trl", "ok")), None)
+        speed = f"{r['samples_per_s'] / base['samples_per_s']:.2f}" if base else "-"
+        memory = f"{r['peak_gib'] / base['peak_gib']:.2f}" if base and base.get("peak_gib") and r.get("peak_gib") \
+            else "-"
+        length = r.get("completion_mean_length")
+        flag = "" if length is not None and abs(length - r["recipe_completion"]) < 1e-6 else " (!)"
+        print(f"{r['case']:<12}{r['row']:<10}{r['samples_per_s']:10.2f}{r['tokens_per_s']:9.0f}"
+              f"{r['total_tokens_per_s']:10.0f}{r['step_ms_median']:9.0f}{r['peak_gib'] or 0:9.2f}{speed:>8}"
+              f"{memory:>8}{length if length is not None else float('nan'):8.1f}{flag}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--cases", default="lora-1b", help=f"comma-separated, of {', '.join(CASES)}")
+    p.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated, of {', '.join(ROWS)}")
+    p.add_argument("--text", default=".e2e/text.jsonl", help="JSONL of {'text': ...} records of real text")
+    p.add_argument("--tokenizer", default=".e2e", help="folder with tokenizer.json (SmolLM2's)")
+    p.add_argument("--work", default="/tmp/grpo", help="where model folders, prompts and runs go")
+    p.add_argument("--steps", type=int, default=0, help="override every case's step count")
+    p.add_argument("--skip", type=int, default=2, help="steps left out of the median (warm-up)")
+    p.add_argument("--out", default="", help="JSON results file")
+    p.add_argument("--tiny", action="store_true", help="toy sizes, CPU without a GPU: a smoke test, not a measurement")
+    p.add_argument("--gguf", default="data/SmolLM2-135M-Instruct.Q4_1.gguf", help="the GGUF --tiny prepares from")
+    p.add_argument("--entrenar-row", default="", help=argparse.SUPPRESS)
+    p.add_argument("--trl-row", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--folder", default="", help=argparse.SUPPRESS)
+    p.add_argument("--prompts", default="", help=argparse.SUPPRESS)
+    p.add_argument("--mean-prompt", type=float, default=0.0, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.entrenar_row:  # the entrenar row's process, started by run_entrenar
+        raise SystemExit(entrenar_row(args.entrenar_row))
+    if args.trl_row:  # the TRL row's process, started by run_trl_process
+        result = run_trl(_case(args.cases, args), Path(args.folder), Path(args.prompts), Path(args.work), args.skip,
+                         args.mean_prompt)
+        Path(args.out).write_text(json.dumps(result))
+        return
+    if device() == "cpu" and not args.tiny:
+        p.error("no CUDA device: the cases are GPU measurements (--tiny runs them at a toy size on the CPU)")
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    tokenizer_dir, text = Path(args.tokenizer), Path(args.text)
+    if args.tiny and not (tokenizer_dir / "tokenizer.json").is_file():
+        tokenizer_dir = prepare(Path(tempfile.mkdtemp(prefix="grpo-prepare-")), Path(args.gguf))
+        text = tokenizer_dir / "text.jsonl"
+        print(f"--tiny: {args.tokenizer} has no tokenizer.json; prepared {tokenizer_dir}", flush=True)
+    vocab = json.loads((tokenizer_dir / "tokenizer.json").read_text())["model"]["vocab"]
+    vocab_size = 49152 if len(vocab) <= 49152 else len(vocab)
+
+    results = []
+    for case_name in args.cases.split(","):
+        case = _case(case_name, args)
+        t0 = time.perf_counter()
+        folder = make_model_folder(case["shape"], vocab_size, case["seq"], tokenizer_dir,
+                                   work / (case["shape"] + ("-tiny" if args.tiny else "")), args.tiny)
+        prompts = make_prompts(tokenizer_dir, text, case, work / f"prompts-{case['prompt']}.jsonl")
+        mean_prompt = prompt_tokens(prompts, folder)
+        print(f"[{case_name}] model folder {folder} and prompts {prompts} ({mean_prompt:.1f} tokens) ready in "
+              f"{time.perf_counter() - t0:.0f}s", flush=True)
+        for row in args.rows.split(","):
+            t0 = time.perf_counter()
+            if row == "entrenar":
+                r = run_entrenar(case_name, case, folder, prompts, work, args.skip, mean_prompt)
+            else:
+                r = run_trl_process(case_name, folder, prompts, mean_prompt, args)
+            results.append({"case": case_name, "row": row, "load_avg": os.getloadavg(),
+                            "recipe_completion": case["completion"], "prompts_per_step": case["batch"],
+                            "generations": GENERATIONS, **r})
+            print(f"[{case_name}] {row}: {r['status']} {r.get('samples_per_s') or ''} samples/s in "
+                  f"{time.perf_counter() - t0:.0f}s", flush=True)
+            write_results(args.out, results)  # after every row: a run cut short keeps what it measured
+    print_table(results)
+
+
+def _case(name: str, args: argparse.Namespace) -> dict:
+    case = case_for(name, args.steps, args.tiny, CASES)
+    if args.tiny:
+        case.update(TINY_GRPO)
+        case["steps"] = args.steps or TINY_GRPO["steps"]
+    return case
+
+
+if __name__ == "__main__":
+    main()
