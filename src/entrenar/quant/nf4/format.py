@@ -194,9 +194,9 @@ def dequantize_nf4(q: NF4Tensor, dtype: torch.dtype | None = None) -> Tensor:
     return dequantize_nf4_reference(q, dtype)
 
 
-@functools.cache
 def _byte_values(device: torch.device) -> Tensor:
-    """Both NF4 values of each of the 256 code bytes, the high nibble's first, as one 8-byte word per byte."""
+    """Both NF4 values of each of the 256 code bytes, the high nibble's first, as one 8-byte word per byte
+    (built per call, as the reference moves its table: 2 KiB, microseconds; no cache for torch.compile to trace)."""
     pairs = torch.stack([NF4_CODE.repeat_interleave(16), NF4_CODE.repeat(16)], dim=1)  # code[b >> 4], code[b & 15]
     return pairs.contiguous().view(torch.int64).view(-1).to(device)
 
