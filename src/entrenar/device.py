@@ -1,5 +1,5 @@
-"""Which device and dtype a run or a load uses: one table of dtype names, one rule for ``auto``; and whether
-Triton kernels run on given tensors.
+"""Which device and dtype a run or a load uses: one table of dtype names, one rule for ``auto``; whether
+Triton kernels run on given tensors; and whether this CPU multiplies 16-bit matrices natively.
 
 The CLI builds its ``--dtype`` choices from :data:`DTYPES` before it imports torch (``entrenar --help`` stays
 instant), so torch is imported by the functions that need it.
@@ -7,6 +7,7 @@ instant), so torch is imported by the functions that need it.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 from typing import TYPE_CHECKING
@@ -16,8 +17,8 @@ from entrenar.errors import ConfigError
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["ACCELERATORS", "DTYPES", "available_memory", "interpreting", "resolve_device", "resolve_dtype",
-           "triton_available", "use_triton"]
+__all__ = ["ACCELERATORS", "DTYPES", "available_memory", "cpu_products_in_fp32", "interpreting", "resolve_device",
+           "resolve_dtype", "triton_available", "use_triton"]
 
 # The weight dtypes a user may name (library and CLI), each to its torch dtype's name; "auto" is handled apart.
 DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16",
@@ -109,6 +110,34 @@ def available_memory(device: torch.device) -> tuple[int, str] | None:
     if limit != "max" and (found is None or int(limit) - used < found[0]):
         return max(int(limit) - used, 0), "the cgroup's memory.max less memory.current"
     return found
+
+
+# ---------------------------------------------------------------- 16-bit products on a CPU
+
+
+def cpu_products_in_fp32(device: torch.device, dtype: torch.dtype) -> bool:
+    """True if ``device`` is a CPU without instructions for matrix products in ``dtype`` (bf16 or fp16).
+
+    Without AVX-512 BF16 or AMX (bf16) or AMX-FP16 (fp16), PyTorch forms such a matrix product element by
+    element with conversions: on an AVX2 CPU a bf16 product of a SmolLM2 projection takes about 7x the
+    time of the same product in fp32 (docs/PERFORMANCE.md, CPU). Code that asks forms its products in fp32
+    from the exact fp32 values of its 16-bit operands and rounds the result once, as the 16-bit GEMM does
+    (it accumulates in fp32 too). False on other devices and on CPUs with those instructions; True on ARM CPUs,
+    for which PyTorch offers no such test.
+    """
+    import torch  # start-up time (the module docstring)
+
+    if device.type != "cpu" or dtype not in (torch.bfloat16, torch.float16):
+        return False
+    return not _cpu_has_native(dtype == torch.bfloat16)
+
+
+@functools.cache
+def _cpu_has_native(bf16: bool) -> bool:
+    import torch  # start-up time (the module docstring)
+
+    names = ("_is_avx512_bf16_supported", "_is_amx_tile_supported") if bf16 else ("_is_amx_fp16_supported",)
+    return any(getattr(torch.cpu, name, lambda: False)() for name in names)
 
 
 # ---------------------------------------------------------------- Triton

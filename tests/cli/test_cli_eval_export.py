@@ -14,6 +14,7 @@ from cli_helpers import build_chat_model, fake_module, run_cli
 
 from entrenar.data.tokenizer import Tokenizer
 from entrenar.errors import AdapterError, DataError
+from entrenar.evaluation.compare import MAX_KL
 from entrenar.models.transformer import Transformer
 
 
@@ -62,7 +63,7 @@ def exports(monkeypatch):
 
     def export_verified(model_path, adapter, output, verify, data, max_kl, merge_base, merge, gguf, dtype, overwrite):
         calls.append((model_path, adapter, output, merge, gguf, dtype, overwrite))
-        assert (verify, data, max_kl, merge_base) == ("quick", None, 0.05, "full")  # the defaults
+        assert (verify, data, max_kl, merge_base) == ("quick", None, MAX_KL, "full")  # the defaults
         if adapter == "broken":
             raise AdapterError("broken: no adapter_config.json; not an adapter folder")
         paths = [Path(output)] if merge else []
@@ -91,3 +92,13 @@ def test_export_errors_and_usage(capsys, exports):
     code, _, err = run_cli(capsys, "export", "base", "--adapter", "ad", "--output", "o", "--dtype", "fp8")
     assert code == 2 and "invalid choice: 'fp8'" in err
     assert len(exports) == 1
+
+
+@pytest.mark.parametrize("argv", [["export", "m", "--output", "o"], ["eval", "m", "--data", "d", "--compare", "o"],
+                                  ["quantize", "m", "--method", "int8", "--output", "o"]], ids=lambda a: a[0])
+def test_every_max_kl_flag_defaults_to_the_library_threshold(argv):
+    """The CLI builds its parsers without importing torch, so it spells the default out: it must stay the one
+    the library's comparison uses (docs/QUANTIZATION.md, "Choosing --max-kl")."""
+    from entrenar.cli.main import build_parser
+
+    assert build_parser().parse_args(argv).max_kl == MAX_KL

@@ -194,9 +194,13 @@ def test_layers_that_cannot_share_a_node_run_one_by_one():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
-def test_under_autocast_the_adapter_products_run_in_its_dtype_as_the_plain_layers_do():
+def test_under_autocast_the_adapter_products_run_in_its_dtype_as_the_plain_layers_do(monkeypatch):
     """fp32 adapters on a bf16 base under bf16 autocast: the plain layers' adapter products run in bf16 (autocast
-    casts them), so the shared node's must too; in fp32 they cast every activation and run off the tensor cores."""
+    casts them), so the shared node's must too; in fp32 they cast every activation and run off the tensor cores.
+    (Where bf16 products are native: on a CPU without them the node multiplies in fp32, tested below.)"""
+    import entrenar.device
+
+    monkeypatch.setattr(entrenar.device, "_cpu_has_native", lambda bf16: True)
     plain, fused = lora_group(torch.bfloat16)
     x = torch.randn(4, 16, 48, dtype=torch.bfloat16)
     params = {p.data_ptr() for layer in fused for p in layer.parameters()}
@@ -221,3 +225,77 @@ def test_under_autocast_the_adapter_products_run_in_its_dtype_as_the_plain_layer
     assert adapters <= leaves
     grads = torch.autograd.grad(sum(y.float().sum() for y in got), sorted(adapters, key=id))
     assert {g.dtype for g in grads} == {torch.float32}
+
+
+class _Products(torch.utils._python_dispatch.TorchDispatchMode):
+    """The operand dtypes of every matrix product run while active (forward and backward)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dtypes: set[torch.dtype] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.addmm_,
+                                   torch.ops.aten.bmm, torch.ops.aten.baddbmm):
+            self.dtypes |= {a.dtype for a in args if isinstance(a, torch.Tensor) and a.dim() >= 2}
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["bf16-products", "emulated-bf16"])
+def test_qlora_node_under_bf16_autocast_on_a_cpu_matches_the_bitsandbytes_nf4_reference(monkeypatch, native):
+    """QLoRA as the SmolLM2 recipe runs it on a CPU: fp32 weights, NF4 bases, bf16 autocast, q/k/v in one node.
+
+    On a CPU without AVX-512 BF16 or AMX (``native=False``: an AVX2 CPU, whatever runs the tests) PyTorch
+    emulates bf16 products at about 1/7 of the fp32 rate, so the node multiplies in fp32: the outputs and ``dx``
+    are then the float64 result rounded once to bf16 (within 2**-8 relative), with the bases as bitsandbytes
+    dequantizes them to bf16, and the adapter gradients are fp32 products (1e-5). With bf16 products
+    (``native=True``) the adapter path runs in bf16 as under autocast: within bf16 error (1e-2).
+    """
+    from entrenar.quant.nf4.format import NF4Linear
+
+    bnb = pytest.importorskip("bitsandbytes.functional")
+    import entrenar.device
+
+    monkeypatch.setattr(entrenar.device, "_cpu_has_native", lambda bf16: native)
+    torch.manual_seed(8)
+    fused, exact = [], []
+    for out_features, r, bias in ((40, 4, True), (24, 2, False), (24, 6, False)):
+        linear = nn.Linear(48, out_features, bias=bias)
+        layer = FusedLoraLinear(NF4Linear.from_linear(linear), r=r, alpha=8.0)
+        layer.base_layer.requires_grad_(False)
+        with torch.no_grad():
+            layer.lora_B.weight.normal_(0, 0.5)
+            codes, state = bnb.quantize_4bit(linear.weight, blocksize=64, quant_type="nf4",
+                                             compress_statistics=True)
+            linear.weight.copy_(bnb.dequantize_4bit(codes, state).to(torch.bfloat16))  # the base bf16 multiplies
+            if bias:
+                linear.bias.copy_(linear.bias.to(torch.bfloat16))
+        ref = copy.deepcopy(layer)
+        ref.__class__ = LoraLinear
+        ref.base_layer = linear.requires_grad_(False)
+        fused.append(layer)
+        exact.append(ref.double())
+    x0 = torch.randn(3, 7, 48).to(torch.bfloat16)  # autocast's cast of the activations, done here once
+    products = _Products()
+    with products, torch.autocast("cpu", dtype=torch.bfloat16):
+        got = _run_bf16_grads(fused, x0, torch.float32, True)
+    want = _run_bf16_grads(exact, x0, torch.float64, False)
+    assert len(got) == len(want) == 3 + 1 + 6
+    assert (products.dtypes == {torch.float32}) != native
+    for i, (a, e) in enumerate(zip(got, want)):
+        if native:
+            assert rel_err(a, e) < 1e-2, f"result {i}: relative error {rel_err(a, e):.3g}"
+        elif i < 4:  # the three outputs and dx: rounded once to bf16
+            torch.testing.assert_close(a.double(), e, rtol=2**-8, atol=1e-5, msg=f"result {i}")
+        else:  # dA and dB of each adapter
+            assert a.dtype == torch.float32 and rel_err(a, e) < 1e-5, f"result {i}: {rel_err(a, e):.3g}"
+
+
+def _run_bf16_grads(layers, x0: torch.Tensor, x_dtype: torch.dtype, together: bool):
+    """:func:`_run_group` with output gradients that are bf16 values in every dtype, as a bf16 model's are."""
+    torch.manual_seed(9)
+    x = x0.detach().to(x_dtype).requires_grad_(True)
+    ys = project_together(x, layers) if together else tuple(layer(x) for layer in layers)
+    dys = [torch.randn(y.shape).to(torch.bfloat16).to(y.dtype) for y in ys]
+    params = [p for layer in layers for p in layer.parameters() if p.requires_grad]
+    return (*ys, *torch.autograd.grad(ys, [x, *params], dys))

@@ -283,3 +283,72 @@ def test_quantize_model_names_the_layer_with_a_bad_weight():
     with pytest.raises(QuantError, match=r"layers\.1\.up_proj\.weight"):
         quantize_model_nf4(model)
     assert not any(isinstance(m, NF4Linear) for m in model.modules())  # nothing was swapped
+
+
+# ---------------------------------------------------------------- the CPU path
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("blocksize", [32, 64, 256])
+@pytest.mark.parametrize("double_quant", [True, False], ids=["dq", "fp32-absmax"])
+def test_dequantize_by_bytes_is_bitsandbytes_bit_for_bit(bnb_functional, dtype, blocksize, double_quant):
+    """The CPU's dequantization (one gather per code byte) gives bitsandbytes' values, every byte value seen."""
+    from entrenar.quant.nf4.format import dequantize_nf4_by_bytes, dequantize_nf4_reference
+
+    torch.manual_seed(blocksize)
+    w = (torch.randn(96, 8 * blocksize) * 0.02).to(dtype)  # whole blocks, more than 256 of them at 32
+    q = quantize_nf4(w, blocksize=blocksize, double_quant=double_quant)
+    assert set(q.codes.tolist()) == set(range(256))
+    ref_codes, state = bnb_functional.quantize_4bit(w, blocksize=blocksize, quant_type="nf4",
+                                                    compress_statistics=double_quant)
+    ref = bnb_functional.dequantize_4bit(ref_codes, state).reshape(w.shape)
+    ours = dequantize_nf4_by_bytes(q)
+    assert ours.dtype == dtype and ours.shape == w.shape and torch.equal(ours, ref)
+    assert torch.equal(dequantize_nf4(q), ref)  # dispatched to it off CUDA
+    for out in (torch.float32, torch.bfloat16, torch.float16):  # bitsandbytes gives the input's dtype only
+        assert torch.equal(dequantize_nf4_by_bytes(q, out), dequantize_nf4_reference(q, out))
+
+
+class _Products(torch.utils._python_dispatch.TorchDispatchMode):
+    """The operand dtypes of every matrix product run while active (forward and backward)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dtypes: set[torch.dtype] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.addmm_,
+                                   torch.ops.aten.bmm, torch.ops.aten.baddbmm):
+            self.dtypes |= {a.dtype for a in args if isinstance(a, torch.Tensor) and a.dim() >= 2}
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture
+def cpu_without_bf16_products(monkeypatch):
+    """This CPU as one without AVX-512 BF16 or AMX (an AVX2 CPU), whatever CPU runs the tests."""
+    import entrenar.device
+
+    monkeypatch.setattr(entrenar.device, "_cpu_has_native", lambda bf16: False)
+
+
+def test_nf4_linear_in_bf16_on_a_cpu_without_bf16_products_multiplies_in_fp32(bnb_functional,
+                                                                              cpu_without_bf16_products):
+    """PyTorch emulates a bf16 product on such a CPU at about 1/7 of the fp32 rate, so the layer multiplies the
+    exact fp32 values of its bf16 operands (the weight as bitsandbytes dequantizes it, in bf16) and rounds the
+    result once: within half a bf16 unit in the last place (2**-8 relative) of the float64 product."""
+    linear = nn.Linear(192, 40).to(torch.bfloat16)
+    layer = NF4Linear.from_linear(linear)
+    codes, state = bnb_functional.quantize_4bit(linear.weight.detach(), blocksize=64, quant_type="nf4",
+                                                compress_statistics=True)
+    w = bnb_functional.dequantize_4bit(codes, state).double()  # bf16 values
+    x = torch.randn(3, 5, 192, dtype=torch.bfloat16, requires_grad=True)
+    grad_out = torch.randn(3, 5, 40, dtype=torch.bfloat16)
+    products = _Products()
+    with products:
+        y = layer(x)
+        y.backward(grad_out)
+    assert products.dtypes == {torch.float32}
+    assert y.dtype == x.grad.dtype == torch.bfloat16
+    want_y = F.linear(x.detach().double(), w, linear.bias.detach().double())
+    torch.testing.assert_close(y.double(), want_y, rtol=2**-8, atol=1e-5)
+    torch.testing.assert_close(x.grad.double(), grad_out.double() @ w, rtol=2**-8, atol=1e-5)

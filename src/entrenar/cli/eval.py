@@ -39,8 +39,8 @@ def add_parser(commands: argparse._SubParsersAction, parents: list[argparse.Argu
     parser.add_argument("--compare", metavar="OTHER", default=None,
                         help="a second model (folder, .gguf, run) to compare with MODEL on the data: each one's loss, "
                              "KL divergence, top-1 agreement, chat template, special tokens, stop ids, continuations")
-    parser.add_argument("--max-kl", type=float, default=0.05, metavar="NATS",
-                        help="with --compare: KL divergence per token beyond which OTHER is flagged (default 0.05)")
+    parser.add_argument("--max-kl", type=float, default=0.1, metavar="NATS",
+                        help="with --compare: KL divergence per token beyond which OTHER is flagged (default 0.1)")
     parser.add_argument("--strict", action="store_true", help="with --compare: exit 1 when OTHER is flagged")
     parser.set_defaults(run=run)
 

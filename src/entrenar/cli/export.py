@@ -34,8 +34,8 @@ def add_parser(commands: argparse._SubParsersAction, parents: list[argparse.Argu
                              "(quick: a few hundred tokens, default; full: the whole file); writes export_report.json")
     parser.add_argument("--data", metavar="FILE", default=None,
                         help="held-out data for --verify (default: the run's data.validation, else built-in texts)")
-    parser.add_argument("--max-kl", type=float, default=0.05, metavar="NATS",
-                        help="KL divergence per token beyond which the export is flagged (default 0.05)")
+    parser.add_argument("--max-kl", type=float, default=0.1, metavar="NATS",
+                        help="KL divergence per token beyond which the export is flagged (default 0.1)")
     parser.add_argument("--strict", action="store_true", help="exit 1 when the verification flags the export")
     parser.add_argument("--merge-base", choices=("full", "trained"), default="full",
                         help="a QLoRA run's merge: into the full-precision base (default) or the dequantized NF4 "

@@ -48,8 +48,8 @@ def add_parser(commands: argparse._SubParsersAction, parents: list[argparse.Argu
                         help="read the written folder back and compare it with MODEL on held-out data (--data, "
                              "else built-in texts): quick (default) a few hundred tokens, full all; "
                              "writes export_report.json in it")
-    parser.add_argument("--max-kl", type=float, default=0.05, metavar="NATS",
-                        help="KL divergence per token beyond which the quantized model is flagged (default 0.05)")
+    parser.add_argument("--max-kl", type=float, default=0.1, metavar="NATS",
+                        help="KL divergence per token beyond which the quantized model is flagged (default 0.1)")
     parser.add_argument("--strict", action="store_true", help="exit 1 when the verification flags the folder")
     parser.set_defaults(run=run)
 

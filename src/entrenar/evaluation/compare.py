@@ -30,7 +30,10 @@ from entrenar.evaluation.rules import EvalRules
 from entrenar.generation.sampling import generate
 from entrenar.models.transformer import compute_device
 
-MAX_KL = 0.05  # nats per token: beyond this the candidate is flagged (q8_0 of a real model: ~0.001)
+# Nats per token beyond which the candidate is flagged. SmolLM2-135M-Instruct against its own exports (2026-11-26,
+# docs/QUANTIZATION.md "Choosing --max-kl"): f16 < 5e-6, q8_0 0.0015, q4_k_m 0.058, q4_0 0.36, and one tensor's
+# Q8_0 scales corrupted 15.0; the default passes 8-bit and k-quant 4-bit exports and flags faults by 100x.
+MAX_KL = 0.1
 MIN_TOP1: float | None = None  # flag below this top-1 agreement (off: near-uniform tiny models make it noise)
 PROMPTS: tuple[str, ...] = ("What is the capital of France?", "Write one sentence about the sea.")
 SAMPLE_TEXTS = (  # held-out text when neither --data nor the run's validation file is there

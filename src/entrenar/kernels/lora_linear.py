@@ -27,7 +27,14 @@ on CUDA) and never kept between them, so the node holds no 16-bit copy of a
 4-bit base.
 
 The products are plain PyTorch (cuBLAS), so this runs on any device and
-``torch.compile`` traces it.
+``torch.compile`` traces it. On a CPU without 16-bit matrix instructions
+(:func:`entrenar.device.cpu_products_in_fp32`), where PyTorch emulates a bf16
+product at about 1/7 of the fp32 rate, a 16-bit node forms every product in
+fp32 and rounds only its outputs and ``dx`` to the activations' dtype: the
+base weights and biases enter as the 16-bit products use them (rounded to that
+dtype, so the base products equal the 16-bit ones up to fp32 summation order),
+the adapters in their own dtype (fp32), as without autocast, where autocast
+would round them and ``A x`` to 16 bits.
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from entrenar.adapters.lora import LoraLinear
+from entrenar.device import cpu_products_in_fp32
 from entrenar.kernels._common import autocast_dtype, autocast_inputs
 from entrenar.quant.nf4.format import NF4Linear, NF4Tensor, dequantize_nf4
 
@@ -47,8 +55,15 @@ Weight = torch.Tensor | NF4Tensor  # a base weight as the node takes it
 
 
 def dense(weight: Weight, dtype: torch.dtype) -> torch.Tensor:
-    """A base weight as a matrix in ``dtype``: a tensor as it is, an NF4 weight dequantized now (a fresh tensor)."""
-    return dequantize_nf4(weight, dtype) if isinstance(weight, NF4Tensor) else weight
+    """A base weight as a matrix in ``dtype``: a tensor as it is (cast where its dtype differs), an NF4 weight
+    dequantized now (a fresh tensor)."""
+    return dequantize_nf4(weight, dtype) if isinstance(weight, NF4Tensor) else weight.to(dtype)
+
+
+def widened(weight: Weight, dtype: torch.dtype) -> torch.Tensor:
+    """A base weight (or bias) as a ``dtype`` product uses it, rounded to ``dtype``, held in fp32 for an fp32
+    product (:func:`entrenar.device.cpu_products_in_fp32`)."""
+    return dense(weight, dtype).float()
 
 
 def save_bases(ctx, weights: Sequence[Weight], *tensors: torch.Tensor) -> None:
@@ -116,7 +131,10 @@ def adapter_compute_dtype(x: torch.Tensor, lora_a: torch.Tensor, compute_dtype: 
     it in their own dtype, written by the products: under bf16 autocast, fp32 gradients with no cast kernels
     or cast nodes after them.
     """
-    return compute_dtype or autocast_dtype(x) or lora_a.dtype
+    autocast = autocast_dtype(x)
+    if compute_dtype is None and autocast is not None and cpu_products_in_fp32(x.device, autocast):
+        return lora_a.dtype  # the node computes in fp32 there (lora_projections_forward): no 16-bit adapter copy
+    return compute_dtype or autocast or lora_a.dtype
 
 
 def lora_projections_forward(
@@ -133,8 +151,15 @@ def lora_projections_forward(
     node; other nodes that end in a LoRA projection
     (:func:`entrenar.kernels.swiglu.swiglu_lora_linear`) call them too.
     """
+    out_dtype = x.dtype
+    wide = cpu_products_in_fp32(x.device, x.dtype)  # see the module docstring; the outputs rounded once
+    if wide:
+        x = x.float()
     xa = x.to(a.dtype) @ a.T
-    outs = [_projection(x, w, bias, xa[:, cols], b, s)
+    if wide:
+        weights = [widened(w, out_dtype) for w in weights]
+        biases = [None if bias is None else widened(bias, out_dtype) for bias in biases]
+    outs = [_projection(x, w, bias, xa[:, cols], b, s).to(out_dtype)
             for w, bias, b, s, cols in zip(weights, biases, lora_b, scalings, _columns([b.shape[1] for b in lora_b]))]
     return outs, xa
 
@@ -192,6 +217,13 @@ def lora_projections_backward(
     """
     cd = a.dtype
     grad_dtype = grad_dtype or cd
+    if cpu_products_in_fp32(x.device, grads[0].dtype):  # see the module docstring; dx rounded once
+        dtype = grads[0].dtype
+        wide = [widened(w, dtype) for w in weights] if need_x else weights  # only dx reads them
+        with torch.autocast("cpu", enabled=False):  # a backward called under autocast: its products stay fp32
+            dx, d_a, d_b = lora_projections_backward([g.float() for g in grads], x.float(), xa, wide, a, lora_b,
+                                                     scalings, need_x, grad_dtype)
+        return None if dx is None else dx.to(dtype), d_a, d_b
     cols = _columns([b.shape[1] for b in lora_b])
     # u_i = s_i g_i B_i side by side in one [tokens, sum of ranks] tensor, dB_i = g_i^T (s_i A_i x): the
     # scalings applied once to each small tensor, not per product.
