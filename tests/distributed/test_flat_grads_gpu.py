@@ -55,6 +55,7 @@ def test_flat_ddp_with_graphs_and_overlap_trains_as_one_gpu(tmp_path):
     torch.testing.assert_close(torch.tensor(losses(many)), torch.tensor(losses(one)), rtol=0, atol=1e-3)
     got, expected = weights(many, "lora"), weights(one, "lora")
     assert got.keys() == expected.keys()
-    for name in expected:  # Adam may flip a near-zero gradient's element: each tensor compared as a whole
-        error = (got[name].float() - expected[name].float()).norm() / expected[name].float().norm()
-        assert error < 1e-3, (name, float(error))
+    errors = {name: float((got[name].float() - expected[name].float()).norm() / expected[name].float().norm())
+              for name in expected}  # Adam may flip a near-zero gradient's element: each tensor as a whole
+    print("relative errors, largest:", sorted(errors.items(), key=lambda kv: -kv[1])[:6])
+    assert max(errors.values()) < 1e-3, sorted(errors.items(), key=lambda kv: -kv[1])[:6]

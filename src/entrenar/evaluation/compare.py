@@ -218,7 +218,8 @@ def format_comparison(c: Comparison, reference: str = "trained", candidate: str 
     lines.append(f"greedy continuations: {same}/{len(c.continuations)} identical")
     problems = c.problems()
     if problems:
-        lines.append(f"!!! {candidate.upper()} DIFFERS FROM THE {reference.upper()} MODEL: " + "; ".join(problems))
+        named = reference.upper() if reference.lower().endswith("model") else f"{reference.upper()} MODEL"
+        lines.append(f"!!! {candidate.upper()} DIFFERS FROM THE {named}: " + "; ".join(problems))
     else:
         lines.append("verified: within the thresholds")
     return lines
