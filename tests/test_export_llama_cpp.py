@@ -91,10 +91,11 @@ def test_a_corrupted_tensor_is_flagged_by_llama_cpp(exports, tmp_path):
     assert any(p.startswith("bad.gguf in llama.cpp: KL divergence") for p in report.problems)
 
 
-@pytest.mark.parametrize(("token_id", "name"), [(1, "eos_token"), (3, "stop id 3")])
+@pytest.mark.parametrize(("token_id", "name"), [(0, "bos_token")])
 def test_a_special_token_llama_cpp_no_longer_parses_is_flagged(exports, tmp_path, token_id, name):
-    """EOS or the end of turn <|im_end|> marked a normal token: llama.cpp then splits its text into pieces (a
-    converter's classic mistake: a prompt's end-of-turn text is no longer the token the model was trained on)."""
+    """BOS marked a normal token: llama.cpp then splits its text into pieces (a converter's mistake: a prompt's
+    special token text is no longer the token the model was trained on). EOS and <|im_end|> would not do here:
+    llama.cpp marks the end-of-generation texts it knows as control tokens itself, whatever the file says."""
 
     def unmark(reader):
         types = reader.fields["tokenizer.ggml.token_type"]
@@ -108,15 +109,23 @@ def test_a_special_token_llama_cpp_no_longer_parses_is_flagged(exports, tmp_path
 
 
 def test_a_wrong_eos_id_is_flagged_by_llama_cpp(exports, tmp_path):
+    """``tokenizer.ggml.eos_token_id`` pointing at another token. llama.cpp also ends generations on the texts it
+    knows as end markers (``<|end_of_text|>``, ``<|im_end|>``...), which would hide the fault here, so EOS's text is
+    also renamed to one it does not know (as a model whose EOS is some other text would be)."""
+
     def wrong_eos(reader):
         field = reader.fields["tokenizer.ggml.eos_token_id"]
         field.parts[field.data[0]][:] = 2  # <|im_start|>: EOS (1) no longer ends a generation
+        tokens = reader.fields["tokenizer.ggml.tokens"]
+        text = tokens.parts[tokens.data[1]]
+        assert bytes(text) == b"<|end_of_text|>"
+        text[:] = np.frombuffer(b"<|end_of_texx|>", dtype=np.uint8)
 
     base, adapter, _, _ = exports
     report = verify_export(base, adapter, [planted(exports, tmp_path, wrong_eos)], max_kl=MAX_KL)
     (cpp,) = report.llama_cpp_checks
     assert 1 in cpp.comparison.eos["missing"]
-    assert any(p.startswith("bad.gguf in llama.cpp: token ids") for p in report.problems)
+    assert any(p.startswith("bad.gguf in llama.cpp: token ids [1] end the trained model") for p in report.problems)
 
 
 def test_without_llama_cpp_the_report_says_so(tmp_path, monkeypatch):
