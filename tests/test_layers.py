@@ -81,6 +81,7 @@ OPTIONAL_OR_SLOW: dict[str, str] = {
     "torch.utils.tensorboard": "optional extra `tensorboard`",
     "mlflow": "optional extra `mlflow` (mlflow-skinny)",
     "wandb": "optional extra `wandb`",
+    "llama_cpp": "optional extra `llama-cpp` (llama-cpp-python: compiles llama.cpp)",
     "torch.distributed": "absent from some torch builds; its launcher, FSDP, DTensor and DCP take seconds to import",
     "torch.nn.parallel": "DDP: only a multi-process run needs it",
     "gguf": "about 0.1 s to import (numpy tables); only GGUF files need it",

@@ -137,11 +137,13 @@ def compare_logits(
     return tokens, float(sums[0]) / n, float(sums[1]) / n, max(float(sums[2]) / n, 0.0), float(sums[3]) / n
 
 
-def check_special_tokens(reference: Tokenizer, candidate: Tokenizer) -> dict[str, str]:
-    """For each of the reference's named special tokens: "ok" when the candidate encodes its text to the same
-    single id and decodes that id back to the text, else what it does instead."""
+def check_special_tokens(
+    reference: Tokenizer, candidate: Tokenizer, tokens: dict[str, str] | None = None
+) -> dict[str, str]:
+    """For each of the reference's named special tokens (or ``tokens``, name -> text): "ok" when the candidate
+    encodes its text to the same single id and decodes that id back to the text, else what it does instead."""
     result = {}
-    for name, text in reference.special_tokens.items():
+    for name, text in (reference.special_tokens if tokens is None else tokens).items():
         want = reference.encode(text, add_special_tokens=False)
         got = candidate.encode(text, add_special_tokens=False)
         back = candidate.decode(want, skip_special_tokens=False)

@@ -4,8 +4,9 @@
 
 The reference is the model as trained: base + adapter, on the NF4 base for a QLoRA run (``lora.quantize_base``).
 Each export is loaded with the reader a user's tools use: entrenar's loader for a folder, entrenar's GGUF loader
-(the ``gguf`` package's reader) for a GGUF file. llama.cpp itself (llama-cpp-python) is not run; the report says
-whether it is installed. Both are scored on held-out data: ``data`` if given, else the run's ``data.validation``
+(the ``gguf`` package's reader) for a GGUF file, and, where llama-cpp-python is installed, llama.cpp itself
+(:mod:`entrenar.export.llama_cpp_check`: its own section of the report, same thresholds); where it is not, the report
+says so. Both are scored on held-out data: ``data`` if given, else the run's ``data.validation``
 file, else a few built-in texts (the report says which) with :func:`entrenar.evaluation.compare.compare_models`.
 
 ``export_report.json`` goes into an exported folder (``<name>.export_report.json`` beside a lone ``.gguf``),
@@ -14,7 +15,6 @@ written atomically. ``quick`` scores about :data:`QUICK_TOKENS` tokens; ``full``
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -37,6 +37,7 @@ from entrenar.evaluation.compare import (
 from entrenar.evaluation.loss import eval_loss
 from entrenar.evaluation.rules import eval_rules
 from entrenar.export import export, load_merged
+from entrenar.export.llama_cpp_check import NOT_INSTALLED, llama_cpp_comparison, llama_cpp_version
 from entrenar.io import atomic
 from entrenar.loading import load, require_tokenizer
 from entrenar.loading.runs import resolve_model_and_adapter
@@ -70,16 +71,20 @@ class ExportReport:
     merge_bases: dict[str, float] = field(default_factory=dict)  # QLoRA: held-out loss of each merge base
     merge_base: str | None = None
     skipped: str | None = None  # why nothing was compared
-    llama_cpp: str = "not installed (pip install llama-cpp-python to also run the GGUF through llama.cpp)"
+    llama_cpp: str = NOT_INSTALLED  # llama-cpp-python's version when installed
+    llama_cpp_checks: list[ExportCheck] = field(default_factory=list)  # each GGUF run through llama.cpp
 
     @property
     def problems(self) -> list[str]:
-        return [f"{c.path.name}: {p}" for c in self.checks for p in c.comparison.problems()]
+        return ([f"{c.path.name}: {p}" for c in self.checks for p in c.comparison.problems()]
+                + [f"{c.path.name} in llama.cpp: {p}" for c in self.llama_cpp_checks for p in c.comparison.problems()])
 
     def to_json(self) -> dict[str, Any]:
         return {"reference": self.reference, "data": self.data, "level": self.level, "merge_base": self.merge_base,
-                "merge_bases": self.merge_bases, "llama_cpp": self.llama_cpp, "skipped": self.skipped,
-                "checks": [c.to_json() for c in self.checks], "problems": self.problems, "ok": not self.problems}
+                "merge_bases": self.merge_bases, "skipped": self.skipped,
+                "checks": [c.to_json() for c in self.checks],
+                "llama.cpp": {"version": self.llama_cpp, "checks": [c.to_json() for c in self.llama_cpp_checks]},
+                "problems": self.problems, "ok": not self.problems}
 
     def lines(self) -> list[str]:
         """The short printed report."""
@@ -93,6 +98,15 @@ class ExportReport:
         for check in self.checks:
             out.append(f"-- {check.path} (read with {check.reader})")
             out += ["   " + line for line in format_comparison(check.comparison)]
+        if any(c.path.suffix == ".gguf" for c in self.checks):
+            out.append(f"llama.cpp: {self.llama_cpp}")
+            for check in self.llama_cpp_checks:
+                out.append(f"-- {check.path} (run by {check.reader})")
+                out += ["   " + line for line in format_comparison(check.comparison, candidate="llama.cpp")]
+                out.append("   llama.cpp greedy generation stopped (end of generation) in "
+                           f"{sum(x.candidate_stopped for x in check.comparison.continuations)}/"
+                           f"{len(check.comparison.continuations)} prompts, the trained model in "
+                           f"{sum(x.reference_stopped for x in check.comparison.continuations)}")
         return out
 
 
@@ -138,8 +152,9 @@ def verify_export(
     if source.quantize_base:
         what += f" ({source.quantize_base} base)"
     report = ExportReport(reference=f"{source.model}: {what}", data=data_name, level=level, merge_base=merge_base)
-    if importlib.util.find_spec("llama_cpp") is not None:
-        report.llama_cpp = "installed, not run (the GGUF was read with the gguf package's reader)"
+    version = llama_cpp_version()
+    if version is not None:
+        report.llama_cpp = f"llama-cpp-python {version}"
     for path in written:
         if path.is_dir() and not (path / "config.json").is_file():
             continue  # an adapter folder: not a model to compare
@@ -151,6 +166,10 @@ def verify_export(
         if merge_base is not None and path.suffix != ".gguf" and merge_base not in report.merge_bases:
             report.merge_bases[merge_base] = comparison.candidate_loss
         del candidate
+        if path.suffix == ".gguf" and version is not None:  # the same file, run by llama.cpp itself
+            cpp = llama_cpp_comparison(path, reference, ref_tok, batches, max_tokens, prompts, new_tokens,
+                                       max_kl=max_kl, min_top1=min_top1)
+            report.llama_cpp_checks.append(ExportCheck(path, f"llama.cpp (llama-cpp-python {version})", cpp))
     if other_base is not None and merge_base is not None:
         other = "full" if merge_base == "trained" else "trained"
         report.merge_bases[other] = eval_loss(other_base.float(), _capped(batches, max_tokens)).loss
