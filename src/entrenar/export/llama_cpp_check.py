@@ -41,11 +41,14 @@ NOT_INSTALLED = "not installed (pip install llama-cpp-python)"
 
 
 def llama_cpp_version() -> str | None:
-    """llama-cpp-python's version, or None when it is not installed (nothing is imported then)."""
+    """llama-cpp-python's version, or None when it is not installed or does not import (a wheel without its
+    shared library): the report then says llama.cpp did not run, rather than the export failing."""
     if importlib.util.find_spec("llama_cpp") is None:
         return None
-    import llama_cpp
-
+    try:
+        import llama_cpp
+    except (ImportError, OSError):
+        return None
     return str(getattr(llama_cpp, "__version__", "unknown version"))
 
 
