@@ -331,6 +331,18 @@ def print_table(results: list[dict]) -> None:
               + (f"{acc:9.3f}" if acc is not None else f"{'-':>9}"))
 
 
+def tokenizer_and_text(args: argparse.Namespace, prefix: str) -> tuple[Path, Path, int]:
+    """(tokenizer folder, text file, vocabulary size of the model folders) for a run: --tokenizer and --text, or
+    under --tiny without a prepared folder a temporary one made by :func:`prepare`."""
+    tokenizer_dir, text = Path(args.tokenizer), Path(args.text)
+    if args.tiny and not (tokenizer_dir / "tokenizer.json").is_file():
+        tokenizer_dir = prepare(Path(tempfile.mkdtemp(prefix=prefix)), Path(args.gguf))
+        text = tokenizer_dir / "text.jsonl"
+        print(f"--tiny: {args.tokenizer} has no tokenizer.json; prepared {tokenizer_dir}", flush=True)
+    vocab = json.loads((tokenizer_dir / "tokenizer.json").read_text())["model"]["vocab"]
+    return tokenizer_dir, text, 49152 if len(vocab) <= 49152 else len(vocab)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--cases", default="lora-1b", help=f"comma-separated, of {', '.join(CASES)}")
@@ -365,13 +377,7 @@ def main(argv: list[str] | None = None) -> None:
         p.error("no CUDA device: the cases are GPU measurements (--tiny runs them at a toy size on the CPU)")
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
-    tokenizer_dir, text = Path(args.tokenizer), Path(args.text)
-    if args.tiny and not (tokenizer_dir / "tokenizer.json").is_file():
-        tokenizer_dir = prepare(Path(tempfile.mkdtemp(prefix="dpo-prepare-")), Path(args.gguf))
-        text = tokenizer_dir / "text.jsonl"
-        print(f"--tiny: {args.tokenizer} has no tokenizer.json; prepared {tokenizer_dir}", flush=True)
-    vocab = json.loads((tokenizer_dir / "tokenizer.json").read_text())["model"]["vocab"]
-    vocab_size = 49152 if len(vocab) <= 49152 else len(vocab)
+    tokenizer_dir, text, vocab_size = tokenizer_and_text(args, "dpo-prepare-")
 
     results = []
     for case_name in args.cases.split(","):

@@ -48,7 +48,6 @@ import os
 import shutil
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -57,7 +56,7 @@ import yaml
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from bench_dpo import prepare  # noqa: E402 (the DPO benchmark's tokenizer and text folder)
+from bench_dpo import tokenizer_and_text  # noqa: E402 (the DPO benchmark's tokenizer and text folder)
 from bench_e2e import LORA, GiB, case_for, device, make_model_folder, run_process, write_results  # noqa: E402
 
 LR = 1e-5  # LoRA GRPO (TRL's default 1e-6 is for full fine-tuning; the rate does not change the speed)
@@ -313,13 +312,7 @@ def main(argv: list[str] | None = None) -> None:
         p.error("no CUDA device: the cases are GPU measurements (--tiny runs them at a toy size on the CPU)")
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
-    tokenizer_dir, text = Path(args.tokenizer), Path(args.text)
-    if args.tiny and not (tokenizer_dir / "tokenizer.json").is_file():
-        tokenizer_dir = prepare(Path(tempfile.mkdtemp(prefix="grpo-prepare-")), Path(args.gguf))
-        text = tokenizer_dir / "text.jsonl"
-        print(f"--tiny: {args.tokenizer} has no tokenizer.json; prepared {tokenizer_dir}", flush=True)
-    vocab = json.loads((tokenizer_dir / "tokenizer.json").read_text())["model"]["vocab"]
-    vocab_size = 49152 if len(vocab) <= 49152 else len(vocab)
+    tokenizer_dir, text, vocab_size = tokenizer_and_text(args, "grpo-prepare-")
 
     results = []
     for case_name in args.cases.split(","):
