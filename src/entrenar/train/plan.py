@@ -216,10 +216,16 @@ REFUSALS: tuple[Refusal, ...] = (
     _gpu_only("offload_activations"),
     _gpu_only("offload_embeddings"),
     Refusal("training.cuda_graphs",
-            lambda f: f.recipe.task.type != "causal_lm" and f.recipe.training.cuda_graphs is True,
-            lambda f: f"training.cuda_graphs: graphs replay causal-LM micro-batches of fixed rows; a "
-                      f"{f.recipe.task.type} task's batches vary in layout (turn cuda_graphs off or leave it "
-                      "auto)"),
+            lambda f: f.recipe.task.type not in ("causal_lm", "preference") and f.recipe.training.cuda_graphs is True,
+            lambda f: f"training.cuda_graphs: graphs replay causal-LM micro-batches of fixed rows and preference "
+                      f"pairs in a fixed layout; a {f.recipe.task.type} task's batches vary in layout (turn "
+                      "cuda_graphs off or leave it auto)"),
+    Refusal("training.cuda_graphs",
+            lambda f: f.recipe.task.type == "preference" and f.recipe.training.cuda_graphs is True
+            and reference_of(f.recipe)[0] == "precomputed",
+            lambda f: "training.cuda_graphs: task.reference precomputed looks each pair's row up on the host, which "
+                      "a graph cannot replay; use task.reference: auto (LoRA: adapters off) or copy, or turn "
+                      "cuda_graphs off"),
     Refusal("training.cuda_graphs", lambda f: f.mode != "single" and not f.flat
             and f.recipe.training.cuda_graphs is True,
             lambda f: f"training.cuda_graphs: the gradient reduction of {f.mode} runs outside a captured graph; "
@@ -423,13 +429,16 @@ def _decide(recipe: Recipe, device: torch.device, mode: str, config: ModelConfig
         reasons.append(("ddp gradients", _flat_reason(flat, memory.gradients)))
     # Full fine-tuning measured no faster under graphs and 4 GiB heavier (docs/PERFORMANCE.md); QAT's step-size
     # initialisation reads the device once, which a graph cannot. Flat DDP gradients reduce outside the graph.
+    # Preference pairs replay in their own fixed layout (entrenar.data.preference_static), padding-free or not.
+    fixed_rows = causal and recipe.data.packing and recipe.data.padding_free is not True or \
+        recipe.task.type == "preference" and reference_of(recipe)[0] != "precomputed"
     cuda_graphs = t.cuda_graphs if isinstance(t.cuda_graphs, bool) else (
-        cuda and (single or flat) and causal and recipe.data.packing and lora is not None and recipe.qat is None
-        and recipe.data.padding_free is not True and not t.compile and t.precision != "fp16" and not t.tiled_mlp
+        cuda and (single or flat) and fixed_rows and lora is not None and recipe.qat is None
+        and not t.compile and t.precision != "fp16" and not t.tiled_mlp
         and t.context_parallel == 1)  # split rows are padding-free
     reasons.append(("training.cuda_graphs", _auto(t.cuda_graphs, cuda_graphs,
-                                                  "LoRA on packed rows on one GPU or under ddp, eager, "
-                                                  "bf16/fp32, MLP whole")))
+                                                  "LoRA on packed rows or preference pairs on one GPU or "
+                                                  "under ddp, eager, bf16/fp32, MLP whole")))
     if t.tiled_mlp:
         reasons.append(("training.tiled_mlp", f"{t.tiled_mlp:,} tokens a tile (as set): each MLP forward runs "
                                               "twice, its activations one tile's"))

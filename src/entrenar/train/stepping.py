@@ -66,14 +66,24 @@ class MicroStep:
             if graphs else self._forward_backward
 
     def __call__(self, batch: Batch) -> torch.Tensor:
-        return self.run(batch)
+        out = self.run(batch)
+        if out.ndim == 0:
+            return out
+        self.task.add_micro_stats(out[1:])  # type: ignore[attr-defined]  # the task's (micro_stats)
+        return out[0]
 
     def _forward_backward(self, batch: Batch) -> torch.Tensor:
         with autocast_for(self.device, self.precision, cache=not self.graphs):
             loss = self.task.loss_sum(self.step_model, batch) / batch["step_targets"]
             total = loss + self.moe.router_loss(batch) if self.moe is not None else loss
         self.scaler.scale(total).backward()
-        return loss.detach()
+        # A task's metrics of this micro-batch computed on the device (a preference task's in its fixed layout)
+        # come back beside the loss, [loss, *stats]: a replayed graph runs no Python that could hand them over.
+        micro_stats = getattr(self.task, "micro_stats", None)
+        stats = micro_stats() if micro_stats is not None else None
+        if stats is None:
+            return loss.detach()
+        return torch.cat([loss.detach().float().reshape(1), stats.float().reshape(-1)])
 
 
 

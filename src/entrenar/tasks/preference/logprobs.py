@@ -10,6 +10,9 @@ A batch with the ``shared_*`` keys (:func:`~entrenar.data.preference.shared_prom
 pair's prompt computed once (``shared=True``): one padding-free row ``[prompt, chosen, rejected]`` per pair, the
 rejected tokens attending the prompt's keys and their own; only the hidden states that predict a completion token
 go through the output head.
+
+A batch in the fixed layout of :mod:`entrenar.data.preference_static` (``pair_mask``: what CUDA graphs replay) is
+summed without boolean indexing: its padding tokens add into one sequence past ``num_sequences``, which is dropped.
 """
 
 from __future__ import annotations
@@ -55,6 +58,12 @@ def sequence_logprobs(model: Any, batch: Batch, head: nn.Module | None,
         token = log_probs.gather(1, torch.where(valid, targets, 0).unsqueeze(1)).squeeze(1) * valid
     valid = targets != IGNORE_INDEX
     n = int(batch["num_sequences"])
+    if "pair_mask" in batch:  # the fixed layout (CUDA graphs): no shape that depends on the data
+        index = torch.where(valid, owners, n)  # padding into one more sequence, dropped
+        sums = torch.zeros(n + 1, dtype=torch.float32, device=token.device).index_add(0, index, token * valid)
+        tokens = torch.zeros(n + 1, dtype=torch.float32, device=token.device).index_add(
+            0, index, valid.to(torch.float32))
+        return sums[:n], tokens[:n]
     index = owners[valid]
     sums = torch.zeros(n, dtype=torch.float32, device=token.device).index_add(0, index, token[valid])
     tokens = torch.zeros(n, dtype=torch.float32, device=token.device).index_add(
@@ -77,9 +86,10 @@ def _shared_logprobs(model: Any, batch: Batch, head: nn.Module | None,
         logits = model(*inputs, **layout)[0].index_select(0, sources)
         token = torch.log_softmax(logits.float(), dim=-1).gather(1, targets.unsqueeze(1)).squeeze(1)
     n = int(batch["num_sequences"])
-    sums = torch.zeros(n, dtype=torch.float32, device=token.device).index_add(0, owners, token)
-    tokens = torch.zeros(n, dtype=torch.float32, device=token.device).index_add(0, owners, torch.ones_like(token))
-    return sums, tokens
+    m = n + 1 if "pair_mask" in batch else n  # the fixed layout's padding is owned by one more sequence, dropped
+    sums = torch.zeros(m, dtype=torch.float32, device=token.device).index_add(0, owners, token)
+    tokens = torch.zeros(m, dtype=torch.float32, device=token.device).index_add(0, owners, torch.ones_like(token))
+    return sums[:n], tokens[:n]
 
 
 __all__ = ["sequence_logprobs"]

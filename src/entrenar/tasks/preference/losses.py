@@ -80,12 +80,19 @@ def kto(logps: torch.Tensor, ref_logps: torch.Tensor, desirable: torch.Tensor, k
     reference point: the detached, clamped-at-0 mean log-ratio of mismatched (prompt, completion) pairs of the
     micro-batch (:func:`kto_reference_point`), as TRL's KTOTrainer. Returns (losses, rewards of the desirable
     examples, rewards of the undesirable ones)."""
+    losses, rewards = kto_losses(logps, ref_logps, desirable, kl, beta, desirable_weight, undesirable_weight)
+    return losses, rewards[desirable], rewards[~desirable]
+
+
+def kto_losses(logps: torch.Tensor, ref_logps: torch.Tensor, desirable: torch.Tensor, kl: torch.Tensor, beta: float,
+               desirable_weight: float = 1.0, undesirable_weight: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`kto`'s losses and every example's reward, without selecting by ``desirable`` (a shape that depends
+    on the data, which a CUDA graph cannot replay)."""
     logratios = logps - ref_logps
     z = kl.detach()
     losses = torch.where(desirable, desirable_weight * (1 - torch.sigmoid(beta * (logratios - z))),
                          undesirable_weight * (1 - torch.sigmoid(beta * (z - logratios))))
-    rewards = beta * logratios.detach()
-    return losses, rewards[desirable], rewards[~desirable]
+    return losses, beta * logratios.detach()
 
 
 def kto_reference_point(kl_logps: torch.Tensor, ref_kl_logps: torch.Tensor) -> torch.Tensor:
@@ -98,5 +105,5 @@ LOSSES = ("dpo", "ipo", "simpo", "orpo", "kto")
 REFERENCE_FREE = ("simpo", "orpo")  # no reference model
 LENGTH_NORMALISED = ("simpo", "orpo")  # log-probabilities averaged over the completion's tokens
 
-__all__ = ["LENGTH_NORMALISED", "LOSSES", "REFERENCE_FREE", "Losses", "dpo", "ipo", "kto", "kto_reference_point",
-           "orpo", "simpo"]
+__all__ = ["LENGTH_NORMALISED", "LOSSES", "REFERENCE_FREE", "Losses", "dpo", "ipo", "kto", "kto_losses",
+           "kto_reference_point", "orpo", "simpo"]

@@ -27,6 +27,7 @@ from entrenar.config import Recipe
 from entrenar.config.sections import DataSection, LoraSection, TaskSection, TrainingSection
 from entrenar.data.formats import split_format
 from entrenar.data.preference import PreferenceStream, preference_eval_batches, read_preference_file
+from entrenar.data.preference_static import StaticCapacity, is_static, static_capacity, static_preference_batch
 from entrenar.data.sources import Skip
 from entrenar.data.tokenizer import Tokenizer
 from entrenar.errors import CheckpointError, ConfigError
@@ -113,10 +114,26 @@ class _Sums:
     def __init__(self) -> None:
         self.sums: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def add(self, name: str, values: torch.Tensor) -> None:
+    def add(self, name: str, values: torch.Tensor, weight: torch.Tensor | None = None) -> None:
+        """Add ``values``, each counted once, or ``weight`` times (0: a padded pair of the fixed layout)."""
         values = values.detach().float().reshape(-1)
         total, count = self.sums.get(name, (values.new_zeros(()), values.new_zeros(())))
-        self.sums[name] = (total + values.sum(), count + values.numel())
+        if weight is None:
+            self.sums[name] = (total + values.sum(), count + values.numel())
+        else:
+            weight = weight.detach().float().reshape(-1)
+            self.sums[name] = (total + (values * weight).sum(), count + weight.sum())
+
+    def packed(self) -> tuple[list[str], torch.Tensor]:
+        """The names, and their (sum, count) one after the other in one tensor (what a CUDA graph hands back)."""
+        names = list(self.sums)
+        return names, torch.stack([x for name in names for x in self.sums[name]])
+
+    def merge(self, names: list[str], packed: torch.Tensor) -> None:
+        """Add sums and counts as :meth:`packed` gave them."""
+        for i, name in enumerate(names):
+            total, count = self.sums.get(name, (packed.new_zeros(()), packed.new_zeros(())))
+            self.sums[name] = (total + packed[2 * i], count + packed[2 * i + 1])
 
     def means(self) -> dict[str, torch.Tensor]:
         # NaN where nothing was counted (a KTO micro-batch without undesirable examples): left out when logged
@@ -150,6 +167,10 @@ class PreferenceTask:
     # tokens of the training batches: as counted (each sequence whole, TRL's count) and as computed (shared prompts)
     _counted: int = field(default=0, repr=False)
     _computed: int = field(default=0, repr=False)
+    # CUDA graphs (:meth:`graph_layout`): the fixed layout's capacities, and the metrics of the last micro-step
+    _capacity: StaticCapacity | None = field(default=None, repr=False)
+    _pending: torch.Tensor | None = field(default=None, repr=False)
+    _pending_names: list[str] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         self._lm = CausalLMTask(self.recipe, kernels=self.kernels)
@@ -218,6 +239,8 @@ class PreferenceTask:
     def _shared(self, batch: Batch) -> bool:
         """Whether this batch runs with each prompt once: it carries the layout, and ``task.share_prompt`` is true
         or auto with the rows padding-free (``cu_seqlens`` without ``document_ids``), as the plan said."""
+        if is_static(batch):  # decided when it was laid out (graph_layout)
+            return bool(batch["static_shared"])
         flat = "cu_seqlens" in batch and "document_ids" not in batch
         return "shared_input_ids" in batch and share_prompt_of(self.recipe, flat, *self._width_and_device())[0]
 
@@ -301,8 +324,16 @@ class PreferenceTask:
         shared = self._shared(batch)
         logps, tokens = sequence_logprobs(model, batch, self._head, shared=shared)
         ref = self._reference_logprobs(batch, examples, shared)
+        w = batch.get("pair_mask")  # the fixed layout (CUDA graphs): 1 for a real pair, 0 for a padded one
+        if w is not None:
+            w = w.to(logps.device)
+            keep = (torch.cat([w, w]) if task.loss == "kto" else w.repeat_interleave(2)) > 0
+            # a padded pair's sequences are empty: finite stand-ins keep its (zero-weighted) loss finite
+            logps, tokens = torch.where(keep, logps, -1.0), torch.where(keep, tokens, 1.0)
+            if ref is not None:
+                ref = (torch.where(keep, ref[0], -1.0), ref[1])
         if task.loss == "kto":
-            return self._kto(batch, logps, ref, sums)
+            return self._kto(batch, logps, ref, sums, w)
         chosen, rejected = logps[0::2], logps[1::2]
         if task.loss == "dpo":
             assert ref is not None
@@ -318,22 +349,34 @@ class PreferenceTask:
                 per_pair, cr, rr = L.simpo(chosen, rejected, task.beta, task.simpo_gamma, task.label_smoothing)
             else:
                 per_pair, cr, rr = L.orpo(chosen, rejected, -chosen, task.beta)
-                sums.add("nll_loss", -chosen)
-        sums.add("rewards/chosen", cr)
-        sums.add("rewards/rejected", rr)
-        sums.add("rewards/accuracies", (cr > rr).float())
-        sums.add("rewards/margins", cr - rr)
-        sums.add("logps/chosen", chosen)
-        sums.add("logps/rejected", rejected)
-        return per_pair
+                sums.add("nll_loss", -chosen, w)
+        sums.add("rewards/chosen", cr, w)
+        sums.add("rewards/rejected", rr, w)
+        sums.add("rewards/accuracies", (cr > rr).float(), w)
+        sums.add("rewards/margins", cr - rr, w)
+        sums.add("logps/chosen", chosen, w)
+        sums.add("logps/rejected", rejected, w)
+        return per_pair if w is None else per_pair * w
 
     def _kto(self, batch: Batch, logps: torch.Tensor, ref: tuple[torch.Tensor, torch.Tensor] | None,
-             sums: _Sums) -> torch.Tensor:
+             sums: _Sums, w: torch.Tensor | None = None) -> torch.Tensor:
         task = self.recipe.task
         assert ref is not None
         desirable = batch["desirable"].to(logps.device).bool()
         # The batch's mismatched sequences (after its n examples: prompt k with completion k-1) estimate z.
         n = int(batch["kl_offset"])
+        if w is not None:  # the fixed layout: every example weighed, none selected (no data-dependent shape)
+            z = ((logps[n:].detach() - ref[0][n:]) * w).sum().div(w.sum()).detach().clamp(min=0)
+            logps = logps[:n]
+            per_example, rewards = L.kto_losses(logps, ref[0][:n], desirable, z, task.beta, task.desirable_weight,
+                                                task.undesirable_weight)
+            good, bad = desirable.float() * w, (~desirable).float() * w
+            sums.add("kl", z)
+            sums.add("rewards/chosen", rewards, good)
+            sums.add("rewards/rejected", rewards, bad)
+            sums.add("logps/chosen", logps, good)
+            sums.add("logps/rejected", logps, bad)
+            return per_example * w
         z = L.kto_reference_point(logps[n:].detach(), ref[0][n:])
         logps = logps[:n]
         per_example, cr, rr = L.kto(logps, ref[0][:n], desirable, z, task.beta, task.desirable_weight,
@@ -346,12 +389,45 @@ class PreferenceTask:
         return per_example
 
     def loss_sum(self, model: Any, batch: Batch) -> torch.Tensor:
-        """The summed loss of the micro-batch's pairs (or KTO examples), through ``model`` or its wrapper."""
+        """The summed loss of the micro-batch's pairs (or KTO examples), through ``model`` or its wrapper. A batch in
+        the fixed layout (:meth:`graph_layout`) keeps its metrics for :meth:`micro_stats` instead of adding them:
+        a replayed graph runs none of this Python."""
+        if is_static(batch):
+            sums = _Sums()
+            per_pair = self._losses(model, batch, sums, self._train)
+            self._pending_names, self._pending = sums.packed()
+            return per_pair.sum()
+        self._count_tokens(batch, self._shared(batch))
+        return self._losses(model, batch, self._step, self._train).sum()
+
+    def _count_tokens(self, batch: Batch, shared: bool) -> None:
         if "shared_tokens" in batch:  # host ints: the tokens of the rows (each sequence whole) and of the layout
             counted = int(batch["shared_counted_tokens"])
             self._counted += counted
-            self._computed += int(batch["shared_tokens"]) if self._shared(batch) else counted
-        return self._losses(model, batch, self._step, self._train).sum()
+            self._computed += int(batch["shared_tokens"]) if shared else counted
+
+    def graph_layout(self, batch: Batch) -> Batch:
+        """A micro-batch as collated, in the one fixed layout a CUDA graph replays (the trainer's layout under
+        ``training.cuda_graphs``, :mod:`entrenar.data.preference_static`): capacities from the training examples,
+        padded pairs weighted zero, its prompts shared as ``task.share_prompt`` says for padding-free rows."""
+        if self._capacity is None:
+            d, t = self.recipe.data, self.recipe.training
+            if not self._train:
+                raise ConfigError("preference graph layout: no training examples read (stream() first)")
+            self._capacity = static_capacity(self._train, t.batch_size, d.seq_len, kl=self.recipe.task.loss == "kto")
+        shared = "shared_input_ids" in batch and share_prompt_of(self.recipe, True, *self._width_and_device())[0]
+        self._count_tokens(batch, shared)
+        return static_preference_batch(batch, self._capacity, shared)
+
+    def micro_stats(self) -> torch.Tensor | None:
+        """The metrics' sums and counts of the micro-batch :meth:`loss_sum` just scored in the fixed layout (None
+        otherwise): the micro-step returns them beside its loss, so a replayed graph hands back its own."""
+        pending, self._pending = self._pending, None
+        return pending
+
+    def add_micro_stats(self, stats: torch.Tensor) -> None:
+        """Add a micro-step's :meth:`micro_stats` (as the step returned them) to the step's metrics."""
+        self._step.merge(self._pending_names, stats)
 
     def step_metrics(self) -> dict[str, torch.Tensor]:
         """TRL's metrics of the step's micro-batches (means over its pairs)."""
