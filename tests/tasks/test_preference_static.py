@@ -183,3 +183,57 @@ def test_copy_of_model_untouched(folder):
                                                cu_seqlens=out["cu_seqlens"], max_seqlen=out["max_seqlen"])
     torch.testing.assert_close(b[:, :a.shape[1]], a, rtol=1e-6, atol=1e-6)
     assert torch.isfinite(b).all()
+
+
+@pytest.mark.parametrize("loss,share", [("dpo", "auto"), ("kto", "false")])
+def test_the_trainer_lays_batches_out_fixed_under_graphs_and_trains_as_without(tmp_path, loss, share, monkeypatch):
+    """Through ``train``: with graphs on (here a stand-in that calls the step eagerly, as a CPU has no graphs) the
+    Trainer hands the task's fixed layout to the micro-step; 4 steps of 2 micro-batches give the losses and TRL
+    metrics of the run on each batch's own layout."""
+    import json
+
+    from entrenar.train import plan as plan_module
+    from entrenar.train import stepping
+    from entrenar.train.loop import train
+    from entrenar.train.metrics import read_metrics
+
+    from conftest import make_workspace
+
+    ws = make_workspace(tmp_path)  # a tiny Llama with the quickstart's tokenizer
+    with open(tmp_path / "pairs.jsonl", "w") as f:
+        for a in range(12):  # prompts and completions of several lengths
+            f.write(json.dumps({"prompt": f"{a}+{a % 7}=", "chosen": str(a + a % 7), "rejected": str(a * 3 + 1)})
+                    + "\n")
+    seen: list[list[str]] = []
+
+    def eager_stand_in(fn, params, capturable=None):
+        def run(inputs):
+            seen.append(sorted(inputs))
+            return fn(inputs)
+        return run
+
+    def recipe(name, *overrides):
+        (tmp_path / f"{name}.yaml").write_text(f"""
+model: {{path: {ws / 'model'}, device: cpu}}
+data: {{train: {tmp_path / 'pairs.jsonl'}, seq_len: {SEQ_LEN}, validation_split: 0}}
+lora: {{r: 4, alpha: 8, target_modules: all-linear, dropout: 0}}
+task: {{type: preference, loss: {loss}, share_prompt: {share}}}
+optimizer: {{lr: 1.0e-2}}
+schedule: {{warmup_steps: 0}}
+training: {{max_steps: 4, batch_size: 3, grad_accum: 2, eval_every: 0, log_every: 1}}
+output: {{dir: {tmp_path / name}}}
+""")
+        return load_recipe(tmp_path / f"{name}.yaml", list(overrides))
+
+    dynamic = train(recipe("dynamic"), progress=False)
+    assert not seen
+    monkeypatch.setattr(plan_module.RunPlan, "graphs", lambda self, moe_replays: True)
+    monkeypatch.setattr(stepping, "GraphedMicroStep", eager_stand_in)
+    fixed = train(recipe("fixed"), progress=False)
+    assert len(seen) == 8 and all("pair_mask" in keys for keys in seen)
+    a, b = ([r for r in read_metrics(run.run_dir / "metrics.jsonl") if "loss" in r] for run in (dynamic, fixed))
+    assert len(a) == len(b) == 4
+    for x, y in zip(a, b, strict=True):
+        assert {k for k in x if "/" in k} == {k for k in y if "/" in k} and x["tokens"] == y["tokens"]
+        for key in [k for k in x if "/" in k or k in ("loss", "kl", "grad_norm")]:
+            assert y[key] == pytest.approx(x[key], rel=1e-5, abs=1e-6), key

@@ -131,6 +131,11 @@ def test_cuda_graphs_auto_turns_on_only_where_they_replay(workspace, overrides, 
                         device=CUDA, world=World(0, 2, 0, "nccl")).cuda_graphs
         assert not plan(workspace, "model.device=cuda", "task={type: classification, num_labels: 2}",
                         device=CUDA).cuda_graphs
+        # preference pairs replay in their own fixed layout, padding-free or not; not with a precomputed reference
+        for extra in ([], ["data.padding_free=true"], ["data.packing=false"]):
+            assert plan(workspace, "model.device=cuda", "task.type=preference", *extra, device=CUDA).cuda_graphs
+        assert not plan(workspace, "model.device=cuda", "task.type=preference", "task.reference=precomputed",
+                        device=CUDA).cuda_graphs
     explicit = plan(workspace, "model.device=cuda", "training.cuda_graphs=true", device=CUDA)
     with pytest.raises(ConfigError, match=r"training\.cuda_graphs: a CUDA graph replays MoE layers"):
         explicit.graphs(moe_replays=False)
@@ -201,10 +206,17 @@ def test_refusals_are_one_table_each_with_its_message(workspace):
     with pytest.raises(ConfigError, match=r"training\.cuda_graphs: the gradient reduction of fsdp"):
         plan(workspace, "model.device=cuda", "training.cuda_graphs=true", "training.parallel=fsdp",
              "training.kernels=false", device=CUDA, world=World(0, 2, 0, "nccl"))
-    # A graph captured over a preference micro-batch hit a device-side assert on an H200: refused by name now.
+    # Preference pairs replay in their fixed layout (entrenar.data.preference_static); a classifier's batches do not,
+    # and a precomputed reference looks its rows up on the host.
+    assert plan(workspace, "model.device=cuda", "training.cuda_graphs=true", "task.type=preference",
+                device=CUDA).cuda_graphs
     with pytest.raises(ConfigError, match=r"training\.cuda_graphs: graphs replay causal-LM micro-batches .* a "
-                                          r"preference task"):
-        plan(workspace, "model.device=cuda", "training.cuda_graphs=true", "task.type=preference", device=CUDA)
+                                          r"classification task"):
+        plan(workspace, "model.device=cuda", "training.cuda_graphs=true", "task={type: classification, num_labels: 2}",
+             device=CUDA)
+    with pytest.raises(ConfigError, match=r"training\.cuda_graphs: task\.reference precomputed"):
+        plan(workspace, "model.device=cuda", "training.cuda_graphs=true", "task.type=preference",
+             "task.reference=precomputed", device=CUDA)
     with pytest.raises(ConfigError, match=r"training\.kernels: the fused kernels read weights"):
         plan(workspace, "training.kernels=true", "training.parallel=fsdp", world=World(0, 2, 0, "gloo"))
     with pytest.raises(ConfigError, match=r"training\.cuda_graphs: .* this run is on cpu"):

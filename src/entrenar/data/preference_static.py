@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -139,8 +140,9 @@ def static_preference_batch(batch: PreferenceBatch, capacity: StaticCapacity, sh
             "shared_owners": _pad(batch["shared_owners"], capacity.shared_targets, 2 * cap, "shared_owners"),
         })
         return out
-    flat = padding_free({k: batch[k] for k in ("input_ids", "labels", "position_ids", "document_ids",
-                                              "sequence_ids")})
+    flat = cast(dict[str, torch.Tensor], {k: v for k, v in padding_free(
+        {k: batch[k] for k in ("input_ids", "labels", "position_ids", "document_ids", "sequence_ids")}).items()
+        if k != "max_seqlen"})
     sequence_ids = flat["sequence_ids"]
     if kl:  # the KL sequences follow the capacity's examples, not this batch's
         sequence_ids = torch.where(sequence_ids >= units, sequence_ids + (cap - units), sequence_ids)

@@ -327,7 +327,7 @@ class PreferenceTask:
         w = batch.get("pair_mask")  # the fixed layout (CUDA graphs): 1 for a real pair, 0 for a padded one
         if w is not None:
             w = w.to(logps.device)
-            keep = (torch.cat([w, w]) if task.loss == "kto" else w.repeat_interleave(2)) > 0
+            keep = (torch.cat([w, w]) if task.loss == "kto" else w[:, None].expand(-1, 2).reshape(-1)) > 0
             # a padded pair's sequences are empty: finite stand-ins keep its (zero-weighted) loss finite
             logps, tokens = torch.where(keep, logps, -1.0), torch.where(keep, tokens, 1.0)
             if ref is not None:
