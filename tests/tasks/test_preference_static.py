@@ -192,12 +192,11 @@ def test_the_trainer_lays_batches_out_fixed_under_graphs_and_trains_as_without(t
     metrics of the run on each batch's own layout."""
     import json
 
+    from conftest import make_workspace
     from entrenar.train import plan as plan_module
     from entrenar.train import stepping
     from entrenar.train.loop import train
     from entrenar.train.metrics import read_metrics
-
-    from conftest import make_workspace
 
     ws = make_workspace(tmp_path)  # a tiny Llama with the quickstart's tokenizer
     with open(tmp_path / "pairs.jsonl", "w") as f:

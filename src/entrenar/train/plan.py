@@ -117,7 +117,8 @@ class RunPlan:
         SDPA off flash and computes the blocks across documents; on a CPU only where the documents outweigh
         their calls (hidden size x mean example length, :func:`rows_by_document`). Padding-free rows: on a CPU
         where rows attend by document, since nothing there gains from fixed shapes; off on a GPU, whose graphs
-        replay fixed rows, except for preference pairs, which no graph replays: a LoRA DPO step on the
+        replay fixed rows, except for preference pairs, which graphs replay in their own fixed layout
+        (:mod:`entrenar.data.preference_static`): a LoRA DPO step on the
         Llama-3.2-1B shape ran 57.7k tokens/s at 9.15 GiB padding-free against 30.2k at 16.5 GiB under a document
         mask (one H200, 2026-11-26, bench/bench_dpo.py)."""
         recipe, config = self._recipe, self._config
