@@ -59,8 +59,8 @@ def test_padding_free_auto_is_on_for_causal_lm_on_a_cpu_and_off_on_cuda(workspac
     assert rows("training.compile=true") == (False, False)  # would retrace
     assert rows(mean=255.5) == (False, False)  # small documents: a dense mask costs less than a call each
     assert rows("data.padding_free=true", "model.device=cuda", device=CUDA)[0]
-    # Preference pairs: graphs replay them in their own fixed layout, so padding-free on CUDA too (a dense document mask kept SDPA off
-    # flash: half the speed at nearly twice the memory on the Llama-1B shape).
+    # Preference pairs: padding-free on CUDA too (graphs replay them in their own fixed layout; a dense document
+    # mask kept SDPA off flash: half the speed at nearly twice the memory on the Llama-1B shape).
     cuda_pairs = rows("model.device=cuda", "training.precision=bf16", device=CUDA, task="preference")
     assert cuda_pairs == (True, False) and rows(task="preference") == (True, False)
     assert rows_by_document(8, CPU, torch.float32, document_work=576 * 59)  # the SmolLM2 chat recipe

@@ -53,10 +53,15 @@ def _largest(values: Sequence[int], k: int) -> int:
     return sum(sorted(values, reverse=True)[:k])
 
 
+def _rounded(tokens: int, multiple: int = 8) -> int:
+    """Up to a multiple of 8: the row's products keep shapes the GPU's matrix units take whole."""
+    return -(-tokens // multiple) * multiple
+
+
 def static_capacity(examples: Sequence[PreferenceExample], batch_size: int, seq_len: int,
                     kl: bool = False) -> StaticCapacity:
     """Capacities that any ``batch_size`` of ``examples`` fit in (the sum of the ``batch_size`` largest of each
-    count), plus one padding token, so the padding segment is never empty."""
+    count), plus at least one padding token (to a multiple of 8), so the padding segment is never empty."""
     if batch_size < 1 or not examples:
         raise ConfigError(f"static preference layout: needs batch_size >= 1 and examples, got {batch_size} and "
                           f"{len(examples)}")
@@ -72,8 +77,9 @@ def static_capacity(examples: Sequence[PreferenceExample], batch_size: int, seq_
             shared.append(p + len(e.chosen) + len(e.rejected))
             prompts.append(p)
             targets.append(len(e.chosen) + len(e.rejected))
-    shared_tokens = _largest(shared, batch_size) + 1
-    return StaticCapacity(units=batch_size, tokens=_largest(unshared, batch_size) + 1, shared_tokens=shared_tokens,
+    shared_tokens = _rounded(_largest(shared, batch_size) + 1)
+    return StaticCapacity(units=batch_size, tokens=_rounded(_largest(unshared, batch_size) + 1),
+                          shared_tokens=shared_tokens,
                           shared_keys=shared_tokens + _largest(prompts, batch_size),
                           shared_targets=_largest(targets, batch_size))
 

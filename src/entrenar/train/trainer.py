@@ -136,7 +136,7 @@ class Trainer:
 
     def _layout(self, batch: Batch) -> Batch:
         graph_layout = getattr(self.task, "graph_layout", None)  # a task's own fixed layout (preference pairs)
-        if self.micro_step.graphs and graph_layout is not None:
+        if self.micro_step.graphs and graph_layout is not None and self.context is None:
             return graph_layout(batch)
         if self.rows.flat:
             flat = padding_free(batch)
