@@ -266,3 +266,16 @@ def test_the_cpu_estimate_of_the_smollm2_recipe_is_near_its_measured_peak(worksp
                 "training.precision=bf16", "model.dtype=float32", "data.seq_len=256", "training.batch_size=4"]
     estimate = plan(workspace, *settings, config=smollm2).memory.total
     assert abs(estimate - 3.54 * 2**30) < 0.25 * 3.54 * 2**30, estimate / 2**30
+
+
+def test_an_fsdp_plan_counts_one_rank_s_shard_of_the_states(workspace):
+    """Under FSDP2 each rank holds 1/N of the weights, gradients and optimizer state: the plan's estimate (what
+    the memory refusal compares with the free memory) is one rank's, not a whole replica's."""
+    four = World(0, 4, 0, "nccl")
+    ddp = plan(workspace, "model.device=cuda", "training.parallel=ddp", device=CUDA, world=four)
+    fsdp = plan(workspace, "model.device=cuda", "training.parallel=fsdp", "training.kernels=false", device=CUDA,
+                world=four)
+    assert fsdp.mode == "fsdp"
+    assert fsdp.memory.optimizer == pytest.approx(ddp.memory.optimizer / 4)
+    assert fsdp.memory.gradients == pytest.approx(ddp.memory.gradients / 4)
+    assert fsdp.memory.weights > ddp.memory.weights / 4  # plus the root and two blocks gathered at once

@@ -21,7 +21,7 @@ a real run's peak RSS.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from entrenar.errors import ConfigError
@@ -621,6 +621,5 @@ def per_device(estimate: MemoryEstimate, config: ModelConfig, nproc: int, parall
     if estimate.method == "qlora":  # entrenar.quant.nf4.sharding: blocks' norms and adapters are small beside these
         largest = config.hidden_size * config.intermediate_size
         gathered = root * dtype_bytes + largest * (NF4_BYTES_PER_PARAM + dtype_bytes)
-    return MemoryEstimate(estimate.method, estimate.total_params, estimate.trainable_params,
-                          estimate.weights / nproc + gathered, estimate.gradients / nproc, estimate.optimizer / nproc,
-                          estimate.activations, estimate.logits, fake_quant=estimate.fake_quant)
+    return replace(estimate, weights=estimate.weights / nproc + gathered,
+                   gradients=estimate.gradients / nproc, optimizer=estimate.optimizer / nproc)

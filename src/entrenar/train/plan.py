@@ -51,6 +51,7 @@ from entrenar.train.memory import (
     MemoryEstimate,
     estimate_training_memory,
     longest_fitting,
+    per_device,
 )
 from entrenar.train.optim import use_fused
 
@@ -343,6 +344,9 @@ def plan_run(recipe: Recipe, device: torch.device, world: World, config: ModelCo
             compile=t.compile, cuda_graphs=t.cuda_graphs is True)))
     accumulation = micro_batches_per_rank(t.batch_size, t.grad_accum, t.global_batch_size, world.size // cp)
     decided = replica if mode == replica.mode else _decide(recipe, device, mode, config, triton, method)
+    if mode == "fsdp":  # each rank holds its shard of the weights, gradients and optimizer state
+        decided = dataclasses.replace(decided, memory=per_device(
+            decided.memory, config, world.size, "fsdp", dtype_bytes=2 if t.precision != "fp32" else 4))
     reasons += decided.reasons
     available = available if available is not None else available_memory(device)
     facts = _Facts(recipe, device, world, mode, decided.memory, available, force, flat=flat)
