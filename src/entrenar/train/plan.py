@@ -419,8 +419,7 @@ def _decide(recipe: Recipe, device: torch.device, mode: str, config: ModelConfig
     # millisecond. A tied table is the output head's weight too, and a trained one cannot stay on the host.
     offload_embeddings = t.offload_embeddings if isinstance(t.offload_embeddings, bool) else (
         cuda and single and layout.auto_offload_embeddings and lora is not None and t.activation_checkpointing is True
-        and triton
-        and not config.tie_word_embeddings)
+        and triton and not config.tie_word_embeddings)
     reasons.append(("training.offload_embeddings", _auto(t.offload_embeddings, offload_embeddings,
                                                          "LoRA on one GPU with every layer checkpointed, untied")))
 
