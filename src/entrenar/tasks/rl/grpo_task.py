@@ -22,7 +22,7 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 import torch
@@ -39,6 +39,7 @@ from entrenar.generation.batched import SamplingConfig, generate_batch
 from entrenar.models.transformer import Transformer, compute_device
 from entrenar.tasks.base import Batch, SummaryRow
 from entrenar.tasks.causal_lm import CausalLMTask
+from entrenar.tasks.layout import TaskLayout
 from entrenar.tasks.rl.logprobs import completion_logprobs, plain_head
 from entrenar.tasks.rl.objective import Objective, grpo_loss
 from entrenar.tasks.rl.rewards import Reward, resolve, score
@@ -221,6 +222,7 @@ class GRPOTask:
     kernels: bool = False
     name: str = "grpo"
     perplexity: bool = False
+    layout: ClassVar[TaskLayout] = TaskLayout(no_cuda_graphs="a grpo task's batches vary in layout")
     _lm: CausalLMTask = field(init=False, repr=False)
     _engine: GRPO | None = field(default=None, repr=False)
     _model: Transformer | None = field(default=None, repr=False)
