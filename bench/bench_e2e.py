@@ -49,11 +49,11 @@ loads it its own way, recorded in its result (`expert_weights`, `load_s`):
                      temporary_patches/mxfp4.py; `expert_weights` says what it did)
 
 So the experts, 19B of the 21B weights, are bf16 in entrenar's and transformers' rows (equal work, equal memory)
-and 4-bit in Unsloth's (less memory). `qlora-gpt-oss-20b-bf16` is the same case from a bf16 folder (39 GiB, its rows take two
-calls, `--drop-folders` deletes each case's folder after its rows): transformers' rows then put attention in
-bitsandbytes NF4, and Unsloth quantizes the 3-D experts to NF4 too (unsloth_zoo's moe_utils_bnb4bit). The GPU
-cases run their own rows, else GPU_ROWS (a row whose package is missing, or that fails to start, is a recorded row
-error, not a stopped call). `--dry` prints what every row would run, and stops.
+and 4-bit in Unsloth's (less memory). `qlora-gpt-oss-20b-bf16` is the same case from a bf16 folder (39 GiB, its
+rows take two calls, `--drop-folders` deletes each case's folder after its rows): transformers' rows then put
+attention in bitsandbytes NF4, and Unsloth quantizes the 3-D experts to NF4 too (unsloth_zoo's moe_utils_bnb4bit).
+The GPU cases run their own rows, else GPU_ROWS (a row whose package is missing, or that fails to start, is a
+recorded row error, not a stopped call). `--dry` prints what every row would run, and stops.
 
 The CPU case (`cpu-smollm2`, SmolLM2-135M's shape, batch 2 x 512) runs fp32 on the CPU instead: `entrenar` with
 `training.precision: fp32`, `entrenar-fast` with `bf16` (autocast on the CPU), `hf` in fp32 (HF Trainer on a CPU
