@@ -21,8 +21,8 @@ batch size and cache length); it is freed with the call, so a model whose weight
 is never replayed stale.
 
 Where a graph cannot replay (:func:`graph_refusal`: a CPU model, forward hooks such as weight streaming's or
-FSDP's, an input-embedding table in CPU memory, MoE experts run as a loop, dynamic NTK RoPE), the step runs
-eagerly on the growing cache, as before.
+FSDP's, compiled blocks, an input-embedding table in CPU memory, MoE experts run as a loop, dynamic NTK or
+interleaved RoPE), the step runs eagerly on the growing cache, as before.
 """
 
 from __future__ import annotations
@@ -79,6 +79,8 @@ def graph_refusal(model: Transformer) -> str | None:
         if module._forward_pre_hooks or module._forward_hooks:
             return (f"module '{name or 'model'}' has forward hooks (weight streaming, FSDP, a probe), which run "
                     "host code every call")
+        if getattr(module, "_compiled_call_impl", None) is not None:
+            return f"module '{name or 'model'}' runs through torch.compile (training.compile), whose guards recompile"
     if model.model.embed_tokens.weight.device != device:
         return "the input-embedding table stays in CPU memory (training.offload_embeddings)"
     if (model.config.rope_scaling or {}).get("rope_type") == "dynamic":

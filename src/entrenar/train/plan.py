@@ -471,6 +471,7 @@ def _decode_graphs(recipe: Recipe, device: torch.device, mode: str, offload_weig
     why = ("a CUDA device" if device.type != "cuda" else
            "FSDP gathers the weights in forward hooks" if mode == "fsdp" else
            "the NF4 base streams from CPU memory (training.offload_weights)" if offload_weights else
+           "the blocks run through torch.compile (training.compile)" if recipe.training.compile else
            "the input-embedding table stays in CPU memory (training.offload_embeddings)" if offload_embeddings
            else None)
     if setting is True and why is not None and device.type == "cuda":
