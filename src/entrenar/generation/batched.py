@@ -89,12 +89,14 @@ def _forward(model: Transformer, ids: torch.Tensor, positions: torch.Tensor, key
     past, t = cache.length, ids.shape[1]
     q_pos = torch.arange(past, past + t, device=ids.device)[:, None]
     k_pos = torch.arange(past + t, device=ids.device)[None, :]
-    allowed = (k_pos <= q_pos)[None] & key_valid[:, None, :]
-    window = model.config.sliding_window
-    if window is not None:
-        allowed = allowed & (q_pos - k_pos < window)[None]
-    allowed = (allowed | (k_pos == q_pos)[None])[:, None]
-    return step_logits(model, ids, positions, allowed, cache)
+
+    def mask(window: int | None) -> torch.Tensor:
+        allowed = (k_pos <= q_pos)[None] & key_valid[:, None, :]
+        if window is not None:
+            allowed = allowed & (q_pos - k_pos < window)[None]
+        return (allowed | (k_pos == q_pos)[None])[:, None]
+
+    return step_logits(model, ids, positions, mask, cache)
 
 
 class _EagerDecoder:

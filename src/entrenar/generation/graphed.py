@@ -27,11 +27,13 @@ interleaved RoPE), the step runs eagerly on the growing cache, as before.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from entrenar.errors import ModelError
 from entrenar.models.moe import MoeBlock
-from entrenar.models.transformer import Transformer, compute_device
+from entrenar.models.transformer import Transformer, compute_device, soft_cap
 
 LENGTH_BUCKET = 64  # columns of the static cache are rounded up to a multiple of this
 WARMUP_CALLS = 2  # eager calls of the step on a side stream before capture
@@ -105,15 +107,31 @@ def _experts_grouped(block: MoeBlock, device: torch.device) -> bool:
     return dtype == torch.bfloat16 and bool(use_grouped(torch.empty(0, hidden, device=device, dtype=dtype)))
 
 
-def step_logits(model: Transformer, ids: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor,
-                cache: object) -> torch.Tensor:
-    """Logits [B, V] of each row's last position: ``allowed`` [B, 1, T, columns] is the boolean attention mask,
-    ``cache`` a KV cache the layers extend (the eager path's and the static one share this)."""
+def step_logits(model: Transformer, ids: torch.Tensor, positions: torch.Tensor,
+                mask_for: Callable[[int | None], torch.Tensor], cache: object) -> torch.Tensor:
+    """Logits [B, V] of each row's last position, as :meth:`Transformer.forward` computes them (embedding and
+    logit scales, Gemma's soft cap, each layer's window and RoPE base): ``mask_for(window)`` is the boolean
+    attention mask [B, 1, T, columns] under a sliding ``window`` (None: none), ``cache`` a KV cache the layers
+    extend (the eager path's and the static one share this)."""
+    c = model.config
     x = model.model.embed_tokens(ids)
+    if c.embedding_multiplier != 1.0:  # Granite
+        x = x * c.embedding_multiplier
+    if c.scale_embeddings:  # Gemma: sqrt(hidden) rounded to the model dtype first
+        x = x * torch.tensor(c.hidden_size**0.5, dtype=x.dtype)
     cos, sin = model.rope(positions, x.dtype)
-    for layer in model.model.layers:
-        x = layer(x, cos, sin, allowed, cache)
-    return model.lm_head(model.model.norm(x[:, -1:]))[:, 0]
+    local = model.rope(positions, x.dtype, local=True) if c.rope_local_theta is not None else (cos, sin)
+    masks: dict[int | None, torch.Tensor] = {}
+    for i, layer in enumerate(model.model.layers):
+        window = c.layer_window(i)
+        if window not in masks:
+            masks[window] = mask_for(window)
+        layer_cos, layer_sin = local if c.layer_uses_local_rope(i) else (cos, sin)
+        x = layer(x, layer_cos, layer_sin, masks[window], cache)
+    logits = model.lm_head(model.model.norm(x[:, -1:]))[:, 0]
+    if c.logits_scaling != 1.0:  # Granite
+        logits = logits / c.logits_scaling
+    return soft_cap(logits, c.final_logit_softcapping)
 
 
 class StaticDecoder:
@@ -132,7 +150,6 @@ class StaticDecoder:
         device = prompt_ids.device
         b, width = prompt_ids.shape
         self.size = cache_columns(width, max_new_tokens)
-        self.window = model.config.sliding_window
         self.graph_wanted = graph
         # The step's inputs, at fixed addresses: updated in place between replays.
         self.ids = torch.zeros(b, 1, dtype=torch.long, device=device)
@@ -151,22 +168,28 @@ class StaticDecoder:
         width = self.prompt_ids.shape[1]
         q = self.key_index[:width, None]
         k = self.key_index[None, :]
-        allowed = (k <= q)[None] & self.key_valid[:, None, :]
-        if self.window is not None:
-            allowed = allowed & (q - k < self.window)[None]
-        allowed = (allowed | (k == q)[None])[:, None]
-        logits = step_logits(self.model, self.prompt_ids, self.positions, allowed, self.cache)
+
+        def mask(window: int | None) -> torch.Tensor:
+            allowed = (k <= q)[None] & self.key_valid[:, None, :]
+            if window is not None:
+                allowed = allowed & (q - k < window)[None]
+            return (allowed | (k == q)[None])[:, None]
+
+        logits = step_logits(self.model, self.prompt_ids, self.positions, mask, self.cache)
         self.cache.columns = self.column  # from now on each step writes the column the tensor holds
         return logits
 
     def _decode(self) -> torch.Tensor:
         """One decode step on the static tensors (what the graph records)."""
         k, column = self.key_index, self.column
-        allowed = self.key_valid & (k <= column)
-        if self.window is not None:
-            allowed = allowed & (column - k < self.window)
-        allowed = (allowed | (k == column))[:, None, None, :]
-        return step_logits(self.model, self.ids, self.next_position, allowed, self.cache)
+
+        def mask(window: int | None) -> torch.Tensor:
+            allowed = self.key_valid & (k <= column)
+            if window is not None:
+                allowed = allowed & (column - k < window)
+            return (allowed | (k == column))[:, None, None, :]
+
+        return step_logits(self.model, self.ids, self.next_position, mask, self.cache)
 
     def step(self, token: torch.Tensor) -> torch.Tensor:
         """Feed ``token`` [B] (each row's last sampled token); the logits [B, V] of the next."""
