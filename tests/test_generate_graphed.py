@@ -129,3 +129,19 @@ def test_cache_columns_bucket_and_cuda_graphs_setting(hf_folder):
     assert off.decode == "eager (cuda_graphs: false)"
     with pytest.raises(ConfigError, match="cuda_graphs must be"):
         SamplingConfig(cuda_graphs="yes")
+
+
+def test_generate_cuda_graphs_setting_on_cpu(hf_folder):
+    """generation.sampling.generate: the eager path on a CPU under auto; true refused naming the reason."""
+    from entrenar.generation.sampling import generate
+
+    folder, hf_model = hf_folder("llama")
+    model, _ = load(folder, dtype="float32", device="cpu")
+    prompt = PROMPTS[0]
+    expected = hf_model.generate(torch.tensor([prompt]), max_new_tokens=NEW, do_sample=False, eos_token_id=None,
+                                 pad_token_id=0)[0, len(prompt):].tolist()
+    assert generate(model, prompt, max_new_tokens=NEW) == expected
+    with pytest.raises(ConfigError, match="cuda_graphs is true.*computes on cpu"):
+        generate(model, prompt, max_new_tokens=NEW, cuda_graphs=True)
+    with pytest.raises(ConfigError, match="cuda_graphs must be"):
+        generate(model, prompt, cuda_graphs="on")

@@ -140,3 +140,20 @@ def test_weight_streaming_stays_eager_and_says_why():
     finally:
         stream.remove()
     assert generate_batch(model, PROMPTS, GREEDY).decode == "cuda graph"
+
+
+def test_generate_one_prompt_graphed_equals_eager():
+    """``entrenar generate`` and ``chat``'s sampler (generation.sampling.generate): the same tokens, streamed as
+    they come, the stop token ending it; sampled with a seed, the same draws."""
+    from entrenar.generation.sampling import generate
+
+    model = _model()
+    prompt = PROMPTS[2]
+    streamed: list[int] = []
+    graphed = generate(model, prompt, max_new_tokens=NEW, cuda_graphs=True, on_token=streamed.append)
+    eager = generate(model, prompt, max_new_tokens=NEW, cuda_graphs=False)
+    assert graphed == eager == streamed and len(graphed) == NEW
+    assert generate(model, prompt, max_new_tokens=NEW, stop_ids=[graphed[4]]) == graphed[:graphed.index(graphed[4])]
+    sampled = [generate(model, prompt, max_new_tokens=NEW, temperature=0.9, top_p=0.95, seed=5, cuda_graphs=graphs)
+               for graphs in (True, False)]
+    assert sampled[0] == sampled[1]
