@@ -163,6 +163,7 @@ class StaticDecoder:
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None
 
+    @torch.no_grad()
     def prefill(self) -> torch.Tensor:
         """Run the prompts eagerly into the cache's first columns; the logits of their last tokens."""
         width = self.prompt_ids.shape[1]
@@ -191,6 +192,7 @@ class StaticDecoder:
 
         return step_logits(self.model, self.ids, self.next_position, mask, self.cache)
 
+    @torch.no_grad()
     def step(self, token: torch.Tensor) -> torch.Tensor:
         """Feed ``token`` [B] (each row's last sampled token); the logits [B, V] of the next."""
         self.ids.copy_(token[:, None])
