@@ -223,6 +223,10 @@ REFUSALS: tuple[Refusal, ...] = (
     _gpu_only("cuda_graphs"),
     _gpu_only("offload_activations"),
     _gpu_only("offload_embeddings"),
+    Refusal("task.decode_cuda_graphs", lambda f: f.recipe.task.decode_cuda_graphs is True
+            and f.device.type != "cuda",
+            lambda f: f"task.decode_cuda_graphs: the decode step replays from a CUDA graph on a CUDA device; this "
+                      f"run is on {f.device} (leave it auto)"),
     Refusal("training.cuda_graphs",
             lambda f: f.layout.no_cuda_graphs is not None and f.recipe.training.cuda_graphs is True,
             lambda f: f"training.cuda_graphs: graphs replay causal-LM micro-batches of fixed rows; "
@@ -462,8 +466,31 @@ def _decide(recipe: Recipe, device: torch.device, mode: str, config: ModelConfig
         reasons.append(("task.reference", f"{reference} ({why})"))
         if reference == "copy":
             memory = dataclasses.replace(memory, reference=memory.weights)
+    if recipe.task.type == "grpo":
+        reasons.append(("task.decode_cuda_graphs", _decode_graphs(recipe, device, mode, offload_weights,
+                                                                  offload_embeddings)))
     return _Decided(mode, kernels, offload_weights, offload_embeddings, cuda_graphs, overlap, compute_dtype, memory,
                     reasons, flat)
+
+
+def _decode_graphs(recipe: Recipe, device: torch.device, mode: str, offload_weights: bool,
+                   offload_embeddings: bool) -> str:
+    """The dry run's line for GRPO's sampler: whether its decode step replays from a CUDA graph
+    (:func:`entrenar.generation.graphed.graph_refusal` decides again on the built model: MoE experts, hooks)."""
+    setting = recipe.task.decode_cuda_graphs
+    why = ("a CUDA device" if device.type != "cuda" else
+           "FSDP gathers the weights in forward hooks" if mode == "fsdp" else
+           "the NF4 base streams from CPU memory (training.offload_weights)" if offload_weights else
+           "the blocks run through torch.compile (training.compile)" if recipe.training.compile else
+           "the input-embedding table stays in CPU memory (training.offload_embeddings)" if offload_embeddings
+           else None)
+    if setting is True and why is not None and device.type == "cuda":
+        raise ConfigError(f"task.decode_cuda_graphs: true, but the decode step cannot replay from a CUDA graph: "
+                          f"{why} (set it to auto or false)")
+    on = setting is not False and why is None
+    if setting == "auto" and why is not None:
+        return f"off (auto: {why})" if device.type == "cuda" else "off (auto: on only on a CUDA device)"
+    return _auto(setting, on, "a CUDA device; eager where the built model cannot replay (docs/RL.md)")
 
 
 def _flat_reason(flat: bool, gradient_bytes: float) -> str:

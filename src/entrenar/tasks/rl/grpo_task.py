@@ -197,7 +197,7 @@ def settings_of(recipe: Recipe, stop_ids: Sequence[int] = ()) -> GRPOSettings:
     """The engine's settings from the recipe's ``task`` section."""
     t = recipe.task
     sampling = SamplingConfig(max_new_tokens=t.max_new_tokens, temperature=t.temperature, top_k=t.top_k,
-                              top_p=t.top_p, min_p=t.min_p)
+                              top_p=t.top_p, min_p=t.min_p, cuda_graphs=t.decode_cuda_graphs)
     objective = Objective(loss_type=t.loss_type, beta=t.kl_beta, epsilon=t.epsilon, epsilon_high=t.epsilon_high,
                           importance_sampling_level=t.importance_sampling_level,
                           max_completion_length=t.max_new_tokens, scale_rewards=t.scale_rewards)
@@ -368,7 +368,8 @@ class GRPOTask:
         micro-batches)."""
         t = self.recipe.training
         rewards, settings = rewards_of(self.recipe), settings_of(self.recipe, tokenizer.eos_ids)
-        greedy = SamplingConfig(max_new_tokens=settings.sampling.max_new_tokens, temperature=0.0)
+        greedy = SamplingConfig(max_new_tokens=settings.sampling.max_new_tokens, temperature=0.0,
+                                cuda_graphs=settings.sampling.cuda_graphs)
         starts = list(range(0, len(examples), t.batch_size))
         starts = starts[:t.eval_batches] if t.eval_batches else starts
         totals: list[torch.Tensor] = []
