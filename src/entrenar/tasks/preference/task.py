@@ -17,7 +17,7 @@ import copy
 from collections.abc import Iterator
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
@@ -36,6 +36,7 @@ from entrenar.io.run_dir import METRICS_FILE
 from entrenar.models.transformer import Transformer, compute_device
 from entrenar.tasks.base import Batch, SummaryRow
 from entrenar.tasks.causal_lm import CausalLMTask
+from entrenar.tasks.layout import TaskLayout
 from entrenar.tasks.preference import losses as L
 from entrenar.tasks.preference.logprobs import sequence_logprobs
 from entrenar.tasks.preference.precomputed import (
@@ -95,6 +96,14 @@ def share_prompt_of(recipe: Recipe, padding_free: bool, hidden_size: int | None 
                    "(task.share_prompt: auto)")
 
 
+def graphs_refusal(recipe: Recipe) -> str | None:
+    """Why a CUDA graph cannot replay this recipe's preference steps in their fixed layout (None: it can)."""
+    if reference_of(recipe)[0] == "precomputed":
+        return ("task.reference precomputed looks each pair's row up on the host, which a graph cannot replay; use "
+                "task.reference: auto (LoRA: adapters off) or copy")
+    return None
+
+
 @dataclass
 class PreferenceEval:
     """A held-out evaluation: the mean loss per pair (or KTO example) and TRL's metrics (without ``eval_``)."""
@@ -152,6 +161,11 @@ class PreferenceTask:
     kernels: bool = False  # the plan's; log-probabilities are chunked either way
     name: str = "preference"
     perplexity: bool = False
+    # Two sequences an example; log-probabilities read the head chunk by chunk; pairs vary in layout, so graphs
+    # replay them in the task's own fixed layout (graph_layout) and auto rows are padding-free on a GPU too.
+    layout: ClassVar[TaskLayout] = TaskLayout(
+        sequences_per_example=2, documents=True, fused_head=True, reference=reference_of,
+        prompt_sharing=share_prompt_of, own_graph_layout=lambda recipe: graphs_refusal(recipe))
     _lm: CausalLMTask = field(init=False, repr=False)
     _head: nn.Linear | None = field(default=None, repr=False)
     _model: nn.Module | None = field(default=None, repr=False)
