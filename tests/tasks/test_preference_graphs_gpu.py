@@ -113,20 +113,20 @@ lora: {{r: 4, alpha: 8, target_modules: all-linear, dropout: 0}}
 task: {{type: preference}}
 optimizer: {{lr: 5.0e-3}}
 schedule: {{warmup_steps: 0}}
-training: {{max_steps: 8, batch_size: 2, grad_accum: 2, eval_every: 0, log_every: 1, precision: bf16}}
+training: {{max_steps: 6, batch_size: 2, grad_accum: 2, eval_every: 0, log_every: 1, precision: bf16}}
 output: {{dir: {ws / name}}}
 """)
     return load_recipe(path, list(overrides))
 
 
-@pytest.mark.parametrize("settings", [["task.loss=dpo"], ["task.loss=dpo", "task.share_prompt=true"],
-                                      ["task.loss=kto"],
+@pytest.mark.parametrize("settings", [["task.loss=dpo", "task.share_prompt=true"], ["task.loss=kto"],
                                       ["task.share_prompt=true", "model.dtype=bfloat16", "lora.quantize_base=nf4",
                                        "training.activation_checkpointing=true", "training.offload_weights=true"]],
-                         ids=["dpo-unshared", "dpo-shared", "kto", "qlora-shared-streamed"])
+                         ids=["dpo-shared", "kto", "qlora-shared-streamed"])
 def test_entrenar_train_with_graphs_gives_the_eager_losses_and_metrics(ws, settings, monkeypatch):
-    """8 steps of 2 micro-batches through the Trainer (graphs captured at the 4th micro-step): the losses and TRL
-    metrics of the eager run, and a graph was captured."""
+    """6 steps of 2 micro-batches through the Trainer (the graph captured at the 4th micro-step, replayed at the 8
+    after): the losses and TRL metrics of the eager run, and a graph was captured. (Unshared pairs, ORPO and fewer
+    pairs than the capacity: the test above.)"""
     captured = []
     capture = cuda_graph.GraphedMicroStep._capture
 
@@ -145,7 +145,7 @@ def test_entrenar_train_with_graphs_gives_the_eager_losses_and_metrics(ws, setti
         return [r for r in read_metrics(run.run_dir / "metrics.jsonl") if "loss" in r]
 
     a, b = steps(eager), steps(graphed)
-    assert len(a) == len(b) == 8
+    assert len(a) == len(b) == 6
     torch.testing.assert_close(torch.tensor([r["loss"] for r in b]), torch.tensor([r["loss"] for r in a]),
                                atol=2e-2, rtol=0)
     assert [r["tokens"] for r in b] == [r["tokens"] for r in a]
