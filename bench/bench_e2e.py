@@ -34,12 +34,26 @@ loss (transformers' `loss - coef * aux_loss`), as entrenar's metrics report them
 
 `lora-gemma3-4b` and `qlora-gpt-oss-20b` are issue 35's families at their published shapes (HF_SHAPES: the
 config.json keys, built by transformers' own config classes, real vocabularies): LoRA on every linear layer of a
-Gemma-3-4B text model, batch 2 x 2048; QLoRA on gpt-oss-20b (NF4 attention, per-expert LoRA on its bf16 experts
-as entrenar and PEFT both train them; transformers' eager attention, as its SDPA path drops the sinks; no
-prepare_model_for_kbit_training, which would cast the bf16 experts to fp32), batch 1 x 2048, every layer
-checkpointed. gpt-oss-20b's bf16 folder is 39 GiB: `--drop-folders` deletes each case's
-folder after its rows. The GPU cases run GPU_ROWS by default (a row whose package is missing, or that fails to
-start, is a recorded row error, not a stopped call). `--dry` prints what every row would run, and stops.
+Gemma-3-4B text model, batch 2 x 2048; QLoRA on gpt-oss-20b, batch 1 x 2048, every layer checkpointed, LoRA r=16
+on attention and on every expert (transformers' eager attention, as its SDPA path drops the sinks; no
+prepare_model_for_kbit_training, which would cast the bf16 experts to fp32). Its folder is laid out as
+openai/gpt-oss-20b ships (bench/gpt_oss_folder.py: experts in MXFP4, 13 GiB, drawn on the GPU), and each row
+loads it its own way, recorded in its result (`expert_weights`, `load_s`):
+
+  entrenar           experts dequantized on load to bf16 (on the GPU), frozen; attention NF4
+  hf, hf-liger       Mxfp4Config(dequantize=True), as OpenAI's transformers fine-tuning recipe loads it: attention
+                     and experts in bf16 (transformers refuses a BitsAndBytesConfig over an MXFP4 checkpoint, and
+                     bitsandbytes quantizes nn.Linear only: the experts are 3-D parameters, bf16 either way)
+  unsloth            load_in_4bit is set aside for an MXFP4 checkpoint: attention in bf16, the experts kept packed
+                     in MXFP4 and decoded per layer by its own kernels (as unsloth_zoo 2026.10.9's source reads:
+                     temporary_patches/mxfp4.py; `expert_weights` says what it did)
+
+So the experts, 19B of the 21B weights, are bf16 in entrenar's and transformers' rows (equal work, equal memory)
+and 4-bit in Unsloth's (less memory). `qlora-gpt-oss-20b-bf16` is the same case from a bf16 folder (39 GiB, its
+rows take two calls, `--drop-folders` deletes each case's folder after its rows): transformers' rows then put
+attention in bitsandbytes NF4, and Unsloth quantizes the 3-D experts to NF4 too (unsloth_zoo's moe_utils_bnb4bit).
+The GPU cases run their own rows, else GPU_ROWS (a row whose package is missing, or that fails to start, is a
+recorded row error, not a stopped call). `--dry` prints what every row would run, and stops.
 
 The CPU case (`cpu-smollm2`, SmolLM2-135M's shape, batch 2 x 512) runs fp32 on the CPU instead: `entrenar` with
 `training.precision: fp32`, `entrenar-fast` with `bf16` (autocast on the CPU), `hf` in fp32 (HF Trainer on a CPU
@@ -63,14 +77,23 @@ CPU when there is no GPU: a smoke test that every row starts, trains and reports
 On the GPU machine: peft ships there; bitsandbytes and liger-kernel travel as wheels in .whl/extra, Unsloth's in
 .whl/unsloth (`bash bench/unsloth_setup.sh download` here fetches them). Rows whose package is missing are
 reported as skipped. The call (one case per call keeps each under the 10-minute limit; `--rows` picks rows;
-qlora-gpt-oss-20b loads 39 GiB per row: split its rows over two calls on a warm machine, `--drop-folders` on the
-second):
+qlora-gpt-oss-20b-bf16 loads 39 GiB per row: split its rows over two calls on a warm machine, `--drop-folders` on
+the second):
 
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl .whl/extra/*.whl \
       && bash bench/unsloth_setup.sh install \
       && PYTHONPATH=/tmp/site:src PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false python3 bench/bench_e2e.py \
          --cases lora-gemma3-4b --drop-folders --text .e2e/text.jsonl --tokenizer .e2e --work /tmp/e2e \
          --out $OUT/e2e-gemma3.json 2>&1 | tee $OUT/e2e-gemma3.log | grep -v Warning
+
+qlora-gpt-oss-20b's five rows in one call (carry .whl/extra, .whl/unsloth and .e2e; the folder is kept in /tmp/e2e,
+so a second call on the warm machine runs `--rows unsloth-no-ckpt,entrenar-matched` without rewriting it):
+
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/extra/*.whl \
+      && bash bench/unsloth_setup.sh install \
+      && PYTHONPATH=/tmp/site:src PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false python3 bench/bench_e2e.py \
+         --cases qlora-gpt-oss-20b --skip 3 --text .e2e/text.jsonl --tokenizer .e2e --work /tmp/e2e \
+         --out $OUT/e2e-gpt-oss.json 2>&1 | tee $OUT/e2e-gpt-oss.log | grep -v Warning
 """
 
 from __future__ import annotations
@@ -88,6 +111,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from common import (  # noqa: E402 (the end-to-end benchmarks' shared helpers)
+    GiB,
     bases_that_ran,
     device,
     failed_line,
@@ -137,8 +161,9 @@ HF_SHAPES: dict[str, dict] = {
     },
     # openai/gpt-oss-20b's config.json (transformers' GptOssConfig defaults but 24 layers and 32 experts): hidden
     # 2880, 32 experts of width 2880, top-4, 64 query heads of 64 and 8 KV heads with biases and sinks, sliding
-    # (128) and full layers alternating, YaRN x32 from 4096, untied. Weights in bf16 (about 21B parameters, 39 GiB
-    # on disk): the released checkpoint's MXFP4 experts would be dequantized on load by every row anyway.
+    # (128) and full layers alternating, YaRN x32 from 4096, untied. About 21B parameters: 13 GiB on disk with
+    # the experts in MXFP4 as the release ships them (a case's "weights": "mxfp4", bench/gpt_oss_folder.py), 39
+    # GiB all in bf16.
     "gpt-oss-20b": {
         "model_type": "gpt_oss", "hidden_size": 2880, "intermediate_size": 2880, "num_hidden_layers": 24,
         "num_local_experts": 32, "num_experts_per_tok": 4, "num_attention_heads": 64, "num_key_value_heads": 8,
@@ -189,12 +214,23 @@ CASES: dict[str, dict] = {
     # its SDPA path drops the sinks (tests/models/test_family_gpt_oss.py).
     "lora-gemma3-4b": {"shape": "gemma3-4b", "method": "lora", "batch": 2, "seq": 2048, "ckpt": False, "steps": 14,
                        "fast": {"adapter_math": "bf16", "cuda_graphs": True}, "rows": GPU_ROWS},
+    # The folder as openai/gpt-oss-20b ships (experts in MXFP4, 13 GiB): entrenar dequantizes the experts on load
+    # and puts attention in NF4; transformers refuses a BitsAndBytesConfig for an MXFP4 checkpoint, so its rows
+    # load it as OpenAI's fine-tuning recipe does, Mxfp4Config(dequantize=True) (attention and experts in bf16);
+    # Unsloth keeps the experts packed in MXFP4 (its own kernels) with attention in bf16. Its rows fit one call.
     "qlora-gpt-oss-20b": {"shape": "gpt-oss-20b", "method": "qlora", "batch": 1, "seq": 2048, "ckpt": True,
-                          "steps": 10, "fast": {"adapter_math": "bf16"}, "target_modules": ATTENTION,
-                          "target_parameters": EXPERT_TARGETS, "hf_attention": "eager", "rows": GPU_ROWS,
+                          "steps": 8, "fast": {"adapter_math": "bf16"}, "target_modules": ATTENTION,
+                          "target_parameters": EXPERT_TARGETS, "hf_attention": "eager", "weights": "mxfp4",
+                          "rows": ("entrenar", "hf", "hf-liger", "unsloth", "entrenar-fast"),
                           # prepare_model_for_kbit_training would cast the 19B bf16 expert weights to fp32 (78 GB):
                           # gradient checkpointing alone, as OpenAI's gpt-oss fine-tuning recipe runs
                           "kbit_prepare": False},
+    # The same from a bf16 folder (39 GiB: its rows take two calls): transformers' rows with bitsandbytes NF4
+    # attention (its experts are 3-D parameters, which bitsandbytes leaves in bf16), Unsloth's with NF4 experts too.
+    "qlora-gpt-oss-20b-bf16": {"shape": "gpt-oss-20b", "method": "qlora", "batch": 1, "seq": 2048, "ckpt": True,
+                               "steps": 10, "fast": {"adapter_math": "bf16"}, "target_modules": ATTENTION,
+                               "target_parameters": EXPERT_TARGETS, "hf_attention": "eager", "rows": GPU_ROWS,
+                               "kbit_prepare": False},
     "cpu-smollm2": {"shape": "smollm2-135m", "method": "lora", "batch": 2, "seq": 512, "ckpt": False, "steps": 12,
                     "device": "cpu", "precision": "fp32", "fast": {"precision": "bf16"},
                     "rows": ("entrenar", "entrenar-fast", "hf", "hf-bf16")},
@@ -274,13 +310,21 @@ def case_for(name: str, steps: int, tiny: bool, cases: dict[str, dict] | None = 
 
 
 def make_model_folder(shape: str, vocab: int, seq: int, tokenizer_dir: Path, folder: Path,
-                      tiny: bool = False) -> Path:
-    """A random bf16 Hugging Face folder of `shape` (transformers' own initialisation) with the tokenizer."""
+                      tiny: bool = False, weights: str = "bf16") -> Path:
+    """A random bf16 Hugging Face folder of `shape` (transformers' own initialisation) with the tokenizer;
+    ``weights="mxfp4"``: a gpt-oss shape's folder as its release lays it out (bench/gpt_oss_folder.py)."""
     if (folder / "config.json").is_file():
         return folder
     import torch
     import transformers
 
+    if weights == "mxfp4":
+        from gpt_oss_folder import write_mxfp4_folder
+
+        timings = write_mxfp4_folder(hf_shape_config(shape, tiny, vocab), folder, tokenizer_dir, device())
+        print(f"[{shape}] MXFP4 folder: {timings['bytes'] / GiB:.1f} GiB, drawn in {timings['draw_s']:.0f}s, "
+              f"written in {timings['write_s']:.0f}s", flush=True)
+        return folder
     if shape in HF_SHAPES:
         config = hf_shape_config(shape, tiny, vocab)
     else:
@@ -303,6 +347,12 @@ def make_model_folder(shape: str, vocab: int, seq: int, tokenizer_dir: Path, fol
     del model
     tmp.rename(folder)
     return folder
+
+
+def case_folder(case: dict, work: Path, tiny: bool) -> Path:
+    """Where a case's model folder goes: one per shape and weight layout (bf16, or gpt-oss's MXFP4 experts)."""
+    weights = case.get("weights", "bf16")
+    return work / (case["shape"] + ("" if weights == "bf16" else f"-{weights}") + ("-tiny" if tiny else ""))
 
 
 def matched_settings(case: dict, config) -> dict:
@@ -432,7 +482,11 @@ def run_hf(case: dict, folder: Path, tokenizer_dir: Path, text: Path, row: str, 
     if case.get("target_parameters"):  # MoE: the grouped experts and the router loss entrenar's recipe has
         kwargs.update(experts_implementation="grouped_mm", output_router_logits=aux_coef > 0,
                       router_aux_loss_coef=aux_coef)
-    if case["method"] == "qlora":
+    if case.get("weights") == "mxfp4":  # the release's layout: transformers refuses bitsandbytes over it
+        kwargs["quantization_config"] = transformers.Mxfp4Config(dequantize=True)
+        if dev == "cuda":
+            kwargs["device_map"] = {"": 0}
+    elif case["method"] == "qlora":
         try:
             import bitsandbytes  # noqa: F401
         except ImportError as e:
@@ -445,7 +499,8 @@ def run_hf(case: dict, folder: Path, tokenizer_dir: Path, text: Path, row: str, 
     # On the CPU case, fp32 weights (with bf16=True, Trainer autocasts around them).
     dtype = torch.float32 if case["method"] == "full" or case.get("device") == "cpu" else torch.bfloat16
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **kwargs)
-    if case["method"] != "qlora":
+    load_s, experts = time.perf_counter() - started, expert_storage(model)
+    if "device_map" not in kwargs:
         model = model.to(dev)
     model.config.use_cache = False
     if liger:
@@ -468,7 +523,17 @@ def run_hf(case: dict, folder: Path, tokenizer_dir: Path, text: Path, row: str, 
     gc_checkpointing = getattr(getattr(model, "base_model", model), "is_gradient_checkpointing", None)
     return {"status": "ok", **out, "gradient_checkpointing": gc_checkpointing,
             "experts_implementation": getattr(model.config, "_experts_implementation", None),
-            "trainable_params": sum(p.numel() for p in trainable)}
+            "trainable_params": sum(p.numel() for p in trainable), "load_s": load_s, "expert_weights": experts}
+
+
+def expert_storage(model) -> str | None:
+    """How a transformers (or Unsloth) model holds its first stacked expert weight, e.g. "Parameter bfloat16
+    [32, 2880, 5760]", "Params4bit uint8 [...]" (bitsandbytes NF4) or an MXFP4 class: what a MoE row trains
+    through, recorded as loaded since the rows' libraries choose differently. None for a dense model."""
+    for name, param in model.named_parameters():
+        if "experts" in name and name.endswith("gate_up_proj"):
+            return f"{type(param).__name__} {str(param.dtype).removeprefix('torch.')} {list(param.shape)}"
+    return None
 
 
 def timed_steps(model, batches: list[dict], dev: str, autocast: bool,
@@ -554,6 +619,7 @@ def run_unsloth(case: dict, folder: Path, tokenizer_dir: Path, text: Path, row: 
     started = time.perf_counter()
     kwargs = dict(settings["from_pretrained"], dtype=torch.bfloat16)
     model, _ = unsloth.FastLanguageModel.from_pretrained(**kwargs)
+    load_s, experts = time.perf_counter() - started, expert_storage(model)
     model = unsloth.FastLanguageModel.get_peft_model(model, **settings["get_peft_model"])
     model.train()
     aux_coef = (case.get("moe") or {}).get("aux_loss", 0.0)
@@ -562,7 +628,7 @@ def run_unsloth(case: dict, folder: Path, tokenizer_dir: Path, text: Path, row: 
     peak = torch.cuda.max_memory_allocated() if dev == "cuda" else None
     out = summarise(step_s, tokens, losses, skip, flops, peak, wall)
     return {"status": "ok", **out, "settings": settings, "unsloth": unsloth.__version__,
-            "trainable_params": sum(p.numel() for p in trainable)}
+            "trainable_params": sum(p.numel() for p in trainable), "load_s": load_s, "expert_weights": experts}
 
 
 def run_row_process(row: str, case_name: str, folder: Path, args: argparse.Namespace) -> dict:
@@ -657,7 +723,7 @@ def main(argv: list[str] | None = None) -> None:
         flops = case_flops(cfg, case["method"], case["seq"])
         t0 = time.perf_counter()
         folder = make_model_folder(case["shape"], vocab_size, case["seq"], tokenizer_dir,
-                                   work / (case["shape"] + ("-tiny" if args.tiny else "")), args.tiny)
+                                   case_folder(case, work, args.tiny), args.tiny, case.get("weights", "bf16"))
         print(f"[{case_name}] model folder {folder} ready in {time.perf_counter() - t0:.0f}s", flush=True)
         torch.cuda.empty_cache()
         rows = rows_for(case, args.rows)
@@ -679,8 +745,9 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"[{case_name}] {row}: {r['status']} {r.get('tokens_per_s') or ''} in "
                       f"{time.perf_counter() - t0:.0f}s", flush=True)
                 write_results(args.out, results)  # after every row: a run cut short keeps what it measured
-        later = [case_for(c, args.steps, args.tiny)["shape"] for c in args.cases.split(",")[index + 1:]]
-        if args.drop_folders and case["shape"] not in later:  # disk: gpt-oss-20b's folder alone is 39 GiB
+        later = [case_folder(case_for(c, args.steps, args.tiny), work, args.tiny)
+                 for c in args.cases.split(",")[index + 1:]]
+        if args.drop_folders and folder not in later:  # disk: gpt-oss-20b's bf16 folder alone is 39 GiB
             shutil.rmtree(folder, ignore_errors=True)
     print_table(results)
 
@@ -699,7 +766,7 @@ def dry_run(args: argparse.Namespace, vocab_size: int) -> None:
     for case_name in args.cases.split(","):
         case = case_for(case_name, args.steps, args.tiny)
         cfg = shape_config(case["shape"], vocab_size, case["seq"], args.tiny)
-        folder = work / (case["shape"] + ("-tiny" if args.tiny else ""))
+        folder = case_folder(case, work, args.tiny)
         for row in rows_for(case, args.rows):
             if row in UNSLOTH_ROWS:
                 what = unsloth_settings(case, folder, row)

@@ -5,6 +5,7 @@ the gap is host time the GPU waited for), the top CUDA kernels, and the top host
 before changing the loop for speed (measure, don't guess).
 
     PYTHONPATH=src:bench python bench/profile_e2e.py --case lora-1b --steps 12 [--set KEY=VALUE ...]
+    PYTHONPATH=src:bench python bench/profile_e2e.py --recipe /tmp/dpo/qlora-8b-dpo.yaml --steps 10  # any recipe
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--work", default="/tmp/e2e")
     p.add_argument("--active", type=int, default=4, help="steps profiled, the last ones of the run")
     p.add_argument("--trace", default="", help="write a Chrome trace here")
+    p.add_argument("--recipe", default="", help="profile this recipe (e.g. bench_dpo.py's) instead of --case's; "
+                                               "its training.max_steps is set to --steps")
     args = p.parse_args(argv)
 
     from bench_e2e import CASES, make_model_folder, recipe_for
@@ -38,15 +41,21 @@ def main(argv: list[str] | None = None) -> None:
     from entrenar.config import load_recipe
     from entrenar.train.loop import train
 
-    case = dict(CASES[args.case], steps=args.steps)
     work = Path(args.work)
-    vocab = json.loads((Path(args.tokenizer) / "tokenizer.json").read_text())["model"]["vocab"]
-    folder = make_model_folder(case["shape"], 49152 if len(vocab) <= 49152 else len(vocab), case["seq"],
-                               Path(args.tokenizer), work / case["shape"])
-    run_dir = work / f"profile-{args.case}"
-    recipe_path = work / f"profile-{args.case}.yaml"
-    recipe_path.write_text(yaml.safe_dump(recipe_for(case, folder, Path(args.text), run_dir, args.fast)))
-    recipe = load_recipe(recipe_path, args.set)
+    if args.recipe:
+        recipe_path = Path(args.recipe)
+        run_dir = Path(yaml.safe_load(recipe_path.read_text())["output"]["dir"])
+        sets = [f"training.max_steps={args.steps}", *args.set]
+    else:
+        case = dict(CASES[args.case], steps=args.steps)
+        vocab = json.loads((Path(args.tokenizer) / "tokenizer.json").read_text())["model"]["vocab"]
+        folder = make_model_folder(case["shape"], 49152 if len(vocab) <= 49152 else len(vocab), case["seq"],
+                                   Path(args.tokenizer), work / case["shape"])
+        run_dir = work / f"profile-{args.case}"
+        recipe_path = work / f"profile-{args.case}.yaml"
+        recipe_path.write_text(yaml.safe_dump(recipe_for(case, folder, Path(args.text), run_dir, args.fast)))
+        sets = list(args.set)
+    recipe = load_recipe(recipe_path, sets)
     shutil.rmtree(run_dir, ignore_errors=True)
     # Profile steady-state steps only: the window is moved by a hook after every optimizer step.
     wait = max(args.steps - args.active - 1, 1)

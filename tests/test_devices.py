@@ -50,3 +50,15 @@ def test_kernels_auto_are_off_on_a_device_that_is_not_cuda():
     plan = plan_run(recipe("cpu"), torch.device("xpu"), SOLO, recipe_model_config(recipe("cpu")), force=True)
     assert plan.kernels is False  # the plain PyTorch paths (on a CPU, auto takes the kernels' PyTorch specs)
     assert plan_run(recipe("cpu"), torch.device("cpu"), SOLO, recipe_model_config(recipe("cpu")), force=True).kernels
+
+
+def test_auto_dtype_for_a_cuda_device_planned_from_a_machine_without_one(monkeypatch):
+    """`entrenar inspect --device cuda` on a CPU-only machine plans in bf16, as the GPU will run (it planned fp32
+    weights: a LoRA-1B estimate of 5.1 GiB where the H100 run peaked at 3.4)."""
+    import torch
+
+    from entrenar.device import resolve_dtype
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_dtype("auto", "cuda") == torch.bfloat16
+    assert resolve_dtype("auto", "cpu") == torch.float32

@@ -26,14 +26,16 @@ DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, device: str | torch.device) -> torch.dtype:
-    """None/'auto' means bf16 on a CUDA device that supports it, else fp32."""
+    """None/'auto' means bf16 on a CUDA device that supports it, else fp32. A CUDA device planned for from a
+    machine without one (`entrenar inspect --device cuda`) counts as supporting it, as every GPU since Ampere does."""
     import torch  # start-up time (the module docstring)
 
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype in (None, "auto"):
         on_cuda = torch.device(device).type == "cuda"
-        return torch.bfloat16 if on_cuda and torch.cuda.is_bf16_supported() else torch.float32
+        bf16 = not torch.cuda.is_available() or torch.cuda.is_bf16_supported()
+        return torch.bfloat16 if on_cuda and bf16 else torch.float32
     if dtype not in DTYPES:
         raise ConfigError(f"unknown dtype '{dtype}' (allowed: auto, {', '.join(DTYPES)})")
     return getattr(torch, DTYPES[dtype])

@@ -123,3 +123,13 @@ def test_prompt_dash_reads_standard_input(capsys, monkeypatch, chat_model):
     monkeypatch.setattr("sys.stdin", io.StringIO(""))
     code, out, err = run_cli(capsys, "generate", tmp := chat_model / "missing", "--prompt", "-")
     assert (code, out) == (2, "") and err.startswith("error: --prompt -: standard input is empty") and not tmp.exists()
+
+
+def test_cuda_graphs_option(capsys, chat_model):
+    """--cuda-graphs false is the eager path (the same text); true on a CPU is refused, naming why."""
+    code, out, _ = run_cli(capsys, "generate", chat_model, "--prompt", PROMPT, "--max-new-tokens", 12,
+                           "--cuda-graphs", "false", *CPU)
+    assert code == 0 and out == reference(chat_model, max_new_tokens=12) + "\n"
+    code, out, err = run_cli(capsys, "generate", chat_model, "--prompt", PROMPT, "--cuda-graphs", "true", *CPU)
+    assert (code, out) == (2, "")
+    assert "cuda_graphs is true, but the decode step cannot replay from a CUDA graph" in err and "cpu" in err

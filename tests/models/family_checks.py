@@ -372,3 +372,35 @@ def check_inspect(capsys: Any, folder: Path, ref: nn.Module, targets: list[str] 
         theirs = peft.get_peft_model(copy.deepcopy(ref), peft.LoraConfig(r=4, target_modules=targets))
         assert report["parameters"]["lora_trainable"] == sum(p.numel() for p in theirs.parameters()
                                                              if p.requires_grad)
+
+
+def check_batched_generation(model: nn.Module, ref: nn.Module, vocab: int = VOCAB, new: int = 6) -> None:
+    """Greedy batched generation (generation.batched, left-padded prompts of different lengths, longer than a
+    sliding window) equals transformers' greedy ``generate`` on each prompt alone, and its log-probabilities the
+    full forward's; the same on the static cache a CUDA graph replays (run eagerly here)."""
+    from unittest import mock
+
+    from entrenar.generation import batched
+    from entrenar.generation.graphed import StaticDecoder
+    from entrenar.tasks.rl.logprobs import completion_logprobs
+
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(1, vocab, (n,), generator=g).tolist() for n in (9, 3, 6)]
+    cfg = batched.SamplingConfig(max_new_tokens=new, temperature=0.0)
+
+    def static(m, ids, mask, c):
+        return StaticDecoder(m, ids, mask, c.max_new_tokens, graph=False), "static"
+
+    eager = batched.generate_batch(model, prompts, cfg)
+    with mock.patch.object(batched, "_decoder", static):
+        on_static = batched.generate_batch(model, prompts, cfg)
+    for out in (eager, on_static):
+        for i, prompt in enumerate(prompts):
+            expected = ref.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False, eos_token_id=None,
+                                    pad_token_id=0)[0, len(prompt):]
+            assert out.completion_ids[i].tolist() == expected.tolist(), (i, out.decode)
+        ids = torch.cat([out.prompt_ids, out.completion_ids], 1)
+        mask = torch.cat([out.prompt_mask, out.completion_mask], 1)
+        with torch.no_grad():
+            full = completion_logprobs(model, ids, mask, new)
+        torch.testing.assert_close(out.logprobs, full, rtol=1e-4, atol=1e-4)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from family_checks import check_packed_equals_documents, check_padded_batch
+from family_checks import check_batched_generation, check_packed_equals_documents, check_padded_batch
 
 from entrenar.models.hf import load_hf, save_hf
 
@@ -558,3 +558,10 @@ def test_activation_estimate_within_10_percent_of_saved_tensors(family, dtype, s
     measured = measured_saved_bytes(model, torch.randint(0, 256, (2, seq_len)))
     est = estimate_training_memory(config, "full", 2, seq_len, dtype_bytes=dtype.itemsize)
     assert abs(est.activations - measured) / measured < 0.10, (est.activations, measured)
+
+
+def test_batched_generation_matches_transformers(gemma):
+    """Embeddings scaled, scores and logits soft-capped, global and sliding layers (Gemma 3: their own RoPE base)
+    in the KV-cache sampler too, eager and on the static cache."""
+    _, folder, ref = gemma
+    check_batched_generation(load_hf(folder).eval(), ref, vocab=VOCAB)

@@ -7,6 +7,7 @@ import pytest
 import torch
 from family_checks import (
     check_adapters_cross_load,
+    check_batched_generation,
     check_dry_run_notes,
     check_gguf_export_round_trip,
     check_gguf_load,
@@ -126,3 +127,9 @@ def test_dry_run_says_what_the_kernels_do(granite, tmp_path):
 
 def test_inspect_counts_parameters_as_transformers_and_peft(granite, capsys):
     check_inspect(capsys, granite[0], granite[1], ["q_proj", "v_proj", "up_proj"])
+
+
+def test_batched_generation_matches_transformers(granite):
+    """The embedding multiplier and the logits' scaling in the KV-cache sampler too, eager and on the static cache."""
+    folder, ref = granite
+    check_batched_generation(load_hf(folder).eval(), ref)

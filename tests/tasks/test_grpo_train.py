@@ -67,10 +67,30 @@ def test_grpo_run_logs_rewards_samples_and_resumes_with_the_same_completions(ws,
     (["reward.weights=[1.0]"], "reward.weights"),
     (["task.loss_type=ppo"], "task.loss_type"),
     (["task.beta=0.2"], "task.beta"),
+    (["task.decode_cuda_graphs=maybe"], "task.decode_cuda_graphs"),
 ])
 def test_bad_grpo_recipes_name_the_key(ws, overrides, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         recipe_for(ws, "bad", *overrides)
+
+
+def test_decode_cuda_graphs_is_planned_and_reaches_the_sampler(ws):
+    """The plan says whether the sampler's decode step replays from a CUDA graph (a CUDA device this machine may
+    lack is planned as one); true on a CPU is refused naming the key; the setting reaches the sampler."""
+    from entrenar.tasks.rl.grpo_task import settings_of
+    from entrenar.train.plan import plan_for
+
+    def line(*overrides, device="cpu"):
+        plan, _ = plan_for(recipe_for(ws, "plan", *overrides), device)
+        return dict(plan.reasons)["task.decode_cuda_graphs"]
+
+    assert line() == "off (auto: on only on a CUDA device)"
+    assert line(device="cuda").startswith("on (auto: a CUDA device")
+    assert line("task.decode_cuda_graphs=false", device="cuda") == "off (as set)"
+    with pytest.raises(ConfigError, match=r"task\.decode_cuda_graphs: the decode step replays from a CUDA graph"):
+        line("task.decode_cuda_graphs=true")
+    assert settings_of(recipe_for(ws, "plan", "task.decode_cuda_graphs=false")).sampling.cuda_graphs is False
+    assert settings_of(recipe_for(ws, "plan")).sampling.cuda_graphs == "auto"
 
 
 def test_kl_needs_lora_and_unknown_rewards_are_refused(ws):

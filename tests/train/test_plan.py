@@ -8,6 +8,7 @@ import pytest
 import torch
 from tests.train.test_loop import recipe_for
 
+from entrenar import tasks
 from entrenar.device import resolve_dtype
 from entrenar.distributed.world import World
 from entrenar.errors import ConfigError
@@ -266,3 +267,43 @@ def test_the_cpu_estimate_of_the_smollm2_recipe_is_near_its_measured_peak(worksp
                 "training.precision=bf16", "model.dtype=float32", "data.seq_len=256", "training.batch_size=4"]
     estimate = plan(workspace, *settings, config=smollm2).memory.total
     assert abs(estimate - 3.54 * 2**30) < 0.25 * 3.54 * 2**30, estimate / 2**30
+
+
+def test_an_fsdp_plan_counts_one_rank_s_shard_of_the_states(workspace):
+    """Under FSDP2 each rank holds 1/N of the weights, gradients and optimizer state: the plan's estimate (what
+    the memory refusal compares with the free memory) is one rank's, not a whole replica's."""
+    four = World(0, 4, 0, "nccl")
+    ddp = plan(workspace, "model.device=cuda", "training.parallel=ddp", device=CUDA, world=four)
+    fsdp = plan(workspace, "model.device=cuda", "training.parallel=fsdp", "training.kernels=false", device=CUDA,
+                world=four)
+    assert fsdp.mode == "fsdp"
+    assert fsdp.memory.optimizer == pytest.approx(ddp.memory.optimizer / 4)
+    assert fsdp.memory.gradients == pytest.approx(ddp.memory.gradients / 4)
+    assert fsdp.memory.weights > ddp.memory.weights / 4  # plus the root and two blocks gathered at once
+
+
+def test_the_plan_reads_what_a_task_declares_not_its_name(workspace, monkeypatch):
+    """Every decision the plan takes on the task comes from the task's TaskLayout (entrenar.tasks.layout): a
+    classification task that declares the causal-LM layout is planned exactly as a causal-LM run (CUDA graphs,
+    offloads, the fused loss in the estimate, the row layout), and a task that declares two sequences an example
+    and a frozen reference copy is estimated as twice the rows and the weights once more."""
+    cuda = ("model.device=cuda", "training.precision=bf16", "training.activation_checkpointing=true")
+
+    def planned(*overrides):
+        p = plan(workspace, *cuda, *overrides, device=CUDA)
+        assert p._recipe is not None
+        return p.memory, p.reasons, p.cuda_graphs, p.offload_embeddings, p.rows(p._recipe.task.type, 256.0)
+
+    causal, doubled = planned(), planned("training.batch_size=2")[0]
+    assert planned("task.type=classification") != causal  # no graphs and no fused loss for its batches
+    monkeypatch.setitem(tasks.LAYOUTS, "classification", tasks.layout_of("causal_lm"))
+    assert planned("task.type=classification") == causal
+
+    pairs = dataclasses.replace(tasks.layout_of("causal_lm"), sequences_per_example=2,
+                                reference=lambda recipe: ("copy", "declared by a test"))
+    monkeypatch.setitem(tasks.LAYOUTS, "causal_lm", pairs)
+    memory, reasons = planned("training.batch_size=1")[:2]
+    assert (memory.activations, memory.logits) == (doubled.activations, doubled.logits) and not doubled.reference
+    assert memory.reference == memory.weights > 0 and dict(reasons)["task.reference"] == "copy (declared by a test)"
+    with pytest.raises(ConfigError, match=r"task\.reference: a frozen copy is not sharded under FSDP"):
+        plan(workspace, *cuda, "training.parallel=fsdp", device=CUDA, world=World(size=2, backend="nccl"))

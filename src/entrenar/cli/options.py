@@ -39,6 +39,8 @@ def add_sampling_args(parser: argparse.ArgumentParser, max_new_tokens: int) -> N
                         help="0 is greedy (default); higher samples more freely")
     parser.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling mass (default 1.0)")
     parser.add_argument("--seed", type=int, default=None, metavar="S", help="random seed for sampling")
+    parser.add_argument("--cuda-graphs", default="auto", choices=("auto", "true", "false"),
+                        help="replay the decode step from a CUDA graph (auto: on a GPU where the model allows)")
 
 
 def load_model(args: argparse.Namespace, quantize: str | None = None) -> tuple[Transformer, Tokenizer]:

@@ -64,5 +64,6 @@ def stream_generate(
         stop_ids=tokenizer.eos_ids,
         seed=args.seed,
         on_token=stream,
+        cuda_graphs={"true": True, "false": False}.get(args.cuda_graphs, "auto"),
     )
     return stream.finish()

@@ -415,6 +415,9 @@ class TaskSection(_Section):
     scale_rewards: str = setting("group", _choice("group", "batch", "none"))
     samples_every: int = setting(10, _integer(0))  # steps between sample tables (samples.jsonl); 0: never
     num_iterations: int = setting(1, _integer(1))  # optimizer steps on each generation batch (TRL's name)
+    # the sampler's decode step replayed from a CUDA graph on a static KV cache (entrenar.generation.graphed);
+    # auto: on a CUDA device unless the model cannot replay (FSDP, weight streaming, a host embedding table, ...)
+    decode_cuda_graphs: str | bool = setting("auto", _choice("auto", True, False))
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -6,7 +6,9 @@ does not depend on its neighbours. LoRA and other wrapped layers run as they are
 layers are called. Sampling: temperature (0 = greedy), then top-k, top-p (nucleus) and min-p filters; a stop token
 ends its row and is kept as the completion's last token (it was sampled: RL scores it, as TRL does).
 
-The decode step runs eagerly; replaying it from a CUDA graph (static cache) is not done yet.
+On a CUDA model the decode step replays from a CUDA graph on a static cache (:mod:`entrenar.generation.graphed`,
+``SamplingConfig.cuda_graphs``); elsewhere, and where a graph cannot replay, it runs eagerly on a growing cache.
+Sampling runs outside the graph either way, so a seed draws the same tokens from the same logits.
 """
 
 from __future__ import annotations
@@ -17,20 +19,26 @@ from dataclasses import dataclass
 import torch
 
 from entrenar.errors import ConfigError
+from entrenar.generation.graphed import StaticDecoder, step_logits, uses_graphs
 from entrenar.models.transformer import KVCache, Transformer, compute_device
 
 
 @dataclass(frozen=True)
 class SamplingConfig:
-    """How the next token is drawn (``temperature`` 0: greedy; filters off at top_k 0, top_p 1, min_p 0)."""
+    """How the next token is drawn (``temperature`` 0: greedy; filters off at top_k 0, top_p 1, min_p 0), and
+    whether the decode step replays from a CUDA graph (``cuda_graphs``: auto, where the model allows; True: refuse
+    a model that does not; False: eager)."""
 
     max_new_tokens: int = 64
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
     min_p: float = 0.0
+    cuda_graphs: str | bool = "auto"
 
     def __post_init__(self) -> None:
+        if self.cuda_graphs not in ("auto", True, False):
+            raise ConfigError(f"cuda_graphs must be auto, true or false, got {self.cuda_graphs!r}")
         if self.max_new_tokens <= 0:
             raise ConfigError(f"max_new_tokens must be > 0, got {self.max_new_tokens}")
         if self.temperature < 0:
@@ -55,6 +63,7 @@ class Generated:
     logprobs: torch.Tensor
     stopped: torch.Tensor  # [B] bool: ended by a stop token (else it hit max_new_tokens)
     entropies: torch.Tensor | None = None  # [B, T] entropy (nats) of that distribution at each token (0 on padding)
+    decode: str = "eager"  # how the decode step ran: "cuda graph", or "eager (why)"
 
 
 def filter_logits(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
@@ -80,16 +89,48 @@ def _forward(model: Transformer, ids: torch.Tensor, positions: torch.Tensor, key
     past, t = cache.length, ids.shape[1]
     q_pos = torch.arange(past, past + t, device=ids.device)[:, None]
     k_pos = torch.arange(past + t, device=ids.device)[None, :]
-    allowed = (k_pos <= q_pos)[None] & key_valid[:, None, :]
-    window = model.config.sliding_window
-    if window is not None:
-        allowed = allowed & (q_pos - k_pos < window)[None]
-    allowed = (allowed | (k_pos == q_pos)[None])[:, None]
-    x = model.model.embed_tokens(ids)
-    cos, sin = model.rope(positions, x.dtype)
-    for layer in model.model.layers:
-        x = layer(x, cos, sin, allowed, cache)
-    return model.lm_head(model.model.norm(x[:, -1:]))[:, 0]
+
+    def mask(window: int | None) -> torch.Tensor:
+        allowed = (k_pos <= q_pos)[None] & key_valid[:, None, :]
+        if window is not None:
+            allowed = allowed & (q_pos - k_pos < window)[None]
+        return (allowed | (k_pos == q_pos)[None])[:, None]
+
+    return step_logits(model, ids, positions, mask, cache)
+
+
+class _EagerDecoder:
+    """Prefill and decode on a cache that grows by a column a step (the CPU's path, and the fallback)."""
+
+    def __init__(self, model: Transformer, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> None:
+        self.model, self.prompt_ids = model, prompt_ids
+        self.cache = KVCache(model.config.num_layers)
+        self.key_valid = prompt_mask.bool()
+        self.positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
+        self.next_position = self.positions[:, -1:] + 1
+
+    def prefill(self) -> torch.Tensor:
+        return _forward(self.model, self.prompt_ids, self.positions, self.key_valid, self.cache)
+
+    def step(self, token: torch.Tensor) -> torch.Tensor:
+        b = token.shape[0]
+        self.key_valid = torch.cat([self.key_valid, torch.ones(b, 1, dtype=torch.bool, device=token.device)], 1)
+        logits = _forward(self.model, token[:, None], self.next_position, self.key_valid, self.cache)
+        self.next_position = self.next_position + 1
+        return logits
+
+
+def _decoder(model: Transformer, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
+             cfg: SamplingConfig) -> tuple[_EagerDecoder | StaticDecoder, str]:
+    """The decoder ``cfg.cuda_graphs`` and the model allow, and how it runs (``Generated.decode``)."""
+    graphed, how = uses_graphs(cfg.cuda_graphs, model)
+    if cfg.cuda_graphs is True and not graphed:
+        raise ConfigError(f"cuda_graphs: true, but the decode step cannot replay from a CUDA graph: "
+                          f"{how.removeprefix('eager (').removesuffix(')')} (set cuda_graphs: auto or false)")
+    if graphed:
+        return StaticDecoder(model, prompt_ids, prompt_mask, cfg.max_new_tokens, graph=True,
+                             strict=cfg.cuda_graphs is True), how
+    return _EagerDecoder(model, prompt_ids, prompt_mask), how
 
 
 @torch.no_grad()
@@ -116,13 +157,11 @@ def generate_batch(model: Transformer, prompts: Sequence[Sequence[int]], cfg: Sa
     stopped = torch.zeros(b, dtype=torch.bool, device=device)
     was_training = model.training
     model.eval()
-    cache = KVCache(model.config.num_layers)
-    key_valid = prompt_mask.bool()
-    positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
-    step_ids, next_pos = prompt_ids, positions[:, -1:] + 1
     try:
+        decoder, how = _decoder(model, prompt_ids, prompt_mask, cfg)
+        logits = decoder.prefill()
         for i in range(n):
-            logits = _forward(model, step_ids, positions, key_valid, cache).float()
+            logits = logits.float()
             scaled = logits / (cfg.temperature if cfg.temperature > 0 else 1.0)
             if cfg.temperature == 0:
                 token = logits.argmax(-1)
@@ -138,17 +177,16 @@ def generate_batch(model: Transformer, prompts: Sequence[Sequence[int]], cfg: Sa
             ended = alive & torch.isin(token, stop)
             done_at = torch.where(ended, i + 1, done_at)
             alive, stopped = alive & ~ended, stopped | ended
-            if not bool(alive.any()):
+            if i == n - 1 or not bool(alive.any()):
                 break
-            step_ids, positions = token[:, None], next_pos
-            next_pos = next_pos + 1
-            key_valid = torch.cat([key_valid, torch.ones(b, 1, dtype=torch.bool, device=device)], 1)
+            logits = decoder.step(token)
     finally:
         model.train(was_training)
+    how = decoder.how if isinstance(decoder, StaticDecoder) else how  # a capture that failed went on eagerly
     length = int(done_at.max())
     completion_mask = (torch.arange(length, device=device)[None] < done_at[:, None]).long()
     return Generated(prompt_ids, prompt_mask, tokens[:, :length] * completion_mask, completion_mask,
-                     logprobs[:, :length] * completion_mask, stopped, entropies[:, :length] * completion_mask)
+                     logprobs[:, :length] * completion_mask, stopped, entropies[:, :length] * completion_mask, how)
 
 
 __all__ = ["Generated", "SamplingConfig", "filter_logits", "generate_batch"]

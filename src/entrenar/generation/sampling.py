@@ -1,4 +1,8 @@
-"""Text generation: greedy at temperature 0, otherwise temperature and nucleus (top-p) sampling."""
+"""Text generation: greedy at temperature 0, otherwise temperature and nucleus (top-p) sampling.
+
+On a CUDA model the decode step replays from a CUDA graph on a static cache (:mod:`entrenar.generation.graphed`)
+where the model allows (``cuda_graphs``); sampling runs on the host either way, so a seed draws the same tokens.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +11,7 @@ from collections.abc import Callable, Iterable
 import torch
 
 from entrenar.errors import ConfigError
+from entrenar.generation.graphed import StaticDecoder, uses_graphs
 from entrenar.models.transformer import KVCache, Transformer, compute_device
 
 
@@ -35,8 +40,11 @@ def generate(
     stop_ids: Iterable[int] = (),
     seed: int | None = None,
     on_token: Callable[[int], None] | None = None,
+    cuda_graphs: str | bool = "auto",
 ) -> list[int]:
-    """Continue `prompt_ids`; returns only the new tokens (a stop token ends generation and is not returned)."""
+    """Continue `prompt_ids`; returns only the new tokens (a stop token ends generation and is not returned).
+    ``cuda_graphs``: auto (the decode step replayed from a CUDA graph where the model allows), True (refuse a
+    model that does not), False (eager)."""
     if not prompt_ids:
         raise ConfigError("generate: the prompt is empty")
     if max_new_tokens < 0:
@@ -49,22 +57,40 @@ def generate(
     generator = None
     if seed is not None:
         generator = torch.Generator(device="cpu").manual_seed(seed)
+    if cuda_graphs not in ("auto", True, False):
+        raise ConfigError(f"generate: cuda_graphs must be auto, true or false, got {cuda_graphs!r}")
+    graphed = False
+    if isinstance(model, Transformer) and max_new_tokens > 1:
+        graphed, how = uses_graphs(cuda_graphs, model)
+        if cuda_graphs is True and not graphed:
+            raise ConfigError(f"generate: cuda_graphs is true, but the decode step cannot replay from a CUDA graph: "
+                              f"{how.removeprefix('eager (').removesuffix(')')}")
     stop = set(stop_ids)
     was_training = model.training
     model.eval()
-    cache = KVCache(model.config.num_layers)
     new: list[int] = []
-    step_input = torch.tensor([prompt_ids], device=device)
     try:
+        decoder = None
+        if graphed:
+            ids = torch.tensor([prompt_ids], device=device)
+            decoder = StaticDecoder(model, ids, torch.ones_like(ids), max_new_tokens, graph=True,
+                                    strict=cuda_graphs is True)
+        cache = KVCache(model.config.num_layers)
+
+        def next_logits(token: int | None) -> torch.Tensor:
+            """The logits after the prompt (``token`` None) or after feeding ``token``."""
+            if decoder is not None:
+                return (decoder.prefill() if token is None else decoder.step(torch.tensor([token], device=device)))[0]
+            return model(torch.tensor([prompt_ids if token is None else [token]], device=device), cache=cache)[0, -1]
+
+        token: int | None = None
         for _ in range(max_new_tokens):
-            logits = model(step_input, cache=cache)[0, -1]
-            token = sample_next(logits.cpu(), temperature, top_p, generator)
+            token = sample_next(next_logits(token).cpu(), temperature, top_p, generator)
             if token in stop:
                 break
             new.append(token)
             if on_token is not None:
                 on_token(token)
-            step_input = torch.tensor([[token]], device=device)
     finally:
         model.train(was_training)
     return new

@@ -9,7 +9,9 @@ LoRA, NF4 and the kernels work alike), and the router is ``mlp.gate``: these fun
 The released checkpoints store the expert weights in MXFP4 (transformers' ``integrations/mxfp4.py``):
 ``{gate_up,down}_proj_blocks`` uint8 [E, out, in / 32, 16] (two FP4 E2M1 codes a byte, low nibble first) and
 ``{gate_up,down}_proj_scales`` uint8 [E, out, in / 32] (a power of two per 32 values, biased by 127); each pair is
-dequantized here as it streams past, and a saved folder holds the full-precision weights.
+dequantized here as it streams past, on the device of the model's experts (on the CPU it takes about half a
+CPU-minute per gpt-oss-20b layer; ``bench/gpt_oss_folder.py --load`` times it), and a saved folder holds the
+full-precision weights.
 """
 
 from __future__ import annotations
@@ -59,9 +61,11 @@ def _interleave(t: torch.Tensor, dim: int) -> torch.Tensor:
     return t.index_select(dim, order)
 
 
-def to_ours(tensors: Iterator[tuple[str, str, torch.Tensor]]) -> Iterator[tuple[str, str, torch.Tensor]]:
+def to_ours(tensors: Iterator[tuple[str, str, torch.Tensor]],
+            device: torch.device | str | None = None) -> Iterator[tuple[str, str, torch.Tensor]]:
     """A gpt-oss checkpoint's (file, name, tensor) stream under the decoder's names and layout; MXFP4 pairs
-    dequantized (to fp32; the model's parameters cast them) once both halves have come."""
+    dequantized (to fp32; the model's parameters cast them) once both halves have come, on ``device`` if given
+    (the model's: the packed bytes cross to a GPU, a quarter of the fp32 weight's size)."""
     pending: dict[str, tuple[str, torch.Tensor]] = {}  # one half of an MXFP4 pair, by the weight's name
     for file_name, name, tensor in tensors:
         match = _EXPERTS.match(name)
@@ -80,6 +84,8 @@ def to_ours(tensors: Iterator[tuple[str, str, torch.Tensor]]) -> Iterator[tuple[
             blocks, scales = (tensor, other) if rest.endswith("_blocks") else (other, tensor)
             if not (rest.endswith("_blocks") ^ other_rest.endswith("_blocks")):
                 raise ModelError(f"{file_name}: tensor '{name}' comes twice")
+            if device is not None:
+                blocks, scales = blocks.to(device), scales.to(device)
             dense = dequantize_mxfp4(blocks, scales)  # [E, out, in]: ours, gate and up interleaved
             yield file_name, weight, _deinterleave(dense, 1) if weight.endswith("gate_up_proj") else dense
         elif rest == "experts.gate_up_proj":

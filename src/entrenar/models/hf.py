@@ -143,8 +143,10 @@ def load_state_into(model: torch.nn.Module, tensors: Iterator[tuple[str, str, to
     sinks = {f"{n}.weight": m for n, m in model.named_modules() if hasattr(m, "load_full_weight")}
     tied = {n for n, p in params.items() if any(p is q for m, q in params.items() if m != n)}
     config = cast(ModelConfig, model.config) if hasattr(model, "config") else None
-    if config is not None and config.model_type == "gpt_oss":
-        tensors = gpt_oss_layout.to_ours(tensors)  # its router's name, its experts' layout, MXFP4 dequantized
+    if config is not None and config.model_type == "gpt_oss":  # its router's name, its experts' layout, MXFP4
+        # dequantized where the experts live (on a GPU, not half a CPU-minute per gpt-oss-20b layer)
+        device = next((p.device for n, p in params.items() if n.endswith("experts.gate_up_proj")), None)
+        tensors = gpt_oss_layout.to_ours(tensors, device)
     pieces = expert_checkpoint_names(config) if config is not None else {}
     stacked = stacked_expert_names(config) if config is not None else {}
     # NF4 experts take each expert's tensors as sinks named mlp.experts.{e}.{gate,up,down}_proj (Mixtral's

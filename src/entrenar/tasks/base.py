@@ -12,7 +12,9 @@ runs once before the first step of a fresh (not resumed) run.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
+
+from entrenar.tasks.layout import TaskLayout
 
 if TYPE_CHECKING:
     import torch
@@ -34,6 +36,7 @@ class Task(Protocol[ModelT]):
 
     name: str  # "causal_lm", "classification": recorded, never branched on by the Trainer
     perplexity: bool  # exp(eval loss) means something (a language model's loss per token): the summary shows it
+    layout: ClassVar[TaskLayout]  # what the run plan reads of its batches, never its name (entrenar.tasks.layout)
 
     def load(self, dtype: str, device: torch.device, quantize: str | None) -> tuple[ModelT, Tokenizer | None]:
         """The model this task trains (the recipe's ``model`` section) and its tokenizer (None: the folder has

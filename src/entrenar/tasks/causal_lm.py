@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
@@ -35,6 +35,7 @@ from entrenar.models.saving import save_model_folder
 from entrenar.models.transformer import Transformer
 from entrenar.quant.qat import master_weights
 from entrenar.tasks.base import Batch, SummaryRow
+from entrenar.tasks.layout import TaskLayout
 from entrenar.train.metrics import read_metrics
 
 if TYPE_CHECKING:
@@ -47,6 +48,7 @@ class CausalLMTask:
     kernels: bool = False  # the plan's: the output projection fused with the loss when the head is plain
     name: str = "causal_lm"
     perplexity: bool = True
+    layout: ClassVar[TaskLayout] = TaskLayout(documents=True, fused_head=True, auto_offload_embeddings=True)
     _head: nn.Linear | None = field(default=None, repr=False)  # set by prepare() when the loss is fused
     _logits_scaling: float = field(default=1.0, repr=False)  # the model's logits divisor (Granite), set by prepare()
     _softcap: float | None = field(default=None, repr=False)  # the model's final-logit soft cap (Gemma)

@@ -21,7 +21,7 @@ a real run's peak RSS.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from entrenar.errors import ConfigError
@@ -267,29 +267,21 @@ def estimate_training_memory(
 ) -> MemoryEstimate:
     """Estimate peak training memory in bytes. `method` is full, lora, qlora, qat or lora-qat.
 
-    `dtype_bytes` is the compute (activation) precision. `param_bytes` is how
-    the weights are stored: full fine-tuning keeps fp32 master weights by
-    default (so weights, gradients and optimizer state are fp32), a LoRA base
-    defaults to the compute precision. AdamW keeps two state tensors per
-    trainable parameter, SGD with momentum one. `fused_loss_chunk` (tokens per
-    chunk) models the fused output-projection loss (its GPU kernel) instead of full logits.
-    `activation_checkpointing` is True (every layer), False, how many layers
-    recompute in backward (spread over the depth as the model spreads them), or
-    which ones;
-    `offload_activations` keeps what layers save in CPU memory
-    (:mod:`entrenar.models.offload`): every layer's but the last's (True) or
-    the first N layers'. `kernels` models the fused
-    kernels' activations (:func:`activation_bytes_per_token_layer`), as
-    `entrenar train` runs on CUDA. `offload_embeddings` keeps a LoRA or QLoRA
-    base's input-embedding table in CPU memory (not a tied one, which the
-    output head needs; full fine-tuning trains it). `offload_weights` streams a
-    QLoRA base's NF4 block weights from CPU memory (:mod:`entrenar.quant.nf4.streaming`):
-    two blocks' are on the GPU at a time (the one running, the next one copied in).
-    An MoE model (``config.num_experts``) counts every expert's weights, the activations of the k experts
-    each token is routed to, and ``lora_target_parameters`` (per-expert adapters).
-    `cpu` estimates the peak resident memory of a training process on the
-    CPU (see the module docstring); `lora_dropout` above 0 adds the masks
-    LoRA dropout keeps there.
+    `dtype_bytes` is the compute (activation) precision. `param_bytes` is how the weights are stored: full
+    fine-tuning keeps fp32 master weights by default (so weights, gradients and optimizer state are fp32), a LoRA
+    base defaults to the compute precision. AdamW keeps two state tensors per trainable parameter, SGD with momentum
+    one. `fused_loss_chunk` (tokens per chunk) models the fused output-projection loss (its GPU kernel) instead of
+    full logits. `activation_checkpointing` is True (every layer), False, how many layers recompute in backward
+    (spread over the depth as the model spreads them), or which ones; `offload_activations` keeps what layers save
+    in CPU memory (:mod:`entrenar.models.offload`): every layer's but the last's (True) or the first N layers'.
+    `kernels` models the fused kernels' activations (:func:`activation_bytes_per_token_layer`), as `entrenar train`
+    runs on CUDA. `offload_embeddings` keeps a LoRA or QLoRA base's input-embedding table in CPU memory (not a tied
+    one, which the output head needs; full fine-tuning trains it). `offload_weights` streams a QLoRA base's NF4
+    block weights from CPU memory (:mod:`entrenar.quant.nf4.streaming`): two blocks' are on the GPU at a time (the
+    one running, the next one copied in). An MoE model (``config.num_experts``) counts every expert's weights, the
+    activations of the k experts each token is routed to, and ``lora_target_parameters`` (per-expert adapters).
+    `cpu` estimates the peak resident memory of a training process on the CPU (see the module docstring);
+    `lora_dropout` above 0 adds the masks LoRA dropout keeps there.
 
     QAT (``qat``: full fine-tuning, ``lora-qat``: LoRA) trains with fake quantization, so the weights stay in full
     precision (or the base's dtype) whatever the bit width: it costs what full fine-tuning or LoRA costs, plus
@@ -303,14 +295,7 @@ def estimate_training_memory(
     the layer keeps the MLP's input instead of its activations, and its backward holds one tile's. A GPU estimate
     (not ``cpu``) adds the transients of one layer's backward (``transient``, :func:`backward_transients`).
     """
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
-    qat, method = method in ("qat", "lora-qat"), {"qat": "full", "lora-qat": "lora"}.get(method, method)
-    if optimizer not in ("adamw", "sgd"):
-        raise ValueError(f"optimizer must be adamw or sgd, got {optimizer!r}")
-    if param_bytes is None:
-        param_bytes = 4 if method == "full" else dtype_bytes
-    states = 2 if optimizer == "adamw" else 1
+    qat, method, param_bytes, states = _resolve_method(method, optimizer, param_bytes, dtype_bytes)
     trainable, weights, gradients, optimizer_bytes = _model_state(
         config, method, param_bytes, states, lora_r, lora_targets, lora_target_parameters, offload_embeddings,
         offload_weights)
@@ -328,17 +313,26 @@ def estimate_training_memory(
         _add_qat_terms(estimate, config, method, tokens, dtype_bytes, param_bytes, states, activation_checkpointing,
                        cpu, qat_group_size, qat_activations)
     if cpu:
-        _add_cpu_terms(estimate, config, method, tokens, dtype_bytes, param_bytes, lora_targets, lora_dropout, kernels)
-        if fused_loss_chunk:
-            # The fused loss's PyTorch path (a CPU's) holds its chunk's logits upcast to fp32 and their fp32
-            # log-probabilities beside the chunk itself, at the end of forward, when every activation is alive.
-            chunk = min(tokens, fused_loss_chunk) * config.vocab_size
-            estimate.logits += chunk * ((4 if dtype_bytes < 4 else 0) + 4)
-            estimate.allocator = CPU_ALLOCATOR_SLACK * (estimate.activations + estimate.logits + estimate.casts)
+        _add_cpu_terms(estimate, config, method, tokens, dtype_bytes, param_bytes, lora_targets, lora_dropout, kernels,
+                       fused_loss_chunk)
     return estimate
 
 
 METHODS = ("full", "lora", "qlora", "qat", "lora-qat")
+
+
+def _resolve_method(method: str, optimizer: str, param_bytes: int | None, dtype_bytes: int
+                    ) -> tuple[bool, str, int, int]:
+    """(QAT or not, the method it trains as: full, lora or qlora, the weights' bytes a parameter, the optimizer's
+    state tensors a trainable parameter) of :func:`estimate_training_memory`'s arguments, which it checks."""
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
+    qat, method = method in ("qat", "lora-qat"), {"qat": "full", "lora-qat": "lora"}.get(method, method)
+    if optimizer not in ("adamw", "sgd"):
+        raise ValueError(f"optimizer must be adamw or sgd, got {optimizer!r}")
+    if param_bytes is None:
+        param_bytes = 4 if method == "full" else dtype_bytes
+    return qat, method, param_bytes, 2 if optimizer == "adamw" else 1
 
 
 def longest_seq_len(config: ModelConfig, method: str, memory_bytes: float, limit: int = 2**24,
@@ -563,7 +557,8 @@ def _logits(config: ModelConfig, tokens: int, dtype_bytes: int, fused_loss_chunk
 
 
 def _add_cpu_terms(e: MemoryEstimate, config: ModelConfig, method: str, tokens: int, dtype_bytes: int,
-                   param_bytes: int, targets: list[str] | str, dropout: float, kernels: bool) -> None:
+                   param_bytes: int, targets: list[str] | str, dropout: float, kernels: bool,
+                   fused_loss_chunk: int | None = None) -> None:
     """What a CPU process holds beyond the tensors a GPU count sees (module docstring)."""
     e.runtime = CPU_RUNTIME_BYTES
     shapes = linear_shapes(config)
@@ -579,6 +574,11 @@ def _add_cpu_terms(e: MemoryEstimate, config: ModelConfig, method: str, tokens: 
         # fp32 adapters under autocast: lora_A gets its own bf16 copy of the projection's input. Dropout on the CPU
         # multiplies by a noise tensor of the fp32 adapter input's dtype and keeps it for backward (not a bool mask).
         e.activations += tokens * widths * ((dtype_bytes if dtype_bytes < 4 else 0) + (4 if dropout > 0 else 0))
+    if fused_loss_chunk:
+        # The fused loss's PyTorch path (a CPU's) holds its chunk's logits upcast to fp32 and their fp32
+        # log-probabilities beside the chunk itself, at the end of forward, when every activation is alive.
+        chunk = min(tokens, fused_loss_chunk) * config.vocab_size
+        e.logits += chunk * ((4 if dtype_bytes < 4 else 0) + 4)
     e.allocator = CPU_ALLOCATOR_SLACK * (e.activations + e.logits + e.casts)
 
 
@@ -621,6 +621,5 @@ def per_device(estimate: MemoryEstimate, config: ModelConfig, nproc: int, parall
     if estimate.method == "qlora":  # entrenar.quant.nf4.sharding: blocks' norms and adapters are small beside these
         largest = config.hidden_size * config.intermediate_size
         gathered = root * dtype_bytes + largest * (NF4_BYTES_PER_PARAM + dtype_bytes)
-    return MemoryEstimate(estimate.method, estimate.total_params, estimate.trainable_params,
-                          estimate.weights / nproc + gathered, estimate.gradients / nproc, estimate.optimizer / nproc,
-                          estimate.activations, estimate.logits, fake_quant=estimate.fake_quant)
+    return replace(estimate, weights=estimate.weights / nproc + gathered,
+                   gradients=estimate.gradients / nproc, optimizer=estimate.optimizer / nproc)

@@ -44,13 +44,14 @@ from entrenar.loading import recipe_model_config
 from entrenar.models.config import ModelConfig
 from entrenar.models.padding_free import rows_by_document
 from entrenar.models.transformer import checkpointed_layer_indices, offloaded_layer_indices
-from entrenar.tasks.preference import reference_of, share_prompt_of
+from entrenar.tasks import TaskLayout, layout_of
 from entrenar.train.memory import (
     PROJECTION_NAMES,
     GiB,
     MemoryEstimate,
     estimate_training_memory,
     longest_fitting,
+    per_device,
 )
 from entrenar.train.optim import use_fused
 
@@ -117,24 +118,26 @@ class RunPlan:
         SDPA off flash and computes the blocks across documents; on a CPU only where the documents outweigh
         their calls (hidden size x mean example length, :func:`rows_by_document`). Padding-free rows: on a CPU
         where rows attend by document, since nothing there gains from fixed shapes; off on a GPU, whose graphs
-        replay fixed rows, except for preference pairs, which no graph replays: a LoRA DPO step on the
-        Llama-3.2-1B shape ran 57.7k tokens/s at 9.15 GiB padding-free against 30.2k at 16.5 GiB under a document
-        mask (one H200, 2026-11-26, bench/bench_dpo.py)."""
+        replay fixed rows, except for rows no graph replays (``TaskLayout.no_cuda_graphs``: preference pairs): a
+        LoRA DPO step on the Llama-3.2-1B shape ran 57.7k tokens/s at 9.15 GiB padding-free against 30.2k at
+        16.5 GiB under a document mask (one H200, 2026-11-26, bench/bench_dpo.py). ``task``: the task's name
+        (``task.type``), whose :class:`~entrenar.tasks.layout.TaskLayout` says what its rows hold."""
         recipe, config = self._recipe, self._config
         assert recipe is not None and config is not None and config.head_dim is not None  # set by ModelConfig
-        by_document = task in ("causal_lm", "preference") and rows_by_document(
+        layout = layout_of(task)
+        by_document = layout.documents and rows_by_document(
             config.qk_head_dim if config.is_mla else config.head_dim, self.device, self.compute_dtype,
             config.sliding_window, compiled=self.compile,
             document_work=config.hidden_size * mean_example_tokens)
         setting = recipe.data.padding_free
         flat = setting if isinstance(setting, bool) else by_document and (self.device.type == "cpu"
-                                                                          or task == "preference")
+                                                                          or layout.no_cuda_graphs is not None)
         flat = flat or self.context_parallel > 1  # context parallelism splits padding-free rows (checked: not false)
         reason = "padding-free rows" if flat else ("packed rows, attention by document" if by_document
                                                    else "rows under a document mask")
         reason = f"{reason} (data.padding_free: {setting})"
-        if task == "preference":
-            reason += "; " + share_prompt_of(recipe, flat, config.hidden_size, self.device.type)[1]
+        if layout.prompt_sharing is not None:
+            reason += "; " + layout.prompt_sharing(recipe, flat, config.hidden_size, self.device.type)[1]
         return RowLayout(flat=flat, by_document=by_document and not flat, reason=reason)
 
     def steps(self, epoch_rows: int) -> tuple[int, str]:
@@ -172,6 +175,11 @@ class _Facts:
     available: tuple[int, str] | None = None  # bytes free on the device, and where the number comes from
     force: bool = False  # `entrenar train --force`: start even when the estimate is above what is free
     flat: bool = False  # ddp reduces one flat gradient buffer a step, outside any graph (FLAT_GRADIENTS_MAX_BYTES)
+
+    @property
+    def layout(self) -> TaskLayout:
+        """What the recipe's task tells the plan about its batches."""
+        return layout_of(self.recipe.task.type)
 
     @property
     def needed(self) -> float:
@@ -215,11 +223,14 @@ REFUSALS: tuple[Refusal, ...] = (
     _gpu_only("cuda_graphs"),
     _gpu_only("offload_activations"),
     _gpu_only("offload_embeddings"),
+    Refusal("task.decode_cuda_graphs", lambda f: f.recipe.task.decode_cuda_graphs is True
+            and f.device.type != "cuda",
+            lambda f: f"task.decode_cuda_graphs: the decode step replays from a CUDA graph on a CUDA device; this "
+                      f"run is on {f.device} (leave it auto)"),
     Refusal("training.cuda_graphs",
-            lambda f: f.recipe.task.type != "causal_lm" and f.recipe.training.cuda_graphs is True,
-            lambda f: f"training.cuda_graphs: graphs replay causal-LM micro-batches of fixed rows; a "
-                      f"{f.recipe.task.type} task's batches vary in layout (turn cuda_graphs off or leave it "
-                      "auto)"),
+            lambda f: f.layout.no_cuda_graphs is not None and f.recipe.training.cuda_graphs is True,
+            lambda f: f"training.cuda_graphs: graphs replay causal-LM micro-batches of fixed rows; "
+                      f"{f.layout.no_cuda_graphs} (turn cuda_graphs off or leave it auto)"),
     Refusal("training.cuda_graphs", lambda f: f.mode != "single" and not f.flat
             and f.recipe.training.cuda_graphs is True,
             lambda f: f"training.cuda_graphs: the gradient reduction of {f.mode} runs outside a captured graph; "
@@ -343,6 +354,9 @@ def plan_run(recipe: Recipe, device: torch.device, world: World, config: ModelCo
             compile=t.compile, cuda_graphs=t.cuda_graphs is True)))
     accumulation = micro_batches_per_rank(t.batch_size, t.grad_accum, t.global_batch_size, world.size // cp)
     decided = replica if mode == replica.mode else _decide(recipe, device, mode, config, triton, method)
+    if mode == "fsdp":  # each rank holds its shard of the weights, gradients and optimizer state
+        decided = dataclasses.replace(decided, memory=per_device(
+            decided.memory, config, world.size, "fsdp", dtype_bytes=2 if t.precision != "fp32" else 4))
     reasons += decided.reasons
     available = available if available is not None else available_memory(device)
     facts = _Facts(recipe, device, world, mode, decided.memory, available, force, flat=flat)
@@ -388,7 +402,7 @@ class _Decided:
 def _decide(recipe: Recipe, device: torch.device, mode: str, config: ModelConfig, triton: bool,
             method: str) -> _Decided:
     t, lora = recipe.training, recipe.lora
-    cuda, single, causal = device.type == "cuda", mode == "single", recipe.task.type == "causal_lm"
+    cuda, single, layout = device.type == "cuda", mode == "single", layout_of(recipe.task.type)
     reasons: list[tuple[str, str]] = []
 
     # auto on a CPU: the fused LoRA node and the chunked loss, in PyTorch (no full logits; docs/PERFORMANCE.md).
@@ -412,8 +426,8 @@ def _decide(recipe: Recipe, device: torch.device, mode: str, config: ModelConfig
     # The run trades speed for memory already; the GPU reads a batch's rows over PCIe in well under a
     # millisecond. A tied table is the output head's weight too, and a trained one cannot stay on the host.
     offload_embeddings = t.offload_embeddings if isinstance(t.offload_embeddings, bool) else (
-        cuda and single and causal and lora is not None and t.activation_checkpointing is True and triton
-        and not config.tie_word_embeddings)
+        cuda and single and layout.auto_offload_embeddings and lora is not None and t.activation_checkpointing is True
+        and triton and not config.tie_word_embeddings)
     reasons.append(("training.offload_embeddings", _auto(t.offload_embeddings, offload_embeddings,
                                                          "LoRA on one GPU with every layer checkpointed, untied")))
 
@@ -424,9 +438,9 @@ def _decide(recipe: Recipe, device: torch.device, mode: str, config: ModelConfig
     # Full fine-tuning measured no faster under graphs and 4 GiB heavier (docs/PERFORMANCE.md); QAT's step-size
     # initialisation reads the device once, which a graph cannot. Flat DDP gradients reduce outside the graph.
     cuda_graphs = t.cuda_graphs if isinstance(t.cuda_graphs, bool) else (
-        cuda and (single or flat) and causal and recipe.data.packing and lora is not None and recipe.qat is None
-        and recipe.data.padding_free is not True and not t.compile and t.precision != "fp16" and not t.tiled_mlp
-        and t.context_parallel == 1)  # split rows are padding-free
+        cuda and (single or flat) and layout.no_cuda_graphs is None and recipe.data.packing and lora is not None
+        and recipe.qat is None and recipe.data.padding_free is not True and not t.compile and t.precision != "fp16"
+        and not t.tiled_mlp and t.context_parallel == 1)  # split rows are padding-free
     reasons.append(("training.cuda_graphs", _auto(t.cuda_graphs, cuda_graphs,
                                                   "LoRA on packed rows on one GPU or under ddp, eager, "
                                                   "bf16/fp32, MLP whole")))
@@ -444,16 +458,39 @@ def _decide(recipe: Recipe, device: torch.device, mode: str, config: ModelConfig
 
     compute_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(t.precision) or \
         _weights_dtype(recipe, device, lora is None)
-    if recipe.task.type == "preference":  # the reference model, and what it costs
-        reference, why = reference_of(recipe)
+    if layout.reference is not None:  # the reference model, and what it costs
+        reference, why = layout.reference(recipe)
         if reference == "copy" and mode == "fsdp":  # the copy is made before sharding: a whole model per rank
             raise ConfigError("task.reference: a frozen copy is not sharded under FSDP (each rank would hold the "
                               "whole model); use task.reference: precomputed, or LoRA (adapters_off)")
         reasons.append(("task.reference", f"{reference} ({why})"))
         if reference == "copy":
             memory = dataclasses.replace(memory, reference=memory.weights)
+    if recipe.task.type == "grpo":
+        reasons.append(("task.decode_cuda_graphs", _decode_graphs(recipe, device, mode, offload_weights,
+                                                                  offload_embeddings)))
     return _Decided(mode, kernels, offload_weights, offload_embeddings, cuda_graphs, overlap, compute_dtype, memory,
                     reasons, flat)
+
+
+def _decode_graphs(recipe: Recipe, device: torch.device, mode: str, offload_weights: bool,
+                   offload_embeddings: bool) -> str:
+    """The dry run's line for GRPO's sampler: whether its decode step replays from a CUDA graph
+    (:func:`entrenar.generation.graphed.graph_refusal` decides again on the built model: MoE experts, hooks)."""
+    setting = recipe.task.decode_cuda_graphs
+    why = ("a CUDA device" if device.type != "cuda" else
+           "FSDP gathers the weights in forward hooks" if mode == "fsdp" else
+           "the NF4 base streams from CPU memory (training.offload_weights)" if offload_weights else
+           "the blocks run through torch.compile (training.compile)" if recipe.training.compile else
+           "the input-embedding table stays in CPU memory (training.offload_embeddings)" if offload_embeddings
+           else None)
+    if setting is True and why is not None and device.type == "cuda":
+        raise ConfigError(f"task.decode_cuda_graphs: true, but the decode step cannot replay from a CUDA graph: "
+                          f"{why} (set it to auto or false)")
+    on = setting is not False and why is None
+    if setting == "auto" and why is not None:
+        return f"off (auto: {why})" if device.type == "cuda" else "off (auto: on only on a CUDA device)"
+    return _auto(setting, on, "a CUDA device; eager where the built model cannot replay (docs/RL.md)")
 
 
 def _flat_reason(flat: bool, gradient_bytes: float) -> str:
@@ -495,10 +532,9 @@ def _estimate(recipe: Recipe, config: ModelConfig, device: torch.device, method:
         targets = sorted(set(chosen) & set(PROJECTION_NAMES))
     elif chosen != "all-linear":
         targets = [name for name in PROJECTION_NAMES if name in chosen]  # a regex: the names it spells
-    head_is_plain = recipe.task.type in ("causal_lm", "preference") and (
-        lora is None or "lm_head" not in lora.target_modules)  # preference: log-probabilities chunk by chunk
-    # A preference micro-batch holds two sequences a pair (KTO: an example and its mismatched KL sequence).
-    rows = t.batch_size * (2 if recipe.task.type == "preference" else 1)
+    layout = layout_of(recipe.task.type)
+    head_is_plain = layout.fused_head and (lora is None or "lm_head" not in lora.target_modules)
+    rows = t.batch_size * layout.sequences_per_example
     tokens = -(-recipe.data.seq_len // t.context_parallel)  # context parallelism: each rank's slice of the row
     return estimate_training_memory(
         config, method, rows, tokens, dtype_bytes=2 if t.precision != "fp32" else 4,

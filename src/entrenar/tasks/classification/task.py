@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 import torch
@@ -39,6 +39,7 @@ from entrenar.tasks.classification.evaluation import (
 from entrenar.tasks.classification.labels import LabelSpec, label_spec
 from entrenar.tasks.classification.loss import loss_sum
 from entrenar.tasks.classification.saving import save_result, update_classifier_file
+from entrenar.tasks.layout import TaskLayout
 from entrenar.train.metrics import read_metrics
 
 if TYPE_CHECKING:
@@ -59,6 +60,7 @@ class ClassificationTask:
     best_step: int | None = None
     name: str = "classification"
     perplexity: bool = False  # exp(cross-entropy over labels) is no perplexity; the metrics rows say how it did
+    layout: ClassVar[TaskLayout] = TaskLayout(no_cuda_graphs="a classification task's batches vary in layout")
     _weight_tensor: dict = field(default_factory=dict)
     _step_counts: torch.Tensor | None = field(default=None, repr=False)  # (correct, total) of this step so far
 

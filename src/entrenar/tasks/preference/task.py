@@ -17,7 +17,7 @@ import copy
 from collections.abc import Iterator
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
@@ -35,6 +35,7 @@ from entrenar.io.run_dir import METRICS_FILE
 from entrenar.models.transformer import Transformer, compute_device
 from entrenar.tasks.base import Batch, SummaryRow
 from entrenar.tasks.causal_lm import CausalLMTask
+from entrenar.tasks.layout import TaskLayout
 from entrenar.tasks.preference import losses as L
 from entrenar.tasks.preference.logprobs import sequence_logprobs
 from entrenar.tasks.preference.precomputed import (
@@ -135,6 +136,12 @@ class PreferenceTask:
     kernels: bool = False  # the plan's; log-probabilities are chunked either way
     name: str = "preference"
     perplexity: bool = False
+    # Two sequences an example; log-probabilities read the head chunk by chunk; pairs vary in layout, so no graph
+    # replays them and auto rows are padding-free on a GPU too (RunPlan.rows).
+    layout: ClassVar[TaskLayout] = TaskLayout(
+        sequences_per_example=2, documents=True, fused_head=True,
+        no_cuda_graphs="a preference task's batches vary in layout", reference=reference_of,
+        prompt_sharing=share_prompt_of)
     _lm: CausalLMTask = field(init=False, repr=False)
     _head: nn.Linear | None = field(default=None, repr=False)
     _model: nn.Module | None = field(default=None, repr=False)

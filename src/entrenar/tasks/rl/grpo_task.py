@@ -22,7 +22,7 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 import torch
@@ -39,6 +39,7 @@ from entrenar.generation.batched import SamplingConfig, generate_batch
 from entrenar.models.transformer import Transformer, compute_device
 from entrenar.tasks.base import Batch, SummaryRow
 from entrenar.tasks.causal_lm import CausalLMTask
+from entrenar.tasks.layout import TaskLayout
 from entrenar.tasks.rl.logprobs import completion_logprobs, plain_head
 from entrenar.tasks.rl.objective import Objective, grpo_loss
 from entrenar.tasks.rl.rewards import Reward, resolve, score
@@ -191,7 +192,7 @@ def settings_of(recipe: Recipe, stop_ids: Sequence[int] = ()) -> GRPOSettings:
     """The engine's settings from the recipe's ``task`` section."""
     t = recipe.task
     sampling = SamplingConfig(max_new_tokens=t.max_new_tokens, temperature=t.temperature, top_k=t.top_k,
-                              top_p=t.top_p, min_p=t.min_p)
+                              top_p=t.top_p, min_p=t.min_p, cuda_graphs=t.decode_cuda_graphs)
     objective = Objective(loss_type=t.loss_type, beta=t.kl_beta, epsilon=t.epsilon, epsilon_high=t.epsilon_high,
                           importance_sampling_level=t.importance_sampling_level,
                           max_completion_length=t.max_new_tokens, scale_rewards=t.scale_rewards)
@@ -216,6 +217,7 @@ class GRPOTask:
     kernels: bool = False
     name: str = "grpo"
     perplexity: bool = False
+    layout: ClassVar[TaskLayout] = TaskLayout(no_cuda_graphs="a grpo task's batches vary in layout")
     _lm: CausalLMTask = field(init=False, repr=False)
     _engine: GRPO | None = field(default=None, repr=False)
     _model: Transformer | None = field(default=None, repr=False)
@@ -361,7 +363,8 @@ class GRPOTask:
         micro-batches)."""
         t = self.recipe.training
         rewards, settings = rewards_of(self.recipe), settings_of(self.recipe, tokenizer.eos_ids)
-        greedy = SamplingConfig(max_new_tokens=settings.sampling.max_new_tokens, temperature=0.0)
+        greedy = SamplingConfig(max_new_tokens=settings.sampling.max_new_tokens, temperature=0.0,
+                                cuda_graphs=settings.sampling.cuda_graphs)
         starts = list(range(0, len(examples), t.batch_size))
         starts = starts[:t.eval_batches] if t.eval_batches else starts
         totals: list[torch.Tensor] = []

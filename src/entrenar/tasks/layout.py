@@ -1,0 +1,47 @@
+"""What a task tells the run plan about its batches, so the plan decides without asking which task it runs.
+
+Each task class declares its :class:`TaskLayout` (``layout``, a class attribute) and
+:func:`entrenar.tasks.layout_of` finds it from ``task.type``. The plan (:mod:`entrenar.train.plan`) reads these
+facts where it used to test task names: how many sequences the memory estimate counts for an example, whether
+packed rows may attend document by document or lie padding-free, whether the loss can read the output head
+chunk by chunk, whether a CUDA graph can replay a micro-batch, and what the reference model is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from entrenar.config import Recipe
+
+
+@dataclass(frozen=True)
+class TaskLayout:
+    """A task's batches as the plan sees them; the defaults are a task that none of the plan's levers reach."""
+
+    # Sequences the model runs for one example of a micro-batch (a preference pair: two; KTO: the example and its
+    # mismatched KL sequence): the memory estimate's rows per example.
+    sequences_per_example: int = 1
+    # Rows packed from whole documents, which may attend document by document (the variable-length kernel) or be
+    # laid out padding-free (data.padding_free: auto considers it; other rows stay padded).
+    documents: bool = False
+    # The loss reads the output head's products chunk by chunk (no [tokens, vocab] logits) when the kernels are
+    # on and LoRA leaves the head plain: the memory estimate's fused loss.
+    fused_head: bool = False
+    # Why a captured CUDA graph cannot replay this task's micro-batches (training.cuda_graphs: true is refused with
+    # it, auto stays off, and auto rows may be padding-free on a GPU); None: graphs replay them.
+    no_cuda_graphs: str | None = None
+    # training.offload_embeddings: auto may keep the frozen input table in host memory (measured on causal-LM
+    # LoRA steps only, docs/PERFORMANCE.md).
+    auto_offload_embeddings: bool = False
+    # ``(reference, why)``: what task.reference becomes for a recipe (a frozen "copy" costs the weights again);
+    # None: the task has no reference model.
+    reference: Callable[[Recipe], tuple[str, str]] | None = None
+    # ``(shared, why)`` for (recipe, padding_free, hidden_size, device_type): whether a pair's prompt is computed
+    # once for both completions; the reason is added to the row layout's line. None: no prompts to share.
+    prompt_sharing: Callable[[Recipe, bool, int | None, str], tuple[bool, str]] | None = None
+
+
+__all__ = ["TaskLayout"]
