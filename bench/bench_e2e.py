@@ -99,25 +99,34 @@ so a second call on the warm machine runs `--rows unsloth-no-ckpt,entrenar-match
 from __future__ import annotations
 
 import argparse
-import datetime
-import importlib.metadata
 import json
 import os
-import platform
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-import yaml
-
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-GiB = 2**30
-PEAK_BF16_FLOPS = 989.4e12
+from common import (  # noqa: E402 (the end-to-end benchmarks' shared helpers)
+    GiB,
+    bases_that_ran,
+    device,
+    failed_line,
+    logged_steps,
+    model_vocab,
+    peak_bytes,
+    ratio,
+    ratio_cells,
+    ratio_headers,
+    run_recipe,
+    summarise,
+    write_results,
+)
+from common import run_row_process as run_row  # noqa: E402
+
 LORA = {"r": 16, "alpha": 32}
 LR = 1e-4
 EXPERT_TARGETS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]  # recipes/moe-qwen3-lora.yaml's
@@ -297,12 +306,6 @@ def case_for(name: str, steps: int, tiny: bool, cases: dict[str, dict] | None = 
     return case
 
 
-def device() -> str:
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
 # ---------------------------------------------------------------- inputs
 
 
@@ -429,18 +432,6 @@ def wrapped_batches(batches: list[dict], more: list[dict]) -> list[dict]:
 # ---------------------------------------------------------------- rows
 
 
-def summarise(step_s: list[float], tokens: list[int], losses: list[float], skip: int, flops_per_token: float,
-              peak_bytes: float | None, wall_s: float) -> dict:
-    timed = list(range(min(skip, len(step_s) - 1), len(step_s)))
-    rates = [tokens[i] / step_s[i] for i in timed if step_s[i] > 0]
-    tps = statistics.median(rates) if rates else None
-    return {"tokens_per_s": tps, "step_ms_median": statistics.median(step_s[i] for i in timed) * 1e3,
-            "mfu": tps * flops_per_token / PEAK_BF16_FLOPS if tps else None,
-            "peak_gib": peak_bytes / GiB if peak_bytes else None, "loss_first": losses[0] if losses else None,
-            "loss_last": losses[-1] if losses else None, "losses": losses, "steps": len(step_s), "wall_s": wall_s,
-            "tokens_per_step": statistics.median(tokens) if tokens else None}
-
-
 def run_entrenar(case_name: str, case: dict, folder: Path, text: Path, work: Path, fast: bool, skip: int,
                  flops: float, overrides: tuple[str, ...] = (), matched: dict | None = None) -> dict:
     mode = "matched" if matched else "fast" if fast else "default"
@@ -451,31 +442,14 @@ def run_entrenar(case_name: str, case: dict, folder: Path, text: Path, work: Pat
     if device() == "cpu" and case.get("device") != "cpu":  # --tiny without CUDA: CUDA-only settings left out
         for key in ("cuda_graphs", "offload_activations", "offload_embeddings", "offload_weights"):
             recipe["training"].pop(key, None)
-    recipe_path.write_text(yaml.safe_dump(recipe, sort_keys=False))
-    started = time.perf_counter()
-    sets = [a for o in overrides for a in ("--set", o)]
-    returncode, output, max_rss = run_process(
-        [sys.executable, "-m", "entrenar.cli.main", "train", str(recipe_path), "--no-progress", *sets],
-        work / f"{case_name}-{mode}.log", {**os.environ, "PYTHONUNBUFFERED": "1"})
-    wall = time.perf_counter() - started
+    returncode, output, max_rss, wall = run_recipe(recipe, recipe_path, work / f"{case_name}-{mode}.log", overrides)
     if returncode != 0:
         return {"status": "failed", "error": output[-2000:], "recipe": recipe}
-    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    steps = [r for r in lines if "loss" in r and r.get("tokens")]
+    steps = logged_steps(run_dir)
     step_s = [r["tokens"] / r["tokens_per_s"] for r in steps]
-    on_cpu = case.get("device") == "cpu"
-    peak = max_rss if on_cpu else max((r.get("peak_mem_gb") or 0) for r in steps) * 1e9
+    peak = peak_bytes(steps, max_rss, on_cpu=case.get("device") == "cpu")
     out = summarise(step_s, [r["tokens"] for r in steps], [r["loss"] for r in steps], skip, flops, peak, wall)
     return {"status": "ok", **out, "recipe": recipe}
-
-
-def run_process(cmd: list[str], log: Path, env: dict | None = None) -> tuple[int, str, int]:
-    """(exit code, output, peak resident bytes) of a command run to its end; the peak is the child's own."""
-    with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
-        _, status, usage = os.wait4(proc.pid, 0)
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    return proc.returncode, log.read_text(), usage.ru_maxrss * 1024  # kilobytes on Linux
 
 
 def run_hf(case: dict, folder: Path, tokenizer_dir: Path, text: Path, row: str, skip: int, flops: float) -> dict:
@@ -658,23 +632,12 @@ def run_unsloth(case: dict, folder: Path, tokenizer_dir: Path, text: Path, row: 
 
 
 def run_row_process(row: str, case_name: str, folder: Path, args: argparse.Namespace) -> dict:
-    """A transformers row in a fresh process, so neither stack's memory counts against the other."""
+    """A transformers or Unsloth row in a fresh process, so neither stack's memory counts against the other."""
     out = Path(args.work) / f"{case_name}-{row}.json"
     cmd = [sys.executable, __file__, "--hf-row", row, "--cases", case_name, "--folder", str(folder),
            "--text", args.text, "--tokenizer", args.tokenizer, "--work", args.work, "--skip", str(args.skip),
            "--out", str(out)]
-    if args.steps:
-        cmd += ["--steps", str(args.steps)]
-    if args.tiny:
-        cmd += ["--tiny"]
-    out.unlink(missing_ok=True)
-    returncode, output, max_rss = run_process(cmd, out.with_suffix(".log"))
-    if returncode != 0 or not out.is_file():
-        return {"status": "failed", "error": output[-2000:]}
-    result = json.loads(out.read_text())
-    if result.get("status") == "ok" and result.get("peak_gib") is None:
-        result["peak_gib"] = max_rss / GiB
-    return result
+    return run_row(cmd, out, args)
 
 
 # ---------------------------------------------------------------- report
@@ -684,10 +647,9 @@ def print_table(results: list[dict]) -> None:
     """One line per case and row; with several repeats, the median over them (and min-max of tokens/s). The
     ratios to a baseline row are medians of per-repeat ratios (rows of one repeat ran minutes apart); a column
     for each baseline row that ran (``vs hf-bf16-wrapped``: against that row on group_texts batches)."""
-    bases = [b for b in ROWS if (b.startswith("hf") or b in UNSLOTH_ROWS)
-             and any(r["row"] == b and r["status"] == "ok" for r in results)]
+    bases = bases_that_ran((b for b in ROWS if b.startswith("hf") or b in UNSLOTH_ROWS), results)
     header = (f"{'case':<13}{'row':<17}{'tok/s':>9}{'min-max':>14}{'MFU':>6}{'peak GiB':>9}"
-              + "".join(f"{'vs ' + b:>{len(b) + 5}}" for b in bases) + f"{'mem/liger':>10}{'mem/unsloth':>12}"
+              + ratio_headers(bases, "vs ") + f"{'mem/liger':>10}{'mem/unsloth':>12}"
               + f"{'loss first->last':>20}")
     print(header)
     keys = list(dict.fromkeys((r["case"], r["row"]) for r in results))
@@ -695,22 +657,15 @@ def print_table(results: list[dict]) -> None:
         runs = [r for r in results if (r["case"], r["row"]) == (case, row)]
         ok = [r for r in runs if r["status"] == "ok"]
         if not ok:
-            print(f"{case:<13}{row:<17}{runs[-1]['status']}: {str(runs[-1].get('error', ''))[-160:]!r}")
+            print(failed_line(case, row, runs[-1], (13, 17)))
             continue
-
-        def ratio(key: str, base: str) -> str:
-            pairs = [r[key] / b[key] for r in ok for b in results
-                     if (b["case"], b["row"], b.get("repeat")) == (case, base, r.get("repeat"))
-                     and b["status"] == "ok" and b.get(key) and r.get(key)]
-            return f"{statistics.median(pairs):.2f}" if pairs else "-"
-
         median = lambda key: statistics.median(r[key] or 0 for r in ok)  # noqa: E731
         tps = [r["tokens_per_s"] for r in ok]
         spread = f"{min(tps):.0f}-{max(tps):.0f}" if len(tps) > 1 else ""
         mfu = f"{median('mfu'):6.1%}" if ok[0]["mfu"] and case not in CPU_CASES else f"{'-':>6}"
         print(f"{case:<13}{row:<17}{median('tokens_per_s'):9.0f}{spread:>14}{mfu}{median('peak_gib'):9.2f}"
-              + "".join(f"{ratio('tokens_per_s', b):>{len(b) + 5}}" for b in bases)
-              + f"{ratio('peak_gib', 'hf-liger'):>10}{ratio('peak_gib', 'unsloth'):>12}"
+              + ratio_cells(results, ok, bases, "tokens_per_s", "vs ")
+              + f"{ratio(results, ok, 'hf-liger', 'peak_gib'):>10}{ratio(results, ok, 'unsloth', 'peak_gib'):>12}"
               + f"{ok[0]['loss_first']:10.4f} ->{ok[0]['loss_last']:8.4f}")
 
 
@@ -740,8 +695,7 @@ def main(argv: list[str] | None = None) -> None:
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     tokenizer_dir, text = Path(args.tokenizer), Path(args.text)
-    vocab = json.loads((tokenizer_dir / "tokenizer.json").read_text())["model"]["vocab"]
-    vocab_size = 49152 if len(vocab) <= 49152 else len(vocab)
+    vocab_size = model_vocab(tokenizer_dir)
 
     if args.hf_row:  # one transformers or Unsloth row, called by run_row_process
         unsloth_why = import_unsloth()[1] if args.hf_row in UNSLOTH_ROWS else ""  # before transformers
@@ -824,27 +778,6 @@ def dry_run(args: argparse.Namespace, vocab_size: int) -> None:
                         "target_modules": case.get("target_modules", "all-linear"),
                         "target_parameters": case.get("target_parameters")}
             print(f"[{case_name}] {ROW_LABELS.get(row, row)}: {json.dumps(what)}")
-
-
-def write_results(out: str, results: list[dict]) -> None:
-    import torch
-
-    if out:
-        env = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-               "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-               "torch": torch.__version__, "python": platform.python_version(), "argv": sys.argv[1:],
-               "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads()}
-        for name in ("transformers", "peft", "bitsandbytes", "liger_kernel", "triton"):
-            try:
-                env[name] = __import__(name).__version__
-            except Exception:  # noqa: BLE001 (a missing package is recorded as missing)
-                env[name] = None
-        for name in ("unsloth", "unsloth_zoo"):  # from their metadata: importing Unsloth patches transformers
-            try:
-                env[name] = importlib.metadata.version(name)
-            except importlib.metadata.PackageNotFoundError:
-                env[name] = None
-        Path(out).write_text(json.dumps({"environment": env, "results": results}, indent=1))
 
 
 if __name__ == "__main__":

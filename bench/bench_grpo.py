@@ -51,13 +51,24 @@ import sys
 import time
 from pathlib import Path
 
-import yaml
-
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from bench_dpo import tokenizer_and_text  # noqa: E402 (the DPO benchmark's tokenizer and text folder)
-from bench_e2e import LORA, GiB, case_for, device, make_model_folder, run_process, write_results  # noqa: E402
+from bench_e2e import LORA, case_for, make_model_folder  # noqa: E402 (the language-model benchmark's shapes)
+from common import (  # noqa: E402 (the end-to-end benchmarks' shared helpers)
+    GiB,
+    device,
+    failed_line,
+    logged_steps,
+    peak_bytes,
+    ratio,
+    read_jsonl,
+    run_recipe,
+    run_row_process,
+    step_clock,
+    tokenizer_and_text,
+    write_results,
+)
 
 LR = 1e-5  # LoRA GRPO (TRL's default 1e-6 is for full fine-tuning; the rate does not change the speed)
 GENERATIONS = 8
@@ -123,8 +134,7 @@ def prompt_tokens(prompts: Path, folder: Path) -> float:
     from entrenar.data.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_folder(folder)
-    lengths = [len(tokenizer.encode(json.loads(line)["prompt"]))
-               for line in prompts.read_text(encoding="utf-8").splitlines() if line.strip()]
+    lengths = [len(tokenizer.encode(r["prompt"])) for r in read_jsonl(prompts)]
     return statistics.mean(lengths)
 
 
@@ -161,21 +171,16 @@ def run_entrenar(case_name: str, case: dict, folder: Path, prompts: Path, work: 
     shutil.rmtree(run_dir, ignore_errors=True)
     recipe = recipe_for(case, folder, prompts, run_dir)
     recipe_path = work / f"{case_name}-grpo.yaml"
-    recipe_path.write_text(yaml.safe_dump(recipe, sort_keys=False))
-    started = time.perf_counter()
-    returncode, output, max_rss = run_process(
-        [sys.executable, __file__, "--entrenar-row", str(recipe_path)], work / f"{case_name}-grpo.log",
-        {**os.environ, "PYTHONUNBUFFERED": "1"})
-    wall = time.perf_counter() - started
+    returncode, output, max_rss, wall = run_recipe(recipe, recipe_path, work / f"{case_name}-grpo.log",
+                                                   cmd=[sys.executable, __file__, "--entrenar-row", str(recipe_path)])
     if returncode != 0:
         return {"status": "failed", "error": output[-2000:], "recipe": recipe}
-    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    steps = [r for r in lines if "loss" in r and r.get("tokens")]
+    steps = logged_steps(run_dir)
     # a step's time: the clock between logged steps (tokens_per_s counts prompt tokens only, rounded); the first's
     # from its rate (it is left out of the medians anyway)
     step_s = [steps[0]["tokens"] / max(steps[0]["tokens_per_s"], 1e-9)] + [
         b["elapsed_s"] - a["elapsed_s"] for a, b in zip(steps, steps[1:], strict=False)]
-    peak = max_rss if device() == "cpu" else max((r.get("peak_mem_gb") or 0) for r in steps) * 1e9
+    peak = peak_bytes(steps, max_rss, on_cpu=device() == "cpu")
     out = summarise(step_s, case, mean_prompt, skip, peak, wall, [r["loss"] for r in steps],
                     [r["completions/mean_length"] for r in steps])
     return {"status": "ok", **out, "reward_last": steps[-1].get("reward"), "recipe": recipe}
@@ -204,8 +209,7 @@ def run_trl(case: dict, folder: Path, prompts: Path, work: Path, skip: int, mean
     tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    rows = [json.loads(line) for line in prompts.read_text(encoding="utf-8").splitlines() if line.strip()]
-    dataset = datasets.Dataset.from_list(rows)
+    dataset = datasets.Dataset.from_list(read_jsonl(prompts))
     config = trl.GRPOConfig(
         output_dir=str(work / "trl-grpo"), per_device_train_batch_size=case["batch"] * GENERATIONS,
         gradient_accumulation_steps=1, num_generations=GENERATIONS, max_completion_length=case["completion"],
@@ -217,19 +221,8 @@ def run_trl(case: dict, folder: Path, prompts: Path, work: Path, skip: int, mean
 
     step_s: list[float] = []
 
-    class Clock(transformers.TrainerCallback):
-        def on_step_begin(self, args, state, control, **kw):
-            if dev == "cuda":
-                torch.cuda.synchronize()
-            self.t0 = time.perf_counter()
-
-        def on_step_end(self, args, state, control, **kw):
-            if dev == "cuda":
-                torch.cuda.synchronize()
-            step_s.append(time.perf_counter() - self.t0)
-
     trainer = trl.GRPOTrainer(model=model, reward_funcs=[reward_len], args=config, train_dataset=dataset,
-                              processing_class=tokenizer, callbacks=[Clock()])
+                              processing_class=tokenizer, callbacks=[step_clock(dev, step_s)])
     trainer.train()
     wall = time.perf_counter() - started
     history = [h for h in trainer.state.log_history if "loss" in h]
@@ -247,18 +240,7 @@ def run_trl_process(case_name: str, folder: Path, prompts: Path, mean_prompt: fl
     cmd = [sys.executable, __file__, "--trl-row", "--cases", case_name, "--folder", str(folder), "--prompts",
            str(prompts), "--work", args.work, "--skip", str(args.skip), "--out", str(out),
            "--mean-prompt", str(mean_prompt)]
-    if args.steps:
-        cmd += ["--steps", str(args.steps)]
-    if args.tiny:
-        cmd += ["--tiny"]
-    out.unlink(missing_ok=True)
-    returncode, output, max_rss = run_process(cmd, out.with_suffix(".log"))
-    if returncode != 0 or not out.is_file():
-        return {"status": "failed", "error": output[-2000:]}
-    result = json.loads(out.read_text())
-    if result.get("status") == "ok" and result.get("peak_gib") is None:
-        result["peak_gib"] = max_rss / GiB
-    return result
+    return run_row_process(cmd, out, args)
 
 
 # ---------------------------------------------------------------- report
@@ -270,12 +252,9 @@ def print_table(results: list[dict]) -> None:
           f"{'vs trl':>8}{'mem/trl':>8}{'length':>8}")
     for r in results:
         if r["status"] != "ok":
-            print(f"{r['case']:<12}{r['row']:<10}{r['status']}: {str(r.get('error', ''))[-160:]!r}")
+            print(failed_line(r["case"], r["row"], r, (12, 10)))
             continue
-        base = next((b for b in results if (b["case"], b["row"], b["status"]) == (r["case"], "trl", "ok")), None)
-        speed = f"{r['samples_per_s'] / base['samples_per_s']:.2f}" if base else "-"
-        memory = f"{r['peak_gib'] / base['peak_gib']:.2f}" if base and base.get("peak_gib") and r.get("peak_gib") \
-            else "-"
+        speed, memory = ratio(results, [r], "trl", "samples_per_s"), ratio(results, [r], "trl", "peak_gib")
         length = r.get("completion_mean_length")
         flag = "" if length is not None and abs(length - r["recipe_completion"]) < 1e-6 else " (!)"
         print(f"{r['case']:<12}{r['row']:<10}{r['samples_per_s']:10.2f}{r['tokens_per_s']:9.0f}"

@@ -225,6 +225,14 @@ def test_state_from_other_data_or_seed_is_refused():
         BatchStream(examples, 1, 16).load_state_dict({"epoch": 0})
 
 
+def test_state_outside_the_data_is_refused_naming_epoch_and_position():
+    examples = make_examples(5)
+    with pytest.raises(CheckpointError, match="epoch=0 position=5 is out of range for 5 examples"):
+        BatchStream(examples, 1, 16).load_state_dict({"epoch": 0, "position": 5})
+    with pytest.raises(CheckpointError, match="epoch=-1 position=0 is out of range for 5 examples"):
+        BatchStream(examples, 1, 16).load_state_dict({"epoch": -1, "position": 0})
+
+
 def test_examples_longer_than_seq_len_are_refused():
     with pytest.raises(DataError, match="long.jsonl line 3: 5 tokens; examples must have 1..seq_len=4"):
         BatchStream([Example([1, 2, 3, 4, 5], [1, 2, 3, 4, 5], "long.jsonl line 3")], 1, 4)

@@ -1,18 +1,23 @@
 """Checks every model family added as flags passes, each against the reference nobody here wrote.
 
-transformers gives the logits (fp32, tiny random checkpoints with norms and biases perturbed), peft the LoRA
-gradients and adapter files, the gguf package (as llama.cpp's converter lays files out, tests/gguf_fixtures.py)
-the GGUF files. The test files of the families (test_family_*.py) call these with their own configs.
+transformers gives the logits, loss and gradients (fp32, tiny random checkpoints with norms, biases and sinks
+perturbed), peft the LoRA gradients and adapter files, the gguf package (as llama.cpp's converter lays files out,
+tests/gguf_fixtures.py) the GGUF files. The test files of the families (test_family_*.py, test_rope_scaling.py)
+build their checkpoint with :func:`make_checkpoint` or :func:`save_family` and call these with their own configs.
 """
 
 from __future__ import annotations
 
 import copy
+import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 import transformers
+from safetensors import safe_open
 from torch import nn
 
 import entrenar
@@ -21,6 +26,9 @@ from entrenar.models.hf import load_hf
 from entrenar.models.saving import save_model_folder
 
 VOCAB = 128
+# save_family's shape: Llama-like, grouped-query attention, no padding token
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            vocab_size=VOCAB, pad_token_id=None, bos_token_id=1, eos_token_id=2)
 
 
 def perturb(model: nn.Module, seed: int = 3) -> None:
@@ -32,14 +40,87 @@ def perturb(model: nn.Module, seed: int = 3) -> None:
                 p.add_(torch.randn(p.shape, generator=generator) * 0.3)
 
 
-def make_checkpoint(folder: Path, config_cls: str, model_cls: str, **config: Any) -> tuple[Path, nn.Module]:
-    """A tiny random transformers model of a family, perturbed and saved by transformers."""
-    torch.manual_seed(0)
-    cfg = getattr(transformers, config_cls)(vocab_size=VOCAB, **config)
-    ref = getattr(transformers, model_cls)(cfg).eval()
-    perturb(ref)
+def perturb_norms_biases_sinks(model: nn.Module) -> None:
+    """save_family's perturbation: norm weights, biases and sinks (gpt-oss) plus 0.1 noise from the global
+    generator (they start at 1 and 0, which would hide a mix-up)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("norm.weight", "bias", "sinks")):
+                p.add_(torch.randn_like(p) * 0.1)
+
+
+def _saved_reference(folder: Path, config_cls: str, model_cls: str, config: dict[str, Any], seed: int,
+                     prepare: Callable[[Any], None], change: Callable[[nn.Module], None]) -> tuple[Path, nn.Module]:
+    """A tiny random transformers model of ``config``, built after seeding with ``seed``, its config passed to
+    ``prepare`` and the model to ``change`` before transformers saves it to ``folder``: (folder, model in eval)."""
+    torch.manual_seed(seed)
+    cfg = getattr(transformers, config_cls)(**config)
+    prepare(cfg)
+    ref = honour_swiglu_config(getattr(transformers, model_cls)(cfg).eval())
+    change(ref)
     ref.save_pretrained(folder)
     return folder, ref
+
+
+def make_checkpoint(folder: Path, config_cls: str, model_cls: str, **config: Any) -> tuple[Path, nn.Module]:
+    """A tiny random transformers model of a family (vocabulary VOCAB), norms and biases moved by
+    :func:`perturb`, saved by transformers."""
+    return _saved_reference(folder, config_cls, model_cls, {"vocab_size": VOCAB, **config}, 0,
+                            lambda cfg: None, perturb)
+
+
+def _eager(config: Any) -> None:
+    # Eager attention: the one transformers path that applies sinks and soft-capping in every release (its SDPA
+    # path dropped them in some: transformers 5.17 gave other logits for gpt-oss on the GPU machine).
+    config._attn_implementation = "eager"
+
+
+def save_family(folder: Path, config_cls: str, model_cls: str, seed: int = 0, **kwargs: Any) -> tuple[Path, Any]:
+    """A tiny random transformers model of TINY's shape (``kwargs`` over it) under eager attention saved to
+    ``folder``, its norms, biases and sinks perturbed; returns (folder, model in fp32 eval mode)."""
+    return _saved_reference(folder, config_cls, model_cls, {**TINY, **kwargs}, seed, _eager,
+                            perturb_norms_biases_sinks)
+
+
+def honour_swiglu_config(model: Any) -> Any:
+    """gpt-oss's experts as config.json says: transformers 5.17 (the GPU machine's) fixes the clamp at alpha
+    1.702, limit 7 whatever the config holds; later releases read ``swiglu_alpha`` / ``swiglu_limit``."""
+    config = model.config
+    for module in model.modules():
+        if type(module).__name__ == "GptOssExperts":
+            module.alpha = getattr(config, "swiglu_alpha", module.alpha)
+            module.limit = getattr(config, "swiglu_limit", module.limit)
+    return model
+
+
+def shifted_ce(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy as transformers' causal LM loss computes it (fp32, -100 ignored)."""
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100)
+
+
+def check_logits_and_gradients(folder: Path, ref: Any, t: int = 48,
+                               grads_as_checkpoint: Callable[[dict], dict] | None = None) -> None:
+    """Logits within 1e-4, loss and every parameter's gradient against transformers'. ``grads_as_checkpoint``
+    maps our gradients to transformers' names and layout where they differ (gpt-oss's experts)."""
+    model = load_hf(folder).eval()
+    torch.manual_seed(1)
+    ids = torch.randint(0, VOCAB, (2, t))
+    labels = ids.clone()
+    labels[:, :5] = -100
+    ref_out = ref(ids, labels=labels)
+    logits = model(ids)
+    torch.testing.assert_close(logits, ref_out.logits, atol=1e-4, rtol=0)
+    loss = shifted_ce(logits, labels)
+    torch.testing.assert_close(loss, ref_out.loss, atol=1e-5, rtol=0)
+    ref_out.loss.backward()
+    loss.backward()
+    ours = {n: p.grad for n, p in model.named_parameters()}
+    if grads_as_checkpoint is not None:
+        ours = grads_as_checkpoint(ours)
+    theirs = {n: p.grad for n, p in ref.named_parameters()}
+    assert set(ours) == set(theirs)
+    for name, grad in ours.items():
+        torch.testing.assert_close(grad, theirs[name], atol=1e-5, rtol=1e-4, msg=lambda m, name=name: f"{name}: {m}")
 
 
 def check_logits(model: nn.Module, ref: nn.Module, seq_len: int, atol: float = 1e-4) -> None:
@@ -52,7 +133,8 @@ def check_padded_batch(model: nn.Module, ref: nn.Module, lengths: tuple[int, ...
     """Rows of different lengths, padded at the end: every real token's logits as transformers gives them under
     its attention mask."""
     t = max(lengths)
-    ids = torch.randint(0, VOCAB, (len(lengths), t), generator=torch.Generator().manual_seed(5))
+    vocab = model.config.vocab_size
+    ids = torch.randint(0, vocab, (len(lengths), t), generator=torch.Generator().manual_seed(5))
     mask = torch.zeros_like(ids)
     for row, n in enumerate(lengths):
         mask[row, :n] = 1
@@ -64,8 +146,10 @@ def check_padded_batch(model: nn.Module, ref: nn.Module, lengths: tuple[int, ...
 
 
 def check_packed_equals_documents(model: nn.Module, lengths: tuple[int, ...] = (7, 9)) -> None:
-    """A packed row (document ids) and a padding-free row (cu_seqlens) give each document its own logits."""
-    docs = [torch.randint(0, VOCAB, (1, n), generator=torch.Generator().manual_seed(n)) for n in lengths]
+    """A packed row (document ids) and a padding-free row (cu_seqlens) give each document its own logits (and
+    the check can fail: the same row without documents gives others)."""
+    vocab = model.config.vocab_size
+    docs = [torch.randint(0, vocab, (1, n), generator=torch.Generator().manual_seed(n)) for n in lengths]
     packed = torch.cat(docs, dim=1)
     positions = torch.cat([torch.arange(n) for n in lengths])[None]
     document_ids = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])[None]
@@ -76,14 +160,23 @@ def check_packed_equals_documents(model: nn.Module, lengths: tuple[int, ...] = (
                                    atol=1e-5, rtol=0)
         torch.testing.assert_close(model(packed, position_ids=positions, cu_seqlens=cu_seqlens), alone,
                                    atol=1e-5, rtol=0)
+        leaky = model(packed, position_ids=positions)  # without documents they see each other
+    assert (leaky - alone).abs().max() > 1e-4  # ten times the tolerance above
 
 
-def check_save_round_trip(model: nn.Module, ref: nn.Module, folder: Path, model_cls: str) -> None:
-    """entrenar saves in the checkpoint's own layout: transformers loads the folder back with equal logits."""
-    save_model_folder(model, None, folder)
-    back = getattr(transformers, model_cls).from_pretrained(folder).eval()
-    assert type(back).__name__ == model_cls
-    ids = torch.randint(0, VOCAB, (1, 11))
+def check_save_round_trip(folder: Path, ref: nn.Module, out: Path) -> None:
+    """entrenar saves in the checkpoint's own layout (the folder a run writes): the same tensor names and values
+    and model_type, and transformers loads it back as the checkpoint's class with equal logits."""
+    save_model_folder(load_hf(folder).eval(), None, out)
+    with safe_open(str(folder / "model.safetensors"), "pt") as a, safe_open(str(out / "model.safetensors"), "pt") as b:
+        assert sorted(a.keys()) == sorted(b.keys())
+        for key in a.keys():
+            torch.testing.assert_close(a.get_tensor(key), b.get_tensor(key), atol=0, rtol=0, msg=key)
+    assert json.loads((out / "config.json").read_text())["model_type"] == ref.config.model_type
+    back = honour_swiglu_config(
+        transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval())
+    assert type(back) is type(ref)
+    ids = torch.randint(0, VOCAB, (1, 20))
     with torch.no_grad():
         torch.testing.assert_close(back(ids).logits, ref(ids).logits, atol=1e-5, rtol=0)
 
@@ -260,22 +353,25 @@ def check_dry_run_notes(folder: Path, tmp: Path, *expected: str) -> None:
         assert text in kernels, kernels
 
 
-def check_inspect(capsys: Any, folder: Path, ref: nn.Module, targets: list[str]) -> None:
-    """``entrenar inspect FOLDER --json``: the parameter count is transformers', the LoRA count peft's."""
-    import json
-
+def check_inspect(capsys: Any, folder: Path, ref: nn.Module, targets: list[str] | None = None) -> None:
+    """``entrenar inspect FOLDER --json``: the parameter count is transformers', the model type the config's, and
+    with ``targets`` the LoRA count peft's."""
     import peft
 
     from entrenar.cli.main import main
 
     capsys.readouterr()
-    code = main(["inspect", str(folder), "--json", "--lora-r", "4", "--lora-targets", ",".join(targets)])
+    lora = ["--lora-r", "4", "--lora-targets", ",".join(targets)] if targets else []
+    code = main(["inspect", str(folder), "--json", *lora])
     out, _ = capsys.readouterr()
     assert code == 0
     report = json.loads(out)
     assert report["parameters"]["total"] == sum(p.numel() for p in ref.parameters())
-    theirs = peft.get_peft_model(copy.deepcopy(ref), peft.LoraConfig(r=4, target_modules=targets))
-    assert report["parameters"]["lora_trainable"] == sum(p.numel() for p in theirs.parameters() if p.requires_grad)
+    assert report["architecture"]["model_type"] == ref.config.model_type
+    if targets:
+        theirs = peft.get_peft_model(copy.deepcopy(ref), peft.LoraConfig(r=4, target_modules=targets))
+        assert report["parameters"]["lora_trainable"] == sum(p.numel() for p in theirs.parameters()
+                                                             if p.requires_grad)
 
 
 def check_batched_generation(model: nn.Module, ref: nn.Module, vocab: int = VOCAB, new: int = 6) -> None:

@@ -6,6 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from family_checks import (
+    check_logits_and_gradients,
+    check_padded_batch,
+    check_save_round_trip,
+    perturb_norms_biases_sinks,
+)
 
 from entrenar.models.hf import load_hf
 
@@ -22,10 +28,8 @@ def make_deepseek(seed: int = 0, **overrides):
 
     torch.manual_seed(seed)
     model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**{**DEEPSEEK, **overrides})).eval()
+    perturb_norms_biases_sinks(model)
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight") or name.endswith(".bias"):
-                p.add_(torch.randn_like(p) * 0.1)
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.copy_(torch.randn_like(b) * 0.2)
@@ -53,60 +57,25 @@ VARIANTS = {
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_logits_of_padded_batches_match_transformers(deepseek_folder, variant):
     folder, ref = deepseek_folder(**VARIANTS[variant])
-    model = load_hf(folder).eval()
-    torch.manual_seed(1)
-    ids = torch.randint(3, 128, (2, 20))
-    attention = torch.ones_like(ids)
-    attention[1, 13:] = 0  # right padding
-    with torch.no_grad():
-        expected = ref(ids, attention_mask=attention).logits
-        ours = model(ids)
-    torch.testing.assert_close(ours[0], expected[0], atol=1e-4, rtol=0)
-    torch.testing.assert_close(ours[1, :13], expected[1, :13], atol=1e-4, rtol=0)
+    check_padded_batch(load_hf(folder).eval(), ref, lengths=(20, 13))
 
 
 def test_loss_gradients_match_transformers(deepseek_folder):
-    from models.test_parity import shifted_ce
-
     folder, ref = deepseek_folder()
-    model = load_hf(folder)
-    torch.manual_seed(2)
-    ids = torch.randint(3, 128, (2, 16))
-    ref_out = ref(ids, labels=ids)
-    loss = shifted_ce(model(ids), ids)
-    torch.testing.assert_close(loss, ref_out.loss, atol=1e-5, rtol=0)
-    ref_out.loss.backward()
-    loss.backward()
-    ref_grads = {n: p.grad for n, p in ref.named_parameters()}
-    ours = dict(model.named_parameters())
-    assert set(ours) == set(ref_grads)  # transformers' module names
-    for name, p in ours.items():
-        torch.testing.assert_close(p.grad, ref_grads[name], atol=1e-5, rtol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
+    check_logits_and_gradients(folder, ref, t=16)  # transformers' module names, every parameter's gradient
 
 
 def test_save_round_trip_in_the_checkpoint_layout(deepseek_folder, tmp_path):
     import json
 
-    import transformers
-    from safetensors import safe_open
-
-    from entrenar.models.hf import save_hf
-
     folder, ref = deepseek_folder(q_lora_rank=None)
-    out = save_hf(load_hf(folder), tmp_path / "saved")
-    with safe_open(str(folder / "model.safetensors"), "pt") as a, safe_open(str(out / "model.safetensors"), "pt") as b:
-        assert sorted(a.keys()) == sorted(b.keys())
-        for key in a.keys():
-            torch.testing.assert_close(a.get_tensor(key), b.get_tensor(key), atol=0, rtol=0, msg=key)
+    out = tmp_path / "saved"
+    check_save_round_trip(folder, ref, out)
     saved, original = json.loads((out / "config.json").read_text()), json.loads((folder / "config.json").read_text())
     for key in ("kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "n_group",
                 "topk_group", "routed_scaling_factor", "n_shared_experts", "n_routed_experts", "first_k_dense_replace",
                 "moe_intermediate_size", "rope_interleave", "norm_topk_prob"):
         assert saved[key] == original[key], key
-    back = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
-    ids = torch.randint(3, 128, (1, 12))
-    with torch.no_grad():
-        torch.testing.assert_close(back(ids).logits, ref(ids).logits, atol=1e-5, rtol=0)
 
 
 def test_padding_free_rows_equal_each_document_alone(deepseek_folder):
@@ -181,9 +150,9 @@ def test_lora_on_the_latent_projections_against_peft(deepseek_folder, tmp_path):
     """PEFT's adapter on the MLA projections (by their real names) loads in entrenar; one training step's adapter
     gradients equal PEFT's; entrenar's saved adapter loads in peft with equal logits."""
     import peft
+    from family_checks import shifted_ce
 
     from entrenar.adapters.lora import load_adapter, lora_layers, save_adapter
-    from models.test_parity import shifted_ce
 
     folder, ref = deepseek_folder()
     config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=MLA_TARGETS, lora_dropout=0.0, task_type="CAUSAL_LM")

@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from family_checks import check_batched_generation, check_packed_equals_documents, check_padded_batch
 
 from entrenar.models.hf import load_hf, save_hf
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "data"))
-from family_checks import check_batched_generation  # noqa: E402
 from tiny_chat_tokenizer import chat_tokenizer  # noqa: E402
 
 GEMMA = {
@@ -127,38 +127,14 @@ def test_each_flag_matters(gemma):
 def test_padded_batch_matches_transformers(gemma):
     """Right padding with transformers' attention mask: the real positions' logits agree."""
     family, folder, ref = gemma
-    model = load_hf(folder).eval()
-    torch.manual_seed(2)
-    n = 3 * WINDOW
-    ids = torch.randint(1, VOCAB, (2, n))
-    ids[1, n - 4:] = 0
-    attention = torch.ones_like(ids)
-    attention[1, n - 4:] = 0
-    with torch.no_grad():
-        expected = ref(ids, attention_mask=attention).logits
-        got = model(ids)
-    torch.testing.assert_close(got[0], expected[0], atol=1e-4, rtol=0)
-    torch.testing.assert_close(got[1, : n - 4], expected[1, : n - 4], atol=1e-4, rtol=0)
+    check_padded_batch(load_hf(folder).eval(), ref, lengths=(3 * WINDOW, 3 * WINDOW - 4))
 
 
 def test_padding_free_and_packed_rows_equal_each_document_alone(gemma):
     """Documents read end to end (cu_seqlens) and packed rows (document_ids) give each document the logits it gets
     alone, the sliding window counted within each document."""
     family, folder, _ = gemma
-    model = load_hf(folder).eval()
-    torch.manual_seed(3)
-    lengths = [2 * WINDOW + 1, 3, WINDOW + 2]
-    docs = [torch.randint(1, VOCAB, (1, n)) for n in lengths]
-    row = torch.cat(docs, dim=1)
-    position_ids = torch.cat([torch.arange(n) for n in lengths])[None]
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
-    document_ids = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])[None]
-    with torch.no_grad():
-        alone = torch.cat([model(d) for d in docs], dim=1)
-        free = model(row, position_ids=position_ids, cu_seqlens=cu)
-        packed = model(row, position_ids=position_ids, document_ids=document_ids)
-    torch.testing.assert_close(free, alone, atol=1e-5, rtol=0)
-    torch.testing.assert_close(packed, alone, atol=1e-5, rtol=0)
+    check_packed_equals_documents(load_hf(folder).eval(), lengths=(2 * WINDOW + 1, 3, WINDOW + 2))
 
 
 def test_generation_cache_matches_a_full_forward(gemma):

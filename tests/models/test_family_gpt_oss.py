@@ -7,6 +7,16 @@ import json
 
 import pytest
 import torch
+from family_checks import (
+    check_inspect,
+    check_logits_and_gradients,
+    check_lora_step_matches_peft,
+    check_packed_equals_documents,
+    check_padded_batch,
+    check_save_round_trip,
+    honour_swiglu_config,
+    save_family,
+)
 from safetensors.torch import load_file, save_file
 
 from entrenar.errors import AdapterError
@@ -14,16 +24,6 @@ from entrenar.models import gpt_oss_layout
 from entrenar.models.hf import load_hf, save_hf
 from entrenar.models.moe import moe_blocks, set_experts_implementation
 from entrenar.models.transformer import KVCache
-from models.parity_checks import (
-    check_inspect_counts,
-    check_logits_and_gradients,
-    check_lora_step_matches_peft,
-    check_packed_equals_per_document,
-    check_padded_batch,
-    check_save_round_trip,
-    honour_swiglu_config,
-    save_family,
-)
 
 GPT_OSS = dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32, head_dim=16, sliding_window=8,
                swiglu_limit=0.3, max_position_embeddings=256,
@@ -44,7 +44,7 @@ def test_logits_and_gradients_match_transformers(gpt_oss):
     assert model.model.layers[0].self_attn.sinks is not None and moe_blocks(model)
     # 48 tokens: six sliding windows long, past YaRN's original 32 positions
     check_logits_and_gradients(folder, ref, t=48, grads_as_checkpoint=gpt_oss_layout.to_checkpoint)
-    check_padded_batch(folder, ref)
+    check_padded_batch(load_hf(folder).eval(), ref, lengths=(40, 23))
 
 
 def test_sinks_and_clamps_matter(gpt_oss):
@@ -80,7 +80,8 @@ def test_grouped_experts_equal_the_loop(gpt_oss):
 
 def test_packed_padding_free_and_cached_generation(gpt_oss):
     folder, _ = gpt_oss
-    check_packed_equals_per_document(folder)  # documents of 7, 30 and 19 tokens against a window of 8
+    # documents of 7, 30 and 19 tokens against a window of 8
+    check_packed_equals_documents(load_hf(folder).eval(), lengths=(7, 30, 19))
     model = load_hf(folder).eval()
     ids = torch.randint(0, 128, (1, 20))
     cache = KVCache(model.config.num_layers)
@@ -158,11 +159,11 @@ def test_lora_on_attention_matches_peft_and_the_router_is_refused(gpt_oss, tmp_p
     from entrenar.adapters.lora import LoraConfig, apply_lora
 
     folder, ref = gpt_oss
-    check_lora_step_matches_peft(folder, ref, ["q_proj", "k_proj", "v_proj", "o_proj"], tmp_path / "adapter")
+    check_lora_step_matches_peft(folder, ref, ["q_proj", "k_proj", "v_proj", "o_proj"])
     with pytest.raises(AdapterError, match=r"gpt-oss's router .*model\.layers\.0\.mlp\.gate"):
         apply_lora(load_hf(folder), LoraConfig(r=2, alpha=4, target_modules=["q_proj"],
                                                target_parameters=["mlp.experts.gate_up_proj", "mlp.gate.weight"]))
-    check_inspect_counts(capsys, folder, ref)
+    check_inspect(capsys, folder, ref)
 
 
 EXPERT_TARGETS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
@@ -191,7 +192,7 @@ def test_expert_adapters_load_both_ways_with_peft_and_train_alike(gpt_oss, tmp_p
         torch.testing.assert_close(ours(ids), theirs(ids).logits, atol=1e-5, rtol=0)
 
     # one step: the loss and every adapter's gradient (entrenar's written out in PEFT's layout)
-    from models.parity_checks import shifted_ce
+    from family_checks import shifted_ce
 
     loss = shifted_ce(ours(ids), ids)
     loss.backward()

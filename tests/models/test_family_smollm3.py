@@ -4,18 +4,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from entrenar.models.hf import load_hf
-from models.parity_checks import (
-    check_inspect_counts,
+from family_checks import (
+    check_inspect,
     check_logits_and_gradients,
     check_lora_step_matches_peft,
-    check_packed_equals_per_document,
+    check_packed_equals_documents,
     check_padded_batch,
-    check_qlora_base_loads,
+    check_qlora_base,
     check_save_round_trip,
     save_family,
 )
+
+from entrenar.models.hf import load_hf
 
 SMOLLM3 = dict(num_hidden_layers=4, tie_word_embeddings=False, rope_theta=10000.0)
 
@@ -30,7 +30,7 @@ def test_logits_and_gradients_match_transformers(smollm3):
     model = load_hf(folder)
     assert [layer.self_attn.use_rope for layer in model.model.layers] == [True, True, True, False]
     check_logits_and_gradients(folder, ref)
-    check_padded_batch(folder, ref)
+    check_padded_batch(load_hf(folder).eval(), ref, lengths=(40, 23))
 
 
 def test_nope_layer_matters(smollm3):
@@ -49,20 +49,20 @@ def test_sliding_layers_and_tied_embeddings(tmp_path):
                               use_sliding_window=True, sliding_window=8, tie_word_embeddings=True)
     assert ref.config.layer_types.count("sliding_attention") == 1  # transformers slides the NoPE layers only
     check_logits_and_gradients(folder, ref, t=40)
-    check_packed_equals_per_document(folder)
+    check_packed_equals_documents(load_hf(folder).eval(), lengths=(7, 30, 19))
 
 
 def test_packed_and_saved(smollm3, tmp_path):
     folder, ref = smollm3
-    check_packed_equals_per_document(folder)
+    check_packed_equals_documents(load_hf(folder).eval(), lengths=(7, 30, 19))
     check_save_round_trip(folder, ref, tmp_path / "saved")
 
 
 def test_lora_qlora_and_inspect(smollm3, tmp_path, capsys):
     folder, ref = smollm3
-    check_lora_step_matches_peft(folder, ref, ["q_proj", "v_proj", "down_proj"], tmp_path / "adapter")
-    check_qlora_base_loads(folder)
-    check_inspect_counts(capsys, folder, ref)
+    check_lora_step_matches_peft(folder, ref, ["q_proj", "v_proj", "down_proj"])
+    check_qlora_base(folder)
+    check_inspect(capsys, folder, ref)
 
 
 def test_gguf_as_llama_cpp_writes_it(tmp_path):

@@ -6,12 +6,12 @@ import json
 
 import pytest
 import torch
+from family_checks import shifted_ce
 from safetensors import safe_open
 
 from conftest import MOE_FAMILIES
 from entrenar.models.hf import load_hf, save_hf
 from entrenar.models.moe import MoeBlock, moe_blocks, set_experts_implementation
-from models.test_parity import shifted_ce
 
 NAMES = list(MOE_FAMILIES)
 

@@ -4,16 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
+from family_checks import shifted_ce
 
 from conftest import FAMILIES
 from entrenar.models.hf import load_hf
 
 FAMILY_NAMES = list(FAMILIES)
-
-
-def shifted_ce(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100)
 
 
 @pytest.mark.parametrize("family", FAMILY_NAMES)

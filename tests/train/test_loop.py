@@ -259,14 +259,14 @@ def test_packed_rows_attend_document_by_document_on_a_cpu_with_the_mask_losses(w
     """On a CPU the loop hands packed rows over as documents (each attends on its own: explicit products in
     bf16, PyTorch's flash kernel in fp32); with that off they go through SDPA under a dense document mask:
     the same losses (bf16: within its noise)."""
+    import entrenar.models.attention_dispatch as attention_dispatch
     import entrenar.models.padding_free as padding_free
-    import entrenar.models.transformer as transformer
     import entrenar.train.plan as plan
 
     monkeypatch.setattr(padding_free, "CPU_DOCUMENTS_MIN_WORK", 1)  # the workspace's model and sums are tiny
     seen = []
-    real = transformer.documents_attention
-    monkeypatch.setattr(transformer, "documents_attention", lambda *a, **k: seen.append(1) or real(*a, **k))
+    real = attention_dispatch.documents_attention
+    monkeypatch.setattr(attention_dispatch, "documents_attention", lambda *a, **k: seen.append(1) or real(*a, **k))
     common = ["lora.dropout=0", f"training.precision={precision}", "data.packing=true", "data.padding_free=false"]
     documents = train(recipe_for(workspace, *common, f"output.dir={workspace / 'd'}"), progress=False)
     assert seen, "packed rows did not reach the per-document attention"

@@ -348,15 +348,7 @@ class BatchStream:
             epoch, position = int(state["epoch"]), int(state["position"])
         except (KeyError, TypeError, ValueError) as e:
             raise CheckpointError(f"data stream state {state!r} lacks integer 'epoch' and 'position'") from e
-        for key, mine in (("num_examples", len(self.examples)), ("seed", self.seed)):
-            if key in state and state[key] != mine:
-                raise CheckpointError(
-                    f"data stream state has {key}={state[key]} but this run has {key}={mine}; "
-                    "resuming would not give the same batches"
-                )
-        if epoch < 0 or not 0 <= position < len(self.examples):
-            raise CheckpointError(f"data stream state epoch={epoch} position={position} is out of range "
-                                  f"for {len(self.examples)} examples")
+        check_stream_state(state, {"num_examples": len(self.examples), "seed": self.seed}, epoch, position)
         self.epoch, self.position = epoch, position
         self._order = self._epoch_order(epoch)
         self._rows, self.row = None, 0
@@ -417,3 +409,18 @@ def eval_batches(
         rows.append(row)
     if rows:
         yield collate(rows, seq_len, pad_id)
+
+
+def check_stream_state(state: Mapping[str, Any], run: Mapping[str, Any], epoch: int, position: int,
+                       unit: str = "examples") -> None:
+    """Refuse a data stream's saved ``state`` (a checkpoint's) that this run cannot resume to the same batches:
+    one whose value of a key of ``run`` (dataset size, seed, kind of stream) differs from this run's, or whose
+    ``epoch`` and ``position`` fall outside ``run["num_examples"]`` ``unit``."""
+    for key, mine in run.items():
+        if state.get(key, mine) != mine:
+            raise CheckpointError(f"data stream state has {key}={state[key]} but this run has {key}={mine}; "
+                                  "resuming would not give the same batches")
+    size = run["num_examples"]
+    if epoch < 0 or not 0 <= position < size:
+        raise CheckpointError(f"data stream state epoch={epoch} position={position} is out of range "
+                              f"for {size} {unit}")

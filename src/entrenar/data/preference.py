@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from entrenar.data.batching import PAD_DOCUMENT, EpochCursor, best_fit, collate
+from entrenar.data.batching import PAD_DOCUMENT, EpochCursor, best_fit, check_stream_state, collate
 from entrenar.data.formats import RecordError
 from entrenar.data.report import data_notes, skipped_in_order
 from entrenar.data.sources import Record, Skip, read_records
@@ -567,13 +567,8 @@ class PreferenceStream:
             epoch, position = int(state["epoch"]), int(state["position"])
         except (KeyError, TypeError, ValueError) as e:
             raise CheckpointError(f"data stream state {state!r} lacks integer 'epoch' and 'position'") from e
-        for key, mine in (("num_examples", len(self.examples)), ("seed", self.seed), ("stream", "preference")):
-            if state.get(key, mine) != mine:
-                raise CheckpointError(f"data stream state has {key}={state[key]} but this run has {key}={mine}; "
-                                      "resuming would not give the same batches")
-        if epoch < 0 or not 0 <= position < len(self.examples):
-            raise CheckpointError(f"data stream state epoch={epoch} position={position} is out of range "
-                                  f"for {len(self.examples)} examples")
+        check_stream_state(state, {"num_examples": len(self.examples), "seed": self.seed, "stream": "preference"},
+                           epoch, position)
         self.cursor.seek(epoch, position)
 
 

@@ -19,11 +19,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from entrenar.models.attention_dispatch import attention
 from entrenar.models.config import ModelConfig
-from entrenar.models.padding_free import Documents, documents_attention
+from entrenar.models.padding_free import Documents
 from entrenar.models.rope_scaling import yarn_mscale
 
 if TYPE_CHECKING:
@@ -120,7 +120,6 @@ class LatentAttention(nn.Module):
         q = torch.cat((q_nope, q_rope), dim=-1)
         if self.query_scale != 1.0:
             q = q * self.query_scale
-        if isinstance(mask, Documents):  # a padding-free row
-            return self.o_proj(documents_attention(q, k, v, mask, self.sliding_window).reshape(b, t, -1))
-        y = F.scaled_dot_product_attention(q, k, v.contiguous(), attn_mask=mask, is_causal=mask is None)
-        return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
+        if not isinstance(mask, Documents):  # documents_attention lays the values out itself
+            v = v.contiguous()
+        return self.o_proj(attention(q, k, v, mask, self.sliding_window))

@@ -58,6 +58,22 @@ _VARLEN_REFUSES_GQA = _varlen_attn is not None and "enable_gqa" not in _VARLEN_P
 SDPA_HAS_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
 
 
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+         scale: float | None = None) -> torch.Tensor:
+    """PyTorch's SDPA of q ``[..., Hq, T, D]`` over k, v ``[..., Hk, S, D]`` under ``mask`` (bool, True: attend), or
+    causal when it is None; ``scale`` None is ``D ** -0.5``. Fewer key/value heads than query heads go to the kernel
+    as they are where this torch's SDPA takes ``enable_gqa``, repeated otherwise."""
+    groups = q.shape[-3] // k.shape[-3]
+    extra: dict[str, Any] = {}
+    if groups > 1 and SDPA_HAS_GQA:
+        extra["enable_gqa"] = True
+    elif groups > 1:
+        k, v = k.repeat_interleave(groups, dim=-3), v.repeat_interleave(groups, dim=-3)
+    if scale is not None:
+        extra["scale"] = scale
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, **extra)
+
+
 class SequenceShards(Protocol):
     """A row split over processes (context parallelism, :mod:`entrenar.distributed.context_parallel`): runs
     ``attention(q, k, v, sinks)`` over the whole row from this process's slice of q, k, v ``[B, H, N / cp, D]``,
@@ -223,7 +239,6 @@ def _per_document_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docum
 
 def _per_document(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Documents,
                   window: int | None, scale: float | None = None, softcap: float | None = None) -> torch.Tensor:
-    groups = q.shape[1] // k.shape[1]
     bounds, keys = documents.bounds(), documents.key_bounds()
     pieces = []
     kept = 0  # probabilities the explicit path keeps for backward in this layer
@@ -243,18 +258,7 @@ def _per_document(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: 
             kept += qi.shape[0] * n * n
             pieces.append(explicit_causal_attention(qi, ki, vi).transpose(0, 1))
             continue
-        extra: dict[str, Any] = {}  # enable_gqa only where this torch's SDPA takes it
-        if groups > 1 and SDPA_HAS_GQA:
-            extra["enable_gqa"] = True
-        elif groups > 1:
-            ki, vi = ki.repeat_interleave(groups, dim=0), vi.repeat_interleave(groups, dim=0)
-        if scale is not None:
-            extra["scale"] = scale
-        if window_mask is not None:
-            y = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=window_mask, **extra)
-        else:
-            y = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, **extra)
-        pieces.append(y.transpose(0, 1))
+        pieces.append(sdpa(qi, ki, vi, window_mask, scale).transpose(0, 1))
     return torch.cat(pieces)
 
 

@@ -14,13 +14,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from entrenar.models.attention_sinks import sink_attention
+from entrenar.models.attention_dispatch import attention
 from entrenar.models.config import ModelConfig, rope_inv_freq
-from entrenar.models.cpu_attention import capped_attention
 from entrenar.models.mla import LatentAttention
 from entrenar.models.moe import Experts, MoeBlock, Router
 from entrenar.models.offload import ActivationOffload
-from entrenar.models.padding_free import SDPA_HAS_GQA, Documents, documents_attention
+from entrenar.models.padding_free import Documents
 from entrenar.models.recompute import checkpointed
 from entrenar.models.rope_scaling import longrope_inv_freq, longrope_select, rope_attention_scaling
 from entrenar.models.tiled import tiled_feed_forward
@@ -207,29 +206,10 @@ class Attention(nn.Module):
         q, k = self.position(q, k, cos.to(q.dtype), sin.to(q.dtype))
         if self.q_scale != 1.0:
             q = q * self.q_scale
-        if isinstance(mask, Documents):  # a padding-free row
-            y = documents_attention(q, k, v, mask, self.sliding_window, scale=self.scale, softcap=self.softcap,
-                                    sinks=self.sinks)
-            return self.o_proj(y.reshape(b, t, -1))
-        if cache is not None:
+        if cache is not None and not isinstance(mask, Documents):
             k, v = cache.update(self.layer_idx, k, v)
-        if self.sinks is not None:  # no SDPA kernel takes sinks: the products, as transformers' eager path
-            y = sink_attention(q, k, v, self.sinks, mask, self.sliding_window)
-            return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
-        if self.softcap is not None:  # SDPA cannot cap the scores: explicit products
-            y = capped_attention(q, k, v, mask, self.scale, self.softcap)
-            return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
-        groups = self.num_heads // self.num_kv_heads
-        extra = {}
-        if groups > 1:
-            if SDPA_HAS_GQA:
-                extra["enable_gqa"] = True
-            else:
-                k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        if self.scale is not None:
-            extra["scale"] = self.scale
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, **extra)
-        return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
+        y = attention(q, k, v, mask, self.sliding_window, scale=self.scale, softcap=self.softcap, sinks=self.sinks)
+        return self.o_proj(y)
 
 
 class MLP(nn.Module):

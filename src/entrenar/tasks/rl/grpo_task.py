@@ -29,7 +29,7 @@ import torch
 
 from entrenar.config import Recipe
 from entrenar.data import read_records
-from entrenar.data.batching import EpochCursor
+from entrenar.data.batching import EpochCursor, check_stream_state
 from entrenar.data.formats import split_format
 from entrenar.data.sources import Skip
 from entrenar.data.tokenizer import Tokenizer
@@ -141,13 +141,8 @@ class PromptStream:
         except (KeyError, TypeError, ValueError) as e:
             raise CheckpointError(f"data stream state lacks integer 'epoch', 'position', 'batches' or the "
                                   f"'sampler' RNG of a GRPO run: {e}") from e
-        for key, mine in (("num_examples", len(self.examples)), ("seed", self.seed), ("stream", "grpo")):
-            if state.get(key, mine) != mine:
-                raise CheckpointError(f"data stream state has {key}={state[key]} but this run has {key}={mine}; "
-                                      "resuming would not give the same batches")
-        if epoch < 0 or not 0 <= position < len(self.examples):
-            raise CheckpointError(f"data stream state epoch={epoch} position={position} is out of range "
-                                  f"for {len(self.examples)} prompts")
+        check_stream_state(state, {"num_examples": len(self.examples), "seed": self.seed, "stream": "grpo"},
+                           epoch, position, unit="prompts")
         try:
             self.generator.set_state(sampler)
         except RuntimeError as e:
