@@ -166,17 +166,26 @@ def test_several_optimizer_steps_per_generation_batch_through_the_recipe(ws, mon
         train(recipe_for(ws, "iters-bad", "task.num_iterations=3", "training.eval_every=0"), progress=False)
 
 
-def test_recipes_grpo_addition_weak_runs_on_the_tiny_model(ws):
-    """recipes/grpo-addition-weak.yaml (docs/RL.md's worked example) as it is, pointed at the tiny model and data
-    and cut to two steps: it loads and trains, and its held-out reward is logged before and after."""
+def test_recipes_grpo_addition_weak_shortened_raises_the_reward(ws):
+    """recipes/grpo-addition-weak.yaml (docs/RL.md's worked example: full fine-tuning, 4 answers a sum at
+    temperature 0.7, exact_answer) on the tiny random model, shortened to one-token answers that are all `9` and
+    a higher lr: the sampled reward of the last 4 steps must exceed the first 4's, and the held-out reward is
+    logged before and after."""
     from pathlib import Path
 
     path = Path(__file__).resolve().parents[2] / "recipes" / "grpo-addition-weak.yaml"
-    recipe = load_recipe(path, [f"model.path={ws / 'model'}", f"data.train={ws / 'train.jsonl'}",
-                                f"data.validation={ws / 'train.jsonl'}", "training.max_steps=2",
-                                "training.batch_size=2", "training.eval_every=2", "training.eval_batches=1",
-                                "training.save_every=0", f"output.dir={ws / 'weak'}"])
-    assert recipe.task.type == "grpo" and recipe.reward.functions == ("exact_answer",)
+    with open(ws / "nines.jsonl", "w") as f:
+        for a in range(10):
+            f.write(json.dumps({"prompt": f"{a}+{9 - a}=", "completion": "9"}) + "\n")
+    recipe = load_recipe(path, [f"model.path={ws / 'model'}", f"data.train={ws / 'nines.jsonl'}",
+                                f"data.validation={ws / 'nines.jsonl'}", "data.seq_len=16", "task.max_new_tokens=1",
+                                "optimizer.lr=1.0e-2", "training.max_steps=16", "training.batch_size=4",
+                                "training.eval_every=16", "training.eval_batches=1", "training.log_every=1",
+                                f"output.dir={ws / 'weak'}"])
+    assert recipe.task.type == "grpo" and recipe.reward.functions == ("exact_answer",) and recipe.lora is None
     result = train(recipe, progress=False)
-    evals = [r["step"] for r in read_metrics(result.run_dir / "metrics.jsonl") if "eval_reward" in r]
-    assert evals == [0, 2]
+    records = read_metrics(result.run_dir / "metrics.jsonl")
+    assert [r["step"] for r in records if "eval_reward" in r] == [0, 16]
+    rewards = [r["reward"] for r in records if "reward" in r]
+    assert len(rewards) == 16
+    assert sum(rewards[-4:]) / 4 > sum(rewards[:4]) / 4 + 0.3, rewards
