@@ -151,7 +151,7 @@ def load_state_into(model: torch.nn.Module, tensors: Iterator[tuple[str, str, to
                       if n.endswith(".mlp.experts.0.gate_proj.weight")}
         if per_expert and device is None:  # where the NF4 experts quantize
             sink = sinks[f"{min(per_expert)}experts.0.gate_proj.weight"]
-            device = getattr(sink, "quantize_on", None) or getattr(sink, "weight_codes").device
+            device = getattr(sink, "quantize_on", None) or cast(torch.Tensor, sink.weight_codes).device
         tensors = gpt_oss_layout.to_ours(tensors, device, per_expert)
     pieces = expert_checkpoint_names(config) if config is not None else {}
     stacked = stacked_expert_names(config) if config is not None else {}
