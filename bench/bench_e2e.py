@@ -40,7 +40,8 @@ prepare_model_for_kbit_training, which would cast the bf16 experts to fp32). Its
 openai/gpt-oss-20b ships (bench/gpt_oss_folder.py: experts in MXFP4, 13 GiB, drawn on the GPU), and each row
 loads it its own way, recorded in its result (`expert_weights`, `load_s`):
 
-  entrenar           experts dequantized on load to bf16 (on the GPU), frozen; attention NF4
+  entrenar           attention and experts NF4 (MXFP4 dequantized on the GPU one expert at a time and quantized
+                     as it arrives; expert biases bf16), frozen
   hf, hf-liger       Mxfp4Config(dequantize=True), as OpenAI's transformers fine-tuning recipe loads it: attention
                      and experts in bf16 (transformers refuses a BitsAndBytesConfig over an MXFP4 checkpoint, and
                      bitsandbytes quantizes nn.Linear only: the experts are 3-D parameters, bf16 either way)
@@ -48,8 +49,8 @@ loads it its own way, recorded in its result (`expert_weights`, `load_s`):
                      in MXFP4 and decoded per layer by its own kernels (as unsloth_zoo 2026.10.9's source reads:
                      temporary_patches/mxfp4.py; `expert_weights` says what it did)
 
-So the experts, 19B of the 21B weights, are bf16 in entrenar's and transformers' rows (equal work, equal memory)
-and 4-bit in Unsloth's (less memory). `qlora-gpt-oss-20b-bf16` is the same case from a bf16 folder (39 GiB, its
+So the experts, 19B of the 21B weights, are 4-bit in entrenar's rows (NF4) and Unsloth's (MXFP4), bf16 in
+transformers'. `qlora-gpt-oss-20b-bf16` is the same case from a bf16 folder (39 GiB, its
 rows take two calls, `--drop-folders` deletes each case's folder after its rows): transformers' rows then put
 attention in bitsandbytes NF4, and Unsloth quantizes the 3-D experts to NF4 too (unsloth_zoo's moe_utils_bnb4bit).
 The GPU cases run their own rows, else GPU_ROWS (a row whose package is missing, or that fails to start, is a

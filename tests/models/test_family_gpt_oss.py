@@ -230,19 +230,129 @@ def make_reference(folder):
         transformers.AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").eval())
 
 
-def test_qlora_base_quantizes_attention_and_keeps_the_experts(gpt_oss):
-    from entrenar.models.moe import Experts
+def dequantized_reference(folder, model):
+    """transformers' model on the weights an NF4 base computes with: every NF4 layer's and NF4 expert stack's
+    codes dequantized, the rest (biases, norms, sinks, router, embeddings) as the model holds them."""
+    from entrenar.quant.nf4.experts import NF4Experts
     from entrenar.quant.nf4.format import NF4Linear
+
+    state = {n: p.detach() for n, p in model.named_parameters()}
+    for name, module in model.named_modules():
+        if isinstance(module, NF4Linear) and ".experts." not in name:
+            state[f"{name}.weight"] = module.weight
+        elif isinstance(module, NF4Experts):
+            state[f"{name}.gate_up_proj"], state[f"{name}.down_proj"] = module.gate_up_proj, module.down_proj
+    ref = make_reference(folder)
+    ref.load_state_dict(gpt_oss_layout.to_checkpoint({n: t.float() for n, t in state.items()}), strict=True)
+    return ref
+
+
+def test_qlora_base_quantizes_the_experts_to_nf4(gpt_oss):
+    """Under an NF4 base the experts are NF4 (biases kept in the load dtype, frozen), each projection the NF4 of
+    the checkpoint's de-interleaved tensor, and the model computes exactly what transformers computes on the
+    dequantized codes: sinks, clamps, biases and the router are untouched."""
+    from entrenar.models.moe import Experts, Router
+    from entrenar.quant.nf4.experts import NF4Experts, quantize_experts_nf4
+    from entrenar.quant.nf4.format import NF4Linear, dequantize_nf4, quantize_nf4
     from entrenar.quant.nf4.sinks import nf4_sinks
 
     folder, _ = gpt_oss
     full, nf4 = load_hf(folder).eval(), load_hf(folder, sinks=nf4_sinks).eval()
     assert isinstance(nf4.model.layers[0].self_attn.q_proj, NF4Linear)
-    assert type(nf4.model.layers[0].mlp.experts) is Experts  # NF4 experts hold no biases
-    ids = torch.randint(0, 128, (1, 16))
+    for _, block in moe_blocks(nf4):
+        experts = block.experts
+        assert type(experts) is NF4Experts and experts.interleaved_gate_up and experts.activation == "clamped_swiglu"
+        assert isinstance(experts.expert(3).down_proj, NF4Linear) and type(block.gate) is Router
+        assert isinstance(experts.gate_up_proj_bias, torch.nn.Parameter) and not experts.gate_up_proj_bias.requires_grad
+    ours, theirs = moe_blocks(nf4)[1][1].experts, moe_blocks(full)[1][1].experts
+    torch.testing.assert_close(ours.gate_up_proj_bias, theirs.gate_up_proj_bias, atol=0, rtol=0)
+    i = theirs.intermediate_size
+    for e in range(theirs.num_experts):
+        for name, rows in (("gate_proj", slice(0, i)), ("up_proj", slice(i, 2 * i))):
+            expected = dequantize_nf4(quantize_nf4(theirs.gate_up_proj[e, rows].detach()))
+            assert torch.equal(getattr(ours.expert(e), name).weight, expected), (e, name)
+    ids = torch.randint(0, 128, (2, 24))
     with torch.no_grad():
         a, b = full(ids), nf4(ids)
-    assert torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0) > 0.95
+        assert torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0) > 0.99
+        torch.testing.assert_close(b, dequantized_reference(folder, nf4)(ids).logits, atol=1e-5, rtol=0)
+        # quantizing the loaded model's experts gives what streaming gave
+        quantize_experts_nf4(full)
+        assert not any(type(m) is Experts for m in full.modules())
+        x = torch.randn(1, 6, full.config.hidden_size)
+        torch.testing.assert_close(moe_blocks(full)[1][1](x), moe_blocks(nf4)[1][1](x), atol=0, rtol=0)
+
+
+def test_mxfp4_experts_go_to_nf4_one_expert_at_a_time(gpt_oss, tmp_path, monkeypatch):
+    """An MXFP4 folder under an NF4 base: each expert's projections are the NF4 of transformers' dequantized
+    weights, and no more than one expert is dequantized at once."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors  # noqa: F401 (mxfp4_folder's)
+
+    from entrenar.quant.nf4.format import dequantize_nf4, quantize_nf4
+    from entrenar.quant.nf4.sinks import nf4_sinks
+
+    folder, _ = gpt_oss
+    quantized, dense = mxfp4_folder(folder, tmp_path)
+    dequantized = []
+    original = gpt_oss_layout.dequantize_mxfp4
+
+    def spy(blocks, scales, dtype=torch.float32):
+        dequantized.append(blocks.shape[0])
+        return original(blocks, scales, dtype)
+
+    monkeypatch.setattr(gpt_oss_layout, "dequantize_mxfp4", spy)
+    model = load_hf(quantized, dtype=torch.bfloat16, sinks=nf4_sinks)
+    assert dequantized and set(dequantized) == {1}
+    experts = moe_blocks(model)[0][1].experts
+    gate_up, down = dense["model.layers.0.mlp.experts.gate_up_proj"], dense["model.layers.0.mlp.experts.down_proj"]
+    for e in range(experts.num_experts):
+        for name, weight in (("gate_proj", gate_up[e].T[0::2]), ("up_proj", gate_up[e].T[1::2]),
+                             ("down_proj", down[e].T)):
+            expected = dequantize_nf4(quantize_nf4(weight.to(torch.bfloat16).contiguous()))
+            assert torch.equal(getattr(experts.expert(e), name).weight, expected), (e, name)
+
+
+def test_qlora_adapters_on_nf4_experts_train_and_load_in_peft(gpt_oss, tmp_path):
+    """LoRA on attention and on the NF4 experts: one step gives every adapter a gradient and nothing else one;
+    the adapter saved from the NF4 base loads back unchanged, and in PEFT over transformers' model on the
+    dequantized codes it gives the same logits (PEFT's layout, gate/up rows interleaved)."""
+    import peft
+
+    from entrenar.adapters.lora import LoraConfig, apply_lora, load_adapter, lora_layers, save_adapter
+    from entrenar.quant.nf4.sinks import nf4_sinks
+
+    folder, _ = gpt_oss
+    model = load_hf(folder, sinks=nf4_sinks)
+    cfg = LoraConfig(r=2, alpha=4, target_modules=["q_proj", "v_proj"], target_parameters=EXPERT_TARGETS,
+                     use_rslora=False)
+    apply_lora(model, cfg)
+    from entrenar.models.moe import _core
+    from entrenar.quant.nf4.experts import NF4Experts
+
+    assert all(type(_core(block.experts)) is NF4Experts for _, block in moe_blocks(model))
+    torch.manual_seed(4)
+    with torch.no_grad():
+        for _, layer in lora_layers(model):
+            layer.lora_B.weight.normal_(std=0.2)
+    ids = torch.randint(0, 128, (2, 16))
+    from family_checks import shifted_ce
+
+    shifted_ce(model(ids), ids).backward()
+    trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n for n in trainable)
+    assert any(".experts." in n for n in trainable)
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in trainable.values())
+    assert all(p.grad is None for n, p in model.named_parameters() if n not in trainable)
+    model.eval()
+    save_adapter(model, tmp_path / "adapter", cfg)
+    again = load_hf(folder, sinks=nf4_sinks).eval()
+    load_adapter(again, tmp_path / "adapter")
+    with torch.no_grad():
+        mine = model(ids)
+        torch.testing.assert_close(again(ids), mine, atol=0, rtol=0)
+        back = peft.PeftModel.from_pretrained(dequantized_reference(folder, load_hf(folder, sinks=nf4_sinks)),
+                                              tmp_path / "adapter").eval()
+        torch.testing.assert_close(back(ids).logits, mine, atol=1e-5, rtol=0)
 
 
 def test_the_plan_says_what_the_kernels_leave_to_pytorch(gpt_oss, workspace):
@@ -384,9 +494,10 @@ def test_gguf_as_llama_cpp_writes_it(tmp_path, experts):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_memory_estimate_counts_the_sink_attention_and_the_unquantized_experts(dtype):
+def test_memory_estimate_counts_the_sink_attention_and_the_nf4_experts(dtype):
     """The activation estimate within 10% of what autograd saves (the sinks' products keep each query's
-    probabilities, T x T per head), and QLoRA's NF4 count equal to the linear layers NF4 replaces."""
+    probabilities, T x T per head), and QLoRA's NF4 count equal to the linear layers NF4 replaces (the
+    experts' projections among them)."""
     from entrenar.models.config import ModelConfig
     from entrenar.models.transformer import Transformer
     from entrenar.quant.nf4.format import NF4Linear
@@ -407,6 +518,7 @@ def test_memory_estimate_counts_the_sink_attention_and_the_unquantized_experts(d
     with torch.device("meta"):
         meta = Transformer(config)
     nf4_sinks(meta, dtype, "meta")
+    assert all(type(block.experts).__name__ == "NF4Experts" for _, block in moe_blocks(meta))
     replaced = sum(m.in_features * m.out_features for m in meta.modules() if isinstance(m, NF4Linear))
     assert quantizable_params(config) == replaced
 

@@ -12,12 +12,16 @@ The released checkpoints store the expert weights in MXFP4 (transformers' ``inte
 dequantized here as it streams past, on the device of the model's experts (on the CPU it takes about half a
 CPU-minute per gpt-oss-20b layer; ``bench/gpt_oss_folder.py --load`` times it), and a saved folder holds the
 full-precision weights.
+
+Where the experts are NF4 (QLoRA's frozen base), each stacked weight is handed on one expert at a time under the
+NF4 experts' names (``mlp.experts.{e}.{gate,up,down}_proj.weight``, gate and up split apart), and an MXFP4 pair
+is dequantized one expert at a time too: no more than one expert's full-precision projection exists at once.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 
 import torch
 
@@ -61,11 +65,25 @@ def _interleave(t: torch.Tensor, dim: int) -> torch.Tensor:
     return t.index_select(dim, order)
 
 
+def _per_expert(prefix: str, rest: str, weights: Iterator[torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Expert by expert, ``(name, weight)`` of a stacked weight under NF4 experts' names, from its [out, in]
+    matrices in the decoder's orientation (gate_up: interleaved rows, split into gate and up here)."""
+    for e, w in enumerate(weights):
+        if rest.startswith("experts.gate_up_proj"):
+            yield f"{prefix}experts.{e}.gate_proj.weight", w[0::2].contiguous()
+            yield f"{prefix}experts.{e}.up_proj.weight", w[1::2].contiguous()
+        else:
+            yield f"{prefix}experts.{e}.down_proj.weight", w.contiguous()
+
+
 def to_ours(tensors: Iterator[tuple[str, str, torch.Tensor]],
-            device: torch.device | str | None = None) -> Iterator[tuple[str, str, torch.Tensor]]:
+            device: torch.device | str | None = None,
+            per_expert: Collection[str] = ()) -> Iterator[tuple[str, str, torch.Tensor]]:
     """A gpt-oss checkpoint's (file, name, tensor) stream under the decoder's names and layout; MXFP4 pairs
     dequantized (to fp32; the model's parameters cast them) once both halves have come, on ``device`` if given
-    (the model's: the packed bytes cross to a GPU, a quarter of the fp32 weight's size)."""
+    (the model's: the packed bytes cross to a GPU, a quarter of the fp32 weight's size). The MoE layers whose
+    prefix (``model.layers.{i}.mlp.``) is in ``per_expert`` get their expert weights one expert at a time under
+    the NF4 experts' names (:func:`_per_expert`)."""
     pending: dict[str, tuple[str, torch.Tensor]] = {}  # one half of an MXFP4 pair, by the weight's name
     for file_name, name, tensor in tensors:
         match = _EXPERTS.match(name)
@@ -84,10 +102,18 @@ def to_ours(tensors: Iterator[tuple[str, str, torch.Tensor]],
             blocks, scales = (tensor, other) if rest.endswith("_blocks") else (other, tensor)
             if not (rest.endswith("_blocks") ^ other_rest.endswith("_blocks")):
                 raise ModelError(f"{file_name}: tensor '{name}' comes twice")
+            if prefix in per_expert:
+                experts = (dequantize_mxfp4(blocks[e:e + 1].to(device or blocks.device),
+                                            scales[e:e + 1].to(device or scales.device))[0]
+                           for e in range(blocks.shape[0]))
+                yield from ((file_name, n, w) for n, w in _per_expert(prefix, rest, experts))
+                continue
             if device is not None:
                 blocks, scales = blocks.to(device), scales.to(device)
             dense = dequantize_mxfp4(blocks, scales)  # [E, out, in]: ours, gate and up interleaved
             yield file_name, weight, _deinterleave(dense, 1) if weight.endswith("gate_up_proj") else dense
+        elif prefix in per_expert and rest in ("experts.gate_up_proj", "experts.down_proj"):
+            yield from ((file_name, n, w) for n, w in _per_expert(prefix, rest, (t.T for t in tensor)))
         elif rest == "experts.gate_up_proj":
             yield file_name, prefix + rest, _deinterleave(tensor.transpose(1, 2), 1)
         elif rest == "experts.gate_up_proj_bias":

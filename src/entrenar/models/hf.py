@@ -146,7 +146,13 @@ def load_state_into(model: torch.nn.Module, tensors: Iterator[tuple[str, str, to
     if config is not None and config.model_type == "gpt_oss":  # its router's name, its experts' layout, MXFP4
         # dequantized where the experts live (on a GPU, not half a CPU-minute per gpt-oss-20b layer)
         device = next((p.device for n, p in params.items() if n.endswith("experts.gate_up_proj")), None)
-        tensors = gpt_oss_layout.to_ours(tensors, device)
+        # NF4 experts (QLoRA) take their weights one expert at a time, quantized as each arrives
+        per_expert = {n.removesuffix("experts.0.gate_proj.weight") for n in sinks
+                      if n.endswith(".mlp.experts.0.gate_proj.weight")}
+        if per_expert and device is None:  # where the NF4 experts quantize
+            sink = sinks[f"{min(per_expert)}experts.0.gate_proj.weight"]
+            device = getattr(sink, "quantize_on", None) or cast(torch.Tensor, sink.weight_codes).device
+        tensors = gpt_oss_layout.to_ours(tensors, device, per_expert)
     pieces = expert_checkpoint_names(config) if config is not None else {}
     stacked = stacked_expert_names(config) if config is not None else {}
     # NF4 experts take each expert's tensors as sinks named mlp.experts.{e}.{gate,up,down}_proj (Mixtral's

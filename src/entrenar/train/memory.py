@@ -132,16 +132,16 @@ def lora_params(config: ModelConfig, r: int, targets: list[str] | str, target_pa
 
 
 def quantizable_params(config: ModelConfig) -> int:
-    """Weights NF4 replaces in a QLoRA base: attention and dense MLP projections, MoE layers' experts (not
-    gpt-oss's, which have biases), shared experts and shared-expert gates. Routers stay in the compute dtype."""
+    """Weights NF4 replaces in a QLoRA base: attention and dense MLP projections, MoE layers' experts (gpt-oss's
+    too: their biases stay in the compute dtype), shared experts and shared-expert gates. Routers stay in the
+    compute dtype."""
     attention = sum(a * b for n, (a, b) in linear_shapes(config).items() if n not in _MLP_NAMES)
     h = config.hidden_size
     total = config.num_layers * attention
     for layer in range(config.num_layers):
         if config.is_moe_layer(layer):
             total += 3 * h * config.shared_expert_intermediate_size + h * config.shared_expert_gate
-            if not config.expert_bias:  # gpt-oss's experts stay in the compute dtype (NF4 experts hold no biases)
-                total += config.num_experts * 3 * h * config.expert_intermediate_size
+            total += config.num_experts * 3 * h * config.expert_intermediate_size
         else:
             total += 3 * h * config.intermediate_size
     return total

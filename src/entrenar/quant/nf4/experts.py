@@ -4,6 +4,10 @@ Each expert keeps its three projections as :class:`NF4Linear` layers named as ch
 (``mlp.experts.{e}.{gate,up,down}_proj``), so weights stream in one tensor at a time and are quantized as
 they arrive (``models/hf.py``'s sinks), and nothing weight-sized is saved for backward. Experts run one at a
 time (the loop): the grouped product needs the dense stacks.
+
+gpt-oss's experts keep their biases (``gate_up_proj_bias`` [E, 2I] gate first, ``down_proj_bias`` [E, H]) in the
+load dtype, frozen, and their clamped SwiGLU; its checkpoint's stacked (MXFP4 or dense) tensors are split per
+expert as they stream in (``models/gpt_oss_layout.py``).
 """
 
 from __future__ import annotations
@@ -22,12 +26,18 @@ class NF4Experts(Experts):
     """``Experts`` whose weights are NF4 (same interface; ``gate_up_proj`` / ``down_proj`` are rebuilt on access)."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, dtype: torch.dtype,
-                 device: torch.device | str | None = None, blocksize: int = 64, double_quant: bool = True) -> None:
+                 device: torch.device | str | None = None, blocksize: int = 64, double_quant: bool = True,
+                 bias: bool = False, activation: str = "silu", alpha: float = 1.702, limit: float = 7.0) -> None:
         nn.Module.__init__(self)
         self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
         self.implementation = "loop"
         self.dtype = dtype
         h, i = hidden_size, intermediate_size
+        self.activation, self.swiglu_alpha, self.swiglu_limit = activation, alpha, limit
+        self.gate_up_proj_bias = nn.Parameter(torch.zeros(num_experts, 2 * i, dtype=dtype, device=device),
+                                              requires_grad=False) if bias else None
+        self.down_proj_bias = nn.Parameter(torch.zeros(num_experts, h, dtype=dtype, device=device),
+                                           requires_grad=False) if bias else None
 
         def nf4(n_in: int, n_out: int) -> NF4Linear:
             return NF4Linear(n_in, n_out, bias=False, dtype=dtype, blocksize=blocksize, double_quant=double_quant,
@@ -40,15 +50,28 @@ class NF4Experts(Experts):
 
     @classmethod
     def from_experts(cls, experts: Experts, blocksize: int = 64, double_quant: bool = True) -> NF4Experts:
-        """Quantize a full-precision ``Experts`` module."""
+        """Quantize a full-precision ``Experts`` module (its biases, if any, kept as they are, frozen)."""
         w = experts.gate_up_proj
-        out = cls(experts.num_experts, experts.hidden_size, experts.intermediate_size, w.dtype, w.device,
-                  blocksize, double_quant)
+        out = cls.like(experts, w.dtype, w.device, blocksize, double_quant)
+        for name in ("gate_up_proj_bias", "down_proj_bias"):
+            bias = getattr(experts, name)
+            if bias is not None:
+                getattr(out, name).data.copy_(bias.detach())
         i = experts.intermediate_size
         for e in range(experts.num_experts):
             out._projection(e, "gate_proj").load_full_weight(w[e, :i].detach(), f"experts.{e}.gate_proj")
             out._projection(e, "up_proj").load_full_weight(w[e, i:].detach(), f"experts.{e}.up_proj")
             out._projection(e, "down_proj").load_full_weight(experts.down_proj[e].detach(), f"experts.{e}.down_proj")
+        return out
+
+    @classmethod
+    def like(cls, experts: Experts, dtype: torch.dtype, device: torch.device | str | None = None,
+             blocksize: int = 64, double_quant: bool = True) -> NF4Experts:
+        """Empty NF4 experts of ``experts``' shape, biases (zeros), activation and gate/up layout."""
+        out = cls(experts.num_experts, experts.hidden_size, experts.intermediate_size, dtype, device, blocksize,
+                  double_quant, experts.gate_up_proj_bias is not None, experts.activation, experts.swiglu_alpha,
+                  experts.swiglu_limit)
+        out.interleaved_gate_up = experts.interleaved_gate_up
         return out
 
     def expert(self, e: int) -> nn.Module:
@@ -87,9 +110,9 @@ class NF4Experts(Experts):
 
 
 def quantize_experts_nf4(model: nn.Module) -> list[str]:
-    """Replace every ``Experts`` module of ``model`` by its NF4 version; return their names. Experts with biases
-    (gpt-oss) stay as they are: NF4 experts hold none."""
-    names = [n for n, m in model.named_modules() if type(m) is Experts and m.gate_up_proj_bias is None]
+    """Replace every ``Experts`` module of ``model`` by its NF4 version; return their names. Biases (gpt-oss's)
+    stay in their dtype, frozen."""
+    names = [n for n, m in model.named_modules() if type(m) is Experts]
     for name in names:
         replace_module(model, name, NF4Experts.from_experts(cast(Experts, model.get_submodule(name))))
     return names

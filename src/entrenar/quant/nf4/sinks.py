@@ -38,11 +38,8 @@ def nf4_sinks(model: Transformer, dtype: torch.dtype, device: str | torch.device
             layer.keep_in_host_memory(quantize_on=device)
         replace_module(model, name, layer)
     for name in [n for n, m in model.named_modules() if type(m) is Experts]:
-        experts = cast(Experts, model.get_submodule(name))
-        if experts.gate_up_proj_bias is not None:
-            continue  # gpt-oss: NF4 experts hold no biases; its experts stay in the load dtype, frozen
-        replace_module(model, name, NF4Experts(experts.num_experts, experts.hidden_size,
-                                               experts.intermediate_size, dtype=dtype, device=device))
+        # gpt-oss's biases stay in the load dtype, frozen; its weights stream in per expert (gpt_oss_layout)
+        replace_module(model, name, NF4Experts.like(cast(Experts, model.get_submodule(name)), dtype, device))
 
 
 def base_sinks(quantize: str | None) -> Sinks | None:
