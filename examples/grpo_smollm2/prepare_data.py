@@ -2,7 +2,7 @@
 
 Writes ``OUT/train.jsonl`` and ``OUT/validation.jsonl``: each line ``{"prompt": ..., "answer": "12"}`` where the
 prompt is a question ("What is 7 + 5? Answer with the number only.") already in SmolLM2's chat template (the GRPO
-task tokenizes the prompt text as it is). Every pair of operands 1..12 is one question; a seeded shuffle puts 64
+task tokenizes the prompt text as it is). Every pair of operands 1..12 is one question; a seeded shuffle puts 48
 of them in the held-out file, never trained on. Deterministic: the same seed writes the same files.
 """
 
@@ -12,6 +12,7 @@ import argparse
 import json
 import random
 from pathlib import Path
+
 
 def chat_prompt(question: str) -> str:
     """``question`` as one user turn of SmolLM2's chat template, ready for the reply (no system turn: shorter
