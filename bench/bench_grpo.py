@@ -57,6 +57,7 @@ sys.path.insert(0, str(HERE))
 from bench_e2e import LORA, case_for, make_model_folder  # noqa: E402 (the language-model benchmark's shapes)
 from common import (  # noqa: E402 (the end-to-end benchmarks' shared helpers)
     GiB,
+    case_arguments,
     device,
     failed_line,
     logged_steps,
@@ -65,8 +66,8 @@ from common import (  # noqa: E402 (the end-to-end benchmarks' shared helpers)
     read_jsonl,
     run_recipe,
     run_row_process,
+    start_cases,
     step_clock,
-    tokenizer_and_text,
     write_results,
 )
 
@@ -264,14 +265,7 @@ def print_table(results: list[dict]) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--cases", default="lora-1b", help=f"comma-separated, of {', '.join(CASES)}")
-    p.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated, of {', '.join(ROWS)}")
-    p.add_argument("--text", default=".e2e/text.jsonl", help="JSONL of {'text': ...} records of real text")
-    p.add_argument("--tokenizer", default=".e2e", help="folder with tokenizer.json (SmolLM2's)")
-    p.add_argument("--work", default="/tmp/grpo", help="where model folders, prompts and runs go")
-    p.add_argument("--steps", type=int, default=0, help="override every case's step count")
-    p.add_argument("--skip", type=int, default=2, help="steps left out of the median (warm-up)")
-    p.add_argument("--out", default="", help="JSON results file")
+    case_arguments(p, CASES, ROWS, "/tmp/grpo", "prompts", skip=2)
     p.add_argument("--tiny", action="store_true", help="toy sizes, CPU without a GPU: a smoke test, not a measurement")
     p.add_argument("--gguf", default="data/SmolLM2-135M-Instruct.Q4_1.gguf", help="the GGUF --tiny prepares from")
     p.add_argument("--entrenar-row", default="", help=argparse.SUPPRESS)
@@ -287,11 +281,7 @@ def main(argv: list[str] | None = None) -> None:
                          args.mean_prompt)
         Path(args.out).write_text(json.dumps(result))
         return
-    if device() == "cpu" and not args.tiny:
-        p.error("no CUDA device: the cases are GPU measurements (--tiny runs them at a toy size on the CPU)")
-    work = Path(args.work)
-    work.mkdir(parents=True, exist_ok=True)
-    tokenizer_dir, text, vocab_size = tokenizer_and_text(args, "grpo-prepare-")
+    work, tokenizer_dir, text, vocab_size = start_cases(p, args, "grpo-prepare-")
 
     results = []
     for case_name in args.cases.split(","):

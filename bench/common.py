@@ -76,6 +76,31 @@ def prepare(folder: Path, gguf: Path) -> Path:
     return folder
 
 
+def case_arguments(p: argparse.ArgumentParser, cases: Iterable[str], rows: Iterable[str], work: str, holds: str,
+                   skip: int) -> None:
+    """The arguments a case benchmark (bench_dpo, bench_grpo) takes first: its cases and rows, the text and
+    tokenizer, where it works, the step count, the warm-up steps left out and the results file."""
+    cases, rows = list(cases), list(rows)
+    p.add_argument("--cases", default="lora-1b", help=f"comma-separated, of {', '.join(cases)}")
+    p.add_argument("--rows", default=",".join(rows), help=f"comma-separated, of {', '.join(rows)}")
+    p.add_argument("--text", default=".e2e/text.jsonl", help="JSONL of {'text': ...} records of real text")
+    p.add_argument("--tokenizer", default=".e2e", help="folder with tokenizer.json (SmolLM2's)")
+    p.add_argument("--work", default=work, help=f"where model folders, {holds} and runs go")
+    p.add_argument("--steps", type=int, default=0, help="override every case's step count")
+    p.add_argument("--skip", type=int, default=skip, help="steps left out of the median (warm-up)")
+    p.add_argument("--out", default="", help="JSON results file")
+
+
+def start_cases(p: argparse.ArgumentParser, args: argparse.Namespace, prefix: str) -> tuple[Path, Path, Path, int]:
+    """(work folder, tokenizer folder, text file, vocabulary size) of a case benchmark's run; a GPU measurement
+    asked for without a GPU (and without --tiny) is refused through ``p``."""
+    if device() == "cpu" and not args.tiny:
+        p.error("no CUDA device: the cases are GPU measurements (--tiny runs them at a toy size on the CPU)")
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    return (work, *tokenizer_and_text(args, prefix))
+
+
 def tokenizer_and_text(args: argparse.Namespace, prefix: str) -> tuple[Path, Path, int]:
     """(tokenizer folder, text file, vocabulary size of the model folders) for a run: --tokenizer and --text, or
     under --tiny without a prepared folder a temporary one made by :func:`prepare` from --gguf."""
