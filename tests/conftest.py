@@ -77,6 +77,16 @@ def tiny_llama():
     return transformers.LlamaForCausalLM(config)
 
 
+def nonzero_adapters(model, std: float = 0.05, seed: int = 2):
+    """Draw every LoRA B from N(0, std) (it starts at zero), so the adapters change the model's output."""
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, std)
+    return model
+
+
 def crash_after_step(monkeypatch, recipe, step: int) -> None:
     """Run ``recipe`` and stop it as if killed right after ``step`` is logged (checkpoints as they were)."""
     from entrenar.train import loop

@@ -70,7 +70,7 @@ def test_shared_keys_give_each_token_its_unshared_attention(device, case):
 def test_shared_prompt_pairs_in_bf16_through_varlen_attn_equal_the_unshared_sequences(tmp_path):
     """A tiny GQA Llama in bf16 on the GPU: log-probabilities and LoRA gradients of the shared layout (varlen_attn
     with separate query/key lengths) against the unshared padding-free sequences."""
-    from conftest import make_hf_model
+    from conftest import make_hf_model, nonzero_adapters
     from entrenar.adapters.lora import LoraConfig, apply_lora
     from entrenar.data import padding_free
     from entrenar.data.preference import collate_preference
@@ -83,11 +83,7 @@ def test_shared_prompt_pairs_in_bf16_through_varlen_attn_equal_the_unshared_sequ
                   vocab_size=96).save_pretrained(tmp_path / "llama")
     model = load_hf(tmp_path / "llama", dtype=torch.bfloat16, device="cuda")
     apply_lora(model, LoraConfig(r=4, alpha=8, target_modules="all-linear"))
-    torch.manual_seed(2)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.05)
+    nonzero_adapters(model)
     g = torch.Generator().manual_seed(3)
     pairs = [PreferencePair(torch.randint(3, 96, (60 + 7 * i,), generator=g).tolist(),
                             torch.randint(3, 96, (40 + 5 * i,), generator=g).tolist(),

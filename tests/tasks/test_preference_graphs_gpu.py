@@ -12,7 +12,7 @@ import pytest
 import torch
 from test_preference_static import _collate, _examples, _task
 
-from conftest import make_hf_model, make_workspace
+from conftest import make_hf_model, make_workspace, nonzero_adapters
 from entrenar.adapters.lora import LoraConfig, apply_lora
 from entrenar.config import load_recipe
 from entrenar.distributed.parallelize import Single
@@ -41,11 +41,7 @@ def folder(tmp_path_factory):
 def _cuda_model(folder):
     model, _ = load(folder, dtype="float32", device="cuda")
     apply_lora(model, LoraConfig(r=4, alpha=8, target_modules="all-linear"))
-    torch.manual_seed(2)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.05)
+    nonzero_adapters(model)
     return model
 
 

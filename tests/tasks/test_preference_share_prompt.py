@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 
-from conftest import crash_after_step, make_hf_model
+from conftest import crash_after_step, make_hf_model, nonzero_adapters
 from entrenar.adapters.lora import LoraConfig, apply_lora
 from entrenar.adapters.switch import adapters_off
 from entrenar.config import load_recipe
@@ -67,11 +67,7 @@ def _lora(folder):
     model, _ = load(folder, dtype="float32", device="cpu")
     base = copy.deepcopy(model).eval()
     apply_lora(model, LoraConfig(r=4, alpha=8, target_modules="all-linear"))
-    torch.manual_seed(2)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.05)
+    nonzero_adapters(model)
     return model, base
 
 

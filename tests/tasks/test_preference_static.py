@@ -11,7 +11,7 @@ import types
 import pytest
 import torch
 
-from conftest import make_hf_model
+from conftest import make_hf_model, nonzero_adapters
 from entrenar.adapters.lora import LoraConfig, apply_lora
 from entrenar.config import load_recipe
 from entrenar.data import padding_free
@@ -50,11 +50,7 @@ def folder(tmp_path_factory):
 def _model(folder):
     model, _ = load(folder, dtype="float32", device="cpu")
     apply_lora(model, LoraConfig(r=4, alpha=8, target_modules="all-linear"))
-    torch.manual_seed(2)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.05)
+    nonzero_adapters(model)
     return model
 
 
