@@ -355,6 +355,24 @@ def test_qlora_adapters_on_nf4_experts_train_and_load_in_peft(gpt_oss, tmp_path)
         torch.testing.assert_close(back(ids).logits, mine, atol=1e-5, rtol=0)
 
 
+def test_nf4_experts_stay_one_at_a_time_whatever_moe_experts_says(gpt_oss):
+    """``moe.experts: auto`` (every run's default, set through the LoRA wrapper) leaves NF4 experts on the loop, so
+    no CUDA graph is planned over them; ``grouped`` is refused by its key instead of dequantizing whole stacks."""
+    from entrenar.adapters.lora import LoraConfig, apply_lora
+    from entrenar.errors import ConfigError
+    from entrenar.quant.nf4.sinks import nf4_sinks
+
+    folder, _ = gpt_oss
+    model = load_hf(folder, sinks=nf4_sinks)
+    apply_lora(model, LoraConfig(r=8, alpha=16, target_modules=["q_proj"], target_parameters=EXPERT_TARGETS))
+    set_experts_implementation(model, "auto")
+    probe = torch.empty(0, model.config.hidden_size, dtype=torch.bfloat16)
+    for _, block in moe_blocks(model):
+        assert block.experts.implementation == "loop" and not block.experts.use_grouped(probe)
+    with pytest.raises(ConfigError, match="moe.experts: grouped"):
+        set_experts_implementation(model, "grouped")
+
+
 def test_the_plan_says_what_the_kernels_leave_to_pytorch(gpt_oss, workspace):
     """``--dry-run`` prints the plan's reasons: for gpt-oss, that sinks and the clamped SwiGLU run in PyTorch."""
     from tests.train.test_loop import recipe_for

@@ -17,6 +17,7 @@ from typing import cast
 import torch
 from torch import nn
 
+from entrenar.errors import ConfigError
 from entrenar.models.moe import Experts
 from entrenar.models.surgery import replace_module
 from entrenar.quant.nf4.format import NF4Linear
@@ -30,7 +31,6 @@ class NF4Experts(Experts):
                  bias: bool = False, activation: str = "silu", alpha: float = 1.702, limit: float = 7.0) -> None:
         nn.Module.__init__(self)
         self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
-        self.implementation = "loop"
         self.dtype = dtype
         h, i = hidden_size, intermediate_size
         self.activation, self.swiglu_alpha, self.swiglu_limit = activation, alpha, limit
@@ -107,6 +107,19 @@ class NF4Experts(Experts):
 
     def use_grouped(self, x: torch.Tensor) -> bool:
         return False
+
+    # Always the loop: ``moe.experts: auto`` (set on every stack, and through a LoRA wrapper onto this one) must
+    # not switch the stack to the grouped product, which dequantizes every expert's weights at each access and
+    # cannot be captured in a CUDA graph (gpt-oss-20b QLoRA failed so under cuda_graphs: auto, 2026-11-27).
+    @property
+    def implementation(self) -> str:
+        return "loop"
+
+    @implementation.setter
+    def implementation(self, value: str) -> None:
+        if value == "grouped":
+            raise ConfigError("moe.experts: grouped runs every expert as one product of dense stacks; NF4 experts "
+                              "(lora.quantize_base: nf4) run one at a time: set moe.experts to auto or loop")
 
 
 def quantize_experts_nf4(model: nn.Module) -> list[str]:
