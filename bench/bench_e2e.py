@@ -17,6 +17,8 @@ Each case builds one random Hugging Face folder of a real model's shape (with Sm
                      QLoRA), get_peft_model r=16 on the same modules, then the transformers rows' loop on the same
                      batches; in its own process, Unsloth imported before transformers, offline (UNSLOTH_ENV)
   unsloth-no-ckpt    the same with `use_gradient_checkpointing=False`
+  entrenar-no-ckpt   the fast settings with nothing recomputed or offloaded (NO_CKPT: every layer's activations
+                     kept on the GPU, QLoRA's NF4 base resident), against Unsloth's `use_gradient_checkpointing=False`
   entrenar-matched   "entrenar (memory-matched)": the fast settings plus what holds about Unsloth's default memory
                      (MATCHED: every layer checkpointed with its input in pinned CPU memory; untied input
                      embeddings in CPU memory; QLoRA's NF4 base streamed from CPU memory)
@@ -192,6 +194,9 @@ GPU_ROWS = ("entrenar", "entrenar-fast", "hf", "hf-liger", "unsloth", "unsloth-n
 # checkpointing): every layer checkpointed, each layer's saved input in pinned CPU memory, the input embeddings
 # in CPU memory (untied models), QLoRA's NF4 base streamed from CPU memory. A case's "matched" key overrides.
 MATCHED = {"activation_checkpointing": True, "offload_activations": True}
+# entrenar-no-ckpt: the fast settings with nothing rebuilt in the backward and nothing in CPU memory.
+NO_CKPT = {"activation_checkpointing": False, "offload_activations": False, "offload_embeddings": False,
+           "offload_weights": False}
 
 CASES: dict[str, dict] = {
     "lora-1b": {"shape": "llama-1b", "method": "lora", "batch": 4, "seq": 2048, "ckpt": False, "steps": 30,
@@ -237,7 +242,7 @@ CASES: dict[str, dict] = {
                     "rows": ("entrenar", "entrenar-fast", "hf", "hf-bf16")},
 }
 ROWS = ("entrenar", "entrenar-fast", "hf", "hf-liger", "hf-bf16", "hf-wrapped", "hf-liger-wrapped",
-        "hf-bf16-wrapped", "unsloth", "unsloth-no-ckpt", "entrenar-matched")
+        "hf-bf16-wrapped", "unsloth", "unsloth-no-ckpt", "entrenar-matched", "entrenar-no-ckpt")
 # Unsloth's rows: FastLanguageModel's use_gradient_checkpointing ("unsloth", its default: every layer's input
 # offloaded to CPU memory and the layer recomputed; or False)
 UNSLOTH_ROWS = {"unsloth": "unsloth", "unsloth-no-ckpt": False}
@@ -245,7 +250,7 @@ UNSLOTH_ROWS = {"unsloth": "unsloth", "unsloth-no-ckpt": False}
 UNSLOTH_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
                "UNSLOTH_DISABLE_STATISTICS": "1", "UNSLOTH_COMPILE_LOCATION": "/tmp/unsloth_compiled_cache",
                "TOKENIZERS_PARALLELISM": "false"}
-ROW_LABELS = {"entrenar-matched": "entrenar (memory-matched)"}
+ROW_LABELS = {"entrenar-matched": "entrenar (memory-matched)", "entrenar-no-ckpt": "entrenar (no checkpointing)"}
 CPU_CASES = tuple(name for name, case in CASES.items() if case.get("device") == "cpu")
 
 
@@ -367,6 +372,13 @@ def matched_settings(case: dict, config) -> dict:
     return {**settings, **case.get("matched", {})}
 
 
+def row_settings(row: str, case: dict, config) -> dict | None:
+    """The training keys an entrenar row sets over the case's fast ones (None: the fast ones alone)."""
+    if row == "entrenar-matched":
+        return matched_settings(case, config)
+    return dict(NO_CKPT) if row == "entrenar-no-ckpt" else None
+
+
 def recipe_for(case: dict, folder: Path, text: Path, run_dir: Path, fast: bool,
                matched: dict | None = None) -> dict:
     """The recipe a user would write for the case (fast: plus the documented fast settings; matched: plus
@@ -434,8 +446,9 @@ def wrapped_batches(batches: list[dict], more: list[dict]) -> list[dict]:
 
 
 def run_entrenar(case_name: str, case: dict, folder: Path, text: Path, work: Path, fast: bool, skip: int,
-                 flops: float, overrides: tuple[str, ...] = (), matched: dict | None = None) -> dict:
-    mode = "matched" if matched else "fast" if fast else "default"
+                 flops: float, overrides: tuple[str, ...] = (), matched: dict | None = None,
+                 mode: str | None = None) -> dict:
+    mode = mode or ("matched" if matched else "fast" if fast else "default")
     run_dir = work / f"run-{case_name}-{mode}"
     shutil.rmtree(run_dir, ignore_errors=True)
     recipe_path = work / f"{case_name}-{mode}.yaml"
@@ -732,9 +745,9 @@ def main(argv: list[str] | None = None) -> None:
             for row in rows:
                 t0 = time.perf_counter()
                 if row.startswith("entrenar"):
-                    matched = matched_settings(case, cfg) if row == "entrenar-matched" else None
                     r = run_entrenar(case_name, case, folder, text, work, row != "entrenar", args.skip, flops,
-                                     tuple(args.set), matched)
+                                     tuple(args.set), row_settings(row, case, cfg),
+                                     None if row == "entrenar" else row.removeprefix("entrenar-"))
                     row = " ".join([row, *args.set])
                 else:
                     try:
@@ -772,8 +785,8 @@ def dry_run(args: argparse.Namespace, vocab_size: int) -> None:
             if row in UNSLOTH_ROWS:
                 what = unsloth_settings(case, folder, row)
             elif row.startswith("entrenar"):
-                matched = matched_settings(case, cfg) if row == "entrenar-matched" else None
-                what = recipe_for(case, folder, Path(args.text), work / "run", row != "entrenar", matched)["training"]
+                what = recipe_for(case, folder, Path(args.text), work / "run", row != "entrenar",
+                                  row_settings(row, case, cfg))["training"]
             else:
                 what = {"attn_implementation": case.get("hf_attention", "sdpa"), "method": case["method"],
                         "target_modules": case.get("target_modules", "all-linear"),
