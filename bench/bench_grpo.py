@@ -18,6 +18,22 @@ real text (bench_dpo.py's `--prepare` folder), decoded to strings. Each row runs
               generation_kwargs={"min_new_tokens": 256})` (no end-of-sequence before 256 tokens),
               per_device_train_batch_size = PROMPTS x 8 (TRL counts completions), gradient checkpointing off as
               entrenar's, fused AdamW; step time from a callback around each optimizer step (generation included)
+  unsloth     Unsloth's GRPO as its users run it without vLLM: `import unsloth` first (its import rewrites TRL's
+              GRPOTrainer and GRPOConfig into UnslothGRPOTrainer / its config), FastLanguageModel.from_pretrained
+              on the same folder (bf16, load_in_4bit False, fast_inference False: no vLLM),
+              FastLanguageModel.get_peft_model (r=16 alpha 32 on the same modules, use_gradient_checkpointing
+              "unsloth", its default: each layer's input offloaded to CPU memory and the layer recomputed), then
+              TRL's GRPOTrainer with the trl row's GRPOConfig fields, prompts, reward and step clock, in its own
+              process offline (bench_e2e.py's UNSLOTH_ENV and import_unsloth). Generation stays transformers'
+              `generate` loop, but Unsloth routes it through its fast generate (its own decode forward; on
+              Llama and Qwen3 with CUDA its decode step replayed from CUDA graphs inside RL rollouts) and
+              computes the loss from hidden states in chunks. The row's result records what Unsloth did: its
+              versions, the trainer class (`grpo_patch`: whether TRL's GRPOTrainer was Unsloth's), the
+              generation hook, whether its fast generate ran, its decode graphs' counters, the checkpointing.
+              Three GRPOConfig fields are pinned in both rows to TRL's defaults, because Unsloth changes them
+              for an explicit `loss_type="dapo"` or by its own defaults: epsilon_high 0.2 (Unsloth: 0.28),
+              mask_truncated_completions False (Unsloth: True, which here would mask every completion, since
+              all stop at the limit) and weight_decay 0.0 (Unsloth: 0.001)
 
 samples/s = completions a step / step time; tokens/s = new (completion) tokens a step / step time, and
 total_tokens_per_s counts the prompt tokens too (PROMPTS x 8 x (mean prompt tokens + 256)); medians over the steps
@@ -26,18 +42,28 @@ completions early did less work, and the table flags it. Peak memory: torch.cuda
 whole process (model load included), in GiB; on the CPU (--tiny) each process's peak resident memory.
 
 GPU (an H100; .e2e/ from `bench_dpo.py --prepare .e2e` on any machine, carried along; trl 1.16 and datasets from
-.whl/extra as bench/device_tests.sh installs them):
+.whl/extra as bench/device_tests.sh installs them; Unsloth's wheels from .whl/unsloth, `bash bench/unsloth_setup.sh
+download` here, installed offline by its `install`). Unsloth 2026.10.9 declares trl <= 1.15 and datasets < 5: with
+the trl row's trl 1.16 its GRPO patch may not apply, which the row's `grpo_patch` records. One case per call
+keeps a call under the 10-minute limit (`--rows` splits a case's rows over calls on a warm machine; the model
+folder and prompts stay in --work):
 
-    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl .whl/extra/*.whl
-    PYTHONPATH=/tmp/site:src python3 bench/bench_grpo.py --cases lora-1b,lora-qwen3 --text .e2e/text.jsonl \
-        --tokenizer .e2e --work /tmp/grpo --out bench/results/grpo.json
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl .whl/extra/*.whl \
+      && bash bench/unsloth_setup.sh install \
+      && PYTHONPATH=/tmp/site:src PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false python3 bench/bench_grpo.py \
+         --cases lora-1b --text .e2e/text.jsonl --tokenizer .e2e --work /tmp/grpo --out $OUT/grpo-lora1b.json
 
-    PYTHONPATH=src python bench/bench_grpo.py --tiny --cases lora-1b     # CPU smoke test: both rows start and train
+    PYTHONPATH=src python bench/bench_grpo.py --tiny --cases lora-1b     # CPU smoke test: every row starts
+    PYTHONPATH=src python bench/bench_grpo.py --dry --cases lora-1b      # what each row would run, nothing run
 
 `--tiny` runs a case at a toy size (bench_e2e.py's: hidden 64, 2 layers; 2 prompts of 16 tokens, 8 completions of
 16 tokens, 3 steps; fp32 in both rows) on the CPU when there is no GPU, building a temporary --prepare folder when
 the tokenizer folder is absent (it needs the SmolLM2 GGUF, see bench_dpo.py): a smoke test that every row starts,
-trains and reports, not a measurement. Rows whose package is missing (peft, trl, datasets) are reported as skipped.
+trains and reports, not a measurement. Rows whose package is missing (peft, trl, datasets) are reported as skipped,
+and so is the unsloth row where Unsloth cannot be imported (not installed, or no GPU: the row sets
+UNSLOTH_DISABLE_CPU_FALLBACK=1, so that Unsloth's import raises instead of taking its CPU backend, which is stock
+TRL without its GRPO), with the reason. `--dry` prints each row's set-up (the entrenar recipe's task and training
+keys, the GRPOConfig fields, Unsloth's from_pretrained and get_peft_model arguments) without running anything.
 """
 
 from __future__ import annotations
@@ -54,15 +80,23 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from bench_e2e import LORA, case_for, make_model_folder  # noqa: E402 (the language-model benchmark's shapes)
+from bench_e2e import (  # noqa: E402 (the language-model benchmark's shapes and its offline Unsloth set-up)
+    LORA,
+    case_for,
+    import_unsloth,
+    make_model_folder,
+    unsloth_settings,
+)
 from common import (  # noqa: E402 (the end-to-end benchmarks' shared helpers)
     GiB,
+    bases_that_ran,
     case_arguments,
     device,
     failed_line,
     logged_steps,
     peak_bytes,
-    ratio,
+    ratio_cells,
+    ratio_headers,
     read_jsonl,
     run_recipe,
     run_row_process,
@@ -81,7 +115,13 @@ CASES: dict[str, dict] = {
                    "seq": 512, "ckpt": False, "steps": 8},
 }
 TINY_GRPO = {"batch": 2, "prompt": 16, "completion": 16, "seq": 64, "steps": 3}
-ROWS = ("entrenar", "trl")
+ROWS = ("entrenar", "trl", "unsloth")
+BASELINES = ("trl", "unsloth")  # the rows that run in a process of their own through GRPOTrainer
+# GRPOConfig fields both baseline rows pin to TRL 1.16's defaults (epsilon_high None means epsilon, 0.2), as Unsloth's
+# GRPOConfig changes them when left unset: with an explicit loss_type "dapo" it sets epsilon_high 0.28 and
+# mask_truncated_completions True (every completion here stops at the limit, so all would be masked out), and its
+# default weight decay is 0.001
+TRL_DEFAULTS = {"epsilon_high": 0.2, "mask_truncated_completions": False, "weight_decay": 0.0}
 
 
 def reward_len(prompts: list[str], completions: list[str], **_: object) -> list[float]:
@@ -187,13 +227,50 @@ def run_entrenar(case_name: str, case: dict, folder: Path, prompts: Path, work: 
     return {"status": "ok", **out, "reward_last": steps[-1].get("reward"), "recipe": recipe}
 
 
+def grpo_config(case: dict, output_dir: Path, dev: str) -> dict:
+    """The GRPOConfig fields of the trl and unsloth rows (the same for both; TRL_DEFAULTS pinned)."""
+    return dict(
+        output_dir=str(output_dir), per_device_train_batch_size=case["batch"] * GENERATIONS,
+        gradient_accumulation_steps=1, num_generations=GENERATIONS, max_completion_length=case["completion"],
+        generation_kwargs={"min_new_tokens": case["completion"]}, temperature=1.0, use_vllm=False, beta=0.0,
+        loss_type="dapo", num_iterations=1, max_steps=case["steps"], learning_rate=LR, lr_scheduler_type="constant",
+        warmup_steps=0, bf16=dev == "cuda", optim="adamw_torch_fused" if dev == "cuda" else "adamw_torch",
+        max_grad_norm=1.0, logging_steps=1, save_strategy="no", report_to=[], seed=0, use_cpu=dev == "cpu",
+        gradient_checkpointing=case["ckpt"], dataloader_num_workers=0, **TRL_DEFAULTS)
+
+
+def train_grpo(trl, model, tokenizer, case: dict, prompts: Path, output_dir: Path, skip: int, mean_prompt: float,
+               started: float) -> tuple[dict, object]:
+    """TRL's GRPOTrainer (Unsloth's where its import replaced it) on ``model`` over the prompts, with
+    :func:`grpo_config`, :func:`reward_len` and the step clock: (the row's result, the trainer)."""
+    import datasets
+    import torch
+
+    dev = device()
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    dataset = datasets.Dataset.from_list(read_jsonl(prompts))
+    config = trl.GRPOConfig(**grpo_config(case, output_dir, dev))
+    step_s: list[float] = []
+    trainer = trl.GRPOTrainer(model=model, reward_funcs=[reward_len], args=config, train_dataset=dataset,
+                              processing_class=tokenizer, callbacks=[step_clock(dev, step_s)])
+    trainer.train()
+    wall = time.perf_counter() - started
+    history = [h for h in trainer.state.log_history if "loss" in h]
+    peak = torch.cuda.max_memory_allocated() if dev == "cuda" else None  # CPU: the parent reads ru_maxrss
+    out = summarise(step_s, case, mean_prompt, skip, peak, wall, [h["loss"] for h in history],
+                    [h["completions/mean_length"] for h in history if "completions/mean_length" in h])
+    return {"status": "ok", **out, "reward_last": history[-1].get("reward") if history else None,
+            "gradient_checkpointing": config.gradient_checkpointing, "trl": trl.__version__}, trainer
+
+
 def run_trl(case: dict, folder: Path, prompts: Path, work: Path, skip: int, mean_prompt: float) -> dict:
     """TRL's GRPOTrainer on a PEFT model with transformers' generate, in this process."""
     import torch
     import transformers
 
     try:
-        import datasets
+        import datasets  # noqa: F401 (train_grpo's)
         import peft
         import trl
     except ImportError as e:
@@ -208,38 +285,90 @@ def run_trl(case: dict, folder: Path, prompts: Path, work: Path, skip: int, mean
     model = peft.get_peft_model(model, peft.LoraConfig(r=LORA["r"], lora_alpha=LORA["alpha"], lora_dropout=0.0,
                                                        target_modules="all-linear", task_type="CAUSAL_LM"))
     tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    dataset = datasets.Dataset.from_list(read_jsonl(prompts))
-    config = trl.GRPOConfig(
-        output_dir=str(work / "trl-grpo"), per_device_train_batch_size=case["batch"] * GENERATIONS,
-        gradient_accumulation_steps=1, num_generations=GENERATIONS, max_completion_length=case["completion"],
-        generation_kwargs={"min_new_tokens": case["completion"]}, temperature=1.0, use_vllm=False, beta=0.0,
-        loss_type="dapo", num_iterations=1, max_steps=case["steps"], learning_rate=LR, lr_scheduler_type="constant",
-        warmup_steps=0, bf16=dev == "cuda", optim="adamw_torch_fused" if dev == "cuda" else "adamw_torch",
-        max_grad_norm=1.0, logging_steps=1, save_strategy="no", report_to=[], seed=0, use_cpu=dev == "cpu",
-        gradient_checkpointing=case["ckpt"], dataloader_num_workers=0)
-
-    step_s: list[float] = []
-
-    trainer = trl.GRPOTrainer(model=model, reward_funcs=[reward_len], args=config, train_dataset=dataset,
-                              processing_class=tokenizer, callbacks=[step_clock(dev, step_s)])
-    trainer.train()
-    wall = time.perf_counter() - started
-    history = [h for h in trainer.state.log_history if "loss" in h]
-    peak = torch.cuda.max_memory_allocated() if dev == "cuda" else None  # CPU: the parent reads ru_maxrss
-    out = summarise(step_s, case, mean_prompt, skip, peak, wall, [h["loss"] for h in history],
-                    [h["completions/mean_length"] for h in history if "completions/mean_length" in h])
-    return {"status": "ok", **out, "reward_last": history[-1].get("reward") if history else None,
-            "gradient_checkpointing": config.gradient_checkpointing, "trl": trl.__version__}
+    return train_grpo(trl, model, tokenizer, case, prompts, work / "trl-grpo", skip, mean_prompt, started)[0]
 
 
-def run_trl_process(case_name: str, folder: Path, prompts: Path, mean_prompt: float,
-                    args: argparse.Namespace) -> dict:
-    """The TRL row in a fresh process, so neither stack's memory counts against the other."""
-    out = Path(args.work) / f"{case_name}-trl-grpo.json"
-    cmd = [sys.executable, __file__, "--trl-row", "--cases", case_name, "--folder", str(folder), "--prompts",
-           str(prompts), "--work", args.work, "--skip", str(args.skip), "--out", str(out),
+def unsloth_grpo_settings(case: dict, folder: Path) -> dict:
+    """Unsloth's FastLanguageModel arguments for the case: bench_e2e.py's LoRA ones (bf16, r=16 alpha 32 on the
+    modules PEFT's all-linear picks, use_gradient_checkpointing "unsloth", random_state 0, local files only), with
+    vLLM off (fast_inference False: vLLM is not on the GPU machine)."""
+    settings = unsloth_settings(case, folder, "unsloth")
+    settings["from_pretrained"].update(load_in_4bit=False, fast_inference=False)
+    return settings
+
+
+def run_unsloth(case: dict, folder: Path, prompts: Path, work: Path, skip: int, mean_prompt: float) -> dict:
+    """Unsloth's GRPO without vLLM, in this process (Unsloth imported before trl and transformers, so its patch of
+    TRL's GRPOTrainer applies): FastLanguageModel on the same folder, then :func:`train_grpo`."""
+    settings = unsloth_grpo_settings(case, folder)
+    # Without a GPU, Unsloth 2026.10 falls back to a CPU backend (stock transformers, PEFT and TRL; no GRPO patch,
+    # no fast generate: "supported: text LoRA / full finetuning with SFTTrainer"), which is not the row; this makes
+    # its import raise instead, so the row is skipped with Unsloth's own reason
+    os.environ.setdefault("UNSLOTH_DISABLE_CPU_FALLBACK", "1")
+    unsloth, why = import_unsloth()
+    if unsloth is None:
+        return {"status": "skipped", "error": why, "settings": settings}
+    import torch
+
+    try:
+        import datasets  # noqa: F401 (train_grpo's)
+        import trl
+    except ImportError as e:
+        return {"status": "skipped", "error": str(e), "settings": settings}
+    started = time.perf_counter()
+    model, tokenizer = unsloth.FastLanguageModel.from_pretrained(**dict(settings["from_pretrained"],
+                                                                        dtype=torch.bfloat16))
+    model = unsloth.FastLanguageModel.get_peft_model(model, **settings["get_peft_model"])
+    result, trainer = train_grpo(trl, model, tokenizer, case, prompts, work / "unsloth-grpo", skip, mean_prompt,
+                                 started)
+    return {**result, **unsloth_did(unsloth, trainer, model), "settings": settings}
+
+
+def unsloth_did(unsloth, trainer, model) -> dict:
+    """What Unsloth did in its row: its versions; `grpo_patch`, whether the GRPOTrainer that ran was the class
+    Unsloth generates from TRL's at import (else TRL's own ran, as Unsloth falls back when its rewrite fails);
+    whether its GRPOConfig was the run's; the hook TRL's generation went through (Unsloth's
+    `unsloth_unwrap_model_for_generation` puts the model in its inference mode); whether its fast generate was
+    installed on the model; its decode CUDA graphs' counters summed over the model (captures, replays, eager
+    steps: replays > 0 means the rollouts' decode ran from graphs); the gradient checkpointing it recorded."""
+    import importlib.metadata
+
+    trainer_class = type(trainer)
+    module = sys.modules.get(trainer_class.__module__)
+    unwrap = getattr(module, "unwrap_model_for_generation", None)
+    graphs: dict[str, int] = {}
+    try:
+        from unsloth.models import _decode_graphs
+
+        for m in model.modules():
+            if "_unsloth_decode_graphs" in m.__dict__:
+                for key, value in _decode_graphs.stats(m).items():
+                    if isinstance(value, int) and not isinstance(value, bool):
+                        graphs[key] = graphs.get(key, 0) + value
+    except Exception as e:  # noqa: BLE001 (a private module: its absence is recorded, not fatal)
+        graphs = {"error": f"{type(e).__name__}: {e}"}
+    fast_generate = any(getattr(getattr(m, "generate", None), "__name__", "") == "unsloth_fast_generate"
+                        for m in model.modules())
+    try:
+        zoo = importlib.metadata.version("unsloth_zoo")
+    except importlib.metadata.PackageNotFoundError:
+        zoo = None
+    return {"unsloth": unsloth.__version__, "unsloth_zoo": zoo, "device_type": getattr(unsloth, "DEVICE_TYPE", None),
+            "trainer_class": f"{trainer_class.__module__}.{trainer_class.__qualname__}",
+            "grpo_patch": trainer_class.__name__.startswith("Unsloth"),
+            "config_patched": bool(getattr(type(trainer.args), "_unsloth_patched_rl_config", False)),
+            "generation_unwrap": getattr(unwrap, "__name__", None), "fast_generate": fast_generate,
+            "decode_graphs": graphs,
+            "unsloth_gradient_checkpointing": getattr(model, "_unsloth_gradient_checkpointing", None)}
+
+
+def run_baseline_process(row: str, case_name: str, folder: Path, prompts: Path, mean_prompt: float,
+                         args: argparse.Namespace) -> dict:
+    """A baseline row (trl, unsloth) in a fresh process, so neither stack's memory counts against the other, and
+    Unsloth's patches of transformers and TRL reach no other row."""
+    out = Path(args.work) / f"{case_name}-{row}-grpo.json"
+    cmd = [sys.executable, __file__, "--baseline-row", row, "--cases", case_name, "--folder", str(folder),
+           "--prompts", str(prompts), "--work", args.work, "--skip", str(args.skip), "--out", str(out),
            "--mean-prompt", str(mean_prompt)]
     return run_row_process(cmd, out, args)
 
@@ -248,38 +377,69 @@ def run_trl_process(case_name: str, folder: Path, prompts: Path, mean_prompt: fl
 
 
 def print_table(results: list[dict]) -> None:
-    """One line per case and row: samples/s, tokens/s, peak memory, the ratios to TRL, the completion length."""
+    """One line per case and row: samples/s, tokens/s, peak memory, the ratios of samples/s and of peak memory to
+    each baseline row that ran (trl, unsloth), the completion length."""
+    bases = bases_that_ran(BASELINES, results)
     print(f"{'case':<12}{'row':<10}{'samples/s':>10}{'tok/s':>9}{'all tok/s':>10}{'step ms':>9}{'peak GiB':>9}"
-          f"{'vs trl':>8}{'mem/trl':>8}{'length':>8}")
+          + ratio_headers(bases, "vs ") + ratio_headers(bases, "mem/") + f"{'length':>8}")
     for r in results:
         if r["status"] != "ok":
             print(failed_line(r["case"], r["row"], r, (12, 10)))
             continue
-        speed, memory = ratio(results, [r], "trl", "samples_per_s"), ratio(results, [r], "trl", "peak_gib")
         length = r.get("completion_mean_length")
         flag = "" if length is not None and abs(length - r["recipe_completion"]) < 1e-6 else " (!)"
         print(f"{r['case']:<12}{r['row']:<10}{r['samples_per_s']:10.2f}{r['tokens_per_s']:9.0f}"
-              f"{r['total_tokens_per_s']:10.0f}{r['step_ms_median']:9.0f}{r['peak_gib'] or 0:9.2f}{speed:>8}"
-              f"{memory:>8}{length if length is not None else float('nan'):8.1f}{flag}")
+              f"{r['total_tokens_per_s']:10.0f}{r['step_ms_median']:9.0f}{r['peak_gib'] or 0:9.2f}"
+              + ratio_cells(results, [r], bases, "samples_per_s", "vs ")
+              + ratio_cells(results, [r], bases, "peak_gib", "mem/")
+              + f"{length if length is not None else float('nan'):8.1f}{flag}")
+
+
+def dry_run(args: argparse.Namespace) -> None:
+    """--dry: each row's set-up for each case, as one JSON line, without building or running anything: the
+    entrenar recipe's task and training keys, the baselines' GRPOConfig fields, Unsloth's FastLanguageModel
+    arguments (a check of those paths on a machine that cannot run them)."""
+    work, dev = Path(args.work), device()
+    for case_name in args.cases.split(","):
+        case = _case(case_name, args)
+        folder = work / (case["shape"] + ("-tiny" if args.tiny else ""))
+        for row in args.rows.split(","):
+            if row == "entrenar":
+                recipe = recipe_for(case, folder, work / "prompts.jsonl", work / "run")
+                what = {"task": recipe["task"], "training": recipe["training"]}
+            else:
+                what = {"grpo_config": grpo_config(case, work / f"{row}-grpo", dev)}
+                if row == "unsloth":
+                    what.update(unsloth_grpo_settings(case, folder))
+            print(f"[{case_name}] {row}: {json.dumps(what)}")
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     case_arguments(p, CASES, ROWS, "/tmp/grpo", "prompts", skip=2)
     p.add_argument("--tiny", action="store_true", help="toy sizes, CPU without a GPU: a smoke test, not a measurement")
+    p.add_argument("--dry", action="store_true", help="print what each row would run (GRPOConfig fields, Unsloth's "
+                   "arguments, entrenar's task and training keys) and stop")
     p.add_argument("--gguf", default="data/SmolLM2-135M-Instruct.Q4_1.gguf", help="the GGUF --tiny prepares from")
     p.add_argument("--entrenar-row", default="", help=argparse.SUPPRESS)
-    p.add_argument("--trl-row", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--baseline-row", default="", choices=("", *BASELINES), help=argparse.SUPPRESS)
     p.add_argument("--folder", default="", help=argparse.SUPPRESS)
     p.add_argument("--prompts", default="", help=argparse.SUPPRESS)
     p.add_argument("--mean-prompt", type=float, default=0.0, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.entrenar_row:  # the entrenar row's process, started by run_entrenar
         raise SystemExit(entrenar_row(args.entrenar_row))
-    if args.trl_row:  # the TRL row's process, started by run_trl_process
-        result = run_trl(_case(args.cases, args), Path(args.folder), Path(args.prompts), Path(args.work), args.skip,
-                         args.mean_prompt)
+    if args.baseline_row:  # a baseline row's process, started by run_baseline_process
+        run = run_unsloth if args.baseline_row == "unsloth" else run_trl  # Unsloth imported first, in run_unsloth
+        result = run(_case(args.cases, args), Path(args.folder), Path(args.prompts), Path(args.work), args.skip,
+                     args.mean_prompt)
         Path(args.out).write_text(json.dumps(result))
+        return
+    unknown = [r for r in args.rows.split(",") if r not in ROWS]
+    if unknown:
+        p.error(f"--rows: unknown {', '.join(unknown)} (of {', '.join(ROWS)})")
+    if args.dry:
+        dry_run(args)
         return
     work, tokenizer_dir, text, vocab_size = start_cases(p, args, "grpo-prepare-")
 
@@ -298,7 +458,7 @@ def main(argv: list[str] | None = None) -> None:
             if row == "entrenar":
                 r = run_entrenar(case_name, case, folder, prompts, work, args.skip, mean_prompt)
             else:
-                r = run_trl_process(case_name, folder, prompts, mean_prompt, args)
+                r = run_baseline_process(row, case_name, folder, prompts, mean_prompt, args)
             results.append({"case": case_name, "row": row, "load_avg": os.getloadavg(),
                             "recipe_completion": case["completion"], "prompts_per_step": case["batch"],
                             "generations": GENERATIONS, **r})
