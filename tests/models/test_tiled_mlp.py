@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,6 +13,7 @@ from torch import nn
 from entrenar.adapters.lora import LoraConfig, apply_lora, lora_parameters
 from entrenar.kernels import apply_kernels
 from entrenar.models.config import ModelConfig
+from entrenar.models.hf import load_hf
 from entrenar.models.transformer import Transformer
 
 CONFIG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2)
@@ -175,3 +178,86 @@ def test_tiled_mlp_lowers_the_peak_memory_of_a_step():
     saved = 2 * 2048 * 4 * 4096 * 4
     assert whole - tiled > saved / 2, (tiled, whole)
     assert tiled < whole / 2, (tiled, whole)
+
+
+# The dense block variants whose MLP half has norms around it, built as their family tests build them: Gemma's
+# sandwich blocks (a norm before and after the MLP), OLMo 2's post-norm blocks (after only), GLM-4's post-block
+# norms (the post-attention norm before, post_mlp_layernorm after). Every piece is per token, so the half tiles.
+def _gemma(family: str) -> Callable[[Path], tuple[Path, nn.Module]]:
+    def build(folder: Path) -> tuple[Path, nn.Module]:
+        from test_family_gemma import make_gemma
+
+        ref = make_gemma(family)
+        ref.save_pretrained(folder)
+        return folder, ref
+    return build
+
+
+def _olmo2(folder: Path) -> tuple[Path, nn.Module]:
+    from family_checks import make_checkpoint
+    from test_family_olmo2 import SHAPE
+
+    return make_checkpoint(folder, "Olmo2Config", "Olmo2ForCausalLM", **SHAPE)
+
+
+def _glm4(folder: Path) -> tuple[Path, nn.Module]:
+    from family_checks import save_family
+
+    return save_family(folder, "Glm4Config", "Glm4ForCausalLM", head_dim=32)
+
+
+NORMED_FAMILIES = {"gemma2": _gemma("gemma2"), "gemma3_text": _gemma("gemma3_text"), "olmo2": _olmo2,
+                   "glm4": _glm4}
+
+
+@pytest.fixture(scope="module", params=list(NORMED_FAMILIES))
+def normed_family(request, tmp_path_factory):
+    """(family, folder written by transformers, the transformers model in fp32 eval mode)."""
+    folder, ref = NORMED_FAMILIES[request.param](tmp_path_factory.mktemp(request.param) / "model")
+    return request.param, folder, ref
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["eager", "checkpointed"])
+@pytest.mark.parametrize("kernels", [False, True], ids=["plain", "kernels"])
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_tiled_mlp_of_normed_blocks_gives_their_loss_and_gradients(normed_family, lora, kernels, checkpointing):
+    family, folder, ref = normed_family
+    whole = load_hf(folder)
+    if lora:
+        apply_lora(whole, LoraConfig(r=4, alpha=8.0, target_modules="all-linear"))
+        torch.manual_seed(3)
+        for p in lora_parameters(whole):
+            nn.init.normal_(p, std=0.05)  # B = 0 would hide every gradient but dB
+    if kernels:
+        apply_kernels(whole)
+    tiled = copy.deepcopy(whole)
+    layers = list(range(whole.config.num_layers))
+    assert tiled.set_tiled_mlp(5) == layers  # 2 x 11 = 22 tokens: tiles of 5, the last of 2
+    if checkpointing:
+        whole.set_activation_checkpointing(True)
+        tiled.set_activation_checkpointing(True)
+    ids = torch.randint(0, whole.config.vocab_size, (2, 11), generator=torch.Generator().manual_seed(11))
+    if not lora:  # the tiled forward (gradients on) against transformers' logits
+        with torch.no_grad():
+            expected = ref(ids).logits
+        torch.testing.assert_close(tiled(ids).detach(), expected, atol=1e-4, rtol=0)
+    loss, grads = _loss_and_grads(whole, ids)
+    loss_tiled, grads_tiled = _loss_and_grads(tiled, ids)
+    torch.testing.assert_close(loss_tiled, loss, rtol=1e-6, atol=1e-6)
+    assert len(grads_tiled) == len(grads) > 0
+    for g_tiled, g in zip(grads_tiled, grads, strict=True):
+        torch.testing.assert_close(g_tiled, g, rtol=1e-5, atol=1e-6)
+
+
+def test_tiled_mlp_of_normed_blocks_keeps_the_mlp_input_only(normed_family):
+    """Autograd keeps, per token and layer, the MLP input of a tiled half instead of its norms' and MLP's
+    activations (gate, up, their activation and product: at least 4 x intermediate)."""
+    family, folder, _ = normed_family
+    whole = load_hf(folder)
+    apply_lora(whole, LoraConfig(r=4, alpha=8.0, target_modules="all-linear"))
+    tiled = copy.deepcopy(whole)
+    tiled.set_tiled_mlp(16)
+    ids = torch.randint(0, whole.config.vocab_size, (1, 64))
+    c = whole.config
+    kept, kept_tiled = _saved_bytes(whole, ids), _saved_bytes(tiled, ids)
+    assert kept - kept_tiled >= 64 * c.num_layers * (4 * c.intermediate_size - c.hidden_size) * 4

@@ -76,3 +76,33 @@ def test_the_longest_sequence_is_the_boundary_of_the_estimate_and_tiling_moves_i
     # At that length the MLP's backward ([T, 8192] three times) outweighs attention's: tiling keeps one tile of it
     assert tiled > 1.5 * whole > 100_000
     assert longest_seq_len(LLAMA_1B, "lora", 1 * GiB, **settings) == 0  # the weights alone do not fit
+
+
+# A Gemma 3 text block: the MLP half between two (1 + w) norms (models/transformer.py, SandwichBlock), GELU gate
+GEMMA3 = ModelConfig.from_hf({"model_type": "gemma3_text", "hidden_size": 128, "intermediate_size": 1024,
+                              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                              "head_dim": 32, "query_pre_attn_scalar": 32, "vocab_size": 256, "sliding_window": 32,
+                              "layer_types": ["sliding_attention", "full_attention"],
+                              "hidden_activation": "gelu_pytorch_tanh"})
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tiling_gemma_blocks_drops_the_estimate_by_what_autograd_stops_keeping(dtype):
+    """Gemma's sandwich blocks tile: the estimate's activations drop by what autograd stops saving (every layer's
+    MLP half; checkpointed, the rebuilt layer's), within 10%, and the longest row that fits grows."""
+    ids = torch.randint(0, 256, (2, 128))
+    measured = _saved_bytes(_lora_model(GEMMA3, dtype, 0, False), ids) \
+        - _saved_bytes(_lora_model(GEMMA3, dtype, 16, False), ids)
+
+    def drop(checkpointing: bool) -> float:
+        whole, tiled = (estimate_training_memory(GEMMA3, "lora", 2, 128, dtype_bytes=dtype.itemsize, lora_r=8,
+                                                 activation_checkpointing=checkpointing, kernels=True, tiled_mlp=tile)
+                        for tile in (0, 16))
+        return whole.activations - tiled.activations
+
+    assert abs(drop(False) - measured) / measured < 0.10, (drop(False), measured)
+    one_layer = measured / GEMMA3.num_layers  # the layers' MLP halves are alike
+    assert abs(drop(True) - one_layer) / one_layer < 0.10, (drop(True), one_layer)
+    settings = {"activation_checkpointing": True, "kernels": True, "fused_loss_chunk": 1024}
+    assert longest_seq_len(GEMMA3, "lora", GiB / 4, **settings, tiled_mlp=256) \
+        > longest_seq_len(GEMMA3, "lora", GiB / 4, **settings)

@@ -334,8 +334,9 @@ class TrainingSection(_Section):
     # block computes, forward and backward; false: each block gathers when it is called (the same numbers)
     fsdp_prefetch: bool = setting(True, _boolean)
     # long context: each layer's MLP runs on this many tokens at a time and again tile by tile in backward, so its
-    # [tokens, intermediate] activations never exist whole (models/tiled.py; dense pre-norm layers); 0: off. One
-    # more MLP forward a step: for sequences that do not fit otherwise (docs/PERFORMANCE.md, longest context)
+    # [tokens, intermediate] activations never exist whole (models/tiled.py; every dense layer, its norms around
+    # the MLP included; MoE layers keep theirs whole); 0: off. One more MLP forward a step: for sequences that do
+    # not fit otherwise (docs/PERFORMANCE.md, longest context)
     tiled_mlp: int = setting(0, _integer(0), resumable=25)
     # context parallelism: each padding-free row split over this many processes (consecutive ranks, one host's
     # GPUs), attention by all-to-all over heads; the rest of the world is data parallel (distributed/

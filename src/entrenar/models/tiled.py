@@ -2,7 +2,8 @@
 
 At long context the MLP is what a layer holds most of: gate and up (and, eager, their product) are
 ``intermediate_size`` wide, three to four times the hidden size, for every token. :func:`tiled_feed_forward` runs
-``fn`` (the post-attention norm and the MLP of one block) on ``tile`` tokens at a time under ``no_grad`` and
+``fn`` (the MLP half of one block: the MLP and the norms around it, :meth:`Block.feed_forward_modules
+<entrenar.models.transformer.Block.feed_forward_modules>`) on ``tile`` tokens at a time under ``no_grad`` and
 keeps only its input for backward; backward runs each tile's forward again with gradients on and backpropagates
 through it, so no more than one tile's intermediates exist at once, forward or backward. The price is one more
 forward of the MLP (about a third of a LoRA block's matrix products); the saving is the MLP's saved activations,

@@ -293,22 +293,40 @@ class Block(nn.Module):
     ) -> torch.Tensor:
         if self.post_norm:
             x = x + self.post_attention_layernorm(self.self_attn(x, cos, sin, mask, cache))
-            return x + self.post_feedforward_layernorm(self.mlp(x))
+            return x + self.mlp_half(x)
         if self.post_block_norms:
             x = x + self.post_self_attn_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, mask, cache))
-            return x + self.post_mlp_layernorm(self.mlp(self.post_attention_layernorm(x)))
+            return x + self.mlp_half(x)
         m = self.residual_multiplier
         attn = self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
         x = x + (attn if m == 1.0 else attn * m)
-        out = self.tiled_feed_forward(x) if self.tiles_mlp(x) else self.feed_forward(x)
+        out = self.mlp_half(x)
         return x + (out if m == 1.0 else out * m)
 
     # Tokens per tile of the MLP half (models/tiled.py; Transformer.set_tiled_mlp); 0: the whole sequence at once.
     mlp_tile: int = 0
 
+    def feed_forward_modules(self) -> tuple[nn.Module, ...]:
+        """The modules of the MLP half, in the order they run on the residual stream before its add: the
+        post-attention norm and the MLP (pre-norm blocks), the MLP and ``post_feedforward_layernorm`` (OLMo 2's
+        post-norm blocks), the post-attention norm, the MLP and ``post_mlp_layernorm`` (GLM-4). Each works token
+        by token, so the half runs in tiles of tokens (:meth:`tiled_feed_forward`) whatever the variant."""
+        if self.post_norm:
+            return self.mlp, self.post_feedforward_layernorm
+        if self.post_block_norms:
+            return self.post_attention_layernorm, self.mlp, self.post_mlp_layernorm
+        return self.post_attention_layernorm, self.mlp
+
     def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The MLP half of the block before its residual add: ``mlp(post_attention_layernorm(x))``."""
-        return self.mlp(self.post_attention_layernorm(x))
+        """The MLP half of the block before its residual add (and residual multiplier): the
+        :meth:`feed_forward_modules` in turn."""
+        for module in self.feed_forward_modules():
+            x = module(x)
+        return x
+
+    def mlp_half(self, x: torch.Tensor) -> torch.Tensor:
+        """:meth:`feed_forward` of ``x``, in tiles when :meth:`tiles_mlp` says so."""
+        return self.tiled_feed_forward(x) if self.tiles_mlp(x) else self.feed_forward(x)
 
     def tiles_mlp(self, x: torch.Tensor) -> bool:
         """Whether this call runs :meth:`feed_forward` in tiles: tiling is set and ``x`` has more tokens than one."""
@@ -316,7 +334,7 @@ class Block(nn.Module):
 
     def tiled_feed_forward(self, x: torch.Tensor) -> torch.Tensor:
         """:meth:`feed_forward` in tiles of :attr:`mlp_tile` tokens, rerun tile by tile in backward."""
-        params = [*self.post_attention_layernorm.parameters(), *self.mlp.parameters()]
+        params = [p for module in self.feed_forward_modules() for p in module.parameters()]
         return tiled_feed_forward(self.feed_forward, x, self.mlp_tile, params)
 
 
@@ -339,7 +357,11 @@ class SandwichBlock(Block):
         cache: KVCache | None = None,
     ) -> torch.Tensor:
         x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, mask, cache))
-        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        return x + self.mlp_half(x)
+
+    def feed_forward_modules(self) -> tuple[nn.Module, ...]:
+        """The MLP half between its norms: ``pre_feedforward_layernorm``, the MLP, ``post_feedforward_layernorm``."""
+        return self.pre_feedforward_layernorm, self.mlp, self.post_feedforward_layernorm
 
 
 class Decoder(nn.Module):
@@ -408,15 +430,14 @@ class Transformer(nn.Module):
 
     def set_tiled_mlp(self, tokens: int) -> list[int]:
         """Run the MLP half of each layer in tiles of ``tokens`` tokens, rerun tile by tile in backward
-        (:mod:`entrenar.models.tiled`); 0 puts whole MLPs back. Applies to pre-norm blocks with a dense MLP
-        (Llama, Mistral, Qwen, Phi-3, Granite...); MoE layers, Gemma's sandwich norms, OLMo 2's and GLM-4's
-        post-norms keep theirs whole. Returns the indices of the layers that tile."""
+        (:mod:`entrenar.models.tiled`); 0 puts whole MLPs back. Applies to every block with a dense MLP, whatever
+        norms surround it (:meth:`Block.feed_forward_modules`: pre-norm, Gemma's sandwich, OLMo 2's post-norm,
+        GLM-4's post-block norms); MoE layers keep theirs whole. Returns the indices of the layers that tile."""
         if tokens < 0:
             raise ValueError(f"tiled MLP needs a positive number of tokens per tile (0: off), got {tokens}")
         tiled = []
         for i, layer in enumerate(self.model.layers):
-            if isinstance(layer, Block) and not isinstance(layer, SandwichBlock) and isinstance(layer.mlp, MLP) \
-                    and not layer.post_norm and not layer.post_block_norms:
+            if isinstance(layer, Block) and isinstance(layer.mlp, MLP):
                 layer.mlp_tile = tokens
                 tiled.append(i)
         return tiled if tokens else []

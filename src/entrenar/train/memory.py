@@ -166,14 +166,14 @@ def activation_bytes_per_token_layer(config: ModelConfig, dtype_bytes: int, kern
     probabilities and, for each of its k experts, the gathered input, gate and up, silu(gate), their product
     and the expert's output; plus what its shared expert keeps. gpt-oss's clamped SwiGLU keeps three more of
     the expert's width (the clamped gate and up, ``up + 1``). A Gemma block (``config.sandwich_norms``):
-    :func:`_gemma_layer_bytes` (``seq_len`` for its soft-capped attention).
+    :func:`_gemma_layer_bytes` (``seq_len`` for its soft-capped attention; ``lora``: its norms frozen).
 
     Attention with sinks (gpt-oss) runs as products that keep each query's probabilities over its ``seq_len``
     keys: fp32 softmax output and mask, a 16-bit copy for the value product, q and the repeated k in fp32 and
     the repeated v, instead of SDPA's q, k, v and log-sum-exp.
     """
     if config.sandwich_norms:
-        return _gemma_layer_bytes(config, dtype_bytes, seq_len)
+        return _gemma_layer_bytes(config, dtype_bytes, seq_len, lora)
     h, i, d = config.hidden_size, config.intermediate_size, config.head_dim
     assert d is not None  # ModelConfig derives it when config.json has none
     q, kv = config.num_heads * d, config.num_kv_heads * d
@@ -221,17 +221,23 @@ def mla_activation_bytes(config: ModelConfig, dtype_bytes: int) -> int:
     return total + 2 * heads * (config.qk_head_dim + config.v_head_dim) * dtype_bytes + heads * 4
 
 
-def _gemma_layer_bytes(config: ModelConfig, dtype_bytes: int, seq_len: int) -> float:
+def _gemma_norm_bytes(hidden: int, lora: bool) -> int:
+    """Bytes a (1 + w) norm keeps a token: its fp32 input, 1/rms and, when its weight trains (not under LoRA),
+    the fp32 normalised product the weight's gradient reads."""
+    return (4 if lora else 8) * hidden + 4
+
+
+def _gemma_layer_bytes(config: ModelConfig, dtype_bytes: int, seq_len: int, lora: bool = False) -> float:
     """Bytes autograd saves for one token in one Gemma block (eager whatever the kernels: the fused norm, MLP and
-    block kernels leave Gemma's to PyTorch). Four (1 + w) norms each keep their fp32 input, the fp32 normalised
-    product and 1/rms, and the two before attention and MLP their output; the MLP keeps gate, up, gelu(gate) and
-    their product. Attention with soft-capped scores (Gemma 2) runs as explicit products and keeps, per query,
-    ``seq_len`` fp32 scores' tanh and probabilities and the probabilities in the model dtype, with fp32 copies of
-    q and the repeated k; otherwise SDPA's q, k, v, output and log-sum-exp."""
+    block kernels leave Gemma's to PyTorch). Four (1 + w) norms each keep what :func:`_gemma_norm_bytes` says, and
+    the two before attention and MLP their output; the MLP keeps gate, up, gelu(gate) and their product.
+    Attention with soft-capped scores (Gemma 2) runs as explicit products and keeps, per query, ``seq_len`` fp32
+    scores' tanh and probabilities and the probabilities in the model dtype, with fp32 copies of q and the
+    repeated k; otherwise SDPA's q, k, v, output and log-sum-exp."""
     h, i, d = config.hidden_size, config.intermediate_size, config.head_dim
     assert d is not None  # ModelConfig derives it when config.json has none
     q, kv = config.num_heads * d, config.num_kv_heads * d
-    norms = 4 * (8 * h + 4) + 2 * h * dtype_bytes
+    norms = 4 * _gemma_norm_bytes(h, lora) + 2 * h * dtype_bytes
     if config.attn_logit_softcapping is not None:
         cast = dtype_bytes if dtype_bytes != 4 else 0  # fp32 probabilities are their own cast
         attention = 8 * q + 2 * q * dtype_bytes + config.num_heads * seq_len * (8 + cast) + seq_len
@@ -291,7 +297,7 @@ def estimate_training_memory(
     trained under LoRA too). The bit width changes none of this; it sets the exported model's size
     (:func:`quantized_model_bytes`).
 
-    `tiled_mlp` (tokens a tile; 0: off) runs each dense pre-norm layer's MLP in tiles (:mod:`entrenar.models.tiled`):
+    `tiled_mlp` (tokens a tile; 0: off) runs each dense layer's MLP half in tiles (:mod:`entrenar.models.tiled`):
     the layer keeps the MLP's input instead of its activations, and its backward holds one tile's. A GPU estimate
     (not ``cpu``) adds the transients of one layer's backward (``transient``, :func:`backward_transients`).
     """
@@ -445,15 +451,19 @@ def _model_state(config: ModelConfig, method: str, param_bytes: int, states: int
 
 
 def tiles_mlp(config: ModelConfig) -> bool:
-    """Whether ``training.tiled_mlp`` tiles this model's layers (:meth:`Transformer.set_tiled_mlp`): dense
-    pre-norm blocks; the estimate leaves a model with MoE layers (some dense) untiled, an upper bound."""
-    return not (config.is_moe or config.sandwich_norms or config.post_norm or config.post_block_norms)
+    """Whether ``training.tiled_mlp`` tiles this model's layers (:meth:`Transformer.set_tiled_mlp`): every dense
+    block, whatever norms surround its MLP (pre-norm, Gemma's sandwich, OLMo 2's post-norm, GLM-4's post-block
+    norms); the estimate leaves a model with MoE layers (some dense) untiled, an upper bound."""
+    return not config.is_moe
 
 
 def _mlp_bytes_per_token(config: ModelConfig, dtype_bytes: int, kernels: bool, lora: bool) -> float:
-    """What the MLP half of a dense block (the post-attention norm and the MLP) keeps a token, of
-    :func:`activation_bytes_per_token_layer`'s sum."""
+    """What the MLP half of a dense block (its norms and the MLP) keeps a token, of
+    :func:`activation_bytes_per_token_layer`'s sum: a Gemma block's two (1 + w) norms around it, the first one's
+    output and the MLP's four products, as :func:`_gemma_layer_bytes` counts them (eager whatever the kernels)."""
     h, i = config.hidden_size, config.intermediate_size
+    if config.sandwich_norms:
+        return 2 * _gemma_norm_bytes(h, lora) + h * dtype_bytes + 4 * i * dtype_bytes
     if not kernels:
         return (h * dtype_bytes + h * 4 + 4) + (h + 4 * i) * dtype_bytes
     if lora and not config.is_mla:

@@ -92,8 +92,8 @@ def prepare(model: Transformer, recipe: Recipe, plan: RunPlan, world: World) -> 
     _as_setting("activation_checkpointing", model.set_activation_checkpointing, t.activation_checkpointing)
     _as_setting("offload_activations", model.set_activation_offload, t.offload_activations)
     if t.tiled_mlp and not model.set_tiled_mlp(t.tiled_mlp):
-        raise ConfigError("training.tiled_mlp: no layer of this model has a dense pre-norm MLP to tile (MoE "
-                          "layers and Gemma's, OLMo 2's and GLM-4's blocks keep theirs whole); set it to 0")
+        raise ConfigError("training.tiled_mlp: no layer of this model has a dense MLP to tile (MoE layers keep "
+                          "theirs whole); set it to 0")
     if plan.kernels:
         apply_kernels(model, lora_compute_dtype=plan.lora_compute_dtype)  # same parameters and names
     if plan.offload_weights:
