@@ -34,7 +34,7 @@ from entrenar.errors import CheckpointError, ConfigError
 from entrenar.evaluation.loss import autocast_for
 from entrenar.io.run_dir import METRICS_FILE
 from entrenar.models.transformer import Transformer, compute_device
-from entrenar.tasks.base import Batch, SummaryRow
+from entrenar.tasks.base import Batch, FixedLayout, SummaryRow
 from entrenar.tasks.causal_lm import CausalLMTask
 from entrenar.tasks.layout import TaskLayout
 from entrenar.tasks.preference import losses as L
@@ -188,6 +188,11 @@ class PreferenceTask:
 
     def __post_init__(self) -> None:
         self._lm = CausalLMTask(self.recipe, kernels=self.kernels)
+
+    @property
+    def fixed_layout(self) -> FixedLayout:
+        """This task: it lays its pairs out in one fixed layout under CUDA graphs (:meth:`graph_layout`)."""
+        return self
 
     # -- model ------------------------------------------------------------------------------------------
 
