@@ -46,6 +46,7 @@ from entrenar.tasks.preference.precomputed import (
     weights_fingerprint,
     write_table,
 )
+from entrenar.tasks.preference.sharing import SHARE_PROMPT_MIN_HIDDEN, may_share, share_prompt_of, shares_prompt
 from entrenar.train.metrics import read_metrics
 
 if TYPE_CHECKING:
@@ -64,36 +65,6 @@ def reference_of(recipe: Recipe) -> tuple[str, str]:
     if recipe.lora is not None:
         return "adapters_off", "LoRA: the base is the model with its adapters switched off (no second copy)"
     return "copy", "full fine-tuning: a frozen copy of the starting weights (the model's memory once more)"
-
-
-# Under ``task.share_prompt: auto`` a GPU shares prompts only for models at least this wide. One H200,
-# 2026-11-26, bench/bench_dpo.py (256 + 256 tokens, two calls): on the Llama-3.1-8B shape (hidden 4096) sharing
-# ran 11,825 tokens/s against 9,177 unshared; on the Llama-3.2-1B shape (hidden 2048) 46,630 / 45,095 against
-# 54,722 / 57,761: a small model's eager step waits on the host's kernel launches, which the shared layout
-# adds (the keys gathered again in every layer) while the GPU work it saves was not what bounded the step.
-SHARE_PROMPT_MIN_HIDDEN = 4096
-
-
-def share_prompt_of(recipe: Recipe, padding_free: bool, hidden_size: int | None = None,
-                    device_type: str = "cpu") -> tuple[bool, str]:
-    """``(shared, why)``: whether a pair's prompt is computed once for both completions (``task.share_prompt``),
-    for rows laid out padding-free or not (``padding_free``: the plan's ``data.padding_free``), for a model of
-    ``hidden_size`` (None: not known, taken as wide enough) on ``device_type``."""
-    task = recipe.task
-    if task.type != "preference" or task.loss == "kto":
-        return False, "unpaired examples, no prompt to share (task.share_prompt)"
-    if task.share_prompt is False:
-        return False, "each pair as two sequences [prompt, chosen], [prompt, rejected] (task.share_prompt: false)"
-    narrow = device_type == "cuda" and hidden_size is not None and hidden_size < SHARE_PROMPT_MIN_HIDDEN
-    if task.share_prompt is True or padding_free and not narrow:
-        return True, (f"each pair as one sequence [prompt, chosen, rejected], its prompt computed once "
-                      f"(task.share_prompt: {'true' if task.share_prompt is True else 'auto'})")
-    if padding_free:
-        return False, (f"each pair as two sequences [prompt, chosen], [prompt, rejected]: hidden size {hidden_size} "
-                       f"< {SHARE_PROMPT_MIN_HIDDEN} on a GPU, where the step waits on kernel launches more than "
-                       f"on the work a shared prompt saves (task.share_prompt: auto)")
-    return False, ("each pair as two sequences [prompt, chosen], [prompt, rejected]: the rows are not padding-free "
-                   "(task.share_prompt: auto)")
 
 
 def graphs_refusal(recipe: Recipe) -> str | None:
@@ -246,22 +217,11 @@ class PreferenceTask:
 
     def _may_share(self) -> bool:
         """Whether batches carry the shared-prompt layout (``task.share_prompt`` may pick it)."""
-        return share_prompt_of(self.recipe, True, *self._width_and_device())[0]
-
-    def _width_and_device(self) -> tuple[int | None, str]:
-        """The prepared model's hidden size and device type (what ``task.share_prompt: auto`` weighs)."""
-        if self._model is None:
-            return None, "cpu"
-        config = getattr(self._model, "config", None)
-        return getattr(config, "hidden_size", None), compute_device(self._model).type
+        return may_share(self.recipe, self._model)
 
     def _shared(self, batch: Batch) -> bool:
-        """Whether this batch runs with each prompt once: it carries the layout, and ``task.share_prompt`` is true
-        or auto with the rows padding-free (``cu_seqlens`` without ``document_ids``), as the plan said."""
-        if is_static(batch):  # decided when it was laid out (graph_layout)
-            return bool(batch["static_shared"])
-        flat = "cu_seqlens" in batch and "document_ids" not in batch
-        return "shared_input_ids" in batch and share_prompt_of(self.recipe, flat, *self._width_and_device())[0]
+        """Whether this batch runs with each prompt once (:func:`~.sharing.shares_prompt`)."""
+        return shares_prompt(self.recipe, batch, self._model)
 
     def num_targets(self, batch: Batch) -> float:
         """Pairs (or KTO examples): the loss of a step is the mean over its pairs."""
@@ -434,7 +394,7 @@ class PreferenceTask:
             if not self._train:
                 raise ConfigError("preference graph layout: no training examples read (stream() first)")
             self._capacity = static_capacity(self._train, t.batch_size, d.seq_len, kl=self.recipe.task.loss == "kto")
-        shared = "shared_input_ids" in batch and share_prompt_of(self.recipe, True, *self._width_and_device())[0]
+        shared = "shared_input_ids" in batch and self._may_share()
         self._count_tokens(batch, shared)
         return static_preference_batch(batch, self._capacity, shared)
 
@@ -563,8 +523,8 @@ def _logged_start(run_dir: Path) -> tuple[float, float] | None:
     return None
 
 
-__all__ = ["ACCURACY", "PreferenceEval", "PreferenceTask", "evaluate_preference_file", "reference_of",
-           "share_prompt_of"]
+__all__ = ["ACCURACY", "SHARE_PROMPT_MIN_HIDDEN", "PreferenceEval", "PreferenceTask", "evaluate_preference_file",
+           "reference_of", "share_prompt_of"]
 
 
 def evaluate_preference_file(model: Transformer, tokenizer: Tokenizer, path: str | Path, task: TaskSection, *,
