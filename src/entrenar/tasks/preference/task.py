@@ -32,13 +32,20 @@ from entrenar.data.sources import Skip
 from entrenar.data.tokenizer import Tokenizer
 from entrenar.errors import CheckpointError, ConfigError
 from entrenar.evaluation.loss import autocast_for
-from entrenar.io.run_dir import METRICS_FILE
 from entrenar.models.transformer import Transformer, compute_device
 from entrenar.tasks.base import Batch, FixedLayout, SummaryRow
 from entrenar.tasks.causal_lm import CausalLMTask
 from entrenar.tasks.layout import TaskLayout
 from entrenar.tasks.preference import losses as L
 from entrenar.tasks.preference.logprobs import sequence_logprobs
+from entrenar.tasks.preference.metrics import (
+    ACCURACY,
+    MetricSums,
+    PreferenceEval,
+    accuracy_rows,
+    best_logged,
+    score,
+)
 from entrenar.tasks.preference.precomputed import (
     REFERENCE_FILE,
     examples_fingerprint,
@@ -47,13 +54,9 @@ from entrenar.tasks.preference.precomputed import (
     write_table,
 )
 from entrenar.tasks.preference.sharing import SHARE_PROMPT_MIN_HIDDEN, may_share, share_prompt_of, shares_prompt
-from entrenar.train.metrics import read_metrics
 
 if TYPE_CHECKING:
     from entrenar.train.metrics import MetricsLogger
-
-ACCURACY = "rewards/accuracies"  # the held-out metric that picks the best checkpoint (higher is better)
-
 
 def reference_of(recipe: Recipe) -> tuple[str, str]:
     """``(reference, why)``: what ``task.reference`` becomes for this recipe (none for a reference-free loss)."""
@@ -76,54 +79,6 @@ def graphs_refusal(recipe: Recipe) -> str | None:
 
 
 @dataclass
-class PreferenceEval:
-    """A held-out evaluation: the mean loss per pair (or KTO example) and TRL's metrics (without ``eval_``)."""
-
-    loss: float
-    metrics: dict[str, float]
-    examples: int
-
-    @property
-    def accuracy(self) -> float:
-        return self.metrics.get(ACCURACY, float("nan"))
-
-
-class _Sums:
-    """Sums and counts of each metric over micro-batches, kept on the device (no read until asked)."""
-
-    def __init__(self) -> None:
-        self.sums: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-
-    def add(self, name: str, values: torch.Tensor, weight: torch.Tensor | None = None) -> None:
-        """Add ``values``, each counted once, or ``weight`` times (0: a padded pair of the fixed layout)."""
-        values = values.detach().float().reshape(-1)
-        total, count = self.sums.get(name, (values.new_zeros(()), values.new_zeros(())))
-        if weight is None:
-            self.sums[name] = (total + values.sum(), count + values.numel())
-        else:
-            weight = weight.detach().float().reshape(-1)
-            self.sums[name] = (total + (values * weight).sum(), count + weight.sum())
-
-    def packed(self) -> tuple[list[str], torch.Tensor]:
-        """The names, and their (sum, count) one after the other in one tensor (what a CUDA graph hands back)."""
-        names = list(self.sums)
-        return names, torch.stack([x for name in names for x in self.sums[name]])
-
-    def merge(self, names: list[str], packed: torch.Tensor) -> None:
-        """Add sums and counts as :meth:`packed` gave them."""
-        for i, name in enumerate(names):
-            total, count = self.sums.get(name, (packed.new_zeros(()), packed.new_zeros(())))
-            self.sums[name] = (total + packed[2 * i], count + packed[2 * i + 1])
-
-    def means(self) -> dict[str, torch.Tensor]:
-        # NaN where nothing was counted (a KTO micro-batch without undesirable examples): left out when logged
-        means = {name: total / count for name, (total, count) in self.sums.items()}
-        if "rewards/chosen" in means and "rewards/rejected" in means and "rewards/margins" not in means:
-            means["rewards/margins"] = means["rewards/chosen"] - means["rewards/rejected"]  # KTO's, as TRL's
-        return means
-
-
-@dataclass
 class PreferenceTask:
     """The Task protocol for preference optimisation; ``load`` and ``save`` are the language model's
     (:class:`~entrenar.tasks.causal_lm.CausalLMTask`'s, which it holds)."""
@@ -141,8 +96,8 @@ class PreferenceTask:
     _head: nn.Linear | None = field(default=None, repr=False)
     _model: nn.Module | None = field(default=None, repr=False)
     _reference: nn.Module | None = field(default=None, repr=False)  # a frozen copy (task.reference: copy)
-    _step: _Sums = field(default_factory=_Sums, repr=False)
-    _best: tuple[float, float] | None = field(default=None, repr=False)  # (accuracy, -loss) of the best evaluation
+    _step: MetricSums = field(default_factory=MetricSums, repr=False)
+    _best: tuple[float, float] | None = field(default=None, repr=False)  # the score of the best evaluation
     # task.reference precomputed: every example read, the starting weights' fingerprint, the table and its rows
     _read: list = field(default_factory=list, repr=False)
     _start: str | None = field(default=None, repr=False)
@@ -296,7 +251,7 @@ class PreferenceTask:
             model.train(was_training)
         return table
 
-    def _losses(self, model: Any, batch: Batch, sums: _Sums, examples: list) -> torch.Tensor:
+    def _losses(self, model: Any, batch: Batch, sums: MetricSums, examples: list) -> torch.Tensor:
         """The per-pair (per-example) losses of a batch, their metrics added to ``sums``; ``examples``: the list
         the batch's example_index points into."""
         task = self.recipe.task
@@ -338,7 +293,7 @@ class PreferenceTask:
         return per_pair if w is None else per_pair * w
 
     def _kto(self, batch: Batch, logps: torch.Tensor, ref: tuple[torch.Tensor, torch.Tensor] | None,
-             sums: _Sums, w: torch.Tensor | None = None) -> torch.Tensor:
+             sums: MetricSums, w: torch.Tensor | None = None) -> torch.Tensor:
         task = self.recipe.task
         assert ref is not None
         desirable = batch["desirable"].to(logps.device).bool()
@@ -372,7 +327,7 @@ class PreferenceTask:
         the fixed layout (:meth:`graph_layout`) keeps its metrics for :meth:`micro_stats` instead of adding them:
         a replayed graph runs none of this Python."""
         if is_static(batch):
-            sums = _Sums()
+            sums = MetricSums()
             per_pair = self._losses(model, batch, sums, self._train)
             self._pending_names, self._pending = sums.packed()
             return per_pair.sum()
@@ -410,7 +365,7 @@ class PreferenceTask:
 
     def step_metrics(self) -> dict[str, torch.Tensor]:
         """TRL's metrics of the step's micro-batches (means over its pairs)."""
-        means, self._step = self._step.means(), _Sums()
+        means, self._step = self._step.means(), MetricSums()
         return means
 
     # -- evaluation -------------------------------------------------------------------------------------
@@ -431,7 +386,7 @@ class PreferenceTask:
         device = compute_device(model)
         was_training = model.training
         model.eval()
-        sums, total, count = _Sums(), torch.zeros((), dtype=torch.float64, device=device), 0
+        sums, total, count = MetricSums(), torch.zeros((), dtype=torch.float64, device=device), 0
         try:
             for batch in batches:
                 batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
@@ -448,21 +403,14 @@ class PreferenceTask:
         """Log the evaluation with TRL's names; True when its preference accuracy is the best so far (ties: the
         lower loss)."""
         if self._best is None:  # a resumed run: the best so far is in the metrics kept up to the resumed step
-            self._best = _best_logged(metrics.path, self.recipe.task.loss == "kto")
+            self._best = best_logged(metrics.path, self.recipe.task.loss == "kto")
         metrics.log_eval(step, result.loss)
         metrics._write({"step": int(step), **{f"eval_{k}": v for k, v in result.metrics.items()}})
-        score = self._score(result)
-        if score != score or (self._best is not None and score <= self._best):  # NaN: never the best
+        now = score(result, self.recipe.task.loss == "kto")
+        if now != now or (self._best is not None and now <= self._best):  # NaN: never the best
             return False
-        self._best = score
+        self._best = now
         return True
-
-    def _score(self, result: PreferenceEval) -> tuple[float, float]:
-        """What picks the best evaluation, higher better: the preference accuracy, then the lower loss (KTO, whose
-        examples are unpaired: the lower loss)."""
-        if self.recipe.task.loss == "kto":
-            return -result.loss, 0.0
-        return result.accuracy, -result.loss
 
     def eval_scalars(self, result: PreferenceEval) -> dict[str, float]:
         """The loss, then the preference accuracy (pairs), then the other metrics (``eval_`` prefixed, as TRL)."""
@@ -473,26 +421,12 @@ class PreferenceTask:
                before: PreferenceEval | None, after: PreferenceEval | None) -> list[SummaryRow]:
         """The held-out preference accuracy and margin before and after training, and the tokens computed where
         pairs shared their prompt."""
-        rows = self._accuracy_rows(run_dir, before, after)
+        rows = accuracy_rows(run_dir, before, after, self.recipe.task.loss == "kto")
         if self._computed < self._counted:
             rows.append(("tokens computed", f"{self._computed:,} of the {self._counted:,} the throughput counts "
                                             "(each pair's prompt once; throughput counts it twice, as TRL "
                                             "computes it)"))
         return rows
-
-    def _accuracy_rows(self, run_dir: Path, before: PreferenceEval | None,
-                       after: PreferenceEval | None) -> list[SummaryRow]:
-        if after is None:
-            return []
-        if self.recipe.task.loss == "kto":
-            return [("held-out KTO loss", (f"{before.loss:.4f} -> " if before is not None else "") + f"{after.loss:.4f}"
-                     + f" (margin {after.metrics.get('rewards/margins', 0.0):+.4f})")]
-        start = (before.accuracy, before.metrics.get("rewards/margins", 0.0)) if before is not None \
-            else _logged_start(run_dir)
-        now = f"{after.accuracy:.3f} (margin {after.metrics.get('rewards/margins', 0.0):+.4f})"
-        if start is None:
-            return [("held-out preference accuracy", now)]
-        return [("held-out preference accuracy", f"{start[0]:.3f} (margin {start[1]:+.4f}) -> {now}")]
 
 
 def _plain_head(model: Any) -> nn.Linear | None:
@@ -500,27 +434,6 @@ def _plain_head(model: Any) -> nn.Linear | None:
     weight); None: a LoRA'd head, read through the model's logits."""
     head = getattr(model, "lm_head", None)
     return head if isinstance(head, nn.Linear) and type(head) is nn.Linear else None
-
-
-def _best_logged(path: Path, by_loss: bool) -> tuple[float, float] | None:
-    """The score (:meth:`PreferenceTask._score`) of the best evaluation a run's metrics.jsonl logged (None: none
-    yet)."""
-    records = read_metrics(path) if path.is_file() else []
-    losses = {r["step"]: r["eval_loss"] for r in records if r.get("eval_loss") is not None}
-    if by_loss:
-        return max(((-loss, 0.0) for loss in losses.values()), default=None)
-    scores = [(r[f"eval_{ACCURACY}"], -losses.get(r["step"], 0.0)) for r in records
-              if r.get(f"eval_{ACCURACY}") is not None]
-    return max(scores) if scores else None
-
-
-def _logged_start(run_dir: Path) -> tuple[float, float] | None:
-    path = run_dir / METRICS_FILE
-    records = read_metrics(path) if path.is_file() else []
-    for r in records:
-        if r.get("step") == 0 and r.get(f"eval_{ACCURACY}") is not None:
-            return r[f"eval_{ACCURACY}"], r.get("eval_rewards/margins") or 0.0
-    return None
 
 
 __all__ = ["ACCURACY", "SHARE_PROMPT_MIN_HIDDEN", "PreferenceEval", "PreferenceTask", "evaluate_preference_file",
