@@ -53,6 +53,7 @@ from entrenar.tasks.preference.precomputed import (
     weights_fingerprint,
     write_table,
 )
+from entrenar.tasks.preference.scoring import batch_losses
 from entrenar.tasks.preference.sharing import SHARE_PROMPT_MIN_HIDDEN, may_share, share_prompt_of, shares_prompt
 
 if TYPE_CHECKING:
@@ -254,73 +255,10 @@ class PreferenceTask:
     def _losses(self, model: Any, batch: Batch, sums: MetricSums, examples: list) -> torch.Tensor:
         """The per-pair (per-example) losses of a batch, their metrics added to ``sums``; ``examples``: the list
         the batch's example_index points into."""
-        task = self.recipe.task
         shared = self._shared(batch)
         logps, tokens = sequence_logprobs(model, batch, self._head, shared=shared)
         ref = self._reference_logprobs(batch, examples, shared)
-        w = batch.get("pair_mask")  # the fixed layout (CUDA graphs): 1 for a real pair, 0 for a padded one
-        if w is not None:
-            w = w.to(logps.device)
-            keep = (torch.cat([w, w]) if task.loss == "kto" else w[:, None].expand(-1, 2).reshape(-1)) > 0
-            # a padded pair's sequences are empty: finite stand-ins keep its (zero-weighted) loss finite
-            logps, tokens = torch.where(keep, logps, -1.0), torch.where(keep, tokens, 1.0)
-            if ref is not None:
-                ref = (torch.where(keep, ref[0], -1.0), ref[1])
-        if task.loss == "kto":
-            return self._kto(batch, logps, ref, sums, w)
-        chosen, rejected = logps[0::2], logps[1::2]
-        if task.loss == "dpo":
-            assert ref is not None
-            per_pair, cr, rr = L.dpo(chosen, rejected, ref[0][0::2], ref[0][1::2], task.beta, task.label_smoothing)
-        elif task.loss == "ipo":
-            assert ref is not None
-            per_pair, cr, rr = L.ipo(chosen, rejected, ref[0][0::2], ref[0][1::2], tokens[0::2], tokens[1::2],
-                                     task.beta)
-        else:
-            avg = logps / tokens.clamp(min=1)
-            chosen, rejected = avg[0::2], avg[1::2]  # TRL logs these averages as logps/ for SimPO and ORPO
-            if task.loss == "simpo":
-                per_pair, cr, rr = L.simpo(chosen, rejected, task.beta, task.simpo_gamma, task.label_smoothing)
-            else:
-                per_pair, cr, rr = L.orpo(chosen, rejected, -chosen, task.beta)
-                sums.add("nll_loss", -chosen, w)
-        sums.add("rewards/chosen", cr, w)
-        sums.add("rewards/rejected", rr, w)
-        sums.add("rewards/accuracies", (cr > rr).float(), w)
-        sums.add("rewards/margins", cr - rr, w)
-        sums.add("logps/chosen", chosen, w)
-        sums.add("logps/rejected", rejected, w)
-        return per_pair if w is None else per_pair * w
-
-    def _kto(self, batch: Batch, logps: torch.Tensor, ref: tuple[torch.Tensor, torch.Tensor] | None,
-             sums: MetricSums, w: torch.Tensor | None = None) -> torch.Tensor:
-        task = self.recipe.task
-        assert ref is not None
-        desirable = batch["desirable"].to(logps.device).bool()
-        # The batch's mismatched sequences (after its n examples: prompt k with completion k-1) estimate z.
-        n = int(batch["kl_offset"])
-        if w is not None:  # the fixed layout: every example weighed, none selected (no data-dependent shape)
-            z = ((logps[n:].detach() - ref[0][n:]) * w).sum().div(w.sum()).detach().clamp(min=0)
-            logps = logps[:n]
-            per_example, rewards = L.kto_losses(logps, ref[0][:n], desirable, z, task.beta, task.desirable_weight,
-                                                task.undesirable_weight)
-            good, bad = desirable.float() * w, (~desirable).float() * w
-            sums.add("kl", z)
-            sums.add("rewards/chosen", rewards, good)
-            sums.add("rewards/rejected", rewards, bad)
-            sums.add("logps/chosen", logps, good)
-            sums.add("logps/rejected", logps, bad)
-            return per_example * w
-        z = L.kto_reference_point(logps[n:].detach(), ref[0][n:])
-        logps = logps[:n]
-        per_example, cr, rr = L.kto(logps, ref[0][:n], desirable, z, task.beta, task.desirable_weight,
-                                    task.undesirable_weight)
-        sums.add("kl", z)
-        sums.add("rewards/chosen", cr)
-        sums.add("rewards/rejected", rr)
-        sums.add("logps/chosen", logps[desirable])
-        sums.add("logps/rejected", logps[~desirable])
-        return per_example
+        return batch_losses(self.recipe.task, batch, logps, tokens, ref, sums)
 
     def loss_sum(self, model: Any, batch: Batch) -> torch.Tensor:
         """The summed loss of the micro-batch's pairs (or KTO examples), through ``model`` or its wrapper. A batch in
