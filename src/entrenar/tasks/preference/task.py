@@ -2,19 +2,15 @@
 
 It loads and saves as :class:`~entrenar.tasks.causal_lm.CausalLMTask` does (a language model, its adapter or its
 folder), reads preference data (:mod:`entrenar.data.preference`), and scores a micro-batch by the summed loss of
-its pairs (or KTO's examples): the step divides by the step's pairs, so accumulation gives one large batch's mean.
-The reference model (:func:`reference_of`) is the same model with its adapters switched off under LoRA/QLoRA, or a
-frozen copy under full fine-tuning. Metrics carry TRL's names (``rewards/chosen``, ``rewards/rejected``,
-``rewards/accuracies``, ``rewards/margins``, ``logps/chosen``, ``logps/rejected``; ``kl`` for KTO, ``nll_loss``
-for ORPO), per step in metrics.jsonl and per evaluation with the ``eval_`` prefix; the held-out
-``rewards/accuracies`` picks the best checkpoint.
+its pairs (or KTO's examples, :mod:`.scoring`): the step divides by the step's pairs, so accumulation gives one
+large batch's mean. The reference model (:mod:`.reference`) is the same model with its adapters switched off under
+LoRA/QLoRA, or a frozen copy under full fine-tuning. TRL's metrics (:mod:`.metrics`) are logged per step and per
+evaluation; the held-out ``rewards/accuracies`` picks the best checkpoint. Under CUDA graphs the task lays each
+micro-batch out itself in one fixed layout (:meth:`PreferenceTask.graph_layout`, its ``fixed_layout``).
 """
 
 from __future__ import annotations
 
-import contextlib
-import copy
-from collections.abc import Iterator
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -22,7 +18,6 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import nn
 
-from entrenar.adapters.switch import adapters_off
 from entrenar.config import Recipe
 from entrenar.config.sections import DataSection, LoraSection, TaskSection, TrainingSection
 from entrenar.data.formats import split_format
@@ -30,14 +25,14 @@ from entrenar.data.preference import PreferenceStream, preference_eval_batches, 
 from entrenar.data.preference_static import StaticCapacity, is_static, static_capacity, static_preference_batch
 from entrenar.data.sources import Skip
 from entrenar.data.tokenizer import Tokenizer
-from entrenar.errors import CheckpointError, ConfigError
+from entrenar.errors import ConfigError
 from entrenar.evaluation.loss import autocast_for
 from entrenar.models.transformer import Transformer, compute_device
 from entrenar.tasks.base import Batch, FixedLayout, SummaryRow
 from entrenar.tasks.causal_lm import CausalLMTask
 from entrenar.tasks.layout import TaskLayout
 from entrenar.tasks.preference import losses as L
-from entrenar.tasks.preference.logprobs import sequence_logprobs
+from entrenar.tasks.preference.logprobs import plain_head, sequence_logprobs
 from entrenar.tasks.preference.metrics import (
     ACCURACY,
     MetricSums,
@@ -46,37 +41,12 @@ from entrenar.tasks.preference.metrics import (
     best_logged,
     score,
 )
-from entrenar.tasks.preference.precomputed import (
-    REFERENCE_FILE,
-    examples_fingerprint,
-    read_table,
-    weights_fingerprint,
-    write_table,
-)
+from entrenar.tasks.preference.reference import Reference, graphs_refusal, reference_of
 from entrenar.tasks.preference.scoring import batch_losses
 from entrenar.tasks.preference.sharing import SHARE_PROMPT_MIN_HIDDEN, may_share, share_prompt_of, shares_prompt
 
 if TYPE_CHECKING:
     from entrenar.train.metrics import MetricsLogger
-
-def reference_of(recipe: Recipe) -> tuple[str, str]:
-    """``(reference, why)``: what ``task.reference`` becomes for this recipe (none for a reference-free loss)."""
-    task = recipe.task
-    if task.loss in L.REFERENCE_FREE:
-        return "none", f"task.loss {task.loss} is reference-free"
-    if task.reference != "auto":
-        return task.reference, f"task.reference: {task.reference}"
-    if recipe.lora is not None:
-        return "adapters_off", "LoRA: the base is the model with its adapters switched off (no second copy)"
-    return "copy", "full fine-tuning: a frozen copy of the starting weights (the model's memory once more)"
-
-
-def graphs_refusal(recipe: Recipe) -> str | None:
-    """Why a CUDA graph cannot replay this recipe's preference steps in their fixed layout (None: it can)."""
-    if reference_of(recipe)[0] == "precomputed":
-        return ("task.reference precomputed looks each pair's row up on the host, which a graph cannot replay; use "
-                "task.reference: auto (LoRA: adapters off) or copy")
-    return None
 
 
 @dataclass
@@ -93,17 +63,12 @@ class PreferenceTask:
     layout: ClassVar[TaskLayout] = TaskLayout(
         sequences_per_example=2, documents=True, fused_head=True, reference=reference_of,
         prompt_sharing=share_prompt_of, own_graph_layout=lambda recipe: graphs_refusal(recipe))
+    reference: Reference = field(init=False, repr=False)  # the reference model (task.reference)
     _lm: CausalLMTask = field(init=False, repr=False)
     _head: nn.Linear | None = field(default=None, repr=False)
     _model: nn.Module | None = field(default=None, repr=False)
-    _reference: nn.Module | None = field(default=None, repr=False)  # a frozen copy (task.reference: copy)
     _step: MetricSums = field(default_factory=MetricSums, repr=False)
     _best: tuple[float, float] | None = field(default=None, repr=False)  # the score of the best evaluation
-    # task.reference precomputed: every example read, the starting weights' fingerprint, the table and its rows
-    _read: list = field(default_factory=list, repr=False)
-    _start: str | None = field(default=None, repr=False)
-    _table: torch.Tensor | None = field(default=None, repr=False)
-    _rows: dict[int, int] = field(default_factory=dict, repr=False)
     _train: list = field(default_factory=list, repr=False)
     # tokens of the training batches: as counted (each sequence whole, TRL's count) and as computed (shared prompts)
     _counted: int = field(default=0, repr=False)
@@ -115,6 +80,7 @@ class PreferenceTask:
 
     def __post_init__(self) -> None:
         self._lm = CausalLMTask(self.recipe, kernels=self.kernels)
+        self.reference = Reference(self.recipe)
 
     @property
     def fixed_layout(self) -> FixedLayout:
@@ -137,15 +103,13 @@ class PreferenceTask:
     def begin(self, model: Transformer, tokenizer: Tokenizer) -> None:
         """Nothing: the evaluation before training is the baseline."""
 
-    def prepare(self, model: Transformer) -> None:
-        """The output head the log-probabilities are gathered through, and the reference model."""
-        self._head = _plain_head(model)
+    def prepare(self, model: Transformer, reference: nn.Module | None = None) -> None:
+        """The output head the log-probabilities are gathered through, and the reference model (``reference``: a
+        separate one to compare with instead of what ``task.reference`` makes of ``model``, for ``entrenar
+        eval``)."""
+        self._head = plain_head(model)
         self._model = model
-        reference, _ = reference_of(self.recipe)
-        if reference == "copy":
-            self._reference = copy.deepcopy(model).requires_grad_(False).eval()
-        elif reference == "precomputed":  # the starting weights, before a resume loads a checkpoint's
-            self._start = weights_fingerprint(model)
+        self.reference.prepare(model, reference)
 
     # -- data -------------------------------------------------------------------------------------------
 
@@ -161,7 +125,7 @@ class PreferenceTask:
             columns=columns, on_error=d.on_error, seed=self.recipe.training.seed, query=d.query, format=file_format,
             key=f"data.{role}")
         skipped.extend(left_out)
-        self._read.extend(examples)
+        self.reference.examples.extend(examples)
         return list(examples), notes
 
     def stream(self, examples: list, tokenizer: Tokenizer) -> tuple[Any, list[str]]:
@@ -185,79 +149,12 @@ class PreferenceTask:
 
     # -- loss -------------------------------------------------------------------------------------------
 
-    @contextlib.contextmanager
-    def _as_reference(self) -> Iterator[Any]:
-        """The reference model to call, without gradients."""
-        reference, _ = reference_of(self.recipe)
-        assert self._model is not None  # prepare() ran
-        with torch.no_grad():
-            if reference == "adapters_off":
-                with adapters_off(self._model):
-                    yield self._model
-            else:
-                yield self._reference
-
-    def _reference_logprobs(self, batch: Batch, examples: list,
-                            shared: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The reference's (sums, tokens) of the batch's sequences; ``examples``: the list its example_index
-        points into; ``shared``: through the shared-prompt layout, as the model's."""
-        if self.recipe.task.loss in L.REFERENCE_FREE:
-            return None
-        if reference_of(self.recipe)[0] == "precomputed":
-            table = self._precomputed()
-            rows = [self._rows[id(examples[i])] for i in batch["example_index"].tolist()]
-            return table[rows].to(batch["input_ids"].device).reshape(-1), torch.empty(0)
-        with self._as_reference() as reference:
-            return sequence_logprobs(reference, batch, _plain_head(reference), shared=shared)
-
-    def _precomputed(self) -> torch.Tensor:
-        """The reference table of every example read: from the run folder when its fingerprints match, else
-        computed now with the starting weights (refused when the model has left them: a resumed run), each prompt
-        once unless ``task.share_prompt`` is false."""
-        if self._table is not None:
-            return self._table
-        assert self._model is not None and self._start is not None  # prepare() ran
-        path = Path(self.recipe.output.dir).absolute() / REFERENCE_FILE
-        data = examples_fingerprint(self._read)
-        table = read_table(path, data, self._start)
-        if table is None:
-            if weights_fingerprint(self._model) != self._start:
-                raise CheckpointError(f"{path}: the reference log-probabilities of this run are missing or were "
-                                      "computed for other data or weights, and the model has left its starting "
-                                      "weights (a resumed run); start the run again, or use task.reference: copy")
-            table = self._compute_table(self._may_share())
-            write_table(path, table, data, self._start)
-        self._table = table.to(compute_device(self._model))
-        self._rows = {id(e): i for i, e in enumerate(self._read)}
-        return self._table
-
-    @torch.no_grad()
-    def _compute_table(self, shared: bool = False) -> torch.Tensor:
-        """[examples read, 2]: each pair's summed (chosen, rejected) log-probabilities under the model now
-        (``shared``: each prompt computed once)."""
-        assert self._model is not None
-        d, t = self.recipe.data, self.recipe.training
-        model, device = self._model, compute_device(self._model)
-        table = torch.zeros(len(self._read), 2, dtype=torch.float32)
-        was_training = model.training
-        model.eval()
-        try:
-            for batch in preference_eval_batches(self._read, t.batch_size, d.seq_len, packing=d.packing,
-                                                 share_prompt=shared):
-                batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-                with autocast_for(device, t.precision):
-                    sums, _ = sequence_logprobs(model, batch, self._head, shared=shared)
-                table[batch["example_index"].cpu()] = sums.reshape(-1, 2).float().cpu()
-        finally:
-            model.train(was_training)
-        return table
-
     def _losses(self, model: Any, batch: Batch, sums: MetricSums, examples: list) -> torch.Tensor:
         """The per-pair (per-example) losses of a batch, their metrics added to ``sums``; ``examples``: the list
         the batch's example_index points into."""
         shared = self._shared(batch)
         logps, tokens = sequence_logprobs(model, batch, self._head, shared=shared)
-        ref = self._reference_logprobs(batch, examples, shared)
+        ref = self.reference.logprobs(batch, examples, shared)
         return batch_losses(self.recipe.task, batch, logps, tokens, ref, sums)
 
     def loss_sum(self, model: Any, batch: Batch) -> torch.Tensor:
@@ -367,17 +264,6 @@ class PreferenceTask:
         return rows
 
 
-def _plain_head(model: Any) -> nn.Linear | None:
-    """A model's output head when it is a plain ``nn.Linear`` (log-probabilities chunk by chunk through its
-    weight); None: a LoRA'd head, read through the model's logits."""
-    head = getattr(model, "lm_head", None)
-    return head if isinstance(head, nn.Linear) and type(head) is nn.Linear else None
-
-
-__all__ = ["ACCURACY", "SHARE_PROMPT_MIN_HIDDEN", "PreferenceEval", "PreferenceTask", "evaluate_preference_file",
-           "reference_of", "share_prompt_of"]
-
-
 def evaluate_preference_file(model: Transformer, tokenizer: Tokenizer, path: str | Path, task: TaskSection, *,
                              seq_len: int = 512, batch_size: int = 4, lora: bool = False,
                              reference: nn.Module | None = None, precision: str = "fp32",
@@ -399,8 +285,13 @@ def evaluate_preference_file(model: Transformer, tokenizer: Tokenizer, path: str
                                      label_field=cols["label"]),
                     training=TrainingSection(batch_size=batch_size, precision=precision))
     evaluator = PreferenceTask(recipe)
-    evaluator._head, evaluator._model, evaluator._reference = _plain_head(model), model, reference
+    evaluator.prepare(model, reference)
     examples, _, _ = read_preference_file(
         str(path), tokenizer, seq_len=seq_len, kind="unpaired" if task.loss == "kto" else "pairs",
         columns={k: v for k, v in cols.items()}, key="--data")
     return evaluator.evaluate(model, list(examples), tokenizer)
+
+
+# Re-exported where they were defined before the package split them out (imported from here).
+__all__ = ["ACCURACY", "SHARE_PROMPT_MIN_HIDDEN", "PreferenceEval", "PreferenceTask", "evaluate_preference_file",
+           "reference_of", "share_prompt_of"]
