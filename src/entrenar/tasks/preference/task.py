@@ -11,7 +11,7 @@ micro-batch out itself in one fixed layout (:meth:`PreferenceTask.graph_layout`,
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -19,7 +19,6 @@ import torch
 from torch import nn
 
 from entrenar.config import Recipe
-from entrenar.config.sections import DataSection, LoraSection, TaskSection, TrainingSection
 from entrenar.data.formats import split_format
 from entrenar.data.preference import PreferenceStream, preference_eval_batches, read_preference_file
 from entrenar.data.preference_static import StaticCapacity, is_static, static_capacity, static_preference_batch
@@ -31,7 +30,6 @@ from entrenar.models.transformer import Transformer, compute_device
 from entrenar.tasks.base import Batch, FixedLayout, SummaryRow
 from entrenar.tasks.causal_lm import CausalLMTask
 from entrenar.tasks.layout import TaskLayout
-from entrenar.tasks.preference import losses as L
 from entrenar.tasks.preference.logprobs import plain_head, sequence_logprobs
 from entrenar.tasks.preference.metrics import (
     ACCURACY,
@@ -264,34 +262,6 @@ class PreferenceTask:
         return rows
 
 
-def evaluate_preference_file(model: Transformer, tokenizer: Tokenizer, path: str | Path, task: TaskSection, *,
-                             seq_len: int = 512, batch_size: int = 4, lora: bool = False,
-                             reference: nn.Module | None = None, precision: str = "fp32",
-                             columns: dict[str, str] | None = None) -> PreferenceEval:
-    """TRL's preference metrics of ``model`` on a preference data file, as a run's evaluation computes them
-    (``entrenar eval`` on preference data). ``task``: the loss and its settings (a run's ``task`` section);
-    ``lora``: the model carries an adapter, whose base (adapters switched off) is the reference; otherwise
-    ``reference`` is a separate reference model, which a loss with a reference needs."""
-    if task.loss not in L.REFERENCE_FREE and not lora and reference is None:
-        raise ConfigError(f"task.loss {task.loss} compares the model with a reference: evaluate an adapter (its base "
-                          "is the reference) or pass the reference model")
-    cols = {"prompt": "prompt", "chosen": "chosen", "rejected": "rejected", "completion": "completion",
-            "label": "label", **(columns or {})}
-    settings = {**{f.name: getattr(task, f.name) for f in fields(task)}, "type": "preference"}
-    settings["reference"] = "auto" if task.loss in L.REFERENCE_FREE else ("adapters_off" if lora else "copy")
-    recipe = Recipe(task=TaskSection(**settings), lora=LoraSection() if lora else None,
-                    data=DataSection(seq_len=seq_len, prompt_field=cols["prompt"], chosen_field=cols["chosen"],
-                                     rejected_field=cols["rejected"], completion_field=cols["completion"],
-                                     label_field=cols["label"]),
-                    training=TrainingSection(batch_size=batch_size, precision=precision))
-    evaluator = PreferenceTask(recipe)
-    evaluator.prepare(model, reference)
-    examples, _, _ = read_preference_file(
-        str(path), tokenizer, seq_len=seq_len, kind="unpaired" if task.loss == "kto" else "pairs",
-        columns={k: v for k, v in cols.items()}, key="--data")
-    return evaluator.evaluate(model, list(examples), tokenizer)
-
-
 # Re-exported where they were defined before the package split them out (imported from here).
-__all__ = ["ACCURACY", "SHARE_PROMPT_MIN_HIDDEN", "PreferenceEval", "PreferenceTask", "evaluate_preference_file",
-           "reference_of", "share_prompt_of"]
+__all__ = ["ACCURACY", "SHARE_PROMPT_MIN_HIDDEN", "PreferenceEval", "PreferenceTask", "reference_of",
+           "share_prompt_of"]
