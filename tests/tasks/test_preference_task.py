@@ -178,7 +178,7 @@ def test_precomputed_reference_equals_a_frozen_copy_and_is_reused(hf_folder, tmp
         model, _ = load(folder, dtype="float32", device="cpu")
         task = PreferenceTask(recipe)
         task.prepare(model)
-        task._read.extend(pairs)
+        task.reference.examples.extend(pairs)
         task.stream(pairs, SimpleTokenizer())
         return task, model
 
@@ -194,14 +194,14 @@ def test_precomputed_reference_equals_a_frozen_copy_and_is_reused(hf_folder, tmp
 
     fresh, model = task_for("precomputed")
     path = tmp_path / "run" / "reference_logps.safetensors"
-    fresh._precomputed()
+    fresh.reference.precomputed()
     assert path.is_file()
     move(model)
     torch.testing.assert_close(fresh.loss_sum(Single(model), batch), expected, rtol=1e-5, atol=1e-6)
 
     stamp = path.stat().st_mtime_ns
     again, _ = task_for("precomputed")
-    again._precomputed()
+    again.reference.precomputed()
     assert path.stat().st_mtime_ns == stamp  # reused, not recomputed
 
     path.unlink()
@@ -209,7 +209,7 @@ def test_precomputed_reference_equals_a_frozen_copy_and_is_reused(hf_folder, tmp
     with torch.no_grad():
         next(model.parameters()).add_(1.0)  # what a resume's checkpoint does to the weights
     with pytest.raises(CheckpointError, match="left its starting weights"):
-        resumed._precomputed()
+        resumed.reference.precomputed()
 
 
 class SimpleTokenizer:

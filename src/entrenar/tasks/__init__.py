@@ -11,7 +11,7 @@ plan about its batches (:class:`~entrenar.tasks.layout.TaskLayout`), known befor
 from __future__ import annotations
 
 from entrenar.config import Recipe
-from entrenar.tasks.base import Task
+from entrenar.tasks.base import FixedLayout, Task
 from entrenar.tasks.causal_lm import CausalLMTask
 from entrenar.tasks.classification import ClassificationTask
 from entrenar.tasks.layout import TaskLayout
@@ -40,4 +40,4 @@ def layout_of(task_type: str) -> TaskLayout:
     return LAYOUTS[task_type]
 
 
-__all__ = ["LAYOUTS", "Task", "TaskLayout", "for_recipe", "layout_of"]
+__all__ = ["LAYOUTS", "FixedLayout", "Task", "TaskLayout", "for_recipe", "layout_of"]

@@ -7,6 +7,9 @@ The order the Trainer calls them in: ``load`` -> (QAT, LoRA) -> ``prepare`` -> `
 ``stream`` -> per micro-batch ``num_targets`` and ``loss_sum``, per step ``step_metrics`` -> per evaluation
 ``evaluate``, ``log_eval``, ``eval_scalars`` -> ``save`` (``run/best/`` and the result) -> ``finish``. ``begin``
 runs once before the first step of a fresh (not resumed) run.
+
+A capability only some tasks have is a declared member that is None where a task lacks it (``fixed_layout``), so
+the Trainer reads it without probing the task and the type checker holds every task to it.
 """
 
 from __future__ import annotations
@@ -31,12 +34,39 @@ SummaryRow = tuple[str, str]  # (label, value): a line of the run's summary
 ModelT = TypeVar("ModelT", bound="Transformer")  # the model a task loads: a decoder, or a classifier on one
 
 
+class FixedLayout(Protocol):
+    """A task that lays each micro-batch out itself in one fixed layout a CUDA graph replays (its
+    :class:`TaskLayout` declares ``own_graph_layout``; preference pairs), and hands its metrics of a micro-batch
+    back through the graph's output, since a replayed graph runs none of the task's Python."""
+
+    def graph_layout(self, batch: Batch) -> Batch:
+        """A micro-batch as collated, in the fixed layout: what the Trainer steps under ``training.cuda_graphs``
+        instead of laying out its rows."""
+        ...
+
+    def micro_stats(self) -> torch.Tensor | None:
+        """The metrics (sums and counts, on the device) of the micro-batch ``loss_sum`` just scored in the fixed
+        layout, handed over once (None otherwise): the micro-step returns them beside its loss."""
+        ...
+
+    def add_micro_stats(self, stats: torch.Tensor) -> None:
+        """Add a micro-step's :meth:`micro_stats`, as the (possibly replayed) step returned them, to the step's
+        metrics."""
+        ...
+
+
 class Task(Protocol[ModelT]):
     """A training objective on the one loop, over the model it loads (``Task`` alone: any task)."""
 
     name: str  # "causal_lm", "classification": recorded, never branched on by the Trainer
     perplexity: bool  # exp(eval loss) means something (a language model's loss per token): the summary shows it
     layout: ClassVar[TaskLayout]  # what the run plan reads of its batches, never its name (entrenar.tasks.layout)
+
+    @property
+    def fixed_layout(self) -> FixedLayout | None:
+        """The task's own fixed layout under CUDA graphs (:class:`FixedLayout`), or None: its rows are laid out
+        as rows. A task declares it ``fixed_layout: ClassVar[None] = None`` where it has none."""
+        ...
 
     def load(self, dtype: str, device: torch.device, quantize: str | None) -> tuple[ModelT, Tokenizer | None]:
         """The model this task trains (the recipe's ``model`` section) and its tokenizer (None: the folder has

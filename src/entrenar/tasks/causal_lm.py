@@ -49,6 +49,7 @@ class CausalLMTask:
     name: str = "causal_lm"
     perplexity: bool = True
     layout: ClassVar[TaskLayout] = TaskLayout(documents=True, fused_head=True, auto_offload_embeddings=True)
+    fixed_layout: ClassVar[None] = None  # rows laid out as rows (tasks.base.FixedLayout)
     _head: nn.Linear | None = field(default=None, repr=False)  # set by prepare() when the loss is fused
     _logits_scaling: float = field(default=1.0, repr=False)  # the model's logits divisor (Granite), set by prepare()
     _softcap: float | None = field(default=None, repr=False)  # the model's final-logit soft cap (Gemma)

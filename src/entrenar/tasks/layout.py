@@ -42,9 +42,10 @@ class TaskLayout:
     # ``(shared, why)`` for (recipe, padding_free, hidden_size, device_type): whether a pair's prompt is computed
     # once for both completions; the reason is added to the row layout's line. None: no prompts to share.
     prompt_sharing: Callable[[Recipe, bool, int | None, str], tuple[bool, str]] | None = None
-    # The task lays each micro-batch out itself in one fixed layout under CUDA graphs (its ``graph_layout(batch)``,
-    # which the Trainer calls instead of laying out rows), so graphs replay it whatever data.packing and
-    # data.padding_free say; called with the recipe, why they cannot for it (None: they can). None: rows as rows.
+    # The task lays each micro-batch out itself in one fixed layout under CUDA graphs (its ``fixed_layout``, a
+    # tasks.base.FixedLayout the Trainer calls instead of laying out rows), so graphs replay it whatever
+    # data.packing and data.padding_free say; called with the recipe, why they cannot for it (None: they can).
+    # None: rows as rows (and the task's fixed_layout is None).
     own_graph_layout: Callable[[Recipe], str | None] | None = None
 
 

@@ -67,10 +67,10 @@ class MicroStep:
 
     def __call__(self, batch: Batch) -> torch.Tensor:
         out = self.run(batch)
-        add = getattr(self.task, "add_micro_stats", None)
-        if add is None or out.ndim == 0:  # the loss alone (no metrics of the task's beside it)
+        fixed = self.task.fixed_layout
+        if fixed is None or out.ndim == 0:  # the loss alone (no metrics of the task's beside it)
             return out
-        add(out[1:])
+        fixed.add_micro_stats(out[1:])
         return out[0]
 
     def _forward_backward(self, batch: Batch) -> torch.Tensor:
@@ -80,8 +80,8 @@ class MicroStep:
         self.scaler.scale(total).backward()
         # A task's metrics of this micro-batch computed on the device (a preference task's in its fixed layout)
         # come back beside the loss, [loss, *stats]: a replayed graph runs no Python that could hand them over.
-        micro_stats = getattr(self.task, "micro_stats", None)
-        stats = micro_stats() if micro_stats is not None else None
+        fixed = self.task.fixed_layout
+        stats = fixed.micro_stats() if fixed is not None else None
         if stats is None:
             return loss.detach()
         return torch.cat([loss.detach().float().reshape(1), stats.float().reshape(-1)])

@@ -126,7 +126,7 @@ class Trainer:
         self.resumed = True
 
     def _write_run_files(self) -> None:
-        if self.rows.by_document and self.micro_step.graphs and not hasattr(self.task, "graph_layout"):
+        if self.rows.by_document and self.micro_step.graphs and self.task.fixed_layout is None:
             # graphs replay one layout: a fixed segment count
             self.micro_step.segments = segment_capacity(self.data.stream)
         main = self.world.main_only
@@ -135,9 +135,9 @@ class Trainer:
         main(write_skipped, self.run.root, self.data.skipped)
 
     def _layout(self, batch: Batch) -> Batch:
-        graph_layout = getattr(self.task, "graph_layout", None)  # a task's own fixed layout (preference pairs)
-        if self.micro_step.graphs and graph_layout is not None and self.context is None:
-            return graph_layout(batch)
+        fixed = self.task.fixed_layout  # a task's own fixed layout (preference pairs)
+        if self.micro_step.graphs and fixed is not None and self.context is None:
+            return fixed.graph_layout(batch)
         if self.rows.flat:
             flat = padding_free(batch)
             return self.context.shard(flat) if self.context is not None else flat  # this rank's slice of the row

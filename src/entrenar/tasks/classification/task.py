@@ -61,6 +61,7 @@ class ClassificationTask:
     name: str = "classification"
     perplexity: bool = False  # exp(cross-entropy over labels) is no perplexity; the metrics rows say how it did
     layout: ClassVar[TaskLayout] = TaskLayout(no_cuda_graphs="a classification task's batches vary in layout")
+    fixed_layout: ClassVar[None] = None  # rows laid out as rows (tasks.base.FixedLayout)
     _weight_tensor: dict = field(default_factory=dict)
     _step_counts: torch.Tensor | None = field(default=None, repr=False)  # (correct, total) of this step so far
 

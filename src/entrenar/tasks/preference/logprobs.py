@@ -92,4 +92,11 @@ def _shared_logprobs(model: Any, batch: Batch, head: nn.Module | None,
     return sums[:n], tokens[:n]
 
 
-__all__ = ["sequence_logprobs"]
+def plain_head(model: Any) -> nn.Linear | None:
+    """A model's output head when it is a plain ``nn.Linear`` (log-probabilities chunk by chunk through its
+    weight); None: a LoRA'd head, read through the model's logits."""
+    head = getattr(model, "lm_head", None)
+    return head if isinstance(head, nn.Linear) and type(head) is nn.Linear else None
+
+
+__all__ = ["plain_head", "sequence_logprobs"]

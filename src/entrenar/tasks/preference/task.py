@@ -2,154 +2,49 @@
 
 It loads and saves as :class:`~entrenar.tasks.causal_lm.CausalLMTask` does (a language model, its adapter or its
 folder), reads preference data (:mod:`entrenar.data.preference`), and scores a micro-batch by the summed loss of
-its pairs (or KTO's examples): the step divides by the step's pairs, so accumulation gives one large batch's mean.
-The reference model (:func:`reference_of`) is the same model with its adapters switched off under LoRA/QLoRA, or a
-frozen copy under full fine-tuning. Metrics carry TRL's names (``rewards/chosen``, ``rewards/rejected``,
-``rewards/accuracies``, ``rewards/margins``, ``logps/chosen``, ``logps/rejected``; ``kl`` for KTO, ``nll_loss``
-for ORPO), per step in metrics.jsonl and per evaluation with the ``eval_`` prefix; the held-out
-``rewards/accuracies`` picks the best checkpoint.
+its pairs (or KTO's examples, :mod:`.scoring`): the step divides by the step's pairs, so accumulation gives one
+large batch's mean. The reference model (:mod:`.reference`) is the same model with its adapters switched off under
+LoRA/QLoRA, or a frozen copy under full fine-tuning. TRL's metrics (:mod:`.metrics`) are logged per step and per
+evaluation; the held-out ``rewards/accuracies`` picks the best checkpoint. Under CUDA graphs the task lays each
+micro-batch out itself in one fixed layout (:meth:`PreferenceTask.graph_layout`, its ``fixed_layout``).
 """
 
 from __future__ import annotations
 
-import contextlib
-import copy
-from collections.abc import Iterator
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
 
-from entrenar.adapters.switch import adapters_off
 from entrenar.config import Recipe
-from entrenar.config.sections import DataSection, LoraSection, TaskSection, TrainingSection
 from entrenar.data.formats import split_format
 from entrenar.data.preference import PreferenceStream, preference_eval_batches, read_preference_file
 from entrenar.data.preference_static import StaticCapacity, is_static, static_capacity, static_preference_batch
 from entrenar.data.sources import Skip
 from entrenar.data.tokenizer import Tokenizer
-from entrenar.errors import CheckpointError, ConfigError
+from entrenar.errors import ConfigError
 from entrenar.evaluation.loss import autocast_for
-from entrenar.io.run_dir import METRICS_FILE
 from entrenar.models.transformer import Transformer, compute_device
-from entrenar.tasks.base import Batch, SummaryRow
+from entrenar.tasks.base import Batch, FixedLayout, SummaryRow
 from entrenar.tasks.causal_lm import CausalLMTask
 from entrenar.tasks.layout import TaskLayout
-from entrenar.tasks.preference import losses as L
-from entrenar.tasks.preference.logprobs import sequence_logprobs
-from entrenar.tasks.preference.precomputed import (
-    REFERENCE_FILE,
-    examples_fingerprint,
-    read_table,
-    weights_fingerprint,
-    write_table,
+from entrenar.tasks.preference.logprobs import plain_head, sequence_logprobs
+from entrenar.tasks.preference.metrics import (
+    ACCURACY,
+    MetricSums,
+    PreferenceEval,
+    accuracy_rows,
+    best_logged,
+    score,
 )
-from entrenar.train.metrics import read_metrics
+from entrenar.tasks.preference.reference import Reference, graphs_refusal, reference_of
+from entrenar.tasks.preference.scoring import batch_losses
+from entrenar.tasks.preference.sharing import SHARE_PROMPT_MIN_HIDDEN, may_share, share_prompt_of, shares_prompt
 
 if TYPE_CHECKING:
     from entrenar.train.metrics import MetricsLogger
-
-ACCURACY = "rewards/accuracies"  # the held-out metric that picks the best checkpoint (higher is better)
-
-
-def reference_of(recipe: Recipe) -> tuple[str, str]:
-    """``(reference, why)``: what ``task.reference`` becomes for this recipe (none for a reference-free loss)."""
-    task = recipe.task
-    if task.loss in L.REFERENCE_FREE:
-        return "none", f"task.loss {task.loss} is reference-free"
-    if task.reference != "auto":
-        return task.reference, f"task.reference: {task.reference}"
-    if recipe.lora is not None:
-        return "adapters_off", "LoRA: the base is the model with its adapters switched off (no second copy)"
-    return "copy", "full fine-tuning: a frozen copy of the starting weights (the model's memory once more)"
-
-
-# Under ``task.share_prompt: auto`` a GPU shares prompts only for models at least this wide. One H200,
-# 2026-11-26, bench/bench_dpo.py (256 + 256 tokens, two calls): on the Llama-3.1-8B shape (hidden 4096) sharing
-# ran 11,825 tokens/s against 9,177 unshared; on the Llama-3.2-1B shape (hidden 2048) 46,630 / 45,095 against
-# 54,722 / 57,761: a small model's eager step waits on the host's kernel launches, which the shared layout
-# adds (the keys gathered again in every layer) while the GPU work it saves was not what bounded the step.
-SHARE_PROMPT_MIN_HIDDEN = 4096
-
-
-def share_prompt_of(recipe: Recipe, padding_free: bool, hidden_size: int | None = None,
-                    device_type: str = "cpu") -> tuple[bool, str]:
-    """``(shared, why)``: whether a pair's prompt is computed once for both completions (``task.share_prompt``),
-    for rows laid out padding-free or not (``padding_free``: the plan's ``data.padding_free``), for a model of
-    ``hidden_size`` (None: not known, taken as wide enough) on ``device_type``."""
-    task = recipe.task
-    if task.type != "preference" or task.loss == "kto":
-        return False, "unpaired examples, no prompt to share (task.share_prompt)"
-    if task.share_prompt is False:
-        return False, "each pair as two sequences [prompt, chosen], [prompt, rejected] (task.share_prompt: false)"
-    narrow = device_type == "cuda" and hidden_size is not None and hidden_size < SHARE_PROMPT_MIN_HIDDEN
-    if task.share_prompt is True or padding_free and not narrow:
-        return True, (f"each pair as one sequence [prompt, chosen, rejected], its prompt computed once "
-                      f"(task.share_prompt: {'true' if task.share_prompt is True else 'auto'})")
-    if padding_free:
-        return False, (f"each pair as two sequences [prompt, chosen], [prompt, rejected]: hidden size {hidden_size} "
-                       f"< {SHARE_PROMPT_MIN_HIDDEN} on a GPU, where the step waits on kernel launches more than "
-                       f"on the work a shared prompt saves (task.share_prompt: auto)")
-    return False, ("each pair as two sequences [prompt, chosen], [prompt, rejected]: the rows are not padding-free "
-                   "(task.share_prompt: auto)")
-
-
-def graphs_refusal(recipe: Recipe) -> str | None:
-    """Why a CUDA graph cannot replay this recipe's preference steps in their fixed layout (None: it can)."""
-    if reference_of(recipe)[0] == "precomputed":
-        return ("task.reference precomputed looks each pair's row up on the host, which a graph cannot replay; use "
-                "task.reference: auto (LoRA: adapters off) or copy")
-    return None
-
-
-@dataclass
-class PreferenceEval:
-    """A held-out evaluation: the mean loss per pair (or KTO example) and TRL's metrics (without ``eval_``)."""
-
-    loss: float
-    metrics: dict[str, float]
-    examples: int
-
-    @property
-    def accuracy(self) -> float:
-        return self.metrics.get(ACCURACY, float("nan"))
-
-
-class _Sums:
-    """Sums and counts of each metric over micro-batches, kept on the device (no read until asked)."""
-
-    def __init__(self) -> None:
-        self.sums: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-
-    def add(self, name: str, values: torch.Tensor, weight: torch.Tensor | None = None) -> None:
-        """Add ``values``, each counted once, or ``weight`` times (0: a padded pair of the fixed layout)."""
-        values = values.detach().float().reshape(-1)
-        total, count = self.sums.get(name, (values.new_zeros(()), values.new_zeros(())))
-        if weight is None:
-            self.sums[name] = (total + values.sum(), count + values.numel())
-        else:
-            weight = weight.detach().float().reshape(-1)
-            self.sums[name] = (total + (values * weight).sum(), count + weight.sum())
-
-    def packed(self) -> tuple[list[str], torch.Tensor]:
-        """The names, and their (sum, count) one after the other in one tensor (what a CUDA graph hands back)."""
-        names = list(self.sums)
-        return names, torch.stack([x for name in names for x in self.sums[name]])
-
-    def merge(self, names: list[str], packed: torch.Tensor) -> None:
-        """Add sums and counts as :meth:`packed` gave them."""
-        for i, name in enumerate(names):
-            total, count = self.sums.get(name, (packed.new_zeros(()), packed.new_zeros(())))
-            self.sums[name] = (total + packed[2 * i], count + packed[2 * i + 1])
-
-    def means(self) -> dict[str, torch.Tensor]:
-        # NaN where nothing was counted (a KTO micro-batch without undesirable examples): left out when logged
-        means = {name: total / count for name, (total, count) in self.sums.items()}
-        if "rewards/chosen" in means and "rewards/rejected" in means and "rewards/margins" not in means:
-            means["rewards/margins"] = means["rewards/chosen"] - means["rewards/rejected"]  # KTO's, as TRL's
-        return means
 
 
 @dataclass
@@ -166,17 +61,12 @@ class PreferenceTask:
     layout: ClassVar[TaskLayout] = TaskLayout(
         sequences_per_example=2, documents=True, fused_head=True, reference=reference_of,
         prompt_sharing=share_prompt_of, own_graph_layout=lambda recipe: graphs_refusal(recipe))
+    reference: Reference = field(init=False, repr=False)  # the reference model (task.reference)
     _lm: CausalLMTask = field(init=False, repr=False)
     _head: nn.Linear | None = field(default=None, repr=False)
     _model: nn.Module | None = field(default=None, repr=False)
-    _reference: nn.Module | None = field(default=None, repr=False)  # a frozen copy (task.reference: copy)
-    _step: _Sums = field(default_factory=_Sums, repr=False)
-    _best: tuple[float, float] | None = field(default=None, repr=False)  # (accuracy, -loss) of the best evaluation
-    # task.reference precomputed: every example read, the starting weights' fingerprint, the table and its rows
-    _read: list = field(default_factory=list, repr=False)
-    _start: str | None = field(default=None, repr=False)
-    _table: torch.Tensor | None = field(default=None, repr=False)
-    _rows: dict[int, int] = field(default_factory=dict, repr=False)
+    _step: MetricSums = field(default_factory=MetricSums, repr=False)
+    _best: tuple[float, float] | None = field(default=None, repr=False)  # the score of the best evaluation
     _train: list = field(default_factory=list, repr=False)
     # tokens of the training batches: as counted (each sequence whole, TRL's count) and as computed (shared prompts)
     _counted: int = field(default=0, repr=False)
@@ -188,6 +78,12 @@ class PreferenceTask:
 
     def __post_init__(self) -> None:
         self._lm = CausalLMTask(self.recipe, kernels=self.kernels)
+        self.reference = Reference(self.recipe)
+
+    @property
+    def fixed_layout(self) -> FixedLayout:
+        """This task: it lays its pairs out in one fixed layout under CUDA graphs (:meth:`graph_layout`)."""
+        return self
 
     # -- model ------------------------------------------------------------------------------------------
 
@@ -205,15 +101,13 @@ class PreferenceTask:
     def begin(self, model: Transformer, tokenizer: Tokenizer) -> None:
         """Nothing: the evaluation before training is the baseline."""
 
-    def prepare(self, model: Transformer) -> None:
-        """The output head the log-probabilities are gathered through, and the reference model."""
-        self._head = _plain_head(model)
+    def prepare(self, model: Transformer, reference: nn.Module | None = None) -> None:
+        """The output head the log-probabilities are gathered through, and the reference model (``reference``: a
+        separate one to compare with instead of what ``task.reference`` makes of ``model``, for ``entrenar
+        eval``)."""
+        self._head = plain_head(model)
         self._model = model
-        reference, _ = reference_of(self.recipe)
-        if reference == "copy":
-            self._reference = copy.deepcopy(model).requires_grad_(False).eval()
-        elif reference == "precomputed":  # the starting weights, before a resume loads a checkpoint's
-            self._start = weights_fingerprint(model)
+        self.reference.prepare(model, reference)
 
     # -- data -------------------------------------------------------------------------------------------
 
@@ -229,7 +123,7 @@ class PreferenceTask:
             columns=columns, on_error=d.on_error, seed=self.recipe.training.seed, query=d.query, format=file_format,
             key=f"data.{role}")
         skipped.extend(left_out)
-        self._read.extend(examples)
+        self.reference.examples.extend(examples)
         return list(examples), notes
 
     def stream(self, examples: list, tokenizer: Tokenizer) -> tuple[Any, list[str]]:
@@ -241,22 +135,11 @@ class PreferenceTask:
 
     def _may_share(self) -> bool:
         """Whether batches carry the shared-prompt layout (``task.share_prompt`` may pick it)."""
-        return share_prompt_of(self.recipe, True, *self._width_and_device())[0]
-
-    def _width_and_device(self) -> tuple[int | None, str]:
-        """The prepared model's hidden size and device type (what ``task.share_prompt: auto`` weighs)."""
-        if self._model is None:
-            return None, "cpu"
-        config = getattr(self._model, "config", None)
-        return getattr(config, "hidden_size", None), compute_device(self._model).type
+        return may_share(self.recipe, self._model)
 
     def _shared(self, batch: Batch) -> bool:
-        """Whether this batch runs with each prompt once: it carries the layout, and ``task.share_prompt`` is true
-        or auto with the rows padding-free (``cu_seqlens`` without ``document_ids``), as the plan said."""
-        if is_static(batch):  # decided when it was laid out (graph_layout)
-            return bool(batch["static_shared"])
-        flat = "cu_seqlens" in batch and "document_ids" not in batch
-        return "shared_input_ids" in batch and share_prompt_of(self.recipe, flat, *self._width_and_device())[0]
+        """Whether this batch runs with each prompt once (:func:`~.sharing.shares_prompt`)."""
+        return shares_prompt(self.recipe, batch, self._model)
 
     def num_targets(self, batch: Batch) -> float:
         """Pairs (or KTO examples): the loss of a step is the mean over its pairs."""
@@ -264,150 +147,20 @@ class PreferenceTask:
 
     # -- loss -------------------------------------------------------------------------------------------
 
-    @contextlib.contextmanager
-    def _as_reference(self) -> Iterator[Any]:
-        """The reference model to call, without gradients."""
-        reference, _ = reference_of(self.recipe)
-        assert self._model is not None  # prepare() ran
-        with torch.no_grad():
-            if reference == "adapters_off":
-                with adapters_off(self._model):
-                    yield self._model
-            else:
-                yield self._reference
-
-    def _reference_logprobs(self, batch: Batch, examples: list,
-                            shared: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The reference's (sums, tokens) of the batch's sequences; ``examples``: the list its example_index
-        points into; ``shared``: through the shared-prompt layout, as the model's."""
-        if self.recipe.task.loss in L.REFERENCE_FREE:
-            return None
-        if reference_of(self.recipe)[0] == "precomputed":
-            table = self._precomputed()
-            rows = [self._rows[id(examples[i])] for i in batch["example_index"].tolist()]
-            return table[rows].to(batch["input_ids"].device).reshape(-1), torch.empty(0)
-        with self._as_reference() as reference:
-            return sequence_logprobs(reference, batch, _plain_head(reference), shared=shared)
-
-    def _precomputed(self) -> torch.Tensor:
-        """The reference table of every example read: from the run folder when its fingerprints match, else
-        computed now with the starting weights (refused when the model has left them: a resumed run), each prompt
-        once unless ``task.share_prompt`` is false."""
-        if self._table is not None:
-            return self._table
-        assert self._model is not None and self._start is not None  # prepare() ran
-        path = Path(self.recipe.output.dir).absolute() / REFERENCE_FILE
-        data = examples_fingerprint(self._read)
-        table = read_table(path, data, self._start)
-        if table is None:
-            if weights_fingerprint(self._model) != self._start:
-                raise CheckpointError(f"{path}: the reference log-probabilities of this run are missing or were "
-                                      "computed for other data or weights, and the model has left its starting "
-                                      "weights (a resumed run); start the run again, or use task.reference: copy")
-            table = self._compute_table(self._may_share())
-            write_table(path, table, data, self._start)
-        self._table = table.to(compute_device(self._model))
-        self._rows = {id(e): i for i, e in enumerate(self._read)}
-        return self._table
-
-    @torch.no_grad()
-    def _compute_table(self, shared: bool = False) -> torch.Tensor:
-        """[examples read, 2]: each pair's summed (chosen, rejected) log-probabilities under the model now
-        (``shared``: each prompt computed once)."""
-        assert self._model is not None
-        d, t = self.recipe.data, self.recipe.training
-        model, device = self._model, compute_device(self._model)
-        table = torch.zeros(len(self._read), 2, dtype=torch.float32)
-        was_training = model.training
-        model.eval()
-        try:
-            for batch in preference_eval_batches(self._read, t.batch_size, d.seq_len, packing=d.packing,
-                                                 share_prompt=shared):
-                batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-                with autocast_for(device, t.precision):
-                    sums, _ = sequence_logprobs(model, batch, self._head, shared=shared)
-                table[batch["example_index"].cpu()] = sums.reshape(-1, 2).float().cpu()
-        finally:
-            model.train(was_training)
-        return table
-
-    def _losses(self, model: Any, batch: Batch, sums: _Sums, examples: list) -> torch.Tensor:
+    def _losses(self, model: Any, batch: Batch, sums: MetricSums, examples: list) -> torch.Tensor:
         """The per-pair (per-example) losses of a batch, their metrics added to ``sums``; ``examples``: the list
         the batch's example_index points into."""
-        task = self.recipe.task
         shared = self._shared(batch)
         logps, tokens = sequence_logprobs(model, batch, self._head, shared=shared)
-        ref = self._reference_logprobs(batch, examples, shared)
-        w = batch.get("pair_mask")  # the fixed layout (CUDA graphs): 1 for a real pair, 0 for a padded one
-        if w is not None:
-            w = w.to(logps.device)
-            keep = (torch.cat([w, w]) if task.loss == "kto" else w[:, None].expand(-1, 2).reshape(-1)) > 0
-            # a padded pair's sequences are empty: finite stand-ins keep its (zero-weighted) loss finite
-            logps, tokens = torch.where(keep, logps, -1.0), torch.where(keep, tokens, 1.0)
-            if ref is not None:
-                ref = (torch.where(keep, ref[0], -1.0), ref[1])
-        if task.loss == "kto":
-            return self._kto(batch, logps, ref, sums, w)
-        chosen, rejected = logps[0::2], logps[1::2]
-        if task.loss == "dpo":
-            assert ref is not None
-            per_pair, cr, rr = L.dpo(chosen, rejected, ref[0][0::2], ref[0][1::2], task.beta, task.label_smoothing)
-        elif task.loss == "ipo":
-            assert ref is not None
-            per_pair, cr, rr = L.ipo(chosen, rejected, ref[0][0::2], ref[0][1::2], tokens[0::2], tokens[1::2],
-                                     task.beta)
-        else:
-            avg = logps / tokens.clamp(min=1)
-            chosen, rejected = avg[0::2], avg[1::2]  # TRL logs these averages as logps/ for SimPO and ORPO
-            if task.loss == "simpo":
-                per_pair, cr, rr = L.simpo(chosen, rejected, task.beta, task.simpo_gamma, task.label_smoothing)
-            else:
-                per_pair, cr, rr = L.orpo(chosen, rejected, -chosen, task.beta)
-                sums.add("nll_loss", -chosen, w)
-        sums.add("rewards/chosen", cr, w)
-        sums.add("rewards/rejected", rr, w)
-        sums.add("rewards/accuracies", (cr > rr).float(), w)
-        sums.add("rewards/margins", cr - rr, w)
-        sums.add("logps/chosen", chosen, w)
-        sums.add("logps/rejected", rejected, w)
-        return per_pair if w is None else per_pair * w
-
-    def _kto(self, batch: Batch, logps: torch.Tensor, ref: tuple[torch.Tensor, torch.Tensor] | None,
-             sums: _Sums, w: torch.Tensor | None = None) -> torch.Tensor:
-        task = self.recipe.task
-        assert ref is not None
-        desirable = batch["desirable"].to(logps.device).bool()
-        # The batch's mismatched sequences (after its n examples: prompt k with completion k-1) estimate z.
-        n = int(batch["kl_offset"])
-        if w is not None:  # the fixed layout: every example weighed, none selected (no data-dependent shape)
-            z = ((logps[n:].detach() - ref[0][n:]) * w).sum().div(w.sum()).detach().clamp(min=0)
-            logps = logps[:n]
-            per_example, rewards = L.kto_losses(logps, ref[0][:n], desirable, z, task.beta, task.desirable_weight,
-                                                task.undesirable_weight)
-            good, bad = desirable.float() * w, (~desirable).float() * w
-            sums.add("kl", z)
-            sums.add("rewards/chosen", rewards, good)
-            sums.add("rewards/rejected", rewards, bad)
-            sums.add("logps/chosen", logps, good)
-            sums.add("logps/rejected", logps, bad)
-            return per_example * w
-        z = L.kto_reference_point(logps[n:].detach(), ref[0][n:])
-        logps = logps[:n]
-        per_example, cr, rr = L.kto(logps, ref[0][:n], desirable, z, task.beta, task.desirable_weight,
-                                    task.undesirable_weight)
-        sums.add("kl", z)
-        sums.add("rewards/chosen", cr)
-        sums.add("rewards/rejected", rr)
-        sums.add("logps/chosen", logps[desirable])
-        sums.add("logps/rejected", logps[~desirable])
-        return per_example
+        ref = self.reference.logprobs(batch, examples, shared)
+        return batch_losses(self.recipe.task, batch, logps, tokens, ref, sums)
 
     def loss_sum(self, model: Any, batch: Batch) -> torch.Tensor:
         """The summed loss of the micro-batch's pairs (or KTO examples), through ``model`` or its wrapper. A batch in
         the fixed layout (:meth:`graph_layout`) keeps its metrics for :meth:`micro_stats` instead of adding them:
         a replayed graph runs none of this Python."""
         if is_static(batch):
-            sums = _Sums()
+            sums = MetricSums()
             per_pair = self._losses(model, batch, sums, self._train)
             self._pending_names, self._pending = sums.packed()
             return per_pair.sum()
@@ -429,7 +182,7 @@ class PreferenceTask:
             if not self._train:
                 raise ConfigError("preference graph layout: no training examples read (stream() first)")
             self._capacity = static_capacity(self._train, t.batch_size, d.seq_len, kl=self.recipe.task.loss == "kto")
-        shared = "shared_input_ids" in batch and share_prompt_of(self.recipe, True, *self._width_and_device())[0]
+        shared = "shared_input_ids" in batch and self._may_share()
         self._count_tokens(batch, shared)
         return static_preference_batch(batch, self._capacity, shared)
 
@@ -445,7 +198,7 @@ class PreferenceTask:
 
     def step_metrics(self) -> dict[str, torch.Tensor]:
         """TRL's metrics of the step's micro-batches (means over its pairs)."""
-        means, self._step = self._step.means(), _Sums()
+        means, self._step = self._step.means(), MetricSums()
         return means
 
     # -- evaluation -------------------------------------------------------------------------------------
@@ -466,7 +219,7 @@ class PreferenceTask:
         device = compute_device(model)
         was_training = model.training
         model.eval()
-        sums, total, count = _Sums(), torch.zeros((), dtype=torch.float64, device=device), 0
+        sums, total, count = MetricSums(), torch.zeros((), dtype=torch.float64, device=device), 0
         try:
             for batch in batches:
                 batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
@@ -483,21 +236,14 @@ class PreferenceTask:
         """Log the evaluation with TRL's names; True when its preference accuracy is the best so far (ties: the
         lower loss)."""
         if self._best is None:  # a resumed run: the best so far is in the metrics kept up to the resumed step
-            self._best = _best_logged(metrics.path, self.recipe.task.loss == "kto")
+            self._best = best_logged(metrics.path, self.recipe.task.loss == "kto")
         metrics.log_eval(step, result.loss)
         metrics._write({"step": int(step), **{f"eval_{k}": v for k, v in result.metrics.items()}})
-        score = self._score(result)
-        if score != score or (self._best is not None and score <= self._best):  # NaN: never the best
+        now = score(result, self.recipe.task.loss == "kto")
+        if now != now or (self._best is not None and now <= self._best):  # NaN: never the best
             return False
-        self._best = score
+        self._best = now
         return True
-
-    def _score(self, result: PreferenceEval) -> tuple[float, float]:
-        """What picks the best evaluation, higher better: the preference accuracy, then the lower loss (KTO, whose
-        examples are unpaired: the lower loss)."""
-        if self.recipe.task.loss == "kto":
-            return -result.loss, 0.0
-        return result.accuracy, -result.loss
 
     def eval_scalars(self, result: PreferenceEval) -> dict[str, float]:
         """The loss, then the preference accuracy (pairs), then the other metrics (``eval_`` prefixed, as TRL)."""
@@ -508,83 +254,14 @@ class PreferenceTask:
                before: PreferenceEval | None, after: PreferenceEval | None) -> list[SummaryRow]:
         """The held-out preference accuracy and margin before and after training, and the tokens computed where
         pairs shared their prompt."""
-        rows = self._accuracy_rows(run_dir, before, after)
+        rows = accuracy_rows(run_dir, before, after, self.recipe.task.loss == "kto")
         if self._computed < self._counted:
             rows.append(("tokens computed", f"{self._computed:,} of the {self._counted:,} the throughput counts "
                                             "(each pair's prompt once; throughput counts it twice, as TRL "
                                             "computes it)"))
         return rows
 
-    def _accuracy_rows(self, run_dir: Path, before: PreferenceEval | None,
-                       after: PreferenceEval | None) -> list[SummaryRow]:
-        if after is None:
-            return []
-        if self.recipe.task.loss == "kto":
-            return [("held-out KTO loss", (f"{before.loss:.4f} -> " if before is not None else "") + f"{after.loss:.4f}"
-                     + f" (margin {after.metrics.get('rewards/margins', 0.0):+.4f})")]
-        start = (before.accuracy, before.metrics.get("rewards/margins", 0.0)) if before is not None \
-            else _logged_start(run_dir)
-        now = f"{after.accuracy:.3f} (margin {after.metrics.get('rewards/margins', 0.0):+.4f})"
-        if start is None:
-            return [("held-out preference accuracy", now)]
-        return [("held-out preference accuracy", f"{start[0]:.3f} (margin {start[1]:+.4f}) -> {now}")]
 
-
-def _plain_head(model: Any) -> nn.Linear | None:
-    """A model's output head when it is a plain ``nn.Linear`` (log-probabilities chunk by chunk through its
-    weight); None: a LoRA'd head, read through the model's logits."""
-    head = getattr(model, "lm_head", None)
-    return head if isinstance(head, nn.Linear) and type(head) is nn.Linear else None
-
-
-def _best_logged(path: Path, by_loss: bool) -> tuple[float, float] | None:
-    """The score (:meth:`PreferenceTask._score`) of the best evaluation a run's metrics.jsonl logged (None: none
-    yet)."""
-    records = read_metrics(path) if path.is_file() else []
-    losses = {r["step"]: r["eval_loss"] for r in records if r.get("eval_loss") is not None}
-    if by_loss:
-        return max(((-loss, 0.0) for loss in losses.values()), default=None)
-    scores = [(r[f"eval_{ACCURACY}"], -losses.get(r["step"], 0.0)) for r in records
-              if r.get(f"eval_{ACCURACY}") is not None]
-    return max(scores) if scores else None
-
-
-def _logged_start(run_dir: Path) -> tuple[float, float] | None:
-    path = run_dir / METRICS_FILE
-    records = read_metrics(path) if path.is_file() else []
-    for r in records:
-        if r.get("step") == 0 and r.get(f"eval_{ACCURACY}") is not None:
-            return r[f"eval_{ACCURACY}"], r.get("eval_rewards/margins") or 0.0
-    return None
-
-
-__all__ = ["ACCURACY", "PreferenceEval", "PreferenceTask", "evaluate_preference_file", "reference_of",
+# Re-exported where they were defined before the package split them out (imported from here).
+__all__ = ["ACCURACY", "SHARE_PROMPT_MIN_HIDDEN", "PreferenceEval", "PreferenceTask", "reference_of",
            "share_prompt_of"]
-
-
-def evaluate_preference_file(model: Transformer, tokenizer: Tokenizer, path: str | Path, task: TaskSection, *,
-                             seq_len: int = 512, batch_size: int = 4, lora: bool = False,
-                             reference: nn.Module | None = None, precision: str = "fp32",
-                             columns: dict[str, str] | None = None) -> PreferenceEval:
-    """TRL's preference metrics of ``model`` on a preference data file, as a run's evaluation computes them
-    (``entrenar eval`` on preference data). ``task``: the loss and its settings (a run's ``task`` section);
-    ``lora``: the model carries an adapter, whose base (adapters switched off) is the reference; otherwise
-    ``reference`` is a separate reference model, which a loss with a reference needs."""
-    if task.loss not in L.REFERENCE_FREE and not lora and reference is None:
-        raise ConfigError(f"task.loss {task.loss} compares the model with a reference: evaluate an adapter (its base "
-                          "is the reference) or pass the reference model")
-    cols = {"prompt": "prompt", "chosen": "chosen", "rejected": "rejected", "completion": "completion",
-            "label": "label", **(columns or {})}
-    settings = {**{f.name: getattr(task, f.name) for f in fields(task)}, "type": "preference"}
-    settings["reference"] = "auto" if task.loss in L.REFERENCE_FREE else ("adapters_off" if lora else "copy")
-    recipe = Recipe(task=TaskSection(**settings), lora=LoraSection() if lora else None,
-                    data=DataSection(seq_len=seq_len, prompt_field=cols["prompt"], chosen_field=cols["chosen"],
-                                     rejected_field=cols["rejected"], completion_field=cols["completion"],
-                                     label_field=cols["label"]),
-                    training=TrainingSection(batch_size=batch_size, precision=precision))
-    evaluator = PreferenceTask(recipe)
-    evaluator._head, evaluator._model, evaluator._reference = _plain_head(model), model, reference
-    examples, _, _ = read_preference_file(
-        str(path), tokenizer, seq_len=seq_len, kind="unpaired" if task.loss == "kto" else "pairs",
-        columns={k: v for k, v in cols.items()}, key="--data")
-    return evaluator.evaluate(model, list(examples), tokenizer)

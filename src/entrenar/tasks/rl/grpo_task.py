@@ -218,6 +218,7 @@ class GRPOTask:
     name: str = "grpo"
     perplexity: bool = False
     layout: ClassVar[TaskLayout] = TaskLayout(no_cuda_graphs="a grpo task's batches vary in layout")
+    fixed_layout: ClassVar[None] = None  # rows laid out as rows (tasks.base.FixedLayout)
     _lm: CausalLMTask = field(init=False, repr=False)
     _engine: GRPO | None = field(default=None, repr=False)
     _model: Transformer | None = field(default=None, repr=False)
