@@ -74,6 +74,9 @@ def read_shards(model: nn.Module, index: dict[str, tuple[Path, str]], device: to
     """After ``fully_shard`` of a model built on the meta device: allocate this rank's shards on ``device`` and
     fill each from its rows of the file tensor ``index`` names; RoPE's frequencies computed as every loader
     computes them. The torch generator is rank 0's afterwards, as after :func:`~.materialize.materialize`."""
+    made = sorted(name for name, _ in model.named_buffers() if name not in COMPUTED_BUFFERS)
+    if made:  # nothing holds their values on a meta rank: the plan should have taken the general path
+        raise DistributedError(f"the sharded model holds buffers no file has ({', '.join(made)})")
     model.to_empty(device=device)
     by_file: dict[Path, list[tuple[str, torch.Tensor]]] = {}
     for name, param in model.named_parameters():
