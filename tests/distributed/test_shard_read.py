@@ -126,3 +126,18 @@ def test_the_plan_keeps_the_general_path_where_rank_0_makes_values(tmp_path):
     save_file(state, str(ws / "model" / "model.safetensors"), metadata={"format": "pt"})
     plan = plan_run(full, torch.device("cpu"), world, recipe_model_config(full))
     assert plan.shard_files is None and "extra.weight" in dict(plan.reasons)["fsdp loading"]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+def test_on_two_gpus_each_rank_reads_its_shards_bitwise_as_nccls_broadcast_gives_them(tmp_path):
+    """The same on CUDA with NCCL: each slice goes to the GPU in the file's bf16 and widens there."""
+    from conftest import make_workspace
+
+    ws = make_workspace(tmp_path)
+    bf16_folder(ws)
+    recipe = write_recipe(ws, "full")
+    results = launch_function(shard_read_worker, (recipe, ["training.parallel=fsdp", "model.device=cuda"], "cuda"),
+                              start_method="spawn", shutdown_timeout=5, nproc_per_node=2)
+    for r in results.values():
+        assert r["files"]["built_on"] == "meta"
+        assert r["names_equal"] and r["differ"] == [] and r["inv_freq_equal"] and r["rng_equal"]

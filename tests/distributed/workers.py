@@ -232,11 +232,12 @@ def grpo_recording_worker(recipe_path: str, overrides: list[str], record: str, d
     return train_worker(recipe_path, overrides)
 
 
-def shard_read_worker(recipe_path: str, overrides: list[str]) -> dict:
+def shard_read_worker(recipe_path: str, overrides: list[str], device_type: str = "cpu") -> dict:
     """Load and shard the model as an FSDP run's plan says (every rank on meta, then its shards from the files),
     measuring the peak memory's growth; then again through the general path (rank 0 reads, then broadcasts).
     What each built on and grew by, the shards' shapes, and which shards (and whether RoPE's buffer and the
-    generator's state) differ between the two, bit for bit (compared here: tensors do not travel back)."""
+    generator's state) differ between the two, bit for bit (compared here: tensors do not travel back). The
+    growth is of the host's peak memory (the shards of a GPU run are on its device)."""
     import dataclasses
 
     from entrenar import tasks
@@ -247,7 +248,7 @@ def shard_read_worker(recipe_path: str, overrides: list[str]) -> dict:
     from entrenar.train.prepare import build_model, load_model, prepare
 
     recipe = load_recipe(recipe_path, overrides)
-    world, device = world_module.join(torch.device("cpu"), 30)
+    world, device = world_module.join(torch.device(device_type), 30)
     try:
         task = tasks.for_recipe(recipe)
         build_model(recipe, task, "float32", torch.device("meta"), None)  # modules imported before measuring

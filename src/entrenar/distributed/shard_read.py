@@ -8,7 +8,8 @@ splits it, and each rank reads the rows of its own shard of each tensor straight
 ``get_slice``) onto its device. The values are the same bits: the slice of the file's tensor, cast as the
 whole-model load casts it (``copy_`` into the weights' dtype; the widening bf16 -> fp32 of a full fine-tune is
 exact). On a 403M-parameter model on 2 gloo processes the model's part of the start-up (load to sharded) went
-from 9-12 s to 2.6-2.9 s, and no rank holds the whole model any more (docs/DISTRIBUTED.md, bench/fsdp_startup.py).
+from 4.9-12.1 s to 1.6-2.9 s, and no rank holds the whole model any more (docs/DISTRIBUTED.md,
+bench/fsdp_startup.py).
 """
 
 from __future__ import annotations
