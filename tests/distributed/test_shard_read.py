@@ -29,13 +29,15 @@ from entrenar.train.plan import plan_run  # noqa: E402
 pytestmark = pytest.mark.timeout(180)
 
 
-def bf16_folder(ws: Path, tie: bool = False) -> int:
-    """A bf16 model folder in several safetensors files (an odd vocabulary and hidden size: shards of unequal
-    rows); its size in fp32 bytes. Replaces the workspace's model."""
+def bf16_folder(ws: Path, tie: bool = False, small: bool = False) -> int:
+    """A bf16 model folder in several safetensors files (an odd vocabulary: shards of unequal rows); its size in
+    fp32 bytes. Replaces the workspace's model. 76 MB in fp32 (enough for a whole copy to show in a process's
+    peak memory), or 0.3 MB (``small``)."""
     tokenizer = quickstart.build_tokenizer()
-    # 75 MB in fp32: enough for a whole copy to show in a process's peak memory
-    config = ModelConfig(vocab_size=tokenizer.vocab_size + 1, hidden_size=528, intermediate_size=1544, num_layers=6,
-                         num_heads=8, num_kv_heads=2, model_type="llama", tie_word_embeddings=tie)
+    width = dict(hidden_size=48, intermediate_size=136, num_layers=3, num_heads=4) if small else \
+        dict(hidden_size=528, intermediate_size=1544, num_layers=6, num_heads=8)
+    config = ModelConfig(vocab_size=tokenizer.vocab_size + 1, **width, num_kv_heads=2, model_type="llama",
+                         tie_word_embeddings=tie)
     torch.manual_seed(0)
     with torch.device("meta"):
         model = Transformer(config)
@@ -44,7 +46,7 @@ def bf16_folder(ws: Path, tie: bool = False) -> int:
     with torch.no_grad():
         for p in model.parameters():  # values whose bf16 -> fp32 widening is visible (norms not all ones)
             p.add_(torch.randn_like(p) * 0.01)
-    save_hf(model, ws / "model", max_shard_bytes=8_000_000)
+    save_hf(model, ws / "model", max_shard_bytes=150_000 if small else 8_000_000)
     tokenizer.save(ws / "model")
     return sum(p.numel() * 4 for p in model.parameters())
 
@@ -77,7 +79,7 @@ def test_training_and_checkpoints_are_the_general_paths_bit_for_bit(tmp_path):
     from conftest import make_workspace
 
     ws = make_workspace(tmp_path)
-    bf16_folder(ws, tie=True)  # a tied head: one parameter, read under the embedding's name
+    bf16_folder(ws, tie=True, small=True)  # a tied head: one parameter, read under the embedding's name
     recipe = write_recipe(ws, "full")
     r = load_recipe(recipe, ["training.parallel=fsdp"])
     assert plan_run(r, torch.device("cpu"), World(size=2, backend="gloo"), recipe_model_config(r)).shard_files
@@ -134,7 +136,7 @@ def test_on_two_gpus_each_rank_reads_its_shards_bitwise_as_nccls_broadcast_gives
     from conftest import make_workspace
 
     ws = make_workspace(tmp_path)
-    bf16_folder(ws)
+    bf16_folder(ws, small=True)
     recipe = write_recipe(ws, "full")
     results = launch_function(shard_read_worker, (recipe, ["training.parallel=fsdp", "model.device=cuda"], "cuda"),
                               start_method="spawn", shutdown_timeout=5, nproc_per_node=2)
