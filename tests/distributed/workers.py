@@ -230,3 +230,61 @@ def grpo_recording_worker(recipe_path: str, overrides: list[str], record: str, d
     if die_at:
         return dying_worker(recipe_path, overrides, die_at)
     return train_worker(recipe_path, overrides)
+
+
+def shard_read_worker(recipe_path: str, overrides: list[str], device_type: str = "cpu") -> dict:
+    """Load and shard the model as an FSDP run's plan says (every rank on meta, then its shards from the files),
+    measuring the peak memory's growth; then again through the general path (rank 0 reads, then broadcasts).
+    What each built on and grew by, the shards' shapes, and which shards (and whether RoPE's buffer and the
+    generator's state) differ between the two, bit for bit (compared here: tensors do not travel back). The
+    growth is of the host's peak memory (the shards of a GPU run are on its device)."""
+    import dataclasses
+
+    from entrenar import tasks
+    from entrenar.distributed import world as world_module
+    from entrenar.distributed.materialize import load_device
+    from entrenar.loading import recipe_model_config
+    from entrenar.train.plan import plan_run
+    from entrenar.train.prepare import build_model, load_model, prepare
+
+    recipe = load_recipe(recipe_path, overrides)
+    world, device = world_module.join(torch.device(device_type), 30)
+    try:
+        task = tasks.for_recipe(recipe)
+        build_model(recipe, task, "float32", torch.device("meta"), None)  # modules imported before measuring
+        importlib.import_module("torch.distributed.checkpoint.state_dict")
+        plan = plan_run(recipe, device, world, recipe_model_config(recipe))
+        general = dataclasses.replace(plan, shard_files=None, load_device=load_device(world))
+        out: dict = {"reason": dict(plan.reasons).get("fsdp loading")}
+        got: dict = {}
+        for name, p in (("files", plan), ("general", general)):
+            gc.collect()
+            torch.manual_seed(recipe.training.seed)
+            reset_peak_rss()
+            before = peak_rss_bytes()
+            model, _ = load_model(recipe, task, p)
+            built_on = next(model.parameters()).device.type
+            prepare(model, recipe, p, world)
+            out[name] = {"built_on": built_on, "grown": peak_rss_bytes() - before}
+            got[name] = {"rng": torch.get_rng_state(), "inv_freq": model.inv_freq.clone(),
+                         "shards": {n: t.to_local().clone() for n, t in model.named_parameters()}}
+            del model
+        files, other = got["files"], got["general"]
+        out["shapes"] = {n: (tuple(t.shape), str(t.dtype)) for n, t in other["shards"].items()}
+        out["names_equal"] = files["shards"].keys() == other["shards"].keys()
+        out["differ"] = [n for n, t in other["shards"].items()
+                         if n not in files["shards"] or not torch.equal(files["shards"][n], t)]
+        out["inv_freq_equal"] = torch.equal(files["inv_freq"], other["inv_freq"])
+        out["rng_equal"] = torch.equal(files["rng"], other["rng"])
+        return out
+    finally:
+        world_module.leave()
+
+
+def general_path_train_worker(recipe_path: str, overrides: list[str]) -> float | None:
+    """:func:`train_worker` with an FSDP run's loading forced onto the general path (rank 0 reads the model
+    and broadcasts it), as before each rank read its own shards."""
+    from entrenar.train import plan
+
+    plan._shard_files = lambda recipe, method, config: (None, "general path (test)")  # type: ignore[assignment]
+    return train_worker(recipe_path, overrides)

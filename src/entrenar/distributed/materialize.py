@@ -12,7 +12,9 @@ a GGUF file, a quantized folder, a run folder, a random init, LoRA's and a head'
 quantizers), through the one loader the single process uses; slicing would have to be taught to each of those
 sources, and the random draws of adapters and heads cannot be sliced and stay equal to a one-process run.
 The cost: rank 0 holds the whole model once (as every rank did before) and sends it once over the process
-group; the other ranks hold their shards only (1/world of the model, plus one tensor in flight).
+group; the other ranks hold their shards only (1/world of the model, plus one tensor in flight). Where nothing
+but the folder's tensors is needed (a full fine-tune of a Hugging Face folder), the plan has every rank read its
+own slices instead (:mod:`entrenar.distributed.shard_read`), and this path is not taken.
 """
 
 from __future__ import annotations

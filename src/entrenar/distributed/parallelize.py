@@ -24,12 +24,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
+from pathlib import Path
 from typing import Any, cast
 
 import torch
 from torch import nn
 
 from entrenar.distributed.materialize import full_state, materialize
+from entrenar.distributed.shard_read import read_shards
 from entrenar.distributed.world import World
 from entrenar.errors import ConfigError
 from entrenar.quant.nf4.sharding import BlockGather, prefetch_nf4, scatter_nf4, shard_nf4_layers
@@ -108,7 +110,7 @@ class Sharded(Single):
     mode = "fsdp"
 
     def __init__(self, model: nn.Module, world: World, device: torch.device, precision: str,
-                 prefetch: bool = True) -> None:
+                 prefetch: bool = True, shard_files: dict[str, tuple[Path, str]] | None = None) -> None:
         super().__init__(model)
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
@@ -119,12 +121,17 @@ class Sharded(Single):
         policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
         layers = list(cast(nn.ModuleList, cast(nn.Module, model.model).layers))  # the decoder's blocks
         nf4 = shard_nf4_layers(model, world)  # a QLoRA base: each rank keeps its chunks (before the state below)
-        state = full_state(model, world)  # rank 0's whole tensors; the other ranks built the model on meta
+        # rank 0's whole tensors (the other ranks built the model on meta), or nothing: every rank built it on
+        # meta and reads its own shards from the files
+        state = full_state(model, world) if shard_files is None else None
         for i, block in enumerate(layers):
             # The last block's parameters are needed again at once by backward: keep them gathered.
             fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=i < len(layers) - 1)
         fully_shard(model, mesh=mesh, mp_policy=policy)
-        materialize(model, state, world, device)  # each rank's shards, from rank 0
+        if shard_files is not None:
+            read_shards(model, shard_files, device)  # each rank's shards, from the files
+        else:
+            materialize(model, state, world, device)  # each rank's shards, from rank 0
         scatter_nf4(nf4, world, device)
         register_fsdp_forward_method(model, "hidden_states")
         self.nf4_gathers: list[BlockGather] = []
@@ -155,13 +162,15 @@ def bucket_mb(trainable_bytes: int) -> float:
 
 
 def parallelize(model: nn.Module, mode: str, world: World, device: torch.device, precision: str = "fp32",
-                prefetch: bool = True) -> Single:
+                prefetch: bool = True, shard_files: dict[str, tuple[Path, str]] | None = None) -> Single:
     """Wrap ``model`` for ``mode`` (``single``, ``ddp`` or ``fsdp``: the run plan's ``training.parallel``);
-    ``prefetch`` (fsdp: ``training.fsdp_prefetch``) issues each block's all-gathers one block ahead."""
+    ``prefetch`` (fsdp: ``training.fsdp_prefetch``) issues each block's all-gathers one block ahead;
+    ``shard_files`` (fsdp, the plan's): every rank built ``model`` on meta and reads its shards from these files
+    (:mod:`~entrenar.distributed.shard_read`)."""
     if mode == "single":
         return Single(model)
     if mode == "ddp":
         return Replicated(model, world, device)
     if mode == "fsdp":
-        return Sharded(model, world, device, precision, prefetch)
+        return Sharded(model, world, device, precision, prefetch, shard_files)
     raise ConfigError(f"training.parallel must be ddp, fsdp or auto, got {mode!r}")

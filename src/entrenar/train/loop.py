@@ -114,7 +114,8 @@ def _train(recipe: Recipe, resume: str | Path | bool | None, dry_run: bool, prog
 
     task = quickstart.QuickstartTask(recipe, plan.kernels) if is_quickstart else \
         tasks.for_recipe(recipe, kernels=plan.kernels)
-    console.say(f"loading {recipe.model.path or 'a random model (model.config)'} on {plan.load_device} ...")
+    where = "meta: each rank reads its own shards once sharded" if plan.shard_files else plan.load_device
+    console.say(f"loading {recipe.model.path or 'a random model (model.config)'} on {where} ...")
     model, tokenizer = load_model(recipe, task, plan)
     prepared = prepare(model, recipe, plan, world)
     console.say(f"reading and tokenizing {', '.join(path for path, _, _ in recipe.data.sources())} ...")

@@ -22,6 +22,7 @@ import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -33,7 +34,9 @@ from entrenar.config.sections import MAX_SEQ_LEN
 from entrenar.data.batching import CONTEXT_FACTOR, check_seq_len
 from entrenar.device import available_memory, resolve_device, resolve_dtype
 from entrenar.distributed.context_parallel import check_context_parallel
+from entrenar.distributed.materialize import META
 from entrenar.distributed.materialize import load_device as sharded_load_device
+from entrenar.distributed.shard_read import shard_index
 from entrenar.distributed.steps import accumulation as micro_batches_per_rank
 from entrenar.distributed.world import BACKENDS, World
 from entrenar.errors import ConfigError
@@ -41,9 +44,13 @@ from entrenar.kernels import triton_available
 from entrenar.kernels.coverage import family_notes
 from entrenar.kernels.fused_linear_ce import FUSED_LOSS_CHUNK
 from entrenar.loading import recipe_model_config
+from entrenar.loading.runs import resolve_model_and_adapter
+from entrenar.models import random_init
+from entrenar.models.classifier import is_classifier_folder
 from entrenar.models.config import ModelConfig
 from entrenar.models.padding_free import rows_by_document
 from entrenar.models.transformer import checkpointed_layer_indices, offloaded_layer_indices
+from entrenar.quant.checkpoint import is_quantized_folder
 from entrenar.tasks import TaskLayout, layout_of
 from entrenar.train.memory import (
     PROJECTION_NAMES,
@@ -105,6 +112,9 @@ class RunPlan:
     _recipe: Recipe | None = field(default=None, repr=False, compare=False)
     _config: ModelConfig | None = field(default=None, repr=False, compare=False)
     context_parallel: int = 1  # processes each row is split over (training.context_parallel)
+    # fsdp: which safetensors file holds each parameter, when every rank reads its own shards (None: rank 0 reads
+    # the whole model and broadcasts it)
+    shard_files: dict[str, tuple[Path, str]] | None = field(default=None, repr=False, compare=False)
 
     @property
     def rows_per_step(self) -> int:
@@ -374,6 +384,12 @@ def plan_run(recipe: Recipe, device: torch.device, world: World, config: ModelCo
     _refuse(facts, needs_mode=True, needs_memory=True)
 
     load_device = sharded_load_device(world) if mode == "fsdp" else device
+    shard_files = None
+    if mode == "fsdp" and world.size > 1:
+        shard_files, why = _shard_files(recipe, method, config)
+        reasons.append(("fsdp loading", why))
+        if shard_files is not None:
+            load_device = META  # every rank: the structure only, then its shards from the files
     weights_dtype = recipe.model.dtype
     if weights_dtype == "auto" and lora is None:
         weights_dtype = "float32"  # full fine-tuning keeps fp32 master weights; compute follows training.precision
@@ -390,7 +406,8 @@ def plan_run(recipe: Recipe, device: torch.device, world: World, config: ModelCo
         cuda_graphs=decided.cuda_graphs, overlap=decided.overlap, compile=t.compile,
         loss_scaling=t.precision == "fp16", method=method, memory=decided.memory,
         memory_available=available[0] if available else None, notes=notes,
-        reasons=tuple(reasons), flat_gradients=flat, _recipe=recipe, _config=config, context_parallel=cp)
+        reasons=tuple(reasons), flat_gradients=flat, _recipe=recipe, _config=config, context_parallel=cp,
+        shard_files=shard_files)
 
 
 @dataclass(frozen=True)
@@ -610,6 +627,23 @@ def _memory_reason(f: _Facts) -> str:
         return f"fits: {needed:.2f} GiB needed, {free:.2f} GiB available ({f.available[1]})"
     return (f"does not fit: {needed:.2f} GiB needed, {free:.2f} GiB available ({f.available[1]}); `entrenar train` "
             "refuses it unless --force")
+
+
+def _shard_files(recipe: Recipe, method: str, config: ModelConfig) -> tuple[dict[str, tuple[Path, str]] | None, str]:
+    """An FSDP run's loading: every rank reading its own shards from the Hugging Face folder (the parameters'
+    files), where all the model starts from is that folder's tensors by name; else rank 0 reads and broadcasts."""
+    general = "rank 0 reads the model and broadcasts it"
+    if method != "full" or recipe.task.type != "causal_lm":
+        return None, f"{general} (adapters, quantizers or a task's head are made on rank 0)"
+    if recipe.model.path is None or random_init.is_random(recipe):
+        return None, f"{general} (no model folder)"
+    source = resolve_model_and_adapter(recipe.model.path)
+    folder = source.model
+    if source.adapter is not None or source.checkpoint is not None or not folder.is_dir() or \
+            is_quantized_folder(folder) or is_classifier_folder(folder):
+        return None, f"{general} ({folder} is not a plain Hugging Face folder)"
+    index, why = shard_index(folder, config)
+    return index, why if index is not None else f"{general} ({why})"
 
 
 def _mode_reason(parallel: str, mode: str, world: World, replica_bytes: float) -> str:

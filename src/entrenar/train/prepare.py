@@ -107,7 +107,8 @@ def prepare(model: Transformer, recipe: Recipe, plan: RunPlan, world: World) -> 
             block.compile()
     # ddp over a small trainable set: the model unwrapped, one flat all-reduce a step (graphs and overlap stay).
     step_model = FlatReplicated(model, world) if plan.flat_gradients else \
-        parallelize(model, plan.mode, world, plan.device, t.precision, prefetch=t.fsdp_prefetch)
+        parallelize(model, plan.mode, world, plan.device, t.precision, prefetch=t.fsdp_prefetch,
+                    shard_files=plan.shard_files)
     if plan.context_parallel > 1:  # each row split over cp ranks; DDP/FSDP over the whole world inside
         step_model = context_parallel(step_model, world, plan.context_parallel, plan.device)
     graphs = plan.graphs(moe is None or moe.replayable(plan.device, plan.compute_dtype))
