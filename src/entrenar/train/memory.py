@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from entrenar.errors import ConfigError
+from entrenar.generation.graphed import cache_columns
 from entrenar.models.config import ModelConfig
 from entrenar.models.transformer import checkpointed_layer_indices, offloaded_layer_indices
 
@@ -62,11 +63,19 @@ class MemoryEstimate:
     reference: float = 0.0  # preference optimisation: a frozen copy of the model as the reference (task.reference)
     # GPU only: what one layer's backward creates beside what it kept (:func:`backward_transients`)
     transient: float = 0.0
+    # A task that samples before its loss (GRPO): the sampling phase's peak (:func:`generation_memory`), which
+    # comes before the training forward and is freed by then: the total counts the larger of the two phases.
+    generation: float = 0.0
+
+    @property
+    def step(self) -> float:
+        """What the training step holds beyond the resident state at its peak (forward, loss and backward)."""
+        return (self.activations + self.logits + self.casts + self.allocator + self.fake_quant + self.transient)
 
     @property
     def total(self) -> float:
-        return (self.weights + self.gradients + self.optimizer + self.activations + self.logits + self.runtime
-                + self.casts + self.allocator + self.fake_quant + self.reference + self.transient)
+        return (self.weights + self.gradients + self.optimizer + self.runtime + self.reference
+                + max(self.step, self.generation))
 
     def as_dict(self) -> dict:
         return {**asdict(self), "total": self.total}
@@ -590,6 +599,73 @@ def _add_cpu_terms(e: MemoryEstimate, config: ModelConfig, method: str, tokens: 
         chunk = min(tokens, fused_loss_chunk) * config.vocab_size
         e.logits += chunk * ((4 if dtype_bytes < 4 else 0) + 4)
     e.allocator = CPU_ALLOCATOR_SLACK * (e.activations + e.logits + e.casts)
+
+
+def kv_cache_bytes_per_token(config: ModelConfig, dtype_bytes: int) -> int:
+    """Bytes the KV cache keeps for one token over every layer: keys and values of the key/value heads (before
+    any repetition for grouped queries), or multi-head latent attention's normed latent and shared rotated key."""
+    assert config.head_dim is not None  # ModelConfig derives it when config.json has none
+    width = (config.kv_lora_rank + config.head_dim if config.is_mla
+             else 2 * config.num_kv_heads * config.head_dim)
+    return config.num_layers * width * dtype_bytes
+
+
+def _forward_transients(config: ModelConfig, tokens: int, dtype_bytes: int) -> float:
+    """What a no-grad forward of ``tokens`` holds at once: the residual stream in and out and the larger half of
+    one layer (attention's q, k, v, output and projection, or the MLP's gate, up, their product and output)."""
+    h, i, d = config.hidden_size, config.intermediate_size, config.head_dim
+    assert d is not None  # ModelConfig derives it when config.json has none
+    if config.is_moe:
+        i = max(i, config.num_experts_per_tok * config.expert_intermediate_size)
+    q, kv = config.num_heads * d, config.num_kv_heads * d
+    return tokens * (2 * h + max(2 * q + 2 * kv + h, 3 * i + h)) * dtype_bytes
+
+
+def generation_memory(config: ModelConfig, rows: int, prompt_len: int, new_tokens: int, dtype_bytes: int,
+                      filtered: bool = False, static_cache: bool = False, scoring_passes: int = 0,
+                      scoring_dtype_bytes: int | None = None, head_chunk: int | None = None) -> float:
+    """Peak bytes of sampling ``new_tokens`` after ``prompt_len``-token prompts in one batch of ``rows`` rows
+    (:func:`entrenar.generation.batched.generate_batch`), the weights aside, in ``dtype_bytes`` (what the model
+    computes in: GRPO samples with autocast off, so its weights' dtype).
+
+    The KV cache (:func:`kv_cache_bytes_per_token`) of every row: eagerly it grows by a column a step and its last
+    step concatenates one layer's keys and values again beside the old ones; a graphed decode step
+    (``static_cache``) preallocates ``prompt + new_tokens`` columns rounded up to the bucket. Beside it, the larger
+    of the prefill (one layer's no-grad temporaries over every prompt token and the boolean mask of every row,
+    three ``[prompt, prompt]`` of them) and a decode step, whose ``[rows, vocab]`` buffers peak while the next
+    logits (model dtype) are computed and the last token's fp32 logits (a copy below fp32), scaled logits,
+    probabilities and log-probabilities are still bound: 16 bytes an entry beside the logits, 20 below fp32; with
+    top-k, top-p or min-p (``filtered``) 21 more (the filters' scaled and masked copies, sort values and int64
+    indices, sorted probabilities, cumulative sum, boolean mask, scatter). Those counts are the peaks measured on
+    the CPU (tests/train/test_grpo_memory.py).
+
+    ``scoring_passes`` (the reference's and the sampling policy's log-probabilities) are no-grad forwards of the
+    whole sequences after the cache is freed, in ``scoring_dtype_bytes``: the larger of one layer's temporaries
+    (:func:`_forward_transients`) and the head's: the final hidden states, the completions' copied out of them
+    and one ``head_chunk`` of fp32 logits with ``logsumexp``'s two temporaries
+    (:func:`entrenar.kernels.token_logprobs.token_logprobs`; None: the whole logits, an fp32 copy, log-softmax).
+    """
+    per_token = kv_cache_bytes_per_token(config, dtype_bytes)
+    columns = cache_columns(prompt_len, new_tokens) if static_cache else prompt_len + new_tokens - 1
+    cache: float = rows * columns * per_token
+    if not static_cache:  # torch.cat of one layer's keys and values: the old ones are freed after
+        cache += rows * (columns - 1) * per_token / config.num_layers
+    v = config.vocab_size
+    sampler = rows * v * (dtype_bytes + 16 + 4 * (dtype_bytes < 4) + 21 * filtered)
+    prefill = _forward_transients(config, rows * prompt_len, dtype_bytes) + 3 * rows * prompt_len ** 2
+    prefill_cache = rows * (cache_columns(prompt_len, new_tokens) if static_cache else prompt_len) * per_token
+    peak = max(cache + sampler, prefill_cache + prefill)
+    if scoring_passes:
+        b = scoring_dtype_bytes or dtype_bytes
+        seq = prompt_len + new_tokens
+        # one chunk's fp32 logits and logsumexp's two temporaries (x - max, its exp); whole logits: the model's,
+        # their fp32 copy and log_softmax's output
+        chunk = (min(rows * new_tokens, head_chunk) * v * 12 if head_chunk
+                 else rows * seq * v * b + rows * new_tokens * v * 8)
+        # the final norm's output and the completions' hidden states copied out of it, beside the head's buffers
+        head = rows * (seq + new_tokens) * config.hidden_size * b + chunk
+        peak = max(peak, _forward_transients(config, rows * seq, b), head)
+    return peak
 
 
 def format_estimates(estimates: list[MemoryEstimate]) -> str:
