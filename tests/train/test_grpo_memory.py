@@ -4,10 +4,13 @@ random model's GRPO step really holds on this CPU (autograd's saved tensors, the
 
 from __future__ import annotations
 
+import json
 import weakref
+from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -20,8 +23,10 @@ from entrenar.models.config import ModelConfig
 from entrenar.models.hf import read_config
 from entrenar.models.transformer import Transformer
 from entrenar.tasks.rl.logprobs import completion_logprobs, plain_head
-from entrenar.train.memory import estimate_training_memory, generation_memory, kv_cache_bytes_per_token
-from entrenar.train.plan import plan_run
+from entrenar.train.memory import GiB, estimate_training_memory, generation_memory, kv_cache_bytes_per_token
+from entrenar.train.plan import plan_for, plan_run
+
+ROOT = Path(__file__).resolve().parents[2]
 
 LLAMA = ModelConfig(vocab_size=2048, hidden_size=64, intermediate_size=160, num_layers=3, num_heads=4,
                     num_kv_heads=2, model_type="llama")
@@ -163,3 +168,25 @@ def test_the_plan_counts_every_completion_and_the_sampling_phase(workspace):
     assert memory("task.kl_beta=0.04").generation > four.generation  # the reference's no-grad pass
     assert four.total == pytest.approx(four.weights + four.gradients + four.optimizer + four.runtime
                                        + max(four.step, four.generation))
+
+
+def test_the_planned_gpu_step_is_within_10_percent_of_the_measured_peak(tmp_path):
+    """bench/bench_grpo.py's Llama-3.2-1B case on an H100 (bench/results/h100-2026-11-27-s5-grpo-lora1b.json:
+    torch.cuda.max_memory_allocated 23.10 GiB, 8 prompts of 128 tokens x 8 completions of exactly 256, LoRA, bf16),
+    its recorded recipe planned for CUDA with data.seq_len the run's 384 tokens a row (one sequence a prompt, as the
+    plan counted before, came to 6.1 GiB)."""
+    result = json.loads((ROOT / "bench/results/h100-2026-11-27-s5-grpo-lora1b.json").read_text())["results"][0]
+    assert result["row"] == "entrenar" and result["mean_prompt_tokens"] == pytest.approx(128, abs=0.1)
+    config = ModelConfig(hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8, intermediate_size=8192,
+                         vocab_size=49152, tie_word_embeddings=True, rope_theta=500000.0, model_type="llama",
+                         max_position_embeddings=4096)  # bench_train's llama-1b shape, the bench tokenizer's vocab
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text(json.dumps(dict(config.to_hf())))
+    (tmp_path / "prompts.jsonl").write_text('{"prompt": "x"}\n')
+    recipe = result["recipe"]
+    recipe["model"]["path"], recipe["data"]["train"] = str(tmp_path / "model"), str(tmp_path / "prompts.jsonl")
+    recipe["data"]["seq_len"] = 128 + result["recipe_completion"]
+    recipe["reward"]["functions"] = ["length"]  # the bench's own reward module is not importable here
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    plan, _ = plan_for(load_recipe(tmp_path / "recipe.yaml", []), "cuda")
+    assert abs(plan.memory.total / GiB - result["peak_gib"]) / result["peak_gib"] < 0.10, plan.memory

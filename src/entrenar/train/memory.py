@@ -43,6 +43,9 @@ CPU_RUNTIME_BYTES = 0.30 * GiB
 # Share of a step's transient memory (activations, logits, autocast copies) that glibc's allocator still holds,
 # fragmented, when the next step reaches its peak: fitted to the measured SmolLM2-shape runs (0.26-0.29).
 CPU_ALLOCATOR_SLACK = 0.28
+# What entrenar.kernels.token_logprobs holds for each logit of its chunk at once in forward (any device): the fp32
+# logits, and the difference from the row maximum and its exponential that logsumexp makes.
+TOKEN_LOGPROBS_BYTES = 12
 NF4_BYTES_PER_PARAM = 0.5 + 1 / 64 + 4 / (64 * 256)  # codes + 8-bit absmax per 64 + fp32 scale per 256 blocks
 
 
@@ -279,6 +282,7 @@ def estimate_training_memory(
     qat_group_size: int | None = None,
     qat_activations: bool = False,
     tiled_mlp: int = 0,
+    fused_loss_bytes: int | None = None,
 ) -> MemoryEstimate:
     """Estimate peak training memory in bytes. `method` is full, lora, qlora, qat or lora-qat.
 
@@ -309,6 +313,10 @@ def estimate_training_memory(
     `tiled_mlp` (tokens a tile; 0: off) runs each dense layer's MLP half in tiles (:mod:`entrenar.models.tiled`):
     the layer keeps the MLP's input instead of its activations, and its backward holds one tile's. A GPU estimate
     (not ``cpu``) adds the transients of one layer's backward (``transient``, :func:`backward_transients`).
+
+    `fused_loss_bytes`: what a chunked loss holds for each logit of its chunk at once, on any device, when it is
+    not the fused cross-entropy's (None: its logits in the compute dtype, on a CPU its PyTorch path's fp32 copies
+    too); GRPO's token log-probabilities hold 12 (fp32 logits, ``logsumexp``'s difference and exponential).
     """
     qat, method, param_bytes, states = _resolve_method(method, optimizer, param_bytes, dtype_bytes)
     trainable, weights, gradients, optimizer_bytes = _model_state(
@@ -317,7 +325,7 @@ def estimate_training_memory(
     tokens = batch_size * seq_len
     activations, rebuilt = _activations(config, method, tokens, dtype_bytes, kernels, lora_r,
                                         activation_checkpointing, offload_activations, seq_len, tiled_mlp)
-    logits = _logits(config, tokens, dtype_bytes, fused_loss_chunk, rebuilt)
+    logits = _logits(config, tokens, dtype_bytes, fused_loss_chunk, rebuilt, fused_loss_bytes)
     total = config.num_parameters
     label = {"full": "qat", "lora": "lora-qat"}[method] if qat else method
     estimate = MemoryEstimate(label, total, trainable, weights, gradients, optimizer_bytes, activations, logits)
@@ -329,7 +337,7 @@ def estimate_training_memory(
                        cpu, qat_group_size, qat_activations)
     if cpu:
         _add_cpu_terms(estimate, config, method, tokens, dtype_bytes, param_bytes, lora_targets, lora_dropout, kernels,
-                       fused_loss_chunk)
+                       None if fused_loss_bytes else fused_loss_chunk)
     return estimate
 
 
@@ -560,15 +568,15 @@ def _activations(config: ModelConfig, method: str, tokens: int, dtype_bytes: int
     return activations, rebuilt
 
 
-def _logits(config: ModelConfig, tokens: int, dtype_bytes: int, fused_loss_chunk: int | None, rebuilt: float
-            ) -> float:
+def _logits(config: ModelConfig, tokens: int, dtype_bytes: int, fused_loss_chunk: int | None, rebuilt: float,
+            entry_bytes: int | None = None) -> float:
     """The loss's logits (and their gradient) in bytes at the peak."""
     if fused_loss_chunk:
         # The fused output-projection loss does all its work in forward: one chunk of logits (overwritten by
         # their gradient) at a time, and the hidden states' gradient kept for backward. The chunk is gone
         # before backward rebuilds a checkpointed layer, so only what it exceeds that layer by adds to the peak.
         # A final soft cap (Gemma) keeps tanh of the chunk's logits in fp32 beside them.
-        chunk = min(tokens, fused_loss_chunk) * config.vocab_size * (dtype_bytes + 4 * bool(
+        chunk = min(tokens, fused_loss_chunk) * config.vocab_size * (entry_bytes or dtype_bytes + 4 * bool(
             config.final_logit_softcapping))
         return tokens * config.hidden_size * dtype_bytes + max(0, chunk - rebuilt)
     # Logits in the model dtype, upcast to fp32 for the loss, and their gradient.

@@ -49,6 +49,7 @@ from entrenar.tasks import TaskLayout, layout_of
 from entrenar.train.memory import (
     CPU_ALLOCATOR_SLACK,
     PROJECTION_NAMES,
+    TOKEN_LOGPROBS_BYTES,
     GiB,
     MemoryEstimate,
     estimate_training_memory,
@@ -571,7 +572,7 @@ def _estimate(recipe: Recipe, config: ModelConfig, device: torch.device, method:
         lora_targets=targets, lora_target_parameters=list(lora.target_parameters or []) if lora else [],
         activation_checkpointing=t.activation_checkpointing, offload_activations=t.offload_activations,
         offload_embeddings=offload_embeddings, offload_weights=offload_weights, optimizer=recipe.optimizer.name,
-        fused_loss_chunk=chunk,
+        fused_loss_chunk=chunk, fused_loss_bytes=TOKEN_LOGPROBS_BYTES if chunked and layout.chunked_head else None,
         # On a CPU the kernels run their PyTorch specifications, which save what eager PyTorch saves.
         kernels=kernels and not cpu, cpu=cpu, lora_dropout=lora.dropout if lora else 0.0,
         tiled_mlp=t.tiled_mlp, **_qat_settings(recipe))
