@@ -17,6 +17,7 @@ from torch.utils._pytree import tree_flatten
 from entrenar.adapters.lora import LoraConfig, apply_lora
 from entrenar.config import load_recipe
 from entrenar.distributed.world import World
+from entrenar.errors import ConfigError
 from entrenar.generation.batched import SamplingConfig, generate_batch
 from entrenar.kernels.token_logprobs import TOKEN_LOGPROBS_CHUNK
 from entrenar.models.config import ModelConfig
@@ -190,3 +191,11 @@ def test_the_planned_gpu_step_is_within_10_percent_of_the_measured_peak(tmp_path
     (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
     plan, _ = plan_for(load_recipe(tmp_path / "recipe.yaml", []), "cuda")
     assert abs(plan.memory.total / GiB - result["peak_gib"]) / result["peak_gib"] < 0.10, plan.memory
+
+
+def test_a_grpo_run_that_does_not_fit_names_its_sampling_levers(workspace):
+    """The refusal's advice includes what only a sampling task has: fewer or shorter completions."""
+    recipe = _grpo_recipe(workspace)
+    with pytest.raises(ConfigError, match=r"fewer completions of a prompt \(task\.num_generations, now 4\) or "
+                                          r"shorter ones \(task\.max_new_tokens, now 8\)"):
+        plan_run(recipe, torch.device("cpu"), World(), read_config(workspace / "model"), available=(2**20, "tests"))

@@ -282,6 +282,10 @@ def _memory_refusal(f: _Facts) -> str:
     if t.batch_size > 1:
         levers.append(f"a smaller micro-batch (training.batch_size={max(1, t.batch_size // 2)}, with "
                       f"training.grad_accum to keep the batch)")
+    if f.layout.rollout is not None:  # every sampled sequence of a micro-batch is held at once
+        rollout = f.layout.rollout(f.recipe)
+        levers.append(f"fewer completions of a prompt (task.num_generations, now {rollout.sequences}) or shorter "
+                      f"ones (task.max_new_tokens, now {rollout.new_tokens})")
     levers.append(f"a shorter data.seq_len (now {f.recipe.data.seq_len})")
     if t.activation_checkpointing is not True and e.activations + e.logits > 0.1 * e.total:
         levers.append("training.activation_checkpointing: true")
