@@ -631,7 +631,7 @@ def _forward_transients(config: ModelConfig, tokens: int, dtype_bytes: int) -> f
 
 def generation_memory(config: ModelConfig, rows: int, prompt_len: int, new_tokens: int, dtype_bytes: int,
                       filtered: bool = False, static_cache: bool = False, scoring_passes: int = 0,
-                      scoring_dtype_bytes: int | None = None, head_chunk: int | None = None) -> float:
+                      head_chunk: int | None = None) -> float:
     """Peak bytes of sampling ``new_tokens`` after ``prompt_len``-token prompts in one batch of ``rows`` rows
     (:func:`entrenar.generation.batched.generate_batch`), the weights aside, in ``dtype_bytes`` (what the model
     computes in: GRPO samples with autocast off, so its weights' dtype).
@@ -648,7 +648,7 @@ def generation_memory(config: ModelConfig, rows: int, prompt_len: int, new_token
     the CPU (tests/train/test_grpo_memory.py).
 
     ``scoring_passes`` (the reference's and the sampling policy's log-probabilities) are no-grad forwards of the
-    whole sequences after the cache is freed, in ``scoring_dtype_bytes``: the larger of one layer's temporaries
+    whole sequences after the cache is freed, in the same dtype: the larger of one layer's temporaries
     (:func:`_forward_transients`) and the head's: the final hidden states, the completions' copied out of them
     and one ``head_chunk`` of fp32 logits with ``logsumexp``'s two temporaries
     (:func:`entrenar.kernels.token_logprobs.token_logprobs`; None: the whole logits, an fp32 copy, log-softmax).
@@ -664,8 +664,7 @@ def generation_memory(config: ModelConfig, rows: int, prompt_len: int, new_token
     prefill_cache = rows * (cache_columns(prompt_len, new_tokens) if static_cache else prompt_len) * per_token
     peak = max(cache + sampler, prefill_cache + prefill)
     if scoring_passes:
-        b = scoring_dtype_bytes or dtype_bytes
-        seq = prompt_len + new_tokens
+        b, seq = dtype_bytes, prompt_len + new_tokens
         # one chunk's fp32 logits and logsumexp's two temporaries (x - max, its exp); whole logits: the model's,
         # their fp32 copy and log_softmax's output
         chunk = (min(rows * new_tokens, head_chunk) * v * 12 if head_chunk

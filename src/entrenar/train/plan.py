@@ -582,14 +582,14 @@ def _estimate(recipe: Recipe, config: ModelConfig, device: torch.device, method:
         tiled_mlp=t.tiled_mlp, **_qat_settings(recipe))
     if rollout is None:
         return memory
-    # Sampling runs with autocast off, in the weights' dtype (an NF4 base computes in the compute dtype); prompts
-    # are cut to what data.seq_len leaves the completion.
+    # The rollout (sampling and the scoring passes) runs with autocast off, in the weights' dtype (an NF4 base
+    # computes in the compute dtype); prompts are cut to what data.seq_len leaves the completion.
     new = min(rollout.new_tokens, recipe.data.seq_len - 1)
     sampling = generation_memory(
         config, rows, recipe.data.seq_len - new, new, dtype_bytes if method == "qlora" else param_bytes,
         filtered=rollout.filtered, static_cache=recipe.task.decode_cuda_graphs is not False
         and _decode_eager(recipe, device, mode, offload_weights, offload_embeddings) is None,
-        scoring_passes=rollout.scoring_passes, scoring_dtype_bytes=dtype_bytes,
+        scoring_passes=rollout.scoring_passes,
         head_chunk=TOKEN_LOGPROBS_CHUNK if plain else None)
     # On a CPU glibc keeps a share of the freed step memory as it does the training step's (CPU_ALLOCATOR_SLACK)
     return dataclasses.replace(memory, generation=sampling * (1 + CPU_ALLOCATOR_SLACK if cpu else 1))
