@@ -14,7 +14,7 @@ from entrenar.config import Recipe
 from entrenar.tasks.base import FixedLayout, Task
 from entrenar.tasks.causal_lm import CausalLMTask
 from entrenar.tasks.classification import ClassificationTask
-from entrenar.tasks.layout import TaskLayout
+from entrenar.tasks.layout import Rollout, TaskLayout
 from entrenar.tasks.preference import PreferenceTask
 from entrenar.tasks.rl.grpo_task import GRPOTask
 
@@ -40,4 +40,4 @@ def layout_of(task_type: str) -> TaskLayout:
     return LAYOUTS[task_type]
 
 
-__all__ = ["LAYOUTS", "FixedLayout", "Task", "TaskLayout", "for_recipe", "layout_of"]
+__all__ = ["LAYOUTS", "FixedLayout", "Rollout", "Task", "TaskLayout", "for_recipe", "layout_of"]

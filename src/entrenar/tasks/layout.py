@@ -4,7 +4,8 @@ Each task class declares its :class:`TaskLayout` (``layout``, a class attribute)
 :func:`entrenar.tasks.layout_of` finds it from ``task.type``. The plan (:mod:`entrenar.train.plan`) reads these
 facts where it used to test task names: how many sequences the memory estimate counts for an example, whether
 packed rows may attend document by document or lie padding-free, whether the loss can read the output head
-chunk by chunk, whether a CUDA graph can replay a micro-batch, and what the reference model is.
+chunk by chunk, whether a CUDA graph can replay a micro-batch, what the reference model is, and what the task
+samples before its loss (:class:`Rollout`: GRPO's completions).
 """
 
 from __future__ import annotations
@@ -15,6 +16,16 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from entrenar.config import Recipe
+
+
+@dataclass(frozen=True)
+class Rollout:
+    """What a task samples before its loss, per example of a micro-batch, as the memory estimate counts it."""
+
+    sequences: int  # completions sampled of each example, all in one batch with a KV cache; the loss reads them all
+    new_tokens: int  # the most tokens each completion grows by (its prompt: the rest of data.seq_len)
+    filtered: bool = False  # top-k, top-p or min-p filters (their sort, indices and masks over the vocabulary)
+    scoring_passes: int = 0  # no-grad forwards over every sequence before the loss (reference, sampling policy)
 
 
 @dataclass(frozen=True)
@@ -47,6 +58,12 @@ class TaskLayout:
     # data.packing and data.padding_free say; called with the recipe, why they cannot for it (None: they can).
     # None: rows as rows (and the task's fixed_layout is None).
     own_graph_layout: Callable[[Recipe], str | None] | None = None
+    # What the task samples of each example before its loss (a :class:`Rollout`) for a recipe: the estimate counts
+    # ``sequences`` rows an example (instead of ``sequences_per_example``) and the sampling phase's peak (its KV
+    # cache, the decode step's logits and sampling buffers, the no-grad scoring passes). None: it samples nothing.
+    rollout: Callable[[Recipe], Rollout] | None = None
+    # The loss reads a plain output head chunk by chunk whatever the kernels (not only with them, as fused_head).
+    chunked_head: bool = False
 
 
-__all__ = ["TaskLayout"]
+__all__ = ["Rollout", "TaskLayout"]

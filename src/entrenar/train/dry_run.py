@@ -43,7 +43,8 @@ def plan_lines(plan: RunPlan) -> list[str]:
         f"grads {estimate.gradients / GiB:.2f}, optimizer {estimate.optimizer / GiB:.2f}, "
         f"activations {estimate.activations / GiB:.2f}, logits {estimate.logits / GiB:.2f}"
         f"{f', reference copy {estimate.reference / GiB:.2f}' if estimate.reference else ''}{_cpu_terms(estimate)}"
-        f"{f', backward transients {estimate.transient / GiB:.2f}' if estimate.transient else ''})",
+        f"{f', backward transients {estimate.transient / GiB:.2f}' if estimate.transient else ''}"
+        f"{_sampling_terms(estimate)})",
         *([f"{'':<22}{CPU_ESTIMATE_NOTE}"] if estimate.runtime else []),
         *_qat_lines(plan),
         "plan",
@@ -64,6 +65,15 @@ def _qat_lines(plan: RunPlan) -> list[str]:
             f"{'quantized model':<22}{size / GiB:.3f} GiB ({qat.bits}-bit codes, "
             f"{'a scale per ' + str(group) + ' inputs' if group else 'a scale per ' + qat.granularity}; "
             f"embeddings, norms and head in 16 bits)"]
+
+
+def _sampling_terms(estimate: MemoryEstimate) -> str:
+    """A task that samples before its loss (GRPO): its sampling phase against the step; the total counts the
+    larger."""
+    if not estimate.generation:
+        return ""
+    return (f"; sampling phase {estimate.generation / GiB:.2f} against the step's {estimate.step / GiB:.2f}: the "
+            "larger counted")
 
 
 def _cpu_terms(estimate: MemoryEstimate) -> str:

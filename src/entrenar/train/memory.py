@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from entrenar.errors import ConfigError
+from entrenar.generation.graphed import cache_columns
 from entrenar.models.config import ModelConfig
 from entrenar.models.transformer import checkpointed_layer_indices, offloaded_layer_indices
 
@@ -42,6 +43,9 @@ CPU_RUNTIME_BYTES = 0.30 * GiB
 # Share of a step's transient memory (activations, logits, autocast copies) that glibc's allocator still holds,
 # fragmented, when the next step reaches its peak: fitted to the measured SmolLM2-shape runs (0.26-0.29).
 CPU_ALLOCATOR_SLACK = 0.28
+# What entrenar.kernels.token_logprobs holds for each logit of its chunk at once in forward (any device): the fp32
+# logits, and the difference from the row maximum and its exponential that logsumexp makes.
+TOKEN_LOGPROBS_BYTES = 12
 NF4_BYTES_PER_PARAM = 0.5 + 1 / 64 + 4 / (64 * 256)  # codes + 8-bit absmax per 64 + fp32 scale per 256 blocks
 
 
@@ -62,11 +66,19 @@ class MemoryEstimate:
     reference: float = 0.0  # preference optimisation: a frozen copy of the model as the reference (task.reference)
     # GPU only: what one layer's backward creates beside what it kept (:func:`backward_transients`)
     transient: float = 0.0
+    # A task that samples before its loss (GRPO): the sampling phase's peak (:func:`generation_memory`), which
+    # comes before the training forward and is freed by then: the total counts the larger of the two phases.
+    generation: float = 0.0
+
+    @property
+    def step(self) -> float:
+        """What the training step holds beyond the resident state at its peak (forward, loss and backward)."""
+        return (self.activations + self.logits + self.casts + self.allocator + self.fake_quant + self.transient)
 
     @property
     def total(self) -> float:
-        return (self.weights + self.gradients + self.optimizer + self.activations + self.logits + self.runtime
-                + self.casts + self.allocator + self.fake_quant + self.reference + self.transient)
+        return (self.weights + self.gradients + self.optimizer + self.runtime + self.reference
+                + max(self.step, self.generation))
 
     def as_dict(self) -> dict:
         return {**asdict(self), "total": self.total}
@@ -270,6 +282,7 @@ def estimate_training_memory(
     qat_group_size: int | None = None,
     qat_activations: bool = False,
     tiled_mlp: int = 0,
+    fused_loss_bytes: int | None = None,
 ) -> MemoryEstimate:
     """Estimate peak training memory in bytes. `method` is full, lora, qlora, qat or lora-qat.
 
@@ -300,6 +313,10 @@ def estimate_training_memory(
     `tiled_mlp` (tokens a tile; 0: off) runs each dense layer's MLP half in tiles (:mod:`entrenar.models.tiled`):
     the layer keeps the MLP's input instead of its activations, and its backward holds one tile's. A GPU estimate
     (not ``cpu``) adds the transients of one layer's backward (``transient``, :func:`backward_transients`).
+
+    `fused_loss_bytes`: what a chunked loss holds for each logit of its chunk at once, on any device, when it is
+    not the fused cross-entropy's (None: its logits in the compute dtype, on a CPU its PyTorch path's fp32 copies
+    too); GRPO's token log-probabilities hold 12 (fp32 logits, ``logsumexp``'s difference and exponential).
     """
     qat, method, param_bytes, states = _resolve_method(method, optimizer, param_bytes, dtype_bytes)
     trainable, weights, gradients, optimizer_bytes = _model_state(
@@ -308,7 +325,7 @@ def estimate_training_memory(
     tokens = batch_size * seq_len
     activations, rebuilt = _activations(config, method, tokens, dtype_bytes, kernels, lora_r,
                                         activation_checkpointing, offload_activations, seq_len, tiled_mlp)
-    logits = _logits(config, tokens, dtype_bytes, fused_loss_chunk, rebuilt)
+    logits = _logits(config, tokens, dtype_bytes, fused_loss_chunk, rebuilt, fused_loss_bytes)
     total = config.num_parameters
     label = {"full": "qat", "lora": "lora-qat"}[method] if qat else method
     estimate = MemoryEstimate(label, total, trainable, weights, gradients, optimizer_bytes, activations, logits)
@@ -320,7 +337,7 @@ def estimate_training_memory(
                        cpu, qat_group_size, qat_activations)
     if cpu:
         _add_cpu_terms(estimate, config, method, tokens, dtype_bytes, param_bytes, lora_targets, lora_dropout, kernels,
-                       fused_loss_chunk)
+                       None if fused_loss_bytes else fused_loss_chunk)
     return estimate
 
 
@@ -551,15 +568,15 @@ def _activations(config: ModelConfig, method: str, tokens: int, dtype_bytes: int
     return activations, rebuilt
 
 
-def _logits(config: ModelConfig, tokens: int, dtype_bytes: int, fused_loss_chunk: int | None, rebuilt: float
-            ) -> float:
+def _logits(config: ModelConfig, tokens: int, dtype_bytes: int, fused_loss_chunk: int | None, rebuilt: float,
+            entry_bytes: int | None = None) -> float:
     """The loss's logits (and their gradient) in bytes at the peak."""
     if fused_loss_chunk:
         # The fused output-projection loss does all its work in forward: one chunk of logits (overwritten by
         # their gradient) at a time, and the hidden states' gradient kept for backward. The chunk is gone
         # before backward rebuilds a checkpointed layer, so only what it exceeds that layer by adds to the peak.
         # A final soft cap (Gemma) keeps tanh of the chunk's logits in fp32 beside them.
-        chunk = min(tokens, fused_loss_chunk) * config.vocab_size * (dtype_bytes + 4 * bool(
+        chunk = min(tokens, fused_loss_chunk) * config.vocab_size * (entry_bytes or dtype_bytes + 4 * bool(
             config.final_logit_softcapping))
         return tokens * config.hidden_size * dtype_bytes + max(0, chunk - rebuilt)
     # Logits in the model dtype, upcast to fp32 for the loss, and their gradient.
@@ -590,6 +607,72 @@ def _add_cpu_terms(e: MemoryEstimate, config: ModelConfig, method: str, tokens: 
         chunk = min(tokens, fused_loss_chunk) * config.vocab_size
         e.logits += chunk * ((4 if dtype_bytes < 4 else 0) + 4)
     e.allocator = CPU_ALLOCATOR_SLACK * (e.activations + e.logits + e.casts)
+
+
+def kv_cache_bytes_per_token(config: ModelConfig, dtype_bytes: int) -> int:
+    """Bytes the KV cache keeps for one token over every layer: keys and values of the key/value heads (before
+    any repetition for grouped queries), or multi-head latent attention's normed latent and shared rotated key."""
+    assert config.head_dim is not None  # ModelConfig derives it when config.json has none
+    width = (config.kv_lora_rank + config.head_dim if config.is_mla
+             else 2 * config.num_kv_heads * config.head_dim)
+    return config.num_layers * width * dtype_bytes
+
+
+def _forward_transients(config: ModelConfig, tokens: int, dtype_bytes: int) -> float:
+    """What a no-grad forward of ``tokens`` holds at once: the residual stream in and out and the larger half of
+    one layer (attention's q, k, v, output and projection, or the MLP's gate, up, their product and output)."""
+    h, i, d = config.hidden_size, config.intermediate_size, config.head_dim
+    assert d is not None  # ModelConfig derives it when config.json has none
+    if config.is_moe:
+        i = max(i, config.num_experts_per_tok * config.expert_intermediate_size)
+    q, kv = config.num_heads * d, config.num_kv_heads * d
+    return tokens * (2 * h + max(2 * q + 2 * kv + h, 3 * i + h)) * dtype_bytes
+
+
+def generation_memory(config: ModelConfig, rows: int, prompt_len: int, new_tokens: int, dtype_bytes: int,
+                      filtered: bool = False, static_cache: bool = False, scoring_passes: int = 0,
+                      head_chunk: int | None = None) -> float:
+    """Peak bytes of sampling ``new_tokens`` after ``prompt_len``-token prompts in one batch of ``rows`` rows
+    (:func:`entrenar.generation.batched.generate_batch`), the weights aside, in ``dtype_bytes`` (what the model
+    computes in: GRPO samples with autocast off, so its weights' dtype).
+
+    The KV cache (:func:`kv_cache_bytes_per_token`) of every row: eagerly it grows by a column a step and its last
+    step concatenates one layer's keys and values again beside the old ones; a graphed decode step
+    (``static_cache``) preallocates ``prompt + new_tokens`` columns rounded up to the bucket. Beside it, the larger
+    of the prefill (one layer's no-grad temporaries over every prompt token and the boolean mask of every row,
+    three ``[prompt, prompt]`` of them) and a decode step, whose ``[rows, vocab]`` buffers peak while the next
+    logits (model dtype) are computed and the last token's fp32 logits (a copy below fp32), scaled logits,
+    probabilities and log-probabilities are still bound: 16 bytes an entry beside the logits, 20 below fp32; with
+    top-k, top-p or min-p (``filtered``) 21 more (the filters' scaled and masked copies, sort values and int64
+    indices, sorted probabilities, cumulative sum, boolean mask, scatter). Those counts are the peaks measured on
+    the CPU (tests/train/test_grpo_memory.py).
+
+    ``scoring_passes`` (the reference's and the sampling policy's log-probabilities) are no-grad forwards of the
+    whole sequences after the cache is freed, in the same dtype: the larger of one layer's temporaries
+    (:func:`_forward_transients`) and the head's: the final hidden states, the completions' copied out of them
+    and one ``head_chunk`` of fp32 logits with ``logsumexp``'s two temporaries
+    (:func:`entrenar.kernels.token_logprobs.token_logprobs`; None: the whole logits, an fp32 copy, log-softmax).
+    """
+    per_token = kv_cache_bytes_per_token(config, dtype_bytes)
+    columns = cache_columns(prompt_len, new_tokens) if static_cache else prompt_len + new_tokens - 1
+    cache: float = rows * columns * per_token
+    if not static_cache:  # torch.cat of one layer's keys and values: the old ones are freed after
+        cache += rows * (columns - 1) * per_token / config.num_layers
+    v = config.vocab_size
+    sampler = rows * v * (dtype_bytes + 16 + 4 * (dtype_bytes < 4) + 21 * filtered)
+    prefill = _forward_transients(config, rows * prompt_len, dtype_bytes) + 3 * rows * prompt_len ** 2
+    prefill_cache = rows * (cache_columns(prompt_len, new_tokens) if static_cache else prompt_len) * per_token
+    peak = max(cache + sampler, prefill_cache + prefill)
+    if scoring_passes:
+        b, seq = dtype_bytes, prompt_len + new_tokens
+        # one chunk's fp32 logits and logsumexp's two temporaries (x - max, its exp); whole logits: the model's,
+        # their fp32 copy and log_softmax's output
+        chunk = (min(rows * new_tokens, head_chunk) * v * 12 if head_chunk
+                 else rows * seq * v * b + rows * new_tokens * v * 8)
+        # the final norm's output and the completions' hidden states copied out of it, beside the head's buffers
+        head = rows * (seq + new_tokens) * config.hidden_size * b + chunk
+        peak = max(peak, _forward_transients(config, rows * seq, b), head)
+    return peak
 
 
 def format_estimates(estimates: list[MemoryEstimate]) -> str:

@@ -43,6 +43,7 @@ from entrenar.errors import ConfigError
 from entrenar.kernels import triton_available
 from entrenar.kernels.coverage import family_notes
 from entrenar.kernels.fused_linear_ce import FUSED_LOSS_CHUNK
+from entrenar.kernels.token_logprobs import TOKEN_LOGPROBS_CHUNK
 from entrenar.loading import recipe_model_config
 from entrenar.loading.runs import resolve_model_and_adapter
 from entrenar.models import random_init
@@ -53,10 +54,13 @@ from entrenar.models.transformer import checkpointed_layer_indices, offloaded_la
 from entrenar.quant.checkpoint import is_quantized_folder
 from entrenar.tasks import TaskLayout, layout_of
 from entrenar.train.memory import (
+    CPU_ALLOCATOR_SLACK,
     PROJECTION_NAMES,
+    TOKEN_LOGPROBS_BYTES,
     GiB,
     MemoryEstimate,
     estimate_training_memory,
+    generation_memory,
     longest_fitting,
     per_device,
 )
@@ -288,6 +292,10 @@ def _memory_refusal(f: _Facts) -> str:
     if t.batch_size > 1:
         levers.append(f"a smaller micro-batch (training.batch_size={max(1, t.batch_size // 2)}, with "
                       f"training.grad_accum to keep the batch)")
+    if f.layout.rollout is not None:  # every sampled sequence of a micro-batch is held at once
+        rollout = f.layout.rollout(f.recipe)
+        levers.append(f"fewer completions of a prompt (task.num_generations, now {rollout.sequences}) or shorter "
+                      f"ones (task.max_new_tokens, now {rollout.new_tokens})")
     levers.append(f"a shorter data.seq_len (now {f.recipe.data.seq_len})")
     if t.activation_checkpointing is not True and e.activations + e.logits > 0.1 * e.total:
         levers.append("training.activation_checkpointing: true")
@@ -458,7 +466,7 @@ def _decide(recipe: Recipe, device: torch.device, mode: str, config: ModelConfig
     reasons.append(("training.offload_embeddings", _auto(t.offload_embeddings, offload_embeddings,
                                                          "LoRA on one GPU with every layer checkpointed, untied")))
 
-    memory = _estimate(recipe, config, device, method, kernels, offload_weights, offload_embeddings)
+    memory = _estimate(recipe, config, device, method, kernels, offload_weights, offload_embeddings, mode)
     flat = mode == "ddp" and memory.gradients <= FLAT_GRADIENTS_MAX_BYTES
     if mode == "ddp":
         reasons.append(("ddp gradients", _flat_reason(flat, memory.gradients)))
@@ -509,12 +517,7 @@ def _decode_graphs(recipe: Recipe, device: torch.device, mode: str, offload_weig
     """The dry run's line for GRPO's sampler: whether its decode step replays from a CUDA graph
     (:func:`entrenar.generation.graphed.graph_refusal` decides again on the built model: MoE experts, hooks)."""
     setting = recipe.task.decode_cuda_graphs
-    why = ("a CUDA device" if device.type != "cuda" else
-           "FSDP gathers the weights in forward hooks" if mode == "fsdp" else
-           "the NF4 base streams from CPU memory (training.offload_weights)" if offload_weights else
-           "the blocks run through torch.compile (training.compile)" if recipe.training.compile else
-           "the input-embedding table stays in CPU memory (training.offload_embeddings)" if offload_embeddings
-           else None)
+    why = _decode_eager(recipe, device, mode, offload_weights, offload_embeddings)
     if setting is True and why is not None and device.type == "cuda":
         raise ConfigError(f"task.decode_cuda_graphs: true, but the decode step cannot replay from a CUDA graph: "
                           f"{why} (set it to auto or false)")
@@ -522,6 +525,17 @@ def _decode_graphs(recipe: Recipe, device: torch.device, mode: str, offload_weig
     if setting == "auto" and why is not None:
         return f"off (auto: {why})" if device.type == "cuda" else "off (auto: on only on a CUDA device)"
     return _auto(setting, on, "a CUDA device; eager where the built model cannot replay (docs/RL.md)")
+
+
+def _decode_eager(recipe: Recipe, device: torch.device, mode: str, offload_weights: bool,
+                  offload_embeddings: bool) -> str | None:
+    """Why the sampler's decode step cannot replay from a CUDA graph in this plan (None: it can)."""
+    return ("a CUDA device" if device.type != "cuda" else
+            "FSDP gathers the weights in forward hooks" if mode == "fsdp" else
+            "the NF4 base streams from CPU memory (training.offload_weights)" if offload_weights else
+            "the blocks run through torch.compile (training.compile)" if recipe.training.compile else
+            "the input-embedding table stays in CPU memory (training.offload_embeddings)" if offload_embeddings
+            else None)
 
 
 def _flat_reason(flat: bool, gradient_bytes: float) -> str:
@@ -554,7 +568,7 @@ def _weights_dtype(recipe: Recipe, device: torch.device, full: bool) -> torch.dt
 
 
 def _estimate(recipe: Recipe, config: ModelConfig, device: torch.device, method: str, kernels: bool,
-              offload_weights: bool, offload_embeddings: bool) -> MemoryEstimate:
+              offload_weights: bool, offload_embeddings: bool, mode: str = "single") -> MemoryEstimate:
     """The training memory of one process (:mod:`entrenar.train.memory`) with this plan's settings."""
     t, lora = recipe.training, recipe.lora
     targets: str | list[str] = "all-linear"
@@ -564,19 +578,38 @@ def _estimate(recipe: Recipe, config: ModelConfig, device: torch.device, method:
     elif chosen != "all-linear":
         targets = [name for name in PROJECTION_NAMES if name in chosen]  # a regex: the names it spells
     layout = layout_of(recipe.task.type)
-    head_is_plain = layout.fused_head and (lora is None or "lm_head" not in lora.target_modules)
-    rows = t.batch_size * layout.sequences_per_example
+    plain = lora is None or "lm_head" not in lora.target_modules
+    chunked = plain and (layout.chunked_head or layout.fused_head and kernels)
+    rollout = layout.rollout(recipe) if layout.rollout is not None else None
+    rows = t.batch_size * (rollout.sequences if rollout is not None else layout.sequences_per_example)
     tokens = -(-recipe.data.seq_len // t.context_parallel)  # context parallelism: each rank's slice of the row
-    return estimate_training_memory(
-        config, method, rows, tokens, dtype_bytes=2 if t.precision != "fp32" else 4,
-        param_bytes=_weights_dtype(recipe, device, lora is None).itemsize, lora_r=lora.r if lora else 16,
+    dtype_bytes = 2 if t.precision != "fp32" else 4
+    param_bytes = _weights_dtype(recipe, device, lora is None).itemsize
+    chunk = (TOKEN_LOGPROBS_CHUNK if layout.chunked_head else FUSED_LOSS_CHUNK) if chunked else None
+    cpu = device.type == "cpu"
+    memory = estimate_training_memory(
+        config, method, rows, tokens, dtype_bytes=dtype_bytes, param_bytes=param_bytes,
+        lora_r=lora.r if lora else 16,
         lora_targets=targets, lora_target_parameters=list(lora.target_parameters or []) if lora else [],
         activation_checkpointing=t.activation_checkpointing, offload_activations=t.offload_activations,
         offload_embeddings=offload_embeddings, offload_weights=offload_weights, optimizer=recipe.optimizer.name,
-        fused_loss_chunk=FUSED_LOSS_CHUNK if kernels and head_is_plain else None,
+        fused_loss_chunk=chunk, fused_loss_bytes=TOKEN_LOGPROBS_BYTES if chunked and layout.chunked_head else None,
         # On a CPU the kernels run their PyTorch specifications, which save what eager PyTorch saves.
-        kernels=kernels and device.type != "cpu", cpu=device.type == "cpu", lora_dropout=lora.dropout if lora else 0.0,
+        kernels=kernels and not cpu, cpu=cpu, lora_dropout=lora.dropout if lora else 0.0,
         tiled_mlp=t.tiled_mlp, **_qat_settings(recipe))
+    if rollout is None:
+        return memory
+    # The rollout (sampling and the scoring passes) runs with autocast off, in the weights' dtype (an NF4 base
+    # computes in the compute dtype); prompts are cut to what data.seq_len leaves the completion.
+    new = min(rollout.new_tokens, recipe.data.seq_len - 1)
+    sampling = generation_memory(
+        config, rows, recipe.data.seq_len - new, new, dtype_bytes if method == "qlora" else param_bytes,
+        filtered=rollout.filtered, static_cache=recipe.task.decode_cuda_graphs is not False
+        and _decode_eager(recipe, device, mode, offload_weights, offload_embeddings) is None,
+        scoring_passes=rollout.scoring_passes,
+        head_chunk=TOKEN_LOGPROBS_CHUNK if plain else None)
+    # On a CPU glibc keeps a share of the freed step memory as it does the training step's (CPU_ALLOCATOR_SLACK)
+    return dataclasses.replace(memory, generation=sampling * (1 + CPU_ALLOCATOR_SLACK if cpu else 1))
 
 
 def longest_context(plan: RunPlan, memory_bytes: float) -> int:
@@ -590,7 +623,7 @@ def longest_context(plan: RunPlan, memory_bytes: float) -> int:
     def fits(seq_len: int) -> bool:
         row = dataclasses.replace(one_row, data=dataclasses.replace(one_row.data, seq_len=seq_len))
         return _estimate(row, config, plan.device, plan.method, plan.kernels, plan.offload_weights,
-                         plan.offload_embeddings).total <= memory_bytes
+                         plan.offload_embeddings, plan.mode).total <= memory_bytes
 
     return longest_fitting(fits, min(MAX_SEQ_LEN, CONTEXT_FACTOR * config.max_position_embeddings), shortest=2)
 

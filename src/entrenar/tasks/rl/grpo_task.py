@@ -39,7 +39,7 @@ from entrenar.generation.batched import SamplingConfig, generate_batch
 from entrenar.models.transformer import Transformer, compute_device
 from entrenar.tasks.base import Batch, SummaryRow
 from entrenar.tasks.causal_lm import CausalLMTask
-from entrenar.tasks.layout import TaskLayout
+from entrenar.tasks.layout import Rollout, TaskLayout
 from entrenar.tasks.rl.logprobs import completion_logprobs, plain_head
 from entrenar.tasks.rl.objective import Objective, grpo_loss
 from entrenar.tasks.rl.rewards import Reward, resolve, score
@@ -200,6 +200,16 @@ def settings_of(recipe: Recipe, stop_ids: Sequence[int] = ()) -> GRPOSettings:
                         objective=objective, stop_ids=tuple(stop_ids))
 
 
+def rollout_of(recipe: Recipe) -> Rollout:
+    """What a micro-batch samples before its loss (the memory estimate's :class:`Rollout`): ``task.num_generations``
+    completions of each prompt in one batch of up to ``task.max_new_tokens`` tokens; the reference's (``kl_beta``
+    > 0) and the sampling policy's (``num_iterations`` > 1) log-probabilities are no-grad passes over all of them."""
+    t = recipe.task
+    filtered = t.top_k > 0 or t.top_p < 1.0 or t.min_p > 0.0
+    return Rollout(sequences=t.num_generations, new_tokens=t.max_new_tokens, filtered=filtered,
+                   scoring_passes=int(t.kl_beta > 0) + int(t.num_iterations > 1))
+
+
 @dataclass
 class GRPOEval:
     """A held-out evaluation: the mean total reward of greedy completions, and each function's mean."""
@@ -217,7 +227,10 @@ class GRPOTask:
     kernels: bool = False
     name: str = "grpo"
     perplexity: bool = False
-    layout: ClassVar[TaskLayout] = TaskLayout(no_cuda_graphs="a grpo task's batches vary in layout")
+    # One forward reads every completion of the micro-batch's prompts; a plain head is read chunk by chunk
+    # (tasks.rl.logprobs) whatever the kernels.
+    layout: ClassVar[TaskLayout] = TaskLayout(no_cuda_graphs="a grpo task's batches vary in layout",
+                                              rollout=rollout_of, chunked_head=True)
     fixed_layout: ClassVar[None] = None  # rows laid out as rows (tasks.base.FixedLayout)
     _lm: CausalLMTask = field(init=False, repr=False)
     _engine: GRPO | None = field(default=None, repr=False)
@@ -424,5 +437,5 @@ class GRPOTask:
         return [("held-out mean reward", f"{start}{after.reward:.3f} (greedy, {after.examples} prompts)")]
 
 
-__all__ = ["GRPOEval", "GRPOTask", "PromptExample", "PromptStream", "prompt_batch", "rewards_of", "sampler_seed",
-           "settings_of"]
+__all__ = ["GRPOEval", "GRPOTask", "PromptExample", "PromptStream", "prompt_batch", "rewards_of", "rollout_of",
+           "sampler_seed", "settings_of"]
