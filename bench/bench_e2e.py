@@ -114,6 +114,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from common import (  # noqa: E402 (the end-to-end benchmarks' shared helpers)
+    UNSLOTH_ENV,
     GiB,
     bases_that_ran,
     device,
@@ -246,10 +247,6 @@ ROWS = ("entrenar", "entrenar-fast", "hf", "hf-liger", "hf-bf16", "hf-wrapped", 
 # Unsloth's rows: FastLanguageModel's use_gradient_checkpointing ("unsloth", its default: every layer's input
 # offloaded to CPU memory and the layer recomputed; or False)
 UNSLOTH_ROWS = {"unsloth": "unsloth", "unsloth-no-ckpt": False}
-# what Unsloth's rows set before importing it: no hub, no statistics call, compiled code outside the repository
-UNSLOTH_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
-               "UNSLOTH_DISABLE_STATISTICS": "1", "UNSLOTH_COMPILE_LOCATION": "/tmp/unsloth_compiled_cache",
-               "TOKENIZERS_PARALLELISM": "false"}
 ROW_LABELS = {"entrenar-matched": "entrenar (memory-matched)", "entrenar-no-ckpt": "entrenar (no checkpointing)"}
 CPU_CASES = tuple(name for name, case in CASES.items() if case.get("device") == "cpu")
 

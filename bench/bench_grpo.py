@@ -24,7 +24,7 @@ real text (bench_dpo.py's `--prepare` folder), decoded to strings. Each row runs
               FastLanguageModel.get_peft_model (r=16 alpha 32 on the same modules, use_gradient_checkpointing
               "unsloth", its default: each layer's input offloaded to CPU memory and the layer recomputed), then
               TRL's GRPOTrainer with the trl row's GRPOConfig fields, prompts, reward and step clock, in its own
-              process offline (bench_e2e.py's UNSLOTH_ENV and import_unsloth). Generation stays transformers'
+              process offline (common.py's UNSLOTH_ENV, bench_e2e.py's import_unsloth). Generation stays transformers'
               `generate` loop, but Unsloth routes it through its fast generate (its own decode forward; on
               Llama and Qwen3 with CUDA its decode step replayed from CUDA graphs inside RL rollouts) and
               computes the loss from hidden states in chunks. The row's result records what Unsloth did: its
@@ -301,10 +301,6 @@ def run_unsloth(case: dict, folder: Path, prompts: Path, work: Path, skip: int, 
     """Unsloth's GRPO without vLLM, in this process (Unsloth imported before trl and transformers, so its patch of
     TRL's GRPOTrainer applies): FastLanguageModel on the same folder, then :func:`train_grpo`."""
     settings = unsloth_grpo_settings(case, folder)
-    # Without a GPU, Unsloth 2026.10 falls back to a CPU backend (stock transformers, PEFT and TRL; no GRPO patch,
-    # no fast generate: "supported: text LoRA / full finetuning with SFTTrainer"), which is not the row; this makes
-    # its import raise instead, so the row is skipped with Unsloth's own reason
-    os.environ.setdefault("UNSLOTH_DISABLE_CPU_FALLBACK", "1")
     unsloth, why = import_unsloth()
     if unsloth is None:
         return {"status": "skipped", "error": why, "settings": settings}

@@ -23,6 +23,13 @@ from typing import Any
 
 import yaml
 
+# What every Unsloth row sets before importing it: no hub, no statistics call, compiled code outside the repository,
+# and no CPU fallback (without a GPU Unsloth 2026.10 would otherwise run stock transformers/PEFT/TRL under its name:
+# its import raises instead, and the row is reported as skipped with Unsloth's reason).
+UNSLOTH_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+               "UNSLOTH_DISABLE_STATISTICS": "1", "UNSLOTH_COMPILE_LOCATION": "/tmp/unsloth_compiled_cache",
+               "TOKENIZERS_PARALLELISM": "false", "UNSLOTH_DISABLE_CPU_FALLBACK": "1"}
+
 GiB = 2**30
 PEAK_BF16_FLOPS = 989.4e12
 MIN_CHARS = 2500  # the shortest document of --prepare's text

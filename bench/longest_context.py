@@ -64,13 +64,12 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+from common import UNSLOTH_ENV  # noqa: E402 (the end-to-end benchmarks' shared helpers)
+
 GiB = 2**30
 CASES = {"lora-1b": {"shape": "llama-1b", "method": "lora"}, "qlora-8b": {"shape": "llama-8b", "method": "qlora"}}
 ROWS = ("entrenar", "unsloth")
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-UNSLOTH_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
-               "UNSLOTH_DISABLE_STATISTICS": "1", "UNSLOTH_COMPILE_LOCATION": "/tmp/unsloth_compiled_cache",
-               "TOKENIZERS_PARALLELISM": "false"}
 OOM = re.compile(r"out of memory|OutOfMemoryError|CUDA_ERROR_OUT_OF_MEMORY", re.IGNORECASE)
 
 
