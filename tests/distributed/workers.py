@@ -288,3 +288,56 @@ def general_path_train_worker(recipe_path: str, overrides: list[str]) -> float |
 
     plan._shard_files = lambda recipe, method, config: (None, "general path (test)")  # type: ignore[assignment]
     return train_worker(recipe_path, overrides)
+
+
+
+def stream_save_worker(out: str, max_shard_bytes: int, gathered: bool) -> dict:
+    """An FSDP-sharded random model (~110 MB in fp32, no tensor over 2.2 MB) saved as a model folder by the
+    streamed save (files of at most ``max_shard_bytes`` into ``out``/sharded, one file into ``out``/single) or with
+    ``gathered`` by today's path (``full_params``, then rank 0 writes); this rank's peak memory growth in the first
+    save (after one of a 1-layer model: the code it runs paged in) and the whole model's bytes."""
+    from pathlib import Path
+
+    from entrenar.distributed import world as world_module
+    from entrenar.distributed.parallelize import parallelize
+    from entrenar.distributed.state import full_params, main_writes
+    from entrenar.distributed.stream_save import save_model_folder_streamed
+    from entrenar.models.config import ModelConfig
+    from entrenar.models.hf import save_hf
+    from entrenar.models.saving import save_model_folder
+    from entrenar.models.transformer import Transformer
+
+    def sharded(layers: int) -> Transformer:
+        torch.manual_seed(0)
+        config = ModelConfig(vocab_size=1024, hidden_size=512, intermediate_size=1024, num_layers=layers,
+                             num_heads=8, num_kv_heads=4, model_type="llama")
+        model = Transformer(config)
+        model.reset_parameters()
+        parallelize(model, "fsdp", world, device)
+        return model
+
+    def save_sharded(model: Transformer, folder: Path) -> None:
+        if gathered:
+            with full_params(model):
+                world.main_only(save_hf, model, folder, max_shard_bytes=max_shard_bytes)
+        else:
+            save_model_folder_streamed(world, model, None, folder, max_shard_bytes=max_shard_bytes)
+
+    world, device = world_module.join(torch.device("cpu"), 30)
+    try:
+        root = Path(out)
+        save_sharded(sharded(1), root / "warm")
+        model = sharded(12)
+        whole = sum(p.numel() * p.element_size() for p in model.parameters())  # global shapes
+        gc.collect()
+        reset_peak_rss()
+        before = peak_rss_bytes()
+        save_sharded(model, root / "sharded")
+        grown = peak_rss_bytes() - before
+        if gathered:
+            main_writes(world, model, save_model_folder, model, None, root / "single")
+        else:
+            save_model_folder_streamed(world, model, None, root / "single")
+        return {"whole": whole, "grown": grown}
+    finally:
+        world_module.leave()

@@ -23,6 +23,7 @@ from entrenar.data.formats import split_format
 from entrenar.data.report import data_notes, skipped_in_order
 from entrenar.data.sources import Skip
 from entrenar.data.tokenizer import Tokenizer
+from entrenar.distributed.stream_save import save_model_folder_streamed, streams
 from entrenar.errors import ConfigError, DataError
 from entrenar.evaluation.loss import EvalResult, eval_loss
 from entrenar.io import hub
@@ -39,6 +40,7 @@ from entrenar.tasks.layout import TaskLayout
 from entrenar.train.metrics import read_metrics
 
 if TYPE_CHECKING:
+    from entrenar.distributed.world import World
     from entrenar.train.metrics import MetricsLogger
 
 
@@ -153,6 +155,16 @@ class CausalLMTask:
             # base: its generation config is kept
             save_model_folder(model, tokenizer, out, base=base if base and base.is_dir() else None)
         return out
+
+    def save_streamed(self, world: World, model: Transformer, tokenizer: Tokenizer, folder: Path) -> Path | None:
+        """A sharded full fine-tune's model folder as :meth:`save` writes it, gathered one file's tensors at a time
+        (a collective); None where that does not apply (an adapter, QAT, MoE expert layouts): use :meth:`save`."""
+        recipe = self.recipe
+        if lora_config_of(recipe.lora) is not None or recipe.qat is not None or not streams(model):
+            return None
+        out = folder / MODEL_DIR
+        base = hub.resolve(recipe.model.path) if recipe.model.path else None
+        return save_model_folder_streamed(world, model, tokenizer, out, base=base if base and base.is_dir() else None)
 
     def begin(self, model: Transformer, tokenizer: Tokenizer) -> None:
         """Nothing: the held-out loss before training is the baseline."""

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from tqdm.auto import tqdm
@@ -338,6 +338,10 @@ class Trainer:
                                    f"({change:+.4f}; Q(W + BA), {what})")]
 
     def _save_result(self, folder: Path) -> Path:
+        streamed = getattr(self.task, "save_streamed", None)  # FSDP full fine-tune: one file's tensors at a time
+        out = streamed(self.world, self.model, self.tokenizer, folder) if streamed is not None else None
+        if out is not None:
+            return cast(Path, out)
         return main_writes(self.world, self.model, self.task.save, self.model, self.tokenizer, folder,
                            trainable_only=self.recipe.lora is not None)  # an adapter: no base gathered
 
