@@ -85,9 +85,12 @@ def _gathered(state: dict[str, Any], names: list[str], keep: bool) -> Iterator[t
     """Each tensor of ``names`` whole, on the CPU (one collective each); None where this rank does not ``keep``."""
     for name in names:
         tensor = state[name]
-        whole = _whole(tensor) if _sharded(tensor) else tensor.contiguous().cpu()
-        yield name, whole if keep else None
-        del whole
+        if not keep:
+            if _sharded(tensor):
+                tensor.full_tensor()  # this rank's part in the collective; nothing kept, nothing copied
+            yield name, None
+            continue
+        yield name, _whole(tensor) if _sharded(tensor) else tensor.contiguous().cpu()
 
 
 def save_model_folder_streamed(world: World, model: Transformer, tokenizer: Tokenizer | None, output: Path,
