@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from entrenar.distributed.state import _sharded, _whole
+from entrenar.distributed.state import _sharded, _whole, is_sharded
 from entrenar.errors import ModelError
 from entrenar.io import atomic
 from entrenar.io.finite import first_nonfinite
@@ -34,8 +34,6 @@ if TYPE_CHECKING:
 def streams(model: nn.Module) -> bool:
     """Whether ``model``'s folder can be streamed: sharded, and saved under its own parameter names (MoE expert
     layouts are rewritten from whole stacked tensors, so they keep the gathered path)."""
-    from entrenar.distributed.state import is_sharded
-
     config = getattr(model, "config", None)
     return (is_sharded(model) and config is not None and config.model_type != "gpt_oss"
             and not expert_checkpoint_names(config))
