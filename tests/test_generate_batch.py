@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import nonzero_adapters
 from entrenar.adapters.lora import LoraConfig, apply_lora
 from entrenar.errors import ConfigError
 from entrenar.generation.batched import SamplingConfig, filter_logits, generate_batch
@@ -26,11 +27,7 @@ def test_greedy_matches_transformers_and_full_forward(hf_folder, lora):
     model, _ = load(folder, dtype="float32", device="cpu")
     if lora:
         apply_lora(model, LoraConfig(r=4, alpha=8, target_modules=("q_proj", "v_proj", "down_proj")))
-        torch.manual_seed(2)
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if "lora_B" in name:
-                    p.normal_(0, 0.5)
+        nonzero_adapters(model, std=0.5)
     out = generate_batch(model, PROMPTS, SamplingConfig(max_new_tokens=NEW, temperature=0.0), num_generations=2)
     assert out.completion_ids.shape == (6, NEW) and bool(out.completion_mask.all())
     assert torch.equal(out.completion_ids[0::2], out.completion_ids[1::2])  # greedy: both generations agree

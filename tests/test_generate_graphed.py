@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import nonzero_adapters
 from entrenar.adapters.lora import LoraConfig, apply_lora
 from entrenar.errors import ConfigError
 from entrenar.generation import batched
@@ -36,12 +37,7 @@ def static_cache(monkeypatch):
 def _lora_model(folder):
     model, _ = load(folder, dtype="float32", device="cpu")
     apply_lora(model, LoraConfig(r=4, alpha=8, target_modules=("q_proj", "v_proj", "down_proj")))
-    torch.manual_seed(2)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.5)
-    return model
+    return nonzero_adapters(model, std=0.5)
 
 
 def test_static_cache_greedy_matches_transformers_eager_and_full_forward(hf_folder, monkeypatch):

@@ -40,6 +40,16 @@ def _loss_and_grads(model: Transformer, ids: torch.Tensor, seed: int = 0
     return loss.detach(), list(torch.autograd.grad(loss, trained))
 
 
+def _assert_same_loss_and_gradients(whole: Transformer, tiled: Transformer, ids: torch.Tensor) -> None:
+    """The tiled model's loss and every trainable gradient equal the whole-MLP model's within fp32 tolerance."""
+    loss, grads = _loss_and_grads(whole, ids)
+    loss_tiled, grads_tiled = _loss_and_grads(tiled, ids)
+    torch.testing.assert_close(loss_tiled, loss, rtol=1e-6, atol=1e-6)
+    assert len(grads_tiled) == len(grads) > 0
+    for g_tiled, g in zip(grads_tiled, grads, strict=True):
+        torch.testing.assert_close(g_tiled, g, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["eager", "checkpointed"])
 @pytest.mark.parametrize("kernels", [False, True], ids=["plain", "kernels"])
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
@@ -51,12 +61,7 @@ def test_tiled_mlp_gives_the_loss_and_gradients_of_whole_mlps(lora, kernels, che
         whole.set_activation_checkpointing(True)
         tiled.set_activation_checkpointing(True)
     ids = torch.randint(0, 64, (2, 11))
-    loss, grads = _loss_and_grads(whole, ids)
-    loss_tiled, grads_tiled = _loss_and_grads(tiled, ids)
-    torch.testing.assert_close(loss_tiled, loss, rtol=1e-6, atol=1e-6)
-    assert len(grads_tiled) == len(grads) > 0
-    for g_tiled, g in zip(grads_tiled, grads, strict=True):
-        torch.testing.assert_close(g_tiled, g, rtol=1e-5, atol=1e-6)
+    _assert_same_loss_and_gradients(whole, tiled, ids)
 
 
 def test_tiled_mlp_reruns_lora_dropout_with_the_forward_masks():
@@ -241,12 +246,7 @@ def test_tiled_mlp_of_normed_blocks_gives_their_loss_and_gradients(normed_family
         with torch.no_grad():
             expected = ref(ids).logits
         torch.testing.assert_close(tiled(ids).detach(), expected, atol=1e-4, rtol=0)
-    loss, grads = _loss_and_grads(whole, ids)
-    loss_tiled, grads_tiled = _loss_and_grads(tiled, ids)
-    torch.testing.assert_close(loss_tiled, loss, rtol=1e-6, atol=1e-6)
-    assert len(grads_tiled) == len(grads) > 0
-    for g_tiled, g in zip(grads_tiled, grads, strict=True):
-        torch.testing.assert_close(g_tiled, g, rtol=1e-5, atol=1e-6)
+    _assert_same_loss_and_gradients(whole, tiled, ids)
 
 
 def test_tiled_mlp_of_normed_blocks_keeps_the_mlp_input_only(normed_family):

@@ -17,6 +17,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from conftest import nonzero_adapters
 from entrenar.adapters.lora import LoraConfig, apply_lora, lora_parameters, save_adapter
 from entrenar.config import load_recipe
 from entrenar.data.preference import PreferencePair, UnpairedExample, collate_preference
@@ -54,11 +55,7 @@ def start(hf_folder, tmp_path):
     cfg = LoraConfig(r=R, alpha=8, target_modules=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                                                    "down_proj"))
     apply_lora(model, cfg)
-    torch.manual_seed(1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.02)
+    nonzero_adapters(model, std=0.02, seed=1)
     save_adapter(model, tmp_path / "adapter", cfg, base_model_name_or_path=str(folder))
     return folder, tmp_path / "adapter"
 
