@@ -10,20 +10,19 @@ enters, in ``state_dict`` order); rank 0 keeps it until its safetensors file (at
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
-from safetensors.torch import save_file
 from torch import nn
 
 from entrenar.distributed.state import _sharded, _whole, is_sharded
 from entrenar.errors import ModelError
 from entrenar.io import atomic
 from entrenar.io.finite import first_nonfinite
-from entrenar.models.hf import INDEX_NAME, SINGLE_NAME, expert_checkpoint_names
-from entrenar.models.saving import _DTYPE_NAMES, generation_config
+from entrenar.models.hf import expert_checkpoint_names, folder_config, write_weight_shards
+from entrenar.models.saving import generation_config, record_dtype, write_beside_weights
 
 if TYPE_CHECKING:
     from entrenar.data.tokenizer import Tokenizer
@@ -99,18 +98,14 @@ def save_model_folder_streamed(world: World, model: Transformer, tokenizer: Toke
     groups = _groups(state, max_shard_bytes)
     error: BaseException | None = None
     if world.is_main:
-        dtype = next(model.parameters()).dtype  # as prepare_for_saving records it
-        extra = {k: v for k, v in model.config.extra.items() if k != "torch_dtype"}
-        model.config = model.config.replace(extra={**extra, "dtype": _DTYPE_NAMES.get(dtype, str(dtype))})
+        record_dtype(model)
     written: list[int] = []  # rank 0: the groups gathered so far
     try:
         if world.is_main:
             generation = generation_config(tokenizer, base)
             with atomic.staged_folder(output) as target:
                 _write_hf(model, state, groups, target, written)
-                if tokenizer is not None:
-                    tokenizer.save(target)
-                (target / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+                write_beside_weights(tokenizer, target, generation)
         else:
             for names in groups:
                 for _ in _gathered(state, names, keep=False):
@@ -133,22 +128,16 @@ def _result(error: BaseException | None, output: Path) -> Path:
 def _write_hf(model: Transformer, state: dict[str, Any], groups: list[list[str]], target: Path,
               written: list[int]) -> None:
     """save_hf's files into ``target``, one file's tensors gathered at a time."""
-    config = (cast(Callable[[], dict[str, Any]], model.hf_config)() if hasattr(model, "hf_config")
-              else model.config.to_hf())
-    extra_files = cast(Callable[[], dict[str, str]], model.saved_files)() if hasattr(model, "saved_files") else {}
+    config, extra_files = folder_config(model)
     (target / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    weight_map: dict[str, str] = {}
-    total = 0
-    for i, names in enumerate(groups, 1):
-        shard = {name: cast(torch.Tensor, whole) for name, whole in _gathered(state, names, keep=True)}
-        written.append(i)
-        name = SINGLE_NAME if len(groups) == 1 else f"model-{i:05d}-of-{len(groups):05d}.safetensors"
-        save_file(shard, str(target / name), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(shard, name))
-        total += sum(t.numel() * t.element_size() for t in shard.values())
-        del shard
-    if len(groups) > 1:
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (target / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+
+    def shards() -> Iterator[dict[str, torch.Tensor]]:
+        for i, names in enumerate(groups, 1):
+            shard = {name: cast(torch.Tensor, whole) for name, whole in _gathered(state, names, keep=True)}
+            written.append(i)
+            yield shard
+            del shard  # before the next file's tensors are gathered
+
+    write_weight_shards(target, shards(), len(groups))
     for name, text in extra_files.items():
         (target / name).write_text(text)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, cast
 
@@ -319,6 +319,31 @@ def _shards(state: dict[str, torch.Tensor], max_shard_bytes: int) -> list[dict[s
     return shards
 
 
+def folder_config(model: Transformer) -> tuple[dict[str, Any], dict[str, str]]:
+    """config.json's contents and the model's own extra files (a classifier writes its *ForSequenceClassification
+    config and classifier.json)."""
+    config = (cast(Callable[[], dict[str, Any]], model.hf_config)() if hasattr(model, "hf_config")
+              else model.config.to_hf())
+    own_files = cast(Callable[[], dict[str, str]], model.saved_files)() if hasattr(model, "saved_files") else {}
+    return config, own_files
+
+
+def write_weight_shards(target: Path, shards: Iterable[dict[str, torch.Tensor]], count: int) -> None:
+    """``count`` shards into ``target``: model.safetensors alone, or model-0000i-of-0000n.safetensors and their
+    index. ``shards`` may be produced one at a time (FSDP's streamed save): each is dropped once written."""
+    weight_map: dict[str, str] = {}
+    total = 0
+    for i, shard in enumerate(shards, 1):
+        name = SINGLE_NAME if count == 1 else f"model-{i:05d}-of-{count:05d}.safetensors"
+        save_file(shard, str(target / name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, name))
+        total += sum(t.numel() * t.element_size() for t in shard.values())
+        del shard
+    if count > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (target / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+
+
 def save_hf(
     model: Transformer,
     folder: str | Path,
@@ -337,24 +362,11 @@ def save_hf(
     check_finite(state, folder, ModelError)
     state = expert_checkpoint_state(model.config, state)
     with atomic.staged_folder(folder) as tmp:
-        # A classifier writes its *ForSequenceClassification config and classifier.json.
-        config = (cast(Callable[[], dict[str, Any]], model.hf_config)() if hasattr(model, "hf_config")
-                  else model.config.to_hf())
-        own_files = cast(Callable[[], dict[str, str]], model.saved_files)() if hasattr(model, "saved_files") else {}
+        config, own_files = folder_config(model)
         extra_files = {**own_files, **(extra_files or {})}
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         shards = _shards(state, max_shard_bytes)
-        if len(shards) == 1:
-            save_file(shards[0], str(tmp / SINGLE_NAME), metadata={"format": "pt"})
-        else:
-            weight_map = {}
-            for i, shard in enumerate(shards, 1):
-                name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-                save_file(shard, str(tmp / name), metadata={"format": "pt"})
-                weight_map.update(dict.fromkeys(shard, name))
-            total = sum(t.numel() * t.element_size() for t in state.values())
-            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-            (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+        write_weight_shards(tmp, shards, len(shards))
         for name, text in (extra_files or {}).items():
             (tmp / name).write_text(text)
     return folder

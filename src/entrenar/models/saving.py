@@ -46,16 +46,26 @@ def prepare_for_saving(model: Transformer, tokenizer: Tokenizer | None, output: 
     """What comes before a folder is staged: refuse non-finite weights, record their dtype in ``model.config``;
     returns the generation config to write."""
     check_finite(model.state_dict(), output, ModelError)  # before the folder is staged or config.dtype changed
+    record_dtype(model)
+    return generation_config(tokenizer, base)
+
+
+def record_dtype(model: Transformer) -> None:
+    """Write the weights' dtype into ``model.config`` (config.json's ``dtype``), as the folder will hold them."""
     dtype = next(model.parameters()).dtype
     extra = {k: v for k, v in model.config.extra.items() if k != "torch_dtype"}
     model.config = model.config.replace(extra={**extra, "dtype": _DTYPE_NAMES.get(dtype, str(dtype))})
-    return generation_config(tokenizer, base)
 
 
 def write_model_files(model: Transformer, tokenizer: Tokenizer | None, target: Path,
                       generation: dict[str, Any]) -> None:
     """The folder's files, into ``target`` (a staged folder)."""
     save_hf(model, target)
+    write_beside_weights(tokenizer, target, generation)
+
+
+def write_beside_weights(tokenizer: Tokenizer | None, target: Path, generation: dict[str, Any]) -> None:
+    """What a model folder holds beside its weights and config: the tokenizer's files and generation_config.json."""
     if tokenizer is not None:
         tokenizer.save(target)
     (target / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
