@@ -8,7 +8,7 @@ import json
 import pytest
 from cli_helpers import run_cli
 
-from entrenar.kernels.fused_linear_ce import FUSED_LOSS_CHUNK
+from entrenar.kernels.fused_linear_ce import fused_loss_chunk
 from entrenar.models.hf import read_config
 from entrenar.train.memory import estimate_training_memory, format_estimates
 
@@ -64,8 +64,9 @@ def test_memory_equals_estimate_training_memory(capsys, hf_folder):
 
 def test_offload_and_kernels_flags_reach_the_estimate(capsys, hf_folder):
     folder, _ = hf_folder("llama")
+    chunk = fused_loss_chunk(read_config(folder).vocab_size)
     expected = estimate_training_memory(read_config(folder), "qlora", activation_checkpointing=True,
-                                        offload_activations=True, fused_loss_chunk=FUSED_LOSS_CHUNK, kernels=True)
+                                        offload_activations=True, fused_loss_chunk=chunk, kernels=True)
     report = inspect_json(capsys, folder, "--checkpointing", "--offload", "--kernels")
     assert report["memory"]["estimates"]["qlora"] == expected.as_dict()
     assert expected.total < estimate_training_memory(read_config(folder), "qlora", activation_checkpointing=True).total

@@ -6,7 +6,12 @@ import pytest
 import torch
 from kernel_checks import DEVICE, assert_as_close, grads, leaf, needs_kernels
 
-from entrenar.kernels.fused_linear_ce import fused_linear_cross_entropy
+from entrenar.kernels.fused_linear_ce import (
+    FUSED_LOSS_CHUNK,
+    FUSED_LOSS_LOGITS,
+    fused_linear_cross_entropy,
+    fused_loss_chunk,
+)
 from entrenar.models.loss import IGNORE_INDEX, chunked_cross_entropy, token_cross_entropy
 from entrenar.models.transformer import soft_cap
 
@@ -74,6 +79,16 @@ def test_cpu_path_matches_the_chunked_specification(monkeypatch, train_weight, s
     torch.testing.assert_close(loss, ref, rtol=1e-6, atol=1e-5)
     for a, b in zip(g, g_ref):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("vocab", [32000, 49152, 128256, 151936, 262144, 2_000_000])
+def test_chunk_for_a_vocabulary_is_the_longest_within_the_logits_bound(vocab):
+    """Gemma's 262k vocabulary at 1024 tokens a chunk held 0.5 GiB of bf16 logits (more than a checkpointed layer)."""
+    chunk = fused_loss_chunk(vocab)
+    assert chunk % 128 == 0 and 128 <= chunk <= FUSED_LOSS_CHUNK
+    assert chunk == 128 or chunk * vocab <= FUSED_LOSS_LOGITS
+    assert chunk == FUSED_LOSS_CHUNK or (chunk + 128) * vocab > FUSED_LOSS_LOGITS
+    assert fused_loss_chunk(262144) == 512 and fused_loss_chunk(128256) == FUSED_LOSS_CHUNK
 
 
 def test_arguments_it_cannot_take_are_named_by_the_specification():

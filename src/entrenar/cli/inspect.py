@@ -108,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
         return run_recipe(args)
     from entrenar.device import resolve_dtype
     from entrenar.errors import ConfigError
-    from entrenar.kernels.fused_linear_ce import FUSED_LOSS_CHUNK
+    from entrenar.kernels.fused_linear_ce import fused_loss_chunk
     from entrenar.loading import read_model_config
     from entrenar.train.memory import GiB, estimate_training_memory, format_estimates, per_device, quantized_model_bytes
 
@@ -122,8 +122,9 @@ def run(args: argparse.Namespace) -> int:
     settings = {
         "batch_size": args.batch_size, "seq_len": -(-args.seq_len // cp), "dtype_bytes": dtype_bytes,
         "lora_r": args.lora_r, "lora_targets": targets, "activation_checkpointing": args.checkpointing,
-        "offload_activations": args.offload, "fused_loss_chunk": FUSED_LOSS_CHUNK if args.kernels else None,
-        "kernels": args.kernels, "offload_embeddings": args.offload_embeddings,
+        "offload_activations": args.offload, "kernels": args.kernels,
+        "fused_loss_chunk": fused_loss_chunk(config.vocab_size) if args.kernels else None,
+        "offload_embeddings": args.offload_embeddings,
         "offload_weights": args.offload_weights,
         "lora_target_parameters": EXPERT_TARGETS if args.lora_experts else [],
     }

@@ -34,6 +34,15 @@ _BLOCK_V = 4096
 # Tokens per chunk of the fused output-projection loss, as training runs it: a 128k vocabulary's bf16 logits chunk
 # is then 0.25 GiB, at the speed of 4096-token chunks (docs/PERFORMANCE.md, fifth call set).
 FUSED_LOSS_CHUNK = 1024
+# Logits one chunk may hold (0.25 GiB in bf16): larger vocabularies take fewer tokens a chunk.
+FUSED_LOSS_LOGITS = 2**27
+
+
+def fused_loss_chunk(vocab_size: int) -> int:
+    """Tokens per chunk of the fused loss for a vocabulary: :data:`FUSED_LOSS_CHUNK`, or fewer (a multiple of 128,
+    at least 128) where its logits would pass :data:`FUSED_LOSS_LOGITS`: Gemma's 262k vocabulary takes 512, whose
+    chunk would otherwise outweigh a checkpointed layer's activations."""
+    return max(128, min(FUSED_LOSS_CHUNK, FUSED_LOSS_LOGITS // max(vocab_size, 1) // 128 * 128))
 
 
 @functools.cache

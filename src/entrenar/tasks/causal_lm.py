@@ -28,7 +28,7 @@ from entrenar.errors import ConfigError, DataError
 from entrenar.evaluation.loss import EvalResult, eval_loss
 from entrenar.io import hub
 from entrenar.io.run_dir import ADAPTER_DIR, METRICS_FILE, MODEL_DIR
-from entrenar.kernels.fused_linear_ce import FUSED_LOSS_CHUNK, fused_linear_cross_entropy
+from entrenar.kernels.fused_linear_ce import fused_linear_cross_entropy, fused_loss_chunk
 from entrenar.loading import load
 from entrenar.models import random_init
 from entrenar.models.loss import token_cross_entropy
@@ -121,7 +121,8 @@ class CausalLMTask:
         layout = {"cu_seqlens": batch.get("cu_seqlens"), "max_seqlen": batch.get("max_seqlen")}  # padding-free
         if self._head is not None:  # never the full-vocabulary logits
             hidden = model.hidden_states(*inputs, **layout)
-            return fused_linear_cross_entropy(hidden, self._head.weight, batch["labels"], FUSED_LOSS_CHUNK,
+            weight = self._head.weight
+            return fused_linear_cross_entropy(hidden, weight, batch["labels"], fused_loss_chunk(weight.shape[0]),
                                               self._logits_scaling, softcap=self._softcap)[0]
         return token_cross_entropy(model(*inputs, **layout), batch["labels"])[0]
 

@@ -42,7 +42,7 @@ from entrenar.distributed.world import BACKENDS, World
 from entrenar.errors import ConfigError
 from entrenar.kernels import triton_available
 from entrenar.kernels.coverage import family_notes
-from entrenar.kernels.fused_linear_ce import FUSED_LOSS_CHUNK
+from entrenar.kernels.fused_linear_ce import fused_loss_chunk
 from entrenar.kernels.token_logprobs import TOKEN_LOGPROBS_CHUNK
 from entrenar.loading import recipe_model_config
 from entrenar.loading.runs import resolve_model_and_adapter
@@ -585,7 +585,7 @@ def _estimate(recipe: Recipe, config: ModelConfig, device: torch.device, method:
     tokens = -(-recipe.data.seq_len // t.context_parallel)  # context parallelism: each rank's slice of the row
     dtype_bytes = 2 if t.precision != "fp32" else 4
     param_bytes = _weights_dtype(recipe, device, lora is None).itemsize
-    chunk = (TOKEN_LOGPROBS_CHUNK if layout.chunked_head else FUSED_LOSS_CHUNK) if chunked else None
+    chunk = (TOKEN_LOGPROBS_CHUNK if layout.chunked_head else fused_loss_chunk(config.vocab_size)) if chunked else None
     cpu = device.type == "cpu"
     memory = estimate_training_memory(
         config, method, rows, tokens, dtype_bytes=dtype_bytes, param_bytes=param_bytes,
