@@ -307,7 +307,8 @@ def unsloth_trial(case: dict, folder: Path, document: Path, work: Path, args: ar
     timeout = min(args.trial_timeout, deadline - time.monotonic())
     code, output = run_process([sys.executable, __file__, "--unsloth-trial", str(n), "--method", case["method"],
                                 "--folder", str(folder), "--document", str(document), "--tokenizer",
-                                args.tokenizer, "--steps", str(args.steps), "--out", str(out)],
+                                args.tokenizer, "--steps", str(args.steps), "--out", str(out),
+                                "--unsloth-tiled-mlp", str(args.unsloth_tiled_mlp)],
                                work / f"unsloth-{n}.log", timeout, {**os.environ, **UNSLOTH_ENV})
     if code != 0 or not out.is_file():
         result = failure(code, output, timeout < args.trial_timeout)
@@ -338,9 +339,9 @@ def run_unsloth_trial(args: argparse.Namespace) -> None:
     settings = dict(model_name=args.folder, max_seq_length=n, dtype=torch.bfloat16,
                     load_in_4bit=args.method == "qlora", load_in_8bit=False, full_finetuning=False,
                     use_gradient_checkpointing="unsloth", local_files_only=True)
+    tiled = args.unsloth_tiled_mlp
     try:
-        model, _ = unsloth.FastLanguageModel.from_pretrained(**settings, unsloth_tiled_mlp=True)
-        tiled = True
+        model, _ = unsloth.FastLanguageModel.from_pretrained(**settings, unsloth_tiled_mlp=tiled)
     except TypeError as e:  # a version without the switch: its default, and the JSON says so
         if "unsloth_tiled_mlp" not in str(e):
             raise
@@ -391,6 +392,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--budget-s", type=float, default=130.0, help="seconds each case's row may search")
     p.add_argument("--gpu-memory", type=float, default=80.0,
                    help="inspect's --gpu-memory (GiB) where it plans for a GPU it lacks")
+    p.add_argument("--unsloth-tiled-mlp", type=lambda v: v.lower() in ("1", "true", "yes"), default=True,
+                   help="Unsloth's unsloth_tiled_mlp (default true; false: its offloaded checkpointing alone, where "
+                        "its tiled MLP fails: 2026.10.9 on torch 2.11 raised 'A view was created in no_grad mode' "
+                        "in its backward)")
     p.add_argument("--tiny", action="store_true", help="a toy model on the CPU (module docstring)")
     p.add_argument("--tiny-limit", type=int, default=700, help="--tiny: longer trials count as out of memory")
     # one Unsloth trial (internal: run by the parent in its own process)

@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> None:
                                                "its training.max_steps is set to --steps")
     args = p.parse_args(argv)
 
-    from bench_e2e import CASES, make_model_folder, recipe_for
+    from bench_e2e import CASES, case_folder, make_model_folder, recipe_for
     from torch.optim.optimizer import register_optimizer_step_post_hook
     from torch.profiler import ProfilerActivity, profile, schedule
 
@@ -50,7 +50,8 @@ def main(argv: list[str] | None = None) -> None:
         case = dict(CASES[args.case], steps=args.steps)
         vocab = json.loads((Path(args.tokenizer) / "tokenizer.json").read_text())["model"]["vocab"]
         folder = make_model_folder(case["shape"], 49152 if len(vocab) <= 49152 else len(vocab), case["seq"],
-                                   Path(args.tokenizer), work / case["shape"])
+                                   Path(args.tokenizer), case_folder(case, work, False),
+                                   weights=case.get("weights", "bf16"))
         run_dir = work / f"profile-{args.case}"
         recipe_path = work / f"profile-{args.case}.yaml"
         recipe_path.write_text(yaml.safe_dump(recipe_for(case, folder, Path(args.text), run_dir, args.fast)))
