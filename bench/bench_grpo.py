@@ -14,6 +14,8 @@ real text (bench_dpo.py's `--prepare` folder), decoded to strings. Each row runs
               tokens): task.type grpo, num_generations 8, max_new_tokens 256, `kernels: auto`; the metrics from
               its metrics.jsonl (step time: the difference of consecutive steps' elapsed_s, log_every 1;
               peak_mem_gb)
+  entrenar-matched  the same with every layer checkpointed and its input in pinned CPU memory
+              (``activation_checkpointing``, ``offload_activations``), as Unsloth's default holds memory
   trl         TRL 1.16 `GRPOTrainer` on a PEFT model (same LoRA), `GRPOConfig(bf16=True, use_vllm=False,
               generation_kwargs={"min_new_tokens": 256})` (no end-of-sequence before 256 tokens),
               per_device_train_batch_size = PROMPTS x 8 (TRL counts completions), gradient checkpointing off as
@@ -115,7 +117,10 @@ CASES: dict[str, dict] = {
                    "seq": 512, "ckpt": False, "steps": 8},
 }
 TINY_GRPO = {"batch": 2, "prompt": 16, "completion": 16, "seq": 64, "steps": 3}
-ROWS = ("entrenar", "trl", "unsloth")
+ROWS = ("entrenar", "entrenar-matched", "trl", "unsloth")
+# entrenar-matched: what Unsloth's GRPO runs by default for memory (use_gradient_checkpointing "unsloth"): every
+# layer checkpointed with its input in pinned CPU memory.
+MATCHED = {"activation_checkpointing": True, "offload_activations": True}
 BASELINES = ("trl", "unsloth")  # the rows that run in a process of their own through GRPOTrainer
 # GRPOConfig fields both baseline rows pin to TRL 1.16's defaults (epsilon_high None means epsilon, 0.2), as Unsloth's
 # GRPOConfig changes them when left unset: with an explicit loss_type "dapo" it sets epsilon_high 0.28 and
@@ -152,9 +157,9 @@ def make_prompts(tokenizer_dir: Path, text: Path, case: dict, out: Path) -> Path
     return out
 
 
-def recipe_for(case: dict, folder: Path, prompts: Path, run_dir: Path) -> dict:
-    """The GRPO recipe a user would write for the case."""
-    return {
+def recipe_for(case: dict, folder: Path, prompts: Path, run_dir: Path, matched: bool = False) -> dict:
+    """The GRPO recipe a user would write for the case (``matched``: with :data:`MATCHED`'s training keys)."""
+    recipe = {
         "model": {"path": str(folder), "device": device()},
         "task": {"type": "grpo", "num_generations": GENERATIONS, "max_new_tokens": case["completion"],
                  "temperature": 1.0, "loss_type": "dapo", "kl_beta": 0.0, "samples_every": 0},
@@ -168,6 +173,9 @@ def recipe_for(case: dict, folder: Path, prompts: Path, run_dir: Path) -> dict:
                      "kernels": "auto", "seed": 0, "eval_every": 0, "save_every": 0, "log_every": 1},
         "output": {"dir": str(run_dir)},
     }
+    if matched:
+        recipe["training"].update(MATCHED)
+    return recipe
 
 
 def prompt_tokens(prompts: Path, folder: Path) -> float:
@@ -207,12 +215,13 @@ def entrenar_row(recipe: str) -> int:
 
 
 def run_entrenar(case_name: str, case: dict, folder: Path, prompts: Path, work: Path, skip: int,
-                 mean_prompt: float) -> dict:
-    run_dir = work / f"run-{case_name}-grpo"
+                 mean_prompt: float, matched: bool = False) -> dict:
+    name = f"{case_name}-grpo" + ("-matched" if matched else "")
+    run_dir = work / f"run-{name}"
     shutil.rmtree(run_dir, ignore_errors=True)
-    recipe = recipe_for(case, folder, prompts, run_dir)
-    recipe_path = work / f"{case_name}-grpo.yaml"
-    returncode, output, max_rss, wall = run_recipe(recipe, recipe_path, work / f"{case_name}-grpo.log",
+    recipe = recipe_for(case, folder, prompts, run_dir, matched)
+    recipe_path = work / f"{name}.yaml"
+    returncode, output, max_rss, wall = run_recipe(recipe, recipe_path, work / f"{name}.log",
                                                    cmd=[sys.executable, __file__, "--entrenar-row", str(recipe_path)])
     if returncode != 0:
         return {"status": "failed", "error": output[-2000:], "recipe": recipe}
@@ -400,8 +409,8 @@ def dry_run(args: argparse.Namespace) -> None:
         case = _case(case_name, args)
         folder = work / (case["shape"] + ("-tiny" if args.tiny else ""))
         for row in args.rows.split(","):
-            if row == "entrenar":
-                recipe = recipe_for(case, folder, work / "prompts.jsonl", work / "run")
+            if row in ("entrenar", "entrenar-matched"):
+                recipe = recipe_for(case, folder, work / "prompts.jsonl", work / "run", row == "entrenar-matched")
                 what = {"task": recipe["task"], "training": recipe["training"]}
             else:
                 what = {"grpo_config": grpo_config(case, work / f"{row}-grpo", dev)}
@@ -451,8 +460,9 @@ def main(argv: list[str] | None = None) -> None:
               f"{time.perf_counter() - t0:.0f}s", flush=True)
         for row in args.rows.split(","):
             t0 = time.perf_counter()
-            if row == "entrenar":
-                r = run_entrenar(case_name, case, folder, prompts, work, args.skip, mean_prompt)
+            if row in ("entrenar", "entrenar-matched"):
+                r = run_entrenar(case_name, case, folder, prompts, work, args.skip, mean_prompt,
+                                 matched=row == "entrenar-matched")
             else:
                 r = run_baseline_process(row, case_name, folder, prompts, mean_prompt, args)
             results.append({"case": case_name, "row": row, "load_avg": os.getloadavg(),

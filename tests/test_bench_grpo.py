@@ -60,7 +60,7 @@ def test_an_unknown_row_is_refused(capsys):
     with pytest.raises(SystemExit) as e:
         bench_grpo.main(["--dry", "--rows", "trl,unslot"])
     assert e.value.code == 2
-    assert "--rows: unknown unslot (of entrenar, trl, unsloth)" in capsys.readouterr().err
+    assert "--rows: unknown unslot (of entrenar, entrenar-matched, trl, unsloth)" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
@@ -76,3 +76,12 @@ def test_the_unsloth_row_adapts_the_modules_peft_all_linear_adapts_in_the_trl_ro
                             argparse.Namespace(steps=0, tiny=True))
     targets = bench_grpo.unsloth_grpo_settings(case, tmp_path)["get_peft_model"]["target_modules"]
     assert sorted(targets) == sorted(adapted)
+
+
+def test_the_matched_row_is_the_entrenar_recipe_with_unsloths_default_memory_settings(tmp_path, capsys):
+    bench_grpo.main(["--dry", "--cases", "lora-1b", "--rows", "entrenar,entrenar-matched", "--work", str(tmp_path)])
+    rows = dict(line.split(" ", 1)[1].split(": ", 1) for line in capsys.readouterr().out.splitlines())
+    plain, matched = (json.loads(rows[f"{row}"])["training"] for row in ("entrenar", "entrenar-matched"))
+    assert matched == {**plain, "activation_checkpointing": True, "offload_activations": True}
+    assert plain["activation_checkpointing"] is False
+

@@ -205,3 +205,75 @@ def test_varlen_kernel_equals_per_document_sdpa_on_gpu(window):
 
     for got, want in zip(run(pf._varlen), run(pf._per_document)):
         torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_whole_rows_are_told_from_the_host_layout_alone():
+    from entrenar.models.padding_free import whole_rows
+
+    def docs(bounds: list[int], max_len: int, **extra) -> Documents:
+        return Documents(torch.tensor(bounds, dtype=torch.int32), max_len, **extra)
+
+    assert whole_rows(docs([0, 48, 96, 144], 48), rows=3, length=48)
+    assert whole_rows(docs([0, 48, 96, 144], 48, shards=None), rows=3, length=48)
+    assert not whole_rows(docs([0, 30, 48, 96, 144], 48), rows=3, length=48)  # a row of two segments
+    assert not whole_rows(docs([0, 40, 96], 56), rows=2, length=48)  # a document across the rows' boundary
+    # The graph layout of whole rows with spare capacity: its empty segments make it look packed (kept varlen).
+    assert not whole_rows(docs([0, 48, 96, 96], 48), rows=2, length=48)
+    # Shared-prompt segments read other tokens' keys: never plain rows.
+    shared = docs([0, 48, 96], 48, kv_index=torch.arange(96), cu_seqlens_k=torch.tensor([0, 48, 96]), max_len_k=48)
+    assert not whole_rows(shared, rows=2, length=48)
+    # packed_documents' layout of rows that are each one document
+    batch = collate([[Example(input_ids=list(range(1, 49)), labels=list(range(1, 49)))]] * 2, seq_len=48)
+    packed = packed_documents(batch)
+    assert whole_rows(Documents(packed["cu_seqlens"], packed["max_seqlen"]), rows=2, length=48)
+
+
+@pytest.mark.parametrize("scale", [None, 0.3])
+def test_whole_rows_attend_as_plain_causal_rows(monkeypatch, scale):
+    """Rows that are each one document go through causal SDPA (cuDNN's kernel on CUDA), with the per-document
+    path's output and gradients (GQA, a custom scale); routed on the CPU here to check the arithmetic."""
+    from entrenar.models import padding_free as pf
+
+    torch.manual_seed(0)
+    b, t = 3, 40
+    q = torch.randn(b, 8, t, 16, requires_grad=True)
+    k, v = (torch.randn(b, 2, t, 16, requires_grad=True) for _ in range(2))
+    docs = Documents(torch.arange(0, b * t + 1, t, dtype=torch.int32), t)
+    grad = torch.randn(b, t, 8, 16)
+    calls = []
+    causal_rows = pf.causal_rows
+    monkeypatch.setattr(pf, "causal_rows", lambda *a: calls.append(1) or causal_rows(*a))
+
+    def run(devices):
+        monkeypatch.setattr(pf, "WHOLE_ROW_DEVICES", devices)
+        out = pf.documents_attention(q, k, v, docs, scale=scale)
+        return out, *torch.autograd.grad(out, (q, k, v), grad)
+
+    by_document = run(frozenset())
+    assert not calls
+    rows = run(frozenset({"cpu"}))
+    assert calls == [1]
+    for got, want in zip(rows, by_document, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    # A sliding window shorter than the row, soft-capped scores or sinks keep the per-document path.
+    pf.documents_attention(q, k, v, docs, window=16, scale=scale)
+    pf.documents_attention(q, k, v, docs, scale=scale, softcap=30.0)
+    assert calls == [1]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="cuDNN's attention needs CUDA")
+def test_whole_rows_through_cudnn_equal_the_varlen_kernel_on_gpu():
+    from entrenar.models import padding_free as pf
+
+    torch.manual_seed(0)
+    b, t = 2, 1024
+    q = torch.randn(b, 8, t, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(b, 2, t, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    docs = Documents(torch.arange(0, b * t + 1, t, dtype=torch.int32, device="cuda"), t)
+    grad = torch.randn(b, t, 8, 64, device="cuda", dtype=torch.bfloat16)
+    rows = pf.documents_attention(q, k, v, docs)
+    flat = [x.transpose(1, 2).reshape(b * t, x.shape[1], 64) for x in (q, k, v)]
+    varlen = pf._varlen(*flat, docs, None).view(b, t, 8, 64)
+    for got, want in zip((rows, *torch.autograd.grad(rows, (q, k, v), grad)),
+                         (varlen, *torch.autograd.grad(varlen, (q, k, v), grad)), strict=True):
+        torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)

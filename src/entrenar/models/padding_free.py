@@ -18,6 +18,10 @@ which computes the same thing and skips the blocks across documents that a
 mask would only hide. On a CPU in bf16, documents up to 1,024 tokens run as
 explicit products instead (:mod:`entrenar.models.cpu_attention`).
 
+Rows that are each one whole document (long-context training: one document as long as the row) skip the
+variable-length kernel: they are plain causal rows, which SDPA computes through cuDNN's attention on CUDA where this
+torch has it (about 1.5x FlashAttention-2's forward and backward on Hopper: docs/PERFORMANCE_HISTORY.md).
+
 A segment may also attend keys other than its own tokens (:class:`Documents`' ``kv_index``): a preference pair
 laid out ``[prompt, chosen, rejected]`` computes its prompt once, and the rejected tokens read the prompt's keys
 and values gathered again in front of their own, queries aligned bottom-right (the last query sees the last key),
@@ -35,6 +39,7 @@ from typing import Any, Protocol, cast
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from entrenar.models.attention_sinks import sink_attention
 from entrenar.models.cpu_attention import (
@@ -72,6 +77,31 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor |
     if scale is not None:
         extra["scale"] = scale
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, **extra)
+
+
+# Whole causal rows on CUDA: cuDNN's kernel first, where this torch can put it first; FlashAttention and the
+# memory-efficient kernel where cuDNN declines the shapes.
+_ROW_BACKENDS = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
+_CAN_PRIORITISE = "set_priority" in inspect.signature(sdpa_kernel).parameters
+WHOLE_ROW_DEVICES = frozenset({"cuda"})  # elsewhere whole rows go document by document as any other row
+
+
+def whole_rows(documents: Documents, rows: int, length: int) -> bool:
+    """Whether every segment of ``documents`` is one whole row of ``rows`` x ``length`` tokens: ``rows`` segments,
+    none longer than a row, spanning all ``rows x length`` tokens (as every padding-free layout does), are the
+    rows. Read from the host: ``cu_seqlens``' size and ``max_len``, no device sync."""
+    return (documents.kv_index is None and documents.shards is None
+            and documents.cu_seqlens.numel() == rows + 1 and documents.max_len == length)
+
+
+def causal_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """Causal attention of whole rows q ``[B, Hq, T, D]`` over k, v ``[B, Hk, T, D]`` -> ``[B, Hq, T, Dv]``: SDPA,
+    with cuDNN's kernel first on CUDA (not while a CUDA graph captures or torch.compile traces: their default)."""
+    if not (q.is_cuda and _CAN_PRIORITISE) or torch.cuda.is_current_stream_capturing() or \
+            torch.compiler.is_compiling():
+        return sdpa(q, k, v, None, scale)
+    with sdpa_kernel(_ROW_BACKENDS, set_priority=True):
+        return sdpa(q, k, v, None, scale)
 
 
 class SequenceShards(Protocol):
@@ -144,6 +174,9 @@ def documents_attention(
         return documents.shards.attend(q, k, v, sinks, lambda q, k, v, sinks: documents_attention(
             q, k, v, whole, window, scale=scale, softcap=softcap, sinks=sinks))
     b, t = q.shape[0], q.shape[2]
+    if (q.device.type in WHOLE_ROW_DEVICES and sinks is None and softcap is None and (window is None or window >= t)
+            and whole_rows(documents, b, t)):
+        return causal_rows(q, k, v, scale).transpose(1, 2)
     q, k, v = (x.transpose(1, 2).reshape(b * t, x.shape[1], x.shape[3]) for x in (q, k, v))  # [N, H, D]
     if documents.kv_index is not None:  # each segment's keys/values, the shared ones gathered again
         k, v = k.index_select(0, documents.kv_index), v.index_select(0, documents.kv_index)
