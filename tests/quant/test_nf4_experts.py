@@ -168,3 +168,18 @@ def test_grouped_nf4_experts_read_nothing_back_from_the_device(monkeypatch):
                 continue
             experts(x, indices, weights).sum().backward()
             assert x.grad is not None and x.grad.shape == x.shape
+
+
+def test_the_decode_step_over_nf4_experts_stays_eager(hf_folder, monkeypatch):
+    """A sampler's decode step (``task.decode_cuda_graphs``) is not captured over NF4 experts, which now run grouped
+    on CUDA (stacks dequantized inside the step) but have not been captured on a GPU: it says so and runs eager."""
+    from entrenar.generation import graphed
+
+    folder, _ = hf_folder("qwen3_moe")
+    model = load_hf(folder, dtype=torch.bfloat16, sinks=nf4_sinks)
+    apply_lora(model, LoraConfig(r=8, alpha=16, target_modules=["q_proj"], target_parameters=TARGETS))
+    monkeypatch.setattr(graphed, "compute_device", lambda model: torch.device("cuda"))  # the checks past the device
+    name = f"model.layers.{moe_blocks(model)[0][0]}.mlp"
+    assert f"NF4 experts of '{name}'" in graphed.graph_refusal(model)
+    on, how = graphed.uses_graphs("auto", model)
+    assert not on and "NF4 experts" in how
