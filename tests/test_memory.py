@@ -300,3 +300,21 @@ def test_the_quantized_model_size_is_the_exported_folders(tmp_path, bits, group_
     save_quantized(model, None, tmp_path / "q")
     stored = sum(t.numel() * t.element_size() for t in load_file(tmp_path / "q" / "model.safetensors").values())
     assert quantized_model_bytes(LLAMA, bits, group_size, dtype_bytes=4) == stored
+
+
+def test_a_gpu_qlora_moe_estimate_counts_one_layer_s_dequantized_expert_stack(hf_folder):
+    """NF4 experts run grouped on a GPU with one layer's gate/up stack dequantized at a time: the estimate's
+    transients hold exactly that tensor beside LoRA's (a CPU estimate, whose experts loop, does not)."""
+    from entrenar.models.hf import load_hf, read_config
+    from entrenar.models.moe import moe_blocks
+    from entrenar.quant.nf4.sinks import nf4_sinks
+
+    folder, _ = hf_folder("qwen3_moe")
+    config = read_config(folder)
+    experts = moe_blocks(load_hf(folder, dtype=torch.bfloat16, sinks=nf4_sinks))[0][1].experts
+    stack = experts.gate_up_proj  # dequantized in the load dtype (bf16), as the grouped product makes it
+    kwargs = dict(dtype_bytes=2, activation_checkpointing=True, lora_target_parameters=["mlp.experts.gate_up_proj"])
+    qlora, lora = (estimate_training_memory(config, m, **kwargs) for m in ("qlora", "lora"))
+    assert qlora.transient - lora.transient == stack.numel() * stack.element_size()
+    cpu_qlora, cpu_lora = (estimate_training_memory(config, m, cpu=True, **kwargs) for m in ("qlora", "lora"))
+    assert cpu_qlora.transient == cpu_lora.transient

@@ -86,6 +86,51 @@ def test_cuda_dequantize_dispatches_to_the_kernel_and_a_large_weight_matches(mon
     assert_same_bits(dequantize_nf4(layer.quantized, torch.float16), want_fp16, "dequantize_nf4 to fp16 on CUDA")
 
 
+@needs_cuda
+def test_nf4_expert_stacks_are_written_in_place_by_the_kernel_and_run_grouped(monkeypatch):
+    """On CUDA, NF4 experts' stacks are written expert by expert into one buffer by the kernel (no tensor of its own
+    per weight, no PyTorch reference), bit for bit the specification's; ``moe.experts: auto`` runs them grouped, with
+    the loop's output and input gradient within bf16 rounding."""
+    if not nf4_kernel.use_triton(torch.empty(0, device="cuda")):
+        pytest.skip("Triton is not installed")
+    from entrenar.models.moe import Experts
+    from entrenar.quant.nf4.experts import NF4Experts
+
+    torch.manual_seed(6)
+    full = Experts(4, 96, 160, bias=True, activation="clamped_swiglu")
+    with torch.no_grad():
+        for p in full.parameters():
+            p.normal_(std=0.2)
+    experts = NF4Experts.from_experts(full.to(torch.bfloat16))
+    want = {"gate_up_proj": torch.stack([torch.cat([dequantize_nf4_reference(experts.expert(e).gate_proj.quantized),
+                                                    dequantize_nf4_reference(experts.expert(e).up_proj.quantized)])
+                                         for e in range(4)]),
+            "down_proj": torch.stack([dequantize_nf4_reference(experts.expert(e).down_proj.quantized)
+                                      for e in range(4)])}
+    experts.cuda()
+    x = torch.randn(64, 96, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    indices, weights = torch.randint(0, 4, (64, 2), device="cuda"), torch.rand(64, 2, device="cuda")
+    experts.implementation = "loop"
+    out = experts(x, indices, weights.bfloat16())
+    out.float().square().sum().backward()
+    loop = [out.detach().float(), x.grad.float()]
+    x.grad = None
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("an expert weight was dequantized into a tensor of its own")
+
+    monkeypatch.setattr("entrenar.quant.nf4.format.dequantize_nf4_reference", refuse)
+    monkeypatch.setattr(nf4_kernel, "dequantize_nf4_triton", refuse)
+    for name, expected in want.items():
+        assert_same_bits(experts.stacked(name, torch.bfloat16), expected, name)
+    experts.implementation = "auto"
+    assert experts.use_grouped(x)
+    out = experts(x, indices, weights.bfloat16())
+    out.float().square().sum().backward()
+    for got, ref in zip((out.detach().float(), x.grad.float()), loop, strict=True):
+        assert (got - ref).norm() <= 1e-2 * ref.norm()
+
+
 def test_cpu_tensors_take_the_reference_path(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
 

@@ -355,22 +355,57 @@ def test_qlora_adapters_on_nf4_experts_train_and_load_in_peft(gpt_oss, tmp_path)
         torch.testing.assert_close(back(ids).logits, mine, atol=1e-5, rtol=0)
 
 
-def test_nf4_experts_stay_one_at_a_time_whatever_moe_experts_says(gpt_oss):
-    """``moe.experts: auto`` (every run's default, set through the LoRA wrapper) leaves NF4 experts on the loop, so
-    no CUDA graph is planned over them; ``grouped`` is refused by its key instead of dequantizing whole stacks."""
+def test_nf4_experts_follow_moe_experts(gpt_oss):
+    """``moe.experts`` (set through the LoRA wrappers) decides how NF4 experts run: ``auto`` is the loop off CUDA
+    (grouped on CUDA, as for full-precision experts), ``grouped`` and ``loop`` are honoured."""
     from entrenar.adapters.lora import LoraConfig, apply_lora
-    from entrenar.errors import ConfigError
     from entrenar.quant.nf4.sinks import nf4_sinks
 
     folder, _ = gpt_oss
     model = load_hf(folder, sinks=nf4_sinks)
     apply_lora(model, LoraConfig(r=8, alpha=16, target_modules=["q_proj"], target_parameters=EXPERT_TARGETS))
-    set_experts_implementation(model, "auto")
     probe = torch.empty(0, model.config.hidden_size, dtype=torch.bfloat16)
-    for _, block in moe_blocks(model):
-        assert block.experts.implementation == "loop" and not block.experts.use_grouped(probe)
-    with pytest.raises(ConfigError, match="moe.experts: grouped"):
-        set_experts_implementation(model, "grouped")
+    for setting, grouped in (("auto", False), ("grouped", True), ("loop", False)):
+        set_experts_implementation(model, setting)
+        for _, block in moe_blocks(model):
+            assert block.experts.implementation == setting and block.experts.use_grouped(probe) is grouped
+
+
+def test_qlora_grouped_nf4_experts_give_the_loop_s_loss_and_gradients(gpt_oss):
+    """QLoRA on gpt-oss (LoRA on attention and on every NF4 expert, r=8 so the adapters run grouped too), every
+    layer checkpointed: the grouped NF4 experts give the per-expert loop's logits, loss and adapter gradients."""
+    from family_checks import shifted_ce
+
+    from entrenar.adapters.lora import LoraConfig, apply_lora
+    from entrenar.quant.nf4.sinks import nf4_sinks
+
+    folder, _ = gpt_oss
+    ids = torch.randint(0, 128, (2, 16))
+    results = []
+    for impl in ("loop", "grouped"):
+        model = load_hf(folder, sinks=nf4_sinks)
+        torch.manual_seed(3)  # the same adapters in both
+        apply_lora(model, LoraConfig(r=8, alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+                                     target_parameters=EXPERT_TARGETS))
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(std=0.1)
+        set_experts_implementation(model, impl)
+        model.set_activation_checkpointing(True)
+        model.train()
+        logits = model(ids)
+        loss = shifted_ce(logits, ids)
+        loss.backward()
+        grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+        assert all(g is not None for g in grads.values()) and any(".experts." in n for n in grads)
+        results.append((logits.detach(), loss.detach(), grads))
+    (logits_loop, loss_loop, grads_loop), (logits_grouped, loss_grouped, grads_grouped) = results
+    torch.testing.assert_close(logits_grouped, logits_loop, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(loss_grouped, loss_loop, atol=1e-6, rtol=1e-6)
+    assert grads_loop.keys() == grads_grouped.keys()
+    for name, grad in grads_loop.items():  # fp32 rounding apart: under 1e-6 of each gradient's norm here
+        assert (grads_grouped[name] - grad).norm() <= 1e-5 * grad.norm(), name
 
 
 def test_the_plan_says_what_the_kernels_leave_to_pytorch(gpt_oss, workspace):

@@ -142,6 +142,21 @@ def test_cuda_graphs_auto_turns_on_only_where_they_replay(workspace, overrides, 
         explicit.graphs(moe_replays=False)
 
 
+def test_cuda_graphs_auto_leaves_nf4_experts_eager_and_true_replays_them(workspace, hf_folder):
+    """QLoRA of an MoE model: its NF4 experts run grouped on CUDA, dequantizing inside the step, which no GPU has
+    captured yet: auto runs such a step eager and says why; ``training.cuda_graphs: true`` replays it when the
+    experts run grouped (``moe_replays``). A LoRA run on the same MoE model, or QLoRA of a dense one, keeps graphs."""
+    moe = read_config(hf_folder("qwen3_moe")[0])
+    qlora = ("model.device=cuda", "lora.quantize_base=nf4")
+    auto = plan(workspace, *qlora, device=CUDA, config=moe)
+    assert not auto.cuda_graphs and not auto.graphs(moe_replays=True)
+    assert "no NF4 experts" in dict(auto.reasons)["training.cuda_graphs"]
+    assert plan(workspace, "model.device=cuda", device=CUDA, config=moe).cuda_graphs
+    assert plan(workspace, *qlora, device=CUDA).cuda_graphs
+    explicit = plan(workspace, *qlora, "training.cuda_graphs=true", device=CUDA, config=moe)
+    assert explicit.graphs(moe_replays=True)
+
+
 def test_a_graph_is_captured_only_with_the_fixed_segment_layout():
     assert fills_capacity({"input_ids": torch.zeros(2, 8)}, None)
     assert fills_capacity({"cu_seqlens": torch.zeros(17, dtype=torch.int32)}, 16)

@@ -312,7 +312,8 @@ def estimate_training_memory(
 
     `tiled_mlp` (tokens a tile; 0: off) runs each dense layer's MLP half in tiles (:mod:`entrenar.models.tiled`):
     the layer keeps the MLP's input instead of its activations, and its backward holds one tile's. A GPU estimate
-    (not ``cpu``) adds the transients of one layer's backward (``transient``, :func:`backward_transients`).
+    (not ``cpu``) adds the transients of one layer's backward (``transient``, :func:`backward_transients`; under
+    QLoRA of an MoE model, one layer's dequantized expert stack too, :func:`nf4_expert_stack_bytes`).
 
     `fused_loss_bytes`: what a chunked loss holds for each logit of its chunk at once, on any device, when it is
     not the fused cross-entropy's (None: its logits in the compute dtype, on a CPU its PyTorch path's fp32 copies
@@ -332,6 +333,8 @@ def estimate_training_memory(
     if not cpu:
         estimate.transient = backward_transients(config, tokens, dtype_bytes, tiled_mlp, activation_checkpointing,
                                                  offload_activations)
+        if method == "qlora" and config.is_moe:
+            estimate.transient += nf4_expert_stack_bytes(config, dtype_bytes)
     if qat:
         _add_qat_terms(estimate, config, method, tokens, dtype_bytes, param_bytes, states, activation_checkpointing,
                        cpu, qat_group_size, qat_activations)
@@ -522,6 +525,13 @@ def backward_transients(config: ModelConfig, tokens: int, dtype_bytes: int, tile
     # the next offloaded input copied back while a rebuilt layer (whose input its own count holds) runs backward
     in_flight = (len(recomputed & offloaded) > 1) * tokens * h * dtype_bytes
     return 2 * tokens * h * dtype_bytes + max(mlp, attention) + in_flight
+
+
+def nf4_expert_stack_bytes(config: ModelConfig, dtype_bytes: int) -> float:
+    """What NF4 experts' grouped product (QLoRA of an MoE model on a GPU) holds for a moment in each MoE layer's
+    forward and backward: every expert's gate/up weights dequantized as one [E, 2I, H] stack in the compute dtype
+    (the larger stack; the down one is made after it is dropped). About 1 GiB at gpt-oss-20b's shape."""
+    return config.num_experts * 2 * config.expert_intermediate_size * config.hidden_size * dtype_bytes
 
 
 def _activations(config: ModelConfig, method: str, tokens: int, dtype_bytes: int, kernels: bool, lora_r: int,

@@ -2,8 +2,10 @@
 
 Each expert keeps its three projections as :class:`NF4Linear` layers named as checkpoints name them
 (``mlp.experts.{e}.{gate,up,down}_proj``), so weights stream in one tensor at a time and are quantized as
-they arrive (``models/hf.py``'s sinks), and nothing weight-sized is saved for backward. Experts run one at a
-time (the loop): the grouped product needs the dense stacks.
+they arrive (``models/hf.py``'s sinks), and nothing weight-sized is saved for backward. On CUDA (``moe.experts:
+auto``) every expert runs in one grouped product (:class:`_NF4GroupedProduct`): a layer's gate/up stack
+[E, 2I, H] and down stack [E, H, I] are dequantized into one transient buffer each, used and dropped, and again
+in backward for the input gradient. Elsewhere, or with ``moe.experts: loop``, experts run one at a time.
 
 gpt-oss's experts keep their biases (``gate_up_proj_bias`` [E, 2I] gate first, ``down_proj_bias`` [E, H]) in the
 load dtype, frozen, and their clamped SwiGLU; its checkpoint's stacked (MXFP4 or dense) tensors are split per
@@ -17,10 +19,10 @@ from typing import cast
 import torch
 from torch import nn
 
-from entrenar.errors import ConfigError
-from entrenar.models.moe import Experts
+from entrenar.device import cpu_products_in_fp32
+from entrenar.models.moe import Experts, grouped_mm
 from entrenar.models.surgery import replace_module
-from entrenar.quant.nf4.format import NF4Linear
+from entrenar.quant.nf4.format import NF4Linear, dequantize_nf4_into
 
 
 class NF4Experts(Experts):
@@ -32,6 +34,7 @@ class NF4Experts(Experts):
         nn.Module.__init__(self)
         self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
         self.dtype = dtype
+        self.implementation = "auto"
         h, i = hidden_size, intermediate_size
         self.activation, self.swiglu_alpha, self.swiglu_limit = activation, alpha, limit
         self.gate_up_proj_bias = nn.Parameter(torch.zeros(num_experts, 2 * i, dtype=dtype, device=device),
@@ -88,16 +91,31 @@ class NF4Experts(Experts):
         shape = (e, 2 * i, h) if parameter == "gate_up_proj" else (e, h, i)
         return torch.Size(shape), self.dtype, self._projection(0, "gate_proj").weight_codes.device
 
+    def stacked(self, parameter: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Every expert's ``gate_up_proj`` [E, 2I, H] (gate rows first) or ``down_proj`` [E, H, I] dequantized in
+        ``dtype`` (default: the load dtype) into one new tensor, each projection written into its slice."""
+        e, h, i = self.num_experts, self.hidden_size, self.intermediate_size
+        device = self._projection(0, "gate_proj").weight_codes.device
+        if parameter == "gate_up_proj":
+            out = torch.empty(e, 2 * i, h, dtype=dtype or self.dtype, device=device)
+            for k in range(e):
+                dequantize_nf4_into(self._projection(k, "gate_proj").quantized, out[k, :i])
+                dequantize_nf4_into(self._projection(k, "up_proj").quantized, out[k, i:])
+        else:
+            out = torch.empty(e, h, i, dtype=dtype or self.dtype, device=device)
+            for k in range(e):
+                dequantize_nf4_into(self._projection(k, "down_proj").quantized, out[k])
+        return out
+
     # Dequantized on every access, for inspection and merged exports, where Experts stores parameters: mypy refuses
     # a read-only property over a writable attribute, but nothing assigns these on an NF4Experts.
     @property
     def gate_up_proj(self) -> torch.Tensor:  # type: ignore[override]
-        return torch.stack([torch.cat([self._projection(e, "gate_proj").weight, self._projection(e, "up_proj").weight])
-                            for e in range(self.num_experts)])
+        return self.stacked("gate_up_proj")
 
     @property
     def down_proj(self) -> torch.Tensor:  # type: ignore[override]
-        return torch.stack([self._projection(e, "down_proj").weight for e in range(self.num_experts)])
+        return self.stacked("down_proj")
 
     def gate_up(self, x: torch.Tensor, expert: int) -> torch.Tensor:
         return torch.cat([self._projection(expert, "gate_proj")(x), self._projection(expert, "up_proj")(x)], dim=-1)
@@ -105,21 +123,45 @@ class NF4Experts(Experts):
     def down(self, h: torch.Tensor, expert: int) -> torch.Tensor:
         return self._projection(expert, "down_proj")(h)
 
-    def use_grouped(self, x: torch.Tensor) -> bool:
-        return False
+    # The grouped path (``Experts.use_grouped`` decides: on CUDA under ``moe.experts: auto``, or ``grouped``):
+    # the stacks exist only inside one product, forward and backward.
+    def grouped_gate_up(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        return _NF4GroupedProduct.apply(x, offsets, self, "gate_up_proj")
 
-    # Always the loop: ``moe.experts: auto`` (set on every stack, and through a LoRA wrapper onto this one) must
-    # not switch the stack to the grouped product, which dequantizes every expert's weights at each access and
-    # cannot be captured in a CUDA graph (gpt-oss-20b QLoRA failed so under cuda_graphs: auto, 2026-11-27).
-    @property
-    def implementation(self) -> str:
-        return "loop"
+    def grouped_down(self, h: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        return _NF4GroupedProduct.apply(h, offsets, self, "down_proj")
 
-    @implementation.setter
-    def implementation(self, value: str) -> None:
-        if value == "grouped":
-            raise ConfigError("moe.experts: grouped runs every expert as one product of dense stacks; NF4 experts "
-                              "(lora.quantize_base: nf4) run one at a time: set moe.experts to auto or loop")
+
+def _grouped_product(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """``grouped_mm(a, b, offsets)``; a CPU without 16-bit matrix instructions forms it in fp32 from the 16-bit
+    operands and rounds once, as :class:`~entrenar.quant.nf4.format.NF4Linear` does on the loop."""
+    if cpu_products_in_fp32(a.device, a.dtype):
+        return grouped_mm(a.float(), b.float(), offsets).to(a.dtype)
+    return grouped_mm(a, b, offsets)
+
+
+class _NF4GroupedProduct(torch.autograd.Function):
+    """``grouped_mm(x, W.transpose(1, 2), offsets)`` for the stack W [E, out, in] of a :class:`NF4Experts`' projection:
+    W is dequantized (in autocast's dtype when on, else x's) into a transient buffer for the product and dropped, and
+    dequantized again in backward for the input gradient. Saved for backward: the offsets only (the NF4 buffers are
+    the module's); the frozen base gets no gradient. Offsets stay on the device and nothing reads the device back,
+    so a CUDA graph can capture the step."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, offsets: torch.Tensor, experts: NF4Experts, parameter: str) -> torch.Tensor:
+        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+        ctx.experts, ctx.parameter, ctx.dtype, ctx.input_dtype = experts, parameter, dtype, x.dtype
+        ctx.save_for_backward(offsets)
+        return _grouped_product(x.to(dtype), experts.stacked(parameter, dtype).transpose(1, 2), offsets)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (offsets,) = ctx.saved_tensors
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            weight = ctx.experts.stacked(ctx.parameter, ctx.dtype)
+            grad_x = _grouped_product(grad.to(ctx.dtype).contiguous(), weight, offsets).to(ctx.input_dtype)
+        return grad_x, None, None, None
 
 
 def quantize_experts_nf4(model: nn.Module) -> list[str]:

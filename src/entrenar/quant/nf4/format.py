@@ -194,6 +194,20 @@ def dequantize_nf4(q: NF4Tensor, dtype: torch.dtype | None = None) -> Tensor:
     return dequantize_nf4_reference(q, dtype)
 
 
+def dequantize_nf4_into(q: NF4Tensor, out: Tensor) -> Tensor:
+    """:func:`dequantize_nf4` of ``q`` written into ``out`` (contiguous, ``q``'s shape, in the dtype wanted), such as
+    one expert's slice of a stack of expert weights: on CUDA the kernel writes there directly, with no tensor of
+    its own to allocate and copy; elsewhere (and under ``torch.compile``) the dequantized weight is copied in."""
+    if tuple(out.shape) != tuple(q.shape) or not out.is_contiguous():
+        raise QuantError(f"dequantize into a contiguous tensor of shape {tuple(q.shape)}, got {tuple(out.shape)}")
+    if q.codes.is_cuda and out.is_cuda and q.numel % 2 == 0 and nf4_kernel.can_dequantize(q) \
+            and not torch.compiler.is_compiling():
+        nf4_kernel.launch(q.codes, q.absmax, q.absmax_scale, q.absmax_offset, q.blocksize, out.view(-1))
+    else:
+        out.copy_(dequantize_nf4(q, out.dtype))
+    return out
+
+
 def _byte_values(device: torch.device) -> Tensor:
     """Both NF4 values of each of the 256 code bytes, the high nibble's first, as one 8-byte word per byte
     (built per call, as the reference moves its table: 2 KiB, microseconds; no cache for torch.compile to trace)."""
