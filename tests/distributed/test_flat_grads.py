@@ -186,3 +186,36 @@ def test_a_step_communicates_its_token_counts_and_its_gradients_and_nothing_else
         assert losses(run) == pytest.approx(losses(reference["lora"]), abs=1e-4)
     else:
         assert_same_run(run, reference["lora"])
+
+
+@pytest.mark.parametrize("policy", ["skip", "stop"])
+def test_a_nonfinite_loss_on_one_rank_reaches_every_rank_in_the_gradients_all_reduce(shared, monkeypatch, policy):
+    """Rank 1's loss of step 2 turns inf while its gradients stay finite (a constant added): the loss that rides the
+    flat all-reduce brings it to rank 0, so both ranks drop the same update (skip: still replicas) or both stop
+    naming the step (stop), with no collective of its own for the decision."""
+    import os
+
+    from entrenar.errors import DistributedError
+    from entrenar.tasks.causal_lm import CausalLMTask
+
+    real_loss_sum, calls = CausalLMTask.loss_sum, [0]
+
+    def loss_sum(self, model, batch):
+        loss = real_loss_sum(self, model, batch)
+        if os.environ.get("RANK") == "1" and torch.is_grad_enabled():
+            calls[0] += 1
+            if calls[0] == 3:  # step 2's first micro-batch (2 a step on each rank)
+                return loss + float("inf")
+        return loss
+
+    monkeypatch.setattr(CausalLMTask, "loss_sum", loss_sum)  # the forked workers inherit it
+    ws, recipes, _ = shared
+    run = ws / f"flat-inf-loss-{policy}"
+    options = [*ACCUMULATING, f"training.nonfinite={policy}", f"output.dir={run}"]
+    if policy == "stop":
+        with pytest.raises(DistributedError, match=r"step 2: non-finite loss \(inf\)"):
+            launch(train_worker, recipes["lora"], options)
+        return
+    launch(train_worker, recipes["lora"], options)  # replica_check_every: 1 would stop a rank that applied it
+    skipped = [(r["step"], r["skipped"]) for r in read_metrics(run / "metrics.jsonl") if r.get("skipped")]
+    assert skipped == [(2, "non-finite loss (inf)")]

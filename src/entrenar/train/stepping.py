@@ -177,6 +177,8 @@ class SyncSteps:
         """What the host reads of a step, as one float64 vector on the device: loss, gradient norm, tokens, the
         task's metrics, each rank's peak memory."""
         peaks = [self.peaks.double()] if self.peaks is not None else []
+        full = getattr(grad_norm, "full_tensor", None)  # FSDP: a DTensor norm, reduced over the ranks here
+        grad_norm = full() if full is not None else grad_norm
         return torch.cat([loss.double().reshape(1), grad_norm.double().reshape(1), tokens.double().reshape(1),
                           *[v.double().reshape(1) for v in self.metrics.values()], *peaks])
 
