@@ -163,6 +163,7 @@ def test_a_step_communicates_its_token_counts_and_its_gradients_and_nothing_else
         options += extra
     results = launch(collective_worker, recipes["lora"], options)
     run = ws / f"steps-{len(extra)}"
+    assert results[0]["kind"] == ("Replicated" if extra == ["torch-ddp"] else "FlatReplicated")
     trainable = sum(t.numel() for t in weights(run, "lora").values())
     for rank in (0, 1):
         calls = results[rank]["calls"]
@@ -219,3 +220,17 @@ def test_a_nonfinite_loss_on_one_rank_reaches_every_rank_in_the_gradients_all_re
     launch(train_worker, recipes["lora"], options)  # replica_check_every: 1 would stop a rank that applied it
     skipped = [(r["step"], r["skipped"]) for r in read_metrics(run / "metrics.jsonl") if r.get("skipped")]
     assert skipped == [(2, "non-finite loss (inf)")]
+
+
+def test_a_group_of_one_issues_no_collective(shared):
+    """`parallel: ddp` on one process (a process group of one: the N = 1 point of a scaling run) sums over one rank:
+    no step issues a collective (token counts, gradients, loss), nor does the replica check, whose summary still
+    says the one replica agrees; the adapters are the plain process's."""
+    ws, recipes, reference = shared
+    run = ws / "group-of-one"
+    results = launch(collective_worker, recipes["lora"], ["training.parallel=ddp", "training.global_batch_size=4",
+                                                          f"output.dir={run}"], nproc=1)
+    assert results[0]["kind"] == "FlatReplicated"
+    assert results[0]["calls"] == {}  # nothing, from the broadcast of the adapters to the summary's peaks
+    assert "identical on 1 ranks at 4 check(s), steps 1-4" in results[0]["summary"]
+    assert_same_run(run, reference["lora"])

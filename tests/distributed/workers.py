@@ -350,7 +350,8 @@ COLLECTIVES = ("all_reduce", "all_gather", "all_gather_object", "all_gather_into
 def collective_worker(recipe_path: str, overrides: list[str]) -> dict:
     """``entrenar.train`` of a recipe on this rank, recording every Python-level ``torch.distributed`` collective
     by the optimizer step that was running (0: before the first): ``{"calls": {step: [(name, elements), ...]},
-    "summary": ...}`` (elements of the tensor, or of the list of an object collective)."""
+    "summary": ..., "kind": the step model's class}`` (elements of the tensor, or of the list of an object
+    collective)."""
     import torch.distributed as dist
 
     import entrenar.train.loop as loop
@@ -373,8 +374,15 @@ def collective_worker(recipe_path: str, overrides: list[str]) -> dict:
         step[0] = index + 1
         return real_run(self, index, *args, **kwargs)
 
+    real_prepare, kinds = loop.prepare, [""]
+
+    def prepare(*args, **kwargs):
+        prepared = real_prepare(*args, **kwargs)
+        kinds[0] = type(prepared.step_model).__name__
+        return prepared
+
     for name in COLLECTIVES:
         setattr(dist, name, counted(name, getattr(dist, name)))
-    SyncSteps.run = run
+    SyncSteps.run, loop.prepare = run, prepare
     result = loop.train(load_recipe(recipe_path, overrides), progress=False)
-    return {"calls": calls, "summary": result.summary}
+    return {"calls": calls, "summary": result.summary, "kind": kinds[0]}

@@ -103,7 +103,7 @@ class FlatReplicated(Single):
 
     def _broadcast(self, params: list[nn.Parameter]) -> None:
         """Rank 0's trainable weights on every rank (the frozen base is read from the same files everywhere)."""
-        if not self.world.distributed or not params:
+        if not self.world.distributed or self.world.alone or not params:
             return
         with torch.no_grad():
             by_dtype: dict[tuple[torch.dtype, torch.device], list[nn.Parameter]] = {}
@@ -143,8 +143,9 @@ class FlatReplicated(Single):
         return carried
 
     def reduce(self) -> None:
-        """Each flat buffer averaged over the ranks: divided by the world size, then one all-reduce sum."""
-        if self.world.distributed:
+        """Each flat buffer averaged over the ranks: divided by the world size, then one all-reduce sum (nothing
+        to do on a group of one)."""
+        if self.world.distributed and not self.world.alone:
             for flat in self.grads.buffers:
                 flat.div_(self.world.size)
                 dist.all_reduce(flat, op=dist.ReduceOp.SUM)

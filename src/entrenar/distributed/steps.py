@@ -123,5 +123,8 @@ def peak_memory(world: World, device: torch.device) -> dict[str, Any]:
         return {}
     mine = torch.tensor([peak_bytes(device)], dtype=torch.float64, device=device)
     every = [torch.empty_like(mine) for _ in range(world.size)]
-    torch.distributed.all_gather(every, mine)  # a tensor collective: no pickling
+    if world.alone:
+        every = [mine]
+    else:
+        torch.distributed.all_gather(every, mine)  # a tensor collective: no pickling
     return {"peak_mem_gb_ranks": [round(float(p) / 1e9, 3) for p in torch.cat(every).tolist()]}
