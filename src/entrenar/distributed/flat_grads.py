@@ -18,9 +18,9 @@ overlap off on several processes (docs/DISTRIBUTED.md).
   the optimizer, overlap's deferred read) sees them in order without a host wait;
 - trainable parameters are broadcast from rank 0 once at the start, as DDP does;
 - the fp32 buffer has a few spare elements after the gradients, where the step's loss, the task's metrics and
-  each rank's peak memory ride the same all-reduce (:meth:`FlatReplicated.carry`): a step communicates the
-  gradients and nothing else (besides its token counts before the forward, :func:`~entrenar.distributed.steps.
-  step_counts`), instead of a second all-reduce for the loss and an all-gather of the peaks on logged lines.
+  each rank's peak memory ride the same all-reduce (:meth:`FlatReplicated.carry`), instead of an all-reduce of
+  the loss every step and an all-gather of the peaks on logged lines: besides the token counts before the
+  forward (:func:`~entrenar.distributed.steps.step_counts`), a step communicates its gradients only.
 
 Dividing before summing is what DDP's default hook does, so both paths compute the same average.
 """
