@@ -66,14 +66,20 @@ class MemoryEstimate:
     reference: float = 0.0  # preference optimisation: a frozen copy of the model as the reference (task.reference)
     # GPU only: what one layer's backward creates beside what it kept (:func:`backward_transients`)
     transient: float = 0.0
+    # GPU only: what the output head saved for backward (counted in activations and logits) and its own backward
+    # releases before any decoder layer's runs (:func:`head_released`): the backward's peak does not hold it
+    head_released: float = 0.0
     # A task that samples before its loss (GRPO): the sampling phase's peak (:func:`generation_memory`), which
     # comes before the training forward and is freed by then: the total counts the larger of the two phases.
     generation: float = 0.0
 
     @property
     def step(self) -> float:
-        """What the training step holds beyond the resident state at its peak (forward, loss and backward)."""
-        return (self.activations + self.logits + self.casts + self.allocator + self.fake_quant + self.transient)
+        """What the training step holds beyond the resident state at its peak (forward, loss and backward): the
+        forward's end (activations and logits), or a layer's backward, which adds its transients but no longer
+        holds what the head released (:attr:`head_released`), whichever is larger."""
+        return (self.activations + self.logits + self.casts + self.allocator + self.fake_quant
+                + max(0.0, self.transient - self.head_released))
 
     @property
     def total(self) -> float:
@@ -332,6 +338,7 @@ def estimate_training_memory(
     if not cpu:
         estimate.transient = backward_transients(config, tokens, dtype_bytes, tiled_mlp, activation_checkpointing,
                                                  offload_activations)
+        estimate.head_released = head_released(config, tokens, dtype_bytes, kernels, fused_loss_chunk)
     if qat:
         _add_qat_terms(estimate, config, method, tokens, dtype_bytes, param_bytes, states, activation_checkpointing,
                        cpu, qat_group_size, qat_activations)
@@ -562,10 +569,31 @@ def _activations(config: ModelConfig, method: str, tokens: int, dtype_bytes: int
     activations = tokens * (kept_whole * per_layer + kept_inputs * config.hidden_size * dtype_bytes)
     rebuilt = tokens * rebuilt_layer if recomputed_layers else 0
     activations += rebuilt
-    # The final norm keeps its input and, eager, its fp32 upcast (the fused norm: 1/rms a token).
-    activations += tokens * (config.hidden_size * dtype_bytes + (4 if kernels else config.hidden_size * 4))
+    activations += tokens * _final_norm_bytes(config, dtype_bytes, kernels)
     activations += tokens * 2 * (config.head_dim or 0) * dtype_bytes  # RoPE's cos and sin, shared by the layers
     return activations, rebuilt
+
+
+def _final_norm_bytes(config: ModelConfig, dtype_bytes: int, kernels: bool) -> int:
+    """Bytes the final norm keeps a token for backward: its input and, eager, its fp32 upcast (the fused norm: 1/rms
+    a token)."""
+    return config.hidden_size * dtype_bytes + (4 if kernels else config.hidden_size * 4)
+
+
+def head_released(config: ModelConfig, tokens: int, dtype_bytes: int, kernels: bool,
+                  fused_loss_chunk: int | None) -> float:
+    """Bytes the output head saved for backward that its own backward releases before any decoder layer's backward
+    runs, so that a layer's backward (where a checkpointed step peaks) does not hold them beside its transients.
+
+    The final norm's input and 1/rms (:func:`_final_norm_bytes`; the last layer's output is referenced by nothing
+    else) and, with a chunked head, the ``[tokens, hidden]`` tensor :func:`_logits` counts: the fused loss's
+    hidden-state gradient (:class:`entrenar.models.loss.GradsInForward` saves it; its backward hands a scaled copy
+    to the final norm's backward, which turns it into the last layer's incoming gradient, counted among that
+    layer's transients) or the hidden states a chunked log-probability head reads again. Autograd frees a node's
+    saved tensors once the node has run, and the head's nodes run before every layer's.
+    """
+    chunked = tokens * config.hidden_size * dtype_bytes if fused_loss_chunk else 0
+    return tokens * _final_norm_bytes(config, dtype_bytes, kernels) + chunked
 
 
 def _logits(config: ModelConfig, tokens: int, dtype_bytes: int, fused_loss_chunk: int | None, rebuilt: float,
