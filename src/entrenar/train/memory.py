@@ -6,7 +6,11 @@ with their loss gradient). It assumes memory-efficient attention (no T x T
 scores kept; on a CPU in bf16 the explicit attention of short documents keeps
 their probabilities, at most 64 MiB a layer, not counted), AdamW (two state
 tensors per trainable parameter) and no allocator slack; tests check each
-part against measured tensors. Padding-free batches (a CPU's default) run
+part against measured tensors. On a GPU the step's peak is the larger of the
+forward's end and one layer's backward, which adds that layer's transients but
+no longer holds what the output head saved (the head's backward, which runs
+first, has freed it): checked against peaks measured on an H200 at long
+context (tests/train/test_longest_context.py). Padding-free batches (a CPU's default) run
 only their real tokens, so the estimate, made for full rows, is an upper bound.
 
 On the CPU (``cpu=True``) the estimate is of the process's peak resident
@@ -318,7 +322,8 @@ def estimate_training_memory(
 
     `tiled_mlp` (tokens a tile; 0: off) runs each dense layer's MLP half in tiles (:mod:`entrenar.models.tiled`):
     the layer keeps the MLP's input instead of its activations, and its backward holds one tile's. A GPU estimate
-    (not ``cpu``) adds the transients of one layer's backward (``transient``, :func:`backward_transients`).
+    (not ``cpu``) adds the transients of one layer's backward (``transient``, :func:`backward_transients`), less
+    what the output head saved and has released by then (``head_released``, :func:`head_released`).
 
     `fused_loss_bytes`: what a chunked loss holds for each logit of its chunk at once, on any device, when it is
     not the fused cross-entropy's (None: its logits in the compute dtype, on a CPU its PyTorch path's fp32 copies
