@@ -10,8 +10,9 @@ part against measured tensors. On a GPU the step's peak is the larger of the
 forward's end and one layer's backward, which adds that layer's transients but
 no longer holds what the output head saved (the head's backward, which runs
 first, has freed it): checked against peaks measured on an H200 at long
-context (tests/train/test_longest_context.py). Padding-free batches (a CPU's default) run
-only their real tokens, so the estimate, made for full rows, is an upper bound.
+context (tests/train/test_longest_context.py). Padding-free batches (a CPU's
+default) run only their real tokens, so the estimate, made for full rows, is an
+upper bound.
 
 On the CPU (``cpu=True``) the estimate is of the process's peak resident
 memory, which adds what a GPU count leaves out: the Python and PyTorch
