@@ -341,3 +341,48 @@ def stream_save_worker(out: str, max_shard_bytes: int, gathered: bool) -> dict:
         return {"whole": whole, "grown": grown}
     finally:
         world_module.leave()
+
+
+COLLECTIVES = ("all_reduce", "all_gather", "all_gather_object", "all_gather_into_tensor", "reduce_scatter_tensor",
+               "broadcast", "broadcast_object_list", "barrier", "all_to_all_single", "scatter", "gather", "reduce")
+
+
+def collective_worker(recipe_path: str, overrides: list[str]) -> dict:
+    """``entrenar.train`` of a recipe on this rank, recording every Python-level ``torch.distributed`` collective
+    by the optimizer step that was running (0: before the first): ``{"calls": {step: [(name, elements), ...]},
+    "summary": ..., "kind": the step model's class}`` (elements of the tensor, or of the list of an object
+    collective)."""
+    import torch.distributed as dist
+
+    import entrenar.train.loop as loop
+    from entrenar.train.stepping import SyncSteps
+
+    calls: dict[int, list[tuple[str, int]]] = {}
+    step = [0]
+
+    def counted(name, real):
+        def collective(*args, **kwargs):
+            first = args[0] if args else None
+            size = first.numel() if isinstance(first, torch.Tensor) else len(first) if isinstance(first, list) else 0
+            calls.setdefault(step[0], []).append((name, size))
+            return real(*args, **kwargs)
+        return collective
+
+    real_run = SyncSteps.run
+
+    def run(self, index, *args, **kwargs):
+        step[0] = index + 1
+        return real_run(self, index, *args, **kwargs)
+
+    real_prepare, kinds = loop.prepare, [""]
+
+    def prepare(*args, **kwargs):
+        prepared = real_prepare(*args, **kwargs)
+        kinds[0] = type(prepared.step_model).__name__
+        return prepared
+
+    for name in COLLECTIVES:
+        setattr(dist, name, counted(name, getattr(dist, name)))
+    SyncSteps.run, loop.prepare = run, prepare
+    result = loop.train(load_recipe(recipe_path, overrides), progress=False)
+    return {"calls": calls, "summary": result.summary, "kind": kinds[0]}

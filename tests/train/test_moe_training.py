@@ -267,3 +267,34 @@ def test_overlapped_steps_give_the_same_router_diagnostics_and_biases(workspace)
         runs[overlap] = ([(r["loss"], r["moe"]) for r in records], bias)
     assert runs["true"] == runs["false"]
     assert "bias_abs_max" in runs["true"][0][0][1]
+
+
+def test_a_distributed_step_sums_the_routing_counters_in_one_all_reduce(workspace, monkeypatch):
+    """close_step on 2 ranks: the counters, entropies, token counts and router losses travel in one all-reduce
+    (a step used to issue four) and each sum lands in its own counter (two ranks that routed alike: every count
+    doubled, the router losses' mean unchanged)."""
+    import torch.distributed as dist
+
+    from entrenar.distributed.world import World
+
+    tiny_moe_model(workspace / "moe")
+    model = load_hf(workspace / "moe")
+    moe = MoeTraining(model, MoeSection(aux_loss=0.5, z_loss=0.1))
+    ids = torch.randint(0, 10, (2, 8))
+    calls: list[int] = []
+
+    def all_reduce(tensor, op=None):  # the other rank holds the same values: the sum is twice this rank's
+        calls.append(tensor.numel())
+        tensor.mul_(2)
+
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    (model(ids).float().mean() + moe.router_loss({})).backward()
+    alone = moe.close_step().tolist()  # one process
+    moe.world = World(rank=0, size=2, backend="gloo")
+    (model(ids).float().mean() + moe.router_loss({})).backward()
+    both = moe.close_step().tolist()
+    layers, experts = moe._counts.shape
+    counters = layers * experts + 2 * layers  # expert counts, entropies, tokens; then the 2 router losses
+    assert calls == [counters + 2]
+    assert both[:counters] == [2 * x for x in alone[:counters]] and sum(alone[:counters]) > 0
+    assert both[counters:counters + 2] == pytest.approx(alone[counters:counters + 2])

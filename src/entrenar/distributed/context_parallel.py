@@ -195,6 +195,9 @@ class ContextParallel(Single):
     def sync(self, last: bool) -> AbstractContextManager:
         return self.inner.sync(last)
 
+    def carry(self, values: torch.Tensor) -> torch.Tensor | None:
+        return self.inner.carry(values)
+
     def shard(self, batch: Batch) -> Batch:
         """This rank's slice of a padding-free micro-batch (:func:`shard_row`)."""
         return shard_row(batch, self.ulysses.size, self.ulysses.rank)

@@ -16,7 +16,11 @@ overlap off on several processes (docs/DISTRIBUTED.md).
   size and summed over the ranks with one ``all_reduce``, outside any graph, on the current stream (NCCL orders
   its stream after the current one and the current one after it), so what reads the gradients next (clipping,
   the optimizer, overlap's deferred read) sees them in order without a host wait;
-- trainable parameters are broadcast from rank 0 once at the start, as DDP does.
+- trainable parameters are broadcast from rank 0 once at the start, as DDP does;
+- the fp32 buffer has a few spare elements after the gradients, where the step's loss, the task's metrics and
+  each rank's peak memory ride the same all-reduce (:meth:`FlatReplicated.carry`), instead of an all-reduce of
+  the loss every step and an all-gather of the peaks on logged lines: besides the token counts before the
+  forward (:func:`~entrenar.distributed.steps.step_counts`), a step communicates its gradients only.
 
 Dividing before summing is what DDP's default hook does, so both paths compute the same average.
 """
@@ -33,21 +37,30 @@ from torch import nn
 from entrenar.distributed.parallelize import Single
 from entrenar.distributed.world import World
 
+# Elements after the gradients in the fp32 buffer, beyond one per rank (the peaks): the loss and a task's metrics.
+CARRY_SLOTS = 32
+
 
 class FlatGradients:
-    """The trainable parameters' gradients as views into one flat buffer per dtype."""
+    """The trainable parameters' gradients as views into one flat buffer per dtype; ``spare`` more elements after
+    them in the (first) fp32 buffer, which no gradient uses (:attr:`spare`, None without an fp32 buffer)."""
 
-    def __init__(self, params: list[nn.Parameter]) -> None:
+    def __init__(self, params: list[nn.Parameter], spare: int = 0) -> None:
         by_dtype: dict[tuple[torch.dtype, torch.device], list[nn.Parameter]] = {}
         for p in params:
             by_dtype.setdefault((p.dtype, p.device), []).append(p)
         self.groups: list[tuple[torch.Tensor, list[tuple[nn.Parameter, torch.Tensor]]]] = []
+        self.spare: torch.Tensor | None = None
         for (dtype, device), group in by_dtype.items():
-            flat = torch.zeros(sum(p.numel() for p in group), dtype=dtype, device=device)
+            size = sum(p.numel() for p in group)
+            extra = spare if spare and dtype == torch.float32 and self.spare is None else 0
+            flat = torch.zeros(size + extra, dtype=dtype, device=device)
             views, offset = [], 0
             for p in group:
                 views.append((p, flat[offset:offset + p.numel()].view_as(p)))
                 offset += p.numel()
+            if extra:
+                self.spare = flat[size:]
             self.groups.append((flat, views))
         self.attach()
 
@@ -85,12 +98,12 @@ class FlatReplicated(Single):
         self.world = world
         params = [p for p in model.parameters() if p.requires_grad]
         self._broadcast(params)
-        self.grads = FlatGradients(params)
+        self.grads = FlatGradients(params, spare=CARRY_SLOTS + world.size)
         self.reductions = 0  # all-reduces of the gradients so far (one per optimizer step)
 
     def _broadcast(self, params: list[nn.Parameter]) -> None:
         """Rank 0's trainable weights on every rank (the frozen base is read from the same files everywhere)."""
-        if not self.world.distributed or not params:
+        if not self.world.distributed or self.world.alone or not params:
             return
         with torch.no_grad():
             by_dtype: dict[tuple[torch.dtype, torch.device], list[nn.Parameter]] = {}
@@ -115,9 +128,24 @@ class FlatReplicated(Single):
         if last:
             self.reduce()
 
+    def carry(self, values: torch.Tensor) -> torch.Tensor | None:
+        """``values`` copied into the fp32 buffer's spare elements, so the all-reduce of the gradients that ends
+        this step's last micro-batch averages them too (each buffer is divided by the world size, then summed);
+        the view returned holds that mean once :meth:`sync`'s context has ended, and is overwritten by the next
+        step's. None when there is no room (no fp32 gradients, or more values than spare elements: the caller then
+        reduces them itself) or no process group."""
+        spare = self.grads.spare
+        if not self.world.distributed or spare is None or values.numel() > spare.numel() \
+                or values.device != spare.device:
+            return None
+        carried = spare[:values.numel()]
+        carried.copy_(values)
+        return carried
+
     def reduce(self) -> None:
-        """Each flat buffer averaged over the ranks: divided by the world size, then one all-reduce sum."""
-        if self.world.distributed:
+        """Each flat buffer averaged over the ranks: divided by the world size, then one all-reduce sum (nothing
+        to do on a group of one)."""
+        if self.world.distributed and not self.world.alone:
             for flat in self.grads.buffers:
                 flat.div_(self.world.size)
                 dist.all_reduce(flat, op=dist.ReduceOp.SUM)

@@ -57,6 +57,13 @@ class Single:
     def sync(self, last: bool) -> AbstractContextManager:
         return nullcontext()
 
+    def carry(self, values: torch.Tensor) -> torch.Tensor | None:
+        """Hand this rank's ``values`` (a small fp32 vector, called inside the step's last :meth:`sync`) to the
+        collective that reduces the step's gradients when that context ends: the tensor returned then holds their
+        mean over the ranks. None where there is no such collective to ride (one process, torch's DDP, FSDP):
+        the caller reduces them itself."""
+        return None
+
 
 class _Entry(nn.Module):
     """What DDP wraps: one forward that runs any of the model's forward methods, so ``hidden_states`` (the fused

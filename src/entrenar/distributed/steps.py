@@ -82,24 +82,49 @@ def describe(mode: str, world: World, batch_size: int, accumulation: int, seq_le
             f"device x {accumulation} accumulation x {world.size} processes (up to {rows * seq_len:,} tokens a step)")
 
 
+def step_scalars(loss: torch.Tensor, metrics: dict[str, torch.Tensor], world: World,
+                 device: torch.device) -> torch.Tensor:
+    """This rank's share of what a step averages over the ranks beside its gradients, as one fp32 vector on
+    ``device``: ``[loss, *metrics, *peaks]``. Its mean over the ranks is the global step's loss, the task's metrics
+    averaged, and (a distributed run) each rank's peak memory in GB at its rank's slot: each rank writes its own
+    times the world size there and zeros elsewhere. Built on the device with no host read, so it can ride the
+    gradients' all-reduce (:meth:`~entrenar.distributed.parallelize.Single.carry`) instead of a collective of its
+    own, on every step, logged or not."""
+    parts = [loss.detach().float().reshape(1), *[v.detach().float().reshape(1) for v in metrics.values()]]
+    if world.distributed:
+        peaks = torch.zeros(world.size, device=device)
+        peaks.narrow(0, world.rank, 1).fill_(peak_bytes(device) / 1e9 * world.size)  # a kernel's argument: no copy
+        parts.append(peaks)
+    return torch.cat(parts)
+
+
+def split_scalars(means: Any, names: tuple[str, ...], world: World) -> tuple[Any, dict[str, Any], Any]:
+    """(loss, the task's metrics by name, each rank's peak memory in GB or None on one process) of a
+    :func:`step_scalars` vector averaged over the ranks (a device tensor, or the list read to the host)."""
+    k = 1 + len(names)
+    return means[0], dict(zip(names, means[1:k], strict=True)), means[k:k + world.size] if world.distributed else None
+
+
+def peak_bytes(device: torch.device) -> float:
+    """This process's peak memory in bytes (CUDA: allocated by torch; otherwise the process's peak resident
+    memory). A host call: no device read."""
+    if device.type == "cuda":
+        return float(torch.cuda.max_memory_allocated(device))
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0  # kilobytes on Linux
+
+
 def peak_memory(world: World, device: torch.device) -> dict[str, Any]:
-    """``{"peak_mem_gb_ranks": [...]}`` for the metrics line of a distributed run (``{}`` on one process): each
-    rank's peak (CUDA: allocated by torch; CPU: the process's peak resident memory), gathered as one tensor."""
+    """``{"peak_mem_gb_ranks": [...]}``, each rank's peak so far (:func:`peak_bytes`) gathered as one tensor, for
+    the summary of a distributed run (``{}`` on one process): one all-gather and a host read, at the end of the
+    run only (the step's lines carry theirs in :func:`step_scalars`)."""
     if not world.distributed:
         return {}
-    return {"peak_mem_gb_ranks": [round(float(p) / 1e9, 3) for p in gathered_peaks(world, device).tolist()]}
-
-
-def gathered_peaks(world: World, device: torch.device) -> torch.Tensor:
-    """Each rank's peak memory in bytes (as :func:`peak_memory`), gathered on ``device`` and not read: a caller
-    that must not wait for the work queued before the gather reads it later."""
-    if device.type == "cuda":
-        peak = float(torch.cuda.max_memory_allocated(device))
-    else:
-        import resource
-
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0  # kilobytes on Linux
-    mine = torch.tensor([peak], dtype=torch.float64, device=device)
+    mine = torch.tensor([peak_bytes(device)], dtype=torch.float64, device=device)
     every = [torch.empty_like(mine) for _ in range(world.size)]
-    torch.distributed.all_gather(every, mine)  # a tensor collective: no pickling on the step's path
-    return torch.cat(every)
+    if world.alone:
+        every = [mine]
+    else:
+        torch.distributed.all_gather(every, mine)  # a tensor collective: no pickling
+    return {"peak_mem_gb_ranks": [round(float(p) / 1e9, 3) for p in torch.cat(every).tolist()]}

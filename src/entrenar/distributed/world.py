@@ -41,22 +41,29 @@ class World:
     def distributed(self) -> bool:
         return self.backend is not None
 
+    @property
+    def alone(self) -> bool:
+        """Whether this process is the only rank (no process group, or a group of one: ``parallel: ddp`` or
+        ``fsdp`` on one process). Its collectives are identities then and are not issued: on CUDA each would
+        still cost an NCCL launch and two cross-stream waits a step."""
+        return self.size == 1
+
     def all_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor`` summed over all ranks, in place (on its own device: no host copy)."""
-        if self.distributed:
+        if self.distributed and not self.alone:
             dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
         return tensor
 
     def all_gather(self, value: Any) -> list[Any]:
         """Every rank's ``value`` (picklable, small), in rank order."""
-        if not self.distributed:
+        if not self.distributed or self.alone:
             return [value]
         out: list[Any] = [None] * self.size
         dist.all_gather_object(out, value)
         return out
 
     def barrier(self) -> None:
-        if self.distributed:
+        if self.distributed and not self.alone:
             dist.barrier()
 
     def main_only(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
@@ -66,7 +73,7 @@ class World:
         rank 0 is raised on every rank with the same message, so a failed save stops the run once, cleanly,
         instead of leaving the others waiting at the next collective until the timeout.
         """
-        if not self.distributed:
+        if not self.distributed or self.alone:
             return fn(*args, **kwargs)
         box: list[Any] = [None]
         if self.is_main:

@@ -44,12 +44,20 @@ def plan_lines(plan: RunPlan) -> list[str]:
         f"activations {estimate.activations / GiB:.2f}, logits {estimate.logits / GiB:.2f}"
         f"{f', reference copy {estimate.reference / GiB:.2f}' if estimate.reference else ''}{_cpu_terms(estimate)}"
         f"{f', backward transients {estimate.transient / GiB:.2f}' if estimate.transient else ''}"
+        f"{_released(estimate)}"
         f"{_sampling_terms(estimate)})",
         *([f"{'':<22}{CPU_ESTIMATE_NOTE}"] if estimate.runtime else []),
         *_qat_lines(plan),
         "plan",
         *[f"  {key:<30}{why}" for key, why in plan.reasons],
     ]
+
+
+def _released(estimate: MemoryEstimate) -> str:
+    """What a layer's backward no longer holds of the head's saved tensors (the step counts the larger phase)."""
+    if not (estimate.transient and estimate.head_released):
+        return ""
+    return f" less {estimate.head_released / GiB:.2f} the head released before them"
 
 
 def _qat_lines(plan: RunPlan) -> list[str]:

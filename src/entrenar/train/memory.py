@@ -6,8 +6,13 @@ with their loss gradient). It assumes memory-efficient attention (no T x T
 scores kept; on a CPU in bf16 the explicit attention of short documents keeps
 their probabilities, at most 64 MiB a layer, not counted), AdamW (two state
 tensors per trainable parameter) and no allocator slack; tests check each
-part against measured tensors. Padding-free batches (a CPU's default) run
-only their real tokens, so the estimate, made for full rows, is an upper bound.
+part against measured tensors. On a GPU the step's peak is the larger of the
+forward's end and one layer's backward, which adds that layer's transients but
+no longer holds what the output head saved (the head's backward, which runs
+first, has freed it): checked against peaks measured on an H200 at long
+context (tests/train/test_longest_context.py). Padding-free batches (a CPU's
+default) run only their real tokens, so the estimate, made for full rows, is an
+upper bound.
 
 On the CPU (``cpu=True``) the estimate is of the process's peak resident
 memory, which adds what a GPU count leaves out: the Python and PyTorch
@@ -66,14 +71,20 @@ class MemoryEstimate:
     reference: float = 0.0  # preference optimisation: a frozen copy of the model as the reference (task.reference)
     # GPU only: what one layer's backward creates beside what it kept (:func:`backward_transients`)
     transient: float = 0.0
+    # GPU only: what the output head saved for backward (counted in activations and logits) and its own backward
+    # releases before any decoder layer's runs (:func:`head_released`): the backward's peak does not hold it
+    head_released: float = 0.0
     # A task that samples before its loss (GRPO): the sampling phase's peak (:func:`generation_memory`), which
     # comes before the training forward and is freed by then: the total counts the larger of the two phases.
     generation: float = 0.0
 
     @property
     def step(self) -> float:
-        """What the training step holds beyond the resident state at its peak (forward, loss and backward)."""
-        return (self.activations + self.logits + self.casts + self.allocator + self.fake_quant + self.transient)
+        """What the training step holds beyond the resident state at its peak (forward, loss and backward): the
+        forward's end (activations and logits), or a layer's backward, which adds its transients but no longer
+        holds what the head released (:attr:`head_released`), whichever is larger."""
+        return (self.activations + self.logits + self.casts + self.allocator + self.fake_quant
+                + max(0.0, self.transient - self.head_released))
 
     @property
     def total(self) -> float:
@@ -313,7 +324,8 @@ def estimate_training_memory(
     `tiled_mlp` (tokens a tile; 0: off) runs each dense layer's MLP half in tiles (:mod:`entrenar.models.tiled`):
     the layer keeps the MLP's input instead of its activations, and its backward holds one tile's. A GPU estimate
     (not ``cpu``) adds the transients of one layer's backward (``transient``, :func:`backward_transients`; under
-    QLoRA of an MoE model, one layer's dequantized expert stack too, :func:`nf4_expert_stack_bytes`).
+    QLoRA of an MoE model, one layer's dequantized expert stack too, :func:`nf4_expert_stack_bytes`), less what
+    the output head saved and has released by then (``head_released``, :func:`head_released`).
 
     `fused_loss_bytes`: what a chunked loss holds for each logit of its chunk at once, on any device, when it is
     not the fused cross-entropy's (None: its logits in the compute dtype, on a CPU its PyTorch path's fp32 copies
@@ -335,6 +347,7 @@ def estimate_training_memory(
                                                  offload_activations)
         if method == "qlora" and config.is_moe:
             estimate.transient += nf4_expert_stack_bytes(config, dtype_bytes)
+        estimate.head_released = head_released(config, tokens, dtype_bytes, kernels, fused_loss_chunk)
     if qat:
         _add_qat_terms(estimate, config, method, tokens, dtype_bytes, param_bytes, states, activation_checkpointing,
                        cpu, qat_group_size, qat_activations)
@@ -572,10 +585,31 @@ def _activations(config: ModelConfig, method: str, tokens: int, dtype_bytes: int
     activations = tokens * (kept_whole * per_layer + kept_inputs * config.hidden_size * dtype_bytes)
     rebuilt = tokens * rebuilt_layer if recomputed_layers else 0
     activations += rebuilt
-    # The final norm keeps its input and, eager, its fp32 upcast (the fused norm: 1/rms a token).
-    activations += tokens * (config.hidden_size * dtype_bytes + (4 if kernels else config.hidden_size * 4))
+    activations += tokens * _final_norm_bytes(config, dtype_bytes, kernels)
     activations += tokens * 2 * (config.head_dim or 0) * dtype_bytes  # RoPE's cos and sin, shared by the layers
     return activations, rebuilt
+
+
+def _final_norm_bytes(config: ModelConfig, dtype_bytes: int, kernels: bool) -> int:
+    """Bytes the final norm keeps a token for backward: its input and, eager, its fp32 upcast (the fused norm: 1/rms
+    a token)."""
+    return config.hidden_size * dtype_bytes + (4 if kernels else config.hidden_size * 4)
+
+
+def head_released(config: ModelConfig, tokens: int, dtype_bytes: int, kernels: bool,
+                  fused_loss_chunk: int | None) -> float:
+    """Bytes the output head saved for backward that its own backward releases before any decoder layer's backward
+    runs, so that a layer's backward (where a checkpointed step peaks) does not hold them beside its transients.
+
+    The final norm's input and 1/rms (:func:`_final_norm_bytes`; the last layer's output is referenced by nothing
+    else) and, with a chunked head, the ``[tokens, hidden]`` tensor :func:`_logits` counts: the fused loss's
+    hidden-state gradient (:class:`entrenar.models.loss.GradsInForward` saves it; its backward hands a scaled copy
+    to the final norm's backward, which turns it into the last layer's incoming gradient, counted among that
+    layer's transients) or the hidden states a chunked log-probability head reads again. Autograd frees a node's
+    saved tensors once the node has run, and the head's nodes run before every layer's.
+    """
+    chunked = tokens * config.hidden_size * dtype_bytes if fused_loss_chunk else 0
+    return tokens * _final_norm_bytes(config, dtype_bytes, kernels) + chunked
 
 
 def _logits(config: ModelConfig, tokens: int, dtype_bytes: int, fused_loss_chunk: int | None, rebuilt: float,

@@ -169,8 +169,10 @@ class MoeTraining:
         ``update`` False, or a 0.0 flag on the device when the loop decides later), and return the step's
         routing counters as one vector for :meth:`diagnose` (the accumulators start again from zero)."""
         if self.world is not None and self.world.distributed:  # the global step's routing, the same on every rank
-            for t in (self._counts, self._entropy, self._tokens, self._losses):
-                self.world.all_sum(t)
+            counters = (self._counts, self._entropy, self._tokens, self._losses)
+            summed = self.world.all_sum(torch.cat([t.reshape(-1) for t in counters]))  # one all-reduce, not four
+            for t, total in zip(counters, summed.split([t.numel() for t in counters]), strict=True):
+                t.copy_(total.view_as(t))  # in place: a CUDA graph adds into these
             self._losses /= self.world.size
         rate = self.section.bias_update_rate
         if rate and update is not False:

@@ -49,6 +49,7 @@ class StepRecord:
     flags: dict[str, Any] = field(default_factory=dict)  # skipped / scaler_skipped
     moe_values: list[float] | None = None
     metrics: dict[str, float] = field(default_factory=dict)  # the task's own (Task.step_metrics), ranks' mean
+    peaks: list[float] | None = None  # distributed: each rank's peak memory (GB) up to this step's last backward
 
 
 class MicroStep:
@@ -104,43 +105,55 @@ class SyncSteps:
         self.max_norm = max_grad_norm if max_grad_norm > 0 else math.inf
         self.keep_grads = micro_step.graphs  # a graph adds into gradients it holds: zeroed in place
         self.metrics: dict[str, torch.Tensor] = {}  # the task's metrics of the step being applied
+        self.peaks: torch.Tensor | None = None  # and each rank's peak memory (a distributed run)
 
     def run(self, step: int, lr: float, acts: bool) -> StepRecord | None:
         """Step ``step`` (0-based) at learning rate ``lr``; its record when its results were read now (always,
         here), None when they come later. ``acts``: the host acts on this step (evaluation, checkpoint)."""
         started = time.perf_counter()
         watchdog.beat("data", step + 1)  # what this rank is doing, for the launcher's watchdog (hung ranks)
-        loss, tokens = self._accumulate(step + 1)
+        means, names, tokens = self._accumulate(step + 1)
         self._read_earlier()
         self.scaler.unscale_(self.optimizer)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable, self.max_norm)  # the pre-clip norm
         watchdog.beat("collective", step + 1)
-        # The global step's loss on every rank, so every rank takes the same decision; the task's metrics of the
-        # step (means over this rank's micro-batches: a classifier's accuracy, TRL's preference metrics) ride the
-        # same all-reduce, averaged over the ranks (each rank holds as many rows), all on the device.
-        metrics = self.task.step_metrics()
-        means = self.world.all_sum(torch.stack([loss.float().reshape(()), *[
-            v.detach().float().reshape(()) for v in metrics.values()]])) / self.world.size
-        loss, self.metrics = means[0], dict(zip(metrics, means[1:], strict=True))
+        loss, self.metrics, self.peaks = dist_steps.split_scalars(means, names, self.world)
         return self._apply(step + 1, lr, started, loss, grad_norm, tokens, acts)
 
     def finish(self) -> None:
         """Read whatever is still on its way (nothing, here)."""
 
-    def _accumulate(self, done: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's micro-batches of step ``done``, forward and backward: (summed normalised loss, real tokens)."""
+    def _accumulate(self, done: int) -> tuple[torch.Tensor, tuple[str, ...], torch.Tensor]:
+        """This rank's micro-batches of step ``done``, forward and backward: (the step's scalars averaged over the
+        ranks, :func:`~entrenar.distributed.steps.step_scalars`; the task's metric names; real tokens).
+
+        The global step's loss reaches every rank, so every rank takes the same decision on a non-finite one;
+        the task's metrics of the step (means over this rank's micro-batches: a classifier's accuracy, TRL's
+        preference metrics) are averaged over the ranks (each holds as many rows), and each rank's peak memory
+        comes with them, all on the device. Under flat DDP they ride the gradients' all-reduce; otherwise one
+        all-reduce of their own (none on one process)."""
         micro_batches = dist_steps.step_batches(self.stream, self.accumulation, self.data_world)
         targets, tokens = dist_steps.step_counts(micro_batches, self.data_world, self.device,
                                                  count_targets=self.task.num_targets)
         watchdog.beat("forward/backward", done)
+        step_model = self.micro_step.step_model
         loss = torch.zeros((), device=self.device)
+        metrics: dict[str, torch.Tensor] = {}
+        scalars, carried = loss, None
         for i, micro_batch in enumerate(micro_batches):
             batch = {k: _to(v, self.device) for k, v in self.layout(micro_batch).items()}
             # Over world.size: DDP and FSDP average the ranks' gradients, and the step needs their sum.
             batch["step_targets"] = targets / self.world.size
-            with self.micro_step.step_model.sync(last=i == len(micro_batches) - 1):  # all-reduce once a step
+            last = i == len(micro_batches) - 1
+            with step_model.sync(last=last):  # all-reduce once a step
                 loss += self.micro_step(batch)
-        return loss, tokens
+                if last:
+                    metrics = self.task.step_metrics()
+                    scalars = dist_steps.step_scalars(loss, metrics, self.world, self.device)
+                    carried = step_model.carry(scalars)
+        if carried is not None:  # averaged with the gradients; a copy: the next step's writes over it
+            return carried.clone(), tuple(metrics), tokens
+        return self.world.all_sum(scalars) / self.world.size, tuple(metrics), tokens
 
     def _read_earlier(self) -> None:
         """Read a step launched before this one (overlap)."""
@@ -149,16 +162,34 @@ class SyncSteps:
                tokens: torch.Tensor, acts: bool) -> StepRecord | None:
         # The step's one host read; a NaN/inf loss or gradient norm then stops the run, or drops this step's
         # update (training.nonfinite), before the optimizer applies it.
-        loss_value, norm_value = float(loss), float(grad_norm)
-        flags = self.guard.check(done, loss_value, norm_value)
+        values = self._values(loss, grad_norm, tokens).tolist()
+        flags = self.guard.check(done, values[0], values[1])
         flags |= optimizer_step(self.scaler, self.optimizer, skip=bool(flags))  # fp16: the scaler's own skips
         self.optimizer.zero_grad(set_to_none=not self.keep_grads)
         # Router biases move only with an applied update (a skipped step leaves them too).
         moe_values = self.moe.close_step(update="skipped" not in flags).tolist() if self.moe is not None else None
-        record = StepRecord(done, lr, started, loss_value, norm_value, int(tokens), flags, moe_values,
-                            _finite(self.metrics))
+        record = self._record(done, lr, started, values, tuple(self.metrics), flags)
+        record.moe_values = moe_values
         self.log(record)
         return record
+
+    def _values(self, loss: torch.Tensor, grad_norm: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """What the host reads of a step, as one float64 vector on the device: loss, gradient norm, tokens, the
+        task's metrics, each rank's peak memory."""
+        peaks = [self.peaks.double()] if self.peaks is not None else []
+        full = getattr(grad_norm, "full_tensor", None)  # FSDP: a DTensor norm, reduced over the ranks here
+        grad_norm = full() if full is not None else grad_norm
+        return torch.cat([loss.double().reshape(1), grad_norm.double().reshape(1), tokens.double().reshape(1),
+                          *[v.double().reshape(1) for v in self.metrics.values()], *peaks])
+
+    def _record(self, done: int, lr: float, started: float, values: list[float], names: tuple[str, ...],
+                flags: dict[str, Any]) -> StepRecord:
+        """The record of step ``done`` from its :meth:`_values` as read (MoE's values after them, if any)."""
+        k = 3 + len(names)
+        peaks = values[k:k + self.world.size] if self.world.distributed else None
+        return StepRecord(done, lr, started, values[0], values[1], int(values[2]), flags,
+                          values[k + len(peaks or []):] if self.moe is not None else None,
+                          _finite(dict(zip(names, values[3:k], strict=True))), peaks)
 
 
 @dataclass
@@ -169,7 +200,7 @@ class _Launched:
     lr: float
     started: float
     read: DeferredRead
-    metrics: tuple[str, ...] = ()  # the task's metric names, read after loss, norm and tokens
+    metrics: tuple[str, ...] = ()  # the task's metric names, read after loss, norm and tokens (then the peaks)
 
 
 class OverlappedSteps(SyncSteps):
@@ -188,9 +219,7 @@ class OverlappedSteps(SyncSteps):
         # Its update was already dropped on the device if non-finite; stop mode raises here, before this step's
         # update is launched.
         flags = self.guard.check(p.step, values[0], values[1])
-        k = 3 + len(p.metrics)
-        self.log(StepRecord(p.step, p.lr, p.started, values[0], values[1], int(values[2]), flags,
-                            values[k:] if self.moe is not None else None, _finite(dict(zip(p.metrics, values[3:k])))))
+        self.log(self._record(p.step, p.lr, p.started, values, p.metrics, flags))
 
     def _apply(self, done: int, lr: float, started: float, loss: torch.Tensor, grad_norm: torch.Tensor,
                tokens: torch.Tensor, acts: bool) -> StepRecord | None:
@@ -198,11 +227,10 @@ class OverlappedSteps(SyncSteps):
             return super()._apply(done, lr, started, loss, grad_norm, tokens, acts)
         found = step_unless_nonfinite(self.optimizer, loss, grad_norm)
         self.optimizer.zero_grad(set_to_none=not self.keep_grads)
-        values = [loss.double().reshape(1), grad_norm.double().reshape(1), tokens.double().reshape(1),
-                  *[v.double().reshape(1) for v in self.metrics.values()]]
+        values = self._values(loss, grad_norm, tokens)
         if self.moe is not None:  # router biases move only with an applied update
-            values.append(self.moe.close_step(update=1.0 - found).double())
-        self.pending = _Launched(done, lr, started, DeferredRead(torch.cat(values)), tuple(self.metrics))
+            values = torch.cat([values, self.moe.close_step(update=1.0 - found).double()])
+        self.pending = _Launched(done, lr, started, DeferredRead(values), tuple(self.metrics))
         return None
 
 

@@ -41,7 +41,6 @@ from entrenar.train.faults import NonfiniteGuard
 from entrenar.train.metrics import MetricsLogger, plot_loss_curve
 from entrenar.train.moe import plot_expert_load
 from entrenar.train.optim import LRSchedule, build_optimizer, build_param_groups, set_lr
-from entrenar.train.overlap import DeferredRead
 from entrenar.train.plan import RowLayout, RunPlan
 from entrenar.train.prepare import Prepared
 from entrenar.train.resume import check_trainer_state, load_trainable_state, resumed_schedule, trainable_state
@@ -94,8 +93,6 @@ class Trainer:
         self._last_read = time.perf_counter()  # overlapped steps are timed between consecutive reads
         self._last_checkpoint: Path | None = None
         self._replicas_checked: list[int] = []  # the steps whose replica check passed (a distributed run's)
-        self._peak_ranks: list[float] | None = None  # each rank's peak memory (GB) at the last logged line
-        self._peaks_pending: DeferredRead | None = None  # overlapped steps: the peaks gathered, read next line
 
     # -- setup --------------------------------------------------------------------------------------------
 
@@ -235,10 +232,8 @@ class Trainer:
         extra: dict[str, Any] = {"moe": moe_record} if moe_record is not None else {}
         extra.update(record.metrics)  # the task's own (a preference task's rewards/chosen...), as it names them
         log_every = self.recipe.training.log_every
-        if done % log_every == 0 or done == max_steps:  # a collective and a host read: on logged lines only
-            peaks = self._peaks(last=done == max_steps)  # each rank's, in a distributed run
-            extra.update(peaks)
-            self._peak_ranks = peaks.get("peak_mem_gb_ranks", self._peak_ranks)
+        if record.peaks is not None and (done % log_every == 0 or done == max_steps):  # came with the step's loss
+            extra["peak_mem_gb_ranks"] = [round(p, 3) for p in record.peaks]
         line = metrics.log_step(done, record.loss, record.grad_norm, record.lr, record.tokens,
                                 step_time_s=elapsed, flags=record.flags, extra=extra)
         for warning in warnings:
@@ -248,17 +243,6 @@ class Trainer:
             bar.set_postfix(loss=f"{record.loss:.4f}", lr=f"{record.lr:.2e}")
         if done % log_every == 0 or done == max_steps or "skipped" in record.flags:
             self.console.step(line, max_steps)  # --no-progress: a line every log_every steps
-
-    def _peaks(self, last: bool) -> dict[str, Any]:
-        """Each rank's peak memory for a logged line. Under overlapped steps a read now would wait for the step
-        queued behind this one's results: the gather launched now is read at the next logged line, which reports
-        the one launched before it (the first and the last read at once)."""
-        if not (self.plan.overlap and self.world.distributed):
-            return dist_steps.peak_memory(self.world, self.plan.device)
-        launched = DeferredRead(dist_steps.gathered_peaks(self.world, self.plan.device))
-        earlier, self._peaks_pending = self._peaks_pending, launched
-        read = launched if earlier is None or last else earlier
-        return {"peak_mem_gb_ranks": [round(p / 1e9, 3) for p in read.values()]}
 
     # -- evaluation and saving ----------------------------------------------------------------------------
 
@@ -311,7 +295,8 @@ class Trainer:
                                    full_optimizer(self.optimizer), state, t.keep_last, best=best)
 
     def _distributed_rows(self) -> list[tuple[str, str]]:
-        """A distributed run's replica check and each rank's peak memory, for the summary (none on one process)."""
+        """A distributed run's replica check and each rank's peak memory, for the summary (none on one process):
+        the peaks gathered now, once (every rank runs this), so they include the final save."""
         if not self.world.distributed:
             return []
         checked = self._replicas_checked
@@ -319,8 +304,8 @@ class Trainer:
                                   f"{checked[0]:,}-{checked[-1]:,}" if checked else
                  "not run (training.replica_check_every: 0)" if not self.recipe.training.replica_check_every else
                  "not reached in this run's steps")]
-        if self._peak_ranks is not None:
-            rows.append(("peak memory", ", ".join(f"rank {r} {gb:.2f} GB" for r, gb in enumerate(self._peak_ranks))))
+        peaks = dist_steps.peak_memory(self.world, self.plan.device)["peak_mem_gb_ranks"]
+        rows.append(("peak memory", ", ".join(f"rank {r} {gb:.2f} GB" for r, gb in enumerate(peaks))))
         return rows
 
     def _merged_report(self, unmerged: Any) -> list[tuple[str, str]]:
