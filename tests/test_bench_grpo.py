@@ -82,6 +82,6 @@ def test_the_matched_row_is_the_entrenar_recipe_with_unsloths_default_memory_set
     bench_grpo.main(["--dry", "--cases", "lora-1b", "--rows", "entrenar,entrenar-matched", "--work", str(tmp_path)])
     rows = dict(line.split(" ", 1)[1].split(": ", 1) for line in capsys.readouterr().out.splitlines())
     plain, matched = (json.loads(rows[f"{row}"])["training"] for row in ("entrenar", "entrenar-matched"))
-    assert matched == {**plain, "activation_checkpointing": True, "offload_activations": True}
+    assert matched == {**plain, "activation_checkpointing": True, "offload_activations": True, "tiled_mlp": 8192}
     assert plain["activation_checkpointing"] is False
 
