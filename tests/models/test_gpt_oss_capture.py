@@ -113,10 +113,12 @@ def _packed_batch(capacity: int) -> dict:
     return packed_documents(collate([[doc(7), doc(20)], [doc(30)]], 32), capacity=capacity)
 
 
-def test_qlora_micro_step_moves_nothing_between_host_and_device(gpt_oss, monkeypatch):
+@pytest.mark.parametrize("rows", ["packed", "document_mask"])
+def test_qlora_micro_step_moves_nothing_between_host_and_device(gpt_oss, monkeypatch, rows):
     """QLoRA on gpt-oss as bench_e2e's qlora-gpt-oss-20b trains it (NF4 attention and experts, the experts as one
     grouped product, LoRA on q/k/v/o and per expert, the fused kernels' layers, every layer checkpointed, bf16,
-    packed rows), one captured micro-step: no host tensor reaches the device, nothing is read back. The loss is
+    packed rows, or rows under a document mask), one captured micro-step: no host tensor reaches the device,
+    nothing is read back. The loss is
     the causal-LM task's unfused one: the fused loss's Triton kernel, which dense models' captured steps already
     run, has no meta stand-in (its CPU path reads the host)."""
     from entrenar.adapters.lora import LoraConfig, apply_lora
@@ -154,10 +156,10 @@ def test_qlora_micro_step_moves_nothing_between_host_and_device(gpt_oss, monkeyp
                for _, block in moe_blocks(model))
 
     batch = {k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in _packed_batch(capacity=8).items()}
+    layout = {"cu_seqlens": batch["cu_seqlens"], "max_seqlen": batch["max_seqlen"]} if rows == "packed" else {}
     traffic = HostTraffic("meta")
     with traffic:
-        logits = model(batch["input_ids"], batch["position_ids"], batch["document_ids"],
-                       cu_seqlens=batch["cu_seqlens"], max_seqlen=batch["max_seqlen"])
+        logits = model(batch["input_ids"], batch["position_ids"], batch["document_ids"], **layout)
         loss = token_cross_entropy(logits, batch["labels"])[0]
         (loss + moe.router_loss(batch)).backward()
     assert traffic.found == []
