@@ -183,6 +183,8 @@ def documents_attention(
         k, v = k.index_select(0, documents.kv_index), v.index_select(0, documents.kv_index)
     out_shape = (b, t, q.shape[1], v.shape[-1])  # values may be narrower than queries (MLA's v_head_dim)
     if sinks is not None:
+        if documents.kv_index is None and _capturing(q):
+            return _sinks_by_document_mask(q, k, v, documents, b, window, sinks).view(out_shape)
         return _per_document_sinks(q, k, v, documents, window, sinks).view(out_shape)
     if softcap is None and _varlen_fits(q, k, documents, window, v.shape[-1]) and \
             (scale is None or "scale" in _VARLEN_PARAMS):
@@ -269,6 +271,40 @@ def _per_document_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docum
             ki, vi = (x[k_start:k_end].transpose(0, 1)[None] for x in (k, v))
             pieces.append(sink_attention(qi, ki, vi, sinks, window=window)[0].transpose(0, 1))
     return torch.cat(pieces)
+
+
+def _capturing(t: torch.Tensor) -> bool:
+    """Whether a CUDA graph is capturing the work on ``t``: then nothing may be read back to the host (a copy of
+    device memory into unpinned host memory fails the capture), and no launch may depend on device values."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def segment_mask(documents: Documents, rows: int, length: int, window: int | None = None) -> torch.Tensor:
+    """Which keys each query attends (bool ``[rows, length, length]``) in rows of ``length`` tokens whose segments
+    ``documents.cu_seqlens`` marks over the rows end to end, none crossing a row (as
+    :func:`~entrenar.data.batching.packed_documents` and padding-free rows lay them out): its own segment's, up to
+    itself and within the ``window`` latest positions. Built on the device from ``cu_seqlens``: no host read."""
+    cu = documents.cu_seqlens
+    tokens = torch.arange(rows * length, device=cu.device, dtype=cu.dtype)
+    segment = torch.searchsorted(cu, tokens, right=True).view(rows, length)  # empty segments hold no token
+    position = torch.arange(length, device=cu.device)
+    allowed = position[None, :] <= position[:, None]
+    if window is not None:
+        allowed = allowed & (position[:, None] - position[None, :] < window)
+    return allowed & (segment[:, :, None] == segment[:, None, :])
+
+
+def _sinks_by_document_mask(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Documents, rows: int,
+                            window: int | None, sinks: torch.Tensor) -> torch.Tensor:
+    """:func:`_per_document_sinks` (q, k, v ``[N, H, D]``) as each row's attention with sinks under its segments'
+    mask (:func:`segment_mask`): what a CUDA graph can capture, where the per-document loop would read
+    ``cu_seqlens`` back to the host and size its products by it. The same outputs up to the order of fp32 sums
+    (a masked key adds an exact zero); each query's probabilities span its row's keys, as the memory estimate
+    counts them (``entrenar.train.memory``)."""
+    n, length = q.shape[0], q.shape[0] // rows
+    q, k, v = (x.view(rows, length, x.shape[1], x.shape[2]).transpose(1, 2) for x in (q, k, v))  # [B, H, T, D]
+    mask = segment_mask(documents, rows, length, window)[:, None]
+    return sink_attention(q, k, v, sinks, mask).transpose(1, 2).reshape(n, q.shape[1], v.shape[-1])
 
 
 def _per_document(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Documents,
