@@ -334,3 +334,29 @@ def test_the_plan_reads_what_a_task_declares_not_its_name(workspace, monkeypatch
     assert memory.reference == memory.weights > 0 and dict(reasons)["task.reference"] == "copy (declared by a test)"
     with pytest.raises(ConfigError, match=r"task\.reference: a frozen copy is not sharded under FSDP"):
         plan(workspace, *cuda, "training.parallel=fsdp", device=CUDA, world=World(size=2, backend="nccl"))
+
+
+def test_decode_graphs_and_shard_reads_follow_the_declared_facts_not_the_task_name(workspace, monkeypatch):
+    """The sampler's decode-graph decision belongs to a task whose TaskLayout declares ``decode_graphs``, and
+    FSDP ranks read their own shards from the model folder for a task that declares ``model_from_folder``:
+    swapping the facts between two tasks swaps the decisions."""
+    causal = tasks.layout_of("causal_lm")
+
+    def decode_line(task):
+        return dict(plan(workspace, "model.device=cuda", f"task.type={task}", device=CUDA).reasons).get(
+            "task.decode_cuda_graphs")
+
+    def shard_files(task):
+        p = plan(workspace, "lora=null", "training.parallel=fsdp", f"task.type={task}",
+                 world=World(size=2, backend="gloo"))
+        return p.shard_files, dict(p.reasons)["fsdp loading"]
+
+    assert decode_line("causal_lm") is None and shard_files("causal_lm")[0] is not None
+    assert shard_files("classification") == (None, "rank 0 reads the model and broadcasts it (adapters, "
+                                                    "quantizers or a task's head are made on rank 0)")
+    monkeypatch.setitem(tasks.LAYOUTS, "causal_lm", dataclasses.replace(causal, model_from_folder=False,
+                                                                        decode_graphs=True))
+    monkeypatch.setitem(tasks.LAYOUTS, "classification", dataclasses.replace(causal, model_from_folder=True))
+    assert decode_line("causal_lm") == "on (auto: a CUDA device; eager where the built model cannot replay " \
+                                       "(docs/RL.md))"
+    assert shard_files("causal_lm")[0] is None and shard_files("classification")[0] is not None

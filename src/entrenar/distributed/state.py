@@ -21,11 +21,12 @@ import torch
 from torch import nn
 
 
-def _sharded(tensor: Any) -> bool:
+def is_dtensor_shard(tensor: Any) -> bool:
+    """Whether ``tensor`` is a DTensor: this rank's shard of a value ``fully_shard`` split across the ranks."""
     return type(tensor).__name__ == "DTensor"
 
 
-def _whole(tensor: Any) -> torch.Tensor:
+def gather_whole(tensor: Any) -> torch.Tensor:
     """A DTensor's full value as a plain CPU tensor of its own (a collective: every rank calls it)."""
     out = torch.empty(tensor.shape, dtype=tensor.dtype)
     out.copy_(tensor.full_tensor())  # a copy: what full_tensor() returns may be a view of a collective's buffer
@@ -33,7 +34,7 @@ def _whole(tensor: Any) -> torch.Tensor:
 
 
 def is_sharded(model: nn.Module) -> bool:
-    return any(_sharded(p) for p in model.parameters())
+    return any(is_dtensor_shard(p) for p in model.parameters())
 
 
 @contextmanager
@@ -52,10 +53,10 @@ def full_params(model: nn.Module, write_back: bool = False, trainable_only: bool
     full: dict[int, nn.Parameter] = {}
     for module in model.modules():
         for name, param in list(module._parameters.items()):
-            if param is None or not _sharded(param) or (trainable_only and not param.requires_grad):
+            if param is None or not is_dtensor_shard(param) or (trainable_only and not param.requires_grad):
                 continue
             if id(param) not in full:
-                full[id(param)] = nn.Parameter(_whole(param.detach()), requires_grad=param.requires_grad)
+                full[id(param)] = nn.Parameter(gather_whole(param.detach()), requires_grad=param.requires_grad)
             swapped.append((module, name, param))
             module._parameters[name] = full[id(param)]
     try:
@@ -88,7 +89,7 @@ class _FullOptimizer:
 
     def _gathered(self) -> dict:
         state = self.optimizer.state_dict()
-        state["state"] = {i: {k: _whole(v) if _sharded(v) else v for k, v in s.items()}
+        state["state"] = {i: {k: gather_whole(v) if is_dtensor_shard(v) else v for k, v in s.items()}
                           for i, s in state["state"].items()}
         return state
 
@@ -103,7 +104,7 @@ class _FullOptimizer:
         by_id = dict(zip(ids, params))
         for i, entry in state["state"].items():
             param = by_id[i]
-            if not _sharded(param):
+            if not is_dtensor_shard(param):
                 continue
             for key, value in entry.items():
                 if isinstance(value, torch.Tensor) and value.shape == param.shape and value.ndim > 0:
@@ -114,7 +115,7 @@ class _FullOptimizer:
 def full_optimizer(optimizer: torch.optim.Optimizer, gather: bool = True) -> Any:
     """``optimizer`` itself, or for sharded parameters a view with full tensors (gathered now, on every rank,
     unless ``gather`` is False: a view to load into)."""
-    sharded = any(_sharded(p) for group in optimizer.param_groups for p in group["params"])
+    sharded = any(is_dtensor_shard(p) for group in optimizer.param_groups for p in group["params"])
     return _FullOptimizer(optimizer, gather) if sharded else optimizer
 
 

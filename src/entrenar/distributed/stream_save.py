@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch import nn
 
-from entrenar.distributed.state import _sharded, _whole, is_sharded
+from entrenar.distributed.state import gather_whole, is_dtensor_shard, is_sharded
 from entrenar.errors import ModelError
 from entrenar.io import atomic
 from entrenar.io.finite import first_nonfinite
@@ -67,7 +67,7 @@ def _groups(state: dict[str, Any], max_shard_bytes: int) -> list[list[str]]:
 
 def _check_finite(world: World, state: dict[str, Any], where: Path) -> None:
     """save_hf's refusal of NaN/inf, on each rank's shards; every rank raises the same error (nothing written)."""
-    local = [(n, t.to_local() if _sharded(t) else t) for n, t in state.items()]
+    local = [(n, t.to_local() if is_dtensor_shard(t) else t) for n, t in state.items()]
     found = world.all_gather(first_nonfinite(local))
     bad = [b for b in found if b is not None]
     if bad:
@@ -83,11 +83,11 @@ def _gathered(state: dict[str, Any], names: list[str], keep: bool) -> Iterator[t
     for name in names:
         tensor = state[name]
         if not keep:
-            if _sharded(tensor):
+            if is_dtensor_shard(tensor):
                 tensor.full_tensor()  # this rank's part in the collective; nothing kept, nothing copied
             yield name, None
             continue
-        yield name, _whole(tensor) if _sharded(tensor) else tensor.contiguous().cpu()
+        yield name, gather_whole(tensor) if is_dtensor_shard(tensor) else tensor.contiguous().cpu()
 
 
 def save_model_folder_streamed(world: World, model: Transformer, tokenizer: Tokenizer | None, output: Path,

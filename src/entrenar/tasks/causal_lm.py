@@ -50,7 +50,8 @@ class CausalLMTask:
     kernels: bool = False  # the plan's: the output projection fused with the loss when the head is plain
     name: str = "causal_lm"
     perplexity: bool = True
-    layout: ClassVar[TaskLayout] = TaskLayout(documents=True, fused_head=True, auto_offload_embeddings=True)
+    layout: ClassVar[TaskLayout] = TaskLayout(documents=True, fused_head=True, auto_offload_embeddings=True,
+                                              model_from_folder=True)
     fixed_layout: ClassVar[None] = None  # rows laid out as rows (tasks.base.FixedLayout)
     _head: nn.Linear | None = field(default=None, repr=False)  # set by prepare() when the loss is fused
     _logits_scaling: float = field(default=1.0, repr=False)  # the model's logits divisor (Granite), set by prepare()

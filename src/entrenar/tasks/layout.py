@@ -4,8 +4,9 @@ Each task class declares its :class:`TaskLayout` (``layout``, a class attribute)
 :func:`entrenar.tasks.layout_of` finds it from ``task.type``. The plan (:mod:`entrenar.train.plan`) reads these
 facts where it used to test task names: how many sequences the memory estimate counts for an example, whether
 packed rows may attend document by document or lie padding-free, whether the loss can read the output head
-chunk by chunk, whether a CUDA graph can replay a micro-batch, what the reference model is, and what the task
-samples before its loss (:class:`Rollout`: GRPO's completions).
+chunk by chunk, whether a CUDA graph can replay a micro-batch, what the reference model is, what the task
+samples before its loss (:class:`Rollout`: GRPO's completions) and whether its decode step may replay from a CUDA
+graph, and whether FSDP ranks may read the model's shards from its folder.
 """
 
 from __future__ import annotations
@@ -64,6 +65,12 @@ class TaskLayout:
     rollout: Callable[[Recipe], Rollout] | None = None
     # The loss reads a plain output head chunk by chunk whatever the kernels (not only with them, as fused_head).
     chunked_head: bool = False
+    # The task samples through entrenar.generation's decode step, which task.decode_cuda_graphs may replay from a
+    # CUDA graph on a static KV cache: the plan decides whether it does (and the dry run says why).
+    decode_graphs: bool = False
+    # All the model the task starts from is the model folder's tensors by name (no head or other module made on
+    # rank 0): the ranks of a full FSDP fine-tune may each read their own shards straight from the safetensors files.
+    model_from_folder: bool = False
 
 
 __all__ = ["Rollout", "TaskLayout"]

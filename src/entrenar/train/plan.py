@@ -510,7 +510,7 @@ def _decide(recipe: Recipe, device: torch.device, mode: str, config: ModelConfig
         reasons.append(("task.reference", f"{reference} ({why})"))
         if reference == "copy":
             memory = dataclasses.replace(memory, reference=memory.weights)
-    if recipe.task.type == "grpo":
+    if layout.decode_graphs:  # the task samples through the decode step
         reasons.append(("task.decode_cuda_graphs", _decode_graphs(recipe, device, mode, offload_weights,
                                                                   offload_embeddings)))
     return _Decided(mode, kernels, offload_weights, offload_embeddings, cuda_graphs, overlap, compute_dtype, memory,
@@ -669,9 +669,10 @@ def _memory_reason(f: _Facts) -> str:
 
 def _shard_files(recipe: Recipe, method: str, config: ModelConfig) -> tuple[dict[str, tuple[Path, str]] | None, str]:
     """An FSDP run's loading: every rank reading its own shards from the Hugging Face folder (the parameters'
-    files), where all the model starts from is that folder's tensors by name; else rank 0 reads and broadcasts."""
+    files), where all the model starts from is that folder's tensors by name (a full fine-tune of a task whose
+    TaskLayout declares ``model_from_folder``); else rank 0 reads and broadcasts."""
     general = "rank 0 reads the model and broadcasts it"
-    if method != "full" or recipe.task.type != "causal_lm":
+    if method != "full" or not layout_of(recipe.task.type).model_from_folder:
         return None, f"{general} (adapters, quantizers or a task's head are made on rank 0)"
     if recipe.model.path is None or random_init.is_random(recipe):
         return None, f"{general} (no model folder)"

@@ -228,9 +228,9 @@ class GRPOTask:
     name: str = "grpo"
     perplexity: bool = False
     # One forward reads every completion of the micro-batch's prompts; a plain head is read chunk by chunk
-    # (tasks.rl.logprobs) whatever the kernels.
+    # (tasks.rl.logprobs) whatever the kernels; the sampler's decode step may replay from a CUDA graph.
     layout: ClassVar[TaskLayout] = TaskLayout(no_cuda_graphs="a grpo task's batches vary in layout",
-                                              rollout=rollout_of, chunked_head=True)
+                                              rollout=rollout_of, chunked_head=True, decode_graphs=True)
     fixed_layout: ClassVar[None] = None  # rows laid out as rows (tasks.base.FixedLayout)
     _lm: CausalLMTask = field(init=False, repr=False)
     _engine: GRPO | None = field(default=None, repr=False)
