@@ -19,18 +19,15 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from entrenar.distributed.state import is_dtensor_shard
 from entrenar.distributed.world import World
 from entrenar.errors import DistributedError
-
-
-def _is_sharded(tensor: torch.Tensor) -> bool:
-    return type(tensor).__name__ == "DTensor"
 
 
 def replicated_tensors(model: nn.Module, optimizer: torch.optim.Optimizer) -> Iterator[tuple[str, torch.Tensor]]:
     """Trainable parameters and their optimizer state, by name, skipping sharded ones."""
     for name, param in model.named_parameters():
-        if not param.requires_grad or _is_sharded(param):
+        if not param.requires_grad or is_dtensor_shard(param):
             continue
         yield name, param
         for key, value in sorted(optimizer.state.get(param, {}).items()):
