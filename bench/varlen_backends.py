@@ -15,8 +15,9 @@ GPU's time alone (the eager rows can include the host's).
     PYTHONPATH=src:bench python3 bench/varlen_backends.py --capture --out varlen.json
 
 FlashAttention-4's wheels (``flash-attn-4`` and ``nvidia-cutlass-dsl`` with its ``-libs-base`` and ``-libs-cu13``
-parts, about 100 MB; ``bench/fa4_wheels.sh`` fetches them) are more than one device call carries: they travel in two
-calls to a warm machine and are installed into the folder on ``PYTHONPATH`` before this script runs.
+parts, 102 MB; ``bench/fa4_wheels.sh`` fetches them) are more than one device call carries: they travel as three parts
+in three calls to one warm machine (the script's comment says how) and are installed into the folder on
+``PYTHONPATH`` before this script runs.
 """
 
 from __future__ import annotations
