@@ -277,3 +277,24 @@ def test_whole_rows_through_cudnn_equal_the_varlen_kernel_on_gpu():
     for got, want in zip((rows, *torch.autograd.grad(rows, (q, k, v), grad)),
                          (varlen, *torch.autograd.grad(varlen, (q, k, v), grad)), strict=True):
         torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_a_row_layout_is_read_to_the_host_once_however_many_layers_ask():
+    """Every layer of a forward (and its checkpointed reruns) shares one Documents; on a GPU each read of
+    cu_seqlens is a device sync, which the per-document paths (gpt-oss's sinks) made once a layer."""
+    reads = []
+
+    class Counted(torch.Tensor):
+        def tolist(self):
+            reads.append(1)
+            return super().tolist()
+
+    cu = torch.tensor([0, 3, 7, 12], dtype=torch.int32).as_subclass(Counted)
+    cu_k = torch.tensor([0, 5, 9, 14], dtype=torch.int32).as_subclass(Counted)
+    docs = Documents(cu, 5)
+    assert [docs.bounds() for _ in range(24)][-1] == [0, 3, 7, 12] and docs.key_bounds() == [0, 3, 7, 12]
+    assert len(reads) == 1
+    shared = Documents(cu, 5, kv_index=torch.arange(14), cu_seqlens_k=cu_k, max_len_k=5)
+    for _ in range(24):
+        assert shared.bounds() == [0, 3, 7, 12] and shared.key_bounds() == [0, 5, 9, 14]
+    assert len(reads) == 3

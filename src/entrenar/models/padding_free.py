@@ -144,14 +144,24 @@ class Documents:
     max_len_k: int = 0  # the longest key segment
     # Context parallelism: the tokens are this process's slice of the row that cu_seqlens spans; None: all of it.
     shards: SequenceShards | None = field(default_factory=_SHARDS.get)
+    # What bounds() and key_bounds() read, kept: every layer of a forward (and its checkpointed reruns) shares one
+    # Documents, so the host reads the row's layout once rather than once a layer.
+    _read: dict[str, list[int]] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def bounds(self) -> list[int]:
-        """``cu_seqlens`` as Python ints (a device sync on the GPU: only the per-document path needs it)."""
-        return self.cu_seqlens.tolist()
+        """``cu_seqlens`` as Python ints (a device sync on the GPU, once per Documents: only the per-document path
+        needs it)."""
+        if "q" not in self._read:
+            self._read["q"] = self.cu_seqlens.tolist()
+        return self._read["q"]
 
     def key_bounds(self) -> list[int]:
         """Where each segment's keys start and end in the gathered keys (its own tokens without ``kv_index``)."""
-        return self.cu_seqlens_k.tolist() if self.cu_seqlens_k is not None else self.bounds()
+        if self.cu_seqlens_k is None:
+            return self.bounds()
+        if "k" not in self._read:
+            self._read["k"] = self.cu_seqlens_k.tolist()
+        return self._read["k"]
 
 
 def documents_attention(
