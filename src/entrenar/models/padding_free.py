@@ -98,8 +98,8 @@ def causal_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float 
     """Causal attention of whole rows q ``[B, Hq, T, D]`` over k, v ``[B, Hk, T, D]`` -> ``[B, Hq, T, Dv]``: SDPA,
     with cuDNN's kernel first on CUDA (not while a CUDA graph captures or torch.compile traces, nor under
     deterministic algorithms: SDPA's own choice there)."""
-    if not (q.is_cuda and _CAN_PRIORITISE) or torch.cuda.is_current_stream_capturing() or \
-            torch.compiler.is_compiling() or torch.are_deterministic_algorithms_enabled():
+    if not (q.is_cuda and _CAN_PRIORITISE) or _capturing(q) or torch.compiler.is_compiling() or \
+            torch.are_deterministic_algorithms_enabled():
         return sdpa(q, k, v, None, scale)
     with sdpa_kernel(_ROW_BACKENDS, set_priority=True):
         return sdpa(q, k, v, None, scale)

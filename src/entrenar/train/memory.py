@@ -343,11 +343,8 @@ def estimate_training_memory(
     label = {"full": "qat", "lora": "lora-qat"}[method] if qat else method
     estimate = MemoryEstimate(label, total, trainable, weights, gradients, optimizer_bytes, activations, logits)
     if not cpu:
-        estimate.transient = backward_transients(config, tokens, dtype_bytes, tiled_mlp, activation_checkpointing,
-                                                 offload_activations)
-        if method == "qlora" and config.is_moe:
-            estimate.transient += nf4_expert_stack_bytes(config, dtype_bytes)
-        estimate.head_released = head_released(config, tokens, dtype_bytes, kernels, fused_loss_chunk)
+        _add_gpu_terms(estimate, config, method, tokens, dtype_bytes, tiled_mlp, activation_checkpointing,
+                       offload_activations, kernels, fused_loss_chunk)
     if qat:
         _add_qat_terms(estimate, config, method, tokens, dtype_bytes, param_bytes, states, activation_checkpointing,
                        cpu, qat_group_size, qat_activations)
@@ -358,6 +355,18 @@ def estimate_training_memory(
 
 
 METHODS = ("full", "lora", "qlora", "qat", "lora-qat")
+
+
+def _add_gpu_terms(estimate: MemoryEstimate, config: ModelConfig, method: str, tokens: int, dtype_bytes: int,
+                   tiled_mlp: int, activation_checkpointing: bool | int | Sequence[int],
+                   offload_activations: bool | int, kernels: bool, fused_loss_chunk: int | None) -> None:
+    """What a GPU step holds beside its kept tensors: one layer's backward transients (QLoRA of an MoE model: with
+    one layer's dequantized expert stack), less what the output head released before them."""
+    estimate.transient = backward_transients(config, tokens, dtype_bytes, tiled_mlp, activation_checkpointing,
+                                             offload_activations)
+    if method == "qlora" and config.is_moe:
+        estimate.transient += nf4_expert_stack_bytes(config, dtype_bytes)
+    estimate.head_released = head_released(config, tokens, dtype_bytes, kernels, fused_loss_chunk)
 
 
 def _resolve_method(method: str, optimizer: str, param_bytes: int | None, dtype_bytes: int
