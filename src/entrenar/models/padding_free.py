@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from entrenar.models.attention_sinks import sink_attention
+from entrenar.models.attention_sinks import flash_sink_attention, sink_attention
 from entrenar.models.cpu_attention import (
     EXPLICIT_LAYER_BUDGET,
     capped_attention,
@@ -175,10 +175,12 @@ def documents_attention(
     ``window`` (sliding-window models) limits each query to the ``window``
     latest positions, itself included, as the padded path's mask does. ``scale`` (None: ``1/sqrt(D)``) and
     ``softcap`` (Gemma's soft-capped scores, which only the per-document path computes) as
-    :class:`entrenar.models.transformer.Attention` reads them. ``sinks`` (gpt-oss, [Hq]): each document attends
-    with them through :func:`~entrenar.models.attention_sinks.sink_attention`, which the variable-length kernel
-    cannot run. ``documents.shards`` (context parallelism): q, k, v are this process's slice of the row, and the
-    attention over the whole row runs through its exchange.
+    :class:`entrenar.models.transformer.Attention` reads them. ``sinks`` (gpt-oss, [Hq]): on CUDA the
+    variable-length kernel's output rescaled by its log-sum-exp
+    (:func:`~entrenar.models.attention_sinks.flash_sink_attention`); elsewhere each document through
+    :func:`~entrenar.models.attention_sinks.sink_attention` (under a CUDA graph without that kernel: every row
+    under its segments' mask). ``documents.shards`` (context parallelism): q, k, v are this process's slice of
+    the row, and the attention over the whole row runs through its exchange.
     """
     if documents.shards is not None:
         whole = replace(documents, shards=None)
@@ -193,6 +195,9 @@ def documents_attention(
         k, v = k.index_select(0, documents.kv_index), v.index_select(0, documents.kv_index)
     out_shape = (b, t, q.shape[1], v.shape[-1])  # values may be narrower than queries (MLA's v_head_dim)
     if sinks is not None:
+        if _varlen_fits(q, k, documents, window) and _VARLEN_OPS is not None:
+            return flash_sink_attention(q, k, v, sinks, _VarlenKernel.of(q, k, documents, window, scale)
+                                        ).view(out_shape)
         if documents.kv_index is None and _capturing(q):
             return _sinks_by_document_mask(q, k, v, documents, b, window, sinks).view(out_shape)
         return _per_document_sinks(q, k, v, documents, window, sinks).view(out_shape)
@@ -269,6 +274,82 @@ def _varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Docume
     # bottom-right (FlashAttention's mask.h: key j is seen by query i when j < i + 1 + seqlen_k - seqlen_q).
     return cast(torch.Tensor, _varlen_attn(q.contiguous(), k.contiguous(), v.contiguous(), cu, cu_k, n, n_k,
                                            **extra))
+
+
+def _op_arguments(op: Any) -> frozenset[str] | None:
+    """The argument names of a ``torch.ops`` overload, or None where this torch has no such op."""
+    try:
+        return frozenset(a.name for a in op.default._schema.arguments)
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def _varlen_ops() -> tuple[Any, Any, frozenset[str], frozenset[str]] | None:
+    """The custom ops under ``varlen_attn`` (forward with its log-sum-exp, backward with any output handed in) and
+    the arguments each takes in this torch, or None where it has not both."""
+    if _varlen_attn is None:
+        return None
+    namespace = getattr(torch.ops, "torch_attn", None)
+    forward, backward = (getattr(namespace, name, None) for name in ("_varlen_attn", "_varlen_attn_backward"))
+    forward_args, backward_args = _op_arguments(forward), _op_arguments(backward)
+    needed = {"query", "key", "value", "cu_seq_q", "cu_seq_k", "max_q", "max_k", "window_size", "enable_gqa"}
+    if forward_args is None or backward_args is None or not needed <= forward_args or \
+            not (needed - {"enable_gqa"}) | {"grad_out", "out", "lse", "rng_state"} <= backward_args:
+        return None
+    return forward, backward, forward_args, backward_args
+
+
+_VARLEN_OPS = _varlen_ops()
+
+
+@dataclass(frozen=True)
+class _VarlenKernel:
+    """FlashAttention's variable-length kernel over one layer's documents, as
+    :func:`~entrenar.models.attention_sinks.flash_sink_attention` calls it: q, k, v ``[N, H, D]``, log-sum-exp
+    ``[H, N]``."""
+
+    cu_q: torch.Tensor
+    cu_k: torch.Tensor
+    max_q: int
+    max_k: int
+    scale: float | None
+    window: list[int]
+    gqa: bool
+
+    @classmethod
+    def of(cls, q: torch.Tensor, k: torch.Tensor, documents: Documents, window: int | None,
+           scale: float | None) -> _VarlenKernel:
+        cu_k = documents.cu_seqlens_k if documents.cu_seqlens_k is not None else documents.cu_seqlens
+        max_k = documents.max_len_k if documents.cu_seqlens_k is not None else documents.max_len
+        return cls(documents.cu_seqlens, cu_k, documents.max_len, max_k, scale,
+                   [window - 1 if window is not None else -1, 0], q.shape[1] != k.shape[1])
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        assert _VARLEN_OPS is not None  # documents_attention checked
+        op, _, arguments, _ = _VARLEN_OPS
+        return op(**_named(arguments, query=q.contiguous(), key=k.contiguous(), value=v.contiguous(),
+                           **self._layout()))
+
+    def rows(self, lse: torch.Tensor) -> torch.Tensor:
+        return lse.t().unsqueeze(-1)  # [H, N] -> [N, H, 1]
+
+    def backward(self, grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                 lse: torch.Tensor, aux: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        assert _VARLEN_OPS is not None
+        _, op, _, arguments = _VARLEN_OPS
+        return op(**_named(arguments, grad_out=grad, query=q.contiguous(), key=k.contiguous(),
+                           value=v.contiguous(), out=out, lse=lse, rng_state=aux, **self._layout()))
+
+    def _layout(self) -> dict[str, Any]:
+        return {"cu_seq_q": self.cu_q, "cu_seq_k": self.cu_k, "max_q": self.max_q, "max_k": self.max_k,
+                "is_causal": self.window == [-1, 0], "scale": self.scale, "window_size": self.window,
+                "enable_gqa": self.gqa}
+
+
+def _named(arguments: frozenset[str], **values: Any) -> dict[str, Any]:
+    """``values`` by name, those this torch's op takes."""
+    return {name: value for name, value in values.items() if name in arguments}
 
 
 def _per_document_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Documents,

@@ -171,7 +171,8 @@ def quantizable_params(config: ModelConfig) -> int:
 
 
 def activation_bytes_per_token_layer(config: ModelConfig, dtype_bytes: int, kernels: bool = False,
-                                     lora: bool = False, moe_layer: bool = False, seq_len: int = 0) -> float:
+                                     lora: bool = False, moe_layer: bool = False, seq_len: int = 0,
+                                     flash_sinks: bool = False) -> float:
     """Bytes autograd saves for one token in one block (SDPA attention).
 
     Eager PyTorch, counted per saved tensor: the two norms keep their input
@@ -193,7 +194,8 @@ def activation_bytes_per_token_layer(config: ModelConfig, dtype_bytes: int, kern
 
     Attention with sinks (gpt-oss) runs as products that keep each query's probabilities over its ``seq_len``
     keys: fp32 softmax output and mask, a 16-bit copy for the value product, q and the repeated k in fp32 and
-    the repeated v, instead of SDPA's q, k, v and log-sum-exp.
+    the repeated v, instead of SDPA's q, k, v and log-sum-exp; with ``flash_sinks`` (16-bit on CUDA: the
+    variable-length kernel rescaled by the sinks, ``models/attention_sinks.py``) it keeps what SDPA keeps.
     """
     if config.sandwich_norms:
         return _gemma_layer_bytes(config, dtype_bytes, seq_len, lora)
@@ -203,7 +205,7 @@ def activation_bytes_per_token_layer(config: ModelConfig, dtype_bytes: int, kern
     attention = (q + 2 * kv + q) * dtype_bytes + config.num_heads * 4  # q, k, v, output; log-sum-exp
     if config.is_mla:
         attention = mla_activation_bytes(config, dtype_bytes)
-    if config.attention_sinks:
+    if config.attention_sinks and not flash_sinks:
         upcast = dtype_bytes < 4  # q and k multiply in fp32, the probabilities the values in the model's dtype
         attention = 4 * q * dtype_bytes + (2 * q * 4 + config.num_heads * seq_len * dtype_bytes) * upcast
         attention += config.num_heads * (seq_len + 1) * 4 + seq_len
@@ -337,7 +339,8 @@ def estimate_training_memory(
         offload_weights)
     tokens = batch_size * seq_len
     activations, rebuilt = _activations(config, method, tokens, dtype_bytes, kernels, lora_r,
-                                        activation_checkpointing, offload_activations, seq_len, tiled_mlp)
+                                        activation_checkpointing, offload_activations, seq_len, tiled_mlp,
+                                        gpu=not cpu)
     logits = _logits(config, tokens, dtype_bytes, fused_loss_chunk, rebuilt, fused_loss_bytes)
     total = config.num_parameters
     label = {"full": "qat", "lora": "lora-qat"}[method] if qat else method
@@ -558,17 +561,18 @@ def nf4_expert_stack_bytes(config: ModelConfig, dtype_bytes: int) -> float:
 
 def _activations(config: ModelConfig, method: str, tokens: int, dtype_bytes: int, kernels: bool, lora_r: int,
                  activation_checkpointing: bool | int | Sequence[int], offload_activations: bool | int,
-                 seq_len: int = 0, tiled_mlp: int = 0) -> tuple[float, float]:
+                 seq_len: int = 0, tiled_mlp: int = 0, gpu: bool = False) -> tuple[float, float]:
     """(activations kept for backward at the peak, the part of it a rebuilt checkpointed layer takes) in bytes."""
+    flash_sinks = gpu and dtype_bytes == 2 and (config.head_dim or 0) % 8 == 0 and (config.head_dim or 0) <= 256
     per_layer = activation_bytes_per_token_layer(config, dtype_bytes, kernels, lora=method != "full",
-                                                 seq_len=seq_len)
+                                                 seq_len=seq_len, flash_sinks=flash_sinks)
     if tiled_mlp and tiles_mlp(config):  # the MLP half keeps its input only (and no r-wide adapter middles)
         per_layer += config.hidden_size * dtype_bytes - _mlp_bytes_per_token(config, dtype_bytes, kernels,
                                                                              method != "full")
         per_layer -= 3 * lora_r * 4 if method != "full" else 0
     if config.is_moe:  # MoE and dense layers averaged; a rebuilt layer counts as the larger
         moe_layer = activation_bytes_per_token_layer(config, dtype_bytes, kernels, lora=method != "full",
-                                                     moe_layer=True, seq_len=seq_len)
+                                                     moe_layer=True, seq_len=seq_len, flash_sinks=flash_sinks)
         n_moe = len(config.moe_layers)
         rebuilt_layer = max(per_layer, moe_layer)
         per_layer = (n_moe * moe_layer + (config.num_layers - n_moe) * per_layer) / config.num_layers
