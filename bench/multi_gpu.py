@@ -181,7 +181,7 @@ def summary(run_dir: Path, nproc: int, skip: int, wall_s: float) -> dict:
     per_rank = [r.get("peak_mem_gb_ranks") or [r.get("peak_mem_gb") or 0.0] for r in rows]  # GB; 0 on a CPU
     peaks = [round(max(p[i] for p in per_rank), 2) for i in range(len(per_rank[-1]))]
     return {"gpus": nproc, "steps": len(rows), "tokens_per_s": round(total), "per_gpu": round(total / nproc),
-            "tokens_per_s_median": round(tps),
+            "tokens_per_s_median": round(tps), "step_tokens_per_s": [round(r["tokens_per_s"]) for r in rows],
             "peak_gb_ranks": peaks, "loss_first": rows[0]["loss"], "loss_last": rows[-1]["loss"],
             "losses": [round(r["loss"], 5) for r in rows], "wall_s": round(wall_s, 1)}
 

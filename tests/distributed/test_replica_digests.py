@@ -39,3 +39,43 @@ def test_swapped_elements_and_signed_zero_are_told_apart():
     assert _digests(torch.tensor([1.0, 2.0, -0.0]))[0] != base  # compared as bytes
     nan = torch.tensor([float("nan")])
     assert _digests(nan) == _digests(nan.clone())  # NaN equals itself as bytes
+
+
+def _replicas(*tensors: torch.Tensor) -> str:
+    model = nn.Module()
+    for i, t in enumerate(tensors):
+        model.register_parameter(f"p{i}", nn.Parameter(t.clone()))
+    return consistency.replicas_digest(model, torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+def test_the_whole_model_digest_sees_any_byte_of_any_tensor(monkeypatch):
+    """The check's one digest runs its chunks across tensors (many small ones share a chunk, a large one spans
+    several): a one-ulp change in any tensor, bytes moved between tensors or a reshaped tensor change it."""
+    monkeypatch.setattr(consistency, "_CHUNK_BYTES", 64)
+    torch.manual_seed(0)
+    tensors = [torch.randn(3), torch.randn(40), torch.randn(5, 2), torch.randn(1)]
+    base = _replicas(*tensors)
+    assert base == _replicas(*tensors)
+    for which in range(len(tensors)):
+        for i in (0, tensors[which].numel() - 1):
+            changed = [t.clone() for t in tensors]
+            flat = changed[which].view(-1)
+            flat[i] = torch.nextafter(flat[i], torch.tensor(float("inf")))
+            assert _replicas(*changed) != base, (which, i)
+    moved = [tensors[0], torch.cat([tensors[1], tensors[2].view(-1)[:1]]), tensors[2].view(-1)[1:], tensors[3]]
+    assert _replicas(*moved) != base  # the same bytes end to end, other tensors
+    assert _replicas(tensors[0], tensors[1], tensors[2].view(2, 5), tensors[3]) != base
+
+
+def test_the_check_sums_in_few_chunks_not_per_tensor(monkeypatch):
+    """Hundreds of small tensors (a LoRA model's adapters and their optimizer state) are summed in one chunk."""
+    calls = []
+    real = consistency._chunk_sums
+
+    def counted(chunk, start):
+        calls.append(chunk.numel())
+        return real(chunk, start)
+
+    monkeypatch.setattr(consistency, "_chunk_sums", counted)
+    _replicas(*[torch.randn(16, 8) for _ in range(300)])
+    assert len(calls) == 1 and calls[0] == 300 * 16 * 8 * 4

@@ -292,9 +292,11 @@ def _varlen_ops() -> tuple[Any, Any, frozenset[str], frozenset[str]] | None:
     namespace = getattr(torch.ops, "torch_attn", None)
     forward, backward = (getattr(namespace, name, None) for name in ("_varlen_attn", "_varlen_attn_backward"))
     forward_args, backward_args = _op_arguments(forward), _op_arguments(backward)
-    needed = {"query", "key", "value", "cu_seq_q", "cu_seq_k", "max_q", "max_k", "window_size", "enable_gqa"}
+    # enable_gqa is optional: the ops hand fewer key/value heads to FlashAttention as they are, which takes them
+    # (torch 2.11's ops have no such argument; only the public wrapper of some versions refuses unequal counts).
+    needed = {"query", "key", "value", "cu_seq_q", "cu_seq_k", "max_q", "max_k", "is_causal", "window_size"}
     if forward_args is None or backward_args is None or not needed <= forward_args or \
-            not (needed - {"enable_gqa"}) | {"grad_out", "out", "lse", "rng_state"} <= backward_args:
+            not needed | {"grad_out", "out", "lse", "rng_state"} <= backward_args:
         return None
     return forward, backward, forward_args, backward_args
 
