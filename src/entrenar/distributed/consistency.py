@@ -97,7 +97,8 @@ def replicas_digest(model: nn.Module, optimizer: torch.optim.Optimizer) -> str:
     by_device: dict[torch.device, list[torch.Tensor]] = {}
     for _, t in named:
         by_device.setdefault(t.device, []).append(t)
-    read = [(str(device), _stream_sums(tensors).cpu().tolist()) for device, tensors in by_device.items()]
+    # Not the devices' names: each rank's tensors live on its own GPU (cuda:0, cuda:1, ...).
+    read = [_stream_sums(tensors).cpu().tolist() for tensors in by_device.values()]
     layout = [(name, str(t.dtype), tuple(t.shape)) for name, t in named]
     return hashlib.blake2b(repr((layout, read)).encode(), digest_size=16).hexdigest()
 
