@@ -477,17 +477,14 @@ def _decide(recipe: Recipe, device: torch.device, mode: str, config: ModelConfig
     own = layout.own_graph_layout
     fixed_rows = layout.no_cuda_graphs is None and (own(recipe) is None if own is not None else
                                                     recipe.data.packing and recipe.data.padding_free is not True)
-    # NF4 experts (QLoRA of an MoE model) run grouped on CUDA, dequantizing each layer's stacks inside the step; that
-    # step has not been captured on a GPU yet, so auto leaves it eager and cuda_graphs: true tries it.
-    nf4_experts = config.is_moe and lora is not None and lora.quantize_base == "nf4"
+    # QLoRA of an MoE model replays too (NF4 experts grouped, gpt-oss's sinks through the varlen kernel): captured
+    # on an H200, 2026-11-27, 4.7x its eager rate (docs/PERFORMANCE.md).
     cuda_graphs = t.cuda_graphs if isinstance(t.cuda_graphs, bool) else (
         cuda and (single or flat) and fixed_rows and lora is not None and recipe.qat is None and not t.compile
-        and t.precision != "fp16" and not t.tiled_mlp and t.context_parallel == 1  # split rows are padding-free
-        and not nf4_experts)
+        and t.precision != "fp16" and not t.tiled_mlp and t.context_parallel == 1)  # split rows are padding-free
     reasons.append(("training.cuda_graphs", _auto(t.cuda_graphs, cuda_graphs,
-                                                  "LoRA on packed rows or preference pairs on one GPU or "
-                                                  "under ddp, eager, bf16/fp32, MLP whole, no NF4 experts "
-                                                  "(their grouped step is not yet captured on a GPU)")))
+                                                  "LoRA or QLoRA on packed rows or preference pairs on one GPU "
+                                                  "or under ddp, eager, bf16/fp32, MLP whole")))
     if t.tiled_mlp:
         reasons.append(("training.tiled_mlp", f"{t.tiled_mlp:,} tokens a tile (as set): each MLP forward runs "
                                               "twice, its activations one tile's"))
