@@ -277,7 +277,8 @@ def aggregate(results: list[dict]) -> list[dict]:
     """Per process count (0: the plain process): the median and the range of tokens/s over the repeated runs,
     and of the efficiency against the plain run of the same round (1.0: linear)."""
     out = []
-    for n in sorted({r["gpus"] if r["launch"] != "plain process" else 0 for r in results}):
+    # A failed run (its record has no process count) is left out: one failure no longer loses the call's results.
+    for n in sorted({r["gpus"] if r["launch"] != "plain process" else 0 for r in results if r["status"] == "ok"}):
         rows = [r for r in results if r["status"] == "ok"
                 and (r["launch"] == "plain process") == (n == 0) and (n == 0 or r["gpus"] == n)]
         if not rows:
