@@ -106,6 +106,17 @@ def test_a_diverged_replica_stops_the_run_naming_step_and_tensor(shared):
         launch(diverging_worker, recipes["lora"], [f"output.dir={ws / 'diverged'}"], 2)
 
 
+def test_a_diverged_replica_is_caught_before_its_step_saves(shared):
+    """The check's verdict is read at the next check, but a step that saves reads it first: no checkpoint of
+    diverged replicas is written."""
+    ws, recipes, _ = shared
+    run = ws / "diverged-save"
+    with pytest.raises(DistributedError, match=r"step 2: replicas diverged"):
+        launch(diverging_worker, recipes["lora"], [f"output.dir={run}", "training.save_every=2",
+                                                   "training.replica_check_every=2"], 2)
+    assert not [p for p in run.rglob("step-2*")], sorted(run.rglob("*"))
+
+
 def test_a_killed_rank_restarts_the_job_from_its_last_checkpoint(shared):
     ws, recipes, reference = shared
     run = ws / "restarted"  # rank 1 dies after step 3; the checkpoint is at step 2

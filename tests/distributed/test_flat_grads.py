@@ -152,9 +152,10 @@ def test_a_step_communicates_its_token_counts_and_its_gradients_and_nothing_else
     replica_check_every 3). Each step all-reduces its token counts (the loss divisor, before the forward) and its
     gradients, whose flat buffer carries the step's loss and each rank's peak memory: no all-reduce of the loss,
     none of a non-finite flag, no gather of the peaks on logged lines, no barrier. The replica check adds its one
-    all-gather every third step only. Under torch's DDP (whose reducer all-reduces the buckets in C++) the
-    loss and peaks take one all-reduce of their own. The lines logged carry every rank's peak, and the summary
-    (gathered once, at the end) the replica check's result and each rank's peak."""
+    all-gather of byte sums (on the device) every third step only, and at its first run one object all-gather of
+    the tensors' names and shapes. Under torch's DDP (whose reducer all-reduces the buckets in C++) the loss and
+    peaks take one all-reduce of their own. The lines logged carry every rank's peak, and the summary (gathered
+    once, at the end) the replica check's result and each rank's peak."""
     ws, recipes, reference = shared
     options = ["training.log_every=2", "training.replica_check_every=3", f"output.dir={ws / f'steps-{len(extra)}'}"]
     if extra == ["torch-ddp"]:
@@ -169,14 +170,14 @@ def test_a_step_communicates_its_token_counts_and_its_gradients_and_nothing_else
         calls = results[rank]["calls"]
         for step in (1, 2, 3):  # the last step (4) also evaluates, saves and summarises
             names, sizes = [name for name, _ in calls[step]], [n for _, n in calls[step]]
-            replica = ["all_gather_object"] if step == 3 else []
+            replica = ["all_gather_object", "all_gather"] if step == 3 else []  # the layout (once), the sums
             assert names == ["all_reduce", "all_reduce", *replica], (rank, step, calls[step])
             assert sizes[0] == 2  # targets and tokens
             if extra == ["torch-ddp"]:
                 assert sizes[1] == 1 + 2  # the loss and 2 ranks' peaks
             else:
                 assert trainable < sizes[1] <= trainable + CARRY_SLOTS + 2  # the gradients and what rides them
-        assert [n for n, _ in calls[4]].count("all_gather") == 1  # the summary's peaks, once
+        assert [n for n, _ in calls[4]].count("all_gather") == 2  # the check's sums; the summary's peaks, once
     lines = [r for r in read_metrics(run / "metrics.jsonl") if "loss" in r]
     assert [len(r.get("peak_mem_gb_ranks", [])) for r in lines] == [0, 2, 0, 2]  # on the logged lines
     assert all(gb > 0 for r in lines for gb in r.get("peak_mem_gb_ranks", []))

@@ -2,12 +2,14 @@
 
 DDP keeps replicas identical only if every rank applies the same reduced gradients to the same weights with
 the same optimizer state; a nondeterministic kernel, a rank that skipped a step, or a bit flip breaks that
-silently. :func:`check_replicas` sums the bytes of every replicated tensor (trainable weights and their optimizer
+silently. :class:`ReplicaCheck` sums the bytes of every replicated tensor (trainable weights and their optimizer
 state) on its own device, twice (plainly, and weighted by each byte's position), in chunks of 16 MiB that run
-across tensors (a LoRA model's hundreds of small tensors take a few chunks, not a few launches each), reads the
-sums in one copy, compares one digest per rank (one small all-gather), and only on a mismatch sums tensor by
-tensor to name the step and the first tensor that differs. Sharded tensors (FSDP) are not replicas and are not
-checked.
+across tensors (a LoRA model's hundreds of small tensors take a few chunks, not a few launches each), all-gathers
+the sums on the device and compares them there: nothing waits for the device, and the verdict is read at the next
+check, at a step that saves or evaluates, or at the end (:meth:`ReplicaCheck.settle`), when the device has long
+finished. Only on a mismatch does it sum tensor by tensor, to name the step and the first tensor that differs.
+The tensors' names, dtypes and shapes are compared once, at the first check. Sharded tensors (FSDP) are not
+replicas and are not checked.
 
 Hashing each tensor on the host instead copied every tensor to the CPU one by one: on 4 H200s the check step of
 the LoRA-1B benchmark ran at a quarter of the others' rate (about 0.4 s; docs/DISTRIBUTED.md).
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -90,17 +93,15 @@ def _stream_sums(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack(sums)
 
 
-def replicas_digest(model: nn.Module, optimizer: torch.optim.Optimizer) -> str:
-    """One digest of every replicated tensor's name, dtype, shape and bytes: equal on every rank when the replicas
-    are. Summed where the tensors live, one host read per device."""
-    named = list(replicated_tensors(model, optimizer))
+def replica_sums(model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device) -> torch.Tensor | None:
+    """``[chunks, 2]`` int64 on ``device``: :func:`_stream_sums` of the replicated tensors of each device they live
+    on, in a fixed order (None when there are none). Equal on every rank when the replicas are."""
     by_device: dict[torch.device, list[torch.Tensor]] = {}
-    for _, t in named:
+    for _, t in replicated_tensors(model, optimizer):
         by_device.setdefault(t.device, []).append(t)
-    # Not the devices' names: each rank's tensors live on its own GPU (cuda:0, cuda:1, ...).
-    read = [_stream_sums(tensors).cpu().tolist() for tensors in by_device.values()]
-    layout = [(name, str(t.dtype), tuple(t.shape)) for name, t in named]
-    return hashlib.blake2b(repr((layout, read)).encode(), digest_size=16).hexdigest()
+    if not by_device:
+        return None
+    return torch.cat([_stream_sums(ts).to(device, non_blocking=True) for ts in by_device.values()])
 
 
 def tensor_digests(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[tuple[str, str]]:
@@ -121,15 +122,73 @@ def tensor_digests(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[t
             for i, (name, t) in enumerate(named)]
 
 
-def check_replicas(model: nn.Module, optimizer: torch.optim.Optimizer, world: World, step: int) -> None:
-    """Raise :class:`DistributedError` naming ``step`` and the first tensor whose bytes differ between ranks (a
-    group of one has nothing to compare: no hashing, no host read)."""
-    if not world.distributed or world.alone:
-        return
-    summaries = world.all_gather(replicas_digest(model, optimizer))
-    if len(set(summaries)) == 1:
-        return
-    per_rank = world.all_gather(tensor_digests(model, optimizer))  # only on a mismatch: every tensor's digest
+def _layout(model: nn.Module, optimizer: torch.optim.Optimizer) -> str:
+    named = [(name, str(t.dtype), tuple(t.shape)) for name, t in replicated_tensors(model, optimizer)]
+    return hashlib.blake2b(repr(named).encode(), digest_size=16).hexdigest()
+
+
+@dataclass
+class _Pending:
+    step: int
+    differs: torch.Tensor  # bool, in pinned host memory once the copy has run
+    copied: torch.cuda.Event | None  # None: the copy was synchronous (CPU)
+
+
+class ReplicaCheck:
+    """The replica check of one run, its verdict read later so that the check does not wait for the device.
+
+    :meth:`start` queues the sums and their all-gather after the work already queued (an overlapped step's update
+    included) and a copy of one flag to the host; :meth:`settle` reads the flag of the check before, raising
+    :class:`DistributedError` on a mismatch. Each returns the steps whose replicas were found identical."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, world: World) -> None:
+        self.model, self.optimizer, self.world = model, optimizer, world
+        self._layout_checked = False
+        self._pending: _Pending | None = None
+
+    def start(self, step: int, wait: bool = False) -> list[int]:
+        """Check the replicas after ``step``; with ``wait``, read the verdict now too."""
+        confirmed = self.settle()
+        if not self.world.distributed or self.world.alone:  # one replica: identical to itself, nothing to read
+            return [*confirmed, step]
+        if not self._layout_checked:
+            if len(set(self.world.all_gather(_layout(self.model, self.optimizer)))) != 1:
+                raise DistributedError(f"step {step}: replicas diverged; the ranks hold different sets of "
+                                       "trainable tensors")
+            self._layout_checked = True
+        device = torch.device("cuda", torch.cuda.current_device()) if self.world.backend == "nccl" else \
+            torch.device("cpu")
+        sums = replica_sums(self.model, self.optimizer, device)
+        if sums is None:
+            return [*confirmed, step]
+        gathered = self.world.gather_tensor(sums)
+        differs = (gathered != sums).any().reshape(1)
+        if device.type == "cuda":
+            host = torch.empty(1, dtype=torch.bool, pin_memory=True)
+            host.copy_(differs, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record()
+            self._pending = _Pending(step, host, copied)
+        else:
+            self._pending = _Pending(step, differs, None)
+        return confirmed + (self.settle() if wait else [])
+
+    def settle(self) -> list[int]:
+        """The verdict of the check in flight, if any: ``[its step]`` when identical; raises when not."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return []
+        if pending.copied is not None:
+            pending.copied.synchronize()
+        if bool(pending.differs.item()):
+            _name_the_difference(self.model, self.optimizer, self.world, pending.step)
+        return [pending.step]
+
+
+def _name_the_difference(model: nn.Module, optimizer: torch.optim.Optimizer, world: World, step: int) -> None:
+    """Raise :class:`DistributedError` naming ``step`` and the first tensor whose bytes differ between ranks
+    (every rank runs this together: it all-gathers each tensor's digest)."""
+    per_rank = world.all_gather(tensor_digests(model, optimizer))
     for i, (name, _) in enumerate(per_rank[0]):
         values = [ranked[i][1] if i < len(ranked) else None for ranked in per_rank]
         if len(set(values)) > 1:

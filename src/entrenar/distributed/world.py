@@ -62,6 +62,15 @@ class World:
         dist.all_gather_object(out, value)
         return out
 
+    def gather_tensor(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``tensor`` (the same shape on each) stacked in rank order, ``[size, *shape]``, on its own
+        device: no host copy."""
+        if not self.distributed or self.alone:
+            return tensor.unsqueeze(0)
+        out = [torch.empty_like(tensor) for _ in range(self.size)]
+        dist.all_gather(out, tensor.contiguous())
+        return torch.stack(out)
+
     def barrier(self) -> None:
         if self.distributed and not self.alone:
             dist.barrier()

@@ -23,7 +23,7 @@ from entrenar.data.report import write_skipped
 from entrenar.data.tokenizer import Tokenizer
 from entrenar.distributed import steps as dist_steps
 from entrenar.distributed import watchdog
-from entrenar.distributed.consistency import check_replicas
+from entrenar.distributed.consistency import ReplicaCheck
 from entrenar.distributed.context_parallel import ContextParallel
 from entrenar.distributed.context_parallel import describe as describe_context
 from entrenar.distributed.state import full_optimizer, full_params, main_writes
@@ -195,6 +195,7 @@ class Trainer:
         """The steps; (the last step's loss, the last evaluation) when they end."""
         t = self.recipe.training
         steps = self._steps(lambda record: self._log_step(record, metrics, bar))
+        replicas = ReplicaCheck(self.model, self.optimizer, self.world)  # every rank holds the same weights
         final_loss: float | None = None
         after = None
         for step in range(self.start_step, t.max_steps):
@@ -205,10 +206,12 @@ class Trainer:
             saves = bool(t.save_every and done % t.save_every == 0) or done == t.max_steps
             record = steps.run(step, lr, acts=evaluates or saves)
             if t.replica_check_every and (done % t.replica_check_every == 0 or done == t.max_steps):
-                # An overlapped step too: the hashes read the weights after its update, queued in order.
+                # An overlapped step too: the sums read the weights after its update, queued in order. The verdict
+                # is read at the next check, unless this step saves or evaluates (then before it does).
                 watchdog.beat("collective", done)
-                check_replicas(self.model, self.optimizer, self.world, done)  # every rank holds the same weights
-                self._replicas_checked.append(done)
+                self._replicas_checked += replicas.start(done, wait=evaluates or saves)
+            elif evaluates or saves:
+                self._replicas_checked += replicas.settle()
             if record is None:  # overlapped: read during the next step
                 continue
             final_loss = record.loss
@@ -220,6 +223,7 @@ class Trainer:
             if stop:
                 break
         steps.finish()
+        self._replicas_checked += replicas.settle()
         return final_loss, after
 
     def _log_step(self, record: StepRecord, metrics: MetricsLogger, bar: tqdm) -> None:
