@@ -350,6 +350,10 @@ def make_model_folder(shape: str, vocab: int, seq: int, tokenizer_dir: Path, fol
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(tokenizer_dir / name, tmp / name)
     del model
+    if torch.cuda.is_available():
+        # Every caller launches the runs in other processes: what the model was drawn in is theirs. (2026-11-27:
+        # bench/multi_gpu.py's parent held 16 GiB of GPU 0 while its FSDP ranks checked what was free.)
+        torch.cuda.empty_cache()
     tmp.rename(folder)
     return folder
 
