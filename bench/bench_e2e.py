@@ -352,7 +352,8 @@ def make_model_folder(shape: str, vocab: int, seq: int, tokenizer_dir: Path, fol
     del model
     if torch.cuda.is_available():
         # Every caller launches the runs in other processes: what the model was drawn in is theirs. (2026-11-27:
-        # bench/multi_gpu.py's parent held 16 GiB of GPU 0 while its FSDP ranks checked what was free.)
+        # FSDP ranks launched by bench/multi_gpu.py found 62.5 of GPU 0's 79.1 GiB free, about the 8B model this
+        # process had drawn there.)
         torch.cuda.empty_cache()
     tmp.rename(folder)
     return folder
