@@ -52,8 +52,8 @@ def fa4_unavailable(device: torch.device) -> str | None:
     if capability is None:
         return f"it runs on a Hopper GPU (CUDA compute capability 9.0), and this run trains on {device}"
     if capability != HOPPER:
-        return (f"it runs on a Hopper GPU (CUDA compute capability 9.0) only; {torch.cuda.get_device_name(device)} "
-                f"is {capability[0]}.{capability[1]}")
+        return (f"it runs on a Hopper GPU (CUDA compute capability 9.0) only, and {device} has compute capability "
+                f"{capability[0]}.{capability[1]}")
     return None
 
 

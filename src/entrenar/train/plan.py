@@ -46,11 +46,9 @@ from entrenar.kernels.fused_linear_ce import fused_loss_chunk
 from entrenar.kernels.token_logprobs import TOKEN_LOGPROBS_CHUNK
 from entrenar.loading import recipe_model_config
 from entrenar.loading.runs import resolve_model_and_adapter
-from entrenar.models import random_init
+from entrenar.models import fa4, random_init
 from entrenar.models.classifier import is_classifier_folder
 from entrenar.models.config import ModelConfig
-from entrenar.models.fa4 import INSTALL as FA4_INSTALL
-from entrenar.models.fa4 import device_capability, fa4_unavailable
 from entrenar.models.padding_free import rows_by_document
 from entrenar.models.transformer import checkpointed_layer_indices, offloaded_layer_indices
 from entrenar.quant.checkpoint import is_quantized_folder
@@ -433,10 +431,10 @@ def _attention_kernel(recipe: Recipe, device: torch.device, config: ModelConfig)
     if setting != "fa4":
         return "fa2", ("fa2 (as set)" if setting == "fa2" else
                        f"fa2 (auto: FlashAttention-2's variable-length kernel; fa4, FlashAttention-4 on Hopper "
-                       f"({FA4_INSTALL}), only when set)")
-    if device.type == "cuda" and device_capability(device) is None:
+                       f"({fa4.INSTALL}), only when set)")
+    if device.type == "cuda" and fa4.device_capability(device) is None:
         return "fa4", "fa4 (as set; not checked: no CUDA device on this machine)"
-    why = fa4_unavailable(device)
+    why = fa4.fa4_unavailable(device)
     if why is not None:
         raise ConfigError(f"training.attention_kernel: fa4: {why} (or set training.attention_kernel: fa2)")
     kept = [note for cond, note in (
