@@ -72,3 +72,23 @@ def test_fa4_replays_from_a_cuda_graph_after_an_eager_call():
     graph.replay()
     torch.testing.assert_close(captured, documents_attention(q, k, v, docs), atol=0, rtol=0)
     assert not torch.equal(captured, eager)
+
+
+def test_fa4_backward_repeats_bit_for_bit_under_deterministic_algorithms():
+    """training.deterministic runs under torch's deterministic algorithms, which fa4_varlen hands FA4 as its
+    ``deterministic`` flag (a fixed order of the gradient sums, as FA2's varlen backward has there)."""
+    torch.manual_seed(0)
+    lengths = [700, 3, 1345]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=CUDA)
+    docs = Documents(cu, max(lengths), kernel="fa4")
+    q, k, v = (torch.randn(1, h, sum(lengths), 128, device=CUDA, dtype=torch.bfloat16, requires_grad=True)
+               for h in (32, 8, 8))
+    grad = torch.randn(1, sum(lengths), 32, 128, device=CUDA, dtype=torch.bfloat16)
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        first, second = (torch.autograd.grad(documents_attention(q, k, v, docs), (q, k, v), grad) for _ in range(2))
+    finally:
+        torch.use_deterministic_algorithms(previous)
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
