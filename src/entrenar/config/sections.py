@@ -342,6 +342,10 @@ class TrainingSection(_Section):
     # GPUs), attention by all-to-all over heads; the rest of the world is data parallel (distributed/
     # context_parallel.py)
     context_parallel: int = setting(1, _integer(1))
+    # the variable-length attention of packed and padding-free rows on CUDA: FlashAttention-2 (torch's varlen_attn),
+    # or FlashAttention-4 on a Hopper GPU (the optional extra: pip install 'entrenar[fa4]'; FA2 where FA4 cannot
+    # take a call: sinks, soft-capped scores); auto: fa2 (FA4 not yet measured through entrenar train)
+    attention_kernel: str = setting("auto", _choice("auto", "fa2", "fa4"))
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -12,7 +12,8 @@ over their ``B x T`` tokens end to end (see
 :func:`entrenar.data.batching.packed_documents`), in place of a document mask.
 
 On CUDA this runs FlashAttention's variable-length kernel
-(:func:`torch.nn.attention.varlen.varlen_attn`); elsewhere, or where that
+(:func:`torch.nn.attention.varlen.varlen_attn`; FlashAttention-4's on Hopper where ``Documents.kernel`` is
+``"fa4"``: :mod:`entrenar.models.fa4`); elsewhere, or where that
 kernel cannot take the shapes, each document goes through SDPA on its own,
 which computes the same thing and skips the blocks across documents that a
 mask would only hide. On a CPU in bf16, documents up to 1,024 tokens run as
@@ -48,6 +49,7 @@ from entrenar.models.cpu_attention import (
     explicit_causal_attention,
     explicit_fits,
 )
+from entrenar.models.fa4 import fa4_takes, fa4_varlen
 
 _varlen_attn: Callable[..., torch.Tensor | tuple[torch.Tensor, torch.Tensor]] | None
 try:
@@ -144,6 +146,9 @@ class Documents:
     max_len_k: int = 0  # the longest key segment
     # Context parallelism: the tokens are this process's slice of the row that cu_seqlens spans; None: all of it.
     shards: SequenceShards | None = field(default_factory=_SHARDS.get)
+    # Which variable-length kernel runs the segments on CUDA: "fa2" (torch's varlen_attn) or "fa4"
+    # (FlashAttention-4, :mod:`entrenar.models.fa4`, where it takes the call; FA2's elsewhere).
+    kernel: str = "fa2"
     # What bounds() and key_bounds() read, kept: every layer of a forward (and its checkpointed reruns) shares one
     # Documents, so the host reads the row's layout once rather than once a layer.
     _read: dict[str, list[int]] = field(default_factory=dict, init=False, repr=False, compare=False)
@@ -251,6 +256,10 @@ def _varlen_fits(q: torch.Tensor, k: torch.Tensor, documents: Documents, window:
 
 def _varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Documents,
             window: int | None, scale: float | None = None) -> torch.Tensor:
+    cu, n = documents.cu_seqlens, documents.max_len
+    cu_k, n_k = (documents.cu_seqlens_k, documents.max_len_k) if documents.cu_seqlens_k is not None else (cu, n)
+    if documents.kernel == "fa4" and fa4_takes(q, v.shape[-1]):
+        return fa4_varlen(q, k, v, cu, cu_k, n, n_k, window, scale)
     extra: dict[str, Any] = {}  # the keywords this torch's varlen_attn takes
     if scale is not None:
         extra["scale"] = scale
@@ -267,8 +276,6 @@ def _varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Docume
         elif _VARLEN_REFUSES_GQA:
             groups = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    cu, n = documents.cu_seqlens, documents.max_len
-    cu_k, n_k = (documents.cu_seqlens_k, documents.max_len_k) if documents.cu_seqlens_k is not None else (cu, n)
     assert _varlen_attn is not None  # _varlen_fits checked
     # Without return_aux, varlen_attn returns the output alone. A segment with fewer queries than keys is masked
     # bottom-right (FlashAttention's mask.h: key j is seen by query i when j < i + 1 + seqlen_k - seqlen_q).

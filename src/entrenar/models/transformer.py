@@ -16,6 +16,7 @@ from torch import nn
 
 from entrenar.models.attention_dispatch import attention
 from entrenar.models.config import ModelConfig, rope_inv_freq
+from entrenar.models.fa4 import KERNELS
 from entrenar.models.mla import LatentAttention
 from entrenar.models.moe import Experts, MoeBlock, Router
 from entrenar.models.offload import ActivationOffload
@@ -393,6 +394,7 @@ class Transformer(nn.Module):
         self.checkpointed_layers: set[int] = set()
         self.offloaded_layers: set[int] = set()
         self.activation_offload: ActivationOffload | None = None
+        self.attention_kernel = "fa2"  # packed rows' variable-length kernel (set_attention_kernel)
 
     def reset_parameters(self) -> None:
         """Random initialisation as Llama's: normal(0, initializer_range) weights, zero biases, unit norms."""
@@ -441,6 +443,14 @@ class Transformer(nn.Module):
                 layer.mlp_tile = tokens
                 tiled.append(i)
         return tiled if tokens else []
+
+    def set_attention_kernel(self, kernel: str) -> None:
+        """Which variable-length kernel attends packed and padding-free rows on CUDA: ``"fa2"`` (torch's
+        FlashAttention-2) or ``"fa4"`` (FlashAttention-4 on Hopper where it takes the call; :mod:`entrenar.models.fa4`).
+        """
+        if kernel not in KERNELS:
+            raise ValueError(f"attention kernel must be one of {', '.join(KERNELS)}, got {kernel!r}")
+        self.attention_kernel = kernel
 
     def set_activation_offload(self, layers: bool | int) -> None:
         """Keep what layers save for backward in pinned CPU memory until backward (:mod:`entrenar.models.offload`):
@@ -563,11 +573,13 @@ class Transformer(nn.Module):
         if cu_seqlens is not None:  # a padding-free row, or packed rows read end to end
             if max_seqlen is None:
                 max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
-            mask = Documents(cu_seqlens.to(device=input_ids.device, dtype=torch.int32), max_seqlen)
+            mask = Documents(cu_seqlens.to(device=input_ids.device, dtype=torch.int32), max_seqlen,
+                             kernel=self.attention_kernel)
             if kv_index is not None and cu_seqlens_k is not None:  # segments attending shared keys
                 mask = Documents(mask.cu_seqlens, max_seqlen, kv_index.to(input_ids.device),
                                  cu_seqlens_k.to(device=input_ids.device, dtype=torch.int32),
-                                 max_seqlen_k or int((cu_seqlens_k[1:] - cu_seqlens_k[:-1]).max()))
+                                 max_seqlen_k or int((cu_seqlens_k[1:] - cu_seqlens_k[:-1]).max()),
+                                 kernel=self.attention_kernel)
         else:
             mask = self.attention_mask(t, document_ids, input_ids.device, past)
         # Models whose layers differ (Gemma: sliding and global layers, Gemma 3's two RoPE bases) get each

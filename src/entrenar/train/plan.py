@@ -46,7 +46,7 @@ from entrenar.kernels.fused_linear_ce import fused_loss_chunk
 from entrenar.kernels.token_logprobs import TOKEN_LOGPROBS_CHUNK
 from entrenar.loading import recipe_model_config
 from entrenar.loading.runs import resolve_model_and_adapter
-from entrenar.models import random_init
+from entrenar.models import fa4, random_init
 from entrenar.models.classifier import is_classifier_folder
 from entrenar.models.config import ModelConfig
 from entrenar.models.padding_free import rows_by_document
@@ -119,6 +119,8 @@ class RunPlan:
     # fsdp: which safetensors file holds each parameter, when every rank reads its own shards (None: rank 0 reads
     # the whole model and broadcasts it)
     shard_files: dict[str, tuple[Path, str]] | None = field(default=None, repr=False, compare=False)
+    # packed rows' variable-length attention kernel on CUDA (training.attention_kernel): fa2 or fa4
+    attention_kernel: str = "fa2"
 
     @property
     def rows_per_step(self) -> int:
@@ -386,6 +388,8 @@ def plan_run(recipe: Recipe, device: torch.device, world: World, config: ModelCo
         decided = dataclasses.replace(decided, memory=per_device(
             decided.memory, config, world.size, "fsdp", dtype_bytes=2 if t.precision != "fp32" else 4))
     reasons += decided.reasons
+    attention_kernel, why = _attention_kernel(recipe, device, config)
+    reasons.append(("training.attention_kernel", why))
     available = available if available is not None else available_memory(device)
     facts = _Facts(recipe, device, world, mode, decided.memory, available, force, flat=flat)
     reasons.append(("memory", _memory_reason(facts)))
@@ -415,7 +419,31 @@ def plan_run(recipe: Recipe, device: torch.device, world: World, config: ModelCo
         loss_scaling=t.precision == "fp16", method=method, memory=decided.memory,
         memory_available=available[0] if available else None, notes=notes,
         reasons=tuple(reasons), flat_gradients=flat, _recipe=recipe, _config=config, context_parallel=cp,
-        shard_files=shard_files)
+        shard_files=shard_files, attention_kernel=attention_kernel)
+
+
+def _attention_kernel(recipe: Recipe, device: torch.device, config: ModelConfig) -> tuple[str, str]:
+    """``training.attention_kernel`` resolved, and the dry run's line for it. ``auto`` keeps FlashAttention-2:
+    FA4 measured 1.28-1.53x its forward and backward of packed rows on an H100 (docs/RECIPES.md), but not yet a run
+    through ``entrenar train``. ``fa4`` is refused where it cannot run (the extra missing, not a Hopper GPU), except
+    when planning for a CUDA device this machine lacks (``entrenar inspect``), which cannot be checked here."""
+    setting = recipe.training.attention_kernel
+    if setting != "fa4":
+        return "fa2", ("fa2 (as set)" if setting == "fa2" else
+                       f"fa2 (auto: FlashAttention-2's variable-length kernel; fa4, FlashAttention-4 on Hopper "
+                       f"({fa4.INSTALL}), only when set)")
+    if device.type == "cuda" and fa4.device_capability(device) is None:
+        return "fa4", "fa4 (as set; not checked: no CUDA device on this machine)"
+    why = fa4.fa4_unavailable(device)
+    if why is not None:
+        raise ConfigError(f"training.attention_kernel: fa4: {why} (or set training.attention_kernel: fa2)")
+    kept = [note for cond, note in (
+        (config.attention_sinks, "attention sinks (FA2)"),
+        (config.attn_logit_softcapping is not None, "soft-capped scores (per document)"),
+        (config.qk_head_dim > 256, f"head size {config.qk_head_dim} (FA4 takes 8-256)"),
+        (recipe.training.compile, "blocks under torch.compile (FA2)")) if cond]
+    return "fa4", ("fa4 (as set): FlashAttention-4 for the variable-length attention of packed and padding-free "
+                   "rows in bf16/fp16 on this Hopper GPU" + (f"; not for {', '.join(kept)}" if kept else ""))
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,8 @@
 2. LoRA adapters, then the task's trainable parts (a classifier's head)                         build_model
 3. the frozen embedding table to pinned CPU memory (``training.offload_embeddings``)
 4. activation checkpointing and activation offload (``training.activation_checkpointing``, ``offload_activations``)
-5. fused kernels swapped into the modules (``training.kernels``)
+5. fused kernels swapped into the modules (``training.kernels``), and the packed rows' attention kernel
+   (``training.attention_kernel``: FlashAttention-2 or -4)
 6. the NF4 base streamed from CPU memory block by block (``training.offload_weights``)
 7. MoE training hooks (router losses, balancing, diagnostics)
 8. ``torch.compile`` of each decoder block (``training.compile``)
@@ -96,6 +97,7 @@ def prepare(model: Transformer, recipe: Recipe, plan: RunPlan, world: World) -> 
                           "theirs whole); set it to 0")
     if plan.kernels:
         apply_kernels(model, lora_compute_dtype=plan.lora_compute_dtype)  # same parameters and names
+    model.set_attention_kernel(plan.attention_kernel)
     if plan.offload_weights:
         stream_weights(model, plan.device)
     moe = moe_training(model, recipe, plan.accumulation, world)
