@@ -6,7 +6,7 @@
 (:func:`torch.nn.attention.varlen.varlen_attn`), with the same semantics: causal within each segment, a sliding
 window as ``(window - 1, 0)``, the softmax scale, fewer key/value heads than query heads passed as they are (GQA),
 and segments with fewer queries than keys (shared-prompt preference pairs) masked bottom-right. Forward and
-backward of packed rows measured 1.28-1.53x FA2's on one H100 (docs/RECIPES.md, "Hopper attention").
+backward of packed rows measured 1.23-1.55x FA2's on one H100 (docs/RECIPES.md, "Hopper attention").
 
 What FA4 does not take here stays on FA2's kernel or the per-document path: attention sinks and soft-capped
 scores (they never reach the variable-length call), head sizes outside 8-256, fp32, a device other than a

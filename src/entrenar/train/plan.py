@@ -424,7 +424,7 @@ def plan_run(recipe: Recipe, device: torch.device, world: World, config: ModelCo
 
 def _attention_kernel(recipe: Recipe, device: torch.device, config: ModelConfig) -> tuple[str, str]:
     """``training.attention_kernel`` resolved, and the dry run's line for it. ``auto`` keeps FlashAttention-2:
-    FA4 measured 1.28-1.53x its forward and backward of packed rows on an H100 (docs/RECIPES.md), but not yet a run
+    FA4 measured 1.23-1.55x its forward and backward of packed rows on an H100 (docs/RECIPES.md), but not yet a run
     through ``entrenar train``. ``fa4`` is refused where it cannot run (the extra missing, not a Hopper GPU), except
     when planning for a CUDA device this machine lacks (``entrenar inspect``), which cannot be checked here."""
     setting = recipe.training.attention_kernel
