@@ -86,6 +86,40 @@ def test_tiled_mlp_reruns_lora_dropout_with_the_forward_masks():
     assert not torch.equal(loss_again, loss_tiled)  # dropout is on: another seed draws other masks
 
 
+@pytest.mark.parametrize("dropout", [0.0, 0.3])
+def test_tiled_mlp_touches_the_random_state_only_when_dropout_draws(monkeypatch, dropout):
+    """Without dropout the tiles save and restore no random-number state: a CUDA generator's state is read through
+    the host, which a CUDA graph capture refuses. With dropout they do (the test above: the masks replay)."""
+    from entrenar.models import tiled as tiled_module
+
+    model = _model(lora=True, kernels=False, dropout=dropout)
+    model.set_tiled_mlp(4)
+    model.train()
+    touched: list[str] = []
+    monkeypatch.setattr(tiled_module, "_rng_devices", lambda x: [0])  # as on a GPU
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda d=0: touched.append("get") or torch.get_rng_state())
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, d=0: touched.append("set"))
+    monkeypatch.setattr(torch.random, "fork_rng", _plain_fork)
+    _loss_and_grads(model, torch.randint(0, 64, (1, 13)))
+    assert (touched != []) == (dropout > 0), touched
+
+
+def _plain_fork(devices=None, enabled=True, **kwargs):
+    """torch.random.fork_rng for the CPU alone (the test pretends device 0 is a GPU)."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def fork():
+        state = torch.get_rng_state()
+        try:
+            yield
+        finally:
+            if enabled:
+                torch.set_rng_state(state)
+
+    return fork()
+
+
 def test_tiled_mlp_under_bf16_autocast_matches_whole_mlps_within_bf16():
     whole = _model(lora=True, kernels=True)
     tiled = copy.deepcopy(whole)

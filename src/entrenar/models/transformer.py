@@ -23,7 +23,7 @@ from entrenar.models.offload import ActivationOffload
 from entrenar.models.padding_free import Documents
 from entrenar.models.recompute import checkpointed
 from entrenar.models.rope_scaling import longrope_inv_freq, longrope_select, rope_attention_scaling
-from entrenar.models.tiled import tiled_feed_forward
+from entrenar.models.tiled import draws_random, tiled_feed_forward
 
 
 class RMSNorm(nn.Module):
@@ -335,8 +335,9 @@ class Block(nn.Module):
 
     def tiled_feed_forward(self, x: torch.Tensor) -> torch.Tensor:
         """:meth:`feed_forward` in tiles of :attr:`mlp_tile` tokens, rerun tile by tile in backward."""
-        params = [p for module in self.feed_forward_modules() for p in module.parameters()]
-        return tiled_feed_forward(self.feed_forward, x, self.mlp_tile, params)
+        modules = self.feed_forward_modules()
+        params = [p for module in modules for p in module.parameters()]
+        return tiled_feed_forward(self.feed_forward, x, self.mlp_tile, params, random=draws_random(modules))
 
 
 class SandwichBlock(Block):

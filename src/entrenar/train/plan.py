@@ -274,16 +274,24 @@ REFUSALS: tuple[Refusal, ...] = (
             lambda f: "training.offload_weights: the NF4 base weights stream to one CUDA device, block by block, "
                       f"outside torch.compile; this run is {f.mode} on {f.device}"
                       + (" with training.compile" if f.recipe.training.compile else ""), needs_mode=True),
+    # Under a CUDA graph the tiles replay when they draw no random numbers: with LoRA dropout their rerun restores
+    # the generator's state, which is read through the host (models/tiled.py).
     Refusal("training.tiled_mlp", lambda f: bool(f.recipe.training.tiled_mlp) and (
-        f.recipe.training.compile or f.recipe.training.cuda_graphs is True
-        or f.recipe.training.offload_weights is True),
-            lambda f: "training.tiled_mlp: the tiles rerun in backward outside torch.compile and CUDA graphs, and "
-                      "read the block's weights where they are (not streamed); turn off "
-                      + ", ".join(k for k in ("compile", "cuda_graphs", "offload_weights")
-                                  if getattr(f.recipe.training, k) is True)),
+        f.recipe.training.compile or f.recipe.training.offload_weights is True
+        or f.recipe.training.cuda_graphs is True and _lora_dropout(f.recipe) > 0),
+            lambda f: "training.tiled_mlp: the tiles rerun in backward outside torch.compile, read the block's "
+                      "weights where they are (not streamed), and under CUDA graphs only without LoRA dropout; "
+                      "turn off " + ", ".join(k for k in ("compile", "cuda_graphs", "offload_weights")
+                                              if getattr(f.recipe.training, k) is True)
+                      + (f" (or set lora.dropout: 0, now {_lora_dropout(f.recipe)})"
+                         if f.recipe.training.cuda_graphs is True and _lora_dropout(f.recipe) > 0 else "")),
     Refusal("memory", lambda f: not f.force and f.available is not None and f.needed > f.available[0],
             lambda f: _memory_refusal(f), needs_mode=True, needs_memory=True),
 )
+
+
+def _lora_dropout(recipe: Recipe) -> float:
+    return recipe.lora.dropout if recipe.lora is not None else 0.0
 
 
 def _memory_refusal(f: _Facts) -> str:
