@@ -19,6 +19,10 @@ keeps:
   the varlen kernel in a fixed number of segments (empty ones at the end);
 * a few eager calls first, on a side stream, so Triton compiles, cuBLAS picks
   its kernels and the autograd engine warms up before capture.
+
+A capture that fails (an operation no check foresaw) stops the run where graphs were asked for
+(``training.cuda_graphs: true``); under ``auto`` the micro-steps go on eagerly and :attr:`GraphedMicroStep.eager_why`
+says why, once, for the log. Nothing of the failed capture ran: the recording does not run the step.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
+
+from entrenar.errors import ConfigError
 
 WARMUP_CALLS = 3
 
@@ -37,8 +43,11 @@ class GraphedMicroStep:
     accumulates into."""
 
     def __init__(self, fn: Callable[[dict[str, torch.Tensor]], torch.Tensor], params: Sequence[torch.Tensor],
-                 warmup: int = WARMUP_CALLS, capturable: Callable[[dict], bool] | None = None) -> None:
+                 warmup: int = WARMUP_CALLS, capturable: Callable[[dict], bool] | None = None,
+                 strict: bool = True) -> None:
         self.fn = fn
+        self.strict = strict  # training.cuda_graphs: true (a failed capture stops the run) rather than auto
+        self.eager_why: str | None = None  # set when a failed capture left this run eager
         self.capturable = capturable  # which inputs may set the graph's layout (others run eagerly until one does)
         self.params = list(params)
         self.warmup = warmup
@@ -51,13 +60,24 @@ class GraphedMicroStep:
         for p in self.params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
+        if self.eager_why is not None:
+            return self.fn(inputs)
         if self.graph is None and self.eager_calls < self.warmup:
             self.eager_calls += 1
             return self._on_side_stream(inputs)
         if self.graph is None:
             if self.capturable is not None and not self.capturable(inputs):
                 return self.fn(inputs)
-            self._capture(inputs)
+            try:
+                self._capture(inputs)
+            except RuntimeError as e:  # an operation capture refuses, which no check above foresaw
+                first = str(e).splitlines()[0] if str(e) else repr(e)
+                if self.strict:
+                    raise ConfigError(f"training.cuda_graphs: true, but capturing the micro-step failed: {first} "
+                                      "(training.cuda_graphs: auto goes on eagerly instead)") from e
+                self.eager_why = f"capturing the micro-step failed ({first}); the steps run eagerly"
+                self.graph, self.inputs, self.loss = None, {}, None
+                return self.fn(inputs)
         elif not self._same_layout(inputs):
             return self.fn(inputs)
         for name, tensor in inputs.items():

@@ -58,13 +58,22 @@ class MicroStep:
 
     def __init__(self, task: Task, step_model: Single, moe: MoeTraining | None, device: torch.device,
                  precision: str, scaler: torch.amp.GradScaler, trainable: list[torch.nn.Parameter],
-                 graphs: bool) -> None:
+                 graphs: bool, graphs_strict: bool = True) -> None:
         self.task, self.step_model, self.moe, self.device = task, step_model, moe, device
         self.precision, self.scaler, self.graphs = precision, scaler, graphs
         self.segments: int | None = None  # CUDA graphs' segment capacity, once the data position is known
-        self.run = GraphedMicroStep(self._forward_backward, trainable,
-                                    capturable=lambda batch: fills_capacity(batch, self.segments)) \
-            if graphs else self._forward_backward
+        self.graphed = GraphedMicroStep(self._forward_backward, trainable, strict=graphs_strict,
+                                        capturable=lambda batch: fills_capacity(batch, self.segments)) \
+            if graphs else None
+        self.run = self.graphed if self.graphed is not None else self._forward_backward
+        self._told = False
+
+    def notice(self) -> str | None:
+        """Once: why the steps went on eagerly after their capture failed (``training.cuda_graphs: auto``)."""
+        if self.graphed is None or self.graphed.eager_why is None or self._told:
+            return None
+        self._told = True
+        return f"training.cuda_graphs: {self.graphed.eager_why}"
 
     def __call__(self, batch: Batch) -> torch.Tensor:
         out = self.run(batch)

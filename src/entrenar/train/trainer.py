@@ -82,7 +82,7 @@ class Trainer:
                                     scaler_handles_grads=self.scaler.is_enabled())
         self.early_stopping = EarlyStopping(t.early_stopping)
         self.micro_step = MicroStep(task, prepared.step_model, self.moe, plan.device, t.precision, self.scaler,
-                                    prepared.trainable, prepared.cuda_graphs)
+                                    prepared.trainable, prepared.cuda_graphs, graphs_strict=t.cuda_graphs is True)
         self.trainable = prepared.trainable
         step_model = prepared.step_model  # context parallelism: slices rows, and reads by data-parallel group
         self.context = step_model if isinstance(step_model, ContextParallel) else None
@@ -240,7 +240,8 @@ class Trainer:
             extra["peak_mem_gb_ranks"] = [round(p, 3) for p in record.peaks]
         line = metrics.log_step(done, record.loss, record.grad_norm, record.lr, record.tokens,
                                 step_time_s=elapsed, flags=record.flags, extra=extra)
-        for warning in warnings:
+        notice = self.micro_step.notice()
+        for warning in warnings + ([notice] if notice else []):
             bar.write(warning)
         bar.update(1)
         if done % log_every == 0 or done == max_steps:
