@@ -201,11 +201,15 @@ def test_the_trainer_lays_batches_out_fixed_under_graphs_and_trains_as_without(t
                     + "\n")
     seen: list[list[str]] = []
 
-    def eager_stand_in(fn, params, capturable=None):
-        def run(inputs):
+    class EagerStandIn:  # GraphedMicroStep's interface, calling the step eagerly
+        eager_why = None
+
+        def __init__(self, fn, params, capturable=None, strict=True):
+            self.fn = fn
+
+        def __call__(self, inputs):
             seen.append(sorted(inputs))
-            return fn(inputs)
-        return run
+            return self.fn(inputs)
 
     def recipe(name, *overrides):
         (tmp_path / f"{name}.yaml").write_text(f"""
@@ -223,7 +227,7 @@ output: {{dir: {tmp_path / name}}}
     dynamic = train(recipe("dynamic"), progress=False)
     assert not seen
     monkeypatch.setattr(plan_module.RunPlan, "graphs", lambda self, moe_replays: True)
-    monkeypatch.setattr(stepping, "GraphedMicroStep", eager_stand_in)
+    monkeypatch.setattr(stepping, "GraphedMicroStep", EagerStandIn)
     fixed = train(recipe("fixed"), progress=False)
     assert len(seen) == 8 and all("pair_mask" in keys for keys in seen)
     a, b = ([r for r in read_metrics(run.run_dir / "metrics.jsonl") if "loss" in r] for run in (dynamic, fixed))
