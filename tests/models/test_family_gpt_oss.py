@@ -327,10 +327,10 @@ def test_qlora_adapters_on_nf4_experts_train_and_load_in_peft(gpt_oss, tmp_path)
     cfg = LoraConfig(r=2, alpha=4, target_modules=["q_proj", "v_proj"], target_parameters=EXPERT_TARGETS,
                      use_rslora=False)
     apply_lora(model, cfg)
-    from entrenar.models.moe import _core
+    from entrenar.models.moe import core_experts
     from entrenar.quant.nf4.experts import NF4Experts
 
-    assert all(type(_core(block.experts)) is NF4Experts for _, block in moe_blocks(model))
+    assert all(type(core_experts(block.experts)) is NF4Experts for _, block in moe_blocks(model))
     torch.manual_seed(4)
     with torch.no_grad():
         for _, layer in lora_layers(model):

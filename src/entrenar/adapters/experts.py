@@ -23,16 +23,14 @@ from torch import nn
 
 from entrenar.adapters.layer import LoraLinear, adapter_dtype, check_hparams, check_rank, lora_scaling
 from entrenar.errors import AdapterError
-from entrenar.models.moe import Experts, Router, RoutingOps
+from entrenar.models.moe import Experts, Router, RoutingOps, core_experts
 from entrenar.models.surgery import replace_module
 
 EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")
 
 
 def _experts_of(module: nn.Module) -> Experts:
-    while not isinstance(module, Experts):
-        module = cast(nn.Module, module.base_layer)
-    return module
+    return cast(Experts, core_experts(module))
 
 
 class LoraExpertWeights(LoraLinear):

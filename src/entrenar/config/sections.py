@@ -291,7 +291,7 @@ class TrainingSection(_Section):
     compile: bool = setting(False, _boolean, resumable=9)
     # forward and backward of each micro-batch replayed from a CUDA graph (fixed shapes; not padding-free);
     # auto: on a single CUDA device (or under ddp with flat gradients) for LoRA/QLoRA on packed causal-LM batches
-    # of a dense model (or an MoE one whose experts run grouped in bf16; not NF4 experts yet), without compile or fp16
+    # of a dense model (or an MoE one whose experts run grouped, in bf16 or NF4), without compile or fp16
     cuda_graphs: str | bool = setting("auto", _choice("auto", True, False), resumable=17)
     # read each step's loss and norm while the GPU runs the next step's forward and backward (a non-finite
     # update is dropped on the device); auto: on CUDA (one process, or ddp with flat gradients) with a fused

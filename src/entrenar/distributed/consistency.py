@@ -57,18 +57,9 @@ def _chunk_sums(chunk: torch.Tensor, start: int) -> torch.Tensor:
     return torch.stack([wide.sum(), (wide * weights).sum()])
 
 
-def _byte_sums(tensor: torch.Tensor) -> torch.Tensor:
-    """:func:`_chunk_sums` of one tensor's bytes, chunk by chunk."""
-    data = _bytes(tensor)
-    sums = torch.zeros(2, dtype=torch.int64, device=data.device)
-    for start in range(0, data.numel(), _CHUNK_BYTES):
-        sums += _chunk_sums(data[start:start + _CHUNK_BYTES], start)
-    return sums
-
-
 def _stream_sums(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """``[chunks, 2]`` int64 on the tensors' device: the bytes of ``tensors`` end to end, summed in chunks of
-    ``_CHUNK_BYTES`` (small tensors joined into one chunk, a large one split)."""
+    """``[chunks, 2]`` int64 on the tensors' device (at least one tensor): the bytes of ``tensors`` end to end,
+    summed in chunks of ``_CHUNK_BYTES`` (small tensors joined into one chunk, a large one split)."""
     sums: list[torch.Tensor] = []
     pending: list[torch.Tensor] = []
     pending_bytes = position = 0
@@ -90,7 +81,7 @@ def _stream_sums(tensors: list[torch.Tensor]) -> torch.Tensor:
             pending.append(piece)
             pending_bytes += piece.numel()
     flush()
-    return torch.stack(sums)
+    return torch.stack(sums) if sums else torch.zeros(0, 2, dtype=torch.int64, device=tensors[0].device)
 
 
 def replica_sums(model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device) -> torch.Tensor | None:
@@ -115,7 +106,7 @@ def tensor_digests(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[t
         by_device.setdefault(t.device, []).append(i)
     sums: list[list[int]] = [[] for _ in named]
     for indices in by_device.values():
-        host = torch.stack([_byte_sums(named[i][1]) for i in indices]).cpu().tolist()
+        host = torch.stack([_stream_sums([named[i][1]]).sum(0) for i in indices]).cpu().tolist()
         for i, values in zip(indices, host):
             sums[i] = [*values, named[i][1].numel(), *named[i][1].shape]
     return [(name, hashlib.blake2b(repr((str(t.dtype), sums[i])).encode(), digest_size=16).hexdigest())
@@ -143,6 +134,9 @@ class ReplicaCheck:
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, world: World) -> None:
         self.model, self.optimizer, self.world = model, optimizer, world
+        # Where the sums meet for the all-gather: NCCL gathers on this rank's GPU, gloo on the CPU.
+        self.device = torch.device("cuda", torch.cuda.current_device()) if world.backend == "nccl" else \
+            torch.device("cpu")
         self._layout_checked = False
         self._pending: _Pending | None = None
 
@@ -156,14 +150,12 @@ class ReplicaCheck:
                 raise DistributedError(f"step {step}: replicas diverged; the ranks hold different sets of "
                                        "trainable tensors")
             self._layout_checked = True
-        device = torch.device("cuda", torch.cuda.current_device()) if self.world.backend == "nccl" else \
-            torch.device("cpu")
-        sums = replica_sums(self.model, self.optimizer, device)
+        sums = replica_sums(self.model, self.optimizer, self.device)
         if sums is None:
             return [*confirmed, step]
         gathered = self.world.gather_tensor(sums)
         differs = (gathered != sums).any().reshape(1)
-        if device.type == "cuda":
+        if self.device.type == "cuda":
             host = torch.empty(1, dtype=torch.bool, pin_memory=True)
             host.copy_(differs, non_blocking=True)
             copied = torch.cuda.Event()

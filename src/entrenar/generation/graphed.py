@@ -28,13 +28,11 @@ interleaved RoPE), the step runs eagerly on the growing cache, as before.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import cast
 
 import torch
-from torch import nn
 
 from entrenar.errors import ModelError
-from entrenar.models.moe import MoeBlock
+from entrenar.models.moe import MoeBlock, core_experts
 from entrenar.models.transformer import Transformer, compute_device, soft_cap
 from entrenar.quant.nf4.experts import NF4Experts
 
@@ -86,7 +84,7 @@ def graph_refusal(model: Transformer) -> str | None:
                     "host code every call")
         if getattr(module, "_compiled_call_impl", None) is not None:
             return f"module '{name or 'model'}' runs through torch.compile (training.compile), whose guards recompile"
-        if isinstance(module, MoeBlock) and _nf4_experts(module):
+        if isinstance(module, MoeBlock) and isinstance(core_experts(module.experts), NF4Experts):
             return (f"the NF4 experts of '{name}' dequantize their stacks inside the step, which no GPU has "
                     "captured yet")
     if model.model.embed_tokens.weight.device != device:
@@ -100,14 +98,6 @@ def graph_refusal(model: Transformer) -> str | None:
             return (f"the MoE experts of '{name}' run as a loop over experts, which reads their token counts on "
                     "the host (grouped bf16 experts replay)")
     return None
-
-
-def _nf4_experts(block: MoeBlock) -> bool:
-    """Whether ``block``'s experts, under any LoRA wrappers, are NF4 (QLoRA)."""
-    experts: nn.Module = block.experts
-    while not isinstance(experts, NF4Experts) and hasattr(experts, "base_layer"):
-        experts = cast(nn.Module, experts.base_layer)
-    return isinstance(experts, NF4Experts)
 
 
 def _experts_grouped(block: MoeBlock, device: torch.device) -> bool:

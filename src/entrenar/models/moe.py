@@ -213,7 +213,7 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """``sum_k weights[n, k] * expert_{indices[n, k]}(x[n])`` for tokens x [N, H]."""
         n, k = indices.shape
-        core = _core(self)  # the Experts under LoRA wrappers: its biases and activation
+        core = core_experts(self)  # the Experts under LoRA wrappers: its biases and activation
         gate_up_bias, down_bias = getattr(core, "gate_up_proj_bias", None), getattr(core, "down_proj_bias", None)
         activation: str = getattr(core, "activation", "silu")
         alpha, limit = cast(float, getattr(core, "swiglu_alpha", 0.0)), cast(float, getattr(core, "swiglu_limit", 0.0))
@@ -259,7 +259,7 @@ class Experts(nn.Module):
         return (by_token * weights.to(ys.dtype)[..., None]).sum(dim=1).to(x.dtype)
 
 
-def _core(experts: nn.Module) -> nn.Module:
+def core_experts(experts: nn.Module) -> nn.Module:
     """The module under any LoRA wrappers of an expert stack (the one holding biases and the activation)."""
     while not isinstance(experts, Experts) and hasattr(experts, "base_layer"):
         experts = cast(nn.Module, experts.base_layer)

@@ -160,6 +160,13 @@ class Documents:
             self._read["q"] = self.cu_seqlens.tolist()
         return self._read["q"]
 
+    def keys(self) -> tuple[torch.Tensor, int]:
+        """(``cu_seqlens`` of the segments' keys, the longest key segment): the gathered keys' with ``kv_index``,
+        else the queries' own."""
+        if self.cu_seqlens_k is None:
+            return self.cu_seqlens, self.max_len
+        return self.cu_seqlens_k, self.max_len_k
+
     def key_bounds(self) -> list[int]:
         """Where each segment's keys start and end in the gathered keys (its own tokens without ``kv_index``)."""
         if self.cu_seqlens_k is None:
@@ -257,7 +264,7 @@ def _varlen_fits(q: torch.Tensor, k: torch.Tensor, documents: Documents, window:
 def _varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Documents,
             window: int | None, scale: float | None = None) -> torch.Tensor:
     cu, n = documents.cu_seqlens, documents.max_len
-    cu_k, n_k = (documents.cu_seqlens_k, documents.max_len_k) if documents.cu_seqlens_k is not None else (cu, n)
+    cu_k, n_k = documents.keys()
     if documents.kernel == "fa4" and fa4_takes(q, v.shape[-1]):
         return fa4_varlen(q, k, v, cu, cu_k, n, n_k, window, scale)
     extra: dict[str, Any] = {}  # the keywords this torch's varlen_attn takes
@@ -328,8 +335,7 @@ class _VarlenKernel:
     @classmethod
     def of(cls, q: torch.Tensor, k: torch.Tensor, documents: Documents, window: int | None,
            scale: float | None) -> _VarlenKernel:
-        cu_k = documents.cu_seqlens_k if documents.cu_seqlens_k is not None else documents.cu_seqlens
-        max_k = documents.max_len_k if documents.cu_seqlens_k is not None else documents.max_len
+        cu_k, max_k = documents.keys()
         return cls(documents.cu_seqlens, cu_k, documents.max_len, max_k, scale,
                    [window - 1 if window is not None else -1, 0], q.shape[1] != k.shape[1])
 

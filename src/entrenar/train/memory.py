@@ -338,13 +338,12 @@ def estimate_training_memory(
         config, method, param_bytes, states, lora_r, lora_targets, lora_target_parameters, offload_embeddings,
         offload_weights)
     tokens = batch_size * seq_len
-    activations, rebuilt = _activations(config, method, tokens, dtype_bytes, kernels, lora_r,
-                                        activation_checkpointing, offload_activations, seq_len, tiled_mlp,
-                                        gpu=not cpu)
+    activations, rebuilt = _activations(config, method, tokens, dtype_bytes, kernels, lora_r, activation_checkpointing,
+                                        offload_activations, seq_len, tiled_mlp, gpu=not cpu)
     logits = _logits(config, tokens, dtype_bytes, fused_loss_chunk, rebuilt, fused_loss_bytes)
-    total = config.num_parameters
     label = {"full": "qat", "lora": "lora-qat"}[method] if qat else method
-    estimate = MemoryEstimate(label, total, trainable, weights, gradients, optimizer_bytes, activations, logits)
+    estimate = MemoryEstimate(label, config.num_parameters, trainable, weights, gradients, optimizer_bytes,
+                              activations, logits)
     if not cpu:
         _add_gpu_terms(estimate, config, method, tokens, dtype_bytes, tiled_mlp, activation_checkpointing,
                        offload_activations, kernels, fused_loss_chunk)
