@@ -298,3 +298,17 @@ def test_a_row_layout_is_read_to_the_host_once_however_many_layers_ask():
     for _ in range(24):
         assert shared.bounds() == [0, 3, 7, 12] and shared.key_bounds() == [0, 5, 9, 14]
     assert len(reads) == 3
+
+
+def test_a_row_layout_survives_fsdp2s_forward_input_cast():
+    """FSDP2 casts a block's forward inputs by rebuilding each dataclass with dataclasses.replace over all its
+    fields (torch.distributed.utils._apply_to_tensors): a field Documents could not take in __init__ stopped every
+    padding-free FSDP run on GPUs (2 H200s, 2026-11-27: "field _read is declared with init=False")."""
+    from torch.distributed.utils import _apply_to_tensors
+
+    docs = Documents(torch.tensor([0, 3, 7], dtype=torch.int32), 4, kernel="fa4")
+    assert docs.bounds() == [0, 3, 7]
+    cast = _apply_to_tensors(lambda t: t.clone(), docs)
+    assert isinstance(cast, Documents) and cast is not docs
+    assert (cast.max_len, cast.kernel, cast.bounds()) == (4, "fa4", [0, 3, 7])
+    assert torch.equal(cast.cu_seqlens, docs.cu_seqlens)

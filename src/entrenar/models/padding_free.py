@@ -150,8 +150,9 @@ class Documents:
     # (FlashAttention-4, :mod:`entrenar.models.fa4`, where it takes the call; FA2's elsewhere).
     kernel: str = "fa2"
     # What bounds() and key_bounds() read, kept: every layer of a forward (and its checkpointed reruns) shares one
-    # Documents, so the host reads the row's layout once rather than once a layer.
-    _read: dict[str, list[int]] = field(default_factory=dict, init=False, repr=False, compare=False)
+    # Documents, so the host reads the row's layout once rather than once a layer. An __init__ field, because
+    # FSDP2's forward-input cast rebuilds dataclasses with dataclasses.replace over every field (the copy shares it).
+    _read: dict[str, list[int]] = field(default_factory=dict, repr=False, compare=False)
 
     def bounds(self) -> list[int]:
         """``cu_seqlens`` as Python ints (a device sync on the GPU, once per Documents: only the per-document path
