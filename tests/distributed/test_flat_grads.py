@@ -152,10 +152,10 @@ def test_a_step_communicates_its_token_counts_and_its_gradients_and_nothing_else
     replica_check_every 3). Each step all-reduces its token counts (the loss divisor, before the forward) and its
     gradients, whose flat buffer carries the step's loss and each rank's peak memory: no all-reduce of the loss,
     none of a non-finite flag, no gather of the peaks on logged lines, no barrier. The replica check adds its one
-    all-gather of byte sums (on the device) every third step only, and at its first run one object all-gather of
-    the tensors' names and shapes. Under torch's DDP (whose reducer all-reduces the buckets in C++) the loss and
-    peaks take one all-reduce of their own. The lines logged carry every rank's peak, and the summary (gathered
-    once, at the end) the replica check's result and each rank's peak."""
+    all-gather of byte sums (on the device) after the first step and every third step only, and at the first one
+    object all-gather of the tensors' names and shapes. Under torch's DDP (whose reducer all-reduces the buckets in
+    C++) the loss and peaks take one all-reduce of their own. The lines logged carry every rank's peak, and the
+    summary (gathered once, at the end) the replica check's result and each rank's peak."""
     ws, recipes, reference = shared
     options = ["training.log_every=2", "training.replica_check_every=3", f"output.dir={ws / f'steps-{len(extra)}'}"]
     if extra == ["torch-ddp"]:
@@ -170,7 +170,8 @@ def test_a_step_communicates_its_token_counts_and_its_gradients_and_nothing_else
         calls = results[rank]["calls"]
         for step in (1, 2, 3):  # the last step (4) also evaluates, saves and summarises
             names, sizes = [name for name, _ in calls[step]], [n for _, n in calls[step]]
-            replica = ["all_gather_object", "all_gather"] if step == 3 else []  # the layout (once), the sums
+            # the first step's check also compares the layout (once); then every third step's sums
+            replica = {1: ["all_gather_object", "all_gather"], 3: ["all_gather"]}.get(step, [])
             assert names == ["all_reduce", "all_reduce", *replica], (rank, step, calls[step])
             assert sizes[0] == 2  # targets and tokens
             if extra == ["torch-ddp"]:
@@ -182,7 +183,7 @@ def test_a_step_communicates_its_token_counts_and_its_gradients_and_nothing_else
     assert [len(r.get("peak_mem_gb_ranks", [])) for r in lines] == [0, 2, 0, 2]  # on the logged lines
     assert all(gb > 0 for r in lines for gb in r.get("peak_mem_gb_ranks", []))
     summary = results[0]["summary"]
-    assert "identical on 2 ranks at 2 check(s), steps 3-4" in summary
+    assert "identical on 2 ranks at 3 check(s), steps 1-4" in summary
     assert re.search(r"peak memory +rank 0 \d+\.\d\d GB, rank 1 \d+\.\d\d GB", summary)
     if "training.overlap_steps=true" in extra:  # the fused optimizer rounds differently from the reference's
         assert losses(run) == pytest.approx(losses(reference["lora"]), abs=1e-4)
