@@ -39,13 +39,29 @@ def _reason(p):
     return dict(p.reasons)["training.attention_kernel"]
 
 
-def test_auto_and_fa2_keep_flashattention_2_even_on_hopper_with_fa4_installed(workspace, installed, monkeypatch):
+def test_auto_takes_flashattention_4_on_hopper_with_the_extra_installed(workspace, installed, monkeypatch):
     _gpu(monkeypatch, (9, 0))
     auto = plan(workspace, "model.device=cuda", device=CUDA)
-    assert auto.attention_kernel == "fa2" and _reason(auto).startswith("fa2 (auto:") and EXTRA in _reason(auto)
-    assert plan(workspace).attention_kernel == "fa2"  # the default, on a CPU
+    assert auto.attention_kernel == "fa4" and _reason(auto).startswith("fa4 (auto): FlashAttention-4")
     fa2 = plan(workspace, "model.device=cuda", "training.attention_kernel=fa2", device=CUDA)
     assert (fa2.attention_kernel, _reason(fa2)) == ("fa2", "fa2 (as set)")
+
+
+@pytest.mark.parametrize(("device", "capability", "names"), [
+    (CUDA, (8, 0), "cuda has compute capability 8.0"), (CPU, None, "this run trains on cpu"),
+    (CUDA, None, "not checked: no CUDA device on this machine")])
+def test_auto_keeps_flashattention_2_where_fa4_cannot_run_and_says_why(workspace, installed, monkeypatch, device,
+                                                                        capability, names):
+    _gpu(monkeypatch, capability)
+    p = plan(workspace, f"model.device={device.type}", device=device)
+    assert p.attention_kernel == "fa2" and _reason(p).startswith("fa2 (auto:") and EXTRA in _reason(p)
+    assert names in _reason(p)
+
+
+def test_auto_without_the_extra_keeps_flashattention_2_naming_it(workspace, missing, monkeypatch):
+    _gpu(monkeypatch, (9, 0))
+    p = plan(workspace, "model.device=cuda", device=CUDA)
+    assert p.attention_kernel == "fa2" and "flash_attn.cute (the flash-attn-4 package) does not import" in _reason(p)
 
 
 def test_fa4_on_hopper_with_the_package_is_planned_and_printed(workspace, installed, monkeypatch):

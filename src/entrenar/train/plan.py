@@ -431,27 +431,34 @@ def plan_run(recipe: Recipe, device: torch.device, world: World, config: ModelCo
 
 
 def _attention_kernel(recipe: Recipe, device: torch.device, config: ModelConfig) -> tuple[str, str]:
-    """``training.attention_kernel`` resolved, and the dry run's line for it. ``auto`` keeps FlashAttention-2:
-    FA4 measured 1.23-1.55x its forward and backward of packed rows on an H100 (docs/RECIPES.md), but not yet a run
-    through ``entrenar train``. ``fa4`` is refused where it cannot run (the extra missing, not a Hopper GPU), except
-    when planning for a CUDA device this machine lacks (``entrenar inspect``), which cannot be checked here."""
+    """``training.attention_kernel`` resolved, and the dry run's line for it. ``auto`` takes FlashAttention-4 where
+    it runs (the extra installed, a Hopper GPU): through ``entrenar train`` it ran LoRA-1B 1.04-1.05x FA2 with the
+    same losses (H200, docs/PERFORMANCE.md), its kernels 1.23-1.55x FA2's on packed rows; FA2 elsewhere. ``fa4``
+    is refused where it cannot run, except when planning for a CUDA device this machine lacks (``entrenar
+    inspect``), which cannot be checked here."""
     setting = recipe.training.attention_kernel
-    if setting != "fa4":
-        return "fa2", ("fa2 (as set)" if setting == "fa2" else
-                       f"fa2 (auto: FlashAttention-2's variable-length kernel; fa4, FlashAttention-4 on Hopper "
-                       f"({fa4.INSTALL}), only when set)")
-    if device.type == "cuda" and fa4.device_capability(device) is None:
+    if setting == "fa2":
+        return "fa2", "fa2 (as set)"
+    unchecked = device.type == "cuda" and fa4.device_capability(device) is None
+    if setting == "auto":
+        why = "not checked: no CUDA device on this machine" if unchecked else fa4.fa4_unavailable(device)
+        if why is not None:
+            return "fa2", (f"fa2 (auto: FlashAttention-2's variable-length kernel; FlashAttention-4 runs where the "
+                           f"extra is installed on a Hopper GPU ({fa4.INSTALL}): {why})")
+    elif unchecked:
         return "fa4", "fa4 (as set; not checked: no CUDA device on this machine)"
-    why = fa4.fa4_unavailable(device)
-    if why is not None:
-        raise ConfigError(f"training.attention_kernel: fa4: {why} (or set training.attention_kernel: fa2)")
+    else:
+        why = fa4.fa4_unavailable(device)
+        if why is not None:
+            raise ConfigError(f"training.attention_kernel: fa4: {why} (or set training.attention_kernel: fa2)")
     kept = [note for cond, note in (
         (config.attention_sinks, "attention sinks (FA2)"),
         (config.attn_logit_softcapping is not None, "soft-capped scores (per document)"),
         (config.qk_head_dim > 256, f"head size {config.qk_head_dim} (FA4 takes 8-256)"),
         (recipe.training.compile, "blocks under torch.compile (FA2)")) if cond]
-    return "fa4", ("fa4 (as set): FlashAttention-4 for the variable-length attention of packed and padding-free "
-                   "rows in bf16/fp16 on this Hopper GPU" + (f"; not for {', '.join(kept)}" if kept else ""))
+    return "fa4", (f"fa4 ({'auto' if setting == 'auto' else 'as set'}): FlashAttention-4 for the variable-length "
+                   "attention of packed and padding-free rows in bf16/fp16 on this Hopper GPU"
+                   + (f"; not for {', '.join(kept)}" if kept else ""))
 
 
 @dataclass(frozen=True)
