@@ -219,8 +219,9 @@ CASES: dict[str, dict] = {
     # Issue 35's performance cases (LoRA on every linear layer; gpt-oss: attention's NF4 and per-expert LoRA on
     # its bf16 experts, as entrenar and PEFT both train them). gpt-oss's HF rows run transformers' eager attention:
     # its SDPA path drops the sinks (tests/models/test_family_gpt_oss.py).
-    # matched: not tiled MLP, which held 8.48 GiB here at 0.38x Unsloth's speed (H200, 2026-11-27: eager, its
-    # tiles' Python dominates a 2 x 2048 step); the fused loss's smaller chunk for this vocabulary instead.
+    # matched: not tiled MLP, which held 8.48 GiB here at 0.38x Unsloth's speed eagerly (H200, 2026-11-27: its
+    # tiles' Python dominates a 2 x 2048 step) and 8.48 at 0.99x under CUDA graphs (--set training.tiled_mlp=1024
+    # --set training.cuda_graphs=true; docs/MODELS.md); the fused loss's smaller chunk for this vocabulary instead.
     "lora-gemma3-4b": {"shape": "gemma3-4b", "method": "lora", "batch": 2, "seq": 2048, "ckpt": False, "steps": 14,
                        "fast": {"adapter_math": "bf16", "cuda_graphs": True}, "rows": GPU_ROWS},
     # The folder as openai/gpt-oss-20b ships (experts in MXFP4, 13 GiB): entrenar dequantizes the experts on load
