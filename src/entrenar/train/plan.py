@@ -440,17 +440,14 @@ def _attention_kernel(recipe: Recipe, device: torch.device, config: ModelConfig)
     if setting == "fa2":
         return "fa2", "fa2 (as set)"
     unchecked = device.type == "cuda" and fa4.device_capability(device) is None
-    if setting == "auto":
-        why = "not checked: no CUDA device on this machine" if unchecked else fa4.fa4_unavailable(device)
-        if why is not None:
-            return "fa2", (f"fa2 (auto: FlashAttention-2's variable-length kernel; FlashAttention-4 runs where the "
-                           f"extra is installed on a Hopper GPU ({fa4.INSTALL}): {why})")
-    elif unchecked:
+    why = "not checked: no CUDA device on this machine" if unchecked else fa4.fa4_unavailable(device)
+    if setting == "auto" and why is not None:
+        return "fa2", (f"fa2 (auto: FlashAttention-2's variable-length kernel; FlashAttention-4 runs where the extra "
+                       f"is installed on a Hopper GPU ({fa4.INSTALL}): {why})")
+    if unchecked:
         return "fa4", "fa4 (as set; not checked: no CUDA device on this machine)"
-    else:
-        why = fa4.fa4_unavailable(device)
-        if why is not None:
-            raise ConfigError(f"training.attention_kernel: fa4: {why} (or set training.attention_kernel: fa2)")
+    if why is not None:
+        raise ConfigError(f"training.attention_kernel: fa4: {why} (or set training.attention_kernel: fa2)")
     kept = [note for cond, note in (
         (config.attention_sinks, "attention sinks (FA2)"),
         (config.attn_logit_softcapping is not None, "soft-capped scores (per document)"),

@@ -205,9 +205,8 @@ class Trainer:
             evaluates = bool(t.eval_every and done % t.eval_every == 0) or done == t.max_steps
             saves = bool(t.save_every and done % t.save_every == 0) or done == t.max_steps
             record = steps.run(step, lr, acts=evaluates or saves)
-            checks = done == self.start_step + 1 or done % t.replica_check_every == 0 or done == t.max_steps \
-                if t.replica_check_every else False
-            if checks:
+            every = t.replica_check_every
+            if every and (done == self.start_step + 1 or done % every == 0 or done == t.max_steps):
                 # The first step's check also compares the tensors' layout (a host wait, in the step that warms up
                 # anyway). An overlapped step too: the sums read the weights after its update, queued in order. The
                 # verdict is read at the next check, unless this step saves or evaluates (then before it does).
