@@ -11,8 +11,12 @@ from entrenar.adapters.lora import LoraConfig, apply_lora
 from entrenar.errors import ConfigError
 from entrenar.kernels.host_embedding import (
     HostEmbedding,
+    HostHead,
     gather_rows,
+    head_weight,
+    move_table,
     offload_embeddings,
+    prefetch_head,
 )
 from entrenar.models.config import ModelConfig
 from entrenar.models.transformer import Transformer
@@ -92,17 +96,25 @@ def test_a_table_that_trains_or_whose_rows_are_not_contiguous_is_refused():
     "kwargs, message",
     [
         ({"lora": False}, "trained in this run"),
-        ({"tied": True}, "tied to lm_head.weight"),
         ({}, "on cpu; offloading moves them off a GPU"),
         ({"lora": ["q_proj", "lm_head"]}, "on cpu; offloading moves them off a GPU"),  # a LoRA head holds no .weight
     ],
-    ids=["trained", "tied", "on-cpu", "lora-on-the-head"],
+    ids=["trained", "on-cpu", "lora-on-the-head"],
 )
 def test_offload_refuses_what_it_cannot_serve(kwargs, message):
     model = _model(**kwargs)
     with pytest.raises(ConfigError, match=r"model\.embed_tokens\.weight: .*" + message):
         offload_embeddings(model)
     assert type(model.model.embed_tokens) is nn.Embedding  # nothing changed
+
+
+def test_a_table_shared_with_another_module_than_the_head_is_refused():
+    model = _model(tied=True)
+    model.extra = nn.Linear(32, 96, bias=False)
+    model.extra.weight = model.model.embed_tokens.weight
+    with pytest.raises(ConfigError, match=r"model\.embed_tokens\.weight: .*tied to extra\.weight, whose products"):
+        offload_embeddings(model)
+    assert type(model.model.embed_tokens) is nn.Embedding and type(model.lm_head) is nn.Linear  # nothing changed
 
 
 def test_a_table_that_cannot_be_read_from_the_gpu_is_named():
@@ -161,3 +173,91 @@ def test_a_model_computes_where_its_layers_are_not_where_its_offloaded_table_is(
     assert next(model.parameters()).device.type == "cpu"
     assert compute_device(model) == torch.device("meta")
     assert compute_device(_model()) == torch.device("cpu")
+
+
+def _lora_grads(model, ids):
+    logits = model(ids)
+    params = [p for p in model.parameters() if p.requires_grad]
+    return logits, torch.autograd.grad(logits.float().square().mean(), params)
+
+
+def test_a_tied_table_moves_once_and_stays_tied_under_both_names():
+    """move_table (what offload_embeddings does once it has checked, here with a copy for the pinned move): the
+    embedding and the head read one parameter, both names still in the state dict with the same values, and the
+    model computes what it did."""
+    model = _model(tied=True)
+    ids = torch.randint(0, 96, (2, 7))
+    expected, expected_grads = _lora_grads(model, ids)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    move_table(model, lambda t: t.clone())
+    embedding, head = model.model.embed_tokens, model.lm_head
+    assert type(embedding) is HostEmbedding and type(head) is HostHead
+    assert head.weight is embedding.weight and not head.weight.requires_grad
+    named = [n for n, p in model.named_parameters(remove_duplicate=False) if p is embedding.weight]
+    assert named == ["model.embed_tokens.weight", "lm_head.weight"]
+    after = model.state_dict()
+    assert after.keys() == state.keys() and all(torch.equal(after[k], v) for k, v in state.items())
+    logits, grads = _lora_grads(model, ids)
+    assert torch.equal(logits, expected)
+    assert all(torch.equal(g, e) for g, e in zip(grads, expected_grads, strict=True))
+    # where the table is already on the hidden states' device there is nothing to copy or wait for
+    prefetch_head(head, torch.device("cpu"))
+    assert head._prefetched is None and head_weight(head, torch.device("cpu")) is embedding.weight
+    untied = _model()
+    assert head_weight(untied.lm_head, torch.device("cpu")) is untied.lm_head.weight
+
+
+def test_the_chunked_losses_read_a_tied_table_in_cpu_memory_through_the_head():
+    """The causal LM's fused loss and the preference and GRPO log-probabilities take a HostHead as the plain
+    head whose weight they read (a LoRA'd head stays read through the model's logits)."""
+    from entrenar.kernels.host_embedding import is_plain_head
+    from entrenar.tasks.preference.logprobs import plain_head as preference_head
+    from entrenar.tasks.rl.logprobs import plain_head as rl_head
+
+    model = _model(tied=True)
+    move_table(model, lambda t: t.clone())
+    assert is_plain_head(model.lm_head)
+    assert preference_head(model) is model.lm_head and rl_head(model) is model.lm_head
+    lora_head = _model(lora=["q_proj", "lm_head"])
+    assert not is_plain_head(lora_head.lm_head) and preference_head(lora_head) is None
+
+
+@needs_cuda
+@needs_kernels
+def test_a_tied_table_in_cpu_memory_gives_the_same_logits_and_gradients_and_frees_it():
+    model = _model(tied=True, device="cuda")
+    ids = torch.randint(0, 96, (2, 7), device="cuda")
+    expected, expected_grads = _lora_grads(model, ids)
+    before = torch.cuda.memory_allocated()
+    freed = offload_embeddings(model)
+    assert freed == 96 * 32 * 2 and torch.cuda.memory_allocated() == before - freed
+    head = model.lm_head
+    assert type(head) is HostHead and head.weight.is_pinned() and head.weight is model.model.embed_tokens.weight
+    logits, grads = _lora_grads(model, ids)
+    assert torch.equal(logits, expected)
+    assert all(torch.equal(g, e) for g, e in zip(grads, expected_grads, strict=True))
+    assert torch.cuda.memory_allocated() == before - freed  # no copy of the table kept after its use
+
+
+@needs_cuda
+def test_a_prefetched_table_is_read_in_stream_order_and_records_in_a_cuda_graph():
+    head = nn.Linear(32, 96, bias=False, dtype=torch.bfloat16)
+    head.weight.requires_grad_(False)
+    head.weight = nn.Parameter(head.weight.detach().pin_memory(), requires_grad=False)
+    head.__class__ = HostHead
+    x = torch.randn(5, 32, dtype=torch.bfloat16, device="cuda")
+    cuda = torch.device("cuda", torch.cuda.current_device())
+    expected = x @ head.weight.to("cuda").T
+    prefetch_head(head, cuda)
+    assert head._prefetched is not None
+    assert torch.equal(x @ head_weight(head, cuda).T, expected) and head._prefetched is None
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        prefetch_head(head, cuda)
+        out = x @ head_weight(head, cuda).T
+    with torch.no_grad():
+        head.weight.mul_(2)  # the captured copy reads the pinned table again at each replay
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, 2 * expected)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from test_loop import recipe_for
@@ -118,6 +120,37 @@ def test_offloaded_embeddings_give_the_losses_of_embeddings_on_the_gpu(workspace
 
     assert losses(offloaded)[0] == losses(kept)[0]  # the same rows, the same first forward, bit for bit
     torch.testing.assert_close(losses(offloaded), losses(kept), atol=1e-3, rtol=0)  # then attention's backward
+
+
+def _tie(workspace):
+    """The workspace's model with its output head tied to the embedding table (as Llama 3.2 and Gemma ship)."""
+    from entrenar.data.tokenizer import Tokenizer
+    from entrenar.models.hf import load_hf, save_hf
+    from entrenar.models.transformer import Transformer
+
+    model, tokenizer = load_hf(workspace / "model"), Tokenizer.from_folder(workspace / "model")
+    tied = Transformer(dataclasses.replace(model.config, tie_word_embeddings=True))
+    tied.load_state_dict({k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}, strict=False)
+    save_hf(tied, workspace / "model")
+    tokenizer.save(workspace / "model")
+
+
+def test_a_tied_table_in_cpu_memory_gives_the_losses_of_one_on_the_gpu(workspace):
+    """Tied to the output head, the table in pinned CPU memory is copied in ahead of each loss on a side stream
+    (HostHead) and the step is replayed from a CUDA graph: the losses of the table kept on the GPU."""
+    _tie(workspace)
+    common = ["model.device=cuda", "lora.dropout=0", "model.dtype=bfloat16", "training.max_steps=8",
+              "training.activation_checkpointing=true", "training.cuda_graphs=true", "training.kernels=true"]
+    kept = train(recipe_for(workspace, *common, f"output.dir={workspace / 'k'}"), progress=False)
+    offloaded = train(recipe_for(workspace, *common, "training.offload_embeddings=true",
+                                 f"output.dir={workspace / 'o'}"), progress=False)
+
+    def losses(run):
+        return torch.tensor([r["loss"] for r in read_metrics(run.run_dir / "metrics.jsonl") if "loss" in r])
+
+    assert losses(offloaded)[0] == losses(kept)[0]
+    torch.testing.assert_close(losses(offloaded), losses(kept), atol=1e-3, rtol=0)
+    assert offloaded.eval_after.loss == pytest.approx(kept.eval_after.loss, abs=1e-3)
 
 
 def test_overlapped_steps_on_cuda_give_the_losses_of_steps_read_at_once(workspace, monkeypatch):

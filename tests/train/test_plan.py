@@ -91,6 +91,25 @@ def test_offload_embeddings_auto_is_on_only_for_checkpointed_lora_on_one_gpu_wit
     assert not auto(*checkpointed, triton=False)
 
 
+def test_offload_embeddings_true_keeps_a_tied_table_in_cpu_memory_except_for_a_sampling_task(workspace):
+    """Tied to the output head, the table may stay in CPU memory when asked (the head copies it in for each loss;
+    auto leaves it until measured); the dry run says so. A task that samples reads the head at every token, so
+    GRPO is refused naming the setting."""
+    from tests.train.test_grpo_memory import _grpo_recipe
+
+    tied = dataclasses.replace(read_config(workspace / "model"), tie_word_embeddings=True)
+    checkpointed = ("model.device=cuda", "training.activation_checkpointing=true")
+    p = plan(workspace, *checkpointed, "training.offload_embeddings=true", device=CUDA, config=tied)
+    assert p.offload_embeddings
+    assert dict(p.reasons)["training.offload_embeddings"] == (
+        "on (as set); tied to the output head, which copies the table to the GPU for each loss")
+    assert plan(workspace, *checkpointed, device=CUDA, config=tied).memory.total > p.memory.total
+    recipe = _grpo_recipe(workspace, *checkpointed, "training.offload_embeddings=true")
+    with pytest.raises(ConfigError, match=r"^training\.offload_embeddings: this model's output head is its "
+                                          r"embedding table, .* sampling uses it at every token"):
+        plan_run(recipe, CUDA, ONE, tied, triton=True, device_memory=80 * 2**30, available=(64 * 2**30, "tests"))
+
+
 def test_offload_weights_auto_is_on_only_for_fully_checkpointed_qlora_on_one_gpu(workspace):
     """training.offload_weights: auto streams the NF4 base from CPU memory where every layer is checkpointed
     (each block's weights are then read in forward and again in its rerun) on one CUDA device, eager."""

@@ -29,6 +29,7 @@ from entrenar.evaluation.loss import EvalResult, eval_loss
 from entrenar.io import hub
 from entrenar.io.run_dir import ADAPTER_DIR, METRICS_FILE, MODEL_DIR
 from entrenar.kernels.fused_linear_ce import fused_linear_cross_entropy, fused_loss_chunk
+from entrenar.kernels.host_embedding import head_weight, is_plain_head, prefetch_head
 from entrenar.loading import load
 from entrenar.models import random_init
 from entrenar.models.loss import token_cross_entropy
@@ -70,7 +71,7 @@ class CausalLMTask:
     def prepare(self, model: Transformer) -> None:
         """Nothing to make trainable beyond the adapters; the fused loss needs a plain output head."""
         head = getattr(model, "lm_head", None)
-        self._head = head if self.kernels and type(head) is nn.Linear else None
+        self._head = head if self.kernels and is_plain_head(head) else None
         self._logits_scaling = model.config.logits_scaling  # Granite's, inside the fused loss too
         self._softcap = getattr(model.config, "final_logit_softcapping", None)  # Gemma: inside the fused loss
 
@@ -121,8 +122,9 @@ class CausalLMTask:
         inputs = (batch["input_ids"], batch["position_ids"], batch.get("document_ids"))
         layout = {"cu_seqlens": batch.get("cu_seqlens"), "max_seqlen": batch.get("max_seqlen")}  # padding-free
         if self._head is not None:  # never the full-vocabulary logits
+            prefetch_head(self._head, batch["input_ids"].device)  # a tied table in CPU memory: copied during forward
             hidden = model.hidden_states(*inputs, **layout)
-            weight = self._head.weight
+            weight = head_weight(self._head, hidden.device)
             return fused_linear_cross_entropy(hidden, weight, batch["labels"], fused_loss_chunk(weight.shape[0]),
                                               self._logits_scaling, softcap=self._softcap)[0]
         return token_cross_entropy(model(*inputs, **layout), batch["labels"])[0]

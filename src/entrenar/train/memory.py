@@ -307,13 +307,15 @@ def estimate_training_memory(
     (spread over the depth as the model spreads them), or which ones; `offload_activations` keeps what layers save
     in CPU memory (:mod:`entrenar.models.offload`): every layer's but the last's (True) or the first N layers'.
     `kernels` models the fused kernels' activations (:func:`activation_bytes_per_token_layer`), as `entrenar train`
-    runs on CUDA. `offload_embeddings` keeps a LoRA or QLoRA base's input-embedding table in CPU memory (not a tied
-    one, which the output head needs; full fine-tuning trains it). `offload_weights` streams a QLoRA base's NF4
-    block weights from CPU memory (:mod:`entrenar.quant.nf4.streaming`): two blocks' are on the GPU at a time (the
-    one running, the next one copied in). An MoE model (``config.num_experts``) counts every expert's weights, the
-    activations of the k experts each token is routed to, and ``lora_target_parameters`` (per-expert adapters).
-    `cpu` estimates the peak resident memory of a training process on the CPU (see the module docstring);
-    `lora_dropout` above 0 adds the masks LoRA dropout keeps there.
+    runs on CUDA. `offload_embeddings` keeps a LoRA or QLoRA base's input-embedding table in CPU memory (full
+    fine-tuning trains it); a table tied to the output head is copied back for the loss, so it counts with the
+    logits at the forward's end and is released before the decoder's backward
+    (:attr:`MemoryEstimate.head_released`). `offload_weights` streams a QLoRA base's NF4 block weights from CPU
+    memory (:mod:`entrenar.quant.nf4.streaming`): two blocks' are on the GPU at a time (the one running, the next
+    one copied in). An MoE model (``config.num_experts``) counts every expert's weights, the activations of the k
+    experts each token is routed to, and ``lora_target_parameters`` (per-expert adapters). `cpu` estimates the peak
+    resident memory of a training process on the CPU (see the module docstring); `lora_dropout` above 0 adds the
+    masks LoRA dropout keeps there.
 
     QAT (``qat``: full fine-tuning, ``lora-qat``: LoRA) trains with fake quantization, so the weights stay in full
     precision (or the base's dtype) whatever the bit width: it costs what full fine-tuning or LoRA costs, plus
@@ -341,12 +343,17 @@ def estimate_training_memory(
     activations, rebuilt = _activations(config, method, tokens, dtype_bytes, kernels, lora_r, activation_checkpointing,
                                         offload_activations, seq_len, tiled_mlp, gpu=not cpu)
     logits = _logits(config, tokens, dtype_bytes, fused_loss_chunk, rebuilt, fused_loss_bytes)
+    # A tied table in CPU memory: the head's copy of it, from the loss to the end of the head's backward.
+    head_copy = config.vocab_size * config.hidden_size * param_bytes if (
+        offload_embeddings and config.tie_word_embeddings and method != "full" and not cpu) else 0
+    logits += head_copy
     label = {"full": "qat", "lora": "lora-qat"}[method] if qat else method
     estimate = MemoryEstimate(label, config.num_parameters, trainable, weights, gradients, optimizer_bytes,
                               activations, logits)
     if not cpu:
         _add_gpu_terms(estimate, config, method, tokens, dtype_bytes, tiled_mlp, activation_checkpointing,
                        offload_activations, kernels, fused_loss_chunk)
+        estimate.head_released += head_copy
     if qat:
         _add_qat_terms(estimate, config, method, tokens, dtype_bytes, param_bytes, states, activation_checkpointing,
                        cpu, qat_group_size, qat_activations)
@@ -487,7 +494,7 @@ def _model_state(config: ModelConfig, method: str, param_bytes: int, states: int
         return total, total * param_bytes, total * param_bytes, states * total * param_bytes
     trainable = lora_params(config, lora_r, lora_targets, lora_target_parameters)
     base = (total - linear) * param_bytes + linear * (NF4_BYTES_PER_PARAM if method == "qlora" else param_bytes)
-    if offload_embeddings and not config.tie_word_embeddings:
+    if offload_embeddings:
         base -= config.vocab_size * config.hidden_size * param_bytes
     if offload_weights and method == "qlora" and not config.is_moe:
         base -= linear * NF4_BYTES_PER_PARAM * max(config.num_layers - 2, 0) / config.num_layers

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from entrenar.data.tokenize import IGNORE_INDEX
+from entrenar.kernels.host_embedding import head_weight, is_plain_head, prefetch_head
 from entrenar.kernels.token_logprobs import TOKEN_LOGPROBS_CHUNK, token_logprobs
 from entrenar.tasks.base import Batch
 
@@ -49,8 +50,9 @@ def sequence_logprobs(model: Any, batch: Batch, head: nn.Module | None,
     layout = {"cu_seqlens": batch.get("cu_seqlens"), "max_seqlen": batch.get("max_seqlen")}  # padding-free
     targets, owners = _targets(batch)
     if head is not None:
+        prefetch_head(head, batch["input_ids"].device)
         hidden = model.hidden_states(*inputs, **layout)
-        token = token_logprobs(hidden.reshape(-1, hidden.shape[-1]), head.weight, targets, chunk)
+        token = token_logprobs(hidden.reshape(-1, hidden.shape[-1]), head_weight(head, hidden.device), targets, chunk)
     else:
         logits = model(*inputs, **layout)
         valid = targets != IGNORE_INDEX
@@ -80,8 +82,9 @@ def _shared_logprobs(model: Any, batch: Batch, head: nn.Module | None,
               "max_seqlen_k": batch["shared_max_seqlen_k"]}
     sources, targets, owners = batch["shared_sources"], batch["shared_targets"], batch["shared_owners"]
     if head is not None:
+        prefetch_head(head, sources.device)
         hidden = model.hidden_states(*inputs, **layout)[0].index_select(0, sources)
-        token = token_logprobs(hidden, head.weight, targets, chunk)
+        token = token_logprobs(hidden, head_weight(head, hidden.device), targets, chunk)
     else:
         logits = model(*inputs, **layout)[0].index_select(0, sources)
         token = torch.log_softmax(logits.float(), dim=-1).gather(1, targets.unsqueeze(1)).squeeze(1)
@@ -93,10 +96,10 @@ def _shared_logprobs(model: Any, batch: Batch, head: nn.Module | None,
 
 
 def plain_head(model: Any) -> nn.Linear | None:
-    """A model's output head when it is a plain ``nn.Linear`` (log-probabilities chunk by chunk through its
-    weight); None: a LoRA'd head, read through the model's logits."""
+    """A model's output head when it is a plain ``nn.Linear`` or a tied table in CPU memory (log-probabilities
+    chunk by chunk through its weight); None: a LoRA'd head, read through the model's logits."""
     head = getattr(model, "lm_head", None)
-    return head if isinstance(head, nn.Linear) and type(head) is nn.Linear else None
+    return head if isinstance(head, nn.Linear) and is_plain_head(head) else None
 
 
 __all__ = ["plain_head", "sequence_logprobs"]

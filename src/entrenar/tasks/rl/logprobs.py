@@ -13,14 +13,15 @@ import torch
 from torch import nn
 
 from entrenar.data.tokenize import IGNORE_INDEX
+from entrenar.kernels.host_embedding import head_weight, is_plain_head, prefetch_head
 from entrenar.kernels.token_logprobs import TOKEN_LOGPROBS_CHUNK, token_logprobs
 
 
 def plain_head(model: Any) -> nn.Linear | None:
-    """A model's output head when it is a plain ``nn.Linear`` (read through its weight chunk by chunk); None: a
-    LoRA'd or otherwise wrapped head, read through the model's logits."""
+    """A model's output head when it is a plain ``nn.Linear`` or a tied table in CPU memory (read through its
+    weight chunk by chunk); None: a LoRA'd or otherwise wrapped head, read through the model's logits."""
     head = getattr(model, "lm_head", None)
-    return head if isinstance(head, nn.Linear) and type(head) is nn.Linear else None
+    return head if isinstance(head, nn.Linear) and is_plain_head(head) else None
 
 
 def positions_of(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -39,10 +40,12 @@ def completion_logprobs(model: Any, input_ids: torch.Tensor, attention_mask: tor
     documents = attention_mask.long() if padded else None
     targets = input_ids[:, 1:].masked_fill(attention_mask[:, 1:] == 0, IGNORE_INDEX)[:, -completion_len:]
     if head is not None:
+        prefetch_head(head, input_ids.device)
         hidden = model.hidden_states(input_ids, positions, documents)[:, -completion_len - 1:-1]
         if temperature != 1.0:
             hidden = hidden / temperature  # (h / t) @ W.T = logits / t
-        flat = token_logprobs(hidden.reshape(-1, hidden.shape[-1]), head.weight, targets.reshape(-1), chunk)
+        flat = token_logprobs(hidden.reshape(-1, hidden.shape[-1]), head_weight(head, hidden.device),
+                              targets.reshape(-1), chunk)
         return flat.view(targets.shape)
     logits = model(input_ids, positions, documents)[:, -completion_len - 1:-1].float() / temperature
     valid = targets != IGNORE_INDEX
