@@ -236,18 +236,25 @@ def test_a_tied_table_in_cpu_memory_gives_the_same_logits_and_gradients_and_free
     logits, grads = _lora_grads(model, ids)
     assert torch.equal(logits, expected)
     assert all(torch.equal(g, e) for g, e in zip(grads, expected_grads, strict=True))
+    del logits, grads
     assert torch.cuda.memory_allocated() == before - freed  # no copy of the table kept after its use
+
+
+def _host_head(vocab: int = 65536, width: int = 512) -> HostHead:
+    """A head over a pinned 64 MiB table: large enough that reading it before its copy has landed would show."""
+    head = nn.Linear(width, vocab, bias=False, dtype=torch.bfloat16)
+    head.weight = nn.Parameter(head.weight.detach().pin_memory(), requires_grad=False)
+    head.__class__ = HostHead
+    return head
 
 
 @needs_cuda
 def test_a_prefetched_table_is_read_in_stream_order_and_records_in_a_cuda_graph():
-    head = nn.Linear(32, 96, bias=False, dtype=torch.bfloat16)
-    head.weight.requires_grad_(False)
-    head.weight = nn.Parameter(head.weight.detach().pin_memory(), requires_grad=False)
-    head.__class__ = HostHead
-    x = torch.randn(5, 32, dtype=torch.bfloat16, device="cuda")
+    head = _host_head()
+    x = torch.randn(5, 512, dtype=torch.bfloat16, device="cuda")
     cuda = torch.device("cuda", torch.cuda.current_device())
     expected = x @ head.weight.to("cuda").T
+    torch.cuda.synchronize()
     prefetch_head(head, cuda)
     assert head._prefetched is not None
     assert torch.equal(x @ head_weight(head, cuda).T, expected) and head._prefetched is None
@@ -261,3 +268,23 @@ def test_a_prefetched_table_is_read_in_stream_order_and_records_in_a_cuda_graph(
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, 2 * expected)
+
+
+@needs_cuda
+def test_a_prefetched_copy_nobody_read_is_dropped_not_reused():
+    """A forward that failed between the prefetch and the loss (or a capture that failed there) leaves a copy:
+    the next prefetch drops it (after its copy, if it ran) and copies anew, and a copy made during a capture is
+    never read outside it."""
+    head = _host_head()
+    x = torch.randn(5, 512, dtype=torch.bfloat16, device="cuda")
+    cuda = torch.device("cuda", torch.cuda.current_device())
+    prefetch_head(head, cuda)
+    stale = head._prefetched[0]
+    with torch.no_grad():
+        head.weight.mul_(3)
+    prefetch_head(head, cuda)
+    assert head._prefetched[0] is not stale
+    assert torch.equal(x @ head_weight(head, cuda).T, x @ head.weight.to("cuda").T)
+    head._prefetched = (torch.zeros_like(stale), torch.cuda.Event(), True)  # as a failed capture leaves it
+    assert torch.equal(head_weight(head, cuda), head.weight.to("cuda"))
+    assert head._prefetched is None

@@ -119,14 +119,17 @@ class HostHead(nn.Linear):
     each use copies the table to the hidden states' device, the one :func:`prefetch_head` started if any, and keeps
     no copy after it. Same parameter (the embedding's), same state dict."""
 
-    _prefetched: tuple[torch.Tensor, torch.cuda.Event] | None = None
+    # (the copy, its copy's event, whether it was made while a CUDA graph was being captured)
+    _prefetched: tuple[torch.Tensor, torch.cuda.Event, bool] | None = None
 
     def prefetch(self, device: torch.device) -> None:
         """Start copying the table to ``device`` on a side stream; the host does not wait, and :meth:`weight_on`
         makes the compute stream wait for the copy only where it reads it. Under CUDA graphs the copy is recorded
-        with the step (the side stream forks from the compute stream and joins it where the table is read)."""
-        weight = self.weight
-        if weight.device == device or device.type != "cuda" or self._prefetched is not None:
+        with the step (the side stream forks from the compute stream and joins it where the table is read). A copy
+        never read (an error, a failed capture) is dropped, never reused."""
+        _forget(self._take())
+        weight = self._host_table(device)
+        if weight.device == device or device.type != "cuda":
             return
         compute = torch.cuda.current_stream(device)
         table = torch.empty(weight.shape, dtype=weight.dtype, device=device)  # memory of the compute stream
@@ -136,24 +139,47 @@ class HostHead(nn.Linear):
             table.copy_(weight, non_blocking=True)
             ready = torch.cuda.Event()
             ready.record(copies)
-        self._prefetched = (table, ready)
+        self._prefetched = (table, ready, torch.cuda.is_current_stream_capturing())
 
     def weight_on(self, device: torch.device) -> torch.Tensor:
-        """The table on ``device``: the prefetched copy (the compute stream waits for it), else one copied now in
-        stream order."""
-        weight = self.weight
+        """The table on ``device``: the prefetched copy made in the same mode (captured or not; the compute stream
+        waits for it), else one copied now in stream order."""
+        prefetched, weight = self._take(), self._host_table(device)
         if weight.device == device:
+            _forget(prefetched)
             return weight
-        prefetched, self._prefetched = self._prefetched, None
         if prefetched is not None:
-            table, ready = prefetched
-            torch.cuda.current_stream(table.device).wait_event(ready)  # also before an unused copy's memory is reused
-            if table.device == device:
+            table, ready, captured = prefetched
+            if table.device == device and captured == torch.cuda.is_current_stream_capturing():
+                torch.cuda.current_stream(device).wait_event(ready)
                 return table
+            _forget(prefetched)
         return weight.to(device, non_blocking=True)
+
+    def _take(self) -> tuple[torch.Tensor, torch.cuda.Event, bool] | None:
+        prefetched, self._prefetched = self._prefetched, None
+        return prefetched
+
+    def _host_table(self, device: torch.device) -> torch.Tensor:
+        """The weight, checked where a GPU is to copy it in: only pinned memory copies asynchronously (and under
+        CUDA graphs at all)."""
+        weight = self.weight
+        if weight.device.type == "cpu" and device.type == "cuda" and not weight.is_pinned():
+            raise ConfigError("lm_head.weight (the tied embedding table) is in CPU memory but not pinned: the GPU "
+                              "copies it in asynchronously only from pinned memory (call offload_embeddings(model) "
+                              "again, or move the model to one device)")
+        return weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight_on(x.device), self.bias)
+
+
+def _forget(prefetched: tuple[torch.Tensor, torch.cuda.Event, bool] | None) -> None:
+    """Let go of a copy nobody read: the compute stream first waits for it where it ran (a captured one never
+    ran), so its memory is not handed out again while the copy may still be writing it."""
+    if prefetched is not None and not prefetched[2] and not torch.cuda.is_current_stream_capturing():
+        table, ready, _ = prefetched
+        torch.cuda.current_stream(table.device).wait_event(ready)
 
 
 _COPY_STREAMS: dict[torch.device, torch.cuda.Stream] = {}

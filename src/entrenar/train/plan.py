@@ -503,14 +503,15 @@ def _decide(recipe: Recipe, device: torch.device, mode: str, config: ModelConfig
     offload_embeddings = t.offload_embeddings if isinstance(t.offload_embeddings, bool) else (
         cuda and single and layout.auto_offload_embeddings and lora is not None and t.activation_checkpointing is True
         and triton and not config.tie_word_embeddings)
-    if offload_embeddings and config.tie_word_embeddings and layout.rollout is not None:
+    tied_head = config.tie_word_embeddings and (layout.fused_head or layout.chunked_head)  # the task reads the head
+    if offload_embeddings and tied_head and layout.rollout is not None:
         raise ConfigError("training.offload_embeddings: this model's output head is its embedding table, which in CPU "
                           "memory is copied to the GPU at each use of the head, and sampling uses it at every token; "
                           "set training.offload_embeddings: false")
     reasons.append(("training.offload_embeddings", _auto(t.offload_embeddings, offload_embeddings,
                                                          "LoRA on one GPU with every layer checkpointed, untied")
                     + ("; tied to the output head, which copies the table to the GPU for each loss"
-                       if offload_embeddings and config.tie_word_embeddings else "")))
+                       if offload_embeddings and tied_head else "")))
 
     memory = _estimate(recipe, config, device, method, kernels, offload_weights, offload_embeddings, mode)
     flat = mode == "ddp" and memory.gradients <= FLAT_GRADIENTS_MAX_BYTES

@@ -151,8 +151,10 @@ class PreferenceTask:
         """The per-pair (per-example) losses of a batch, their metrics added to ``sums``; ``examples``: the list
         the batch's example_index points into."""
         shared = self._shared(batch)
-        logps, tokens = sequence_logprobs(model, batch, self._head, shared=shared)
+        # The reference first: its no-grad pass is done (and its transients, a tied table's copy among them, freed)
+        # before the policy's forward keeps what its backward needs.
         ref = self.reference.logprobs(batch, examples, shared)
+        logps, tokens = sequence_logprobs(model, batch, self._head, shared=shared)
         return batch_losses(self.recipe.task, batch, logps, tokens, ref, sums)
 
     def loss_sum(self, model: Any, batch: Batch) -> torch.Tensor:
