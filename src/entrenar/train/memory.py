@@ -308,28 +308,23 @@ def estimate_training_memory(
     in CPU memory (:mod:`entrenar.models.offload`): every layer's but the last's (True) or the first N layers'.
     `kernels` models the fused kernels' activations (:func:`activation_bytes_per_token_layer`), as `entrenar train`
     runs on CUDA. `offload_embeddings` keeps a LoRA or QLoRA base's input-embedding table in CPU memory (full
-    fine-tuning trains it); a table tied to the output head is copied back for the loss, so it counts with the
-    logits at the forward's end and is released before the decoder's backward
-    (:attr:`MemoryEstimate.head_released`). `offload_weights` streams a QLoRA base's NF4 block weights from CPU
-    memory (:mod:`entrenar.quant.nf4.streaming`): two blocks' are on the GPU at a time (the one running, the next
-    one copied in). An MoE model (``config.num_experts``) counts every expert's weights, the activations of the k
-    experts each token is routed to, and ``lora_target_parameters`` (per-expert adapters). `cpu` estimates the peak
-    resident memory of a training process on the CPU (see the module docstring); `lora_dropout` above 0 adds the
-    masks LoRA dropout keeps there.
+    fine-tuning trains it; a tied one comes back for the loss, :func:`_add_tied_head_copy`). `offload_weights`
+    streams a QLoRA base's NF4 block weights from CPU memory (:mod:`entrenar.quant.nf4.streaming`): two blocks' are
+    on the GPU at a time (the one running, the next one copied in). An MoE model (``config.num_experts``) counts
+    every expert's weights, the activations of the k experts each token is routed to, and ``lora_target_parameters``
+    (per-expert adapters). `cpu` estimates the peak resident memory of a training process on the CPU (see the module
+    docstring); `lora_dropout` above 0 adds the masks LoRA dropout keeps there.
 
     QAT (``qat``: full fine-tuning, ``lora-qat``: LoRA) trains with fake quantization, so the weights stay in full
-    precision (or the base's dtype) whatever the bit width: it costs what full fine-tuning or LoRA costs, plus
-    (``fake_quant``) the rounded copy of every projection weight that the matrix products keep for backward (in
-    the compute dtype; only the rebuilt layer's when a layer is checkpointed), one layer's rounding temporaries,
-    with `qat_activations` the rounded inputs, and LSQ's step sizes (one per row, or per `qat_group_size` inputs;
-    trained under LoRA too). The bit width changes none of this; it sets the exported model's size
-    (:func:`quantized_model_bytes`).
+    precision whatever the bit width: what full fine-tuning or LoRA costs, plus (``fake_quant``) the rounded copy of
+    every projection weight the products keep for backward (only the rebuilt layer's when checkpointed), one layer's
+    rounding temporaries, with `qat_activations` the rounded inputs, and LSQ's step sizes (one per row, or per
+    `qat_group_size` inputs). The bit width sets only the exported size (:func:`quantized_model_bytes`).
 
     `tiled_mlp` (tokens a tile; 0: off) runs each dense layer's MLP half in tiles (:mod:`entrenar.models.tiled`):
     the layer keeps the MLP's input instead of its activations, and its backward holds one tile's. A GPU estimate
-    (not ``cpu``) adds the transients of one layer's backward (``transient``, :func:`backward_transients`; under
-    QLoRA of an MoE model, one layer's dequantized expert stack too, :func:`nf4_expert_stack_bytes`), less what
-    the output head saved and has released by then (``head_released``, :func:`head_released`).
+    (not ``cpu``) adds one layer's backward transients, less what the output head has released by then
+    (:func:`_add_gpu_terms`).
 
     `fused_loss_bytes`: what a chunked loss holds for each logit of its chunk at once, on any device, when it is
     not the fused cross-entropy's (None: its logits in the compute dtype, on a CPU its PyTorch path's fp32 copies
@@ -343,17 +338,14 @@ def estimate_training_memory(
     activations, rebuilt = _activations(config, method, tokens, dtype_bytes, kernels, lora_r, activation_checkpointing,
                                         offload_activations, seq_len, tiled_mlp, gpu=not cpu)
     logits = _logits(config, tokens, dtype_bytes, fused_loss_chunk, rebuilt, fused_loss_bytes)
-    # A tied table in CPU memory: the head's copy of it, from the loss to the end of the head's backward.
-    head_copy = config.vocab_size * config.hidden_size * param_bytes if (
-        offload_embeddings and config.tie_word_embeddings and method != "full" and not cpu) else 0
-    logits += head_copy
     label = {"full": "qat", "lora": "lora-qat"}[method] if qat else method
     estimate = MemoryEstimate(label, config.num_parameters, trainable, weights, gradients, optimizer_bytes,
                               activations, logits)
     if not cpu:
         _add_gpu_terms(estimate, config, method, tokens, dtype_bytes, tiled_mlp, activation_checkpointing,
                        offload_activations, kernels, fused_loss_chunk)
-        estimate.head_released += head_copy
+        if offload_embeddings and config.tie_word_embeddings and method != "full":
+            _add_tied_head_copy(estimate, config, param_bytes)
     if qat:
         _add_qat_terms(estimate, config, method, tokens, dtype_bytes, param_bytes, states, activation_checkpointing,
                        cpu, qat_group_size, qat_activations)
@@ -376,6 +368,14 @@ def _add_gpu_terms(estimate: MemoryEstimate, config: ModelConfig, method: str, t
     if method == "qlora" and config.is_moe:
         estimate.transient += nf4_expert_stack_bytes(config, dtype_bytes)
     estimate.head_released = head_released(config, tokens, dtype_bytes, kernels, fused_loss_chunk)
+
+
+def _add_tied_head_copy(estimate: MemoryEstimate, config: ModelConfig, param_bytes: int) -> None:
+    """A table tied to the output head and kept in CPU memory: the head's copy of it, held from the loss to the end
+    of the head's backward, so with the logits at the forward's end and released before the decoder's backward."""
+    copy = config.vocab_size * config.hidden_size * param_bytes
+    estimate.logits += copy
+    estimate.head_released += copy
 
 
 def _resolve_method(method: str, optimizer: str, param_bytes: int | None, dtype_bytes: int

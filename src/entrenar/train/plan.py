@@ -474,6 +474,25 @@ class _Decided:
     flat_gradients: bool = False
 
 
+def _offload_embeddings(recipe: Recipe, config: ModelConfig, layout: TaskLayout, one_gpu: bool) -> tuple[bool, str]:
+    """``training.offload_embeddings`` decided, and its line. ``auto``: where the run trades speed for memory already
+    (LoRA, every layer checkpointed, one GPU with Triton; the GPU reads a batch's rows over PCIe in well under a
+    millisecond), for an untied table; a tied one only when set (its head copies it in for each loss: not yet
+    measured on a GPU), never for a task that samples (the head is read at every token)."""
+    t = recipe.training
+    offload = t.offload_embeddings if isinstance(t.offload_embeddings, bool) else (
+        one_gpu and layout.auto_offload_embeddings and recipe.lora is not None and t.activation_checkpointing is True
+        and not config.tie_word_embeddings)
+    tied_head = config.tie_word_embeddings and (layout.fused_head or layout.chunked_head)  # the task reads the head
+    if offload and tied_head and layout.rollout is not None:
+        raise ConfigError("training.offload_embeddings: this model's output head is its embedding table, which in CPU "
+                          "memory is copied to the GPU at each use of the head, and sampling uses it at every token; "
+                          "set training.offload_embeddings: false")
+    return offload, (_auto(t.offload_embeddings, offload, "LoRA on one GPU with every layer checkpointed, untied")
+                     + ("; tied to the output head, which copies the table to the GPU for each loss"
+                        if offload and tied_head else ""))
+
+
 def _decide(recipe: Recipe, device: torch.device, mode: str, config: ModelConfig, triton: bool,
             method: str) -> _Decided:
     t, lora = recipe.training, recipe.lora
@@ -498,20 +517,8 @@ def _decide(recipe: Recipe, device: torch.device, mode: str, config: ModelConfig
     reasons.append(("training.offload_weights", _auto(t.offload_weights, offload_weights,
                                                       "QLoRA on one GPU with every layer checkpointed, MLP whole")))
 
-    # The run trades speed for memory already; the GPU reads a batch's rows over PCIe in well under a
-    # millisecond. A tied table is the output head's weight too, and a trained one cannot stay on the host.
-    offload_embeddings = t.offload_embeddings if isinstance(t.offload_embeddings, bool) else (
-        cuda and single and layout.auto_offload_embeddings and lora is not None and t.activation_checkpointing is True
-        and triton and not config.tie_word_embeddings)
-    tied_head = config.tie_word_embeddings and (layout.fused_head or layout.chunked_head)  # the task reads the head
-    if offload_embeddings and tied_head and layout.rollout is not None:
-        raise ConfigError("training.offload_embeddings: this model's output head is its embedding table, which in CPU "
-                          "memory is copied to the GPU at each use of the head, and sampling uses it at every token; "
-                          "set training.offload_embeddings: false")
-    reasons.append(("training.offload_embeddings", _auto(t.offload_embeddings, offload_embeddings,
-                                                         "LoRA on one GPU with every layer checkpointed, untied")
-                    + ("; tied to the output head, which copies the table to the GPU for each loss"
-                       if offload_embeddings and tied_head else "")))
+    offload_embeddings, why = _offload_embeddings(recipe, config, layout, cuda and single and triton)
+    reasons.append(("training.offload_embeddings", why))
 
     memory = _estimate(recipe, config, device, method, kernels, offload_weights, offload_embeddings, mode)
     flat = mode == "ddp" and memory.gradients <= FLAT_GRADIENTS_MAX_BYTES
