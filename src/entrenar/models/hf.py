@@ -20,7 +20,7 @@ from entrenar.io.json_files import read_json
 from entrenar.io.safetensors_dtypes import SAFETENSORS_DTYPES
 from entrenar.models import gpt_oss_layout
 from entrenar.models.config import ModelConfig, rope_inv_freq
-from entrenar.models.transformer import Transformer
+from entrenar.models.transformer import Transformer, to_empty_tied
 
 # Replaces layers of a model still on the meta device (given the weights' dtype and device) by the layers its
 # weights stream into, such as NF4 layers that quantize them as they arrive.
@@ -247,9 +247,7 @@ def empty_model(
         sinks(model, dtype, device)
     # Cast on the meta device first: allocating in fp32 and casting after held both copies at once, twice
     # the bf16 weights at load (27.9 GiB for a Llama-8B shape whose weights are 14 GiB).
-    model = model.to(dtype).to_empty(device=device)
-    if config.tie_word_embeddings:  # leaving the meta device makes new Parameters, so re-tie
-        model.lm_head.weight = model.model.embed_tokens.weight
+    model = to_empty_tied(model.to(dtype), device)
     model.inv_freq = rope_inv_freq(config).to(device)  # kept in fp32 whatever the weights' dtype
     return model
 

@@ -48,7 +48,7 @@ from entrenar.models.config import rope_inv_freq
 from entrenar.models.hf import check_size, header_tensors, iter_safetensors, read_config, save_hf, weight_files
 from entrenar.models.saving import generation_config
 from entrenar.models.surgery import named_linears, replace_module
-from entrenar.models.transformer import Transformer
+from entrenar.models.transformer import Transformer, to_empty_tied
 from entrenar.quant.int import (
     BITSTREAM_BITS,
     MAX_BITS,
@@ -326,9 +326,7 @@ def _skeleton(folder: Path, entry: dict[str, Any], dtype: torch.dtype, device: t
         layers[name] = _empty_layer(linear, entry, dtype, device, f"{where}: {name}")
     for name, layer in layers.items():  # built on the device: a quantized layer's scales never go through meta
         replace_module(model, name, layer)
-    model = model.to_empty(device=device).to(dtype)
-    if config.tie_word_embeddings:  # leaving the meta device makes new Parameters, so re-tie
-        model.lm_head.weight = model.model.embed_tokens.weight
+    model = to_empty_tied(model, device).to(dtype)
     model.inv_freq = rope_inv_freq(config).to(device)
     return model
 
