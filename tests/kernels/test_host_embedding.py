@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 from kernel_checks import DEVICE, needs_cuda, needs_kernels
@@ -22,9 +24,9 @@ from entrenar.models.config import ModelConfig
 from entrenar.models.transformer import Transformer
 
 
-def _model(tied: bool = False, device: str = "cpu", lora: bool | list[str] = True) -> Transformer:
+def _model(tied: bool = False, device: str = "cpu", lora: bool | list[str] = True, vocab: int = 96) -> Transformer:
     torch.manual_seed(3)
-    config = ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4,
+    config = ModelConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4,
                          num_kv_heads=2, tie_word_embeddings=tied)
     model = Transformer(config)
     model.reset_parameters()
@@ -225,19 +227,23 @@ def test_the_chunked_losses_read_a_tied_table_in_cpu_memory_through_the_head():
 @needs_cuda
 @needs_kernels
 def test_a_tied_table_in_cpu_memory_gives_the_same_logits_and_gradients_and_frees_it():
-    model = _model(tied=True, device="cuda")
-    ids = torch.randint(0, 96, (2, 7), device="cuda")
+    vocab = 16384  # a 1 MiB table: a kept copy stands out from the few KiB a test session's allocator may add
+    model = _model(tied=True, device="cuda", vocab=vocab)
+    ids = torch.randint(0, vocab, (2, 7), device="cuda")
     expected, expected_grads = _lora_grads(model, ids)
     before = torch.cuda.memory_allocated()
     freed = offload_embeddings(model)
-    assert freed == 96 * 32 * 2 and torch.cuda.memory_allocated() == before - freed
+    assert freed == vocab * 32 * 2 and torch.cuda.memory_allocated() == before - freed
     head = model.lm_head
     assert type(head) is HostHead and head.weight.is_pinned() and head.weight is model.model.embed_tokens.weight
     logits, grads = _lora_grads(model, ids)
     assert torch.equal(logits, expected)
     assert all(torch.equal(g, e) for g, e in zip(grads, expected_grads, strict=True))
     del logits, grads
-    assert torch.cuda.memory_allocated() == before - freed  # no copy of the table kept after its use
+    gc.collect()
+    # no copy of the table kept after its use (exactly 0 more in a process of its own on an H200, 2026-11-27;
+    # 7 KiB more inside a pytest session that had run the file's other GPU tests)
+    assert torch.cuda.memory_allocated() - (before - freed) < freed // 8
 
 
 def _host_head(vocab: int = 65536, width: int = 512) -> HostHead:
