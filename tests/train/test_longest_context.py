@@ -214,8 +214,10 @@ def test_the_long_context_plan_is_within_5_percent_of_the_measured_peaks(case, t
     planned = {}
     for seq_len, peak in MEASURED_PEAKS[case].items():
         path = tmp_path / f"{seq_len}.yaml"
-        path.write_text(yaml.safe_dump(entrenar_recipe(CASES[case], folder, document, seq_len, 2, 8192,
-                                                       tmp_path / "run", False)))
+        recipe = entrenar_recipe(CASES[case], folder, document, seq_len, 2, 8192, tmp_path / "run", False)
+        # as measured: auto then left a table tied to the head on the GPU (it moves it since 2026-11-27)
+        recipe["training"]["offload_embeddings"] = not SHAPES[case]["tie_word_embeddings"]
+        path.write_text(yaml.safe_dump(recipe))
         planned[seq_len] = plan_for(load_recipe(path), "cuda", 1, 79.1)[0].memory.total / GiB
         assert abs(planned[seq_len] - peak) / peak < 0.05, (seq_len, planned[seq_len], peak)
     short, long = sorted(MEASURED_PEAKS[case])[-2:]

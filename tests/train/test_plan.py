@@ -68,10 +68,10 @@ def test_padding_free_auto_is_on_for_causal_lm_on_a_cpu_and_off_on_cuda(workspac
     assert not rows_by_document(8, CPU, torch.float32, document_work=128 * 12)  # the quickstart
 
 
-def test_offload_embeddings_auto_is_on_only_for_checkpointed_lora_on_one_gpu_with_untied_embeddings(workspace):
+def test_offload_embeddings_auto_is_on_only_for_checkpointed_lora_on_one_gpu(workspace):
     """training.offload_embeddings: auto keeps the frozen input table in CPU memory where a run already trades
-    speed for memory (every layer checkpointed), for LoRA/QLoRA of a causal LM on one CUDA device, when the
-    output head does not read the table; true and false are obeyed as written."""
+    speed for memory (every layer checkpointed), for LoRA/QLoRA of a causal LM on one CUDA device, a table tied
+    to the output head too unless the model is compiled; true and false are obeyed as written."""
     checkpointed = ("model.device=cuda", "training.activation_checkpointing=true")
 
     def auto(*overrides, device=CUDA, world=ONE, **kwargs):
@@ -84,17 +84,19 @@ def test_offload_embeddings_auto_is_on_only_for_checkpointed_lora_on_one_gpu_wit
     assert not auto(*checkpointed, world=World(0, 2, 0, "nccl"))
     assert not auto(*checkpointed, "task={type: classification, num_labels: 2}")
     assert not auto(*checkpointed, "lora=null")
-    assert not auto(*checkpointed, config=dataclasses.replace(read_config(workspace / "model"),
-                                                              tie_word_embeddings=True))
+    tied = dataclasses.replace(read_config(workspace / "model"), tie_word_embeddings=True)
+    assert auto(*checkpointed, config=tied)
+    assert auto(*checkpointed, "training.compile=true")
+    assert not auto(*checkpointed, "training.compile=true", config=tied)
     assert not auto(*checkpointed, "training.offload_embeddings=false")
     assert auto("model.device=cuda", "training.offload_embeddings=true")
     assert not auto(*checkpointed, triton=False)
 
 
 def test_offload_embeddings_true_keeps_a_tied_table_in_cpu_memory_except_for_a_sampling_task(workspace):
-    """Tied to the output head, the table may stay in CPU memory when asked (the head copies it in for each loss;
-    auto leaves it until measured); the dry run says so. A task that samples reads the head at every token, so
-    GRPO is refused naming the setting."""
+    """Tied to the output head, the table may stay in CPU memory (the head copies it in for each loss); the dry run
+    says so, and the estimate is lower than with the table kept. A task that samples reads the head at every
+    token, so GRPO is refused naming the setting."""
     from tests.train.test_grpo_memory import _grpo_recipe
 
     tied = dataclasses.replace(read_config(workspace / "model"), tie_word_embeddings=True)
@@ -103,7 +105,11 @@ def test_offload_embeddings_true_keeps_a_tied_table_in_cpu_memory_except_for_a_s
     assert p.offload_embeddings
     assert dict(p.reasons)["training.offload_embeddings"] == (
         "on (as set); tied to the output head, which copies the table to the GPU for each loss")
-    assert plan(workspace, *checkpointed, device=CUDA, config=tied).memory.total > p.memory.total
+    kept = plan(workspace, *checkpointed, "training.offload_embeddings=false", device=CUDA, config=tied)
+    assert kept.memory.total > p.memory.total
+    assert dict(plan(workspace, *checkpointed, device=CUDA, config=tied).reasons)["training.offload_embeddings"] == (
+        "on (auto: LoRA on one GPU with every layer checkpointed, not a tied table under compile); tied to the "
+        "output head, which copies the table to the GPU for each loss")
     recipe = _grpo_recipe(workspace, *checkpointed, "training.offload_embeddings=true")
     with pytest.raises(ConfigError, match=r"^training\.offload_embeddings: this model's output head is its "
                                           r"embedding table, .* sampling uses it at every token"):
