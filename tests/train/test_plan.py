@@ -71,7 +71,8 @@ def test_padding_free_auto_is_on_for_causal_lm_on_a_cpu_and_off_on_cuda(workspac
 def test_offload_embeddings_auto_is_on_only_for_checkpointed_lora_on_one_gpu(workspace):
     """training.offload_embeddings: auto keeps the frozen input table in CPU memory where a run already trades
     speed for memory (every layer checkpointed), for LoRA/QLoRA of a causal LM on one CUDA device, a table tied
-    to the output head too unless the model is compiled; true and false are obeyed as written."""
+    to the output head too unless the model is compiled or a QLoRA base streams in over the same link; true and
+    false are obeyed as written."""
     checkpointed = ("model.device=cuda", "training.activation_checkpointing=true")
 
     def auto(*overrides, device=CUDA, world=ONE, **kwargs):
@@ -88,6 +89,9 @@ def test_offload_embeddings_auto_is_on_only_for_checkpointed_lora_on_one_gpu(wor
     assert auto(*checkpointed, config=tied)
     assert auto(*checkpointed, "training.compile=true")
     assert not auto(*checkpointed, "training.compile=true", config=tied)
+    assert auto(*checkpointed, "lora.quantize_base=nf4")  # the NF4 base streamed (offload_weights: auto)
+    assert not auto(*checkpointed, "lora.quantize_base=nf4", config=tied)
+    assert auto(*checkpointed, "lora.quantize_base=nf4", "training.offload_weights=false", config=tied)
     assert not auto(*checkpointed, "training.offload_embeddings=false")
     assert auto("model.device=cuda", "training.offload_embeddings=true")
     assert not auto(*checkpointed, triton=False)
@@ -108,8 +112,8 @@ def test_offload_embeddings_true_keeps_a_tied_table_in_cpu_memory_except_for_a_s
     kept = plan(workspace, *checkpointed, "training.offload_embeddings=false", device=CUDA, config=tied)
     assert kept.memory.total > p.memory.total
     assert dict(plan(workspace, *checkpointed, device=CUDA, config=tied).reasons)["training.offload_embeddings"] == (
-        "on (auto: LoRA on one GPU with every layer checkpointed, not a tied table under compile); tied to the "
-        "output head, which copies the table to the GPU for each loss")
+        "on (auto: LoRA on one GPU with every layer checkpointed; a tied table not under compile or a streamed "
+        "QLoRA base); tied to the output head, which copies the table to the GPU for each loss")
     recipe = _grpo_recipe(workspace, *checkpointed, "training.offload_embeddings=true")
     with pytest.raises(ConfigError, match=r"^training\.offload_embeddings: this model's output head is its "
                                           r"embedding table, .* sampling uses it at every token"):

@@ -474,24 +474,27 @@ class _Decided:
     flat_gradients: bool = False
 
 
-def _offload_embeddings(recipe: Recipe, config: ModelConfig, layout: TaskLayout, one_gpu: bool) -> tuple[bool, str]:
+def _offload_embeddings(recipe: Recipe, config: ModelConfig, layout: TaskLayout, one_gpu: bool,
+                        streamed_base: bool) -> tuple[bool, str]:
     """``training.offload_embeddings`` decided, and its line. ``auto``: where the run trades speed for memory already
     (LoRA, every layer checkpointed, one GPU with Triton; the GPU reads a batch's rows over PCIe in well under a
     millisecond). A table tied to the output head too, eager or under CUDA graphs (its head copies it in for each
     loss, during the forward: 0.19 GiB less at the peak on the Llama-1B and Qwen3-1.7B shapes, 1.5-2% slower than
-    those rows in earlier calls, docs/PERFORMANCE.md), not compiled (not measured); never for a task that samples
-    (the head is read at every token)."""
+    those rows in earlier calls, docs/PERFORMANCE.md), but not compiled, nor beside a QLoRA base streamed from CPU
+    memory (``streamed_base``: its blocks cross the same PCIe link the same way during the forward): neither
+    measured. Never for a task that samples (the head is read at every token)."""
     t = recipe.training
+    tied_unmeasured = config.tie_word_embeddings and (bool(t.compile) or streamed_base)
     offload = t.offload_embeddings if isinstance(t.offload_embeddings, bool) else (
         one_gpu and layout.auto_offload_embeddings and recipe.lora is not None and t.activation_checkpointing is True
-        and not (config.tie_word_embeddings and t.compile))
+        and not tied_unmeasured)
     tied_head = config.tie_word_embeddings and (layout.fused_head or layout.chunked_head)  # the task reads the head
     if offload and tied_head and layout.rollout is not None:
         raise ConfigError("training.offload_embeddings: this model's output head is its embedding table, which in CPU "
                           "memory is copied to the GPU at each use of the head, and sampling uses it at every token; "
                           "set training.offload_embeddings: false")
-    return offload, (_auto(t.offload_embeddings, offload, "LoRA on one GPU with every layer checkpointed, not a "
-                                                          "tied table under compile")
+    return offload, (_auto(t.offload_embeddings, offload, "LoRA on one GPU with every layer checkpointed; a tied "
+                                                          "table not under compile or a streamed QLoRA base")
                      + ("; tied to the output head, which copies the table to the GPU for each loss"
                         if offload and tied_head else ""))
 
@@ -520,7 +523,8 @@ def _decide(recipe: Recipe, device: torch.device, mode: str, config: ModelConfig
     reasons.append(("training.offload_weights", _auto(t.offload_weights, offload_weights,
                                                       "QLoRA on one GPU with every layer checkpointed, MLP whole")))
 
-    offload_embeddings, why = _offload_embeddings(recipe, config, layout, cuda and single and triton)
+    offload_embeddings, why = _offload_embeddings(recipe, config, layout, cuda and single and triton,
+                                                   offload_weights)
     reasons.append(("training.offload_embeddings", why))
 
     memory = _estimate(recipe, config, device, method, kernels, offload_weights, offload_embeddings, mode)
