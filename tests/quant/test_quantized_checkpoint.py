@@ -114,12 +114,21 @@ def test_config_json_describes_the_layers(tmp_path):
     assert entrenar.read_model_config(tmp_path / "q").hidden_size == 64
 
 
-def test_a_quantized_folder_loads_in_bfloat16_with_fp32_scales(tmp_path):
+def test_a_quantized_folder_loads_in_bfloat16_with_fp32_scales(tmp_path, monkeypatch):
     model = tiny_model()
     quantize_model_int(model, bits=8)
     save_quantized(model, None, tmp_path / "q")
     quickstart.build_tokenizer().save(tmp_path / "q")
+    allocated: list[torch.dtype] = []  # what leaves the meta device: the unquantized weights already in bf16
+    to_empty = nn.Module.to_empty
+
+    def spy(module, *args, **kwargs):
+        allocated.extend(p.dtype for p in module.parameters() if p.is_meta)
+        return to_empty(module, *args, **kwargs)
+
+    monkeypatch.setattr(nn.Module, "to_empty", spy)
     loaded, _ = entrenar.load(tmp_path / "q", dtype="bfloat16", device="cpu")
+    assert allocated and set(allocated) == {torch.bfloat16}
     layer = loaded.get_submodule(LAYER)
     assert layer.weight_scale.dtype == torch.float32 and loaded.lm_head.weight.dtype == torch.bfloat16
     assert layer.weight.dtype == torch.bfloat16

@@ -312,6 +312,9 @@ def _skeleton(folder: Path, entry: dict[str, Any], dtype: torch.dtype, device: t
     check_size(config, weight_files(folder), str(folder))  # before a damaged config allocates its size
     with torch.device("meta"):
         model = Transformer(config)
+    # Cast on the meta device: allocating the unquantized weights (embeddings, a float head, norms) in fp32 and
+    # casting after held both at once (for an 8B shape's table and head, 4 GiB of fp32 to make 2 of bf16).
+    model = model.to(dtype)
     where = f"{folder / 'config.json'}: quantization_config.modules"
     layers = {}
     for name in entry["modules"]:
