@@ -200,6 +200,18 @@ def failed(log: Path, code: int) -> dict:
     return {"status": "failed", "exit": code, "error": log.read_text()[-3000:]}
 
 
+def outcome(run_dir: Path, log: Path, code: int, nproc: int, skip: int, wall_s: float) -> dict:
+    """A run's record: ok with its summary; a run its time cut (exit 124) after it had logged steps past ``skip``:
+    "cut", with the summary of those steps (a full 8B fine-tune's final save outlasted a call's budget, 2026-11-27,
+    and lost the peaks its steps had logged); otherwise failed."""
+    if code == 0:
+        return {"status": "ok", **summary(run_dir, nproc, skip, wall_s)}
+    if code == 124 and len(metrics(run_dir)) > skip:
+        return {"status": "cut", "exit": code, "note": "stopped by its time limit; the steps it logged",
+                **summary(run_dir, nproc, skip, wall_s)}
+    return failed(log, code)
+
+
 def scaling(args, recipe: Path, work: Path) -> list[dict]:
     """Each N of --gpus through torchrun; with --plain, first one plain process (no torchrun, no process group):
     the baseline every efficiency is then measured against. --repeats R runs the whole sequence R times in
@@ -258,12 +270,13 @@ def fsdp(args, recipe: Path, work: Path, out: dict) -> list[dict]:
                 subprocess.run(["rm", "-rf", str(run_dir)])
                 sets = ["training.parallel=fsdp", f"training.fsdp_prefetch={str(prefetch).lower()}", *args.set]
                 code, wall = run(train_command(recipe, n, run_dir, sets), log, min(args.timeout, left))
-                row.update(failed(log, code) if code else {"status": "ok", **summary(run_dir, n, args.skip, wall)})
+                row.update(outcome(run_dir, log, code, n, args.skip, wall))
                 subprocess.run(["rm", "-rf", str(run_dir / "model")])  # a full fine-tune's output: the disk's
-            if row.get("status") == "ok" and args.case.startswith("full-8b"):
+            measured = row.get("status") in ("ok", "cut")
+            if measured and args.case.startswith("full-8b"):
                 row["vs_torchtitan_8b"] = round(row["per_gpu"] / TORCHTITAN_8B["tokens_per_s_per_gpu"], 3)
-            pair = next((r for r in results if r["gpus"] == n and r.get("status") == "ok"), None)
-            if pair is not None and row.get("status") == "ok":
+            pair = next((r for r in results if r["gpus"] == n and r.get("status") in ("ok", "cut")), None)
+            if pair is not None and measured:
                 on, off = (row, pair) if prefetch else (pair, row)
                 row["prefetch_speedup"] = round(on["tokens_per_s"] / off["tokens_per_s"], 3)
             print(json.dumps({k: v for k, v in row.items() if k not in ("losses", "error")}), flush=True)

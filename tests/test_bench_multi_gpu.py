@@ -4,6 +4,7 @@ call's results (2026-11-27: a run stopped at its replica check and the aggregate
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -26,3 +27,21 @@ def test_aggregate_leaves_failed_runs_out():
     two = rows["torchrun, 2 process(es)"]
     assert two["runs"] == 2 and two["tokens_per_s_median"] == 185 and two["efficiency_min"] == 0.88
     assert rows["plain process"]["tokens_per_s_max"] == 102.0
+
+
+def test_a_run_its_time_cut_keeps_the_steps_it_logged(tmp_path):
+    """A run stopped by its time limit (exit 124) after logging steps is "cut" with their rates and every rank's
+    peak (the full 8B fine-tune's final save outlasted a call); one that logged nothing past the skipped steps,
+    or that failed otherwise, is "failed" with its log."""
+    run_dir, log = tmp_path / "run", tmp_path / "run.log"
+    run_dir.mkdir()
+    log.write_text("stopped while saving\n")
+    steps = [{"step": i, "loss": 3.0 - i / 10, "tokens": 32768, "tokens_per_s": 30000.0 + i,
+              "peak_mem_gb_ranks": [70.1, 70.3, 70.2, 70.0]} for i in range(1, 5)]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in steps))
+    cut = multi_gpu.outcome(run_dir, log, 124, 4, 2, 300.0)
+    assert cut["status"] == "cut" and cut["steps"] == 4 and cut["peak_gb_ranks"] == [70.1, 70.3, 70.2, 70.0]
+    assert cut["per_gpu"] == round(cut["tokens_per_s"] / 4) and 30003 <= cut["tokens_per_s"] <= 30004
+    assert multi_gpu.outcome(run_dir, log, 124, 4, 4, 300.0)["status"] == "failed"
+    assert multi_gpu.outcome(run_dir, log, 1, 4, 2, 300.0) == {"status": "failed", "exit": 1,
+                                                               "error": "stopped while saving\n"}
