@@ -197,6 +197,14 @@ def is_plain_head(head: object) -> bool:
     return type(head) in (nn.Linear, HostHead)
 
 
+def plain_head(model: object) -> nn.Linear | None:
+    """A model's output head when the chunked losses may read its weight directly (:func:`is_plain_head`: a plain
+    ``nn.Linear`` or a tied table in CPU memory); None: a LoRA'd or quantized head, read through the model's
+    logits."""
+    head = getattr(model, "lm_head", None)
+    return head if isinstance(head, nn.Linear) and is_plain_head(head) else None
+
+
 def prefetch_head(head: nn.Module, device: torch.device) -> None:
     """Start bringing a :class:`HostHead`'s table to ``device`` (call before the forward whose loss reads it)."""
     if isinstance(head, HostHead):
@@ -224,8 +232,8 @@ def offload_embeddings(model: nn.Module) -> int:
     if weight.requires_grad:
         raise ConfigError(f"{name}: the input embeddings are trained in this run; only a frozen table can stay in "
                           "CPU memory")
-    head = getattr(model, "lm_head", None)
-    tied = isinstance(head, nn.Linear) and is_plain_head(head) and head.weight is weight
+    head = plain_head(model)
+    tied = head is not None and head.weight is weight
     sharing = [n for n, p in model.named_parameters(remove_duplicate=False)
                if p is weight and n != name and not (tied and n == "lm_head.weight")]
     if sharing:

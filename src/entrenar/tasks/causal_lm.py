@@ -29,7 +29,7 @@ from entrenar.evaluation.loss import EvalResult, eval_loss
 from entrenar.io import hub
 from entrenar.io.run_dir import ADAPTER_DIR, METRICS_FILE, MODEL_DIR
 from entrenar.kernels.fused_linear_ce import fused_linear_cross_entropy, fused_loss_chunk
-from entrenar.kernels.host_embedding import head_weight, is_plain_head, prefetch_head
+from entrenar.kernels.host_embedding import head_weight, plain_head, prefetch_head
 from entrenar.loading import load
 from entrenar.models import random_init
 from entrenar.models.loss import token_cross_entropy
@@ -70,8 +70,7 @@ class CausalLMTask:
 
     def prepare(self, model: Transformer) -> None:
         """Nothing to make trainable beyond the adapters; the fused loss needs a plain output head."""
-        head = getattr(model, "lm_head", None)
-        self._head = head if self.kernels and is_plain_head(head) else None
+        self._head = plain_head(model) if self.kernels else None
         self._logits_scaling = model.config.logits_scaling  # Granite's, inside the fused loss too
         self._softcap = getattr(model.config, "final_logit_softcapping", None)  # Gemma: inside the fused loss
 

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from entrenar.data.tokenize import IGNORE_INDEX
-from entrenar.kernels.host_embedding import head_weight, is_plain_head, prefetch_head
+from entrenar.kernels.host_embedding import head_weight, plain_head, prefetch_head
 from entrenar.kernels.token_logprobs import TOKEN_LOGPROBS_CHUNK, token_logprobs
 from entrenar.tasks.base import Batch
 
@@ -94,12 +94,6 @@ def _shared_logprobs(model: Any, batch: Batch, head: nn.Module | None,
     tokens = torch.zeros(m, dtype=torch.float32, device=token.device).index_add(0, owners, torch.ones_like(token))
     return sums[:n], tokens[:n]
 
-
-def plain_head(model: Any) -> nn.Linear | None:
-    """A model's output head when it is a plain ``nn.Linear`` or a tied table in CPU memory (log-probabilities
-    chunk by chunk through its weight); None: a LoRA'd head, read through the model's logits."""
-    head = getattr(model, "lm_head", None)
-    return head if isinstance(head, nn.Linear) and is_plain_head(head) else None
 
 
 __all__ = ["plain_head", "sequence_logprobs"]

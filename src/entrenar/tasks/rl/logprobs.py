@@ -13,15 +13,8 @@ import torch
 from torch import nn
 
 from entrenar.data.tokenize import IGNORE_INDEX
-from entrenar.kernels.host_embedding import head_weight, is_plain_head, prefetch_head
+from entrenar.kernels.host_embedding import head_weight, plain_head, prefetch_head
 from entrenar.kernels.token_logprobs import TOKEN_LOGPROBS_CHUNK, token_logprobs
-
-
-def plain_head(model: Any) -> nn.Linear | None:
-    """A model's output head when it is a plain ``nn.Linear`` or a tied table in CPU memory (read through its
-    weight chunk by chunk); None: a LoRA'd or otherwise wrapped head, read through the model's logits."""
-    head = getattr(model, "lm_head", None)
-    return head if isinstance(head, nn.Linear) and is_plain_head(head) else None
 
 
 def positions_of(attention_mask: torch.Tensor) -> torch.Tensor:
