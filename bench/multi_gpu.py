@@ -17,7 +17,8 @@ SmolLM2's tokenizer), a JSONL of real text, a recipe a user would write, and `en
               second uninterrupted run: the GPU's own run-to-run spread)
     fsdp      FSDP2 on each N of --gpus with and without training.fsdp_prefetch (--prefetch both|on|off): tokens/s
               (job, per GPU), each rank's peak memory, the prefetch speedup, and for the full-8b cases the ratio to
-              torchtitan's published Llama-3.1-8B FSDP rate; --budget bounds the whole script for one device call
+              torchtitan's published Llama-3.1-8B FSDP rate; --budget bounds the whole script for one device call;
+              --no-final-save ends each run once its last step is logged (the measurement is the steps)
 
 Cases: bench_e2e's, plus `full-8b` (full fine-tuning of the Llama-8B shape, fp32 master weights and AdamW state:
 about 128 GB of state, which FSDP2 shards) and `qlora-70b` (LoRA on a Llama-70B-shape NF4 base: the folder is
@@ -28,7 +29,7 @@ NF4 codes over the ranks).
     python bench/multi_gpu.py scaling --case full-8b --parallel fsdp --gpus 2 --out fsdp-8b.json
     python bench/multi_gpu.py scaling --case qlora-70b --parallel fsdp --gpus 2 --out qlora-70b.json
     python bench/multi_gpu.py restart --case lora-1b --gpus 2 --out restart.json
-    python bench/multi_gpu.py fsdp --case full-8b-8k --gpus 4 2 --skip 3 --budget 570 --out fsdp-8b.json
+    python bench/multi_gpu.py fsdp --case full-8b-8k --gpus 4 2 --skip 3 --no-final-save --budget 540 --out fsdp-8b.json
     python bench/multi_gpu.py fsdp --case qlora-70b-v128k --gpus 4 --skip 2 --budget 570 --out qlora-70b.json
 
 Issue 38 (DDP with flat gradients: CUDA graphs and step overlap under torchrun), each within one 10-minute call:
@@ -51,6 +52,7 @@ and the deterministic restart on 2 GPUs (bitwise_equal in clean_vs_restarted):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -58,6 +60,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import yaml
@@ -186,14 +189,51 @@ def summary(run_dir: Path, nproc: int, skip: int, wall_s: float) -> dict:
             "losses": [round(r["loss"], 5) for r in rows], "wall_s": round(wall_s, 1)}
 
 
-def run(cmd: list[str], log: Path, timeout: float) -> tuple[int, float]:
+STOPPED = 125  # run()'s code for a run ended by its `stop` test
+
+
+def run(cmd: list[str], log: Path, timeout: float, stop: Callable[[], bool] | None = None) -> tuple[int, float]:
+    """Run ``cmd``; past ``timeout`` (code 124), or once ``stop()`` holds (code STOPPED), it is killed with every
+    process below it, and run() returns once they are gone: torchrun starts each worker in a session of its own,
+    and a worker outliving its agent held its GPU into the next run (2026-11-27: the 4-GPU run that followed a
+    stopped 2-GPU one found 31 of 140 GiB free)."""
     started = time.perf_counter()
     with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
+        code = None
         try:
-            code = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout).returncode
-        except subprocess.TimeoutExpired:
-            code = 124
+            while code is None:
+                try:
+                    code = proc.wait(timeout=2.0)
+                except subprocess.TimeoutExpired:
+                    over = time.perf_counter() - started > timeout
+                    if over or (stop is not None and stop()):
+                        code = 124 if over else STOPPED
+        finally:  # also when this script is interrupted
+            if proc.poll() is None:
+                kill_tree(proc)
     return code, time.perf_counter() - started
+
+
+def kill_tree(proc: subprocess.Popen, wait_s: float = 120.0) -> None:
+    """SIGKILL ``proc`` and every process below it (found before the kill: orphans leave the tree), then wait
+    until none is left (a dead process's GPU memory is free once it has exited)."""
+    tree = [proc.pid, *descendants(proc.pid)]
+    for pid in tree:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    proc.wait()
+    deadline = time.perf_counter() + wait_s
+    while any(alive(pid) for pid in tree) and time.perf_counter() < deadline:
+        time.sleep(0.2)
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` is a process that has not exited (a zombie has: it holds no memory)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 def failed(log: Path, code: int) -> dict:
@@ -206,6 +246,9 @@ def outcome(run_dir: Path, log: Path, code: int, nproc: int, skip: int, wall_s: 
     and lost the peaks its steps had logged); otherwise failed."""
     if code == 0:
         return {"status": "ok", **summary(run_dir, nproc, skip, wall_s)}
+    if code == STOPPED:
+        return {"status": "ok", "final_save": "skipped: stopped once its last step was logged (--no-final-save)",
+                **summary(run_dir, nproc, skip, wall_s)}
     if code == 124 and len(metrics(run_dir)) > skip:
         return {"status": "cut", "exit": code, "note": "stopped by its time limit; the steps it logged",
                 **summary(run_dir, nproc, skip, wall_s)}
@@ -269,7 +312,9 @@ def fsdp(args, recipe: Path, work: Path, out: dict) -> list[dict]:
             else:
                 subprocess.run(["rm", "-rf", str(run_dir)])
                 sets = ["training.parallel=fsdp", f"training.fsdp_prefetch={str(prefetch).lower()}", *args.set]
-                code, wall = run(train_command(recipe, n, run_dir, sets), log, min(args.timeout, left))
+                trained = (lambda d=run_dir: (d / "metrics.jsonl").exists() and len(metrics(d)) >= args.case_steps
+                           ) if args.no_final_save else None
+                code, wall = run(train_command(recipe, n, run_dir, sets), log, min(args.timeout, left), trained)
                 row.update(outcome(run_dir, log, code, n, args.skip, wall))
                 subprocess.run(["rm", "-rf", str(run_dir / "model")])  # a full fine-tune's output: the disk's
             measured = row.get("status") in ("ok", "cut")
@@ -442,11 +487,15 @@ def main() -> None:
     p.add_argument("--prefetch", default="both", choices=("both", "on", "off"), help="fsdp: training.fsdp_prefetch")
     p.add_argument("--budget", type=float, default=1e9, help="fsdp: seconds for all the runs (a device call's)")
     p.add_argument("--min-run", type=float, default=120, help="fsdp: a run needs this much --budget left to start")
+    p.add_argument("--no-final-save", action="store_true",
+                   help="fsdp: end each run once its last step is logged (a full fine-tune's final save of the whole "
+                        "model is not what is measured, and can outlast a device call)")
     args = p.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     if args.tiny:
         args.set = ["model.device=cpu", "training.precision=fp32", *args.set]
     case = bench_e2e.case_for(args.case, args.steps, args.tiny, CASES)
+    args.case_steps = case["steps"]
     recipe = prepare(args.case, case, args.work, args.tokenizer, args.text, args.tiny)
     result = {"what": args.what, "case": args.case, "settings": case, "machine": machine(), "sets": args.set,
               "command": " ".join(sys.argv)}

@@ -45,3 +45,39 @@ def test_a_run_its_time_cut_keeps_the_steps_it_logged(tmp_path):
     assert multi_gpu.outcome(run_dir, log, 124, 4, 4, 300.0)["status"] == "failed"
     assert multi_gpu.outcome(run_dir, log, 1, 4, 2, 300.0) == {"status": "failed", "exit": 1,
                                                                "error": "stopped while saving\n"}
+
+
+_PARENT_AND_CHILD = """
+import subprocess, sys, time
+from pathlib import Path
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+Path(sys.argv[1]).write_text(str(child.pid))
+time.sleep(60)
+"""
+
+
+def test_a_stopped_or_timed_out_run_takes_its_workers_with_it(tmp_path):
+    """run() kills the launcher and every process below it, and returns once they are gone: a worker (here the
+    launcher's child, in a session of its own as torchrun starts them) does not live on holding its GPU into the
+    next run. ``stop`` ends it early with its own code; the timeout with 124."""
+    import time
+
+    for stop, timeout, expected in ((lambda: (tmp_path / "child").exists(), 30.0, multi_gpu.STOPPED),
+                                    (None, 3.0, 124)):
+        (tmp_path / "child").unlink(missing_ok=True)
+        started = time.perf_counter()
+        code, wall = multi_gpu.run([sys.executable, "-c", _PARENT_AND_CHILD, str(tmp_path / "child")],
+                                   tmp_path / "log", timeout, stop)
+        assert code == expected and wall < 20 and time.perf_counter() - started < 20
+        assert not multi_gpu.alive(int((tmp_path / "child").read_text()))
+
+
+def test_a_run_stopped_after_its_last_step_is_ok_and_says_the_save_was_skipped(tmp_path):
+    run_dir, log = tmp_path / "run", tmp_path / "run.log"
+    run_dir.mkdir()
+    log.write_text("")
+    steps = [{"step": i, "loss": 3.0, "tokens": 1000, "tokens_per_s": 500.0, "peak_mem_gb_ranks": [1.0, 1.5]}
+             for i in range(1, 4)]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in steps))
+    row = multi_gpu.outcome(run_dir, log, multi_gpu.STOPPED, 2, 1, 10.0)
+    assert row["status"] == "ok" and "skipped" in row["final_save"] and row["peak_gb_ranks"] == [1.0, 1.5]
