@@ -2,9 +2,10 @@
 
 Each fused op lives in its own file beside its plain PyTorch specification:
 
-* :mod:`.rmsnorm` - RMSNorm forward and backward (Triton);
+* :mod:`.rmsnorm` - RMSNorm forward and backward, Gemma's ``1 + weight`` norm too (Triton);
 * :mod:`.rope` - RoPE on q and k together (Triton);
 * :mod:`.swiglu` - ``silu(gate) * up`` forward and backward (Triton);
+* :mod:`.geglu` - Gemma's ``gelu_tanh(gate) * up`` forward and backward (Triton);
 * :mod:`.fused_linear_ce` - output projection + cross-entropy in chunks, no full logits (Triton + cuBLAS);
 * :mod:`.lora_linear` - LoRA and its frozen base as one node with a hand-written backward (PyTorch);
 * :mod:`.norm_projections` - a block's RMSNorm inside the LoRA node of the projections it feeds;
@@ -32,22 +33,24 @@ from entrenar.adapters.lora import LoraLinear
 from entrenar.errors import ConfigError
 from entrenar.kernels._common import triton_available
 from entrenar.kernels.fused_linear_ce import fused_linear_cross_entropy
+from entrenar.kernels.geglu import FusedGatedMLP, geglu
 from entrenar.kernels.lora_linear import FusedLoraLinear, lora_linear
 from entrenar.kernels.moe_routing import FUSED_ROUTING_OPS
 from entrenar.kernels.norm_projections import FusedBlock
-from entrenar.kernels.rmsnorm import FusedRMSNorm, rms_norm
+from entrenar.kernels.rmsnorm import FusedOffsetRMSNorm, FusedRMSNorm, offset_rms_norm, rms_norm
 from entrenar.kernels.rope import FusedRopeAttention, apply_rope
 from entrenar.kernels.swiglu import FusedMLP, swiglu
 from entrenar.models.moe import Experts
-from entrenar.models.transformer import MLP, Attention, Block, RMSNorm
+from entrenar.models.transformer import MLP, Attention, Block, GatedMLP, OffsetRMSNorm, RMSNorm
 
-KERNELS = ("rms_norm", "rope", "swiglu", "lora", "moe_routing")
+KERNELS = ("rms_norm", "rope", "swiglu", "geglu", "lora", "moe_routing")
 
 # kernel name -> its (plain class, fused subclass) pairs
 _SWAPS: dict[str, tuple[tuple[type[nn.Module], type[nn.Module]], ...]] = {
-    "rms_norm": ((RMSNorm, FusedRMSNorm),),
+    "rms_norm": ((RMSNorm, FusedRMSNorm), (OffsetRMSNorm, FusedOffsetRMSNorm)),
     "rope": ((Attention, FusedRopeAttention),),
     "swiglu": ((MLP, FusedMLP),),
+    "geglu": ((GatedMLP, FusedGatedMLP),),
     "lora": ((LoraLinear, FusedLoraLinear), (Block, FusedBlock)),
     "moe_routing": (),  # not a class swap: every Experts module (any subclass) gets FUSED_ROUTING_OPS
 }
@@ -110,16 +113,20 @@ def remove_kernels(model: nn.Module) -> list[str]:
 __all__ = [
     "KERNELS",
     "FusedBlock",
+    "FusedGatedMLP",
     "FusedLoraLinear",
     "FusedMLP",
+    "FusedOffsetRMSNorm",
     "FusedRMSNorm",
     "FusedRopeAttention",
     "apply_kernels",
     "apply_rope",
     "block_fusable",
     "fused_linear_cross_entropy",
+    "geglu",
     "lora_linear",
     "FUSED_ROUTING_OPS",
+    "offset_rms_norm",
     "remove_kernels",
     "rms_norm",
     "swiglu",

@@ -12,6 +12,9 @@ from entrenar.models.config import ModelConfig
 def family_notes(config: ModelConfig) -> list[str]:
     """One note per family flag the kernels treat specially (empty for the Llama-style families)."""
     notes = []
+    if config.sandwich_norms:
+        notes.append("Gemma: the (1 + w) norms run the rms_norm kernel's offset form and the GELU-tanh gate the geglu "
+                     "kernel; the sandwich blocks keep their own forward (no norm-inside-LoRA node)")
     if config.fused_qkv or config.fused_gate_up:
         notes.append("fused qkv_proj/gate_up_proj: each is one LoRA node, its output split for RoPE and SwiGLU")
     if config.partial_rotary_factor != 1.0:

@@ -47,7 +47,7 @@ from entrenar.kernels.rmsnorm import rms_norm_and_rstd, rms_norm_backward
 from entrenar.kernels.swiglu import FusedMLP
 from entrenar.models.padding_free import Documents
 from entrenar.models.recompute import recomputing
-from entrenar.models.transformer import MLP, Attention, Block, KVCache, RMSNorm
+from entrenar.models.transformer import MLP, Attention, Block, KVCache, OffsetRMSNorm, RMSNorm
 
 
 class _NormLoraProjections(torch.autograd.Function):
@@ -109,14 +109,15 @@ def norm_lora_projections(
 def fits(h: torch.Tensor, norm: nn.Module, layers: Sequence[nn.Module]) -> bool:
     """True if ``layers`` applied to ``norm(h)`` can run as one :func:`norm_lora_projections` node.
 
-    The norm is an RMSNorm whose weight has ``h``'s dtype, and under autocast
+    The norm is an RMSNorm (not Gemma's offset one) whose weight has ``h``'s dtype, and under autocast
     that is autocast's dtype too (so the norm's output is the same with or
     without it), and the layers can share a LoRA node
     (:func:`entrenar.kernels.lora_linear.fusable`).
     """
     device = h.device.type
     return (
-        isinstance(norm, RMSNorm) and norm.weight.dtype == h.dtype and norm.weight.shape == h.shape[-1:]
+        isinstance(norm, RMSNorm) and not isinstance(norm, OffsetRMSNorm)  # Gemma's (1 + w) rounds otherwise
+        and norm.weight.dtype == h.dtype and norm.weight.shape == h.shape[-1:]
         and (not torch.is_autocast_enabled(device) or torch.get_autocast_dtype(device) == h.dtype)
         and fusable(layers)
     )

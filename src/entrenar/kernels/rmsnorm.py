@@ -5,6 +5,10 @@ keeps an fp32 copy of the input for backward and launches several kernels.
 The fused kernel reads each row once, saves only the input (in its own dtype)
 and one fp32 ``1/rms`` per row, and rounds exactly where the plain path does:
 ``weight * (x * rstd).to(x.dtype)``.
+
+Gemma's norm (:class:`entrenar.models.transformer.OffsetRMSNorm`) runs the same kernels with ``offset``: the
+product is ``x * rstd * (1 + weight)`` all in fp32, rounded once to the input's dtype, as that module computes it
+(its plain path keeps an fp32 copy of the input and launches about eight kernels forward, more backward).
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from types import SimpleNamespace
 import torch
 
 from entrenar.kernels._common import call_op, cdiv, next_power_of_2, use_triton
-from entrenar.models.transformer import RMSNorm
+from entrenar.models.transformer import OffsetRMSNorm, RMSNorm
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -25,6 +29,13 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
     return weight * x32.to(x.dtype)
 
 
+def offset_rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The specification of Gemma's norm: exactly what ``OffsetRMSNorm.forward`` computes."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return (x32 * (1.0 + weight.float())).to(x.dtype)
+
+
 @functools.cache
 def _kernels() -> SimpleNamespace:
     import triton
@@ -32,27 +43,33 @@ def _kernels() -> SimpleNamespace:
 
     @triton.jit
     def forward(X, W, Y, RSTD, stride_x, stride_y, n_rows, n_cols, eps,
-                BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+                BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, OFFSET: tl.constexpr):
         rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
         cols = tl.arange(0, BLOCK_D)
         rmask, cmask = rows < n_rows, cols < n_cols
         mask = rmask[:, None] & cmask[None, :]
         x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         rstd = 1.0 / tl.sqrt(tl.sum(x * x, 1) / n_cols + eps)
-        normed = (x * rstd[:, None]).to(X.dtype.element_ty).to(tl.float32)  # the plain path's rounding
         w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)
-        tl.store(Y + rows[:, None] * stride_y + cols[None, :], (w[None, :] * normed).to(Y.dtype.element_ty), mask=mask)
+        if OFFSET:  # Gemma: all in fp32, one rounding
+            y = x * rstd[:, None] * (1.0 + w[None, :])
+        else:
+            y = w[None, :] * (x * rstd[:, None]).to(X.dtype.element_ty).to(tl.float32)  # the plain path's rounding
+        tl.store(Y + rows[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
         tl.store(RSTD + rows, rstd, mask=rmask)
 
     @triton.jit
     def backward(DY, X, W, RSTD, DX, DW_PART, stride_dy, stride_x, stride_dx, n_rows, n_cols,
-                 ROWS_PER_PROGRAM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+                 ROWS_PER_PROGRAM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+                 OFFSET: tl.constexpr):
         # Each program owns a contiguous run of rows and writes one partial sum of dW;
         # the partials are added up outside (no atomics, so results are deterministic).
         pid = tl.program_id(0)
         cols = tl.arange(0, BLOCK_D)
         cmask = cols < n_cols
         w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)
+        if OFFSET:
+            w = 1.0 + w
         dw = tl.zeros([BLOCK_D], dtype=tl.float32)
         first = pid * ROWS_PER_PROGRAM
         for offset in range(0, ROWS_PER_PROGRAM, BLOCK_R):
@@ -63,7 +80,10 @@ def _kernels() -> SimpleNamespace:
             dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
             rstd = tl.load(RSTD + rows, mask=rmask, other=0.0)
             normed = x * rstd[:, None]
-            dw += tl.sum(dy * normed.to(X.dtype.element_ty).to(tl.float32), 0)
+            if OFFSET:
+                dw += tl.sum(dy * normed, 0)
+            else:
+                dw += tl.sum(dy * normed.to(X.dtype.element_ty).to(tl.float32), 0)
             g = dy * w[None, :]
             # d/dx of x*rstd: rstd * (g - normed * mean(g * normed))
             dot = tl.sum(g * normed, 1) / n_cols
@@ -89,34 +109,39 @@ def _num_programs(device: torch.device) -> int:
 
 
 def _rms_norm_impl(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, rebuild: bool = False
+    x: torch.Tensor, weight: torch.Tensor, eps: float, rebuild: bool = False, offset: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     # ``rebuild`` changes nothing computed: it marks a backward's recomputation of a forward's output, so that
     # torch.compile does not merge the two calls (and then keep the output alive in between).
     n_cols = x.shape[-1]
     x2 = x.reshape(-1, n_cols)
-    y = torch.empty(x2.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    y = torch.empty(x2.shape, dtype=_output_dtype(x, weight, offset), device=x.device)
     rstd = torch.empty(x2.shape[0], dtype=torch.float32, device=x.device)
     block_r, block_d, warps = _blocks(n_cols)
     grid = (cdiv(x2.shape[0], block_r),)
     _kernels().forward[grid](
         x2, weight, y, rstd, x2.stride(0), y.stride(0), x2.shape[0], n_cols, eps,
-        BLOCK_R=block_r, BLOCK_D=block_d, num_warps=warps,
+        BLOCK_R=block_r, BLOCK_D=block_d, OFFSET=offset, num_warps=warps,
     )
     return y.view(*x.shape[:-1], n_cols), rstd
+
+
+def _output_dtype(x: torch.Tensor, weight: torch.Tensor, offset: bool) -> torch.dtype:
+    return x.dtype if offset else torch.promote_types(x.dtype, weight.dtype)
 
 
 _rms_norm = torch.library.custom_op("entrenar::rms_norm", mutates_args=())(_rms_norm_impl)
 
 
 @_rms_norm.register_fake
-def _(x: torch.Tensor, weight: torch.Tensor, eps: float, rebuild: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    y = x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype))
+def _(x: torch.Tensor, weight: torch.Tensor, eps: float, rebuild: bool = False,
+      offset: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    y = x.new_empty(x.shape, dtype=_output_dtype(x, weight, offset))
     return y, x.new_empty(x.numel() // x.shape[-1], dtype=torch.float32)
 
 
 def _rms_norm_backward_impl(
-    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor
+    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, offset: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     n_cols = x.shape[-1]
     x2, dy2 = x.reshape(-1, n_cols), dy.reshape(-1, n_cols)
@@ -129,7 +154,7 @@ def _rms_norm_backward_impl(
     dw_part = torch.empty((programs, n_cols), dtype=torch.float32, device=x.device)
     _kernels().backward[(programs,)](
         dy2, x2, weight, rstd, dx, dw_part, dy2.stride(0), x2.stride(0), dx.stride(0), n_rows, n_cols,
-        ROWS_PER_PROGRAM=rows_per_program, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=warps,
+        ROWS_PER_PROGRAM=rows_per_program, BLOCK_R=block_r, BLOCK_D=block_d, OFFSET=offset, num_warps=warps,
     )
     return dx.view(x.shape), dw_part.sum(0).to(weight.dtype)
 
@@ -138,19 +163,22 @@ _rms_norm_backward = torch.library.custom_op("entrenar::rms_norm_backward", muta
 
 
 @_rms_norm_backward.register_fake
-def _(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
+      offset: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     return x.new_empty(x.shape), weight.new_empty(weight.shape)
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    x, weight, _, _ = inputs
+    x, weight, _, _, offset = inputs
     ctx.save_for_backward(x, weight, output[1])
+    ctx.offset = offset
 
 
 def _backward(ctx, dy: torch.Tensor, _drstd: torch.Tensor):
     x, weight, rstd = ctx.saved_tensors
-    dx, dw = _rms_norm_backward(dy, x, weight, rstd)  # the op: torch.compile traces this backward outside dynamo
-    return dx, dw, None, None
+    # the op: torch.compile traces this backward outside dynamo
+    dx, dw = _rms_norm_backward(dy, x, weight, rstd, ctx.offset)
+    return dx, dw, None, None, None
 
 
 _rms_norm.register_autograd(_backward, setup_context=_setup_context)
@@ -161,6 +189,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if not _fits(x, weight):
         return rms_norm_reference(x, weight, eps)
     return call_op(_rms_norm, _rms_norm_impl, x, weight, float(eps))[0]
+
+
+def offset_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``offset_rms_norm_reference`` (Gemma's ``1 + weight`` norm) through the fused kernel where Triton can run,
+    else the reference itself."""
+    if not _fits(x, weight):
+        return offset_rms_norm_reference(x, weight, eps)
+    return call_op(_rms_norm, _rms_norm_impl, x, weight, float(eps), False, True)[0]
 
 
 def _fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -207,3 +243,10 @@ class FusedRMSNorm(RMSNorm):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)
+
+
+class FusedOffsetRMSNorm(OffsetRMSNorm):
+    """Gemma's :class:`OffsetRMSNorm` whose forward runs the fused kernel; same parameters, same state dict."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return offset_rms_norm(x, self.weight, self.eps)

@@ -198,7 +198,7 @@ def activation_bytes_per_token_layer(config: ModelConfig, dtype_bytes: int, kern
     variable-length kernel rescaled by the sinks, ``models/attention_sinks.py``) it keeps what SDPA keeps.
     """
     if config.sandwich_norms:
-        return _gemma_layer_bytes(config, dtype_bytes, seq_len, lora)
+        return _gemma_layer_bytes(config, dtype_bytes, seq_len, lora, kernels)
     h, i, d = config.hidden_size, config.intermediate_size, config.head_dim
     assert d is not None  # ModelConfig derives it when config.json has none
     q, kv = config.num_heads * d, config.num_kv_heads * d
@@ -246,31 +246,38 @@ def mla_activation_bytes(config: ModelConfig, dtype_bytes: int) -> int:
     return total + 2 * heads * (config.qk_head_dim + config.v_head_dim) * dtype_bytes + heads * 4
 
 
-def _gemma_norm_bytes(hidden: int, lora: bool) -> int:
-    """Bytes a (1 + w) norm keeps a token: its fp32 input, 1/rms and, when its weight trains (not under LoRA),
-    the fp32 normalised product the weight's gradient reads."""
+def _gemma_norm_bytes(hidden: int, lora: bool, kernels: bool = False, dtype_bytes: int = 2) -> int:
+    """Bytes a (1 + w) norm keeps a token: eager, its fp32 input, 1/rms and, when its weight trains (not under
+    LoRA), the fp32 normalised product the weight's gradient reads; through the kernel, its input in its own
+    dtype and 1/rms."""
+    if kernels:
+        return hidden * dtype_bytes + 4
     return (4 if lora else 8) * hidden + 4
 
 
-def _gemma_layer_bytes(config: ModelConfig, dtype_bytes: int, seq_len: int, lora: bool = False) -> float:
-    """Bytes autograd saves for one token in one Gemma block (eager whatever the kernels: the fused norm, MLP and
-    block kernels leave Gemma's to PyTorch). Four (1 + w) norms each keep what :func:`_gemma_norm_bytes` says, and
-    the two before attention and MLP their output; the MLP keeps gate, up, gelu(gate) and their product.
+def _gemma_layer_bytes(config: ModelConfig, dtype_bytes: int, seq_len: int, lora: bool = False,
+                       kernels: bool = False) -> float:
+    """Bytes autograd saves for one token in one Gemma block. Four (1 + w) norms each keep what
+    :func:`_gemma_norm_bytes` says, and the two before attention and MLP their output; the MLP keeps gate, up,
+    gelu(gate) and their product eagerly, gate, up and the product through the geglu kernel (the block itself
+    stays eager: no norm-inside-LoRA node for Gemma's norms).
     Attention with soft-capped scores (Gemma 2) runs as explicit products and keeps, per query, ``seq_len`` fp32
     scores' tanh and probabilities and the probabilities in the model dtype, with fp32 copies of q and the
     repeated k; otherwise SDPA's q, k, v, output and log-sum-exp."""
     h, i, d = config.hidden_size, config.intermediate_size, config.head_dim
     assert d is not None  # ModelConfig derives it when config.json has none
     q, kv = config.num_heads * d, config.num_kv_heads * d
-    norms = 4 * _gemma_norm_bytes(h, lora) + 2 * h * dtype_bytes
+    norms = 4 * _gemma_norm_bytes(h, lora, kernels, dtype_bytes) + 2 * h * dtype_bytes
     if config.attn_logit_softcapping is not None:
         cast = dtype_bytes if dtype_bytes != 4 else 0  # fp32 probabilities are their own cast
         attention = 8 * q + 2 * q * dtype_bytes + config.num_heads * seq_len * (8 + cast) + seq_len
     else:
         attention = (q + 2 * kv + q) * dtype_bytes + config.num_heads * 4
-    if config.qk_norm:
+    if config.qk_norm and kernels:  # each head's row: its input and 1/rms
+        attention += (q + kv) * dtype_bytes + (config.num_heads + config.num_kv_heads) * 4
+    elif config.qk_norm:
         attention += (q + kv) * (dtype_bytes + 8)
-    return norms + attention + 4 * i * dtype_bytes
+    return norms + attention + (3 if kernels else 4) * i * dtype_bytes
 
 
 def estimate_training_memory(
@@ -511,10 +518,11 @@ def tiles_mlp(config: ModelConfig) -> bool:
 def _mlp_bytes_per_token(config: ModelConfig, dtype_bytes: int, kernels: bool, lora: bool) -> float:
     """What the MLP half of a dense block (its norms and the MLP) keeps a token, of
     :func:`activation_bytes_per_token_layer`'s sum: a Gemma block's two (1 + w) norms around it, the first one's
-    output and the MLP's four products, as :func:`_gemma_layer_bytes` counts them (eager whatever the kernels)."""
+    output and the MLP's products, as :func:`_gemma_layer_bytes` counts them."""
     h, i = config.hidden_size, config.intermediate_size
     if config.sandwich_norms:
-        return 2 * _gemma_norm_bytes(h, lora) + h * dtype_bytes + 4 * i * dtype_bytes
+        mlp = (3 if kernels else 4) * i * dtype_bytes
+        return 2 * _gemma_norm_bytes(h, lora, kernels, dtype_bytes) + h * dtype_bytes + mlp
     if not kernels:
         return (h * dtype_bytes + h * 4 + 4) + (h + 4 * i) * dtype_bytes
     if lora and not config.is_mla:
