@@ -48,8 +48,12 @@ def assert_same_run(run: Path, reference: Path, method: str = "lora") -> None:
     torch.testing.assert_close(torch.tensor(losses(run)), torch.tensor(losses(reference)), rtol=0, atol=1e-5)
     got, expected = weights(run, method), weights(reference, method)
     assert got.keys() == expected.keys()
+    # Adam divides each gradient by its own running root-mean-square, so an element whose gradient is near zero
+    # moves by up to lr a step whatever that gradient's rounding: another summation order (gloo's reductions,
+    # another CPU's vector width) moves it by about 1e-4 of lr (2.2e-6 at these recipes' lr of 1e-2, one element
+    # of 2048, on an AVX-512 CPU, 2026-11-27); 1e-3 of lr bounds that, far under any real divergence.
     for name in expected:
-        torch.testing.assert_close(got[name], expected[name], rtol=1e-5, atol=1e-6, msg=name)
+        torch.testing.assert_close(got[name], expected[name], rtol=1e-5, atol=1e-5, msg=name)
 
 
 @pytest.mark.parametrize("method", ["lora", "full"])
