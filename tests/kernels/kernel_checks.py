@@ -82,3 +82,21 @@ def lora_group(dtype: torch.dtype, device: str = "cpu", train_base: bool = False
     for layer in fused:
         layer.__class__ = FusedLoraLinear
     return plain, fused
+
+
+def check_gate_kernel(fused, reference, dtype: torch.dtype, seed: int = 1) -> None:
+    """An MLP gate's kernel (``fused(gate, up)``: SwiGLU's, GeGLU's) against its ``reference`` in ``dtype`` and in
+    float64: the product and both gradients, on 15,000 elements (not a multiple of a block)."""
+    torch.manual_seed(seed)
+    shape = (3, 5, 1000)
+    g0, u0, dy = (torch.randn(shape, device=DEVICE) * 3 for _ in range(3))
+    g, u = leaf(g0, dtype), leaf(u0, dtype)
+    gr, ur = leaf(g0, dtype), leaf(u0, dtype)
+    g64, u64 = leaf(g0, torch.float64), leaf(u0, torch.float64)
+    y, y_plain, y64 = fused(g, u), reference(gr, ur), reference(g64, u64)
+    assert_as_close(y, y_plain, y64, "output")
+    for name, a, b, c in zip(
+        ("d gate", "d up"), grads(y, (g, u), dy.to(dtype)), grads(y_plain, (gr, ur), dy.to(dtype)),
+        grads(y64, (g64, u64), dy.double()),
+    ):
+        assert_as_close(a, b, c, name)

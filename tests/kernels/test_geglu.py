@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_checks import DEVICE, assert_as_close, grads, leaf, needs_kernels
+from kernel_checks import DEVICE, assert_as_close, check_gate_kernel, grads, leaf, needs_kernels
 
 from entrenar.kernels import apply_kernels
 from entrenar.kernels.geglu import FusedGatedMLP, geglu, geglu_backward_reference, geglu_reference
@@ -21,19 +21,7 @@ def _config(act: str = "gelu_pytorch_tanh") -> ModelConfig:
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_forward_and_backward_match_the_specification(dtype):
-    torch.manual_seed(1)
-    shape = (3, 5, 1000)  # 15000 elements: not a multiple of the block
-    g0, u0, dy = (torch.randn(shape, device=DEVICE) * 3 for _ in range(3))
-    g, u = leaf(g0, dtype), leaf(u0, dtype)
-    gr, ur = leaf(g0, dtype), leaf(u0, dtype)
-    g64, u64 = leaf(g0, torch.float64), leaf(u0, torch.float64)
-    y, y_plain, y64 = geglu(g, u), geglu_reference(gr, ur), geglu_reference(g64, u64)
-    assert_as_close(y, y_plain, y64, "output")
-    for name, a, b, c in zip(
-        ("d gate", "d up"), grads(y, (g, u), dy.to(dtype)), grads(y_plain, (gr, ur), dy.to(dtype)),
-        grads(y64, (g64, u64), dy.double()),
-    ):
-        assert_as_close(a, b, c, name)
+    check_gate_kernel(geglu, geglu_reference, dtype)
 
 
 def test_backward_reference_is_the_gradient_of_the_specification():

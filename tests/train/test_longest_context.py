@@ -103,9 +103,13 @@ def test_tiling_gemma_blocks_drops_the_estimate_by_what_autograd_stops_keeping(d
     measured = _saved_bytes(_lora_model(GEMMA3, dtype, 0, False), ids) \
         - _saved_bytes(_lora_model(GEMMA3, dtype, 16, False), ids)
 
+    # On the CPU Gemma's norm and gate kernels run their PyTorch specifications, which keep what eager PyTorch
+    # keeps: the estimate of a CPU run (the plan passes kernels only off the CPU). The kernels' own saved tensors
+    # are checked under Triton in tests/models/test_family_gemma.py.
     def drop(checkpointing: bool) -> float:
         whole, tiled = (estimate_training_memory(GEMMA3, "lora", 2, 128, dtype_bytes=dtype.itemsize, lora_r=8,
-                                                 activation_checkpointing=checkpointing, kernels=True, tiled_mlp=tile)
+                                                 activation_checkpointing=checkpointing, kernels=False,
+                                                 tiled_mlp=tile)
                         for tile in (0, 16))
         return whole.activations - tiled.activations
 
