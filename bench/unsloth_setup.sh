@@ -7,7 +7,9 @@
 # download: unsloth and unsloth_zoo ($UNSLOTH_VERSION), and the small packages their import and training path
 # reach that the GPU image may lack (read from unsloth's and unsloth_zoo's module-level imports: tyro and its
 # docstring_parser/shtab/typeguard, cut_cross_entropy, einops, nest_asyncio, msgspec, pillow (vision_utils
-# imports PIL at module level), psutil, requests and its four, sentencepiece, protobuf, typing_extensions):
+# imports PIL at module level), psutil, requests and its four, sentencepiece, protobuf, typing_extensions, and
+# datasets with dill, multiprocess, xxhash and fsspec: unsloth imports datasets when imported, and the GPU image of
+# 2026-11-27 had none; datasets below 5, as Unsloth 2026.10.9 declares, and fsspec at what that datasets accepts):
 # pure-Python wheels where they exist, CPython 3.12 manylinux x86_64 ones where not. Unsloth's wheel carries
 # Unsloth Studio (a web UI, about 25 of its 28.6 MB): `studio/` is dropped and RECORD rewritten to match.
 # torchao, xformers, flash-attn, vllm and hf_transfer are left out: Unsloth imports them lazily or only when
@@ -23,8 +25,11 @@ SITE=${SITE:-/tmp/site}
 # wheel name prefix -> module the image is checked for (a wheel is installed only where the module is missing)
 PURE="tyro:tyro docstring_parser:docstring_parser shtab:shtab typeguard:typeguard cut_cross_entropy:cut_cross_entropy
 einops:einops nest_asyncio:nest_asyncio requests:requests urllib3:urllib3 idna:idna charset_normalizer:charset_normalizer
-certifi:certifi protobuf:google.protobuf typing_extensions:typing_extensions"
-BINARY="msgspec:msgspec pillow:PIL psutil:psutil sentencepiece:sentencepiece"
+certifi:certifi protobuf:google.protobuf typing_extensions:typing_extensions datasets:datasets dill:dill
+multiprocess:multiprocess fsspec:fsspec"
+BINARY="msgspec:msgspec pillow:PIL psutil:psutil sentencepiece:sentencepiece xxhash:xxhash"
+# the version a wheel is downloaded at, where not the newest
+spec() { case "$1" in datasets) echo "datasets<5" ;; fsspec) echo "fsspec<=2025.10.0" ;; *) echo "$1" ;; esac; }
 # what bench_e2e.py's Unsloth rows export too: no hub, no statistics call, compiled code outside the repository
 UNSLOTH_ENV="HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 UNSLOTH_DISABLE_STATISTICS=1
 UNSLOTH_COMPILE_LOCATION=/tmp/unsloth_compiled_cache TOKENIZERS_PARALLELISM=false"
@@ -37,7 +42,7 @@ download() {
   # for the GPU machine's CPython 3.12 on x86_64 Linux, whatever Python runs this
   python3 -m pip download -q --no-deps -d "$DIR" --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-    $(for p in $PURE $BINARY; do echo "${p%%:*}"; done)
+    $(for p in $PURE $BINARY; do spec "${p%%:*}"; done)
   cp "$tmp"/unsloth_zoo-*.whl "$DIR"/
   python3 - "$tmp"/unsloth-"$UNSLOTH_VERSION"-py3-none-any.whl "$DIR" <<'EOF'
 import base64, hashlib, sys, zipfile
