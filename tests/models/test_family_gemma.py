@@ -214,6 +214,49 @@ def test_lora_step_gradients_equal_peft_s_through_the_fused_soft_capped_loss(gem
                                    msg=lambda m, name=name: f"{name}: {m}")
 
 
+def test_lora_training_follows_peft_step_by_step(gemma, tmp_path):
+    """Ten AdamW steps with clipping from PEFT's own initial adapter: ours (kernels applied, the fused loss with
+    Gemma's final soft cap) gives PEFT's loss and gradient norm at every step, and its final adapter."""
+    import copy
+
+    import peft
+
+    from entrenar.adapters.lora import load_adapter
+    from entrenar.kernels import apply_kernels
+    from entrenar.kernels.fused_linear_ce import fused_linear_cross_entropy
+
+    family, folder, ref = gemma
+    theirs = peft.get_peft_model(copy.deepcopy(ref), peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    theirs.save_pretrained(tmp_path / "adapter")
+    model = load_hf(folder)
+    load_adapter(model, tmp_path / "adapter")
+    apply_kernels(model)
+    theirs_params = {n.replace("base_model.model.", "").replace(".default", ""): p
+                     for n, p in theirs.named_parameters() if p.requires_grad}
+    ours_params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    assert ours_params.keys() == theirs_params.keys()
+    names = sorted(ours_params)
+    optimizers = [torch.optim.AdamW([params[n] for n in names], lr=1e-2, weight_decay=0.0)
+                  for params in (theirs_params, ours_params)]
+    generator = torch.Generator().manual_seed(3)
+    for step in range(10):
+        ids = torch.randint(1, VOCAB, (2, 2 * WINDOW + 2), generator=generator)
+        expected = theirs(input_ids=ids, labels=ids).loss
+        loss_sum, n = fused_linear_cross_entropy(model.hidden_states(ids), model.lm_head.weight, ids,
+                                                 softcap=model.config.final_logit_softcapping)
+        got = loss_sum / n
+        norms = []
+        for loss, params, optimizer in zip((expected, got), (theirs_params, ours_params), optimizers):
+            loss.backward()
+            norms.append(torch.nn.utils.clip_grad_norm_([params[n] for n in names], 1.0))
+            optimizer.step()
+            optimizer.zero_grad()
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=0, msg=f"step {step} loss")
+        torch.testing.assert_close(norms[1], norms[0], atol=1e-4, rtol=1e-4, msg=f"step {step} grad norm")
+    for name in names:
+        torch.testing.assert_close(ours_params[name], theirs_params[name], atol=1e-5, rtol=1e-4, msg=name)
+
+
 def test_the_causal_lm_task_s_fused_loss_soft_caps_as_the_plain_one(gemma):
     """Training's loss with the fused output projection (kernels on) equals the plain loss on the model's
     soft-capped logits (kernels off), padding-free row and all."""
