@@ -40,7 +40,8 @@ def plan_lines(plan: RunPlan) -> list[str]:
     estimate = plan.memory
     return [
         f"{'memory estimate':<22}{estimate.total / GiB:.2f} GiB (weights {estimate.weights / GiB:.2f}, "
-        f"grads {estimate.gradients / GiB:.2f}, optimizer {estimate.optimizer / GiB:.2f}, "
+        f"grads {estimate.gradients / GiB:.2f}{' (from the backward on)' if estimate.gradients_from_backward else ''}"
+        f", optimizer {estimate.optimizer / GiB:.2f}, "
         f"activations {estimate.activations / GiB:.2f}, logits {estimate.logits / GiB:.2f}"
         f"{f', reference copy {estimate.reference / GiB:.2f}' if estimate.reference else ''}{_cpu_terms(estimate)}"
         f"{f', backward transients {estimate.transient / GiB:.2f}' if estimate.transient else ''}"

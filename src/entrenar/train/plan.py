@@ -394,7 +394,8 @@ def plan_run(recipe: Recipe, device: torch.device, world: World, config: ModelCo
     decided = replica if mode == replica.mode else _decide(recipe, device, mode, config, triton, method)
     if mode == "fsdp":  # each rank holds its shard of the weights, gradients and optimizer state
         decided = dataclasses.replace(decided, memory=per_device(
-            decided.memory, config, world.size, "fsdp", dtype_bytes=2 if t.precision != "fp32" else 4))
+            decided.memory, config, world.size, "fsdp", dtype_bytes=2 if t.precision != "fp32" else 4,
+            accumulation=accumulation))
     reasons += decided.reasons
     attention_kernel, why = _attention_kernel(recipe, device, config)
     reasons.append(("training.attention_kernel", why))
@@ -739,6 +740,8 @@ def _shard_files(recipe: Recipe, method: str, config: ModelConfig) -> tuple[dict
     if source.adapter is not None or source.checkpoint is not None or not folder.is_dir() or \
             is_quantized_folder(folder) or is_classifier_folder(folder):
         return None, f"{general} ({folder} is not a plain Hugging Face folder)"
+    if not any(folder.glob("*.safetensors")):  # a config read alone (`entrenar inspect`); loading says what is missing
+        return None, f"{general} (no safetensors weights in {folder})"
     index, why = shard_index(folder, config)
     return index, why if index is not None else f"{general} ({why})"
 
