@@ -290,6 +290,34 @@ def apply_lora(model: nn.Module, cfg: LoraConfig) -> list[str]:
     return names + _wrap_experts(model, cfg)
 
 
+def continue_adapter(model: nn.Module, cfg: LoraConfig, source: str) -> list[str]:
+    """Train further the adapter ``model`` was loaded with (from ``source``: a PEFT adapter folder, a LoRA run or
+    checkpoint), which ``cfg`` (the recipe's ``lora`` section) must describe: its rank, alpha, rsLoRA and the
+    layers it adapts. Anything else is another adapter, refused naming the key (:class:`AdapterError`); the
+    section's dropout applies. Adapters on MoE experts are not continued. Returns the adapted layers' names."""
+    cfg = _for_model(model, cfg)
+    layers = dict(lora_layers(model))
+    if cfg.target_parameters or len(layers) != sum(type(layer) is LoraLinear for layer in layers.values()):
+        raise AdapterError(f"{source}: adapters on MoE experts or routers cannot be trained further yet; start "
+                           "from the base model")
+    first = next(iter(layers.values()))
+    for key, ours, theirs in (("r", cfg.r, first.r), ("alpha", cfg.alpha, first.alpha),
+                              ("use_rslora", cfg.use_rslora, first.use_rslora)):
+        if ours != theirs:
+            raise AdapterError(f"lora.{key}: {ours!r}, but the adapter {source} brings has {key} {theirs!r}; set "
+                               f"lora.{key}: {theirs!r} to train it further, or start from its base model")
+    wanted = set(find_linears(model, cfg.target_modules, strict=False))
+    if wanted != set(layers):
+        differ = sorted(wanted ^ set(layers))
+        raise AdapterError(f"lora.target_modules: selects other layers than the adapter {source} adapts "
+                           f"({len(wanted)} against {len(layers)}; {differ[0]}, ...); set it to the adapter's "
+                           "target_modules, or start from its base model")
+    for layer in layers.values():
+        layer.lora_dropout = nn.Dropout(cfg.dropout) if cfg.dropout > 0 else nn.Identity()
+        layer.train(model.training)
+    return sorted(layers)
+
+
 def _wrap_experts(model: nn.Module, cfg: LoraConfig) -> list[str]:
 
     return wrap_expert_parameters(model, cfg.target_parameters, cfg.r, cfg.alpha, cfg.dropout, cfg.use_rslora)
@@ -576,6 +604,7 @@ __all__ = [
     "LoraLinear",
     "adapter_dtype",
     "apply_lora",
+    "continue_adapter",
     "load_adapter",
     "load_lora_state_dict",
     "lora_layers",

@@ -109,7 +109,14 @@ def read_run_recipe(run_dir: Path) -> Recipe:
 
 def base_model_path(recipe: Recipe, run_dir: Path) -> Path:
     """The recipe's ``model.path``; a relative one is tried from here, then from each folder above the run
-    (training ran from one of them), then as a Hub id."""
+    (training ran from one of them), then as a Hub id. Where it brought an adapter that the run trained on (a PEFT
+    folder, a LoRA run), the base that adapter sits on: the run's adapter replaces it."""
+    path = _recipe_model_path(recipe, run_dir)
+    source = resolve_model_and_adapter(path)
+    return source.model if source.adapter is not None or source.checkpoint is not None else path
+
+
+def _recipe_model_path(recipe: Recipe, run_dir: Path) -> Path:
     if recipe.model.init == "random" and recipe.lora is None:  # a checkpoint holds every weight: any folder of
         if (run_dir / MODEL_DIR / "config.json").is_file():    # the architecture is its base, the run's model/ one
             return run_dir / MODEL_DIR
@@ -220,6 +227,23 @@ def _in_run(run_dir: Path, kind: str, path: Path) -> tuple[Path, Path | None, Pa
     return base_model_path(recipe, run_dir), adapter, None
 
 
+def base_model_name(path: str | Path | None) -> str:
+    """What an adapter trained from ``path`` (a recipe's ``model.path``) records as its base
+    (``base_model_name_or_path``): ``path`` itself, or, where it brings an adapter (a PEFT folder, a LoRA run or
+    checkpoint) that is trained on, the base that adapter names, as it names it (a Hub id stays one)."""
+    if path is None:  # a model drawn at random (model.init)
+        return str(path)
+    source = resolve_model_and_adapter(path)
+    if source.adapter is None:
+        return str(path)
+    try:
+        name = json.loads((source.adapter / "adapter_config.json").read_text(encoding="utf-8"))
+        name = name.get("base_model_name_or_path")
+    except (OSError, ValueError, AttributeError, RecursionError):
+        name = None
+    return name if isinstance(name, str) and name else str(source.model)
+
+
 def resolve_model_and_adapter(model: str | Path, adapter: str | Path | None = None) -> ModelSource:
     """What ``model`` (and ``adapter``) stand for; see the module docstring. Checks paths, reads no weights
     (a Hub id not yet cached is downloaded)."""
@@ -287,5 +311,5 @@ def apply_checkpoint(model: torch.nn.Module, source: ModelSource) -> None:
     load_lora_state_dict(model, state, str(file))
 
 
-__all__ = ["ModelSource", "apply_checkpoint", "base_model_path", "read_run_recipe", "resolve_model_and_adapter",
-           "run_folder_of"]
+__all__ = ["ModelSource", "apply_checkpoint", "base_model_name", "base_model_path", "read_run_recipe",
+           "resolve_model_and_adapter", "run_folder_of"]

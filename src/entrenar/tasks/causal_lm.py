@@ -31,6 +31,7 @@ from entrenar.io.run_dir import ADAPTER_DIR, METRICS_FILE, MODEL_DIR
 from entrenar.kernels.fused_linear_ce import fused_linear_cross_entropy, fused_loss_chunk
 from entrenar.kernels.host_embedding import head_weight, plain_head, prefetch_head
 from entrenar.loading import load
+from entrenar.loading.runs import base_model_name
 from entrenar.models import random_init
 from entrenar.models.loss import token_cross_entropy
 from entrenar.models.saving import save_model_folder
@@ -150,7 +151,7 @@ class CausalLMTask:
         lora = lora_config_of(recipe.lora)
         if lora is not None:
             out = folder / ADAPTER_DIR
-            save_adapter(model, out, lora, base_model_name_or_path=str(recipe.model.path))
+            save_adapter(model, out, lora, base_model_name_or_path=base_model_name(recipe.model.path))
             return out
         out = folder / MODEL_DIR
         base = hub.resolve(recipe.model.path) if recipe.model.path else None  # a random-init model has none

@@ -4,7 +4,8 @@
     prepared = prepare(model, recipe, plan, world)           # the rest, below, in this order
 
 1. QAT fake quantization (before LoRA, which then wraps the fake-quantized layers: LoRA-QAT)    build_model
-2. LoRA adapters, then the task's trainable parts (a classifier's head)                         build_model
+2. LoRA adapters (or the adapter ``model.path`` brought, trained on), then the task's trainable    build_model
+   parts (a classifier's head)
 3. the frozen embedding table to pinned CPU memory (``training.offload_embeddings``)
 4. activation checkpointing and activation offload (``training.activation_checkpointing``, ``offload_activations``)
 5. fused kernels swapped into the modules (``training.kernels``), and the packed rows' attention kernel
@@ -28,7 +29,7 @@ import torch
 from torch import nn
 
 from entrenar.adapters.layer import RankError
-from entrenar.adapters.lora import apply_lora, lora_config_of
+from entrenar.adapters.lora import apply_lora, continue_adapter, lora_config_of, lora_layers
 from entrenar.config import Recipe
 from entrenar.data.tokenizer import Tokenizer
 from entrenar.distributed.context_parallel import context_parallel
@@ -72,9 +73,16 @@ def build_model(recipe: Recipe, task: Task, dtype: str, device: torch.device, qu
     tokenizer = require_tokenizer(tokenizer, recipe.model.path)  # the data needs one
     model.train()
     lora = lora_config_of(recipe.lora)
+    continued = lora is not None and next(lora_layers(model), None) is not None
+    if continued and recipe.qat is not None:
+        raise ConfigError(f"qat: {recipe.model.path} brings a trained adapter; QAT wraps the base layers before "
+                          "LoRA does, so start from the base model")
     if recipe.qat is not None:
         apply_qat_recipe(model, recipe.qat, None if lora is None else lora.target_modules)
-    if lora is not None:
+    if lora is not None and continued:
+        # model.path brought an adapter (a PEFT folder, a LoRA run): it trains on from its weights
+        continue_adapter(model, lora, str(recipe.model.path))
+    elif lora is not None:
         try:
             apply_lora(model, lora)
         except AdapterError as e:

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 from entrenar.adapters.lora import LoraConfig, save_adapter
 from entrenar.io import atomic
 from entrenar.io.run_dir import ADAPTER_DIR, MODEL_DIR
+from entrenar.loading.runs import base_model_name
 from entrenar.models.classifier import CLASSIFIER_FILE, SequenceClassifier
 from entrenar.models.saving import save_model_folder
 from entrenar.quant.qat import master_weights
@@ -24,7 +25,7 @@ def save_result(model: SequenceClassifier, tokenizer: Tokenizer, recipe: Any, ou
     written in ``out_dir``."""
     if lora_config is not None:
         out = out_dir / ADAPTER_DIR
-        save_adapter(model, out, lora_config, base_model_name_or_path=str(recipe.model.path),
+        save_adapter(model, out, lora_config, base_model_name_or_path=base_model_name(recipe.model.path),
                      modules_to_save=["score"], task_type="SEQ_CLS")
         atomic.write_text(out / CLASSIFIER_FILE, model.saved_files()[CLASSIFIER_FILE])
         return out
