@@ -66,7 +66,10 @@ machine's speed drifts; the table gives the median over repeats and their spread
 
 The transformers rows are fed the very batches entrenar's data pipeline makes from the same file, seed and
 settings (packed rows of whole documents), without a document mask, as transformers' run_clm `group_texts`
-feeds packed rows. tokens/s counts real (non-padding) tokens: the median over steps after the first
+feeds packed rows (`hf-docmask`: the `hf` row with each document attending only to itself, as entrenar's rows
+do, through a dense boolean mask: a reference for the losses, not for speed). `--start peft` starts entrenar's and
+the transformers rows from one adapter PEFT draws (entrenar trains it on from its folder), so their losses
+compare step by step. tokens/s counts real (non-padding) tokens: the median over steps after the first
 `--skip` (warm-up, compilation, graph capture). Peak memory is torch.cuda.max_memory_allocated over the
 whole process (model load included), in GiB. MFU uses bench_train.py's FLOP count and 989.4 TFLOP/s.
 
@@ -246,7 +249,7 @@ CASES: dict[str, dict] = {
                     "rows": ("entrenar", "entrenar-fast", "hf", "hf-bf16")},
 }
 ROWS = ("entrenar", "entrenar-fast", "hf", "hf-liger", "hf-bf16", "hf-wrapped", "hf-liger-wrapped",
-        "hf-bf16-wrapped", "unsloth", "unsloth-no-ckpt", "entrenar-matched", "entrenar-no-ckpt")
+        "hf-bf16-wrapped", "unsloth", "unsloth-no-ckpt", "entrenar-matched", "entrenar-no-ckpt", "hf-docmask")
 # Unsloth's rows: FastLanguageModel's use_gradient_checkpointing ("unsloth", its default: every layer's input
 # offloaded to CPU memory and the layer recomputed; or False)
 UNSLOTH_ROWS = {"unsloth": "unsloth", "unsloth-no-ckpt": False}
@@ -452,12 +455,14 @@ def wrapped_batches(batches: list[dict], more: list[dict]) -> list[dict]:
 
 def run_entrenar(case_name: str, case: dict, folder: Path, text: Path, work: Path, fast: bool, skip: int,
                  flops: float, overrides: tuple[str, ...] = (), matched: dict | None = None,
-                 mode: str | None = None) -> dict:
+                 mode: str | None = None, start: Path | None = None) -> dict:
     mode = mode or ("matched" if matched else "fast" if fast else "default")
     run_dir = work / f"run-{case_name}-{mode}"
     shutil.rmtree(run_dir, ignore_errors=True)
     recipe_path = work / f"{case_name}-{mode}.yaml"
     recipe = recipe_for(case, folder, text, run_dir, fast, matched)
+    if start is not None:  # --start peft: the adapter PEFT drew, trained on (model.path an adapter folder)
+        recipe["model"]["path"] = str(start)
     if device() == "cpu" and case.get("device") != "cpu":  # --tiny without CUDA: CUDA-only settings left out
         for key in ("cuda_graphs", "offload_activations", "offload_embeddings", "offload_weights"):
             recipe["training"].pop(key, None)
@@ -471,9 +476,13 @@ def run_entrenar(case_name: str, case: dict, folder: Path, text: Path, work: Pat
     return {"status": "ok", **out, "recipe": recipe}
 
 
-def run_hf(case: dict, folder: Path, tokenizer_dir: Path, text: Path, row: str, skip: int, flops: float) -> dict:
+def run_hf(case: dict, folder: Path, tokenizer_dir: Path, text: Path, row: str, skip: int, flops: float,
+           start: Path | None = None) -> dict:
     """transformers + PEFT (+ bitsandbytes, + Liger) under bf16 autocast, in this process; on the CPU case in
-    fp32 (``hf``) or under CPU bf16 autocast (``hf-bf16``)."""
+    fp32 (``hf``) or under CPU bf16 autocast (``hf-bf16``). ``hf-docmask``: ``hf`` with each packed document
+    attending only to itself, as entrenar's rows do (a trajectory reference, not a speed row: its mask is a
+    dense ``[rows, 1, T, T]`` boolean made in the step). ``start``: PEFT's adapter from that folder (--start
+    peft), not a new one."""
     import torch
     import transformers
 
@@ -483,6 +492,8 @@ def run_hf(case: dict, folder: Path, tokenizer_dir: Path, text: Path, row: str, 
         return {"status": "skipped", "error": f"peft: {e}"}
     wrapped = row.endswith("-wrapped")
     row = row.removesuffix("-wrapped")
+    docmask = row == "hf-docmask"
+    row = "hf" if docmask else row
     liger = row == "hf-liger"
     if liger:
         try:
@@ -529,13 +540,15 @@ def run_hf(case: dict, folder: Path, tokenizer_dir: Path, text: Path, row: str, 
             model, use_gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False})
     elif case["ckpt"]:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if case["method"] in ("lora", "qlora"):
+    if case["method"] in ("lora", "qlora") and start is not None:
+        model = peft.PeftModel.from_pretrained(model, start, is_trainable=True)
+    elif case["method"] in ("lora", "qlora"):
         model = peft.get_peft_model(model, peft.LoraConfig(
             r=LORA["r"], lora_alpha=LORA["alpha"], lora_dropout=0.0,
             target_modules=case.get("target_modules", "all-linear"),
             target_parameters=case.get("target_parameters"), task_type="CAUSAL_LM"))
     model.train()  # from_pretrained returns eval mode, where gradient checkpointing is not in effect
-    trainable, step_s, tokens, losses = timed_steps(model, batches, dev, autocast, aux_coef)
+    trainable, step_s, tokens, losses = timed_steps(model, batches, dev, autocast, aux_coef, docmask)
     wall = time.perf_counter() - started
     peak = torch.cuda.max_memory_allocated() if dev == "cuda" else None  # CPU: the parent reads ru_maxrss
     out = summarise(step_s, tokens, losses, skip, flops, peak, wall)
@@ -555,8 +568,8 @@ def expert_storage(model) -> str | None:
     return None
 
 
-def timed_steps(model, batches: list[dict], dev: str, autocast: bool,
-                aux_coef: float) -> tuple[list, list[float], list[int], list[float]]:
+def timed_steps(model, batches: list[dict], dev: str, autocast: bool, aux_coef: float,
+                docmask: bool = False) -> tuple[list, list[float], list[int], list[float]]:
     """The transformers-style loop every baseline row runs (HF Trainer's step with `bf16=True`): forward with
     labels under bf16 autocast, backward, clipping at 1.0, fused AdamW; each step timed to its loss read.
     Returns (trainable parameters, step seconds, real tokens per step, losses)."""
@@ -570,8 +583,9 @@ def timed_steps(model, batches: list[dict], dev: str, autocast: bool,
         if dev == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
+        extra = document_mask(batch, dev) if docmask else {}
         with torch.autocast(dev, dtype=torch.bfloat16, enabled=autocast):
-            output = model(input_ids=ids, labels=labels)
+            output = model(input_ids=ids, labels=labels, **extra)
         loss = output.loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(trainable, 1.0)
@@ -583,6 +597,37 @@ def timed_steps(model, batches: list[dict], dev: str, autocast: bool,
         step_s.append(time.perf_counter() - t0)
         tokens.append(int((batch["document_ids"] >= 0).sum()))
     return trainable, step_s, tokens, losses
+
+
+def document_mask(batch: dict, dev: str) -> dict:
+    """transformers' inputs for packed rows whose documents attend only to themselves: a boolean ``[rows, 1, T,
+    T]`` mask (True: attends; passed to SDPA as it is) and positions from each document's start."""
+    import torch
+
+    docs = batch["document_ids"].to(dev)
+    n = docs.shape[1]
+    allowed = (docs[:, :, None] == docs[:, None, :]) & torch.ones(n, n, dtype=torch.bool, device=dev).tril()
+    allowed |= torch.eye(n, dtype=torch.bool, device=dev)  # a padding position attends to itself (label ignored)
+    return {"attention_mask": allowed[:, None], "position_ids": batch["position_ids"].to(dev)}
+
+
+def peft_start(case: dict, folder: Path, work: Path) -> Path:
+    """--start peft: PEFT's own adapter for the case (get_peft_model's draws after torch.manual_seed(0), B zero),
+    saved once, so every entrenar and transformers row starts from the same adapter."""
+    import peft
+    import torch
+    import transformers
+
+    out = work / f"{folder.name}-peft-start"
+    if (out / "adapter_config.json").is_file():
+        return out
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
+    torch.manual_seed(0)
+    adapted = peft.get_peft_model(model, peft.LoraConfig(
+        r=LORA["r"], lora_alpha=LORA["alpha"], lora_dropout=0.0, target_modules=case.get("target_modules",
+                                                                                          "all-linear")))
+    adapted.save_pretrained(out)
+    return out
 
 
 def unsloth_settings(case: dict, folder: Path, row: str) -> dict:
@@ -650,12 +695,13 @@ def run_unsloth(case: dict, folder: Path, tokenizer_dir: Path, text: Path, row: 
             "trainable_params": sum(p.numel() for p in trainable), "load_s": load_s, "expert_weights": experts}
 
 
-def run_row_process(row: str, case_name: str, folder: Path, args: argparse.Namespace) -> dict:
+def run_row_process(row: str, case_name: str, folder: Path, args: argparse.Namespace,
+                    start: Path | None = None) -> dict:
     """A transformers or Unsloth row in a fresh process, so neither stack's memory counts against the other."""
     out = Path(args.work) / f"{case_name}-{row}.json"
     cmd = [sys.executable, __file__, "--hf-row", row, "--cases", case_name, "--folder", str(folder),
            "--text", args.text, "--tokenizer", args.tokenizer, "--work", args.work, "--skip", str(args.skip),
-           "--out", str(out)]
+           "--out", str(out), *(["--start-adapter", str(start)] if start is not None else [])]
     return run_row(cmd, out, args)
 
 
@@ -666,7 +712,8 @@ def print_table(results: list[dict]) -> None:
     """One line per case and row; with several repeats, the median over them (and min-max of tokens/s). The
     ratios to a baseline row are medians of per-repeat ratios (rows of one repeat ran minutes apart); a column
     for each baseline row that ran (``vs hf-bf16-wrapped``: against that row on group_texts batches)."""
-    bases = bases_that_ran((b for b in ROWS if b.startswith("hf") or b in UNSLOTH_ROWS), results)
+    bases = bases_that_ran((b for b in ROWS if b.startswith("hf") and b != "hf-docmask" or b in UNSLOTH_ROWS),
+                           results)
     header = (f"{'case':<13}{'row':<17}{'tok/s':>9}{'min-max':>14}{'MFU':>6}{'peak GiB':>9}"
               + ratio_headers(bases, "vs ") + f"{'mem/liger':>10}{'mem/unsloth':>12}"
               + f"{'loss first->last':>20}")
@@ -706,7 +753,12 @@ def main(argv: list[str] | None = None) -> None:
                    "entrenar's training keys) and stop")
     p.add_argument("--drop-folders", action="store_true",
                    help="delete a case's model folder once no later case in --cases uses its shape (disk)")
+    p.add_argument("--start", choices=("own", "peft"), default="own",
+                   help="peft: the entrenar and transformers rows start from one adapter PEFT drew (entrenar "
+                   "trains it on from its folder), so their losses compare step by step (Unsloth's rows draw "
+                   "their own)")
     p.add_argument("--hf-row", default="", help=argparse.SUPPRESS)
+    p.add_argument("--start-adapter", default="", help=argparse.SUPPRESS)
     p.add_argument("--folder", default="", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if device() == "cpu" and not args.tiny and not args.dry and not all(c in CPU_CASES for c in args.cases.split(",")):
@@ -726,7 +778,8 @@ def main(argv: list[str] | None = None) -> None:
         elif args.hf_row in UNSLOTH_ROWS:
             result = run_unsloth(case, Path(args.folder), tokenizer_dir, text, args.hf_row, args.skip, flops)
         else:
-            result = run_hf(case, Path(args.folder), tokenizer_dir, text, args.hf_row, args.skip, flops)
+            result = run_hf(case, Path(args.folder), tokenizer_dir, text, args.hf_row, args.skip, flops,
+                            Path(args.start_adapter) if args.start_adapter else None)
         Path(args.out).write_text(json.dumps(result))
         return
     if args.dry:
@@ -746,17 +799,19 @@ def main(argv: list[str] | None = None) -> None:
         print(f"[{case_name}] model folder {folder} ready in {time.perf_counter() - t0:.0f}s", flush=True)
         torch.cuda.empty_cache()
         rows = rows_for(case, args.rows)
+        start = peft_start(case, folder, work) if args.start == "peft" and case["method"] != "full" else None
         for repeat in range(args.repeat):
             for row in rows:
                 t0 = time.perf_counter()
                 if row.startswith("entrenar"):
                     r = run_entrenar(case_name, case, folder, text, work, row != "entrenar", args.skip, flops,
                                      tuple(args.set), row_settings(row, case, cfg),
-                                     None if row == "entrenar" else row.removeprefix("entrenar-"))
+                                     None if row == "entrenar" else row.removeprefix("entrenar-"), start)
                     row = " ".join([row, *args.set])
                 else:
                     try:
-                        r = run_row_process(row, case_name, folder, args)
+                        r = run_row_process(row, case_name, folder, args,
+                                            None if row in UNSLOTH_ROWS else start)
                     except Exception as e:  # noqa: BLE001 (one row's failure is that row's result)
                         r = {"status": "failed", "error": f"{type(e).__name__}: {e}"}
                 results.append({"case": case_name, "row": row, "label": ROW_LABELS.get(row.split()[0], row),
