@@ -331,3 +331,35 @@ def test_a_gpu_qlora_moe_estimate_counts_one_layer_s_dequantized_expert_stack(hf
     assert qlora.transient - lora.transient == stack.numel() * stack.element_size()
     cpu_qlora, cpu_lora = (estimate_training_memory(config, m, cpu=True, **kwargs) for m in ("qlora", "lora"))
     assert cpu_qlora.transient == cpu_lora.transient
+
+
+def test_autocast_keeps_a_bf16_copy_of_every_fp32_weight_it_multiplies():
+    """fp32 master weights under bf16 autocast (a full fine-tune's default on a GPU too): what backward keeps of
+    the weights is one bf16 copy of each projection and of the head, measured among the tensors a forward and its
+    loss save, and the estimate counts exactly that, on a GPU as on a CPU; FSDP gathers bf16 weights instead."""
+    from entrenar.train.memory import autocast_copies, per_device
+
+    torch.manual_seed(0)
+    model = Transformer(CONFIG)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    weight_shapes = {tuple(p.shape) for name, p in model.named_parameters() if p.dim() == 2}
+    copies: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        ptr = t.untyped_storage().data_ptr()
+        if t.dtype == torch.bfloat16 and {tuple(t.shape), tuple(t.shape)[::-1]} & weight_shapes and ptr not in params:
+            copies[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    ids = torch.randint(0, CONFIG.vocab_size, (2, 16))  # 32 tokens: no activation has a weight's shape
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", dtype=torch.bfloat16):
+        torch.nn.functional.cross_entropy(model(ids).float().flatten(0, 1), ids.flatten())
+    expected = autocast_copies(CONFIG, "full", 2, 4)
+    assert sum(copies.values()) == expected > 0
+    gpu = estimate_training_memory(CONFIG, "full", 2, 16, dtype_bytes=2, param_bytes=4)
+    assert gpu.casts == estimate_training_memory(CONFIG, "full", 2, 16, dtype_bytes=2, param_bytes=4,
+                                                 cpu=True).casts == expected
+    assert gpu.step == pytest.approx(gpu.activations + gpu.logits + expected
+                                     + max(0.0, gpu.transient - gpu.head_released))
+    assert per_device(gpu, CONFIG, 2, "fsdp").casts == 0
+    assert estimate_training_memory(CONFIG, "full", 2, 16, dtype_bytes=2, param_bytes=2).casts == 0

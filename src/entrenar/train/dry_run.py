@@ -86,8 +86,8 @@ def _sampling_terms(estimate: MemoryEstimate) -> str:
 
 
 def _cpu_terms(estimate: MemoryEstimate) -> str:
-    if not estimate.runtime:
-        return ""
+    if not estimate.runtime:  # a GPU's: autocast's bf16 copies of fp32 weights, where there are any
+        return f", autocast copies {estimate.casts / GiB:.2f}" if estimate.casts else ""
     return (f", runtime {estimate.runtime / GiB:.2f}, autocast copies {estimate.casts / GiB:.2f}, "
             f"allocator {estimate.allocator / GiB:.2f}")
 

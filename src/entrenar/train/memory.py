@@ -10,14 +10,15 @@ part against measured tensors. On a GPU the step's peak is the larger of the
 forward's end and one layer's backward, which adds that layer's transients but
 no longer holds what the output head saved (the head's backward, which runs
 first, has freed it): checked against peaks measured on an H200 at long
-context (tests/train/test_longest_context.py). Padding-free batches (a CPU's
-default) run only their real tokens, so the estimate, made for full rows, is an
-upper bound.
+context (tests/train/test_longest_context.py). fp32 weights under bf16 autocast
+add the bf16 copy of each that autocast keeps for backward (``casts``), on any
+device. Padding-free batches (a CPU's default) run only their real tokens, so
+the estimate, made for full rows, is an upper bound.
 
 On the CPU (``cpu=True``) the estimate is of the process's peak resident
 memory, which adds what a GPU count leaves out: the Python and PyTorch
-runtime, the bf16 copies autocast makes of fp32 weights and adapter inputs
-(no fused kernels there), and what the C allocator keeps of freed step
+runtime, the bf16 copies autocast makes of adapter inputs (no fused kernels
+there), and what the C allocator keeps of freed step
 memory. The last is fitted to measured peaks (docs/PERFORMANCE.md, "CPU
 memory"), not derived; ``tests/test_memory_rss.py`` checks the sum against
 a real run's peak RSS.
@@ -65,7 +66,7 @@ class MemoryEstimate:
     activations: float
     logits: float
     runtime: float = 0.0  # CPU only: the Python + PyTorch process before any model
-    casts: float = 0.0  # CPU only: autocast's lower-precision copies of the weights, kept for backward
+    casts: float = 0.0  # autocast's lower-precision copies of fp32 weights, kept for backward (autocast_copies)
     allocator: float = 0.0  # CPU only: freed step memory the C allocator keeps (fitted, not derived)
     fake_quant: float = 0.0  # QAT: the fake-quantized weights (and inputs) kept for backward, one layer's temporaries
     reference: float = 0.0  # preference optimisation: a frozen copy of the model as the reference (task.reference)
@@ -356,7 +357,7 @@ def estimate_training_memory(
     logits = _logits(config, tokens, dtype_bytes, fused_loss_chunk, rebuilt, fused_loss_bytes)
     label = {"full": "qat", "lora": "lora-qat"}[method] if qat else method
     estimate = MemoryEstimate(label, config.num_parameters, trainable, weights, gradients, optimizer_bytes,
-                              activations, logits)
+                              activations, logits, casts=autocast_copies(config, method, dtype_bytes, param_bytes))
     if not cpu:
         _add_gpu_terms(estimate, config, method, tokens, dtype_bytes, tiled_mlp, activation_checkpointing,
                        offload_activations, kernels, fused_loss_chunk)
@@ -468,8 +469,8 @@ def _add_qat_terms(e: MemoryEstimate, config: ModelConfig, method: str, tokens: 
     kept_layers = n - len(recomputed) + (1 if recomputed else 0)
     weights = sum(i * o for i, o in layers)
     # The rounded weight is what the product keeps: in the compute dtype (autocast's copy of it when the weights are
-    # wider, which a CPU estimate already counts among its casts).
-    kept_bytes = 0 if cpu and dtype_bytes < param_bytes else min(dtype_bytes, param_bytes)
+    # wider, which the estimate already counts among its casts: autocast_copies).
+    kept_bytes = 0 if dtype_bytes < param_bytes else min(dtype_bytes, param_bytes)
     e.fake_quant = weights * kept_layers / n * kept_bytes
     e.fake_quant += 3 * max(i * o for i, o in layers) * 4  # w / s, its rounding and the clamp, one layer at a time
     if activations:  # fake_quant keeps the unrounded input beside the rounded one the product keeps
@@ -663,18 +664,23 @@ def _logits(config: ModelConfig, tokens: int, dtype_bytes: int, fused_loss_chunk
     return tokens * config.vocab_size * (dtype_bytes + 4 + 4)
 
 
+def autocast_copies(config: ModelConfig, method: str, dtype_bytes: int, param_bytes: int) -> float:
+    """What autocast holds of weights stored wider than the compute dtype (fp32 master weights under bf16): each
+    matrix product runs on a bf16 copy of its weight, which autocast caches until the forward ends and backward
+    keeps (every projection: an NF4 base is dequantized again in backward instead; and the head). On any device;
+    FSDP gathers its parameters in the compute dtype instead (:func:`per_device`)."""
+    if dtype_bytes >= param_bytes:
+        return 0.0
+    linear = 0 if method == "qlora" else config.num_layers * sum(a * b for a, b in linear_shapes(config).values())
+    return float((linear + config.vocab_size * config.hidden_size) * dtype_bytes)
+
+
 def _add_cpu_terms(e: MemoryEstimate, config: ModelConfig, method: str, tokens: int, dtype_bytes: int,
                    param_bytes: int, targets: list[str] | str, dropout: float, kernels: bool,
                    fused_loss_chunk: int | None = None) -> None:
     """What a CPU process holds beyond the tensors a GPU count sees (module docstring)."""
     e.runtime = CPU_RUNTIME_BYTES
     shapes = linear_shapes(config)
-    head = config.vocab_size * config.hidden_size
-    if dtype_bytes < param_bytes:
-        # Autocast runs each matrix product on a bf16 copy of its fp32 weight, which backward keeps (cached for
-        # trained weights): every projection (an NF4 base is dequantized again in backward) and the head.
-        linear = 0 if method == "qlora" else config.num_layers * sum(a * b for a, b in shapes.values())
-        e.casts = (linear + head) * dtype_bytes
     if method != "full" and not kernels:
         names = list(shapes) if targets == "all-linear" else [n for n in targets if n in shapes]
         widths = config.num_layers * sum(shapes[n][0] for n in names)
@@ -758,13 +764,15 @@ def generation_memory(config: ModelConfig, rows: int, prompt_len: int, new_token
 def format_estimates(estimates: list[MemoryEstimate]) -> str:
     cpu = any(e.runtime for e in estimates)
     qat = any(e.fake_quant for e in estimates)
-    extra = f"{'runtime':>9}{'casts':>9}{'alloc.':>9}" if cpu else ""
+    casts = not cpu and any(e.casts for e in estimates)  # a GPU's autocast copies of fp32 weights
+    extra = f"{'runtime':>9}{'casts':>9}{'alloc.':>9}" if cpu else f"{'casts':>9}" if casts else ""
     extra += f"{'fakeq.':>9}" if qat else ""
     width = 10 if qat else 8
     rows = [f"{'method':<{width}}{'trainable':>14}{'weights':>10}{'grads':>9}{'optim':>9}{'activ.':>9}{'logits':>9}"
             f"{extra}{'total':>9}  (GiB)"]
     for e in estimates:
-        extra = f"{e.runtime / GiB:>9.2f}{e.casts / GiB:>9.2f}{e.allocator / GiB:>9.2f}" if cpu else ""
+        extra = (f"{e.runtime / GiB:>9.2f}{e.casts / GiB:>9.2f}{e.allocator / GiB:>9.2f}" if cpu
+                 else f"{e.casts / GiB:>9.2f}" if casts else "")
         extra += f"{e.fake_quant / GiB:>9.2f}" if qat else ""
         rows.append(
             f"{e.method:<{width}}{e.trainable_params:>14,}{e.weights / GiB:>10.2f}{e.gradients / GiB:>9.2f}"
@@ -804,4 +812,4 @@ def per_device(estimate: MemoryEstimate, config: ModelConfig, nproc: int, parall
         gathered = root * dtype_bytes + largest * (NF4_BYTES_PER_PARAM + dtype_bytes)
     return replace(estimate, weights=estimate.weights / nproc + gathered,
                    gradients=estimate.gradients / nproc, optimizer=estimate.optimizer / nproc,
-                   gradients_from_backward=accumulation == 1)
+                   gradients_from_backward=accumulation == 1, casts=0.0)
