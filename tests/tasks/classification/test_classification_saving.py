@@ -3,6 +3,7 @@ transformers and peft load with equal logits, or (full fine-tune) a classifier f
 
 from __future__ import annotations
 
+import pytest
 import torch
 from classification_workspace import recipe_for
 
@@ -43,3 +44,20 @@ def test_full_fine_tune_saves_a_classifier_folder(workspace):
     result = train(recipe_for(workspace, "lora=null", "training.max_steps=2", "training.eval_every=0"), progress=False)
     model, _ = entrenar.load(result.output)
     assert model.info["labels"] == ["small", "big"] and "temperature" in model.info
+
+
+def test_a_classifier_run_trains_on_from_an_earlier_run(workspace):
+    """model.path an earlier LoRA classifier run: the adapter and the head train on from its weights (the held-out
+    loss before the first step is the earlier run's last), and the adapter saved names the plain base."""
+    import json
+
+    from entrenar.train.metrics import read_metrics
+
+    train(recipe_for(workspace))
+    first = [r["eval_loss"] for r in read_metrics(workspace / "run" / "metrics.jsonl") if "eval_loss" in r]
+    train(recipe_for(workspace, f"model.path={workspace / 'run'}", f"output.dir={workspace / 'again'}"))
+    again = [r["eval_loss"] for r in read_metrics(workspace / "again" / "metrics.jsonl") if "eval_loss" in r]
+    assert again[0] == pytest.approx(first[-1], abs=1e-5)
+    assert again[-1] < again[0]
+    config = json.loads((workspace / "again" / "adapter" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(workspace / "model")
