@@ -154,3 +154,62 @@ def test_a_lora_section_describing_another_adapter_is_refused_naming_the_key(sta
     with pytest.raises(AdapterError, match=message.replace(".", r"\.")):
         train(_recipe(ws, "other", lora=lora))
     assert not (ws / "other" / "adapter").exists()
+
+
+def test_preference_training_from_an_adapter_takes_it_as_the_reference(started):
+    """DPO from an SFT adapter (model.path): the reference is the starting policy, base and adapter (TRL's
+    ref_adapter_name setting), so the first step's loss is ln 2 exactly; the bare base (adapters off, chosen
+    explicitly) is another model, whose first loss is not."""
+    import math
+
+    ws = started
+    with open(ws / "pairs.jsonl", "w") as f:
+        for a in range(24):
+            f.write(json.dumps({"prompt": f"{a}+{a % 7}=", "chosen": str(a + a % 7), "rejected": str(a * 3 + 1)})
+                    + "\n")
+    first = {}
+    for reference in ("auto", "adapters_off"):
+        path = ws / f"dpo-{reference}.yaml"
+        path.write_text(f"""
+model: {{path: {ws / 'adapter'}, device: cpu}}
+data: {{train: {ws / 'pairs.jsonl'}, seq_len: 32, validation_split: 0.0}}
+lora: {{r: 4, alpha: 8, target_modules: all-linear}}
+task: {{type: preference, reference: {reference}}}
+optimizer: {{lr: 1.0e-2}}
+training: {{max_steps: 2, batch_size: 2, precision: fp32, log_every: 1}}
+output: {{dir: {ws / f'dpo-{reference}'}}}
+""")
+        train(load_recipe(path))
+        first[reference] = next(r["loss"] for r in read_metrics(ws / f"dpo-{reference}" / "metrics.jsonl")
+                                if "loss" in r)
+    assert first["auto"] == pytest.approx(math.log(2), abs=1e-6)
+    assert abs(first["adapters_off"] - math.log(2)) > 1e-3
+
+
+def test_grpo_with_a_kl_term_from_an_adapter_is_refused_naming_the_key(started):
+    """GRPO's KL reference is the model with its adapters off: from an adapter that would be the bare base, not
+    the policy training starts from, so kl_beta > 0 there is refused, naming it; kl_beta 0 trains."""
+    from entrenar.errors import ConfigError
+
+    ws = started
+    with open(ws / "sums.jsonl", "w") as f:
+        for a in range(12):
+            f.write(json.dumps({"prompt": f"{a}+1=", "completion": str(a + 1)}) + "\n")
+    for beta in (0.04, 0.0):
+        path = ws / f"grpo-{beta}.yaml"
+        path.write_text(f"""
+model: {{path: {ws / 'adapter'}, device: cpu}}
+data: {{train: {ws / 'sums.jsonl'}, seq_len: 32, validation_split: 0.0}}
+lora: {{r: 4, alpha: 8, target_modules: all-linear}}
+task: {{type: grpo, num_generations: 2, max_new_tokens: 3, kl_beta: {beta}}}
+reward: {{functions: [exact_answer], answer_field: completion}}
+training: {{max_steps: 1, batch_size: 2}}
+output: {{dir: {ws / f'grpo-{beta}'}}}
+""")
+        if beta:
+            with pytest.raises(ConfigError, match=r"task\.kl_beta: the KL reference is the model with its adapters "
+                                                  r"off"):
+                train(load_recipe(path))
+        else:
+            train(load_recipe(path))
+            assert (ws / f"grpo-{beta}" / "adapter" / "adapter_config.json").is_file()

@@ -26,6 +26,7 @@ training did (``data.train_on``, ``data.add_eos``, ``data.seq_len``).
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from dataclasses import dataclass
@@ -227,6 +228,18 @@ def _in_run(run_dir: Path, kind: str, path: Path) -> tuple[Path, Path | None, Pa
     return base_model_path(recipe, run_dir), adapter, None
 
 
+@functools.lru_cache(maxsize=16)
+def brings_adapter(path: str | None) -> bool:
+    """Whether a recipe's ``model.path`` brings an adapter that training continues (a PEFT folder, a LoRA run or
+    checkpoint): the starting policy is then base and adapter, not the base (a preference run's reference)."""
+    if path is None:
+        return False
+    try:
+        return resolve_model_and_adapter(path).adapter is not None
+    except EntrenarError:  # loading the model says what is wrong, where it is said
+        return False
+
+
 def base_model_name(path: str | Path | None) -> str:
     """What an adapter trained from ``path`` (a recipe's ``model.path``) records as its base
     (``base_model_name_or_path``): ``path`` itself, or, where it brings an adapter (a PEFT folder, a LoRA run or
@@ -311,5 +324,5 @@ def apply_checkpoint(model: torch.nn.Module, source: ModelSource) -> None:
     load_lora_state_dict(model, state, str(file))
 
 
-__all__ = ["ModelSource", "apply_checkpoint", "base_model_name", "base_model_path", "read_run_recipe",
+__all__ = ["ModelSource", "apply_checkpoint", "base_model_name", "base_model_path", "brings_adapter", "read_run_recipe",
            "resolve_model_and_adapter", "run_folder_of"]

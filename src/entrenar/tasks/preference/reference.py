@@ -1,7 +1,8 @@
 """The reference model of a preference run: what ``task.reference`` becomes, and the reference's log-probabilities.
 
 :func:`reference_of` resolves ``auto``: the same model with its adapters switched off under LoRA/QLoRA
-(:mod:`entrenar.adapters.switch`, no second copy), a frozen copy of the starting weights under full fine-tuning,
+(:mod:`entrenar.adapters.switch`, no second copy), a frozen copy of the starting weights under full fine-tuning
+or when ``model.path`` brings the adapter that trains on (an SFT adapter: the policy starts from it),
 none for a reference-free loss (SimPO, ORPO). ``precomputed`` scores every example once with the starting weights
 into a table kept in the run folder (:mod:`.precomputed`). :class:`Reference` holds what each needs and gives a
 batch's reference log-probabilities, without gradients.
@@ -23,6 +24,7 @@ from entrenar.config import Recipe
 from entrenar.data.preference import preference_eval_batches
 from entrenar.errors import CheckpointError
 from entrenar.evaluation.loss import autocast_for
+from entrenar.loading.runs import brings_adapter
 from entrenar.models.transformer import compute_device
 from entrenar.tasks.base import Batch
 from entrenar.tasks.preference import losses as L
@@ -44,6 +46,10 @@ def reference_of(recipe: Recipe) -> tuple[str, str]:
         return "none", f"task.loss {task.loss} is reference-free"
     if task.reference != "auto":
         return task.reference, f"task.reference: {task.reference}"
+    if recipe.lora is not None and brings_adapter(recipe.model.path):
+        return "copy", ("the adapter model.path brings is the policy training starts from: a frozen copy of the "
+                        "model as loaded, base and adapter (adapters off would be the bare base; task.reference: "
+                        "precomputed scores it once instead, without the copy)")
     if recipe.lora is not None:
         return "adapters_off", "LoRA: the base is the model with its adapters switched off (no second copy)"
     return "copy", "full fine-tuning: a frozen copy of the starting weights (the model's memory once more)"

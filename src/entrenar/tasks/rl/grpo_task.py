@@ -36,6 +36,7 @@ from entrenar.data.tokenizer import Tokenizer
 from entrenar.distributed.steps import accumulation
 from entrenar.errors import CheckpointError, ConfigError, DataError
 from entrenar.generation.batched import SamplingConfig, generate_batch
+from entrenar.loading.runs import brings_adapter
 from entrenar.models.transformer import Transformer, compute_device
 from entrenar.tasks.base import Batch, SummaryRow
 from entrenar.tasks.causal_lm import CausalLMTask
@@ -265,6 +266,11 @@ class GRPOTask:
         return {}
 
     def prepare(self, model: Transformer) -> None:
+        if self.recipe.task.kl_beta > 0 and brings_adapter(self.recipe.model.path):
+            raise ConfigError(f"task.kl_beta: the KL reference is the model with its adapters off, and "
+                              f"{self.recipe.model.path} brings the adapter training starts from, so it would be the "
+                              "bare base, not that policy; merge the adapter into its base (entrenar export --merge) "
+                              "and train a new one from there, or set task.kl_beta: 0")
         self._model = model
 
     def begin(self, model: Transformer, tokenizer: Tokenizer) -> None:
