@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from conftest import make_workspace
+from conftest import crash_after_step, make_workspace
 from entrenar.config import load_recipe
 from entrenar.errors import AdapterError
 from entrenar.train.loop import train
@@ -142,6 +142,19 @@ def test_a_run_that_trained_an_adapter_further_loads_on_its_base(started):
     train(second)
     saved = json.loads((ws / "second" / "adapter" / "adapter_config.json").read_text())
     assert saved["base_model_name_or_path"] == str(ws / "model")
+
+
+def test_a_run_from_an_adapter_resumes_bit_for_bit(started, monkeypatch):
+    """Interrupted after step 6 with its checkpoint at step 4, a run from a PEFT adapter resumes onto that
+    adapter's base and logs the uninterrupted run's losses exactly."""
+    ws = started
+    straight = _recipe(ws, "straight", f"output.dir={ws / 'straight'}", "training.save_every=4")
+    train(straight)
+    expected = [r["loss"] for r in read_metrics(ws / "straight" / "metrics.jsonl") if "loss" in r]
+    recipe = _recipe(ws, "cut", f"output.dir={ws / 'cut'}", "training.save_every=4")
+    crash_after_step(monkeypatch, recipe, 6)
+    train(recipe, resume=True)
+    assert [r["loss"] for r in read_metrics(ws / "cut" / "metrics.jsonl") if "loss" in r] == expected
 
 
 @pytest.mark.parametrize(("lora", "message"), [
