@@ -7,7 +7,13 @@ import torch
 
 from entrenar.models.config import ModelConfig
 from entrenar.models.transformer import Transformer
-from entrenar.train.memory import NF4_BYTES_PER_PARAM, estimate_training_memory, lora_params
+from entrenar.train.memory import (
+    NF4_BYTES_PER_PARAM,
+    autocast_copies,
+    estimate_training_memory,
+    lora_params,
+    per_device,
+)
 
 CONFIG = ModelConfig(vocab_size=256, hidden_size=128, intermediate_size=352, num_layers=3, num_heads=4,
                      num_kv_heads=2, qk_norm=True, model_type="qwen3")
@@ -337,8 +343,6 @@ def test_autocast_keeps_a_bf16_copy_of_every_fp32_weight_it_multiplies():
     """fp32 master weights under bf16 autocast (a full fine-tune's default on a GPU too): what backward keeps of
     the weights is one bf16 copy of each projection and of the head, measured among the tensors a forward and its
     loss save, and the estimate counts exactly that, on a GPU as on a CPU; FSDP gathers bf16 weights instead."""
-    from entrenar.train.memory import autocast_copies, per_device
-
     torch.manual_seed(0)
     model = Transformer(CONFIG)
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}

@@ -9,9 +9,13 @@ from pathlib import Path
 import pytest
 import yaml
 
+from entrenar.config import load_recipe
 from entrenar.train.memory import GiB, MemoryEstimate, estimate_training_memory, per_device
+from entrenar.train.plan import plan_for
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+import bench_e2e  # noqa: E402 (bench/, as tests/test_bench_multi_gpu.py reads it)
+from multi_gpu import CASES  # noqa: E402
 
 # torch.cuda.max_memory_allocated of every rank (the largest, GiB) in bench/multi_gpu.py's full-8b-8k runs on 4
 # H200s of one host, 2026-11-27 (torch 2.11; 78.74 and 54.65 GB): full fine-tuning of the Llama-3.1-8B shape with
@@ -25,15 +29,6 @@ def test_the_fsdp_plan_is_within_6_percent_of_the_measured_peaks(processes, tmp_
     """The plan of bench/multi_gpu.py's own recipe with ``processes`` ranks: within 6% of each measured peak, and
     above it (the plan refuses what does not fit). Counting the sharded gradients at the forward's end, as the
     estimate did before, read 24% and 20% over and refused the 2-rank run on an 80 GB H100."""
-    sys.path.insert(0, str(BENCH))
-    try:
-        import bench_e2e
-        from multi_gpu import CASES
-    finally:
-        sys.path.remove(str(BENCH))
-    from entrenar.config import load_recipe
-    from entrenar.train.plan import plan_for
-
     folder = tmp_path / "model"
     folder.mkdir()
     config = {"model_type": "llama", "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,

@@ -4,14 +4,19 @@ it, saved against the right base, and any other adapter refused naming the key."
 from __future__ import annotations
 
 import json
+import math
 import random
 
 import pytest
 import torch
 
 from conftest import crash_after_step, make_workspace
+from entrenar.adapters.lora import lora_layers
 from entrenar.config import load_recipe
-from entrenar.errors import AdapterError
+from entrenar.data import BatchStream, read_records, split_validation, tokenize_records
+from entrenar.data.tokenizer import Tokenizer
+from entrenar.errors import AdapterError, ConfigError
+from entrenar.loading import load
 from entrenar.train.loop import train
 from entrenar.train.metrics import read_metrics
 
@@ -58,9 +63,6 @@ output: {{dir: {ws / run}}}
 
 def _batches(ws, recipe) -> list[dict]:
     """The batches the run trains on, made as the loop makes them (same reader, packing, seed)."""
-    from entrenar.data import BatchStream, read_records, split_validation, tokenize_records
-    from entrenar.data.tokenizer import Tokenizer
-
     tokenizer = Tokenizer.from_folder(ws / "model")
     records, _ = read_records(str(ws / "docs.jsonl"), format="auto", on_error="raise")
     examples, _ = tokenize_records(records, tokenizer, SEQ, train_on="all", add_eos=True,
@@ -131,9 +133,6 @@ def test_training_a_peft_adapter_further_follows_peft_step_by_step(started):
 def test_a_run_that_trained_an_adapter_further_loads_on_its_base(started):
     """The run's folder loads as base + the run's adapter (its recipe's model.path is the adapter folder it
     started from, whose base is the run's base too), and a run can start from that run in turn."""
-    from entrenar.adapters.lora import lora_layers
-    from entrenar.loading import load
-
     ws = started
     train(_recipe(ws, "first", "training.max_steps=2", f"output.dir={ws / 'first'}"))
     model, _ = load(ws / "first")
@@ -173,8 +172,6 @@ def test_preference_training_from_an_adapter_takes_it_as_the_reference(started):
     """DPO from an SFT adapter (model.path): the reference is the starting policy, base and adapter (TRL's
     ref_adapter_name setting), so the first step's loss is ln 2 exactly; the bare base (adapters off, chosen
     explicitly) is another model, whose first loss is not."""
-    import math
-
     ws = started
     with open(ws / "pairs.jsonl", "w") as f:
         for a in range(24):
@@ -202,8 +199,6 @@ output: {{dir: {ws / f'dpo-{reference}'}}}
 def test_grpo_with_a_kl_term_from_an_adapter_is_refused_naming_the_key(started):
     """GRPO's KL reference is the model with its adapters off: from an adapter that would be the bare base, not
     the policy training starts from, so kl_beta > 0 there is refused, naming it; kl_beta 0 trains."""
-    from entrenar.errors import ConfigError
-
     ws = started
     with open(ws / "sums.jsonl", "w") as f:
         for a in range(12):

@@ -297,7 +297,7 @@ def continue_adapter(model: nn.Module, cfg: LoraConfig, source: str) -> list[str
     section's dropout applies. Adapters on MoE experts are not continued. Returns the adapted layers' names."""
     cfg = _for_model(model, cfg)
     layers = dict(lora_layers(model))
-    if cfg.target_parameters or len(layers) != sum(type(layer) is LoraLinear for layer in layers.values()):
+    if cfg.target_parameters or any(type(layer) is not LoraLinear for layer in layers.values()):
         raise AdapterError(f"{source}: adapters on MoE experts or routers cannot be trained further yet; start "
                            "from the base model")
     first = next(iter(layers.values()))

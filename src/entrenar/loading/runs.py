@@ -26,7 +26,6 @@ training did (``data.train_on``, ``data.add_eos``, ``data.seq_len``).
 
 from __future__ import annotations
 
-import functools
 import json
 import re
 from dataclasses import dataclass
@@ -228,7 +227,6 @@ def _in_run(run_dir: Path, kind: str, path: Path) -> tuple[Path, Path | None, Pa
     return base_model_path(recipe, run_dir), adapter, None
 
 
-@functools.lru_cache(maxsize=16)
 def brings_adapter(path: str | None) -> bool:
     """Whether a recipe's ``model.path`` brings an adapter that training continues (a PEFT folder, a LoRA run or
     checkpoint): the starting policy is then base and adapter, not the base (a preference run's reference)."""

@@ -365,9 +365,9 @@ def estimate_training_memory(
             _add_tied_head_copy(estimate, config, param_bytes)
     if qat:
         _add_qat_terms(estimate, config, method, tokens, dtype_bytes, param_bytes, states, activation_checkpointing,
-                       cpu, qat_group_size, qat_activations)
+                       qat_group_size, qat_activations)
     if cpu:
-        _add_cpu_terms(estimate, config, method, tokens, dtype_bytes, param_bytes, lora_targets, lora_dropout, kernels,
+        _add_cpu_terms(estimate, config, method, tokens, dtype_bytes, lora_targets, lora_dropout, kernels,
                        None if fused_loss_bytes else fused_loss_chunk)
     return estimate
 
@@ -457,7 +457,7 @@ def _steps(layers: list[tuple[int, int]], group_size: int | None) -> int:
 
 
 def _add_qat_terms(e: MemoryEstimate, config: ModelConfig, method: str, tokens: int, dtype_bytes: int,
-                   param_bytes: int, states: int, activation_checkpointing: bool | int | Sequence[int], cpu: bool,
+                   param_bytes: int, states: int, activation_checkpointing: bool | int | Sequence[int],
                    group_size: int | None, activations: bool) -> None:
     """What fake quantization adds to full fine-tuning or LoRA (see :func:`estimate_training_memory`)."""
     layers = _quantized_layers(config)
@@ -676,7 +676,7 @@ def autocast_copies(config: ModelConfig, method: str, dtype_bytes: int, param_by
 
 
 def _add_cpu_terms(e: MemoryEstimate, config: ModelConfig, method: str, tokens: int, dtype_bytes: int,
-                   param_bytes: int, targets: list[str] | str, dropout: float, kernels: bool,
+                   targets: list[str] | str, dropout: float, kernels: bool,
                    fused_loss_chunk: int | None = None) -> None:
     """What a CPU process holds beyond the tensors a GPU count sees (module docstring)."""
     e.runtime = CPU_RUNTIME_BYTES

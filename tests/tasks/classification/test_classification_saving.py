@@ -3,6 +3,8 @@ transformers and peft load with equal logits, or (full fine-tune) a classifier f
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from classification_workspace import recipe_for
@@ -10,6 +12,7 @@ from classification_workspace import recipe_for
 import entrenar
 from entrenar.export import export
 from entrenar.train.loop import train
+from entrenar.train.metrics import read_metrics
 
 
 def test_exports_load_in_transformers_and_peft_with_equal_logits(workspace):
@@ -49,10 +52,6 @@ def test_full_fine_tune_saves_a_classifier_folder(workspace):
 def test_a_classifier_run_trains_on_from_an_earlier_run(workspace):
     """model.path an earlier LoRA classifier run: the adapter and the head train on from its weights (the held-out
     loss before the first step is the earlier run's last), and the adapter saved names the plain base."""
-    import json
-
-    from entrenar.train.metrics import read_metrics
-
     train(recipe_for(workspace))
     first = [r["eval_loss"] for r in read_metrics(workspace / "run" / "metrics.jsonl") if "eval_loss" in r]
     train(recipe_for(workspace, f"model.path={workspace / 'run'}", f"output.dir={workspace / 'again'}"))

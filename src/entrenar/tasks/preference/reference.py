@@ -69,6 +69,7 @@ class Reference:
 
     def __init__(self, recipe: Recipe) -> None:
         self.recipe = recipe
+        self.kind, _ = reference_of(recipe)  # resolved once: it reads model.path, and each step asks
         self.model: nn.Module | None = None  # the policy: adapters off, or the table's starting weights
         self.copy: nn.Module | None = None  # a frozen copy (task.reference: copy), or a reference model given
         # task.reference precomputed: every example read, the starting weights' fingerprint, the table and its rows
@@ -82,21 +83,19 @@ class Reference:
         """Take the model (after adapters): a frozen copy of it, or its starting weights' fingerprint, as the
         reference needs; ``reference``: a separate reference model to use instead (``entrenar eval``)."""
         self.model, self._head = model, plain_head(model)
-        kind, _ = reference_of(self.recipe)
         if reference is not None:
             self.copy = reference
-        elif kind == "copy":
+        elif self.kind == "copy":
             self.copy = copy.deepcopy(model).requires_grad_(False).eval()
-        elif kind == "precomputed":  # the starting weights, before a resume loads a checkpoint's
+        elif self.kind == "precomputed":  # the starting weights, before a resume loads a checkpoint's
             self.start = weights_fingerprint(model)
 
     @contextlib.contextmanager
     def _as_model(self) -> Iterator[Any]:
         """The reference model to call, without gradients."""
-        reference, _ = reference_of(self.recipe)
         assert self.model is not None  # prepare() ran
         with torch.no_grad():
-            if reference == "adapters_off":
+            if self.kind == "adapters_off":
                 with adapters_off(self.model):
                     yield self.model
             else:
@@ -108,7 +107,7 @@ class Reference:
         list its example_index points into; ``shared``: through the shared-prompt layout, as the model's."""
         if self.recipe.task.loss in L.REFERENCE_FREE:
             return None
-        if reference_of(self.recipe)[0] == "precomputed":
+        if self.kind == "precomputed":
             table = self.precomputed()
             rows = [self._rows[id(examples[i])] for i in batch["example_index"].tolist()]
             return table[rows].to(batch["input_ids"].device).reshape(-1), torch.empty(0)
