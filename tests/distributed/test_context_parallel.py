@@ -95,7 +95,7 @@ def test_two_data_parallel_groups_of_two_ranks_train_as_one_process(shared):
     # Four processes on a 2-core CI machine: the last one can reach the store more than the recipes' 20 s after
     # the first (2026-11-27: "wait timeout after 20000ms, keys: .../device_type/2"), so this run waits longer.
     ranks = launch(split_train_worker, recipes["lora"], [*flat, "training.context_parallel=2",
-                                                         "training.parallel=ddp", "training.dist_timeout_s=60",
+                                                         "training.parallel=ddp", "training.dist_timeout_s=180",
                                                          f"output.dir={four}"], nproc=4)
     rows = {rank: [n for n, _ in result[2]] for rank, result in ranks.items()}
     assert rows[0] == rows[1] and rows[2] == rows[3] and rows[0] != rows[2] and len(rows[0]) == 4
